@@ -1,0 +1,61 @@
+"""The stamp every measurement carries: which GPU, driver and library versions produced it, and when."""
+from __future__ import annotations
+
+import datetime as _dt
+import platform
+import socket
+import subprocess
+
+import torch
+
+
+def _version(module: str) -> str | None:
+    try:
+        mod = __import__(module)
+    except Exception:
+        return None
+    return getattr(mod, "__version__", None)
+
+
+def _nvidia_driver() -> str | None:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+
+
+def environment_stamp(device: str | torch.device = "cuda") -> dict:
+    """A flat dict: device kind, GPU name (or CPU model), driver, CUDA, torch, triton, timm, python, date (UTC ISO)."""
+    dev = torch.device(device)
+    on_gpu = dev.type == "cuda" and torch.cuda.is_available()
+    stamp = {
+        "device_type": "cuda" if on_gpu else "cpu",
+        "gpu": torch.cuda.get_device_name(dev) if on_gpu else None,
+        "gpu_count": torch.cuda.device_count() if on_gpu else 0,
+        "driver": _nvidia_driver() if on_gpu else None,
+        "cuda": torch.version.cuda,
+        "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "timm": _version("timm"),
+        "python": platform.python_version(),
+        "host": socket.gethostname(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    if on_gpu:
+        props = torch.cuda.get_device_properties(dev)
+        stamp["gpu_memory_bytes"] = props.total_memory
+        stamp["sm_count"] = props.multi_processor_count
+        stamp["capability"] = f"{props.major}.{props.minor}"
+    return stamp
+
+
+def device_label(stamp: dict) -> str:
+    """One short line for tables: 'NVIDIA H200 (driver 580.159.04)' or 'CPU (x86_64) - no GPU'."""
+    if stamp.get("device_type") == "cuda":
+        return f"{stamp['gpu']} (driver {stamp.get('driver') or '?'})"
+    return f"CPU ({stamp.get('cpu')}) - no GPU, speed figures are not GPU figures"

@@ -1,0 +1,30 @@
+"""Fused Triton kernels for Swin, each in one file with its autograd Function.
+
+Exports (usable without the CLI):
+  roll_partition, merge_roll, norm_shift_partition, merge_unshift_add   (window.py)
+  fused_window_attention                                                 (window_attention.py)
+  layer_norm, add_layer_norm                                             (layer_norm.py)
+Kernels run on the GPU, and on the CPU under TRITON_INTERPRET=1 (slow: for tests).
+"""
+from __future__ import annotations
+
+__all__: list[str] = []
+
+try:
+    from .window import merge_roll, merge_unshift_add, norm_shift_partition, roll_partition
+
+    __all__ += ["roll_partition", "merge_roll", "norm_shift_partition", "merge_unshift_add"]
+except ImportError:  # pragma: no cover - kernel file not present yet
+    pass
+try:
+    from .window_attention import fused_window_attention
+
+    __all__ += ["fused_window_attention"]
+except ImportError:  # pragma: no cover
+    pass
+try:
+    from .layer_norm import add_layer_norm, layer_norm
+
+    __all__ += ["layer_norm", "add_layer_norm"]
+except ImportError:  # pragma: no cover
+    pass

@@ -1,0 +1,60 @@
+"""Building the Swin models swinbench works on: any timm Swin by name, or a tiny one for the CPU."""
+from __future__ import annotations
+
+import torch
+
+from .errors import UserError
+
+DEFAULT_MODEL = "swin_tiny_patch4_window7_224"
+# A Swin small enough for a CPU demo and for tests: two stages, a shifted 14x14 stage
+# (four 7x7 windows) and an unshifted 7x7 stage, head width 16. It is timm's own
+# SwinTransformer class, so every pass that patches timm's blocks applies to it unchanged.
+TINY_MODEL = "swinbench_tiny_cpu"
+TINY_KWARGS = dict(
+    img_size=56, patch_size=4, window_size=7, embed_dim=32, depths=(2, 2), num_heads=(2, 4), num_classes=10,
+)
+
+
+def swin_model_names() -> list[str]:
+    import timm
+
+    return [TINY_MODEL] + timm.list_models("swin*")
+
+
+def input_size(model: torch.nn.Module) -> tuple[int, int, int]:
+    """(C, H, W) the model expects."""
+    cfg = getattr(model, "pretrained_cfg", None) or {}
+    if "input_size" in cfg and model.__class__.__name__ != "SwinTransformer":
+        return tuple(cfg["input_size"])
+    size = getattr(model.patch_embed, "img_size", None) or cfg.get("input_size", (3, 224, 224))[1:]
+    return (3, int(size[0]), int(size[1]))
+
+
+def build_model(name: str, *, fused_attn: bool = False, num_classes: int | None = None) -> torch.nn.Module:
+    """A timm Swin on the CPU in fp32 (move it yourself). `fused_attn` turns on timm's SDPA path,
+    which timm reads when each block is built, so it is set here, before `create_model`."""
+    import timm
+    from timm.layers import set_fused_attn
+
+    set_fused_attn(fused_attn, experimental=fused_attn)
+    try:
+        if name == TINY_MODEL:
+            from timm.models.swin_transformer import SwinTransformer
+
+            kwargs = dict(TINY_KWARGS)
+            if num_classes is not None:
+                kwargs["num_classes"] = num_classes
+            return SwinTransformer(**kwargs)
+        if not name.startswith("swin") or name not in timm.list_models(name):
+            close = [m for m in timm.list_models("swin*") if name.split("_")[0] in m][:3]
+            hint = f" (timm has e.g. {', '.join(close)})" if close else ""
+            raise UserError(f"unknown model {name!r}: not a timm Swin model{hint}; try `swinbench models`")
+        kwargs = {} if num_classes is None else {"num_classes": num_classes}
+        return timm.create_model(name, pretrained=False, **kwargs)
+    finally:
+        set_fused_attn(False)
+
+
+def default_model_for(device: str) -> str:
+    """The model a bare command uses: Swin-T on a GPU, the tiny Swin on the CPU."""
+    return DEFAULT_MODEL if torch.device(device).type == "cuda" else TINY_MODEL
