@@ -30,27 +30,31 @@ def input_size(model: torch.nn.Module) -> tuple[int, int, int]:
     return (3, int(size[0]), int(size[1]))
 
 
-def build_model(name: str, *, fused_attn: bool = False, num_classes: int | None = None) -> torch.nn.Module:
+def build_model(name: str, *, fused_attn: bool = False, num_classes: int | None = None,
+                drop_path_rate: float | None = None) -> torch.nn.Module:
     """A timm Swin on the CPU in fp32 (move it yourself). `fused_attn` turns on timm's SDPA path,
     which timm reads when each block is built, so it is set here, before `create_model`."""
     import timm
     from timm.layers import set_fused_attn
 
+    extra = {}
+    if num_classes is not None:
+        extra["num_classes"] = num_classes
+    if drop_path_rate is not None:
+        extra["drop_path_rate"] = drop_path_rate
     set_fused_attn(fused_attn, experimental=fused_attn)
     try:
         if name == TINY_MODEL:
             from timm.models.swin_transformer import SwinTransformer
 
             kwargs = dict(TINY_KWARGS)
-            if num_classes is not None:
-                kwargs["num_classes"] = num_classes
+            kwargs.update(extra)
             return SwinTransformer(**kwargs)
         if not name.startswith("swin") or name not in timm.list_models(name):
             close = [m for m in timm.list_models("swin*") if name.split("_")[0] in m][:3]
             hint = f" (timm has e.g. {', '.join(close)})" if close else ""
             raise UserError(f"unknown model {name!r}: not a timm Swin model{hint}; try `swinbench models`")
-        kwargs = {} if num_classes is None else {"num_classes": num_classes}
-        return timm.create_model(name, pretrained=False, **kwargs)
+        return timm.create_model(name, pretrained=False, **extra)
     finally:
         set_fused_attn(False)
 

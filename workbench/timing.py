@@ -1,0 +1,68 @@
+"""Timing: CUDA events around each step on the GPU (host clock after synchronize on the CPU),
+warm-up excluded, median and interquartile range over the repeats."""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class StepTiming:
+    """Per-step times in milliseconds. `clock` says what measured them ('cuda-events' or 'host')."""
+
+    samples_ms: list[float]
+    warmup: int
+    clock: str
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.samples_ms)
+
+    @property
+    def iqr_ms(self) -> float:
+        if len(self.samples_ms) < 4:
+            return max(self.samples_ms) - min(self.samples_ms)
+        q = statistics.quantiles(self.samples_ms, n=4, method="inclusive")
+        return q[2] - q[0]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(median_ms=self.median_ms, iqr_ms=self.iqr_ms, repeats=len(self.samples_ms))
+        return d
+
+
+def time_steps(step: Callable[[int], object], *, warmup: int, repeats: int, device: torch.device,
+               on_step: Callable[[int], None] | None = None) -> StepTiming:
+    """Run `step(i)` warmup + repeats times; time each of the last `repeats` on its own.
+
+    On CUDA, an event pair brackets each step and the host synchronizes once at the end, so the
+    steps queue back to back as in real training; on the CPU, each step is timed with perf_counter.
+    `on_step(i)` is called after each step (progress bars).
+    """
+    for i in range(warmup):
+        step(i)
+        if on_step:
+            on_step(i)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+        for r, (start, end) in enumerate(events):
+            start.record()
+            step(warmup + r)
+            end.record()
+            if on_step:
+                on_step(warmup + r)
+        torch.cuda.synchronize(device)
+        return StepTiming([s.elapsed_time(e) for s, e in events], warmup, "cuda-events")
+    samples = []
+    for r in range(repeats):
+        t0 = time.perf_counter()
+        step(warmup + r)
+        samples.append((time.perf_counter() - t0) * 1e3)
+        if on_step:
+            on_step(warmup + r)
+    return StepTiming(samples, warmup, "host")
