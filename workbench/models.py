@@ -21,13 +21,22 @@ def swin_model_names() -> list[str]:
     return [TINY_MODEL] + timm.list_models("swin*")
 
 
+def check_model_name(name: str) -> None:
+    """UserError unless `name` is the tiny CPU Swin or a Swin that timm knows."""
+    import timm
+
+    if name == TINY_MODEL:
+        return
+    if not name.startswith("swin") or name not in timm.list_models(name):
+        close = [m for m in timm.list_models("swin*") if name.split("_")[0] in m][:3]
+        hint = f" (timm has e.g. {', '.join(close)})" if close else ""
+        raise UserError(f"unknown model {name!r}: not a timm Swin model{hint}; `swinbench models` lists them")
+
+
 def input_size(model: torch.nn.Module) -> tuple[int, int, int]:
-    """(C, H, W) the model expects."""
-    cfg = getattr(model, "pretrained_cfg", None) or {}
-    if "input_size" in cfg and model.__class__.__name__ != "SwinTransformer":
-        return tuple(cfg["input_size"])
-    size = getattr(model.patch_embed, "img_size", None) or cfg.get("input_size", (3, 224, 224))[1:]
-    return (3, int(size[0]), int(size[1]))
+    """(C, H, W) of the images the model expects (timm's PatchEmbed knows its image size)."""
+    h, w = model.patch_embed.img_size
+    return (model.patch_embed.proj.in_channels, int(h), int(w))
 
 
 def build_model(name: str, *, fused_attn: bool = False, num_classes: int | None = None,
@@ -50,10 +59,7 @@ def build_model(name: str, *, fused_attn: bool = False, num_classes: int | None 
             kwargs = dict(TINY_KWARGS)
             kwargs.update(extra)
             return SwinTransformer(**kwargs)
-        if not name.startswith("swin") or name not in timm.list_models(name):
-            close = [m for m in timm.list_models("swin*") if name.split("_")[0] in m][:3]
-            hint = f" (timm has e.g. {', '.join(close)})" if close else ""
-            raise UserError(f"unknown model {name!r}: not a timm Swin model{hint}; try `swinbench models`")
+        check_model_name(name)
         return timm.create_model(name, pretrained=False, **extra)
     finally:
         set_fused_attn(False)

@@ -35,8 +35,16 @@ class WorkloadConfig:
             raise UserError(f"--batch must be at least 1, got {self.batch}")
 
 
+def pick_device(name: str) -> str:
+    """'auto' -> 'cuda' when a GPU is visible, else 'cpu'; any other name is returned as it is."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
 def resolve_device(name: str) -> torch.device:
-    """'cuda', 'cuda:1' or 'cpu' -> torch.device; a CUDA device that is not there is a UserError."""
+    """'auto', 'cuda', 'cuda:1' or 'cpu' -> torch.device; a CUDA device that is not there is a UserError."""
+    name = pick_device(name)
     try:
         dev = torch.device(name)
     except RuntimeError:

@@ -1,0 +1,184 @@
+"""swinbench command line: each command parses its options and calls one function in `workbench`."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from workbench.errors import UserError
+
+app = typer.Typer(
+    help="Where a Swin Transformer's GPU time goes, and how to make it faster stage by stage, with proof.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+err_console = Console(stderr=True)
+
+
+def _fail(exc: Exception, code: int) -> typer.Exit:
+    err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
+def _call(fn, *args, **kwargs):
+    """Run a library function; a user's mistake becomes one line on stderr and a non-zero exit."""
+    try:
+        return fn(*args, **kwargs)
+    except UserError as exc:
+        raise _fail(exc, exc.exit_code) from None
+    except KeyboardInterrupt:
+        raise _fail(Exception("interrupted; what finished is written"), 130) from None
+
+
+Model = Annotated[Optional[str], typer.Option(help="timm Swin model name (default: swin_tiny_patch4_window7_224 on a GPU, the tiny 'swinbench_tiny_cpu' Swin on the CPU).")]
+Device = Annotated[str, typer.Option(help="auto (cuda if a GPU is visible, else cpu), cuda, cuda:N or cpu. CPU runs use the tiny Swin by default and are labelled CPU in every output.")]
+
+
+@app.command()
+def profile(
+    model: Model = None,
+    mode: Annotated[str, typer.Option(help="train (forward, backward, AdamW step) or infer (forward only).")] = "train",
+    batch: Annotated[int, typer.Option(help="Images per step.")] = 32,
+    precision: Annotated[str, typer.Option(help="fp32 | tf32 | bf16 | fp16 (bf16/fp16 via autocast).")] = "bf16",
+    steps: Annotated[int, typer.Option(help="Steps captured in the trace.")] = 4,
+    warmup: Annotated[int, typer.Option(help="Steps run before the capture starts (not captured).")] = 3,
+    device: Device = "auto",
+    backend: Annotated[str, typer.Option(help="auto (nsys on a GPU if found, else torch.profiler) | nsys | torch.")] = "auto",
+    out: Annotated[Optional[Path], typer.Option(help="Output folder (default profiles/<run-name>/).")] = None,
+    nsys: Annotated[Optional[str], typer.Option(help="Path to nsys (else $SWINBENCH_NSYS, PATH, usual install folders).")] = None,
+    recipe: Annotated[Optional[str], typer.Option(help="Profile the model as this recipe (name or YAML path) leaves it.")] = None,
+    format: Annotated[str, typer.Option("--format", help="Machine-readable tables written beside the trace: csv | json.")] = "csv",
+    top: Annotated[int, typer.Option(help="Rows per table before the tail is folded into 'other'.")] = 15,
+):
+    """Run a Swin model under Nsight Systems (or torch.profiler) and show where its GPU time goes."""
+    from workbench.profile import run_profile
+
+    _check_format(format)
+    _call(run_profile, model=model, mode=mode, batch=batch, precision=precision, steps=steps, warmup=warmup,
+          device=device, backend=backend, out=out, nsys=nsys, recipe=recipe, fmt=format, top=top, console=console)
+
+
+def _check_format(fmt: str, allowed=("csv", "json")) -> None:
+    if fmt not in allowed:
+        raise _fail(UserError(f"unknown format {fmt!r}: choose {' or '.join(allowed)}"), 2)
+
+
+@app.command()
+def analyze(
+    trace: Annotated[Path, typer.Argument(help=".sqlite, .sqlite.xz or .nsys-rep from Nsight Systems, or a Kineto .json trace.")],
+    name: Annotated[str, typer.Option(help="Kernel names: demangled (as nsys prints them) or short.")] = "demangled",
+    top: Annotated[int, typer.Option(help="Rows per table before the tail is folded into 'other'.")] = 15,
+    format: Annotated[Optional[str], typer.Option("--format", help="Also write the tables as csv or json.")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Folder for --format output (default: beside the trace).")] = None,
+    range: Annotated[Optional[str], typer.Option("--range", help="Only kernels launched inside this NVTX range (e.g. backward, stage2.block1).")] = None,
+):
+    """Per-kernel, per-category, per-NVTX-range GPU time shares, and GPU busy vs idle, of one trace."""
+    from workbench.analyze import analyze_trace, render_analysis, write_analysis
+
+    if name not in ("demangled", "short"):
+        raise _fail(UserError(f"unknown --name {name!r}: choose demangled or short"), 2)
+    if format is not None:
+        _check_format(format)
+    analysis = _call(analyze_trace, trace, name_style=name, range_name=range)
+    render_analysis(analysis, console, top=top)
+    if format:
+        folder = out or trace.parent
+        for f in _call(write_analysis, analysis, folder, format):
+            console.print(f"wrote {f}")
+
+
+@app.command()
+def apply(
+    recipe: Annotated[str, typer.Option(help="Recipe name (see `swinbench recipes`) or a YAML file; runs every stage from baseline to it.")] = "fmha",
+    stages: Annotated[Optional[str], typer.Option(help="Comma-separated stages to run instead of the chain (e.g. baseline,amp,torch-compile).")] = None,
+    model: Model = None,
+    batch: Annotated[int, typer.Option(help="Images per training step.")] = 64,
+    steps: Annotated[int, typer.Option(help="Timed steps per stage (median and IQR over these).")] = 20,
+    warmup: Annotated[int, typer.Option(help="Untimed steps per stage first (compilation happens here).")] = 5,
+    device: Device = "auto",
+    out: Annotated[Optional[Path], typer.Option(help="Output folder for records, report and traces (default reports/runs/<run>/).")] = None,
+    profile: Annotated[bool, typer.Option("--profile", help="Also capture each stage (nsys) and report its kernel-category shares.")] = False,
+    check_against: Annotated[Optional[Path], typer.Option(help="Baseline records to check this run against (see `swinbench check`).")] = None,
+    seed: Annotated[int, typer.Option(help="Seed for weights and the synthetic batch (the same for every stage).")] = 0,
+):
+    """Apply a staged optimization recipe, measuring, checking and profiling every stage."""
+    from workbench.apply import run_apply
+
+    result = _call(run_apply, recipe, model=model, batch=batch, steps=steps, warmup=warmup, device=device,
+                   out_dir=out, profile=profile, stages=stages.split(",") if stages else None, seed=seed,
+                   console=console)
+    if check_against is not None:
+        _run_check([check_against], [result.records_dir], 5.0, None, False, "markdown")
+
+
+@app.command()
+def recipes():
+    """List the recipes and their passes."""
+    from workbench.recipes import render_recipes
+
+    _call(render_recipes, console)
+
+
+@app.command()
+def report(
+    records: Annotated[list[Path], typer.Argument(help="Stage records (JSON files or folders) written by `swinbench apply`.")],
+    out: Annotated[Optional[Path], typer.Option(help="Markdown file to write (default: report.md beside the records).")] = None,
+):
+    """Re-render the Markdown report from stored records (no GPU needed)."""
+    from workbench.report import render_report_from_paths
+
+    path = _call(render_report_from_paths, records, out)
+    console.print(f"wrote {path}")
+
+
+@app.command()
+def check(
+    baseline: Annotated[list[Path], typer.Option(help="Baseline records (files or folders).")],
+    current: Annotated[list[Path], typer.Option(help="Current records (files or folders).")],
+    max_regression: Annotated[str, typer.Option(help="Default allowed slowdown per metric, e.g. 5%.")] = "5%",
+    thresholds: Annotated[Optional[Path], typer.Option(help="YAML with per-stage, per-metric limits.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Compare records of different GPUs, versions, models or batches anyway.")] = False,
+    format: Annotated[str, typer.Option("--format", help="markdown | json.")] = "markdown",
+):
+    """Compare stored results with a baseline: exit 0 if nothing regressed, 1 if something did, 2 on bad input."""
+    try:
+        limit = float(max_regression.rstrip("%"))
+    except ValueError:
+        raise _fail(UserError(f"--max-regression takes a percentage like 5%, got {max_regression!r}"), 2) from None
+    _check_format(format, ("markdown", "json"))
+    _run_check(baseline, current, limit, thresholds, force, format)
+
+
+def _run_check(baseline, current, limit, thresholds, force, fmt):
+    import json
+
+    from workbench.check import check_records, render_markdown, to_json
+
+    result = _call(check_records, baseline, current, max_regression_pct=limit, thresholds_file=thresholds, force=force)
+    if fmt == "json":
+        typer.echo(json.dumps(to_json(result), indent=2, default=str))
+    else:
+        typer.echo(render_markdown(result))
+    raise typer.Exit(result.exit_code)
+
+
+@app.command()
+def models():
+    """List the Swin models swinbench can build (timm's, plus the tiny CPU one)."""
+    from workbench.models import swin_model_names
+
+    for name in swin_model_names():
+        typer.echo(name)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

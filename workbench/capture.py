@@ -1,0 +1,138 @@
+"""Capturing a trace of a workload: Nsight Systems when it is there, torch.profiler (Kineto) otherwise.
+
+Under nsys the process re-runs itself (`python -m workbench.capture_worker SPEC.json`) under
+`nsys profile -t cuda,nvtx -s none --cpuctxsw=none --capture-range=cudaProfilerApi`, and the worker
+brackets only the measured steps with cudaProfilerStart/Stop, so warm-up (and compilation) stays
+out of the capture. The report is then exported to SQLite with `nsys export`.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from .errors import UserError
+from .workload import WorkloadConfig
+
+NSYS_FOLDERS = (
+    "/opt/nvidia/nsight-systems/*/bin",
+    "/usr/local/cuda/bin",
+    "/opt/nvidia/nsight-compute/*/host/target-linux-x64",
+)
+
+
+def find_nsys(explicit: str | None = None) -> str | None:
+    """nsys from --nsys PATH, then $SWINBENCH_NSYS, then PATH, then the usual install folders."""
+    for candidate in (explicit, os.environ.get("SWINBENCH_NSYS")):
+        if candidate:
+            if Path(candidate).is_file() and os.access(candidate, os.X_OK):
+                return str(candidate)
+            raise UserError(f"nsys not found at {candidate}")
+    found = shutil.which("nsys")
+    if found:
+        return found
+    for pattern in NSYS_FOLDERS:
+        for folder in sorted(glob.glob(pattern), reverse=True):
+            path = Path(folder) / "nsys"
+            if path.is_file() and os.access(path, os.X_OK):
+                return str(path)
+    return None
+
+
+def resolve_backend(backend: str, device: torch.device, nsys: str | None) -> tuple[str, str | None, str | None]:
+    """-> (backend, nsys path, note). 'auto' takes nsys on a GPU when nsys is found, else torch.profiler,
+    and the note says why; an explicit 'nsys' that cannot run is a UserError."""
+    if backend not in ("auto", "nsys", "torch"):
+        raise UserError(f"unknown backend {backend!r}: choose auto, nsys or torch")
+    if backend == "torch":
+        return "torch", None, None
+    path = find_nsys(nsys)
+    if backend == "nsys":
+        if path is None:
+            raise UserError("nsys not found (tried --nsys, $SWINBENCH_NSYS, PATH, " + ", ".join(NSYS_FOLDERS) + ")")
+        if device.type != "cuda":
+            raise UserError("the nsys backend traces CUDA: use --device cuda, or --backend torch on the CPU")
+        return "nsys", path, None
+    if device.type != "cuda":
+        return "torch", None, "no GPU: torch.profiler backend on the CPU (CPU operator times, no GPU kernels)"
+    if path is None:
+        return "torch", None, "nsys not found: torch.profiler (Kineto) backend instead"
+    return "nsys", path, None
+
+
+def _worker_spec(config: WorkloadConfig, recipe: str | None, steps: int, warmup: int, marker: str,
+                 out_dir: Path, torch_trace: Path | None = None) -> Path:
+    spec = {"config": asdict(config), "recipe": recipe, "steps": steps, "warmup": warmup,
+            "marker": marker, "out_dir": str(out_dir), "torch_trace": str(torch_trace) if torch_trace else None}
+    path = out_dir / "capture_spec.json"
+    path.write_text(json.dumps(spec, indent=2))
+    return path
+
+
+def _run(cmd: list[str], log: Path, what: str) -> None:
+    with open(log, "ab") as fh:
+        fh.write(("$ " + " ".join(cmd) + "\n").encode())
+        fh.flush()
+        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        tail = log.read_text(errors="replace").strip().splitlines()[-1:] or [""]
+        raise UserError(f"{what} failed (exit {proc.returncode}): {tail[0][:200]} (full log: {log})", 1)
+
+
+def capture_nsys(config: WorkloadConfig, recipe: str | None, out_dir: Path, steps: int, warmup: int,
+                 nsys: str) -> Path:
+    """Run the workload under nsys and export SQLite -> path of `trace.sqlite` (the .nsys-rep stays beside it)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec = _worker_spec(config, recipe, steps, warmup, "nvtx", out_dir)
+    rep_base = out_dir / "trace"
+    for stale in (out_dir / "trace.nsys-rep", out_dir / "trace.qdstrm", out_dir / "trace.sqlite"):
+        stale.unlink(missing_ok=True)
+    log = out_dir / "nsys.log"
+    log.write_text("")
+    cmd = [nsys, "profile", "-t", "cuda,nvtx", "-s", "none", "--cpuctxsw=none",
+           "--capture-range=cudaProfilerApi", "--capture-range-end=stop",
+           "--force-overwrite", "true", "-o", str(rep_base),
+           sys.executable, "-m", "workbench.capture_worker", str(spec)]
+    _run(cmd, log, "nsys profile")
+    rep = out_dir / "trace.nsys-rep"
+    if not rep.exists():
+        if (out_dir / "trace.qdstrm").exists():
+            raise UserError("nsys wrote only trace.qdstrm: its QdstrmImporter could not make a report "
+                            "(on many images it lacks libdw/libelf; see docs/gpu-machine.md)", 1)
+        raise UserError(f"nsys wrote no report (see {log})", 1)
+    sqlite = out_dir / "trace.sqlite"
+    _run([nsys, "export", "--type", "sqlite", "--force-overwrite", "true", "-o", str(sqlite), str(rep)],
+         log, "nsys export")
+    return sqlite
+
+
+def capture_torch(config: WorkloadConfig, recipe: str | None, out_dir: Path, steps: int, warmup: int) -> Path:
+    """Run the workload in this process under torch.profiler -> path of `trace.json` (Kineto)."""
+    from .capture_worker import run_capture
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    trace = out_dir / "trace.json"
+    run_capture(config, recipe, steps=steps, warmup=warmup, marker="torch", out_dir=out_dir, torch_trace=trace)
+    return trace
+
+
+def capture_workload(config: WorkloadConfig, recipe_stage: str | None, recipe_source: str | None,
+                     out_dir: Path, steps: int, warmup: int, backend: str = "auto",
+                     nsys: str | None = None) -> tuple[Path, str]:
+    """Capture `steps` steps of the workload (after `warmup`), as the recipe stage leaves the model.
+    -> (trace path, backend used: 'nsys' | 'torch')."""
+    from .workload import resolve_device
+
+    device = resolve_device(config.device)
+    chosen, nsys_path, _ = resolve_backend(backend, device, nsys)
+    recipe = recipe_source or recipe_stage
+    if chosen == "nsys":
+        return capture_nsys(config, recipe, Path(out_dir), steps, warmup, nsys_path), "nsys"
+    return capture_torch(config, recipe, Path(out_dir), steps, warmup), "torch"

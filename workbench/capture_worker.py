@@ -1,0 +1,75 @@
+"""The process that runs under the profiler: build the workload, apply a recipe, warm up, capture steps.
+
+`python -m workbench.capture_worker SPEC.json` (nsys re-runs swinbench through this). It writes
+`run.json` beside the trace: the configuration, the environment stamp and the captured steps' times
+(under a profiler, so only indicative; `swinbench apply` gives the clean figures).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from .env import environment_stamp
+from .ranges import RangeMarker, annotate_modules
+from .timing import time_steps
+from .workload import Workload, WorkloadConfig
+
+
+def apply_recipe(workload: Workload, recipe: str | None) -> list[dict]:
+    """Apply every pass of `recipe`'s chain (baseline first) to the workload -> pass results as dicts."""
+    if not recipe:
+        return []
+    from .passes import apply_pass
+    from .recipes import chain_passes
+
+    results = []
+    for name, params in chain_passes(recipe):
+        workload.model, result = apply_pass(name, workload.model, workload.ctx, params)
+        results.append(result.to_dict())
+    return results
+
+
+def run_capture(config: WorkloadConfig, recipe: str | None, *, steps: int, warmup: int, marker: str,
+                out_dir: Path, torch_trace: Path | None = None) -> dict:
+    workload = Workload.build(config)
+    passes = apply_recipe(workload, recipe)
+    workload.marker = RangeMarker(marker)
+    annotate_modules(workload.model, workload.marker)
+    workload.prepare()
+    device = workload.ctx.device
+    for i in range(warmup):
+        workload.step(i)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    if marker == "torch":
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            timing = time_steps(lambda i: workload.step(warmup + i), warmup=0, repeats=steps, device=device)
+        prof.export_chrome_trace(str(torch_trace))
+    else:
+        torch.cuda.profiler.start()
+        timing = time_steps(lambda i: workload.step(warmup + i), warmup=0, repeats=steps, device=device)
+        torch.cuda.profiler.stop()
+    run = {"config": asdict(config), "recipe": recipe, "passes": passes, "warmup": warmup, "steps": steps,
+           "backend": "nsys" if marker == "nvtx" else "torch", "env": environment_stamp(device),
+           "timing_under_profiler": timing.to_dict(), "marker_note": workload.marker.note}
+    (Path(out_dir) / "run.json").write_text(json.dumps(run, indent=2, default=str) + "\n")
+    return run
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(Path(argv[0]).read_text())
+    run_capture(WorkloadConfig(**spec["config"]), spec["recipe"], steps=spec["steps"], warmup=spec["warmup"],
+                marker=spec["marker"], out_dir=Path(spec["out_dir"]),
+                torch_trace=Path(spec["torch_trace"]) if spec.get("torch_trace") else None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,298 @@
+"""LayerNorm over the last dim, and residual add + LayerNorm fused, in Triton (forward and backward).
+
+    layer_norm(x, weight, bias, eps)                     -> y          == F.layer_norm(x, (C,), weight, bias, eps)
+    add_layer_norm(x, residual, weight, bias, eps)       -> (s, y)     == (x + residual, F.layer_norm(x + residual, ...))
+    TritonLayerNorm                                      an nn.LayerNorm whose forward calls layer_norm
+
+Shapes: x (and residual) are (..., C), any leading dims (rows = their product), contiguous or not (copied
+if not). weight/bias: (C,) or None. C up to MAX_COLS; Swin uses 96..1536.
+Dtypes: fp32, fp16, bf16 for x/residual/weight/bias, in any mix. All math is fp32; mean and rstd are
+kept in fp32 for the backward. Outputs are in the input dtype (for add_layer_norm, in the promoted dtype of
+x and residual, as `x + residual` would be): under autocast this differs from torch, whose layer_norm
+returns fp32, by one rounding of the output that the next (autocast) Linear would apply anyway.
+
+Why fuse the add: in a Swin block `x = x + attn_out; h = norm2(x)` reads x and attn_out, writes x, then reads
+x again for the norm. add_layer_norm reads both once and writes s and y in the same pass (one fewer read of
+the residual stream forward); its backward adds the gradient arriving at s to the LayerNorm's dx in the same
+kernel, so the residual's gradient costs no extra pass either.
+
+Backward: one kernel computes dx per row and, per program, partial sums of dweight/dbias over the rows it
+owns (a grid of a few programs per SM, each looping over a contiguous band of rows), written to a (G, C)
+fp32 buffer; a `sum(0)` over G finishes them. No atomics, so results are deterministic.
+
+Kernels run on the GPU, and on the CPU with TRITON_INTERPRET=1 set before this module is imported (slow).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+# Widest row one program holds in registers. Swin needs 1536 (-> 2048); wider rows would want a
+# column loop, which no Swin needs.
+MAX_COLS = 16384
+# Elements per (rows x cols) tile that one program handles per step: small C packs several rows per
+# program so each program still moves a useful amount of memory.
+_TILE_ELEMS = 4096
+
+
+@triton.jit
+def _layer_norm_fwd_kernel(
+    X, R, S, Y, W, B, Mean, Rstd,
+    n_rows, n_cols, eps,
+    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """BLOCK_M rows per program. With HAS_RESIDUAL, s = x + r is rounded to S's dtype (as torch's add
+    would), stored, and normalized; otherwise x is normalized. Y gets the output, Mean/Rstd fp32 per row."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < n_rows
+    col_mask = cols < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
+    offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
+
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
+        s = (x + r).to(S.dtype.element_ty)
+        tl.store(S + offs, s, mask=mask)
+        x = s.to(tl.float32)
+
+    mean = tl.sum(x, axis=1) / n_cols
+    xc = tl.where(mask, x - mean[:, None], 0.0)
+    var = tl.sum(xc * xc, axis=1) / n_cols
+    rstd = 1.0 / tl.sqrt(var + eps)
+    y = xc * rstd[:, None]
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+        y = y * w[None, :]
+    if HAS_BIAS:
+        b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
+        y = y + b[None, :]
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Mean + rows, mean, mask=row_mask)
+    tl.store(Rstd + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _layer_norm_bwd_kernel(
+    DY, X, W, Mean, Rstd, DS, DX, DW_PARTIAL, DB_PARTIAL,
+    n_rows, n_cols, rows_per_program,
+    HAS_DS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Program p owns rows [p * rows_per_program, (p + 1) * rows_per_program) (a multiple of BLOCK_M).
+    dx = rstd * (w*dy - xhat * mean(xhat * w*dy) - mean(w*dy)) (+ ds, the gradient that reached x + r
+    directly). dweight/dbias partial sums over the program's rows go to row p of DW_PARTIAL/DB_PARTIAL."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    row_start = pid * rows_per_program
+    for i in range(0, rows_per_program, BLOCK_M):
+        rows = row_start + i + tl.arange(0, BLOCK_M)
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & col_mask[None, :]
+        offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(Mean + rows, mask=row_mask, other=0.0)
+        rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)
+        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        if HAS_WEIGHT:
+            wdy = dy * w[None, :]
+        else:
+            wdy = dy
+        c1 = tl.sum(xhat * wdy, axis=1) / n_cols
+        c2 = tl.sum(wdy, axis=1) / n_cols
+        dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        if HAS_DS:
+            dx += tl.load(DS + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+        if HAS_WEIGHT:
+            dw_acc += dy * xhat
+        if HAS_BIAS:
+            db_acc += dy
+    if HAS_WEIGHT:
+        tl.store(DW_PARTIAL + pid * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+    if HAS_BIAS:
+        tl.store(DB_PARTIAL + pid * n_cols + cols, tl.sum(db_acc, axis=0), mask=col_mask)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Host side: plain functions the autograd Functions call.
+
+
+def _new_output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every buffer a kernel writes is allocated here (tests replace it with a NaN-filled allocator to
+    check that the kernels write every element they return)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _tile(n_cols: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for rows of n_cols elements."""
+    if n_cols > MAX_COLS:
+        raise ValueError(f"layer_norm: C={n_cols} is wider than MAX_COLS={MAX_COLS}")
+    block_n = triton.next_power_of_2(n_cols)
+    block_m = max(1, min(64, _TILE_ELEMS // block_n))
+    num_warps = min(16, max(4, block_m * block_n // 512))
+    return block_m, block_n, num_warps
+
+
+@functools.lru_cache(maxsize=None)
+def _bwd_program_count(device: torch.device) -> int:
+    """Programs for the backward grid: a few per SM on a GPU (enough to hide latency, few enough that the
+    (G, C) partial buffer and its sum stay small); a handful under the CPU interpreter."""
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
+    return t.reshape(-1, n_cols).contiguous()
+
+
+def _check(x: torch.Tensor, weight, bias) -> int:
+    n_cols = x.shape[-1]
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None and tuple(p.shape) != (n_cols,):
+            raise ValueError(f"layer_norm: {name} has shape {tuple(p.shape)}, expected ({n_cols},)")
+    return n_cols
+
+
+def layer_norm_fwd(x2, residual2, weight, bias, eps: float, out_dtype: torch.dtype):
+    """x2 (and residual2): (M, C) contiguous -> (s or None, y, mean, rstd). s is x2 + residual2 in out_dtype."""
+    n_rows, n_cols = x2.shape
+    block_m, block_n, num_warps = _tile(n_cols)
+    device = x2.device
+    y = _new_output((n_rows, n_cols), out_dtype, device)
+    s = _new_output((n_rows, n_cols), out_dtype, device) if residual2 is not None else None
+    mean = _new_output((n_rows,), torch.float32, device)
+    rstd = _new_output((n_rows,), torch.float32, device)
+    if n_rows > 0:
+        grid = (triton.cdiv(n_rows, block_m),)
+        _layer_norm_fwd_kernel[grid](
+            x2, residual2 if residual2 is not None else x2, s if s is not None else y, y,
+            weight if weight is not None else x2, bias if bias is not None else x2, mean, rstd,
+            n_rows, n_cols, eps,
+            HAS_RESIDUAL=residual2 is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        )
+    return s, y, mean, rstd
+
+
+def layer_norm_bwd(dy2, x2, weight, bias, mean, rstd, ds2, dx_dtype: torch.dtype):
+    """dy2, x2 (the normalized input: x, or s = x + r), ds2 (gradient at s, or None): (M, C) contiguous.
+    -> (dx (M, C) in dx_dtype, dweight or None, dbias or None)."""
+    n_rows, n_cols = x2.shape
+    block_m, block_n, num_warps = _tile(n_cols)
+    device = x2.device
+    dx = _new_output((n_rows, n_cols), dx_dtype, device)
+    row_blocks = triton.cdiv(n_rows, block_m)
+    programs = max(1, min(_bwd_program_count(device), row_blocks))
+    rows_per_program = triton.cdiv(row_blocks, programs) * block_m
+    programs = max(1, triton.cdiv(n_rows, rows_per_program))
+    dw_partial = _new_output((programs, n_cols), torch.float32, device) if weight is not None else None
+    db_partial = _new_output((programs, n_cols), torch.float32, device) if bias is not None else None
+    if n_rows > 0:
+        _layer_norm_bwd_kernel[(programs,)](
+            dy2, x2, weight if weight is not None else x2, mean, rstd,
+            ds2 if ds2 is not None else dy2, dx,
+            dw_partial if dw_partial is not None else dx, db_partial if db_partial is not None else dx,
+            n_rows, n_cols, rows_per_program,
+            HAS_DS=ds2 is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        )
+        dw = dw_partial.sum(0).to(weight.dtype) if weight is not None else None
+        db = db_partial.sum(0).to(bias.dtype) if bias is not None else None
+    else:
+        dw = torch.zeros_like(weight) if weight is not None else None
+        db = torch.zeros_like(bias) if bias is not None else None
+    return dx, dw, db
+
+
+class LayerNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        n_cols = _check(x, weight, bias)
+        x2 = _as_rows(x, n_cols)
+        _, y, mean, rstd = layer_norm_fwd(x2, None, weight, bias, eps, x.dtype)
+        ctx.save_for_backward(x2, weight, bias, mean, rstd)
+        ctx.x_shape = x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, bias, mean, rstd = ctx.saved_tensors
+        dx, dw, db = layer_norm_bwd(_as_rows(dy, x2.shape[1]), x2, weight, bias, mean, rstd, None, x2.dtype)
+        return dx.view(ctx.x_shape), dw, db, None
+
+
+class AddLayerNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, eps):
+        if x.shape != residual.shape:
+            raise ValueError(f"add_layer_norm: x {tuple(x.shape)} and residual {tuple(residual.shape)} differ")
+        n_cols = _check(x, weight, bias)
+        out_dtype = torch.result_type(x, residual)
+        s, y, mean, rstd = layer_norm_fwd(
+            _as_rows(x, n_cols), _as_rows(residual, n_cols), weight, bias, eps, out_dtype)
+        ctx.save_for_backward(s, weight, bias, mean, rstd)
+        ctx.x_shape = x.shape
+        ctx.dtypes = (x.dtype, residual.dtype)
+        return s.view(x.shape), y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, ds, dy):
+        s2, weight, bias, mean, rstd = ctx.saved_tensors
+        n_cols = s2.shape[1]
+        dsum, dw, db = layer_norm_bwd(
+            _as_rows(dy, n_cols), s2, weight, bias, mean, rstd, _as_rows(ds, n_cols), s2.dtype)
+        dsum = dsum.view(ctx.x_shape)
+        x_dtype, r_dtype = ctx.dtypes
+        # Like torch's add: the same gradient flows to both inputs (cast where autocast mixed dtypes).
+        return dsum.to(x_dtype), dsum.to(r_dtype), dw, db, None
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+               eps: float = 1e-5) -> torch.Tensor:
+    """F.layer_norm(x, (C,), weight, bias, eps) for x (..., C) fp32/fp16/bf16; output in x.dtype."""
+    return LayerNormFunction.apply(x, weight, bias, float(eps))
+
+
+def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
+                   bias: torch.Tensor | None, eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, F.layer_norm(s, (C,), weight, bias, eps)) with s = x + residual, both (..., C), in one pass.
+    Both outputs are in the promoted dtype of x and residual; both are differentiable."""
+    return AddLayerNormFunction.apply(x, residual, weight, bias, float(eps))
+
+
+class TritonLayerNorm(torch.nn.LayerNorm):
+    """nn.LayerNorm over the last dim whose forward runs `layer_norm`. Same parameters and state_dict
+    keys (`weight`, `bias`) as the module it replaces; `from_layer_norm` keeps the very Parameter objects."""
+
+    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True,
+                 bias: bool = True, device=None, dtype=None):
+        super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine, bias=bias,
+                         device=device, dtype=dtype)
+        if len(self.normalized_shape) != 1:
+            raise ValueError("TritonLayerNorm normalizes over the last dim only")
+
+    @classmethod
+    def from_layer_norm(cls, ln: torch.nn.LayerNorm) -> "TritonLayerNorm":
+        new = cls(ln.normalized_shape, eps=ln.eps, elementwise_affine=ln.elementwise_affine,
+                  bias=getattr(ln, "bias", None) is not None, device="meta")
+        new.weight = ln.weight
+        new.bias = ln.bias
+        new.train(ln.training)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return layer_norm(x, self.weight, self.bias, self.eps)

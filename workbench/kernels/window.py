@@ -1,0 +1,414 @@
+"""Fused Swin window data movement: cyclic shift + pad + window partition, its inverse, and the
+LayerNorm / residual add that sit next to them in every SwinTransformerBlock.
+
+Four ops, each a Triton kernel pair behind an autograd Function and a plain function:
+
+  roll_partition(x, ws, shift)                       (B, H, W, C) -> (B*nW, ws*ws, C)
+  merge_roll(windows, ws, shift, H, W)               (B*nW, ws*ws, C) -> (B, H, W, C)
+  norm_shift_partition(x, weight, bias, eps, ws, shift)   LayerNorm(C) then roll_partition
+  merge_unshift_add(windows, shortcut, ws, shift, H, W)   shortcut + merge_roll(windows)
+
+Semantics are timm's (`SwinTransformerBlock._attn`): roll by -shift on H and W, *then* zero-pad
+H and W up to multiples of ws, then `window_partition`; the inverse reverses the partition, crops
+the padding and rolls by +shift. Padded window tokens are exactly 0 (timm pads after the norm,
+so a padded token is 0, not LN(0) = bias).
+
+Every op is a row gather: one program handles BLOCK_T tokens of the tensor it *writes* (so
+writes are contiguous and padding is written as 0 without a separate fill), computes for each
+token the source row with integer arithmetic, and moves BLOCK_C contiguous channels per row
+(coalesced along C, masked for odd C). No atomics anywhere; LayerNorm's dweight/dbias are
+per-program partial sums (persistent programs) reduced by one `sum(0)`.
+
+Backward of each op is a forward of another: d(roll_partition) = merge_roll(dout);
+d(merge_roll) = roll_partition(dout); merge_unshift_add's dshortcut is dout itself (no copy).
+
+Dtypes: fp32, fp16, bf16; math in fp32; outputs in the input dtype (merge_unshift_add:
+the promoted dtype of windows and shortcut, as `shortcut + windows` would give).
+Autocast: these Functions do not cast. timm's LayerNorm under autocast computes in fp32 and
+returns fp32 for an fp32 input, which is what norm_shift_partition returns for fp32 x (the
+fused_window pass feeds it the block input, fp32 in an fp32 model under autocast). For a half
+input we return half (F.layer_norm under autocast would return fp32): the next op, the qkv
+Linear, casts to the autocast dtype anyway, so the values it sees are identical.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# ----------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _partition_fwd_kernel(
+    x_ptr, out_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr,
+    n_out_tokens, H, W, C, n_win_h, n_win_w, shift_h, shift_w, eps,
+    WS: tl.constexpr, NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Writes window tokens [pid0*BLOCK_T, +BLOCK_T) x channels [pid1*BLOCK_C, +BLOCK_C).
+
+    Window token t = (((b*nWh + wh)*nWw + ww)*WS + i)*WS + j sits at padded position
+    (hp, wp) = (wh*WS + i, ww*WS + j); it is 0 if hp >= H or wp >= W, else it is
+    x[b, (hp + shift) % H, (wp + shift) % W]. With NORM, BLOCK_C covers all of C and the row
+    is layer-normalized; mean and rstd are stored at the source token (each valid source
+    token is read by exactly one window token).
+    """
+    pid_t = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = t < n_out_tokens
+    j = t % WS
+    r = t // WS
+    i = r % WS
+    r = r // WS
+    ww = r % n_win_w
+    r = r // n_win_w
+    wh = r % n_win_h
+    b = r // n_win_h
+    hp = wh * WS + i
+    wp = ww * WS + j
+    valid = t_mask & (hp < H) & (wp < W)
+    hs = hp + shift_h
+    hs = tl.where(hs >= H, hs - H, hs)
+    wsrc = wp + shift_w
+    wsrc = tl.where(wsrc >= W, wsrc - W, wsrc)
+    src = (b * H + hs) * W + wsrc
+
+    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_mask = c < C
+    src_off = src.to(tl.int64)[:, None] * C + c[None, :]
+    out_off = t.to(tl.int64)[:, None] * C + c[None, :]
+    ld_mask = valid[:, None] & c_mask[None, :]
+    st_mask = t_mask[:, None] & c_mask[None, :]
+    x = tl.load(x_ptr + src_off, mask=ld_mask, other=0.0)
+    if NORM:
+        xf = x.to(tl.float32)
+        mean = tl.sum(xf, axis=1) / C
+        xc = tl.where(c_mask[None, :], xf - mean[:, None], 0.0)
+        var = tl.sum(xc * xc, axis=1) / C
+        rstd = 1.0 / tl.sqrt(var + eps)
+        w = tl.load(w_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
+        bb = tl.load(b_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
+        y = xc * rstd[:, None] * w[None, :] + bb[None, :]
+        y = tl.where(valid[:, None], y, 0.0)  # padded tokens are 0, not LN(0) = bias
+        tl.store(mean_ptr + src, mean, mask=valid)
+        tl.store(rstd_ptr + src, rstd, mask=valid)
+        tl.store(out_ptr + out_off, y.to(out_ptr.dtype.element_ty), mask=st_mask)
+    else:
+        tl.store(out_ptr + out_off, x.to(out_ptr.dtype.element_ty), mask=st_mask)
+
+
+@triton.jit
+def _window_row_of_token(s, H, W, n_win_h, n_win_w, shift_h, shift_w, WS: tl.constexpr):
+    """Window-token row holding image token s = (b*H + h)*W + w after roll(-shift) and partition."""
+    w = s % W
+    r = s // W
+    h = r % H
+    b = r // H
+    hp = h - shift_h
+    hp = tl.where(hp < 0, hp + H, hp)
+    wp = w - shift_w
+    wp = tl.where(wp < 0, wp + W, wp)
+    wh = hp // WS
+    i = hp % WS
+    ww = wp // WS
+    j = wp % WS
+    return (((b * n_win_h + wh) * n_win_w + ww) * WS + i) * WS + j
+
+
+@triton.jit
+def _merge_fwd_kernel(
+    win_ptr, shortcut_ptr, out_ptr,
+    n_tokens, H, W, C, n_win_h, n_win_w, shift_h, shift_w,
+    WS: tl.constexpr, ADD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """out[s] = windows[row(s)] (+ shortcut[s]) for image tokens s in this program's block."""
+    pid_t = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    s = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    s_mask = s < n_tokens
+    row = _window_row_of_token(s, H, W, n_win_h, n_win_w, shift_h, shift_w, WS)
+    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_mask = c < C
+    mask = s_mask[:, None] & c_mask[None, :]
+    win_off = row.to(tl.int64)[:, None] * C + c[None, :]
+    out_off = s.to(tl.int64)[:, None] * C + c[None, :]
+    y = tl.load(win_ptr + win_off, mask=mask, other=0.0)
+    if ADD:
+        sc = tl.load(shortcut_ptr + out_off, mask=mask, other=0.0)
+        y = sc.to(tl.float32) + y.to(tl.float32)
+    tl.store(out_ptr + out_off, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_partition_bwd_kernel(
+    dwin_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr, db_part_ptr,
+    n_tokens, n_tiles, H, W, C, n_win_h, n_win_w, shift_h, shift_w,
+    WS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """LayerNorm backward with the gradient gathered from window order (d of the partition).
+
+    Persistent: program p handles token tiles p, p + nprog, ... and writes its partial
+    dweight/dbias rows to dw_part[p], db_part[p] (reduced on the host).
+    """
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    c = tl.arange(0, BLOCK_C)
+    c_mask = c < C
+    w = tl.load(w_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    db_acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for tile in range(pid, n_tiles, nprog):
+        s = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+        s_mask = s < n_tokens
+        row = _window_row_of_token(s, H, W, n_win_h, n_win_w, shift_h, shift_w, WS)
+        mask = s_mask[:, None] & c_mask[None, :]
+        x_off = s.to(tl.int64)[:, None] * C + c[None, :]
+        g = tl.load(dwin_ptr + row.to(tl.int64)[:, None] * C + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(mean_ptr + s, mask=s_mask, other=0.0)
+        rstd = tl.load(rstd_ptr + s, mask=s_mask, other=0.0)
+        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        wg = g * w[None, :]
+        c1 = tl.sum(xhat * wg, axis=1) / C
+        c2 = tl.sum(wg, axis=1) / C
+        dx = (wg - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        tl.store(dx_ptr + x_off, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw_acc += tl.sum(g * xhat, axis=0)
+        db_acc += tl.sum(g, axis=0)
+    tl.store(dw_part_ptr + pid * C + c, dw_acc, mask=c_mask)
+    tl.store(db_part_ptr + pid * C + c, db_acc, mask=c_mask)
+
+
+# ------------------------------------------------------------------------------ host functions
+
+
+def _copy_blocks(C: int) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_C, num_warps) for the pure data-movement kernels.
+
+    BLOCK_C is the largest power-of-two divisor of C up to 512 when that is >= 32 (Swin's C =
+    96 * 2^k splits into whole blocks, no idle lanes), else next_power_of_2(C) capped at 512
+    with masks (odd C). About 8K elements per program: enough bytes in flight per SM.
+    """
+    pow2_div = C & -C
+    block_c = min(pow2_div, 512) if pow2_div >= 32 else min(triton.next_power_of_2(C), 512)
+    block_t = max(1, min(256, 8192 // block_c))
+    return block_t, block_c, 8 if block_t * block_c >= 8192 else 4
+
+
+def _norm_blocks(C: int) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_C, num_warps) for the LayerNorm kernels: one program holds whole rows."""
+    block_c = triton.next_power_of_2(C)
+    block_t = max(1, min(64, 4096 // block_c))
+    return block_t, block_c, 8 if block_c >= 2048 else 4
+
+
+def _geometry(H: int, W: int, window_size: int, shift: int):
+    """(Hp, Wp, nWh, nWw, shift_h, shift_w): padded sizes, window counts, shifts reduced mod H, W."""
+    ws = int(window_size)
+    if ws <= 0:
+        raise ValueError(f"window_size must be positive, got {window_size}")
+    n_win_h, n_win_w = -(-H // ws), -(-W // ws)
+    return n_win_h * ws, n_win_w * ws, n_win_h, n_win_w, int(shift) % H, int(shift) % W
+
+
+def _check_out(out, shape, dtype, device):
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {dtype} tensor of shape {tuple(shape)}")
+    return out
+
+
+def roll_partition_fwd(x: torch.Tensor, window_size: int, shift: int, *, out_dtype=None, out=None) -> torch.Tensor:
+    """x (B, H, W, C) -> windows (B*nW, ws*ws, C) in `out_dtype` (default x.dtype)."""
+    x = x.contiguous()
+    B, H, W, C = x.shape
+    Hp, Wp, nwh, nww, sh, sw = _geometry(H, W, window_size, shift)
+    ws = int(window_size)
+    out = _check_out(out, (B * nwh * nww, ws * ws, C), out_dtype or x.dtype, x.device)
+    n_out = B * Hp * Wp
+    block_t, block_c, num_warps = _copy_blocks(C)
+    grid = (triton.cdiv(n_out, block_t), triton.cdiv(C, block_c))
+    _partition_fwd_kernel[grid](
+        x, out, x, x, x, x, n_out, H, W, C, nwh, nww, sh, sw, 0.0,
+        WS=ws, NORM=False, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps,
+    )
+    return out
+
+
+def merge_roll_fwd(
+    windows: torch.Tensor, window_size: int, shift: int, H: int, W: int,
+    shortcut: torch.Tensor | None = None, *, out_dtype=None, out=None,
+) -> torch.Tensor:
+    """windows (B*nW, ws*ws, C) -> (B, H, W, C) [+ shortcut (B, H, W, C)], one pass.
+
+    Output dtype: out_dtype, else the promoted dtype of windows and shortcut."""
+    windows = windows.contiguous()
+    C = windows.shape[-1]
+    Hp, Wp, nwh, nww, sh, sw = _geometry(H, W, window_size, shift)
+    ws = int(window_size)
+    if windows.numel() % (Hp * Wp * C):
+        raise ValueError(f"windows of shape {tuple(windows.shape)} do not tile a {H}x{W}x{C} map with ws={ws}")
+    B = windows.numel() // (Hp * Wp * C)
+    if shortcut is not None:
+        shortcut = shortcut.contiguous()
+        if tuple(shortcut.shape) != (B, H, W, C):
+            raise ValueError(f"shortcut shape {tuple(shortcut.shape)} != {(B, H, W, C)}")
+        dtype = out_dtype or torch.promote_types(windows.dtype, shortcut.dtype)
+    else:
+        dtype = out_dtype or windows.dtype
+    out = _check_out(out, (B, H, W, C), dtype, windows.device)
+    n_tok = B * H * W
+    block_t, block_c, num_warps = _copy_blocks(C)
+    grid = (triton.cdiv(n_tok, block_t), triton.cdiv(C, block_c))
+    _merge_fwd_kernel[grid](
+        windows, shortcut if shortcut is not None else windows, out,
+        n_tok, H, W, C, nwh, nww, sh, sw,
+        WS=ws, ADD=shortcut is not None, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps,
+    )
+    return out
+
+
+def norm_shift_partition_fwd(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, window_size: int, shift: int,
+    *, out=None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (B, H, W, C), weight/bias (C,) -> (windows (B*nW, ws*ws, C) in x.dtype, mean (B*H*W,) fp32, rstd fp32)."""
+    x = x.contiguous()
+    B, H, W, C = x.shape
+    Hp, Wp, nwh, nww, sh, sw = _geometry(H, W, window_size, shift)
+    ws = int(window_size)
+    out = _check_out(out, (B * nwh * nww, ws * ws, C), x.dtype, x.device)
+    mean = torch.empty(B * H * W, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(B * H * W, dtype=torch.float32, device=x.device)
+    n_out = B * Hp * Wp
+    block_t, block_c, num_warps = _norm_blocks(C)
+    grid = (triton.cdiv(n_out, block_t), 1)
+    _partition_fwd_kernel[grid](
+        x, out, weight.contiguous(), bias.contiguous(), mean, rstd, n_out, H, W, C, nwh, nww, sh, sw, float(eps),
+        WS=ws, NORM=True, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps,
+    )
+    return out, mean, rstd
+
+
+def _persistent_programs(n_tiles: int, device: torch.device) -> int:
+    if device.type == "cuda":
+        return max(1, min(n_tiles, 4 * torch.cuda.get_device_properties(device).multi_processor_count))
+    return max(1, min(n_tiles, 4))  # interpreter: few programs, each loops
+
+
+def norm_shift_partition_bwd(
+    dwindows: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+    window_size: int, shift: int, *, dx=None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (dx (B, H, W, C) in x.dtype, dweight (C,) and dbias (C,) in weight.dtype). Padding rows of dwindows are ignored."""
+    dwindows = dwindows.contiguous()
+    x = x.contiguous()
+    B, H, W, C = x.shape
+    Hp, Wp, nwh, nww, sh, sw = _geometry(H, W, window_size, shift)
+    dx = _check_out(dx, (B, H, W, C), x.dtype, x.device)
+    n_tok = B * H * W
+    block_t, block_c, num_warps = _norm_blocks(C)
+    n_tiles = triton.cdiv(n_tok, block_t)
+    nprog = _persistent_programs(n_tiles, x.device)
+    dw_part = torch.empty((nprog, C), dtype=torch.float32, device=x.device)
+    db_part = torch.empty((nprog, C), dtype=torch.float32, device=x.device)
+    _norm_partition_bwd_kernel[(nprog,)](
+        dwindows, x, weight.contiguous(), mean, rstd, dx, dw_part, db_part,
+        n_tok, n_tiles, H, W, C, nwh, nww, sh, sw,
+        WS=int(window_size), BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps,
+    )
+    return dx, dw_part.sum(0).to(weight.dtype), db_part.sum(0).to(weight.dtype)
+
+
+# ------------------------------------------------------------------------- autograd Functions
+
+
+class RollPartitionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, window_size, shift):
+        ctx.geom = (int(window_size), int(shift), x.shape[1], x.shape[2])
+        return roll_partition_fwd(x, window_size, shift)
+
+    @staticmethod
+    def backward(ctx, dwindows):
+        ws, shift, H, W = ctx.geom
+        return merge_roll_fwd(dwindows, ws, shift, H, W), None, None
+
+
+class MergeRollFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, windows, window_size, shift, H, W):
+        ctx.geom = (int(window_size), int(shift))
+        ctx.windows_shape = windows.shape
+        return merge_roll_fwd(windows, window_size, shift, H, W)
+
+    @staticmethod
+    def backward(ctx, dout):
+        ws, shift = ctx.geom
+        return roll_partition_fwd(dout, ws, shift).view(ctx.windows_shape), None, None, None, None
+
+
+class NormShiftPartitionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, window_size, shift):
+        windows, mean, rstd = norm_shift_partition_fwd(x, weight, bias, eps, window_size, shift)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.geom = (int(window_size), int(shift))
+        return windows
+
+    @staticmethod
+    def backward(ctx, dwindows):
+        x, weight, mean, rstd = ctx.saved_tensors
+        ws, shift = ctx.geom
+        dx, dw, db = norm_shift_partition_bwd(dwindows, x, weight, mean, rstd, ws, shift)
+        return dx, dw, db, None, None, None
+
+
+class MergeUnshiftAddFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, windows, shortcut, window_size, shift, H, W):
+        ctx.geom = (int(window_size), int(shift))
+        ctx.windows_shape, ctx.windows_dtype, ctx.shortcut_dtype = windows.shape, windows.dtype, shortcut.dtype
+        return merge_roll_fwd(windows, window_size, shift, H, W, shortcut)
+
+    @staticmethod
+    def backward(ctx, dout):
+        ws, shift = ctx.geom
+        dwindows = roll_partition_fwd(dout, ws, shift, out_dtype=ctx.windows_dtype).view(ctx.windows_shape)
+        return dwindows, dout.to(ctx.shortcut_dtype), None, None, None, None
+
+
+# ---------------------------------------------------------------------------------- public API
+
+
+def roll_partition(x: torch.Tensor, window_size: int, shift: int) -> torch.Tensor:
+    """torch.roll(x, (-shift, -shift), (1, 2)), zero-pad H, W to multiples of ws, timm window_partition.
+
+    x: (B, H, W, C) fp32/fp16/bf16 -> (B*nW, ws*ws, C), same dtype."""
+    return RollPartitionFunction.apply(x, window_size, shift)
+
+
+def merge_roll(windows: torch.Tensor, window_size: int, shift: int, H: int, W: int) -> torch.Tensor:
+    """Inverse of roll_partition: window_reverse to (B, Hp, Wp, C), crop to (H, W), torch.roll(+shift).
+
+    windows: (B*nW, ws*ws, C) or (B*nW, ws, ws, C) -> (B, H, W, C), same dtype."""
+    return MergeRollFunction.apply(windows, window_size, shift, H, W)
+
+
+def norm_shift_partition(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, window_size: int, shift: int,
+) -> torch.Tensor:
+    """roll_partition(F.layer_norm(x, (C,), weight, bias, eps)) in one kernel; padded tokens are 0.
+
+    x: (B, H, W, C); weight, bias: (C,). Statistics in fp32; output in x.dtype."""
+    return NormShiftPartitionFunction.apply(x, weight, bias, eps, window_size, shift)
+
+
+def merge_unshift_add(
+    windows: torch.Tensor, shortcut: torch.Tensor, window_size: int, shift: int, H: int, W: int,
+) -> torch.Tensor:
+    """shortcut + merge_roll(windows, ...) in one pass. shortcut: (B, H, W, C) -> (B, H, W, C)
+    in the promoted dtype of windows and shortcut."""
+    return MergeUnshiftAddFunction.apply(windows, shortcut, window_size, shift, H, W)

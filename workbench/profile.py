@@ -1,0 +1,76 @@
+"""`swinbench profile`: capture a Swin workload's trace and print where its GPU time goes."""
+from __future__ import annotations
+
+import datetime as _dt
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from .capture import capture_nsys, capture_torch, resolve_backend
+from .errors import UserError
+from .models import check_model_name, default_model_for
+from .workload import WorkloadConfig, pick_device, resolve_device
+
+
+@dataclass
+class ProfileResult:
+    out_dir: Path
+    backend: str
+    trace: Path
+    files: list[Path] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def default_run_name(config: WorkloadConfig, recipe: str | None) -> str:
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    parts = [config.model.replace("_patch4", "").replace("_window", "w"), config.mode, config.precision,
+             f"b{config.batch}"] + ([Path(recipe).stem] if recipe else []) + [stamp]
+    return "-".join(parts)
+
+
+def run_profile(*, model: str | None, mode: str, batch: int, precision: str, steps: int, warmup: int,
+                device: str, backend: str, out: Path | None, nsys: str | None = None, recipe: str | None = None,
+                fmt: str = "csv", top: int = 15, console: Console | None = None) -> ProfileResult:
+    """Capture `steps` steps after `warmup`, analyze the trace, print the tables and write them beside it."""
+    from .analyze import analyze_trace, render_analysis, write_analysis
+
+    console = console or Console()
+    if steps < 1 or warmup < 0:
+        raise UserError("--steps must be at least 1 and --warmup at least 0")
+    if device == "auto" and not torch.cuda.is_available():
+        console.print("[yellow]note:[/] no CUDA GPU here: running the tiny Swin on the CPU "
+                      "(timings and shares are CPU figures, not GPU ones)")
+    device = pick_device(device)
+    dev = resolve_device(device)
+    config = WorkloadConfig(model=model or default_model_for(device), mode=mode, batch=batch,
+                            precision=precision, device=device)
+    check_model_name(config.model)  # fail fast, before any subprocess starts
+    if recipe:
+        from .recipes import chain_passes
+
+        chain_passes(recipe)  # validate the recipe before capturing
+    chosen, nsys_path, note = resolve_backend(backend, dev, nsys)
+    out_dir = Path(out) if out else Path("profiles") / default_run_name(config, recipe)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    notes = [note] if note else []
+    for n in notes:
+        console.print(f"[yellow]note:[/] {n}")
+    label = "Nsight Systems" if chosen == "nsys" else "torch.profiler"
+    with console.status(f"capturing {config.model} {mode} {precision} batch {batch}: "
+                        f"{warmup} warm-up + {steps} captured steps under {label} ..."):
+        if chosen == "nsys":
+            trace = capture_nsys(config, recipe, out_dir, steps, warmup, nsys_path)
+        else:
+            trace = capture_torch(config, recipe, out_dir, steps, warmup)
+    analysis = analyze_trace(trace)
+    render_analysis(analysis, console, top=top)
+    files = [p for p in (out_dir / "trace.nsys-rep", trace, out_dir / "run.json") if p.exists()]
+    files += write_analysis(analysis, out_dir, fmt)
+    console.print(f"[bold]{label}[/] backend; files written:")
+    for f in files:
+        console.print(f"  {f}")
+    return ProfileResult(out_dir=out_dir, backend=chosen, trace=trace, files=files, notes=notes)
+
+

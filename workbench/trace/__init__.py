@@ -1,0 +1,145 @@
+"""Trace parsing: one GPU trace file in, pandas frames with documented columns out.
+
+`load_trace(path)` picks the parser from the file's suffix:
+
+- `.sqlite` / `.sqlite.xz`: an Nsight Systems SQLite export (`nsys_sqlite.py`); `.xz` is decompressed to a
+  temporary file first.
+- `.nsys-rep`: exported to SQLite with `nsys export --type sqlite`, then as above.
+- `.json` / `.json.gz`: a Kineto (torch.profiler) Chrome trace (`kineto.py`).
+
+Every parser returns the same `Trace`, so the analysis layer (`workbench/analysis.py`) never sees a file.
+
+Frames (all times are integer nanoseconds on the trace's own clock; unknown integers are -1):
+
+kernels, one row per GPU kernel:
+    start_ns, end_ns, duration_ns (int64), name (demangled), short_name (str), device_id, stream_id,
+    correlation_id (int64), launch_ns (CPU start of the launching runtime call), launch_tid (the launching
+    thread, same id space as ranges.tid), pid (the launching process).
+ranges, one row per NVTX push/pop or start/end range (Kineto: user_annotation):
+    range_id, name, domain (str), start_ns, end_ns, tid, pid (int64), depth (nesting depth on its thread,
+    0 = outermost).
+memops, one row per memcpy/memset activity (not kernels; kept apart as nsys's cuda_gpu_kern_sum does):
+    start_ns, end_ns, duration_ns, kind ('memcpy' | 'memset'), bytes, device_id, stream_id, correlation_id.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from workbench.errors import UserError
+
+KERNEL_COLUMNS = [
+    "start_ns", "end_ns", "duration_ns", "name", "short_name", "device_id", "stream_id",
+    "correlation_id", "launch_ns", "launch_tid", "pid",
+]
+RANGE_COLUMNS = ["range_id", "name", "domain", "start_ns", "end_ns", "tid", "pid", "depth"]
+MEMOP_COLUMNS = ["start_ns", "end_ns", "duration_ns", "kind", "bytes", "device_id", "stream_id", "correlation_id"]
+
+_STR_COLUMNS = {"name", "short_name", "domain", "kind"}
+
+
+@dataclass
+class Trace:
+    """A parsed trace: kernels, ranges and memops frames (columns above) plus `meta`.
+
+    meta keys: source ('nsys' | 'kineto'), path, schema_version, export_version, span_start_ns,
+    span_end_ns (first kernel start, last kernel end), notes (list of one-line str).
+    """
+
+    kernels: pd.DataFrame
+    ranges: pd.DataFrame
+    meta: dict
+    memops: pd.DataFrame = field(default_factory=lambda: empty_frame(MEMOP_COLUMNS))
+
+
+def empty_frame(columns: list[str]) -> pd.DataFrame:
+    return pd.DataFrame({c: pd.Series([], dtype=object if c in _STR_COLUMNS else "int64") for c in columns})
+
+
+def _int_column(values) -> np.ndarray:
+    """int64 with -1 for missing (NULL / NaN / None)."""
+    s = pd.to_numeric(pd.Series(values), errors="coerce")
+    return s.fillna(-1).to_numpy(dtype="int64")
+
+
+def finish_frame(df: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
+    """Fill missing optional columns, cast to the documented dtypes, keep the documented order."""
+    out = {}
+    n = len(df)
+    for c in columns:
+        if c in _STR_COLUMNS:
+            col = df[c] if c in df else pd.Series([""] * n, index=df.index)
+            out[c] = col.fillna("").astype(object).to_numpy()
+        else:
+            out[c] = _int_column(df[c].to_numpy()) if c in df else np.full(n, -1, dtype="int64")
+    return pd.DataFrame(out, columns=columns)
+
+
+def nesting_depth(start: np.ndarray, end: np.ndarray, tid: np.ndarray) -> np.ndarray:
+    """Depth of each range among the ranges of its thread (0 = outermost), for properly nested ranges.
+
+    With a thread's ranges sorted by (start asc, end desc), the ranges open at range i's start are the
+    earlier-sorted ones that have not ended: depth_i = i - #(ends <= start_i). O(n log n), no Python loop
+    over rows.
+    """
+    n = len(start)
+    depth = np.zeros(n, dtype="int64")
+    if n == 0:
+        return depth
+    order = np.lexsort((-end, start, tid))
+    s, e, t = start[order], end[order], tid[order]
+    bounds = np.flatnonzero(np.r_[True, t[1:] != t[:-1], True])
+    for lo, hi in zip(bounds[:-1], bounds[1:]):  # one iteration per thread, not per range
+        ends_sorted = np.sort(e[lo:hi])
+        closed = np.searchsorted(ends_sorted, s[lo:hi], side="right")
+        depth[order[lo:hi]] = np.arange(hi - lo) - closed
+    return np.maximum(depth, 0)
+
+
+def kernel_span(kernels: pd.DataFrame) -> tuple[int | None, int | None]:
+    if kernels.empty:
+        return None, None
+    return int(kernels["start_ns"].min()), int(kernels["end_ns"].max())
+
+
+def _suffix(path: Path) -> str:
+    name = path.name.lower()
+    for suffix in (".sqlite.xz", ".json.gz", ".sqlite", ".nsys-rep", ".json", ".db", ".xz"):
+        if name.endswith(suffix):
+            return suffix
+    return path.suffix.lower()
+
+
+def load_trace(path) -> Trace:
+    """Parse an nsys export (.sqlite, .sqlite.xz, .nsys-rep) or a Kineto trace (.json, .json.gz).
+
+    Raises UserError (one line) when the file is missing, unreadable, of an unknown kind, or has no kernels.
+    """
+    path = Path(os.fspath(path))
+    if not path.exists():
+        raise UserError(f"trace not found: {path}")
+    if path.is_dir():
+        raise UserError(f"trace is a directory, not a file: {path}")
+    suffix = _suffix(path)
+    if suffix in (".sqlite", ".sqlite.xz", ".db", ".xz", ".nsys-rep"):
+        from workbench.trace import nsys_sqlite
+
+        if suffix == ".nsys-rep":
+            return nsys_sqlite.load_nsys_rep(path)
+        if suffix in (".sqlite.xz", ".xz"):
+            return nsys_sqlite.load_sqlite_xz(path)
+        return nsys_sqlite.load_sqlite(path)
+    if suffix in (".json", ".json.gz"):
+        from workbench.trace import kineto
+
+        return kineto.load_kineto(path)
+    raise UserError(
+        f"unknown trace type {path.name!r}: expected .sqlite, .sqlite.xz, .nsys-rep, .json or .json.gz"
+    )
+
+
+__all__ = ["Trace", "load_trace", "KERNEL_COLUMNS", "RANGE_COLUMNS", "MEMOP_COLUMNS"]
