@@ -76,14 +76,20 @@ def _worker_spec(config: WorkloadConfig, recipe: str | None, steps: int, warmup:
     return path
 
 
+def _first_error(log: Path) -> str:
+    """The line of a log that says what went wrong: the last Python exception line, else the last line."""
+    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.split(":")[0].endswith(("Error", "Exception"))]
+    return (errors or lines or ["no output"])[-1][:240]
+
+
 def _run(cmd: list[str], log: Path, what: str) -> None:
     with open(log, "ab") as fh:
         fh.write(("$ " + " ".join(cmd) + "\n").encode())
         fh.flush()
         proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
-        tail = log.read_text(errors="replace").strip().splitlines()[-1:] or [""]
-        raise UserError(f"{what} failed (exit {proc.returncode}): {tail[0][:200]} (full log: {log})", 1)
+        raise UserError(f"{what} failed (exit {proc.returncode}): {_first_error(log)} (full log: {log})", 1)
 
 
 def capture_nsys(config: WorkloadConfig, recipe: str | None, out_dir: Path, steps: int, warmup: int,

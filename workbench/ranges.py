@@ -26,6 +26,7 @@ class RangeMarker:
         self.note: str | None = None
         self._stack: list = []
         self._nvtx = None
+        self._cache: dict = {}
         if kind == "nvtx":
             try:
                 import nvtx  # type: ignore
@@ -35,10 +36,17 @@ class RangeMarker:
             except Exception:
                 self.note = "the `nvtx` package is missing: ranges use torch.cuda.nvtx (default domain)"
 
+    def _attributes(self, name: str):
+        # Event attributes are cached per name: the hooks push the same few hundred names every step.
+        attrs = self._cache.get(name)
+        if attrs is None:
+            attrs = self._cache[name] = self._domain.get_event_attributes(message=name)
+        return attrs
+
     def push(self, name: str) -> None:
         if self.kind == "nvtx":
             if self._nvtx is not None:
-                self._domain.push_range(self._nvtx.EventAttributes(message=name))
+                self._domain.push_range(self._attributes(name))
             else:
                 torch.cuda.nvtx.range_push(name)
         elif self.kind == "torch":

@@ -1,0 +1,37 @@
+"""Backend choice and nsys discovery (no nsys on the CPU test machine: the fallbacks are what is tested)."""
+import os
+import stat
+
+import pytest
+import torch
+
+from workbench.capture import find_nsys, resolve_backend
+from workbench.errors import UserError
+
+CPU = torch.device("cpu")
+
+
+def test_auto_on_cpu_falls_back_to_torch_profiler_and_says_why():
+    backend, path, note = resolve_backend("auto", CPU, None)
+    assert backend == "torch" and path is None and "torch.profiler" in note
+
+
+def test_explicit_nsys_without_gpu_or_binary_is_one_clear_error(tmp_path, monkeypatch):
+    monkeypatch.delenv("SWINBENCH_NSYS", raising=False)
+    with pytest.raises(UserError, match="nsys not found at"):
+        resolve_backend("nsys", CPU, str(tmp_path / "nope"))
+    with pytest.raises(UserError, match="unknown backend"):
+        resolve_backend("perfetto", CPU, None)
+
+
+def test_find_nsys_prefers_flag_then_environment(tmp_path, monkeypatch):
+    fake = tmp_path / "nsys"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("SWINBENCH_NSYS", str(fake))
+    assert find_nsys() == str(fake)
+    assert find_nsys(str(fake)) == str(fake)
+    monkeypatch.setenv("SWINBENCH_NSYS", str(tmp_path / "missing"))
+    with pytest.raises(UserError):
+        find_nsys()
+    assert os.environ["SWINBENCH_NSYS"]
