@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One device call's worth of GPU work: correctness on the GPU, kernel benchmarks, profile, apply.
+# Usage (on the GPU machine, from the repo root): benchmarks/gpu_session.sh PART...   PART in
+#   tests | kernels | profile | apply-apex | apply-fmha
+# Results go to $OUT (or ./gpu-out), packed into one tarball so they come back in one file.
+set -uo pipefail
+out=${OUT:-gpu-out}; mkdir -p "$out/r"
+export PYTHONUNBUFFERED=1
+source .gpu/setup-gpu.sh >/dev/null 2>&1 || echo "setup-gpu.sh failed: no nsys/nvtx"
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "pip install -e . failed"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+for part in "$@"; do
+  echo "=== $part $(date -u +%H:%M:%S)"
+  case $part in
+    tests)   python3 -m pytest -q -x tests/test_window_kernels.py tests/test_window_attention.py tests/test_layer_norm.py \
+               tests/test_pass_fused_window.py tests/test_pass_fused_attention.py tests/test_pass_fused_layernorm.py 2>&1 | tail -15 ;;
+    kernels) python3 benchmarks/bench_window.py --check --out "$out/r/bench_window.json" 2>&1 | tail -25
+             python3 benchmarks/bench_window_attention.py --check --out "$out/r/bench_window_attention.json" 2>&1 | tail -25
+             python3 benchmarks/bench_layer_norm.py --check --out "$out/r/bench_layer_norm.json" 2>&1 | tail -25 ;;
+    profile) swinbench profile --model swin_tiny_patch4_window7_224 --mode train --batch 32 --precision bf16 \
+               --steps 4 --warmup 3 --out "$out/r/profile_swin_tiny_train_bf16" --top 12 2>&1 | tail -60 ;;
+    apply-apex) swinbench apply --recipe apex --model swin_base_patch4_window7_224 --batch 64 --profile \
+               --out "$out/r/apply_apex" 2>&1 | tail -40 ;;
+    apply-fmha) swinbench apply --recipe fmha-compile --model swin_base_patch4_window7_224 --batch 64 \
+               --out "$out/r/apply_fmha" 2>&1 | tail -40 ;;
+    *) echo "unknown part $part" ;;
+  esac
+done
+find "$out/r" -name '*.nsys-rep' -size +20M -delete
+tar -C "$out/r" -cJf "$out/results.tar.xz" . && ls -la "$out"

@@ -1,0 +1,35 @@
+"""`swinbench profile` end to end on the CPU (torch.profiler backend, tiny Swin), through the CLI."""
+import json
+
+from typer.testing import CliRunner
+
+from cli import app
+
+runner = CliRunner()
+
+
+def test_profile_on_cpu_writes_trace_tables_and_says_which_backend(tmp_path):
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["profile", "--device", "cpu", "--batch", "2", "--steps", "2", "--warmup", "1",
+                                 "--out", str(out), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    assert "torch.profiler" in result.output
+    assert (out / "trace.json").exists() and (out / "run.json").exists()
+    run = json.loads((out / "run.json").read_text())
+    assert run["backend"] == "torch" and run["env"]["device_type"] == "cpu"
+    assert run["config"]["model"] == "swinbench_tiny_cpu"
+    assert any(p.suffix == ".json" and p.name != "trace.json" and p.name != "run.json" for p in out.iterdir())
+
+
+def test_profile_bad_input_is_one_line_and_exit_2(tmp_path):
+    for args, text in (
+        (["--model", "resnet50", "--device", "cpu"], "not a timm Swin"),
+        (["--precision", "fp8", "--device", "cpu"], "unknown precision"),
+        (["--mode", "eval", "--device", "cpu"], "unknown mode"),
+        (["--backend", "nsys", "--device", "cpu", "--nsys", str(tmp_path / "x")], "nsys not found"),
+        (["--format", "xml", "--device", "cpu"], "unknown format"),
+    ):
+        result = runner.invoke(app, ["profile", *args, "--out", str(tmp_path / "o")])
+        assert result.exit_code == 2, (args, result.output)
+        assert text in result.output
+        assert "Traceback" not in result.output
