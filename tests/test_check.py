@@ -1,0 +1,344 @@
+"""`check_records` on the checked-in baseline records (tests/data/records/baseline: baseline, amp,
+fmha of one H200 run) against variants derived in tmp_path."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from workbench.check import check_records, load_thresholds, render_markdown, to_json
+from workbench.errors import UserError
+
+BASELINE = Path(__file__).parent / "data" / "records" / "baseline"
+
+
+@pytest.fixture
+def current(tmp_path) -> Path:
+    """A copy of the baseline records to edit."""
+    folder = tmp_path / "current"
+    shutil.copytree(BASELINE, folder)
+    return folder
+
+
+def _path(folder: Path, stage: str) -> Path:
+    (path,) = folder.glob(f"*-{stage}.json")
+    return path
+
+
+def edit(folder: Path, stage: str, fn) -> None:
+    path = _path(folder, stage)
+    rec = json.loads(path.read_text())
+    fn(rec)
+    path.write_text(json.dumps(rec))
+
+
+def slower(factor: float, iqr_rel: float | None = None):
+    """Step time x factor (images/s / factor); iqr_rel sets timing.iqr_ms to that fraction of the median."""
+    def fn(rec):
+        t = rec["timing"]
+        t["samples_ms"] = [s * factor for s in t["samples_ms"]]
+        t["median_ms"] *= factor
+        t["iqr_ms"] = t["median_ms"] * iqr_rel if iqr_rel is not None else t["iqr_ms"] * factor
+        rec["step_ms"], rec["step_iqr_ms"] = t["median_ms"], t["iqr_ms"]
+        rec["img_per_s"] /= factor
+    return fn
+
+
+def set_iqr(iqr_rel: float):
+    return slower(1.0, iqr_rel)
+
+
+def row(result, stage: str, metric: str):
+    rows = result.rows[(result.rows["stage"] == stage) & (result.rows["metric"] == metric)]
+    assert len(rows) == 1, (stage, metric, result.rows)
+    return rows.iloc[0]
+
+
+def user_error(fn) -> UserError:
+    with pytest.raises(UserError) as info:
+        fn()
+    assert info.value.exit_code == 2
+    assert "\n" not in str(info.value)
+    return info.value
+
+
+def test_identical_records_pass():
+    result = check_records(BASELINE, BASELINE)
+    assert result.exit_code == 0 and not result.regressed
+    assert set(result.rows["status"]) == {"unchanged"}
+    assert set(result.rows["stage"]) == {"baseline", "amp", "fmha"}
+    # 3 % metrics for 'baseline' (no speedup over itself), 4 for the others, shares, one gate each
+    assert set(result.rows[result.rows["stage"] == "amp"]["metric"]) >= {
+        "img_per_s", "step_ms", "peak_mem_bytes", "speedup", "share:attention", "gate"}
+    assert "speedup" not in set(result.rows[result.rows["stage"] == "baseline"]["metric"])
+    assert result.summary.startswith("OK:")
+    assert result.notes == []
+
+
+def test_ten_percent_slower_stage_regresses(current):
+    edit(current, "fmha", slower(1.10))
+    result = check_records(BASELINE, current)
+    assert result.exit_code == 1 and result.regressed
+    step = row(result, "fmha", "step_ms")
+    assert step["status"] == "REGRESSED"
+    assert step["delta_pct"] == pytest.approx(10.0)
+    assert row(result, "fmha", "img_per_s")["status"] == "REGRESSED"
+    assert row(result, "fmha", "img_per_s")["delta_pct"] == pytest.approx(-100 / 11)
+    assert row(result, "fmha", "speedup")["status"] == "REGRESSED"
+    assert row(result, "amp", "step_ms")["status"] == "unchanged"
+    md = render_markdown(result)
+    assert "| fmha | step_ms | 58.37 ms | 64.21 ms | +10.0% | 5% |" in md
+    assert "| fmha | img_per_s |" in md and "−9.1%" in md and "**REGRESSED**" in md
+    assert "fmha" in result.summary and "step_ms +10.0%" in result.summary
+    assert md.rstrip().endswith(f"**{result.summary}**")
+
+
+def test_change_inside_the_iqr_spread_is_noise(current):
+    # baseline and current both spread 10 % (IQR / median): band = 0.5 * (10 + 10) = 10 %
+    base = current.parent / "base"
+    shutil.copytree(BASELINE, base)
+    edit(base, "fmha", set_iqr(0.10))
+    edit(current, "fmha", slower(1.06, iqr_rel=0.10))
+    result = check_records(base, current)
+    step = row(result, "fmha", "step_ms")
+    assert step["status"] == "noise" and step["noise_band_pct"] == pytest.approx(10.0)
+    assert row(result, "fmha", "img_per_s")["status"] == "noise"
+    assert result.exit_code == 0
+
+
+def test_change_within_limit_is_unchanged_and_large_gain_improved(current):
+    edit(current, "amp", slower(1.04))
+    edit(current, "fmha", slower(0.8))
+    result = check_records(BASELINE, current)
+    assert row(result, "amp", "step_ms")["status"] == "unchanged"
+    assert row(result, "fmha", "step_ms")["status"] == "improved"
+    assert row(result, "fmha", "img_per_s")["status"] == "improved"
+    assert result.exit_code == 0
+
+
+def test_exactly_at_the_limit_is_unchanged(current):
+    edit(current, "fmha", slower(1.05))
+    assert row(check_records(BASELINE, current), "fmha", "step_ms")["status"] == "unchanged"
+
+
+def test_memory_has_no_noise_band(current):
+    edit(current, "amp", lambda r: r.update(peak_mem_bytes=int(r["peak_mem_bytes"] * 1.2)))
+    result = check_records(BASELINE, current)
+    mem = row(result, "amp", "peak_mem_bytes")
+    assert mem["status"] == "REGRESSED" and mem["delta_pct"] == pytest.approx(20.0, abs=1e-6)
+    assert mem["noise_band_pct"] is None or mem["noise_band_pct"] != mem["noise_band_pct"]
+
+
+def test_share_drift_beyond_limit_regresses(current):
+    def drift(rec):
+        s = rec["profile"]["category_share_pct"]
+        s["attention"] += 3.0
+        s["GEMM"] -= 3.0
+    edit(current, "fmha", drift)
+    result = check_records(BASELINE, current)
+    att = row(result, "fmha", "share:attention")
+    assert att["status"] == "REGRESSED" and att["delta_pct"] == pytest.approx(3.0) and att["unit"] == "pp"
+    assert row(result, "fmha", "share:softmax")["status"] == "unchanged"
+    assert result.exit_code == 1
+    md = render_markdown(result)
+    assert "| fmha | share:attention | 9.8% | 12.8% | +3.0 pp | 2 pp |" in md
+    assert "| fmha | share: 7 categories |" in md      # the quiet ones folded
+    # a wider limit in the file lets it pass
+    relaxed = check_records(BASELINE, current, thresholds_file=_yaml(current.parent, "share_drift_pp: 4\n"))
+    assert relaxed.exit_code == 0
+
+
+def test_share_compared_only_when_both_sides_have_it(current):
+    edit(current, "amp", lambda r: r.update(profile=None))
+    result = check_records(BASELINE, current)
+    assert not result.rows[(result.rows["stage"] == "amp")]["metric"].str.startswith("share:").any()
+    assert result.exit_code == 0
+
+
+def test_gate_pass_to_fail_is_a_regression_regardless_of_speed(current):
+    def fail(rec):
+        rec["gate"]["status"] = "FAIL"
+        rec["gate"]["reason"] = "loss differs by 8% (limit 2%)"
+    edit(current, "amp", fail)
+    edit(current, "amp", slower(0.7))   # much faster, still a failure
+    result = check_records(BASELINE, current)
+    gate = row(result, "amp", "gate")
+    assert (gate["baseline"], gate["current"], gate["status"]) == ("PASS", "FAIL", "FAIL gate")
+    assert result.exit_code == 1
+    assert any("loss differs" in n for n in result.notes)
+    assert "amp: gate PASS -> FAIL" in result.summary
+
+
+def test_stages_on_one_side_are_listed(current):
+    _path(current, "fmha").unlink()
+    extra = json.loads(_path(current, "amp").read_text())
+    extra.update(stage="compile", stage_index=3)
+    (current / "03-compile.json").write_text(json.dumps(extra))
+    result = check_records(BASELINE, current)
+    assert row(result, "fmha", "stage")["status"] == "only in baseline"
+    assert row(result, "compile", "stage")["status"] == "only in current"
+    assert result.exit_code == 0
+    md = render_markdown(result)
+    assert "| fmha | stage | ok | — |" in md and "only in baseline" in md
+    assert "| compile | stage | — | ok |" in md and "only in current" in md
+
+
+def test_records_not_ok_are_listed_not_compared(current):
+    edit(current, "fmha", lambda r: r.update(status="not available", error="flash kernels not built",
+                                             img_per_s=None, step_ms=None, timing=None))
+    result = check_records(BASELINE, current)
+    fmha = row(result, "fmha", "stage")
+    assert (fmha["baseline"], fmha["current"], fmha["status"]) == ("ok", "not available", "not compared")
+    assert any("flash kernels not built" in n for n in result.notes)
+    assert result.exit_code == 0
+    # a stage that ran in the baseline and errors now is lost work
+    edit(current, "fmha", lambda r: r.update(status="error", error="CUDA error: illegal memory access"))
+    assert check_records(BASELINE, current).exit_code == 1
+
+
+def test_speedup_is_relative_to_the_baseline_stage_of_the_same_run(current):
+    # everything 10 % slower, including 'baseline': speedups unchanged, speeds regressed
+    for stage in ("baseline", "amp", "fmha"):
+        edit(current, stage, slower(1.10))
+    result = check_records(BASELINE, current)
+    assert row(result, "fmha", "speedup")["status"] == "unchanged"
+    assert row(result, "fmha", "speedup")["current"] == pytest.approx(1096.45 / 459.04, rel=1e-3)
+    assert row(result, "fmha", "step_ms")["status"] == "REGRESSED"
+
+
+def test_malformed_json_is_a_user_error(current):
+    _path(current, "amp").write_text("{not json")
+    err = user_error(lambda: check_records(BASELINE, current))
+    assert "01-amp.json" in str(err)
+
+
+def test_missing_required_key_names_key_and_file(current):
+    edit(current, "amp", lambda r: r.pop("img_per_s"))
+    err = user_error(lambda: check_records(BASELINE, current))
+    assert "'img_per_s'" in str(err) and "01-amp.json" in str(err)
+    edit(current, "amp", lambda r: r.update(img_per_s=1.0) or r["env"].pop("gpu"))
+    err = user_error(lambda: check_records(BASELINE, current))
+    assert "'env.gpu'" in str(err)
+    edit(current, "amp", lambda r: r["env"].update(gpu="NVIDIA H200") or r.update(step_ms="fast"))
+    assert "'step_ms' must be a number" in str(user_error(lambda: check_records(BASELINE, current)))
+
+
+def test_missing_folder_is_a_user_error(tmp_path):
+    user_error(lambda: check_records(BASELINE, tmp_path / "nope"))
+
+
+@pytest.mark.parametrize("key,value", [("model", "swin_small_patch4_window7_224"), ("batch", 128), ("mode", "infer")])
+def test_different_run_settings_need_force(current, key, value):
+    for stage in ("baseline", "amp", "fmha"):
+        edit(current, stage, lambda r: r.update({key: value}))
+    err = user_error(lambda: check_records(BASELINE, current))
+    assert str(value) in str(err) and "--force" in str(err)
+    assert f"differ in {key}" in str(err)
+    forced = check_records(BASELINE, current, force=True)
+    assert any(str(value) in n and "--force" in n for n in forced.notes)
+
+
+def test_different_gpu_needs_force_and_is_noted(current):
+    for stage in ("baseline", "amp", "fmha"):
+        edit(current, stage, lambda r: r["env"].update(gpu="NVIDIA A100-SXM4-80GB"))
+    err = user_error(lambda: check_records(BASELINE, current))
+    assert "NVIDIA H200" in str(err) and "NVIDIA A100-SXM4-80GB" in str(err)
+    result = check_records(BASELINE, current, force=True)
+    assert result.exit_code == 0
+    md = render_markdown(result)
+    assert "Notes:" in md and "--force" in md and "NVIDIA A100-SXM4-80GB" in md
+    assert "--force" in json.dumps(to_json(result))
+
+
+def test_different_torch_version_needs_force(current):
+    for stage in ("baseline", "amp", "fmha"):
+        edit(current, stage, lambda r: r["env"].update(torch="2.6.0+cu126"))
+    assert "torch version" in str(user_error(lambda: check_records(BASELINE, current)))
+    assert check_records(BASELINE, current, force=True).exit_code == 0
+
+
+def test_driver_difference_is_only_a_note(current):
+    for stage in ("baseline", "amp", "fmha"):
+        edit(current, stage, lambda r: r["env"].update(driver="580.1"))
+    result = check_records(BASELINE, current)
+    assert any("driver" in n for n in result.notes)
+
+
+def _yaml(folder: Path, text: str) -> Path:
+    path = folder / "thresholds.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_thresholds_per_stage_limit_overrides_default(current):
+    edit(current, "fmha", slower(1.04))
+    assert check_records(BASELINE, current).exit_code == 0
+    th = _yaml(current.parent, "default: {max_regression_pct: 5}\nstages:\n  fmha: {img_per_s: 3, step_ms: 3}\n")
+    result = check_records(BASELINE, current, thresholds_file=th)
+    assert row(result, "fmha", "step_ms")["status"] == "REGRESSED"
+    assert row(result, "fmha", "step_ms")["limit"] == 3
+    assert row(result, "fmha", "peak_mem_bytes")["limit"] == 5
+    assert result.exit_code == 1
+    # and a looser one for a stage
+    edit(current, "baseline", lambda r: r.update(peak_mem_bytes=int(r["peak_mem_bytes"] * 1.08)))
+    loose = _yaml(current.parent, "stages:\n  baseline: {peak_mem_bytes: 10}\n")
+    result = check_records(BASELINE, current, thresholds_file=loose, max_regression_pct=5)
+    assert row(result, "baseline", "peak_mem_bytes")["status"] == "unchanged"
+
+
+def test_example_thresholds_file_is_valid():
+    th = load_thresholds(Path(__file__).parents[1] / ".ci" / "check-thresholds.example.yaml")
+    assert th.max_regression_pct > 0 and th.share_drift_pp > 0
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("default: {max_regression_pct: 5\n", "not valid YAML"),
+    ("- 5\n", "expected a mapping"),
+    ("defaults: {max_regression_pct: 5}\n", "unknown key 'defaults'"),
+    ("default: {max_regression_pct: -1}\n", "default.max_regression_pct must be a number >= 0"),
+    ("stages:\n  fmha: {img_per_sec: 3}\n", "stages.fmha.img_per_sec"),
+    ("stages:\n  fmha: {img_per_s: fast}\n", "stages.fmha.img_per_s must be a number"),
+    ("stages:\n  fmha: 3\n", "stages.fmha must be a mapping"),
+])
+def test_bad_thresholds_file_is_a_user_error(current, text, needle):
+    err = user_error(lambda: check_records(BASELINE, current, thresholds_file=_yaml(current.parent, text)))
+    assert needle in str(err)
+
+
+def test_missing_thresholds_file(tmp_path):
+    assert "cannot read thresholds file" in str(user_error(
+        lambda: check_records(BASELINE, BASELINE, thresholds_file=tmp_path / "none.yaml")))
+
+
+def test_several_runs_on_one_side_newest_wins(current, tmp_path):
+    older = tmp_path / "older"
+    shutil.copytree(BASELINE, older)
+    for stage in ("baseline", "amp", "fmha"):
+        edit(older, stage, lambda r: r.update(run_id="20240101-old") or r["env"].update(date="2024-01-01T00:00:00+00:00"))
+        edit(older, stage, slower(1.5))
+    result = check_records([older, BASELINE], current)
+    assert result.exit_code == 0
+    assert any("appears in 2 records" in n for n in result.notes)
+
+
+def test_to_json_is_plain_json(current):
+    edit(current, "fmha", slower(1.10))
+    data = to_json(check_records(BASELINE, current))
+    text = json.dumps(data, allow_nan=False)
+    assert data["exit_code"] == 1 and data["regressed"] is True
+    back = json.loads(text)
+    fmha_step = [r for r in back["rows"] if r["stage"] == "fmha" and r["metric"] == "step_ms"][0]
+    assert fmha_step["status"] == "REGRESSED" and fmha_step["delta_pct"] == pytest.approx(10.0)
+    gate = [r for r in back["rows"] if r["metric"] == "gate"][0]
+    assert gate["delta_pct"] is None and gate["noise_band_pct"] is None
+
+
+def test_precision_is_compared_per_stage(current):
+    # the records of one run differ in precision (fp32 baseline stage, bf16 after amp): that is fine
+    assert check_records(BASELINE, BASELINE).exit_code == 0
+    edit(current, "amp", lambda r: r.update(precision="fp16"))
+    err = user_error(lambda: check_records(BASELINE, current))
+    assert "stage 'amp'" in str(err) and "bf16 (baseline) vs fp16 (current)" in str(err)
+    assert any("fp16" in n for n in check_records(BASELINE, current, force=True).notes)
