@@ -103,7 +103,10 @@ def apply(
     device: Device = "auto",
     out: Annotated[Optional[Path], typer.Option(help="Output folder for records, report and traces (default reports/runs/<run>/).")] = None,
     profile: Annotated[bool, typer.Option("--profile", help="Also capture each stage (nsys) and report its kernel-category shares.")] = False,
-    check_against: Annotated[Optional[Path], typer.Option(help="Baseline records to check this run against (see `swinbench check`).")] = None,
+    check_against: Annotated[Optional[Path], typer.Option(help="Baseline records to check this run against when it ends (exit 1 on a regression; see `swinbench check`).")] = None,
+    max_regression: Annotated[str, typer.Option(help="With --check-against: allowed change per metric in percent.")] = "5",
+    thresholds: Annotated[Optional[Path], typer.Option(help="With --check-against: YAML of per-stage limits.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="With --check-against: compare across GPUs or versions anyway.")] = False,
     seed: Annotated[int, typer.Option(help="Seed for weights and the synthetic batch (the same for every stage).")] = 0,
 ):
     """Apply a staged optimization recipe, measuring, checking and profiling every stage."""
@@ -113,7 +116,7 @@ def apply(
                    out_dir=out, profile=profile, stages=stages.split(",") if stages else None, seed=seed,
                    console=console)
     if check_against is not None:
-        _run_check([check_against], [result.records_dir], 5.0, None, False, "markdown")
+        _run_check([check_against], [result.records_dir], _percent(max_regression), 2.0, thresholds, force, "md")
 
 
 @app.command()
@@ -138,32 +141,40 @@ def report(
 
 @app.command()
 def check(
-    baseline: Annotated[list[Path], typer.Option(help="Baseline records (files or folders).")],
-    current: Annotated[list[Path], typer.Option(help="Current records (files or folders).")],
-    max_regression: Annotated[str, typer.Option(help="Default allowed slowdown per metric, e.g. 5%.")] = "5%",
-    thresholds: Annotated[Optional[Path], typer.Option(help="YAML with per-stage, per-metric limits.")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Compare records of different GPUs, versions, models or batches anyway.")] = False,
-    format: Annotated[str, typer.Option("--format", help="markdown | json.")] = "markdown",
+    baseline: Annotated[list[Path], typer.Option(help="Baseline records (files or folders); repeatable.")],
+    current: Annotated[list[Path], typer.Option(help="Current records (files or folders); repeatable.")],
+    max_regression: Annotated[str, typer.Option(help="Default allowed change per metric in percent, e.g. 5 or 5%.")] = "5",
+    max_share_drift: Annotated[float, typer.Option(help="Allowed drift of a kernel category's share, in percentage points.")] = 2.0,
+    thresholds: Annotated[Optional[Path], typer.Option(help="YAML with per-stage, per-metric limits (see docs/check.md).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Compare records of different GPUs, versions, models or batches anyway (noted in the output).")] = False,
+    format: Annotated[str, typer.Option("--format", help="md (Markdown table) | json.")] = "md",
+    output: Annotated[Optional[Path], typer.Option(help="Write the table to this file as well as stdout.")] = None,
 ):
     """Compare stored results with a baseline: exit 0 if nothing regressed, 1 if something did, 2 on bad input."""
+    _run_check(baseline, current, _percent(max_regression), max_share_drift, thresholds, force, format, output)
+
+
+def _percent(text: str) -> float:
     try:
-        limit = float(max_regression.rstrip("%"))
+        return float(str(text).rstrip("%"))
     except ValueError:
-        raise _fail(UserError(f"--max-regression takes a percentage like 5%, got {max_regression!r}"), 2) from None
-    _check_format(format, ("markdown", "json"))
-    _run_check(baseline, current, limit, thresholds, force, format)
+        raise _fail(UserError(f"--max-regression takes a percentage like 5 or 5%, got {text!r}"), 2) from None
 
 
-def _run_check(baseline, current, limit, thresholds, force, fmt):
+def _run_check(baseline, current, limit, drift, thresholds, force, fmt, output=None):
     import json
 
     from workbench.check import check_records, render_markdown, to_json
 
-    result = _call(check_records, baseline, current, max_regression_pct=limit, thresholds_file=thresholds, force=force)
-    if fmt == "json":
-        typer.echo(json.dumps(to_json(result), indent=2, default=str))
-    else:
-        typer.echo(render_markdown(result))
+    if fmt == "markdown":
+        fmt = "md"
+    _check_format(fmt, ("md", "json"))
+    result = _call(check_records, baseline, current, max_regression_pct=limit, thresholds_file=thresholds,
+                   force=force, max_share_drift_pp=drift)
+    text = json.dumps(to_json(result), indent=2, default=str) if fmt == "json" else render_markdown(result)
+    typer.echo(text)
+    if output is not None:
+        output.write_text(text + "\n")
     raise typer.Exit(result.exit_code)
 
 
