@@ -1,0 +1,125 @@
+"""Recipe resolution: the built-in chain, user files that extend it, and every user mistake as one line."""
+from pathlib import Path
+
+import pytest
+
+from workbench.errors import UserError
+from workbench.recipes import (chain_passes, gate_tolerance, list_recipes, plan_stages, resolve_chain)
+
+CHAIN = ["baseline", "amp", "apex", "window", "fmha"]
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_builtin_chain_order():
+    assert [r.name for r in resolve_chain("fmha")] == CHAIN
+    assert [r.name for r in resolve_chain("fmha-compile")] == CHAIN + ["fmha-compile"]
+    assert [r.name for r in resolve_chain("torch-compile")] == ["baseline", "amp", "torch-compile"]
+    assert [r.name for r in resolve_chain("baseline")] == ["baseline"]
+
+
+def test_list_recipes_main_chain_then_peers():
+    recipes = list_recipes()
+    assert [r.name for r in recipes] == CHAIN + ["torch-compile", "fmha-compile"]
+    assert [r.peer for r in recipes] == [False] * 5 + [True, True]
+
+
+def test_effective_passes_accumulate_in_chain_order():
+    assert chain_passes("fmha") == [("amp", {"dtype": "bf16"}), ("fused_layernorm", {}), ("fused_adamw", {}),
+                                    ("fused_window", {}), ("fused_attention", {})]
+    assert chain_passes("baseline") == []
+    assert [n for n, _ in chain_passes("torch-compile")] == ["amp", "sdpa_attention", "fused_adamw", "compile"]
+
+
+def test_default_stages_peers_and_explicit_stages():
+    assert [s.name for s in plan_stages("apex")] == ["baseline", "amp", "apex"]
+    assert [s.name for s in plan_stages("fmha-compile")] == CHAIN + ["fmha-compile"]
+    assert [s.name for s in plan_stages("fmha", peers=True)] == CHAIN + ["torch-compile", "fmha-compile"]
+    # amp's chain only reaches amp: torch-compile (extends amp) is its only peer
+    assert [s.name for s in plan_stages("amp", peers=True)] == ["baseline", "amp", "torch-compile"]
+    plans = plan_stages("fmha", ["baseline", "torch-compile"])
+    assert [s.name for s in plans] == ["baseline", "torch-compile"]
+    assert plans[1].extends == "amp"
+
+
+def test_user_file_extends_builtin(tmp_path):
+    p = write(tmp_path, "mine.yaml", """
+name: mine
+extends: amp
+description: amp plus SDPA
+gate: {bf16: {grad_rel: 0.3}}
+passes: [sdpa_attention, {name: compile, params: {mode: max-autotune}}]
+""")
+    chain = resolve_chain(str(p))
+    assert [r.name for r in chain] == ["baseline", "amp", "mine"]
+    assert chain[-1].user_source == str(p.resolve())
+    assert chain_passes(str(p))[-1] == ("compile", {"mode": "max-autotune"})
+    tol = gate_tolerance(chain, "bf16")
+    assert tol["grad_rel"] == 0.3 and tol["logits_rel"] == 0.05   # overridden key; inherited key
+    assert [s.name for s in plan_stages(str(p))] == ["baseline", "amp", "mine"]
+    assert [s.name for s in plan_stages(str(p), ["baseline", "mine"])] == ["baseline", "mine"]
+
+
+def test_user_file_extends_user_file_by_relative_path(tmp_path):
+    write(tmp_path, "a.yaml", "name: a\nextends: amp\npasses: [sdpa_attention]\n")
+    b = write(tmp_path, "b.yaml", "name: b\nextends: a.yaml\npasses: [compile]\n")
+    assert [r.name for r in resolve_chain(str(b))] == ["baseline", "amp", "a", "b"]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("name: x\nextends: nope\npasses: []\n", "unknown recipe 'nope'"),
+    ("name: x\nextends: amp\npasses: [warp_speed]\n", "unknown pass 'warp_speed'"),
+    ("name: x\nextends: amp\npasses: [{name: amp, params: {dtype: bf16, colour: red}}]\n", "takes no parameter 'colour'"),
+    ("name: x\nextends: amp\npasses: {amp: 1}\n", "passes must be a list"),
+    ("name: x\nextends: amp\npasses: [amp\n", "malformed YAML"),
+    ("- just\n- a list\n", "must be a YAML mapping"),
+    ("name: [x]\nextends: amp\n", "name must be a non-empty string"),
+    ("name: x\nextends: 3\n", "extends must be"),
+    ("name: x\nextends: amp\npeer: maybe\n", "peer must be true or false"),
+    ("name: x\nextends: amp\ngate: {bf16: {grad_rel: lots}}\n", "gate.bf16.grad_rel must be a number"),
+    ("name: x\nextends: amp\ngate: {fp8: {grad_rel: 0.1}}\n", "unknown precision 'fp8'"),
+    ("name: x\nextends: amp\ngate: {bf16: {grad_atol: 0.1}}\n", "unknown key 'grad_atol'"),
+    ("name: x\nextends: amp\npasess: []\n", "unknown key 'pasess'"),
+    ("name: amp\nextends: baseline\n", "is a built-in recipe"),
+])
+def test_user_mistakes_are_one_line_user_errors(tmp_path, text, message):
+    p = write(tmp_path, "bad.yaml", text)
+    with pytest.raises(UserError) as exc:
+        resolve_chain(str(p))
+    assert message in str(exc.value)
+    assert "\n" not in str(exc.value)
+
+
+def test_unknown_recipe_lists_known_ones():
+    with pytest.raises(UserError, match=r"unknown recipe 'fmah'.*baseline, amp, apex, window, fmha"):
+        resolve_chain("fmah")
+
+
+def test_missing_file_and_cycle(tmp_path):
+    with pytest.raises(UserError, match="no such recipe file"):
+        resolve_chain(str(tmp_path / "nothere.yaml"))
+    write(tmp_path, "a.yaml", "name: a\nextends: b.yaml\n")
+    b = write(tmp_path, "b.yaml", "name: b\nextends: a.yaml\n")
+    with pytest.raises(UserError, match="cycle in recipe extends: b -> a -> b"):
+        resolve_chain(str(b))
+    s = write(tmp_path, "self.yaml", "name: s\nextends: self.yaml\n")
+    with pytest.raises(UserError, match="cycle"):
+        resolve_chain(str(s))
+
+
+def test_unknown_and_duplicate_stages():
+    with pytest.raises(UserError, match="unknown recipe 'ampp'"):
+        plan_stages("fmha", ["baseline", "ampp"])
+    with pytest.raises(UserError, match="twice"):
+        plan_stages("fmha", ["amp", "amp"])
+
+
+def test_missing_tolerance_for_precision_is_a_user_error(tmp_path):
+    chain = resolve_chain("amp")
+    chain[0].gate = {}
+    with pytest.raises(UserError, match="no gate tolerance"):
+        gate_tolerance(chain, "bf16")
