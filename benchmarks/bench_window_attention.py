@@ -1,0 +1,306 @@
+"""Window attention fwd+bwd: timm eager, SDPA backends, FlexAttention and the fused Triton kernel,
+on Swin-B stage shapes at batch 64 in bf16.
+
+    python benchmarks/bench_window_attention.py --check --out results/bench_window_attention_h200.json
+    python benchmarks/bench_window_attention.py --window 12 --img 384     # Swin-B 384 (N = 144)
+
+Every method starts where timm's WindowAttention does, from the packed qkv tensor
+(B*nW, N, 3, nH, d) bf16 and the fp32 relative_position_bias_table, and ends with the gradients of
+both (autograd.grad, so nothing accumulates). The table gather is inside every timed step.
+  eager        timm's formula: q*scale @ k^T + bias + mask, softmax, @ v, under bf16 autocast
+  sdpa_math / sdpa_efficient / sdpa_cudnn
+               F.scaled_dot_product_attention with the materialized (B*nW, nH, N, N) bf16 bias+mask,
+               one backend forced each (a backend that refuses the inputs is reported, not timed)
+  flex         torch.nn.attention.flex_attention (torch.compile'd) with a score_mod that adds
+               bias[h] and mask[b % nW]; compile time reported separately
+  fused        workbench.kernels.fused_window_attention_qkv (the fused_attention pass's call)
+  fused_views  fused_window_attention on q, k, v unbound from qkv (autograd stacks dq, dk, dv)
+Stages 1-3 use the shifted-window mask (the more expensive block); stage 4 (one window) has none.
+
+Timing: triton.testing.do_bench (CUDA events, L2 flushed between reps), median and 20th/80th
+percentiles in microseconds. The first call of each method (compile, autotune) is timed apart
+(first_call_s) and never mixed into the medians.
+GB/s: memory floor bytes = read q, k, v, dout + write out, dq, dk, dv once, in bf16, over the fused
+median time. "speedup" is the best non-fused median over the fused median.
+--check first compares fused with eager computed in fp32 on the same inputs (out, d_qkv,
+d_table relative Frobenius error < 2e-2) and exits non-zero on a mismatch. --out FILE writes
+{"environment", "settings", "records", "check"} as JSON.
+Without a GPU the kernel runs in Triton's interpreter on tiny shapes: a smoke test, not a measurement.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+from timm.models.swin_transformer import get_relative_position_index  # noqa: E402
+
+from workbench.env import device_label, environment_stamp  # noqa: E402
+from workbench.kernels.window_attention import (  # noqa: E402
+    fused_window_attention,
+    fused_window_attention_qkv,
+)
+
+SWIN_B_HEADS = (4, 8, 16, 32)
+HEAD_DIM = 32
+CHECK_TOL = 2e-2
+SDPA_BACKENDS = ("math", "efficient", "cudnn")
+
+
+def stage_shapes(batch: int, img: int, window: int, heads=SWIN_B_HEADS) -> list[dict]:
+    """Swin-B's four attention shapes: resolution img/4, /8, /16, /32; nW windows of window^2 tokens."""
+    shapes = []
+    for i, nh in enumerate(heads):
+        res = img // 4 // 2 ** i
+        win = min(window, res)  # timm shrinks the window (and drops the shift) when res <= window
+        nw = (res // win) ** 2
+        shapes.append(dict(stage=i + 1, batch=batch, bnw=batch * nw, nh=nh, n=win * win, d=HEAD_DIM,
+                           nw=nw, window=win, masked=res > window))
+    return shapes
+
+
+def make_inputs(shape: dict, device: str, dtype=torch.bfloat16, seed: int = 0) -> dict:
+    """Fresh random qkv, bias table (+ index), -100/0 mask like timm's, upstream gradient."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    bnw, nh, n, d, win = shape["bnw"], shape["nh"], shape["n"], shape["d"], shape["window"]
+    qkv = torch.randn(bnw, n, 3, nh, d, generator=g, device=device).to(dtype).requires_grad_()
+    table = (0.02 * torch.randn((2 * win - 1) ** 2, nh, generator=g, device=device)).requires_grad_()
+    index = get_relative_position_index(win, win).to(device)
+    mask = None
+    if shape["masked"]:
+        # Region ids per window; a pair of tokens in different regions gets -100 (timm's mask).
+        region = torch.randint(0, 4, (shape["nw"], n), generator=g, device=device)
+        mask = torch.where(region[:, :, None] == region[:, None, :], 0.0, -100.0)
+    dout = torch.randn(bnw, nh, n, d, generator=g, device=device).to(dtype)
+    return dict(qkv=qkv, table=table, index=index, mask=mask, dout=dout, scale=d ** -0.5)
+
+
+def rel_bias(t: dict) -> torch.Tensor:
+    """timm's _get_rel_pos_bias without the leading 1: (nH, N, N) fp32, differentiable to the table."""
+    n = t["index"].shape[0]
+    return t["table"][t["index"].view(-1)].view(n, n, -1).permute(2, 0, 1).contiguous()
+
+
+def unbind_qkv(qkv):
+    return qkv.permute(2, 0, 3, 1, 4).unbind(0)
+
+
+def eager_attention(t: dict) -> torch.Tensor:
+    q, k, v = unbind_qkv(t["qkv"])
+    attn = (q * t["scale"]) @ k.transpose(-2, -1) + rel_bias(t)[None]
+    mask = t["mask"]
+    if mask is not None:
+        nw, nh, n = mask.shape[0], q.shape[1], q.shape[2]
+        attn = (attn.view(-1, nw, nh, n, n) + mask[None, :, None]).view(-1, nh, n, n)
+    return attn.softmax(-1) @ v
+
+
+def sdpa_attention(backend: str):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    chosen = {"math": SDPBackend.MATH, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+              "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+
+    def run(t: dict) -> torch.Tensor:
+        q, k, v = unbind_qkv(t["qkv"])
+        bnw, nh, n, _ = q.shape
+        bias = rel_bias(t)[None]
+        if t["mask"] is not None:
+            nw = t["mask"].shape[0]
+            bias = (bias.unsqueeze(1) + t["mask"][None, :, None]).reshape(bnw // nw * nw, nh, n, n)
+        bias = bias.expand(bnw, nh, n, n).to(q.dtype)  # SDPA wants the mask in q's dtype
+        with sdpa_kernel([chosen]):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=t["scale"])
+    return run
+
+
+def flex_attention_fn():
+    """A FlexAttention method, or None when this torch has no flex_attention."""
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+    except ImportError:
+        return None
+    compiled = torch.compile(flex_attention, dynamic=False)
+
+    def run(t: dict) -> torch.Tensor:
+        q, k, v = unbind_qkv(t["qkv"])
+        bias, mask = rel_bias(t), t["mask"]
+        if mask is None:
+            def score_mod(score, b, h, q_idx, kv_idx):
+                return score + bias[h, q_idx, kv_idx]
+        else:
+            nw = mask.shape[0]
+
+            def score_mod(score, b, h, q_idx, kv_idx):
+                return score + bias[h, q_idx, kv_idx] + mask[b % nw, q_idx, kv_idx]
+        return compiled(q, k, v, score_mod=score_mod, scale=t["scale"])
+    return run
+
+
+def fused_attention(t: dict) -> torch.Tensor:
+    return fused_window_attention_qkv(t["qkv"], rel_bias(t), t["mask"], t["scale"])
+
+
+def fused_attention_views(t: dict) -> torch.Tensor:
+    q, k, v = unbind_qkv(t["qkv"])
+    return fused_window_attention(q, k, v, rel_bias(t), t["mask"], t["scale"])
+
+
+def methods(device: str) -> dict:
+    table = {"eager": eager_attention}
+    for backend in SDPA_BACKENDS:
+        table[f"sdpa_{backend}"] = sdpa_attention(backend)
+    if device == "cuda":
+        flex = flex_attention_fn()
+        if flex is not None:
+            table["flex"] = flex
+    table["fused"] = fused_attention
+    table["fused_views"] = fused_attention_views
+    return table
+
+
+def fwd_bwd_step(method, t: dict, autocast: bool):
+    device_type = t["qkv"].device.type
+
+    def step():
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
+            out = method(t)
+        return torch.autograd.grad(out, [t["qkv"], t["table"]], t["dout"])
+    return step
+
+
+def check_fused(shape: dict, device: str) -> dict:
+    """Fused vs eager in fp32 on the same bf16 inputs: relative errors of out, d_qkv, d_table."""
+    t = make_inputs(shape, device, seed=1)
+    out = fused_attention(t)
+    got = [out, *torch.autograd.grad(out, [t["qkv"], t["table"]], t["dout"])]
+    qkv32 = t["qkv"].detach().float().requires_grad_()
+    t32 = dict(t, qkv=qkv32)
+    ref = eager_attention(t32)
+    want = [ref, *torch.autograd.grad(ref, [qkv32, t["table"]], t["dout"].float())]
+    errs = {name: ((a.float() - b.float()).norm() / b.float().norm()).item()
+            for name, a, b in zip(("out", "d_qkv", "d_table"), got, want)}
+    ok = all(e < CHECK_TOL for e in errs.values())
+    return dict(stage=shape["stage"], **{f"rel_err_{k}": v for k, v in errs.items()}, ok=ok)
+
+
+def time_method(name: str, method, t: dict, device: str, warmup_ms: int, rep_ms: int) -> dict:
+    step = fwd_bwd_step(method, t, autocast=(name == "eager"))
+    try:
+        t0 = time.perf_counter()
+        step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        first = time.perf_counter() - t0
+    except Exception as exc:  # a backend refusing these inputs is a result, not a crash
+        return dict(method=name, status="refused", error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+    if device != "cuda":
+        return dict(method=name, status="ok", first_call_s=first, median_us=first * 1e6, p20_us=None, p80_us=None)
+    med, p20, p80 = triton.testing.do_bench(step, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
+    return dict(method=name, status="ok", first_call_s=first, median_us=med * 1e3, p20_us=p20 * 1e3, p80_us=p80 * 1e3)
+
+
+def floor_bytes(shape: dict) -> int:
+    """Read q, k, v, dout + write out, dq, dk, dv once, bf16."""
+    return 8 * shape["bnw"] * shape["nh"] * shape["n"] * shape["d"] * 2
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--img", type=int, default=224)
+    parser.add_argument("--window", type=int, default=7)
+    parser.add_argument("--stages", default="1,2,3,4", help="comma-separated stage numbers")
+    parser.add_argument("--methods", default=None, help="comma-separated subset of methods (default all)")
+    parser.add_argument("--check", action="store_true", help="verify fused against eager (fp32) first")
+    parser.add_argument("--warmup-ms", type=int, default=25)
+    parser.add_argument("--rep-ms", type=int, default=100)
+    parser.add_argument("--out", type=Path, default=None, help="write a JSON record here")
+    args = parser.parse_args(argv)
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    batch = args.batch if device == "cuda" else 1
+    wanted = {int(s) for s in args.stages.split(",")}
+    shapes = [s for s in stage_shapes(batch, args.img, args.window) if s["stage"] in wanted]
+    if device == "cpu":  # interpreter smoke test: one batch, stages with few windows only
+        shapes = [s for s in shapes if s["bnw"] * s["nh"] <= 64] or shapes[-1:]
+    table = methods(device)
+    if args.methods:
+        keep = set(args.methods.split(","))
+        table = {k: v for k, v in table.items() if k in keep or k.startswith("fused")}
+    stamp = environment_stamp(device)
+    print(f"# window attention fwd+bwd, bf16, batch {batch}, img {args.img}, window {args.window} "
+          f"on {device_label(stamp)}", flush=True)
+
+    checks = []
+    if args.check:
+        for shape in shapes:
+            checks.append(check_fused(shape, device))
+            c = checks[-1]
+            print(f"check stage {c['stage']}: out {c['rel_err_out']:.1e}  d_qkv {c['rel_err_d_qkv']:.1e}  "
+                  f"d_table {c['rel_err_d_table']:.1e}  {'ok' if c['ok'] else 'MISMATCH'}", flush=True)
+        if not all(c["ok"] for c in checks):
+            print(f"error: fused window attention differs from eager by more than {CHECK_TOL}", file=sys.stderr)
+            return 1
+
+    records = []
+    for shape in shapes:
+        t = make_inputs(shape, device)
+        for name, method in table.items():
+            r = time_method(name, method, t, device, args.warmup_ms, args.rep_ms)
+            records.append({**shape, **r, "dtype": "bf16", "floor_bytes": floor_bytes(shape)})
+            msg = f"{r['median_us']:.0f} us (first call {r['first_call_s']:.1f} s)" if r["status"] == "ok" \
+                else f"refused: {r['error']}"
+            print(f"  stage {shape['stage']} {name:15s} {msg}", flush=True)
+        del t
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+    # The table: one row per stage.
+    names = list(table)
+    print()
+    header = ["stage", "B*nW x nH x N x d"] + [f"{n} us" for n in names] + ["speedup", "fused GB/s", "floor us@4.8TB/s"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    summary = []
+    for shape in shapes:
+        rows = {r["method"]: r for r in records if r["stage"] == shape["stage"]}
+        cell = lambda m: f"{rows[m]['median_us']:.0f}" if rows[m]["status"] == "ok" else "refused"  # noqa: E731
+        others = [r["median_us"] for m, r in rows.items() if r["status"] == "ok" and not m.startswith("fused")]
+        fused = rows["fused"]
+        speedup = min(others) / fused["median_us"] if others and fused["status"] == "ok" else None
+        gbs = floor_bytes(shape) / (fused["median_us"] * 1e-6) / 1e9 if fused["status"] == "ok" else None
+        summary.append(dict(stage=shape["stage"], best_other_us=min(others) if others else None,
+                            fused_us=fused.get("median_us"), speedup=speedup, fused_gbs=gbs))
+        dims = f"{shape['bnw']}x{shape['nh']}x{shape['n']}x{shape['d']}" + ("" if shape["masked"] else " (no mask)")
+        print("| " + " | ".join([str(shape["stage"]), dims] + [cell(m) for m in names] + [
+            f"{speedup:.2f}x" if speedup else "-", f"{gbs:.0f}" if gbs else "-",
+            f"{floor_bytes(shape) / 4.8e12 * 1e6:.0f}"]) + " |")
+    refused = sorted({(r["method"], r["error"]) for r in records if r["status"] != "ok"})
+    for name, err in refused[:4]:
+        print(f"refused: {name}: {err}")
+
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        settings = dict(batch=batch, img=args.img, window=args.window, dtype="bf16", mode="fwd+bwd",
+                        warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, timer="triton.testing.do_bench")
+        args.out.write_text(json.dumps(dict(environment=stamp, settings=settings, records=records,
+                                            summary=summary, check=checks), indent=1))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

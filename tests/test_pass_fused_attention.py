@@ -1,0 +1,69 @@
+"""The fused_attention pass on the tiny Swin: same logits and same gradient for every parameter
+(relative_position_bias_table included) as the unpatched model, on the same seed, in fp32."""
+import copy
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from workbench.models import TINY_MODEL, build_model  # noqa: E402
+from workbench.passes import PassContext, apply_pass  # noqa: E402
+from workbench.passes import fused_attention  # noqa: E402
+from workbench.precision import resolve_precision  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def run_step(model, images, labels):
+    logits = model(images)
+    loss = torch.nn.functional.cross_entropy(logits, labels)
+    loss.backward()
+    return logits.detach(), {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def test_fused_attention_pass_matches_timm_in_fp32():
+    torch.manual_seed(0)
+    plain = build_model(TINY_MODEL).to(DEVICE)
+    patched = copy.deepcopy(plain)
+    ctx = PassContext(device=DEVICE, precision=resolve_precision("fp32"))
+    patched, result = apply_pass("fused_attention", patched, ctx)
+    assert result.available, result.changed
+    assert result.details["patched_modules"] == 4  # two blocks in each of the two stages
+
+    gen = torch.Generator().manual_seed(1)
+    images = torch.randn(2, 3, 56, 56, generator=gen).to(DEVICE)
+    labels = torch.randint(0, 10, (2,), generator=gen).to(DEVICE)
+    plain_logits, plain_grads = run_step(plain, images, labels)
+    fused_logits, fused_grads = run_step(patched, images, labels)
+
+    assert rel_err(fused_logits, plain_logits) < 1e-4
+    assert plain_grads.keys() == fused_grads.keys()
+    assert any("relative_position_bias_table" in name for name in fused_grads)
+    for name in plain_grads:
+        err = rel_err(fused_grads[name], plain_grads[name])
+        assert err < 1e-4, f"{name}: relative gradient error {err:.2e}"
+
+
+def test_attention_dropout_is_left_on_timm_path():
+    model = build_model(TINY_MODEL)
+    attn = next(m for m in model.modules() if type(m).__name__ == "WindowAttention")
+    attn.attn_drop.p = 0.1
+    ctx = PassContext(device=DEVICE, precision=resolve_precision("fp32"))
+    model, result = fused_attention.apply(model, ctx)
+    assert result.details == {**result.details, "patched_modules": 3, "skipped_attn_dropout": 1}
+    assert "forward" not in vars(attn)
+
+
+def test_rejects_parameters():
+    ctx = PassContext(device=DEVICE, precision=resolve_precision("fp32"))
+    model, result = apply_pass("fused_attention", build_model(TINY_MODEL), ctx, {"bogus": 1})
+    assert not result.available
+    with pytest.raises(Exception):
+        fused_attention.apply(build_model(TINY_MODEL), ctx, bogus=1)

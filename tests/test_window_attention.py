@@ -1,0 +1,172 @@
+"""fused_window_attention against the plain formula in float64, forward and every gradient.
+
+On a machine without a GPU the Triton kernels run under TRITON_INTERPRET=1 (set here, before
+Triton is imported) on small shapes; with a GPU the Swin-B stage shapes are checked as well.
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from workbench.kernels import window_attention as wa  # noqa: E402
+from workbench.kernels.window_attention import fused_window_attention, fused_window_attention_qkv  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# (dtype, output rtol, gradient rtol): relative Frobenius error against the float64 reference.
+DTYPE_TOLERANCES = [
+    (torch.float32, 1e-4, 1e-4),
+    (torch.float16, 1e-2, 2e-2),
+    (torch.bfloat16, 1e-2, 2e-2),
+]
+
+# (B*nW, nH, N, d, nW or None, layout). Odd on purpose: nW of 3 and 6, B*nW/nW not a multiple of
+# the windows-per-program group, N = 49 (7x7, padded to 64), 20 (padded to 32), 144 (12x12,
+# several query tiles), one and three heads, q/k/v as timm's strided views of one qkv tensor
+# ("timm_qkv") or that tensor itself through fused_window_attention_qkv ("packed").
+SHAPES = [
+    (6, 3, 49, 32, 3, "timm_qkv"),
+    (5, 1, 49, 16, None, "contiguous"),
+    (12, 3, 49, 16, 6, "contiguous"),
+    (10, 1, 49, 32, 2, "packed"),
+    (3, 3, 20, 16, 3, "contiguous"),
+    (4, 2, 144, 32, 2, "packed"),
+]
+
+
+def make_inputs(bnw, nh, n, d, nw, layout, dtype, device=DEVICE, seed=0):
+    """Fresh random q, k, v (leaf tensors), rel_bias (fp32 leaf, as timm's table gather gives it
+    under autocast) and a timm-like -100/0 mask."""
+    gen = torch.Generator().manual_seed(seed)
+    if layout in ("timm_qkv", "packed"):
+        qkv = torch.randn(bnw, n, 3, nh, d, generator=gen).to(device=device, dtype=dtype)
+        qkv.requires_grad_()
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        leaves = [qkv]
+    else:
+        q, k, v = (torch.randn(bnw, nh, n, d, generator=gen).to(device=device, dtype=dtype).requires_grad_()
+                   for _ in range(3))
+        leaves = [q, k, v]
+    rel_bias = (0.5 * torch.randn(nh, n, n, generator=gen)).to(device).requires_grad_()
+    mask = None
+    if nw is not None:
+        mask = torch.where(torch.rand(nw, n, n, generator=gen) < 0.3, -100.0, 0.0).to(device)
+    return q, k, v, rel_bias, mask, leaves
+
+
+def reference_window_attention(q, k, v, rel_bias, mask, scale):
+    """The plain formula in float64 (timm's eager path)."""
+    q, k, v, rel_bias = (t.double() for t in (q, k, v, rel_bias))
+    scores = q @ k.transpose(-2, -1) * scale + rel_bias
+    if mask is not None:
+        nw = mask.shape[0]
+        scores = (scores.view(-1, nw, *scores.shape[1:]) + mask.double()[None, :, None]).view(scores.shape)
+    return scores.softmax(-1) @ v
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.fixture(autouse=True)
+def poison_buffers(monkeypatch):
+    """NaN-fill every output buffer before the kernels write it: an unwritten element fails."""
+    monkeypatch.setattr(wa, "POISON_BUFFERS", True)
+
+
+def check_against_reference(shape, dtype, out_tol, grad_tol, seed=0):
+    bnw, nh, n, d, nw, layout = shape
+    q, k, v, rel_bias, mask, leaves = make_inputs(bnw, nh, n, d, nw, layout, dtype, seed=seed)
+    scale = d ** -0.5
+    if layout == "packed":
+        out = fused_window_attention_qkv(leaves[0], rel_bias, mask)
+    else:
+        out = fused_window_attention(q, k, v, rel_bias, mask)
+    assert out.shape == (bnw, nh, n, d) and out.dtype == dtype
+    gen = torch.Generator().manual_seed(seed + 1)
+    dout = torch.randn(out.shape, generator=gen).to(device=out.device, dtype=dtype)
+    grads = torch.autograd.grad(out, [*leaves, rel_bias], dout)
+
+    ref = reference_window_attention(q, k, v, rel_bias, mask, scale)
+    ref_grads = torch.autograd.grad(ref, [*leaves, rel_bias], dout.double())
+
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < out_tol
+    names = (["dqkv"] if len(leaves) == 1 else ["dq", "dk", "dv"]) + ["d_rel_bias"]
+    for name, g, rg in zip(names, grads, ref_grads):
+        assert torch.isfinite(g).all(), name
+        err = rel_err(g, rg)
+        assert err < grad_tol, f"{name}: relative error {err:.2e} >= {grad_tol}"
+    assert grads[-1].dtype == rel_bias.dtype
+
+
+@pytest.mark.parametrize("dtype, out_tol, grad_tol", DTYPE_TOLERANCES, ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(str(x) for x in s))
+def test_fused_window_attention_matches_reference(shape, dtype, out_tol, grad_tol):
+    check_against_reference(shape, dtype, out_tol, grad_tol)
+
+
+def test_output_is_transpose_friendly_view():
+    """The output is a (B*nW, nH, N, d) view of a (B*nW, N, nH, d) buffer, so timm's following
+    transpose(1, 2).reshape(B_, N, C) needs no copy."""
+    q, k, v, rel_bias, mask, _ = make_inputs(4, 2, 49, 16, 2, "timm_qkv", torch.float32)
+    out = fused_window_attention(q, k, v, rel_bias, mask)
+    assert out.transpose(1, 2).is_contiguous()
+
+
+def test_bias_without_grad_and_low_precision_bias():
+    """A frozen bias gets no gradient (the d_bias pass is skipped); a bf16 bias gets a bf16 one."""
+    q, k, v, rel_bias, mask, _ = make_inputs(6, 3, 49, 16, 3, "contiguous", torch.bfloat16)
+    frozen = rel_bias.detach()
+    out = fused_window_attention(q, k, v, frozen, mask)
+    dq, = torch.autograd.grad(out, [q], torch.ones_like(out))
+    assert torch.isfinite(dq).all()
+    bias16 = rel_bias.detach().bfloat16().requires_grad_()
+    out = fused_window_attention(q, k, v, bias16, mask)
+    dbias, = torch.autograd.grad(out, [bias16], torch.ones_like(out))
+    assert dbias.dtype == torch.bfloat16 and torch.isfinite(dbias).all()
+
+
+def test_rejects_bad_shapes():
+    q = torch.randn(4, 2, 49, 24)
+    with pytest.raises(ValueError, match="power of two"):
+        fused_window_attention(q, q, q, torch.zeros(2, 49, 49))
+    q = torch.randn(4, 2, 49, 16)
+    with pytest.raises(ValueError, match="rel_bias"):
+        fused_window_attention(q, q, q, torch.zeros(2, 48, 48))
+    with pytest.raises(ValueError, match="mask"):
+        fused_window_attention(q, q, q, torch.zeros(2, 49, 49), mask=torch.zeros(3, 49, 49))
+
+
+# Swin-B stage shapes (at batch 2 to keep it short) and a 12x12 window; GPU only.
+GPU_SHAPES = [
+    (128, 4, 49, 32, 64, "timm_qkv"),
+    (32, 8, 49, 32, 16, "timm_qkv"),
+    (8, 16, 49, 32, 4, "packed"),
+    (2, 32, 49, 32, None, "timm_qkv"),
+    (72, 6, 144, 32, 36, "packed"),
+    (50, 5, 49, 64, 25, "contiguous"),
+    (33, 2, 100, 128, 11, "contiguous"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype, out_tol, grad_tol", DTYPE_TOLERANCES, ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(str(x) for x in s))
+def test_fused_window_attention_gpu_shapes(shape, dtype, out_tol, grad_tol):
+    check_against_reference(shape, dtype, out_tol, grad_tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_d_rel_bias_is_deterministic():
+    q, k, v, rel_bias, mask, _ = make_inputs(256, 4, 49, 32, 64, "timm_qkv", torch.bfloat16)
+    out = fused_window_attention(q, k, v, rel_bias, mask)
+    dout = torch.randn_like(out)
+    first = torch.autograd.grad(out, [rel_bias], dout, retain_graph=True)[0]
+    second = torch.autograd.grad(out, [rel_bias], dout)[0]
+    assert torch.equal(first, second)

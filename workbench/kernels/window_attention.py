@@ -1,0 +1,414 @@
+"""Fused window attention (Swin W-MSA / SW-MSA) forward and backward in Triton.
+
+    out = softmax(q @ k^T * scale + rel_bias[h] + mask[b % nW]) @ v
+
+per batch-window b and head h, with q, k, v of shape (B*nW, nH, N, d): N is the window area
+(49 for a 7x7 window, 144 for 12x12; any N <= 256), d a power of two in 16..128.
+
+Design (why it is shaped this way):
+  * A window is small (N <= 256), so one program owns whole windows: the N x N scores live in
+    registers only and are never written to global memory; neither is an expanded bias or mask.
+    N is padded inside the kernel to BLOCK_N = next_pow2(N) (49 -> 64); padded keys get -inf.
+  * Grid = (nW * n_groups, nH). Program (w, g, h) loops over the G batch-windows
+    b = i * nW + w, i in [g*G, (g+1)*G). All of them share rel_bias[h] and mask[w], so the
+    bias/mask tile is loaded once per program and kept in registers.
+  * Queries are processed in tiles of BLOCK_M rows. For N <= 64 there is one tile
+    (BLOCK_M = BLOCK_N); for larger N (144) BLOCK_M = 32 keeps the fp32 score tile in registers.
+    Keys are never tiled, so the softmax is exact (no online rescaling).
+  * Forward saves the row logsumexp (fp32, base-2, shape (B*nW, nH, N)); backward recomputes P.
+  * d_bias without a float-atomic storm: every backward program sums dS over its G windows in
+    registers (one query tile) or in its own slot of a partial buffer (several tiles), and writes
+    one fp32 slot of shape (N, N) into partial[g, w, h]. A torch .sum over (g, w) finishes it.
+    Nothing is contended, and the result is deterministic (same order every run).
+  * The output is allocated as (B*nW, N, nH, d) and returned as the (B*nW, nH, N, d) view, so
+    timm's `x.transpose(1, 2).reshape(B_, N, C)` after attention is free (no copy).
+  * fp16/bf16 inputs use tensor-core dots with fp32 accumulation; fp32 inputs use
+    input_precision="ieee" (no TF32) so results meet fp32 tolerances.
+
+Autotuning (num_warps x windows-per-program G) is keyed on (N, D, NH, NW) and is off under
+TRITON_INTERPRET=1, where a single config keeps CPU tests fast.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Test hook: when True, every buffer a kernel must fill is NaN-filled first, so an element the
+# kernel forgets to write fails the comparison instead of passing by luck.
+POISON_BUFFERS = False
+
+LOG2E = 1.4426950408889634
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """tl.dot with fp32 accumulation. UPCAST (interpreter + bf16 only): the Triton CPU interpreter
+    multiplies bf16 operands as raw integers, so upcast them to fp32 there."""
+    if UPCAST:
+        r = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        r = tl.dot(a, b, input_precision=PRECISION)
+    return r
+
+
+@triton.jit
+def _bias_mask_tile(BIAS, MASK, h, w, offs_m, offs_n, N, HAS_MASK: tl.constexpr):
+    """fp32 (BLOCK_M, BLOCK_N) tile of (rel_bias[h] + mask[w]) * log2(e); padded keys -> -inf."""
+    row_ok = offs_m < N
+    key_ok = offs_n < N
+    ij = offs_m[:, None] * N + offs_n[None, :]
+    ok = row_ok[:, None] & key_ok[None, :]
+    t = tl.load(BIAS + h * N * N + ij, mask=ok, other=0.0).to(tl.float32)
+    if HAS_MASK:
+        t += tl.load(MASK + w * N * N + ij, mask=ok, other=0.0).to(tl.float32)
+    t = t * 1.4426950408889634
+    return tl.where(key_ok[None, :], t, float("-inf"))
+
+
+@triton.jit(do_not_specialize=["G"])
+def _window_attention_fwd_kernel(
+    Q, K, V, BIAS, MASK, O, LSE,
+    sq_b, sq_h, sq_n, sq_d,
+    sk_b, sk_h, sk_n, sk_d,
+    sv_b, sv_h, sv_n, sv_d,
+    so_b, so_h, so_n, so_d,
+    scale, B_PER_W, G,
+    N: tl.constexpr, NW: tl.constexpr, NH: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    w = pid % NW
+    g = pid // NW
+    i_start = g * G
+    i_end = tl.minimum(i_start + G, B_PER_W)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    key_ok = offs_n < N
+    qk_scale = scale * 1.4426950408889634
+    # Query tiles outer, windows inner: the bias/mask tile is loaded once per tile per program.
+    for m0 in range(0, N, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < N
+        bias = _bias_mask_tile(BIAS, MASK, h, w, offs_m, offs_n, N, HAS_MASK)
+        for i in range(i_start, i_end):
+            b = (i * NW + w).to(tl.int64)
+            q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_n + offs_d[None, :] * sq_d,
+                        mask=row_ok[:, None], other=0.0)
+            k = tl.load(K + b * sk_b + h * sk_h + offs_n[:, None] * sk_n + offs_d[None, :] * sk_d,
+                        mask=key_ok[:, None], other=0.0)
+            v = tl.load(V + b * sv_b + h * sv_h + offs_n[:, None] * sv_n + offs_d[None, :] * sv_d,
+                        mask=key_ok[:, None], other=0.0)
+            s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale + bias  # base-2 logits
+            m = tl.max(s, 1)
+            p = tl.exp2(s - m[:, None])
+            l = tl.sum(p, 1)
+            o = _dot(p.to(v.dtype), v, PRECISION, UPCAST) / l[:, None]
+            tl.store(O + b * so_b + h * so_h + offs_m[:, None] * so_n + offs_d[None, :] * so_d,
+                     o.to(O.dtype.element_ty), mask=row_ok[:, None])
+            tl.store(LSE + (b * NH + h) * N + offs_m, m + tl.log2(l), mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["G"])
+def _window_attention_bwd_kernel(
+    Q, K, V, O, DO, LSE, BIAS, MASK, DQ, DK, DV, DBIAS_PARTIAL,
+    sq_b, sq_h, sq_n, sq_d,
+    sk_b, sk_h, sk_n, sk_d,
+    sv_b, sv_h, sv_n, sv_d,
+    so_b, so_h, so_n, so_d,
+    sdo_b, sdo_h, sdo_n, sdo_d,
+    sdq_b, sdq_h, sdq_n, sdq_d,
+    sdk_b, sdk_h, sdk_n, sdk_d,
+    sdv_b, sdv_h, sdv_n, sdv_d,
+    scale, B_PER_W, G,
+    N: tl.constexpr, NW: tl.constexpr, NH: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, COMPUTE_DBIAS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    w = pid % NW
+    g = pid // NW
+    i_start = g * G
+    i_end = tl.minimum(i_start + G, B_PER_W)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    key_ok = offs_n < N
+    qk_scale = scale * 1.4426950408889634
+    SINGLE_TILE: tl.constexpr = BLOCK_M == BLOCK_N
+    # This program's own (N, N) slot of the d_bias partial buffer (n_groups, NW, NH, N, N).
+    dbias_slot = DBIAS_PARTIAL + ((g * NW + w) * NH + h).to(tl.int64) * N * N
+    if SINGLE_TILE:
+        offs_m0 = tl.arange(0, BLOCK_M)
+        bias0 = _bias_mask_tile(BIAS, MASK, h, w, offs_m0, offs_n, N, HAS_MASK)
+        dbias_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(i_start, i_end):
+        b = (i * NW + w).to(tl.int64)
+        k = tl.load(K + b * sk_b + h * sk_h + offs_n[:, None] * sk_n + offs_d[None, :] * sk_d,
+                    mask=key_ok[:, None], other=0.0)
+        v = tl.load(V + b * sv_b + h * sv_h + offs_n[:, None] * sv_n + offs_d[None, :] * sv_d,
+                    mask=key_ok[:, None], other=0.0)
+        dk = tl.zeros((BLOCK_N, D), dtype=tl.float32)
+        dv = tl.zeros((BLOCK_N, D), dtype=tl.float32)
+        for m0 in range(0, N, BLOCK_M):
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            row_ok = offs_m < N
+            if SINGLE_TILE:
+                bias = bias0
+            else:
+                bias = _bias_mask_tile(BIAS, MASK, h, w, offs_m, offs_n, N, HAS_MASK)
+            q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_n + offs_d[None, :] * sq_d,
+                        mask=row_ok[:, None], other=0.0)
+            o = tl.load(O + b * so_b + h * so_h + offs_m[:, None] * so_n + offs_d[None, :] * so_d,
+                        mask=row_ok[:, None], other=0.0)
+            do = tl.load(DO + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_n + offs_d[None, :] * sdo_d,
+                         mask=row_ok[:, None], other=0.0)
+            lse = tl.load(LSE + (b * NH + h) * N + offs_m, mask=row_ok, other=0.0)
+            s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale + bias
+            p = tl.exp2(s - lse[:, None])  # padded keys: exp2(-inf) = 0; padded rows: do = 0
+            delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+            dv += _dot(tl.trans(p.to(do.dtype)), do, PRECISION, UPCAST)
+            dp = _dot(do, tl.trans(v), PRECISION, UPCAST)
+            ds = p * (dp - delta[:, None])  # d loss / d (scores + bias + mask)
+            dq = _dot(ds.to(k.dtype), k, PRECISION, UPCAST) * scale
+            tl.store(DQ + b * sdq_b + h * sdq_h + offs_m[:, None] * sdq_n + offs_d[None, :] * sdq_d,
+                     dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+            dk += _dot(tl.trans(ds.to(q.dtype)), q, PRECISION, UPCAST)
+            if COMPUTE_DBIAS:
+                if SINGLE_TILE:
+                    dbias_acc += ds
+                else:
+                    # Several query tiles: read-modify-write this program's own slot (no other
+                    # program touches it). The barrier orders one thread's store before another
+                    # thread's load of the same address in the next window.
+                    ij = offs_m[:, None] * N + offs_n[None, :]
+                    ok = row_ok[:, None] & key_ok[None, :]
+                    prev = tl.load(dbias_slot + ij, mask=ok & (i > i_start), other=0.0)
+                    tl.store(dbias_slot + ij, prev + ds, mask=ok)
+                    tl.debug_barrier()
+        tl.store(DK + b * sdk_b + h * sdk_h + offs_n[:, None] * sdk_n + offs_d[None, :] * sdk_d,
+                 (dk * scale).to(DK.dtype.element_ty), mask=key_ok[:, None])
+        tl.store(DV + b * sdv_b + h * sdv_h + offs_n[:, None] * sdv_n + offs_d[None, :] * sdv_d,
+                 dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
+    if COMPUTE_DBIAS:
+        if SINGLE_TILE:
+            ij = offs_m0[:, None] * N + offs_n[None, :]
+            ok = (offs_m0 < N)[:, None] & key_ok[None, :]
+            tl.store(dbias_slot + ij, dbias_acc, mask=ok)
+
+
+# --------------------------------------------------------------------------------------------
+# Launch configuration
+# --------------------------------------------------------------------------------------------
+# Windows per program G is an ordinary (non-specialized) int, so configs that differ only in G
+# share one compiled binary: autotuning costs one compile per num_warps.
+# Backward G starts at 8: the d_bias partial buffer costs 4*N*N/G bytes per (window, head), about
+# 10% of the backward's own traffic at G = 8, and the autotuner times only the kernel, not the sum.
+_FWD_CONFIGS = [triton.Config({"G": g}, num_warps=nw, num_stages=1) for nw in (2, 4, 8) for g in (1, 2, 4, 8)]
+_BWD_CONFIGS = [triton.Config({"G": g}, num_warps=nw, num_stages=1) for nw in (4, 8) for g in (8, 16, 32)]
+_INTERPRET_CONFIG = {"G": 2, "num_warps": 4}
+_AUTOTUNE_KEY = ["N", "D", "NH", "NW"]
+# The d_bias partial buffer has ceil(B_PER_W / G) slots per (w, h); sized for the smallest G.
+_BWD_MIN_G = min(c.kwargs["G"] for c in _BWD_CONFIGS)
+
+
+def _quick_bench(fn, quantiles=None):
+    # Short timing for autotune: candidates differ by tens of percent, not by noise.
+    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
+
+
+if _INTERPRET:
+    _fwd = _window_attention_fwd_kernel
+    _bwd = _window_attention_bwd_kernel
+else:
+    _fwd = triton.autotune(_FWD_CONFIGS, key=_AUTOTUNE_KEY, do_bench=_quick_bench)(_window_attention_fwd_kernel)
+    _bwd = triton.autotune(_BWD_CONFIGS, key=_AUTOTUNE_KEY, do_bench=_quick_bench)(_window_attention_bwd_kernel)
+
+
+def _block_sizes(n: int) -> tuple[int, int]:
+    block_n = max(16, triton.next_power_of_2(n))
+    # One query tile up to 64 keys; beyond that 32-row tiles keep the fp32 scores in registers.
+    block_m = block_n if block_n <= 64 else 32
+    return block_m, block_n
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 must not silently drop to TF32; half types ignore the setting (None = Triton default).
+    return "ieee" if dtype == torch.float32 else None
+
+
+def _new_buffer(shape, dtype, device) -> torch.Tensor:
+    if POISON_BUFFERS:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _check_inputs(q, k, v, rel_bias, mask):
+    if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
+        raise ValueError(f"q, k, v must share one (B*nW, nH, N, d) shape, got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    bnw, nh, n, d = q.shape
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError("q, k and v must share one dtype")
+    if d < 16 or d > 128 or d & (d - 1):
+        raise ValueError(f"head width d must be a power of two in 16..128, got {d}")
+    if n > 256:
+        raise ValueError(f"window area N must be <= 256, got {n}")
+    if tuple(rel_bias.shape) != (nh, n, n):
+        raise ValueError(f"rel_bias must be (nH, N, N) = {(nh, n, n)}, got {tuple(rel_bias.shape)}")
+    if mask is not None:
+        if mask.dim() != 3 or tuple(mask.shape[1:]) != (n, n) or bnw % mask.shape[0]:
+            raise ValueError(f"mask must be (nW, N, N) with B*nW divisible by nW, got {tuple(mask.shape)}")
+
+
+def _strides(t: torch.Tensor):
+    return tuple(t.stride())
+
+
+# --------------------------------------------------------------------------------------------
+# Host functions
+# --------------------------------------------------------------------------------------------
+def window_attention_fwd(q, k, v, rel_bias, mask, scale):
+    """q, k, v: (B*nW, nH, N, d) fp16/bf16/fp32, any strides. rel_bias: (nH, N, N). mask: (nW, N, N)
+    or None. -> (out (B*nW, nH, N, d) in q.dtype (a view of a (B*nW, N, nH, d) buffer),
+    lse (B*nW, nH, N) fp32 base-2 logsumexp)."""
+    bnw, nh, n, d = q.shape
+    nw = 1 if mask is None else mask.shape[0]
+    b_per_w = bnw // nw
+    rel_bias = rel_bias.contiguous()
+    mask_arg = rel_bias if mask is None else mask.contiguous()  # dummy pointer when no mask
+    out = _new_buffer((bnw, n, nh, d), q.dtype, q.device).permute(0, 2, 1, 3)
+    lse = _new_buffer((bnw, nh, n), torch.float32, q.device)
+    block_m, block_n = _block_sizes(n)
+    extra = dict(_INTERPRET_CONFIG) if _INTERPRET else {}
+    grid = lambda meta: (nw * triton.cdiv(b_per_w, meta["G"]), nh)  # noqa: E731
+    _fwd[grid](
+        q, k, v, rel_bias, mask_arg, out, lse,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(out),
+        float(scale), b_per_w, N=n, NW=nw, NH=nh, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
+        HAS_MASK=mask is not None, PRECISION=_precision(q.dtype),
+        UPCAST=_INTERPRET and q.dtype == torch.bfloat16, **extra,
+    )
+    return out, lse
+
+
+def window_attention_bwd(q, k, v, out, lse, dout, rel_bias, mask, scale, compute_dbias=True, dqkv=None):
+    """Gradients of window attention. Shapes as in `window_attention_fwd`; dout like out, any strides.
+    dqkv: optional (B*nW, N, 3, nH, d) buffer to write dq, dk, dv into (timm's packed qkv layout).
+    -> (dq, dk, dv in q.dtype, d_rel_bias (nH, N, N) fp32 or None)."""
+    bnw, nh, n, d = q.shape
+    nw = 1 if mask is None else mask.shape[0]
+    b_per_w = bnw // nw
+    rel_bias = rel_bias.contiguous()
+    mask_arg = rel_bias if mask is None else mask.contiguous()
+    if dqkv is None:
+        dq, dk, dv = (_new_buffer((bnw, nh, n, d), q.dtype, q.device) for _ in range(3))
+    else:
+        dq, dk, dv = dqkv.permute(2, 0, 3, 1, 4).unbind(0)
+    if _INTERPRET:
+        max_slots = triton.cdiv(b_per_w, _INTERPRET_CONFIG["G"])
+    else:
+        max_slots = triton.cdiv(b_per_w, _BWD_MIN_G)
+    partial = _new_buffer((max_slots if compute_dbias else 1, nw, nh, n, n), torch.float32, q.device)
+    block_m, block_n = _block_sizes(n)
+    extra = dict(_INTERPRET_CONFIG) if _INTERPRET else {}
+    grid = lambda meta: (nw * triton.cdiv(b_per_w, meta["G"]), nh)  # noqa: E731
+    _bwd[grid](
+        q, k, v, out, dout, lse, rel_bias, mask_arg, dq, dk, dv, partial,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(dout),
+        *_strides(dq), *_strides(dk), *_strides(dv),
+        float(scale), b_per_w, N=n, NW=nw, NH=nh, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
+        HAS_MASK=mask is not None, PRECISION=_precision(q.dtype),
+        UPCAST=_INTERPRET and q.dtype == torch.bfloat16, COMPUTE_DBIAS=compute_dbias, **extra,
+    )
+    dbias = None
+    if compute_dbias:
+        g = _INTERPRET_CONFIG["G"] if _INTERPRET else _bwd.best_config.kwargs["G"]
+        dbias = partial[: triton.cdiv(b_per_w, g)].sum(dim=(0, 1))
+    return dq, dk, dv, dbias
+
+
+class WindowAttentionFunction(torch.autograd.Function):
+    """Autograd for fused window attention: saves q, k, v, out, lse and calls the host functions."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, rel_bias, mask, scale):
+        out, lse = window_attention_fwd(q, k, v, rel_bias, mask, scale)
+        ctx.save_for_backward(q, k, v, out, lse, rel_bias, mask)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, rel_bias, mask = ctx.saved_tensors
+        dq, dk, dv, dbias = window_attention_bwd(
+            q, k, v, out, lse, dout, rel_bias, mask, ctx.scale, compute_dbias=ctx.needs_input_grad[3],
+        )
+        if dbias is not None:
+            dbias = dbias.to(rel_bias.dtype)
+        return dq, dk, dv, dbias, None, None
+
+
+class WindowAttentionQKVFunction(torch.autograd.Function):
+    """As WindowAttentionFunction, for q, k, v packed in one (B*nW, N, 3, nH, d) tensor (timm's
+    qkv Linear output, reshaped). The gradient is written straight into one packed buffer, which
+    saves autograd's stack of dq, dk, dv and the copy its reshape back to (B*nW, N, 3C) needs."""
+
+    @staticmethod
+    def forward(ctx, qkv, rel_bias, mask, scale):
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        out, lse = window_attention_fwd(q, k, v, rel_bias, mask, scale)
+        ctx.save_for_backward(qkv, out, lse, rel_bias, mask)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        qkv, out, lse, rel_bias, mask = ctx.saved_tensors
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        dqkv = _new_buffer(qkv.shape, qkv.dtype, qkv.device)
+        _, _, _, dbias = window_attention_bwd(
+            q, k, v, out, lse, dout, rel_bias, mask, ctx.scale,
+            compute_dbias=ctx.needs_input_grad[1], dqkv=dqkv,
+        )
+        if dbias is not None:
+            dbias = dbias.to(rel_bias.dtype)
+        return dqkv, dbias, None, None
+
+
+def fused_window_attention_qkv(qkv, rel_bias, mask=None, scale=None):
+    """fused_window_attention on q, k, v packed as timm packs them: qkv (B*nW, N, 3, nH, d), i.e.
+    `self.qkv(x).reshape(B_, N, 3, nH, d)`. Returns (B*nW, nH, N, d) in qkv.dtype."""
+    if qkv.dim() != 5 or qkv.shape[2] != 3:
+        raise ValueError(f"qkv must be (B*nW, N, 3, nH, d), got {tuple(qkv.shape)}")
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    _check_inputs(q, k, v, rel_bias, mask)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if mask is not None:
+        mask = mask.detach()
+    return WindowAttentionQKVFunction.apply(qkv, rel_bias, mask, float(scale))
+
+
+def fused_window_attention(q, k, v, rel_bias, mask=None, scale=None):
+    """softmax(q @ k^T * scale + rel_bias + mask[b % nW]) @ v, fused, forward and backward.
+
+    q, k, v: (B*nW, nH, N, d) fp16/bf16/fp32 (strided views are fine). rel_bias: (nH, N, N), any
+    float dtype, gets a gradient. mask: (nW, N, N) additive, batch-window b uses mask[b % nW]; no
+    gradient. scale: default d ** -0.5. Returns (B*nW, nH, N, d) in q.dtype.
+    """
+    _check_inputs(q, k, v, rel_bias, mask)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if mask is not None:
+        mask = mask.detach()
+    return WindowAttentionFunction.apply(q, k, v, rel_bias, mask, float(scale))

@@ -1,0 +1,69 @@
+"""Pass `fused_attention`: run every timm WindowAttention through the fused Triton kernel.
+
+Each WindowAttention instance gets its forward replaced (types.MethodType) by one that keeps the
+qkv and proj Linears as they are and swaps the attention core (q k^T * scale + bias + mask,
+softmax, @ v) for `fused_window_attention_qkv`: the N x N scores never reach global memory and
+the relative-position-bias gradient flows back through timm's table gather as before.
+Instances with a non-zero attn_drop are left unpatched (the kernel has no dropout) and counted.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+
+from . import PassContext, PassResult, PassUnavailable
+
+NAME = "fused_attention"
+
+
+def fused_window_attention_forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """timm WindowAttention.forward with the fused kernel. x: (B*nW, N, C); mask: (nW, N, N) or None."""
+    from ..kernels.window_attention import fused_window_attention_qkv
+
+    B_, N, C = x.shape
+    qkv = self.qkv(x).reshape(B_, N, 3, self.num_heads, -1)  # q, k, v are strided views of this
+    rel_bias = self._get_rel_pos_bias()  # (1, nH, N, N)
+    x = fused_window_attention_qkv(qkv, rel_bias.reshape(rel_bias.shape[-3:]), mask, self.scale)
+    x = x.transpose(1, 2).reshape(B_, N, -1)  # the kernel's output layout makes this a view
+    x = self.proj(x)
+    x = self.proj_drop(x)
+    return x
+
+
+def apply(model: torch.nn.Module, ctx: PassContext, **params) -> tuple[torch.nn.Module, PassResult]:
+    """Patch every timm WindowAttention in `model` in place -> (model, PassResult)."""
+    if params:
+        raise PassUnavailable(f"{NAME} takes no parameters, got {sorted(params)}")
+    try:
+        from timm.models.swin_transformer import WindowAttention
+
+        from ..kernels.window_attention import fused_window_attention_qkv  # noqa: F401
+    except ImportError as exc:
+        raise PassUnavailable(f"fused window attention kernel not importable: {exc}") from exc
+    if ctx.device.type != "cuda":
+        import os
+
+        if os.environ.get("TRITON_INTERPRET", "0") != "1":
+            raise PassUnavailable("the Triton kernel needs a CUDA GPU (or TRITON_INTERPRET=1 on the CPU)")
+
+    patched, skipped_dropout = 0, 0
+    for module in model.modules():
+        if not isinstance(module, WindowAttention):
+            continue
+        if module.attn_drop.p > 0:
+            skipped_dropout += 1  # the kernel has no attention dropout: keep timm's path
+            continue
+        module.forward = types.MethodType(fused_window_attention_forward, module)
+        patched += 1
+    if patched == 0 and skipped_dropout == 0:
+        raise PassUnavailable("no timm WindowAttention modules in this model")
+    changed = f"{patched} WindowAttention -> fused Triton window attention (fwd+bwd)"
+    if skipped_dropout:
+        changed += f"; {skipped_dropout} left on timm's path (attn_drop > 0)"
+    details = {
+        "patched_modules": patched,
+        "skipped_attn_dropout": skipped_dropout,
+        "implementation": "workbench.kernels.window_attention.fused_window_attention_qkv (Triton)",
+    }
+    return model, PassResult(NAME, dict(params), changed, details)
