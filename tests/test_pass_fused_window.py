@@ -1,0 +1,131 @@
+"""The fused_window pass on the tiny timm Swin: same logits and every parameter gradient as the
+unpatched model (same seed, deep copies). Without a GPU the kernels run in Triton's interpreter
+(TRITON_INTERPRET=1, set before triton is imported)."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import copy  # noqa: E402
+
+import pytest  # noqa: E402
+from torch import nn  # noqa: E402
+
+from workbench.models import TINY_KWARGS, TINY_MODEL, build_model, input_size  # noqa: E402
+from workbench.passes import PassContext, PassUnavailable, apply_pass  # noqa: E402
+from workbench.passes import fused_window  # noqa: E402
+from workbench.precision import resolve_precision  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+BATCH = 2
+N_BLOCKS = 4  # tiny Swin: depths (2, 2); stage 1 (14x14) has one shifted block, stage 2 (7x7 = one window) none
+N_SHIFTED = 1
+
+
+def _ctx(precision="fp32"):
+    return PassContext(device=DEVICE, precision=resolve_precision(precision))
+
+
+def _models(seed=0, model_fn=None):
+    torch.manual_seed(seed)
+    model = (model_fn or (lambda: build_model(TINY_MODEL)))().to(DEVICE)
+    return model, copy.deepcopy(model)
+
+
+def _step(model, x, target, autocast=None, rng_seed=None):
+    model.zero_grad(set_to_none=True)
+    if rng_seed is not None:
+        torch.manual_seed(rng_seed)
+    ctx = torch.autocast(DEVICE.type, dtype=autocast) if autocast else torch.autocast(DEVICE.type, enabled=False)
+    with ctx:
+        logits = model(x)
+        loss = nn.functional.cross_entropy(logits.float(), target)
+    loss.backward()
+    return logits.detach().float(), {n: p.grad.detach().float().clone() for n, p in model.named_parameters()}
+
+
+def _assert_same_step(ref, fused, atol, rtol, autocast=None, train=False, rng_seed=None):
+    ref.train(train)
+    fused.train(train)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn((BATCH, *input_size(ref)), generator=g).to(DEVICE)
+    target = torch.randint(0, 10, (BATCH,), generator=g).to(DEVICE)
+    logits_ref, grads_ref = _step(ref, x, target, autocast, rng_seed)
+    logits, grads = _step(fused, x, target, autocast, rng_seed)
+    torch.testing.assert_close(logits, logits_ref, atol=atol, rtol=rtol, msg=lambda m: f"logits: {m}")
+    assert grads.keys() == grads_ref.keys()
+    for name, g_ref in grads_ref.items():
+        torch.testing.assert_close(grads[name], g_ref, atol=atol, rtol=rtol, msg=lambda m, n=name: f"grad {n}: {m}")
+
+
+def test_matches_unpatched_fp32():
+    ref, model = _models()
+    model, result = fused_window.apply(model, _ctx())
+    assert result.available and result.name == "fused_window"
+    assert result.details["blocks_patched"] == N_BLOCKS == result.details["blocks_total"]
+    assert result.details["blocks_shifted"] == N_SHIFTED
+    _assert_same_step(ref, model, atol=1e-5, rtol=1e-5)
+    # applying twice changes nothing more
+    _, again = fused_window.apply(model, _ctx())
+    assert again.details["blocks_patched"] == 0 and again.details["blocks_already_fused_window"] == N_BLOCKS
+
+
+def test_patched_forward_calls_attn_module():
+    """fused_attention replaces blk.attn.forward; the patched block must go through blk.attn(...)."""
+    _, model = _models()
+    model, _ = fused_window.apply(model, _ctx())
+    calls = []
+    for blk in model.modules():
+        if hasattr(blk, "_swinbench_fused_window"):
+            blk.attn.register_forward_hook(lambda m, a, kw, out: calls.append(a[0].shape), with_kwargs=True)
+    model.eval()
+    with torch.no_grad():
+        model(torch.randn(1, *input_size(model), device=DEVICE))
+    assert len(calls) == N_BLOCKS
+
+
+def test_matches_unpatched_drop_path_and_dynamic_mask_train():
+    """Stochastic depth (training, unfused add) and timm's dynamic_mask: same RNG draws, same result."""
+    from timm.models.swin_transformer import SwinTransformer
+
+    ref, model = _models(model_fn=lambda: SwinTransformer(**TINY_KWARGS, drop_path_rate=0.3))
+    for m in (ref, model):
+        for blk in m.modules():
+            if hasattr(blk, "dynamic_mask"):
+                blk.dynamic_mask = True
+    model, result = fused_window.apply(model, _ctx())
+    assert result.details["blocks_dynamic_mask"] == N_BLOCKS
+    assert result.details["blocks_with_drop_path"] >= 1
+    _assert_same_step(ref, model, atol=1e-5, rtol=1e-5, train=True, rng_seed=3)
+
+
+def test_matches_unpatched_under_bf16_autocast():
+    """Under autocast the fused norm emits fp32 like timm's LayerNorm; the add takes the bf16
+    attention output into the fp32 residual. Loose tolerance: both run bf16 matmuls."""
+    ref, model = _models()
+    model, _ = fused_window.apply(model, _ctx("bf16"))
+    _assert_same_step(ref, model, atol=3e-2, rtol=3e-2, autocast=torch.bfloat16)
+
+
+def test_composes_with_fused_layernorm_add_norm2():
+    pytest.importorskip("workbench.kernels.layer_norm")
+    ref, model = _models()
+    model, ln = apply_pass("fused_layernorm", model, _ctx(), {"impl": "triton", "fuse_residual": True})
+    if not ln.available:
+        pytest.skip(f"fused_layernorm unavailable: {ln.changed}")
+    model, result = fused_window.apply(model, _ctx())
+    assert result.details["blocks_patched"] == N_BLOCKS
+    assert result.details["blocks_with_add_norm2"] == ln.details.get("fused_residual_blocks", 0)
+    _assert_same_step(ref, model, atol=1e-5, rtol=1e-5)
+
+
+def test_non_square_window_is_unavailable():
+    _, model = _models()
+    blk = next(m for m in model.modules() if hasattr(m, "shift_size"))
+    blk.window_size = (7, 4)
+    with pytest.raises(PassUnavailable):
+        fused_window.apply(model, _ctx())
+    model, result = apply_pass("fused_window", model, _ctx())
+    assert not result.available

@@ -1,0 +1,219 @@
+"""Fused Swin window kernels vs the eager timm ops they replace, forward and backward.
+
+Data movement (roll/pad/partition and inverse, and the residual add) must be bit-exact; the
+LayerNorm op is checked at the tolerance next to each dtype. Kernels write into NaN-filled
+buffers through the host functions' `out=` so that an element the kernel forgets fails.
+Runs on the CPU under TRITON_INTERPRET=1 (small shapes), and on the GPU when there is one.
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch.nn.functional as F  # noqa: E402
+from timm.models.swin_transformer import window_partition, window_reverse  # noqa: E402
+
+from workbench.kernels.window import (  # noqa: E402
+    merge_roll,
+    merge_roll_fwd,
+    merge_unshift_add,
+    norm_shift_partition,
+    norm_shift_partition_bwd,
+    norm_shift_partition_fwd,
+    roll_partition,
+    roll_partition_fwd,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# (B, H, W, C, window_size, shift): square and odd maps, H/W not multiples of ws (padded),
+# batch 1, Swin's C and odd C.
+SHAPES = [
+    (2, 14, 14, 96, 7, 3),
+    (1, 9, 15, 33, 4, 2),
+    (1, 15, 9, 100, 4, 0),
+    (2, 7, 7, 32, 7, 0),
+]
+if DEVICE == "cuda":
+    SHAPES += [
+        (4, 56, 56, 128, 7, 3),
+        (3, 15, 15, 768, 7, 3),
+        (2, 7, 7, 1536, 7, 0),
+        (1, 30, 17, 1024, 12, 6),
+    ]
+DTYPES = [
+    (torch.float32, 1e-5, 1e-5),
+    (torch.bfloat16, 2e-2, 2e-2),
+    (torch.float16, 2e-2, 2e-2),
+]
+
+
+def _ids(shape):
+    return "B{}_H{}_W{}_C{}_ws{}_s{}".format(*shape)
+
+
+# ------------------------------------------------------------------------------ eager references
+
+
+def eager_roll_partition(x, ws, shift):
+    B, H, W, C = x.shape
+    if shift:
+        x = torch.roll(x, shifts=(-shift, -shift), dims=(1, 2))
+    x = F.pad(x, (0, 0, 0, (ws - W % ws) % ws, 0, (ws - H % ws) % ws))
+    return window_partition(x, (ws, ws)).view(-1, ws * ws, C)
+
+
+def eager_merge_roll(windows, ws, shift, H, W):
+    C = windows.shape[-1]
+    Hp, Wp = -(-H // ws) * ws, -(-W // ws) * ws
+    x = window_reverse(windows.view(-1, ws, ws, C), (ws, ws), Hp, Wp)[:, :H, :W, :].contiguous()
+    return torch.roll(x, shifts=(shift, shift), dims=(1, 2)) if shift else x
+
+
+def _randn(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).to(device=DEVICE, dtype=dtype)
+
+
+def _nan_like(t):
+    return torch.full_like(t, float("nan"))
+
+
+def _pad_rows(B, H, W, ws):
+    """Boolean (B*nW, ws*ws) mask of window tokens that are padding."""
+    Hp, Wp = -(-H // ws) * ws, -(-W // ws) * ws
+    valid = torch.zeros(B, Hp, Wp, 1, dtype=torch.bool)
+    valid[:, :H, :W] = True
+    return ~window_partition(valid, (ws, ws)).view(-1, ws * ws).to(DEVICE)
+
+
+# ------------------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=_ids)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_roll_partition(shape, dtype):
+    B, H, W, C, ws, shift = shape
+    x = _randn((B, H, W, C), dtype, 0).requires_grad_(True)
+    ref = eager_roll_partition(x, ws, shift)
+    out = roll_partition(x, ws, shift)
+    assert out.shape == ref.shape and out.dtype == dtype
+    assert torch.equal(out, ref)
+    assert torch.equal(roll_partition_fwd(x.detach(), ws, shift, out=_nan_like(ref.detach())), ref.detach())
+
+    dout = _randn(ref.shape, dtype, 1)
+    (dx_ref,) = torch.autograd.grad(ref, x, dout)
+    (dx,) = torch.autograd.grad(out, x, dout)
+    assert torch.equal(dx, dx_ref)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=_ids)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_merge_roll(shape, dtype):
+    B, H, W, C, ws, shift = shape
+    n_windows = B * -(-H // ws) * -(-W // ws)
+    win = _randn((n_windows, ws * ws, C), dtype, 2).requires_grad_(True)
+    ref = eager_merge_roll(win, ws, shift, H, W)
+    out = merge_roll(win, ws, shift, H, W)
+    assert out.shape == (B, H, W, C) and out.dtype == dtype
+    assert torch.equal(out, ref)
+    assert torch.equal(merge_roll_fwd(win.detach(), ws, shift, H, W, out=_nan_like(ref.detach())), ref.detach())
+
+    dout = _randn((B, H, W, C), dtype, 3)
+    (dwin_ref,) = torch.autograd.grad(ref, win, dout)
+    (dwin,) = torch.autograd.grad(out, win, dout)
+    assert torch.equal(dwin, dwin_ref)  # padding rows get exactly zero gradient
+    assert not dwin[_pad_rows(B, H, W, ws)].any()
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=_ids)
+@pytest.mark.parametrize(
+    "win_dtype, shortcut_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float16),
+        (torch.bfloat16, torch.float32),  # autocast: bf16 attention output added to the fp32 residual
+    ],
+)
+def test_merge_unshift_add(shape, win_dtype, shortcut_dtype):
+    B, H, W, C, ws, shift = shape
+    n_windows = B * -(-H // ws) * -(-W // ws)
+    win = _randn((n_windows, ws * ws, C), win_dtype, 4).requires_grad_(True)
+    shortcut = _randn((B, H, W, C), shortcut_dtype, 5).requires_grad_(True)
+    ref = shortcut + eager_merge_roll(win, ws, shift, H, W)
+    out = merge_unshift_add(win, shortcut, ws, shift, H, W)
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert torch.equal(out, ref)
+    poisoned = merge_roll_fwd(win.detach(), ws, shift, H, W, shortcut.detach(), out=_nan_like(ref.detach()))
+    assert torch.equal(poisoned, ref.detach())
+
+    dout = _randn(ref.shape, ref.dtype, 6)
+    dwin_ref, dsc_ref = torch.autograd.grad(ref, (win, shortcut), dout)
+    dwin, dsc = torch.autograd.grad(out, (win, shortcut), dout)
+    assert dwin.dtype == win_dtype and dsc.dtype == shortcut_dtype
+    assert torch.equal(dwin, dwin_ref)
+    assert torch.equal(dsc, dsc_ref)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=_ids)
+@pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
+def test_norm_shift_partition(shape, dtype, atol, rtol):
+    B, H, W, C, ws, shift = shape
+    eps = 1e-5
+    # a non-zero mean and non-unit scale, so that fp32 statistics matter
+    x = (_randn((B, H, W, C), torch.float32, 7) * 2.0 + 0.5).to(dtype).requires_grad_(True)
+    weight = (1.0 + 0.5 * _randn((C,), torch.float32, 8)).to(dtype).requires_grad_(True)
+    bias = (0.5 * _randn((C,), torch.float32, 9)).to(dtype).requires_grad_(True)
+    # reference: timm's order (LayerNorm, then roll, pad, partition) in fp32 from the same inputs
+    x32, w32, b32 = (t.detach().float().requires_grad_(True) for t in (x, weight, bias))
+    ref = eager_roll_partition(F.layer_norm(x32, (C,), w32, b32, eps), ws, shift)
+    out = norm_shift_partition(x, weight, bias, eps, ws, shift)
+    assert out.shape == ref.shape and out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref, atol=atol, rtol=rtol)
+    pad = _pad_rows(B, H, W, ws)
+    assert not out[pad].any(), "padded window tokens must be 0, not LN(0) = bias"
+
+    poisoned, mean, rstd = norm_shift_partition_fwd(
+        x.detach(), weight.detach(), bias.detach(), eps, ws, shift, out=_nan_like(out.detach())
+    )
+    torch.testing.assert_close(poisoned.float(), ref.detach(), atol=atol, rtol=rtol)
+
+    dout = _randn(ref.shape, dtype, 10)
+    grads_ref = torch.autograd.grad(ref, (x32, w32, b32), dout.float())
+    grads = torch.autograd.grad(out, (x, weight, bias), dout)
+    for name, g, g_ref, t in zip(("dx", "dweight", "dbias"), grads, grads_ref, (x, weight, bias)):
+        assert g.dtype == t.dtype, name
+        # dweight/dbias sum over all tokens: scale the tolerance with the reference magnitude
+        scale = 1.0 if name == "dx" else max(1.0, g_ref.abs().max().item())
+        torch.testing.assert_close(g.float(), g_ref, atol=atol * scale, rtol=rtol, msg=lambda m: f"{name}: {m}")
+
+    dx, _, _ = norm_shift_partition_bwd(
+        dout, x.detach(), weight.detach(), mean, rstd, ws, shift, dx=_nan_like(x.detach())
+    )
+    torch.testing.assert_close(dx.float(), grads_ref[0], atol=atol, rtol=rtol)
+
+
+def test_non_contiguous_input():
+    B, H, W, C, ws, shift = 1, 9, 15, 33, 4, 2
+    x = _randn((B, C, H, W), torch.float32, 11).permute(0, 2, 3, 1)  # (B, H, W, C), channels strided
+    assert not x.is_contiguous()
+    assert torch.equal(roll_partition(x, ws, shift), eager_roll_partition(x, ws, shift))
+    weight, bias = _randn((C,), torch.float32, 12), _randn((C,), torch.float32, 13)
+    torch.testing.assert_close(
+        norm_shift_partition(x, weight, bias, 1e-5, ws, shift),
+        eager_roll_partition(F.layer_norm(x, (C,), weight, bias, 1e-5), ws, shift),
+        atol=1e-5, rtol=1e-5,
+    )
+
+
+def test_shift_larger_than_map_wraps_like_torch_roll():
+    B, H, W, C, ws = 1, 5, 6, 16, 4
+    x = _randn((B, H, W, C), torch.float32, 14)
+    shift = 7  # > H and > W: torch.roll wraps modulo the size
+    assert torch.equal(roll_partition(x, ws, shift), eager_roll_partition(x, ws, shift))
+    win = roll_partition(x, ws, shift)
+    assert torch.equal(merge_roll(win, ws, shift, H, W), x)

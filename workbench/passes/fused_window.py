@@ -1,0 +1,166 @@
+"""Pass `fused_window`: each timm SwinTransformerBlock's window plumbing runs as two fused kernels.
+
+timm's attention half is, per block (x: (B, H, W, C)):
+    LayerNorm -> roll(-shift) -> pad -> window_partition -> attn -> window_reverse -> crop -> roll(+shift) -> + x
+about eight full passes over the activations besides the attention itself. Patched, it is
+    windows = norm_shift_partition(x, norm1.weight, norm1.bias, norm1.eps, ws, shift)   # one kernel
+    attn    = blk.attn(windows, mask=attn_mask)                                          # unchanged module
+    x       = merge_unshift_add(attn, x, ws, shift, H, W)                                # one kernel
+and the MLP half is timm's. `blk.attn(...)` is called as a module, so a pass that replaces
+`blk.attn.forward` (fused_attention) composes with this one in either order.
+
+Details the patched forward keeps from timm:
+  * drop_path1 active (stochastic depth, training): merge_roll, then x + drop_path1(...), unfused add.
+  * dynamic_mask: the mask is built from the padded shape, as timm does (`get_attn_mask`).
+  * window_size / shift_size are timm tuples; only square ones are fused. apply() raises
+    PassUnavailable for a model with a non-square block; a block made non-square later
+    (set_input_size) runs its previous forward.
+  * Autocast: norm_shift_partition returns x.dtype. In an fp32 model under autocast that is fp32,
+    as timm's LayerNorm gives (layer_norm autocasts to fp32); the qkv Linear then casts to the
+    autocast dtype. merge_unshift_add adds the (bf16/fp16) attention output into the fp32 residual
+    and returns fp32, as `x + attn` does.
+  * Composition with fused_layernorm(fuse_residual=True): a block that carries
+    `_swinbench_add_norm2` keeps that fusion: the attention branch is merged with merge_roll and
+    `add_layer_norm(x, branch, norm2...)` does the residual add and norm2 in one pass (the contract
+    in fused_layernorm's docstring). A block whose forward another pass replaced is left alone
+    and counted in details["blocks_forward_already_patched"].
+"""
+from __future__ import annotations
+
+import os
+import types
+
+import torch
+
+from ..errors import UserError
+from . import PassContext, PassResult, PassUnavailable
+
+NAME = "fused_window"
+
+
+def _square(pair) -> int | None:
+    a, b = (pair, pair) if isinstance(pair, int) else tuple(pair)
+    return int(a) if a == b else None
+
+
+def _drop_path_is_identity(drop_path: torch.nn.Module, training: bool) -> bool:
+    """True when drop_path(x) is x now: nn.Identity, or timm's DropPath in eval or with drop_prob 0."""
+    if isinstance(drop_path, torch.nn.Identity):
+        return True
+    return type(drop_path).__name__ == "DropPath" and (not training or getattr(drop_path, "drop_prob", 1.0) == 0.0)
+
+
+def _window_attention_windows(self, x: torch.Tensor):
+    """-> (attn_windows (B*nW, ws*ws, C), ws, shift), or None when this block can't be fused now."""
+    from ..kernels.window import norm_shift_partition
+
+    ws, shift = _square(self.window_size), _square(self.shift_size)
+    if ws is None or shift is None:
+        return None
+    B, H, W, C = x.shape
+    windows = norm_shift_partition(x, self.norm1.weight, self.norm1.bias, self.norm1.eps, ws, shift)
+    if getattr(self, "dynamic_mask", False):
+        Hp, Wp = -(-H // ws) * ws, -(-W // ws) * ws
+        # get_attn_mask reads only the shape, device and dtype of timm's padded, shifted x
+        attn_mask = self.get_attn_mask(windows.new_empty((1, Hp, Wp, 1)))
+    else:
+        attn_mask = self.attn_mask
+    return self.attn(windows, mask=attn_mask), ws, shift
+
+
+def swin_block_forward_fused_window(self, x: torch.Tensor) -> torch.Tensor:
+    """timm SwinTransformerBlock.forward with fused norm1+shift+partition and merge+unshift+add. x: (B, H, W, C)."""
+    from ..kernels.window import merge_roll, merge_unshift_add
+
+    out = _window_attention_windows(self, x)
+    if out is None:
+        return self._swinbench_forward_before_fused_window(x)
+    attn_windows, ws, shift = out
+    B, H, W, C = x.shape
+    if _drop_path_is_identity(self.drop_path1, self.training):
+        x = merge_unshift_add(attn_windows, x, ws, shift, H, W)
+    else:
+        x = x + self.drop_path1(merge_roll(attn_windows, ws, shift, H, W))
+    x = x.reshape(B, -1, C)
+    x = x + self.drop_path2(self.mlp(self.norm2(x)))
+    return x.reshape(B, H, W, C)
+
+
+def swin_block_forward_fused_window_add_norm2(self, x: torch.Tensor) -> torch.Tensor:
+    """As swin_block_forward_fused_window, keeping fused_layernorm's add+norm2 fusion. x: (B, H, W, C)."""
+    from ..kernels.layer_norm import add_layer_norm
+    from ..kernels.window import merge_roll
+
+    out = _window_attention_windows(self, x)
+    if out is None:
+        return self._swinbench_forward_before_fused_window(x)
+    attn_windows, ws, shift = out
+    B, H, W, C = x.shape
+    branch = self.drop_path1(merge_roll(attn_windows, ws, shift, H, W))
+    x, h = add_layer_norm(x.reshape(B, -1, C), branch.reshape(B, -1, C),
+                          self.norm2.weight, self.norm2.bias, self.norm2.eps)
+    x = x + self.drop_path2(self.mlp(h))
+    return x.reshape(B, H, W, C)
+
+
+def _norm1_fusable(norm) -> bool:
+    shape = getattr(norm, "normalized_shape", None)
+    return (
+        shape is not None and len(tuple(shape)) == 1
+        and getattr(norm, "weight", None) is not None and getattr(norm, "bias", None) is not None
+        and hasattr(norm, "eps")
+    )
+
+
+def apply(model: torch.nn.Module, ctx: PassContext, **params) -> tuple[torch.nn.Module, PassResult]:
+    """Patch every timm SwinTransformerBlock in `model` in place -> (model, PassResult)."""
+    if params:
+        raise UserError(f"{NAME}: takes no parameters, got {', '.join(sorted(params))}")
+    try:
+        from timm.models.swin_transformer import SwinTransformerBlock
+
+        from ..kernels.window import merge_unshift_add, norm_shift_partition  # noqa: F401
+    except ImportError as exc:
+        raise PassUnavailable(f"fused window kernels not importable: {exc}") from exc
+    if torch.device(ctx.device).type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        raise PassUnavailable("the Triton kernels need a CUDA GPU (or TRITON_INTERPRET=1 on the CPU)")
+
+    blocks = [m for m in model.modules() if isinstance(m, SwinTransformerBlock)]
+    if not blocks:
+        raise PassUnavailable("no timm SwinTransformerBlock in this model")
+    non_square = [i for i, b in enumerate(blocks) if _square(b.window_size) is None or _square(b.shift_size) is None]
+    if non_square:
+        raise PassUnavailable(f"{len(non_square)} block(s) with non-square window_size/shift_size: only square windows are fused")
+
+    counts = {"blocks_patched": 0, "blocks_shifted": 0, "blocks_with_add_norm2": 0, "blocks_with_drop_path": 0,
+              "blocks_dynamic_mask": 0, "blocks_forward_already_patched": 0, "blocks_norm1_not_fusable": 0,
+              "blocks_already_fused_window": 0}
+    for blk in blocks:
+        if getattr(blk, "_swinbench_fused_window", False):
+            counts["blocks_already_fused_window"] += 1
+            continue
+        add_norm2 = getattr(blk, "_swinbench_add_norm2", False)
+        if "forward" in vars(blk) and not add_norm2:
+            counts["blocks_forward_already_patched"] += 1
+            continue
+        if not _norm1_fusable(blk.norm1):
+            counts["blocks_norm1_not_fusable"] += 1
+            continue
+        blk._swinbench_forward_before_fused_window = blk.forward
+        fwd = swin_block_forward_fused_window_add_norm2 if add_norm2 else swin_block_forward_fused_window
+        blk.forward = types.MethodType(fwd, blk)
+        blk._swinbench_fused_window = True
+        counts["blocks_patched"] += 1
+        counts["blocks_shifted"] += int(any(blk.shift_size))
+        counts["blocks_with_add_norm2"] += int(add_norm2)
+        counts["blocks_with_drop_path"] += int(not isinstance(blk.drop_path1, torch.nn.Identity))
+        counts["blocks_dynamic_mask"] += int(bool(getattr(blk, "dynamic_mask", False)))
+
+    changed = (f"{counts['blocks_patched']}/{len(blocks)} SwinTransformerBlock: norm1+roll+pad+partition -> "
+               f"norm_shift_partition, merge+crop+roll+add -> merge_unshift_add (Triton, fwd+bwd)")
+    skipped = counts["blocks_forward_already_patched"] + counts["blocks_norm1_not_fusable"]
+    if skipped:
+        changed += f"; {skipped} left as they were"
+    details = dict(counts, blocks_total=len(blocks),
+                   implementation="workbench.kernels.window (Triton): norm_shift_partition, merge_unshift_add")
+    return model, PassResult(NAME, dict(params), changed, details)
