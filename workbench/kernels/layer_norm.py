@@ -17,7 +17,7 @@ the residual stream forward); its backward adds the gradient arriving at s to th
 kernel, so the residual's gradient costs no extra pass either.
 
 Backward: one kernel computes dx per row and, per program, partial sums of dweight/dbias over the rows it
-owns (a grid of a few programs per SM, each looping over a contiguous band of rows), written to a (G, C)
+owns (a grid of about two programs per SM, each looping over a contiguous band of rows), written to a (G, C)
 fp32 buffer; a `sum(0)` over G finishes them. No atomics, so results are deterministic.
 
 Kernels run on the GPU, and on the CPU with TRITON_INTERPRET=1 set before this module is imported (slow).
@@ -34,8 +34,14 @@ import triton.language as tl
 # column loop, which no Swin needs.
 MAX_COLS = 16384
 # Elements per (rows x cols) tile that one program handles per step: small C packs several rows per
-# program so each program still moves a useful amount of memory.
-_TILE_ELEMS = 4096
+# program so each program still moves a useful amount of memory. 2048 with 8 warps (8 elements per thread
+# per tensor) compiles for sm_90 to ~50-80 registers forward and ~80-115 backward, no spills: 2-3 programs
+# per SM stay resident. 4096 needed 128/180-250 registers (one backward program per SM).
+_TILE_ELEMS = 2048
+# Backward grid: programs per SM (equal work each, so a whole number of waves when all are resident),
+# and the fewest rows one program should own (its (C,) partials cost as much traffic as a few rows).
+_BWD_PROGRAMS_PER_SM = 2
+_BWD_MIN_ROWS_PER_PROGRAM = 16
 
 
 @triton.jit
@@ -142,16 +148,16 @@ def _tile(n_cols: int) -> tuple[int, int, int]:
         raise ValueError(f"layer_norm: C={n_cols} is wider than MAX_COLS={MAX_COLS}")
     block_n = triton.next_power_of_2(n_cols)
     block_m = max(1, min(64, _TILE_ELEMS // block_n))
-    num_warps = min(16, max(4, block_m * block_n // 512))
+    num_warps = min(8, max(4, block_m * block_n // 256))
     return block_m, block_n, num_warps
 
 
 @functools.lru_cache(maxsize=None)
 def _bwd_program_count(device: torch.device) -> int:
-    """Programs for the backward grid: a few per SM on a GPU (enough to hide latency, few enough that the
-    (G, C) partial buffer and its sum stay small); a handful under the CPU interpreter."""
+    """Most programs for the backward grid: a few per SM on a GPU (enough to hide latency, few enough that
+    the (G, C) partial buffer and its sum stay small); a handful under the CPU interpreter."""
     if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+        return _BWD_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
     return 4
 
 
@@ -196,7 +202,8 @@ def layer_norm_bwd(dy2, x2, weight, bias, mean, rstd, ds2, dx_dtype: torch.dtype
     device = x2.device
     dx = _new_output((n_rows, n_cols), dx_dtype, device)
     row_blocks = triton.cdiv(n_rows, block_m)
-    programs = max(1, min(_bwd_program_count(device), row_blocks))
+    programs = max(1, min(_bwd_program_count(device), row_blocks,
+                          triton.cdiv(n_rows, _BWD_MIN_ROWS_PER_PROGRAM)))
     rows_per_program = triton.cdiv(row_blocks, programs) * block_m
     programs = max(1, triton.cdiv(n_rows, rows_per_program))
     dw_partial = _new_output((programs, n_cols), torch.float32, device) if weight is not None else None

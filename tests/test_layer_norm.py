@@ -1,0 +1,266 @@
+"""layer_norm and add_layer_norm vs plain PyTorch (F.layer_norm; x + r then F.layer_norm): output and every
+gradient (x, residual, weight, bias), on fresh random inputs, odd row counts and odd C.
+
+For fp16/bf16 the reference is the same PyTorch computation run in fp32 on the same (rounded) inputs,
+its results cast to the dtype: torch's own bf16 CPU LayerNorm rounds its intermediates and is itself up
+to ~5e-2 off the fp32 result on dweight/dbias, more than ours is.
+
+Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1 must be set before triton is
+imported). Note the interpreter rounds fp32 -> bf16 toward zero where the GPU rounds to nearest even, so
+bf16 results differ from torch's by up to one bf16 ulp more than on the GPU; the 2e-2 tolerance covers it.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import importlib  # noqa: E402
+
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from workbench.kernels.layer_norm import TritonLayerNorm, add_layer_norm, layer_norm  # noqa: E402
+
+# The module itself (workbench.kernels re-exports a function of the same name).
+layer_norm_module = importlib.import_module("workbench.kernels.layer_norm")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ON_GPU = DEVICE == "cuda"
+
+# (leading dims..., C): odd and prime row counts, odd C, and the Swin widths.
+SHAPES = [(1, 33), (7, 100), (3, 5, 96), (2, 7, 7, 128), (13, 33), (5, 1536)]
+DTYPES = [
+    (torch.float32, 1e-5, 1e-5),
+    (torch.bfloat16, 2e-2, 2e-2),
+    (torch.float16, 2e-2, 2e-2),
+]
+EPS = 1e-5
+
+
+def _rand(shape, dtype, seed_offset=0, scale=1.0, shift=0.0):
+    """Fresh random tensor (never zeros), off-center so the mean subtraction matters."""
+    g = torch.Generator().manual_seed(1234 + seed_offset)
+    t = torch.randn(shape, generator=g) * scale + shift
+    return t.to(device=DEVICE, dtype=dtype)
+
+
+def _leaf(t):
+    return t.detach().clone().requires_grad_(True)
+
+
+def _params(C, dtype, seed=0):
+    w = _rand((C,), dtype, 100 + seed, scale=0.5, shift=1.0)
+    b = _rand((C,), dtype, 200 + seed, scale=0.5)
+    return w, b
+
+
+def _assert_close(actual, expected, atol, rtol, what):
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    assert not torch.isnan(actual).any(), f"{what}: NaN in result"
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
+def test_layer_norm_matches_torch(shape, dtype, atol, rtol):
+    C = shape[-1]
+    x = _rand(shape, dtype, 1, scale=2.0, shift=0.5)
+    w, b = _params(C, dtype)
+    dy = _rand(shape, dtype, 2)
+
+    ours = [_leaf(t) for t in (x, w, b)]
+    ref = [_leaf(t.float()) for t in (x, w, b)]
+    y = layer_norm(ours[0], ours[1], ours[2], EPS)
+    y_ref = F.layer_norm(ref[0], (C,), ref[1], ref[2], EPS)
+    _assert_close(y, y_ref.to(dtype), atol, rtol, "y")
+    y.backward(dy)
+    y_ref.backward(dy.float())
+    for name, a, e in zip(("dx", "dweight", "dbias"), ours, ref):
+        _assert_close(a.grad, e.grad.to(dtype), atol, rtol, name)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
+def test_add_layer_norm_matches_torch(shape, dtype, atol, rtol):
+    C = shape[-1]
+    x = _rand(shape, dtype, 3, scale=2.0, shift=0.5)
+    r = _rand(shape, dtype, 4)
+    w, b = _params(C, dtype, seed=1)
+    ds, dy = _rand(shape, dtype, 5), _rand(shape, dtype, 6)
+
+    ours = [_leaf(t) for t in (x, r, w, b)]
+    ref = [_leaf(t.float()) for t in (x, r, w, b)]
+    s, y = add_layer_norm(*ours, EPS)
+    s_ref = (ref[0] + ref[1]).to(dtype).float()  # the sum is stored in `dtype`, as torch's add would
+    _assert_close(s, s_ref.to(dtype), atol, rtol, "sum")
+    # Normalize the very sum the kernel stored (gradient passes straight through). On the GPU the two
+    # sums are bit-equal; the interpreter's round-toward-zero makes some differ by one bf16/fp16 ulp,
+    # which summed over rows would blur the dweight check.
+    s_ref = s_ref + (s.detach().float() - s_ref).detach()
+    y_ref = F.layer_norm(s_ref, (C,), ref[2], ref[3], EPS)
+    _assert_close(y, y_ref.to(dtype), atol, rtol, "normed")
+    torch.autograd.backward((s, y), (ds, dy))
+    torch.autograd.backward((s_ref, y_ref), (ds.float(), dy.float()))
+    for name, a, e in zip(("dx", "dresidual", "dweight", "dbias"), ours, ref):
+        _assert_close(a.grad, e.grad.to(dtype), atol, rtol, name)
+
+
+def test_add_layer_norm_only_normed_output_used():
+    """When only the normed output feeds the loss, the gradient at the sum arrives as zeros."""
+    shape, C = (11, 100), 100
+    ours = [_leaf(t) for t in (_rand(shape, torch.float32, 7), _rand(shape, torch.float32, 8), *_params(C, torch.float32))]
+    ref = [_leaf(t) for t in ours]
+    _, y = add_layer_norm(*ours, EPS)
+    y_ref = F.layer_norm(ref[0] + ref[1], (C,), ref[2], ref[3], EPS)
+    dy = _rand(shape, torch.float32, 9)
+    y.backward(dy)
+    y_ref.backward(dy)
+    for name, a, e in zip(("dx", "dresidual", "dweight", "dbias"), ours, ref):
+        _assert_close(a.grad, e.grad, 1e-5, 1e-5, name)
+
+
+def test_add_layer_norm_mixed_dtypes_like_autocast():
+    """Under autocast the residual stream is fp32 and the attention output bf16: the sum and the normed
+    output are fp32 (as torch's promotion gives) and each input gets its gradient in its own dtype."""
+    shape, C = (3, 7, 96), 96
+    x = _leaf(_rand(shape, torch.float32, 10, scale=2.0))
+    r = _leaf(_rand(shape, torch.bfloat16, 11))
+    w, b = (_leaf(p) for p in _params(C, torch.float32, seed=2))
+    xr, rr, wr, br = (_leaf(t) for t in (x, r, w, b))
+    s, y = add_layer_norm(x, r, w, b, EPS)
+    s_ref = xr + rr
+    y_ref = F.layer_norm(s_ref, (C,), wr, br, EPS)
+    _assert_close(s, s_ref, 1e-5, 1e-5, "sum")
+    _assert_close(y, y_ref, 1e-5, 1e-5, "normed")
+    ds, dy = _rand(shape, torch.float32, 12), _rand(shape, torch.float32, 13)
+    torch.autograd.backward((s, y), (ds, dy))
+    torch.autograd.backward((s_ref, y_ref), (ds, dy))
+    _assert_close(x.grad, xr.grad, 1e-5, 1e-5, "dx")
+    _assert_close(r.grad, rr.grad, 2e-2, 2e-2, "dresidual (bf16)")
+    _assert_close(w.grad, wr.grad, 1e-5, 1e-5, "dweight")
+    _assert_close(b.grad, br.grad, 1e-5, 1e-5, "dbias")
+
+
+def test_layer_norm_bf16_input_fp32_params():
+    """bf16 activations with fp32 parameters (an autocast model): output bf16, grads in each input's dtype."""
+    shape, C = (9, 128), 128
+    x = _leaf(_rand(shape, torch.bfloat16, 14, scale=2.0))
+    w, b = (_leaf(p) for p in _params(C, torch.float32, seed=3))
+    xr, wr, br = (_leaf(t) for t in (x, w, b))
+    y = layer_norm(x, w, b, EPS)
+    y_ref = F.layer_norm(xr.float(), (C,), wr, br, EPS)
+    _assert_close(y, y_ref.to(torch.bfloat16), 2e-2, 2e-2, "y")
+    dy = _rand(shape, torch.bfloat16, 15)
+    y.backward(dy)
+    y_ref.backward(dy.float())
+    _assert_close(x.grad, xr.grad, 2e-2, 2e-2, "dx")
+    _assert_close(w.grad, wr.grad, 2e-2, 2e-2, "dweight")
+    _assert_close(b.grad, br.grad, 2e-2, 2e-2, "dbias")
+
+
+def test_without_weight_and_bias():
+    shape, C = (7, 33), 33
+    x = _leaf(_rand(shape, torch.float32, 16, scale=3.0))
+    r = _leaf(_rand(shape, torch.float32, 17))
+    xr, rr = _leaf(x), _leaf(r)
+    s, y = add_layer_norm(x, r, None, None, EPS)
+    y_ref = F.layer_norm(xr + rr, (C,), None, None, EPS)
+    _assert_close(y, y_ref, 1e-5, 1e-5, "normed")
+    dy = _rand(shape, torch.float32, 18)
+    y.backward(dy)
+    y_ref.backward(dy)
+    _assert_close(x.grad, xr.grad, 1e-5, 1e-5, "dx")
+    _assert_close(layer_norm(x, None, None, EPS), F.layer_norm(x, (C,), None, None, EPS), 1e-5, 1e-5, "y")
+
+
+def test_non_contiguous_input():
+    C = 100
+    base = _rand((C, 15), torch.float32, 19, scale=2.0)
+    x_leaf, xr_leaf = _leaf(base), _leaf(base)
+    w, b = _params(C, torch.float32, seed=4)
+    y = layer_norm(x_leaf.t(), w, b, EPS)  # (15, C), not contiguous
+    y_ref = F.layer_norm(xr_leaf.t(), (C,), w, b, EPS)
+    _assert_close(y, y_ref, 1e-5, 1e-5, "y")
+    dy = _rand((15, C), torch.float32, 20)
+    y.backward(dy)
+    y_ref.backward(dy)
+    _assert_close(x_leaf.grad, xr_leaf.grad, 1e-5, 1e-5, "dx")
+
+
+@pytest.mark.parametrize("fn", ["layer_norm", "add_layer_norm"])
+def test_kernels_write_every_element(monkeypatch, fn):
+    """Every buffer the kernels write (outputs, mean/rstd, dx, dweight/dbias partials) starts as NaN."""
+
+    def nan_filled(shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(layer_norm_module, "_new_output", nan_filled)
+    shape, C = (2, 37, 100), 100  # 74 rows: several backward programs, a ragged last one
+    x = _leaf(_rand(shape, torch.float32, 21, scale=2.0))
+    r = _leaf(_rand(shape, torch.float32, 22))
+    w, b = (_leaf(p) for p in _params(C, torch.float32, seed=5))
+    xr, rr, wr, br = (_leaf(t) for t in (x, r, w, b))
+    if fn == "layer_norm":
+        outs, refs = (layer_norm(x, w, b, EPS),), (F.layer_norm(xr, (C,), wr, br, EPS),)
+        leaves = (("dx", x, xr), ("dweight", w, wr), ("dbias", b, br))
+    else:
+        outs = add_layer_norm(x, r, w, b, EPS)
+        s_ref = xr + rr
+        refs = (s_ref, F.layer_norm(s_ref, (C,), wr, br, EPS))
+        leaves = (("dx", x, xr), ("dresidual", r, rr), ("dweight", w, wr), ("dbias", b, br))
+    grads = [_rand(shape, torch.float32, 23 + i) for i in range(len(outs))]
+    for i, (o, e) in enumerate(zip(outs, refs)):
+        _assert_close(o, e, 1e-5, 1e-5, f"output {i}")
+    torch.autograd.backward(outs, grads)
+    torch.autograd.backward(refs, grads)
+    for name, a, e in leaves:
+        _assert_close(a.grad, e.grad, 1e-5, 1e-5, name)
+
+
+def test_triton_layer_norm_module_keeps_parameters():
+    torch.manual_seed(0)
+    ln = torch.nn.LayerNorm(96, eps=1e-6).to(DEVICE)
+    with torch.no_grad():
+        ln.weight.normal_(1.0, 0.2)
+        ln.bias.normal_(0.0, 0.2)
+    tln = TritonLayerNorm.from_layer_norm(ln)
+    assert tln.weight is ln.weight and tln.bias is ln.bias
+    assert list(tln.state_dict()) == list(ln.state_dict()) == ["weight", "bias"]
+    assert isinstance(tln, torch.nn.LayerNorm) and tln.eps == 1e-6
+    x = _rand((5, 7, 96), torch.float32, 30, scale=2.0)
+    _assert_close(tln(x), ln(x), 1e-5, 1e-5, "module output")
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU autocast path; the GPU is covered by the pass test")
+def test_module_under_cpu_autocast_close_to_torch():
+    """torch's layer_norm under autocast returns fp32; ours returns the input dtype. Values agree to bf16."""
+    ln = torch.nn.LayerNorm(100)
+    tln = TritonLayerNorm.from_layer_norm(ln)
+    x = _rand((9, 100), torch.bfloat16, 31, scale=2.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_ref = ln(x)
+        y = tln(x)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), y_ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_too_wide_rows_rejected():
+    C = layer_norm_module.MAX_COLS + 1
+    x = torch.randn(1, C, device=DEVICE)
+    with pytest.raises(ValueError, match="MAX_COLS"):
+        layer_norm(x, None, None, EPS)
+
+
+# Bigger, Swin-sized shapes: only worth running on a GPU.
+SWIN_SHAPES = [(2 * 56 * 56 + 3, 128), (4 * 28 * 28, 256), (8 * 14 * 14 + 1, 512), (16 * 49, 1024), (97, 1536)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape", SWIN_SHAPES)
+@pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
+def test_add_layer_norm_swin_shapes_gpu(shape, dtype, atol, rtol):
+    test_add_layer_norm_matches_torch(shape, dtype, atol, rtol)
+    test_layer_norm_matches_torch(shape, dtype, atol, rtol)

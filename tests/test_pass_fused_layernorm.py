@@ -1,0 +1,193 @@
+"""The fused_layernorm pass on the tiny timm Swin: same logits and every parameter gradient as the
+unpatched model (same seed, deep copies), with the Triton LayerNorm and the fused add+norm2.
+
+Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported).
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import copy  # noqa: E402
+import sys  # noqa: E402
+import types  # noqa: E402
+
+import pytest  # noqa: E402
+from torch import nn  # noqa: E402
+
+from workbench.errors import UserError  # noqa: E402
+from workbench.models import TINY_MODEL, build_model, input_size  # noqa: E402
+from workbench.passes import PassContext, apply_pass  # noqa: E402
+from workbench.passes import fused_layernorm  # noqa: E402
+from workbench.precision import resolve_precision  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# 2 images: an odd-free but small batch; the tiny Swin has 11 LayerNorms (patch embed, 2 per block x 4,
+# patch merging, final) and 4 blocks.
+BATCH = 2
+N_LAYER_NORMS = 11
+N_BLOCKS = 4
+
+
+def _ctx(precision="fp32"):
+    return PassContext(device=DEVICE, precision=resolve_precision(precision))
+
+
+def _models(seed=0, **build):
+    torch.manual_seed(seed)
+    model = build_model(TINY_MODEL, **build).to(DEVICE)
+    return model, copy.deepcopy(model)
+
+
+def _inputs(model, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn((BATCH, *input_size(model)), generator=g).to(DEVICE)
+    target = torch.randint(0, 10, (BATCH,), generator=g).to(DEVICE)
+    return x, target
+
+
+def _step(model, x, target, autocast=None):
+    model.zero_grad(set_to_none=True)
+    ctx = torch.autocast(DEVICE.type, dtype=autocast) if autocast else torch.autocast(DEVICE.type, enabled=False)
+    with ctx:
+        logits = model(x)
+        loss = nn.functional.cross_entropy(logits.float(), target)
+    loss.backward()
+    return logits.detach().float(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _assert_same_training_step(ref, fused, atol, rtol, autocast=None, train=False, rng_seed=None):
+    ref.train(train)
+    fused.train(train)
+    x, target = _inputs(ref)
+    if rng_seed is not None:
+        torch.manual_seed(rng_seed)
+    logits_ref, grads_ref = _step(ref, x, target, autocast)
+    if rng_seed is not None:
+        torch.manual_seed(rng_seed)
+    logits, grads = _step(fused, x, target, autocast)
+    torch.testing.assert_close(logits, logits_ref, atol=atol, rtol=rtol, msg=lambda m: f"logits: {m}")
+    assert grads.keys() == grads_ref.keys()
+    for name, g_ref in grads_ref.items():
+        torch.testing.assert_close(grads[name], g_ref, atol=atol, rtol=rtol, msg=lambda m, n=name: f"grad {n}: {m}")
+
+
+def test_triton_fused_residual_matches_unpatched_fp32():
+    ref, model = _models()
+    state_keys = list(model.state_dict())
+    model, result = fused_layernorm.apply(model, _ctx(), impl="triton", fuse_residual=True)
+    assert result.name == "fused_layernorm" and result.available
+    d = result.details
+    assert d["implementation"] == "triton"
+    assert d["replaced"] == N_LAYER_NORMS and d["fused_residual_blocks"] == N_BLOCKS
+    assert list(model.state_dict()) == state_keys
+    from workbench.kernels.layer_norm import TritonLayerNorm
+
+    assert sum(isinstance(m, TritonLayerNorm) for m in model.modules()) == N_LAYER_NORMS
+    for blk in model.layers.modules():
+        if type(blk).__name__ == "SwinTransformerBlock":
+            assert blk._swinbench_add_norm2 is True and "forward" in vars(blk)
+    _assert_same_training_step(ref, model, atol=1e-5, rtol=1e-5)
+
+
+def test_triton_without_residual_fusion_matches_unpatched():
+    ref, model = _models(seed=2)
+    model, result = fused_layernorm.apply(model, _ctx(), impl="triton", fuse_residual=False)
+    assert result.details["replaced"] == N_LAYER_NORMS and result.details["fused_residual_blocks"] == 0
+    assert not any("forward" in vars(m) for m in model.modules())
+    _assert_same_training_step(ref, model, atol=1e-5, rtol=1e-5)
+
+
+def test_drop_path_in_training_matches_unpatched():
+    """The patched block applies drop_path1/drop_path2 as timm does: same RNG draws, same result."""
+    torch.manual_seed(3)
+    ref = build_model(TINY_MODEL).to(DEVICE)
+    from timm.layers import DropPath
+
+    for blk in ref.modules():
+        if type(blk).__name__ == "SwinTransformerBlock":
+            blk.drop_path1, blk.drop_path2 = DropPath(0.3), DropPath(0.3)
+    model = copy.deepcopy(ref)
+    model, result = fused_layernorm.apply(model, _ctx(), impl="triton")
+    assert result.details["fused_residual_blocks"] == N_BLOCKS
+    _assert_same_training_step(ref, model, atol=1e-5, rtol=1e-5, train=True, rng_seed=7)
+
+
+def test_bf16_autocast_close_to_unpatched():
+    """Under autocast torch's LayerNorm returns fp32, ours the input dtype: agree at bf16 tolerance."""
+    ref, model = _models(seed=4)
+    model, _ = fused_layernorm.apply(model, _ctx("bf16"), impl="triton")
+    ref.eval()
+    model.eval()
+    x, _ = _inputs(ref)
+    with torch.no_grad(), torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        logits_ref, logits = ref(x).float(), model(x).float()
+    torch.testing.assert_close(logits, logits_ref, atol=5e-2, rtol=5e-2)
+
+
+def test_apply_pass_twice_changes_nothing_more():
+    _, model = _models(seed=5)
+    model, _ = apply_pass("fused_layernorm", model, _ctx(), {"impl": "triton"})
+    model, result = apply_pass("fused_layernorm", model, _ctx(), {"impl": "triton"})
+    assert result.details["replaced"] == 0 and result.details["fused_residual_blocks"] == 0
+
+
+def test_earlier_forward_patch_is_left_alone():
+    """A block whose forward another pass already replaced keeps it (and gets no add_layer_norm flag)."""
+    _, model = _models(seed=6)
+    blocks = [m for m in model.modules() if type(m).__name__ == "SwinTransformerBlock"]
+    marker = types.MethodType(lambda self, x: x, blocks[0])
+    blocks[0].forward = marker
+    model, result = fused_layernorm.apply(model, _ctx(), impl="triton")
+    assert result.details["blocks_forward_already_patched"] == 1
+    assert result.details["fused_residual_blocks"] == N_BLOCKS - 1
+    assert blocks[0].forward is marker and not getattr(blocks[0], "_swinbench_add_norm2", False)
+
+
+def test_impl_torch_keeps_model():
+    _, model = _models(seed=7)
+    before = [type(m) for m in model.modules()]
+    out, result = fused_layernorm.apply(model, _ctx(), impl="torch")
+    assert out is model and [type(m) for m in out.modules()] == before
+    assert result.details["implementation"] == "torch" and result.details["replaced"] == 0
+
+
+def test_auto_on_cpu_without_interpreter_keeps_torch(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(fused_layernorm, "_apex_layer_norm_class", lambda: None)
+    assert fused_layernorm.resolve_impl("auto", torch.device("cpu")) == "torch"
+    with pytest.raises(fused_layernorm.PassUnavailable):
+        fused_layernorm.resolve_impl("triton", torch.device("cpu"))
+    assert fused_layernorm.resolve_impl("auto", torch.device("cuda")) == fused_layernorm.AUTO_GPU_IMPL
+
+
+def test_apex_missing_is_unavailable_and_bad_params_are_user_errors(monkeypatch):
+    monkeypatch.setattr(fused_layernorm, "_apex_layer_norm_class", lambda: None)
+    _, model = _models(seed=8)
+    out, result = apply_pass("fused_layernorm", model, _ctx(), {"impl": "apex"})
+    assert out is model and not result.available and "apex" in result.changed
+    with pytest.raises(UserError):
+        fused_layernorm.apply(model, _ctx(), impl="cudnn")
+    with pytest.raises(UserError):
+        fused_layernorm.apply(model, _ctx(), impl="torch", fuse_residul=True)
+
+
+def test_apex_path_swaps_and_copies_weights(monkeypatch):
+    """With apex importable, every LayerNorm becomes apex's FusedLayerNorm with the same weights (a stand-in
+    apex module here: this machine has none)."""
+
+    class FakeFusedLayerNorm(nn.LayerNorm):
+        pass
+
+    apex = types.ModuleType("apex")
+    apex.normalization = types.ModuleType("apex.normalization")
+    apex.normalization.FusedLayerNorm = FakeFusedLayerNorm
+    monkeypatch.setitem(sys.modules, "apex", apex)
+    monkeypatch.setitem(sys.modules, "apex.normalization", apex.normalization)
+    ref, model = _models(seed=9)
+    model, result = fused_layernorm.apply(model, _ctx(), impl="apex")
+    assert result.details["implementation"] == "apex" and result.details["replaced"] == N_LAYER_NORMS
+    assert sum(isinstance(m, FakeFusedLayerNorm) for m in model.modules()) == N_LAYER_NORMS
+    _assert_same_training_step(ref, model, atol=1e-6, rtol=1e-6)
