@@ -1,0 +1,157 @@
+"""`run_apply` on the CPU: one record per stage, a report, and the stages that are wrong, unavailable
+or broken marked as such without stopping the run."""
+import io
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+
+from workbench.apply import run_apply
+from workbench.errors import UserError
+from workbench.models import TINY_MODEL
+from workbench.passes import PASS_MODULES, PassResult, PassUnavailable
+from workbench.records import read_records
+from workbench.report import render_report_from_paths, speedup_table
+
+RUN = dict(model=TINY_MODEL, batch=2, steps=2, warmup=1, device="cpu", progress=False)
+
+
+def register_test_pass(mp, name, apply_fn):
+    module = types.ModuleType(f"workbench.passes.{name}")
+    module.NAME = name
+    module.apply = apply_fn
+    mp.setitem(sys.modules, module.__name__, module)
+    mp.setitem(PASS_MODULES, name, name)
+
+
+def scale_head(model, ctx):
+    with torch.no_grad():
+        model.head.fc.weight.mul_(1.1)
+    return model, PassResult("scale_head_test", {}, "head weight x1.1 (deliberately wrong)")
+
+
+def missing_kernel(model, ctx):
+    raise PassUnavailable("test kernel is not built")
+
+
+def crash(model, ctx):
+    raise RuntimeError("kernel launch failed\nsecond line")
+
+
+def out_of_memory(model, ctx):
+    raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def recipe_file(folder: Path, name: str, extends: str, pass_name: str) -> str:
+    p = folder / f"{name}.yaml"
+    p.write_text(f"name: {name}\nextends: {extends}\ndescription: test stage {name}\npasses: [{pass_name}]\n")
+    return str(p)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("apply")
+    with pytest.MonkeyPatch.context() as mp:
+        register_test_pass(mp, "scale_head_test", scale_head)
+        register_test_pass(mp, "missing_test", missing_kernel)
+        # sdpa (fp32) rather than amp: bf16 autocast is seconds per step on a CPU without bf16 units;
+        # test_gate covers amp's gate.
+        stages = ["baseline", recipe_file(tmp, "sdpa", "baseline", "sdpa_attention"),
+                  recipe_file(tmp, "wrong", "baseline", "scale_head_test"),
+                  recipe_file(tmp, "missing", "amp", "missing_test")]
+        console = Console(file=io.StringIO(), width=160)
+        result = run_apply("amp", **RUN, out_dir=tmp / "reports" / "run1", stages=stages, console=console)
+    return result, console.file.getvalue()
+
+
+def test_one_record_per_stage_written(run):
+    result, _ = run
+    names = sorted(p.name for p in result.records_dir.glob("*.json"))
+    assert names == ["00-baseline.json", "01-sdpa.json", "02-wrong.json", "03-missing.json"]
+    stored = json.loads((result.records_dir / "01-sdpa.json").read_text())
+    assert stored["schema"] == "swinbench.stage/1" and stored["precision"] == "fp32"
+    assert stored["env"]["device_type"] == "cpu" and stored["peak_mem_bytes"] is None
+    assert stored["timing"]["repeats"] == 2 and stored["img_per_s"] == pytest.approx(2 / (stored["step_ms"] / 1e3))
+    assert [p["name"] for p in stored["passes"]] == ["sdpa_attention"]
+    assert stored["extends"] == "baseline" and stored["recipe_source"].endswith("sdpa.yaml")
+
+
+def test_statuses_and_gate(run):
+    result, _ = run
+    by = {r["stage"]: r for r in result.records}
+    assert by["baseline"]["gate"]["status"] == "REFERENCE"
+    assert by["sdpa"]["gate"]["status"] == "PASS"
+    assert by["wrong"]["status"] == "ok" and by["wrong"]["gate"]["status"] == "FAIL"
+    assert by["missing"]["status"] == "not available" and by["missing"]["timing"] is None
+    assert "test kernel is not built" in by["missing"]["error"]
+    assert result.failed == []
+
+
+def test_failed_and_unavailable_stages_are_not_in_speedups(run):
+    result, _ = run
+    df = speedup_table(result.records).set_index("stage")
+    assert df.loc["baseline", "x_baseline"] == pytest.approx(1.0)
+    assert df.loc["sdpa", "x_baseline"] == pytest.approx(df.loc["baseline", "step_ms"] / df.loc["sdpa", "step_ms"])
+    assert df.loc["sdpa", "x_previous"] == df.loc["sdpa", "x_baseline"]
+    assert df[["x_baseline", "x_previous"]].loc[["wrong", "missing"]].isna().all().all()
+
+
+def test_report_has_table_rows_and_cpu_label(run):
+    result, terminal = run
+    assert result.report_path == result.out_dir / "report.md"
+    text = result.report_path.read_text()
+    assert "CPU — not a GPU speed figure" in text
+    for row in ("| baseline | fp32 |", "| sdpa | fp32 |", "| wrong | fp32 |", "| missing | bf16 |"):
+        assert row in text
+    assert "| FAIL |" in text and "not available" in text
+    assert "x1.1 (deliberately wrong)" in text
+    assert "wrong" in terminal and "FAIL" in terminal
+
+
+def test_report_rerendered_from_stored_records_alone(run, tmp_path):
+    result, _ = run
+    again = render_report_from_paths([result.records_dir], tmp_path / "again.md")
+    original = result.report_path.read_text().splitlines()
+    assert again.read_text().splitlines()[:12] == original[:12]   # title, label and the speedup table
+    assert len(read_records([result.records_dir])) == 4
+
+
+def test_stage_errors_are_recorded_and_the_run_exits_non_zero(tmp_path):
+    with pytest.MonkeyPatch.context() as mp:
+        register_test_pass(mp, "crash_test", crash)
+        register_test_pass(mp, "oom_test", out_of_memory)
+        stages = [recipe_file(tmp_path, "broken", "baseline", "crash_test"),
+                  recipe_file(tmp_path, "huge", "baseline", "oom_test"), "baseline"]
+        with pytest.raises(UserError) as exc:
+            run_apply("baseline", **RUN, out_dir=tmp_path / "out", stages=stages,
+                      console=Console(file=io.StringIO()))
+    assert exc.value.exit_code == 1 and "\n" not in str(exc.value)
+    assert "broken: RuntimeError: kernel launch failed" in str(exc.value)
+    records = {r["stage"]: r for r in exc.value.result.records}
+    assert records["broken"]["status"] == "error" and records["broken"]["error"] == "RuntimeError: kernel launch failed"
+    assert records["huge"]["error"] == "out of memory at batch 2"
+    assert records["baseline"]["status"] == "ok"      # the run carried on after the broken stages
+    assert (tmp_path / "out" / "report.md").exists()
+    assert len(list((tmp_path / "out" / "records").glob("*.json"))) == 3
+
+
+def test_isolated_stage_runs_in_its_own_process(tmp_path):
+    # one stage: its process computes the baseline reference first (reference.pt), then runs the stage
+    result = run_apply("baseline", **{**RUN, "steps": 1, "warmup": 0}, out_dir=tmp_path / "iso",
+                       isolate=True, console=Console(file=io.StringIO()))
+    assert [r["status"] for r in result.records] == ["ok"]
+    assert result.records[0]["gate"]["status"] == "REFERENCE"
+    assert result.records[0]["gate"]["metrics"]["logits"]["max_abs"] == 0.0
+    assert (tmp_path / "iso" / "reference.pt").exists()
+    assert (tmp_path / "iso" / "logs" / "00-baseline.log").exists()
+
+
+def test_bad_arguments_are_user_errors(tmp_path):
+    with pytest.raises(UserError, match="unknown recipe"):
+        run_apply("nope", **RUN, out_dir=tmp_path)
+    with pytest.raises(UserError, match="--steps"):
+        run_apply("amp", **{**RUN, "steps": 0}, out_dir=tmp_path)

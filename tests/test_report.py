@@ -1,0 +1,113 @@
+"""Reports from stored records only: exact speedups, FAIL and unavailable stages left out, the
+Markdown sections and the category-share chart, re-rendered from files without a model or a GPU."""
+import json
+import math
+
+import pytest
+
+from workbench.errors import UserError
+from workbench.records import SCHEMA, write_record
+from workbench.report import default_report_path, render_report, render_report_from_paths, speedup_table
+
+ENV = {"device_type": "cuda", "gpu": "NVIDIA H200", "driver": "580.1", "cuda": "12.8", "torch": "2.11.0",
+       "triton": "3.5.0", "timm": "1.0.29", "python": "3.12.3", "host": "gpu1", "date": "2026-01-01T00:00:00+00:00"}
+
+
+def record(i, stage, extends, step_ms, *, gate="PASS", status="ok", shares=None, precision="bf16"):
+    timed = status == "ok"
+    return {
+        "schema": SCHEMA, "run_id": "r1", "recipe": "fmha", "stage": stage, "stage_index": i, "status": status,
+        "error": None if status == "ok" else "fused_window: not available: no kernel",
+        "extends": extends, "description": f"{stage} stage", "model": "swin_tiny_patch4_window7_224", "mode": "train",
+        "batch": 64, "precision": precision, "device": "cuda", "seed": 0, "env": ENV,
+        "timing": {"samples_ms": [step_ms] * 4, "warmup": 5, "clock": "cuda-events", "median_ms": step_ms,
+                   "iqr_ms": 0.5, "repeats": 4} if timed else None,
+        "img_per_s": 64 / (step_ms / 1e3) if timed else None, "step_ms": step_ms if timed else None,
+        "step_iqr_ms": 0.5 if timed else None, "peak_mem_bytes": 3 * 2**30 if timed else None,
+        "compile_s": None, "optimizer": "torch.optim.AdamW(fused=True)",
+        "gate": {"status": gate, "tolerance": {"logits_rel": 0.05, "loss_atol": 0.05, "grad_rel": 0.15},
+                 "metrics": {"logits": {"max_abs": 1e-3, "rel_l2": 7e-3}, "loss": {"abs_diff": 1e-4},
+                             "grads": {"head.fc.weight": {"max_abs": 1e-4, "rel_l2": 6e-3}}},
+                 "reason": "logits rel L2 0.1 > 0.05" if gate == "FAIL" else None},
+        "passes": [{"name": f"{stage}_pass", "params": {}, "changed": f"{stage} changed things", "details": {},
+                    "available": status == "ok"}] if extends else [],
+        "stage_passes": [f"{stage}_pass"] if extends else [],
+        "profile": {"backend": "nsys", "trace": "t.sqlite", "category_share_pct": shares} if shares else None,
+        "notes": [],
+    }
+
+
+@pytest.fixture
+def records():
+    return [
+        record(0, "baseline", None, 100.0, gate="REFERENCE", precision="fp32",
+               shares={"gemm": 50.0, "elementwise": 30.0, "layernorm": 20.0}),
+        record(1, "amp", "baseline", 50.0, shares={"gemm": 40.0, "elementwise": 40.0, "layernorm": 20.0}),
+        record(2, "apex", "amp", 40.0),
+        record(3, "window", "apex", 44.0),                      # slower than apex
+        record(4, "fmha", "window", 20.0, gate="FAIL"),         # fast and wrong
+        record(5, "fmha-compile", "fmha", 10.0, status="not available", gate="SKIP"),
+        record(6, "torch-compile", "amp", 25.0),                # a peer: compared with amp
+    ]
+
+
+def test_speedups_exact_and_honest(records):
+    df = speedup_table(records).set_index("stage")
+    assert df.loc["amp", "x_baseline"] == pytest.approx(2.0)
+    assert df.loc["apex", "x_previous"] == pytest.approx(1.25)
+    assert df.loc["window", "x_previous"] == pytest.approx(40 / 44)
+    assert df.loc["torch-compile", "x_previous"] == pytest.approx(2.0)      # vs amp, the stage it extends
+    assert df.loc["torch-compile", "x_baseline"] == pytest.approx(4.0)
+    for stage in ("fmha", "fmha-compile"):
+        assert math.isnan(df.loc[stage, "x_baseline"]) and not df.loc[stage, "counted"]
+    assert math.isnan(df.loc["baseline", "x_previous"])
+    assert list(df.index) == [r["stage"] for r in records]
+
+
+def test_markdown_report(records, tmp_path):
+    path = render_report(records, tmp_path / "report.md")
+    text = path.read_text()
+    assert text.startswith("# swinbench apply: fmha — swin_tiny_patch4_window7_224, batch 64, NVIDIA H200")
+    table = text.index("| stage | precision | img/s")
+    assert table < text.index("## Configuration")   # the table first
+    assert "| amp | bf16 | 1,280.0 | 50.00 ± 0.50 | 2.00x | 2.00x | 3.00 GiB | PASS |" in text
+    assert "| fmha | bf16 | 3,200.0 | 20.00 ± 0.50 | - | - | 3.00 GiB | FAIL |" in text
+    assert "| fmha-compile | bf16 | - | - | - | - | - | not available |" in text
+    assert "CPU — not a GPU speed figure" not in text
+    assert "| GPU | NVIDIA H200 |" in text and "| driver | 580.1 |" in text
+    assert "## GPU kernel time by category (%)" in text
+    assert "| baseline | 50.0 | 30.0 | 20.0 |" in text
+    assert (tmp_path / "report-categories.png").stat().st_size > 1000
+    assert "`apex_pass`: apex changed things" in text
+    assert "**window** is slower than **apex**" in text
+    assert "**fmha** FAILED the correctness gate" in text
+    assert "**fmha-compile** not available" in text
+
+
+def test_cpu_records_are_labelled(records, tmp_path):
+    for r in records:
+        r["env"] = {**ENV, "device_type": "cpu", "gpu": None, "cpu": "x86_64"}
+    text = render_report(records, tmp_path / "r.md").read_text()
+    assert "CPU — not a GPU speed figure" in text.splitlines()[0]
+
+
+def test_rerender_from_stored_files(records, tmp_path):
+    folder = tmp_path / "run" / "records"
+    for r in records:
+        write_record(r, folder)
+    assert default_report_path([folder]) == tmp_path / "run" / "report.md"
+    path = render_report_from_paths([folder])
+    assert path == tmp_path / "run" / "report.md"
+    assert render_report(records, tmp_path / "direct.md").read_text() == path.read_text().replace(
+        "report-categories.png", "direct-categories.png")
+    one = render_report_from_paths([folder / "01-amp.json"], tmp_path / "one.md").read_text()
+    assert "| amp |" in one and "| apex |" not in one
+
+
+def test_bad_record_paths_are_user_errors(tmp_path):
+    with pytest.raises(UserError, match="no such record"):
+        render_report_from_paths([tmp_path / "missing"])
+    bad = tmp_path / "x.json"
+    bad.write_text(json.dumps({"schema": "other"}))
+    with pytest.raises(UserError, match="not a swinbench stage record"):
+        render_report_from_paths([bad])

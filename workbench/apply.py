@@ -1,0 +1,416 @@
+"""`swinbench apply`: run a recipe stage by stage, each one checked against the baseline, timed and
+(optionally) profiled, one stored record per stage, then the report.
+
+Per stage (all on the same seed, so the same initial weights and the same synthetic batch):
+  1. build the workload, digest its weights, apply the chain's passes (an unavailable pass makes the
+     stage 'not available': reported, not timed);
+  2. correctness gate (`gate.py`): one forward + backward against the baseline's, which is computed
+     once per run and kept (in memory, or in `<out>/reference.pt` for stage subprocesses);
+  3. timing: the first forward + backward (the gate's) is timed on its own and, when the stage
+     compiles, reported as compile_s; then `warmup` steps, then `steps` timed steps (median, IQR);
+     peak memory on CUDA;
+  4. profile (--profile): `capture.capture_workload` in its own process (nsys), then the
+     category shares from `analyze`.
+The record is written to `<out>/records/` as soon as the stage ends, so an interrupted run keeps
+every finished stage.
+
+Process model: with `isolate=True` (the default on CUDA) each stage runs in a fresh Python process
+(`python -m workbench.apply SPEC.json`), so the caching allocator, cuDNN/cuBLAS autotuning and
+torch.compile's caches of one stage never reach the next one's timing or peak memory. The parent
+only plans, shows progress (the child reports steps on stdout) and renders; it never touches CUDA.
+`isolate=False` (the default on the CPU, and for tests) runs stages in this process.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .env import device_label, environment_stamp
+from .errors import UserError
+from .gate import GateOutputs, GateResult, capture_parameters, compare, compute_reference, forward_backward, weights_digest
+from .models import check_model_name, default_model_for
+from .passes import apply_pass
+from .records import SCHEMA, write_record
+from .recipes import StagePlan, as_jsonable, effective_passes, gate_tolerance, plan_stages, resolve_chain
+from .timing import time_steps
+from .workload import Workload, WorkloadConfig, pick_device, resolve_device
+
+EVENT_PREFIX = "@swinbench "   # stage subprocesses report progress on stdout with this prefix
+
+
+@dataclass
+class ApplyResult:
+    """What `run_apply` wrote: the records (dicts, in stage order), their files and the report."""
+
+    run_id: str
+    out_dir: Path
+    records_dir: Path
+    records: list[dict]
+    record_paths: list[Path]
+    report_path: Path | None
+    failed: list[str] = field(default_factory=list)    # stages with status 'error'
+
+
+@dataclass
+class StageSpec:
+    """Everything one stage needs, as JSON (it crosses into the stage subprocess)."""
+
+    run_id: str
+    recipe: str                    # what the user asked for (name or path), for the records
+    stage: str
+    stage_index: int
+    stage_ref: str                 # what resolve_chain takes: a built-in name or a user file path
+    recipe_source: str | None      # the user file the stage comes from, None for a built-in
+    config: dict                   # WorkloadConfig as a dict
+    steps: int
+    warmup: int
+    profile: bool
+    out_dir: str
+    reference_path: str | None = None
+
+
+# ---------------------------------------------------------------- one stage
+
+
+def _base_record(spec: StageSpec, plan_chain) -> dict:
+    cfg = spec.config
+    return {
+        "schema": SCHEMA, "run_id": spec.run_id, "recipe": spec.recipe, "stage": spec.stage,
+        "stage_index": spec.stage_index, "status": "ok", "error": None,
+        "extends": plan_chain[-2].name if plan_chain and len(plan_chain) > 1 else None,
+        "description": plan_chain[-1].description if plan_chain else "",
+        "recipe_source": spec.recipe_source,
+        "chain": as_jsonable(plan_chain) if plan_chain else [],
+        "model": cfg["model"], "mode": cfg["mode"], "batch": cfg["batch"], "precision": cfg["precision"],
+        "device": cfg["device"], "seed": cfg["seed"],
+        "env": environment_stamp(cfg["device"]),
+        "timing": None, "img_per_s": None, "step_ms": None, "step_iqr_ms": None, "peak_mem_bytes": None,
+        "compile_s": None, "first_step_s": None, "optimizer": None,
+        "gate": {"status": "SKIP", "tolerance": {}, "metrics": {}, "reason": None},
+        "passes": [], "stage_passes": [p.name for p in plan_chain[-1].passes] if plan_chain else [],
+        "profile": None, "notes": [],
+    }
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free_device_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_stage(spec: StageSpec, reference: GateOutputs, on_event: Callable[[dict], None] | None = None) -> dict:
+    """Run one stage (passes, gate, timing, profile) in this process -> its record (also written)."""
+    emit = on_event or (lambda e: None)
+    out_dir = Path(spec.out_dir)
+    chain = []
+    try:
+        chain = resolve_chain(spec.stage_ref)
+    except UserError as exc:
+        record = _base_record(spec, [])
+        record.update(status="error", error=str(exc))
+        write_record(record, out_dir / "records")
+        return record
+    record = _base_record(spec, chain)
+    config = WorkloadConfig(**spec.config)
+    workload = None
+    try:
+        workload = Workload.build(config)
+        digest = weights_digest(workload.model)
+        params = capture_parameters(workload.model)
+        for p in effective_passes(chain):
+            workload.model, result = apply_pass(p.name, workload.model, workload.ctx, p.params)
+            record["passes"].append(result.to_dict())
+        record["precision"] = workload.ctx.precision.name
+        record["optimizer"] = workload.ctx.optimizer_name
+        missing = [r for r in record["passes"] if not r["available"]]
+        if missing:
+            record["status"] = "not available"
+            record["error"] = "; ".join(f"{r['name']}: {r['changed']}" for r in missing)
+            record["gate"]["reason"] = "not run: a pass is not available"
+            return _finish(record, out_dir, emit)
+
+        # 1. gate: the first forward + backward, timed on its own (it compiles when the stage does)
+        workload.prepare()
+        device = workload.ctx.device
+        _sync(device)
+        t0 = time.perf_counter()
+        outputs = forward_backward(workload, params)
+        _sync(device)
+        record["first_step_s"] = time.perf_counter() - t0
+        if workload.ctx.compile:
+            record["compile_s"] = record["first_step_s"]
+        outputs.weights_digest = digest
+        tolerance = gate_tolerance(chain, record["precision"])
+        gate = compare(outputs, reference, tolerance, is_reference=not effective_passes(chain))
+        record["gate"] = gate.to_dict()
+        emit({"event": "gate", "status": gate.status})
+
+        # 2. speed
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        timing = time_steps(workload.step, warmup=spec.warmup, repeats=spec.steps, device=device,
+                            on_step=lambda i: emit({"event": "step", "i": i}))
+        record["timing"] = timing.to_dict()
+        record["step_ms"] = timing.median_ms
+        record["step_iqr_ms"] = timing.iqr_ms
+        record["img_per_s"] = config.batch / (timing.median_ms / 1e3)
+        if device.type == "cuda":
+            record["peak_mem_bytes"] = torch.cuda.max_memory_allocated(device)
+    except torch.cuda.OutOfMemoryError:
+        record.update(status="error", error=f"out of memory at batch {config.batch}")
+    except UserError as exc:
+        record.update(status="error", error=str(exc))
+    except Exception as exc:  # a broken kernel must not take the other stages down; the log has the traceback
+        record.update(status="error", error=f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}")
+        log = out_dir / "logs" / f"{spec.stage_index:02d}-{spec.stage}.traceback.txt"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(traceback.format_exc())
+        record["notes"].append(f"traceback in {log}")
+    finally:
+        workload = None
+        _free_device_memory()
+
+    # 3. profile, after the timed workload is gone (the capture builds its own)
+    if spec.profile and record["status"] == "ok":
+        emit({"event": "profile"})
+        record["profile"] = _profile_stage(spec, config, record)
+    return _finish(record, out_dir, emit)
+
+
+def _finish(record: dict, out_dir: Path, emit) -> dict:
+    path = write_record(record, out_dir / "records")
+    record["_path"] = str(path)
+    emit({"event": "done", "record": str(path), "status": record["status"]})
+    return record
+
+
+def _profile_stage(spec: StageSpec, config: WorkloadConfig, record: dict) -> dict | None:
+    """Capture the stage (its own process under nsys) and keep its kernel-category shares, in percent."""
+    try:
+        from .analyze import analyze_trace, category_shares
+        from .capture import capture_workload
+    except ImportError as exc:
+        record["notes"].append(f"profile not captured: {exc}")
+        return None
+    folder = Path(spec.out_dir) / "profiles" / f"{spec.stage_index:02d}-{spec.stage}"
+    try:
+        trace, backend = capture_workload(config, spec.stage, spec.recipe_source, folder, spec.steps, spec.warmup)
+        shares = category_shares(analyze_trace(trace))
+    except (UserError, OSError, RuntimeError, ImportError) as exc:
+        record["notes"].append(f"profile failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+        return None
+    shares = {str(k): float(v) for k, v in dict(shares).items()}
+    # Shares may come as fractions or as percent; store percent (the schema's category_share_pct).
+    if shares and sum(shares.values()) <= 1.0 + 1e-6:
+        shares = {k: 100.0 * v for k, v in shares.items()}
+    return {"backend": backend, "trace": str(trace), "category_share_pct": shares}
+
+
+# ---------------------------------------------------------------- stage subprocess
+
+
+def _load_reference(path: Path) -> GateOutputs:
+    return GateOutputs.from_state(torch.load(path, map_location="cpu", weights_only=True))
+
+
+def stage_main(spec_path: str) -> int:
+    """Entry point of a stage subprocess: compute the reference if no stage has yet, run the stage."""
+    spec = StageSpec(**json.loads(Path(spec_path).read_text()))
+
+    def emit(event: dict) -> None:
+        print(EVENT_PREFIX + json.dumps(event), flush=True)
+
+    ref_path = Path(spec.reference_path)
+    if not ref_path.exists():
+        emit({"event": "reference"})
+        try:
+            ref = compute_reference(WorkloadConfig(**spec.config))
+        except torch.cuda.OutOfMemoryError:
+            record = _base_record(spec, [])
+            record.update(status="error", error=f"out of memory at batch {spec.config['batch']} (baseline reference)")
+            _finish(record, Path(spec.out_dir), emit)
+            return 0
+        tmp = ref_path.with_suffix(".tmp")
+        torch.save(ref.to_state(), tmp)
+        tmp.replace(ref_path)
+        _free_device_memory()
+    run_stage(spec, _load_reference(ref_path), emit)
+    return 0
+
+
+def _run_isolated(spec: StageSpec, on_event: Callable[[dict], None]) -> dict:
+    """Run a stage in a fresh interpreter; its stdout events drive progress, the rest goes to a log."""
+    out_dir = Path(spec.out_dir)
+    (out_dir / "logs").mkdir(parents=True, exist_ok=True)
+    spec_path = out_dir / "logs" / f"{spec.stage_index:02d}-{spec.stage}.spec.json"
+    spec_path.write_text(json.dumps(asdict(spec), indent=2))
+    log_path = out_dir / "logs" / f"{spec.stage_index:02d}-{spec.stage}.log"
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    record_path = None
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "workbench.apply", str(spec_path)], stdout=subprocess.PIPE,
+                                stderr=log, text=True, env=env)
+        for line in proc.stdout:
+            if line.startswith(EVENT_PREFIX):
+                event = json.loads(line[len(EVENT_PREFIX):])
+                on_event(event)
+                if event.get("event") == "done":
+                    record_path = event["record"]
+            else:
+                log.write(line)
+        rc = proc.wait()
+    if record_path and Path(record_path).exists():
+        record = json.loads(Path(record_path).read_text())
+        record["_path"] = record_path
+        return record
+    # The process died before writing its record (a crash in a kernel, a kill): record that.
+    chain = []
+    try:
+        chain = resolve_chain(spec.stage_ref)
+    except UserError:
+        pass
+    record = _base_record(spec, chain)
+    tail = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()][-1:] or [""]
+    record.update(status="error", error=f"stage process exited {rc}: {tail[0][:200]} (log: {log_path})")
+    return _finish(record, out_dir, on_event)
+
+
+# ---------------------------------------------------------------- the run
+
+
+def default_run_id(recipe: str, model: str, batch: int) -> str:
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    short = model.replace("swin_", "").replace("_patch4", "").replace("_window", "w")
+    return f"{Path(recipe).stem}-{short}-b{batch}-{stamp}"
+
+
+def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup: int, device: str = "auto",
+              out_dir: Path | None = None, profile: bool = False, stages: list[str] | None = None, seed: int = 0,
+              progress: bool = True, console=None, isolate: bool | None = None,
+              peers: bool | None = None) -> ApplyResult:
+    """Run every stage of `recipe` (baseline first), write one record per stage and the report.
+
+    recipe: a built-in name or a YAML path. stages: explicit stage names instead of the chain.
+    isolate: a fresh process per stage (default: on CUDA yes, on the CPU no).
+    peers: also run the built-in peers of the chain (torch-compile, fmha-compile); default on CUDA yes,
+    on the CPU no (Inductor on the CPU is slow to compile and says nothing about the GPU). Ignored with `stages`.
+    Raises UserError (exit 1) after writing everything if a stage ended in an error.
+    """
+    from rich.console import Console
+
+    from .report import render_report, render_speedup_table
+
+    console = console or Console()
+    if steps < 1 or warmup < 0:
+        raise UserError("--steps must be at least 1 and --warmup at least 0")
+    device = pick_device(device)
+    dev = resolve_device(device)
+    on_gpu = dev.type == "cuda"
+    model = model or default_model_for(device)
+    check_model_name(model)
+    plans: list[StagePlan] = plan_stages(recipe, stages, peers=on_gpu if peers is None else peers)
+    isolate = on_gpu if isolate is None else isolate
+    config = WorkloadConfig(model=model, mode="train", batch=batch, precision="fp32", device=device, seed=seed)
+    run_id = default_run_id(recipe, model, batch)
+    out_dir = Path(out_dir) if out_dir else Path("reports") / "runs" / run_id
+    records_dir = out_dir / "records"
+    records_dir.mkdir(parents=True, exist_ok=True)
+    for stale in records_dir.glob("*.json"):   # a re-used folder must not mix two runs in one report
+        stale.unlink()
+    if not on_gpu:
+        console.print(f"[yellow]note:[/] {device_label(environment_stamp(dev))}: the tiny Swin's CPU step "
+                      "times show the workflow, not what the recipes do on a GPU")
+
+    specs = [StageSpec(run_id=run_id, recipe=str(recipe), stage=p.name, stage_index=i,
+                       stage_ref=p.recipe.name if p.recipe.builtin else str(p.recipe.source),
+                       recipe_source=p.recipe.user_source, config=asdict(config), steps=steps, warmup=warmup,
+                       profile=profile, out_dir=str(out_dir),
+                       reference_path=str(out_dir / "reference.pt") if isolate else None)
+             for i, p in enumerate(plans)]
+    if isolate:
+        (out_dir / "reference.pt").unlink(missing_ok=True)
+
+    records: list[dict] = []
+    with _progress(console, progress) as bar:
+        run_task = bar.add_task("stages", total=len(specs)) if bar is not None else None
+        reference = None
+        for spec in specs:
+            step_task = bar.add_task(f"  {spec.stage}", total=warmup + steps) if bar is not None else None
+
+            def on_event(event, _task=step_task, _stage=spec.stage):
+                if bar is None:
+                    return
+                kind = event.get("event")
+                if kind == "step":
+                    bar.advance(_task)
+                elif kind in ("reference", "gate", "profile"):
+                    bar.update(_task, description=f"  {_stage}: {kind}")
+                elif kind == "done":
+                    bar.update(_task, description=f"  {_stage}: {event.get('status')}")
+
+            if isolate:
+                record = _run_isolated(spec, on_event)
+            else:
+                if reference is None:
+                    if bar is not None:
+                        bar.update(step_task, description=f"  {spec.stage}: reference")
+                    reference = compute_reference(config)
+                record = run_stage(spec, reference, on_event)
+            records.append(record)
+            if bar is not None:
+                bar.update(step_task, visible=False)
+                bar.advance(run_task)
+
+    report_path = render_report(records, out_dir / "report.md")
+    render_speedup_table(records, console)
+    paths = [Path(r["_path"]) for r in records]
+    failed = [r["stage"] for r in records if r["status"] == "error"]
+    ok = sum(r["status"] == "ok" for r in records)
+    console.print(f"{ok}/{len(records)} stages measured; records in {records_dir}, report {report_path}")
+    result = ApplyResult(run_id, out_dir, records_dir, records, paths, report_path, failed)
+    if failed:
+        first = next(r for r in records if r["status"] == "error")
+        err = UserError(f"{len(failed)} stage(s) failed ({first['stage']}: {first['error']}); "
+                        f"finished stages are in {records_dir}, report {report_path}", exit_code=1)
+        err.result = result   # for callers that want the records anyway
+        raise err
+    return result
+
+
+class _NoProgress:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _progress(console, enabled: bool):
+    if not enabled:
+        return _NoProgress()
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=False)
+
+
+if __name__ == "__main__":
+    sys.exit(stage_main(sys.argv[1]))

@@ -1,0 +1,300 @@
+"""Reports from stored stage records only (never a model, never a trace): the speedup table (terminal
+and Markdown share `speedup_table`), and the Markdown report a reader wants on a pull request.
+
+`speedup_table(records)` columns (one row per record, in stage order):
+    run_id, stage, extends, status ('ok' | 'not available' | 'error'), gate ('PASS' | 'FAIL' |
+    'REFERENCE' | 'SKIP'), precision, img_per_s, step_ms, step_iqr_ms, x_baseline, x_previous,
+    peak_mem_bytes, compile_s, counted (bool: in the speedups)
+x_baseline = baseline step time / this stage's; x_previous = the same against the stage it extends
+(for a peer such as torch-compile, that is amp). Stages that FAIL the gate, are not available or
+ended in an error have no img/s-based speedups (NaN): a fast wrong answer is not a speedup.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pandas as pd
+
+from .env import device_label
+from .errors import UserError
+from .records import read_records
+
+COLUMNS = ["run_id", "stage", "extends", "status", "gate", "precision", "img_per_s", "step_ms", "step_iqr_ms",
+           "x_baseline", "x_previous", "peak_mem_bytes", "compile_s", "counted"]
+
+
+def _counted(rec: dict) -> bool:
+    return rec.get("status") == "ok" and rec.get("step_ms") is not None and \
+        (rec.get("gate") or {}).get("status") in ("PASS", "REFERENCE")
+
+
+def speedup_table(records: list[dict]) -> pd.DataFrame:
+    """One row per stage record with its throughput and speedups (see the module docstring for columns)."""
+    rows = []
+    for rec in records:
+        rows.append({
+            "run_id": rec.get("run_id"), "stage": rec.get("stage"), "extends": rec.get("extends"),
+            "status": rec.get("status"), "gate": (rec.get("gate") or {}).get("status", "SKIP"),
+            "precision": rec.get("precision"), "img_per_s": rec.get("img_per_s"), "step_ms": rec.get("step_ms"),
+            "step_iqr_ms": rec.get("step_iqr_ms"), "peak_mem_bytes": rec.get("peak_mem_bytes"),
+            "compile_s": rec.get("compile_s"), "counted": _counted(rec),
+        })
+    df = pd.DataFrame(rows, columns=[c for c in COLUMNS if c not in ("x_baseline", "x_previous")])
+    df["x_baseline"] = math.nan
+    df["x_previous"] = math.nan
+    for run_id, group in df.groupby("run_id", sort=False, dropna=False):
+        step = {r.stage: r.step_ms for r in group.itertuples() if r.counted}
+        base = step.get("baseline")
+        for idx, r in group.iterrows():
+            if not r.counted:
+                continue
+            if base:
+                df.at[idx, "x_baseline"] = base / r.step_ms
+            prev = step.get(r.extends) if r.extends else None
+            if prev:
+                df.at[idx, "x_previous"] = prev / r.step_ms
+    return df[COLUMNS]
+
+
+# ---------------------------------------------------------------- formatting helpers
+
+
+def _isnum(x) -> bool:
+    return x is not None and not (isinstance(x, float) and math.isnan(x))
+
+
+def fmt_bytes(n) -> str:
+    return f"{n / 2**30:.2f} GiB" if _isnum(n) else "-"
+
+
+def fmt_speedup(x) -> str:
+    return f"{x:.2f}x" if _isnum(x) else "-"
+
+
+def fmt_step(ms, iqr) -> str:
+    return f"{ms:.2f} ± {iqr:.2f}" if _isnum(ms) else "-"
+
+
+def fmt_rate(x) -> str:
+    return f"{x:,.1f}" if _isnum(x) else "-"
+
+
+def gate_cell(row) -> str:
+    if row["status"] != "ok":
+        return row["status"]
+    return row["gate"]
+
+
+def display_rows(df: pd.DataFrame) -> list[list[str]]:
+    """The table as strings, as both the terminal and the Markdown show it."""
+    multi = df["run_id"].nunique() > 1
+    out = []
+    for _, r in df.iterrows():
+        stage = r["stage"] + (f" ({r['run_id']})" if multi else "")
+        out.append([stage, r["precision"] or "-", fmt_rate(r["img_per_s"]), fmt_step(r["step_ms"], r["step_iqr_ms"]),
+                    fmt_speedup(r["x_baseline"]), fmt_speedup(r["x_previous"]), fmt_bytes(r["peak_mem_bytes"]),
+                    gate_cell(r)])
+    return out
+
+
+HEADERS = ["stage", "precision", "img/s", "step ms (median ± IQR)", "× baseline", "× previous", "peak memory", "gate"]
+
+
+def render_speedup_table(records: list[dict], console) -> None:
+    """The speedup table in the terminal (rich)."""
+    from rich.table import Table
+
+    df = speedup_table(records)
+    table = Table(title=_title(records), title_justify="left")
+    for i, h in enumerate(HEADERS):
+        table.add_column(h, justify="right" if 2 <= i <= 6 else "left")
+    for row in display_rows(df):
+        style = {"FAIL": "red", "error": "red", "not available": "yellow"}.get(row[-1])
+        table.add_row(*row, style=style)
+    console.print(table)
+    console.print("× previous: against the stage it extends; FAIL / not available / error stages are not in the speedups.")
+
+
+def _md_table(headers: list[str], rows: list[list]) -> str:
+    esc = lambda v: str(v).replace("|", "\\|").replace("\n", " ")
+    lines = ["| " + " | ".join(map(esc, headers)) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(map(esc, r)) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _env(records) -> dict:
+    return (records[0].get("env") or {}) if records else {}
+
+
+def _is_cpu(records) -> bool:
+    return _env(records).get("device_type") != "cuda"
+
+
+def _title(records) -> str:
+    first = records[0]
+    where = "CPU — not a GPU speed figure" if _is_cpu(records) else (_env(records).get("gpu") or "GPU")
+    return f"swinbench apply: {first.get('recipe')} — {first.get('model')}, batch {first.get('batch')}, {where}"
+
+
+# ---------------------------------------------------------------- the Markdown report
+
+
+def category_share_frame(records: list[dict]) -> pd.DataFrame:
+    """Stages (rows, in order) x kernel categories (columns), percent of GPU kernel time; empty when
+    no stage was profiled. Columns are ordered by their largest share."""
+    rows = {r["stage"]: (r.get("profile") or {}).get("category_share_pct") for r in records}
+    rows = {k: v for k, v in rows.items() if v}
+    if not rows:
+        return pd.DataFrame()
+    df = pd.DataFrame.from_dict(rows, orient="index").fillna(0.0)
+    return df[df.max().sort_values(ascending=False).index]
+
+
+def plot_category_shares(df: pd.DataFrame, path: Path) -> Path:
+    """A stacked horizontal bar per stage of kernel-category shares, written as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(df) + 1.6))
+    df.iloc[::-1].plot.barh(stacked=True, ax=ax, width=0.7, colormap="tab20")
+    ax.set_xlabel("share of GPU kernel time (%)")
+    ax.set_xlim(0, 100)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _stage_pass_lines(rec: dict) -> list[str]:
+    """What the passes this stage adds (over the one it extends) changed, one line each."""
+    own = rec.get("stage_passes") or []
+    done = rec.get("passes") or []
+    tail = done[len(done) - len(own):] if own and len(done) >= len(own) else []
+    if not own:
+        return ["no passes (the reference)"] if not rec.get("extends") else ["no passes of its own"]
+    if not tail:
+        return [f"`{n}`: not applied ({rec.get('status')})" for n in own]
+    return [f"`{p['name']}`: {p['changed']}" for p in tail]
+
+
+def _gate_rows(records) -> list[list[str]]:
+    rows = []
+    for rec in records:
+        g = rec.get("gate") or {}
+        m = g.get("metrics") or {}
+        tol = g.get("tolerance") or {}
+        logits = (m.get("logits") or {}).get("rel_l2")
+        loss = (m.get("loss") or {}).get("abs_diff")
+        grads = {k: v.get("rel_l2") for k, v in (m.get("grads") or {}).items()}
+        worst = max(grads.items(), key=lambda kv: -1 if kv[1] is None else kv[1], default=(None, None))
+        f = lambda x: "-" if x is None else f"{x:.2e}"
+        tol_txt = ", ".join(f"{k} {v:g}" for k, v in tol.items()) or "-"
+        worst_txt = f"{f(worst[1])} ({worst[0]})" if worst[0] else "-"
+        rows.append([rec["stage"], g.get("status", "SKIP"), rec.get("precision") or "-", f(logits), f(loss), worst_txt,
+                     tol_txt, g.get("reason") or ""])
+    return rows
+
+
+def _notes(records, df: pd.DataFrame) -> list[str]:
+    notes = []
+    by_stage = {r.stage: r for r in df.itertuples()}
+    for rec in records:
+        r = by_stage.get(rec["stage"])
+        st = rec.get("status")
+        if st == "not available":
+            notes.append(f"**{rec['stage']}** not available: {rec.get('error')}")
+        elif st == "error":
+            notes.append(f"**{rec['stage']}** ended in an error: {rec.get('error')}")
+        elif (rec.get("gate") or {}).get("status") == "FAIL":
+            notes.append(f"**{rec['stage']}** FAILED the correctness gate ({(rec['gate'].get('reason'))}); "
+                         "it is left out of the speedups")
+        if r is not None and _isnum(r.x_previous) and r.x_previous < 1.0:
+            notes.append(f"**{rec['stage']}** is slower than **{rec.get('extends')}**, the stage it extends "
+                         f"({r.x_previous:.2f}x): look at its passes above and its kernel shares before keeping it")
+        for n in rec.get("notes") or []:
+            notes.append(f"{rec['stage']}: {n}")
+        if rec.get("compile_s") is not None:
+            notes.append(f"{rec['stage']}: torch.compile took {rec['compile_s']:.1f} s on its first step "
+                         "(excluded from step times)")
+    return notes
+
+
+def render_report(records: list[dict], out_path_md: Path) -> Path:
+    """Write the Markdown report (and, if stages were profiled, `<name>-categories.png` beside it)
+    from stage records alone -> the .md path."""
+    if not records:
+        raise UserError("no stage records to report")
+    out_path_md = Path(out_path_md)
+    out_path_md.parent.mkdir(parents=True, exist_ok=True)
+    df = speedup_table(records)
+    env = _env(records)
+    first = records[0]
+    lines = [f"# {_title(records)}", ""]
+    if _is_cpu(records):
+        lines += ["> **CPU — not a GPU speed figure.** These numbers come from the CPU (no GPU was used): "
+                  "they show the workflow and the correctness gate, not what the recipes do on a GPU.", ""]
+    lines += [_md_table(HEADERS, display_rows(df)), "",
+              "img/s = batch / median step time. × previous compares a stage with the stage it extends. "
+              "Stages that fail the correctness gate, are not available or ended in an error are not in the speedups.",
+              ""]
+    timing = next((r.get("timing") for r in records if r.get("timing")), None) or {}
+    config = [
+        ("device", device_label(env) if env else "-"),
+        ("GPU", env.get("gpu") or "none (CPU)"), ("driver", env.get("driver") or "-"),
+        ("CUDA", env.get("cuda") or "-"), ("torch", env.get("torch") or "-"),
+        ("triton", env.get("triton") or "-"), ("timm", env.get("timm") or "-"), ("python", env.get("python") or "-"),
+        ("model", first.get("model")), ("mode", first.get("mode")), ("batch", first.get("batch")),
+        ("precision per stage", ", ".join(f"{r['stage']}={r.get('precision')}" for r in records)),
+        ("timed steps / warm-up", f"{timing.get('repeats', '-')} / {timing.get('warmup', '-')} ({timing.get('clock', '-')} clock)"),
+        ("seed", first.get("seed")), ("date", env.get("date") or "-"), ("host", env.get("host") or "-"),
+        ("run", ", ".join(sorted({str(r.get('run_id')) for r in records}))),
+        ("recipe", first.get("recipe")),
+    ]
+    lines += ["## Configuration", "", _md_table(["", ""], [[k, v] for k, v in config]), ""]
+
+    shares = category_share_frame(records)
+    if not shares.empty:
+        png = plot_category_shares(shares, out_path_md.with_name(out_path_md.stem + "-categories.png"))
+        rows = [[stage] + [f"{v:.1f}" for v in shares.loc[stage]] for stage in shares.index]
+        lines += ["## GPU kernel time by category (%)", "", _md_table(["stage", *shares.columns], rows), "",
+                  f"![kernel-category shares per stage]({png.name})", ""]
+    elif any(r.get("profile") is None for r in records):
+        lines += ["## GPU kernel time by category", "", "Not profiled (run `swinbench apply --profile`).", ""]
+
+    lines += ["## What each stage changed", ""]
+    for rec in records:
+        ext = f" (extends {rec['extends']})" if rec.get("extends") else ""
+        lines.append(f"- **{rec['stage']}**{ext}: {rec.get('description') or ''}")
+        lines += [f"  - {t}" for t in _stage_pass_lines(rec)]
+        if rec.get("optimizer"):
+            lines.append(f"  - optimizer: {rec['optimizer']}")
+    lines.append("")
+    lines += ["## Correctness gate", "",
+              "One forward + backward on the same seed and batch, against the fp32 baseline (relative L2 error; "
+              "loss: absolute difference).", "",
+              _md_table(["stage", "gate", "precision", "logits rel L2", "loss diff", "worst grad rel L2", "tolerance",
+                         "reason"], _gate_rows(records)), ""]
+    notes = _notes(records, df)
+    if notes:
+        lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    out_path_md.write_text("\n".join(lines))
+    return out_path_md
+
+
+def default_report_path(paths: list[Path]) -> Path:
+    """report.md beside the records: for `<run>/records` (the folder apply writes), `<run>/report.md`."""
+    p = Path(paths[0])
+    folder = p if p.is_dir() else p.parent
+    if folder.name == "records":
+        folder = folder.parent
+    return folder / "report.md"
+
+
+def render_report_from_paths(paths: list[Path], out: Path | None = None) -> Path:
+    """`swinbench report RECORDS...`: read stored records (files or folders) and write the report."""
+    records = read_records(paths)
+    return render_report(records, Path(out) if out else default_report_path(list(paths)))
