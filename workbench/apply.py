@@ -183,6 +183,8 @@ def run_stage(spec: StageSpec, reference: GateOutputs, on_event: Callable[[dict]
         log.write_text(traceback.format_exc())
         record["notes"].append(f"traceback in {log}")
     finally:
+        if workload is not None and workload.ctx.compile:
+            torch._dynamo.reset()   # in-process runs: the next stage must not reuse these graphs
         workload = None
         _free_device_memory()
 
@@ -210,16 +212,19 @@ def _profile_stage(spec: StageSpec, config: WorkloadConfig, record: dict) -> dic
         return None
     folder = Path(spec.out_dir) / "profiles" / f"{spec.stage_index:02d}-{spec.stage}"
     try:
-        trace, backend = capture_workload(config, spec.stage, spec.recipe_source, folder, spec.steps, spec.warmup)
-        shares = category_shares(analyze_trace(trace))
+        # At least two warm-up steps, so a compiled stage's compilation stays out of the capture.
+        trace, backend = capture_workload(config, spec.stage, spec.recipe_source, folder, spec.steps,
+                                          max(spec.warmup, 2))
+        analysis = analyze_trace(trace)
+        shares = category_shares(analysis)          # {category: percent of GPU kernel time}
     except (UserError, OSError, RuntimeError, ImportError) as exc:
         record["notes"].append(f"profile failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
         return None
-    shares = {str(k): float(v) for k, v in dict(shares).items()}
-    # Shares may come as fractions or as percent; store percent (the schema's category_share_pct).
-    if shares and sum(shares.values()) <= 1.0 + 1e-6:
-        shares = {k: 100.0 * v for k, v in shares.items()}
-    return {"backend": backend, "trace": str(trace), "category_share_pct": shares}
+    top = []
+    kernels = getattr(analysis, "kernels", None)
+    if kernels is not None and {"kernel", "share_pct"} <= set(kernels.columns):
+        top = [{"kernel": str(k), "share_pct": float(s)} for k, s in kernels[["kernel", "share_pct"]].head(10).values]
+    return {"backend": backend, "trace": str(trace), "category_share_pct": shares, "top_kernels": top}
 
 
 # ---------------------------------------------------------------- stage subprocess

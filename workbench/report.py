@@ -262,7 +262,10 @@ def render_report(records: list[dict], out_path_md: Path) -> Path:
         rows = [[stage] + [f"{v:.1f}" for v in shares.loc[stage]] for stage in shares.index]
         lines += ["## GPU kernel time by category (%)", "", _md_table(["stage", *shares.columns], rows), "",
                   f"![kernel-category shares per stage]({png.name})", ""]
-    elif any(r.get("profile") is None for r in records):
+    elif any(n.startswith("profile") for r in records for n in (r.get("notes") or [])):
+        lines += ["## GPU kernel time by category", "", "Profiling was asked for but gave no GPU kernel shares "
+                  "(see Notes).", ""]
+    else:
         lines += ["## GPU kernel time by category", "", "Not profiled (run `swinbench apply --profile`).", ""]
 
     lines += ["## What each stage changed", ""]
