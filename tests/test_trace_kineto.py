@@ -1,0 +1,121 @@
+"""Kineto parser: a real CPU torch.profiler trace (ranges only) and a schema-faithful GPU trace (hand-checked).
+
+kineto_cpu_tiny_train.json: torch 2.14.1 CPU, a 2-layer MLP trained 2 steps under torch.profiler with
+record_function ranges step{i} > forward / backward / optimizer, export_chrome_trace.
+kineto_synthetic_gpu.json: written by hand in the shape torch.profiler exports on CUDA (kernel /
+cuda_runtime / cuda_driver / user_annotation / gpu_user_annotation / gpu_memcpy events, args.correlation,
+ac2g flows). Main thread 1000 launches forward + optimizer kernels; thread 1001 (autograd) launches the
+backward ones; one kernel (correlation 99) has no runtime record. Times in the file are µs.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from workbench import analysis as A
+from workbench.analyze import analyze_trace
+from workbench.errors import UserError
+from workbench.trace import KERNEL_COLUMNS, RANGE_COLUMNS, load_trace
+from workbench.trace.kineto import parse_kineto, short_kernel_name
+
+DATA = Path(__file__).parent / "data"
+SYNTH = DATA / "kineto_synthetic_gpu.json"
+
+
+def test_real_cpu_trace_ranges():
+    data = json.loads((DATA / "kineto_cpu_tiny_train.json").read_text())
+    trace = parse_kineto(data, "cpu")
+    assert trace.kernels.empty and list(trace.kernels.columns) == KERNEL_COLUMNS
+    r = trace.ranges
+    assert list(r.columns) == RANGE_COLUMNS
+    phases = ["forward", "backward", "optimizer", "Optimizer.step#AdamW.step", "Optimizer.zero_grad#AdamW.zero_grad"]
+    assert r["name"].tolist() == ["step0", *phases, "step1", *phases]  # torch's own optimizer annotations too
+    depth = r.groupby("name")["depth"].unique()
+    assert list(depth["step0"]) == [0] and list(depth["forward"]) == [1] and list(depth["optimizer"]) == [1]
+    assert list(depth["Optimizer.step#AdamW.step"]) == [2]  # inside our `optimizer` range
+    expected = [e for e in data["traceEvents"] if e.get("cat") == "user_annotation"]
+    assert len(r) == len(expected)
+    step0 = next(e for e in expected if e["name"] == "step0")
+    row = r[r["name"] == "step0"].iloc[0]
+    assert row["end_ns"] - row["start_ns"] == round(step0["dur"] * 1000) and row["tid"] == step0["tid"]
+
+
+def test_real_cpu_trace_falls_back_to_leaf_cpu_ops():
+    """No GPU kernels: load_trace keeps the CPU operators with no operator nested inside (exclusive time)."""
+    data = json.loads((DATA / "kineto_cpu_tiny_train.json").read_text())
+    trace = load_trace(DATA / "kineto_cpu_tiny_train.json")
+    assert trace.meta["device"] == "cpu" and any("CPU operators" in n for n in trace.meta["notes"])
+    ops = sorted(((e["tid"], round(e["ts"] * 1000), round(e["ts"] * 1000) + round(e["dur"] * 1000), e["name"])
+                  for e in data["traceEvents"] if e.get("cat") == "cpu_op"), key=lambda o: (o[0], o[1], -o[2]))
+    leaves = [o for o, nxt in zip(ops, ops[1:] + [None]) if not (nxt and nxt[0] == o[0] and nxt[1] < o[2])]
+    k = trace.kernels
+    assert len(k) == len(leaves) and int(k["duration_ns"].sum()) == sum(e - s for _, s, e, _ in leaves)
+    assert "aten::linear" in {o[3] for o in ops} and "aten::linear" not in set(k["name"])  # it wraps addmm
+    assert A.range_table(trace).set_index("range").loc["backward", "gpu_ns"] > 0  # autograd thread, same pid
+
+
+def test_kineto_without_kernels_or_ops_is_an_error(tmp_path):
+    path = tmp_path / "empty.json"
+    path.write_text(json.dumps({"schemaVersion": 1, "traceEvents": [
+        {"ph": "X", "cat": "user_annotation", "name": "step0", "pid": 1, "tid": 1, "ts": 1.0, "dur": 2.0}]}))
+    with pytest.raises(UserError, match="empty trace: no GPU kernels and no CPU operators"):
+        load_trace(path)
+
+
+def test_synthetic_gpu_kernels():
+    t = load_trace(SYNTH)
+    k = t.kernels
+    assert t.meta["source"] == "kineto" and t.meta["gpus"] == ["NVIDIA H200"]
+    assert k["duration_ns"].tolist() == [2000, 5500, 10250, 3000, 12125, 4000, 1000]
+    assert k["correlation_id"].tolist() == [6, 1, 2, 3, 4, 5, 99]
+    assert k["launch_tid"].tolist() == [1000, 1000, 1000, 1001, 1001, 1000, -1]
+    assert k["launch_ns"].tolist() == [95000, 102000, 125000, 150000, 160000, 193000, -1]
+    assert k["pid"].tolist() == [1000] * 6 + [-1]
+    assert set(k["stream_id"]) == {7} and set(k["device_id"]) == {0}
+    assert k["short_name"].tolist() == [
+        "_window_attention_fwd", "vectorized_layer_norm_kernel", "nvjet_sm90_tst_192x96_64x5_1x2_h_bz_NNT",
+        "vectorized_elementwise_kernel", "nvjet_sm90_tst_192x96_64x5_1x2_h_bz_NNT", "multi_tensor_apply_kernel",
+        "reduce_kernel"]
+    assert (t.meta["span_start_ns"], t.meta["span_end_ns"]) == (96000, 200000)
+    assert any("no matching runtime launch" in n for n in t.meta["notes"])
+    assert t.memops[["kind", "bytes", "duration_ns"]].values.tolist() == [["memcpy", 4096, 1500]]
+    assert t.ranges["name"].tolist() == ["step0", "forward", "stage0.block0", "backward", "optimizer"]  # gpu_user_annotation skipped
+    assert t.ranges["depth"].tolist() == [0, 1, 2, 1, 1]
+
+
+def test_synthetic_gpu_range_attribution():
+    t = load_trace(SYNTH)
+    table = A.range_table(t).set_index("range")
+    assert table["gpu_ns"].to_dict() == {
+        "step0": 5500 + 10250 + 3000 + 12125 + 4000, "forward": 5500 + 10250, "backward": 3000 + 12125,
+        "stage0.block0": 5500, "optimizer": 4000}
+    assert table.loc["backward", "kernels"] == 2  # both launched by thread 1001
+    assert table.loc["step0", "share_pct"] == pytest.approx(34875 * 100 / 37875)
+    busy = A.busy_idle(t.kernels).set_index("metric")["ns"].to_dict()
+    assert busy == {"span": 104000, "busy": 37875, "idle": 66125, "kernel_sum": 37875}
+
+
+def test_synthetic_gpu_analyze_and_gzip(tmp_path):
+    gz = tmp_path / "trace.json.gz"
+    gz.write_bytes(gzip.compress(SYNTH.read_bytes()))
+    analysis = analyze_trace(gz, name_style="short")
+    assert analysis.backend == "torch.profiler"
+    assert analysis.kernels.iloc[0][["kernel", "instances", "total_ns"]].tolist() == [
+        "nvjet_sm90_tst_192x96_64x5_1x2_h_bz_NNT", 2, 22375]
+    cats = analysis.categories.set_index("category")["total_ns"].to_dict()
+    assert cats == {"GEMM": 22375, "normalization": 5500, "optimizer": 4000, "elementwise": 3000,
+                    "attention": 2000, "reduction": 1000}
+
+
+@pytest.mark.parametrize("name,short", [
+    ("void at::native::reduce_kernel<(int)128, (int)4, at::native::ReduceOp<float, X<Y>>>(T3)", "reduce_kernel"),
+    ("void <unnamed>::softmax_warp_forward<float, float, float, (int)6, (bool)0, (bool)0>(T2 *, const T1 *, int)", "softmax_warp_forward"),
+    ("void cutlass::Kernel2<cutlass_80_simt_sgemm_128x64_8x5_nt_align1>(T1::Params)", "Kernel2"),
+    ("nvjet_sm90_tst_192x96_64x5_1x2_h_bz_NNT", "nvjet_sm90_tst_192x96_64x5_1x2_h_bz_NNT"),
+    ("triton_poi_fused_add_0", "triton_poi_fused_add_0"),
+])
+def test_short_kernel_name_matches_nsys_short_names(name, short):
+    assert short_kernel_name(name) == short

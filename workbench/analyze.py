@@ -1,0 +1,197 @@
+"""`swinbench analyze`: one trace file -> kernel / category / range / busy tables, rendered or written.
+
+Layers: `load_trace` (parsing) -> the pure functions of workbench/analysis.py -> `Analysis` (frames only)
+-> `render_analysis` (rich) or `write_analysis` (csv / json). Nothing here reads a file except through
+load_trace, and the renderers never see the trace.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from rich.console import Console
+from rich.table import Table
+
+from workbench import analysis as A
+from workbench.errors import UserError
+from workbench.trace import Trace, load_trace
+
+NAME_STYLES = {"demangled": "name", "short": "short_name"}
+BACKENDS = {"nsys": "nsys", "kineto": "torch.profiler"}
+
+
+@dataclass
+class Analysis:
+    """Frames of one analyzed trace. kernels: kernel_share_table; categories: category_share_table;
+    ranges: range_table; busy: busy_idle; backend: 'nsys' | 'torch.profiler'. trace_meta is the trace's
+    meta plus name_style, range_name, kernel_count, kernel_total_ns and memops (count, ns)."""
+
+    trace_meta: dict
+    kernels: pd.DataFrame
+    categories: pd.DataFrame
+    ranges: pd.DataFrame
+    busy: pd.DataFrame
+    backend: str
+
+
+def _busy_over_instances(trace: Trace, kernels: pd.DataFrame, range_name: str) -> pd.DataFrame:
+    """busy_idle summed over each instance of `range_name`, each over its own first-to-last kernel span,
+    so the gaps between instances (other phases) do not count as idle."""
+    instances = trace.ranges[trace.ranges["name"] == range_name]
+    owner = A.range_instance_of(kernels, instances)
+    parts = [A.busy_idle(group) for _, group in kernels.groupby(owner, sort=False)]  # one per instance
+    ns = np.sum([p["ns"].to_numpy() for p in parts], axis=0)
+    span = ns[0]
+    return pd.DataFrame({"metric": parts[0]["metric"], "ns": ns, "pct": ns * 100.0 / span if span else 0.0 * ns})
+
+
+def analyze_trace(path, *, name_style: str = "demangled", range_name: str | None = None) -> Analysis:
+    """Parse `path` and build every table. `name_style`: 'demangled' (full C++ name) or 'short' (nsys's
+    shortName). `range_name`: restrict everything to kernels launched inside that NVTX / record_function
+    range (all its instances); shares are then of that range's kernel time."""
+    if name_style not in NAME_STYLES:
+        raise UserError(f"unknown name style {name_style!r}: use one of {', '.join(NAME_STYLES)}")
+    trace = load_trace(path)
+    kernels = trace.kernels
+    if range_name is not None:
+        kernels = A.kernels_in_range(trace, range_name)
+        if kernels.empty:
+            raise UserError(f"range {range_name!r} launched no GPU kernels")
+        busy = _busy_over_instances(trace, kernels, range_name)
+    else:
+        busy = A.busy_idle(kernels)
+    scoped = Trace(kernels=kernels, ranges=trace.ranges, meta=trace.meta, memops=trace.memops)
+    meta = dict(trace.meta)
+    meta.update(
+        name_style=name_style,
+        range_name=range_name,
+        kernel_count=int(len(kernels)),
+        kernel_total_ns=int(kernels["duration_ns"].sum()),
+        memops_count=int(len(trace.memops)),
+        memops_ns=int(trace.memops["duration_ns"].sum()),
+    )
+    meta["notes"] = list(meta.get("notes", []))
+    if len(trace.memops):
+        meta["notes"].append(
+            f"{len(trace.memops)} memcpy/memset activities ({meta['memops_ns'] / 1e6:.3f} ms) are not kernels: "
+            "not in the kernel, category or busy figures"
+        )
+    return Analysis(
+        trace_meta=meta,
+        kernels=A.kernel_share_table(kernels, NAME_STYLES[name_style]),
+        categories=A.category_share_table(kernels),
+        ranges=A.range_table(scoped),
+        busy=busy,
+        backend=BACKENDS.get(trace.meta.get("source"), str(trace.meta.get("source"))),
+    )
+
+
+def category_shares(analysis: Analysis) -> dict[str, float]:
+    """{category: share_pct}, largest first."""
+    return {str(c): float(s) for c, s in zip(analysis.categories["category"], analysis.categories["share_pct"])}
+
+
+# --- rendering -------------------------------------------------------------------------------------------
+
+def _ms(ns) -> str:
+    return "" if ns is None or (isinstance(ns, float) and math.isnan(ns)) else f"{ns / 1e6:,.3f}"
+
+
+def _us(ns) -> str:
+    return "" if ns is None or (isinstance(ns, float) and math.isnan(ns)) else f"{ns / 1e3:,.1f}"
+
+
+def _pct(x) -> str:
+    return "" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.1f}"
+
+
+def _clip(text: str, width: int = 100) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _header(analysis: Analysis) -> str:
+    m = analysis.trace_meta
+    version = m.get("export_version") or (f"schema {m['schema_version']}" if m.get("schema_version") else "")
+    span_ns = (m.get("span_end_ns") or 0) - (m.get("span_start_ns") or 0)
+    parts = [
+        f"[bold]{analysis.backend}[/bold]{' ' + version if version else ''}",
+        f"trace {m.get('path')}",
+        f"span {span_ns / 1e6:,.3f} ms",
+        f"{m.get('kernel_count', 0):,} kernels, {m.get('kernel_total_ns', 0) / 1e6:,.3f} ms",
+    ]
+    if m.get("gpus"):
+        parts.append(", ".join(sorted(set(m["gpus"]))))
+    if m.get("range_name"):
+        parts.append(f"range {m['range_name']!r}")
+    return " · ".join(parts)
+
+
+def render_analysis(analysis: Analysis, console: Console, top: int = 15) -> None:
+    """Header line (backend, trace path, span, notes), then the kernel, category, range and busy tables;
+    long tails are folded into one 'other (k ...)' row with exact sums."""
+    console.print(_header(analysis))
+    for note in analysis.trace_meta.get("notes", []):
+        console.print(f"[yellow]note:[/yellow] {note}")
+
+    kernels = A.fold_tail(analysis.kernels, top, "kernel", ["instances", "total_ns", "share_pct"])
+    t = Table(title=f"GPU kernels ({analysis.trace_meta.get('name_style', 'demangled')} names)", title_justify="left")
+    for col, kw in [("share %", {"justify": "right"}), ("total ms", {"justify": "right"}), ("count", {"justify": "right"}),
+                    ("avg µs", {"justify": "right"}), ("med µs", {"justify": "right"}), ("kernel", {"overflow": "fold"})]:
+        t.add_column(col, **kw)
+    for row in kernels.itertuples(index=False):  # at most top + 1 rows
+        t.add_row(_pct(row.share_pct), _ms(row.total_ns), f"{row.instances:,}", _us(row.avg_ns), _us(row.med_ns), _clip(str(row.kernel)))
+    console.print(t)
+
+    t = Table(title="categories", title_justify="left")
+    for col in ("share %", "total ms", "count", "category"):
+        t.add_column(col, justify="left" if col == "category" else "right")
+    for row in analysis.categories.itertuples(index=False):
+        t.add_row(_pct(row.share_pct), _ms(row.total_ns), f"{row.instances:,}", str(row.category))
+    console.print(t)
+
+    if not analysis.ranges.empty:
+        ranges = A.fold_tail(analysis.ranges, top, "range", ["instances", "kernels"], noun="ranges")
+        t = Table(title="ranges (GPU time of the kernels each launched; nested ranges inclusive)", title_justify="left")
+        for col in ("share %", "GPU ms", "avg ms", "instances", "kernels", "range"):
+            t.add_column(col, justify="left" if col == "range" else "right")
+        for row in ranges.itertuples(index=False):
+            t.add_row(_pct(row.share_pct), _ms(row.gpu_ns), _ms(row.avg_gpu_ns), f"{row.instances:,}", f"{row.kernels:,}", str(row.range))
+        console.print(t)
+
+    t = Table(title="GPU busy / idle (kernels)", title_justify="left")
+    for col in ("metric", "ms", "% of span"):
+        t.add_column(col, justify="left" if col == "metric" else "right")
+    for row in analysis.busy.itertuples(index=False):
+        t.add_row(str(row.metric), _ms(row.ns), _pct(row.pct))
+    console.print(t)
+
+
+# --- files -----------------------------------------------------------------------------------------------
+
+def _records(df: pd.DataFrame) -> list[dict]:
+    return json.loads(df.to_json(orient="records"))
+
+
+def write_analysis(analysis: Analysis, out_dir, fmt: str = "csv") -> list[Path]:
+    """csv: kernels.csv, categories.csv, ranges.csv, busy.csv; json: one analysis.json with every frame as a
+    list of records plus backend and meta. Returns the paths written."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    frames = {"kernels": analysis.kernels, "categories": analysis.categories, "ranges": analysis.ranges, "busy": analysis.busy}
+    if fmt == "csv":
+        paths = []
+        for name, df in frames.items():
+            path = out / f"{name}.csv"
+            df.to_csv(path, index=False)
+            paths.append(path)
+        return paths
+    if fmt == "json":
+        path = out / "analysis.json"
+        doc = {"backend": analysis.backend, "meta": analysis.trace_meta, **{k: _records(v) for k, v in frames.items()}}
+        path.write_text(json.dumps(doc, indent=1, default=str))
+        return [path]
+    raise UserError(f"unknown output format {fmt!r}: use csv or json")

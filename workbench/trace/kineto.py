@@ -1,0 +1,217 @@
+"""Kineto (torch.profiler `export_chrome_trace`) JSON -> Trace frames.
+
+Complete events (`"ph": "X"`) are read by category (case-insensitive; older torch wrote `Kernel`, `Runtime`):
+
+- `kernel`: GPU kernels. ts/dur are microseconds (floats with ns digits) -> integer ns. args: device,
+  stream, correlation.
+- `cuda_runtime` / `cuda_driver`: the launching API call (cudaLaunchKernel, cuLaunchKernel for Triton),
+  joined to kernels on args.correlation; gives launch_ns, launch_tid (its tid) and pid (its pid).
+- `user_annotation`: `record_function` ranges on the CPU (incl. `ProfilerStep#N`) -> ranges, domain
+  "user_annotation". `gpu_user_annotation` (their projection onto the GPU timeline) is skipped: ranges are
+  CPU intervals, and kernels are attributed by launch time as for nsys.
+- `gpu_memcpy` / `gpu_memset` -> memops.
+
+Kineto names kernels with their demangled name only; short_name is derived from it (template arguments,
+parameters and namespaces stripped), one pass per distinct name.
+
+No GPU kernels at all (a CPU-only capture): load_kineto falls back to the leaf `cpu_op` events
+(cpu_ops_as_kernels) and notes it, so `profile --device cpu` still gets tables.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from workbench.errors import UserError
+from workbench.trace import (
+    KERNEL_COLUMNS, MEMOP_COLUMNS, RANGE_COLUMNS, Trace, empty_frame, finish_frame, kernel_span, nesting_depth,
+)
+
+_KERNEL = {"kernel"}
+_RUNTIME = {"cuda_runtime", "runtime", "cuda_driver", "driver"}
+_ANNOTATION = {"user_annotation"}
+_MEMCPY = {"gpu_memcpy", "memcpy"}
+_MEMSET = {"gpu_memset", "memset"}
+
+
+def short_kernel_name(name: str) -> str:
+    """'void at::native::foo<(int)4, bar<x>>(int, T1)' -> 'foo', like nsys's shortName; plain names (Triton,
+    nvjet) stay as they are. Keeps only the characters outside every <...> and (...), then the last
+    `::` component."""
+    s = name.strip()
+    if s.startswith("void "):
+        s = s[5:]
+    kept, depth = [], 0
+    for ch in s:  # one pass per distinct name (callers factorize first)
+        if ch in "<(":
+            depth += 1
+        elif ch in ">)":
+            depth = max(depth - 1, 0)
+        elif depth == 0:
+            kept.append(ch)
+    short = "".join(kept).split("::")[-1].strip()
+    return short or name
+
+
+def _int(values) -> np.ndarray:
+    """ints from numbers or strings like 'stream 7' (-1 when there is none)."""
+    s = pd.Series(values, dtype=object)
+    num = pd.to_numeric(s, errors="coerce")
+    if num.isna().any():
+        digits = s.astype(str).str.extract(r"(-?\d+)\s*$", expand=False)
+        num = num.fillna(pd.to_numeric(digits, errors="coerce"))
+    return num.fillna(-1).to_numpy(dtype="int64")
+
+
+def _us_to_ns(values) -> np.ndarray:
+    return np.rint(pd.to_numeric(pd.Series(values), errors="coerce").fillna(0).to_numpy("float64") * 1000.0).astype("int64")
+
+
+def _arg(args: pd.Series, key: str) -> list:
+    return [a.get(key) if isinstance(a, dict) else None for a in args]
+
+
+def _events(data: dict) -> pd.DataFrame:
+    events = data.get("traceEvents") if isinstance(data, dict) else data if isinstance(data, list) else None
+    if not isinstance(events, list):
+        raise UserError("not a Kineto trace: no traceEvents list")
+    ev = pd.DataFrame([e for e in events if isinstance(e, dict) and e.get("ph") == "X"])
+    for col in ("cat", "name", "pid", "tid", "ts", "dur", "args"):
+        if col not in ev:
+            ev[col] = None
+    ev["cat_l"] = ev["cat"].fillna("").astype(str).str.lower()
+    ev["start_ns"] = _us_to_ns(ev["ts"])
+    ev["end_ns"] = ev["start_ns"] + _us_to_ns(ev["dur"])
+    return ev
+
+
+def _kernels(ev: pd.DataFrame) -> pd.DataFrame:
+    k = ev[ev["cat_l"].isin(_KERNEL)].reset_index(drop=True)
+    if k.empty:
+        return empty_frame(KERNEL_COLUMNS)
+    args = k["args"]
+    k["correlation_id"] = _int(_arg(args, "correlation"))
+    dev = _int(_arg(args, "device"))
+    stream = _int(_arg(args, "stream"))
+    k["device_id"] = np.where(dev >= 0, dev, _int(k["pid"]))
+    k["stream_id"] = np.where(stream >= 0, stream, _int(k["tid"]))
+    rt = ev[ev["cat_l"].isin(_RUNTIME)]
+    rt = pd.DataFrame({
+        "correlation_id": _int(_arg(rt["args"], "correlation")),
+        "launch_ns": rt["start_ns"].to_numpy("int64"),
+        "launch_tid": _int(rt["tid"]),
+        "pid": _int(rt["pid"]),
+    })
+    rt = rt[rt["correlation_id"] >= 0].drop_duplicates("correlation_id")
+    k = k.drop(columns=["pid"]).merge(rt, on="correlation_id", how="left")
+    k["name"] = k["name"].fillna("").astype(str)
+    codes, uniques = pd.factorize(k["name"])
+    k["short_name"] = np.asarray([short_kernel_name(u) for u in uniques], dtype=object)[codes]
+    k["duration_ns"] = k["end_ns"] - k["start_ns"]
+    k = k.sort_values("start_ns", kind="stable")
+    return finish_frame(k, KERNEL_COLUMNS)
+
+
+def _ranges(ev: pd.DataFrame) -> pd.DataFrame:
+    r = ev[ev["cat_l"].isin(_ANNOTATION)].copy()
+    if r.empty:
+        return empty_frame(RANGE_COLUMNS)
+    r["tid"] = _int(r["tid"])
+    r["pid"] = _int(r["pid"])
+    r["domain"] = "user_annotation"
+    r["name"] = r["name"].fillna("").astype(str)
+    r = r.sort_values(["start_ns", "end_ns"], ascending=[True, False], kind="stable").reset_index(drop=True)
+    r["range_id"] = np.arange(len(r), dtype="int64")
+    r["depth"] = nesting_depth(r["start_ns"].to_numpy("int64"), r["end_ns"].to_numpy("int64"), r["tid"].to_numpy("int64"))
+    return finish_frame(r, RANGE_COLUMNS)
+
+
+def _memops(ev: pd.DataFrame) -> pd.DataFrame:
+    m = ev[ev["cat_l"].isin(_MEMCPY | _MEMSET)].copy()
+    if m.empty:
+        return empty_frame(MEMOP_COLUMNS)
+    m["kind"] = np.where(m["cat_l"].isin(_MEMCPY), "memcpy", "memset")
+    m["bytes"] = _int(_arg(m["args"], "bytes"))
+    m["device_id"] = _int(_arg(m["args"], "device"))
+    m["stream_id"] = _int(_arg(m["args"], "stream"))
+    m["correlation_id"] = _int(_arg(m["args"], "correlation"))
+    m["duration_ns"] = m["end_ns"] - m["start_ns"]
+    return finish_frame(m.sort_values("start_ns", kind="stable"), MEMOP_COLUMNS)
+
+
+def parse_kineto(data: dict, path: str = "") -> Trace:
+    """Trace from an already-loaded Kineto JSON object (no emptiness check: a CPU-only trace has ranges
+    but no kernels)."""
+    ev = _events(data)
+    kernels = _kernels(ev)
+    notes: list[str] = []
+    unlaunched = int((kernels["launch_ns"] < 0).sum())
+    if unlaunched:
+        notes.append(f"{unlaunched} of {len(kernels)} kernels have no matching runtime launch (not attributed to ranges)")
+    span_start, span_end = kernel_span(kernels)
+    meta = {
+        "source": "kineto",
+        "path": path,
+        "schema_version": data.get("schemaVersion") if isinstance(data, dict) else None,
+        "export_version": None,
+        "span_start_ns": span_start,
+        "span_end_ns": span_end,
+        "notes": notes,
+    }
+    if isinstance(data, dict):
+        if data.get("baseTimeNanoseconds") is not None:
+            meta["base_time_ns"] = data["baseTimeNanoseconds"]
+        gpus = [d.get("name") for d in data.get("deviceProperties") or [] if isinstance(d, dict)]
+        if gpus:
+            meta["gpus"] = gpus
+    return Trace(kernels=kernels, ranges=_ranges(ev), meta=meta, memops=_memops(ev))
+
+
+def cpu_ops_as_kernels(ev_or_data) -> pd.DataFrame:
+    """Leaf `cpu_op` events (operators with no operator nested inside them on their thread) in the kernels
+    frame's columns, for CPU-only traces. Leaves never overlap on a thread, so their times add up without
+    double counting (the exclusive-time view). launch_ns = start, launch_tid = tid: range attribution works
+    unchanged. device_id / stream_id / correlation_id are -1."""
+    ev = ev_or_data if isinstance(ev_or_data, pd.DataFrame) else _events(ev_or_data)
+    ops = ev[ev["cat_l"] == "cpu_op"].copy()
+    if ops.empty:
+        return empty_frame(KERNEL_COLUMNS)
+    ops["tid"] = _int(ops["tid"])
+    ops["pid"] = _int(ops["pid"])
+    ops = ops.sort_values(["tid", "start_ns", "end_ns"], ascending=[True, True, False], kind="stable")
+    tid, start, end = (ops[c].to_numpy("int64") for c in ("tid", "start_ns", "end_ns"))
+    # sorted by (tid, start, end desc): an op has a child iff the next op on its thread starts before it ends
+    has_child = np.r_[(tid[1:] == tid[:-1]) & (start[1:] < end[:-1]), False]
+    leaves = ops[~has_child].copy()
+    leaves["name"] = leaves["name"].fillna("").astype(str)
+    leaves["short_name"] = leaves["name"]
+    leaves["duration_ns"] = leaves["end_ns"] - leaves["start_ns"]
+    leaves["launch_ns"] = leaves["start_ns"]
+    leaves["launch_tid"] = leaves["tid"]
+    return finish_frame(leaves.sort_values("start_ns", kind="stable"), KERNEL_COLUMNS)
+
+
+def load_kineto(path: Path) -> Trace:
+    """Read a .json or .json.gz Kineto trace; UserError on unreadable JSON or zero kernels."""
+    try:
+        opener = gzip.open if path.name.lower().endswith(".gz") else open
+        with opener(path, "rt", encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read {path} as a Kineto JSON trace: {e}") from None
+    trace = parse_kineto(data, str(path))
+    if trace.kernels.empty:
+        # A CPU-only capture (torch.profiler on the CPU dev box): analyze CPU operators instead, and say so.
+        trace.kernels = cpu_ops_as_kernels(data)
+        if trace.kernels.empty:
+            raise UserError(f"empty trace: no GPU kernels and no CPU operators in {path}")
+        trace.meta["span_start_ns"], trace.meta["span_end_ns"] = kernel_span(trace.kernels)
+        trace.meta["device"] = "cpu"
+        trace.meta["notes"].append(
+            "no GPU kernels in this trace: the tables show CPU operators (leaf aten ops, exclusive time) instead"
+        )
+    return trace
