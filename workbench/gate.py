@@ -79,10 +79,9 @@ def forward_backward(workload: Workload, params: dict[str, torch.nn.Parameter]) 
     """One forward + backward of a prepared workload (no optimizer step, no loss scaling), gradients
     of `params` copied to the CPU, then zeroed so the workload can train from the same state."""
     workload.model.zero_grad(set_to_none=True)
-    # The step function the timed steps use (compiled when the stage compiles), so the gate checks
+    # The forward the timed steps use (compiled when the stage compiles), so the gate checks
     # exactly what is measured.
-    step_fn = workload._step_fn or workload._forward_loss
-    logits, loss = step_fn(workload.x, workload.y)
+    logits, loss = workload.forward_loss()
     loss.backward()
     by_name = dict(workload.model.named_parameters())
     grads = {}

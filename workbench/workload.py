@@ -106,11 +106,17 @@ class Workload:
         self.ctx.precision.apply_matmul_mode()
         if self.config.mode == "train":
             self.optimizer = self.ctx.optimizer_factory(self.model.parameters())
-            if self.ctx.precision.needs_grad_scaler and self.ctx.device.type == "cuda":
+            if self.ctx.grad_scaler and self.ctx.device.type == "cuda":
                 self.scaler = torch.amp.GradScaler("cuda")
         self._step_fn = self._forward_loss
         if self.ctx.compile:
             self._step_fn = torch.compile(self._forward_loss, **self.ctx.compile_options)
+
+    def forward_loss(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, loss) of the batch through the step's forward (compiled when the stage compiles)."""
+        if self._step_fn is None:
+            self.prepare()
+        return self._step_fn(self.x, self.y)
 
     def _forward_loss(self, x, y):
         with self.ctx.precision.autocast(self.ctx.device.type):
