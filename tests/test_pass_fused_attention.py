@@ -67,3 +67,23 @@ def test_rejects_parameters():
     assert not result.available
     with pytest.raises(Exception):
         fused_attention.apply(build_model(TINY_MODEL), ctx, bogus=1)
+
+
+def test_fused_attention_pass_under_bf16_autocast():
+    """Under autocast q/k/v are bf16 and the bias fp32: the patched model still tracks timm's."""
+    torch.manual_seed(0)
+    plain = build_model(TINY_MODEL).to(DEVICE)
+    patched = copy.deepcopy(plain)
+    ctx = PassContext(device=DEVICE, precision=resolve_precision("bf16"))
+    patched, _ = apply_pass("fused_attention", patched, ctx)
+    gen = torch.Generator().manual_seed(1)
+    images = torch.randn(2, 3, 56, 56, generator=gen).to(DEVICE)
+    labels = torch.randint(0, 10, (2,), generator=gen).to(DEVICE)
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        plain_logits, plain_grads = run_step(plain, images, labels)
+        fused_logits, fused_grads = run_step(patched, images, labels)
+    assert rel_err(fused_logits, plain_logits) < 5e-2
+    for name in plain_grads:
+        if "relative_position_bias_table" in name:
+            assert fused_grads[name].dtype == torch.float32
+            assert rel_err(fused_grads[name], plain_grads[name]) < 1e-1, name

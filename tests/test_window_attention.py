@@ -170,3 +170,25 @@ def test_d_rel_bias_is_deterministic():
     first = torch.autograd.grad(out, [rel_bias], dout, retain_graph=True)[0]
     second = torch.autograd.grad(out, [rel_bias], dout)[0]
     assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize("layout", ["packed", "timm_qkv"])
+def test_traces_under_torch_compile(layout):
+    """The kernels are custom ops: torch.compile records them in one graph (no graph break, no
+    tracing into the autotuner) and gives the same output and gradients as eager."""
+    q, k, v, rel_bias, mask, leaves = make_inputs(6, 3, 49, 16, 3, layout, torch.float32)
+
+    def attention(*tensors):
+        if layout == "packed":
+            return fused_window_attention_qkv(tensors[0], tensors[-1], mask)
+        qq, kk, vv = tensors[0].permute(2, 0, 3, 1, 4).unbind(0)
+        return fused_window_attention(qq, kk, vv, tensors[-1], mask)
+
+    compiled = torch.compile(attention, backend="aot_eager", fullgraph=True)
+    eager_out = attention(leaves[0], rel_bias)
+    out = compiled(leaves[0], rel_bias)
+    dout = torch.randn_like(out)
+    assert torch.allclose(out, eager_out, rtol=1e-5, atol=1e-6)
+    for got, want in zip(torch.autograd.grad(out, [leaves[0], rel_bias], dout),
+                         torch.autograd.grad(eager_out, [leaves[0], rel_bias], dout)):
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)

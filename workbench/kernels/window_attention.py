@@ -25,12 +25,18 @@ Design (why it is shaped this way):
   * fp16/bf16 inputs use tensor-core dots with fp32 accumulation; fp32 inputs use
     input_precision="ieee" (no TF32) so results meet fp32 tolerances.
 
-Autotuning (num_warps x windows-per-program G) is keyed on (N, D, NH, NW) and is off under
+  * Entry points: `fused_window_attention(q, k, v, ...)` and `fused_window_attention_qkv(qkv, ...)`
+    for timm's packed (B*nW, N, 3, nH, d) qkv, whose backward writes dq, dk, dv straight into one
+    packed gradient (no autograd stack + reshape copies). Both launch through torch.library custom
+    ops, so torch.compile keeps them as single opaque ops in one graph.
+
+Autotuning (num_warps x num_stages x windows-per-program G) is keyed on (N, D, NH, NW) and is off under
 TRITON_INTERPRET=1, where a single config keeps CPU tests fast.
 """
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 import triton
@@ -73,7 +79,7 @@ def _bias_mask_tile(BIAS, MASK, h, w, offs_m, offs_n, N, HAS_MASK: tl.constexpr)
     return tl.where(key_ok[None, :], t, float("-inf"))
 
 
-@triton.jit(do_not_specialize=["G"])
+@triton.jit(do_not_specialize=["B_PER_W", "G", "NW", "NH"])
 def _window_attention_fwd_kernel(
     Q, K, V, BIAS, MASK, O, LSE,
     sq_b, sq_h, sq_n, sq_d,
@@ -81,7 +87,7 @@ def _window_attention_fwd_kernel(
     sv_b, sv_h, sv_n, sv_d,
     so_b, so_h, so_n, so_d,
     scale, B_PER_W, G,
-    N: tl.constexpr, NW: tl.constexpr, NH: tl.constexpr, D: tl.constexpr,
+    NW, NH, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -118,7 +124,7 @@ def _window_attention_fwd_kernel(
             tl.store(LSE + (b * NH + h) * N + offs_m, m + tl.log2(l), mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["G"])
+@triton.jit(do_not_specialize=["B_PER_W", "G", "NW", "NH"])
 def _window_attention_bwd_kernel(
     Q, K, V, O, DO, LSE, BIAS, MASK, DQ, DK, DV, DBIAS_PARTIAL,
     sq_b, sq_h, sq_n, sq_d,
@@ -130,7 +136,7 @@ def _window_attention_bwd_kernel(
     sdk_b, sdk_h, sdk_n, sdk_d,
     sdv_b, sdv_h, sdv_n, sdv_d,
     scale, B_PER_W, G,
-    N: tl.constexpr, NW: tl.constexpr, NH: tl.constexpr, D: tl.constexpr,
+    NW, NH, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, COMPUTE_DBIAS: tl.constexpr,
 ):
@@ -209,12 +215,16 @@ def _window_attention_bwd_kernel(
 # --------------------------------------------------------------------------------------------
 # Launch configuration
 # --------------------------------------------------------------------------------------------
-# Windows per program G is an ordinary (non-specialized) int, so configs that differ only in G
-# share one compiled binary: autotuning costs one compile per num_warps.
+# Windows per program G, nW, nH and B_PER_W are plain (non-specialized) ints, so one binary per
+# (N, d, dtype, mask, num_warps, num_stages) serves every Swin stage and every G: autotuning costs
+# a few compiles, then only timed runs. num_stages > 1 lets Triton prefetch the next window's
+# q/k/v(/o/dO) tiles into shared memory (cp.async) while the current one computes.
 # Backward G starts at 8: the d_bias partial buffer costs 4*N*N/G bytes per (window, head), about
 # 10% of the backward's own traffic at G = 8, and the autotuner times only the kernel, not the sum.
-_FWD_CONFIGS = [triton.Config({"G": g}, num_warps=nw, num_stages=1) for nw in (2, 4, 8) for g in (1, 2, 4, 8)]
-_BWD_CONFIGS = [triton.Config({"G": g}, num_warps=nw, num_stages=1) for nw in (4, 8) for g in (8, 16, 32)]
+_FWD_CONFIGS = [triton.Config({"G": g}, num_warps=nw, num_stages=ns)
+                for nw, ns in ((4, 1), (4, 2), (4, 3), (8, 2)) for g in (2, 4, 8, 16)]
+_BWD_CONFIGS = [triton.Config({"G": g}, num_warps=nw, num_stages=ns)
+                for nw, ns in ((4, 1), (4, 2), (8, 1), (8, 2)) for g in (8, 16, 32)]
 _INTERPRET_CONFIG = {"G": 2, "num_warps": 4}
 _AUTOTUNE_KEY = ["N", "D", "NH", "NW"]
 # The d_bias partial buffer has ceil(B_PER_W / G) slots per (w, h); sized for the smallest G.
@@ -294,7 +304,7 @@ def window_attention_fwd(q, k, v, rel_bias, mask, scale):
     _fwd[grid](
         q, k, v, rel_bias, mask_arg, out, lse,
         *_strides(q), *_strides(k), *_strides(v), *_strides(out),
-        float(scale), b_per_w, N=n, NW=nw, NH=nh, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
+        float(scale), b_per_w, NW=nw, NH=nh, N=n, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_MASK=mask is not None, PRECISION=_precision(q.dtype),
         UPCAST=_INTERPRET and q.dtype == torch.bfloat16, **extra,
     )
@@ -326,7 +336,7 @@ def window_attention_bwd(q, k, v, out, lse, dout, rel_bias, mask, scale, compute
         q, k, v, out, dout, lse, rel_bias, mask_arg, dq, dk, dv, partial,
         *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(dout),
         *_strides(dq), *_strides(dk), *_strides(dv),
-        float(scale), b_per_w, N=n, NW=nw, NH=nh, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
+        float(scale), b_per_w, NW=nw, NH=nh, N=n, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_MASK=mask is not None, PRECISION=_precision(q.dtype),
         UPCAST=_INTERPRET and q.dtype == torch.bfloat16, COMPUTE_DBIAS=compute_dbias, **extra,
     )
@@ -337,12 +347,60 @@ def window_attention_bwd(q, k, v, out, lse, dout, rel_bias, mask, scale, compute
     return dq, dk, dv, dbias
 
 
+# Custom ops make the kernels opaque to torch.compile: Dynamo records one op per launch instead of
+# tracing into the autotuner (whose chosen G sizes the d_bias reduction on the host), and the fake
+# implementations give Inductor the output shapes and strides.
+@torch.library.custom_op("swinbench::window_attention_fwd", mutates_args=())
+def _window_attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel_bias: torch.Tensor,
+                             mask: Optional[torch.Tensor], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return window_attention_fwd(q, k, v, rel_bias, mask, scale)
+
+
+@_window_attention_fwd_op.register_fake
+def _(q, k, v, rel_bias, mask, scale):
+    bnw, nh, n, d = q.shape
+    return q.new_empty((bnw, n, nh, d)).permute(0, 2, 1, 3), q.new_empty((bnw, nh, n), dtype=torch.float32)
+
+
+@torch.library.custom_op("swinbench::window_attention_bwd", mutates_args=())
+def _window_attention_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                             lse: torch.Tensor, dout: torch.Tensor, rel_bias: torch.Tensor,
+                             mask: Optional[torch.Tensor], scale: float, compute_dbias: bool
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv, dbias = window_attention_bwd(q, k, v, out, lse, dout, rel_bias, mask, scale, compute_dbias)
+    return dq, dk, dv, (dbias.to(rel_bias.dtype) if dbias is not None else rel_bias.new_zeros(0))
+
+
+@_window_attention_bwd_op.register_fake
+def _(q, k, v, out, lse, dout, rel_bias, mask, scale, compute_dbias):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(q, memory_format=torch.contiguous_format),
+            rel_bias.new_empty(rel_bias.shape if compute_dbias else (0,)))
+
+
+@torch.library.custom_op("swinbench::window_attention_qkv_bwd", mutates_args=())
+def _window_attention_qkv_bwd_op(qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+                                 rel_bias: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
+                                 compute_dbias: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    dqkv = _new_buffer(qkv.shape, qkv.dtype, qkv.device)
+    _, _, _, dbias = window_attention_bwd(q, k, v, out, lse, dout, rel_bias, mask, scale, compute_dbias, dqkv=dqkv)
+    return dqkv, (dbias.to(rel_bias.dtype) if dbias is not None else rel_bias.new_zeros(0))
+
+
+@_window_attention_qkv_bwd_op.register_fake
+def _(qkv, out, lse, dout, rel_bias, mask, scale, compute_dbias):
+    return (torch.empty_like(qkv, memory_format=torch.contiguous_format),
+            rel_bias.new_empty(rel_bias.shape if compute_dbias else (0,)))
+
+
 class WindowAttentionFunction(torch.autograd.Function):
-    """Autograd for fused window attention: saves q, k, v, out, lse and calls the host functions."""
+    """Autograd for fused window attention: saves q, k, v, out, lse and calls the kernel ops."""
 
     @staticmethod
     def forward(ctx, q, k, v, rel_bias, mask, scale):
-        out, lse = window_attention_fwd(q, k, v, rel_bias, mask, scale)
+        out, lse = _window_attention_fwd_op(q, k, v, rel_bias, mask, scale)
         ctx.save_for_backward(q, k, v, out, lse, rel_bias, mask)
         ctx.scale = scale
         return out
@@ -350,12 +408,10 @@ class WindowAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, rel_bias, mask = ctx.saved_tensors
-        dq, dk, dv, dbias = window_attention_bwd(
-            q, k, v, out, lse, dout, rel_bias, mask, ctx.scale, compute_dbias=ctx.needs_input_grad[3],
-        )
-        if dbias is not None:
-            dbias = dbias.to(rel_bias.dtype)
-        return dq, dk, dv, dbias, None, None
+        compute_dbias = ctx.needs_input_grad[3]
+        dq, dk, dv, dbias = _window_attention_bwd_op(q, k, v, out, lse, dout, rel_bias, mask, ctx.scale,
+                                                     compute_dbias)
+        return dq, dk, dv, (dbias if compute_dbias else None), None, None
 
 
 class WindowAttentionQKVFunction(torch.autograd.Function):
@@ -366,7 +422,7 @@ class WindowAttentionQKVFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, rel_bias, mask, scale):
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-        out, lse = window_attention_fwd(q, k, v, rel_bias, mask, scale)
+        out, lse = _window_attention_fwd_op(q, k, v, rel_bias, mask, scale)
         ctx.save_for_backward(qkv, out, lse, rel_bias, mask)
         ctx.scale = scale
         return out
@@ -374,15 +430,9 @@ class WindowAttentionQKVFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         qkv, out, lse, rel_bias, mask = ctx.saved_tensors
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-        dqkv = _new_buffer(qkv.shape, qkv.dtype, qkv.device)
-        _, _, _, dbias = window_attention_bwd(
-            q, k, v, out, lse, dout, rel_bias, mask, ctx.scale,
-            compute_dbias=ctx.needs_input_grad[1], dqkv=dqkv,
-        )
-        if dbias is not None:
-            dbias = dbias.to(rel_bias.dtype)
-        return dqkv, dbias, None, None
+        compute_dbias = ctx.needs_input_grad[1]
+        dqkv, dbias = _window_attention_qkv_bwd_op(qkv, out, lse, dout, rel_bias, mask, ctx.scale, compute_dbias)
+        return dqkv, (dbias if compute_dbias else None), None, None
 
 
 def fused_window_attention_qkv(qkv, rel_bias, mask=None, scale=None):
