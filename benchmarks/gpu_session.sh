@@ -19,6 +19,11 @@ for part in "$@"; do
              python3 benchmarks/bench_layer_norm.py --check --out "$out/r/bench_layer_norm.json" 2>&1 | tail -25 ;;
     profile) swinbench profile --model swin_tiny_patch4_window7_224 --mode train --batch 32 --precision bf16 \
                --steps 4 --warmup 3 --out "$out/r/profile_swin_tiny_train_bf16" --top 12 2>&1 | tail -60 ;;
+    attn)    python3 -m pytest -q tests/test_window_attention.py tests/test_pass_fused_attention.py 2>&1 | tail -8
+             python3 benchmarks/bench_window_attention.py --check --out "$out/r/bench_window_attention.json" 2>&1 | tail -25 ;;
+    quick)   swinbench apply --recipe fmha --stages amp,fmha,fmha-graph,fmha-compile --model swin_base_patch4_window7_224 \
+               --batch 64 --steps 10 --warmup 3 --out "$out/r/apply_quick" 2>&1 | tail -30
+             tail -5 "$out"/r/apply_quick/logs/*.log ;;
     apply-apex) swinbench apply --recipe apex --model swin_base_patch4_window7_224 --batch 64 --profile \
                --out "$out/r/apply_apex" 2>&1 | tail -40 ;;
     apply-fmha) swinbench apply --recipe fmha-compile --model swin_base_patch4_window7_224 --batch 64 \

@@ -77,3 +77,14 @@ def test_compile_records_options(workload):
     assert "torch.compile" in result.changed
     with pytest.raises(UserError):
         apply_pass("compile", workload.model, workload.ctx, {"mode": "ludicrous"})
+
+
+def test_cuda_graph_pass_needs_a_gpu_and_says_so():
+    from workbench.passes import PassContext, apply_pass
+    from workbench.precision import resolve_precision
+
+    ctx = PassContext(device=torch.device("cpu"), precision=resolve_precision("bf16"))
+    model = torch.nn.Linear(2, 2)
+    out, result = apply_pass("cuda_graph", model, ctx)
+    assert out is model and not result.available and "CUDA" in result.changed
+    assert not ctx.cuda_graph

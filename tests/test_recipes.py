@@ -24,8 +24,8 @@ def test_builtin_chain_order():
 
 def test_list_recipes_main_chain_then_peers():
     recipes = list_recipes()
-    assert [r.name for r in recipes] == CHAIN + ["torch-compile", "fmha-compile"]
-    assert [r.peer for r in recipes] == [False] * 5 + [True, True]
+    assert [r.name for r in recipes] == CHAIN + ["torch-compile", "fmha-compile", "fmha-graph"]
+    assert [r.peer for r in recipes] == [False] * 5 + [True, True, True]
 
 
 def test_effective_passes_accumulate_in_chain_order():
@@ -38,7 +38,7 @@ def test_effective_passes_accumulate_in_chain_order():
 def test_default_stages_peers_and_explicit_stages():
     assert [s.name for s in plan_stages("apex")] == ["baseline", "amp", "apex"]
     assert [s.name for s in plan_stages("fmha-compile")] == CHAIN + ["fmha-compile"]
-    assert [s.name for s in plan_stages("fmha", peers=True)] == CHAIN + ["torch-compile", "fmha-compile"]
+    assert [s.name for s in plan_stages("fmha", peers=True)] == CHAIN + ["torch-compile", "fmha-compile", "fmha-graph"]
     # amp's chain only reaches amp: torch-compile (extends amp) is its only peer
     assert [s.name for s in plan_stages("amp", peers=True)] == ["baseline", "amp", "torch-compile"]
     plans = plan_stages("fmha", ["baseline", "torch-compile"])

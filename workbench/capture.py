@@ -102,7 +102,7 @@ def capture_nsys(config: WorkloadConfig, recipe: str | None, out_dir: Path, step
         stale.unlink(missing_ok=True)
     log = out_dir / "nsys.log"
     log.write_text("")
-    cmd = [nsys, "profile", "-t", "cuda,nvtx", "-s", "none", "--cpuctxsw=none",
+    cmd = [nsys, "profile", "-t", "cuda,nvtx", "-s", "none", "--cpuctxsw=none", "--cuda-graph-trace=node",
            "--capture-range=cudaProfilerApi", "--capture-range-end=stop",
            "--force-overwrite", "true", "-o", str(rep_base),
            sys.executable, "-m", "workbench.capture_worker", str(spec)]

@@ -81,6 +81,8 @@ class Workload:
     scaler: object = None
     marker: RangeMarker = field(default_factory=RangeMarker)
     _step_fn: object = None
+    _graph: object = None
+    _graph_loss: object = None
 
     @classmethod
     def build(cls, config: WorkloadConfig, *, fused_attn: bool = False) -> "Workload":
@@ -124,11 +126,49 @@ class Workload:
             loss = F.cross_entropy(logits.float(), y)
         return logits, loss
 
+    def _eager_step(self) -> torch.Tensor:
+        if self.config.mode == "infer":
+            with torch.inference_mode():
+                return self._step_fn(self.x, self.y)[1]
+        _, loss = self._step_fn(self.x, self.y)
+        loss.backward()
+        self.optimizer.step()
+        return loss
+
+    def capture_graph(self, warmup: int = 3) -> None:
+        """Capture one whole step in a CUDA graph (see passes/cuda_graph.py). The warm-up steps run on a
+        side stream, as CUDA graph capture requires; they train the model like any other step."""
+        if self.optimizer is not None:
+            for group in self.optimizer.param_groups:
+                if "capturable" in group:
+                    group["capturable"] = True
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                if self.optimizer is not None:
+                    self.optimizer.zero_grad(set_to_none=True)
+                self._eager_step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        with torch.cuda.graph(graph):
+            # Gradients are allocated inside the graph's pool and overwritten by every replay.
+            self._graph_loss = self._eager_step()
+        self._graph = graph
+
     def step(self, i: int) -> torch.Tensor:
         """One training step (forward, backward, optimizer) or one inference forward, with ranges."""
         if self._step_fn is None:
             self.prepare()
         m = self.marker
+        if self.ctx.cuda_graph:
+            if self._graph is None:
+                self.capture_graph()
+            with m.range(f"step{i}"), m.range("graph"):
+                self._graph.replay()
+            return self._graph_loss
         with m.range(f"step{i}"):
             if self.config.mode == "infer":
                 with m.range("forward"), torch.inference_mode():

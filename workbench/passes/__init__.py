@@ -37,6 +37,7 @@ class PassContext:
     optimizer_factory: builds the optimizer (fused_adamw replaces it).
     compile: whether the runner wraps the step in torch.compile (the `compile` pass sets it).
     grad_scaler: whether fp16 training uses a GradScaler.
+    cuda_graph: whether the runner captures the step in a CUDA graph (the `cuda_graph` pass sets it).
     """
 
     device: torch.device
@@ -46,6 +47,7 @@ class PassContext:
     compile: bool = False
     compile_options: dict = field(default_factory=dict)
     grad_scaler: bool = False
+    cuda_graph: bool = False
 
 
 @dataclass
@@ -76,6 +78,7 @@ PASS_MODULES = {
     "fused_window": "fused_window",
     "fused_attention": "fused_attention",
     "compile": "compile",
+    "cuda_graph": "cuda_graph",
 }
 
 
