@@ -76,7 +76,7 @@ def test_markdown_report(records, tmp_path):
     assert "CPU — not a GPU speed figure" not in text
     assert "| GPU | NVIDIA H200 |" in text and "| driver | 580.1 |" in text
     assert "## GPU kernel time by category (%)" in text
-    assert "| baseline | 50.0 | 30.0 | 20.0 |" in text
+    assert "| baseline | - | - | 50.0 | 30.0 | 20.0 |" in text
     assert (tmp_path / "report-categories.png").stat().st_size > 1000
     assert "`apex_pass`: apex changed things" in text
     assert "**window** is slower than **apex**" in text
@@ -111,3 +111,13 @@ def test_bad_record_paths_are_user_errors(tmp_path):
     bad.write_text(json.dumps({"schema": "other"}))
     with pytest.raises(UserError, match="not a swinbench stage record"):
         render_report_from_paths([bad])
+
+
+def test_slower_stage_with_less_gpu_time_is_explained_as_host_bound(tmp_path):
+    from workbench.report import _slower_why
+
+    parent = {"stage": "amp", "step_ms": 67.0, "profile": {"kernel_ms_per_step": 63.2}}
+    slower = {"stage": "apex", "extends": "amp", "step_ms": 98.7, "profile": {"kernel_ms_per_step": 51.1}}
+    why = _slower_why(slower, [parent, slower])
+    assert "fell from 63.2 to 51.1 ms" in why and "host" in why and "52%" in why
+    assert "look at its passes" in _slower_why({**slower, "profile": None}, [parent, slower])

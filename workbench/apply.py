@@ -224,7 +224,9 @@ def _profile_stage(spec: StageSpec, config: WorkloadConfig, record: dict) -> dic
     kernels = getattr(analysis, "kernels", None)
     if kernels is not None and {"kernel", "share_pct"} <= set(kernels.columns):
         top = [{"kernel": str(k), "share_pct": float(s)} for k, s in kernels[["kernel", "share_pct"]].head(10).values]
-    return {"backend": backend, "trace": str(trace), "category_share_pct": shares, "top_kernels": top}
+    kernel_ms = float(kernels["total_ns"].sum()) / 1e6 / spec.steps if kernels is not None else None
+    return {"backend": backend, "trace": str(trace), "category_share_pct": shares, "top_kernels": top,
+            "kernel_ms_per_step": kernel_ms}
 
 
 # ---------------------------------------------------------------- stage subprocess

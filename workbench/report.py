@@ -199,6 +199,28 @@ def _gate_rows(records) -> list[list[str]]:
     return rows
 
 
+def kernel_ms_per_step(rec: dict) -> float | None:
+    """GPU kernel time per step from the stage's profile (None when it was not profiled)."""
+    value = (rec.get("profile") or {}).get("kernel_ms_per_step")
+    return float(value) if _isnum(value) else None
+
+
+def _slower_why(rec: dict, records: list[dict]) -> str:
+    """Why a stage is slower than the one it extends, from what was measured: if its GPU kernel time
+    per step went down while the wall step went up, the step is host-bound (launch overhead)."""
+    parent = next((r for r in records if r["stage"] == rec.get("extends")), None)
+    mine, theirs = kernel_ms_per_step(rec), kernel_ms_per_step(parent) if parent else None
+    if mine is None or theirs is None or not _isnum(rec.get("step_ms")):
+        return ": look at its passes above and its kernel shares before keeping it"
+    busy = 100.0 * mine / rec["step_ms"]
+    if mine < theirs:
+        return (f": its GPU kernel time per step fell from {theirs:.1f} to {mine:.1f} ms, but its step takes "
+                f"{rec['step_ms']:.1f} ms, the GPU busy {busy:.0f}% of it, so the step is bound by the host "
+                "launching kernels (its fused kernels cost more host time per launch than the ops they "
+                "replace); a CUDA graph (the fmha-graph stage) or torch.compile removes that cost")
+    return f": its GPU kernel time per step rose from {theirs:.1f} to {mine:.1f} ms"
+
+
 def _notes(records, df: pd.DataFrame) -> list[str]:
     notes = []
     by_stage = {r.stage: r for r in df.itertuples()}
@@ -214,13 +236,24 @@ def _notes(records, df: pd.DataFrame) -> list[str]:
                          "it is left out of the speedups")
         if r is not None and _isnum(r.x_previous) and r.x_previous < 1.0:
             notes.append(f"**{rec['stage']}** is slower than **{rec.get('extends')}**, the stage it extends "
-                         f"({r.x_previous:.2f}x): look at its passes above and its kernel shares before keeping it")
+                         f"({r.x_previous:.2f}x)" + _slower_why(rec, records))
         for n in rec.get("notes") or []:
             notes.append(f"{rec['stage']}: {n}")
         if rec.get("compile_s") is not None:
             notes.append(f"{rec['stage']}: torch.compile took {rec['compile_s']:.1f} s on its first step "
                          "(excluded from step times)")
     return notes
+
+
+def _fmt_ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _busy(rec: dict) -> str:
+    mine = kernel_ms_per_step(rec)
+    if mine is None or not _isnum(rec.get("step_ms")):
+        return "-"
+    return f"{100.0 * mine / rec['step_ms']:.0f}%"
 
 
 def render_report(records: list[dict], out_path_md: Path) -> Path:
@@ -259,8 +292,13 @@ def render_report(records: list[dict], out_path_md: Path) -> Path:
     shares = category_share_frame(records)
     if not shares.empty:
         png = plot_category_shares(shares, out_path_md.with_name(out_path_md.stem + "-categories.png"))
-        rows = [[stage] + [f"{v:.1f}" for v in shares.loc[stage]] for stage in shares.index]
-        lines += ["## GPU kernel time by category (%)", "", _md_table(["stage", *shares.columns], rows), "",
+        by_stage = {r["stage"]: r for r in records}
+        rows = [[stage, _fmt_ms(kernel_ms_per_step(by_stage[stage])), _busy(by_stage[stage])]
+                + [f"{v:.1f}" for v in shares.loc[stage]] for stage in shares.index]
+        lines += ["## GPU kernel time by category (%)", "",
+                  "Kernel ms/step: GPU kernel time per step in the stage's nsys capture; GPU busy: that over the "
+                  "measured step time. A stage far under 100% busy is bound by the host launching kernels.", "",
+                  _md_table(["stage", "kernel ms/step", "GPU busy", *shares.columns], rows), "",
                   f"![kernel-category shares per stage]({png.name})", ""]
     elif any(n.startswith("profile") for r in records for n in (r.get("notes") or [])):
         lines += ["## GPU kernel time by category", "", "Profiling was asked for but gave no GPU kernel shares "
