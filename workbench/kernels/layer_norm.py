@@ -17,8 +17,9 @@ the residual stream forward); its backward adds the gradient arriving at s to th
 kernel, so the residual's gradient costs no extra pass either.
 
 Backward: one kernel computes dx per row and, per program, partial sums of dweight/dbias over the rows it
-owns (a grid of about two programs per SM, each looping over a contiguous band of rows), written to a (G, C)
-fp32 buffer; a `sum(0)` over G finishes them. No atomics, so results are deterministic.
+owns (one wave of 2-3 programs per SM, each looping over a contiguous band of rows with the next block
+prefetched), written to a (G, C) fp32 buffer; a second small kernel (`sum_partials`) sums over G and casts
+to the parameter dtype in one launch. No atomics, so results are deterministic.
 
 Kernels run on the GPU, and on the CPU with TRITON_INTERPRET=1 set before this module is imported (slow).
 """
@@ -38,9 +39,8 @@ MAX_COLS = 16384
 # per tensor) compiles for sm_90 to ~50-80 registers forward and ~80-115 backward, no spills: 2-3 programs
 # per SM stay resident. 4096 needed 128/180-250 registers (one backward program per SM).
 _TILE_ELEMS = 2048
-# Backward grid: programs per SM (equal work each, so a whole number of waves when all are resident),
-# and the fewest rows one program should own (its (C,) partials cost as much traffic as a few rows).
-_BWD_PROGRAMS_PER_SM = 2
+# Backward grid: the fewest rows one program should own (its (C,) partials cost as much traffic as a
+# few rows). Programs per SM: see bwd_occupancy.
 _BWD_MIN_ROWS_PER_PROGRAM = 16
 
 
@@ -93,7 +93,9 @@ def _layer_norm_bwd_kernel(
 ):
     """Program p owns rows [p * rows_per_program, (p + 1) * rows_per_program) (a multiple of BLOCK_M).
     dx = rstd * (w*dy - xhat * mean(xhat * w*dy) - mean(w*dy)) (+ ds, the gradient that reached x + r
-    directly). dweight/dbias partial sums over the program's rows go to row p of DW_PARTIAL/DB_PARTIAL."""
+    directly). dweight/dbias partial sums over the program's rows go to row p of DW_PARTIAL/DB_PARTIAL.
+    The next block's x/dy/mean/rstd are loaded before the current block is computed (software
+    prefetch: two blocks of loads in flight per program, the loop is otherwise latency bound)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
@@ -102,16 +104,33 @@ def _layer_norm_bwd_kernel(
     dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     row_start = pid * rows_per_program
-    for i in range(0, rows_per_program, BLOCK_M):
-        rows = row_start + i + tl.arange(0, BLOCK_M)
-        row_mask = rows < n_rows
+    row_end = tl.minimum(row_start + rows_per_program, n_rows)
+    rows = row_start + tl.arange(0, BLOCK_M)
+    row_mask = rows < row_end
+    mask = row_mask[:, None] & col_mask[None, :]
+    offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
+    x_nxt = tl.load(X + offs, mask=mask, other=0.0)
+    dy_nxt = tl.load(DY + offs, mask=mask, other=0.0)
+    mean_nxt = tl.load(Mean + rows, mask=row_mask, other=0.0)
+    rstd_nxt = tl.load(Rstd + rows, mask=row_mask, other=0.0)
+    for _ in range(0, rows_per_program, BLOCK_M):
+        x = x_nxt.to(tl.float32)
+        dy = dy_nxt.to(tl.float32)
+        mean = mean_nxt
+        rstd = rstd_nxt
+        cur_mask = mask
+        cur_offs = offs
+        # prefetch the next block (masked off past this program's rows: no memory traffic)
+        rows += BLOCK_M
+        row_mask = rows < row_end
         mask = row_mask[:, None] & col_mask[None, :]
         offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
-        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-        mean = tl.load(Mean + rows, mask=row_mask, other=0.0)
-        rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)
-        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        x_nxt = tl.load(X + offs, mask=mask, other=0.0)
+        dy_nxt = tl.load(DY + offs, mask=mask, other=0.0)
+        mean_nxt = tl.load(Mean + rows, mask=row_mask, other=0.0)
+        rstd_nxt = tl.load(Rstd + rows, mask=row_mask, other=0.0)
+
+        xhat = tl.where(cur_mask, (x - mean[:, None]) * rstd[:, None], 0.0)
         if HAS_WEIGHT:
             wdy = dy * w[None, :]
         else:
@@ -120,8 +139,8 @@ def _layer_norm_bwd_kernel(
         c2 = tl.sum(wdy, axis=1) / n_cols
         dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
         if HAS_DS:
-            dx += tl.load(DS + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+            dx += tl.load(DS + cur_offs, mask=cur_mask, other=0.0).to(tl.float32)
+        tl.store(DX + cur_offs, dx.to(DX.dtype.element_ty), mask=cur_mask)
         if HAS_WEIGHT:
             dw_acc += dy * xhat
         if HAS_BIAS:
@@ -130,6 +149,31 @@ def _layer_norm_bwd_kernel(
         tl.store(DW_PARTIAL + pid * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
     if HAS_BIAS:
         tl.store(DB_PARTIAL + pid * n_cols + cols, tl.sum(db_acc, axis=0), mask=col_mask)
+
+
+@triton.jit
+def _sum_partials_kernel(
+    DW_PARTIAL, DB_PARTIAL, DW, DB, n_partials, n_cols,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """DW[c] = sum_p DW_PARTIAL[p, c] (and DB likewise), in fp32, stored in DW's dtype. One launch for both
+    (it replaces two `sum(0)` and two casts); programs split the columns."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    dw = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    db = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    for p0 in range(0, n_partials, BLOCK_P):
+        parts = p0 + tl.arange(0, BLOCK_P)
+        mask = (parts < n_partials)[:, None] & col_mask[None, :]
+        offs = parts[:, None] * n_cols + cols[None, :]
+        if HAS_WEIGHT:
+            dw += tl.load(DW_PARTIAL + offs, mask=mask, other=0.0)
+        if HAS_BIAS:
+            db += tl.load(DB_PARTIAL + offs, mask=mask, other=0.0)
+    if HAS_WEIGHT:
+        tl.store(DW + cols, tl.sum(dw, axis=0).to(DW.dtype.element_ty), mask=col_mask)
+    if HAS_BIAS:
+        tl.store(DB + cols, tl.sum(db, axis=0).to(DB.dtype.element_ty), mask=col_mask)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -142,8 +186,9 @@ def _new_output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+@functools.lru_cache(maxsize=None)
 def _tile(n_cols: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) for rows of n_cols elements."""
+    """(BLOCK_M, BLOCK_N, num_warps) for rows of n_cols elements (cached: no per-call arithmetic)."""
     if n_cols > MAX_COLS:
         raise ValueError(f"layer_norm: C={n_cols} is wider than MAX_COLS={MAX_COLS}")
     block_n = triton.next_power_of_2(n_cols)
@@ -153,16 +198,58 @@ def _tile(n_cols: int) -> tuple[int, int, int]:
 
 
 @functools.lru_cache(maxsize=None)
-def _bwd_program_count(device: torch.device) -> int:
-    """Most programs for the backward grid: a few per SM on a GPU (enough to hide latency, few enough that
-    the (G, C) partial buffer and its sum stay small); a handful under the CPU interpreter."""
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (queried once per device, not per call); 2 under the CPU
+    interpreter, so that a few programs each loop over several blocks there too."""
     if device.type == "cuda":
-        return _BWD_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2
+
+
+def bwd_occupancy(elt: int) -> tuple[int, int | None]:
+    """(programs per SM, maxnreg) for the persistent LayerNorm backward kernels (8 warps, ~2048-element
+    tiles) by input element size. Every program has equal work, so the grid is exactly one wave of
+    resident programs. Half precision: sm_90 ptxas gives 71-80 registers (triton 3.8, prefetch included),
+    so a cap of 80 keeps 3 programs (24 warps) per SM: 50% more loads in flight than 2, which the
+    latency-bound loop needs. fp32: 95-96 registers, 2 per SM."""
+    return (3, 80) if elt <= 2 else (2, None)
+
+
+@functools.lru_cache(maxsize=None)
+def _bwd_grid(n_rows: int, n_cols: int, elt: int, device: torch.device) -> tuple[int, int, int | None]:
+    """(programs, rows_per_program) for the backward: a few programs per SM, each owning a contiguous
+    band of whole blocks and at least _BWD_MIN_ROWS_PER_PROGRAM rows."""
+    block_m = _tile(n_cols)[0]
+    per_sm, maxnreg = bwd_occupancy(elt)
+    row_blocks = triton.cdiv(n_rows, block_m)
+    programs = max(1, min(per_sm * sm_count(device), row_blocks, triton.cdiv(n_rows, _BWD_MIN_ROWS_PER_PROGRAM)))
+    rows_per_program = triton.cdiv(row_blocks, programs) * block_m
+    return max(1, triton.cdiv(n_rows, rows_per_program)), rows_per_program, maxnreg
+
+
+# Final reduction of the (G, C) partials: BLOCK_P partial rows x _SUM_BLOCK_N columns per step.
+_SUM_BLOCK_P, _SUM_BLOCK_N = 32, 64
+
+
+def sum_partials(dw_partial, db_partial, dw_dtype, db_dtype):
+    """(G, C) fp32 partial sums (either may be None) -> (dw, db) of shape (C,) in dw_dtype/db_dtype,
+    with one Triton launch (instead of `sum(0)` and a cast for each)."""
+    part = dw_partial if dw_partial is not None else db_partial
+    n_partials, n_cols = part.shape
+    dw = _new_output((n_cols,), dw_dtype, part.device) if dw_partial is not None else None
+    db = _new_output((n_cols,), db_dtype, part.device) if db_partial is not None else None
+    _sum_partials_kernel[(triton.cdiv(n_cols, _SUM_BLOCK_N),)](
+        part if dw_partial is None else dw_partial, part if db_partial is None else db_partial,
+        dw if dw is not None else db, db if db is not None else dw, n_partials, n_cols,
+        HAS_WEIGHT=dw_partial is not None, HAS_BIAS=db_partial is not None,
+        BLOCK_P=_SUM_BLOCK_P, BLOCK_N=_SUM_BLOCK_N, num_warps=4,
+    )
+    return dw, db
 
 
 def _as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
-    return t.reshape(-1, n_cols).contiguous()
+    t = t.reshape(-1, n_cols)
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def _check(x: torch.Tensor, weight, bias) -> int:
@@ -183,8 +270,7 @@ def layer_norm_fwd(x2, residual2, weight, bias, eps: float, out_dtype: torch.dty
     mean = _new_output((n_rows,), torch.float32, device)
     rstd = _new_output((n_rows,), torch.float32, device)
     if n_rows > 0:
-        grid = (triton.cdiv(n_rows, block_m),)
-        _layer_norm_fwd_kernel[grid](
+        _layer_norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
             x2, residual2 if residual2 is not None else x2, s if s is not None else y, y,
             weight if weight is not None else x2, bias if bias is not None else x2, mean, rstd,
             n_rows, n_cols, eps,
@@ -198,30 +284,27 @@ def layer_norm_bwd(dy2, x2, weight, bias, mean, rstd, ds2, dx_dtype: torch.dtype
     """dy2, x2 (the normalized input: x, or s = x + r), ds2 (gradient at s, or None): (M, C) contiguous.
     -> (dx (M, C) in dx_dtype, dweight or None, dbias or None)."""
     n_rows, n_cols = x2.shape
-    block_m, block_n, num_warps = _tile(n_cols)
     device = x2.device
     dx = _new_output((n_rows, n_cols), dx_dtype, device)
-    row_blocks = triton.cdiv(n_rows, block_m)
-    programs = max(1, min(_bwd_program_count(device), row_blocks,
-                          triton.cdiv(n_rows, _BWD_MIN_ROWS_PER_PROGRAM)))
-    rows_per_program = triton.cdiv(row_blocks, programs) * block_m
-    programs = max(1, triton.cdiv(n_rows, rows_per_program))
+    if n_rows == 0:
+        return (dx, torch.zeros_like(weight) if weight is not None else None,
+                torch.zeros_like(bias) if bias is not None else None)
+    block_m, block_n, num_warps = _tile(n_cols)
+    programs, rows_per_program, maxnreg = _bwd_grid(n_rows, n_cols, max(x2.element_size(), dy2.element_size()), device)
     dw_partial = _new_output((programs, n_cols), torch.float32, device) if weight is not None else None
     db_partial = _new_output((programs, n_cols), torch.float32, device) if bias is not None else None
-    if n_rows > 0:
-        _layer_norm_bwd_kernel[(programs,)](
-            dy2, x2, weight if weight is not None else x2, mean, rstd,
-            ds2 if ds2 is not None else dy2, dx,
-            dw_partial if dw_partial is not None else dx, db_partial if db_partial is not None else dx,
-            n_rows, n_cols, rows_per_program,
-            HAS_DS=ds2 is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-        )
-        dw = dw_partial.sum(0).to(weight.dtype) if weight is not None else None
-        db = db_partial.sum(0).to(bias.dtype) if bias is not None else None
-    else:
-        dw = torch.zeros_like(weight) if weight is not None else None
-        db = torch.zeros_like(bias) if bias is not None else None
+    _layer_norm_bwd_kernel[(programs,)](
+        dy2, x2, weight if weight is not None else x2, mean, rstd,
+        ds2 if ds2 is not None else dy2, dx,
+        dw_partial if dw_partial is not None else dx, db_partial if db_partial is not None else dx,
+        n_rows, n_cols, rows_per_program,
+        HAS_DS=ds2 is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, maxnreg=maxnreg,
+    )
+    if weight is None and bias is None:
+        return dx, None, None
+    dw, db = sum_partials(dw_partial, db_partial, weight.dtype if weight is not None else None,
+                          bias.dtype if bias is not None else None)
     return dx, dw, db
 
 

@@ -17,7 +17,8 @@ Every op is a row gather: one program handles BLOCK_T tokens of the tensor it *w
 writes are contiguous and padding is written as 0 without a separate fill), computes for each
 token the source row with integer arithmetic, and moves BLOCK_C contiguous channels per row
 (coalesced along C, masked for odd C). No atomics anywhere; LayerNorm's dweight/dbias are
-per-program partial sums (persistent programs) reduced by one `sum(0)`.
+per-program partial sums (a band of tiles per program, ~2 programs per SM) reduced by one small
+Triton launch (`layer_norm.sum_partials`), which also casts to the parameter dtype.
 
 Backward of each op is a forward of another: d(roll_partition) = merge_roll(dout);
 d(merge_roll) = roll_partition(dout); merge_unshift_add's dshortcut is dout itself (no copy).
@@ -32,11 +33,14 @@ Linear, casts to the autocast dtype anyway, so the values it sees are identical.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+from workbench.kernels.layer_norm import bwd_occupancy, sm_count, sum_partials
 
 # ----------------------------------------------------------------------------------- kernels
 
@@ -166,69 +170,104 @@ def _merge_fwd_kernel(
 @triton.jit
 def _norm_partition_bwd_kernel(
     dwin_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr, db_part_ptr,
-    n_tokens, n_tiles, C,
+    n_tokens, tiles_per_prog, C,
     H: tl.constexpr, W: tl.constexpr, n_win_h: tl.constexpr, n_win_w: tl.constexpr,
     shift_h: tl.constexpr, shift_w: tl.constexpr, WS: tl.constexpr, SOFT_RTNE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """LayerNorm backward with the gradient gathered from window order (d of the partition).
 
-    Persistent: program p handles token tiles p, p + nprog, ... and writes its partial
-    dweight/dbias rows to dw_part[p], db_part[p] (reduced on the host).
+    Program p owns the contiguous band of token tiles [p * tiles_per_prog, (p + 1) * tiles_per_prog).
+    dweight/dbias partials are accumulated per (row-in-tile, channel) in registers across the band
+    and reduced across rows once at the end (a cross-warp reduction per tile would cost two
+    shared-memory round trips per iteration); row p of dw_part/db_part gets them. The next
+    tile's dwindows/x/mean/rstd are loaded before this tile is computed (software prefetch), so
+    each program keeps two tiles of loads in flight.
     """
     pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
     c = tl.arange(0, BLOCK_C)
     c_mask = c < C
     w = tl.load(w_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
-    dw_acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    db_acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    for tile in range(pid, n_tiles, nprog):
-        s = tile * BLOCK_T + tl.arange(0, BLOCK_T)
-        s_mask = s < n_tokens
-        row = _window_row_of_token(s, H, W, n_win_h, n_win_w, shift_h, shift_w, WS)
-        mask = s_mask[:, None] & c_mask[None, :]
+    dw_acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    db_acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    tok_start = pid * tiles_per_prog * BLOCK_T
+    tok_end = tl.minimum(tok_start + tiles_per_prog * BLOCK_T, n_tokens)
+
+    s = tok_start + tl.arange(0, BLOCK_T)
+    s_mask = s < tok_end
+    mask = s_mask[:, None] & c_mask[None, :]
+    row = _window_row_of_token(s, H, W, n_win_h, n_win_w, shift_h, shift_w, WS)
+    g_nxt = tl.load(dwin_ptr + row.to(tl.int64)[:, None] * C + c[None, :], mask=mask, other=0.0)
+    x_nxt = tl.load(x_ptr + s.to(tl.int64)[:, None] * C + c[None, :], mask=mask, other=0.0)
+    mean_nxt = tl.load(mean_ptr + s, mask=s_mask, other=0.0)
+    rstd_nxt = tl.load(rstd_ptr + s, mask=s_mask, other=0.0)
+    for _ in range(0, tiles_per_prog):
+        g = g_nxt.to(tl.float32)
+        x = x_nxt.to(tl.float32)
+        mean = mean_nxt
+        rstd = rstd_nxt
+        cur_mask = mask
         x_off = s.to(tl.int64)[:, None] * C + c[None, :]
-        g = tl.load(dwin_ptr + row.to(tl.int64)[:, None] * C + c[None, :], mask=mask, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
-        mean = tl.load(mean_ptr + s, mask=s_mask, other=0.0)
-        rstd = tl.load(rstd_ptr + s, mask=s_mask, other=0.0)
-        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        # prefetch the next tile (masked off past the band: no memory traffic)
+        s = s + BLOCK_T
+        s_mask = s < tok_end
+        mask = s_mask[:, None] & c_mask[None, :]
+        row = _window_row_of_token(s, H, W, n_win_h, n_win_w, shift_h, shift_w, WS)
+        g_nxt = tl.load(dwin_ptr + row.to(tl.int64)[:, None] * C + c[None, :], mask=mask, other=0.0)
+        x_nxt = tl.load(x_ptr + s.to(tl.int64)[:, None] * C + c[None, :], mask=mask, other=0.0)
+        mean_nxt = tl.load(mean_ptr + s, mask=s_mask, other=0.0)
+        rstd_nxt = tl.load(rstd_ptr + s, mask=s_mask, other=0.0)
+
+        xhat = tl.where(cur_mask, (x - mean[:, None]) * rstd[:, None], 0.0)
         wg = g * w[None, :]
         c1 = tl.sum(xhat * wg, axis=1) / C
         c2 = tl.sum(wg, axis=1) / C
         dx = (wg - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
-        tl.store(dx_ptr + x_off, _to_dtype(dx, dx_ptr.dtype.element_ty, SOFT_RTNE), mask=mask)
-        dw_acc += tl.sum(g * xhat, axis=0)
-        db_acc += tl.sum(g, axis=0)
-    tl.store(dw_part_ptr + pid * C + c, dw_acc, mask=c_mask)
-    tl.store(db_part_ptr + pid * C + c, db_acc, mask=c_mask)
+        tl.store(dx_ptr + x_off, _to_dtype(dx, dx_ptr.dtype.element_ty, SOFT_RTNE), mask=cur_mask)
+        dw_acc += g * xhat
+        db_acc += g
+    tl.store(dw_part_ptr + pid * C + c, tl.sum(dw_acc, axis=0), mask=c_mask)
+    tl.store(db_part_ptr + pid * C + c, tl.sum(db_acc, axis=0), mask=c_mask)
 
 
 # ------------------------------------------------------------------------------ host functions
 
 
+# Elements one data-movement program moves per tensor (16 KB in bf16, 32 KB in fp32): fewer, fatter
+# programs than 4096 (8 KB) amortize the per-token index math and the block scheduling.
+_COPY_TILE_ELEMS = 8192
+# LayerNorm kernels hold whole rows: ~2048 elements per tile over 8 warps is 60-120 registers on sm_90.
+_NORM_TILE_ELEMS = 2048
+# Norm backward grid: the fewest tokens one program owns (its two (C,) fp32 partial rows should cost
+# little next to the rows it reads and writes). Programs per SM and the register cap come from
+# layer_norm.bwd_occupancy (3 resident programs of 8 warps per SM for half-precision inputs).
+_NORM_BWD_MIN_TOKENS = 32
+
+
+@functools.lru_cache(maxsize=None)
 def _copy_blocks(C: int) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_C, num_warps) for the pure data-movement kernels.
 
     BLOCK_C is the largest power-of-two divisor of C up to 512 when that is >= 32 (Swin's C =
     96 * 2^k splits into whole blocks, no idle lanes), else next_power_of_2(C) capped at 512
-    with masks (odd C). 4096 elements per program over 8 warps = 16 per thread (two 16-byte
-    vectors in bf16): sm_90 ptxas gives 40-80 registers, so 3+ programs stay resident per SM.
+    with masks (odd C). 8192 elements per program over 8 warps = 32 per thread (four 16-byte
+    vectors in bf16).
     """
     pow2_div = C & -C
     block_c = min(pow2_div, 512) if pow2_div >= 32 else min(triton.next_power_of_2(C), 512)
-    return max(1, 4096 // block_c), block_c, 8
+    return max(1, _COPY_TILE_ELEMS // block_c), block_c, 8
 
 
+@functools.lru_cache(maxsize=None)
 def _norm_blocks(C: int) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_C, num_warps) for the LayerNorm kernels: one program holds whole rows.
 
     ~2048 elements (at least 2 rows) over 8 warps: 60-120 registers for forward and backward on sm_90;
     bigger tiles spill or halve occupancy."""
     block_c = triton.next_power_of_2(C)
-    return max(2, 2048 // block_c), block_c, 8
+    return max(2, _NORM_TILE_ELEMS // block_c), block_c, 8
 
 
+@functools.lru_cache(maxsize=None)
 def _geometry(H: int, W: int, window_size: int, shift: int):
     """(Hp, Wp, nWh, nWw, shift_h, shift_w): padded sizes, window counts, shifts reduced mod H, W."""
     ws = int(window_size)
@@ -236,6 +275,10 @@ def _geometry(H: int, W: int, window_size: int, shift: int):
         raise ValueError(f"window_size must be positive, got {window_size}")
     n_win_h, n_win_w = -(-H // ws), -(-W // ws)
     return n_win_h * ws, n_win_w * ws, n_win_h, n_win_w, int(shift) % H, int(shift) % W
+
+
+def _contig(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def _check_out(out, shape, dtype, device):
@@ -248,7 +291,7 @@ def _check_out(out, shape, dtype, device):
 
 def roll_partition_fwd(x: torch.Tensor, window_size: int, shift: int, *, out_dtype=None, out=None) -> torch.Tensor:
     """x (B, H, W, C) -> windows (B*nW, ws*ws, C) in `out_dtype` (default x.dtype)."""
-    x = x.contiguous()
+    x = _contig(x)
     B, H, W, C = x.shape
     Hp, Wp, nwh, nww, sh, sw = _geometry(H, W, window_size, shift)
     ws = int(window_size)
@@ -270,7 +313,7 @@ def merge_roll_fwd(
     """windows (B*nW, ws*ws, C) -> (B, H, W, C) [+ shortcut (B, H, W, C)], one pass.
 
     Output dtype: out_dtype, else the promoted dtype of windows and shortcut."""
-    windows = windows.contiguous()
+    windows = _contig(windows)
     C = windows.shape[-1]
     Hp, Wp, nwh, nww, sh, sw = _geometry(H, W, window_size, shift)
     ws = int(window_size)
@@ -278,7 +321,7 @@ def merge_roll_fwd(
         raise ValueError(f"windows of shape {tuple(windows.shape)} do not tile a {H}x{W}x{C} map with ws={ws}")
     B = windows.numel() // (Hp * Wp * C)
     if shortcut is not None:
-        shortcut = shortcut.contiguous()
+        shortcut = _contig(shortcut)
         if tuple(shortcut.shape) != (B, H, W, C):
             raise ValueError(f"shortcut shape {tuple(shortcut.shape)} != {(B, H, W, C)}")
         dtype = out_dtype or torch.promote_types(windows.dtype, shortcut.dtype)
@@ -301,7 +344,7 @@ def norm_shift_partition_fwd(
     *, out=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (B, H, W, C), weight/bias (C,) -> (windows (B*nW, ws*ws, C) in x.dtype, mean (B*H*W,) fp32, rstd fp32)."""
-    x = x.contiguous()
+    x = _contig(x)
     B, H, W, C = x.shape
     Hp, Wp, nwh, nww, sh, sw = _geometry(H, W, window_size, shift)
     ws = int(window_size)
@@ -310,18 +353,23 @@ def norm_shift_partition_fwd(
     rstd = torch.empty(B * H * W, dtype=torch.float32, device=x.device)
     n_out = B * Hp * Wp
     block_t, block_c, num_warps = _norm_blocks(C)
-    grid = (triton.cdiv(n_out, block_t), 1)
-    _partition_fwd_kernel[grid](
-        x, out, weight.contiguous(), bias.contiguous(), mean, rstd, n_out, C, float(eps),
+    _partition_fwd_kernel[(triton.cdiv(n_out, block_t), 1)](
+        x, out, _contig(weight), _contig(bias), mean, rstd, n_out, C, float(eps),
         H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, NORM=True, SOFT_RTNE=_SOFT_RTNE, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps,
     )
     return out, mean, rstd
 
 
-def _persistent_programs(n_tiles: int, device: torch.device) -> int:
-    if device.type == "cuda":
-        return max(1, min(n_tiles, 4 * torch.cuda.get_device_properties(device).multi_processor_count))
-    return max(1, min(n_tiles, 4))  # interpreter: few programs, each loops
+@functools.lru_cache(maxsize=None)
+def _norm_bwd_grid(n_tok: int, C: int, elt: int, device: torch.device) -> tuple[int, int, int | None]:
+    """(programs, tiles_per_program, maxnreg): one wave of resident programs, each a contiguous band
+    of whole tiles."""
+    block_t = _norm_blocks(C)[0]
+    per_sm, maxnreg = bwd_occupancy(elt)
+    n_tiles = triton.cdiv(n_tok, block_t)
+    programs = max(1, min(per_sm * sm_count(device), n_tiles, triton.cdiv(n_tok, _NORM_BWD_MIN_TOKENS)))
+    tiles_per_prog = triton.cdiv(n_tiles, programs)
+    return triton.cdiv(n_tiles, tiles_per_prog), tiles_per_prog, maxnreg
 
 
 def norm_shift_partition_bwd(
@@ -329,23 +377,24 @@ def norm_shift_partition_bwd(
     window_size: int, shift: int, *, dx=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (dx (B, H, W, C) in x.dtype, dweight (C,) and dbias (C,) in weight.dtype). Padding rows of dwindows are ignored."""
-    dwindows = dwindows.contiguous()
-    x = x.contiguous()
+    dwindows = _contig(dwindows)
+    x = _contig(x)
     B, H, W, C = x.shape
     Hp, Wp, nwh, nww, sh, sw = _geometry(H, W, window_size, shift)
     dx = _check_out(dx, (B, H, W, C), x.dtype, x.device)
     n_tok = B * H * W
     block_t, block_c, num_warps = _norm_blocks(C)
-    n_tiles = triton.cdiv(n_tok, block_t)
-    nprog = _persistent_programs(n_tiles, x.device)
+    nprog, tiles_per_prog, maxnreg = _norm_bwd_grid(n_tok, C, x.element_size(), x.device)
     dw_part = torch.empty((nprog, C), dtype=torch.float32, device=x.device)
     db_part = torch.empty((nprog, C), dtype=torch.float32, device=x.device)
     _norm_partition_bwd_kernel[(nprog,)](
-        dwindows, x, weight.contiguous(), mean, rstd, dx, dw_part, db_part,
-        n_tok, n_tiles, C,
+        dwindows, x, _contig(weight), mean, rstd, dx, dw_part, db_part,
+        n_tok, tiles_per_prog, C,
         H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=int(window_size), SOFT_RTNE=_SOFT_RTNE, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps,
+        maxnreg=maxnreg,
     )
-    return dx, dw_part.sum(0).to(weight.dtype), db_part.sum(0).to(weight.dtype)
+    dw, db = sum_partials(dw_part, db_part, weight.dtype, weight.dtype)
+    return dx, dw, db
 
 
 # ------------------------------------------------------------------------- autograd Functions
