@@ -10,12 +10,19 @@ Ops (fused / eager it replaces), forward + backward:
 Stages: 56x56x128, 28x28x256, 14x14x512, 7x7x1024; ws 7, shift 3 on every stage (timm uses no
 shift on the single-window 7x7 stage; the shifted case is the one that moves data); bf16 by default.
 
-Timing: triton.testing.do_bench (CUDA events, L2 flushed between reps), median with p20/p80.
-  eager_us / fused_us: fwd+bwd through autograd (what training sees, Python overhead included).
-  fwd_us / bwd_us: the fused kernels alone, through the host functions (no autograd).
-  GB/s: the least traffic of fwd+bwd (read inputs, write outputs once; fp32 LN stats) over
-  fwd_us + bwd_us; % copy: that over the measured device-to-device copy bandwidth
-  (read + write of a 1 GiB tensor with Tensor.copy_).
+Timing, two ways, both for the eager ops and for the fused ones (fwd+bwd through autograd,
+torch.autograd.grad so nothing accumulates):
+  graph_us: GPU time per call. N back-to-back calls are captured into one torch.cuda.CUDAGraph and
+    the replays are timed with CUDA events (median, p20/p80 over replays, divided by N): no host
+    launch overhead, no idle gaps. Calls rotate over enough input sets that their data is >= 3x the
+    60 MB L2 (stage 4 would otherwise be timed out of L2).
+  call_us: per-call time as plain Python calls: CUDA events around a loop of back-to-back calls,
+    divided by their number. On a slow host this is the host launch path (Python, autograd, Triton's
+    launcher), which training pays too unless it runs under CUDA graphs.
+  fwd_us / bwd_us: the fused kernels alone through the host functions (no autograd), graph replay.
+  GB/s and % copy: the least traffic of fwd+bwd (read inputs, write outputs once; fp32 LN stats)
+  over the fused graph_us, and that over the device-to-device copy bandwidth measured the same way
+  (Tensor.copy_ of a 1 GiB buffer, counting read + write).
 The first call (Triton compile) is timed separately (first_call_s), never in the medians.
 --check first verifies fused == eager (data movement bit-exact, LayerNorm at 2e-2 of max |ref|
 in half precision) on the same shapes, forward and every gradient, and exits 1 on a mismatch.
@@ -27,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -86,9 +92,9 @@ def eager_merge_roll(windows, ws, shift, H, W):
 # ------------------------------------------------------------------------------------- inputs
 
 
-def make_inputs(B, H, W, C, dtype, device) -> dict:
+def make_inputs(B, H, W, C, dtype, device, seed=0) -> dict:
     """Fresh random tensors (never zeros): x/shortcut (B, H, W, C), windows (B*nW, ws*ws, C), LN params, upstream grads."""
-    g = torch.Generator(device=device).manual_seed(B * 131 + H * 7 + C)
+    g = torch.Generator(device=device).manual_seed(B * 131 + H * 7 + C + 1000003 * seed)
     nw = B * -(-H // WINDOW) * -(-W // WINDOW)
 
     def rand(shape, scale=1.0, shift=0.0):
@@ -126,8 +132,12 @@ def upstream(op: str, t: dict) -> torch.Tensor:
 
 
 def fwd_bwd_fn(op, impl, t, H, W, shift):
+    """Forward + backward through autograd; torch.autograd.grad returns the gradients instead of
+    accumulating them into .grad (no extra add kernels, graph-capturable)."""
+    inputs, dout = leaves(op, t), upstream(op, t)
+
     def run():
-        torch.autograd.backward(forward(op, impl, t, H, W, shift), upstream(op, t))
+        return torch.autograd.grad(forward(op, impl, t, H, W, shift), inputs, dout)
     return run
 
 
@@ -167,21 +177,76 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def timed(fn, grad_to_none, warmup_ms, rep_ms) -> tuple[float, float, float]:
-    """(median, p20, p80) in microseconds."""
-    if torch.cuda.is_available():
-        from triton.testing import do_bench
+L2_BYTES = 60 * 2**20
+GRAPH_CALLS = 16  # calls captured per graph (rounded up to a whole number of input sets)
 
-        q = do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=grad_to_none, quantiles=[0.5, 0.2, 0.8])
-        return tuple(float(v) * 1e3 for v in q)
+
+def n_input_sets(set_bytes: int) -> int:
+    """Input sets to rotate so that one round of calls touches >= 3x the L2 (at most 8)."""
+    return max(1, min(8, -(-3 * L2_BYTES // max(1, set_bytes))))
+
+
+def _quantiles(times: list[float]) -> tuple[float, float, float]:
+    q = torch.tensor(times, dtype=torch.float64).quantile(torch.tensor([0.5, 0.2, 0.8], dtype=torch.float64))
+    return tuple(float(v) for v in q)
+
+
+def graph_us(fns: list, replays: int) -> tuple[float, float, float]:
+    """(median, p20, p80) GPU microseconds per call: fns (one closure per input set) are called round robin,
+    GRAPH_CALLS calls captured into one CUDA graph, replays timed with CUDA events."""
+    if not torch.cuda.is_available():
+        return call_us(fns, 1, 2)
+    rounds = -(-GRAPH_CALLS // len(fns))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream, as graph capture requires
+        for _ in range(2):
+            for fn in fns:
+                fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(rounds):
+            for fn in fns:
+                fn()
+    graph.replay()
+    torch.cuda.synchronize()
     times = []
-    for _ in range(3):
-        for p in grad_to_none:
-            p.grad = None
-        start = time.perf_counter()
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (rounds * len(fns)))
+    del graph
+    return _quantiles(times)
+
+
+def call_us(fns: list, loops: int, calls: int) -> tuple[float, float, float]:
+    """(median, p20, p80) microseconds per plain call, host overhead included: events (or the host clock
+    without a GPU) around `calls` back-to-back calls round robin over fns, `loops` times."""
+    for fn in fns:
         fn()
-        times.append((time.perf_counter() - start) * 1e6)
-    return statistics.median(times), min(times), max(times)
+    _sync()
+    times = []
+    if not torch.cuda.is_available():  # interpreter smoke test: a couple of calls is plenty
+        loops, calls = 1, 2
+    for _ in range(loops):
+        if torch.cuda.is_available():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for i in range(calls):
+                fns[i % len(fns)]()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / calls)
+        else:
+            t = time.perf_counter()
+            for i in range(calls):
+                fns[i % len(fns)]()
+            times.append((time.perf_counter() - t) * 1e6 / calls)
+    return _quantiles(times)
 
 
 def first_call_s(fn) -> float:
@@ -192,12 +257,12 @@ def first_call_s(fn) -> float:
     return time.perf_counter() - start
 
 
-def copy_bandwidth(device, warmup_ms, rep_ms) -> dict:
-    """Device-to-device Tensor.copy_ of a 1 GiB buffer (64 KiB on the CPU): GB/s counting read + write."""
+def copy_bandwidth(device, replays) -> dict:
+    """Device-to-device Tensor.copy_ of a 1 GiB buffer (64 KiB on the CPU), graph-timed: GB/s counting read + write."""
     n_bytes = (1 << 30) if device == "cuda" else (1 << 16)
     src = torch.randn(n_bytes // 4, device=device)
     dst = torch.empty_like(src)
-    med, p20, p80 = timed(lambda: dst.copy_(src), [], warmup_ms, rep_ms)
+    med, p20, p80 = graph_us([lambda: dst.copy_(src)], replays)
     return {"bytes": 2 * n_bytes, "us_median": med, "us_p20": p20, "us_p80": p80, "gbps": 2 * n_bytes / (med * 1e-6) / 1e9}
 
 
@@ -230,47 +295,51 @@ def check(stages, dtype_name, device) -> list[dict]:
     return results
 
 
-def measure(stages, dtype_name, device, warmup_ms, rep_ms, copy_gbps) -> list[dict]:
+def measure(stages, dtype_name, device, replays, copy_gbps) -> list[dict]:
     dtype = DTYPES[dtype_name]
     elt = torch.tensor([], dtype=dtype).element_size()
     records = []
     for op in OPS:
         for stage, B, H, W, C in stages:
             shift = SHIFT
-            t = make_inputs(B, H, W, C, dtype, device)
-            for p in leaves(op, t):
-                p.requires_grad_(True)
+            nbytes = bytes_moved(op, B, H, W, C, elt)
+            sets = [make_inputs(B, H, W, C, dtype, device, seed=k) for k in range(n_input_sets(nbytes))]
+            for t in sets:
+                for p in leaves(op, t):
+                    p.requires_grad_(True)
             rec = {"op": op, "stage": stage, "B": B, "H": H, "W": W, "C": C, "window": WINDOW, "shift": shift,
-                   "dtype": dtype_name}
+                   "dtype": dtype_name, "input_sets": len(sets), "bytes": nbytes}
             for impl in ("eager", "fused"):
-                fn = fwd_bwd_fn(op, impl, t, H, W, shift)
-                rec[f"{impl}_first_call_s"] = first_call_s(fn)
-                rec[f"{impl}_us"], rec[f"{impl}_us_p20"], rec[f"{impl}_us_p80"] = timed(fn, leaves(op, t), warmup_ms, rep_ms)
+                fns = [fwd_bwd_fn(op, impl, t, H, W, shift) for t in sets]
+                rec[f"{impl}_first_call_s"] = first_call_s(fns[0])
+                rec[f"{impl}_graph_us"], rec[f"{impl}_graph_us_p20"], rec[f"{impl}_graph_us_p80"] = graph_us(fns, replays)
+                rec[f"{impl}_call_us"], rec[f"{impl}_call_us_p20"], rec[f"{impl}_call_us_p80"] = call_us(fns, 5, 10)
             with torch.no_grad():
-                kfwd, kbwd = kernel_fns(op, t, H, W, shift)
-                rec["kernel_first_call_s"] = first_call_s(kfwd) + first_call_s(kbwd)
-                rec["fwd_us"], _, _ = timed(kfwd, [], warmup_ms, rep_ms)
-                rec["bwd_us"], _, _ = timed(kbwd, [], warmup_ms, rep_ms)
-            rec["bytes"] = bytes_moved(op, B, H, W, C, elt)
-            rec["speedup"] = rec["eager_us"] / rec["fused_us"]
-            rec["kernel_gbps"] = rec["bytes"] / ((rec["fwd_us"] + rec["bwd_us"]) * 1e-6) / 1e9
-            rec["autograd_gbps"] = rec["bytes"] / (rec["fused_us"] * 1e-6) / 1e9
-            rec["pct_copy"] = 100.0 * rec["kernel_gbps"] / copy_gbps
+                pairs = [kernel_fns(op, t, H, W, shift) for t in sets]
+                rec["kernel_first_call_s"] = first_call_s(pairs[0][0]) + first_call_s(pairs[0][1])
+                rec["fwd_us"], _, _ = graph_us([f for f, _ in pairs], replays)
+                rec["bwd_us"], _, _ = graph_us([b for _, b in pairs], replays)
+            rec["speedup"] = rec["eager_graph_us"] / rec["fused_graph_us"]
+            rec["speedup_call"] = rec["eager_call_us"] / rec["fused_call_us"]
+            rec["gbps"] = nbytes / (rec["fused_graph_us"] * 1e-6) / 1e9
+            rec["eager_gbps"] = nbytes / (rec["eager_graph_us"] * 1e-6) / 1e9
+            rec["pct_copy"] = 100.0 * rec["gbps"] / copy_gbps
             records.append(rec)
-            del t
+            del sets, fns, pairs
             if device == "cuda":
                 torch.cuda.empty_cache()
     return records
 
 
 def format_table(records: list[dict]) -> str:
-    head = (f"{'op':<21} {'stage':<15} {'eager us':>9} {'fused us':>9} {'speedup':>7} | "
-            f"{'fwd us':>7} {'bwd us':>7} {'GB/s':>6} {'%copy':>5}")
-    lines = [head, "-" * len(head)]
+    head = (f"{'op':<20} {'stage':<13} | {'graph us: eager':>15} {'fused':>6} {'x':>5} {'fwd':>5} {'bwd':>5} "
+            f"{'GB/s':>5} {'%copy':>5} | {'per call us: eager':>18} {'fused':>6}")
+    lines = [head]
     for r in records:
         shape = f"{r['stage']} {r['H']}x{r['W']}x{r['C']}"
-        lines.append(f"{r['op']:<21} {shape:<15} {r['eager_us']:>9.1f} {r['fused_us']:>9.1f} {r['speedup']:>6.2f}x | "
-                     f"{r['fwd_us']:>7.1f} {r['bwd_us']:>7.1f} {r['kernel_gbps']:>6.0f} {r['pct_copy']:>4.0f}%")
+        lines.append(f"{r['op']:<20} {shape:<13} | {r['eager_graph_us']:>15.1f} {r['fused_graph_us']:>6.1f} "
+                     f"{r['speedup']:>4.2f}x {r['fwd_us']:>5.1f} {r['bwd_us']:>5.1f} {r['gbps']:>5.0f} {r['pct_copy']:>4.0f}% | "
+                     f"{r['eager_call_us']:>18.1f} {r['fused_call_us']:>6.1f}")
     return "\n".join(lines)
 
 
@@ -279,8 +348,7 @@ def main(argv=None) -> int:
     ap.add_argument("--check", action="store_true", help="verify fused == eager first; exit 1 on a mismatch")
     ap.add_argument("--out", type=Path, help="write records + environment stamp as JSON here (default: stdout only)")
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    ap.add_argument("--warmup-ms", type=float, default=10.0)
-    ap.add_argument("--rep-ms", type=float, default=40.0)
+    ap.add_argument("--replays", type=int, default=20, help="graph replays timed per measurement")
     args = ap.parse_args(argv)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -303,17 +371,21 @@ def main(argv=None) -> int:
                 print(f"MISMATCH {c['op']} {c['stage']} {c['what']}: {c['rel_max_err']:.3e}", file=sys.stderr)
             return 1
 
-    copy = copy_bandwidth(device, args.warmup_ms, args.rep_ms)
-    records = measure(stages, args.dtype, device, args.warmup_ms, args.rep_ms, copy["gbps"])
+    copy = copy_bandwidth(device, args.replays)
+    records = measure(stages, args.dtype, device, args.replays, copy["gbps"])
     print(format_table(records))
     worst = min(records, key=lambda r: r["pct_copy"])
-    print(f"# copy bandwidth (Tensor.copy_ of {copy['bytes'] / 2 / 2**20:g} MiB, read+write): {copy['gbps']:.0f} GB/s; "
-          f"fused kernels reach {worst['pct_copy']:.0f}%..{max(r['pct_copy'] for r in records):.0f}% of it "
+    print(f"# copy (Tensor.copy_ {copy['bytes'] / 2 / 2**20:g} MiB, read+write, graph): {copy['gbps']:.0f} GB/s; "
+          f"fused fwd+bwd reach {worst['pct_copy']:.0f}%..{max(r['pct_copy'] for r in records):.0f}% of it "
           f"(lowest: {worst['op']} {worst['stage']})")
     geo = 1.0
     for r in records:
         geo *= r["speedup"]
-    print(f"# fused vs eager fwd+bwd: geomean {geo ** (1 / len(records)):.2f}x; "
+    geo_call = 1.0
+    for r in records:
+        geo_call *= r["speedup_call"]
+    print(f"# fused vs eager fwd+bwd: geomean {geo ** (1 / len(records)):.2f}x GPU time (graph), "
+          f"{geo_call ** (1 / len(records)):.2f}x per plain call; "
           f"first calls (compile) {sum(r['kernel_first_call_s'] + r['fused_first_call_s'] for r in records):.1f} s; "
           f"total {time.perf_counter() - t0:.1f} s")
 
@@ -321,7 +393,8 @@ def main(argv=None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         payload = {"benchmark": "bench_window", "environment": stamp,
                    "settings": {"batch": stages[0][1], "stages": stages, "dtype": args.dtype, "window": WINDOW,
-                                "shift": SHIFT, "eps": EPS, "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms},
+                                "shift": SHIFT, "eps": EPS, "replays": args.replays, "graph_calls": GRAPH_CALLS,
+                                "timing": "graph_us: CUDA-graph replay of back-to-back calls; call_us: plain calls, host included"},
                    "copy": copy, "records": records, "check": checks}
         args.out.write_text(json.dumps(payload, indent=1))
         print(f"# wrote {args.out}")
