@@ -21,11 +21,11 @@ for part in "$@"; do
                --steps 4 --warmup 3 --out "$out/r/profile_swin_tiny_train_bf16" --top 12 2>&1 | tail -60 ;;
     attn)    python3 -m pytest -q tests/test_window_attention.py tests/test_pass_fused_attention.py 2>&1 | tail -8
              python3 benchmarks/bench_window_attention.py --check --out "$out/r/bench_window_attention.json" 2>&1 | tail -25 ;;
-    diag)    SWINBENCH_AUTOTUNE=0 timeout 90 python3 benchmarks/diag_window_attention.py 2>&1 | tail -20 ;;
-    benches) timeout 60 python3 benchmarks/bench_window.py --check --out "$out/r/bench_window.json" 2>&1 | tail -22
-             timeout 60 python3 benchmarks/bench_layer_norm.py --check --out "$out/r/bench_layer_norm.json" 2>&1 | tail -22
-             timeout 100 python3 benchmarks/bench_window_attention.py --check --methods eager,sdpa_efficient,fused \
-               --out "$out/r/bench_window_attention.json" 2>&1 | tail -14 ;;
+    diag)    SWINBENCH_AUTOTUNE=0 timeout 60 python3 benchmarks/diag_window_attention.py 2>&1 | tail -20 ;;
+    benches) timeout 50 python3 benchmarks/bench_window.py --check --out "$out/r/bench_window.json" 2>&1 | tail -22
+             timeout 80 python3 benchmarks/bench_window_attention.py --check --methods eager,sdpa_efficient,fused \
+               --out "$out/r/bench_window_attention.json" 2>&1 | tail -14
+             timeout 45 python3 benchmarks/bench_layer_norm.py --check --out "$out/r/bench_layer_norm.json" 2>&1 | tail -22 ;;
     graph)   timeout 150 swinbench apply --recipe fmha --stages amp,fmha,fmha-graph --model swin_base_patch4_window7_224 \
                --batch 64 --steps 10 --warmup 3 --out "$out/r/apply_graph" 2>&1 | tail -14 ;;
     quick)   swinbench apply --recipe fmha --stages amp,fmha,fmha-graph,fmha-compile --model swin_base_patch4_window7_224 \
