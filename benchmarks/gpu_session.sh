@@ -28,6 +28,11 @@ for part in "$@"; do
              timeout 45 python3 benchmarks/bench_layer_norm.py --check --out "$out/r/bench_layer_norm.json" 2>&1 | tail -22 ;;
     graph)   timeout 150 swinbench apply --recipe fmha --stages amp,fmha,fmha-graph --model swin_base_patch4_window7_224 \
                --batch 64 --steps 10 --warmup 3 --out "$out/r/apply_graph" 2>&1 | tail -14 ;;
+    last)    timeout 70 python3 benchmarks/bench_window_attention.py --methods eager,sdpa_efficient,fused \
+               --out "$out/r/bench_window_attention_graph.json" 2>&1 | tail -9
+             timeout 100 swinbench apply --recipe fmha --stages amp,fmha-graph --model swin_base_patch4_window7_224 \
+               --batch 64 --steps 8 --warmup 2 --out "$out/r/apply_graph" 2>&1 | tail -12
+             cp "$out"/r/apply_graph/records/*.json "$out/r/" 2>/dev/null; tail -3 "$out"/r/apply_graph/logs/*.log ;;
     quick)   swinbench apply --recipe fmha --stages amp,fmha,fmha-graph,fmha-compile --model swin_base_patch4_window7_224 \
                --batch 64 --steps 10 --warmup 3 --out "$out/r/apply_quick" 2>&1 | tail -30
              tail -5 "$out"/r/apply_quick/logs/*.log ;;
