@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch.nn.functional as F  # noqa: E402
 
 from workbench.env import device_label, environment_stamp  # noqa: E402
+from workbench.timing import cuda_graph_us  # noqa: E402
 from workbench.kernels.layer_norm import add_layer_norm, layer_norm  # noqa: E402
 
 BATCH = 64
@@ -168,34 +169,10 @@ def call_ms(fns: list, loops: int = 5, calls: int = 10) -> tuple[float, float, f
 
 def graph_ms(fns: list, replays: int) -> tuple[float, float, float]:
     """(median, p20, p80) GPU ms per call: GRAPH_CALLS calls round robin over fns captured in one CUDA graph,
-    replays timed with CUDA events."""
+    replays timed with CUDA events (workbench.timing.cuda_graph_us)."""
     if not torch.cuda.is_available():
         return call_ms(fns, 1, 2)
-    rounds = -(-GRAPH_CALLS // len(fns))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            for fn in fns:
-                fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(rounds):
-            for fn in fns:
-                fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / (rounds * len(fns)))
-    del graph
-    return _quantiles(times)
+    return tuple(us / 1e3 for us in cuda_graph_us(fns, replays=replays, calls=GRAPH_CALLS))
 
 
 def _sync():

@@ -49,6 +49,7 @@ import torch.nn.functional as F  # noqa: E402
 from timm.models.swin_transformer import window_partition, window_reverse  # noqa: E402
 
 from workbench.env import device_label, environment_stamp  # noqa: E402
+from workbench.timing import cuda_graph_us  # noqa: E402
 from workbench.kernels.window import (  # noqa: E402
     merge_roll,
     merge_roll_fwd,
@@ -193,34 +194,10 @@ def _quantiles(times: list[float]) -> tuple[float, float, float]:
 
 def graph_us(fns: list, replays: int) -> tuple[float, float, float]:
     """(median, p20, p80) GPU microseconds per call: fns (one closure per input set) are called round robin,
-    GRAPH_CALLS calls captured into one CUDA graph, replays timed with CUDA events."""
+    GRAPH_CALLS calls captured into one CUDA graph, replays timed with CUDA events (workbench.timing)."""
     if not torch.cuda.is_available():
         return call_us(fns, 1, 2)
-    rounds = -(-GRAPH_CALLS // len(fns))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up on a side stream, as graph capture requires
-        for _ in range(2):
-            for fn in fns:
-                fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(rounds):
-            for fn in fns:
-                fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (rounds * len(fns)))
-    del graph
-    return _quantiles(times)
+    return cuda_graph_us(fns, replays=replays, calls=GRAPH_CALLS)
 
 
 def call_us(fns: list, loops: int, calls: int) -> tuple[float, float, float]:
