@@ -42,3 +42,17 @@ def test_bad_input_exit_2_one_line(tmp_path):
     result = runner.invoke(app, ["check", "--baseline", str(SAMPLE), "--current", str(SAMPLE),
                                  "--max-regression", "lots"])
     assert result.exit_code == 2 and "percentage" in result.output
+
+
+REPORTS = Path(__file__).resolve().parent.parent / "reports"
+
+
+def test_committed_h200_runs_check_clean_against_each_other():
+    """The project's own regression check on its committed H200 records: the amp stage measured in two
+    separate runs (apex chain, fmha-graph run) must agree within the limits."""
+    result = runner.invoke(app, ["check", "--baseline", str(REPORTS / "h200-swin_base-b64-apex" / "records"),
+                                 "--current", str(REPORTS / "h200-swin_base-b64-fmha-graph" / "records"),
+                                 "--format", "json"])
+    assert result.exit_code == 0, result.output
+    rows = [r for r in json.loads(result.output)["rows"] if r["stage"] == "amp" and r["metric"] == "img_per_s"]
+    assert rows and rows[0]["status"] == "unchanged"
