@@ -46,11 +46,12 @@ if not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch.nn.functional as F  # noqa: E402
-from timm.models.swin_transformer import window_partition, window_reverse  # noqa: E402
 
 from workbench.env import device_label, environment_stamp  # noqa: E402
 from workbench.timing import cuda_graph_us  # noqa: E402
 from workbench.kernels.window import (  # noqa: E402
+    merge_roll_reference,
+    roll_partition_reference,
     merge_roll,
     merge_roll_fwd,
     merge_unshift_add,
@@ -75,19 +76,8 @@ LN_TOL = {"bf16": 2e-2, "fp16": 2e-2, "fp32": 1e-4}
 # ---------------------------------------------------------------------------- eager references
 
 
-def eager_roll_partition(x, ws, shift):
-    B, H, W, C = x.shape
-    if shift:
-        x = torch.roll(x, shifts=(-shift, -shift), dims=(1, 2))
-    x = F.pad(x, (0, 0, 0, (ws - W % ws) % ws, 0, (ws - H % ws) % ws))
-    return window_partition(x, (ws, ws)).view(-1, ws * ws, C)
-
-
-def eager_merge_roll(windows, ws, shift, H, W):
-    C = windows.shape[-1]
-    Hp, Wp = -(-H // ws) * ws, -(-W // ws) * ws
-    x = window_reverse(windows.view(-1, ws, ws, C), (ws, ws), Hp, Wp)[:, :H, :W, :].contiguous()
-    return torch.roll(x, shifts=(shift, shift), dims=(1, 2)) if shift else x
+eager_roll_partition = roll_partition_reference
+eager_merge_roll = merge_roll_reference
 
 
 # ------------------------------------------------------------------------------------- inputs

@@ -487,3 +487,33 @@ def merge_unshift_add(
     """shortcut + merge_roll(windows, ...) in one pass. shortcut: (B, H, W, C) -> (B, H, W, C)
     in the promoted dtype of windows and shortcut."""
     return MergeUnshiftAddFunction.apply(windows, shortcut, window_size, shift, H, W)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The plain PyTorch computations these kernels replace (timm's order of windows and tokens): the tests
+# compare the kernels with them and the benchmarks time them.
+
+
+def roll_partition_reference(x: torch.Tensor, window_size: int, shift: int) -> torch.Tensor:
+    """Eager roll(-shift) + zero pad to a multiple of the window + timm's window_partition.
+    x (B, H, W, C) -> (B*nW, ws*ws, C)."""
+    from timm.models.swin_transformer import window_partition
+
+    ws = window_size
+    C = x.shape[-1]
+    H, W = x.shape[1], x.shape[2]
+    if shift:
+        x = torch.roll(x, shifts=(-shift, -shift), dims=(1, 2))
+    x = torch.nn.functional.pad(x, (0, 0, 0, (ws - W % ws) % ws, 0, (ws - H % ws) % ws))
+    return window_partition(x, (ws, ws)).view(-1, ws * ws, C)
+
+
+def merge_roll_reference(windows: torch.Tensor, window_size: int, shift: int, H: int, W: int) -> torch.Tensor:
+    """Eager timm window_reverse + crop to (H, W) + roll(+shift). windows (B*nW, ws*ws, C) -> (B, H, W, C)."""
+    from timm.models.swin_transformer import window_reverse
+
+    ws = window_size
+    C = windows.shape[-1]
+    Hp, Wp = -(-H // ws) * ws, -(-W // ws) * ws
+    x = window_reverse(windows.view(-1, ws, ws, C), (ws, ws), Hp, Wp)[:, :H, :W, :].contiguous()
+    return torch.roll(x, shifts=(shift, shift), dims=(1, 2)) if shift else x
