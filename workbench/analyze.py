@@ -134,11 +134,13 @@ def render_analysis(analysis: Analysis, console: Console, top: int = 15) -> None
     """Header line (backend, trace path, span, notes), then the kernel, category, range and busy tables;
     long tails are folded into one 'other (k ...)' row with exact sums."""
     console.print(_header(analysis))
+    # A CPU-only Kineto trace is analyzed on its leaf CPU operators: say so in every title.
+    unit, units = ("CPU", "operators") if analysis.trace_meta.get("device") == "cpu" else ("GPU", "kernels")
     for note in analysis.trace_meta.get("notes", []):
         console.print(f"[yellow]note:[/yellow] {note}")
 
     kernels = A.fold_tail(analysis.kernels, top, "kernel", ["instances", "total_ns", "share_pct"])
-    t = Table(title=f"GPU kernels ({analysis.trace_meta.get('name_style', 'demangled')} names)", title_justify="left")
+    t = Table(title=f"{unit} {units} ({analysis.trace_meta.get('name_style', 'demangled')} names)", title_justify="left")
     for col, kw in [("share %", {"justify": "right"}), ("total ms", {"justify": "right"}), ("count", {"justify": "right"}),
                     ("avg µs", {"justify": "right"}), ("med µs", {"justify": "right"}), ("kernel", {"overflow": "fold"})]:
         t.add_column(col, **kw)
@@ -155,14 +157,14 @@ def render_analysis(analysis: Analysis, console: Console, top: int = 15) -> None
 
     if not analysis.ranges.empty:
         ranges = A.fold_tail(analysis.ranges, top, "range", ["instances", "kernels"], noun="ranges")
-        t = Table(title="ranges (GPU time of the kernels each launched; nested ranges inclusive)", title_justify="left")
-        for col in ("share %", "GPU ms", "avg ms", "instances", "kernels", "range"):
+        t = Table(title=f"ranges ({unit} time of the {units} each launched; nested ranges inclusive)", title_justify="left")
+        for col in ("share %", f"{unit} ms", "avg ms", "instances", units, "range"):
             t.add_column(col, justify="left" if col == "range" else "right")
         for row in ranges.itertuples(index=False):
             t.add_row(_pct(row.share_pct), _ms(row.gpu_ns), _ms(row.avg_gpu_ns), f"{row.instances:,}", f"{row.kernels:,}", str(row.range))
         console.print(t)
 
-    t = Table(title="GPU busy / idle (kernels)", title_justify="left")
+    t = Table(title=f"{unit} busy / idle ({units})", title_justify="left")
     for col in ("metric", "ms", "% of span"):
         t.add_column(col, justify="left" if col == "metric" else "right")
     for row in analysis.busy.itertuples(index=False):
