@@ -64,6 +64,7 @@ def run_profile(*, model: str | None, mode: str, batch: int, precision: str, ste
             trace = capture_nsys(config, recipe, out_dir, steps, warmup, nsys_path)
         else:
             trace = capture_torch(config, recipe, out_dir, steps, warmup)
+    _print_passes(out_dir / "run.json", recipe, console)
     analysis = analyze_trace(trace)
     render_analysis(analysis, console, top=top)
     files = [p for p in (out_dir / "trace.nsys-rep", trace, out_dir / "run.json") if p.exists()]
@@ -74,3 +75,13 @@ def run_profile(*, model: str | None, mode: str, batch: int, precision: str, ste
     return ProfileResult(out_dir=out_dir, backend=chosen, trace=trace, files=files, notes=notes)
 
 
+def _print_passes(run_json: Path, recipe: str | None, console: Console) -> None:
+    """What the recipe changed in the profiled model, one line a pass; a pass that could not apply
+    here is flagged, so a trace is never mistaken for the optimized model's."""
+    if not recipe or not run_json.exists():
+        return
+    import json
+
+    for p in json.loads(run_json.read_text()).get("passes", []):
+        style = "" if p.get("available", True) else "[yellow]not applied:[/] "
+        console.print(f"recipe {recipe}: {style}{p['name']}: {p['changed']}")
