@@ -33,3 +33,17 @@ def test_profile_bad_input_is_one_line_and_exit_2(tmp_path):
         assert result.exit_code == 2, (args, result.output)
         assert text in result.output
         assert "Traceback" not in result.output
+
+
+def test_profile_with_recipe_says_what_each_pass_changed(tmp_path):
+    result = runner.invoke(app, ["profile", "--device", "cpu", "--batch", "2", "--steps", "1", "--warmup", "0",
+                                 "--recipe", "amp", "--precision", "fp32", "--out", str(tmp_path / "r")])
+    assert result.exit_code == 0, result.output
+    assert "recipe amp: amp: autocast bf16" in result.output
+    run = json.loads((tmp_path / "r" / "run.json").read_text())
+    assert [p["name"] for p in run["passes"]] == ["amp"]
+
+
+def test_profile_with_unknown_recipe_is_one_line(tmp_path):
+    result = runner.invoke(app, ["profile", "--device", "cpu", "--recipe", "nope", "--out", str(tmp_path / "r")])
+    assert result.exit_code == 2 and "unknown recipe" in result.output
