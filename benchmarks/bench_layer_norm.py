@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch.nn.functional as F  # noqa: E402
 
 from workbench.env import device_label, environment_stamp  # noqa: E402
-from workbench.timing import cuda_graph_us  # noqa: E402
+from workbench.timing import cuda_graph_us, per_call_us  # noqa: E402
 from workbench.kernels.layer_norm import add_layer_norm, layer_norm  # noqa: E402
 
 BATCH = 64
@@ -140,31 +140,11 @@ L2_BYTES = 60 * 2**20
 GRAPH_CALLS = 16
 
 
-def _quantiles(times: list[float]) -> tuple[float, float, float]:
-    q = torch.tensor(times, dtype=torch.float64).quantile(torch.tensor([0.5, 0.2, 0.8], dtype=torch.float64))
-    return tuple(float(v) for v in q)
-
-
 def call_ms(fns: list, loops: int = 5, calls: int = 10) -> tuple[float, float, float]:
-    """(median, p20, p80) ms per plain call, host overhead included (host clock without a GPU)."""
-    times = []
+    """(median, p20, p80) ms per plain call, host overhead included (workbench.timing)."""
     if not torch.cuda.is_available():  # interpreter smoke test: a couple of calls is plenty
         loops, calls = 1, 2
-    for _ in range(loops):
-        if torch.cuda.is_available():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for i in range(calls):
-                fns[i % len(fns)]()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / calls)
-        else:
-            t = time.perf_counter()
-            for i in range(calls):
-                fns[i % len(fns)]()
-            times.append((time.perf_counter() - t) * 1e3 / calls)
-    return _quantiles(times)
+    return tuple(us / 1e3 for us in per_call_us(fns, loops=loops, calls=calls))
 
 
 def graph_ms(fns: list, replays: int) -> tuple[float, float, float]:

@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch.nn.functional as F  # noqa: E402
 
 from workbench.env import device_label, environment_stamp  # noqa: E402
-from workbench.timing import cuda_graph_us  # noqa: E402
+from workbench.timing import cuda_graph_us, per_call_us  # noqa: E402
 from workbench.kernels.window import (  # noqa: E402
     merge_roll_reference,
     roll_partition_reference,
@@ -177,11 +177,6 @@ def n_input_sets(set_bytes: int) -> int:
     return max(1, min(8, -(-3 * L2_BYTES // max(1, set_bytes))))
 
 
-def _quantiles(times: list[float]) -> tuple[float, float, float]:
-    q = torch.tensor(times, dtype=torch.float64).quantile(torch.tensor([0.5, 0.2, 0.8], dtype=torch.float64))
-    return tuple(float(v) for v in q)
-
-
 def graph_us(fns: list, replays: int) -> tuple[float, float, float]:
     """(median, p20, p80) GPU microseconds per call: fns (one closure per input set) are called round robin,
     GRAPH_CALLS calls captured into one CUDA graph, replays timed with CUDA events (workbench.timing)."""
@@ -191,29 +186,10 @@ def graph_us(fns: list, replays: int) -> tuple[float, float, float]:
 
 
 def call_us(fns: list, loops: int, calls: int) -> tuple[float, float, float]:
-    """(median, p20, p80) microseconds per plain call, host overhead included: events (or the host clock
-    without a GPU) around `calls` back-to-back calls round robin over fns, `loops` times."""
-    for fn in fns:
-        fn()
-    _sync()
-    times = []
+    """(median, p20, p80) microseconds per plain call, host overhead included (workbench.timing)."""
     if not torch.cuda.is_available():  # interpreter smoke test: a couple of calls is plenty
         loops, calls = 1, 2
-    for _ in range(loops):
-        if torch.cuda.is_available():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for i in range(calls):
-                fns[i % len(fns)]()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / calls)
-        else:
-            t = time.perf_counter()
-            for i in range(calls):
-                fns[i % len(fns)]()
-            times.append((time.perf_counter() - t) * 1e6 / calls)
-    return _quantiles(times)
+    return per_call_us(fns, loops=loops, calls=calls)
 
 
 def first_call_s(fn) -> float:
