@@ -85,3 +85,18 @@ def test_names_and_devices_are_checked():
         assert pick_device("auto") == "cpu"
         with pytest.raises(UserError, match="no CUDA GPU"):
             resolve_device("cuda")
+
+
+def test_per_call_us_rotates_inputs_and_counts_warm_calls():
+    from workbench.timing import per_call_us
+
+    calls = {"a": 0, "b": 0}
+
+    def make(key):
+        def fn():
+            calls[key] += 1
+        return fn
+
+    med, p20, p80 = per_call_us([make("a"), make("b")], loops=3, calls=4)
+    assert calls == {"a": 1 + 3 * 2, "b": 1 + 3 * 2}  # one warm call each, then round robin
+    assert p20 <= med <= p80 and med >= 0
