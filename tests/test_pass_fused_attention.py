@@ -69,8 +69,23 @@ def test_rejects_parameters():
         fused_attention.apply(build_model(TINY_MODEL), ctx, bogus=1)
 
 
+def features_and_table_grads(model, images, labels, autocast: bool):
+    """forward_features (B, H, W, C: layer-normed, well conditioned, unlike the tiny model's ~0.1-norm
+    logits) and the relative-position-table gradients of a cross-entropy step."""
+    model.zero_grad(set_to_none=True)
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=autocast):
+        feats = model.forward_features(images)
+        loss = torch.nn.functional.cross_entropy(model.forward_head(feats), labels)
+    loss.backward()
+    return feats.detach().float(), {n: p.grad.detach().clone() for n, p in model.named_parameters()
+                                    if "relative_position_bias_table" in n}
+
+
 def test_fused_attention_pass_under_bf16_autocast():
-    """Under autocast q/k/v are bf16 and the bias fp32: the patched model still tracks timm's."""
+    """Under autocast q/k/v are bf16 and the bias fp32. Held to the fp32 truth, the fused model must be
+    at least as close to it as timm's own bf16 path (plus a little). Each bf16 run is repeated and
+    the third kept: CPU bf16 autocast itself was seen to give a different result on its first calls
+    (0.7% / 8.7% / 2.0% from fp32 for the unpatched model, then a steady 0.7%)."""
     torch.manual_seed(0)
     plain = build_model(TINY_MODEL).to(DEVICE)
     patched = copy.deepcopy(plain)
@@ -79,11 +94,15 @@ def test_fused_attention_pass_under_bf16_autocast():
     gen = torch.Generator().manual_seed(1)
     images = torch.randn(2, 3, 56, 56, generator=gen).to(DEVICE)
     labels = torch.randint(0, 10, (2,), generator=gen).to(DEVICE)
-    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
-        plain_logits, plain_grads = run_step(plain, images, labels)
-        fused_logits, fused_grads = run_step(patched, images, labels)
-    assert rel_err(fused_logits, plain_logits) < 5e-2
-    for name in plain_grads:
-        if "relative_position_bias_table" in name:
-            assert fused_grads[name].dtype == torch.float32
-            assert rel_err(fused_grads[name], plain_grads[name]) < 1e-1, name
+    truth, truth_grads = features_and_table_grads(plain, images, labels, autocast=False)
+    runs = {}
+    for name, model in (("plain", plain), ("fused", patched)):
+        for _ in range(3):
+            runs[name] = features_and_table_grads(model, images, labels, autocast=True)
+    (plain_f, plain_g), (fused_f, fused_g) = runs["plain"], runs["fused"]
+    plain_err, fused_err = rel_err(plain_f, truth), rel_err(fused_f, truth)
+    assert fused_err <= 1.5 * plain_err + 1e-2, (fused_err, plain_err)
+    for name in truth_grads:
+        assert fused_g[name].dtype == torch.float32
+        pe, fe = rel_err(plain_g[name], truth_grads[name]), rel_err(fused_g[name], truth_grads[name])
+        assert fe <= 1.5 * pe + 2e-2, (name, fe, pe)
