@@ -21,11 +21,16 @@ owns (one wave of 2-3 programs per SM, each looping over a contiguous band of ro
 prefetched), written to a (G, C) fp32 buffer; a second small kernel (`sum_partials`) sums over G and casts
 to the parameter dtype in one launch. No atomics, so results are deterministic.
 
+The autograd Functions call the host functions through torch.library custom ops (swinbench::layer_norm_fwd,
+add_layer_norm_fwd, layer_norm_bwd; sum_partials runs inside layer_norm_bwd), so torch.compile sees each as
+one opaque op instead of tracing into the Triton launch path.
+
 Kernels run on the GPU, and on the CPU with TRITON_INTERPRET=1 set before this module is imported (slow).
 """
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 import triton
@@ -308,12 +313,63 @@ def layer_norm_bwd(dy2, x2, weight, bias, mean, rstd, ds2, dx_dtype: torch.dtype
     return dx, dw, db
 
 
+# Custom ops make the kernels opaque to torch.compile (as in window_attention.py): Dynamo records one
+# op per host function instead of tracing into the Triton launch path (lru_cache'd tile sizes, maxnreg,
+# the interpreter, the `_new_output` test hook, sum_partials), and the fake implementations give the
+# output shapes and dtypes. Inputs are (M, C) rows (the autograd Functions reshape); outputs are fresh
+# contiguous tensors. A missing dweight/dbias comes back as an empty fp32 tensor (an op cannot return None).
+
+
+@torch.library.custom_op("swinbench::layer_norm_fwd", mutates_args=())
+def _layer_norm_fwd_op(x2: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _, y, mean, rstd = layer_norm_fwd(x2, None, weight, bias, eps, x2.dtype)
+    return y, mean, rstd
+
+
+@_layer_norm_fwd_op.register_fake
+def _(x2, weight, bias, eps):
+    n_rows = x2.shape[0]
+    return (x2.new_empty(x2.shape), x2.new_empty((n_rows,), dtype=torch.float32),
+            x2.new_empty((n_rows,), dtype=torch.float32))
+
+
+@torch.library.custom_op("swinbench::add_layer_norm_fwd", mutates_args=())
+def _add_layer_norm_fwd_op(x2: torch.Tensor, residual2: torch.Tensor, weight: Optional[torch.Tensor],
+                           bias: Optional[torch.Tensor], eps: float
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return layer_norm_fwd(x2, residual2, weight, bias, eps, torch.promote_types(x2.dtype, residual2.dtype))
+
+
+@_add_layer_norm_fwd_op.register_fake
+def _(x2, residual2, weight, bias, eps):
+    n_rows = x2.shape[0]
+    out_dtype = torch.promote_types(x2.dtype, residual2.dtype)
+    return (x2.new_empty(x2.shape, dtype=out_dtype), x2.new_empty(x2.shape, dtype=out_dtype),
+            x2.new_empty((n_rows,), dtype=torch.float32), x2.new_empty((n_rows,), dtype=torch.float32))
+
+
+@torch.library.custom_op("swinbench::layer_norm_bwd", mutates_args=())
+def _layer_norm_bwd_op(dy2: torch.Tensor, x2: torch.Tensor, weight: Optional[torch.Tensor],
+                       bias: Optional[torch.Tensor], mean: torch.Tensor, rstd: torch.Tensor,
+                       ds2: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx, dw, db = layer_norm_bwd(dy2, x2, weight, bias, mean, rstd, ds2, x2.dtype)
+    return (dx, dw if dw is not None else mean.new_empty(0), db if db is not None else mean.new_empty(0))
+
+
+@_layer_norm_bwd_op.register_fake
+def _(dy2, x2, weight, bias, mean, rstd, ds2):
+    return (x2.new_empty(x2.shape),
+            weight.new_empty(weight.shape) if weight is not None else mean.new_empty(0),
+            bias.new_empty(bias.shape) if bias is not None else mean.new_empty(0))
+
+
 class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
         n_cols = _check(x, weight, bias)
         x2 = _as_rows(x, n_cols)
-        _, y, mean, rstd = layer_norm_fwd(x2, None, weight, bias, eps, x.dtype)
+        y, mean, rstd = _layer_norm_fwd_op(x2, weight, bias, eps)
         ctx.save_for_backward(x2, weight, bias, mean, rstd)
         ctx.x_shape = x.shape
         return y.view(x.shape)
@@ -321,8 +377,8 @@ class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x2, weight, bias, mean, rstd = ctx.saved_tensors
-        dx, dw, db = layer_norm_bwd(_as_rows(dy, x2.shape[1]), x2, weight, bias, mean, rstd, None, x2.dtype)
-        return dx.view(ctx.x_shape), dw, db, None
+        dx, dw, db = _layer_norm_bwd_op(_as_rows(dy, x2.shape[1]), x2, weight, bias, mean, rstd, None)
+        return dx.view(ctx.x_shape), (dw if weight is not None else None), (db if bias is not None else None), None
 
 
 class AddLayerNormFunction(torch.autograd.Function):
@@ -331,9 +387,7 @@ class AddLayerNormFunction(torch.autograd.Function):
         if x.shape != residual.shape:
             raise ValueError(f"add_layer_norm: x {tuple(x.shape)} and residual {tuple(residual.shape)} differ")
         n_cols = _check(x, weight, bias)
-        out_dtype = torch.result_type(x, residual)
-        s, y, mean, rstd = layer_norm_fwd(
-            _as_rows(x, n_cols), _as_rows(residual, n_cols), weight, bias, eps, out_dtype)
+        s, y, mean, rstd = _add_layer_norm_fwd_op(_as_rows(x, n_cols), _as_rows(residual, n_cols), weight, bias, eps)
         ctx.save_for_backward(s, weight, bias, mean, rstd)
         ctx.x_shape = x.shape
         ctx.dtypes = (x.dtype, residual.dtype)
@@ -343,12 +397,12 @@ class AddLayerNormFunction(torch.autograd.Function):
     def backward(ctx, ds, dy):
         s2, weight, bias, mean, rstd = ctx.saved_tensors
         n_cols = s2.shape[1]
-        dsum, dw, db = layer_norm_bwd(
-            _as_rows(dy, n_cols), s2, weight, bias, mean, rstd, _as_rows(ds, n_cols), s2.dtype)
+        dsum, dw, db = _layer_norm_bwd_op(_as_rows(dy, n_cols), s2, weight, bias, mean, rstd, _as_rows(ds, n_cols))
         dsum = dsum.view(ctx.x_shape)
         x_dtype, r_dtype = ctx.dtypes
         # Like torch's add: the same gradient flows to both inputs (cast where autocast mixed dtypes).
-        return dsum.to(x_dtype), dsum.to(r_dtype), dw, db, None
+        return (dsum.to(x_dtype), dsum.to(r_dtype), (dw if weight is not None else None),
+                (db if bias is not None else None), None)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,

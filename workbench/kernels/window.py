@@ -22,6 +22,9 @@ Triton launch (`layer_norm.sum_partials`), which also casts to the parameter dty
 
 Backward of each op is a forward of another: d(roll_partition) = merge_roll(dout);
 d(merge_roll) = roll_partition(dout); merge_unshift_add's dshortcut is dout itself (no copy).
+The autograd Functions call the host functions through torch.library custom ops (swinbench::
+roll_partition_fwd, merge_roll_fwd, norm_shift_partition_fwd/_bwd), so torch.compile sees each launch
+as one opaque op with a fake (shape/dtype) implementation instead of tracing into Triton.
 
 Dtypes: fp32, fp16, bf16; math in fp32; outputs in the input dtype (merge_unshift_add:
 the promoted dtype of windows and shortcut, as `shortcut + windows` would give).
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Optional
 
 import torch
 import triton
@@ -397,6 +401,71 @@ def norm_shift_partition_bwd(
     return dx, dw, db
 
 
+# ------------------------------------------------------------------------------- custom ops
+
+# Custom ops make the kernels opaque to torch.compile (as in window_attention.py): Dynamo records one
+# op per host function instead of tracing into the Triton launch path (lru_cache'd block sizes, launch
+# options such as maxnreg, the interpreter), and the fake implementations give the output shapes,
+# dtypes and (contiguous) strides. Every op returns fresh tensors, never a view of an input.
+
+
+def _windows_shape(B, H: int, W: int, C: int, window_size: int, shift: int):
+    """Shape of roll_partition's output for a (B, H, W, C) input. Plain arithmetic, not the lru_cache'd
+    _geometry: under dynamic shapes the sizes may be SymInts."""
+    ws = int(window_size)
+    return (B * (-(-H // ws)) * (-(-W // ws)), ws * ws, C)
+
+
+@torch.library.custom_op("swinbench::roll_partition_fwd", mutates_args=())
+def _roll_partition_op(x: torch.Tensor, window_size: int, shift: int, out_dtype: torch.dtype) -> torch.Tensor:
+    return roll_partition_fwd(x, window_size, shift, out_dtype=out_dtype)
+
+
+@_roll_partition_op.register_fake
+def _(x, window_size, shift, out_dtype):
+    B, H, W, C = x.shape
+    return x.new_empty(_windows_shape(B, H, W, C, window_size, shift), dtype=out_dtype)
+
+
+@torch.library.custom_op("swinbench::merge_roll_fwd", mutates_args=())
+def _merge_roll_op(windows: torch.Tensor, window_size: int, shift: int, H: int, W: int,
+                   shortcut: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    return merge_roll_fwd(windows, window_size, shift, H, W, shortcut, out_dtype=out_dtype)
+
+
+@_merge_roll_op.register_fake
+def _(windows, window_size, shift, H, W, shortcut, out_dtype):
+    C = windows.shape[-1]
+    ws = int(window_size)
+    return windows.new_empty((windows.numel() // ((-(-H // ws)) * ws * (-(-W // ws)) * ws * C), H, W, C),
+                             dtype=out_dtype)
+
+
+@torch.library.custom_op("swinbench::norm_shift_partition_fwd", mutates_args=())
+def _norm_shift_partition_fwd_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                                 window_size: int, shift: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return norm_shift_partition_fwd(x, weight, bias, eps, window_size, shift)
+
+
+@_norm_shift_partition_fwd_op.register_fake
+def _(x, weight, bias, eps, window_size, shift):
+    B, H, W, C = x.shape
+    return (x.new_empty(_windows_shape(B, H, W, C, window_size, shift)),
+            x.new_empty((B * H * W,), dtype=torch.float32), x.new_empty((B * H * W,), dtype=torch.float32))
+
+
+@torch.library.custom_op("swinbench::norm_shift_partition_bwd", mutates_args=())
+def _norm_shift_partition_bwd_op(dwindows: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
+                                 rstd: torch.Tensor, window_size: int, shift: int
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return norm_shift_partition_bwd(dwindows, x, weight, mean, rstd, window_size, shift)
+
+
+@_norm_shift_partition_bwd_op.register_fake
+def _(dwindows, x, weight, mean, rstd, window_size, shift):
+    return (x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape))
+
+
 # ------------------------------------------------------------------------- autograd Functions
 
 
@@ -404,12 +473,12 @@ class RollPartitionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, window_size, shift):
         ctx.geom = (int(window_size), int(shift), x.shape[1], x.shape[2])
-        return roll_partition_fwd(x, window_size, shift)
+        return _roll_partition_op(x, int(window_size), int(shift), x.dtype)
 
     @staticmethod
     def backward(ctx, dwindows):
         ws, shift, H, W = ctx.geom
-        return merge_roll_fwd(dwindows, ws, shift, H, W), None, None
+        return _merge_roll_op(dwindows, ws, shift, H, W, None, dwindows.dtype), None, None
 
 
 class MergeRollFunction(torch.autograd.Function):
@@ -417,18 +486,18 @@ class MergeRollFunction(torch.autograd.Function):
     def forward(ctx, windows, window_size, shift, H, W):
         ctx.geom = (int(window_size), int(shift))
         ctx.windows_shape = windows.shape
-        return merge_roll_fwd(windows, window_size, shift, H, W)
+        return _merge_roll_op(windows, int(window_size), int(shift), int(H), int(W), None, windows.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         ws, shift = ctx.geom
-        return roll_partition_fwd(dout, ws, shift).view(ctx.windows_shape), None, None, None, None
+        return _roll_partition_op(dout, ws, shift, dout.dtype).view(ctx.windows_shape), None, None, None, None
 
 
 class NormShiftPartitionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, window_size, shift):
-        windows, mean, rstd = norm_shift_partition_fwd(x, weight, bias, eps, window_size, shift)
+        windows, mean, rstd = _norm_shift_partition_fwd_op(x, weight, bias, float(eps), int(window_size), int(shift))
         ctx.save_for_backward(x, weight, mean, rstd)
         ctx.geom = (int(window_size), int(shift))
         return windows
@@ -437,7 +506,7 @@ class NormShiftPartitionFunction(torch.autograd.Function):
     def backward(ctx, dwindows):
         x, weight, mean, rstd = ctx.saved_tensors
         ws, shift = ctx.geom
-        dx, dw, db = norm_shift_partition_bwd(dwindows, x, weight, mean, rstd, ws, shift)
+        dx, dw, db = _norm_shift_partition_bwd_op(dwindows, x, weight, mean, rstd, ws, shift)
         return dx, dw, db, None, None, None
 
 
@@ -446,12 +515,13 @@ class MergeUnshiftAddFunction(torch.autograd.Function):
     def forward(ctx, windows, shortcut, window_size, shift, H, W):
         ctx.geom = (int(window_size), int(shift))
         ctx.windows_shape, ctx.windows_dtype, ctx.shortcut_dtype = windows.shape, windows.dtype, shortcut.dtype
-        return merge_roll_fwd(windows, window_size, shift, H, W, shortcut)
+        return _merge_roll_op(windows, int(window_size), int(shift), int(H), int(W), shortcut,
+                              torch.promote_types(windows.dtype, shortcut.dtype))
 
     @staticmethod
     def backward(ctx, dout):
         ws, shift = ctx.geom
-        dwindows = roll_partition_fwd(dout, ws, shift, out_dtype=ctx.windows_dtype).view(ctx.windows_shape)
+        dwindows = _roll_partition_op(dout, ws, shift, ctx.windows_dtype).view(ctx.windows_shape)
         return dwindows, dout.to(ctx.shortcut_dtype), None, None, None, None
 
 
