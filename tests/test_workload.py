@@ -100,3 +100,12 @@ def test_per_call_us_rotates_inputs_and_counts_warm_calls():
     med, p20, p80 = per_call_us([make("a"), make("b")], loops=3, calls=4)
     assert calls == {"a": 1 + 3 * 2, "b": 1 + 3 * 2}  # one warm call each, then round robin
     assert p20 <= med <= p80 and med >= 0
+
+
+def test_environment_stamp_names_device_versions_and_commit():
+    from workbench.env import device_label, environment_stamp
+
+    stamp = environment_stamp("cpu")
+    assert stamp["device_type"] == "cpu" and stamp["gpu"] is None and stamp["torch"] == torch.__version__
+    assert stamp["swinbench"] is None or len(stamp["swinbench"].split("+")[0]) >= 7
+    assert "no GPU" in device_label(stamp)

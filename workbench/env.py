@@ -28,8 +28,27 @@ def _nvidia_driver() -> str | None:
     return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
 
 
+def _git_revision() -> str | None:
+    """The swinbench checkout's commit ('abc1234', '+dirty' when it has uncommitted changes), or None
+    outside a git checkout (an installed package, a copied tree)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, timeout=10)
+        if rev.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
 def environment_stamp(device: str | torch.device = "cuda") -> dict:
-    """A flat dict: device kind, GPU name (or CPU model), driver, CUDA, torch, triton, timm, python, date (UTC ISO)."""
+    """A flat dict: device kind, GPU name (or CPU model), driver, CUDA, torch, triton, timm, python, date (UTC ISO),
+    and the swinbench commit that measured it."""
     dev = torch.device(device)
     on_gpu = dev.type == "cuda" and torch.cuda.is_available()
     stamp = {
@@ -45,6 +64,7 @@ def environment_stamp(device: str | torch.device = "cuda") -> dict:
         "python": platform.python_version(),
         "host": socket.gethostname(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "swinbench": _git_revision(),
     }
     if on_gpu:
         props = torch.cuda.get_device_properties(dev)
