@@ -65,6 +65,14 @@ class PassResult:
                 "details": self.details, "available": self.available}
 
 
+def triton_runs_on(device: torch.device | str) -> bool:
+    """Whether the Triton kernels can run for `device`: on a CUDA device, or anywhere under the
+    interpreter (TRITON_INTERPRET set and not 0, as the tests set it on the CPU)."""
+    import os
+
+    return torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 class PassUnavailable(Exception):
     """Raised by a pass whose implementation is missing here (a kernel not built yet, no GPU for it)."""
 

@@ -12,7 +12,7 @@ import types
 
 import torch
 
-from . import PassContext, PassResult, PassUnavailable
+from . import PassContext, PassResult, PassUnavailable, triton_runs_on
 
 NAME = "fused_attention"
 
@@ -41,11 +41,8 @@ def apply(model: torch.nn.Module, ctx: PassContext, **params) -> tuple[torch.nn.
         from ..kernels.window_attention import fused_window_attention_qkv  # noqa: F401
     except ImportError as exc:
         raise PassUnavailable(f"fused window attention kernel not importable: {exc}") from exc
-    if ctx.device.type != "cuda":
-        import os
-
-        if os.environ.get("TRITON_INTERPRET", "0") != "1":
-            raise PassUnavailable("the Triton kernel needs a CUDA GPU (or TRITON_INTERPRET=1 on the CPU)")
+    if not triton_runs_on(ctx.device):
+        raise PassUnavailable("the Triton kernel needs a CUDA GPU (or TRITON_INTERPRET=1 on the CPU)")
 
     patched, skipped_dropout = 0, 0
     for module in model.modules():

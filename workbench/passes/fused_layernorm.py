@@ -36,24 +36,19 @@ and drop_path2 to the MLP output after the norm, both exactly as timm does.
 """
 from __future__ import annotations
 
-import os
 import types
 
 import torch
 from torch import nn
 
 from ..errors import UserError
-from . import PassContext, PassResult, PassUnavailable
+from . import PassContext, PassResult, PassUnavailable, triton_runs_on
 
 NAME = "fused_layernorm"
 IMPLS = ("auto", "triton", "torch", "apex")
 # What `auto` picks on a GPU when apex is missing. Keep it the faster one on benchmarks/bench_layer_norm.py
 # (fwd+bwd, Swin-B shapes); set it to "torch" if the Triton kernel loses there.
 AUTO_GPU_IMPL = "triton"
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _apex_layer_norm_class():
@@ -85,14 +80,14 @@ def resolve_impl(impl: str, device: torch.device) -> str:
             raise PassUnavailable("impl apex: apex.normalization.FusedLayerNorm is not importable")
         return "apex"
     if impl == "triton":
-        if not on_gpu and not _interpreting():
+        if not triton_runs_on(device):
             raise PassUnavailable("impl triton: needs a CUDA device, or TRITON_INTERPRET=1 on the CPU")
         return "triton"
     if impl == "torch":
         return "torch"
     if on_gpu:
         return "apex" if _apex_layer_norm_class() is not None else AUTO_GPU_IMPL
-    return "triton" if _interpreting() else "torch"
+    return "triton" if triton_runs_on(device) else "torch"
 
 
 def _replace_layer_norms(model: nn.Module, make) -> tuple[nn.Module, dict[str, int], dict[str, int]]:

@@ -27,13 +27,12 @@ Details the patched forward keeps from timm:
 """
 from __future__ import annotations
 
-import os
 import types
 
 import torch
 
 from ..errors import UserError
-from . import PassContext, PassResult, PassUnavailable
+from . import PassContext, PassResult, PassUnavailable, triton_runs_on
 
 NAME = "fused_window"
 
@@ -122,7 +121,7 @@ def apply(model: torch.nn.Module, ctx: PassContext, **params) -> tuple[torch.nn.
         from ..kernels.window import merge_unshift_add, norm_shift_partition  # noqa: F401
     except ImportError as exc:
         raise PassUnavailable(f"fused window kernels not importable: {exc}") from exc
-    if torch.device(ctx.device).type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    if not triton_runs_on(ctx.device):
         raise PassUnavailable("the Triton kernels need a CUDA GPU (or TRITON_INTERPRET=1 on the CPU)")
 
     blocks = [m for m in model.modules() if isinstance(m, SwinTransformerBlock)]
