@@ -2,8 +2,6 @@
 or broken marked as such without stopping the run."""
 import io
 import json
-import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -13,25 +11,12 @@ from rich.console import Console
 from workbench.apply import run_apply
 from workbench.errors import UserError
 from workbench.models import TINY_MODEL
-from workbench.passes import PASS_MODULES, PassResult, PassUnavailable
+from workbench.passes import PassUnavailable
 from workbench.records import read_records
 from workbench.report import render_report_from_paths, speedup_table
+from pass_helpers import register_test_pass, scale_head
 
 RUN = dict(model=TINY_MODEL, batch=2, steps=2, warmup=1, device="cpu", progress=False)
-
-
-def register_test_pass(mp, name, apply_fn):
-    module = types.ModuleType(f"workbench.passes.{name}")
-    module.NAME = name
-    module.apply = apply_fn
-    mp.setitem(sys.modules, module.__name__, module)
-    mp.setitem(PASS_MODULES, name, name)
-
-
-def scale_head(model, ctx):
-    with torch.no_grad():
-        model.head.fc.weight.mul_(1.1)
-    return model, PassResult("scale_head_test", {}, "head weight x1.1 (deliberately wrong)")
 
 
 def missing_kernel(model, ctx):

@@ -1,34 +1,17 @@
 """The correctness gate: amp passes at its bf16 tolerance on the CPU, a deliberately wrong pass fails."""
-import sys
-import types
 from dataclasses import replace
 
 import pytest
-import torch
 
 from workbench.gate import (capture_parameters, compare, compute_reference, forward_backward,
                             gate_parameter_names, weights_digest)
 from workbench.models import TINY_MODEL
-from workbench.passes import PASS_MODULES, PassResult, apply_pass
+from workbench.passes import apply_pass
 from workbench.recipes import gate_tolerance, resolve_chain
 from workbench.workload import Workload, WorkloadConfig
+from pass_helpers import register_test_pass, scale_head
 
 CFG = WorkloadConfig(model=TINY_MODEL, batch=2, precision="fp32", device="cpu", seed=0)
-
-
-def register_test_pass(monkeypatch, name: str, apply_fn) -> None:
-    """Register a pass module at runtime (as if it were workbench/passes/<name>.py)."""
-    module = types.ModuleType(f"workbench.passes.{name}")
-    module.NAME = name
-    module.apply = apply_fn
-    monkeypatch.setitem(sys.modules, module.__name__, module)
-    monkeypatch.setitem(PASS_MODULES, name, name)
-
-
-def scale_head(model, ctx):
-    with torch.no_grad():
-        model.head.fc.weight.mul_(1.1)
-    return model, PassResult("scale_head_test", {}, "head weight x1.1 (deliberately wrong)")
 
 
 @pytest.fixture(scope="module")
