@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work: correctness on the GPU, kernel benchmarks, profile, apply.
 # Usage (on the GPU machine, from the repo root): benchmarks/gpu_session.sh PART...   PART in
-#   tests | kernels | profile | apply-apex | apply-fmha
+#   tests | host | kernels | attn | diag | benches | graph | last | quick | profile | apply-apex | apply-fmha
 # Results go to $OUT (or ./gpu-out), packed into one tarball so they come back in one file.
 set -uo pipefail
 out=${OUT:-gpu-out}; mkdir -p "$out/r"
@@ -12,8 +12,10 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 for part in "$@"; do
   echo "=== $part $(date -u +%H:%M:%S)"
   case $part in
-    tests)   python3 -m pytest -q -x tests/test_window_kernels.py tests/test_window_attention.py tests/test_layer_norm.py \
-               tests/test_pass_fused_window.py tests/test_pass_fused_attention.py tests/test_pass_fused_layernorm.py 2>&1 | tail -15 ;;
+    tests)   timeout 300 python3 -m pytest -q -p no:cacheprovider --durations=8 tests/test_window_kernels.py tests/test_window_attention.py \
+               tests/test_layer_norm.py tests/test_pass_fused_window.py tests/test_pass_fused_attention.py \
+               tests/test_pass_fused_layernorm.py tests/test_compile_fused_passes.py 2>&1 | tail -40 ;;
+    host)    timeout 240 python3 benchmarks/bench_host.py --out "$out/r/bench_host.json" 2>&1 | tail -75 ;;
     kernels) python3 benchmarks/bench_window.py --check --out "$out/r/bench_window.json" 2>&1 | tail -25
              python3 benchmarks/bench_window_attention.py --check --out "$out/r/bench_window_attention.json" 2>&1 | tail -25
              python3 benchmarks/bench_layer_norm.py --check --out "$out/r/bench_layer_norm.json" 2>&1 | tail -25 ;;

@@ -30,7 +30,9 @@ def rel_err(a, b):
 
 def test_fused_attention_pass_matches_timm_in_fp32():
     torch.manual_seed(0)
-    plain = build_model(TINY_MODEL).to(DEVICE)
+    # drop_path_rate=0: the model trains, and stochastic depth would drop a different sample's path in
+    # each run (that, not the kernel, is what a first version of this test tripped over on the GPU)
+    plain = build_model(TINY_MODEL, drop_path_rate=0.0).to(DEVICE)
     patched = copy.deepcopy(plain)
     ctx = PassContext(device=DEVICE, precision=resolve_precision("fp32"))
     patched, result = apply_pass("fused_attention", patched, ctx)
@@ -83,11 +85,9 @@ def features_and_table_grads(model, images, labels, autocast: bool):
 
 def test_fused_attention_pass_under_bf16_autocast():
     """Under autocast q/k/v are bf16 and the bias fp32. Held to the fp32 truth, the fused model must be
-    at least as close to it as timm's own bf16 path (plus a little). Each bf16 run is repeated and
-    the third kept: CPU bf16 autocast itself was seen to give a different result on its first calls
-    (0.7% / 8.7% / 2.0% from fp32 for the unpatched model, then a steady 0.7%)."""
+    at least as close to it as timm's own bf16 path (plus a little)."""
     torch.manual_seed(0)
-    plain = build_model(TINY_MODEL).to(DEVICE)
+    plain = build_model(TINY_MODEL, drop_path_rate=0.0).to(DEVICE)
     patched = copy.deepcopy(plain)
     ctx = PassContext(device=DEVICE, precision=resolve_precision("bf16"))
     patched, _ = apply_pass("fused_attention", patched, ctx)
@@ -95,11 +95,8 @@ def test_fused_attention_pass_under_bf16_autocast():
     images = torch.randn(2, 3, 56, 56, generator=gen).to(DEVICE)
     labels = torch.randint(0, 10, (2,), generator=gen).to(DEVICE)
     truth, truth_grads = features_and_table_grads(plain, images, labels, autocast=False)
-    runs = {}
-    for name, model in (("plain", plain), ("fused", patched)):
-        for _ in range(3):
-            runs[name] = features_and_table_grads(model, images, labels, autocast=True)
-    (plain_f, plain_g), (fused_f, fused_g) = runs["plain"], runs["fused"]
+    plain_f, plain_g = features_and_table_grads(plain, images, labels, autocast=True)
+    fused_f, fused_g = features_and_table_grads(patched, images, labels, autocast=True)
     plain_err, fused_err = rel_err(plain_f, truth), rel_err(fused_f, truth)
     assert fused_err <= 1.5 * plain_err + 1e-2, (fused_err, plain_err)
     for name in truth_grads:

@@ -1,0 +1,229 @@
+"""Where the host time of an eager step goes: launch costs, per-op host cost, per-stage host ms per step.
+
+GPU runs only. Three parts, printed as short tables and written as one JSON record:
+  launch  host µs per call (no sync in the loop; tensors tiny so the GPU never backs up) of a torch op,
+          a trivial Triton kernel, one with 40 int arguments, a custom op around a no-op, and the
+          swinbench kernels' host functions, custom ops and autograd Functions.
+  stages  for each recipe stage at a small batch (GPU time small), host ms to enqueue one training step
+          (wall time of step() without a sync) against the GPU time of the step (CUDA events).
+  pyprof  cProfile of a few eager steps of one stage: the Python functions with the most own time.
+
+    python benchmarks/bench_host.py --out host.json [--model swin_base_patch4_window7_224 --batch 8]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from workbench.env import environment_stamp  # noqa: E402
+
+
+def host_us(fn, n=400, warm=30) -> float:
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(n // 5):
+            fn()
+        samples.append((time.perf_counter() - t) / (n // 5) * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def launch_table() -> list[dict]:
+    import triton
+    import triton.language as tl
+
+    import importlib
+
+    # (the package re-exports functions under the module names, so import the modules by path)
+    ln = importlib.import_module("workbench.kernels.layer_norm")
+    win = importlib.import_module("workbench.kernels.window")
+    wa = importlib.import_module("workbench.kernels.window_attention")
+
+    @triton.jit
+    def _noop(X, n):
+        pid = tl.program_id(0)
+        tl.store(X + pid, tl.load(X + pid) + n)
+
+    @triton.jit
+    def _noop40(X, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, b0, b1, b2, b3, b4, b5, b6, b7, b8, b9,
+                c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9):
+        pid = tl.program_id(0)
+        tl.store(X + pid, tl.load(X + pid) + a0 + b9 + c5 + d9)
+
+    dev = torch.device("cuda")
+    x = torch.zeros(1024, device=dev)
+    ints = list(range(3, 43))
+    rows = []
+
+    def add(name, fn):
+        rows.append({"what": name, "host_us": host_us(fn)})
+
+    add("torch x.add_(1)", lambda: x.add_(1))
+    add("torch.empty(1024)", lambda: torch.empty(1024, device=dev))
+    add("triton no-op, 2 args", lambda: _noop[(1,)](x, 1))
+    add("triton no-op, 41 args", lambda: _noop40[(1,)](x, *ints))
+
+    def _plain(t: torch.Tensor) -> torch.Tensor:
+        return t.new_empty(t.shape)
+
+    op = torch.library.custom_op("swinbench_bench::noop", _plain, mutates_args=())
+    op.register_fake(lambda t: t.new_empty(t.shape))
+    add("python fn returning new_empty", lambda: _plain(x))
+    add("custom op around it", lambda: op(x))
+
+    # swinbench kernels at a tiny Swin shape (GPU time a few µs), bf16
+    bf = torch.bfloat16
+    B, H, W, C, ws, nh = 2, 14, 14, 128, 7, 4
+    xs = torch.randn(B, H, W, C, device=dev, dtype=bf)
+    w = torch.randn(C, device=dev, dtype=bf)
+    b = torch.randn(C, device=dev, dtype=bf)
+    add("layer_norm_fwd host fn", lambda: ln.layer_norm_fwd(xs.view(-1, C), None, w, b, 1e-5, bf))
+    add("layer_norm custom op", lambda: ln._layer_norm_fwd_op(xs.view(-1, C), w, b, 1e-5))
+    add("F.layer_norm", lambda: torch.nn.functional.layer_norm(xs, (C,), w, b))
+    add("norm_shift_partition_fwd host fn", lambda: win.norm_shift_partition_fwd(xs, w, b, 1e-5, ws, 3))
+    qkv = torch.randn(B * 4, 49, 3, nh, C // nh, device=dev, dtype=bf)
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    rel = torch.randn(nh, 49, 49, device=dev, dtype=bf)
+    mask = torch.zeros(4, 49, 49, device=dev, dtype=bf)
+    add("window_attention_fwd host fn", lambda: wa.window_attention_fwd(q, k, v, rel, mask, 0.17))
+    add("window_attention custom op", lambda: wa._window_attention_fwd_op(q, k, v, rel, mask, 0.17))
+    add("F.scaled_dot_product_attention", lambda: torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask.repeat(B, 1, 1).unsqueeze(1)))
+
+    # fwd + bwd through autograd, per call
+    xg = xs.clone().requires_grad_()
+    wg, bg = w.clone().requires_grad_(), b.clone().requires_grad_()
+    gy = torch.randn(B * 4, 49, C, device=dev, dtype=bf)
+
+    def nsp_fb():
+        win.norm_shift_partition(xg, wg, bg, 1e-5, ws, 3).backward(gy)
+
+    def ln_torch_fb():
+        torch.nn.functional.layer_norm(xg, (C,), wg, bg).backward(xs)
+
+    def ln_triton_fb():
+        ln.layer_norm(xg, wg, bg).backward(xs)
+
+    qkvg = qkv.clone().requires_grad_()
+    relg = rel.clone().requires_grad_()
+    go = torch.randn(B * 4, nh, 49, C // nh, device=dev, dtype=bf)
+
+    def attn_fb():
+        wa.fused_window_attention_qkv(qkvg, relg, mask, 0.17).backward(go)
+
+    def sdpa_fb():
+        qq, kk, vv = qkvg.permute(2, 0, 3, 1, 4).unbind(0)
+        torch.nn.functional.scaled_dot_product_attention(
+            qq, kk, vv, attn_mask=(relg.unsqueeze(0) + mask.repeat(B, 1, 1).unsqueeze(1))).backward(go)
+
+    add("F.layer_norm fwd+bwd", ln_torch_fb)
+    add("triton layer_norm fwd+bwd", ln_triton_fb)
+    add("norm_shift_partition fwd+bwd", nsp_fb)
+    add("fused attention fwd+bwd", attn_fb)
+    add("SDPA (bias+mask) fwd+bwd", sdpa_fb)
+    return rows
+
+
+def stage_table(model: str, batch: int, stages: list[str], steps: int) -> list[dict]:
+    from workbench.passes import apply_pass
+    from workbench.recipes import effective_passes, resolve_chain
+    from workbench.workload import Workload, WorkloadConfig
+
+    rows = []
+    for stage in stages:
+        wl = Workload.build(WorkloadConfig(model=model, batch=batch, precision="bf16", device="cuda"))
+        for p in effective_passes(resolve_chain(stage)):
+            wl.model, _ = apply_pass(p.name, wl.model, wl.ctx, p.params)
+        wl.prepare()
+        for i in range(3):
+            wl.step(i)
+        torch.cuda.synchronize()
+        enq, gpu = [], []
+        for i in range(steps):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            e0.record()
+            t = time.perf_counter()
+            wl.step(i)
+            enq.append((time.perf_counter() - t) * 1e3)
+            e1.record()
+            torch.cuda.synchronize()
+            gpu.append(e0.elapsed_time(e1))
+        rows.append({"stage": stage, "host_ms_per_step": statistics.median(enq),
+                     "step_ms": statistics.median(gpu)})
+        print(f"  {stage:14s} host enqueue {rows[-1]['host_ms_per_step']:7.2f} ms   step {rows[-1]['step_ms']:7.2f} ms",
+              flush=True)
+        del wl
+        torch.cuda.empty_cache()
+    return rows
+
+
+def pyprof(model: str, batch: int, stage: str, steps: int, top: int) -> str:
+    from workbench.passes import apply_pass
+    from workbench.recipes import effective_passes, resolve_chain
+    from workbench.workload import Workload, WorkloadConfig
+
+    wl = Workload.build(WorkloadConfig(model=model, batch=batch, precision="bf16", device="cuda"))
+    for p in effective_passes(resolve_chain(stage)):
+        wl.model, _ = apply_pass(p.name, wl.model, wl.ctx, p.params)
+    wl.prepare()
+    for i in range(3):
+        wl.step(i)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(steps):
+        wl.step(i)
+    torch.cuda.synchronize()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="swin_base_patch4_window7_224")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--stages", default="amp,apex,window,fmha")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--pyprof-stage", default="fmha")
+    ap.add_argument("--parts", default="launch,stages,pyprof")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_host needs a CUDA GPU")
+        return 2
+    record = {"benchmark": "host", "environment": environment_stamp(), "settings": vars(args)}
+    parts = args.parts.split(",")
+    if "launch" in parts:
+        record["launch"] = launch_table()
+        for r in record["launch"]:
+            print(f"  {r['what']:38s} {r['host_us']:8.1f} µs")
+    if "stages" in parts:
+        record["stages"] = stage_table(args.model, args.batch, args.stages.split(","), args.steps)
+    if "pyprof" in parts:
+        record["pyprof"] = pyprof(args.model, args.batch, args.pyprof_stage, 3, 40)
+        print(record["pyprof"][:6000])
+    if args.out:
+        Path(args.out).write_text(json.dumps(record, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
