@@ -93,7 +93,7 @@ def launch_table() -> list[dict]:
     w = torch.randn(C, device=dev, dtype=bf)
     b = torch.randn(C, device=dev, dtype=bf)
     add("layer_norm_fwd host fn", lambda: ln.layer_norm_fwd(xs.view(-1, C), None, w, b, 1e-5, bf))
-    add("layer_norm custom op", lambda: ln._layer_norm_fwd_op(xs.view(-1, C), w, b, 1e-5))
+    add("layer_norm custom op", lambda: ln._layer_norm_fwd_op.op(xs.view(-1, C), w, b, 1e-5))
     add("F.layer_norm", lambda: torch.nn.functional.layer_norm(xs, (C,), w, b))
     add("norm_shift_partition_fwd host fn", lambda: win.norm_shift_partition_fwd(xs, w, b, 1e-5, ws, 3))
     qkv = torch.randn(B * 4, 49, 3, nh, C // nh, device=dev, dtype=bf)
@@ -101,7 +101,7 @@ def launch_table() -> list[dict]:
     rel = torch.randn(nh, 49, 49, device=dev, dtype=bf)
     mask = torch.zeros(4, 49, 49, device=dev, dtype=bf)
     add("window_attention_fwd host fn", lambda: wa.window_attention_fwd(q, k, v, rel, mask, 0.17))
-    add("window_attention custom op", lambda: wa._window_attention_fwd_op(q, k, v, rel, mask, 0.17))
+    add("window_attention custom op", lambda: wa._window_attention_fwd_op.op(q, k, v, rel, mask, 0.17))
     add("F.scaled_dot_product_attention", lambda: torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=mask.repeat(B, 1, 1).unsqueeze(1)))
 
@@ -131,12 +131,121 @@ def launch_table() -> list[dict]:
         torch.nn.functional.scaled_dot_product_attention(
             qq, kk, vv, attn_mask=(relg.unsqueeze(0) + mask.repeat(B, 1, 1).unsqueeze(1))).backward(go)
 
+    # the backward path, piece by piece: which part of a Python backward costs the host time
+    xr = torch.randn(B * H * W, C, device=dev, dtype=bf)
+    y0, mean0, rstd0 = ln._layer_norm_fwd_op(xr, w, b, 1e-5)
+    add("layer_norm_bwd host fn", lambda: ln.layer_norm_bwd(xr, xr, w, b, mean0, rstd0, None, bf))
+    add("layer_norm_bwd custom op", lambda: ln._layer_norm_bwd_op.op(xr, xr, w, b, mean0, rstd0, None))
+
+    class TorchBwd(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t * 1
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 1
+
+    class TritonBwd(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t * 1
+
+        @staticmethod
+        def backward(ctx, g):
+            _noop[(1,)](x, 1)
+            return g
+
+    class OpBwd(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t * 1
+
+        @staticmethod
+        def backward(ctx, g):
+            return op(g)
+
+    class DirectLnBwd(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            y, m, r = ln._layer_norm_fwd_op(t, wg, bg, 1e-5)
+            ctx.save_for_backward(t, m, r)
+            return y
+
+        @staticmethod
+        def backward(ctx, g):
+            t, m, r = ctx.saved_tensors
+            dx, _, _ = ln.layer_norm_bwd(g, t, wg, bg, m, r, None, t.dtype)
+            return dx
+
+    xrg = xr.clone().requires_grad_()
+    gr = torch.randn_like(xr)
+    for name, fn in (("Function, torch op in backward", TorchBwd), ("Function, triton no-op in backward", TritonBwd),
+                     ("Function, custom op in backward", OpBwd), ("Function, layer_norm_bwd host fn", DirectLnBwd)):
+        add(name + " (fwd+bwd)", lambda fn=fn: fn.apply(xrg).backward(gr))
+        add(name + " (autograd.grad)", lambda fn=fn: torch.autograd.grad(fn.apply(xrg), xrg, gr))
+    add("x*1 fwd+bwd (no Python backward)", lambda: (xrg * 1).backward(gr))
+
     add("F.layer_norm fwd+bwd", ln_torch_fb)
     add("triton layer_norm fwd+bwd", ln_triton_fb)
     add("norm_shift_partition fwd+bwd", nsp_fb)
     add("fused attention fwd+bwd", attn_fb)
     add("SDPA (bias+mask) fwd+bwd", sdpa_fb)
     return rows
+
+
+def backward_timeline(n: int = 200) -> list[dict]:
+    """Timestamps through one Triton LayerNorm fwd+bwd: where between `.backward()` and its return
+    the host time goes (engine hand-off, saved tensors, the custom op, grad accumulation)."""
+    import importlib
+
+    ln = importlib.import_module("workbench.kernels.layer_norm")
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    x = torch.randn(392, 128, device=dev, dtype=bf, requires_grad=True)
+    w = torch.randn(128, device=dev, dtype=bf, requires_grad=True)
+    b = torch.randn(128, device=dev, dtype=bf, requires_grad=True)
+    gy = torch.randn(392, 128, device=dev, dtype=bf)
+    marks: dict[str, list[float]] = {}
+    now = time.perf_counter
+    orig_bwd, orig_op = ln.LayerNormFunction.backward, ln._layer_norm_bwd_op
+
+    def timed_op(*a):
+        marks.setdefault("op_in", []).append(now())
+        r = orig_op(*a)
+        marks.setdefault("op_out", []).append(now())
+        return r
+
+    def timed_backward(ctx, dy):
+        marks.setdefault("bwd_in", []).append(now())
+        r = orig_bwd(ctx, dy)
+        marks.setdefault("bwd_out", []).append(now())
+        return r
+
+    ln._layer_norm_bwd_op = timed_op
+    ln.LayerNormFunction.backward = staticmethod(timed_backward)
+    try:
+        for i in range(n + 20):
+            t0 = now()
+            y = ln.layer_norm(x, w, b)
+            t1 = now()
+            y.backward(gy)
+            t2 = now()
+            if i >= 20:
+                marks.setdefault("t0", []).append(t0)
+                marks.setdefault("t1", []).append(t1)
+                marks.setdefault("t2", []).append(t2)
+        torch.cuda.synchronize()
+    finally:
+        ln._layer_norm_bwd_op = orig_op
+        ln.LayerNormFunction.backward = orig_bwd
+    for k in ("op_in", "op_out", "bwd_in", "bwd_out"):
+        marks[k] = marks[k][20:]
+    seg = [("forward (apply)", "t0", "t1"), ("backward() -> Function.backward entry", "t1", "bwd_in"),
+           ("backward entry -> op call", "bwd_in", "op_in"), ("custom op layer_norm_bwd", "op_in", "op_out"),
+           ("op return -> backward exit", "op_out", "bwd_out"), ("backward exit -> backward() returns", "bwd_out", "t2"),
+           ("total", "t0", "t2")]
+    return [{"what": name, "host_us": statistics.median(e - s for s, e in zip(marks[a], marks[z])) * 1e6}
+            for name, a, z in seg]
 
 
 def stage_table(model: str, batch: int, stages: list[str], steps: int) -> list[dict]:
@@ -203,7 +312,7 @@ def main() -> int:
     ap.add_argument("--stages", default="amp,apex,window,fmha")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--pyprof-stage", default="fmha")
-    ap.add_argument("--parts", default="launch,stages,pyprof")
+    ap.add_argument("--parts", default="launch,timeline,stages,pyprof")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -215,6 +324,10 @@ def main() -> int:
         record["launch"] = launch_table()
         for r in record["launch"]:
             print(f"  {r['what']:38s} {r['host_us']:8.1f} µs")
+    if "timeline" in parts:
+        record["timeline"] = backward_timeline()
+        for r in record["timeline"]:
+            print(f"  {r['what']:40s} {r['host_us']:8.1f} µs")
     if "stages" in parts:
         record["stages"] = stage_table(args.model, args.batch, args.stages.split(","), args.steps)
     if "pyprof" in parts:

@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._ops import opaque_op
+
 # Widest row one program holds in registers. Swin needs 1536 (-> 2048); wider rows would want a
 # column loop, which no Swin needs.
 MAX_COLS = 16384
@@ -320,7 +322,7 @@ def layer_norm_bwd(dy2, x2, weight, bias, mean, rstd, ds2, dx_dtype: torch.dtype
 # contiguous tensors. A missing dweight/dbias comes back as an empty fp32 tensor (an op cannot return None).
 
 
-@torch.library.custom_op("swinbench::layer_norm_fwd", mutates_args=())
+@opaque_op("swinbench::layer_norm_fwd")
 def _layer_norm_fwd_op(x2: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                        eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _, y, mean, rstd = layer_norm_fwd(x2, None, weight, bias, eps, x2.dtype)
@@ -334,7 +336,7 @@ def _(x2, weight, bias, eps):
             x2.new_empty((n_rows,), dtype=torch.float32))
 
 
-@torch.library.custom_op("swinbench::add_layer_norm_fwd", mutates_args=())
+@opaque_op("swinbench::add_layer_norm_fwd")
 def _add_layer_norm_fwd_op(x2: torch.Tensor, residual2: torch.Tensor, weight: Optional[torch.Tensor],
                            bias: Optional[torch.Tensor], eps: float
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -349,7 +351,7 @@ def _(x2, residual2, weight, bias, eps):
             x2.new_empty((n_rows,), dtype=torch.float32), x2.new_empty((n_rows,), dtype=torch.float32))
 
 
-@torch.library.custom_op("swinbench::layer_norm_bwd", mutates_args=())
+@opaque_op("swinbench::layer_norm_bwd")
 def _layer_norm_bwd_op(dy2: torch.Tensor, x2: torch.Tensor, weight: Optional[torch.Tensor],
                        bias: Optional[torch.Tensor], mean: torch.Tensor, rstd: torch.Tensor,
                        ds2: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -44,6 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._ops import opaque_op
+
 from workbench.kernels.layer_norm import bwd_occupancy, sm_count, sum_partials
 
 # ----------------------------------------------------------------------------------- kernels
@@ -416,7 +418,7 @@ def _windows_shape(B, H: int, W: int, C: int, window_size: int, shift: int):
     return (B * (-(-H // ws)) * (-(-W // ws)), ws * ws, C)
 
 
-@torch.library.custom_op("swinbench::roll_partition_fwd", mutates_args=())
+@opaque_op("swinbench::roll_partition_fwd")
 def _roll_partition_op(x: torch.Tensor, window_size: int, shift: int, out_dtype: torch.dtype) -> torch.Tensor:
     return roll_partition_fwd(x, window_size, shift, out_dtype=out_dtype)
 
@@ -427,7 +429,7 @@ def _(x, window_size, shift, out_dtype):
     return x.new_empty(_windows_shape(B, H, W, C, window_size, shift), dtype=out_dtype)
 
 
-@torch.library.custom_op("swinbench::merge_roll_fwd", mutates_args=())
+@opaque_op("swinbench::merge_roll_fwd")
 def _merge_roll_op(windows: torch.Tensor, window_size: int, shift: int, H: int, W: int,
                    shortcut: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
     return merge_roll_fwd(windows, window_size, shift, H, W, shortcut, out_dtype=out_dtype)
@@ -441,7 +443,7 @@ def _(windows, window_size, shift, H, W, shortcut, out_dtype):
                              dtype=out_dtype)
 
 
-@torch.library.custom_op("swinbench::norm_shift_partition_fwd", mutates_args=())
+@opaque_op("swinbench::norm_shift_partition_fwd")
 def _norm_shift_partition_fwd_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
                                  window_size: int, shift: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return norm_shift_partition_fwd(x, weight, bias, eps, window_size, shift)
@@ -454,7 +456,7 @@ def _(x, weight, bias, eps, window_size, shift):
             x.new_empty((B * H * W,), dtype=torch.float32), x.new_empty((B * H * W,), dtype=torch.float32))
 
 
-@torch.library.custom_op("swinbench::norm_shift_partition_bwd", mutates_args=())
+@opaque_op("swinbench::norm_shift_partition_bwd")
 def _norm_shift_partition_bwd_op(dwindows: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
                                  rstd: torch.Tensor, window_size: int, shift: int
                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

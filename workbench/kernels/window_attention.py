@@ -42,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._ops import opaque_op
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # Test hook: when True, every buffer a kernel must fill is NaN-filled first, so an element the
@@ -356,7 +358,7 @@ def window_attention_bwd(q, k, v, out, lse, dout, rel_bias, mask, scale, compute
 # Custom ops make the kernels opaque to torch.compile: Dynamo records one op per launch instead of
 # tracing into the autotuner (whose chosen G sizes the d_bias reduction on the host), and the fake
 # implementations give Inductor the output shapes and strides.
-@torch.library.custom_op("swinbench::window_attention_fwd", mutates_args=())
+@opaque_op("swinbench::window_attention_fwd")
 def _window_attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel_bias: torch.Tensor,
                              mask: Optional[torch.Tensor], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     return window_attention_fwd(q, k, v, rel_bias, mask, scale)
@@ -368,7 +370,7 @@ def _(q, k, v, rel_bias, mask, scale):
     return q.new_empty((bnw, n, nh, d)).permute(0, 2, 1, 3), q.new_empty((bnw, nh, n), dtype=torch.float32)
 
 
-@torch.library.custom_op("swinbench::window_attention_bwd", mutates_args=())
+@opaque_op("swinbench::window_attention_bwd")
 def _window_attention_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                              lse: torch.Tensor, dout: torch.Tensor, rel_bias: torch.Tensor,
                              mask: Optional[torch.Tensor], scale: float, compute_dbias: bool
@@ -385,7 +387,7 @@ def _(q, k, v, out, lse, dout, rel_bias, mask, scale, compute_dbias):
             rel_bias.new_empty(rel_bias.shape if compute_dbias else (0,)))
 
 
-@torch.library.custom_op("swinbench::window_attention_qkv_bwd", mutates_args=())
+@opaque_op("swinbench::window_attention_qkv_bwd")
 def _window_attention_qkv_bwd_op(qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
                                  rel_bias: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
                                  compute_dbias: bool) -> tuple[torch.Tensor, torch.Tensor]:
