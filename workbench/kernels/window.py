@@ -46,7 +46,7 @@ import triton.language as tl
 
 from ._ops import opaque_op
 
-from workbench.kernels.layer_norm import bwd_occupancy, sm_count, sum_partials
+from workbench.kernels.layer_norm import sm_count, sum_partials
 
 # ----------------------------------------------------------------------------------- kernels
 
@@ -241,12 +241,17 @@ def _norm_partition_bwd_kernel(
 # Elements one data-movement program moves per tensor (16 KB in bf16, 32 KB in fp32): fewer, fatter
 # programs than 4096 (8 KB) amortize the per-token index math and the block scheduling.
 _COPY_TILE_ELEMS = 8192
-# LayerNorm kernels hold whole rows: ~2048 elements per tile over 8 warps is 60-120 registers on sm_90.
+# LayerNorm kernels hold whole rows: ~2048 elements per tile over 4 warps. The launch configuration
+# of both LayerNorm kernels comes from benchmarks/sweep_norm_window.py on the H200 (Swin-B stages 2-4,
+# batch 64, bf16; stage 1 is not swept): 4 warps beat 8 at every stage (forward 21.2/11.5/6.3 ->
+# 17.5/9.3/5.0 µs, backward 48.8/37.2/18.1 -> 44.6/26.3/16.0 µs, the old rule first).
 _NORM_TILE_ELEMS = 2048
-# Norm backward grid: the fewest tokens one program owns (its two (C,) fp32 partial rows should cost
-# little next to the rows it reads and writes). Programs per SM and the register cap come from
-# layer_norm.bwd_occupancy (3 resident programs of 8 warps per SM for half-precision inputs).
-_NORM_BWD_MIN_TOKENS = 32
+_NORM_WARPS = 4
+# Norm backward grid: 3 resident programs per SM (one wave), each a band of at least this many tokens;
+# its two (C,) fp32 partial rows should cost little next to the rows it reads and writes. 16 doubles
+# the programs at stage 4 (3136 tokens) against 32, and costs nothing elsewhere.
+_NORM_BWD_MIN_TOKENS = 16
+_NORM_BWD_PER_SM = 3
 
 
 @functools.lru_cache(maxsize=None)
@@ -265,12 +270,12 @@ def _copy_blocks(C: int) -> tuple[int, int, int]:
 
 @functools.lru_cache(maxsize=None)
 def _norm_blocks(C: int) -> tuple[int, int, int]:
-    """(BLOCK_T, BLOCK_C, num_warps) for the LayerNorm kernels: one program holds whole rows.
-
-    ~2048 elements (at least 2 rows) over 8 warps: 60-120 registers for forward and backward on sm_90;
-    bigger tiles spill or halve occupancy."""
+    """(BLOCK_T, BLOCK_C, num_warps) for the LayerNorm kernels: one program holds whole rows,
+    ~2048 elements (at least 2 rows) over 4 warps; 8 warps where two rows are wider than that
+    (C > 1024: Swin-L's 1536), so that a thread's share of the backward's tiles stays in registers."""
     block_c = triton.next_power_of_2(C)
-    return max(2, _NORM_TILE_ELEMS // block_c), block_c, 8
+    block_t = max(2, _NORM_TILE_ELEMS // block_c)
+    return block_t, block_c, _NORM_WARPS if block_t * block_c <= _NORM_TILE_ELEMS else 8
 
 
 @functools.lru_cache(maxsize=None)
@@ -358,7 +363,7 @@ def norm_shift_partition_fwd(
     mean = torch.empty(B * H * W, dtype=torch.float32, device=x.device)
     rstd = torch.empty(B * H * W, dtype=torch.float32, device=x.device)
     n_out = B * Hp * Wp
-    block_t, block_c, num_warps = _norm_blocks(C)
+    block_t, block_c, num_warps = _norm_fwd_config(C)
     _partition_fwd_kernel[(triton.cdiv(n_out, block_t), 1)](
         x, out, _contig(weight), _contig(bias), mean, rstd, n_out, C, float(eps),
         H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, NORM=True, SOFT_RTNE=_SOFT_RTNE, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps,
@@ -366,16 +371,23 @@ def norm_shift_partition_fwd(
     return out, mean, rstd
 
 
+def _norm_fwd_config(C: int) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_C, num_warps) of the LayerNorm + shift + partition forward."""
+    return _norm_blocks(C)
+
+
 @functools.lru_cache(maxsize=None)
-def _norm_bwd_grid(n_tok: int, C: int, elt: int, device: torch.device) -> tuple[int, int, int | None]:
-    """(programs, tiles_per_program, maxnreg): one wave of resident programs, each a contiguous band
-    of whole tiles."""
-    block_t = _norm_blocks(C)[0]
-    per_sm, maxnreg = bwd_occupancy(elt)
+def _norm_bwd_config(n_tok: int, C: int, elt: int, device: torch.device) -> tuple[int, int, int, int, int, int | None]:
+    """(BLOCK_T, BLOCK_C, num_warps, programs, tiles_per_program, maxnreg) of the backward: one wave of
+    resident programs, each a contiguous band of whole tiles."""
+    block_t, block_c, num_warps = _norm_blocks(C)
+    per_sm = _NORM_BWD_PER_SM
+    regs = 65536 // (per_sm * num_warps * 32)  # register file per resident program
+    maxnreg = min(255, regs - regs % 8)
     n_tiles = triton.cdiv(n_tok, block_t)
     programs = max(1, min(per_sm * sm_count(device), n_tiles, triton.cdiv(n_tok, _NORM_BWD_MIN_TOKENS)))
     tiles_per_prog = triton.cdiv(n_tiles, programs)
-    return triton.cdiv(n_tiles, tiles_per_prog), tiles_per_prog, maxnreg
+    return block_t, block_c, num_warps, triton.cdiv(n_tiles, tiles_per_prog), tiles_per_prog, maxnreg
 
 
 def norm_shift_partition_bwd(
@@ -389,8 +401,7 @@ def norm_shift_partition_bwd(
     Hp, Wp, nwh, nww, sh, sw = _geometry(H, W, window_size, shift)
     dx = _check_out(dx, (B, H, W, C), x.dtype, x.device)
     n_tok = B * H * W
-    block_t, block_c, num_warps = _norm_blocks(C)
-    nprog, tiles_per_prog, maxnreg = _norm_bwd_grid(n_tok, C, x.element_size(), x.device)
+    block_t, block_c, num_warps, nprog, tiles_per_prog, maxnreg = _norm_bwd_config(n_tok, C, x.element_size(), x.device)
     dw_part = torch.empty((nprog, C), dtype=torch.float32, device=x.device)
     db_part = torch.empty((nprog, C), dtype=torch.float32, device=x.device)
     _norm_partition_bwd_kernel[(nprog,)](

@@ -1,0 +1,127 @@
+"""Launch-configuration sweep for the LayerNorm + shift + partition kernels (forward and backward).
+
+For each Swin-B stage shape at batch 64 (bf16), times every candidate (tile rows, warps, programs per
+SM, tokens per program) with CUDA-graph replay, checks it against the shipped configuration (dx
+exact up to fp32 rounding order, dweight/dbias to 1e-2 relative), and prints the best per stage
+beside the shipped one. The shipped rule in workbench/kernels/window.py comes from this table.
+
+    python benchmarks/sweep_norm_window.py [--out sweep.json]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from workbench.env import environment_stamp  # noqa: E402
+from workbench.timing import cuda_graph_us  # noqa: E402
+
+win = importlib.import_module("workbench.kernels.window")
+lnk = importlib.import_module("workbench.kernels.layer_norm")
+
+STAGES = {"s1": (64, 56, 56, 128), "s2": (64, 28, 28, 256), "s3": (64, 14, 14, 512), "s4": (64, 7, 7, 1024)}
+WS, SHIFT = 7, 3
+
+
+def shipped_bwd(n_tok, C, elt, dev):
+    return win._norm_bwd_config.__wrapped__(n_tok, C, elt, dev)
+
+
+def bwd_candidates(n_tok, C, dev):
+    sms = lnk.sm_count(dev)
+    block_c = 1 << (C - 1).bit_length()
+    for block_t, warps, per_sm, min_tok in itertools.product((1, 2, 4, 8), (4, 8), (3, 6), (4, 8, 16, 32)):
+        if block_t * block_c > 4096 or block_t * block_c < 128 * warps:
+            continue
+        n_tiles = -(-n_tok // block_t)
+        programs = max(1, min(per_sm * sms, n_tiles, -(-n_tok // min_tok)))
+        tiles = -(-n_tiles // programs)
+        regs = 65536 // (per_sm * warps * 32)
+        maxnreg = min(255, regs - regs % 8)
+        if maxnreg < 64:
+            continue
+        yield (block_t, block_c, warps, -(-n_tiles // tiles), tiles, maxnreg), dict(
+            block_t=block_t, warps=warps, per_sm=per_sm, min_tok=min_tok, programs=-(-n_tiles // tiles))
+
+
+def fwd_candidates(C):
+    block_c = 1 << (C - 1).bit_length()
+    for block_t, warps in itertools.product((1, 2, 4, 8), (4, 8)):
+        if block_t * block_c > 4096 or block_t * block_c < 64 * warps:
+            continue
+        yield (block_t, block_c, warps), dict(block_t=block_t, warps=warps)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--stages", default="s2,s3,s4")
+    ap.add_argument("--replays", type=int, default=10)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    bf = torch.bfloat16
+    out = {"benchmark": "sweep_norm_window", "environment": environment_stamp(), "stages": {}}
+    orig_fwd, orig_bwd = win._norm_fwd_config, win._norm_bwd_config
+    for name in args.stages.split(","):
+        B, H, W, C = STAGES[name]
+        g = torch.Generator(device=dev).manual_seed(0)
+        x = torch.randn(B, H, W, C, device=dev, dtype=bf, generator=g)
+        w = torch.randn(C, device=dev, dtype=bf, generator=g)
+        b = torch.randn(C, device=dev, dtype=bf, generator=g)
+        win_, mean, rstd = win.norm_shift_partition_fwd(x, w, b, 1e-5, WS, SHIFT)
+        dwin = torch.randn_like(win_)
+        n_tok = B * H * W
+        ref = win.norm_shift_partition_bwd(dwin, x, w, mean, rstd, WS, SHIFT)
+        rows = []
+        try:
+            for cfg, desc in fwd_candidates(C):
+                win._norm_fwd_config = lambda C_, cfg=cfg: cfg
+                try:
+                    o, _, _ = win.norm_shift_partition_fwd(x, w, b, 1e-5, WS, SHIFT)
+                    ok = torch.equal(o, win_)
+                    us = cuda_graph_us([lambda: win.norm_shift_partition_fwd(x, w, b, 1e-5, WS, SHIFT)],
+                                       replays=args.replays)[0]
+                except Exception as exc:  # a config that does not compile is a row, not a crash
+                    ok, us = False, float("nan")
+                    desc["error"] = type(exc).__name__
+                rows.append({"dir": "fwd", **desc, "ok": ok, "us": us})
+            win._norm_fwd_config = orig_fwd
+            for cfg, desc in bwd_candidates(n_tok, C, dev):
+                win._norm_bwd_config = lambda *a, cfg=cfg: cfg
+                try:
+                    dx, dw, db = win.norm_shift_partition_bwd(dwin, x, w, mean, rstd, WS, SHIFT)
+                    ok = (torch.allclose(dx.float(), ref[0].float(), atol=1e-2, rtol=1e-2)
+                          and torch.allclose(dw.float(), ref[1].float(), rtol=1e-2, atol=1e-1)
+                          and torch.allclose(db.float(), ref[2].float(), rtol=1e-2, atol=1e-1))
+                    us = cuda_graph_us([lambda: win.norm_shift_partition_bwd(dwin, x, w, mean, rstd, WS, SHIFT)],
+                                       replays=args.replays)[0]
+                except Exception as exc:
+                    ok, us = False, float("nan")
+                    desc["error"] = type(exc).__name__
+                rows.append({"dir": "bwd", **desc, "ok": ok, "us": us})
+        finally:
+            win._norm_fwd_config, win._norm_bwd_config = orig_fwd, orig_bwd
+        ship_f = cuda_graph_us([lambda: win.norm_shift_partition_fwd(x, w, b, 1e-5, WS, SHIFT)], replays=args.replays)[0]
+        ship_b = cuda_graph_us([lambda: win.norm_shift_partition_bwd(dwin, x, w, mean, rstd, WS, SHIFT)],
+                               replays=args.replays)[0]
+        out["stages"][name] = {"shape": [B, H, W, C], "shipped_fwd_us": ship_f, "shipped_bwd_us": ship_b, "rows": rows}
+        for d, ship in (("fwd", ship_f), ("bwd", ship_b)):
+            good = sorted((r for r in rows if r["dir"] == d and r["ok"]), key=lambda r: r["us"])
+            bad = sum(1 for r in rows if r["dir"] == d and not r["ok"])
+            print(f"{name} {d}: shipped {ship:7.1f} µs | best:", "; ".join(
+                f"{r['us']:.1f} " + ",".join(f"{k}={v}" for k, v in r.items() if k not in ("dir", "ok", "us"))
+                for r in good[:4]), f"| {bad} failed", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
