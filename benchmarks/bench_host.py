@@ -282,6 +282,51 @@ def stage_table(model: str, batch: int, stages: list[str], steps: int) -> list[d
     return rows
 
 
+def gc_table(model: str, batch: int, stages: list[str], steps: int) -> list[dict]:
+    """Step time (CUDA events, warm-up excluded) with Python's cyclic GC as it is, and with the objects
+    alive after warm-up frozen (gc.freeze) and collection off during the timed steps."""
+    import gc
+
+    from workbench.passes import apply_pass
+    from workbench.recipes import effective_passes, resolve_chain
+    from workbench.workload import Workload, WorkloadConfig
+
+    rows = []
+    for stage in stages:
+        wl = Workload.build(WorkloadConfig(model=model, batch=batch, precision="bf16", device="cuda"))
+        for p in effective_passes(resolve_chain(stage)):
+            wl.model, _ = apply_pass(p.name, wl.model, wl.ctx, p.params)
+        wl.prepare()
+        for i in range(5):
+            wl.step(i)
+        for mode in ("gc on", "gc frozen+off", "gc on (again)"):
+            if mode == "gc frozen+off":
+                gc.collect()
+                gc.freeze()
+                gc.disable()
+            times, collections = [], sum(s["collections"] for s in gc.get_stats())
+            for i in range(steps):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                wl.step(i)
+                e1.record()
+                e1.synchronize()
+                times.append(e0.elapsed_time(e1))
+            collections = sum(s["collections"] for s in gc.get_stats()) - collections
+            if mode == "gc frozen+off":
+                gc.enable()
+                gc.unfreeze()
+            times.sort()
+            rows.append({"stage": stage, "mode": mode, "median_ms": statistics.median(times),
+                         "p90_ms": times[int(0.9 * (len(times) - 1))], "max_ms": times[-1], "gc_collections": collections})
+            r = rows[-1]
+            print(f"  {stage:8s} {mode:14s} median {r['median_ms']:7.2f}  p90 {r['p90_ms']:7.2f}  max {r['max_ms']:7.2f} ms"
+                  f"  collections {collections}", flush=True)
+        del wl
+        torch.cuda.empty_cache()
+    return rows
+
+
 def pyprof(model: str, batch: int, stage: str, steps: int, top: int) -> str:
     from workbench.passes import apply_pass
     from workbench.recipes import effective_passes, resolve_chain
@@ -330,6 +375,8 @@ def main() -> int:
             print(f"  {r['what']:40s} {r['host_us']:8.1f} µs")
     if "stages" in parts:
         record["stages"] = stage_table(args.model, args.batch, args.stages.split(","), args.steps)
+    if "gc" in parts:
+        record["gc"] = gc_table(args.model, args.batch, args.stages.split(","), args.steps)
     if "pyprof" in parts:
         record["pyprof"] = pyprof(args.model, args.batch, args.pyprof_stage, 3, 40)
         print(record["pyprof"][:6000])
