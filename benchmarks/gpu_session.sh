@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work: correctness on the GPU, kernel benchmarks, profile, apply.
 # Usage (on the GPU machine, from the repo root): benchmarks/gpu_session.sh PART...   PART in
-#   tests | host | chain | prof-fmha | window | kernels | attn | diag | benches | graph | last | quick | profile | apply-apex | apply-fmha
+#   tests | host | chain | graphs | prof-fmha | window | kernels | attn | diag | benches | graph | last | quick | profile | apply-apex | apply-fmha
 # Results go to $OUT (or ./gpu-out), packed into one tarball so they come back in one file.
 set -uo pipefail
 out=${OUT:-gpu-out}; mkdir -p "$out/r"
@@ -44,6 +44,9 @@ for part in "$@"; do
     prof-fmha) timeout 330 swinbench apply --recipe fmha --stages amp,window,fmha,fmha-graph --profile \
                --model swin_base_patch4_window7_224 --batch 64 --steps 10 --warmup 3 --out "$out/r/apply_fmha_profile" 2>&1 | tail -30 ;;
     window)  timeout 70 python3 benchmarks/bench_window.py --check --out "$out/r/bench_window.json" 2>&1 | tail -22 ;;
+    graphs)  timeout 270 swinbench apply --recipe fmha --stages torch-compile-graphs,fmha-compile-graphs \
+               --model swin_base_patch4_window7_224 --batch 64 --steps 20 --warmup 5 --out "$out/r/apply_graphs" 2>&1 | tail -22
+             tail -4 "$out"/r/apply_graphs/logs/*.log ;;
     apply-apex) swinbench apply --recipe apex --model swin_base_patch4_window7_224 --batch 64 --profile \
                --out "$out/r/apply_apex" 2>&1 | tail -40 ;;
     apply-fmha) swinbench apply --recipe fmha-compile --model swin_base_patch4_window7_224 --batch 64 \
