@@ -51,6 +51,19 @@ def records():
     ]
 
 
+def test_speedups_across_runs_of_the_same_workload_are_marked(records):
+    """A second run with only peer stages is compared with the first run's baseline and amp, marked
+    as cross-run; a run of another model or GPU is never used for that."""
+    later = [dict(record(0, "torch-compile-graphs", "amp", 12.5), run_id="r2")]
+    other_gpu = [dict(record(0, "fmha-graph", "fmha", 10.0), run_id="r3", env={**ENV, "gpu": "NVIDIA A100"})]
+    df = speedup_table(records + later + other_gpu).set_index("stage")
+    assert df.loc["torch-compile-graphs", "x_baseline"] == pytest.approx(8.0)
+    assert df.loc["torch-compile-graphs", "x_previous"] == pytest.approx(4.0)
+    assert bool(df.loc["torch-compile-graphs", "cross_run"])
+    assert not bool(df.loc["amp", "cross_run"])
+    assert math.isnan(df.loc["fmha-graph", "x_baseline"]) and not bool(df.loc["fmha-graph", "cross_run"])
+
+
 def test_speedups_exact_and_honest(records):
     df = speedup_table(records).set_index("stage")
     assert df.loc["amp", "x_baseline"] == pytest.approx(2.0)

@@ -21,7 +21,10 @@ from .errors import UserError
 from .records import read_records
 
 COLUMNS = ["run_id", "stage", "extends", "status", "gate", "precision", "img_per_s", "step_ms", "step_iqr_ms",
-           "x_baseline", "x_previous", "peak_mem_bytes", "compile_s", "counted"]
+           "x_baseline", "x_previous", "peak_mem_bytes", "compile_s", "counted", "cross_run"]
+CROSS_RUN_MARK = "†"
+CROSS_RUN_NOTE = (f"{CROSS_RUN_MARK} against that stage in another run of the same model, batch and GPU (another "
+                  "process, minutes apart): the run of this stage had no such stage of its own.")
 
 
 def _counted(rec: dict) -> bool:
@@ -40,20 +43,37 @@ def speedup_table(records: list[dict]) -> pd.DataFrame:
             "step_iqr_ms": rec.get("step_iqr_ms"), "peak_mem_bytes": rec.get("peak_mem_bytes"),
             "compile_s": rec.get("compile_s"), "counted": _counted(rec),
         })
-    df = pd.DataFrame(rows, columns=[c for c in COLUMNS if c not in ("x_baseline", "x_previous")])
+    df = pd.DataFrame(rows, columns=[c for c in COLUMNS if c not in ("x_baseline", "x_previous", "cross_run")])
     df["x_baseline"] = math.nan
     df["x_previous"] = math.nan
-    for run_id, group in df.groupby("run_id", sort=False, dropna=False):
-        step = {r.stage: r.step_ms for r in group.itertuples() if r.counted}
-        base = step.get("baseline")
-        for idx, r in group.iterrows():
-            if not r.counted:
-                continue
-            if base:
-                df.at[idx, "x_baseline"] = base / r.step_ms
-            prev = step.get(r.extends) if r.extends else None
-            if prev:
-                df.at[idx, "x_previous"] = prev / r.step_ms
+    df["cross_run"] = False
+    # Speedups compare stages of one run; a stage whose run lacks the baseline (or the stage it extends)
+    # is compared with that stage of another run of the same workload on the same GPU, and marked.
+    workload = {rec.get("run_id"): (rec.get("model"), rec.get("batch"), rec.get("mode"),
+                                    (rec.get("env") or {}).get("gpu")) for rec in records}
+    steps_by_run: dict = {}
+    for r in df.itertuples():
+        if r.counted:
+            steps_by_run.setdefault(r.run_id, {}).setdefault(r.stage, r.step_ms)
+
+    def lookup(run_id, stage):
+        if stage in steps_by_run.get(run_id, {}):
+            return steps_by_run[run_id][stage], False
+        for other, steps in steps_by_run.items():
+            if other != run_id and workload.get(other) == workload.get(run_id) and stage in steps:
+                return steps[stage], True
+        return None, False
+
+    for idx, r in df.iterrows():
+        if not r.counted:
+            continue
+        base, cross_b = lookup(r.run_id, "baseline")
+        if base:
+            df.at[idx, "x_baseline"] = base / r.step_ms
+        prev, cross_p = lookup(r.run_id, r.extends) if r.extends else (None, False)
+        if prev:
+            df.at[idx, "x_previous"] = prev / r.step_ms
+        df.at[idx, "cross_run"] = bool((base and cross_b) or (prev and cross_p))
     return df[COLUMNS]
 
 
@@ -92,8 +112,10 @@ def display_rows(df: pd.DataFrame) -> list[list[str]]:
     out = []
     for _, r in df.iterrows():
         stage = r["stage"] + (f" ({r['run_id']})" if multi else "")
+        mark = CROSS_RUN_MARK if r["cross_run"] else ""
+        xb, xp = fmt_speedup(r["x_baseline"]), fmt_speedup(r["x_previous"])
         out.append([stage, r["precision"] or "-", fmt_rate(r["img_per_s"]), fmt_step(r["step_ms"], r["step_iqr_ms"]),
-                    fmt_speedup(r["x_baseline"]), fmt_speedup(r["x_previous"]), fmt_bytes(r["peak_mem_bytes"]),
+                    xb + (mark if xb != "-" else ""), xp + (mark if xp != "-" else ""), fmt_bytes(r["peak_mem_bytes"]),
                     gate_cell(r)])
     return out
 
@@ -114,6 +136,8 @@ def render_speedup_table(records: list[dict], console) -> None:
         table.add_row(*row, style=style)
     console.print(table)
     console.print("× previous: against the stage it extends; FAIL / not available / error stages are not in the speedups.")
+    if df["cross_run"].any():
+        console.print(CROSS_RUN_NOTE)
 
 
 def _md_table(headers: list[str], rows: list[list]) -> str:
@@ -272,7 +296,8 @@ def render_report(records: list[dict], out_path_md: Path) -> Path:
                   "they show the workflow and the correctness gate, not what the recipes do on a GPU.", ""]
     lines += [_md_table(HEADERS, display_rows(df)), "",
               "img/s = batch / median step time. × previous compares a stage with the stage it extends. "
-              "Stages that fail the correctness gate, are not available or ended in an error are not in the speedups.",
+              "Stages that fail the correctness gate, are not available or ended in an error are not in the speedups."
+              + (" " + CROSS_RUN_NOTE if df["cross_run"].any() else ""),
               ""]
     timing = next((r.get("timing") for r in records if r.get("timing")), None) or {}
     config = [
