@@ -7,6 +7,7 @@ from workbench.errors import UserError
 from workbench.recipes import (chain_passes, gate_tolerance, list_recipes, plan_stages, resolve_chain)
 
 CHAIN = ["baseline", "amp", "apex", "window", "fmha"]
+PEERS = ["torch-compile", "torch-compile-graphs", "fmha-compile", "fmha-compile-graphs", "fmha-graph"]
 
 
 def write(tmp_path: Path, name: str, text: str) -> Path:
@@ -24,8 +25,8 @@ def test_builtin_chain_order():
 
 def test_list_recipes_main_chain_then_peers():
     recipes = list_recipes()
-    assert [r.name for r in recipes] == CHAIN + ["torch-compile", "fmha-compile", "fmha-graph"]
-    assert [r.peer for r in recipes] == [False] * 5 + [True, True, True]
+    assert [r.name for r in recipes] == CHAIN + PEERS
+    assert [r.peer for r in recipes] == [False] * 5 + [True] * len(PEERS)
 
 
 def test_effective_passes_accumulate_in_chain_order():
@@ -38,9 +39,10 @@ def test_effective_passes_accumulate_in_chain_order():
 def test_default_stages_peers_and_explicit_stages():
     assert [s.name for s in plan_stages("apex")] == ["baseline", "amp", "apex"]
     assert [s.name for s in plan_stages("fmha-compile")] == CHAIN + ["fmha-compile"]
-    assert [s.name for s in plan_stages("fmha", peers=True)] == CHAIN + ["torch-compile", "fmha-compile", "fmha-graph"]
-    # amp's chain only reaches amp: torch-compile (extends amp) is its only peer
-    assert [s.name for s in plan_stages("amp", peers=True)] == ["baseline", "amp", "torch-compile"]
+    assert [s.name for s in plan_stages("fmha", peers=True)] == CHAIN + PEERS
+    # amp's chain only reaches amp: the torch-compile peers (extend amp) are its only peers
+    assert [s.name for s in plan_stages("amp", peers=True)] == ["baseline", "amp", "torch-compile",
+                                                                 "torch-compile-graphs"]
     plans = plan_stages("fmha", ["baseline", "torch-compile"])
     assert [s.name for s in plans] == ["baseline", "torch-compile"]
     assert plans[1].extends == "amp"
