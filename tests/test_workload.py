@@ -1,5 +1,7 @@
 """The workload runner, precision resolution, timing and range marking, on the CPU with the tiny Swin."""
 import pytest
+from pathlib import Path
+
 import torch
 
 from workbench.errors import UserError
@@ -109,3 +111,21 @@ def test_environment_stamp_names_device_versions_and_commit():
     assert stamp["device_type"] == "cpu" and stamp["gpu"] is None and stamp["torch"] == torch.__version__
     assert stamp["swinbench"] is None or len(stamp["swinbench"].split("+")[0]) >= 7
     assert "no GPU" in device_label(stamp)
+
+
+def test_source_digest_follows_the_code_not_the_commit(tmp_path, monkeypatch):
+    """The digest names the code that ran: stable for the same files, different when one changes."""
+    import shutil
+
+    import workbench.env as env
+
+    root = tmp_path / "copy"
+    shutil.copytree(Path(env.__file__).resolve().parent, root / "workbench",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (root / "cli.py").write_text("# cli\n")
+    (root / "recipes").mkdir()
+    monkeypatch.setattr(env, "__file__", str(root / "workbench" / "env.py"))
+    first = env.source_digest()
+    assert first == env.source_digest() and len(first) == 12
+    (root / "recipes" / "mine.yaml").write_text("name: mine\nextends: amp\n")
+    assert env.source_digest() != first

@@ -46,9 +46,26 @@ def _git_revision() -> str | None:
     return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
+def source_digest() -> str:
+    """sha256 (first 12 hex digits) of the code that measures: every .py under workbench/, cli.py and the
+    recipes' YAML, by relative path and content. Unlike the commit it names the code that ran even in a
+    copied or uncommitted tree (the GPU machine gets a copy of the working tree, not its commits): two
+    records with the same digest ran the same swinbench code."""
+    import hashlib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    files = sorted([*root.joinpath("workbench").rglob("*.py"), root / "cli.py", *root.joinpath("recipes").glob("*.yaml")])
+    h = hashlib.sha256()
+    for f in files:
+        if f.is_file():
+            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
 def environment_stamp(device: str | torch.device = "cuda") -> dict:
     """A flat dict: device kind, GPU name (or CPU model), driver, CUDA, torch, triton, timm, python, date (UTC ISO),
-    and the swinbench commit that measured it."""
+    and the swinbench commit and source digest that measured it."""
     dev = torch.device(device)
     on_gpu = dev.type == "cuda" and torch.cuda.is_available()
     stamp = {
@@ -65,6 +82,7 @@ def environment_stamp(device: str | torch.device = "cuda") -> dict:
         "host": socket.gethostname(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "swinbench": _git_revision(),
+        "swinbench_source": source_digest(),
     }
     if on_gpu:
         props = torch.cuda.get_device_properties(dev)
