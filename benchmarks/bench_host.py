@@ -248,17 +248,23 @@ def backward_timeline(n: int = 200) -> list[dict]:
             for name, a, z in seg]
 
 
-def stage_table(model: str, batch: int, stages: list[str], steps: int) -> list[dict]:
+def build_stage(model: str, batch: int, stage: str):
+    """A bf16 training workload with every pass of `stage`'s recipe chain applied, prepared."""
     from workbench.passes import apply_pass
     from workbench.recipes import effective_passes, resolve_chain
     from workbench.workload import Workload, WorkloadConfig
 
+    wl = Workload.build(WorkloadConfig(model=model, batch=batch, precision="bf16", device="cuda"))
+    for p in effective_passes(resolve_chain(stage)):
+        wl.model, _ = apply_pass(p.name, wl.model, wl.ctx, p.params)
+    wl.prepare()
+    return wl
+
+
+def stage_table(model: str, batch: int, stages: list[str], steps: int) -> list[dict]:
     rows = []
     for stage in stages:
-        wl = Workload.build(WorkloadConfig(model=model, batch=batch, precision="bf16", device="cuda"))
-        for p in effective_passes(resolve_chain(stage)):
-            wl.model, _ = apply_pass(p.name, wl.model, wl.ctx, p.params)
-        wl.prepare()
+        wl = build_stage(model, batch, stage)
         for i in range(3):
             wl.step(i)
         torch.cuda.synchronize()
@@ -287,16 +293,9 @@ def gc_table(model: str, batch: int, stages: list[str], steps: int) -> list[dict
     alive after warm-up frozen (gc.freeze) and collection off during the timed steps."""
     import gc
 
-    from workbench.passes import apply_pass
-    from workbench.recipes import effective_passes, resolve_chain
-    from workbench.workload import Workload, WorkloadConfig
-
     rows = []
     for stage in stages:
-        wl = Workload.build(WorkloadConfig(model=model, batch=batch, precision="bf16", device="cuda"))
-        for p in effective_passes(resolve_chain(stage)):
-            wl.model, _ = apply_pass(p.name, wl.model, wl.ctx, p.params)
-        wl.prepare()
+        wl = build_stage(model, batch, stage)
         for i in range(5):
             wl.step(i)
         for mode in ("gc on", "gc frozen+off", "gc on (again)"):
@@ -328,14 +327,7 @@ def gc_table(model: str, batch: int, stages: list[str], steps: int) -> list[dict
 
 
 def pyprof(model: str, batch: int, stage: str, steps: int, top: int) -> str:
-    from workbench.passes import apply_pass
-    from workbench.recipes import effective_passes, resolve_chain
-    from workbench.workload import Workload, WorkloadConfig
-
-    wl = Workload.build(WorkloadConfig(model=model, batch=batch, precision="bf16", device="cuda"))
-    for p in effective_passes(resolve_chain(stage)):
-        wl.model, _ = apply_pass(p.name, wl.model, wl.ctx, p.params)
-    wl.prepare()
+    wl = build_stage(model, batch, stage)
     for i in range(3):
         wl.step(i)
     torch.cuda.synchronize()
