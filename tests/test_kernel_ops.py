@@ -1,0 +1,95 @@
+"""The kernel entry points as operators: every swinbench::* custom op passes torch.library.opcheck
+(schema, fake implementation against the real kernel's output shapes/strides/dtypes, AOT dispatch), and
+in eager mode the entry points run the host functions without going through the op at all."""
+import importlib
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+ln = importlib.import_module("workbench.kernels.layer_norm")  # noqa: E402
+win = importlib.import_module("workbench.kernels.window")  # noqa: E402
+wa = importlib.import_module("workbench.kernels.window_attention")  # noqa: E402
+from workbench.kernels._ops import OpaqueOp  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# opcheck's default set: schema, autograd registration, fake tensor vs real output, AOT dispatch with
+# dynamic shapes (the path torch.compile takes)
+UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+def rand(*shape, dtype=torch.float32):
+    return torch.randn(*shape, device=DEVICE, dtype=dtype)
+
+
+def op_samples():
+    B, H, W, C, ws, shift = 1, 9, 10, 24, 7, 3      # H, W not multiples of the window: padded
+    x = rand(B, H, W, C)
+    w, b = rand(C), rand(C)
+    windows, mean, rstd = win.norm_shift_partition_fwd(x, w, b, 1e-5, ws, shift)
+    rows = rand(37, C)
+    _, y, m, r = ln.layer_norm_fwd(rows, None, w, b, 1e-5, rows.dtype)
+    bnw, nh, n, d = 4, 2, 49, 16
+    qkv = rand(bnw, n, 3, nh, d)
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    bias, mask = rand(nh, n, n), rand(2, n, n)
+    out, lse = wa.window_attention_fwd(q, k, v, bias, mask, d ** -0.5)
+    dout = rand(bnw, nh, n, d)
+    return [
+        ("layer_norm_fwd", ln._layer_norm_fwd_op, (rows, w, b, 1e-5)),
+        ("add_layer_norm_fwd", ln._add_layer_norm_fwd_op, (rows, rand(37, C), w, b, 1e-5)),
+        ("layer_norm_bwd", ln._layer_norm_bwd_op, (rand(37, C), rows, w, b, m, r, None)),
+        ("roll_partition_fwd", win._roll_partition_op, (x, ws, shift, x.dtype)),
+        ("merge_roll_fwd", win._merge_roll_op, (windows, ws, shift, H, W, x, x.dtype)),
+        ("norm_shift_partition_fwd", win._norm_shift_partition_fwd_op, (x, w, b, 1e-5, ws, shift)),
+        ("norm_shift_partition_bwd", win._norm_shift_partition_bwd_op,
+         (torch.randn_like(windows), x, w, mean, rstd, ws, shift)),
+        ("window_attention_fwd", wa._window_attention_fwd_op, (q, k, v, bias, mask, d ** -0.5)),
+        ("window_attention_bwd", wa._window_attention_bwd_op, (q, k, v, out, lse, dout, bias, mask, d ** -0.5, True)),
+        ("window_attention_qkv_bwd", wa._window_attention_qkv_bwd_op,
+         (qkv, out, lse, dout, bias, None, d ** -0.5, True)),
+    ]
+
+
+SAMPLES = None
+
+
+def samples():
+    global SAMPLES
+    if SAMPLES is None:
+        torch.manual_seed(0)
+        SAMPLES = {name: (op, args) for name, op, args in op_samples()}
+    return SAMPLES
+
+
+NAMES = ["layer_norm_fwd", "add_layer_norm_fwd", "layer_norm_bwd", "roll_partition_fwd", "merge_roll_fwd",
+         "norm_shift_partition_fwd", "norm_shift_partition_bwd", "window_attention_fwd", "window_attention_bwd",
+         "window_attention_qkv_bwd"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_custom_op_passes_opcheck(name):
+    op, args = samples()[name]
+    assert isinstance(op, OpaqueOp) and op.op._qualname == f"swinbench::{name}"
+    torch.library.opcheck(op.op, args, test_utils=UTILS)
+
+
+def test_every_swinbench_op_is_sampled():
+    ops = [o for m in (ln, win, wa) for o in vars(m).values() if isinstance(o, OpaqueOp)]
+    assert sorted(o.op._qualname.split("::")[1] for o in ops) == sorted(NAMES)
+
+
+def test_eager_calls_skip_the_dispatcher(monkeypatch):
+    """Outside torch.compile the entry point runs the plain host function: the op is never called."""
+    op, args = samples()["layer_norm_fwd"]
+
+    def refuse(*a, **k):
+        raise AssertionError("eager call went through the custom op")
+
+    monkeypatch.setattr(op, "op", refuse)
+    y, mean, rstd = op(*args)
+    ref = torch.nn.functional.layer_norm(args[0], (args[0].shape[-1],), args[1], args[2], args[3])
+    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
