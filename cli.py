@@ -97,7 +97,8 @@ def apply(
     recipe: Annotated[str, typer.Option(help="Recipe name (see `swinbench recipes`) or a YAML file; runs every stage from baseline to it.")] = "fmha",
     stages: Annotated[Optional[str], typer.Option(help="Comma-separated stages to run instead of the chain (e.g. baseline,amp,torch-compile).")] = None,
     model: Model = None,
-    batch: Annotated[int, typer.Option(help="Images per training step.")] = 64,
+    batch: Annotated[int, typer.Option(help="Images per step.")] = 64,
+    mode: Annotated[str, typer.Option(help="train (forward, backward, optimizer step) or infer (forward only; the gate compares logits and loss).")] = "train",
     steps: Annotated[int, typer.Option(help="Timed steps per stage (median and IQR over these).")] = 20,
     warmup: Annotated[int, typer.Option(help="Untimed steps per stage first (compilation happens here).")] = 5,
     device: Device = "auto",
@@ -116,7 +117,7 @@ def apply(
 
     result = _call(run_apply, recipe, model=model, batch=batch, steps=steps, warmup=warmup, device=device,
                    out_dir=out, profile=profile, stages=stages.split(",") if stages else None, seed=seed,
-                   peers=peers, isolate=isolate, console=console)
+                   peers=peers, isolate=isolate, console=console, mode=mode)
     if check_against is not None:
         _run_check([check_against], [result.records_dir], _percent(max_regression), 2.0, thresholds, force, "md")
 

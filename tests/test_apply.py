@@ -140,3 +140,31 @@ def test_bad_arguments_are_user_errors(tmp_path):
         run_apply("nope", **RUN, out_dir=tmp_path)
     with pytest.raises(UserError, match="--steps"):
         run_apply("amp", **{**RUN, "steps": 0}, out_dir=tmp_path)
+
+
+def test_inference_mode_gates_logits_and_times_the_forward(tmp_path):
+    """--mode infer: forward only under inference_mode; the fused kernels run forward-only, the gate
+    compares logits and loss (no gradients), a wrong stage still fails it."""
+    fused = tmp_path / "fused_fp32.yaml"
+    fused.write_text("name: fused_fp32\nextends: baseline\ndescription: fused kernels in fp32\npasses:\n"
+                     "  - name: fused_layernorm\n    params: {impl: triton}\n  - fused_window\n  - fused_attention\n")
+    with pytest.MonkeyPatch.context() as mp:
+        register_test_pass(mp, "scale_head_test", scale_head)
+        stages = ["baseline", str(fused), recipe_file(tmp_path, "wrong", "baseline", "scale_head_test")]
+        result = run_apply("baseline", **RUN, mode="infer", out_dir=tmp_path / "infer", stages=stages,
+                           console=Console(file=io.StringIO(), width=160))
+    by_stage = {r["stage"]: r for r in result.records}
+    assert "-infer-" in result.run_id
+    assert all(r["mode"] == "infer" and r["optimizer"] is None for r in result.records)
+    assert by_stage["baseline"]["gate"]["status"] == "REFERENCE"
+    gate = by_stage["fused_fp32"]["gate"]
+    assert gate["status"] == "PASS", gate
+    assert gate["metrics"]["grads"] == {} and gate["metrics"]["logits"]["rel_l2"] < 1e-4
+    assert all(p["available"] for p in by_stage["fused_fp32"]["passes"])
+    assert by_stage["wrong"]["gate"]["status"] == "FAIL"
+    assert by_stage["fused_fp32"]["step_ms"] > 0
+
+
+def test_unknown_mode_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="unknown mode"):
+        run_apply("baseline", **RUN, mode="serve", out_dir=tmp_path)

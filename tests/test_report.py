@@ -80,7 +80,7 @@ def test_speedups_exact_and_honest(records):
 def test_markdown_report(records, tmp_path):
     path = render_report(records, tmp_path / "report.md")
     text = path.read_text()
-    assert text.startswith("# swinbench apply: fmha — swin_tiny_patch4_window7_224, batch 64, NVIDIA H200")
+    assert text.startswith("# swinbench apply: fmha — swin_tiny_patch4_window7_224, training, batch 64, NVIDIA H200")
     table = text.index("| stage | precision | img/s")
     assert table < text.index("## Configuration")   # the table first
     assert "| amp | bf16 | 1,280.0 | 50.00 ± 0.50 | 2.00x | 2.00x | 3.00 GiB | PASS |" in text

@@ -137,7 +137,7 @@ def run_stage(spec: StageSpec, reference: GateOutputs, on_event: Callable[[dict]
             workload.model, result = apply_pass(p.name, workload.model, workload.ctx, p.params)
             record["passes"].append(result.to_dict())
         record["precision"] = workload.ctx.precision.name
-        record["optimizer"] = workload.ctx.optimizer_name
+        record["optimizer"] = workload.ctx.optimizer_name if config.mode == "train" else None
         missing = [r for r in record["passes"] if not r["available"]]
         if missing:
             record["status"] = "not available"
@@ -303,19 +303,21 @@ def _run_isolated(spec: StageSpec, on_event: Callable[[dict], None]) -> dict:
 # ---------------------------------------------------------------- the run
 
 
-def default_run_id(recipe: str, model: str, batch: int) -> str:
+def default_run_id(recipe: str, model: str, batch: int, mode: str = "train") -> str:
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     short = model.replace("swin_", "").replace("_patch4", "").replace("_window", "w")
-    return f"{Path(recipe).stem}-{short}-b{batch}-{stamp}"
+    return f"{Path(recipe).stem}-{short}-b{batch}{'-infer' if mode == 'infer' else ''}-{stamp}"
 
 
 def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup: int, device: str = "auto",
               out_dir: Path | None = None, profile: bool = False, stages: list[str] | None = None, seed: int = 0,
               progress: bool = True, console=None, isolate: bool | None = None,
-              peers: bool | None = None) -> ApplyResult:
+              peers: bool | None = None, mode: str = "train") -> ApplyResult:
     """Run every stage of `recipe` (baseline first), write one record per stage and the report.
 
     recipe: a built-in name or a YAML path. stages: explicit stage names instead of the chain.
+    mode: 'train' (forward, backward, optimizer step; the gate compares logits, loss and gradients) or
+    'infer' (forward only under inference_mode; the gate compares logits and loss).
     isolate: a fresh process per stage (default: on CUDA yes, on the CPU no).
     peers: also run the built-in peers of the chain (torch-compile, fmha-compile); default on CUDA yes,
     on the CPU no (Inductor on the CPU is slow to compile and says nothing about the GPU). Ignored with `stages`.
@@ -335,8 +337,8 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
     check_model_name(model)
     plans: list[StagePlan] = plan_stages(recipe, stages, peers=on_gpu if peers is None else peers)
     isolate = on_gpu if isolate is None else isolate
-    config = WorkloadConfig(model=model, mode="train", batch=batch, precision="fp32", device=device, seed=seed)
-    run_id = default_run_id(recipe, model, batch)
+    config = WorkloadConfig(model=model, mode=mode, batch=batch, precision="fp32", device=device, seed=seed)
+    run_id = default_run_id(recipe, model, batch, mode)
     out_dir = Path(out_dir) if out_dir else Path("reports") / "runs" / run_id
     records_dir = out_dir / "records"
     records_dir.mkdir(parents=True, exist_ok=True)

@@ -77,7 +77,12 @@ def capture_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
 
 def forward_backward(workload: Workload, params: dict[str, torch.nn.Parameter]) -> GateOutputs:
     """One forward + backward of a prepared workload (no optimizer step, no loss scaling), gradients
-    of `params` copied to the CPU, then zeroed so the workload can train from the same state."""
+    of `params` copied to the CPU, then zeroed so the workload can train from the same state.
+    An inference workload runs the forward only, under inference_mode, and has no gradients."""
+    if workload.config.mode == "infer":
+        with torch.inference_mode():
+            logits, loss = workload.forward_loss()
+        return GateOutputs(logits.detach().float().cpu(), float(loss.detach().float().cpu()), {})
     workload.model.zero_grad(set_to_none=True)
     # The forward the timed steps use (compiled when the stage compiles), so the gate checks
     # exactly what is measured.
@@ -94,10 +99,11 @@ def forward_backward(workload: Workload, params: dict[str, torch.nn.Parameter]) 
 
 
 def compute_reference(config: WorkloadConfig) -> GateOutputs:
-    """The baseline's outputs: the timm model as built, fp32 with TF32 off, one forward + backward."""
+    """The baseline's outputs: the timm model as built, fp32 with TF32 off, one forward + backward
+    (forward only for an inference workload)."""
     from dataclasses import replace
 
-    workload = Workload.build(replace(config, precision="fp32", mode="train"))
+    workload = Workload.build(replace(config, precision="fp32"))
     digest = weights_digest(workload.model)
     params = capture_parameters(workload.model)
     workload.prepare()

@@ -158,7 +158,9 @@ def _is_cpu(records) -> bool:
 def _title(records) -> str:
     first = records[0]
     where = "CPU — not a GPU speed figure" if _is_cpu(records) else (_env(records).get("gpu") or "GPU")
-    return f"swinbench apply: {first.get('recipe')} — {first.get('model')}, batch {first.get('batch')}, {where}"
+    mode = "inference" if first.get("mode") == "infer" else "training"
+    return (f"swinbench apply: {first.get('recipe')} — {first.get('model')}, {mode}, batch {first.get('batch')}, "
+            f"{where}")
 
 
 # ---------------------------------------------------------------- the Markdown report
