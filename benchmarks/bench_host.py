@@ -326,6 +326,67 @@ def gc_table(model: str, batch: int, stages: list[str], steps: int) -> list[dict
     return rows
 
 
+def thread_profile(model: str, batch: int, stage: str, steps: int, top: int) -> dict:
+    """Own time per Python function, per thread, over a few eager steps. cProfile sees only the thread
+    that enables it; a backward's Python (autograd Functions, kernel host code) runs on autograd's device
+    thread, so this installs a profile function on every thread (Python >= 3.12), the engine's included
+    (its thread state exists after the warm-up steps)."""
+    import threading
+    from collections import defaultdict
+
+    if not hasattr(threading, "setprofile_all_threads"):
+        return {"error": "needs Python 3.12 (threading.setprofile_all_threads)"}
+    wl = build_stage(model, batch, stage)
+    for i in range(3):
+        wl.step(i)
+    torch.cuda.synchronize()
+    now = time.perf_counter
+    own: dict = defaultdict(float)
+    calls: dict = defaultdict(int)
+    stacks: dict = defaultdict(list)   # thread id -> [(key, start, child time)]
+
+    def prof(frame, event, arg):
+        tid = threading.get_ident()
+        if event in ("call", "c_call"):
+            code = frame.f_code
+            key = (f"{code.co_name} ({Path(code.co_filename).name}:{code.co_firstlineno})" if event == "call"
+                   else f"<{getattr(arg, '__qualname__', str(arg))}>")
+            stacks[tid].append([key, now(), 0.0])
+        elif event in ("return", "c_return", "c_exception"):
+            st = stacks[tid]
+            if not st:
+                return
+            key, t0, child = st.pop()
+            dt = now() - t0
+            thread = "main" if tid == main_tid else "other"
+            own[(thread, key)] += dt - child
+            calls[(thread, key)] += 1
+            if st:
+                st[-1][2] += dt
+
+    main_tid = threading.get_ident()
+    threading.setprofile_all_threads(prof)
+    try:
+        t0 = now()
+        for i in range(steps):
+            wl.step(i)
+        torch.cuda.synchronize()
+        wall = now() - t0
+    finally:
+        threading.setprofile_all_threads(None)
+    out = {"wall_ms_per_step": wall / steps * 1e3, "threads": {}}
+    for thread in ("main", "other"):
+        rows = sorted(((k[1], v) for k, v in own.items() if k[0] == thread), key=lambda kv: -kv[1])[:top]
+        out["threads"][thread] = [{"function": k, "own_ms_per_step": v / steps * 1e3,
+                                   "calls_per_step": calls[(thread, k)] / steps} for k, v in rows]
+        total = sum(v for k, v in own.items() if k[0] == thread) / steps * 1e3
+        print(f"  {thread} thread: {total:.1f} ms of Python own time per step (profiled wall "
+              f"{out['wall_ms_per_step']:.1f} ms/step)")
+        for r in out["threads"][thread]:
+            print(f"    {r['own_ms_per_step']:7.2f} ms  {r['calls_per_step']:6.0f}x  {r['function']}")
+    return out
+
+
 def pyprof(model: str, batch: int, stage: str, steps: int, top: int) -> str:
     wl = build_stage(model, batch, stage)
     for i in range(3):
@@ -349,7 +410,7 @@ def main() -> int:
     ap.add_argument("--stages", default="amp,apex,window,fmha")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--pyprof-stage", default="fmha")
-    ap.add_argument("--parts", default="launch,timeline,stages,pyprof")
+    ap.add_argument("--parts", default="launch,timeline,stages,threads")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -369,6 +430,8 @@ def main() -> int:
         record["stages"] = stage_table(args.model, args.batch, args.stages.split(","), args.steps)
     if "gc" in parts:
         record["gc"] = gc_table(args.model, args.batch, args.stages.split(","), args.steps)
+    if "threads" in parts:
+        record["threads"] = thread_profile(args.model, args.batch, args.pyprof_stage, 3, 25)
     if "pyprof" in parts:
         record["pyprof"] = pyprof(args.model, args.batch, args.pyprof_stage, 3, 40)
         print(record["pyprof"][:6000])
