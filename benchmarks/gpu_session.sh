@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work: correctness on the GPU, kernel benchmarks, profile, apply.
 # Usage (on the GPU machine, from the repo root): benchmarks/gpu_session.sh PART...   PART in
-#   tests | host | chain | graphs | infer | prof-fmha | window | kernels | attn | diag | benches | graph | last | quick | profile | apply-apex | apply-fmha
+#   tests | host | chain | graphs | dense | infer | prof-fmha | window | kernels | attn | diag | benches | graph | last | quick | profile | apply-apex | apply-fmha
 # Results go to $OUT (or ./gpu-out), packed into one tarball so they come back in one file.
 set -uo pipefail
 out=${OUT:-gpu-out}; mkdir -p "$out/r"
@@ -13,7 +13,7 @@ for part in "$@"; do
   echo "=== $part $(date -u +%H:%M:%S)"
   case $part in
     tests)   timeout 300 python3 -m pytest -q -p no:cacheprovider --durations=8 tests/test_window_kernels.py tests/test_window_attention.py \
-               tests/test_kernel_ops.py tests/test_layer_norm.py tests/test_pass_fused_window.py tests/test_pass_fused_attention.py \
+               tests/test_kernel_ops.py tests/test_pass_fused_linear.py tests/test_layer_norm.py tests/test_pass_fused_window.py tests/test_pass_fused_attention.py \
                tests/test_pass_fused_layernorm.py tests/test_compile_fused_passes.py 2>&1 | tail -40 ;;
     host)    timeout 240 python3 benchmarks/bench_host.py --out "$out/r/bench_host.json" 2>&1 | tail -75 ;;
     kernels) python3 benchmarks/bench_window.py --check --out "$out/r/bench_window.json" 2>&1 | tail -25
@@ -47,6 +47,9 @@ for part in "$@"; do
     graphs)  timeout 270 swinbench apply --recipe fmha --stages torch-compile-graphs,fmha-compile-graphs \
                --model swin_base_patch4_window7_224 --batch 64 --steps 20 --warmup 5 --out "$out/r/apply_graphs" 2>&1 | tail -22
              tail -4 "$out"/r/apply_graphs/logs/*.log ;;
+    dense)   timeout 120 python3 benchmarks/bench_linear.py --check --out "$out/r/bench_linear.json" 2>&1 | tail -20
+             timeout 300 swinbench apply --recipe dense --stages amp,fmha,dense,fmha-graph,dense-graph \
+               --model swin_base_patch4_window7_224 --batch 64 --out "$out/r/apply_dense" 2>&1 | tail -20 ;;
     infer)   timeout 540 swinbench apply --recipe fmha --mode infer --model swin_base_patch4_window7_224 --batch 64 \
                --out "$out/r/apply_fmha_infer" 2>&1 | tail -30 ;;
     apply-apex) swinbench apply --recipe apex --model swin_base_patch4_window7_224 --batch 64 --profile \

@@ -18,6 +18,7 @@ from workbench.precision import resolve_precision  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 PASSES = (("fused_layernorm", {"impl": "triton"}), ("fused_window", None), ("fused_attention", None))
+STACKS = {"fmha": PASSES, "dense": PASSES + (("fused_linear", None),)}
 RTOL_FP32 = 1e-4  # relative (norm) error, fp32
 
 
@@ -33,7 +34,8 @@ def rel_err(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def test_compiled_fused_passes_match_eager_and_timm_in_fp32():
+@pytest.mark.parametrize("stack", sorted(STACKS))
+def test_compiled_fused_passes_match_eager_and_timm_in_fp32(stack):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     torch.manual_seed(0)
@@ -42,7 +44,7 @@ def test_compiled_fused_passes_match_eager_and_timm_in_fp32():
     plain = build_model(TINY_MODEL, drop_path_rate=0.0).to(DEVICE)
     patched = copy.deepcopy(plain)
     ctx = PassContext(device=DEVICE, precision=resolve_precision("fp32"))
-    for name, params in PASSES:
+    for name, params in STACKS[stack]:
         patched, result = apply_pass(name, patched, ctx, params)
         assert result.available, f"{name}: {result.changed}"
     compiled_src = copy.deepcopy(patched)

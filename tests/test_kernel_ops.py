@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
 ln = importlib.import_module("workbench.kernels.layer_norm")  # noqa: E402
 win = importlib.import_module("workbench.kernels.window")  # noqa: E402
 wa = importlib.import_module("workbench.kernels.window_attention")  # noqa: E402
+lin = importlib.import_module("workbench.kernels.linear")  # noqa: E402
 from workbench.kernels._ops import OpaqueOp  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -51,6 +52,7 @@ def op_samples():
         ("window_attention_bwd", wa._window_attention_bwd_op, (q, k, v, out, lse, dout, bias, mask, d ** -0.5, True)),
         ("window_attention_qkv_bwd", wa._window_attention_qkv_bwd_op,
          (qkv, out, lse, dout, bias, None, d ** -0.5, True)),
+        ("bias_grad", lin._bias_grad_op, (rand(37, C), rand(37, C), torch.float32)),
     ]
 
 
@@ -67,7 +69,7 @@ def samples():
 
 NAMES = ["layer_norm_fwd", "add_layer_norm_fwd", "layer_norm_bwd", "roll_partition_fwd", "merge_roll_fwd",
          "norm_shift_partition_fwd", "norm_shift_partition_bwd", "window_attention_fwd", "window_attention_bwd",
-         "window_attention_qkv_bwd"]
+         "window_attention_qkv_bwd", "bias_grad"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -78,7 +80,7 @@ def test_custom_op_passes_opcheck(name):
 
 
 def test_every_swinbench_op_is_sampled():
-    ops = [o for m in (ln, win, wa) for o in vars(m).values() if isinstance(o, OpaqueOp)]
+    ops = [o for m in (ln, win, wa, lin) for o in vars(m).values() if isinstance(o, OpaqueOp)]
     assert sorted(o.op._qualname.split("::")[1] for o in ops) == sorted(NAMES)
 
 

@@ -25,8 +25,8 @@ def test_builtin_chain_order():
 
 def test_list_recipes_main_chain_then_peers():
     recipes = list_recipes()
-    assert [r.name for r in recipes] == CHAIN + PEERS
-    assert [r.peer for r in recipes] == [False] * 5 + [True] * len(PEERS)
+    assert [r.name for r in recipes] == CHAIN + ["dense"] + PEERS + ["dense-graph"]
+    assert [r.peer for r in recipes] == [False] * 6 + [True] * (len(PEERS) + 1)
 
 
 def test_effective_passes_accumulate_in_chain_order():
@@ -38,6 +38,7 @@ def test_effective_passes_accumulate_in_chain_order():
 
 def test_default_stages_peers_and_explicit_stages():
     assert [s.name for s in plan_stages("apex")] == ["baseline", "amp", "apex"]
+    assert [s.name for s in plan_stages("dense", peers=True)] == CHAIN + ["dense"] + PEERS + ["dense-graph"]
     assert [s.name for s in plan_stages("fmha-compile")] == CHAIN + ["fmha-compile"]
     assert [s.name for s in plan_stages("fmha", peers=True)] == CHAIN + PEERS
     # amp's chain only reaches amp: the torch-compile peers (extend amp) are its only peers

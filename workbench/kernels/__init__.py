@@ -4,6 +4,7 @@ Exports (usable without the CLI):
   roll_partition, merge_roll, norm_shift_partition, merge_unshift_add   (window.py)
   fused_window_attention                                                 (window_attention.py)
   layer_norm, add_layer_norm                                             (layer_norm.py)
+  linear, bias_grad                                                      (linear.py)
 Kernels run on the GPU, and on the CPU under TRITON_INTERPRET=1 (slow: for tests).
 """
 from __future__ import annotations
@@ -26,5 +27,11 @@ try:
     from .layer_norm import add_layer_norm, layer_norm
 
     __all__ += ["layer_norm", "add_layer_norm"]
+except ImportError:  # pragma: no cover
+    pass
+try:
+    from .linear import bias_grad, linear
+
+    __all__ += ["linear", "bias_grad"]
 except ImportError:  # pragma: no cover
     pass

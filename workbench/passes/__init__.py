@@ -85,6 +85,7 @@ PASS_MODULES = {
     "fused_layernorm": "fused_layernorm",
     "fused_window": "fused_window",
     "fused_attention": "fused_attention",
+    "fused_linear": "fused_linear",
     "compile": "compile",
     "cuda_graph": "cuda_graph",
 }

@@ -1,0 +1,145 @@
+"""The fused Linear backward: the bias-gradient (+ GELU backward) reduction against PyTorch on odd shapes
+and every dtype, poisoned outputs; the Function against F.linear forward and backward, with and without
+autocast; the fused_linear pass on the tiny Swin against the unpatched model, same seed."""
+import copy
+import importlib
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from workbench.models import TINY_MODEL, build_model  # noqa: E402
+from workbench.passes import PassContext, apply_pass  # noqa: E402
+from workbench.precision import resolve_precision  # noqa: E402
+
+lin = importlib.import_module("workbench.kernels.linear")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+ULP = {"fp32": 1e-6, "bf16": 2 ** -7, "fp16": 2 ** -10}
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every buffer the kernels write starts as NaN: an element they forget fails the comparison."""
+    monkeypatch.setattr(lin, "_new_output", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device))
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("rows,cols", [(1, 7), (77, 45), (300, 600), (1029, 96)])
+@pytest.mark.parametrize("gelu", [False, True])
+def test_bias_grad_matches_torch(poisoned, dtype, rows, cols, gelu):
+    dt = DTYPES[dtype]
+    g = torch.Generator(device="cpu").manual_seed(rows * 1000 + cols)
+    dy = (torch.randn(rows, cols, generator=g) * 3).to(DEVICE, dt)
+    pre = (torch.randn(rows, cols, generator=g) * 2).to(DEVICE, dt) if gelu else None
+    dpre, db = lin.bias_grad(dy, pre, torch.float32)
+    if gelu:
+        p = pre.float().requires_grad_()
+        torch.nn.functional.gelu(p).backward(dy.float())
+        ref = p.grad.to(dt)
+        # the kernel's erf and torch's may differ by one rounding of the result
+        assert (dpre.float() - ref.float()).abs().max().item() <= 4 * ULP[dtype] * ref.float().abs().max().item() + 1e-6
+        assert not dpre.isnan().any()
+    else:
+        assert dpre.data_ptr() == dy.data_ptr()           # no GELU: dy itself, no copy
+        ref = dy
+    assert db.dtype == torch.float32 and db.shape == (cols,)
+    torch.testing.assert_close(db, dpre.float().sum(0), rtol=1e-5, atol=1e-4)
+
+
+def test_bias_grad_over_leading_dims_and_rejects_mismatch():
+    dy = torch.randn(3, 5, 16, device=DEVICE)
+    dpre, db = lin.bias_grad(dy)
+    assert dpre.shape == dy.shape
+    torch.testing.assert_close(db, dy.sum((0, 1)), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="differ"):
+        lin.bias_grad(dy, torch.randn(3, 5, 15, device=DEVICE))
+
+
+@pytest.mark.parametrize("gelu", [False, True])
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_matches_f_linear_fp32(gelu, bias):
+    torch.manual_seed(0)
+    x = torch.randn(3, 11, 20, device=DEVICE, requires_grad=True)
+    w = torch.randn(33, 20, device=DEVICE, requires_grad=True)
+    b = torch.randn(33, device=DEVICE, requires_grad=True) if bias else None
+    gout = torch.randn(3, 11, 33, device=DEVICE)
+    leaves = [t for t in (x, w, b) if t is not None]
+
+    def run(fn):
+        for t in leaves:
+            t.grad = None
+        y = fn()
+        y.backward(gout)
+        return y.detach(), [t.grad.clone() for t in leaves]
+
+    y, grads = run(lambda: lin.linear(x, w, b, gelu))
+    ref = (lambda: torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b))) if gelu else \
+        (lambda: torch.nn.functional.linear(x, w, b))
+    y_ref, grads_ref = run(ref)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, grads_ref):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_under_autocast_casts_as_f_linear_does():
+    """fp32 x and parameters under bf16 autocast: the output is bf16 like F.linear's, each gradient comes
+    back in its input's dtype, and values agree with autograd's to bf16 precision."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 9, 24, device=DEVICE, requires_grad=True)
+    w = torch.randn(40, 24, device=DEVICE, requires_grad=True)
+    b = torch.randn(40, device=DEVICE, requires_grad=True)
+    gout = torch.randn(4, 9, 40, device=DEVICE)
+    outs = {}
+    for name, fn in (("fused", lambda: lin.linear(x, w, b, gelu=True)),
+                     ("torch", lambda: torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b)))):
+        x.grad = w.grad = b.grad = None
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+            y = fn()
+        y.float().backward(gout)
+        outs[name] = (y, x.grad.clone(), w.grad.clone(), b.grad.clone())
+    (y, gx, gw, gb), (y_ref, gx_ref, gw_ref, gb_ref) = outs["fused"], outs["torch"]
+    assert y.dtype == y_ref.dtype == torch.bfloat16
+    assert gx.dtype == gw.dtype == gb.dtype == torch.float32
+    assert rel(y, y_ref) < 1e-2
+    for got, want in ((gx, gx_ref), (gw, gw_ref), (gb, gb_ref)):
+        assert rel(got, want) < 2e-2
+
+
+def test_fused_linear_pass_matches_timm_in_fp32():
+    torch.manual_seed(0)
+    plain = build_model(TINY_MODEL, drop_path_rate=0.0).to(DEVICE)
+    patched = copy.deepcopy(plain)
+    ctx = PassContext(device=DEVICE, precision=resolve_precision("fp32"))
+    patched, result = apply_pass("fused_linear", patched, ctx)
+    assert result.available, result.changed
+    assert result.details["linears"] == 16 and result.details["mlps_fused"] == 4  # 4 blocks x qkv/proj/fc1/fc2
+    assert patched.state_dict().keys() == plain.state_dict().keys()
+
+    gen = torch.Generator().manual_seed(1)
+    images = torch.randn(2, 3, 56, 56, generator=gen).to(DEVICE)
+    labels = torch.randint(0, 10, (2,), generator=gen).to(DEVICE)
+    results = {}
+    for name, model in (("plain", plain), ("patched", patched)):
+        logits = model(images)
+        torch.nn.functional.cross_entropy(logits, labels).backward()
+        results[name] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    (lp, gp), (lf, gf) = results["plain"], results["patched"]
+    assert rel(lf, lp) < 1e-5
+    for n in gp:
+        assert rel(gf[n], gp[n]) < 1e-4, n
+
+
+def test_fused_linear_pass_leaves_other_mlps_on_timms_forward():
+    model = build_model(TINY_MODEL, drop_path_rate=0.0)
+    model.layers[0].blocks[0].mlp.act = torch.nn.GELU(approximate="tanh")
+    model, result = apply_pass("fused_linear", model, PassContext(device=DEVICE, precision=resolve_precision("fp32")))
+    assert result.details["mlps_fused"] == 3 and result.details["mlps_kept"] == 1
+    assert "kept on timm's forward" in result.changed
