@@ -37,7 +37,7 @@ def shipped_bwd(n_tok, C, elt, dev):
 def bwd_candidates(n_tok, C, dev):
     sms = lnk.sm_count(dev)
     block_c = 1 << (C - 1).bit_length()
-    for block_t, warps, per_sm, min_tok in itertools.product((1, 2, 4, 8), (4, 8), (3, 6), (4, 8, 16, 32)):
+    for block_t, warps, per_sm, min_tok in itertools.product((1, 2, 4, 8), (4, 8), (3, 4, 5, 6), (8, 16, 32)):
         if block_t * block_c > 4096 or block_t * block_c < 128 * warps:
             continue
         n_tiles = -(-n_tok // block_t)
