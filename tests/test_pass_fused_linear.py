@@ -61,6 +61,9 @@ def test_bias_grad_over_leading_dims_and_rejects_mismatch():
     torch.testing.assert_close(db, dy.sum((0, 1)), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="differ"):
         lin.bias_grad(dy, torch.randn(3, 5, 15, device=DEVICE))
+    empty = torch.randn(0, 16, device=DEVICE)
+    d, db = lin.bias_grad(empty, torch.randn(0, 16, device=DEVICE))
+    assert d.shape == (0, 16) and torch.equal(db, torch.zeros(16, device=DEVICE))
 
 
 @pytest.mark.parametrize("gelu", [False, True])

@@ -89,6 +89,8 @@ def bias_grad_host(dy: torch.Tensor, pre: Optional[torch.Tensor], bias_dtype: to
     """dy (M, N) contiguous, pre (M, N) like dy or None -> (dpre (M, N) in dy.dtype, or dy itself
     when pre is None; db (N,) in bias_dtype)."""
     n_rows, n_cols = dy.shape
+    if n_rows == 0:
+        return (dy.clone() if pre is not None else dy), torch.zeros(n_cols, dtype=bias_dtype, device=dy.device)
     block_m, block_n, row_programs, col_blocks, rows_per_prog = _grid(n_rows, n_cols, dy.device)
     partial = _new_output((row_programs, n_cols), torch.float32, dy.device)
     dpre = _new_output(dy.shape, dy.dtype, dy.device) if pre is not None else dy
