@@ -21,7 +21,8 @@ from .errors import UserError
 from .records import read_records
 
 COLUMNS = ["run_id", "stage", "extends", "status", "gate", "precision", "img_per_s", "step_ms", "step_iqr_ms",
-           "x_baseline", "x_previous", "peak_mem_bytes", "compile_s", "counted", "cross_run"]
+           "x_baseline", "x_previous", "peak_mem_bytes", "compile_s", "counted", "x_baseline_cross_run",
+           "x_previous_cross_run"]
 CROSS_RUN_MARK = "†"
 CROSS_RUN_NOTE = (f"{CROSS_RUN_MARK} against that stage in another run of the same model, batch and GPU (another "
                   "process, minutes apart): the run of this stage had no such stage of its own.")
@@ -43,10 +44,11 @@ def speedup_table(records: list[dict]) -> pd.DataFrame:
             "step_iqr_ms": rec.get("step_iqr_ms"), "peak_mem_bytes": rec.get("peak_mem_bytes"),
             "compile_s": rec.get("compile_s"), "counted": _counted(rec),
         })
-    df = pd.DataFrame(rows, columns=[c for c in COLUMNS if c not in ("x_baseline", "x_previous", "cross_run")])
+    df = pd.DataFrame(rows, columns=[c for c in COLUMNS if not c.startswith(("x_baseline", "x_previous"))])
     df["x_baseline"] = math.nan
     df["x_previous"] = math.nan
-    df["cross_run"] = False
+    df["x_baseline_cross_run"] = False
+    df["x_previous_cross_run"] = False
     # Speedups compare stages of one run; a stage whose run lacks the baseline (or the stage it extends)
     # is compared with that stage of another run of the same workload on the same GPU, and marked.
     workload = {rec.get("run_id"): (rec.get("model"), rec.get("batch"), rec.get("mode"),
@@ -70,10 +72,11 @@ def speedup_table(records: list[dict]) -> pd.DataFrame:
         base, cross_b = lookup(r.run_id, "baseline")
         if base:
             df.at[idx, "x_baseline"] = base / r.step_ms
+            df.at[idx, "x_baseline_cross_run"] = cross_b
         prev, cross_p = lookup(r.run_id, r.extends) if r.extends else (None, False)
         if prev:
             df.at[idx, "x_previous"] = prev / r.step_ms
-        df.at[idx, "cross_run"] = bool((base and cross_b) or (prev and cross_p))
+            df.at[idx, "x_previous_cross_run"] = cross_p
     return df[COLUMNS]
 
 
@@ -112,11 +115,10 @@ def display_rows(df: pd.DataFrame) -> list[list[str]]:
     out = []
     for _, r in df.iterrows():
         stage = r["stage"] + (f" ({r['run_id']})" if multi else "")
-        mark = CROSS_RUN_MARK if r["cross_run"] else ""
-        xb, xp = fmt_speedup(r["x_baseline"]), fmt_speedup(r["x_previous"])
+        xb = fmt_speedup(r["x_baseline"]) + (CROSS_RUN_MARK if r["x_baseline_cross_run"] else "")
+        xp = fmt_speedup(r["x_previous"]) + (CROSS_RUN_MARK if r["x_previous_cross_run"] else "")
         out.append([stage, r["precision"] or "-", fmt_rate(r["img_per_s"]), fmt_step(r["step_ms"], r["step_iqr_ms"]),
-                    xb + (mark if xb != "-" else ""), xp + (mark if xp != "-" else ""), fmt_bytes(r["peak_mem_bytes"]),
-                    gate_cell(r)])
+                    xb, xp, fmt_bytes(r["peak_mem_bytes"]), gate_cell(r)])
     return out
 
 
@@ -136,7 +138,7 @@ def render_speedup_table(records: list[dict], console) -> None:
         table.add_row(*row, style=style)
     console.print(table)
     console.print("× previous: against the stage it extends; FAIL / not available / error stages are not in the speedups.")
-    if df["cross_run"].any():
+    if (df["x_baseline_cross_run"] | df["x_previous_cross_run"]).any():
         console.print(CROSS_RUN_NOTE)
 
 
@@ -299,7 +301,7 @@ def render_report(records: list[dict], out_path_md: Path) -> Path:
     lines += [_md_table(HEADERS, display_rows(df)), "",
               "img/s = batch / median step time. × previous compares a stage with the stage it extends. "
               "Stages that fail the correctness gate, are not available or ended in an error are not in the speedups."
-              + (" " + CROSS_RUN_NOTE if df["cross_run"].any() else ""),
+              + (" " + CROSS_RUN_NOTE if (df["x_baseline_cross_run"] | df["x_previous_cross_run"]).any() else ""),
               ""]
     timing = next((r.get("timing") for r in records if r.get("timing")), None) or {}
     config = [
