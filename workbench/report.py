@@ -4,9 +4,10 @@ and Markdown share `speedup_table`), and the Markdown report a reader wants on a
 `speedup_table(records)` columns (one row per record, in stage order):
     run_id, stage, extends, status ('ok' | 'not available' | 'error'), gate ('PASS' | 'FAIL' |
     'REFERENCE' | 'SKIP'), precision, img_per_s, step_ms, step_iqr_ms, x_baseline, x_previous,
-    peak_mem_bytes, compile_s, counted (bool: in the speedups)
+    peak_mem_bytes, compile_s, counted (bool: in the speedups), x_baseline_cross_run, x_previous_cross_run
 x_baseline = baseline step time / this stage's; x_previous = the same against the stage it extends
-(for a peer such as torch-compile, that is amp). Stages that FAIL the gate, are not available or
+(for a peer such as torch-compile, that is amp). Both come from the stage's own run; when that run has
+no such stage, from another run of the same model, mode, batch and GPU, and the *_cross_run flag says so. Stages that FAIL the gate, are not available or
 ended in an error have no img/s-based speedups (NaN): a fast wrong answer is not a speedup.
 """
 from __future__ import annotations
