@@ -63,12 +63,17 @@ def test_attention_dropout_is_left_on_timm_path():
     assert "forward" not in vars(attn)
 
 
-def test_rejects_parameters():
-    ctx = PassContext(device=DEVICE, precision=resolve_precision("fp32"))
-    model, result = apply_pass("fused_attention", build_model(TINY_MODEL), ctx, {"bogus": 1})
-    assert not result.available
-    with pytest.raises(Exception):
-        fused_attention.apply(build_model(TINY_MODEL), ctx, bogus=1)
+@pytest.mark.parametrize("name", ["fused_attention", "fused_window", "fused_linear"])
+def test_kernel_passes_reject_parameters_when_the_recipe_loads(tmp_path, name):
+    """A parameter these passes do not take is a user's mistake: one clear error when the YAML loads,
+    not a stage that silently reports itself unavailable."""
+    from workbench.errors import UserError
+    from workbench.recipes import resolve_chain
+
+    path = tmp_path / "typo.yaml"
+    path.write_text(f"name: typo\nextends: fmha\npasses: [{{name: {name}, params: {{bogus: 1}}}}]\n")
+    with pytest.raises(UserError, match=f"pass '{name}' takes no parameter 'bogus'"):
+        resolve_chain(str(path))
 
 
 def features_and_table_grads(model, images, labels, autocast: bool):

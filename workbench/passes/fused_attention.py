@@ -31,10 +31,8 @@ def fused_window_attention_forward(self, x: torch.Tensor, mask: torch.Tensor | N
     return x
 
 
-def apply(model: torch.nn.Module, ctx: PassContext, **params) -> tuple[torch.nn.Module, PassResult]:
+def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, PassResult]:
     """Patch every timm WindowAttention in `model` in place -> (model, PassResult)."""
-    if params:
-        raise PassUnavailable(f"{NAME} takes no parameters, got {sorted(params)}")
     try:
         from timm.models.swin_transformer import WindowAttention
 
@@ -63,4 +61,4 @@ def apply(model: torch.nn.Module, ctx: PassContext, **params) -> tuple[torch.nn.
         "skipped_attn_dropout": skipped_dropout,
         "implementation": "workbench.kernels.window_attention.fused_window_attention_qkv (Triton)",
     }
-    return model, PassResult(NAME, dict(params), changed, details)
+    return model, PassResult(NAME, {}, changed, details)

@@ -38,10 +38,8 @@ def mlp_forward_fused(self, x: torch.Tensor) -> torch.Tensor:
     return self.fc2(linear(x, self.fc1.weight, self.fc1.bias, gelu=True))
 
 
-def apply(model: torch.nn.Module, ctx: PassContext, **params) -> tuple[torch.nn.Module, PassResult]:
+def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, PassResult]:
     """Swap the Linears of every timm SwinTransformerBlock in place -> (model, PassResult)."""
-    if params:
-        raise PassUnavailable(f"{NAME} takes no parameters, got {sorted(params)}")
     try:
         from timm.layers import Mlp
         from timm.models.swin_transformer import SwinTransformerBlock
@@ -77,4 +75,4 @@ def apply(model: torch.nn.Module, ctx: PassContext, **params) -> tuple[torch.nn.
         changed += f"; {mlps_kept} MLP kept on timm's forward (other activation, dropout or hidden norm)"
     details = {"linears": linears, "mlps_fused": mlps_fused, "mlps_kept": mlps_kept,
                "implementation": "workbench.kernels.linear (cuBLAS GEMMs + Triton bias/GELU reduction)"}
-    return model, PassResult(NAME, dict(params), changed, details)
+    return model, PassResult(NAME, {}, changed, details)

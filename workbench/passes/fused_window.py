@@ -31,7 +31,6 @@ import types
 
 import torch
 
-from ..errors import UserError
 from . import PassContext, PassResult, PassUnavailable, triton_runs_on
 
 NAME = "fused_window"
@@ -111,10 +110,8 @@ def _norm1_fusable(norm) -> bool:
     )
 
 
-def apply(model: torch.nn.Module, ctx: PassContext, **params) -> tuple[torch.nn.Module, PassResult]:
+def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, PassResult]:
     """Patch every timm SwinTransformerBlock in `model` in place -> (model, PassResult)."""
-    if params:
-        raise UserError(f"{NAME}: takes no parameters, got {', '.join(sorted(params))}")
     try:
         from timm.models.swin_transformer import SwinTransformerBlock
 
@@ -162,4 +159,4 @@ def apply(model: torch.nn.Module, ctx: PassContext, **params) -> tuple[torch.nn.
         changed += f"; {skipped} left as they were"
     details = dict(counts, blocks_total=len(blocks),
                    implementation="workbench.kernels.window (Triton): norm_shift_partition, merge_unshift_add")
-    return model, PassResult(NAME, dict(params), changed, details)
+    return model, PassResult(NAME, {}, changed, details)
