@@ -77,6 +77,12 @@ class PassUnavailable(Exception):
     """Raised by a pass whose implementation is missing here (a kernel not built yet, no GPU for it)."""
 
 
+def require_triton(device: torch.device | str) -> None:
+    """PassUnavailable unless the Triton kernels can run for `device` (see triton_runs_on)."""
+    if not triton_runs_on(device):
+        raise PassUnavailable("the Triton kernels need a CUDA GPU (or TRITON_INTERPRET=1 on the CPU)")
+
+
 # name -> module (relative to this package). Extend this when adding a pass.
 PASS_MODULES = {
     "amp": "amp",

@@ -12,7 +12,7 @@ import types
 
 import torch
 
-from . import PassContext, PassResult, PassUnavailable, triton_runs_on
+from . import PassContext, PassResult, PassUnavailable, require_triton
 
 NAME = "fused_attention"
 
@@ -39,8 +39,7 @@ def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, Pa
         from ..kernels.window_attention import fused_window_attention_qkv  # noqa: F401
     except ImportError as exc:
         raise PassUnavailable(f"fused window attention kernel not importable: {exc}") from exc
-    if not triton_runs_on(ctx.device):
-        raise PassUnavailable("the Triton kernel needs a CUDA GPU (or TRITON_INTERPRET=1 on the CPU)")
+    require_triton(ctx.device)
 
     patched, skipped_dropout = 0, 0
     for module in model.modules():

@@ -18,7 +18,7 @@ import types
 
 import torch
 
-from . import PassContext, PassResult, PassUnavailable, triton_runs_on
+from . import PassContext, PassResult, PassUnavailable, require_triton
 
 NAME = "fused_linear"
 
@@ -47,8 +47,7 @@ def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, Pa
         from ..kernels.linear import BiasGradLinear
     except ImportError as exc:
         raise PassUnavailable(f"fused linear kernel not importable: {exc}") from exc
-    if not triton_runs_on(ctx.device):
-        raise PassUnavailable("the Triton kernel needs a CUDA GPU (or TRITON_INTERPRET=1 on the CPU)")
+    require_triton(ctx.device)
 
     linears, mlps_fused, mlps_kept = 0, 0, 0
     for block in model.modules():

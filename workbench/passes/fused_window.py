@@ -31,7 +31,7 @@ import types
 
 import torch
 
-from . import PassContext, PassResult, PassUnavailable, triton_runs_on
+from . import PassContext, PassResult, PassUnavailable, require_triton
 
 NAME = "fused_window"
 
@@ -118,8 +118,7 @@ def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, Pa
         from ..kernels.window import merge_unshift_add, norm_shift_partition  # noqa: F401
     except ImportError as exc:
         raise PassUnavailable(f"fused window kernels not importable: {exc}") from exc
-    if not triton_runs_on(ctx.device):
-        raise PassUnavailable("the Triton kernels need a CUDA GPU (or TRITON_INTERPRET=1 on the CPU)")
+    require_triton(ctx.device)
 
     blocks = [m for m in model.modules() if isinstance(m, SwinTransformerBlock)]
     if not blocks:
