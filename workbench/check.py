@@ -44,7 +44,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from .errors import UserError
+from .errors import UserError, yaml_error_text
 from .records import read_records
 
 ROW_COLUMNS = ["stage", "metric", "baseline", "current", "delta_pct", "limit", "noise_band_pct", "status", "unit"]
@@ -145,10 +145,7 @@ def load_thresholds(path, *, max_regression_pct: float = DEFAULT_MAX_REGRESSION_
     except OSError as exc:
         raise UserError(f"cannot read thresholds file {path}: {exc.strerror or exc}") from None
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark else ""
-        raise UserError(f"thresholds file {path} is not valid YAML{where}: "
-                        f"{getattr(exc, 'problem', None) or exc}".replace("\n", " ")) from None
+        raise UserError(f"thresholds file {path} is not valid YAML{yaml_error_text(exc)}") from None
     if data is None:
         return th
     if not isinstance(data, dict):

@@ -7,3 +7,10 @@ class UserError(Exception):
     def __init__(self, message: str, exit_code: int = 2):
         super().__init__(message)
         self.exit_code = exit_code
+
+
+def yaml_error_text(exc: Exception) -> str:
+    """' (line N): problem' for a yaml.YAMLError, on one line, to follow 'malformed YAML' in a UserError."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f" (line {mark.line + 1})" if mark is not None else ""
+    return f"{where}: {getattr(exc, 'problem', None) or exc}".replace("\n", " ")

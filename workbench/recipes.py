@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from .errors import UserError
+from .errors import UserError, yaml_error_text
 from .passes import PASS_MODULES, get_pass
 from .precision import PRECISIONS
 
@@ -143,9 +143,7 @@ def load_recipe_file(path: Path, *, builtin: bool = False) -> Recipe:
     except OSError as exc:
         raise UserError(f"cannot read recipe {path}: {exc.strerror or exc}") from None
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark is not None else ""
-        raise _fail(path, f"malformed YAML{where}: {getattr(exc, 'problem', None) or exc}") from None
+        raise _fail(path, f"malformed YAML{yaml_error_text(exc)}") from None
     if not isinstance(raw, dict):
         raise _fail(path, "must be a YAML mapping with name, extends, description and passes")
     unknown = sorted(set(raw) - _TOP_KEYS)
