@@ -21,3 +21,34 @@ def scale_head(model, ctx):
     with torch.no_grad():
         model.head.fc.weight.mul_(1.1)
     return model, PassResult("scale_head_test", {}, "head weight x1.1 (deliberately wrong)")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64."""
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def train_step(model, x, target, autocast=None, rng_seed=None):
+    """One forward + cross-entropy + backward from cleared gradients -> (logits fp32, {name: grad fp32}).
+    autocast: a dtype to run the forward under, or None for none. rng_seed: reseed first (DropPath draws).
+    Parameter names are the module's own, also through torch.compile's wrapper."""
+    model.zero_grad(set_to_none=True)
+    if rng_seed is not None:
+        torch.manual_seed(rng_seed)
+    dev = x.device.type
+    with torch.autocast(dev, dtype=autocast) if autocast else torch.autocast(dev, enabled=False):
+        logits = model(x)
+        loss = torch.nn.functional.cross_entropy(logits.float(), target)
+    loss.backward()
+    module = getattr(model, "_orig_mod", model)  # torch.compile's wrapper prefixes parameter names
+    return logits.detach().float(), {n: p.grad.detach().float().clone() for n, p in module.named_parameters()}
+
+
+def assert_same_step(ref, fused, x, target, atol, rtol, autocast=None, rng_seed=None):
+    """The two models give the same logits and the same gradient for every parameter on one step."""
+    logits_ref, grads_ref = train_step(ref, x, target, autocast, rng_seed)
+    logits, grads = train_step(fused, x, target, autocast, rng_seed)
+    torch.testing.assert_close(logits, logits_ref, atol=atol, rtol=rtol, msg=lambda m: f"logits: {m}")
+    assert grads.keys() == grads_ref.keys()
+    for name, g_ref in grads_ref.items():
+        torch.testing.assert_close(grads[name], g_ref, atol=atol, rtol=rtol, msg=lambda m, n=name: f"grad {n}: {m}")

@@ -15,23 +15,12 @@ if not torch.cuda.is_available():
 from workbench.models import TINY_MODEL, build_model  # noqa: E402
 from workbench.passes import PassContext, apply_pass  # noqa: E402
 from workbench.precision import resolve_precision  # noqa: E402
+from pass_helpers import rel_err, train_step  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 PASSES = (("fused_layernorm", {"impl": "triton"}), ("fused_window", None), ("fused_attention", None))
 STACKS = {"fmha": PASSES, "dense": PASSES + (("fused_linear", None),)}
 RTOL_FP32 = 1e-4  # relative (norm) error, fp32
-
-
-def run_step(model, images, labels):
-    logits = model(images)
-    loss = torch.nn.functional.cross_entropy(logits, labels)
-    loss.backward()
-    module = getattr(model, "_orig_mod", model)  # torch.compile's wrapper prefixes parameter names
-    return logits.detach(), {name: p.grad.detach().clone() for name, p in module.named_parameters()}
-
-
-def rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 @pytest.mark.parametrize("stack", sorted(STACKS))
@@ -53,9 +42,9 @@ def test_compiled_fused_passes_match_eager_and_timm_in_fp32(stack):
     gen = torch.Generator().manual_seed(1)
     images = torch.randn(2, 3, 56, 56, generator=gen).to(DEVICE)
     labels = torch.randint(0, 10, (2,), generator=gen).to(DEVICE)
-    plain_logits, plain_grads = run_step(plain, images, labels)
-    eager_logits, eager_grads = run_step(patched, images, labels)
-    compiled_logits, compiled_grads = run_step(compiled, images, labels)
+    plain_logits, plain_grads = train_step(plain, images, labels)
+    eager_logits, eager_grads = train_step(patched, images, labels)
+    compiled_logits, compiled_grads = train_step(compiled, images, labels)
 
     breaks = dict(torch._dynamo.utils.counters["graph_break"])
     note = f"graph breaks: {sum(breaks.values())} {breaks}"

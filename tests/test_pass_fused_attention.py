@@ -13,19 +13,9 @@ from workbench.models import TINY_MODEL, build_model  # noqa: E402
 from workbench.passes import PassContext, apply_pass  # noqa: E402
 from workbench.passes import fused_attention  # noqa: E402
 from workbench.precision import resolve_precision  # noqa: E402
+from pass_helpers import rel_err, train_step  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def run_step(model, images, labels):
-    logits = model(images)
-    loss = torch.nn.functional.cross_entropy(logits, labels)
-    loss.backward()
-    return logits.detach(), {name: p.grad.detach().clone() for name, p in model.named_parameters()}
-
-
-def rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def test_fused_attention_pass_matches_timm_in_fp32():
@@ -42,8 +32,8 @@ def test_fused_attention_pass_matches_timm_in_fp32():
     gen = torch.Generator().manual_seed(1)
     images = torch.randn(2, 3, 56, 56, generator=gen).to(DEVICE)
     labels = torch.randint(0, 10, (2,), generator=gen).to(DEVICE)
-    plain_logits, plain_grads = run_step(plain, images, labels)
-    fused_logits, fused_grads = run_step(patched, images, labels)
+    plain_logits, plain_grads = train_step(plain, images, labels)
+    fused_logits, fused_grads = train_step(patched, images, labels)
 
     assert rel_err(fused_logits, plain_logits) < 1e-4
     assert plain_grads.keys() == fused_grads.keys()

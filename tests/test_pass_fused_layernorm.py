@@ -22,6 +22,7 @@ from workbench.models import TINY_MODEL, build_model, input_size  # noqa: E402
 from workbench.passes import PassContext, apply_pass  # noqa: E402
 from workbench.passes import fused_layernorm  # noqa: E402
 from workbench.precision import resolve_precision  # noqa: E402
+from pass_helpers import assert_same_step  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # 2 images: an odd-free but small batch; the tiny Swin has 11 LayerNorms (patch embed, 2 per block x 4,
@@ -48,30 +49,11 @@ def _inputs(model, seed=1):
     return x, target
 
 
-def _step(model, x, target, autocast=None):
-    model.zero_grad(set_to_none=True)
-    ctx = torch.autocast(DEVICE.type, dtype=autocast) if autocast else torch.autocast(DEVICE.type, enabled=False)
-    with ctx:
-        logits = model(x)
-        loss = nn.functional.cross_entropy(logits.float(), target)
-    loss.backward()
-    return logits.detach().float(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-
-
 def _assert_same_training_step(ref, fused, atol, rtol, autocast=None, train=False, rng_seed=None):
     ref.train(train)
     fused.train(train)
     x, target = _inputs(ref)
-    if rng_seed is not None:
-        torch.manual_seed(rng_seed)
-    logits_ref, grads_ref = _step(ref, x, target, autocast)
-    if rng_seed is not None:
-        torch.manual_seed(rng_seed)
-    logits, grads = _step(fused, x, target, autocast)
-    torch.testing.assert_close(logits, logits_ref, atol=atol, rtol=rtol, msg=lambda m: f"logits: {m}")
-    assert grads.keys() == grads_ref.keys()
-    for name, g_ref in grads_ref.items():
-        torch.testing.assert_close(grads[name], g_ref, atol=atol, rtol=rtol, msg=lambda m, n=name: f"grad {n}: {m}")
+    assert_same_step(ref, fused, x, target, atol, rtol, autocast, rng_seed)
 
 
 def test_triton_fused_residual_matches_unpatched_fp32():

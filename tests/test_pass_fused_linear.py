@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
 from workbench.models import TINY_MODEL, build_model  # noqa: E402
 from workbench.passes import PassContext, apply_pass  # noqa: E402
 from workbench.precision import resolve_precision  # noqa: E402
+from pass_helpers import rel_err, train_step  # noqa: E402
 
 lin = importlib.import_module("workbench.kernels.linear")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -25,10 +26,6 @@ ULP = {"fp32": 1e-6, "bf16": 2 ** -7, "fp16": 2 ** -10}
 def poisoned(monkeypatch):
     """Every buffer the kernels write starts as NaN: an element they forget fails the comparison."""
     monkeypatch.setattr(lin, "_new_output", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device))
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
@@ -111,9 +108,9 @@ def test_linear_under_autocast_casts_as_f_linear_does():
     (y, gx, gw, gb), (y_ref, gx_ref, gw_ref, gb_ref) = outs["fused"], outs["torch"]
     assert y.dtype == y_ref.dtype == torch.bfloat16
     assert gx.dtype == gw.dtype == gb.dtype == torch.float32
-    assert rel(y, y_ref) < 1e-2
+    assert rel_err(y, y_ref) < 1e-2
     for got, want in ((gx, gx_ref), (gw, gw_ref), (gb, gb_ref)):
-        assert rel(got, want) < 2e-2
+        assert rel_err(got, want) < 2e-2
 
 
 def test_fused_linear_pass_matches_timm_in_fp32():
@@ -129,15 +126,11 @@ def test_fused_linear_pass_matches_timm_in_fp32():
     gen = torch.Generator().manual_seed(1)
     images = torch.randn(2, 3, 56, 56, generator=gen).to(DEVICE)
     labels = torch.randint(0, 10, (2,), generator=gen).to(DEVICE)
-    results = {}
-    for name, model in (("plain", plain), ("patched", patched)):
-        logits = model(images)
-        torch.nn.functional.cross_entropy(logits, labels).backward()
-        results[name] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
-    (lp, gp), (lf, gf) = results["plain"], results["patched"]
-    assert rel(lf, lp) < 1e-5
+    lp, gp = train_step(plain, images, labels)
+    lf, gf = train_step(patched, images, labels)
+    assert rel_err(lf, lp) < 1e-5
     for n in gp:
-        assert rel(gf[n], gp[n]) < 1e-4, n
+        assert rel_err(gf[n], gp[n]) < 1e-4, n
 
 
 def test_fused_linear_pass_leaves_other_mlps_on_timms_forward():

@@ -11,12 +11,12 @@ if not torch.cuda.is_available():
 import copy  # noqa: E402
 
 import pytest  # noqa: E402
-from torch import nn  # noqa: E402
 
 from workbench.models import TINY_KWARGS, TINY_MODEL, build_model, input_size  # noqa: E402
 from workbench.passes import PassContext, PassUnavailable, apply_pass  # noqa: E402
 from workbench.passes import fused_window  # noqa: E402
 from workbench.precision import resolve_precision  # noqa: E402
+from pass_helpers import assert_same_step  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BATCH = 2
@@ -34,30 +34,13 @@ def _models(seed=0, model_fn=None):
     return model, copy.deepcopy(model)
 
 
-def _step(model, x, target, autocast=None, rng_seed=None):
-    model.zero_grad(set_to_none=True)
-    if rng_seed is not None:
-        torch.manual_seed(rng_seed)
-    ctx = torch.autocast(DEVICE.type, dtype=autocast) if autocast else torch.autocast(DEVICE.type, enabled=False)
-    with ctx:
-        logits = model(x)
-        loss = nn.functional.cross_entropy(logits.float(), target)
-    loss.backward()
-    return logits.detach().float(), {n: p.grad.detach().float().clone() for n, p in model.named_parameters()}
-
-
 def _assert_same_step(ref, fused, atol, rtol, autocast=None, train=False, rng_seed=None):
     ref.train(train)
     fused.train(train)
     g = torch.Generator().manual_seed(1)
     x = torch.randn((BATCH, *input_size(ref)), generator=g).to(DEVICE)
     target = torch.randint(0, 10, (BATCH,), generator=g).to(DEVICE)
-    logits_ref, grads_ref = _step(ref, x, target, autocast, rng_seed)
-    logits, grads = _step(fused, x, target, autocast, rng_seed)
-    torch.testing.assert_close(logits, logits_ref, atol=atol, rtol=rtol, msg=lambda m: f"logits: {m}")
-    assert grads.keys() == grads_ref.keys()
-    for name, g_ref in grads_ref.items():
-        torch.testing.assert_close(grads[name], g_ref, atol=atol, rtol=rtol, msg=lambda m, n=name: f"grad {n}: {m}")
+    assert_same_step(ref, fused, x, target, atol, rtol, autocast, rng_seed)
 
 
 def test_matches_unpatched_fp32():
