@@ -17,10 +17,12 @@ import torch
 class OpaqueOp:
     """`@opaque_op("swinbench::name")` on a host function: calling it runs the function directly in
     eager mode and the registered custom op while torch.compile traces. `register_fake` and `op`
-    reach the custom op (for fake implementations and torch.library.opcheck)."""
+    reach the custom op (for fake implementations and torch.library.opcheck). `eager`, when given, runs
+    instead of the op's function in eager mode: the same computation without a custom op's constraints
+    (an op may not return one of its inputs; a plain function can hand it back instead of copying)."""
 
-    def __init__(self, name: str, fn: Callable):
-        self.fn = fn
+    def __init__(self, name: str, fn: Callable, eager: Callable | None = None):
+        self.fn = eager or fn
         self.op = torch.library.custom_op(name, fn, mutates_args=())
         self.__doc__ = fn.__doc__
         self.__name__ = getattr(fn, "__name__", name)
@@ -34,5 +36,5 @@ class OpaqueOp:
         return self.fn(*args)
 
 
-def opaque_op(name: str) -> Callable[[Callable], OpaqueOp]:
-    return lambda fn: OpaqueOp(name, fn)
+def opaque_op(name: str, eager: Callable | None = None) -> Callable[[Callable], OpaqueOp]:
+    return lambda fn: OpaqueOp(name, fn, eager)

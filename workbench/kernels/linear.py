@@ -102,7 +102,7 @@ def bias_grad_host(dy: torch.Tensor, pre: Optional[torch.Tensor], bias_dtype: to
     return dpre, db
 
 
-@opaque_op("swinbench::bias_grad")
+@opaque_op("swinbench::bias_grad", eager=bias_grad_host)
 def _bias_grad_op(dy: torch.Tensor, pre: Optional[torch.Tensor], bias_dtype: torch.dtype
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     dpre, db = bias_grad_host(dy, pre, bias_dtype)
@@ -127,10 +127,7 @@ def bias_grad(dy: torch.Tensor, pre: Optional[torch.Tensor] = None, bias_dtype: 
             raise ValueError(f"bias_grad: pre {tuple(pre.shape)} and dy {tuple(dy.shape)} differ")
         pre2 = pre.reshape(-1, n)
         pre2 = pre2 if pre2.is_contiguous() else pre2.contiguous()
-    if torch.compiler.is_compiling():
-        dpre, db = _bias_grad_op(dy2, pre2, bias_dtype)
-    else:   # eager: the host function, which hands dy itself back when there is no GELU (no copy)
-        dpre, db = bias_grad_host(dy2, pre2, bias_dtype)
+    dpre, db = _bias_grad_op(dy2, pre2, bias_dtype)   # eager: bias_grad_host, which hands dy back without GELU
     return dpre.view(dy.shape), db
 
 
