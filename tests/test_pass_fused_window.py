@@ -93,11 +93,9 @@ def test_matches_unpatched_under_bf16_autocast():
 
 
 def test_composes_with_fused_layernorm_add_norm2():
-    pytest.importorskip("workbench.kernels.layer_norm")
     ref, model = _models()
     model, ln = apply_pass("fused_layernorm", model, _ctx(), {"impl": "triton", "fuse_residual": True})
-    if not ln.available:
-        pytest.skip(f"fused_layernorm unavailable: {ln.changed}")
+    assert ln.available, ln.changed   # the Triton LayerNorm runs wherever these tests run
     model, result = fused_window.apply(model, _ctx())
     assert result.details["blocks_patched"] == N_BLOCKS
     assert result.details["blocks_with_add_norm2"] == ln.details.get("fused_residual_blocks", 0)
