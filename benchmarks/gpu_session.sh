@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work: correctness on the GPU, kernel benchmarks, profile, apply.
 # Usage (on the GPU machine, from the repo root): benchmarks/gpu_session.sh PART...   PART in
-#   tests | host | chain | graphs | dense | infer | prof-fmha | window | kernels | attn | diag | benches | graph | last | quick | profile | apply-apex | apply-fmha
+#   tests | linear | threads | sweep | norms | host | chain | graphs | dense | infer | prof-fmha | window | kernels | attn | diag | benches | graph | last | quick | profile | apply-apex | apply-fmha
 # Results go to $OUT (or ./gpu-out), packed into one tarball so they come back in one file.
 set -uo pipefail
 out=${OUT:-gpu-out}; mkdir -p "$out/r"
@@ -50,6 +50,13 @@ for part in "$@"; do
     dense)   timeout 120 python3 benchmarks/bench_linear.py --check --out "$out/r/bench_linear.json" 2>&1 | tail -20
              timeout 300 swinbench apply --recipe dense --stages amp,fmha,dense,fmha-graph,dense-graph \
                --model swin_base_patch4_window7_224 --batch 64 --out "$out/r/apply_dense" 2>&1 | tail -20 ;;
+    linear)  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_pass_fused_linear.py tests/test_kernel_ops.py 2>&1 | tail -8
+             timeout 120 python3 benchmarks/bench_linear.py --check --out "$out/r/bench_linear.json" 2>&1 | tail -20 ;;
+    threads) timeout 200 python3 benchmarks/bench_host.py --parts threads,stages --stages amp,fmha --out "$out/r/bench_host_threads.json" 2>&1 | tail -70 ;;
+    norms)   timeout 70 python3 benchmarks/bench_window.py --check --out "$out/r/bench_window.json" 2>&1 | tail -22
+             timeout 60 python3 benchmarks/bench_layer_norm.py --check --out "$out/r/bench_layer_norm.json" 2>&1 | tail -22
+             timeout 100 python3 benchmarks/bench_linear.py --check --out "$out/r/bench_linear.json" 2>&1 | tail -20 ;;
+    sweep)   timeout 420 python3 benchmarks/sweep_norm_window.py --out "$out/r/sweep_norm_window.json" 2>&1 | tail -12 ;;
     infer)   timeout 540 swinbench apply --recipe fmha --mode infer --model swin_base_patch4_window7_224 --batch 64 \
                --out "$out/r/apply_fmha_infer" 2>&1 | tail -30 ;;
     apply-apex) swinbench apply --recipe apex --model swin_base_patch4_window7_224 --batch 64 --profile \

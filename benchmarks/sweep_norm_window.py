@@ -35,26 +35,31 @@ def shipped_bwd(n_tok, C, elt, dev):
 
 
 def bwd_candidates(n_tok, C, dev):
+    """Tiles of 1024-8192 elements, 4-32 per thread per tensor, 1-6 resident programs per SM (register cap
+    from the register file; none when it is above 255): the bytes in flight per SM are what the
+    latency-bound loop needs more of."""
     sms = lnk.sm_count(dev)
     block_c = 1 << (C - 1).bit_length()
-    for block_t, warps, per_sm, min_tok in itertools.product((1, 2, 4, 8), (4, 8), (3, 4, 5, 6), (8, 16, 32)):
-        if block_t * block_c > 4096 or block_t * block_c < 128 * warps:
+    for block_t, warps, per_sm in itertools.product((1, 2, 4, 8, 16, 32, 64), (4, 8, 16), (1, 2, 3, 4, 6)):
+        tile = block_t * block_c
+        if not 1024 <= tile <= 8192 or not 4 <= tile // (32 * warps) <= 32:
             continue
         n_tiles = -(-n_tok // block_t)
-        programs = max(1, min(per_sm * sms, n_tiles, -(-n_tok // min_tok)))
+        programs = max(1, min(per_sm * sms, n_tiles, -(-n_tok // 16)))
         tiles = -(-n_tiles // programs)
         regs = 65536 // (per_sm * warps * 32)
         maxnreg = min(255, regs - regs % 8)
         if maxnreg < 64:
             continue
         yield (block_t, block_c, warps, -(-n_tiles // tiles), tiles, maxnreg), dict(
-            block_t=block_t, warps=warps, per_sm=per_sm, min_tok=min_tok, programs=-(-n_tiles // tiles))
+            block_t=block_t, warps=warps, per_sm=per_sm, maxnreg=maxnreg, programs=-(-n_tiles // tiles))
 
 
 def fwd_candidates(C):
     block_c = 1 << (C - 1).bit_length()
-    for block_t, warps in itertools.product((1, 2, 4, 8), (4, 8)):
-        if block_t * block_c > 4096 or block_t * block_c < 64 * warps:
+    for block_t, warps in itertools.product((1, 2, 4, 8, 16, 32, 64), (4, 8, 16)):
+        tile = block_t * block_c
+        if tile > 8192 or tile < 64 * warps:
             continue
         yield (block_t, block_c, warps), dict(block_t=block_t, warps=warps)
 
@@ -62,7 +67,7 @@ def fwd_candidates(C):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
-    ap.add_argument("--stages", default="s2,s3,s4")
+    ap.add_argument("--stages", default="s1,s2,s3,s4")
     ap.add_argument("--replays", type=int, default=10)
     args = ap.parse_args()
     dev = torch.device("cuda")

@@ -189,9 +189,12 @@ def test_non_contiguous_input():
     _assert_close(x_leaf.grad, xr_leaf.grad, 1e-5, 1e-5, "dx")
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("fn", ["layer_norm", "add_layer_norm"])
-def test_kernels_write_every_element(monkeypatch, fn):
-    """Every buffer the kernels write (outputs, mean/rstd, dx, dweight/dbias partials) starts as NaN."""
+def test_kernels_write_every_element(monkeypatch, fn, deterministic):
+    """Every buffer the kernels write (outputs, mean/rstd, dx, and in deterministic mode the per-program
+    dweight/dbias rows) starts as NaN."""
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
 
     def nan_filled(shape, dtype, device):
         return torch.full(shape, float("nan"), dtype=dtype, device=device)

@@ -16,13 +16,14 @@ x again for the norm. add_layer_norm reads both once and writes s and y in the s
 the residual stream forward); its backward adds the gradient arriving at s to the LayerNorm's dx in the same
 kernel, so the residual's gradient costs no extra pass either.
 
-Backward: one kernel computes dx per row and, per program, partial sums of dweight/dbias over the rows it
+Backward: one kernel computes dx per row and, per program, the sums of dweight/dbias over the rows it
 owns (one wave of 2-3 programs per SM, each looping over a contiguous band of rows with the next block
-prefetched), written to a (G, C) fp32 buffer; a second small kernel (`sum_partials`) sums over G and casts
-to the parameter dtype in one launch. No atomics, so results are deterministic.
+prefetched). Each program adds its fp32 sums atomically into one zeroed (2C,) buffer (`column_sums`):
+one memset and no reduction launch. Under torch.use_deterministic_algorithms(True) each program stores
+its own row of a (G, 2C) buffer instead and `sum_partials` adds the rows in a fixed order.
 
 The autograd Functions call the host functions through torch.library custom ops (swinbench::layer_norm_fwd,
-add_layer_norm_fwd, layer_norm_bwd; sum_partials runs inside layer_norm_bwd), so torch.compile sees each as
+add_layer_norm_fwd, layer_norm_bwd), so torch.compile sees each as
 one opaque op instead of tracing into the Triton launch path.
 
 Kernels run on the GPU, and on the CPU with TRITON_INTERPRET=1 set before this module is imported (slow).
@@ -93,14 +94,14 @@ def _layer_norm_fwd_kernel(
 
 @triton.jit
 def _layer_norm_bwd_kernel(
-    DY, X, W, Mean, Rstd, DS, DX, DW_PARTIAL, DB_PARTIAL,
+    DY, X, W, Mean, Rstd, DS, DX, SUMS,
     n_rows, n_cols, rows_per_program,
-    HAS_DS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_DS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Program p owns rows [p * rows_per_program, (p + 1) * rows_per_program) (a multiple of BLOCK_M).
     dx = rstd * (w*dy - xhat * mean(xhat * w*dy) - mean(w*dy)) (+ ds, the gradient that reached x + r
-    directly). dweight/dbias partial sums over the program's rows go to row p of DW_PARTIAL/DB_PARTIAL.
+    directly). The program's dweight/dbias sums go to columns [0, C) / [C, 2C) of SUMS (emit_column_sum).
     The next block's x/dy/mean/rstd are loaded before the current block is computed (software
     prefetch: two blocks of loads in flight per program, the loop is otherwise latency bound)."""
     pid = tl.program_id(0)
@@ -153,34 +154,32 @@ def _layer_norm_bwd_kernel(
         if HAS_BIAS:
             db_acc += dy
     if HAS_WEIGHT:
-        tl.store(DW_PARTIAL + pid * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+        emit_column_sum(SUMS, pid, 2 * n_cols, cols, tl.sum(dw_acc, axis=0), col_mask, ATOMIC)
     if HAS_BIAS:
-        tl.store(DB_PARTIAL + pid * n_cols + cols, tl.sum(db_acc, axis=0), mask=col_mask)
+        emit_column_sum(SUMS, pid, 2 * n_cols, n_cols + cols, tl.sum(db_acc, axis=0), col_mask, ATOMIC)
 
 
 @triton.jit
-def _sum_partials_kernel(
-    DW_PARTIAL, DB_PARTIAL, DW, DB, n_partials, n_cols,
-    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """DW[c] = sum_p DW_PARTIAL[p, c] (and DB likewise), in fp32, stored in DW's dtype. One launch for both
-    (it replaces two `sum(0)` and two casts); programs split the columns."""
+def emit_column_sum(SUMS, pid, row_len, cols, val, mask, ATOMIC: tl.constexpr):
+    """A program's fp32 column sums `val` at columns `cols` of the buffer from `column_sums`: added
+    atomically into its single row (ATOMIC), or stored in row `pid` of the partials (deterministic)."""
+    if ATOMIC:
+        tl.atomic_add(SUMS + cols, val, mask=mask, sem="relaxed")
+    else:
+        tl.store(SUMS + pid * row_len + cols, val, mask=mask)
+
+
+@triton.jit
+def _sum_partials_kernel(PARTIAL, OUT, n_partials, n_cols, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """OUT[c] = sum_p PARTIAL[p, c] in fp32, p in increasing order per lane; programs split the columns."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
-    dw = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-    db = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
     for p0 in range(0, n_partials, BLOCK_P):
         parts = p0 + tl.arange(0, BLOCK_P)
         mask = (parts < n_partials)[:, None] & col_mask[None, :]
-        offs = parts[:, None] * n_cols + cols[None, :]
-        if HAS_WEIGHT:
-            dw += tl.load(DW_PARTIAL + offs, mask=mask, other=0.0)
-        if HAS_BIAS:
-            db += tl.load(DB_PARTIAL + offs, mask=mask, other=0.0)
-    if HAS_WEIGHT:
-        tl.store(DW + cols, tl.sum(dw, axis=0).to(DW.dtype.element_ty), mask=col_mask)
-    if HAS_BIAS:
-        tl.store(DB + cols, tl.sum(db, axis=0).to(DB.dtype.element_ty), mask=col_mask)
+        acc += tl.load(PARTIAL + parts[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
+    tl.store(OUT + cols, tl.sum(acc, axis=0), mask=col_mask)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -234,23 +233,47 @@ def _bwd_grid(n_rows: int, n_cols: int, elt: int, device: torch.device) -> tuple
     return max(1, triton.cdiv(n_rows, rows_per_program)), rows_per_program, maxnreg
 
 
-# Final reduction of the (G, C) partials: BLOCK_P partial rows x _SUM_BLOCK_N columns per step.
+# Deterministic reduction of (G, N) partials: BLOCK_P partial rows x _SUM_BLOCK_N columns per step.
 _SUM_BLOCK_P, _SUM_BLOCK_N = 32, 64
 
 
-def sum_partials(dw_partial, db_partial, dw_dtype, db_dtype):
-    """(G, C) fp32 partial sums (either may be None) -> (dw, db) of shape (C,) in dw_dtype/db_dtype,
-    with one Triton launch (instead of `sum(0)` and a cast for each)."""
-    part = dw_partial if dw_partial is not None else db_partial
-    n_partials, n_cols = part.shape
-    dw = _new_output((n_cols,), dw_dtype, part.device) if dw_partial is not None else None
-    db = _new_output((n_cols,), db_dtype, part.device) if db_partial is not None else None
+def column_sums(programs: int, n_cols: int, device: torch.device) -> tuple[torch.Tensor, bool]:
+    """(buffer, atomic) for a backward kernel whose `programs` programs each sum n_cols fp32 column
+    values over their rows (dweight/dbias, a bias gradient), written with `emit_column_sum`.
+
+    By default one zeroed (1, n_cols) row that every program adds into atomically: a memset and no
+    reduction launch (the reduction of (programs, n_cols) partials runs on only n_cols/64 programs). The order of the fp32 additions then varies from run to run, so
+    with torch.use_deterministic_algorithms(True) each program stores its own row of a (programs,
+    n_cols) buffer instead, which `finish_column_sums` adds in a fixed order."""
+    if torch.are_deterministic_algorithms_enabled():
+        return _new_output((programs, n_cols), torch.float32, device), False
+    return torch.zeros((1, n_cols), dtype=torch.float32, device=device), True
+
+
+def finish_column_sums(sums: torch.Tensor, atomic: bool) -> torch.Tensor:
+    """The (n_cols,) fp32 totals of a `column_sums` buffer after the kernel ran."""
+    return sums[0] if atomic else sum_partials(sums)
+
+
+def sum_partials(partial: torch.Tensor) -> torch.Tensor:
+    """(G, N) fp32 partial sums -> (N,) fp32 totals, each column added over G in a fixed order (one launch)."""
+    n_partials, n_cols = partial.shape
+    out = _new_output((n_cols,), torch.float32, partial.device)
     _sum_partials_kernel[(triton.cdiv(n_cols, _SUM_BLOCK_N),)](
-        part if dw_partial is None else dw_partial, part if db_partial is None else db_partial,
-        dw if dw is not None else db, db if db is not None else dw, n_partials, n_cols,
-        HAS_WEIGHT=dw_partial is not None, HAS_BIAS=db_partial is not None,
-        BLOCK_P=_SUM_BLOCK_P, BLOCK_N=_SUM_BLOCK_N, num_warps=4,
-    )
+        partial, out, n_partials, n_cols, BLOCK_P=_SUM_BLOCK_P, BLOCK_N=_SUM_BLOCK_N, num_warps=4)
+    return out
+
+
+def split_norm_grads(sums: torch.Tensor, weight, bias) -> tuple:
+    """(dweight, dbias) from a LayerNorm backward's (2C,) fp32 column sums: views when the parameter is
+    fp32 (autocast training keeps them so), cast copies otherwise; None for a missing parameter."""
+    n_cols = sums.shape[0] // 2
+    dw = sums[:n_cols] if weight is not None else None
+    db = sums[n_cols:] if bias is not None else None
+    if dw is not None and weight.dtype != torch.float32:
+        dw = dw.to(weight.dtype)
+    if db is not None and bias.dtype != torch.float32:
+        db = db.to(bias.dtype)
     return dw, db
 
 
@@ -289,37 +312,31 @@ def layer_norm_fwd(x2, residual2, weight, bias, eps: float, out_dtype: torch.dty
 
 def layer_norm_bwd(dy2, x2, weight, bias, mean, rstd, ds2, dx_dtype: torch.dtype):
     """dy2, x2 (the normalized input: x, or s = x + r), ds2 (gradient at s, or None): (M, C) contiguous.
-    -> (dx (M, C) in dx_dtype, dweight or None, dbias or None)."""
+    -> (dx (M, C) in dx_dtype, (2C,) fp32 column sums: dweight then dbias; see split_norm_grads)."""
     n_rows, n_cols = x2.shape
     device = x2.device
     dx = _new_output((n_rows, n_cols), dx_dtype, device)
     if n_rows == 0:
-        return (dx, torch.zeros_like(weight) if weight is not None else None,
-                torch.zeros_like(bias) if bias is not None else None)
+        return dx, torch.zeros(2 * n_cols, dtype=torch.float32, device=device)
     block_m, block_n, num_warps = _tile(n_cols)
     programs, rows_per_program, maxnreg = _bwd_grid(n_rows, n_cols, max(x2.element_size(), dy2.element_size()), device)
-    dw_partial = _new_output((programs, n_cols), torch.float32, device) if weight is not None else None
-    db_partial = _new_output((programs, n_cols), torch.float32, device) if bias is not None else None
+    sums, atomic = column_sums(programs, 2 * n_cols, device)
     _layer_norm_bwd_kernel[(programs,)](
         dy2, x2, weight if weight is not None else x2, mean, rstd,
-        ds2 if ds2 is not None else dy2, dx,
-        dw_partial if dw_partial is not None else dx, db_partial if db_partial is not None else dx,
+        ds2 if ds2 is not None else dy2, dx, sums,
         n_rows, n_cols, rows_per_program,
-        HAS_DS=ds2 is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+        HAS_DS=ds2 is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, ATOMIC=atomic,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, maxnreg=maxnreg,
     )
-    if weight is None and bias is None:
-        return dx, None, None
-    dw, db = sum_partials(dw_partial, db_partial, weight.dtype if weight is not None else None,
-                          bias.dtype if bias is not None else None)
-    return dx, dw, db
+    return dx, finish_column_sums(sums, atomic)
 
 
 # Custom ops make the kernels opaque to torch.compile (as in window_attention.py): Dynamo records one
 # op per host function instead of tracing into the Triton launch path (lru_cache'd tile sizes, maxnreg,
-# the interpreter, the `_new_output` test hook, sum_partials), and the fake implementations give the
+# the interpreter, the `_new_output` test hook, column_sums), and the fake implementations give the
 # output shapes and dtypes. Inputs are (M, C) rows (the autograd Functions reshape); outputs are fresh
-# contiguous tensors. A missing dweight/dbias comes back as an empty fp32 tensor (an op cannot return None).
+# contiguous tensors. dweight and dbias come back as one (2C,) fp32 tensor (two views of one buffer may
+# not both be outputs of an op); the Functions split and cast it.
 
 
 @opaque_op("swinbench::layer_norm_fwd")
@@ -354,16 +371,13 @@ def _(x2, residual2, weight, bias, eps):
 @opaque_op("swinbench::layer_norm_bwd")
 def _layer_norm_bwd_op(dy2: torch.Tensor, x2: torch.Tensor, weight: Optional[torch.Tensor],
                        bias: Optional[torch.Tensor], mean: torch.Tensor, rstd: torch.Tensor,
-                       ds2: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dx, dw, db = layer_norm_bwd(dy2, x2, weight, bias, mean, rstd, ds2, x2.dtype)
-    return (dx, dw if dw is not None else mean.new_empty(0), db if db is not None else mean.new_empty(0))
+                       ds2: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    return layer_norm_bwd(dy2, x2, weight, bias, mean, rstd, ds2, x2.dtype)
 
 
 @_layer_norm_bwd_op.register_fake
 def _(dy2, x2, weight, bias, mean, rstd, ds2):
-    return (x2.new_empty(x2.shape),
-            weight.new_empty(weight.shape) if weight is not None else mean.new_empty(0),
-            bias.new_empty(bias.shape) if bias is not None else mean.new_empty(0))
+    return x2.new_empty(x2.shape), mean.new_empty((2 * x2.shape[1],))
 
 
 class LayerNormFunction(torch.autograd.Function):
@@ -379,8 +393,9 @@ class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x2, weight, bias, mean, rstd = ctx.saved_tensors
-        dx, dw, db = _layer_norm_bwd_op(_as_rows(dy, x2.shape[1]), x2, weight, bias, mean, rstd, None)
-        return dx.view(ctx.x_shape), (dw if weight is not None else None), (db if bias is not None else None), None
+        dx, sums = _layer_norm_bwd_op(_as_rows(dy, x2.shape[1]), x2, weight, bias, mean, rstd, None)
+        dw, db = split_norm_grads(sums, weight, bias)
+        return dx.view(ctx.x_shape), dw, db, None
 
 
 class AddLayerNormFunction(torch.autograd.Function):
@@ -399,12 +414,12 @@ class AddLayerNormFunction(torch.autograd.Function):
     def backward(ctx, ds, dy):
         s2, weight, bias, mean, rstd = ctx.saved_tensors
         n_cols = s2.shape[1]
-        dsum, dw, db = _layer_norm_bwd_op(_as_rows(dy, n_cols), s2, weight, bias, mean, rstd, _as_rows(ds, n_cols))
+        dsum, sums = _layer_norm_bwd_op(_as_rows(dy, n_cols), s2, weight, bias, mean, rstd, _as_rows(ds, n_cols))
         dsum = dsum.view(ctx.x_shape)
+        dw, db = split_norm_grads(sums, weight, bias)
         x_dtype, r_dtype = ctx.dtypes
         # Like torch's add: the same gradient flows to both inputs (cast where autocast mixed dtypes).
-        return (dsum.to(x_dtype), dsum.to(r_dtype), (dw if weight is not None else None),
-                (db if bias is not None else None), None)
+        return dsum.to(x_dtype), dsum.to(r_dtype), dw, db, None
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,

@@ -9,9 +9,9 @@ to the fp32 parameter). In the H200 profile of the `fmha` stage (Swin-B, batch 6
 reductions are the largest single kernel, 13.5% of the step's GPU time, and the MLP's GELU backward,
 an elementwise pass over the same (rows, 4C) tensor just before, another 5.6%. Here one kernel reads
 the output gradient (and, for fc1, the pre-activation), writes the GELU backward's result (the
-gradient the two GEMMs then use) and accumulates the bias gradient in fp32 per program; a second
-small kernel (layer_norm.sum_partials) sums the programs' partials and casts to the bias dtype. The
-GEMMs for dx and dweight stay cuBLAS (torch.mm).
+gradient the two GEMMs then use) and accumulates the bias gradient in fp32 per program, added
+atomically into one zeroed fp32 row (layer_norm.column_sums; per-program rows summed in a fixed order
+under deterministic mode). The GEMMs for dx and dweight stay cuBLAS (torch.mm).
 
 Numerics: the GEMMs see exactly the tensors autograd would give them (dpre rounded to the activation
 dtype); the bias gradient is summed in fp32 from those same rounded values and cast once to the
@@ -31,21 +31,21 @@ import triton
 import triton.language as tl
 
 from ._ops import opaque_op
-from .layer_norm import _new_output, sm_count, sum_partials
+from .layer_norm import _new_output, column_sums, emit_column_sum, finish_column_sums, sm_count
 
 # Elements per (rows x cols) tile: 2048 over 4 warps is 16 fp32 accumulators per thread.
 _TILE_ELEMS = 2048
 _MAX_BLOCK_N = 256
 # Programs per SM: the loop has no cross-thread reduction per step, so many small programs keep enough
-# loads in flight; their (out_features,) fp32 partials stay ~1% of the gradient's bytes at Swin sizes.
+# loads in flight; each adds its (out_features,) fp32 sums into the one bias-gradient row.
 _PROGRAMS_PER_SM = 8
 _MIN_ROWS_PER_PROGRAM = 32
 
 
 @triton.jit
 def _bias_grad_kernel(
-    DY, PRE, DPRE, PARTIAL, n_rows, n_cols, rows_per_prog,
-    GELU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DY, PRE, DPRE, SUMS, n_rows, n_cols, rows_per_prog,
+    GELU: tl.constexpr, ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Program (pm, pn) sums rows [pm * rows_per_prog, +rows_per_prog) of columns [pn * BLOCK_N, +BLOCK_N).
     With GELU, the summed value is dpre = dy * gelu'(pre) rounded to DPRE's dtype, which it also stores."""
@@ -69,7 +69,7 @@ def _bias_grad_kernel(
             tl.store(DPRE + offs, d, mask=mask)
             g = d.to(tl.float32)
         acc += g
-    tl.store(PARTIAL + pid_m * n_cols + cols, tl.sum(acc, axis=0), mask=col_mask)
+    emit_column_sum(SUMS, pid_m, n_cols, cols, tl.sum(acc, axis=0), col_mask, ATOMIC)
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,14 +92,14 @@ def bias_grad_host(dy: torch.Tensor, pre: Optional[torch.Tensor], bias_dtype: to
     if n_rows == 0:
         return (dy.clone() if pre is not None else dy), torch.zeros(n_cols, dtype=bias_dtype, device=dy.device)
     block_m, block_n, row_programs, col_blocks, rows_per_prog = _grid(n_rows, n_cols, dy.device)
-    partial = _new_output((row_programs, n_cols), torch.float32, dy.device)
+    sums, atomic = column_sums(row_programs, n_cols, dy.device)
     dpre = _new_output(dy.shape, dy.dtype, dy.device) if pre is not None else dy
     _bias_grad_kernel[(row_programs, col_blocks)](
-        dy, pre if pre is not None else dy, dpre, partial, n_rows, n_cols, rows_per_prog,
-        GELU=pre is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
+        dy, pre if pre is not None else dy, dpre, sums, n_rows, n_cols, rows_per_prog,
+        GELU=pre is not None, ATOMIC=atomic, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
     )
-    _, db = sum_partials(None, partial, None, bias_dtype)
-    return dpre, db
+    db = finish_column_sums(sums, atomic)
+    return dpre, (db if bias_dtype == torch.float32 else db.to(bias_dtype))
 
 
 @opaque_op("swinbench::bias_grad", eager=bias_grad_host)

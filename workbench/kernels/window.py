@@ -16,9 +16,9 @@ so a padded token is 0, not LN(0) = bias).
 Every op is a row gather: one program handles BLOCK_T tokens of the tensor it *writes* (so
 writes are contiguous and padding is written as 0 without a separate fill), computes for each
 token the source row with integer arithmetic, and moves BLOCK_C contiguous channels per row
-(coalesced along C, masked for odd C). No atomics anywhere; LayerNorm's dweight/dbias are
-per-program partial sums (a band of tiles per program, ~2 programs per SM) reduced by one small
-Triton launch (`layer_norm.sum_partials`), which also casts to the parameter dtype.
+(coalesced along C, masked for odd C). LayerNorm's dweight/dbias are per-program sums (a band of
+tiles per program, one wave of programs) added atomically into one zeroed fp32 buffer
+(`layer_norm.column_sums`; per-program rows summed in a fixed order under deterministic mode).
 
 Backward of each op is a forward of another: d(roll_partition) = merge_roll(dout);
 d(merge_roll) = roll_partition(dout); merge_unshift_add's dshortcut is dout itself (no copy).
@@ -46,7 +46,7 @@ import triton.language as tl
 
 from ._ops import opaque_op
 
-from workbench.kernels.layer_norm import sm_count, sum_partials
+from workbench.kernels.layer_norm import column_sums, emit_column_sum, finish_column_sums, sm_count, split_norm_grads
 
 # ----------------------------------------------------------------------------------- kernels
 
@@ -175,17 +175,19 @@ def _merge_fwd_kernel(
 
 @triton.jit
 def _norm_partition_bwd_kernel(
-    dwin_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr, db_part_ptr,
+    dwin_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, sums_ptr,
     n_tokens, tiles_per_prog, C,
     H: tl.constexpr, W: tl.constexpr, n_win_h: tl.constexpr, n_win_w: tl.constexpr,
-    shift_h: tl.constexpr, shift_w: tl.constexpr, WS: tl.constexpr, SOFT_RTNE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    shift_h: tl.constexpr, shift_w: tl.constexpr, WS: tl.constexpr, SOFT_RTNE: tl.constexpr, ATOMIC: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """LayerNorm backward with the gradient gathered from window order (d of the partition).
 
     Program p owns the contiguous band of token tiles [p * tiles_per_prog, (p + 1) * tiles_per_prog).
     dweight/dbias partials are accumulated per (row-in-tile, channel) in registers across the band
     and reduced across rows once at the end (a cross-warp reduction per tile would cost two
-    shared-memory round trips per iteration); row p of dw_part/db_part gets them. The next
+    shared-memory round trips per iteration) and go to columns [0, C) / [C, 2C) of sums_ptr
+    (layer_norm.emit_column_sum). The next
     tile's dwindows/x/mean/rstd are loaded before this tile is computed (software prefetch), so
     each program keeps two tiles of loads in flight.
     """
@@ -231,8 +233,8 @@ def _norm_partition_bwd_kernel(
         tl.store(dx_ptr + x_off, _to_dtype(dx, dx_ptr.dtype.element_ty, SOFT_RTNE), mask=cur_mask)
         dw_acc += g * xhat
         db_acc += g
-    tl.store(dw_part_ptr + pid * C + c, tl.sum(dw_acc, axis=0), mask=c_mask)
-    tl.store(db_part_ptr + pid * C + c, tl.sum(db_acc, axis=0), mask=c_mask)
+    emit_column_sum(sums_ptr, pid, 2 * C, c, tl.sum(dw_acc, axis=0), c_mask, ATOMIC)
+    emit_column_sum(sums_ptr, pid, 2 * C, C + c, tl.sum(db_acc, axis=0), c_mask, ATOMIC)
 
 
 # ------------------------------------------------------------------------------ host functions
@@ -246,6 +248,7 @@ _COPY_TILE_ELEMS = 8192
 # batch 64, bf16; stage 1 is not swept): 4 warps beat 8 at every stage (forward 21.2/11.5/6.3 ->
 # 17.5/9.3/5.0 µs, backward 48.8/37.2/18.1 -> 44.6/26.3/16.0 µs, the old rule first).
 _NORM_TILE_ELEMS = 2048
+_NORM_FWD_TILE_ELEMS = 4096
 _NORM_WARPS = 4
 # Norm backward grid: 3 resident programs per SM (one wave), each a band of at least this many tokens;
 # its two (C,) fp32 partial rows should cost little next to the rows it reads and writes. 16 doubles
@@ -371,9 +374,13 @@ def norm_shift_partition_fwd(
     return out, mean, rstd
 
 
+@functools.lru_cache(maxsize=None)
 def _norm_fwd_config(C: int) -> tuple[int, int, int]:
-    """(BLOCK_T, BLOCK_C, num_warps) of the LayerNorm + shift + partition forward."""
-    return _norm_blocks(C)
+    """(BLOCK_T, BLOCK_C, num_warps) of the LayerNorm + shift + partition forward: whole rows, ~4096
+    elements (at least 2 rows) over 4 warps. The sweep's best forward at stages 2-4 were 4096-8192
+    element tiles on 4 warps (16.8 / 8.4 / 4.8 µs against 17.4 / 9.3 / 5.1 µs for 2048)."""
+    block_c = triton.next_power_of_2(C)
+    return max(2, _NORM_FWD_TILE_ELEMS // block_c), block_c, _NORM_WARPS
 
 
 @functools.lru_cache(maxsize=None)
@@ -394,7 +401,8 @@ def norm_shift_partition_bwd(
     dwindows: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
     window_size: int, shift: int, *, dx=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (dx (B, H, W, C) in x.dtype, dweight (C,) and dbias (C,) in weight.dtype). Padding rows of dwindows are ignored."""
+    """-> (dx (B, H, W, C) in x.dtype, (2C,) fp32 sums: dweight then dbias (layer_norm.split_norm_grads)).
+    Padding rows of dwindows are ignored."""
     dwindows = _contig(dwindows)
     x = _contig(x)
     B, H, W, C = x.shape
@@ -402,16 +410,14 @@ def norm_shift_partition_bwd(
     dx = _check_out(dx, (B, H, W, C), x.dtype, x.device)
     n_tok = B * H * W
     block_t, block_c, num_warps, nprog, tiles_per_prog, maxnreg = _norm_bwd_config(n_tok, C, x.element_size(), x.device)
-    dw_part = torch.empty((nprog, C), dtype=torch.float32, device=x.device)
-    db_part = torch.empty((nprog, C), dtype=torch.float32, device=x.device)
+    sums, atomic = column_sums(nprog, 2 * C, x.device)
     _norm_partition_bwd_kernel[(nprog,)](
-        dwindows, x, _contig(weight), mean, rstd, dx, dw_part, db_part,
+        dwindows, x, _contig(weight), mean, rstd, dx, sums,
         n_tok, tiles_per_prog, C,
-        H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=int(window_size), SOFT_RTNE=_SOFT_RTNE, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps,
-        maxnreg=maxnreg,
+        H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=int(window_size), SOFT_RTNE=_SOFT_RTNE,
+        ATOMIC=atomic, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps, maxnreg=maxnreg,
     )
-    dw, db = sum_partials(dw_part, db_part, weight.dtype, weight.dtype)
-    return dx, dw, db
+    return dx, finish_column_sums(sums, atomic)
 
 
 # ------------------------------------------------------------------------------- custom ops
@@ -470,13 +476,13 @@ def _(x, weight, bias, eps, window_size, shift):
 @opaque_op("swinbench::norm_shift_partition_bwd")
 def _norm_shift_partition_bwd_op(dwindows: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
                                  rstd: torch.Tensor, window_size: int, shift: int
-                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
     return norm_shift_partition_bwd(dwindows, x, weight, mean, rstd, window_size, shift)
 
 
 @_norm_shift_partition_bwd_op.register_fake
 def _(dwindows, x, weight, mean, rstd, window_size, shift):
-    return (x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape))
+    return x.new_empty(x.shape), mean.new_empty((2 * x.shape[-1],))
 
 
 # ------------------------------------------------------------------------- autograd Functions
@@ -511,15 +517,16 @@ class NormShiftPartitionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, window_size, shift):
         windows, mean, rstd = _norm_shift_partition_fwd_op(x, weight, bias, float(eps), int(window_size), int(shift))
-        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
         ctx.geom = (int(window_size), int(shift))
         return windows
 
     @staticmethod
     def backward(ctx, dwindows):
-        x, weight, mean, rstd = ctx.saved_tensors
+        x, weight, bias, mean, rstd = ctx.saved_tensors
         ws, shift = ctx.geom
-        dx, dw, db = _norm_shift_partition_bwd_op(dwindows, x, weight, mean, rstd, ws, shift)
+        dx, sums = _norm_shift_partition_bwd_op(dwindows, x, weight, mean, rstd, ws, shift)
+        dw, db = split_norm_grads(sums, weight, bias)
         return dx, dw, db, None, None, None
 
 
