@@ -57,6 +57,7 @@ for part in "$@"; do
              timeout 60 python3 benchmarks/bench_layer_norm.py --check --out "$out/r/bench_layer_norm.json" 2>&1 | tail -22
              timeout 100 python3 benchmarks/bench_linear.py --check --out "$out/r/bench_linear.json" 2>&1 | tail -20 ;;
     sweep)   timeout 420 python3 benchmarks/sweep_norm_window.py --out "$out/r/sweep_norm_window.json" 2>&1 | tail -12 ;;
+    sweepb)  timeout 420 python3 benchmarks/sweep_norm_window.py --dirs bwd --out "$out/r/sweep_norm_window_bwd.json" 2>&1 | tail -12 ;;
     infer)   timeout 540 swinbench apply --recipe fmha --mode infer --model swin_base_patch4_window7_224 --batch 64 \
                --out "$out/r/apply_fmha_infer" 2>&1 | tail -30 ;;
     apply-apex) swinbench apply --recipe apex --model swin_base_patch4_window7_224 --batch 64 --profile \

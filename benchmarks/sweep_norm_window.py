@@ -38,21 +38,22 @@ def shipped_bwd(n_tok, C, elt, dev):
 
 
 def bwd_candidates(n_tok, C, dev):
-    """Tiles of 1024-8192 elements, 4-32 per thread per tensor; each program a band of 1-64 tiles (the
-    column sums are atomic adds, so many short programs cost no partial rows); register cap from the
-    residency the band count implies, or none."""
+    """Tiles of 1024-8192 elements, 4-32 per thread per tensor; each program a band of 2-64 tiles (the
+    column sums are atomic adds, so many short programs cost no partial rows); the next tiles either
+    prefetched by hand (stages 0) or by Triton's pipeliner (stages 2-4)."""
     sms = lnk.sm_count(dev)
     block_c = 1 << (C - 1).bit_length()
-    for block_t, warps, tiles in itertools.product((1, 2, 4, 8, 16, 32, 64), (4, 8), (1, 2, 4, 8, 16, 32, 64)):
+    for block_t, warps, tiles, stages in itertools.product((1, 2, 4, 8, 16, 32, 64), (4, 8), (2, 4, 8, 16, 32, 64),
+                                                           (0, 2, 3, 4)):
         tile = block_t * block_c
-        if not 1024 <= tile <= 8192 or not 4 <= tile // (32 * warps) <= 32:
+        if not 2048 <= tile <= 4096 or not 8 <= tile // (32 * warps) <= 32:
             continue
         n_tiles = -(-n_tok // block_t)
         programs = -(-n_tiles // tiles)
-        if programs < sms // 2 or (tiles > 1 and programs > 8 * sms):
+        if programs < sms or programs > 8 * sms:
             continue
-        yield (block_t, block_c, warps, programs, tiles, None), dict(
-            block_t=block_t, warps=warps, tiles=tiles, programs=programs)
+        yield (block_t, block_c, warps, programs, tiles, None, stages), dict(
+            block_t=block_t, warps=warps, tiles=tiles, programs=programs, stages=stages)
 
 
 def fwd_candidates(C):
@@ -69,6 +70,7 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--stages", default="s1,s2,s3,s4")
     ap.add_argument("--replays", type=int, default=10)
+    ap.add_argument("--dirs", default="fwd,bwd")
     args = ap.parse_args()
     dev = torch.device("cuda")
     bf = torch.bfloat16
@@ -92,7 +94,7 @@ def main() -> int:
         bwd_fns = [lambda s=s_: win.norm_shift_partition_bwd(s[6], s[0], s[1], s[4], s[5], WS, SHIFT) for s_ in sets]
         rows = []
         try:
-            for cfg, desc in fwd_candidates(C):
+            for cfg, desc in (fwd_candidates(C) if "fwd" in args.dirs else ()):
                 win._norm_fwd_config = lambda C_, cfg=cfg: cfg
                 try:
                     o, _, _ = win.norm_shift_partition_fwd(x, w, b, 1e-5, WS, SHIFT)
@@ -103,7 +105,7 @@ def main() -> int:
                     desc["error"] = f"{type(exc).__name__}: {exc}"[:200]
                 rows.append({"dir": "fwd", **desc, "ok": ok, "us": us})
             win._norm_fwd_config = orig_fwd
-            for cfg, desc in bwd_candidates(n_tok, C, dev):
+            for cfg, desc in (bwd_candidates(n_tok, C, dev) if "bwd" in args.dirs else ()):
                 win._norm_bwd_config = lambda *a, cfg=cfg: cfg
                 try:
                     dx, sums = win.norm_shift_partition_bwd(dwin, x, w, mean, rstd, WS, SHIFT)

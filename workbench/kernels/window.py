@@ -174,12 +174,24 @@ def _merge_fwd_kernel(
 
 
 @triton.jit
+def _norm_bwd_tile(g, x, w, mean, rstd, mask, C):
+    """LayerNorm backward of one (tokens x C) tile, fp32: (dx, g * xhat, g) -- the last two summed over
+    tokens give dweight and dbias."""
+    xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+    wg = g * w[None, :]
+    c1 = tl.sum(xhat * wg, axis=1) / C
+    c2 = tl.sum(wg, axis=1) / C
+    dx = (wg - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+    return dx, g * xhat, g
+
+
+@triton.jit
 def _norm_partition_bwd_kernel(
     dwin_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, sums_ptr,
     n_tokens, tiles_per_prog, C,
     H: tl.constexpr, W: tl.constexpr, n_win_h: tl.constexpr, n_win_w: tl.constexpr,
     shift_h: tl.constexpr, shift_w: tl.constexpr, WS: tl.constexpr, SOFT_RTNE: tl.constexpr, ATOMIC: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    STAGES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """LayerNorm backward with the gradient gathered from window order (d of the partition).
 
@@ -199,24 +211,9 @@ def _norm_partition_bwd_kernel(
     db_acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
     tok_start = pid * tiles_per_prog * BLOCK_T
     tok_end = tl.minimum(tok_start + tiles_per_prog * BLOCK_T, n_tokens)
-
-    s = tok_start + tl.arange(0, BLOCK_T)
-    s_mask = s < tok_end
-    mask = s_mask[:, None] & c_mask[None, :]
-    row = _window_row_of_token(s, H, W, n_win_h, n_win_w, shift_h, shift_w, WS)
-    g_nxt = tl.load(dwin_ptr + row.to(tl.int64)[:, None] * C + c[None, :], mask=mask, other=0.0)
-    x_nxt = tl.load(x_ptr + s.to(tl.int64)[:, None] * C + c[None, :], mask=mask, other=0.0)
-    mean_nxt = tl.load(mean_ptr + s, mask=s_mask, other=0.0)
-    rstd_nxt = tl.load(rstd_ptr + s, mask=s_mask, other=0.0)
-    for _ in range(0, tiles_per_prog):
-        g = g_nxt.to(tl.float32)
-        x = x_nxt.to(tl.float32)
-        mean = mean_nxt
-        rstd = rstd_nxt
-        cur_mask = mask
-        x_off = s.to(tl.int64)[:, None] * C + c[None, :]
-        # prefetch the next tile (masked off past the band: no memory traffic)
-        s = s + BLOCK_T
+    if STAGES == 0:
+        # Manual prefetch: the next tile's loads are issued before this tile is computed.
+        s = tok_start + tl.arange(0, BLOCK_T)
         s_mask = s < tok_end
         mask = s_mask[:, None] & c_mask[None, :]
         row = _window_row_of_token(s, H, W, n_win_h, n_win_w, shift_h, shift_w, WS)
@@ -224,15 +221,43 @@ def _norm_partition_bwd_kernel(
         x_nxt = tl.load(x_ptr + s.to(tl.int64)[:, None] * C + c[None, :], mask=mask, other=0.0)
         mean_nxt = tl.load(mean_ptr + s, mask=s_mask, other=0.0)
         rstd_nxt = tl.load(rstd_ptr + s, mask=s_mask, other=0.0)
-
-        xhat = tl.where(cur_mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-        wg = g * w[None, :]
-        c1 = tl.sum(xhat * wg, axis=1) / C
-        c2 = tl.sum(wg, axis=1) / C
-        dx = (wg - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
-        tl.store(dx_ptr + x_off, _to_dtype(dx, dx_ptr.dtype.element_ty, SOFT_RTNE), mask=cur_mask)
-        dw_acc += g * xhat
-        db_acc += g
+        for _ in range(0, tiles_per_prog):
+            g = g_nxt.to(tl.float32)
+            x = x_nxt.to(tl.float32)
+            mean = mean_nxt
+            rstd = rstd_nxt
+            cur_mask = mask
+            x_off = s.to(tl.int64)[:, None] * C + c[None, :]
+            # prefetch the next tile (masked off past the band: no memory traffic)
+            s = s + BLOCK_T
+            s_mask = s < tok_end
+            mask = s_mask[:, None] & c_mask[None, :]
+            row = _window_row_of_token(s, H, W, n_win_h, n_win_w, shift_h, shift_w, WS)
+            g_nxt = tl.load(dwin_ptr + row.to(tl.int64)[:, None] * C + c[None, :], mask=mask, other=0.0)
+            x_nxt = tl.load(x_ptr + s.to(tl.int64)[:, None] * C + c[None, :], mask=mask, other=0.0)
+            mean_nxt = tl.load(mean_ptr + s, mask=s_mask, other=0.0)
+            rstd_nxt = tl.load(rstd_ptr + s, mask=s_mask, other=0.0)
+            dx, dw_t, db_t = _norm_bwd_tile(g, x, w, mean, rstd, cur_mask, C)
+            tl.store(dx_ptr + x_off, _to_dtype(dx, dx_ptr.dtype.element_ty, SOFT_RTNE), mask=cur_mask)
+            dw_acc += dw_t
+            db_acc += db_t
+    else:
+        # Loads at the top of the loop; Triton's pipeliner keeps STAGES - 1 tiles in flight
+        # (asynchronous copies through shared memory, no extra registers).
+        for t in tl.range(0, tiles_per_prog, num_stages=STAGES):
+            s = tok_start + t * BLOCK_T + tl.arange(0, BLOCK_T)
+            s_mask = s < tok_end
+            cur_mask = s_mask[:, None] & c_mask[None, :]
+            row = _window_row_of_token(s, H, W, n_win_h, n_win_w, shift_h, shift_w, WS)
+            x_off = s.to(tl.int64)[:, None] * C + c[None, :]
+            g = tl.load(dwin_ptr + row.to(tl.int64)[:, None] * C + c[None, :], mask=cur_mask, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + x_off, mask=cur_mask, other=0.0).to(tl.float32)
+            mean = tl.load(mean_ptr + s, mask=s_mask, other=0.0)
+            rstd = tl.load(rstd_ptr + s, mask=s_mask, other=0.0)
+            dx, dw_t, db_t = _norm_bwd_tile(g, x, w, mean, rstd, cur_mask, C)
+            tl.store(dx_ptr + x_off, _to_dtype(dx, dx_ptr.dtype.element_ty, SOFT_RTNE), mask=cur_mask)
+            dw_acc += dw_t
+            db_acc += db_t
     emit_column_sum(sums_ptr, pid, 2 * C, c, tl.sum(dw_acc, axis=0), c_mask, ATOMIC)
     emit_column_sum(sums_ptr, pid, 2 * C, C + c, tl.sum(db_acc, axis=0), c_mask, ATOMIC)
 
@@ -255,6 +280,7 @@ _NORM_WARPS = 4
 # the programs at stage 4 (3136 tokens) against 32, and costs nothing elsewhere.
 _NORM_BWD_MIN_TOKENS = 16
 _NORM_BWD_PER_SM = 3
+_NORM_BWD_STAGES = 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -384,9 +410,9 @@ def _norm_fwd_config(C: int) -> tuple[int, int, int]:
 
 
 @functools.lru_cache(maxsize=None)
-def _norm_bwd_config(n_tok: int, C: int, elt: int, device: torch.device) -> tuple[int, int, int, int, int, int | None]:
-    """(BLOCK_T, BLOCK_C, num_warps, programs, tiles_per_program, maxnreg) of the backward: one wave of
-    resident programs, each a contiguous band of whole tiles."""
+def _norm_bwd_config(n_tok: int, C: int, elt: int, device: torch.device) -> tuple[int, int, int, int, int, int | None, int]:
+    """(BLOCK_T, BLOCK_C, num_warps, programs, tiles_per_program, maxnreg, stages) of the backward: one wave
+    of resident programs, each a contiguous band of whole tiles; stages 0 = manual one-tile prefetch."""
     block_t, block_c, num_warps = _norm_blocks(C)
     per_sm = _NORM_BWD_PER_SM
     regs = 65536 // (per_sm * num_warps * 32)  # register file per resident program
@@ -394,7 +420,7 @@ def _norm_bwd_config(n_tok: int, C: int, elt: int, device: torch.device) -> tupl
     n_tiles = triton.cdiv(n_tok, block_t)
     programs = max(1, min(per_sm * sm_count(device), n_tiles, triton.cdiv(n_tok, _NORM_BWD_MIN_TOKENS)))
     tiles_per_prog = triton.cdiv(n_tiles, programs)
-    return block_t, block_c, num_warps, triton.cdiv(n_tiles, tiles_per_prog), tiles_per_prog, maxnreg
+    return block_t, block_c, num_warps, triton.cdiv(n_tiles, tiles_per_prog), tiles_per_prog, maxnreg, _NORM_BWD_STAGES
 
 
 def norm_shift_partition_bwd(
@@ -409,13 +435,13 @@ def norm_shift_partition_bwd(
     Hp, Wp, nwh, nww, sh, sw = _geometry(H, W, window_size, shift)
     dx = _check_out(dx, (B, H, W, C), x.dtype, x.device)
     n_tok = B * H * W
-    block_t, block_c, num_warps, nprog, tiles_per_prog, maxnreg = _norm_bwd_config(n_tok, C, x.element_size(), x.device)
+    block_t, block_c, num_warps, nprog, tiles_per_prog, maxnreg, stages = _norm_bwd_config(n_tok, C, x.element_size(), x.device)
     sums, atomic = column_sums(nprog, 2 * C, x.device)
     _norm_partition_bwd_kernel[(nprog,)](
         dwindows, x, _contig(weight), mean, rstd, dx, sums,
         n_tok, tiles_per_prog, C,
         H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=int(window_size), SOFT_RTNE=_SOFT_RTNE,
-        ATOMIC=atomic, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps, maxnreg=maxnreg,
+        ATOMIC=atomic, STAGES=stages, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps, maxnreg=maxnreg,
     )
     return dx, finish_column_sums(sums, atomic)
 
