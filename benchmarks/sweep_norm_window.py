@@ -40,11 +40,11 @@ def shipped_bwd(n_tok, C, elt, dev):
 def bwd_candidates(n_tok, C, dev):
     """Tiles of 1024-8192 elements, 4-32 per thread per tensor; each program a band of 2-64 tiles (the
     column sums are atomic adds, so many short programs cost no partial rows); the next tiles either
-    prefetched by hand (stages 0) or by Triton's pipeliner (stages 2-4)."""
+    left to Triton's pipeliner with 1-4 stages."""
     sms = lnk.sm_count(dev)
     block_c = 1 << (C - 1).bit_length()
     for block_t, warps, tiles, stages in itertools.product((1, 2, 4, 8, 16, 32, 64), (4, 8), (2, 4, 8, 16, 32, 64),
-                                                           (0, 2, 3, 4)):
+                                                           (1, 2, 3, 4)):
         tile = block_t * block_c
         if not 2048 <= tile <= 4096 or not 8 <= tile // (32 * warps) <= 32:
             continue
