@@ -14,7 +14,7 @@ for part in "$@"; do
   case $part in
     tests)   timeout 300 python3 -m pytest -q -p no:cacheprovider --durations=8 tests/test_window_kernels.py tests/test_window_attention.py \
                tests/test_kernel_ops.py tests/test_pass_fused_linear.py tests/test_layer_norm.py tests/test_pass_fused_window.py tests/test_pass_fused_attention.py \
-               tests/test_pass_fused_layernorm.py tests/test_compile_fused_passes.py 2>&1 | tail -40 ;;
+               tests/test_pass_fused_layernorm.py tests/test_compile_fused_passes.py tests/test_column_sums.py 2>&1 | tail -40 ;;
     host)    timeout 240 python3 benchmarks/bench_host.py --out "$out/r/bench_host.json" 2>&1 | tail -75 ;;
     kernels) python3 benchmarks/bench_window.py --check --out "$out/r/bench_window.json" 2>&1 | tail -25
              python3 benchmarks/bench_window_attention.py --check --out "$out/r/bench_window_attention.json" 2>&1 | tail -25
