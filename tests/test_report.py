@@ -7,7 +7,7 @@ import pytest
 
 from workbench.errors import UserError
 from workbench.records import SCHEMA, write_record
-from workbench.report import default_report_path, render_report, render_report_from_paths, speedup_table
+from workbench.report import default_report_path, display_rows, render_report, render_report_from_paths, speedup_table
 
 ENV = {"device_type": "cuda", "gpu": "NVIDIA H200", "driver": "580.1", "cuda": "12.8", "torch": "2.11.0",
        "triton": "3.5.0", "timm": "1.0.29", "python": "3.12.3", "host": "gpu1", "date": "2026-01-01T00:00:00+00:00"}
@@ -131,6 +131,22 @@ def test_slower_stage_with_less_gpu_time_is_explained_as_host_bound(tmp_path):
 
     parent = {"stage": "amp", "step_ms": 67.0, "profile": {"kernel_ms_per_step": 63.2}}
     slower = {"stage": "apex", "extends": "amp", "step_ms": 98.7, "profile": {"kernel_ms_per_step": 51.1}}
-    why = _slower_why(slower, [parent, slower])
+    why = _slower_why(slower, [parent, slower], "amp")
     assert "fell from 63.2 to 51.1 ms" in why and "host" in why and "52%" in why
-    assert "look at its passes" in _slower_why({**slower, "profile": None}, [parent, slower])
+    assert "look at its passes" in _slower_why({**slower, "profile": None}, [parent, slower], "amp")
+
+
+def test_previous_falls_back_to_the_nearest_measured_ancestor(tmp_path):
+    """`apply --stages amp,fmha`: fmha extends window, which was not measured; × previous compares it
+    with amp, its nearest measured ancestor in its recorded chain, and says so."""
+    chain = [{"name": n, "source": None, "passes": []} for n in ("baseline", "amp", "apex", "window", "fmha")]
+    recs = [dict(record(0, "amp", "baseline", 90.0), chain=chain[:2]),
+            dict(record(1, "fmha", "window", 60.0), chain=chain)]
+    df = speedup_table(recs).set_index("stage")
+    assert df.loc["fmha", "x_previous"] == pytest.approx(1.5)
+    assert df.loc["fmha", "previous_stage"] == "amp"
+    assert math.isnan(df.loc["amp", "x_previous"])          # its baseline was not measured either
+    rows = {r[0]: r for r in display_rows(speedup_table(recs))}
+    assert rows["fmha"][5] == "1.50x (vs amp)"
+    # without a stored chain there is nothing to fall back on
+    assert math.isnan(speedup_table([recs[0], record(1, "fmha", "window", 60.0)]).set_index("stage").loc["fmha", "x_previous"])

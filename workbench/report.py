@@ -4,11 +4,15 @@ and Markdown share `speedup_table`), and the Markdown report a reader wants on a
 `speedup_table(records)` columns (one row per record, in stage order):
     run_id, stage, extends, status ('ok' | 'not available' | 'error'), gate ('PASS' | 'FAIL' |
     'REFERENCE' | 'SKIP'), precision, img_per_s, step_ms, step_iqr_ms, x_baseline, x_previous,
-    peak_mem_bytes, compile_s, counted (bool: in the speedups), x_baseline_cross_run, x_previous_cross_run
+    peak_mem_bytes, compile_s, counted (bool: in the speedups), x_baseline_cross_run, x_previous_cross_run,
+    previous_stage
 x_baseline = baseline step time / this stage's; x_previous = the same against the stage it extends
-(for a peer such as torch-compile, that is amp). Both come from the stage's own run; when that run has
-no such stage, from another run of the same model, mode, batch and GPU, and the *_cross_run flag says so. Stages that FAIL the gate, are not available or
-ended in an error have no img/s-based speedups (NaN): a fast wrong answer is not a speedup.
+(for a peer such as torch-compile, that is amp), or, when that stage was not measured, against its
+nearest measured ancestor in the stage's recipe chain (`swinbench apply --stages amp,fmha` compares fmha
+with amp); previous_stage names the stage compared with. Both come from the stage's own run; when that
+run has no such stage, from another run of the same model, mode, batch and GPU, and the *_cross_run flag
+says so. Stages that FAIL the gate, are not available or ended in an error have no img/s-based speedups
+(NaN): a fast wrong answer is not a speedup.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ from .records import read_records
 
 COLUMNS = ["run_id", "stage", "extends", "status", "gate", "precision", "img_per_s", "step_ms", "step_iqr_ms",
            "x_baseline", "x_previous", "peak_mem_bytes", "compile_s", "counted", "x_baseline_cross_run",
-           "x_previous_cross_run"]
+           "x_previous_cross_run", "previous_stage"]
 CROSS_RUN_MARK = "†"
 CROSS_RUN_NOTE = (f"{CROSS_RUN_MARK} against that stage in another run of the same model, batch and GPU (another "
                   "process, minutes apart): the run of this stage had no such stage of its own.")
@@ -45,11 +49,13 @@ def speedup_table(records: list[dict]) -> pd.DataFrame:
             "step_iqr_ms": rec.get("step_iqr_ms"), "peak_mem_bytes": rec.get("peak_mem_bytes"),
             "compile_s": rec.get("compile_s"), "counted": _counted(rec),
         })
-    df = pd.DataFrame(rows, columns=[c for c in COLUMNS if not c.startswith(("x_baseline", "x_previous"))])
+    derived = ("x_baseline", "x_previous", "previous_stage")
+    df = pd.DataFrame(rows, columns=[c for c in COLUMNS if not c.startswith(derived)])
     df["x_baseline"] = math.nan
     df["x_previous"] = math.nan
     df["x_baseline_cross_run"] = False
     df["x_previous_cross_run"] = False
+    df["previous_stage"] = None
     # Speedups compare stages of one run; a stage whose run lacks the baseline (or the stage it extends)
     # is compared with that stage of another run of the same workload on the same GPU, and marked.
     workload = {rec.get("run_id"): (rec.get("model"), rec.get("batch"), rec.get("mode"),
@@ -74,11 +80,25 @@ def speedup_table(records: list[dict]) -> pd.DataFrame:
         if base:
             df.at[idx, "x_baseline"] = base / r.step_ms
             df.at[idx, "x_baseline_cross_run"] = cross_b
-        prev, cross_p = lookup(r.run_id, r.extends) if r.extends else (None, False)
-        if prev:
-            df.at[idx, "x_previous"] = prev / r.step_ms
-            df.at[idx, "x_previous_cross_run"] = cross_p
+        for ancestor in _ancestors(records[idx], r.extends):
+            prev, cross_p = lookup(r.run_id, ancestor)
+            if prev:
+                df.at[idx, "x_previous"] = prev / r.step_ms
+                df.at[idx, "x_previous_cross_run"] = cross_p
+                df.at[idx, "previous_stage"] = ancestor
+                break
     return df[COLUMNS]
+
+
+def _ancestors(rec: dict, extends: str | None) -> list[str]:
+    """The stages a record's x_previous may compare with, nearest first: the stage it extends, then that
+    stage's own chain back to the baseline (from the record's stored recipe chain)."""
+    if not extends:
+        return []
+    names = [c.get("name") for c in rec.get("chain") or [] if isinstance(c, dict)]
+    if extends in names:
+        return names[: names.index(extends) + 1][::-1]
+    return [extends]
 
 
 # ---------------------------------------------------------------- formatting helpers
@@ -118,6 +138,8 @@ def display_rows(df: pd.DataFrame) -> list[list[str]]:
         stage = r["stage"] + (f" ({r['run_id']})" if multi else "")
         xb = fmt_speedup(r["x_baseline"]) + (CROSS_RUN_MARK if r["x_baseline_cross_run"] else "")
         xp = fmt_speedup(r["x_previous"]) + (CROSS_RUN_MARK if r["x_previous_cross_run"] else "")
+        if _isnum(r["x_previous"]) and r["previous_stage"] != r["extends"]:
+            xp += f" (vs {r['previous_stage']})"
         out.append([stage, r["precision"] or "-", fmt_rate(r["img_per_s"]), fmt_step(r["step_ms"], r["step_iqr_ms"]),
                     xb, xp, fmt_bytes(r["peak_mem_bytes"]), gate_cell(r)])
     return out
@@ -138,7 +160,8 @@ def render_speedup_table(records: list[dict], console) -> None:
         style = {"FAIL": "red", "error": "red", "not available": "yellow"}.get(row[-1])
         table.add_row(*row, style=style)
     console.print(table)
-    console.print("× previous: against the stage it extends; FAIL / not available / error stages are not in the speedups.")
+    console.print("× previous: against the stage it extends (or, named, its nearest measured ancestor); "
+                  "FAIL / not available / error stages are not in the speedups.")
     if (df["x_baseline_cross_run"] | df["x_previous_cross_run"]).any():
         console.print(CROSS_RUN_NOTE)
 
@@ -234,10 +257,10 @@ def kernel_ms_per_step(rec: dict) -> float | None:
     return float(value) if _isnum(value) else None
 
 
-def _slower_why(rec: dict, records: list[dict]) -> str:
-    """Why a stage is slower than the one it extends, from what was measured: if its GPU kernel time
-    per step went down while the wall step went up, the step is host-bound (launch overhead)."""
-    parent = next((r for r in records if r["stage"] == rec.get("extends")), None)
+def _slower_why(rec: dict, records: list[dict], previous: str) -> str:
+    """Why a stage is slower than the stage it was compared with, from what was measured: if its GPU
+    kernel time per step went down while the wall step went up, the step is host-bound (launch overhead)."""
+    parent = next((r for r in records if r["stage"] == previous), None)
     mine, theirs = kernel_ms_per_step(rec), kernel_ms_per_step(parent) if parent else None
     if mine is None or theirs is None or not _isnum(rec.get("step_ms")):
         return ": look at its passes above and its kernel shares before keeping it"
@@ -264,8 +287,9 @@ def _notes(records, df: pd.DataFrame) -> list[str]:
             notes.append(f"**{rec['stage']}** FAILED the correctness gate ({(rec['gate'].get('reason'))}); "
                          "it is left out of the speedups")
         if r is not None and _isnum(r.x_previous) and r.x_previous < 1.0:
-            notes.append(f"**{rec['stage']}** is slower than **{rec.get('extends')}**, the stage it extends "
-                         f"({r.x_previous:.2f}x)" + _slower_why(rec, records))
+            how = "the stage it extends" if r.previous_stage == rec.get("extends") else "its nearest measured ancestor"
+            notes.append(f"**{rec['stage']}** is slower than **{r.previous_stage}**, {how} "
+                         f"({r.x_previous:.2f}x)" + _slower_why(rec, records, r.previous_stage))
         for n in rec.get("notes") or []:
             notes.append(f"{rec['stage']}: {n}")
         if rec.get("compile_s") is not None:
@@ -300,7 +324,8 @@ def render_report(records: list[dict], out_path_md: Path) -> Path:
         lines += ["> **CPU — not a GPU speed figure.** These numbers come from the CPU (no GPU was used): "
                   "they show the workflow and the correctness gate, not what the recipes do on a GPU.", ""]
     lines += [_md_table(HEADERS, display_rows(df)), "",
-              "img/s = batch / median step time. × previous compares a stage with the stage it extends. "
+              "img/s = batch / median step time. × previous compares a stage with the stage it extends or, where "
+              "that stage was not measured, with its nearest measured ancestor (named). "
               "Stages that fail the correctness gate, are not available or ended in an error are not in the speedups."
               + (" " + CROSS_RUN_NOTE if (df["x_baseline_cross_run"] | df["x_previous_cross_run"]).any() else ""),
               ""]
