@@ -150,3 +150,12 @@ def test_previous_falls_back_to_the_nearest_measured_ancestor(tmp_path):
     assert rows["fmha"][5] == "1.50x (vs amp)"
     # without a stored chain there is nothing to fall back on
     assert math.isnan(speedup_table([recs[0], record(1, "fmha", "window", 60.0)]).set_index("stage").loc["fmha", "x_previous"])
+
+
+def test_inference_report_says_forward_only(tmp_path):
+    recs = [dict(record(0, "amp", "baseline", 24.0), mode="infer"), dict(record(1, "fmha", "amp", 16.0), mode="infer")]
+    out = tmp_path / "report.md"
+    render_report(recs, out)
+    text = out.read_text()
+    assert "inference" in text and "One forward on the same seed" in text
+    assert "One forward + backward" not in text and "optimizer:" not in text

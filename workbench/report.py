@@ -366,11 +366,12 @@ def render_report(records: list[dict], out_path_md: Path) -> Path:
         ext = f" (extends {rec['extends']})" if rec.get("extends") else ""
         lines.append(f"- **{rec['stage']}**{ext}: {rec.get('description') or ''}")
         lines += [f"  - {t}" for t in _stage_pass_lines(rec)]
-        if rec.get("optimizer"):
+        if rec.get("optimizer") and rec.get("mode") != "infer":
             lines.append(f"  - optimizer: {rec['optimizer']}")
     lines.append("")
+    what = "One forward" if first.get("mode") == "infer" else "One forward + backward"
     lines += ["## Correctness gate", "",
-              "One forward + backward on the same seed and batch, against the fp32 baseline (relative L2 error; "
+              f"{what} on the same seed and batch, against the fp32 baseline (relative L2 error; "
               "loss: absolute difference).", "",
               _md_table(["stage", "gate", "precision", "logits rel L2", "loss diff", "worst grad rel L2", "tolerance",
                          "reason"], _gate_rows(records)), ""]
