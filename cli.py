@@ -77,7 +77,8 @@ def analyze(
     out: Annotated[Optional[Path], typer.Option(help="Folder for --format output (default: beside the trace).")] = None,
     range: Annotated[Optional[str], typer.Option("--range", help="Only kernels launched inside this NVTX range (e.g. backward, stage2.block1).")] = None,
 ):
-    """Per-kernel, per-category, per-NVTX-range GPU time shares, and GPU busy vs idle, of one trace."""
+    """Per-kernel, per-category, per-NVTX-range GPU time shares, GPU busy vs idle, and the host's CUDA API calls
+    per step (launches, synchronizing and allocating calls) of one trace."""
     from workbench.analyze import analyze_trace, render_analysis, write_analysis
 
     if name not in ("demangled", "short"):

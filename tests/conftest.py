@@ -8,3 +8,26 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("SWINBENCH_AUTOTUNE", "0")
+
+
+import lzma  # noqa: E402
+import shutil  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def unxz(tmp_path_factory):
+    """unxz(path_to_fixture.xz) -> a decompressed copy (SQLite needs a real file), made once per session."""
+    folder = tmp_path_factory.mktemp("unxz")
+    done: dict = {}
+
+    def decompress(src):
+        if src not in done:
+            dst = folder / f"{len(done)}-{src.name[:-3]}"
+            with lzma.open(src) as f, open(dst, "wb") as out:
+                shutil.copyfileobj(f, out)
+            done[src] = dst
+        return done[src]
+
+    return decompress

@@ -3,8 +3,6 @@
 the tables committed beside it, with numbers checked against SQL run here, and carry every range
 the profile command promises."""
 import json
-import lzma
-import shutil
 import sqlite3
 from pathlib import Path
 
@@ -19,11 +17,8 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "profiles" / "examples" / "sw
 
 
 @pytest.fixture(scope="module")
-def trace(tmp_path_factory):
-    path = tmp_path_factory.mktemp("example") / "trace.sqlite"
-    with lzma.open(EXAMPLE / "trace.sqlite.xz") as src, open(path, "wb") as dst:
-        shutil.copyfileobj(src, dst)
-    return path
+def trace(unxz):
+    return unxz(EXAMPLE / "trace.sqlite.xz")
 
 
 def test_run_record_says_what_ran_where():

@@ -89,7 +89,7 @@ def test_markdown_report(records, tmp_path):
     assert "CPU — not a GPU speed figure" not in text
     assert "| GPU | NVIDIA H200 |" in text and "| driver | 580.1 |" in text
     assert "## GPU kernel time by category (%)" in text
-    assert "| baseline | - | - | 50.0 | 30.0 | 20.0 |" in text
+    assert "| baseline | - | - | - | - | 50.0 | 30.0 | 20.0 |" in text
     assert (tmp_path / "report-categories.png").stat().st_size > 1000
     assert "`apex_pass`: apex changed things" in text
     assert "**window** is slower than **apex**" in text
@@ -159,3 +159,13 @@ def test_inference_report_says_forward_only(tmp_path):
     text = out.read_text()
     assert "inference" in text and "One forward on the same seed" in text
     assert "One forward + backward" not in text and "optimizer:" not in text
+
+
+def test_profiled_stage_shows_host_api_calls_per_step(records, tmp_path):
+    records[1]["profile"]["api_calls_per_step"] = {"launch": 1194.5, "synchronize": 0.25, "allocation": 29.25,
+                                                   "other": 10.0}
+    out = tmp_path / "report.md"
+    render_report(records, out)
+    text = out.read_text()
+    assert "| amp | - | - | 1,194 | 30 | 40.0 | 40.0 | 20.0 |" in text
+    assert "launches/step | sync+alloc/step" in text

@@ -1,12 +1,10 @@
 """nsys SQLite parser on the real Swin-T fixtures; expected numbers come from SQL run here, not the parser."""
 from __future__ import annotations
 
-import lzma
 import shutil
 import sqlite3
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import pytest
 
@@ -17,16 +15,9 @@ BLOCKS = {f"stage{s}.block{b}" for s, n in enumerate([2, 2, 6, 2]) for b in rang
 
 
 @pytest.fixture(scope="session")
-def fixture_sqlite(tmp_path_factory):
+def fixture_sqlite(unxz):
     """Both fixtures decompressed once per session: {'bf16': Path, 'fp32': Path}."""
-    out = tmp_path_factory.mktemp("nsys")
-    paths = {}
-    for precision in ("bf16", "fp32"):
-        path = out / f"swin_tiny_train_{precision}.sqlite"
-        with lzma.open(DATA / f"swin_tiny_train_{precision}.sqlite.xz") as src, open(path, "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        paths[precision] = path
-    return paths
+    return {p: unxz(DATA / f"swin_tiny_train_{p}.sqlite.xz") for p in ("bf16", "fp32")}
 
 
 @pytest.fixture(scope="session")

@@ -216,3 +216,67 @@ def fold_tail(table: pd.DataFrame, top: int, label_col: str, sum_cols: list[str]
             extra = None
         columns[c] = head[c].tolist() + [extra]  # `top` rows: small, built directly (no all-NA concat)
     return pd.DataFrame(columns, columns=table.columns)
+
+
+# ---------------------------------------------------------------- host: CUDA API calls
+
+API_TABLE_COLUMNS = ["call", "kind", "calls", "per_step", "total_ns", "avg_ns", "max_ns", "share_pct"]
+# What a call does to the host, by name. `synchronize` blocks the host until the GPU (or a stream or
+# event) catches up; `allocation` (cudaMalloc / cudaFree / ...) can synchronize the device as well. In a
+# steady training step either one, repeated per step, stalls the launch queue and shows as GPU idle.
+_API_KINDS = (
+    ("synchronize", ("Synchronize",)),
+    ("allocation", ("Malloc", "Free", "HostAlloc", "HostRegister")),
+    ("launch", ("LaunchKernel", "cuLaunch", "GraphLaunch")),
+    ("copy/set", ("Memcpy", "Memset")),
+)
+STEP_RANGE = r"^step\d+$"
+
+
+def api_kind(name: str) -> str:
+    """'synchronize' | 'allocation' | 'launch' | 'copy/set' | 'other' for a CUDA API call name."""
+    for kind, needles in _API_KINDS:
+        if any(n in name for n in needles):
+            return kind
+    return "other"
+
+
+def calls_in_windows(api: pd.DataFrame, windows: pd.DataFrame) -> pd.DataFrame:
+    """The API calls that start inside any [start_ns, end_ns] of `windows` (ranges), on any thread of the
+    window's process: autograd's thread makes the backward's calls inside a `step` range it never pushed."""
+    if api.empty or windows.empty:
+        return api.iloc[:0]
+    start = api["start_ns"].to_numpy("int64")
+    pid = api["pid"].to_numpy("int64")
+    keep = np.zeros(len(api), dtype=bool)
+    for w_pid, group in windows.groupby("pid", sort=False):
+        lo, hi = group["start_ns"].to_numpy("int64"), group["end_ns"].to_numpy("int64")
+        order = np.argsort(lo, kind="stable")
+        lo, hi = lo[order], np.maximum.accumulate(hi[order])
+        i = np.searchsorted(lo, start, side="right") - 1
+        inside = (i >= 0) & (start <= hi[np.clip(i, 0, None)])
+        keep |= inside & ((pid == w_pid) | (w_pid < 0) | (pid < 0))
+    return api[keep]
+
+
+def api_table(api: pd.DataFrame, steps: int | None = None) -> pd.DataFrame:
+    """One row per API call name, most host time first: kind, calls, calls per step (when `steps`),
+    total / average / longest duration and the share of all API time in the frame."""
+    if api.empty:
+        return pd.DataFrame({c: pd.Series([], dtype=object if c in ("call", "kind") else "float64")
+                             for c in API_TABLE_COLUMNS})
+    g = api.groupby("name", sort=False)["duration_ns"]
+    t = pd.DataFrame({"calls": g.size(), "total_ns": g.sum(), "max_ns": g.max()})
+    t = t.reset_index().rename(columns={"name": "call"})
+    t["kind"] = [api_kind(n) for n in t["call"]]
+    t["avg_ns"] = t["total_ns"] / t["calls"]
+    t["per_step"] = t["calls"] / steps if steps else np.nan
+    t["share_pct"] = _share(t["total_ns"].to_numpy("int64"), int(t["total_ns"].sum()))
+    t = t.sort_values(["total_ns", "call"], ascending=[False, True], kind="stable").reset_index(drop=True)
+    return t[API_TABLE_COLUMNS]
+
+
+def api_summary(table: pd.DataFrame) -> dict:
+    """{kind: calls per step} (per the whole frame when the table has no step count) from api_table."""
+    col = "per_step" if len(table) and table["per_step"].notna().all() else "calls"
+    return {str(k): float(v) for k, v in table.groupby("kind")[col].sum().items()}

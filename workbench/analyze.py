@@ -27,8 +27,10 @@ BACKENDS = {"nsys": "nsys", "kineto": "torch.profiler"}
 @dataclass
 class Analysis:
     """Frames of one analyzed trace. kernels: kernel_share_table; categories: category_share_table;
-    ranges: range_table; busy: busy_idle; backend: 'nsys' | 'torch.profiler'. trace_meta is the trace's
-    meta plus name_style, range_name, kernel_count, kernel_total_ns and memops (count, ns)."""
+    ranges: range_table; busy: busy_idle; api: api_table (host-side CUDA calls); backend: 'nsys' |
+    'torch.profiler'. trace_meta is the trace's meta plus name_style, range_name, kernel_count,
+    kernel_total_ns, memops (count, ns), api_scope, api_steps and api_unit ('step' | 'range instance' |
+    None: what api.per_step is per)."""
 
     trace_meta: dict
     kernels: pd.DataFrame
@@ -36,6 +38,7 @@ class Analysis:
     ranges: pd.DataFrame
     busy: pd.DataFrame
     backend: str
+    api: pd.DataFrame = None
 
 
 def _busy_over_instances(trace: Trace, kernels: pd.DataFrame, range_name: str) -> pd.DataFrame:
@@ -80,6 +83,8 @@ def analyze_trace(path, *, name_style: str = "demangled", range_name: str | None
             f"{len(trace.memops)} memcpy/memset activities ({meta['memops_ns'] / 1e6:.3f} ms) are not kernels: "
             "not in the kernel, category or busy figures"
         )
+    api, meta["api_scope"], meta["api_steps"] = _scoped_api(trace, range_name)
+    meta["api_unit"] = None if meta["api_steps"] is None else ("range instance" if range_name else "step")
     return Analysis(
         trace_meta=meta,
         kernels=A.kernel_share_table(kernels, NAME_STYLES[name_style]),
@@ -87,7 +92,25 @@ def analyze_trace(path, *, name_style: str = "demangled", range_name: str | None
         ranges=A.range_table(scoped),
         busy=busy,
         backend=BACKENDS.get(trace.meta.get("source"), str(trace.meta.get("source"))),
+        api=api,
     )
+
+
+def _scoped_api(trace: Trace, range_name: str | None) -> tuple[pd.DataFrame, str, int | None]:
+    """(api_table, scope, steps): the host's CUDA calls inside `range_name`'s instances when given, else
+    inside the `step{i}` ranges (per step: warm-up and the capture's setup excluded), else the whole trace."""
+    ranges = trace.ranges
+    steps = ranges[ranges["name"].str.match(A.STEP_RANGE)] if len(ranges) else ranges
+    if range_name is not None:
+        windows = ranges[ranges["name"] == range_name]
+        calls, scope = A.calls_in_windows(trace.api, windows), f"inside {len(windows)} {range_name!r} ranges"
+    elif len(steps):
+        windows = steps
+        calls, scope = A.calls_in_windows(trace.api, steps), f"inside {len(steps)} step ranges"
+    else:
+        windows, calls, scope = steps, trace.api, "whole trace"
+    n_steps = len(windows) if len(windows) else None
+    return A.api_table(calls, n_steps), scope, n_steps
 
 
 def category_shares(analysis: Analysis) -> dict[str, float]:
@@ -171,6 +194,26 @@ def render_analysis(analysis: Analysis, console: Console, top: int = 15) -> None
         t.add_row(str(row.metric), _ms(row.ns), _pct(row.pct))
     console.print(t)
 
+    if analysis.api is not None and len(analysis.api):
+        m = analysis.trace_meta
+        per = f"per {m['api_unit']}" if m.get("api_unit") else "calls"
+        api = A.fold_tail(analysis.api, min(top, 10), "call", ["calls", "per_step", "total_ns", "share_pct"], noun="names")
+        t = Table(title=f"CUDA API calls on the host ({m.get('api_scope')})", title_justify="left")
+        for col in ("call", "kind", "calls", per, "total ms", "avg µs", "max µs", "share %"):
+            t.add_column(col, justify="left" if col in ("kind", "call") else "right", no_wrap=col == "call")
+        for row in api.itertuples(index=False):
+            kind = row.kind if isinstance(row.kind, str) else ""
+            per_step = "" if row.per_step is None or math.isnan(row.per_step) else f"{row.per_step:,.1f}"
+            t.add_row(str(row.call), kind, f"{row.calls:,.0f}", per_step, _ms(row.total_ns), _us(row.avg_ns),
+                      _us(row.max_ns), _pct(row.share_pct))
+        console.print(t)
+        summary = A.api_summary(analysis.api)
+        blocking = summary.get("synchronize", 0.0) + summary.get("allocation", 0.0)
+        if blocking:
+            console.print(f"[yellow]note:[/yellow] {blocking:,.1f} synchronizing or allocating CUDA calls {per} "
+                          "(cudaStreamSynchronize, cudaMalloc, ...): each one can stall the launch queue and "
+                          "leave the GPU idle")
+
 
 # --- files -----------------------------------------------------------------------------------------------
 
@@ -179,11 +222,13 @@ def _records(df: pd.DataFrame) -> list[dict]:
 
 
 def write_analysis(analysis: Analysis, out_dir, fmt: str = "csv") -> list[Path]:
-    """csv: kernels.csv, categories.csv, ranges.csv, busy.csv; json: one analysis.json with every frame as a
-    list of records plus backend and meta. Returns the paths written."""
+    """csv: kernels.csv, categories.csv, ranges.csv, busy.csv, api.csv; json: one analysis.json with every
+    frame as a list of records plus backend and meta. Returns the paths written."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     frames = {"kernels": analysis.kernels, "categories": analysis.categories, "ranges": analysis.ranges, "busy": analysis.busy}
+    if analysis.api is not None:
+        frames["api"] = analysis.api
     if fmt == "csv":
         paths = []
         for name, df in frames.items():

@@ -302,6 +302,14 @@ def _fmt_ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
+def _api_calls(rec: dict, *kinds: str) -> str:
+    """Host CUDA calls of these kinds per step in the stage's capture ('-' when not recorded)."""
+    per_step = (rec.get("profile") or {}).get("api_calls_per_step")
+    if not per_step:
+        return "-"
+    return f"{sum(float(per_step.get(k, 0.0)) for k in kinds):,.0f}"
+
+
 def _busy(rec: dict) -> str:
     mine = kernel_ms_per_step(rec)
     if mine is None or not _isnum(rec.get("step_ms")):
@@ -348,12 +356,16 @@ def render_report(records: list[dict], out_path_md: Path) -> Path:
     if not shares.empty:
         png = plot_category_shares(shares, out_path_md.with_name(out_path_md.stem + "-categories.png"))
         by_stage = {r["stage"]: r for r in records}
-        rows = [[stage, _fmt_ms(kernel_ms_per_step(by_stage[stage])), _busy(by_stage[stage])]
+        rows = [[stage, _fmt_ms(kernel_ms_per_step(by_stage[stage])), _busy(by_stage[stage]),
+                 _api_calls(by_stage[stage], "launch"), _api_calls(by_stage[stage], "synchronize", "allocation")]
                 + [f"{v:.1f}" for v in shares.loc[stage]] for stage in shares.index]
         lines += ["## GPU kernel time by category (%)", "",
                   "Kernel ms/step: GPU kernel time per step in the stage's nsys capture; GPU busy: that over the "
-                  "measured step time. A stage far under 100% busy is bound by the host launching kernels.", "",
-                  _md_table(["stage", "kernel ms/step", "GPU busy", *shares.columns], rows), "",
+                  "measured step time. A stage far under 100% busy is bound by the host launching kernels. "
+                  "Launches / sync+alloc: host CUDA API calls per step in the capture (kernel launches; "
+                  "synchronizing and allocating calls, each of which can stall the launch queue).", "",
+                  _md_table(["stage", "kernel ms/step", "GPU busy", "launches/step", "sync+alloc/step", *shares.columns],
+                            rows), "",
                   f"![kernel-category shares per stage]({png.name})", ""]
     elif any(n.startswith("profile") for r in records for n in (r.get("notes") or [])):
         lines += ["## GPU kernel time by category", "", "Profiling was asked for but gave no GPU kernel shares "

@@ -20,6 +20,10 @@ ranges, one row per NVTX push/pop or start/end range (Kineto: user_annotation):
     0 = outermost).
 memops, one row per memcpy/memset activity (not kernels; kept apart as nsys's cuda_gpu_kern_sum does):
     start_ns, end_ns, duration_ns, kind ('memcpy' | 'memset'), bytes, device_id, stream_id, correlation_id.
+api, one row per CUDA runtime / driver API call on the host (nsys CUPTI_ACTIVITY_KIND_RUNTIME, Kineto
+cuda_runtime / cuda_driver events):
+    start_ns, end_ns, duration_ns, name (without nsys's `_v3020`-style version suffix), tid, pid,
+    correlation_id.
 """
 from __future__ import annotations
 
@@ -38,13 +42,14 @@ KERNEL_COLUMNS = [
 ]
 RANGE_COLUMNS = ["range_id", "name", "domain", "start_ns", "end_ns", "tid", "pid", "depth"]
 MEMOP_COLUMNS = ["start_ns", "end_ns", "duration_ns", "kind", "bytes", "device_id", "stream_id", "correlation_id"]
+API_COLUMNS = ["start_ns", "end_ns", "duration_ns", "name", "tid", "pid", "correlation_id"]
 
 _STR_COLUMNS = {"name", "short_name", "domain", "kind"}
 
 
 @dataclass
 class Trace:
-    """A parsed trace: kernels, ranges and memops frames (columns above) plus `meta`.
+    """A parsed trace: kernels, ranges, memops and api frames (columns above) plus `meta`.
 
     meta keys: source ('nsys' | 'kineto'), path, schema_version, export_version, span_start_ns,
     span_end_ns (first kernel start, last kernel end), notes (list of one-line str).
@@ -54,6 +59,7 @@ class Trace:
     ranges: pd.DataFrame
     meta: dict
     memops: pd.DataFrame = field(default_factory=lambda: empty_frame(MEMOP_COLUMNS))
+    api: pd.DataFrame = field(default_factory=lambda: empty_frame(API_COLUMNS))
 
 
 def empty_frame(columns: list[str]) -> pd.DataFrame:

@@ -28,7 +28,8 @@ import pandas as pd
 
 from workbench.errors import UserError
 from workbench.trace import (
-    KERNEL_COLUMNS, MEMOP_COLUMNS, RANGE_COLUMNS, Trace, empty_frame, finish_frame, kernel_span, nesting_depth,
+    API_COLUMNS, KERNEL_COLUMNS, MEMOP_COLUMNS, RANGE_COLUMNS, Trace, empty_frame, finish_frame, kernel_span,
+    nesting_depth,
 )
 
 _KERNEL = {"kernel"}
@@ -143,6 +144,18 @@ def _memops(ev: pd.DataFrame) -> pd.DataFrame:
     return finish_frame(m.sort_values("start_ns", kind="stable"), MEMOP_COLUMNS)
 
 
+def _api(ev: pd.DataFrame) -> pd.DataFrame:
+    a = ev[ev["cat_l"].isin(_RUNTIME)].copy()
+    if a.empty:
+        return empty_frame(API_COLUMNS)
+    a["name"] = a["name"].fillna("").astype(str)
+    a["tid"] = _int(a["tid"])
+    a["pid"] = _int(a["pid"])
+    a["correlation_id"] = _int(_arg(a["args"], "correlation"))
+    a["duration_ns"] = a["end_ns"] - a["start_ns"]
+    return finish_frame(a.sort_values("start_ns", kind="stable"), API_COLUMNS)
+
+
 def parse_kineto(data: dict, path: str = "") -> Trace:
     """Trace from an already-loaded Kineto JSON object (no emptiness check: a CPU-only trace has ranges
     but no kernels)."""
@@ -168,7 +181,7 @@ def parse_kineto(data: dict, path: str = "") -> Trace:
         gpus = [d.get("name") for d in data.get("deviceProperties") or [] if isinstance(d, dict)]
         if gpus:
             meta["gpus"] = gpus
-    return Trace(kernels=kernels, ranges=_ranges(ev), meta=meta, memops=_memops(ev))
+    return Trace(kernels=kernels, ranges=_ranges(ev), meta=meta, memops=_memops(ev), api=_api(ev))
 
 
 def cpu_ops_as_kernels(ev_or_data) -> pd.DataFrame:

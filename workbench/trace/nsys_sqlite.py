@@ -36,7 +36,7 @@ import pandas as pd
 
 from workbench.errors import UserError
 from workbench.trace import (
-    KERNEL_COLUMNS, MEMOP_COLUMNS, RANGE_COLUMNS, Trace, empty_frame, finish_frame, kernel_span, nesting_depth,
+    API_COLUMNS, KERNEL_COLUMNS, MEMOP_COLUMNS, RANGE_COLUMNS, Trace, empty_frame, finish_frame, kernel_span, nesting_depth,
 )
 
 # ENUM_NSYS_EVENT_TYPE ids; read from the file when it has the enum table.
@@ -202,6 +202,27 @@ def _read_ranges(db: _Db, notes: list[str]) -> pd.DataFrame:
     return finish_frame(ranges, RANGE_COLUMNS)
 
 
+_API_VERSION = re.compile(r"_v\d+$")
+
+
+def _read_api(db: _Db, lookup: pd.Series) -> pd.DataFrame:
+    """Every CUDA runtime / driver call nsys traced (CUPTI_ACTIVITY_KIND_RUNTIME), named without the
+    `_v3020`-style version suffix."""
+    tab = db.table("CUPTI_ACTIVITY_KIND_RUNTIME")
+    c = db.columns(tab) if tab else set()
+    if not tab or not {"start", "end", "nameId"} <= c:
+        return empty_frame(API_COLUMNS)
+    df = db.int_query(
+        f'SELECT r.start, r.end, COALESCE(r.nameId, -1), {_int_col("r", "globalTid", c)}, {_int_col("r", "correlationId", c)} '
+        f'FROM "{tab}" r', ["start_ns", "end_ns", "name_id", "tid", "correlation_id"])
+    df = df.sort_values("start_ns", kind="stable")
+    df["duration_ns"] = df["end_ns"] - df["start_ns"]
+    names = pd.Series(_names(lookup, df["name_id"]))
+    df["name"] = names.str.replace(_API_VERSION, "", regex=True).to_numpy(dtype=object)
+    df["pid"] = pid_of(df["tid"].to_numpy("int64"))
+    return finish_frame(df, API_COLUMNS)
+
+
 def _read_memops(db: _Db) -> pd.DataFrame:
     frames = []
     for kind, base in (("memcpy", "CUPTI_ACTIVITY_KIND_MEMCPY"), ("memset", "CUPTI_ACTIVITY_KIND_MEMSET")):
@@ -251,6 +272,7 @@ def load_sqlite(path: Path, display_path: Path | None = None) -> Trace:
                 raise UserError(f"empty trace: no GPU kernels in {shown}")
             ranges = _read_ranges(db, notes)
             memops = _read_memops(db)
+            api = _read_api(db, lookup)
             meta = _read_meta(db)
         finally:
             db.con.close()
@@ -260,7 +282,7 @@ def load_sqlite(path: Path, display_path: Path | None = None) -> Trace:
     meta.setdefault("export_version", None)
     meta.setdefault("schema_version", None)
     meta.update(source="nsys", path=str(shown), span_start_ns=span_start, span_end_ns=span_end, notes=notes)
-    return Trace(kernels=kernels, ranges=ranges, meta=meta, memops=memops)
+    return Trace(kernels=kernels, ranges=ranges, meta=meta, memops=memops, api=api)
 
 
 def load_sqlite_xz(path: Path) -> Trace:
