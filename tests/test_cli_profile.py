@@ -28,11 +28,14 @@ def test_profile_bad_input_is_one_line_and_exit_2(tmp_path):
         (["--mode", "eval", "--device", "cpu"], "unknown mode"),
         (["--backend", "nsys", "--device", "cpu", "--nsys", str(tmp_path / "x")], "nsys not found"),
         (["--format", "xml", "--device", "cpu"], "unknown format"),
+        (["--mode", "eval"], "unknown mode"),       # default device: no CPU-fallback note before the error
+        (["--batch", "0"], "--batch must be at least 1"),
     ):
         result = runner.invoke(app, ["profile", *args, "--out", str(tmp_path / "o")])
         assert result.exit_code == 2, (args, result.output)
         assert text in result.output
         assert "Traceback" not in result.output
+        assert len(result.output.strip().splitlines()) == 1, result.output
 
 
 def test_profile_with_recipe_says_what_each_pass_changed(tmp_path):

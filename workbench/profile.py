@@ -39,9 +39,7 @@ def run_profile(*, model: str | None, mode: str, batch: int, precision: str, ste
     console = console or Console()
     if steps < 1 or warmup < 0:
         raise UserError("--steps must be at least 1 and --warmup at least 0")
-    if device == "auto" and not torch.cuda.is_available():
-        console.print("[yellow]note:[/] no CUDA GPU here: running the tiny Swin on the CPU "
-                      "(timings and shares are CPU figures, not GPU ones)")
+    cpu_fallback = device == "auto" and not torch.cuda.is_available()
     device = pick_device(device)
     dev = resolve_device(device)
     config = WorkloadConfig(model=model or default_model_for(device), mode=mode, batch=batch,
@@ -51,6 +49,9 @@ def run_profile(*, model: str | None, mode: str, batch: int, precision: str, ste
         from .recipes import chain_passes
 
         chain_passes(recipe)  # validate the recipe before capturing
+    if cpu_fallback:  # said once the arguments are known to be good: a user mistake gets one line only
+        console.print("[yellow]note:[/] no CUDA GPU here: running the tiny Swin on the CPU "
+                      "(timings and shares are CPU figures, not GPU ones)")
     chosen, nsys_path, note = resolve_backend(backend, dev, nsys)
     out_dir = Path(out) if out else Path("profiles") / default_run_name(config, recipe)
     out_dir.mkdir(parents=True, exist_ok=True)
