@@ -11,6 +11,7 @@ from rich.console import Console
 from .capture import capture_nsys, capture_torch, resolve_backend
 from .errors import UserError
 from .models import check_model_name, default_model_for
+from .precision import resolve_precision
 from .workload import WorkloadConfig, pick_device, resolve_device
 
 
@@ -45,6 +46,7 @@ def run_profile(*, model: str | None, mode: str, batch: int, precision: str, ste
     config = WorkloadConfig(model=model or default_model_for(device), mode=mode, batch=batch,
                             precision=precision, device=device)
     check_model_name(config.model)  # fail fast, before any subprocess starts
+    resolve_precision(precision)
     if recipe:
         from .recipes import chain_passes
 
