@@ -217,8 +217,9 @@ def _read_api(db: _Db, lookup: pd.Series) -> pd.DataFrame:
         f'FROM "{tab}" r', ["start_ns", "end_ns", "name_id", "tid", "correlation_id"])
     df = df.sort_values("start_ns", kind="stable")
     df["duration_ns"] = df["end_ns"] - df["start_ns"]
-    names = pd.Series(_names(lookup, df["name_id"]))
-    df["name"] = names.str.replace(_API_VERSION, "", regex=True).to_numpy(dtype=object)
+    ids, which = np.unique(df["name_id"].to_numpy("int64"), return_inverse=True)  # a few dozen distinct calls
+    names = np.array([_API_VERSION.sub("", n) for n in _names(lookup, pd.Series(ids))], dtype=object)
+    df["name"] = names[which]
     df["pid"] = pid_of(df["tid"].to_numpy("int64"))
     return finish_frame(df, API_COLUMNS)
 
