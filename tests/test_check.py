@@ -6,6 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from workbench.check import check_records, load_thresholds, render_markdown, to_json
@@ -342,3 +343,38 @@ def test_precision_is_compared_per_stage(current):
     err = user_error(lambda: check_records(BASELINE, current))
     assert "stage 'amp'" in str(err) and "bf16 (baseline) vs fp16 (current)" in str(err)
     assert any("fp16" in n for n in check_records(BASELINE, current, force=True).notes)
+
+
+def _api_calls(launch: float, synchronize: float = 0.0, allocation: float = 0.0):
+    def fn(rec):
+        rec["profile"]["api_calls_per_step"] = {"launch": launch, "synchronize": synchronize,
+                                                "allocation": allocation, "other": 5.0}
+    return fn
+
+
+def test_host_calls_per_step_more_launches_or_a_new_sync_regress(tmp_path, current):
+    base = tmp_path / "base"
+    shutil.copytree(BASELINE, base)
+    edit(base, "fmha", _api_calls(1589.0))
+    edit(current, "fmha", _api_calls(1600.0))                 # +0.7%: unchanged
+    result = check_records(base, current)
+    assert row(result, "fmha", "launches_per_step")["status"] == "unchanged"
+    assert row(result, "fmha", "blocking_calls_per_step")["status"] == "unchanged"
+    assert result.exit_code == 0
+    edit(current, "fmha", _api_calls(1800.0, synchronize=1.0))   # a broken fusion and an .item() per step
+    result = check_records(base, current)
+    launches = row(result, "fmha", "launches_per_step")
+    assert launches["status"] == "REGRESSED" and launches["delta_pct"] == pytest.approx(100 * 211 / 1589)
+    assert pd.isna(launches["noise_band_pct"])                   # exact counts: no noise band
+    blocking = row(result, "fmha", "blocking_calls_per_step")
+    assert blocking["status"] == "REGRESSED" and blocking["delta_pct"] == float("inf")
+    assert result.exit_code == 1
+    assert "| fmha | launches_per_step | 1,589.0 | 1,800.0 | +13.3% |" in render_markdown(result)
+    # records without the host-call counts (older ones, unprofiled stages) get no such rows
+    assert not result.rows[result.rows["stage"] == "amp"]["metric"].isin(["launches_per_step"]).any()
+
+
+def test_host_calls_per_step_must_be_numbers(current):
+    edit(current, "fmha", lambda r: r["profile"].update(api_calls_per_step={"launch": "many"}))
+    err = user_error(lambda: check_records(BASELINE, current))
+    assert "profile.api_calls_per_step.launch" in str(err)

@@ -7,6 +7,10 @@ stages by name and checks, per stage:
     step_ms          lower is better    % change, limit in %      noise band from the step-time IQRs
     peak_mem_bytes   lower is better    % change, limit in %      no noise band (memory is exact)
     speedup          higher is better   img_per_s / img_per_s of stage 'baseline' of the same run
+    launches_per_step        lower is better  % change   host kernel launches per step in the stage's
+                             profile (profile.api_calls_per_step.launch); exact counts, no noise band
+    blocking_calls_per_step  lower is better  % change   synchronizing + allocating CUDA calls per step;
+                             from 0, any such call is an infinite % change, so REGRESSED
     share:<category> kernel category share (profile.category_share_pct), drift in percentage points
     gate             correctness gate; turning FAIL (from PASS, SKIP or REFERENCE) is a regression
 
@@ -53,7 +57,12 @@ STATUSES = ("improved", "unchanged", "noise", "REGRESSED", "only in baseline", "
 REGRESSION_STATUSES = ("REGRESSED", "FAIL gate")
 
 # metric -> +1 when higher is better, -1 when lower is better
-PCT_METRICS = {"img_per_s": +1, "step_ms": -1, "peak_mem_bytes": -1, "speedup": +1}
+PCT_METRICS = {"img_per_s": +1, "step_ms": -1, "peak_mem_bytes": -1, "speedup": +1,
+               "launches_per_step": -1, "blocking_calls_per_step": -1}
+# metrics computed from the record rather than read from a top-level key (see _load_side)
+DERIVED_KEYS = {"speedup": "_speedup", "launches_per_step": "_launches_per_step",
+                "blocking_calls_per_step": "_blocking_calls_per_step"}
+BLOCKING_KINDS = ("synchronize", "allocation")
 TIMED_METRICS = ("img_per_s", "step_ms", "speedup")
 SHARE_PREFIX = "share:"
 BASELINE_STAGE = "baseline"
@@ -239,6 +248,12 @@ def _validate(rec: dict) -> None:
             raise UserError(f"record {rec['_path']}: 'profile.category_share_pct' must map category to percent")
         for cat, pct in shares.items():
             _number(rec, pct, f"profile.category_share_pct.{cat}")
+    calls = (rec.get("profile") or {}).get("api_calls_per_step")
+    if calls is not None:
+        if not isinstance(calls, dict):
+            raise UserError(f"record {rec['_path']}: 'profile.api_calls_per_step' must map call kind to calls per step")
+        for kind, n in calls.items():
+            _number(rec, n, f"profile.api_calls_per_step.{kind}")
 
 
 def _relative_iqr(rec: dict) -> float:
@@ -269,6 +284,10 @@ def _load_side(paths, side: str, notes: list[str]) -> dict[str, dict]:
                 and rec.get("img_per_s") and base.get("img_per_s"):
             rec["_speedup"] = float(rec["img_per_s"]) / float(base["img_per_s"])
             rec["_speedup_rel_iqr"] = _relative_iqr(rec) + _relative_iqr(base)
+    for rec in records:
+        calls = (rec.get("profile") or {}).get("api_calls_per_step") if rec["status"] == "ok" else None
+        rec["_launches_per_step"] = float(calls.get("launch", 0.0)) if calls else None
+        rec["_blocking_calls_per_step"] = sum(float(calls.get(k, 0.0)) for k in BLOCKING_KINDS) if calls else None
     by_stage: dict[str, list[dict]] = {}
     for rec in records:
         by_stage.setdefault(str(rec["stage"]), []).append(rec)
@@ -341,7 +360,7 @@ def _row(stage, metric, base, cur, delta, limit, band, status, unit="%") -> dict
 
 
 def _pct_row(stage: str, metric: str, b: dict, c: dict, th: Thresholds) -> dict | None:
-    key = "_speedup" if metric == "speedup" else metric
+    key = DERIVED_KEYS.get(metric, metric)
     bv, cv = b.get(key), c.get(key)
     limit = th.limit(stage, metric)
     if bv is None and cv is None:
@@ -501,6 +520,8 @@ def _fmt_value(metric: str, value) -> str:
         return f"{value / 2**30:.2f} GiB"
     if metric == "speedup":
         return f"{value:.2f}×"
+    if metric.endswith("_per_step"):
+        return f"{value:,.1f}"
     if metric.startswith(SHARE_PREFIX):
         return f"{value:.1f}%"
     return str(value)
