@@ -236,16 +236,17 @@ def _norm_partition_bwd_kernel(
 # Elements one data-movement program moves per tensor (16 KB in bf16, 32 KB in fp32): fewer, fatter
 # programs than 4096 (8 KB) amortize the per-token index math and the block scheduling.
 _COPY_TILE_ELEMS = 8192
-# LayerNorm kernels hold whole rows: ~2048 elements per tile over 4 warps. The launch configuration
-# of both LayerNorm kernels comes from benchmarks/sweep_norm_window.py on the H200 (Swin-B stages 2-4,
-# batch 64, bf16; stage 1 is not swept): 4 warps beat 8 at every stage (forward 21.2/11.5/6.3 ->
-# 17.5/9.3/5.0 µs, backward 48.8/37.2/18.1 -> 44.6/26.3/16.0 µs, the old rule first).
+# LayerNorm kernels hold whole rows over 4 warps: ~2048 elements per backward tile, ~4096 per forward
+# tile. The launch configuration of both comes from benchmarks/sweep_norm_window.py on the H200 (Swin-B
+# stages 1-4, batch 64, bf16; raw sweeps in benchmarks/results/sweep_norm_window*_h200.json): 4 warps
+# beat 8 and 16 at every stage, the forward is fastest on 4096-8192 element tiles, and no backward tile
+# size, band length, residency or pipelining depth beat the shipped one by more than about 1 µs.
 _NORM_TILE_ELEMS = 2048
 _NORM_FWD_TILE_ELEMS = 4096
 _NORM_WARPS = 4
-# Norm backward grid: 3 resident programs per SM (one wave), each a band of at least this many tokens;
-# its two (C,) fp32 partial rows should cost little next to the rows it reads and writes. 16 doubles
-# the programs at stage 4 (3136 tokens) against 32, and costs nothing elsewhere.
+# Norm backward grid: 3 resident programs per SM (one wave), each a band of at least this many tokens
+# (fewer, longer bands mean fewer atomic adds of the (2C,) column sums). 16 doubles the programs at
+# stage 4 (3136 tokens) against 32, and costs nothing elsewhere.
 _NORM_BWD_MIN_TOKENS = 16
 _NORM_BWD_PER_SM = 3
 _NORM_BWD_STAGES = 3
@@ -267,8 +268,8 @@ def _copy_blocks(C: int) -> tuple[int, int, int]:
 
 @functools.lru_cache(maxsize=None)
 def _norm_blocks(C: int) -> tuple[int, int, int]:
-    """(BLOCK_T, BLOCK_C, num_warps) for the LayerNorm kernels: one program holds whole rows,
-    ~2048 elements (at least 2 rows) over 4 warps; 8 warps where two rows are wider than that
+    """(BLOCK_T, BLOCK_C, num_warps) for the LayerNorm backward tiles: whole rows, ~2048 elements (at
+    least 2 rows) over 4 warps; 8 warps where two rows are wider than that
     (C > 1024: Swin-L's 1536), so that a thread's share of the backward's tiles stays in registers."""
     block_c = triton.next_power_of_2(C)
     block_t = max(2, _NORM_TILE_ELEMS // block_c)
