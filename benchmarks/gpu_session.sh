@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work: correctness on the GPU, kernel benchmarks, profile, apply.
 # Usage (on the GPU machine, from the repo root): benchmarks/gpu_session.sh PART...   PART in
-#   tests | linear | threads | sweep | sweepb | norms | dense-apply | scale | infer-quick | prof-api | host | chain | graphs | dense | infer | prof-fmha | window | kernels | attn | diag | benches | graph | last | quick | profile | apply-apex | apply-fmha
+#   tests | linear | threads | sweep | sweepb | norms | dense-apply | scale | infer-quick | prof-api | block | host | chain | graphs | dense | infer | prof-fmha | window | kernels | attn | diag | benches | graph | last | quick | profile | apply-apex | apply-fmha
 # Results go to $OUT (or ./gpu-out), packed into one tarball so they come back in one file.
 set -uo pipefail
 out=${OUT:-gpu-out}; mkdir -p "$out/r"
@@ -70,6 +70,9 @@ for part in "$@"; do
                --batch 64 --steps 6 --warmup 3 --out "$out/r/apply_prof_api" 2>&1 | tail -12
              grep -A8 "kernel time by category" "$out"/r/apply_prof_api/report.md | head -12
              find "$out/r" -name 'api.csv' | head -3 ;;
+    block)   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_pass_fused_block.py tests/test_column_sums.py 2>&1 | tail -4
+             timeout 330 swinbench apply --recipe block --stages amp,dense,block,dense-graph,block-graph \
+               --model swin_base_patch4_window7_224 --batch 64 --out "$out/r/apply_block" 2>&1 | tail -20 ;;
     infer)   timeout 540 swinbench apply --recipe fmha --mode infer --model swin_base_patch4_window7_224 --batch 64 \
                --out "$out/r/apply_fmha_infer" 2>&1 | tail -30 ;;
     apply-apex) swinbench apply --recipe apex --model swin_base_patch4_window7_224 --batch 64 --profile \

@@ -62,3 +62,21 @@ def test_deterministic_mode_is_read_at_call_time(monkeypatch):
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: calls.append(1) or False)
     buf, atomic = ln.column_sums(5, 8, torch.device(DEVICE))
     assert calls and atomic and buf.shape == (1, 8) and not buf.any()
+
+
+def test_sums_into_a_shared_zeroed_buffer(monkeypatch):
+    """A caller with several reductions zeroes one buffer and hands each its slice; the results are the
+    same as with a fresh buffer each, and land in the slices. Deterministic mode ignores the slices."""
+    dy, pre = _rand((300, 70), 9, torch.bfloat16), _rand((300, 70), 10, torch.bfloat16)
+    ref = lin.bias_grad_host(dy, pre, torch.float32)[1]
+    shared = torch.zeros(3 * 70, device=DEVICE)
+    first, second, third = shared.split(70)
+    got = lin.bias_grad_host(dy, pre, torch.float32, sums_into=second)[1]
+    assert got.data_ptr() == second.data_ptr()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
+    assert not first.any() and not third.any()
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    fresh = torch.zeros(70, device=DEVICE)
+    det = lin.bias_grad_host(dy, pre, torch.float32, sums_into=fresh)[1]
+    assert not fresh.any() and det.data_ptr() != fresh.data_ptr()
+    torch.testing.assert_close(det, ref, rtol=1e-5, atol=1e-4)

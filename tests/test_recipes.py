@@ -25,8 +25,8 @@ def test_builtin_chain_order():
 
 def test_list_recipes_main_chain_then_peers():
     recipes = list_recipes()
-    assert [r.name for r in recipes] == CHAIN + ["dense"] + PEERS + ["dense-graph"]
-    assert [r.peer for r in recipes] == [False] * 6 + [True] * (len(PEERS) + 1)
+    assert [r.name for r in recipes] == CHAIN + ["dense", "block"] + PEERS + ["dense-graph", "block-graph"]
+    assert [r.peer for r in recipes] == [False] * 7 + [True] * (len(PEERS) + 2)
 
 
 def test_effective_passes_accumulate_in_chain_order():

@@ -237,16 +237,21 @@ def _bwd_grid(n_rows: int, n_cols: int, elt: int, device: torch.device) -> tuple
 _SUM_BLOCK_P, _SUM_BLOCK_N = 32, 64
 
 
-def column_sums(programs: int, n_cols: int, device: torch.device) -> tuple[torch.Tensor, bool]:
+def column_sums(programs: int, n_cols: int, device: torch.device,
+                into: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
     """(buffer, atomic) for a backward kernel whose `programs` programs each sum n_cols fp32 column
     values over their rows (dweight/dbias, a bias gradient), written with `emit_column_sum`.
 
     By default one zeroed (1, n_cols) row that every program adds into atomically: a memset and no
     reduction launch (the reduction of (programs, n_cols) partials runs on only n_cols/64 programs). The order of the fp32 additions then varies from run to run, so
     with torch.use_deterministic_algorithms(True) each program stores its own row of a (programs,
-    n_cols) buffer instead, which `finish_column_sums` adds in a fixed order."""
+    n_cols) buffer instead, which `finish_column_sums` adds in a fixed order. `into`: a zeroed contiguous
+    fp32 tensor of n_cols elements to add into instead of a fresh one (a caller with several reductions
+    zeroes one buffer for all of them: one memset instead of several); ignored in deterministic mode."""
     if torch.are_deterministic_algorithms_enabled():
         return _new_output((programs, n_cols), torch.float32, device), False
+    if into is not None:
+        return into.view(1, n_cols), True
     return torch.zeros((1, n_cols), dtype=torch.float32, device=device), True
 
 
@@ -290,12 +295,13 @@ def _check(x: torch.Tensor, weight, bias) -> int:
     return n_cols
 
 
-def layer_norm_fwd(x2, residual2, weight, bias, eps: float, out_dtype: torch.dtype):
-    """x2 (and residual2): (M, C) contiguous -> (s or None, y, mean, rstd). s is x2 + residual2 in out_dtype."""
+def layer_norm_fwd(x2, residual2, weight, bias, eps: float, out_dtype: torch.dtype, y_dtype: torch.dtype | None = None):
+    """x2 (and residual2): (M, C) contiguous -> (s or None, y, mean, rstd). s is x2 + residual2 in out_dtype;
+    y is in y_dtype (default out_dtype: the next layer's input can come out already in its compute dtype)."""
     n_rows, n_cols = x2.shape
     block_m, block_n, num_warps = _tile(n_cols)
     device = x2.device
-    y = _new_output((n_rows, n_cols), out_dtype, device)
+    y = _new_output((n_rows, n_cols), y_dtype or out_dtype, device)
     s = _new_output((n_rows, n_cols), out_dtype, device) if residual2 is not None else None
     mean = _new_output((n_rows,), torch.float32, device)
     rstd = _new_output((n_rows,), torch.float32, device)
@@ -310,9 +316,10 @@ def layer_norm_fwd(x2, residual2, weight, bias, eps: float, out_dtype: torch.dty
     return s, y, mean, rstd
 
 
-def layer_norm_bwd(dy2, x2, weight, bias, mean, rstd, ds2, dx_dtype: torch.dtype):
+def layer_norm_bwd(dy2, x2, weight, bias, mean, rstd, ds2, dx_dtype: torch.dtype, sums_into=None):
     """dy2, x2 (the normalized input: x, or s = x + r), ds2 (gradient at s, or None): (M, C) contiguous.
-    -> (dx (M, C) in dx_dtype, (2C,) fp32 column sums: dweight then dbias; see split_norm_grads)."""
+    -> (dx (M, C) in dx_dtype, (2C,) fp32 column sums: dweight then dbias; see split_norm_grads).
+    sums_into: a zeroed (2C,) fp32 tensor for the sums (column_sums)."""
     n_rows, n_cols = x2.shape
     device = x2.device
     dx = _new_output((n_rows, n_cols), dx_dtype, device)
@@ -320,7 +327,7 @@ def layer_norm_bwd(dy2, x2, weight, bias, mean, rstd, ds2, dx_dtype: torch.dtype
         return dx, torch.zeros(2 * n_cols, dtype=torch.float32, device=device)
     block_m, block_n, num_warps = _tile(n_cols)
     programs, rows_per_program, maxnreg = _bwd_grid(n_rows, n_cols, max(x2.element_size(), dy2.element_size()), device)
-    sums, atomic = column_sums(programs, 2 * n_cols, device)
+    sums, atomic = column_sums(programs, 2 * n_cols, device, sums_into)
     _layer_norm_bwd_kernel[(programs,)](
         dy2, x2, weight if weight is not None else x2, mean, rstd,
         ds2 if ds2 is not None else dy2, dx, sums,

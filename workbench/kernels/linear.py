@@ -84,15 +84,15 @@ def _grid(n_rows: int, n_cols: int, device: torch.device) -> tuple[int, int, int
     return block_m, block_n, triton.cdiv(n_rows, rows_per_prog), col_blocks, rows_per_prog
 
 
-def bias_grad_host(dy: torch.Tensor, pre: Optional[torch.Tensor], bias_dtype: torch.dtype
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def bias_grad_host(dy: torch.Tensor, pre: Optional[torch.Tensor], bias_dtype: torch.dtype,
+                   sums_into: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """dy (M, N) contiguous, pre (M, N) like dy or None -> (dpre (M, N) in dy.dtype, or dy itself
-    when pre is None; db (N,) in bias_dtype)."""
+    when pre is None; db (N,) in bias_dtype). sums_into: a zeroed (N,) fp32 tensor for the column sums."""
     n_rows, n_cols = dy.shape
     if n_rows == 0:
         return (dy.clone() if pre is not None else dy), torch.zeros(n_cols, dtype=bias_dtype, device=dy.device)
     block_m, block_n, row_programs, col_blocks, rows_per_prog = _grid(n_rows, n_cols, dy.device)
-    sums, atomic = column_sums(row_programs, n_cols, dy.device)
+    sums, atomic = column_sums(row_programs, n_cols, dy.device, sums_into)
     dpre = _new_output(dy.shape, dy.dtype, dy.device) if pre is not None else dy
     _bias_grad_kernel[(row_programs, col_blocks)](
         dy, pre if pre is not None else dy, dpre, sums, n_rows, n_cols, rows_per_prog,

@@ -350,14 +350,15 @@ def merge_roll_fwd(
 
 def norm_shift_partition_fwd(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, window_size: int, shift: int,
-    *, out=None,
+    *, out_dtype=None, out=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x (B, H, W, C), weight/bias (C,) -> (windows (B*nW, ws*ws, C) in x.dtype, mean (B*H*W,) fp32, rstd fp32)."""
+    """x (B, H, W, C), weight/bias (C,) -> (windows (B*nW, ws*ws, C) in out_dtype (default x.dtype),
+    mean (B*H*W,) fp32, rstd fp32)."""
     x = _contig(x)
     B, H, W, C = x.shape
     Hp, Wp, nwh, nww, sh, sw = _geometry(H, W, window_size, shift)
     ws = int(window_size)
-    out = _check_out(out, (B * nwh * nww, ws * ws, C), x.dtype, x.device)
+    out = _check_out(out, (B * nwh * nww, ws * ws, C), out_dtype or x.dtype, x.device)
     mean = torch.empty(B * H * W, dtype=torch.float32, device=x.device)
     rstd = torch.empty(B * H * W, dtype=torch.float32, device=x.device)
     n_out = B * Hp * Wp
@@ -394,10 +395,10 @@ def _norm_bwd_config(n_tok: int, C: int, elt: int, device: torch.device) -> tupl
 
 def norm_shift_partition_bwd(
     dwindows: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
-    window_size: int, shift: int, *, dx=None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    window_size: int, shift: int, *, dx=None, sums_into=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (dx (B, H, W, C) in x.dtype, (2C,) fp32 sums: dweight then dbias (layer_norm.split_norm_grads)).
-    Padding rows of dwindows are ignored."""
+    Padding rows of dwindows are ignored. sums_into: a zeroed (2C,) fp32 tensor for the sums (column_sums)."""
     dwindows = _contig(dwindows)
     x = _contig(x)
     B, H, W, C = x.shape
@@ -405,7 +406,7 @@ def norm_shift_partition_bwd(
     dx = _check_out(dx, (B, H, W, C), x.dtype, x.device)
     n_tok = B * H * W
     block_t, block_c, num_warps, nprog, tiles_per_prog, maxnreg, stages = _norm_bwd_config(n_tok, C, x.element_size(), x.device)
-    sums, atomic = column_sums(nprog, 2 * C, x.device)
+    sums, atomic = column_sums(nprog, 2 * C, x.device, sums_into)
     _norm_partition_bwd_kernel[(nprog,)](
         dwindows, x, _contig(weight), mean, rstd, dx, sums,
         n_tok, tiles_per_prog, C,

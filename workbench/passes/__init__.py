@@ -92,6 +92,7 @@ PASS_MODULES = {
     "fused_window": "fused_window",
     "fused_attention": "fused_attention",
     "fused_linear": "fused_linear",
+    "fused_block": "fused_block",
     "compile": "compile",
     "cuda_graph": "cuda_graph",
 }

@@ -31,28 +31,17 @@ import types
 
 import torch
 
-from . import PassContext, PassResult, PassUnavailable, require_triton
+from . import PassContext, PassResult, PassUnavailable
+from ._swin import inactive, square, swin_blocks
 
 NAME = "fused_window"
-
-
-def _square(pair) -> int | None:
-    a, b = (pair, pair) if isinstance(pair, int) else tuple(pair)
-    return int(a) if a == b else None
-
-
-def _drop_path_is_identity(drop_path: torch.nn.Module, training: bool) -> bool:
-    """True when drop_path(x) is x now: nn.Identity, or timm's DropPath in eval or with drop_prob 0."""
-    if isinstance(drop_path, torch.nn.Identity):
-        return True
-    return type(drop_path).__name__ == "DropPath" and (not training or getattr(drop_path, "drop_prob", 1.0) == 0.0)
 
 
 def _window_attention_windows(self, x: torch.Tensor):
     """-> (attn_windows (B*nW, ws*ws, C), ws, shift), or None when this block can't be fused now."""
     from ..kernels.window import norm_shift_partition
 
-    ws, shift = _square(self.window_size), _square(self.shift_size)
+    ws, shift = square(self.window_size), square(self.shift_size)
     if ws is None or shift is None:
         return None
     B, H, W, C = x.shape
@@ -75,7 +64,7 @@ def swin_block_forward_fused_window(self, x: torch.Tensor) -> torch.Tensor:
         return self._swinbench_forward_before_fused_window(x)
     attn_windows, ws, shift = out
     B, H, W, C = x.shape
-    if _drop_path_is_identity(self.drop_path1, self.training):
+    if inactive(self.drop_path1, self.training):
         x = merge_unshift_add(attn_windows, x, ws, shift, H, W)
     else:
         x = x + self.drop_path1(merge_roll(attn_windows, ws, shift, H, W))
@@ -112,18 +101,8 @@ def _norm1_fusable(norm) -> bool:
 
 def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, PassResult]:
     """Patch every timm SwinTransformerBlock in `model` in place -> (model, PassResult)."""
-    try:
-        from timm.models.swin_transformer import SwinTransformerBlock
-
-        from ..kernels.window import merge_unshift_add, norm_shift_partition  # noqa: F401
-    except ImportError as exc:
-        raise PassUnavailable(f"fused window kernels not importable: {exc}") from exc
-    require_triton(ctx.device)
-
-    blocks = [m for m in model.modules() if isinstance(m, SwinTransformerBlock)]
-    if not blocks:
-        raise PassUnavailable("no timm SwinTransformerBlock in this model")
-    non_square = [i for i, b in enumerate(blocks) if _square(b.window_size) is None or _square(b.shift_size) is None]
+    blocks = swin_blocks(model, ctx, "workbench.kernels.window", "fused window kernels")
+    non_square = [i for i, b in enumerate(blocks) if square(b.window_size) is None or square(b.shift_size) is None]
     if non_square:
         raise PassUnavailable(f"{len(non_square)} block(s) with non-square window_size/shift_size: only square windows are fused")
 

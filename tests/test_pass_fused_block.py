@@ -1,0 +1,130 @@
+"""The fused_block pass on the tiny timm Swin: each block as one autograd Function gives the same logits
+and every parameter gradient as the unpatched model and as the kernel passes it replaces (same seed,
+deep copies), in fp32 and under bf16 autocast; blocks it cannot run fall back, and say why. Without a
+GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported)."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import copy  # noqa: E402
+
+import pytest  # noqa: E402
+
+from workbench.models import TINY_MODEL, build_model, input_size  # noqa: E402
+from workbench.passes import PassContext, PassUnavailable, apply_pass  # noqa: E402
+from workbench.passes import fused_block  # noqa: E402
+from workbench.precision import resolve_precision  # noqa: E402
+from pass_helpers import rel_err, train_step  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+N_BLOCKS = 4
+KERNEL_PASSES = (("fused_layernorm", {"impl": "triton", "fuse_residual": True}), ("fused_window", None),
+                 ("fused_attention", None), ("fused_linear", None))
+
+
+def _ctx(precision="fp32"):
+    return PassContext(device=DEVICE, precision=resolve_precision(precision))
+
+
+def _models(drop_path_rate=0.0):
+    torch.manual_seed(0)
+    model = build_model(TINY_MODEL, drop_path_rate=drop_path_rate).to(DEVICE)
+    return model, copy.deepcopy(model)
+
+
+def _step(model, autocast=None, train=True):
+    model.train(train)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn((3, *input_size(model)), generator=g).to(DEVICE)
+    target = torch.randint(0, 10, (3,), generator=g).to(DEVICE)
+    return train_step(model, x, target, autocast)
+
+
+def _assert_close_steps(ref, fused, tol, autocast=None, train=True):
+    ref_logits, ref_grads = _step(ref, autocast, train)
+    logits, grads = _step(fused, autocast, train)
+    assert rel_err(logits, ref_logits) < tol
+    assert grads.keys() == ref_grads.keys()
+    for name, g in ref_grads.items():
+        err = rel_err(grads[name], g)
+        assert err < tol, f"{name}: relative gradient error {err:.2e}"
+
+
+def test_matches_unpatched_fp32_train_and_eval():
+    ref, model = _models()
+    model, result = fused_block.apply(model, _ctx())
+    assert result.details["blocks_patched"] == N_BLOCKS and not result.details["blocks_skipped"]
+    _assert_close_steps(ref, model, 1e-4)
+    _assert_close_steps(ref, model, 1e-4, train=False)
+
+
+def test_under_bf16_autocast_as_close_to_fp32_as_timm():
+    """Two bf16 computations of a gradient that sums many cancelling terms (a LayerNorm bias) can differ
+    by 10% from each other; held to the fp32 truth, the fused model must be as close as timm's own bf16
+    path (plus a little), for the logits and every gradient."""
+    ref, model = _models()
+    model, _ = fused_block.apply(model, _ctx("bf16"))
+    truth_logits, truth = _step(ref)
+    plain_logits, plain = _step(ref, torch.bfloat16)
+    logits, fused = _step(model, torch.bfloat16)
+    assert rel_err(logits, truth_logits) <= 1.5 * rel_err(plain_logits, truth_logits) + 1e-2
+    for name, g in truth.items():
+        pe, fe = rel_err(plain[name], g), rel_err(fused[name], g)
+        assert fe <= 1.5 * pe + 2e-2, (name, fe, pe)
+
+
+@pytest.mark.parametrize("autocast,tol", [(None, 1e-4), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+def test_replaces_the_kernel_passes_it_sits_on(autocast, tol):
+    """On top of the dense stack (Triton LayerNorm with add+norm2, fused window, fused attention, fused
+    Linear), the Function computes what those passes computed, one block at a time."""
+    ref, _ = _models()
+    for name, params in KERNEL_PASSES:
+        ref, result = apply_pass(name, ref, _ctx(), params)
+        assert result.available, f"{name}: {result.changed}"
+    model = copy.deepcopy(ref)
+    model, result = fused_block.apply(model, _ctx())
+    assert result.details["blocks_patched"] == N_BLOCKS
+    _assert_close_steps(ref, model, tol, autocast=autocast)
+
+
+def test_function_runs_once_per_block_and_falls_back_when_dropout_is_active(monkeypatch):
+    calls = []
+    real = fused_block.SwinBlockFunction.apply
+    monkeypatch.setattr(fused_block.SwinBlockFunction, "apply", lambda *a: calls.append(1) or real(*a))
+    _, model = _models(drop_path_rate=0.1)
+    model, _ = fused_block.apply(model, _ctx())
+    _step(model, train=False)                 # DropPath is the identity in eval: fused
+    assert len(calls) == N_BLOCKS
+    # In training, a block whose stochastic depth draws (drop_prob > 0) runs timm's forward; the first
+    # block's rate is 0 (timm spaces the rates linearly from 0), so it stays fused.
+    blocks = [b for layer in model.layers for b in layer.blocks]
+    no_drop = sum(getattr(b.drop_path1, "drop_prob", 0.0) == 0.0 for b in blocks)
+    assert 0 < no_drop < N_BLOCKS
+    _step(model, train=True)
+    assert len(calls) == N_BLOCKS + no_drop
+
+
+def test_non_plain_blocks_are_left_alone_and_counted():
+    _, model = _models()
+    model.layers[0].blocks[0].mlp.act = torch.nn.ReLU()
+    model, result = fused_block.apply(model, _ctx())
+    assert result.details["blocks_patched"] == N_BLOCKS - 1
+    assert result.details["blocks_skipped"] == {"MLP activation is not exact GELU": 1}
+    assert "left as they were: 1 (MLP activation is not exact GELU)" in result.changed
+    _, model = _models()
+    for blk in (b for layer in model.layers for b in layer.blocks):
+        blk.mlp.act = torch.nn.ReLU()
+    with pytest.raises(PassUnavailable, match="plain configuration"):
+        fused_block.apply(model, _ctx())
+
+
+def test_applying_twice_patches_once():
+    _, model = _models()
+    model, _ = fused_block.apply(model, _ctx())
+    model, again = fused_block.apply(model, _ctx())
+    assert again.details["blocks_patched"] == 0
+    blk = model.layers[0].blocks[0]
+    assert blk._swinbench_forward_before_fused_block.__func__ is not fused_block.swin_block_forward_fused_block
