@@ -38,7 +38,7 @@ import torch
 
 from .env import device_label, environment_stamp
 from .errors import UserError
-from .gate import GateOutputs, GateResult, capture_parameters, compare, compute_reference, forward_backward, weights_digest
+from .gate import GateOutputs, capture_parameters, compare, compute_reference, forward_backward, weights_digest
 from .models import check_model_name, default_model_for
 from .passes import apply_pass
 from .records import SCHEMA, write_record

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from .errors import UserError
 from .models import build_model, input_size
-from .passes import PassContext, default_optimizer_factory
+from .passes import PassContext
 from .precision import Precision, resolve_precision
 from .ranges import RangeMarker
 

@@ -8,6 +8,7 @@ Instances with a non-zero attn_drop are left unpatched (the kernel has no dropou
 """
 from __future__ import annotations
 
+import importlib
 import types
 
 import torch
@@ -36,7 +37,7 @@ def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, Pa
     try:
         from timm.models.swin_transformer import WindowAttention
 
-        from ..kernels.window_attention import fused_window_attention_qkv  # noqa: F401
+        importlib.import_module("workbench.kernels.window_attention")
     except ImportError as exc:
         raise PassUnavailable(f"fused window attention kernel not importable: {exc}") from exc
     require_triton(ctx.device)
