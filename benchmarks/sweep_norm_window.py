@@ -38,19 +38,24 @@ def shipped_bwd(n_tok, C, elt, dev):
 
 
 def bwd_candidates(n_tok, C, dev):
-    """Tiles of 1024-8192 elements, 4-32 per thread per tensor; each program a band of 2-64 tiles (the
-    column sums are atomic adds, so many short programs cost no partial rows); the next tiles either
-    left to Triton's pipeliner with 1-4 stages."""
+    """Each program a band of 2-64 tiles (the column sums are atomic adds, so many short programs cost no
+    partial rows), loads pipelined by Triton with 1-4 stages, and two families of tiles:
+      * 2048-4096 elements over 4-8 warps, 8-32 elements per thread per tensor (the shipped family);
+      * one or two warps per program, so that a row of C = 512 or 1024 stays inside one warp and its two
+        row reductions per tile are shuffles, not the cross-warp shared-memory round trips (and barriers)
+        that a row spread over several warps needs; residency comes from many small programs instead."""
     sms = lnk.sm_count(dev)
     block_c = 1 << (C - 1).bit_length()
-    for block_t, warps, tiles, stages in itertools.product((1, 2, 4, 8, 16, 32, 64), (4, 8), (2, 4, 8, 16, 32, 64),
-                                                           (1, 2, 3, 4)):
+    for block_t, warps, tiles, stages in itertools.product((1, 2, 4, 8, 16, 32, 64), (1, 2, 4, 8),
+                                                           (2, 4, 8, 16, 32, 64), (1, 2, 3, 4)):
         tile = block_t * block_c
-        if not 2048 <= tile <= 4096 or not 8 <= tile // (32 * warps) <= 32:
+        per_thread = tile // (32 * warps)
+        small = warps <= 2 and 512 <= tile <= 2048 and 8 <= per_thread <= 32 and stages in (1, 3)
+        if not small and (warps <= 2 or not 2048 <= tile <= 4096 or not 8 <= per_thread <= 32):
             continue
         n_tiles = -(-n_tok // block_t)
         programs = -(-n_tiles // tiles)
-        if programs < sms or programs > 8 * sms:
+        if programs < sms or programs > (32 if small else 8) * sms:
             continue
         yield (block_t, block_c, warps, programs, tiles, None, stages), dict(
             block_t=block_t, warps=warps, tiles=tiles, programs=programs, stages=stages)
@@ -58,9 +63,9 @@ def bwd_candidates(n_tok, C, dev):
 
 def fwd_candidates(C):
     block_c = 1 << (C - 1).bit_length()
-    for block_t, warps in itertools.product((1, 2, 4, 8, 16, 32, 64), (4, 8, 16)):
+    for block_t, warps in itertools.product((1, 2, 4, 8, 16, 32, 64), (1, 2, 4, 8, 16)):
         tile = block_t * block_c
-        if tile > 8192 or tile < 64 * warps:
+        if tile > 8192 or tile < 64 * warps or tile // (32 * warps) > 64:
             continue
         yield (block_t, block_c, warps), dict(block_t=block_t, warps=warps)
 
