@@ -407,7 +407,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="swin_base_patch4_window7_224")
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--stages", default="amp,apex,window,fmha")
+    ap.add_argument("--stages", default="amp,apex,window,fmha,dense,block")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--pyprof-stage", default="fmha")
     ap.add_argument("--parts", default="launch,timeline,stages,threads")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work: correctness on the GPU, kernel benchmarks, profile, apply.
 # Usage (on the GPU machine, from the repo root): benchmarks/gpu_session.sh PART...   PART in
-#   tests | linear | threads | sweep | sweepb | norms | dense-apply | scale | infer-quick | prof-api | block | host | chain | graphs | dense | infer | prof-fmha | window | kernels | attn | diag | benches | graph | last | quick | profile | apply-apex | apply-fmha
+#   tests | linear | threads | sweep | sweepb | norms | dense-apply | scale | infer-quick | prof-api | prof-block | block | host | chain | graphs | dense | infer | prof-fmha | window | kernels | attn | diag | benches | graph | last | quick | profile | apply-apex | apply-fmha
 # Results go to $OUT (or ./gpu-out), packed into one tarball so they come back in one file.
 set -uo pipefail
 out=${OUT:-gpu-out}; mkdir -p "$out/r"
@@ -66,6 +66,9 @@ for part in "$@"; do
     infer-quick) timeout 240 swinbench apply --recipe fmha --mode infer --stages amp,fmha,fmha-graph \
                --model swin_base_patch4_window7_224 --batch 64 --steps 10 --warmup 3 --out "$out/r/apply_infer" 2>&1 | tail -22
              tail -4 "$out"/r/apply_infer/logs/*.log 2>/dev/null | tail -12 ;;
+    prof-block) timeout 300 swinbench apply --recipe block --stages amp,dense,block --profile --model swin_base_patch4_window7_224 \
+               --batch 64 --steps 6 --warmup 3 --out "$out/r/apply_prof_block" 2>&1 | tail -12
+             grep -A8 "kernel time by category" "$out"/r/apply_prof_block/report.md | head -12 ;;
     prof-api) timeout 200 swinbench apply --recipe fmha --stages amp,fmha --profile --model swin_base_patch4_window7_224 \
                --batch 64 --steps 6 --warmup 3 --out "$out/r/apply_prof_api" 2>&1 | tail -12
              grep -A8 "kernel time by category" "$out"/r/apply_prof_api/report.md | head -12
