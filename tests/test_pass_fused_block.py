@@ -128,3 +128,22 @@ def test_applying_twice_patches_once():
     assert again.details["blocks_patched"] == 0
     blk = model.layers[0].blocks[0]
     assert blk._swinbench_forward_before_fused_block.__func__ is not fused_block.swin_block_forward_fused_block
+
+
+def test_padded_windows_and_dynamic_mask():
+    """A feature map that is not a multiple of the window (15x15 patches, window 7: padded to 21 inside
+    the kernels) and timm's dynamic_mask (the mask built from the padded shape at every call)."""
+    from timm.models.swin_transformer import SwinTransformer
+
+    from workbench.models import TINY_KWARGS
+
+    torch.manual_seed(0)
+    ref = SwinTransformer(**dict(TINY_KWARGS, img_size=60), drop_path_rate=0.0).to(DEVICE)
+    for blk in ref.modules():
+        if hasattr(blk, "dynamic_mask"):
+            blk.dynamic_mask = True
+    model = copy.deepcopy(ref)
+    model, result = fused_block.apply(model, _ctx())
+    assert result.details["blocks_patched"] == N_BLOCKS
+    assert tuple(model.layers[0].blocks[1].shift_size) != (0, 0)   # a shifted, padded block is covered
+    _assert_close_steps(ref, model, 1e-4)
