@@ -231,6 +231,9 @@ _API_KINDS = (
     ("copy/set", ("Memcpy", "Memset")),
 )
 STEP_RANGE = r"^step\d+$"
+# The kinds that can drain the launch queue: what `analyze` warns about, `check` counts as blocking calls
+# per step and the `apply` report sums in its sync+alloc column.
+BLOCKING_KINDS = ("synchronize", "allocation")
 
 
 def api_kind(name: str) -> str:
@@ -280,3 +283,8 @@ def api_summary(table: pd.DataFrame) -> dict:
     """{kind: calls per step} (per the whole frame when the table has no step count) from api_table."""
     col = "per_step" if len(table) and table["per_step"].notna().all() else "calls"
     return {str(k): float(v) for k, v in table.groupby("kind")[col].sum().items()}
+
+
+def blocking_calls(summary: dict) -> float:
+    """Synchronizing plus allocating calls in an api_summary (or a record's api_calls_per_step)."""
+    return sum(float(summary.get(k, 0.0)) for k in BLOCKING_KINDS)

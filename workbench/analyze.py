@@ -83,8 +83,8 @@ def analyze_trace(path, *, name_style: str = "demangled", range_name: str | None
             f"{len(trace.memops)} memcpy/memset activities ({meta['memops_ns'] / 1e6:.3f} ms) are not kernels: "
             "not in the kernel, category or busy figures"
         )
-    api, meta["api_scope"], meta["api_steps"] = _scoped_api(trace, range_name)
-    meta["api_unit"] = None if meta["api_steps"] is None else ("range instance" if range_name else "step")
+    api, api_meta = _scoped_api(trace, range_name)
+    meta.update(api_meta)
     return Analysis(
         trace_meta=meta,
         kernels=A.kernel_share_table(kernels, NAME_STYLES[name_style]),
@@ -96,21 +96,22 @@ def analyze_trace(path, *, name_style: str = "demangled", range_name: str | None
     )
 
 
-def _scoped_api(trace: Trace, range_name: str | None) -> tuple[pd.DataFrame, str, int | None]:
-    """(api_table, scope, steps): the host's CUDA calls inside `range_name`'s instances when given, else
-    inside the `step{i}` ranges (per step: warm-up and the capture's setup excluded), else the whole trace."""
+def _scoped_api(trace: Trace, range_name: str | None) -> tuple[pd.DataFrame, dict]:
+    """(api_table, meta) for the host's CUDA calls inside `range_name`'s instances when given, else inside
+    the `step{i}` ranges (per step: warm-up and the capture's setup excluded), else over the whole trace.
+    meta: api_scope (words), api_steps (instances counted per, or None) and api_unit ('range instance' |
+    'step' | None)."""
     ranges = trace.ranges
-    steps = ranges[ranges["name"].str.match(A.STEP_RANGE)] if len(ranges) else ranges
     if range_name is not None:
-        windows = ranges[ranges["name"] == range_name]
-        calls, scope = A.calls_in_windows(trace.api, windows), f"inside {len(windows)} {range_name!r} ranges"
-    elif len(steps):
-        windows = steps
-        calls, scope = A.calls_in_windows(trace.api, steps), f"inside {len(steps)} step ranges"
+        windows, unit = ranges[ranges["name"] == range_name], "range instance"
+        scope = f"inside {len(windows)} {range_name!r} ranges"
     else:
-        windows, calls, scope = steps, trace.api, "whole trace"
-    n_steps = len(windows) if len(windows) else None
-    return A.api_table(calls, n_steps), scope, n_steps
+        windows, unit = (ranges[ranges["name"].str.match(A.STEP_RANGE)] if len(ranges) else ranges), "step"
+        scope = f"inside {len(windows)} step ranges"
+    if not len(windows):
+        return A.api_table(trace.api), {"api_scope": "whole trace", "api_steps": None, "api_unit": None}
+    table = A.api_table(A.calls_in_windows(trace.api, windows), len(windows))
+    return table, {"api_scope": scope, "api_steps": len(windows), "api_unit": unit}
 
 
 def category_shares(analysis: Analysis) -> dict[str, float]:
@@ -207,8 +208,7 @@ def render_analysis(analysis: Analysis, console: Console, top: int = 15) -> None
             t.add_row(str(row.call), kind, f"{row.calls:,.0f}", per_step, _ms(row.total_ns), _us(row.avg_ns),
                       _us(row.max_ns), _pct(row.share_pct))
         console.print(t)
-        summary = A.api_summary(analysis.api)
-        blocking = summary.get("synchronize", 0.0) + summary.get("allocation", 0.0)
+        blocking = A.blocking_calls(A.api_summary(analysis.api))
         if blocking:
             console.print(f"[yellow]note:[/yellow] {blocking:,.1f} synchronizing or allocating CUDA calls {per} "
                           "(cudaStreamSynchronize, cudaMalloc, ...): each one can stall the launch queue and "

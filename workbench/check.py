@@ -48,6 +48,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from .analysis import blocking_calls
 from .errors import UserError, yaml_error_text
 from .records import read_records
 
@@ -62,7 +63,6 @@ PCT_METRICS = {"img_per_s": +1, "step_ms": -1, "peak_mem_bytes": -1, "speedup": 
 # metrics computed from the record rather than read from a top-level key (see _load_side)
 DERIVED_KEYS = {"speedup": "_speedup", "launches_per_step": "_launches_per_step",
                 "blocking_calls_per_step": "_blocking_calls_per_step"}
-BLOCKING_KINDS = ("synchronize", "allocation")
 TIMED_METRICS = ("img_per_s", "step_ms", "speedup")
 SHARE_PREFIX = "share:"
 BASELINE_STAGE = "baseline"
@@ -242,18 +242,15 @@ def _validate(rec: dict) -> None:
     for key in ("gate", "profile"):
         if rec.get(key) is not None and not isinstance(rec[key], dict):
             raise UserError(f"record {rec['_path']}: {key!r} must be a mapping or null")
-    shares = (rec.get("profile") or {}).get("category_share_pct")
-    if shares is not None:
-        if not isinstance(shares, dict):
-            raise UserError(f"record {rec['_path']}: 'profile.category_share_pct' must map category to percent")
-        for cat, pct in shares.items():
-            _number(rec, pct, f"profile.category_share_pct.{cat}")
-    calls = (rec.get("profile") or {}).get("api_calls_per_step")
-    if calls is not None:
-        if not isinstance(calls, dict):
-            raise UserError(f"record {rec['_path']}: 'profile.api_calls_per_step' must map call kind to calls per step")
-        for kind, n in calls.items():
-            _number(rec, n, f"profile.api_calls_per_step.{kind}")
+    for key, meaning in (("category_share_pct", "category to percent"),
+                         ("api_calls_per_step", "call kind to calls per step")):
+        values = (rec.get("profile") or {}).get(key)
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            raise UserError(f"record {rec['_path']}: 'profile.{key}' must map {meaning}")
+        for name, value in values.items():
+            _number(rec, value, f"profile.{key}.{name}")
 
 
 def _relative_iqr(rec: dict) -> float:
@@ -287,7 +284,7 @@ def _load_side(paths, side: str, notes: list[str]) -> dict[str, dict]:
     for rec in records:
         calls = (rec.get("profile") or {}).get("api_calls_per_step") if rec["status"] == "ok" else None
         rec["_launches_per_step"] = float(calls.get("launch", 0.0)) if calls else None
-        rec["_blocking_calls_per_step"] = sum(float(calls.get(k, 0.0)) for k in BLOCKING_KINDS) if calls else None
+        rec["_blocking_calls_per_step"] = blocking_calls(calls) if calls else None
     by_stage: dict[str, list[dict]] = {}
     for rec in records:
         by_stage.setdefault(str(rec["stage"]), []).append(rec)

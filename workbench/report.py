@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from .analysis import blocking_calls
 from .env import device_label
 from .errors import UserError
 from .records import read_records
@@ -302,12 +303,10 @@ def _fmt_ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
-def _api_calls(rec: dict, *kinds: str) -> str:
-    """Host CUDA calls of these kinds per step in the stage's capture ('-' when not recorded)."""
+def _api_calls(rec: dict, count) -> str:
+    """count(api_calls_per_step) of the stage's capture, formatted ('-' when not recorded)."""
     per_step = (rec.get("profile") or {}).get("api_calls_per_step")
-    if not per_step:
-        return "-"
-    return f"{sum(float(per_step.get(k, 0.0)) for k in kinds):,.0f}"
+    return f"{count(per_step):,.0f}" if per_step else "-"
 
 
 def _busy(rec: dict) -> str:
@@ -357,7 +356,8 @@ def render_report(records: list[dict], out_path_md: Path) -> Path:
         png = plot_category_shares(shares, out_path_md.with_name(out_path_md.stem + "-categories.png"))
         by_stage = {r["stage"]: r for r in records}
         rows = [[stage, _fmt_ms(kernel_ms_per_step(by_stage[stage])), _busy(by_stage[stage]),
-                 _api_calls(by_stage[stage], "launch"), _api_calls(by_stage[stage], "synchronize", "allocation")]
+                 _api_calls(by_stage[stage], lambda c: float(c.get("launch", 0.0))),
+                 _api_calls(by_stage[stage], blocking_calls)]
                 + [f"{v:.1f}" for v in shares.loc[stage]] for stage in shares.index]
         lines += ["## GPU kernel time by category (%)", "",
                   "Kernel ms/step: GPU kernel time per step in the stage's nsys capture; GPU busy: that over the "
