@@ -28,6 +28,16 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
+def tiny_batch(model, batch: int, device, seed: int = 1):
+    """(images, labels) for a Swin of 10 classes: `batch` random images of the model's input size and random
+    labels, drawn from one generator seeded `seed` (the same batch for every test that asks the same)."""
+    from workbench.models import input_size
+
+    g = torch.Generator().manual_seed(seed)
+    images = torch.randn((batch, *input_size(model)), generator=g).to(device)
+    return images, torch.randint(0, 10, (batch,), generator=g).to(device)
+
+
 def train_step(model, x, target, autocast=None, rng_seed=None):
     """One forward + cross-entropy + backward from cleared gradients -> (logits fp32, {name: grad fp32}).
     autocast: a dtype to run the forward under, or None for none. rng_seed: reseed first (DropPath draws).

@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 from workbench.models import TINY_MODEL, build_model  # noqa: E402
 from workbench.passes import PassContext, apply_pass  # noqa: E402
 from workbench.precision import resolve_precision  # noqa: E402
-from pass_helpers import rel_err, train_step  # noqa: E402
+from pass_helpers import rel_err, tiny_batch, train_step  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 PASSES = (("fused_layernorm", {"impl": "triton"}), ("fused_window", None), ("fused_attention", None))
@@ -42,9 +42,7 @@ def test_compiled_fused_passes_match_eager_and_timm_in_fp32(stack):
     compiled_src = copy.deepcopy(patched)
     compiled = torch.compile(compiled_src, backend="aot_eager")
 
-    gen = torch.Generator().manual_seed(1)
-    images = torch.randn(2, 3, 56, 56, generator=gen).to(DEVICE)
-    labels = torch.randint(0, 10, (2,), generator=gen).to(DEVICE)
+    images, labels = tiny_batch(plain, 2, DEVICE)
     plain_logits, plain_grads = train_step(plain, images, labels)
     eager_logits, eager_grads = train_step(patched, images, labels)
     compiled_logits, compiled_grads = train_step(compiled, images, labels)

@@ -13,7 +13,7 @@ from workbench.models import TINY_MODEL, build_model  # noqa: E402
 from workbench.passes import PassContext, apply_pass  # noqa: E402
 from workbench.passes import fused_attention  # noqa: E402
 from workbench.precision import resolve_precision  # noqa: E402
-from pass_helpers import rel_err, train_step  # noqa: E402
+from pass_helpers import rel_err, tiny_batch, train_step  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -29,9 +29,7 @@ def test_fused_attention_pass_matches_timm_in_fp32():
     assert result.available, result.changed
     assert result.details["patched_modules"] == 4  # two blocks in each of the two stages
 
-    gen = torch.Generator().manual_seed(1)
-    images = torch.randn(2, 3, 56, 56, generator=gen).to(DEVICE)
-    labels = torch.randint(0, 10, (2,), generator=gen).to(DEVICE)
+    images, labels = tiny_batch(plain, 2, DEVICE)
     plain_logits, plain_grads = train_step(plain, images, labels)
     fused_logits, fused_grads = train_step(patched, images, labels)
 
@@ -86,9 +84,7 @@ def test_fused_attention_pass_under_bf16_autocast():
     patched = copy.deepcopy(plain)
     ctx = PassContext(device=DEVICE, precision=resolve_precision("bf16"))
     patched, _ = apply_pass("fused_attention", patched, ctx)
-    gen = torch.Generator().manual_seed(1)
-    images = torch.randn(2, 3, 56, 56, generator=gen).to(DEVICE)
-    labels = torch.randint(0, 10, (2,), generator=gen).to(DEVICE)
+    images, labels = tiny_batch(plain, 2, DEVICE)
     truth, truth_grads = features_and_table_grads(plain, images, labels, autocast=False)
     plain_f, plain_g = features_and_table_grads(plain, images, labels, autocast=True)
     fused_f, fused_g = features_and_table_grads(patched, images, labels, autocast=True)

@@ -13,11 +13,11 @@ import copy  # noqa: E402
 
 import pytest  # noqa: E402
 
-from workbench.models import TINY_MODEL, build_model, input_size  # noqa: E402
+from workbench.models import TINY_MODEL, build_model  # noqa: E402
 from workbench.passes import PassContext, PassUnavailable, apply_pass  # noqa: E402
 from workbench.passes import fused_block  # noqa: E402
 from workbench.precision import resolve_precision  # noqa: E402
-from pass_helpers import rel_err, train_step  # noqa: E402
+from pass_helpers import rel_err, tiny_batch, train_step  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 N_BLOCKS = 4
@@ -37,9 +37,7 @@ def _models(drop_path_rate=0.0):
 
 def _step(model, autocast=None, train=True):
     model.train(train)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn((3, *input_size(model)), generator=g).to(DEVICE)
-    target = torch.randint(0, 10, (3,), generator=g).to(DEVICE)
+    x, target = tiny_batch(model, 3, DEVICE)
     return train_step(model, x, target, autocast)
 
 

@@ -18,11 +18,11 @@ import pytest  # noqa: E402
 from torch import nn  # noqa: E402
 
 from workbench.errors import UserError  # noqa: E402
-from workbench.models import TINY_MODEL, build_model, input_size  # noqa: E402
+from workbench.models import TINY_MODEL, build_model  # noqa: E402
 from workbench.passes import PassContext, apply_pass  # noqa: E402
 from workbench.passes import fused_layernorm  # noqa: E402
 from workbench.precision import resolve_precision  # noqa: E402
-from pass_helpers import assert_same_step  # noqa: E402
+from pass_helpers import assert_same_step, tiny_batch  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # 2 images: an odd-free but small batch; the tiny Swin has 11 LayerNorms (patch embed, 2 per block x 4,
@@ -43,9 +43,7 @@ def _models(seed=0, **build):
 
 
 def _inputs(model, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn((BATCH, *input_size(model)), generator=g).to(DEVICE)
-    target = torch.randint(0, 10, (BATCH,), generator=g).to(DEVICE)
+    x, target = tiny_batch(model, BATCH, DEVICE, seed)
     return x, target
 
 

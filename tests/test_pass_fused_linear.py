@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 from workbench.models import TINY_MODEL, build_model  # noqa: E402
 from workbench.passes import PassContext, apply_pass  # noqa: E402
 from workbench.precision import resolve_precision  # noqa: E402
-from pass_helpers import rel_err, train_step  # noqa: E402
+from pass_helpers import rel_err, tiny_batch, train_step  # noqa: E402
 
 lin = importlib.import_module("workbench.kernels.linear")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -123,9 +123,7 @@ def test_fused_linear_pass_matches_timm_in_fp32():
     assert result.details["linears"] == 16 and result.details["mlps_fused"] == 4  # 4 blocks x qkv/proj/fc1/fc2
     assert patched.state_dict().keys() == plain.state_dict().keys()
 
-    gen = torch.Generator().manual_seed(1)
-    images = torch.randn(2, 3, 56, 56, generator=gen).to(DEVICE)
-    labels = torch.randint(0, 10, (2,), generator=gen).to(DEVICE)
+    images, labels = tiny_batch(plain, 2, DEVICE)
     lp, gp = train_step(plain, images, labels)
     lf, gf = train_step(patched, images, labels)
     assert rel_err(lf, lp) < 1e-5

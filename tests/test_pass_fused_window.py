@@ -16,7 +16,7 @@ from workbench.models import TINY_KWARGS, TINY_MODEL, build_model, input_size  #
 from workbench.passes import PassContext, PassUnavailable, apply_pass  # noqa: E402
 from workbench.passes import fused_window  # noqa: E402
 from workbench.precision import resolve_precision  # noqa: E402
-from pass_helpers import assert_same_step  # noqa: E402
+from pass_helpers import assert_same_step, tiny_batch  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BATCH = 2
@@ -37,9 +37,7 @@ def _models(seed=0, model_fn=None):
 def _assert_same_step(ref, fused, atol, rtol, autocast=None, train=False, rng_seed=None):
     ref.train(train)
     fused.train(train)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn((BATCH, *input_size(ref)), generator=g).to(DEVICE)
-    target = torch.randint(0, 10, (BATCH,), generator=g).to(DEVICE)
+    x, target = tiny_batch(ref, BATCH, DEVICE)
     assert_same_step(ref, fused, x, target, atol, rtol, autocast, rng_seed)
 
 
