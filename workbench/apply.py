@@ -225,11 +225,10 @@ def _profile_stage(spec: StageSpec, config: WorkloadConfig, record: dict) -> dic
     if kernels is not None and {"kernel", "share_pct"} <= set(kernels.columns):
         top = [{"kernel": str(k), "share_pct": float(s)} for k, s in kernels[["kernel", "share_pct"]].head(10).values]
     kernel_ms = float(kernels["total_ns"].sum()) / 1e6 / spec.steps if kernels is not None else None
-    api = getattr(analysis, "api", None)
     per_step = None
-    if api is not None and len(api) and analysis.trace_meta.get("api_unit") == "step":
+    if len(analysis.api) and analysis.trace_meta.get("api_unit") == "step":
         from .analysis import api_summary
-        per_step = api_summary(api)                 # {kind: host CUDA calls per step}
+        per_step = api_summary(analysis.api)        # {kind: host CUDA calls per step}
     return {"backend": backend, "trace": str(trace), "category_share_pct": shares, "top_kernels": top,
             "kernel_ms_per_step": kernel_ms, "api_calls_per_step": per_step}
 

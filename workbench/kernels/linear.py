@@ -131,7 +131,7 @@ def bias_grad(dy: torch.Tensor, pre: Optional[torch.Tensor] = None, bias_dtype: 
     return dpre.view(dy.shape), db
 
 
-def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+def compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     """The dtype F.linear computes in: the autocast dtype when autocast is on for x's device, else the
     promoted dtype of x and weight."""
     dev = x.device.type
@@ -146,7 +146,7 @@ class LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, gelu):
-        dt = _compute_dtype(x, weight)
+        dt = compute_dtype(x, weight)
         n_out, n_in = weight.shape
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, n_in).to(dt)

@@ -67,11 +67,6 @@ def _dropouts_inactive(blk) -> bool:
     return all(inactive(m, training) for m in mods)
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    dev = x.device.type
-    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-
-
 class SwinBlockFunction(torch.autograd.Function):
     """One timm SwinTransformerBlock (x: (B, H, W, C) -> (B, H, W, C)), forward and backward by hand.
 
@@ -172,6 +167,8 @@ class SwinBlockFunction(torch.autograd.Function):
 
 def swin_block_forward_fused_block(self, x: torch.Tensor) -> torch.Tensor:
     """timm SwinTransformerBlock.forward as one SwinBlockFunction. x: (B, H, W, C)."""
+    from ..kernels.linear import compute_dtype
+
     if torch.compiler.is_compiling() or not _dropouts_inactive(self):
         return self._swinbench_forward_before_fused_block(x)
     ws, shift = square(self.window_size), square(self.shift_size)
@@ -185,7 +182,7 @@ def swin_block_forward_fused_block(self, x: torch.Tensor) -> torch.Tensor:
         mask = self.attn_mask
     attn, mlp = self.attn, self.mlp
     geom = (ws, shift, attn.num_heads, float(attn.scale), float(self.norm1.eps), float(self.norm2.eps),
-            _compute_dtype(x))
+            compute_dtype(x, attn.qkv.weight))
     return SwinBlockFunction.apply(
         x, mask.detach() if mask is not None else None, attn.relative_position_index, geom,
         self.norm1.weight, self.norm1.bias, attn.qkv.weight, attn.qkv.bias, attn.relative_position_bias_table,
