@@ -57,7 +57,7 @@ for part in "$@"; do
              timeout 60 python3 benchmarks/bench_layer_norm.py --check --out "$out/r/bench_layer_norm.json" 2>&1 | tail -22
              timeout 100 python3 benchmarks/bench_linear.py --check --out "$out/r/bench_linear.json" 2>&1 | tail -20 ;;
     sweep)   timeout 420 python3 benchmarks/sweep_norm_window.py --out "$out/r/sweep_norm_window.json" 2>&1 | tail -12 ;;
-    sweepb)  timeout 420 python3 benchmarks/sweep_norm_window.py --dirs bwd --out "$out/r/sweep_norm_window_bwd.json" 2>&1 | tail -12 ;;
+    sweepb)  timeout 420 python3 benchmarks/sweep_norm_window.py --dirs bwd --stages s2,s3,s4 --out "$out/r/sweep_norm_window_bwd.json" 2>&1 | tail -12 ;;
     dense-apply) timeout 420 swinbench apply --recipe dense --stages amp,fmha,dense,fmha-graph,dense-graph \
                --model swin_base_patch4_window7_224 --batch 64 --out "$out/r/apply_dense" 2>&1 | tail -24
              tail -3 "$out"/r/apply_dense/logs/*.log 2>/dev/null | tail -12 ;;
