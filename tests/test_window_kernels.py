@@ -38,6 +38,7 @@ SHAPES = [
     (1, 9, 15, 33, 4, 2),
     (1, 15, 9, 100, 4, 0),
     (2, 7, 7, 32, 7, 0),
+    (1, 7, 9, 300, 4, 2),  # C in (256, 1024]: the 2-warp, 4-row backward tiles
 ]
 if DEVICE == "cuda":
     SHAPES += [

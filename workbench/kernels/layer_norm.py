@@ -271,8 +271,12 @@ def sum_partials(partial: torch.Tensor) -> torch.Tensor:
 
 def split_norm_grads(sums: torch.Tensor, weight, bias) -> tuple:
     """(dweight, dbias) from a LayerNorm backward's (2C,) fp32 column sums: views when the parameter is
-    fp32 (autocast training keeps them so), cast copies otherwise; None for a missing parameter."""
+    fp32 (autocast training keeps them so), cast copies otherwise (one cast for both when they share a
+    dtype); None for a missing parameter."""
     n_cols = sums.shape[0] // 2
+    if weight is not None and bias is not None and weight.dtype == bias.dtype != torch.float32:
+        sums = sums.to(weight.dtype)
+        return sums[:n_cols], sums[n_cols:]
     dw = sums[:n_cols] if weight is not None else None
     db = sums[n_cols:] if bias is not None else None
     if dw is not None and weight.dtype != torch.float32:

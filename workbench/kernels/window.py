@@ -239,11 +239,13 @@ _COPY_TILE_ELEMS = 8192
 # LayerNorm kernels hold whole rows over 4 warps: ~2048 elements per backward tile, ~4096 per forward
 # tile. The launch configuration of both comes from benchmarks/sweep_norm_window.py on the H200 (Swin-B
 # stages 1-4, batch 64, bf16; raw sweeps in benchmarks/results/sweep_norm_window*_h200.json): 4 warps
-# beat 8 and 16 at every stage, the forward is fastest on 4096-8192 element tiles, and no backward tile
-# size, band length, residency or pipelining depth beat the shipped one by more than about 1 µs.
+# beat 8 and 16 at every stage, the forward is fastest on 4096-8192 element tiles; in the backward, band
+# length, residency and pipelining depth move it by about 1 µs, and at C = 512-1024 fewer warps per row
+# (a warp per 1024 elements) beat 4-warp 2048-element tiles (_norm_blocks).
 _NORM_TILE_ELEMS = 2048
 _NORM_FWD_TILE_ELEMS = 4096
 _NORM_WARPS = 4
+_NORM_SMALL_ROWS = 4
 # Norm backward grid: 3 resident programs per SM (one wave), each a band of at least this many tokens
 # (fewer, longer bands mean fewer atomic adds of the (2C,) column sums). 16 doubles the programs at
 # stage 4 (3136 tokens) against 32, and costs nothing elsewhere.
@@ -268,10 +270,20 @@ def _copy_blocks(C: int) -> tuple[int, int, int]:
 
 @functools.lru_cache(maxsize=None)
 def _norm_blocks(C: int) -> tuple[int, int, int]:
-    """(BLOCK_T, BLOCK_C, num_warps) for the LayerNorm backward tiles: whole rows, ~2048 elements (at
-    least 2 rows) over 4 warps; 8 warps where two rows are wider than that
-    (C > 1024: Swin-L's 1536), so that a thread's share of the backward's tiles stays in registers."""
+    """(BLOCK_T, BLOCK_C, num_warps) for the LayerNorm backward tiles: whole rows, at least 2.
+
+    * C <= 256: ~2048 elements over 4 warps.
+    * 256 < C <= 1024 (Swin's stages 3 and 4): 32 elements per thread per tensor, a warp per 1024
+      elements: 4 rows of 512 on 2 warps, 4 rows of 1024 on 4 warps. The H200 sweep
+      (benchmarks/results/sweep_norm_window_bwd_small_warps_h200.json) put these at 15.6 / 11.4 µs
+      against 18.3 / 11.8 µs for 2048-element tiles on 4 warps; fewer warps per row means cheaper
+      row reductions.
+    * C > 1024 (Swin-L's 1536): two rows over 8 warps, so that a thread's share stays in registers.
+    """
     block_c = triton.next_power_of_2(C)
+    if 256 < block_c <= 1024:
+        block_t = _NORM_SMALL_ROWS
+        return block_t, block_c, block_t * block_c // 1024
     block_t = max(2, _NORM_TILE_ELEMS // block_c)
     return block_t, block_c, _NORM_WARPS if block_t * block_c <= _NORM_TILE_ELEMS else 8
 
