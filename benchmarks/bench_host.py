@@ -7,6 +7,8 @@ GPU runs only. Three parts, printed as short tables and written as one JSON reco
   stages  for each recipe stage at a small batch (GPU time small), host ms to enqueue one training step
           (wall time of step() without a sync) against the GPU time of the step (CUDA events).
   pyprof  cProfile of a few eager steps of one stage: the Python functions with the most own time.
+  compile for each compiled stage (--compile-stages): host enqueue and step ms, Dynamo's graph breaks
+          and graph count, and the cProfile top of three compiled steps (where the host time goes).
 
     python benchmarks/bench_host.py --out host.json [--model swin_base_patch4_window7_224 --batch 8]
 """
@@ -392,6 +394,51 @@ def pyprof(model: str, batch: int, stage: str, steps: int, top: int) -> str:
     return buf.getvalue()
 
 
+def compile_table(model: str, batch: int, stages: list[str], steps: int, top: int) -> list[dict]:
+    from torch._dynamo.utils import counters
+
+    rows = []
+    for stage in stages:
+        counters.clear()
+        t = time.perf_counter()
+        wl = build_stage(model, batch, stage)
+        for i in range(3):
+            wl.step(i)
+        torch.cuda.synchronize()
+        compile_s = time.perf_counter() - t
+        breaks = {k: v for k, v in counters["graph_break"].items()}
+        graphs = counters["stats"].get("unique_graphs", 0)
+        enq, gpu = [], []
+        for i in range(steps):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            e0.record()
+            t = time.perf_counter()
+            wl.step(i)
+            enq.append((time.perf_counter() - t) * 1e3)
+            e1.record()
+            torch.cuda.synchronize()
+            gpu.append(e0.elapsed_time(e1))
+        prof = cProfile.Profile()
+        prof.enable()
+        for i in range(3):
+            wl.step(i)
+        torch.cuda.synchronize()
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+        row = {"stage": stage, "host_ms_per_step": statistics.median(enq), "step_ms": statistics.median(gpu),
+               "build_and_compile_s": compile_s, "graph_breaks": breaks, "unique_graphs": graphs,
+               "pyprof": buf.getvalue()}
+        rows.append(row)
+        print(f"  {stage:20s} host enqueue {row['host_ms_per_step']:7.2f} ms   step {row['step_ms']:7.2f} ms   "
+              f"graphs {graphs}   graph breaks {sum(breaks.values())}: {breaks}", flush=True)
+        print("\n".join(row["pyprof"].splitlines()[:top + 12]), flush=True)
+        del wl
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="swin_base_patch4_window7_224")
@@ -399,6 +446,7 @@ def main() -> int:
     ap.add_argument("--stages", default="amp,apex,window,fmha,dense,block")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--pyprof-stage", default="fmha")
+    ap.add_argument("--compile-stages", default="torch-compile,fmha-compile")
     ap.add_argument("--parts", default="launch,timeline,stages,threads")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -424,6 +472,8 @@ def main() -> int:
     if "pyprof" in parts:
         record["pyprof"] = pyprof(args.model, args.batch, args.pyprof_stage, 3, 40)
         print(record["pyprof"][:6000])
+    if "compile" in parts:
+        record["compile"] = compile_table(args.model, args.batch, args.compile_stages.split(","), args.steps, 22)
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=1, default=str))
     return 0

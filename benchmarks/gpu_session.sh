@@ -15,6 +15,13 @@ for part in "$@"; do
     tests)   timeout 300 python3 -m pytest -q -p no:cacheprovider --durations=8 tests/test_window_kernels.py tests/test_window_attention.py \
                tests/test_kernel_ops.py tests/test_pass_fused_linear.py tests/test_layer_norm.py tests/test_pass_fused_window.py tests/test_pass_fused_attention.py \
                tests/test_pass_fused_layernorm.py tests/test_compile_fused_passes.py tests/test_column_sums.py 2>&1 | tail -40 ;;
+    compile-diag) timeout 450 python3 benchmarks/bench_host.py --parts compile --batch 64 --steps 8 \
+               --compile-stages torch-compile,fmha-compile --out "$out/r/bench_host_compile.json" 2>&1 | grep -v "^\s*$" | tail -90 ;;
+    traced)  timeout 280 python3 -m pytest -q -p no:cacheprovider -x tests/test_kernel_ops.py tests/test_window_attention.py \
+               tests/test_compile_fused_passes.py 2>&1 | tail -15
+             timeout 300 python3 benchmarks/bench_host.py --parts compile --batch 64 --steps 8 \
+               --compile-stages fmha-compile --out "$out/r/bench_host_compile_traced.json" 2>&1 | grep -v "^\s*$" | tail -40 ;;
+    wbench)  timeout 90 python3 benchmarks/bench_window.py --check --out "$out/r/bench_window.json" 2>&1 | tail -22 ;;
     host)    timeout 240 python3 benchmarks/bench_host.py --out "$out/r/bench_host.json" 2>&1 | tail -75 ;;
     kernels) python3 benchmarks/bench_window.py --check --out "$out/r/bench_window.json" 2>&1 | tail -25
              python3 benchmarks/bench_window_attention.py --check --out "$out/r/bench_window_attention.json" 2>&1 | tail -25

@@ -1,7 +1,7 @@
 """The `fmha-compile` stack on the tiny Swin: fused_layernorm (triton), fused_window and fused_attention
-applied, then torch.compile (aot_eager: Dynamo + AOTAutograd, no Inductor codegen). The Triton kernels
-are torch.library custom ops, so Dynamo records them as opaque ops instead of tracing into the Triton
-launch path (which fails under TRITON_INTERPRET=1). Logits and every parameter gradient must match the
+applied, then torch.compile (aot_eager: Dynamo + AOTAutograd, no Inductor codegen; on a GPU Inductor too).
+On the CPU the Triton kernels are opaque custom ops (tracing into Triton's interpreter is not possible);
+on a GPU they are triton_ops that AOTAutograd traces into. Logits and every parameter gradient must match the
 eager patched model and the unpatched timm model in fp32."""
 import copy
 import os
@@ -26,8 +26,13 @@ STACKS = {"fmha": PASSES, "dense": PASSES + (("fused_linear", None),),
 RTOL_FP32 = 1e-4  # relative (norm) error, fp32
 
 
+# On a GPU also Inductor, which traces into the kernels' triton_ops and launches them from its own code.
+BACKENDS = ["aot_eager"] + (["inductor"] if DEVICE.type == "cuda" else [])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("stack", sorted(STACKS))
-def test_compiled_fused_passes_match_eager_and_timm_in_fp32(stack):
+def test_compiled_fused_passes_match_eager_and_timm_in_fp32(stack, backend):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     torch.manual_seed(0)
@@ -40,7 +45,7 @@ def test_compiled_fused_passes_match_eager_and_timm_in_fp32(stack):
         patched, result = apply_pass(name, patched, ctx, params)
         assert result.available, f"{name}: {result.changed}"
     compiled_src = copy.deepcopy(patched)
-    compiled = torch.compile(compiled_src, backend="aot_eager")
+    compiled = torch.compile(compiled_src, backend=backend)
 
     images, labels = tiny_batch(plain, 2, DEVICE)
     plain_logits, plain_grads = train_step(plain, images, labels)

@@ -1,5 +1,6 @@
-"""The kernel entry points as operators: every swinbench::* custom op passes torch.library.opcheck
-(schema, fake implementation against the real kernel's output shapes/strides/dtypes, AOT dispatch), and
+"""The kernel entry points as operators: every swinbench::* op passes torch.library.opcheck (schema, fake
+implementation against the real kernel's output shapes/strides/dtypes, AOT dispatch), the opaque custom
+op everywhere and, on a GPU, the triton_op that torch.compile traces into; and
 in eager mode the entry points run the host functions without going through the op at all."""
 import importlib
 import os
@@ -14,12 +15,13 @@ ln = importlib.import_module("workbench.kernels.layer_norm")  # noqa: E402
 win = importlib.import_module("workbench.kernels.window")  # noqa: E402
 wa = importlib.import_module("workbench.kernels.window_attention")  # noqa: E402
 lin = importlib.import_module("workbench.kernels.linear")  # noqa: E402
-from workbench.kernels._ops import OpaqueOp  # noqa: E402
+from workbench.kernels._ops import KernelOp  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # opcheck's default set: schema, autograd registration, fake tensor vs real output, AOT dispatch with
 # dynamic shapes (the path torch.compile takes)
 UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+UTILS_TRACED = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_static")
 
 
 def rand(*shape, dtype=torch.float32):
@@ -75,12 +77,16 @@ NAMES = ["layer_norm_fwd", "add_layer_norm_fwd", "layer_norm_bwd", "roll_partiti
 @pytest.mark.parametrize("name", NAMES)
 def test_custom_op_passes_opcheck(name):
     op, args = samples()[name]
-    assert isinstance(op, OpaqueOp) and op.op._qualname == f"swinbench::{name}"
-    torch.library.opcheck(op.op, args, test_utils=UTILS)
+    assert isinstance(op, KernelOp) and op.op._qualname == f"swinbench::{name}"
+    torch.library.opcheck(op.opaque, args, test_utils=UTILS)
+    if op.traceable:
+        # The triton_op (a GPU): AOTAutograd traces its host function; static shapes only (torch.compile
+        # with symbolic ones gets the opaque op).
+        torch.library.opcheck(op.op, args, test_utils=UTILS_TRACED)
 
 
 def test_every_swinbench_op_is_sampled():
-    ops = [o for m in (ln, win, wa, lin) for o in vars(m).values() if isinstance(o, OpaqueOp)]
+    ops = [o for m in (ln, win, wa, lin) for o in vars(m).values() if isinstance(o, KernelOp)]
     assert sorted(o.op._qualname.split("::")[1] for o in ops) == sorted(NAMES)
 
 

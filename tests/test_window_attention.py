@@ -3,6 +3,7 @@
 On a machine without a GPU the Triton kernels run under TRITON_INTERPRET=1 (set here, before
 Triton is imported) on small shapes; with a GPU the Swin-B stage shapes are checked as well.
 """
+import importlib
 import os
 
 import pytest
@@ -170,6 +171,23 @@ def test_d_rel_bias_is_deterministic():
     first = torch.autograd.grad(out, [rel_bias], dout, retain_graph=True)[0]
     second = torch.autograd.grad(out, [rel_bias], dout)[0]
     assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize("nw", [None, 3])
+def test_traced_backward_sums_every_slot(monkeypatch, nw):
+    """Traced by torch.compile (triton_op), the backward cannot know the G Inductor's autotuning will
+    pick: it sums every slot of the d_bias partial buffer, and the kernel zeroes those its G leaves
+    unused. With the buffers NaN-poisoned, an unzeroed slot would show."""
+    ops = importlib.import_module("workbench.kernels._ops")
+    q, k, v, rel_bias, mask, _ = make_inputs(18, 2, 49, 16, nw, "separate", torch.float32)
+    scale = 16 ** -0.5
+    out, lse = wa.window_attention_fwd(q, k, v, rel_bias, mask, scale)
+    dout = torch.randn_like(out)
+    *_, eager_dbias = wa.window_attention_bwd(q, k, v, out, lse, dout, rel_bias, mask, scale)
+    monkeypatch.setattr(ops._STATE, "tracing", True, raising=False)
+    *_, traced_dbias = wa.window_attention_bwd(q, k, v, out, lse, dout, rel_bias, mask, scale)
+    assert torch.isfinite(traced_dbias).all()
+    torch.testing.assert_close(traced_dbias, eager_dbias, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("layout", ["packed", "timm_qkv"])

@@ -1,40 +1,116 @@
-"""Kernel entry points that are custom ops under torch.compile and plain calls in eager mode.
+"""Kernel entry points: plain calls in eager mode, operators that torch.compile can see into.
 
-Each host function (allocate outputs, launch Triton) is registered as a `torch.library` custom op
-so that torch.compile records it as one opaque node with a fake implementation for shapes. In
-eager mode the op's dispatcher path (schema binding, the autograd fallback, aliasing checks) costs
-15-45 µs of host time per call on the H200 machine (benchmarks/bench_host.py) on top of the launch,
-for nothing: the op has no autograd formula of its own (the autograd Functions wrap it). So the
-entry point calls the function straight when nothing is compiling and the op when Dynamo traces.
+Each host function (allocate outputs, launch Triton) is registered as a `torch.library` operator so
+that torch.compile can put it in its graph. Two registrations:
+
+* `torch.library.triton_op` (a GPU with compiled Triton): AOTAutograd traces the host function
+  itself, its launches written as `launch(kernel)[grid](...)` become `wrap_triton` nodes, and Inductor
+  launches the kernels from its generated code with its own launcher, beside the kernels it generates.
+  The host function therefore has to be traceable with fake tensors: shapes and Python ints only, no
+  reads of tensor data or of an autotuner's choice, no launch options Inductor does not take
+  (`launch_options` drops maxnreg while tracing).
+* `torch.library.custom_op` (Triton's CPU interpreter, SWINBENCH_TRITON_OP=0, or symbolic shapes): one
+  opaque node per call with a fake implementation for shapes; at run time the compiled graph calls back
+  into the dispatcher and the Python host function.
+
+On the H200 the opaque path cost about 90 µs of host time per call inside a compiled Swin-B step
+(benchmarks/bench_host.py --parts compile), enough to leave the compiled step host-bound.
+
+In eager mode either op's dispatcher path (schema binding, the autograd fallback, aliasing checks)
+costs 15-45 µs of host time per call on top of the launch, for nothing: the op has no autograd formula
+of its own (the autograd Functions wrap it). So the entry point calls the host function straight when
+nothing is compiling and the op when Dynamo traces.
 """
 from __future__ import annotations
 
+import functools
+import os
+import threading
 from typing import Callable
 
 import torch
 
+_STATE = threading.local()
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-class OpaqueOp:
-    """`@opaque_op("swinbench::name")` on a host function: calling it runs the function directly in
-    eager mode and the registered custom op while torch.compile traces. `register_fake` and `op`
-    reach the custom op (for fake implementations and torch.library.opcheck). `eager`, when given, runs
-    instead of the op's function in eager mode: the same computation without a custom op's constraints
-    (an op may not return one of its inputs; a plain function can hand it back instead of copying)."""
+
+def triton_ops_enabled() -> bool:
+    """Whether operators are registered as triton_ops (Inductor launches the kernels) rather than opaque
+    custom ops. Off under Triton's CPU interpreter (Inductor cannot compile the kernels for the CPU) and
+    with SWINBENCH_TRITON_OP=0 (to compare the two)."""
+    return (not _INTERPRET and os.environ.get("SWINBENCH_TRITON_OP", "1") != "0"
+            and hasattr(torch.library, "triton_op") and torch.cuda.is_available())
+
+
+def tracing() -> bool:
+    """True while a triton_op's host function runs under AOTAutograd's tracing (fake tensors)."""
+    return getattr(_STATE, "tracing", False)
+
+
+def launch(kernel):
+    """`launch(kernel)[grid](...)`: the kernel itself, or its `wrap_triton` wrapper while traced."""
+    if tracing():
+        return torch.library.wrap_triton(kernel)
+    return kernel
+
+
+def launch_options(maxnreg: int | None = None) -> dict:
+    """Extra launch keywords: maxnreg, except while traced (Inductor's launcher takes only num_warps,
+    num_stages and the like, so a traced kernel runs without the register cap)."""
+    return {} if maxnreg is None or tracing() else {"maxnreg": maxnreg}
+
+
+def _traced_body(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def body(*args, **kwargs):
+        prev = tracing()
+        _STATE.tracing = True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _STATE.tracing = prev
+    return body
+
+
+def _symbolic(args) -> bool:
+    """Any symbolic size among the arguments (torch.compile with dynamic shapes)."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if not all(isinstance(s, int) for s in a.shape):
+                return True
+        elif isinstance(a, torch.SymInt):
+            return True
+    return False
+
+
+class KernelOp:
+    """`@kernel_op("swinbench::name")` on a host function: calling it runs the function directly in
+    eager mode and a registered operator while torch.compile traces: `op`, a triton_op where
+    `triton_ops_enabled()`, for static shapes; `opaque`, the custom op (named name_opaque beside a
+    triton_op), for symbolic ones, whose sizes the host functions' lru_cache'd launch configurations
+    cannot take. `register_fake` gives the opaque op its fake implementation (a triton_op's host function
+    is its own). `eager`, when given, runs instead of the op's function in eager mode: the same
+    computation without an operator's constraints (an op may not return one of its inputs; a plain
+    function can hand it back instead of copying)."""
 
     def __init__(self, name: str, fn: Callable, eager: Callable | None = None):
         self.fn = eager or fn
-        self.op = torch.library.custom_op(name, fn, mutates_args=())
+        self.traceable = triton_ops_enabled()
+        self.opaque = torch.library.custom_op(name + ("_opaque" if self.traceable else ""), fn, mutates_args=())
+        self.op = torch.library.triton_op(name, _traced_body(fn), mutates_args=()) if self.traceable else self.opaque
         self.__doc__ = fn.__doc__
         self.__name__ = getattr(fn, "__name__", name)
 
     def register_fake(self, fake: Callable) -> Callable:
-        return self.op.register_fake(fake)
+        return self.opaque.register_fake(fake)
 
     def __call__(self, *args):
         if torch.compiler.is_compiling():
-            return self.op(*args)
+            if self.traceable and not _symbolic(args):
+                return self.op(*args)
+            return self.opaque(*args)
         return self.fn(*args)
 
 
-def opaque_op(name: str, eager: Callable | None = None) -> Callable[[Callable], OpaqueOp]:
-    return lambda fn: OpaqueOp(name, fn, eager)
+def kernel_op(name: str, eager: Callable | None = None) -> Callable[[Callable], KernelOp]:
+    return lambda fn: KernelOp(name, fn, eager)

@@ -22,9 +22,9 @@ prefetched). Each program adds its fp32 sums atomically into one zeroed (2C,) bu
 one memset and no reduction launch. Under torch.use_deterministic_algorithms(True) each program stores
 its own row of a (G, 2C) buffer instead and `sum_partials` adds the rows in a fixed order.
 
-The autograd Functions call the host functions through torch.library custom ops (swinbench::layer_norm_fwd,
-add_layer_norm_fwd, layer_norm_bwd), so torch.compile sees each as
-one opaque op instead of tracing into the Triton launch path.
+The autograd Functions call the host functions through torch.library operators (swinbench::layer_norm_fwd,
+add_layer_norm_fwd, layer_norm_bwd; see _ops.py): under torch.compile on a GPU Inductor launches the
+kernels itself, elsewhere each call is one opaque op.
 
 Kernels run on the GPU, and on the CPU with TRITON_INTERPRET=1 set before this module is imported (slow).
 """
@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._ops import opaque_op
+from ._ops import kernel_op, launch, launch_options
 
 # Widest row one program holds in registers. Swin needs 1536 (-> 2048); wider rows would want a
 # column loop, which no Swin needs.
@@ -264,7 +264,7 @@ def sum_partials(partial: torch.Tensor) -> torch.Tensor:
     """(G, N) fp32 partial sums -> (N,) fp32 totals, each column added over G in a fixed order (one launch)."""
     n_partials, n_cols = partial.shape
     out = _new_output((n_cols,), torch.float32, partial.device)
-    _sum_partials_kernel[(triton.cdiv(n_cols, _SUM_BLOCK_N),)](
+    launch(_sum_partials_kernel)[(triton.cdiv(n_cols, _SUM_BLOCK_N),)](
         partial, out, n_partials, n_cols, BLOCK_P=_SUM_BLOCK_P, BLOCK_N=_SUM_BLOCK_N, num_warps=4)
     return out
 
@@ -310,7 +310,7 @@ def layer_norm_fwd(x2, residual2, weight, bias, eps: float, out_dtype: torch.dty
     mean = _new_output((n_rows,), torch.float32, device)
     rstd = _new_output((n_rows,), torch.float32, device)
     if n_rows > 0:
-        _layer_norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
+        launch(_layer_norm_fwd_kernel)[(triton.cdiv(n_rows, block_m),)](
             x2, residual2 if residual2 is not None else x2, s if s is not None else y, y,
             weight if weight is not None else x2, bias if bias is not None else x2, mean, rstd,
             n_rows, n_cols, eps,
@@ -332,25 +332,23 @@ def layer_norm_bwd(dy2, x2, weight, bias, mean, rstd, ds2, dx_dtype: torch.dtype
     block_m, block_n, num_warps = _tile(n_cols)
     programs, rows_per_program, maxnreg = _bwd_grid(n_rows, n_cols, max(x2.element_size(), dy2.element_size()), device)
     sums, atomic = column_sums(programs, 2 * n_cols, device, sums_into)
-    _layer_norm_bwd_kernel[(programs,)](
+    launch(_layer_norm_bwd_kernel)[(programs,)](
         dy2, x2, weight if weight is not None else x2, mean, rstd,
         ds2 if ds2 is not None else dy2, dx, sums,
         n_rows, n_cols, rows_per_program,
         HAS_DS=ds2 is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, ATOMIC=atomic,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, maxnreg=maxnreg,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **launch_options(maxnreg),
     )
     return dx, finish_column_sums(sums, atomic)
 
 
-# Custom ops make the kernels opaque to torch.compile (as in window_attention.py): Dynamo records one
-# op per host function instead of tracing into the Triton launch path (lru_cache'd tile sizes, maxnreg,
-# the interpreter, the `_new_output` test hook, column_sums), and the fake implementations give the
-# output shapes and dtypes. Inputs are (M, C) rows (the autograd Functions reshape); outputs are fresh
+# One operator per host function (_ops.kernel_op): traced into by torch.compile on a GPU (triton_op),
+# opaque otherwise, where the fake implementations give the output shapes and dtypes. Inputs are (M, C) rows (the autograd Functions reshape); outputs are fresh
 # contiguous tensors. dweight and dbias come back as one (2C,) fp32 tensor (two views of one buffer may
 # not both be outputs of an op); the Functions split and cast it.
 
 
-@opaque_op("swinbench::layer_norm_fwd")
+@kernel_op("swinbench::layer_norm_fwd")
 def _layer_norm_fwd_op(x2: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                        eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _, y, mean, rstd = layer_norm_fwd(x2, None, weight, bias, eps, x2.dtype)
@@ -364,7 +362,7 @@ def _(x2, weight, bias, eps):
             x2.new_empty((n_rows,), dtype=torch.float32))
 
 
-@opaque_op("swinbench::add_layer_norm_fwd")
+@kernel_op("swinbench::add_layer_norm_fwd")
 def _add_layer_norm_fwd_op(x2: torch.Tensor, residual2: torch.Tensor, weight: Optional[torch.Tensor],
                            bias: Optional[torch.Tensor], eps: float
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -379,7 +377,7 @@ def _(x2, residual2, weight, bias, eps):
             x2.new_empty((n_rows,), dtype=torch.float32), x2.new_empty((n_rows,), dtype=torch.float32))
 
 
-@opaque_op("swinbench::layer_norm_bwd")
+@kernel_op("swinbench::layer_norm_bwd")
 def _layer_norm_bwd_op(dy2: torch.Tensor, x2: torch.Tensor, weight: Optional[torch.Tensor],
                        bias: Optional[torch.Tensor], mean: torch.Tensor, rstd: torch.Tensor,
                        ds2: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

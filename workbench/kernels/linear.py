@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._ops import opaque_op
+from ._ops import kernel_op, launch
 from .layer_norm import _new_output, column_sums, emit_column_sum, finish_column_sums, sm_count
 
 # Elements per (rows x cols) tile: 2048 over 4 warps is 16 fp32 accumulators per thread.
@@ -94,7 +94,7 @@ def bias_grad_host(dy: torch.Tensor, pre: Optional[torch.Tensor], bias_dtype: to
     block_m, block_n, row_programs, col_blocks, rows_per_prog = _grid(n_rows, n_cols, dy.device)
     sums, atomic = column_sums(row_programs, n_cols, dy.device, sums_into)
     dpre = _new_output(dy.shape, dy.dtype, dy.device) if pre is not None else dy
-    _bias_grad_kernel[(row_programs, col_blocks)](
+    launch(_bias_grad_kernel)[(row_programs, col_blocks)](
         dy, pre if pre is not None else dy, dpre, sums, n_rows, n_cols, rows_per_prog,
         GELU=pre is not None, ATOMIC=atomic, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
     )
@@ -102,7 +102,7 @@ def bias_grad_host(dy: torch.Tensor, pre: Optional[torch.Tensor], bias_dtype: to
     return dpre, (db if bias_dtype == torch.float32 else db.to(bias_dtype))
 
 
-@opaque_op("swinbench::bias_grad", eager=bias_grad_host)
+@kernel_op("swinbench::bias_grad", eager=bias_grad_host)
 def _bias_grad_op(dy: torch.Tensor, pre: Optional[torch.Tensor], bias_dtype: torch.dtype
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     dpre, db = bias_grad_host(dy, pre, bias_dtype)

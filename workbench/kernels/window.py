@@ -22,9 +22,9 @@ tiles per program, one wave of programs) added atomically into one zeroed fp32 b
 
 Backward of each op is a forward of another: d(roll_partition) = merge_roll(dout);
 d(merge_roll) = roll_partition(dout); merge_unshift_add's dshortcut is dout itself (no copy).
-The autograd Functions call the host functions through torch.library custom ops (swinbench::
-roll_partition_fwd, merge_roll_fwd, norm_shift_partition_fwd/_bwd), so torch.compile sees each launch
-as one opaque op with a fake (shape/dtype) implementation instead of tracing into Triton.
+The autograd Functions call the host functions through torch.library operators (swinbench::
+roll_partition_fwd, merge_roll_fwd, norm_shift_partition_fwd/_bwd; see _ops.py): under torch.compile on
+a GPU Inductor launches the kernels itself, elsewhere each call is one opaque op.
 
 Dtypes: fp32, fp16, bf16; math in fp32; outputs in the input dtype (merge_unshift_add:
 the promoted dtype of windows and shortcut, as `shortcut + windows` would give).
@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._ops import opaque_op
+from ._ops import kernel_op, launch, launch_options
 
 from workbench.kernels.layer_norm import column_sums, emit_column_sum, finish_column_sums, sm_count, split_norm_grads
 
@@ -320,7 +320,7 @@ def roll_partition_fwd(x: torch.Tensor, window_size: int, shift: int, *, out_dty
     n_out = B * Hp * Wp
     block_t, block_c, num_warps = _copy_blocks(C)
     grid = (triton.cdiv(n_out, block_t), triton.cdiv(C, block_c))
-    _partition_fwd_kernel[grid](
+    launch(_partition_fwd_kernel)[grid](
         x, out, x, x, x, x, n_out, C, 0.0,
         H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, NORM=False, SOFT_RTNE=_SOFT_RTNE, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps,
     )
@@ -352,7 +352,7 @@ def merge_roll_fwd(
     n_tok = B * H * W
     block_t, block_c, num_warps = _copy_blocks(C)
     grid = (triton.cdiv(n_tok, block_t), triton.cdiv(C, block_c))
-    _merge_fwd_kernel[grid](
+    launch(_merge_fwd_kernel)[grid](
         windows, shortcut if shortcut is not None else windows, out,
         n_tok, C,
         H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, ADD=shortcut is not None, SOFT_RTNE=_SOFT_RTNE, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps,
@@ -375,7 +375,7 @@ def norm_shift_partition_fwd(
     rstd = torch.empty(B * H * W, dtype=torch.float32, device=x.device)
     n_out = B * Hp * Wp
     block_t, block_c, num_warps = _norm_fwd_config(C)
-    _partition_fwd_kernel[(triton.cdiv(n_out, block_t), 1)](
+    launch(_partition_fwd_kernel)[(triton.cdiv(n_out, block_t), 1)](
         x, out, _contig(weight), _contig(bias), mean, rstd, n_out, C, float(eps),
         H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, NORM=True, SOFT_RTNE=_SOFT_RTNE, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps,
     )
@@ -419,21 +419,20 @@ def norm_shift_partition_bwd(
     n_tok = B * H * W
     block_t, block_c, num_warps, nprog, tiles_per_prog, maxnreg, stages = _norm_bwd_config(n_tok, C, x.element_size(), x.device)
     sums, atomic = column_sums(nprog, 2 * C, x.device, sums_into)
-    _norm_partition_bwd_kernel[(nprog,)](
+    launch(_norm_partition_bwd_kernel)[(nprog,)](
         dwindows, x, _contig(weight), mean, rstd, dx, sums,
         n_tok, tiles_per_prog, C,
         H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=int(window_size), SOFT_RTNE=_SOFT_RTNE,
-        ATOMIC=atomic, STAGES=stages, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps, maxnreg=maxnreg,
+        ATOMIC=atomic, STAGES=stages, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps, **launch_options(maxnreg),
     )
     return dx, finish_column_sums(sums, atomic)
 
 
-# ------------------------------------------------------------------------------- custom ops
+# ------------------------------------------------------------------------------- operators
 
-# Custom ops make the kernels opaque to torch.compile (as in window_attention.py): Dynamo records one
-# op per host function instead of tracing into the Triton launch path (lru_cache'd block sizes, launch
-# options such as maxnreg, the interpreter), and the fake implementations give the output shapes,
-# dtypes and (contiguous) strides. Every op returns fresh tensors, never a view of an input.
+# One operator per host function (_ops.kernel_op): traced into by torch.compile on a GPU (triton_op),
+# opaque otherwise, where the fake implementations give the output shapes, dtypes and (contiguous)
+# strides. Every op returns fresh tensors, never a view of an input.
 
 
 def _windows_shape(B, H: int, W: int, C: int, window_size: int, shift: int):
@@ -443,7 +442,7 @@ def _windows_shape(B, H: int, W: int, C: int, window_size: int, shift: int):
     return (B * (-(-H // ws)) * (-(-W // ws)), ws * ws, C)
 
 
-@opaque_op("swinbench::roll_partition_fwd")
+@kernel_op("swinbench::roll_partition_fwd")
 def _roll_partition_op(x: torch.Tensor, window_size: int, shift: int, out_dtype: torch.dtype) -> torch.Tensor:
     return roll_partition_fwd(x, window_size, shift, out_dtype=out_dtype)
 
@@ -454,7 +453,7 @@ def _(x, window_size, shift, out_dtype):
     return x.new_empty(_windows_shape(B, H, W, C, window_size, shift), dtype=out_dtype)
 
 
-@opaque_op("swinbench::merge_roll_fwd")
+@kernel_op("swinbench::merge_roll_fwd")
 def _merge_roll_op(windows: torch.Tensor, window_size: int, shift: int, H: int, W: int,
                    shortcut: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
     return merge_roll_fwd(windows, window_size, shift, H, W, shortcut, out_dtype=out_dtype)
@@ -468,7 +467,7 @@ def _(windows, window_size, shift, H, W, shortcut, out_dtype):
                              dtype=out_dtype)
 
 
-@opaque_op("swinbench::norm_shift_partition_fwd")
+@kernel_op("swinbench::norm_shift_partition_fwd")
 def _norm_shift_partition_fwd_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
                                  window_size: int, shift: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return norm_shift_partition_fwd(x, weight, bias, eps, window_size, shift)
@@ -481,7 +480,7 @@ def _(x, weight, bias, eps, window_size, shift):
             x.new_empty((B * H * W,), dtype=torch.float32), x.new_empty((B * H * W,), dtype=torch.float32))
 
 
-@opaque_op("swinbench::norm_shift_partition_bwd")
+@kernel_op("swinbench::norm_shift_partition_bwd")
 def _norm_shift_partition_bwd_op(dwindows: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
                                  rstd: torch.Tensor, window_size: int, shift: int
                                  ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._ops import opaque_op
+from ._ops import kernel_op, launch, tracing
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -126,7 +126,7 @@ def _window_attention_fwd_kernel(
             tl.store(LSE + (b * NH + h) * N + offs_m, m + tl.log2(l), mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["B_PER_W", "G", "NW", "NH"])
+@triton.jit(do_not_specialize=["B_PER_W", "G", "NW", "NH", "FILL_SLOTS"])
 def _window_attention_bwd_kernel(
     Q, K, V, O, DO, LSE, BIAS, MASK, DQ, DK, DV, DBIAS_PARTIAL,
     sq_b, sq_h, sq_n, sq_d,
@@ -137,7 +137,7 @@ def _window_attention_bwd_kernel(
     sdq_b, sdq_h, sdq_n, sdq_d,
     sdk_b, sdk_h, sdk_n, sdk_d,
     sdv_b, sdv_h, sdv_n, sdv_d,
-    scale, B_PER_W, G,
+    scale, B_PER_W, G, FILL_SLOTS,
     NW, NH, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, COMPUTE_DBIAS: tl.constexpr,
@@ -212,6 +212,17 @@ def _window_attention_bwd_kernel(
             ij = offs_m0[:, None] * N + offs_n[None, :]
             ok = (offs_m0 < N)[:, None] & key_ok[None, :]
             tl.store(dbias_slot + ij, dbias_acc, mask=ok)
+        # Slots past this G's groups, up to FILL_SLOTS, are zeroed by the last group's programs, so that
+        # the host can sum FILL_SLOTS slots without knowing which G the autotuner chose (traced calls).
+        n_groups = tl.cdiv(B_PER_W, G)
+        if g == n_groups - 1:
+            for s in range(n_groups, FILL_SLOTS):
+                slot = DBIAS_PARTIAL + ((s * NW + w) * NH + h).to(tl.int64) * N * N
+                for m0 in range(0, N, BLOCK_M):
+                    offs_m = m0 + tl.arange(0, BLOCK_M)
+                    ok = (offs_m < N)[:, None] & key_ok[None, :]
+                    tl.store(slot + offs_m[:, None] * N + offs_n[None, :],
+                             tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), mask=ok)
 
 
 # --------------------------------------------------------------------------------------------
@@ -309,7 +320,7 @@ def window_attention_fwd(q, k, v, rel_bias, mask, scale):
     block_m, block_n = _block_sizes(n)
     extra = dict(_INTERPRET_CONFIG) if _INTERPRET else {}
     grid = lambda meta: (nw * triton.cdiv(b_per_w, meta["G"]), nh)  # noqa: E731
-    _fwd[grid](
+    launch(_fwd)[grid](
         q, k, v, rel_bias, mask_arg, out, lse,
         *_strides(q), *_strides(k), *_strides(v), *_strides(out),
         float(scale), b_per_w, NW=nw, NH=nh, N=n, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
@@ -332,33 +343,37 @@ def window_attention_bwd(q, k, v, out, lse, dout, rel_bias, mask, scale, compute
         dq, dk, dv = (_new_buffer((bnw, nh, n, d), q.dtype, q.device) for _ in range(3))
     else:
         dq, dk, dv = dqkv.permute(2, 0, 3, 1, 4).unbind(0)
-    if _INTERPRET:
-        max_slots = triton.cdiv(b_per_w, _INTERPRET_CONFIG["G"])
-    else:
-        max_slots = triton.cdiv(b_per_w, _BWD_MIN_G)
+    max_slots = triton.cdiv(b_per_w, 1 if _INTERPRET else _BWD_MIN_G)  # 1: the CPU tests reach the fill path
     partial = _new_buffer((max_slots if compute_dbias else 1, nw, nh, n, n), torch.float32, q.device)
+    # Traced (torch.compile: Inductor autotunes G later), the kernel zeroes the slots its G leaves unused
+    # and all are summed; eager, only the slots of the G the autotuner chose are summed.
+    traced = tracing()
+    fill_slots = max_slots if traced and compute_dbias else 0
     block_m, block_n = _block_sizes(n)
     extra = dict(_INTERPRET_CONFIG) if _INTERPRET else {}
     grid = lambda meta: (nw * triton.cdiv(b_per_w, meta["G"]), nh)  # noqa: E731
-    _bwd[grid](
+    launch(_bwd)[grid](
         q, k, v, out, dout, lse, rel_bias, mask_arg, dq, dk, dv, partial,
         *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(dout),
         *_strides(dq), *_strides(dk), *_strides(dv),
-        float(scale), b_per_w, NW=nw, NH=nh, N=n, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
+        float(scale), b_per_w, FILL_SLOTS=fill_slots, NW=nw, NH=nh, N=n, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_MASK=mask is not None, PRECISION=_precision(q.dtype),
         UPCAST=_INTERPRET and q.dtype == torch.bfloat16, COMPUTE_DBIAS=compute_dbias, **extra,
     )
     dbias = None
     if compute_dbias:
-        g = _INTERPRET_CONFIG["G"] if _INTERPRET else _bwd.best_config.kwargs["G"]
-        dbias = partial[: triton.cdiv(b_per_w, g)].sum(dim=(0, 1))
+        if traced:
+            dbias = partial.sum(dim=(0, 1))
+        else:
+            g = _INTERPRET_CONFIG["G"] if _INTERPRET else _bwd.best_config.kwargs["G"]
+            dbias = partial[: triton.cdiv(b_per_w, g)].sum(dim=(0, 1))
     return dq, dk, dv, dbias
 
 
-# Custom ops make the kernels opaque to torch.compile: Dynamo records one op per launch instead of
-# tracing into the autotuner (whose chosen G sizes the d_bias reduction on the host), and the fake
-# implementations give Inductor the output shapes and strides.
-@opaque_op("swinbench::window_attention_fwd")
+# One operator per host function (_ops.kernel_op): traced into by torch.compile on a GPU (triton_op,
+# Inductor autotunes G itself, hence FILL_SLOTS), opaque otherwise, where the fake implementations give
+# the output shapes and strides.
+@kernel_op("swinbench::window_attention_fwd")
 def _window_attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel_bias: torch.Tensor,
                              mask: Optional[torch.Tensor], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     return window_attention_fwd(q, k, v, rel_bias, mask, scale)
@@ -370,7 +385,7 @@ def _(q, k, v, rel_bias, mask, scale):
     return q.new_empty((bnw, n, nh, d)).permute(0, 2, 1, 3), q.new_empty((bnw, nh, n), dtype=torch.float32)
 
 
-@opaque_op("swinbench::window_attention_bwd")
+@kernel_op("swinbench::window_attention_bwd")
 def _window_attention_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                              lse: torch.Tensor, dout: torch.Tensor, rel_bias: torch.Tensor,
                              mask: Optional[torch.Tensor], scale: float, compute_dbias: bool
@@ -387,7 +402,7 @@ def _(q, k, v, out, lse, dout, rel_bias, mask, scale, compute_dbias):
             rel_bias.new_empty(rel_bias.shape if compute_dbias else (0,)))
 
 
-@opaque_op("swinbench::window_attention_qkv_bwd")
+@kernel_op("swinbench::window_attention_qkv_bwd")
 def _window_attention_qkv_bwd_op(qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
                                  rel_bias: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
                                  compute_dbias: bool) -> tuple[torch.Tensor, torch.Tensor]:
