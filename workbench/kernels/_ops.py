@@ -24,6 +24,7 @@ nothing is compiling and the op when Dynamo traces.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import threading
 from typing import Callable
@@ -69,6 +70,8 @@ def _traced_body(fn: Callable) -> Callable:
             return fn(*args, **kwargs)
         finally:
             _STATE.tracing = prev
+    # fn's signature with its (string) annotations evaluated in fn's module, for the schema inference
+    body.__signature__ = inspect.signature(fn, eval_str=True)
     return body
 
 

@@ -81,14 +81,14 @@ def _bias_mask_tile(BIAS, MASK, h, w, offs_m, offs_n, N, HAS_MASK: tl.constexpr)
     return tl.where(key_ok[None, :], t, float("-inf"))
 
 
-@triton.jit(do_not_specialize=["B_PER_W", "G", "NW", "NH"])
+@triton.jit(do_not_specialize=["B_PER_W", "NW", "NH"])
 def _window_attention_fwd_kernel(
     Q, K, V, BIAS, MASK, O, LSE,
     sq_b, sq_h, sq_n, sq_d,
     sk_b, sk_h, sk_n, sk_d,
     sv_b, sv_h, sv_n, sv_d,
     so_b, so_h, so_n, so_d,
-    scale, B_PER_W, G,
+    scale, B_PER_W, G: tl.constexpr,
     NW, NH, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -126,7 +126,7 @@ def _window_attention_fwd_kernel(
             tl.store(LSE + (b * NH + h) * N + offs_m, m + tl.log2(l), mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["B_PER_W", "G", "NW", "NH", "FILL_SLOTS"])
+@triton.jit(do_not_specialize=["B_PER_W", "NW", "NH", "FILL_SLOTS"])
 def _window_attention_bwd_kernel(
     Q, K, V, O, DO, LSE, BIAS, MASK, DQ, DK, DV, DBIAS_PARTIAL,
     sq_b, sq_h, sq_n, sq_d,
@@ -137,7 +137,7 @@ def _window_attention_bwd_kernel(
     sdq_b, sdq_h, sdq_n, sdq_d,
     sdk_b, sdk_h, sdk_n, sdk_d,
     sdv_b, sdv_h, sdv_n, sdv_d,
-    scale, B_PER_W, G, FILL_SLOTS,
+    scale, B_PER_W, G: tl.constexpr, FILL_SLOTS,
     NW, NH, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, COMPUTE_DBIAS: tl.constexpr,
@@ -228,9 +228,10 @@ def _window_attention_bwd_kernel(
 # --------------------------------------------------------------------------------------------
 # Launch configuration
 # --------------------------------------------------------------------------------------------
-# Windows per program G, nW, nH and B_PER_W are plain (non-specialized) ints, so one binary per
-# (N, d, dtype, mask, num_warps, num_stages) serves every Swin stage and every G: autotuning costs
-# a few compiles, then only timed runs. num_stages > 1 lets Triton prefetch the next window's
+# nW, nH and B_PER_W are plain (non-specialized) ints, so one binary per (N, d, dtype, mask, G,
+# num_warps, num_stages) serves every Swin stage: autotuning costs a few compiles, then only timed
+# runs. Windows per program G is a constexpr: Inductor, launching the kernels of a traced step,
+# passes autotuned config values only as constexprs. num_stages > 1 lets Triton prefetch the next window's
 # q/k/v(/o/dO) tiles into shared memory (cp.async) while the current one computes.
 # Backward G starts at 8: the d_bias partial buffer costs 4*N*N/G bytes per (window, head), about
 # 10% of the backward's own traffic at G = 8, and the autotuner times only the kernel, not the sum.
