@@ -17,7 +17,8 @@ for part in "$@"; do
                tests/test_pass_fused_layernorm.py tests/test_compile_fused_passes.py tests/test_column_sums.py 2>&1 | tail -40 ;;
     compile-diag) timeout 450 python3 benchmarks/bench_host.py --parts compile --batch 64 --steps 8 \
                --compile-stages torch-compile,fmha-compile --out "$out/r/bench_host_compile.json" 2>&1 | grep -v "^\s*$" | tail -90 ;;
-    traced)  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_compile_fused_passes.py -k inductor 2>&1 | grep -E "Error|passed|failed" | tail -8
+    traced)  timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_window_attention.py tests/test_kernel_ops.py 2>&1 | grep -E "Error|passed|failed" | tail -6
+             timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_compile_fused_passes.py -k inductor 2>&1 | grep -E "Error|passed|failed" | tail -8
              timeout 300 python3 benchmarks/bench_host.py --parts compile --batch 64 --steps 8 \
                --compile-stages fmha-compile --out "$out/r/bench_host_compile_traced.json" 2>&1 | grep -v "^\s*$" | tail -40 ;;
     wbench)  timeout 90 python3 benchmarks/bench_window.py --check --out "$out/r/bench_window.json" 2>&1 | tail -22 ;;

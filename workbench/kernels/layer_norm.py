@@ -79,7 +79,7 @@ def _layer_norm_fwd_kernel(
     mean = tl.sum(x, axis=1) / n_cols
     xc = tl.where(mask, x - mean[:, None], 0.0)
     var = tl.sum(xc * xc, axis=1) / n_cols
-    rstd = 1.0 / tl.sqrt(var + eps)
+    rstd = 1.0 / tl.sqrt(var + tl.cast(eps, tl.float32))  # fp32 even if passed as fp64 (Inductor)
     y = xc * rstd[:, None]
     if HAS_WEIGHT:
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)

@@ -117,7 +117,7 @@ def _partition_fwd_kernel(
         mean = tl.sum(xf, axis=1) / C
         xc = tl.where(c_mask[None, :], xf - mean[:, None], 0.0)
         var = tl.sum(xc * xc, axis=1) / C
-        rstd = 1.0 / tl.sqrt(var + eps)
+        rstd = 1.0 / tl.sqrt(var + tl.cast(eps, tl.float32))  # fp32 even if passed as fp64 (Inductor)
         w = tl.load(w_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
         bb = tl.load(b_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
         y = xc * rstd[:, None] * w[None, :] + bb[None, :]

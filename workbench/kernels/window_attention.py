@@ -102,6 +102,7 @@ def _window_attention_fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     key_ok = offs_n < N
+    scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     qk_scale = scale * 1.4426950408889634
     # Query tiles outer, windows inner: the bias/mask tile is loaded once per tile per program.
     for m0 in range(0, N, BLOCK_M):
@@ -151,6 +152,7 @@ def _window_attention_bwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     key_ok = offs_n < N
+    scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     qk_scale = scale * 1.4426950408889634
     SINGLE_TILE: tl.constexpr = BLOCK_M == BLOCK_N
     # This program's own (N, N) slot of the d_bias partial buffer (n_groups, NW, NH, N, N).
