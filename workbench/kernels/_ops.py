@@ -13,8 +13,8 @@ that torch.compile can put it in its graph. Two registrations:
   opaque node per call with a fake implementation for shapes; at run time the compiled graph calls back
   into the dispatcher and the Python host function.
 
-On the H200 the opaque path cost about 90 µs of host time per call inside a compiled Swin-B step
-(benchmarks/bench_host.py --parts compile), enough to leave the compiled step host-bound.
+On the H200 (benchmarks/bench_host.py --parts compile, Swin-B batch 64) the compiled fmha stage took
+49.16 ms per step with opaque ops and 36.34 ms with triton_ops, host-bound both times.
 
 In eager mode either op's dispatcher path (schema binding, the autograd fallback, aliasing checks)
 costs 15-45 µs of host time per call on top of the launch, for nothing: the op has no autograd formula

@@ -343,8 +343,8 @@ def layer_norm_bwd(dy2, x2, weight, bias, mean, rstd, ds2, dx_dtype: torch.dtype
 
 
 # One operator per host function (_ops.kernel_op): traced into by torch.compile on a GPU (triton_op),
-# opaque otherwise, where the fake implementations give the output shapes and dtypes. Inputs are (M, C) rows (the autograd Functions reshape); outputs are fresh
-# contiguous tensors. dweight and dbias come back as one (2C,) fp32 tensor (two views of one buffer may
+# opaque otherwise, where the fake implementations give the output shapes and dtypes. Inputs are (M, C)
+# rows (the autograd Functions reshape); outputs are fresh contiguous tensors. dweight and dbias come back as one (2C,) fp32 tensor (two views of one buffer may
 # not both be outputs of an op); the Functions split and cast it.
 
 
