@@ -252,6 +252,23 @@ def build_stage(model: str, batch: int, stage: str):
     return wl
 
 
+def host_and_step_ms(wl, steps: int) -> tuple[float, float]:
+    """Medians over `steps` training steps: host ms to enqueue one (wall time of step() without a sync)
+    and the step's GPU ms (CUDA events around it, synchronized before and after)."""
+    enq, gpu = [], []
+    for i in range(steps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        e0.record()
+        t = time.perf_counter()
+        wl.step(i)
+        enq.append((time.perf_counter() - t) * 1e3)
+        e1.record()
+        torch.cuda.synchronize()
+        gpu.append(e0.elapsed_time(e1))
+    return statistics.median(enq), statistics.median(gpu)
+
+
 def stage_table(model: str, batch: int, stages: list[str], steps: int) -> list[dict]:
     rows = []
     for stage in stages:
@@ -259,19 +276,8 @@ def stage_table(model: str, batch: int, stages: list[str], steps: int) -> list[d
         for i in range(3):
             wl.step(i)
         torch.cuda.synchronize()
-        enq, gpu = [], []
-        for i in range(steps):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            e0.record()
-            t = time.perf_counter()
-            wl.step(i)
-            enq.append((time.perf_counter() - t) * 1e3)
-            e1.record()
-            torch.cuda.synchronize()
-            gpu.append(e0.elapsed_time(e1))
-        rows.append({"stage": stage, "host_ms_per_step": statistics.median(enq),
-                     "step_ms": statistics.median(gpu)})
+        host_ms, step_ms = host_and_step_ms(wl, steps)
+        rows.append({"stage": stage, "host_ms_per_step": host_ms, "step_ms": step_ms})
         print(f"  {stage:14s} host enqueue {rows[-1]['host_ms_per_step']:7.2f} ms   step {rows[-1]['step_ms']:7.2f} ms",
               flush=True)
         del wl
@@ -408,17 +414,7 @@ def compile_table(model: str, batch: int, stages: list[str], steps: int, top: in
         compile_s = time.perf_counter() - t
         breaks = {k: v for k, v in counters["graph_break"].items()}
         graphs = counters["stats"].get("unique_graphs", 0)
-        enq, gpu = [], []
-        for i in range(steps):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            e0.record()
-            t = time.perf_counter()
-            wl.step(i)
-            enq.append((time.perf_counter() - t) * 1e3)
-            e1.record()
-            torch.cuda.synchronize()
-            gpu.append(e0.elapsed_time(e1))
+        host_ms, step_ms = host_and_step_ms(wl, steps)
         prof = cProfile.Profile()
         prof.enable()
         for i in range(3):
@@ -427,7 +423,7 @@ def compile_table(model: str, batch: int, stages: list[str], steps: int, top: in
         prof.disable()
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
-        row = {"stage": stage, "host_ms_per_step": statistics.median(enq), "step_ms": statistics.median(gpu),
+        row = {"stage": stage, "host_ms_per_step": host_ms, "step_ms": step_ms,
                "build_and_compile_s": compile_s, "graph_breaks": breaks, "unique_graphs": graphs,
                "pyprof": buf.getvalue()}
         rows.append(row)
