@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work: correctness on the GPU, kernel benchmarks, profile, apply.
 # Usage (on the GPU machine, from the repo root): benchmarks/gpu_session.sh PART...   PART in
-#   tests | traced | compile-diag | compile-apply | prof-compile | wbench | linear | threads | sweep | sweepb | norms | dense-apply | scale | infer-quick | prof-api | prof-block | block | host | chain | graphs | dense | infer | prof-fmha | window | kernels | attn | diag | benches | graph | last | quick | profile | apply-apex | apply-fmha
+#   tests | traced | compile-diag | compile-variants | compile-apply | prof-compile | wbench | linear | threads | sweep | sweepb | norms | dense-apply | scale | infer-quick | prof-api | prof-block | block | host | chain | graphs | dense | infer | prof-fmha | window | kernels | attn | diag | benches | graph | last | quick | profile | apply-apex | apply-fmha
 # Results go to $OUT (or ./gpu-out), packed into one tarball so they come back in one file.
 set -uo pipefail
 out=${OUT:-gpu-out}; mkdir -p "$out/r"
@@ -26,6 +26,9 @@ for part in "$@"; do
     prof-compile) timeout 540 swinbench apply --recipe fmha-compile --stages torch-compile,fmha-compile --profile \
                --model swin_base_patch4_window7_224 --batch 64 --steps 6 --warmup 3 --out "$out/r/apply_prof_compile" 2>&1 | tail -12
              grep -A8 "kernel time by category" "$out"/r/apply_prof_compile/report.md | head -12 ;;
+    compile-variants) timeout 540 python3 benchmarks/bench_host.py --parts compile --batch 64 --steps 8 \
+               --compile-stages torch-compile,fmha-compile,benchmarks/recipes/attn-compile.yaml \
+               --out "$out/r/bench_host_compile_variants.json" 2>&1 | grep -E "host enqueue|Error" | tail -12 ;;
     wbench)  timeout 90 python3 benchmarks/bench_window.py --check --out "$out/r/bench_window.json" 2>&1 | tail -22 ;;
     host)    timeout 240 python3 benchmarks/bench_host.py --out "$out/r/bench_host.json" 2>&1 | tail -75 ;;
     kernels) python3 benchmarks/bench_window.py --check --out "$out/r/bench_window.json" 2>&1 | tail -25
