@@ -30,7 +30,7 @@ def test_list_recipes_main_chain_then_peers():
 
 
 def test_effective_passes_accumulate_in_chain_order():
-    assert chain_passes("fmha") == [("amp", {"dtype": "bf16"}), ("fused_layernorm", {}), ("fused_adamw", {}),
+    assert chain_passes("fmha") == [("amp", {"dtype": "bf16"}), ("fused_layernorm", {}), ("fused_adamw", {}), ("master_weights", {}),
                                     ("fused_window", {}), ("fused_attention", {})]
     assert chain_passes("baseline") == []
     assert [n for n, _ in chain_passes("torch-compile")] == ["amp", "sdpa_attention", "fused_adamw", "compile"]

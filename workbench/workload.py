@@ -107,7 +107,10 @@ class Workload:
         Call after every pass has run and before the first step."""
         self.ctx.precision.apply_matmul_mode()
         if self.config.mode == "train":
-            self.optimizer = self.ctx.optimizer_factory(self.model.parameters())
+            if self.ctx.master_weights is not None:
+                self.optimizer = self.ctx.master_weights.optimizer(self.ctx.optimizer_factory, self.model.parameters())
+            else:
+                self.optimizer = self.ctx.optimizer_factory(self.model.parameters())
             if self.ctx.grad_scaler and self.ctx.device.type == "cuda":
                 self.scaler = torch.amp.GradScaler("cuda")
         self._step_fn = self._forward_loss

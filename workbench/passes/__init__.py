@@ -38,6 +38,8 @@ class PassContext:
     compile: whether the runner wraps the step in torch.compile (the `compile` pass sets it).
     grad_scaler: whether fp16 training uses a GradScaler.
     cuda_graph: whether the runner captures the step in a CUDA graph (the `cuda_graph` pass sets it).
+    master_weights: low-precision GEMM weights with fp32 masters (the `master_weights` pass sets it); the
+    runner then builds the optimizer through it, around whatever `optimizer_factory` builds.
     """
 
     device: torch.device
@@ -48,6 +50,7 @@ class PassContext:
     compile_options: dict = field(default_factory=dict)
     grad_scaler: bool = False
     cuda_graph: bool = False
+    master_weights: Any = None
 
 
 @dataclass
@@ -88,6 +91,7 @@ PASS_MODULES = {
     "amp": "amp",
     "sdpa_attention": "sdpa_attention",
     "fused_adamw": "fused_adamw",
+    "master_weights": "master_weights",
     "fused_layernorm": "fused_layernorm",
     "fused_window": "fused_window",
     "fused_attention": "fused_attention",

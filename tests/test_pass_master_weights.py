@@ -1,0 +1,128 @@
+"""master_weights: bf16 GEMM weights with fp32 masters train exactly as autocast does with fp32 weights.
+
+On the tiny Swin on the CPU (bf16 autocast), a few AdamW steps with the pass and without it give the
+same losses and the same fp32 values (the masters against autocast's fp32 weights), bit for bit: the
+forward sees the same bf16-rounded weights, the gradients are the same bf16 GEMM results, and the
+update is the same AdamW on the same fp32 numbers.
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from workbench.models import TINY_MODEL  # noqa: E402
+from workbench.passes import apply_pass  # noqa: E402
+from workbench.passes.master_weights import gemm_parameters  # noqa: E402
+from workbench.workload import Workload, WorkloadConfig  # noqa: E402
+
+KERNEL_PASSES = [("fused_layernorm", {"impl": "triton"}), ("fused_window", None), ("fused_attention", None),
+                 ("fused_linear", None), ("fused_block", None)]
+
+
+def workload(precision="bf16", mode="train", device="cpu"):
+    return Workload.build(WorkloadConfig(model=TINY_MODEL, batch=2, precision=precision, device=device,
+                                         seed=0, mode=mode))
+
+
+def fp32_values(wl) -> dict:
+    """Every parameter's fp32 value by name: the master's slice for a bf16 GEMM parameter."""
+    mw = wl.ctx.master_weights
+    slices = {}
+    if mw is not None:
+        offset = 0
+        for p, n in zip(mw.params, mw.sizes):
+            slices[id(p)] = mw.master.detach()[offset:offset + n].view(p.shape)
+            offset += n
+    return {name: slices.get(id(p), p.detach()).float() for name, p in wl.model.named_parameters()}
+
+
+def train(wl, steps=3):
+    wl.prepare()
+    return [wl.step(i).item() for i in range(steps)]
+
+
+def test_same_losses_and_weights_as_autocast_bit_for_bit():
+    plain, master = workload(), workload()
+    names = [n for n, p in master.model.named_parameters() if any(p is q for q in gemm_parameters(master.model))]
+    _, result = apply_pass("master_weights", master.model, master.ctx)
+    assert result.available, result.changed
+    assert all(dict(master.model.named_parameters())[n].dtype == torch.bfloat16 for n in names)
+    assert train(plain) == train(master)
+
+    flat = master.ctx.master_weights.master.detach()
+    offset = 0
+    by_name = dict(master.model.named_parameters())
+    for name, p in plain.model.named_parameters():
+        if name in names:
+            n = p.numel()
+            assert torch.equal(flat[offset:offset + n].view(p.shape), p.detach()), name
+            assert torch.equal(by_name[name].detach(), p.detach().to(torch.bfloat16)), name
+            offset += n
+        else:
+            assert by_name[name].dtype == torch.float32
+            assert torch.equal(by_name[name].detach(), p.detach()), name
+
+
+def test_inference_forward_unchanged():
+    plain, master = workload(mode="infer"), workload(mode="infer")
+    apply_pass("master_weights", master.model, master.ctx)
+    plain.prepare()
+    master.prepare()
+    assert master.optimizer is None
+    assert torch.equal(plain.forward_loss()[0], master.forward_loss()[0])
+
+
+def test_optimizer_surface_and_zero_grad():
+    wl = workload()
+    apply_pass("master_weights", wl.model, wl.ctx)
+    wl.prepare()
+    opt = wl.optimizer
+    assert len(opt.param_groups) == 1 and opt.param_groups[0]["params"][0] is wl.ctx.master_weights.master
+    wl.step(0)
+    assert all(p.grad is None for p in wl.model.parameters())
+    assert wl.ctx.master_weights.master.grad is not None  # persistent buffer, overwritten each step
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_needs_bf16_autocast(precision):
+    wl = workload(precision)
+    model, result = apply_pass("master_weights", wl.model, wl.ctx)
+    assert not result.available and "bf16" in result.changed
+    assert all(p.dtype == torch.float32 for p in wl.model.parameters())
+
+
+def test_twice_is_refused():
+    wl = workload()
+    apply_pass("master_weights", wl.model, wl.ctx)
+    _, again = apply_pass("master_weights", wl.model, wl.ctx)
+    assert not again.available and "already" in again.changed
+
+
+def test_with_the_fused_kernels_block_stack():
+    """With every kernel pass after it (the block stage's stack; on the CPU under Triton's interpreter),
+    one forward and backward match the same stack on fp32 weights: the same loss, the same weight
+    gradients, and bias gradients rounded to bf16 (there the fused bias gradient stays fp32; here it
+    takes the bf16 bias's dtype, as autocast's own path rounds it). Two training steps then agree."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    runs = []
+    for with_master in (False, True):
+        wl = workload(device=device)
+        passes = [("master_weights", None)] if with_master else []
+        for name, params in passes + KERNEL_PASSES:
+            wl.model, result = apply_pass(name, wl.model, wl.ctx, params)
+            assert result.available, f"{name}: {result.changed}"
+        wl.prepare()
+        _, loss = wl.forward_loss()
+        loss.backward()
+        grads = {n: p.grad.detach().float().clone() for n, p in wl.model.named_parameters()}
+        wl.model.zero_grad(set_to_none=True)
+        runs.append((loss.item(), grads, train(wl, 2)))
+    (loss_a, grads_a, steps_a), (loss_b, grads_b, steps_b) = runs
+    assert loss_a == loss_b
+    for name, g in grads_a.items():
+        err = ((grads_b[name] - g).norm() / g.norm().clamp_min(1e-30)).item()
+        assert err < (5e-3 if name.endswith("bias") else 1e-6), f"{name}: {err:.2e}"
+    assert steps_a == pytest.approx(steps_b, rel=1e-3)
