@@ -67,6 +67,14 @@ def _dropouts_inactive(blk) -> bool:
     return all(inactive(m, training) for m in mods)
 
 
+def _bias_grads(sums: torch.Tensor, sizes: tuple, dtypes: tuple) -> list[torch.Tensor]:
+    """The bias gradients from their fp32 column sums (consecutive in `sums`), each in its bias's dtype:
+    views for fp32 biases, one cast for all when they share a lower precision (master_weights)."""
+    if len(set(dtypes)) == 1 and dtypes[0] != torch.float32:
+        return list(sums.to(dtypes[0]).split(sizes))
+    return [g if t == torch.float32 else g.to(t) for g, t in zip(sums.split(sizes), dtypes)]
+
+
 class SwinBlockFunction(torch.autograd.Function):
     """One timm SwinTransformerBlock (x: (B, H, W, C) -> (B, H, W, C)), forward and backward by hand.
 
@@ -125,14 +133,15 @@ class SwinBlockFunction(torch.autograd.Function):
             d = dout.reshape(-1, C).contiguous()
             dy = d.to(dt)
             # Every column reduction of the block (four bias gradients, two LayerNorms' dweight/dbias)
-            # adds into one zeroed fp32 buffer: one memset for the block instead of six.
+            # adds into one zeroed fp32 buffer: one memset for the block instead of six. The bias sums
+            # come first, so that low-precision biases take their gradients in one cast (bias_grads).
             sums = torch.zeros(13 * C, dtype=torch.float32, device=d.device)
-            s_fc2, s_fc1, s_n2, s_proj, s_qkv, s_n1 = sums.split((C, 4 * C, 2 * C, C, 3 * C, 2 * C))
+            s_fc2, s_fc1, s_proj, s_qkv, s_n2, s_n1 = sums.split((C, 4 * C, C, 3 * C, 2 * C, 2 * C))
             # MLP: fc2, GELU + fc1 bias (one fused reduction), fc1
             d_act = dy @ w_fc2
             d_fc2_w = (dy.t() @ act).to(t_fc2_w)
-            _, d_fc2_b = bias_grad_host(dy, None, t_fc2_b, sums_into=s_fc2)
-            d_pre, d_fc1_b = bias_grad_host(d_act, pre, t_fc1_b, sums_into=s_fc1)
+            bias_grad_host(dy, None, torch.float32, sums_into=s_fc2)
+            d_pre, _ = bias_grad_host(d_act, pre, torch.float32, sums_into=s_fc1)
             d_h = d_pre @ w_fc1
             d_fc1_w = (d_pre.t() @ h).to(t_fc1_w)
             # add + norm2: the residual gradient d joins the LayerNorm's dx in the same kernel
@@ -142,7 +151,7 @@ class SwinBlockFunction(torch.autograd.Function):
             d_proj = roll_partition_fwd(d_s.view(B, H, W, C), ws, shift, out_dtype=dt).view(-1, C)
             d_o = d_proj @ w_proj
             d_proj_w = (d_proj.t() @ o).to(t_proj_w)
-            _, d_proj_b = bias_grad_host(d_proj, None, t_proj_b, sums_into=s_proj)
+            bias_grad_host(d_proj, None, torch.float32, sums_into=s_proj)
             # attention, written straight into the packed qkv gradient
             q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
             dqkv = torch.empty_like(qkv)
@@ -155,7 +164,9 @@ class SwinBlockFunction(torch.autograd.Function):
             dqkv2 = dqkv.view(-1, 3 * C)
             d_win = dqkv2 @ w_qkv
             d_qkv_w = (dqkv2.t() @ win2).to(t_qkv_w)
-            _, d_qkv_b = bias_grad_host(dqkv2, None, t_qkv_b, sums_into=s_qkv)
+            bias_grad_host(dqkv2, None, torch.float32, sums_into=s_qkv)
+            d_fc2_b, d_fc1_b, d_proj_b, d_qkv_b = _bias_grads(
+                sums[:9 * C], (C, 4 * C, C, 3 * C), (t_fc2_b, t_fc1_b, t_proj_b, t_qkv_b))
             # norm1 + shift + partition
             dx1, sums1 = norm_shift_partition_bwd(d_win.view(bnw, n, C), x, n1w, mean1, rstd1, ws, shift,
                                                   sums_into=s_n1)
