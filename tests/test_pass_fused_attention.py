@@ -94,3 +94,22 @@ def test_fused_attention_pass_under_bf16_autocast():
         assert fused_g[name].dtype == torch.float32
         pe, fe = rel_err(plain_g[name], truth_grads[name]), rel_err(fused_g[name], truth_grads[name])
         assert fe <= 1.5 * pe + 2e-2, (name, fe, pe)
+
+
+def test_rel_pos_bias_matches_timm_gather_forward_and_backward():
+    """_swin.RelPosBias (one gather; memset + index_add_ backward) against timm's _get_rel_pos_bias."""
+    from workbench.passes._swin import rel_pos_bias
+
+    torch.manual_seed(0)
+    model = build_model(TINY_MODEL)
+    attn = next(m for m in model.modules() if type(m).__name__ == "WindowAttention")
+    with torch.no_grad():
+        attn.relative_position_bias_table.normal_()
+    ref = attn._get_rel_pos_bias()[0]
+    d = torch.randn_like(ref)
+    (ref_grad,) = torch.autograd.grad(ref, attn.relative_position_bias_table, d)
+    ours = rel_pos_bias(attn)
+    assert ours.is_contiguous() and torch.equal(ours, ref)
+    (grad,) = torch.autograd.grad(ours, attn.relative_position_bias_table, d)
+    assert grad.is_contiguous()
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-6, atol=1e-6)

@@ -41,3 +41,45 @@ def swin_blocks(model: torch.nn.Module, ctx: PassContext, kernels: str, what: st
     if not blocks:
         raise PassUnavailable("no timm SwinTransformerBlock in this model")
     return blocks
+
+
+def gather_rel_pos_bias(table: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
+    """timm's relative-position bias, (nH, n, n) contiguous, bias[h, i, j] = table[index[i, j], h]: one
+    gather launch (timm's `_get_rel_pos_bias` gathers and then copies the permuted result)."""
+    return table.t().index_select(1, index.view(-1)).view(-1, n, n)
+
+
+def scatter_rel_pos_grad(d_rel: torch.Tensor, index: torch.Tensor, table_shape, table_dtype) -> torch.Tensor:
+    """The table's gradient from the bias's (nH, n, n): a memset and one index_add_ (atomic adds; PyTorch
+    switches to a deterministic kernel under torch.use_deterministic_algorithms). Autograd's backward of
+    timm's gather is index_put_ with accumulate, which sorts the indices first."""
+    heads = d_rel.shape[0]
+    return d_rel.new_zeros(table_shape, dtype=table_dtype).index_add_(
+        0, index.view(-1), d_rel.reshape(heads, -1).t().to(table_dtype))
+
+
+class RelPosBias(torch.autograd.Function):
+    """gather_rel_pos_bias with scatter_rel_pos_grad as its backward: three launches per block and step
+    where timm's gather, copy and sorted index_put take five or more."""
+
+    @staticmethod
+    def forward(ctx, table, index, n):
+        ctx.save_for_backward(index)
+        ctx.table = (table.shape, table.dtype)
+        return gather_rel_pos_bias(table, index, n)
+
+    @staticmethod
+    def backward(ctx, d_rel):
+        (index,) = ctx.saved_tensors
+        return scatter_rel_pos_grad(d_rel, index, *ctx.table), None, None
+
+
+def rel_pos_bias(attn: torch.nn.Module) -> torch.Tensor:
+    """A timm WindowAttention's (nH, N, N) relative-position bias through RelPosBias, or through its own
+    `_get_rel_pos_bias` when a subclass computes the bias some other way."""
+    from timm.models.swin_transformer import WindowAttention
+
+    if type(attn)._get_rel_pos_bias is WindowAttention._get_rel_pos_bias:
+        return RelPosBias.apply(attn.relative_position_bias_table, attn.relative_position_index, attn.window_area)
+    bias = attn._get_rel_pos_bias()
+    return bias.reshape(bias.shape[-3:])

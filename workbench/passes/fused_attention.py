@@ -3,7 +3,8 @@
 Each WindowAttention instance gets its forward replaced (types.MethodType) by one that keeps the
 qkv and proj Linears as they are and swaps the attention core (q k^T * scale + bias + mask,
 softmax, @ v) for `fused_window_attention_qkv`: the N x N scores never reach global memory and
-the relative-position-bias gradient flows back through timm's table gather as before.
+the relative-position bias is gathered from timm's table in one launch and its gradient scattered back
+with one index_add_ (`_swin.RelPosBias`).
 Instances with a non-zero attn_drop are left unpatched (the kernel has no dropout) and counted.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ import types
 import torch
 
 from . import PassContext, PassResult, PassUnavailable, require_triton
+from ._swin import rel_pos_bias
 
 NAME = "fused_attention"
 
@@ -24,8 +26,8 @@ def fused_window_attention_forward(self, x: torch.Tensor, mask: torch.Tensor | N
 
     B_, N, C = x.shape
     qkv = self.qkv(x).reshape(B_, N, 3, self.num_heads, -1)  # q, k, v are strided views of this
-    rel_bias = self._get_rel_pos_bias()  # (1, nH, N, N)
-    x = fused_window_attention_qkv(qkv, rel_bias.reshape(rel_bias.shape[-3:]), mask, self.scale)
+    rel_bias = rel_pos_bias(self)  # (nH, N, N)
+    x = fused_window_attention_qkv(qkv, rel_bias, mask, self.scale)
     x = x.transpose(1, 2).reshape(B_, N, -1)  # the kernel's output layout makes this a view
     x = self.proj(x)
     x = self.proj_drop(x)

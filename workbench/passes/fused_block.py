@@ -32,7 +32,7 @@ import types
 import torch
 
 from . import PassContext, PassResult, PassUnavailable
-from ._swin import inactive, square, swin_blocks
+from ._swin import gather_rel_pos_bias, inactive, scatter_rel_pos_grad, square, swin_blocks
 
 NAME = "fused_block"
 
@@ -100,7 +100,7 @@ class SwinBlockFunction(torch.autograd.Function):
             win2 = win.view(-1, C)
             qkv = torch.addmm(qkv_b.to(dt), win2, w_qkv.t()).view(bnw, n, 3, heads, C // heads)
             q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-            rel = table[index.view(-1)].view(n, n, heads).permute(2, 0, 1).contiguous()
+            rel = gather_rel_pos_bias(table, index, n)
             attn, lse = window_attention_fwd(q, k, v, rel, mask, scale)   # a (bnw, heads, n, d) view
             o = attn.transpose(1, 2).reshape(bnw * n, C)                  # of a (bnw, n, heads, d) buffer
             proj = torch.addmm(proj_b.to(dt), o, w_proj.t())
@@ -157,10 +157,8 @@ class SwinBlockFunction(torch.autograd.Function):
             dqkv = torch.empty_like(qkv)
             d_attn = d_o.view(bnw, n, heads, C // heads).transpose(1, 2)
             _, _, _, d_rel = window_attention_bwd(q, k, v, attn, lse, d_attn, rel, mask, scale, True, dqkv=dqkv)
-            # the table gather's backward: index_add_ is one atomic kernel (autograd's index_put_ with
-            # accumulate sorts first); PyTorch makes it deterministic under use_deterministic_algorithms
-            d_table = torch.zeros_like(table).index_add_(
-                0, index.view(-1), d_rel.permute(1, 2, 0).reshape(-1, heads).to(table.dtype))
+            # the table gather's backward: a memset and one index_add_ (_swin.scatter_rel_pos_grad)
+            d_table = scatter_rel_pos_grad(d_rel, index, table.shape, table.dtype)
             dqkv2 = dqkv.view(-1, 3 * C)
             d_win = dqkv2 @ w_qkv
             d_qkv_w = (dqkv2.t() @ win2).to(t_qkv_w)
