@@ -188,6 +188,13 @@ def test_norm_shift_partition(shape, dtype, atol, rtol):
     )
     torch.testing.assert_close(dx.float(), grads_ref[0], atol=atol, rtol=rtol)
 
+    # ds: a second gradient of x (the block's residual path), added in the same pass
+    ds = _randn(x.shape, dtype, 11)
+    dx_ds, _ = norm_shift_partition_bwd(
+        dout, x.detach(), weight.detach(), mean, rstd, ws, shift, dx=_nan_like(x.detach()), ds=ds
+    )
+    torch.testing.assert_close(dx_ds.float(), grads_ref[0] + ds.float(), atol=2 * atol, rtol=rtol)
+
 
 def test_non_contiguous_input():
     B, H, W, C, ws, shift = 1, 9, 15, 33, 4, 2

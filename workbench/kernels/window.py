@@ -187,13 +187,14 @@ def _norm_bwd_tile(g, x, w, mean, rstd, mask, C):
 
 @triton.jit
 def _norm_partition_bwd_kernel(
-    dwin_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, sums_ptr,
+    dwin_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, ds_ptr, dx_ptr, sums_ptr,
     n_tokens, tiles_per_prog, C,
     H: tl.constexpr, W: tl.constexpr, n_win_h: tl.constexpr, n_win_w: tl.constexpr,
     shift_h: tl.constexpr, shift_w: tl.constexpr, WS: tl.constexpr, SOFT_RTNE: tl.constexpr, ATOMIC: tl.constexpr,
-    STAGES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_DS: tl.constexpr, STAGES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """LayerNorm backward with the gradient gathered from window order (d of the partition).
+    """LayerNorm backward with the gradient gathered from window order (d of the partition), plus, with
+    HAS_DS, a gradient ds of x from elsewhere (the block's residual path) added into dx in the same pass.
 
     Program p owns the contiguous band of token tiles [p * tiles_per_prog, (p + 1) * tiles_per_prog).
     dweight/dbias partials are accumulated per (row-in-tile, channel) in registers across the band
@@ -223,6 +224,8 @@ def _norm_partition_bwd_kernel(
         mean = tl.load(mean_ptr + s, mask=s_mask, other=0.0)
         rstd = tl.load(rstd_ptr + s, mask=s_mask, other=0.0)
         dx, dw_t, db_t = _norm_bwd_tile(g, x, w, mean, rstd, cur_mask, C)
+        if HAS_DS:
+            dx += tl.load(ds_ptr + x_off, mask=cur_mask, other=0.0).to(tl.float32)
         tl.store(dx_ptr + x_off, _to_dtype(dx, dx_ptr.dtype.element_ty, SOFT_RTNE), mask=cur_mask)
         dw_acc += dw_t
         db_acc += db_t
@@ -407,10 +410,11 @@ def _norm_bwd_config(n_tok: int, C: int, elt: int, device: torch.device) -> tupl
 
 def norm_shift_partition_bwd(
     dwindows: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
-    window_size: int, shift: int, *, dx=None, sums_into=None,
+    window_size: int, shift: int, *, dx=None, sums_into=None, ds=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (dx (B, H, W, C) in x.dtype, (2C,) fp32 sums: dweight then dbias (layer_norm.split_norm_grads)).
-    Padding rows of dwindows are ignored. sums_into: a zeroed (2C,) fp32 tensor for the sums (column_sums)."""
+    Padding rows of dwindows are ignored. sums_into: a zeroed (2C,) fp32 tensor for the sums (column_sums).
+    ds: another gradient of x, (B, H, W, C), added into dx in the same pass (no separate add)."""
     dwindows = _contig(dwindows)
     x = _contig(x)
     B, H, W, C = x.shape
@@ -419,11 +423,15 @@ def norm_shift_partition_bwd(
     n_tok = B * H * W
     block_t, block_c, num_warps, nprog, tiles_per_prog, maxnreg, stages = _norm_bwd_config(n_tok, C, x.element_size(), x.device)
     sums, atomic = column_sums(nprog, 2 * C, x.device, sums_into)
+    if ds is not None:
+        ds = _contig(ds)
+        if tuple(ds.shape) != (B, H, W, C):
+            raise ValueError(f"ds shape {tuple(ds.shape)} != {(B, H, W, C)}")
     launch(_norm_partition_bwd_kernel)[(nprog,)](
-        dwindows, x, _contig(weight), mean, rstd, dx, sums,
+        dwindows, x, _contig(weight), mean, rstd, ds if ds is not None else x, dx, sums,
         n_tok, tiles_per_prog, C,
         H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=int(window_size), SOFT_RTNE=_SOFT_RTNE,
-        ATOMIC=atomic, STAGES=stages, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps, **launch_options(maxnreg),
+        ATOMIC=atomic, HAS_DS=ds is not None, STAGES=stages, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps, **launch_options(maxnreg),
     )
     return dx, finish_column_sums(sums, atomic)
 

@@ -166,10 +166,10 @@ class SwinBlockFunction(torch.autograd.Function):
             d_fc2_b, d_fc1_b, d_proj_b, d_qkv_b = _bias_grads(
                 sums[:9 * C], (C, 4 * C, C, 3 * C), (t_fc2_b, t_fc1_b, t_proj_b, t_qkv_b))
             # norm1 + shift + partition
-            dx1, sums1 = norm_shift_partition_bwd(d_win.view(bnw, n, C), x, n1w, mean1, rstd1, ws, shift,
-                                                  sums_into=s_n1)
+            # (the residual path's gradient d_s joins dx inside the same kernel)
+            dx, sums1 = norm_shift_partition_bwd(d_win.view(bnw, n, C), x, n1w, mean1, rstd1, ws, shift,
+                                                 sums_into=s_n1, ds=d_s.view(B, H, W, C))
             d_n1w, d_n1b = split_norm_grads(sums1, n1w, n1b)
-            dx = dx1.add_(d_s.view(B, H, W, C)) if dx1.dtype == d_s.dtype else dx1 + d_s.view(B, H, W, C)
         return (dx, None, None, None, d_n1w, d_n1b, d_qkv_w, d_qkv_b, d_table, d_proj_w, d_proj_b,
                 d_n2w, d_n2b, d_fc1_w, d_fc1_b, d_fc2_w, d_fc2_b)
 
