@@ -51,6 +51,17 @@ def test_bias_grad_matches_torch(poisoned, dtype, rows, cols, gelu):
     torch.testing.assert_close(db, dpre.float().sum(0), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows,cols", [(77, 45), (1029, 96)])
+def test_bias_grad_host_casts_dy_in_the_same_pass(poisoned, rows, cols):
+    g = torch.Generator(device="cpu").manual_seed(rows + cols)
+    d = (torch.randn(rows, cols, generator=g) * 3).to(DEVICE)
+    dy, db = lin.bias_grad_host(d, None, torch.float32, out_dtype=torch.bfloat16)
+    assert dy.dtype == torch.bfloat16 and torch.equal(dy, d.to(torch.bfloat16))
+    torch.testing.assert_close(db, dy.float().sum(0), rtol=1e-5, atol=1e-4)
+    same, _ = lin.bias_grad_host(d, None, torch.float32, out_dtype=torch.float32)
+    assert same.data_ptr() == d.data_ptr()
+
+
 def test_bias_grad_over_leading_dims_and_rejects_mismatch():
     dy = torch.randn(3, 5, 16, device=DEVICE)
     dpre, db = lin.bias_grad(dy)

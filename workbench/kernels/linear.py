@@ -32,6 +32,7 @@ import triton.language as tl
 
 from ._ops import kernel_op, launch
 from .layer_norm import _new_output, column_sums, emit_column_sum, finish_column_sums, sm_count
+from .window import _SOFT_RTNE, _to_dtype
 
 # Elements per (rows x cols) tile: 2048 over 4 warps is 16 fp32 accumulators per thread.
 _TILE_ELEMS = 2048
@@ -45,10 +46,11 @@ _MIN_ROWS_PER_PROGRAM = 32
 @triton.jit
 def _bias_grad_kernel(
     DY, PRE, DPRE, SUMS, n_rows, n_cols, rows_per_prog,
-    GELU: tl.constexpr, ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GELU: tl.constexpr, CAST: tl.constexpr, SOFT_RTNE: tl.constexpr, ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Program (pm, pn) sums rows [pm * rows_per_prog, +rows_per_prog) of columns [pn * BLOCK_N, +BLOCK_N).
-    With GELU, the summed value is dpre = dy * gelu'(pre) rounded to DPRE's dtype, which it also stores."""
+    With GELU, the summed value is dpre = dy * gelu'(pre) rounded to DPRE's dtype, which it also stores;
+    with CAST, it is dy rounded to DPRE's dtype, also stored (the cast and the bias gradient in one pass)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -68,6 +70,10 @@ def _bias_grad_kernel(
             d = (g * (cdf + x * pdf)).to(DPRE.dtype.element_ty)
             tl.store(DPRE + offs, d, mask=mask)
             g = d.to(tl.float32)
+        elif CAST:
+            d = _to_dtype(g, DPRE.dtype.element_ty, SOFT_RTNE)
+            tl.store(DPRE + offs, d, mask=mask)
+            g = d.to(tl.float32)
         acc += g
     emit_column_sum(SUMS, pid_m, n_cols, cols, tl.sum(acc, axis=0), col_mask, ATOMIC)
 
@@ -85,18 +91,24 @@ def _grid(n_rows: int, n_cols: int, device: torch.device) -> tuple[int, int, int
 
 
 def bias_grad_host(dy: torch.Tensor, pre: Optional[torch.Tensor], bias_dtype: torch.dtype,
-                   sums_into: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   sums_into: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """dy (M, N) contiguous, pre (M, N) like dy or None -> (dpre (M, N) in dy.dtype, or dy itself
-    when pre is None; db (N,) in bias_dtype). sums_into: a zeroed (N,) fp32 tensor for the column sums."""
+    when pre is None; db (N,) in bias_dtype). sums_into: a zeroed (N,) fp32 tensor for the column sums.
+    out_dtype (without pre): dpre is dy cast to it in the same pass, and db sums the cast values."""
     n_rows, n_cols = dy.shape
     if n_rows == 0:
         return (dy.clone() if pre is not None else dy), torch.zeros(n_cols, dtype=bias_dtype, device=dy.device)
     block_m, block_n, row_programs, col_blocks, rows_per_prog = _grid(n_rows, n_cols, dy.device)
     sums, atomic = column_sums(row_programs, n_cols, dy.device, sums_into)
-    dpre = _new_output(dy.shape, dy.dtype, dy.device) if pre is not None else dy
+    cast = pre is None and out_dtype is not None and out_dtype != dy.dtype
+    if pre is not None or cast:
+        dpre = _new_output(dy.shape, out_dtype if cast else dy.dtype, dy.device)
+    else:
+        dpre = dy
     launch(_bias_grad_kernel)[(row_programs, col_blocks)](
         dy, pre if pre is not None else dy, dpre, sums, n_rows, n_cols, rows_per_prog,
-        GELU=pre is not None, ATOMIC=atomic, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
+        GELU=pre is not None, CAST=cast, SOFT_RTNE=_SOFT_RTNE, ATOMIC=atomic, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
     )
     db = finish_column_sums(sums, atomic)
     return dpre, (db if bias_dtype == torch.float32 else db.to(bias_dtype))

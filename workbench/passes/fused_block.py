@@ -131,16 +131,16 @@ class SwinBlockFunction(torch.autograd.Function):
         bnw, n = qkv.shape[:2]
         with torch.autocast(dout.device.type, enabled=False):
             d = dout.reshape(-1, C).contiguous()
-            dy = d.to(dt)
             # Every column reduction of the block (four bias gradients, two LayerNorms' dweight/dbias)
             # adds into one zeroed fp32 buffer: one memset for the block instead of six. The bias sums
             # come first, so that low-precision biases take their gradients in one cast (bias_grads).
             sums = torch.zeros(13 * C, dtype=torch.float32, device=d.device)
             s_fc2, s_fc1, s_proj, s_qkv, s_n2, s_n1 = sums.split((C, 4 * C, C, 3 * C, 2 * C, 2 * C))
-            # MLP: fc2, GELU + fc1 bias (one fused reduction), fc1
+            # MLP: fc2 (its bias gradient and dy = d in the compute dtype in one pass), GELU + fc1 bias (one
+            # fused reduction), fc1
+            dy, _ = bias_grad_host(d, None, torch.float32, sums_into=s_fc2, out_dtype=dt)
             d_act = dy @ w_fc2
             d_fc2_w = (dy.t() @ act).to(t_fc2_w)
-            bias_grad_host(dy, None, torch.float32, sums_into=s_fc2)
             d_pre, _ = bias_grad_host(d_act, pre, torch.float32, sums_into=s_fc1)
             d_h = d_pre @ w_fc1
             d_fc1_w = (d_pre.t() @ h).to(t_fc1_w)
