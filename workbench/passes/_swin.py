@@ -49,13 +49,15 @@ def gather_rel_pos_bias(table: torch.Tensor, index: torch.Tensor, n: int) -> tor
     return table.t().index_select(1, index.view(-1)).view(-1, n, n)
 
 
-def scatter_rel_pos_grad(d_rel: torch.Tensor, index: torch.Tensor, table_shape, table_dtype) -> torch.Tensor:
+def scatter_rel_pos_grad(d_rel: torch.Tensor, index: torch.Tensor, table_shape, table_dtype,
+                         into: torch.Tensor | None = None) -> torch.Tensor:
     """The table's gradient from the bias's (nH, n, n): a memset and one index_add_ (atomic adds; PyTorch
     switches to a deterministic kernel under torch.use_deterministic_algorithms). Autograd's backward of
-    timm's gather is index_put_ with accumulate, which sorts the indices first."""
+    timm's gather is index_put_ with accumulate, which sorts the indices first. into: a zeroed tensor of the
+    table's shape and dtype to add into instead of a fresh one (no memset of its own)."""
     heads = d_rel.shape[0]
-    return d_rel.new_zeros(table_shape, dtype=table_dtype).index_add_(
-        0, index.view(-1), d_rel.reshape(heads, -1).t().to(table_dtype))
+    out = d_rel.new_zeros(table_shape, dtype=table_dtype) if into is None else into
+    return out.index_add_(0, index.view(-1), d_rel.reshape(heads, -1).t().to(table_dtype))
 
 
 class RelPosBias(torch.autograd.Function):

@@ -134,8 +134,11 @@ class SwinBlockFunction(torch.autograd.Function):
             # Every column reduction of the block (four bias gradients, two LayerNorms' dweight/dbias)
             # adds into one zeroed fp32 buffer: one memset for the block instead of six. The bias sums
             # come first, so that low-precision biases take their gradients in one cast (bias_grads).
-            sums = torch.zeros(13 * C, dtype=torch.float32, device=d.device)
-            s_fc2, s_fc1, s_proj, s_qkv, s_n2, s_n1 = sums.split((C, 4 * C, C, 3 * C, 2 * C, 2 * C))
+            # The table's gradient shares the memset when the table is fp32 (index_add_ adds into it).
+            n_table = table.numel() if table.dtype == torch.float32 else 0
+            sums = torch.zeros(13 * C + n_table, dtype=torch.float32, device=d.device)
+            s_fc2, s_fc1, s_proj, s_qkv, s_n2, s_n1, s_table = sums.split(
+                (C, 4 * C, C, 3 * C, 2 * C, 2 * C, n_table))
             # MLP: fc2 (its bias gradient and dy = d in the compute dtype in one pass), GELU + fc1 bias (one
             # fused reduction), fc1
             dy, _ = bias_grad_host(d, None, torch.float32, sums_into=s_fc2, out_dtype=dt)
@@ -158,7 +161,8 @@ class SwinBlockFunction(torch.autograd.Function):
             d_attn = d_o.view(bnw, n, heads, C // heads).transpose(1, 2)
             _, _, _, d_rel = window_attention_bwd(q, k, v, attn, lse, d_attn, rel, mask, scale, True, dqkv=dqkv)
             # the table gather's backward: a memset and one index_add_ (_swin.scatter_rel_pos_grad)
-            d_table = scatter_rel_pos_grad(d_rel, index, table.shape, table.dtype)
+            d_table = scatter_rel_pos_grad(d_rel, index, table.shape, table.dtype,
+                                           into=s_table.view(table.shape) if n_table else None)
             dqkv2 = dqkv.view(-1, 3 * C)
             d_win = dqkv2 @ w_qkv
             d_qkv_w = (dqkv2.t() @ win2).to(t_qkv_w)
