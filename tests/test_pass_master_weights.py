@@ -71,7 +71,8 @@ def test_inference_forward_unchanged():
     apply_pass("master_weights", master.model, master.ctx)
     plain.prepare()
     master.prepare()
-    assert master.optimizer is None
+    assert master.optimizer is None and master.ctx.master_weights.master is None
+    assert master.ctx.master_weights._fp32 is None   # no fp32 copy kept for inference
     assert torch.equal(plain.forward_loss()[0], master.forward_loss()[0])
 
 

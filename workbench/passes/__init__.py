@@ -40,6 +40,7 @@ class PassContext:
     cuda_graph: whether the runner captures the step in a CUDA graph (the `cuda_graph` pass sets it).
     master_weights: low-precision GEMM weights with fp32 masters (the `master_weights` pass sets it); the
     runner then builds the optimizer through it, around whatever `optimizer_factory` builds.
+    training: whether the workload trains (passes may skip what only training needs).
     """
 
     device: torch.device
@@ -51,6 +52,7 @@ class PassContext:
     grad_scaler: bool = False
     cuda_graph: bool = False
     master_weights: Any = None
+    training: bool = True
 
 
 @dataclass

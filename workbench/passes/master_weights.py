@@ -37,19 +37,21 @@ def gemm_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 
 class MasterWeights:
-    """Low-precision parameters as views of one flat buffer, their fp32 masters made on demand."""
+    """Low-precision parameters as views of one flat buffer, their fp32 masters made on demand (kept
+    only for training: an inference workload needs no optimizer)."""
 
-    def __init__(self, params: list[torch.nn.Parameter], dtype: torch.dtype):
+    def __init__(self, params: list[torch.nn.Parameter], dtype: torch.dtype, keep_master: bool = True):
         self.params = params
         self.dtype = dtype
         device = params[0].device
         self.sizes = [p.numel() for p in params]
         total = sum(self.sizes)
         self.flat = torch.empty(total, dtype=dtype, device=device)
-        self._fp32 = torch.empty(total, dtype=torch.float32, device=device)
+        self._fp32 = torch.empty(total, dtype=torch.float32, device=device) if keep_master else None
         offset = 0
         for p, n in zip(params, self.sizes):
-            self._fp32[offset:offset + n].copy_(p.detach().reshape(-1))
+            if keep_master:
+                self._fp32[offset:offset + n].copy_(p.detach().reshape(-1))
             self.flat[offset:offset + n].copy_(p.detach().reshape(-1))
             p.data = self.flat[offset:offset + n].view(p.shape)
             offset += n
@@ -58,6 +60,8 @@ class MasterWeights:
     def master_parameter(self) -> torch.nn.Parameter:
         """The flat fp32 master (one Parameter with a persistent gradient buffer), made on first use."""
         if self.master is None:
+            if self._fp32 is None:
+                raise RuntimeError("master weights were not kept (the pass ran for an inference workload)")
             self.master = torch.nn.Parameter(self._fp32)
             self.master.grad = torch.zeros_like(self._fp32)
             self._grads = torch.empty_like(self.flat)
@@ -125,7 +129,7 @@ def apply(model: torch.nn.Module, ctx: PassContext):
     params = gemm_parameters(model)
     if not params:
         raise PassUnavailable("no fp32 Linear or Conv2d parameters in this model")
-    ctx.master_weights = MasterWeights(params, dtype)
+    ctx.master_weights = MasterWeights(params, dtype, keep_master=ctx.training)
     n = sum(p.numel() for p in params)
     changed = (f"{len(params)} Linear/Conv2d weights and biases ({n / 1e6:.1f}M values) stored in bf16 "
                f"(no autocast casts), fp32 masters stepped by the optimizer")
