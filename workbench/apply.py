@@ -137,7 +137,10 @@ def run_stage(spec: StageSpec, reference: GateOutputs, on_event: Callable[[dict]
             workload.model, result = apply_pass(p.name, workload.model, workload.ctx, p.params)
             record["passes"].append(result.to_dict())
         record["precision"] = workload.ctx.precision.name
-        record["optimizer"] = workload.ctx.optimizer_name if config.mode == "train" else None
+        record["optimizer"] = None
+        if config.mode == "train":
+            record["optimizer"] = workload.ctx.optimizer_name + (
+                " on fp32 master weights" if workload.ctx.master_weights is not None else "")
         missing = [r for r in record["passes"] if not r["available"]]
         if missing:
             record["status"] = "not available"
