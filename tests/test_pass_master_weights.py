@@ -127,3 +127,20 @@ def test_with_the_fused_kernels_block_stack():
         err = ((grads_b[name] - g).norm() / g.norm().clamp_min(1e-30)).item()
         assert err < (5e-3 if name.endswith("bias") else 1e-6), f"{name}: {err:.2e}"
     assert steps_a == pytest.approx(steps_b, rel=1e-3)
+
+
+def test_under_torch_compile():
+    """The compiled step (aot_eager: Dynamo + AOTAutograd) with master weights and the fused attention
+    trains as the eager one does."""
+    torch._dynamo.reset()
+    runs = []
+    for compiled in (False, True):
+        wl = workload()
+        passes = [("master_weights", None), ("fused_attention", None)]
+        if compiled:
+            passes.append(("compile", {"backend": "aot_eager"}))
+        for name, params in passes:
+            wl.model, result = apply_pass(name, wl.model, wl.ctx, params)
+            assert result.available, f"{name}: {result.changed}"
+        runs.append(train(wl, 2))
+    assert runs[0] == pytest.approx(runs[1], rel=1e-5)
