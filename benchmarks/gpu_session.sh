@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work: correctness on the GPU, kernel benchmarks, profile, apply.
 # Usage (on the GPU machine, from the repo root): benchmarks/gpu_session.sh PART...   PART in
-#   tests | traced | compile-diag | compile-variants | compile-apply | prof-compile | wbench | linear | threads | sweep | sweepb | norms | dense-apply | scale | infer-quick | prof-api | prof-block | block | host | chain | graphs | dense | infer | prof-fmha | window | kernels | attn | diag | benches | graph | last | quick | profile | apply-apex | apply-fmha
+#   tests | master-ab | traced | compile-diag | compile-variants | compile-apply | prof-compile | wbench | linear | threads | sweep | sweepb | norms | dense-apply | scale | infer-quick | prof-api | prof-block | block | host | chain | graphs | dense | infer | prof-fmha | window | kernels | attn | diag | benches | graph | last | quick | profile | apply-apex | apply-fmha
 # Results go to $OUT (or ./gpu-out), packed into one tarball so they come back in one file.
 set -uo pipefail
 out=${OUT:-gpu-out}; mkdir -p "$out/r"
@@ -21,6 +21,8 @@ for part in "$@"; do
              timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_compile_fused_passes.py -k inductor 2>&1 | grep -E "Error|passed|failed" | tail -8
              timeout 300 python3 benchmarks/bench_host.py --parts compile --batch 64 --steps 8 \
                --compile-stages fmha-compile --out "$out/r/bench_host_compile_traced.json" 2>&1 | grep -v "^\s*$" | tail -40 ;;
+    master-ab) timeout 540 swinbench apply --recipe block --stages amp,benchmarks/recipes/fmha-o1.yaml,fmha,block,block-graph \
+               --model swin_base_patch4_window7_224 --batch 64 --out "$out/r/apply_master_ab" 2>&1 | tail -22 ;;
     compile-apply) timeout 540 swinbench apply --recipe fmha-compile --stages amp,torch-compile,fmha-compile \
                --model swin_base_patch4_window7_224 --batch 64 --out "$out/r/apply_compile" 2>&1 | tail -20 ;;
     prof-compile) timeout 540 swinbench apply --recipe fmha-compile --stages torch-compile,fmha-compile --profile \
