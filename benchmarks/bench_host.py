@@ -400,6 +400,22 @@ def pyprof(model: str, batch: int, stage: str, steps: int, top: int) -> str:
     return buf.getvalue()
 
 
+def launch_counts(stats: pstats.Stats, steps: int) -> dict:
+    """Kernel launches per step read off a cProfile of `steps` steps: Inductor's own Triton kernels
+    (`_launch_kernel`, its static launcher), Triton kernels launched through Triton's launcher (ours, in
+    eager mode or as Inductor's user-defined kernels), and the GEMMs (torch.mm / addmm / bmm calls)."""
+    counts = {"inductor_triton": 0, "triton_launcher": 0, "gemm_calls": 0}
+    for (filename, _, func), (_, ncalls, *_rest) in stats.stats.items():
+        name = func.strip("<>")   # C functions are keyed '<name>' or '<built-in method name>'
+        if name.endswith("_launch_kernel"):
+            counts["inductor_triton"] += ncalls
+        elif name == "__call__" and filename.endswith("backends/nvidia/driver.py"):
+            counts["triton_launcher"] += ncalls
+        elif name in ("built-in method torch.mm", "built-in method torch.addmm", "built-in method torch.bmm"):
+            counts["gemm_calls"] += ncalls
+    return {k: v / steps for k, v in counts.items()}
+
+
 def compile_table(model: str, batch: int, stages: list[str], steps: int, top: int) -> list[dict]:
     from torch._dynamo.utils import counters
 
@@ -422,13 +438,15 @@ def compile_table(model: str, batch: int, stages: list[str], steps: int, top: in
         torch.cuda.synchronize()
         prof.disable()
         buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
-        row = {"stage": stage, "host_ms_per_step": host_ms, "step_ms": step_ms,
+        stats = pstats.Stats(prof, stream=buf)
+        stats.sort_stats("tottime").print_stats(top)
+        launches = launch_counts(stats, 3)
+        row = {"stage": stage, "host_ms_per_step": host_ms, "step_ms": step_ms, "launches_per_step": launches,
                "build_and_compile_s": compile_s, "graph_breaks": breaks, "unique_graphs": graphs,
                "pyprof": buf.getvalue()}
         rows.append(row)
         print(f"  {stage:20s} host enqueue {row['host_ms_per_step']:7.2f} ms   step {row['step_ms']:7.2f} ms   "
-              f"graphs {graphs}   graph breaks {sum(breaks.values())}: {breaks}", flush=True)
+              f"graphs {graphs}   graph breaks {sum(breaks.values())}: {breaks}   launches/step {launches}", flush=True)
         print("\n".join(row["pyprof"].splitlines()[:top + 12]), flush=True)
         del wl
         torch.cuda.empty_cache()
