@@ -23,6 +23,26 @@ def scale_head(model, ctx):
     return model, PassResult("scale_head_test", {}, "head weight x1.1 (deliberately wrong)")
 
 
+def pass_ctx(device, precision: str = "fp32"):
+    """A PassContext for `device` with `precision` resolved (what Workload.build gives a pass)."""
+    from workbench.passes import PassContext
+    from workbench.precision import resolve_precision
+
+    return PassContext(device=torch.device(device), precision=resolve_precision(precision))
+
+
+def model_pair(device, seed: int = 0, build=None, **kwargs):
+    """(model, deep copy) on `device`, built right after torch.manual_seed(seed): `build()`, or the tiny
+    Swin with build_model's `kwargs` (drop_path_rate, ...). One to patch, one to compare with."""
+    import copy
+
+    from workbench.models import TINY_MODEL, build_model
+
+    torch.manual_seed(seed)
+    model = (build() if build is not None else build_model(TINY_MODEL, **kwargs)).to(device)
+    return model, copy.deepcopy(model)
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| in float64."""
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()

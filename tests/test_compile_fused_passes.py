@@ -12,10 +12,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from workbench.models import TINY_MODEL, build_model  # noqa: E402
-from workbench.passes import PassContext, apply_pass  # noqa: E402
-from workbench.precision import resolve_precision  # noqa: E402
-from pass_helpers import rel_err, tiny_batch, train_step  # noqa: E402
+from workbench.passes import apply_pass  # noqa: E402
+from pass_helpers import model_pair, pass_ctx, rel_err, tiny_batch, train_step  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 PASSES = (("fused_layernorm", {"impl": "triton"}), ("fused_window", None), ("fused_attention", None))
@@ -35,12 +33,10 @@ BACKENDS = ["aot_eager"] + (["inductor"] if DEVICE.type == "cuda" else [])
 def test_compiled_fused_passes_match_eager_and_timm_in_fp32(stack, backend):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    torch.manual_seed(0)
     # No stochastic depth: DropPath draws its per-sample masks differently under aot_eager than in eager
     # (the unpatched timm model's sample 0 already differs by ~10% with the default rate).
-    plain = build_model(TINY_MODEL, drop_path_rate=0.0).to(DEVICE)
-    patched = copy.deepcopy(plain)
-    ctx = PassContext(device=DEVICE, precision=resolve_precision("fp32"))
+    plain, patched = model_pair(DEVICE, drop_path_rate=0.0)
+    ctx = pass_ctx(DEVICE)
     for name, params in STACKS[stack]:
         patched, result = apply_pass(name, patched, ctx, params)
         assert result.available, f"{name}: {result.changed}"

@@ -1,6 +1,5 @@
 """The fused_attention pass on the tiny Swin: same logits and same gradient for every parameter
 (relative_position_bias_table included) as the unpatched model, on the same seed, in fp32."""
-import copy
 import os
 
 import pytest
@@ -10,22 +9,18 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from workbench.models import TINY_MODEL, build_model  # noqa: E402
-from workbench.passes import PassContext, apply_pass  # noqa: E402
+from workbench.passes import apply_pass  # noqa: E402
 from workbench.passes import fused_attention  # noqa: E402
-from workbench.precision import resolve_precision  # noqa: E402
-from pass_helpers import rel_err, tiny_batch, train_step  # noqa: E402
+from pass_helpers import model_pair, pass_ctx, rel_err, tiny_batch, train_step  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def test_fused_attention_pass_matches_timm_in_fp32():
-    torch.manual_seed(0)
     # drop_path_rate=0: the model trains, and stochastic depth would drop a different sample's path in
     # each run (that, not the kernel, is what a first version of this test tripped over on the GPU)
-    plain = build_model(TINY_MODEL, drop_path_rate=0.0).to(DEVICE)
-    patched = copy.deepcopy(plain)
-    ctx = PassContext(device=DEVICE, precision=resolve_precision("fp32"))
-    patched, result = apply_pass("fused_attention", patched, ctx)
+    plain, patched = model_pair(DEVICE, drop_path_rate=0.0)
+    patched, result = apply_pass("fused_attention", patched, pass_ctx(DEVICE))
     assert result.available, result.changed
     assert result.details["patched_modules"] == 4  # two blocks in each of the two stages
 
@@ -45,7 +40,7 @@ def test_attention_dropout_is_left_on_timm_path():
     model = build_model(TINY_MODEL)
     attn = next(m for m in model.modules() if type(m).__name__ == "WindowAttention")
     attn.attn_drop.p = 0.1
-    ctx = PassContext(device=DEVICE, precision=resolve_precision("fp32"))
+    ctx = pass_ctx(DEVICE)
     model, result = fused_attention.apply(model, ctx)
     assert result.details == {**result.details, "patched_modules": 3, "skipped_attn_dropout": 1}
     assert "forward" not in vars(attn)
@@ -79,11 +74,8 @@ def features_and_table_grads(model, images, labels, autocast: bool):
 def test_fused_attention_pass_under_bf16_autocast():
     """Under autocast q/k/v are bf16 and the bias fp32. Held to the fp32 truth, the fused model must be
     at least as close to it as timm's own bf16 path (plus a little)."""
-    torch.manual_seed(0)
-    plain = build_model(TINY_MODEL, drop_path_rate=0.0).to(DEVICE)
-    patched = copy.deepcopy(plain)
-    ctx = PassContext(device=DEVICE, precision=resolve_precision("bf16"))
-    patched, _ = apply_pass("fused_attention", patched, ctx)
+    plain, patched = model_pair(DEVICE, drop_path_rate=0.0)
+    patched, _ = apply_pass("fused_attention", patched, pass_ctx(DEVICE, "bf16"))
     images, labels = tiny_batch(plain, 2, DEVICE)
     truth, truth_grads = features_and_table_grads(plain, images, labels, autocast=False)
     plain_f, plain_g = features_and_table_grads(plain, images, labels, autocast=True)

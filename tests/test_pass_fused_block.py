@@ -13,26 +13,14 @@ import copy  # noqa: E402
 
 import pytest  # noqa: E402
 
-from workbench.models import TINY_MODEL, build_model  # noqa: E402
-from workbench.passes import PassContext, PassUnavailable, apply_pass  # noqa: E402
+from workbench.passes import PassUnavailable, apply_pass  # noqa: E402
 from workbench.passes import fused_block  # noqa: E402
-from workbench.precision import resolve_precision  # noqa: E402
-from pass_helpers import rel_err, tiny_batch, train_step  # noqa: E402
+from pass_helpers import model_pair, pass_ctx, rel_err, tiny_batch, train_step  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 N_BLOCKS = 4
 KERNEL_PASSES = (("fused_layernorm", {"impl": "triton", "fuse_residual": True}), ("fused_window", None),
                  ("fused_attention", None), ("fused_linear", None))
-
-
-def _ctx(precision="fp32"):
-    return PassContext(device=DEVICE, precision=resolve_precision(precision))
-
-
-def _models(drop_path_rate=0.0):
-    torch.manual_seed(0)
-    model = build_model(TINY_MODEL, drop_path_rate=drop_path_rate).to(DEVICE)
-    return model, copy.deepcopy(model)
 
 
 def _step(model, autocast=None, train=True):
@@ -52,8 +40,8 @@ def _assert_close_steps(ref, fused, tol, autocast=None, train=True):
 
 
 def test_matches_unpatched_fp32_train_and_eval():
-    ref, model = _models()
-    model, result = fused_block.apply(model, _ctx())
+    ref, model = model_pair(DEVICE, drop_path_rate=0.0)
+    model, result = fused_block.apply(model, pass_ctx(DEVICE))
     assert result.details["blocks_patched"] == N_BLOCKS and not result.details["blocks_skipped"]
     _assert_close_steps(ref, model, 1e-4)
     _assert_close_steps(ref, model, 1e-4, train=False)
@@ -63,8 +51,8 @@ def test_under_bf16_autocast_as_close_to_fp32_as_timm():
     """Two bf16 computations of a gradient that sums many cancelling terms (a LayerNorm bias) can differ
     by 10% from each other; held to the fp32 truth, the fused model must be as close as timm's own bf16
     path (plus a little), for the logits and every gradient."""
-    ref, model = _models()
-    model, _ = fused_block.apply(model, _ctx("bf16"))
+    ref, model = model_pair(DEVICE, drop_path_rate=0.0)
+    model, _ = fused_block.apply(model, pass_ctx(DEVICE, "bf16"))
     truth_logits, truth = _step(ref)
     plain_logits, plain = _step(ref, torch.bfloat16)
     logits, fused = _step(model, torch.bfloat16)
@@ -78,12 +66,12 @@ def test_under_bf16_autocast_as_close_to_fp32_as_timm():
 def test_replaces_the_kernel_passes_it_sits_on(autocast, tol):
     """On top of the dense stack (Triton LayerNorm with add+norm2, fused window, fused attention, fused
     Linear), the Function computes what those passes computed, one block at a time."""
-    ref, _ = _models()
+    ref, _ = model_pair(DEVICE, drop_path_rate=0.0)
     for name, params in KERNEL_PASSES:
-        ref, result = apply_pass(name, ref, _ctx(), params)
+        ref, result = apply_pass(name, ref, pass_ctx(DEVICE), params)
         assert result.available, f"{name}: {result.changed}"
     model = copy.deepcopy(ref)
-    model, result = fused_block.apply(model, _ctx())
+    model, result = fused_block.apply(model, pass_ctx(DEVICE))
     assert result.details["blocks_patched"] == N_BLOCKS
     _assert_close_steps(ref, model, tol, autocast=autocast)
 
@@ -92,8 +80,8 @@ def test_function_runs_once_per_block_and_falls_back_when_dropout_is_active(monk
     calls = []
     real = fused_block.SwinBlockFunction.apply
     monkeypatch.setattr(fused_block.SwinBlockFunction, "apply", lambda *a: calls.append(1) or real(*a))
-    _, model = _models(drop_path_rate=0.1)
-    model, _ = fused_block.apply(model, _ctx())
+    _, model = model_pair(DEVICE, drop_path_rate=0.1)
+    model, _ = fused_block.apply(model, pass_ctx(DEVICE))
     _step(model, train=False)                 # DropPath is the identity in eval: fused
     assert len(calls) == N_BLOCKS
     # In training, a block whose stochastic depth draws (drop_prob > 0) runs timm's forward; the first
@@ -106,23 +94,23 @@ def test_function_runs_once_per_block_and_falls_back_when_dropout_is_active(monk
 
 
 def test_non_plain_blocks_are_left_alone_and_counted():
-    _, model = _models()
+    _, model = model_pair(DEVICE, drop_path_rate=0.0)
     model.layers[0].blocks[0].mlp.act = torch.nn.ReLU()
-    model, result = fused_block.apply(model, _ctx())
+    model, result = fused_block.apply(model, pass_ctx(DEVICE))
     assert result.details["blocks_patched"] == N_BLOCKS - 1
     assert result.details["blocks_skipped"] == {"MLP activation is not exact GELU": 1}
     assert "left as they were: 1 (MLP activation is not exact GELU)" in result.changed
-    _, model = _models()
+    _, model = model_pair(DEVICE, drop_path_rate=0.0)
     for blk in (b for layer in model.layers for b in layer.blocks):
         blk.mlp.act = torch.nn.ReLU()
     with pytest.raises(PassUnavailable, match="plain configuration"):
-        fused_block.apply(model, _ctx())
+        fused_block.apply(model, pass_ctx(DEVICE))
 
 
 def test_applying_twice_patches_once():
-    _, model = _models()
-    model, _ = fused_block.apply(model, _ctx())
-    model, again = fused_block.apply(model, _ctx())
+    _, model = model_pair(DEVICE, drop_path_rate=0.0)
+    model, _ = fused_block.apply(model, pass_ctx(DEVICE))
+    model, again = fused_block.apply(model, pass_ctx(DEVICE))
     assert again.details["blocks_patched"] == 0
     blk = model.layers[0].blocks[0]
     assert blk._swinbench_forward_before_fused_block.__func__ is not fused_block.swin_block_forward_fused_block
@@ -141,7 +129,7 @@ def test_padded_windows_and_dynamic_mask():
         if hasattr(blk, "dynamic_mask"):
             blk.dynamic_mask = True
     model = copy.deepcopy(ref)
-    model, result = fused_block.apply(model, _ctx())
+    model, result = fused_block.apply(model, pass_ctx(DEVICE))
     assert result.details["blocks_patched"] == N_BLOCKS
     assert tuple(model.layers[0].blocks[1].shift_size) != (0, 0)   # a shifted, padded block is covered
     _assert_close_steps(ref, model, 1e-4)

@@ -19,10 +19,9 @@ from torch import nn  # noqa: E402
 
 from workbench.errors import UserError  # noqa: E402
 from workbench.models import TINY_MODEL, build_model  # noqa: E402
-from workbench.passes import PassContext, apply_pass  # noqa: E402
+from workbench.passes import apply_pass  # noqa: E402
 from workbench.passes import fused_layernorm  # noqa: E402
-from workbench.precision import resolve_precision  # noqa: E402
-from pass_helpers import assert_same_step, tiny_batch  # noqa: E402
+from pass_helpers import assert_same_step, model_pair, pass_ctx, tiny_batch  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # 2 images: an odd-free but small batch; the tiny Swin has 11 LayerNorms (patch embed, 2 per block x 4,
@@ -30,16 +29,6 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BATCH = 2
 N_LAYER_NORMS = 11
 N_BLOCKS = 4
-
-
-def _ctx(precision="fp32"):
-    return PassContext(device=DEVICE, precision=resolve_precision(precision))
-
-
-def _models(seed=0, **build):
-    torch.manual_seed(seed)
-    model = build_model(TINY_MODEL, **build).to(DEVICE)
-    return model, copy.deepcopy(model)
 
 
 def _inputs(model, seed=1):
@@ -55,9 +44,9 @@ def _assert_same_training_step(ref, fused, atol, rtol, autocast=None, train=Fals
 
 
 def test_triton_fused_residual_matches_unpatched_fp32():
-    ref, model = _models()
+    ref, model = model_pair(DEVICE)
     state_keys = list(model.state_dict())
-    model, result = fused_layernorm.apply(model, _ctx(), impl="triton", fuse_residual=True)
+    model, result = fused_layernorm.apply(model, pass_ctx(DEVICE), impl="triton", fuse_residual=True)
     assert result.name == "fused_layernorm" and result.available
     d = result.details
     assert d["implementation"] == "triton"
@@ -73,8 +62,8 @@ def test_triton_fused_residual_matches_unpatched_fp32():
 
 
 def test_triton_without_residual_fusion_matches_unpatched():
-    ref, model = _models(seed=2)
-    model, result = fused_layernorm.apply(model, _ctx(), impl="triton", fuse_residual=False)
+    ref, model = model_pair(DEVICE, seed=2)
+    model, result = fused_layernorm.apply(model, pass_ctx(DEVICE), impl="triton", fuse_residual=False)
     assert result.details["replaced"] == N_LAYER_NORMS and result.details["fused_residual_blocks"] == 0
     assert not any("forward" in vars(m) for m in model.modules())
     _assert_same_training_step(ref, model, atol=1e-5, rtol=1e-5)
@@ -90,15 +79,15 @@ def test_drop_path_in_training_matches_unpatched():
         if type(blk).__name__ == "SwinTransformerBlock":
             blk.drop_path1, blk.drop_path2 = DropPath(0.3), DropPath(0.3)
     model = copy.deepcopy(ref)
-    model, result = fused_layernorm.apply(model, _ctx(), impl="triton")
+    model, result = fused_layernorm.apply(model, pass_ctx(DEVICE), impl="triton")
     assert result.details["fused_residual_blocks"] == N_BLOCKS
     _assert_same_training_step(ref, model, atol=1e-5, rtol=1e-5, train=True, rng_seed=7)
 
 
 def test_bf16_autocast_close_to_unpatched():
     """Under autocast torch's LayerNorm returns fp32, ours the input dtype: agree at bf16 tolerance."""
-    ref, model = _models(seed=4)
-    model, _ = fused_layernorm.apply(model, _ctx("bf16"), impl="triton")
+    ref, model = model_pair(DEVICE, seed=4)
+    model, _ = fused_layernorm.apply(model, pass_ctx(DEVICE, "bf16"), impl="triton")
     ref.eval()
     model.eval()
     x, _ = _inputs(ref)
@@ -108,28 +97,28 @@ def test_bf16_autocast_close_to_unpatched():
 
 
 def test_apply_pass_twice_changes_nothing_more():
-    _, model = _models(seed=5)
-    model, _ = apply_pass("fused_layernorm", model, _ctx(), {"impl": "triton"})
-    model, result = apply_pass("fused_layernorm", model, _ctx(), {"impl": "triton"})
+    _, model = model_pair(DEVICE, seed=5)
+    model, _ = apply_pass("fused_layernorm", model, pass_ctx(DEVICE), {"impl": "triton"})
+    model, result = apply_pass("fused_layernorm", model, pass_ctx(DEVICE), {"impl": "triton"})
     assert result.details["replaced"] == 0 and result.details["fused_residual_blocks"] == 0
 
 
 def test_earlier_forward_patch_is_left_alone():
     """A block whose forward another pass already replaced keeps it (and gets no add_layer_norm flag)."""
-    _, model = _models(seed=6)
+    _, model = model_pair(DEVICE, seed=6)
     blocks = [m for m in model.modules() if type(m).__name__ == "SwinTransformerBlock"]
     marker = types.MethodType(lambda self, x: x, blocks[0])
     blocks[0].forward = marker
-    model, result = fused_layernorm.apply(model, _ctx(), impl="triton")
+    model, result = fused_layernorm.apply(model, pass_ctx(DEVICE), impl="triton")
     assert result.details["blocks_forward_already_patched"] == 1
     assert result.details["fused_residual_blocks"] == N_BLOCKS - 1
     assert blocks[0].forward is marker and not getattr(blocks[0], "_swinbench_add_norm2", False)
 
 
 def test_impl_torch_keeps_model():
-    _, model = _models(seed=7)
+    _, model = model_pair(DEVICE, seed=7)
     before = [type(m) for m in model.modules()]
-    out, result = fused_layernorm.apply(model, _ctx(), impl="torch")
+    out, result = fused_layernorm.apply(model, pass_ctx(DEVICE), impl="torch")
     assert out is model and [type(m) for m in out.modules()] == before
     assert result.details["implementation"] == "torch" and result.details["replaced"] == 0
 
@@ -145,13 +134,13 @@ def test_auto_on_cpu_without_interpreter_keeps_torch(monkeypatch):
 
 def test_apex_missing_is_unavailable_and_bad_params_are_user_errors(monkeypatch):
     monkeypatch.setattr(fused_layernorm, "_apex_layer_norm_class", lambda: None)
-    _, model = _models(seed=8)
-    out, result = apply_pass("fused_layernorm", model, _ctx(), {"impl": "apex"})
+    _, model = model_pair(DEVICE, seed=8)
+    out, result = apply_pass("fused_layernorm", model, pass_ctx(DEVICE), {"impl": "apex"})
     assert out is model and not result.available and "apex" in result.changed
     with pytest.raises(UserError):
-        fused_layernorm.apply(model, _ctx(), impl="cudnn")
+        fused_layernorm.apply(model, pass_ctx(DEVICE), impl="cudnn")
     with pytest.raises(UserError):
-        fused_layernorm.apply(model, _ctx(), impl="torch", fuse_residul=True)
+        fused_layernorm.apply(model, pass_ctx(DEVICE), impl="torch", fuse_residul=True)
 
 
 def test_apex_path_swaps_and_copies_weights(monkeypatch):
@@ -166,8 +155,8 @@ def test_apex_path_swaps_and_copies_weights(monkeypatch):
     apex.normalization.FusedLayerNorm = FakeFusedLayerNorm
     monkeypatch.setitem(sys.modules, "apex", apex)
     monkeypatch.setitem(sys.modules, "apex.normalization", apex.normalization)
-    ref, model = _models(seed=9)
-    model, result = fused_layernorm.apply(model, _ctx(), impl="apex")
+    ref, model = model_pair(DEVICE, seed=9)
+    model, result = fused_layernorm.apply(model, pass_ctx(DEVICE), impl="apex")
     assert result.details["implementation"] == "apex" and result.details["replaced"] == N_LAYER_NORMS
     assert sum(isinstance(m, FakeFusedLayerNorm) for m in model.modules()) == N_LAYER_NORMS
     _assert_same_training_step(ref, model, atol=1e-6, rtol=1e-6)

@@ -1,7 +1,6 @@
 """The fused Linear backward: the bias-gradient (+ GELU backward) reduction against PyTorch on odd shapes
 and every dtype, poisoned outputs; the Function against F.linear forward and backward, with and without
 autocast; the fused_linear pass on the tiny Swin against the unpatched model, same seed."""
-import copy
 import importlib
 import os
 
@@ -12,9 +11,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from workbench.models import TINY_MODEL, build_model  # noqa: E402
-from workbench.passes import PassContext, apply_pass  # noqa: E402
-from workbench.precision import resolve_precision  # noqa: E402
-from pass_helpers import rel_err, tiny_batch, train_step  # noqa: E402
+from workbench.passes import apply_pass  # noqa: E402
+from pass_helpers import model_pair, pass_ctx, rel_err, tiny_batch, train_step  # noqa: E402
 
 lin = importlib.import_module("workbench.kernels.linear")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -125,11 +123,8 @@ def test_linear_under_autocast_casts_as_f_linear_does():
 
 
 def test_fused_linear_pass_matches_timm_in_fp32():
-    torch.manual_seed(0)
-    plain = build_model(TINY_MODEL, drop_path_rate=0.0).to(DEVICE)
-    patched = copy.deepcopy(plain)
-    ctx = PassContext(device=DEVICE, precision=resolve_precision("fp32"))
-    patched, result = apply_pass("fused_linear", patched, ctx)
+    plain, patched = model_pair(DEVICE, drop_path_rate=0.0)
+    patched, result = apply_pass("fused_linear", patched, pass_ctx(DEVICE))
     assert result.available, result.changed
     assert result.details["linears"] == 16 and result.details["mlps_fused"] == 4  # 4 blocks x qkv/proj/fc1/fc2
     assert patched.state_dict().keys() == plain.state_dict().keys()
@@ -145,6 +140,6 @@ def test_fused_linear_pass_matches_timm_in_fp32():
 def test_fused_linear_pass_leaves_other_mlps_on_timms_forward():
     model = build_model(TINY_MODEL, drop_path_rate=0.0)
     model.layers[0].blocks[0].mlp.act = torch.nn.GELU(approximate="tanh")
-    model, result = apply_pass("fused_linear", model, PassContext(device=DEVICE, precision=resolve_precision("fp32")))
+    model, result = apply_pass("fused_linear", model, pass_ctx(DEVICE))
     assert result.details["mlps_fused"] == 3 and result.details["mlps_kept"] == 1
     assert "kept on timm's forward" in result.changed

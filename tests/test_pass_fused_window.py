@@ -8,30 +8,17 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import copy  # noqa: E402
-
 import pytest  # noqa: E402
 
-from workbench.models import TINY_KWARGS, TINY_MODEL, build_model, input_size  # noqa: E402
-from workbench.passes import PassContext, PassUnavailable, apply_pass  # noqa: E402
+from workbench.models import TINY_KWARGS, input_size  # noqa: E402
+from workbench.passes import PassUnavailable, apply_pass  # noqa: E402
 from workbench.passes import fused_window  # noqa: E402
-from workbench.precision import resolve_precision  # noqa: E402
-from pass_helpers import assert_same_step, tiny_batch  # noqa: E402
+from pass_helpers import assert_same_step, model_pair, pass_ctx, tiny_batch  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BATCH = 2
 N_BLOCKS = 4  # tiny Swin: depths (2, 2); stage 1 (14x14) has one shifted block, stage 2 (7x7 = one window) none
 N_SHIFTED = 1
-
-
-def _ctx(precision="fp32"):
-    return PassContext(device=DEVICE, precision=resolve_precision(precision))
-
-
-def _models(seed=0, model_fn=None):
-    torch.manual_seed(seed)
-    model = (model_fn or (lambda: build_model(TINY_MODEL)))().to(DEVICE)
-    return model, copy.deepcopy(model)
 
 
 def _assert_same_step(ref, fused, atol, rtol, autocast=None, train=False, rng_seed=None):
@@ -42,21 +29,21 @@ def _assert_same_step(ref, fused, atol, rtol, autocast=None, train=False, rng_se
 
 
 def test_matches_unpatched_fp32():
-    ref, model = _models()
-    model, result = fused_window.apply(model, _ctx())
+    ref, model = model_pair(DEVICE)
+    model, result = fused_window.apply(model, pass_ctx(DEVICE))
     assert result.available and result.name == "fused_window"
     assert result.details["blocks_patched"] == N_BLOCKS == result.details["blocks_total"]
     assert result.details["blocks_shifted"] == N_SHIFTED
     _assert_same_step(ref, model, atol=1e-5, rtol=1e-5)
     # applying twice changes nothing more
-    _, again = fused_window.apply(model, _ctx())
+    _, again = fused_window.apply(model, pass_ctx(DEVICE))
     assert again.details["blocks_patched"] == 0 and again.details["blocks_already_fused_window"] == N_BLOCKS
 
 
 def test_patched_forward_calls_attn_module():
     """fused_attention replaces blk.attn.forward; the patched block must go through blk.attn(...)."""
-    _, model = _models()
-    model, _ = fused_window.apply(model, _ctx())
+    _, model = model_pair(DEVICE)
+    model, _ = fused_window.apply(model, pass_ctx(DEVICE))
     calls = []
     for blk in model.modules():
         if hasattr(blk, "_swinbench_fused_window"):
@@ -71,12 +58,12 @@ def test_matches_unpatched_drop_path_and_dynamic_mask_train():
     """Stochastic depth (training, unfused add) and timm's dynamic_mask: same RNG draws, same result."""
     from timm.models.swin_transformer import SwinTransformer
 
-    ref, model = _models(model_fn=lambda: SwinTransformer(**TINY_KWARGS, drop_path_rate=0.3))
+    ref, model = model_pair(DEVICE, build=lambda: SwinTransformer(**TINY_KWARGS, drop_path_rate=0.3))
     for m in (ref, model):
         for blk in m.modules():
             if hasattr(blk, "dynamic_mask"):
                 blk.dynamic_mask = True
-    model, result = fused_window.apply(model, _ctx())
+    model, result = fused_window.apply(model, pass_ctx(DEVICE))
     assert result.details["blocks_dynamic_mask"] == N_BLOCKS
     assert result.details["blocks_with_drop_path"] >= 1
     _assert_same_step(ref, model, atol=1e-5, rtol=1e-5, train=True, rng_seed=3)
@@ -85,26 +72,26 @@ def test_matches_unpatched_drop_path_and_dynamic_mask_train():
 def test_matches_unpatched_under_bf16_autocast():
     """Under autocast the fused norm emits fp32 like timm's LayerNorm; the add takes the bf16
     attention output into the fp32 residual. Loose tolerance: both run bf16 matmuls."""
-    ref, model = _models()
-    model, _ = fused_window.apply(model, _ctx("bf16"))
+    ref, model = model_pair(DEVICE)
+    model, _ = fused_window.apply(model, pass_ctx(DEVICE, "bf16"))
     _assert_same_step(ref, model, atol=3e-2, rtol=3e-2, autocast=torch.bfloat16)
 
 
 def test_composes_with_fused_layernorm_add_norm2():
-    ref, model = _models()
-    model, ln = apply_pass("fused_layernorm", model, _ctx(), {"impl": "triton", "fuse_residual": True})
+    ref, model = model_pair(DEVICE)
+    model, ln = apply_pass("fused_layernorm", model, pass_ctx(DEVICE), {"impl": "triton", "fuse_residual": True})
     assert ln.available, ln.changed   # the Triton LayerNorm runs wherever these tests run
-    model, result = fused_window.apply(model, _ctx())
+    model, result = fused_window.apply(model, pass_ctx(DEVICE))
     assert result.details["blocks_patched"] == N_BLOCKS
     assert result.details["blocks_with_add_norm2"] == ln.details.get("fused_residual_blocks", 0)
     _assert_same_step(ref, model, atol=1e-5, rtol=1e-5)
 
 
 def test_non_square_window_is_unavailable():
-    _, model = _models()
+    _, model = model_pair(DEVICE)
     blk = next(m for m in model.modules() if hasattr(m, "shift_size"))
     blk.window_size = (7, 4)
     with pytest.raises(PassUnavailable):
-        fused_window.apply(model, _ctx())
-    model, result = apply_pass("fused_window", model, _ctx())
+        fused_window.apply(model, pass_ctx(DEVICE))
+    model, result = apply_pass("fused_window", model, pass_ctx(DEVICE))
     assert not result.available
