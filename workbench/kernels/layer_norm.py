@@ -269,20 +269,21 @@ def sum_partials(partial: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def split_column_sums(sums: torch.Tensor, sizes: tuple, dtypes: tuple) -> list:
+    """Consecutive slices of fp32 column sums, each in its parameter's dtype (None: no parameter, gives
+    None): views where the dtype is fp32, one cast for all when every slice wants the same lower
+    precision (master_weights' bf16 biases), a cast each otherwise."""
+    if len(set(dtypes)) == 1 and dtypes[0] not in (None, torch.float32):
+        return list(sums.to(dtypes[0]).split(sizes))
+    return [None if t is None else (g if t == torch.float32 else g.to(t)) for g, t in zip(sums.split(sizes), dtypes)]
+
+
 def split_norm_grads(sums: torch.Tensor, weight, bias) -> tuple:
-    """(dweight, dbias) from a LayerNorm backward's (2C,) fp32 column sums: views when the parameter is
-    fp32 (autocast training keeps them so), cast copies otherwise (one cast for both when they share a
-    dtype); None for a missing parameter."""
+    """(dweight, dbias) from a LayerNorm backward's (2C,) fp32 column sums (split_column_sums): views
+    when the parameter is fp32 (autocast training keeps them so), cast copies otherwise; None for a
+    missing parameter."""
     n_cols = sums.shape[0] // 2
-    if weight is not None and bias is not None and weight.dtype == bias.dtype != torch.float32:
-        sums = sums.to(weight.dtype)
-        return sums[:n_cols], sums[n_cols:]
-    dw = sums[:n_cols] if weight is not None else None
-    db = sums[n_cols:] if bias is not None else None
-    if dw is not None and weight.dtype != torch.float32:
-        dw = dw.to(weight.dtype)
-    if db is not None and bias.dtype != torch.float32:
-        db = db.to(bias.dtype)
+    dw, db = split_column_sums(sums, (n_cols, n_cols), tuple(None if p is None else p.dtype for p in (weight, bias)))
     return dw, db
 
 

@@ -67,14 +67,6 @@ def _dropouts_inactive(blk) -> bool:
     return all(inactive(m, training) for m in mods)
 
 
-def _bias_grads(sums: torch.Tensor, sizes: tuple, dtypes: tuple) -> list[torch.Tensor]:
-    """The bias gradients from their fp32 column sums (consecutive in `sums`), each in its bias's dtype:
-    views for fp32 biases, one cast for all when they share a lower precision (master_weights)."""
-    if len(set(dtypes)) == 1 and dtypes[0] != torch.float32:
-        return list(sums.to(dtypes[0]).split(sizes))
-    return [g if t == torch.float32 else g.to(t) for g, t in zip(sums.split(sizes), dtypes)]
-
-
 class SwinBlockFunction(torch.autograd.Function):
     """One timm SwinTransformerBlock (x: (B, H, W, C) -> (B, H, W, C)), forward and backward by hand.
 
@@ -118,7 +110,7 @@ class SwinBlockFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        from ..kernels.layer_norm import layer_norm_bwd, split_norm_grads
+        from ..kernels.layer_norm import layer_norm_bwd, split_column_sums, split_norm_grads
         from ..kernels.linear import bias_grad_host
         from ..kernels.window import norm_shift_partition_bwd, roll_partition_fwd
         from ..kernels.window_attention import window_attention_bwd
@@ -133,7 +125,7 @@ class SwinBlockFunction(torch.autograd.Function):
             d = dout.reshape(-1, C).contiguous()
             # Every column reduction of the block (four bias gradients, two LayerNorms' dweight/dbias)
             # adds into one zeroed fp32 buffer: one memset for the block instead of six. The bias sums
-            # come first, so that low-precision biases take their gradients in one cast (bias_grads).
+            # come first, so that low-precision biases take their gradients in one cast (split_column_sums).
             # The table's gradient shares the memset when the table is fp32 (index_add_ adds into it).
             n_table = table.numel() if table.dtype == torch.float32 else 0
             sums = torch.zeros(13 * C + n_table, dtype=torch.float32, device=d.device)
@@ -167,7 +159,7 @@ class SwinBlockFunction(torch.autograd.Function):
             d_win = dqkv2 @ w_qkv
             d_qkv_w = (dqkv2.t() @ win2).to(t_qkv_w)
             bias_grad_host(dqkv2, None, torch.float32, sums_into=s_qkv)
-            d_fc2_b, d_fc1_b, d_proj_b, d_qkv_b = _bias_grads(
+            d_fc2_b, d_fc1_b, d_proj_b, d_qkv_b = split_column_sums(
                 sums[:9 * C], (C, 4 * C, C, 3 * C), (t_fc2_b, t_fc1_b, t_proj_b, t_qkv_b))
             # norm1 + shift + partition
             # (the residual path's gradient d_s joins dx inside the same kernel)
