@@ -243,9 +243,10 @@ def column_sums(programs: int, n_cols: int, device: torch.device,
     values over their rows (dweight/dbias, a bias gradient), written with `emit_column_sum`.
 
     By default one zeroed (1, n_cols) row that every program adds into atomically: a memset and no
-    reduction launch (the reduction of (programs, n_cols) partials runs on only n_cols/64 programs). The order of the fp32 additions then varies from run to run, so
-    with torch.use_deterministic_algorithms(True) each program stores its own row of a (programs,
-    n_cols) buffer instead, which `finish_column_sums` adds in a fixed order. `into`: a zeroed contiguous
+    reduction launch (the reduction of (programs, n_cols) partials runs on only n_cols/64 programs).
+    The order of the fp32 additions then varies from run to run, so with
+    torch.use_deterministic_algorithms(True) each program stores its own row of a (programs, n_cols)
+    buffer instead, which `finish_column_sums` adds in a fixed order. `into`: a zeroed contiguous
     fp32 tensor of n_cols elements to add into instead of a fresh one (a caller with several reductions
     zeroes one buffer for all of them: one memset instead of several); ignored in deterministic mode."""
     if torch.are_deterministic_algorithms_enabled():
@@ -345,8 +346,9 @@ def layer_norm_bwd(dy2, x2, weight, bias, mean, rstd, ds2, dx_dtype: torch.dtype
 
 # One operator per host function (_ops.kernel_op): traced into by torch.compile on a GPU (triton_op),
 # opaque otherwise, where the fake implementations give the output shapes and dtypes. Inputs are (M, C)
-# rows (the autograd Functions reshape); outputs are fresh contiguous tensors. dweight and dbias come back as one (2C,) fp32 tensor (two views of one buffer may
-# not both be outputs of an op); the Functions split and cast it.
+# rows (the autograd Functions reshape); outputs are fresh contiguous tensors. dweight and dbias come back
+# as one (2C,) fp32 tensor (two views of one buffer may not both be outputs of an op); the Functions split
+# and cast it.
 
 
 @kernel_op("swinbench::layer_norm_fwd")

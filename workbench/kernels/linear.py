@@ -46,7 +46,8 @@ _MIN_ROWS_PER_PROGRAM = 32
 @triton.jit
 def _bias_grad_kernel(
     DY, PRE, DPRE, SUMS, n_rows, n_cols, rows_per_prog,
-    GELU: tl.constexpr, CAST: tl.constexpr, SOFT_RTNE: tl.constexpr, ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GELU: tl.constexpr, CAST: tl.constexpr, SOFT_RTNE: tl.constexpr, ATOMIC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Program (pm, pn) sums rows [pm * rows_per_prog, +rows_per_prog) of columns [pn * BLOCK_N, +BLOCK_N).
     With GELU, the summed value is dpre = dy * gelu'(pre) rounded to DPRE's dtype, which it also stores;
@@ -108,7 +109,8 @@ def bias_grad_host(dy: torch.Tensor, pre: Optional[torch.Tensor], bias_dtype: to
         dpre = dy
     launch(_bias_grad_kernel)[(row_programs, col_blocks)](
         dy, pre if pre is not None else dy, dpre, sums, n_rows, n_cols, rows_per_prog,
-        GELU=pre is not None, CAST=cast, SOFT_RTNE=_SOFT_RTNE, ATOMIC=atomic, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
+        GELU=pre is not None, CAST=cast, SOFT_RTNE=_SOFT_RTNE, ATOMIC=atomic,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
     )
     db = finish_column_sums(sums, atomic)
     return dpre, (db if bias_dtype == torch.float32 else db.to(bias_dtype))

@@ -431,7 +431,8 @@ def norm_shift_partition_bwd(
         dwindows, x, _contig(weight), mean, rstd, ds if ds is not None else x, dx, sums,
         n_tok, tiles_per_prog, C,
         H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=int(window_size), SOFT_RTNE=_SOFT_RTNE,
-        ATOMIC=atomic, HAS_DS=ds is not None, STAGES=stages, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps, **launch_options(maxnreg),
+        ATOMIC=atomic, HAS_DS=ds is not None, STAGES=stages, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps,
+        **launch_options(maxnreg),
     )
     return dx, finish_column_sums(sums, atomic)
 
