@@ -201,11 +201,14 @@ def first_call_s(fn) -> float:
 
 
 def copy_bandwidth(device, replays) -> dict:
-    """Device-to-device Tensor.copy_ of a 1 GiB buffer (64 KiB on the CPU), graph-timed: GB/s counting read + write."""
+    """Device-to-device Tensor.copy_ of a 1 GiB buffer (64 KiB on the CPU): GB/s counting read + write.
+    Timed as plain back-to-back calls (a 1 GiB copy takes ~0.5 ms, so the host's launch cost hides behind
+    it), not by graph replay: captured into a graph, copy_ becomes a memcpy node, which on the H200 moves
+    only ~2.7 TB/s against ~4.25 TB/s for the copy kernel."""
     n_bytes = (1 << 30) if device == "cuda" else (1 << 16)
     src = torch.randn(n_bytes // 4, device=device)
     dst = torch.empty_like(src)
-    med, p20, p80 = graph_us([lambda: dst.copy_(src)], replays)
+    med, p20, p80 = call_us([lambda: dst.copy_(src)], loops=max(3, replays // 2), calls=8)
     return {"bytes": 2 * n_bytes, "us_median": med, "us_p20": p20, "us_p80": p80, "gbps": 2 * n_bytes / (med * 1e-6) / 1e9}
 
 
@@ -314,12 +317,23 @@ def main(argv=None) -> int:
                 print(f"MISMATCH {c['op']} {c['stage']} {c['what']}: {c['rel_max_err']:.3e}", file=sys.stderr)
             return 1
 
-    copy = copy_bandwidth(device, args.replays)
-    records = measure(stages, args.dtype, device, args.replays, copy["gbps"])
+    # The copy rate is measured before and after the ops and the faster run kept.
+    copies = [copy_bandwidth(device, args.replays)]
+    records = measure(stages, args.dtype, device, args.replays, copies[0]["gbps"])
+    copies.append(copy_bandwidth(device, args.replays))
+    copy = max(copies, key=lambda c: c["gbps"])
+    copy["gbps_runs"] = [c["gbps"] for c in copies]
+    # The bar is the faster of Tensor.copy_ and the best any op here reaches, so that a slow copy
+    # measurement never flatters the kernels (graph-replayed, copy_ read 2.71 TB/s while roll_partition
+    # moved 3.79 TB/s).
+    copy["ceiling_gbps"] = max([copy["gbps"]] + [r["gbps"] for r in records])
+    for r in records:
+        r["pct_copy"] = 100.0 * r["gbps"] / copy["ceiling_gbps"]
     print(format_table(records))
     worst = min(records, key=lambda r: r["pct_copy"])
-    print(f"# copy (Tensor.copy_ {copy['bytes'] / 2 / 2**20:g} MiB, read+write, graph): {copy['gbps']:.0f} GB/s; "
-          f"fused fwd+bwd reach {worst['pct_copy']:.0f}%..{max(r['pct_copy'] for r in records):.0f}% of it "
+    print(f"# copy (Tensor.copy_ {copy['bytes'] / 2 / 2**20:g} MiB, read+write, plain calls, before / after): "
+          f"{' / '.join(f'{g:.0f}' for g in copy['gbps_runs'])} GB/s; %copy is of the bar "
+          f"max(copy_, best op here) = {copy['ceiling_gbps']:.0f} GB/s; fused fwd+bwd reach {worst['pct_copy']:.0f}%..{max(r['pct_copy'] for r in records):.0f}% of it "
           f"(lowest: {worst['op']} {worst['stage']})")
     geo = 1.0
     for r in records:

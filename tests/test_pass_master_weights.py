@@ -128,11 +128,12 @@ def test_with_the_fused_kernels_block_stack():
 
 def test_under_torch_compile():
     """The compiled step (aot_eager: Dynamo + AOTAutograd) with master weights and the fused attention
-    trains as the eager one does."""
+    trains as the eager one does (on the GPU when there is one: there the kernels need CUDA tensors)."""
     torch._dynamo.reset()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     runs = []
     for compiled in (False, True):
-        wl = workload()
+        wl = workload(device=device)
         passes = [("master_weights", None), ("fused_attention", None)]
         if compiled:
             passes.append(("compile", {"backend": "aot_eager"}))
