@@ -53,19 +53,19 @@ for part in "$@"; do
                --out "$out/r/bench_window_attention_graph.json" 2>&1 | tail -9
              timeout 100 swinbench apply --recipe fmha --stages amp,fmha-graph --model swin_base_patch4_window7_224 \
                --batch 64 --steps 8 --warmup 2 --out "$out/r/apply_graph" 2>&1 | tail -12
-             cp "$out"/r/apply_graph/records/*.json "$out/r/" 2>/dev/null; tail -3 "$out"/r/apply_graph/logs/*.log ;;
+             cp "$out"/r/apply_graph/records/*.json "$out/r/" 2>/dev/null; tail -n 3 "$out"/r/apply_graph/logs/*.log ;;
     quick)   swinbench apply --recipe fmha --stages amp,fmha,fmha-graph,fmha-compile --model swin_base_patch4_window7_224 \
                --batch 64 --steps 10 --warmup 3 --out "$out/r/apply_quick" 2>&1 | tail -30
-             tail -5 "$out"/r/apply_quick/logs/*.log ;;
+             tail -n 5 "$out"/r/apply_quick/logs/*.log ;;
     chain)   timeout 540 swinbench apply --recipe fmha --model swin_base_patch4_window7_224 --batch 64 \
                --out "$out/r/apply_fmha" 2>&1 | tail -45
-             tail -3 "$out"/r/apply_fmha/logs/*.log 2>/dev/null | tail -30 ;;
+             tail -n 3 "$out"/r/apply_fmha/logs/*.log 2>/dev/null | tail -30 ;;
     prof-fmha) timeout 330 swinbench apply --recipe fmha --stages amp,window,fmha,fmha-graph --profile \
                --model swin_base_patch4_window7_224 --batch 64 --steps 10 --warmup 3 --out "$out/r/apply_fmha_profile" 2>&1 | tail -30 ;;
     window)  timeout 70 python3 benchmarks/bench_window.py --check --out "$out/r/bench_window.json" 2>&1 | tail -22 ;;
     graphs)  timeout 270 swinbench apply --recipe fmha --stages torch-compile-graphs,fmha-compile-graphs \
                --model swin_base_patch4_window7_224 --batch 64 --steps 20 --warmup 5 --out "$out/r/apply_graphs" 2>&1 | tail -22
-             tail -4 "$out"/r/apply_graphs/logs/*.log ;;
+             tail -n 4 "$out"/r/apply_graphs/logs/*.log ;;
     dense)   timeout 120 python3 benchmarks/bench_linear.py --check --out "$out/r/bench_linear.json" 2>&1 | tail -20
              timeout 300 swinbench apply --recipe dense --stages amp,fmha,dense,fmha-graph,dense-graph \
                --model swin_base_patch4_window7_224 --batch 64 --out "$out/r/apply_dense" 2>&1 | tail -20 ;;
@@ -79,12 +79,12 @@ for part in "$@"; do
     sweepb)  timeout 420 python3 benchmarks/sweep_norm_window.py --dirs bwd --stages s2,s3,s4 --out "$out/r/sweep_norm_window_bwd.json" 2>&1 | tail -12 ;;
     dense-apply) timeout 420 swinbench apply --recipe dense --stages amp,fmha,dense,fmha-graph,dense-graph \
                --model swin_base_patch4_window7_224 --batch 64 --out "$out/r/apply_dense" 2>&1 | tail -24
-             tail -3 "$out"/r/apply_dense/logs/*.log 2>/dev/null | tail -12 ;;
+             tail -n 3 "$out"/r/apply_dense/logs/*.log 2>/dev/null | tail -12 ;;
     scale)   timeout 300 swinbench apply --recipe fmha --stages amp,fmha --model swin_base_patch4_window7_224 --batch 192 \
                --steps 10 --warmup 3 --out "$out/r/apply_b192" 2>&1 | tail -16 ;;
     infer-quick) timeout 240 swinbench apply --recipe fmha --mode infer --stages amp,fmha,fmha-graph \
                --model swin_base_patch4_window7_224 --batch 64 --steps 10 --warmup 3 --out "$out/r/apply_infer" 2>&1 | tail -22
-             tail -4 "$out"/r/apply_infer/logs/*.log 2>/dev/null | tail -12 ;;
+             tail -n 4 "$out"/r/apply_infer/logs/*.log 2>/dev/null | tail -12 ;;
     prof-block) timeout 300 swinbench apply --recipe block --stages amp,dense,block --profile --model swin_base_patch4_window7_224 \
                --batch 64 --steps 6 --warmup 3 --out "$out/r/apply_prof_block" 2>&1 | tail -12
              grep -A8 "kernel time by category" "$out"/r/apply_prof_block/report.md | head -12 ;;

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._ops import kernel_op, launch, launch_options
+from ._ops import cdiv, kernel_op, launch, launch_options, next_pow2
 
 # Widest row one program holds in registers. Swin needs 1536 (-> 2048); wider rows would want a
 # column loop, which no Swin needs.
@@ -197,7 +197,7 @@ def _tile(n_cols: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for rows of n_cols elements (cached: no per-call arithmetic)."""
     if n_cols > MAX_COLS:
         raise ValueError(f"layer_norm: C={n_cols} is wider than MAX_COLS={MAX_COLS}")
-    block_n = triton.next_power_of_2(n_cols)
+    block_n = next_pow2(n_cols)
     block_m = max(1, min(64, _TILE_ELEMS // block_n))
     num_warps = min(8, max(4, block_m * block_n // 256))
     return block_m, block_n, num_warps
@@ -227,10 +227,10 @@ def _bwd_grid(n_rows: int, n_cols: int, elt: int, device: torch.device) -> tuple
     band of whole blocks and at least _BWD_MIN_ROWS_PER_PROGRAM rows."""
     block_m = _tile(n_cols)[0]
     per_sm, maxnreg = bwd_occupancy(elt)
-    row_blocks = triton.cdiv(n_rows, block_m)
-    programs = max(1, min(per_sm * sm_count(device), row_blocks, triton.cdiv(n_rows, _BWD_MIN_ROWS_PER_PROGRAM)))
-    rows_per_program = triton.cdiv(row_blocks, programs) * block_m
-    return max(1, triton.cdiv(n_rows, rows_per_program)), rows_per_program, maxnreg
+    row_blocks = cdiv(n_rows, block_m)
+    programs = max(1, min(per_sm * sm_count(device), row_blocks, cdiv(n_rows, _BWD_MIN_ROWS_PER_PROGRAM)))
+    rows_per_program = cdiv(row_blocks, programs) * block_m
+    return max(1, cdiv(n_rows, rows_per_program)), rows_per_program, maxnreg
 
 
 # Deterministic reduction of (G, N) partials: BLOCK_P partial rows x _SUM_BLOCK_N columns per step.
@@ -265,7 +265,7 @@ def sum_partials(partial: torch.Tensor) -> torch.Tensor:
     """(G, N) fp32 partial sums -> (N,) fp32 totals, each column added over G in a fixed order (one launch)."""
     n_partials, n_cols = partial.shape
     out = _new_output((n_cols,), torch.float32, partial.device)
-    launch(_sum_partials_kernel)[(triton.cdiv(n_cols, _SUM_BLOCK_N),)](
+    launch(_sum_partials_kernel)[(cdiv(n_cols, _SUM_BLOCK_N),)](
         partial, out, n_partials, n_cols, BLOCK_P=_SUM_BLOCK_P, BLOCK_N=_SUM_BLOCK_N, num_warps=4)
     return out
 
@@ -312,7 +312,7 @@ def layer_norm_fwd(x2, residual2, weight, bias, eps: float, out_dtype: torch.dty
     mean = _new_output((n_rows,), torch.float32, device)
     rstd = _new_output((n_rows,), torch.float32, device)
     if n_rows > 0:
-        launch(_layer_norm_fwd_kernel)[(triton.cdiv(n_rows, block_m),)](
+        launch(_layer_norm_fwd_kernel)[(cdiv(n_rows, block_m),)](
             x2, residual2 if residual2 is not None else x2, s if s is not None else y, y,
             weight if weight is not None else x2, bias if bias is not None else x2, mean, rstd,
             n_rows, n_cols, eps,

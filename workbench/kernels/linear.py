@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._ops import kernel_op, launch
+from ._ops import cdiv, kernel_op, launch, next_pow2
 from .layer_norm import _new_output, column_sums, emit_column_sum, finish_column_sums, sm_count
 from .window import _SOFT_RTNE, _to_dtype
 
@@ -82,13 +82,13 @@ def _bias_grad_kernel(
 @functools.lru_cache(maxsize=None)
 def _grid(n_rows: int, n_cols: int, device: torch.device) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, row programs, column blocks, rows per program)."""
-    block_n = min(_MAX_BLOCK_N, triton.next_power_of_2(n_cols))
+    block_n = min(_MAX_BLOCK_N, next_pow2(n_cols))
     block_m = max(1, _TILE_ELEMS // block_n)
-    col_blocks = triton.cdiv(n_cols, block_n)
-    row_programs = max(1, min(triton.cdiv(n_rows, _MIN_ROWS_PER_PROGRAM),
-                              triton.cdiv(_PROGRAMS_PER_SM * sm_count(device), col_blocks)))
-    rows_per_prog = triton.cdiv(triton.cdiv(n_rows, row_programs), block_m) * block_m
-    return block_m, block_n, triton.cdiv(n_rows, rows_per_prog), col_blocks, rows_per_prog
+    col_blocks = cdiv(n_cols, block_n)
+    row_programs = max(1, min(cdiv(n_rows, _MIN_ROWS_PER_PROGRAM),
+                              cdiv(_PROGRAMS_PER_SM * sm_count(device), col_blocks)))
+    rows_per_prog = cdiv(cdiv(n_rows, row_programs), block_m) * block_m
+    return block_m, block_n, cdiv(n_rows, rows_per_prog), col_blocks, rows_per_prog
 
 
 def bias_grad_host(dy: torch.Tensor, pre: Optional[torch.Tensor], bias_dtype: torch.dtype,

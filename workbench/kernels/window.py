@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._ops import kernel_op, launch, launch_options
+from ._ops import cdiv, kernel_op, launch, launch_options, next_pow2
 
 from workbench.kernels.layer_norm import column_sums, emit_column_sum, finish_column_sums, sm_count, split_norm_grads
 
@@ -267,7 +267,7 @@ def _copy_blocks(C: int) -> tuple[int, int, int]:
     vectors in bf16).
     """
     pow2_div = C & -C
-    block_c = min(pow2_div, 512) if pow2_div >= 32 else min(triton.next_power_of_2(C), 512)
+    block_c = min(pow2_div, 512) if pow2_div >= 32 else min(next_pow2(C), 512)
     return max(1, _COPY_TILE_ELEMS // block_c), block_c, 8
 
 
@@ -283,7 +283,7 @@ def _norm_blocks(C: int) -> tuple[int, int, int]:
       row reductions.
     * C > 1024 (Swin-L's 1536): two rows over 8 warps, so that a thread's share stays in registers.
     """
-    block_c = triton.next_power_of_2(C)
+    block_c = next_pow2(C)
     if 256 < block_c <= 1024:
         block_t = _NORM_SMALL_ROWS
         return block_t, block_c, block_t * block_c // 1024
@@ -322,7 +322,7 @@ def roll_partition_fwd(x: torch.Tensor, window_size: int, shift: int, *, out_dty
     out = _check_out(out, (B * nwh * nww, ws * ws, C), out_dtype or x.dtype, x.device)
     n_out = B * Hp * Wp
     block_t, block_c, num_warps = _copy_blocks(C)
-    grid = (triton.cdiv(n_out, block_t), triton.cdiv(C, block_c))
+    grid = (cdiv(n_out, block_t), cdiv(C, block_c))
     launch(_partition_fwd_kernel)[grid](
         x, out, x, x, x, x, n_out, C, 0.0,
         H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, NORM=False, SOFT_RTNE=_SOFT_RTNE, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps,
@@ -354,7 +354,7 @@ def merge_roll_fwd(
     out = _check_out(out, (B, H, W, C), dtype, windows.device)
     n_tok = B * H * W
     block_t, block_c, num_warps = _copy_blocks(C)
-    grid = (triton.cdiv(n_tok, block_t), triton.cdiv(C, block_c))
+    grid = (cdiv(n_tok, block_t), cdiv(C, block_c))
     launch(_merge_fwd_kernel)[grid](
         windows, shortcut if shortcut is not None else windows, out,
         n_tok, C,
@@ -378,7 +378,7 @@ def norm_shift_partition_fwd(
     rstd = torch.empty(B * H * W, dtype=torch.float32, device=x.device)
     n_out = B * Hp * Wp
     block_t, block_c, num_warps = _norm_fwd_config(C)
-    launch(_partition_fwd_kernel)[(triton.cdiv(n_out, block_t), 1)](
+    launch(_partition_fwd_kernel)[(cdiv(n_out, block_t), 1)](
         x, out, _contig(weight), _contig(bias), mean, rstd, n_out, C, float(eps),
         H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, NORM=True, SOFT_RTNE=_SOFT_RTNE, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps,
     )
@@ -390,7 +390,7 @@ def _norm_fwd_config(C: int) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_C, num_warps) of the LayerNorm + shift + partition forward: whole rows, ~4096
     elements (at least 2 rows) over 4 warps. The sweep's best forward at stages 2-4 were 4096-8192
     element tiles on 4 warps (16.8 / 8.4 / 4.8 µs against 17.4 / 9.3 / 5.1 µs for 2048)."""
-    block_c = triton.next_power_of_2(C)
+    block_c = next_pow2(C)
     return max(2, _NORM_FWD_TILE_ELEMS // block_c), block_c, _NORM_WARPS
 
 
@@ -402,10 +402,10 @@ def _norm_bwd_config(n_tok: int, C: int, elt: int, device: torch.device) -> tupl
     per_sm = _NORM_BWD_PER_SM
     regs = 65536 // (per_sm * num_warps * 32)  # register file per resident program
     maxnreg = min(255, regs - regs % 8)
-    n_tiles = triton.cdiv(n_tok, block_t)
-    programs = max(1, min(per_sm * sm_count(device), n_tiles, triton.cdiv(n_tok, _NORM_BWD_MIN_TOKENS)))
-    tiles_per_prog = triton.cdiv(n_tiles, programs)
-    return block_t, block_c, num_warps, triton.cdiv(n_tiles, tiles_per_prog), tiles_per_prog, maxnreg, _NORM_BWD_STAGES
+    n_tiles = cdiv(n_tok, block_t)
+    programs = max(1, min(per_sm * sm_count(device), n_tiles, cdiv(n_tok, _NORM_BWD_MIN_TOKENS)))
+    tiles_per_prog = cdiv(n_tiles, programs)
+    return block_t, block_c, num_warps, cdiv(n_tiles, tiles_per_prog), tiles_per_prog, maxnreg, _NORM_BWD_STAGES
 
 
 def norm_shift_partition_bwd(

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._ops import kernel_op, launch, tracing
+from ._ops import cdiv, kernel_op, launch, next_pow2, tracing
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -267,7 +267,7 @@ else:
 
 
 def _block_sizes(n: int) -> tuple[int, int]:
-    block_n = max(16, triton.next_power_of_2(n))
+    block_n = max(16, next_pow2(n))
     # One query tile up to 64 keys; beyond that 32-row tiles keep the fp32 scores in registers.
     block_m = block_n if block_n <= 64 else 32
     return block_m, block_n
@@ -322,7 +322,7 @@ def window_attention_fwd(q, k, v, rel_bias, mask, scale):
     lse = _new_buffer((bnw, nh, n), torch.float32, q.device)
     block_m, block_n = _block_sizes(n)
     extra = dict(_INTERPRET_CONFIG) if _INTERPRET else {}
-    grid = lambda meta: (nw * triton.cdiv(b_per_w, meta["G"]), nh)  # noqa: E731
+    grid = lambda meta: (nw * cdiv(b_per_w, meta["G"]), nh)  # noqa: E731
     launch(_fwd)[grid](
         q, k, v, rel_bias, mask_arg, out, lse,
         *_strides(q), *_strides(k), *_strides(v), *_strides(out),
@@ -346,7 +346,7 @@ def window_attention_bwd(q, k, v, out, lse, dout, rel_bias, mask, scale, compute
         dq, dk, dv = (_new_buffer((bnw, nh, n, d), q.dtype, q.device) for _ in range(3))
     else:
         dq, dk, dv = dqkv.permute(2, 0, 3, 1, 4).unbind(0)
-    max_slots = triton.cdiv(b_per_w, 1 if _INTERPRET else _BWD_MIN_G)  # 1: the CPU tests reach the fill path
+    max_slots = cdiv(b_per_w, 1 if _INTERPRET else _BWD_MIN_G)  # 1: the CPU tests reach the fill path
     partial = _new_buffer((max_slots if compute_dbias else 1, nw, nh, n, n), torch.float32, q.device)
     # Traced (torch.compile: Inductor autotunes G later), the kernel zeroes the slots its G leaves unused
     # and all are summed; eager, only the slots of the G the autotuner chose are summed.
@@ -354,7 +354,7 @@ def window_attention_bwd(q, k, v, out, lse, dout, rel_bias, mask, scale, compute
     fill_slots = max_slots if traced and compute_dbias else 0
     block_m, block_n = _block_sizes(n)
     extra = dict(_INTERPRET_CONFIG) if _INTERPRET else {}
-    grid = lambda meta: (nw * triton.cdiv(b_per_w, meta["G"]), nh)  # noqa: E731
+    grid = lambda meta: (nw * cdiv(b_per_w, meta["G"]), nh)  # noqa: E731
     launch(_bwd)[grid](
         q, k, v, out, dout, lse, rel_bias, mask_arg, dq, dk, dv, partial,
         *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(dout),
@@ -369,7 +369,7 @@ def window_attention_bwd(q, k, v, out, lse, dout, rel_bias, mask, scale, compute
             dbias = partial.sum(dim=(0, 1))
         else:
             g = _INTERPRET_CONFIG["G"] if _INTERPRET else _bwd.best_config.kwargs["G"]
-            dbias = partial[: triton.cdiv(b_per_w, g)].sum(dim=(0, 1))
+            dbias = partial[: cdiv(b_per_w, g)].sum(dim=(0, 1))
     return dq, dk, dv, dbias
 
 
