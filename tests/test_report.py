@@ -97,6 +97,18 @@ def test_markdown_report(records, tmp_path):
     assert "**fmha-compile** not available" in text
 
 
+def test_widely_spread_gpu_steps_get_a_note(records, tmp_path):
+    """A GPU stage whose steps spread past 5% of the median (IQR) is flagged as likely host-bound, with
+    its range; steady stages and CPU (host-clock) records are not."""
+    noisy = records[2]
+    noisy["timing"] = {**noisy["timing"], "samples_ms": [36.0, 40.0, 44.0, 52.0], "iqr_ms": 6.0}
+    text = render_report(records, tmp_path / "r.md").read_text()
+    assert "apex: step times spread from 36.0 to 52.0 ms (IQR 15% of the median)" in text
+    assert text.count("step times spread") == 1
+    noisy["timing"]["clock"] = "host"
+    assert "step times spread" not in render_report(records, tmp_path / "r2.md").read_text()
+
+
 def test_cpu_records_are_labelled(records, tmp_path):
     for r in records:
         r["env"] = {**ENV, "device_type": "cpu", "gpu": None, "cpu": "x86_64"}

@@ -274,6 +274,27 @@ def _slower_why(rec: dict, records: list[dict], previous: str) -> str:
     return f": its GPU kernel time per step rose from {theirs:.1f} to {mine:.1f} ms"
 
 
+SPREAD_NOTE_FRACTION = 0.05  # GPU step times whose IQR exceeds this share of the median get a note
+
+
+def _spread_note(rec: dict) -> str | None:
+    """A note for a GPU stage whose step times spread widely. Steady steps are bound by the GPU; eager
+    steps bound by the host (launch overhead) vary with the CPU and whatever else runs on it. On
+    2026-12-01 an eager block stage ran 55.6-79.8 ms per step while amp, bound by the GPU, held at 67.6."""
+    timing = rec.get("timing") or {}
+    samples = timing.get("samples_ms") or []
+    median = timing.get("median_ms")
+    if timing.get("clock") != "cuda-events" or len(samples) < 4 or not _isnum(median) or median <= 0:
+        return None
+    iqr = timing.get("iqr_ms")
+    if not _isnum(iqr) or iqr <= SPREAD_NOTE_FRACTION * median:
+        return None
+    return (f"{rec['stage']}: step times spread from {min(samples):.1f} to {max(samples):.1f} ms (IQR "
+            f"{100.0 * iqr / median:.0f}% of the median): steps that vary this much are usually bound by the host "
+            "launching kernels, so its figure depends on this machine's CPU and load; replaying the step as a "
+            "CUDA graph (the -graph and -graphs stages) takes the host out")
+
+
 def _notes(records, df: pd.DataFrame) -> list[str]:
     notes = []
     by_stage = {r.stage: r for r in df.itertuples()}
@@ -291,6 +312,9 @@ def _notes(records, df: pd.DataFrame) -> list[str]:
             how = "the stage it extends" if r.previous_stage == rec.get("extends") else "its nearest measured ancestor"
             notes.append(f"**{rec['stage']}** is slower than **{r.previous_stage}**, {how} "
                          f"({r.x_previous:.2f}x)" + _slower_why(rec, records, r.previous_stage))
+        spread = _spread_note(rec)
+        if spread:
+            notes.append(spread)
         for n in rec.get("notes") or []:
             notes.append(f"{rec['stage']}: {n}")
         if rec.get("compile_s") is not None:
