@@ -60,11 +60,89 @@ def tracing() -> bool:
     return getattr(_STATE, "tracing", False)
 
 
+# Experimental, off by default: eager launches straight through the compiled kernel's launcher.
+# On the H200's host a 41-argument no-op took 21.6 µs per launch through `kernel[grid](...)` and 5.9 µs
+# through its launcher (benchmarks/bench_host.py --parts launch, 2026-12-01). Not yet validated on the
+# GPU with the real kernels, hence the switch.
+FAST_LAUNCH = os.environ.get("SWINBENCH_FAST_LAUNCH", "0") == "1"
+
+
 def launch(kernel):
-    """`launch(kernel)[grid](...)`: the kernel itself, or its `wrap_triton` wrapper while traced."""
+    """`launch(kernel)[grid](...)`: the kernel itself, or its `wrap_triton` wrapper while traced (or,
+    with SWINBENCH_FAST_LAUNCH=1 on a GPU, a `CachedLauncher` around it)."""
     if tracing():
         return torch.library.wrap_triton(kernel)
+    if FAST_LAUNCH and not _INTERPRET:
+        return _cached_launcher(kernel)
     return kernel
+
+
+def specialization_key(args: tuple) -> tuple:
+    """What Triton specializes a compiled kernel on, for positional arguments, in cheap Python: a
+    tensor's dtype and whether its address is 16-byte aligned; an int's width class (i32, i64, u64),
+    whether it equals 1 and whether 16 divides it; for anything else (floats, bools, None) its type.
+    Conservative: arguments marked do_not_specialize are keyed too, which only costs extra entries."""
+    return tuple(
+        (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
+        else (a == 1, a % 16 == 0, -2**31 <= a < 2**31, a >= 2**63) if type(a) is int
+        else type(a)
+        for a in args)
+
+
+class CachedLauncher:
+    """`kernel[grid]` for eager calls that launches through the compiled kernel's own launcher: a miss
+    goes through `kernel[grid](...)` (binding, specialization, compile) and keeps the CompiledKernel it
+    returns, keyed on the grid, `specialization_key` of the positional arguments and the keyword
+    arguments (constexprs and launch options, which must be hashable); a hit calls the launcher as the
+    end of `JITFunction.run` does. A callable grid takes the plain path."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.cache: dict = {}
+
+    def __getitem__(self, grid):
+        if callable(grid):
+            return self.kernel[grid]
+        return functools.partial(self._launch, tuple(grid) + (1,) * (3 - len(grid)), grid)
+
+    def _launch(self, grid3, grid, *args, **kwargs):
+        from triton import knobs
+
+        device, stream = _device_stream()
+        key = (device, grid3, specialization_key(args), tuple(kwargs.items()))
+        hit = self.cache.get(key)
+        if hit is None:
+            compiled = self.kernel[grid](*args, **kwargs)
+            # the arguments after the positional ones, in signature order: passed by keyword or defaulted
+            tail = tuple((p.name, p.default) for p in self.kernel.params[len(args):])
+            missing = [n for n, d in tail if n not in kwargs and d is inspect.Parameter.empty]
+            if compiled is not None and not missing:
+                self.cache[key] = (compiled, tail)
+            return compiled
+        compiled, tail = hit
+        values = args + tuple(kwargs.get(n, d) for n, d in tail)
+        # as JITFunction.run ends: launch metadata and hooks exactly as Triton passes them (a profiler's
+        # hooks see these launches too)
+        compiled.run(grid3[0], grid3[1], grid3[2], stream, compiled.function, compiled.packed_metadata,
+                     compiled.launch_metadata(grid, stream, *values),
+                     knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *values)
+        return compiled
+
+
+def _device_stream() -> tuple:
+    """(current device, its current stream), as Triton's own launch path reads them."""
+    from triton.runtime.driver import driver
+
+    device = driver.active.get_current_device()
+    return device, driver.active.get_current_stream(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_launcher(kernel):
+    """The kernel's CachedLauncher (one per kernel); autotuned kernels stay as they are."""
+    from triton.runtime.jit import JITFunction
+
+    return CachedLauncher(kernel) if isinstance(kernel, JITFunction) else kernel
 
 
 def launch_options(maxnreg: int | None = None) -> dict:

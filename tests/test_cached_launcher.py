@@ -1,0 +1,131 @@
+"""The experimental cached launcher (SWINBENCH_FAST_LAUNCH=1): its specialization key separates
+everything Triton specializes on; a miss goes through kernel[grid] and a hit calls the compiled
+kernel's launcher with the arguments in signature order and Triton's launch hooks (checked on the CPU with a stand-in kernel);
+on a GPU every kernel launched through it gives bit-for-bit the plain launch's results."""
+import importlib
+import inspect
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+ops = importlib.import_module("workbench.kernels._ops")  # noqa: E402
+
+
+def test_specialization_key_separates_what_triton_specializes_on():
+    key = ops.specialization_key
+    base = torch.zeros(64)
+    assert key((base,)) == key((torch.ones(64),))                       # same dtype, both aligned
+    assert key((base,)) != key((base[1:],))                             # 4-byte offset: not 16-aligned
+    assert key((base,)) != key((base.half(),))
+    assert key((3,)) == key((5,))
+    assert len({key((1,)), key((3,)), key((32,)), key((2**31,)), key((2**63,))}) == 5
+    assert key((0.5,)) == key((1e-5,))                                  # floats are not specialized
+    assert key((True,)) != key((1,)) and key((None,)) != key((0,))
+
+
+class _Compiled:
+    def __init__(self):
+        self.calls, self.function, self.packed_metadata = [], "fn", "packed"
+
+    def run(self, *args):
+        self.calls.append(args)
+
+    def launch_metadata(self, grid, stream, *args):
+        return ("metadata", grid, stream)
+
+
+class _Kernel:
+    """Stands in for a JITFunction: params in signature order, kernel[grid](...) -> compiled."""
+
+    def __init__(self):
+        names = [("X", inspect.Parameter.empty), ("n", inspect.Parameter.empty),
+                 ("BLOCK", inspect.Parameter.empty), ("FLAG", False)]
+        self.params = [SimpleNamespace(name=n, default=d) for n, d in names]
+        self.compiled, self.plain_launches = _Compiled(), []
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.plain_launches.append((grid, args, kwargs))
+            return self.compiled
+        return run
+
+
+def test_miss_goes_through_the_kernel_and_a_hit_through_the_launcher(monkeypatch):
+    monkeypatch.setattr(ops, "_device_stream", lambda: (0, "stream"))
+    kernel = _Kernel()
+    fast = ops.CachedLauncher(kernel)
+    x = torch.zeros(16)
+    fast[(4,)](x, 7, BLOCK=64, num_warps=4)                                 # miss
+    assert len(kernel.plain_launches) == 1 and not kernel.compiled.calls
+    fast[(4,)](x, 9, BLOCK=64, num_warps=4)                                 # hit: same specialization
+    assert len(kernel.plain_launches) == 1
+    (call,) = kernel.compiled.calls
+    from triton import knobs
+
+    assert call[:7] == (4, 1, 1, "stream", "fn", "packed", ("metadata", (4,), "stream"))
+    assert call[7:9] == (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    assert call[9:] == (x, 9, 64, False)                    # positional, then keyword, then the default
+    fast[(4,)](x, 16, BLOCK=64, num_warps=4)                                # n % 16 == 0: a new variant
+    fast[(4,)](x, 9, BLOCK=32, num_warps=4)                                 # another constexpr
+    fast[(4,)](x, 9, BLOCK=64, num_warps=8)                                 # another launch option
+    fast[(2, 3)](x, 9, BLOCK=64, num_warps=4)                               # another grid
+    assert len(kernel.plain_launches) == 5 and len(kernel.compiled.calls) == 1
+
+
+def test_callable_grids_take_the_plain_path(monkeypatch):
+    monkeypatch.setattr(ops, "_device_stream", lambda: (0, "stream"))
+    kernel = _Kernel()
+    fast = ops.CachedLauncher(kernel)
+    grid = lambda meta: (1,)  # noqa: E731
+    fast[grid](torch.zeros(16), 3, BLOCK=8)
+    fast[grid](torch.zeros(16), 3, BLOCK=8)
+    assert len(kernel.plain_launches) == 2 and not kernel.compiled.calls and not fast.cache
+
+
+def test_off_by_default_and_never_under_the_interpreter():
+    assert os.environ.get("SWINBENCH_FAST_LAUNCH") == "1" or not ops.FAST_LAUNCH
+    if ops._INTERPRET:
+        win = importlib.import_module("workbench.kernels.window")
+        assert ops.launch(win._partition_fwd_kernel) is win._partition_fwd_kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_real_kernels_match_the_plain_launch_bit_for_bit(monkeypatch):
+    """Fused window ops, LayerNorm and the bias gradient, forward and backward, twice (the second call
+    hits the cache), with the cached launcher against plain launches: equal to the bit."""
+    win = importlib.import_module("workbench.kernels.window")
+    ln = importlib.import_module("workbench.kernels.layer_norm")
+    lin = importlib.import_module("workbench.kernels.linear")
+    ops._cached_launcher.cache_clear()
+
+    def run_all(seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        r = lambda *s, dt=torch.bfloat16: torch.randn(*s, device="cuda", dtype=dt, generator=g)  # noqa: E731
+        B, H, W, C = 2, 13, 11, 96
+        x, w, b = r(B, H, W, C).requires_grad_(), r(C).requires_grad_(), r(C).requires_grad_()
+        sc = r(B, H, W, C).requires_grad_()
+        y = win.norm_shift_partition(x, w, b, 1e-5, 7, 3)
+        z = win.merge_unshift_add(y * 1.5, sc, 7, 3, H, W)
+        rows = r(37, C).requires_grad_()
+        n = ln.layer_norm(rows, w, b, 1e-5)
+        (z.float().square().sum() + n.float().square().sum()).backward()
+        dy, pre = r(300, 130), r(300, 130)
+        out = [y, z, n, x.grad, w.grad, b.grad, sc.grad, rows.grad, *lin.bias_grad_host(dy, pre, torch.bfloat16)]
+        return [t.detach().clone() for t in out]
+
+    plain = [run_all(s) for s in (1, 2)]
+    monkeypatch.setattr(ops, "FAST_LAUNCH", True)
+    fast = [run_all(s) for s in (1, 2)]
+    for p, f in zip(plain, fast):
+        for a, b in zip(p, f):
+            assert torch.equal(a, b)
+    kernels = [win._partition_fwd_kernel, win._merge_fwd_kernel, win._norm_partition_bwd_kernel,
+               ln._layer_norm_fwd_kernel, ln._layer_norm_bwd_kernel, lin._bias_grad_kernel]
+    for k in kernels:   # each went through its launcher, and the second seed's calls hit its cache
+        assert isinstance(ops.launch(k), ops.CachedLauncher) and ops.launch(k).cache, k
