@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work: correctness on the GPU, kernel benchmarks, profile, apply.
 # Usage (on the GPU machine, from the repo root): benchmarks/gpu_session.sh PART...   PART in
-#   tests | tests2 | fastlaunch | master-ab | traced | compile-diag | compile-variants | compile-apply | prof-compile | wbench | linear | threads | sweep | sweepb | norms | dense-apply | scale | infer-quick | prof-api | prof-block | block | host | chain | graphs | dense | infer | prof-fmha | window | kernels | attn | diag | benches | graph | last | quick | profile | apply-apex | apply-fmha
+#   tests | tests2 | fastlaunch | graphs-ab | master-ab | traced | compile-diag | compile-variants | compile-apply | prof-compile | wbench | linear | threads | sweep | sweepb | norms | dense-apply | scale | infer-quick | prof-api | prof-block | block | host | chain | graphs | dense | infer | prof-fmha | window | kernels | attn | diag | benches | graph | last | quick | profile | apply-apex | apply-fmha
 # Results go to $OUT (or ./gpu-out), packed into one tarball so they come back in one file.
 set -uo pipefail
 out=${OUT:-gpu-out}; mkdir -p "$out/r"
@@ -29,6 +29,10 @@ for part in "$@"; do
              SWINBENCH_FAST_LAUNCH=1 timeout 120 python3 benchmarks/bench_host.py --parts launch 2>&1 | head -16
              SWINBENCH_FAST_LAUNCH=1 timeout 400 swinbench apply --recipe block --stages amp,fmha,block,block-graph \
                --model swin_base_patch4_window7_224 --batch 64 --out "$out/r/apply_fastlaunch" 2>&1 | tail -22 ;;
+    graphs-ab) timeout 280 swinbench apply --recipe fmha --stages torch-compile-graphs,fmha-compile-graphs \
+               --model swin_base_patch4_window7_224 --batch 64 --steps 20 --warmup 5 --out "$out/r/apply_graphs_traced" 2>&1 | tail -8
+             SWINBENCH_TRITON_OP=0 timeout 280 swinbench apply --recipe fmha --stages fmha-compile-graphs \
+               --model swin_base_patch4_window7_224 --batch 64 --steps 20 --warmup 5 --out "$out/r/apply_graphs_opaque" 2>&1 | tail -8 ;;
     compile-apply) timeout 540 swinbench apply --recipe fmha-compile --stages amp,torch-compile,fmha-compile \
                --model swin_base_patch4_window7_224 --batch 64 --out "$out/r/apply_compile" 2>&1 | tail -20 ;;
     prof-compile) timeout 540 swinbench apply --recipe fmha-compile --stages torch-compile,fmha-compile --profile \
