@@ -29,9 +29,7 @@ for part in "$@"; do
              SWINBENCH_FAST_LAUNCH=1 timeout 120 python3 benchmarks/bench_host.py --parts launch 2>&1 | head -16
              SWINBENCH_FAST_LAUNCH=1 timeout 400 swinbench apply --recipe block --stages amp,fmha,block,block-graph \
                --model swin_base_patch4_window7_224 --batch 64 --out "$out/r/apply_fastlaunch" 2>&1 | tail -22 ;;
-    graphs-ab) timeout 280 swinbench apply --recipe fmha --stages torch-compile-graphs,fmha-compile-graphs \
-               --model swin_base_patch4_window7_224 --batch 64 --steps 20 --warmup 5 --out "$out/r/apply_graphs_traced" 2>&1 | tail -8
-             SWINBENCH_TRITON_OP=0 timeout 280 swinbench apply --recipe fmha --stages fmha-compile-graphs \
+    graphs-ab) SWINBENCH_TRITON_OP=0 timeout 280 swinbench apply --recipe fmha --stages fmha-compile-graphs \
                --model swin_base_patch4_window7_224 --batch 64 --steps 20 --warmup 5 --out "$out/r/apply_graphs_opaque" 2>&1 | tail -8 ;;
     compile-apply) timeout 540 swinbench apply --recipe fmha-compile --stages amp,torch-compile,fmha-compile \
                --model swin_base_patch4_window7_224 --batch 64 --out "$out/r/apply_compile" 2>&1 | tail -20 ;;

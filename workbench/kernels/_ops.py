@@ -97,8 +97,11 @@ class CachedLauncher:
     end of `JITFunction.run` does. A callable grid takes the plain path."""
 
     def __init__(self, kernel):
+        from triton import knobs
+
         self.kernel = kernel
         self.cache: dict = {}
+        self.runtime = knobs.runtime  # its launch hooks are read at each launch, as Triton reads them
 
     def __getitem__(self, grid):
         if callable(grid):
@@ -106,8 +109,6 @@ class CachedLauncher:
         return functools.partial(self._launch, tuple(grid) + (1,) * (3 - len(grid)), grid)
 
     def _launch(self, grid3, grid, *args, **kwargs):
-        from triton import knobs
-
         device, stream = _device_stream()
         key = (device, grid3, specialization_key(args), tuple(kwargs.items()))
         hit = self.cache.get(key)
@@ -125,7 +126,7 @@ class CachedLauncher:
         # hooks see these launches too)
         compiled.run(grid3[0], grid3[1], grid3[2], stream, compiled.function, compiled.packed_metadata,
                      compiled.launch_metadata(grid, stream, *values),
-                     knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *values)
+                     self.runtime.launch_enter_hook, self.runtime.launch_exit_hook, *values)
         return compiled
 
 
