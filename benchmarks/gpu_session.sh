@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work: correctness on the GPU, kernel benchmarks, profile, apply.
 # Usage (on the GPU machine, from the repo root): benchmarks/gpu_session.sh PART...   PART in
-#   tests | tests2 | fastlaunch | graphs-ab | master-ab | traced | compile-diag | compile-variants | compile-apply | prof-compile | wbench | linear | threads | sweep | sweepb | norms | dense-apply | scale | infer-quick | prof-api | prof-block | block | host | chain | graphs | dense | infer | prof-fmha | window | kernels | attn | diag | benches | graph | last | quick | profile | apply-apex | apply-fmha
+#   tests | tests2 | maxnreg | prof-graphs-ab | fastlaunch | graphs-ab | master-ab | traced | compile-diag | compile-variants | compile-apply | prof-compile | wbench | linear | threads | sweep | sweepb | norms | dense-apply | scale | infer-quick | prof-api | prof-block | block | host | chain | graphs | dense | infer | prof-fmha | window | kernels | attn | diag | benches | graph | last | quick | profile | apply-apex | apply-fmha
 # Results go to $OUT (or ./gpu-out), packed into one tarball so they come back in one file.
 set -uo pipefail
 out=${OUT:-gpu-out}; mkdir -p "$out/r"
@@ -17,6 +17,12 @@ for part in "$@"; do
                tests/test_pass_fused_layernorm.py 2>&1 | tail -30 ;;
     tests2)  timeout 300 python3 -m pytest -q -p no:cacheprovider --durations=8 tests/test_column_sums.py tests/test_pass_fused_block.py \
                tests/test_pass_master_weights.py tests/test_compile_fused_passes.py 2>&1 | tail -30 ;;
+    maxnreg) timeout 90 python3 benchmarks/diag_maxnreg.py 2>&1 | tail -16 ;;
+    prof-graphs-ab) for op in 1 0; do
+               SWINBENCH_TRITON_OP=$op timeout 270 swinbench apply --recipe fmha --stages fmha-compile-graphs --profile \
+                 --model swin_base_patch4_window7_224 --batch 64 --steps 10 --warmup 3 --out "$out/r/apply_prof_graphs_op$op" 2>&1 | tail -6
+               grep -A12 "kernel time by category" "$out/r/apply_prof_graphs_op$op/report.md" | head -14
+             done ;;
     compile-diag) timeout 450 python3 benchmarks/bench_host.py --parts compile --batch 64 --steps 8 \
                --compile-stages torch-compile,fmha-compile --out "$out/r/bench_host_compile.json" 2>&1 | grep -v "^\s*$" | tail -90 ;;
     traced)  timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_window_attention.py tests/test_kernel_ops.py 2>&1 | grep -E "Error|passed|failed" | tail -6

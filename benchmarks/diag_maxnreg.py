@@ -1,0 +1,84 @@
+"""What the persistent backward kernels lose when launched without their register cap.
+
+The LayerNorm backward and the LayerNorm + shift + partition backward size their grids for exactly one
+wave of resident programs under a `maxnreg` cap. Inductor launches traced user kernels with num_warps
+and num_stages only (no maxnreg), so under torch.compile they run uncapped on the same grid. This script
+times both launches of each kernel on Swin-B's stage shapes (batch 64, bf16) and prints the registers
+and spills of every compiled variant, so the cost of the missing cap is a number, not a guess.
+
+    python benchmarks/diag_maxnreg.py        # GPU only
+"""
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from workbench.timing import cuda_graph_us  # noqa: E402
+from workbench.kernels import layer_norm as ln  # noqa: E402
+from workbench.kernels import window as win  # noqa: E402
+
+STAGES = [("s1", 64, 56, 56, 128), ("s2", 64, 28, 28, 256), ("s3", 64, 14, 14, 512), ("s4", 64, 7, 7, 1024)]
+WS, SHIFT, EPS = 7, 3, 1e-5
+
+
+@contextmanager
+def uncapped():
+    """launch_options without maxnreg, as while traced."""
+    saved = ln.launch_options, win.launch_options
+    ln.launch_options = win.launch_options = lambda maxnreg=None: {}
+    try:
+        yield
+    finally:
+        ln.launch_options, win.launch_options = saved
+
+
+def compiled_variants(kernel) -> list[tuple]:
+    """(maxnreg, num_warps, n_regs, n_spills) of each compiled variant in the kernel's device caches."""
+    rows = set()
+    for cache in kernel.device_caches.values():
+        for ck in cache[0].values():
+            md = ck.metadata
+            rows.add((getattr(md, "maxnreg", None), md.num_warps, ck.n_regs, ck.n_spills))
+    return sorted(rows, key=str)
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("diag_maxnreg: needs a CUDA GPU")
+        return 1
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    print(f"{torch.cuda.get_device_name()}  SMs {ln.sm_count(dev)}")
+    print(f"{'kernel':<22}{'stage':<6}{'programs':>9}{'capped µs':>11}{'uncapped µs':>13}{'ratio':>7}")
+    for name, B, H, W, C in STAGES:
+        x = torch.randn(B, H, W, C, device=dev).bfloat16()
+        w = (torch.randn(C, device=dev) * 0.5 + 1).bfloat16()
+        b = (torch.randn(C, device=dev) * 0.5).bfloat16()
+        _, mean, rstd = win.norm_shift_partition_fwd(x, w, b, EPS, WS, SHIFT)
+        n_win = B * (H // WS) * (W // WS)
+        dwin = torch.randn(n_win, WS * WS, C, device=dev).bfloat16()
+        x2, dy2 = x.view(-1, C), torch.randn(B * H * W, C, device=dev).bfloat16()
+        _, _, mean2, rstd2 = ln.layer_norm_fwd(x2, None, w, b, EPS, torch.bfloat16)
+        cases = {
+            "layer_norm_bwd": (lambda: ln.layer_norm_bwd(dy2, x2, w, b, mean2, rstd2, None, torch.bfloat16),
+                               ln._bwd_grid(B * H * W, C, 2, dev)[0]),
+            "norm_partition_bwd": (lambda: win.norm_shift_partition_bwd(dwin, x, w, mean, rstd, WS, SHIFT),
+                                   win._norm_bwd_config(B * H * W, C, 2, dev)[3]),
+        }
+        for kname, (fn, programs) in cases.items():
+            capped = cuda_graph_us([fn], replays=30, calls=16)[0]
+            with uncapped():
+                free = cuda_graph_us([fn], replays=30, calls=16)[0]
+            print(f"{kname:<22}{name:<6}{programs:>9}{capped:>11.1f}{free:>13.1f}{free / capped:>7.2f}")
+    for kernel in (ln._layer_norm_bwd_kernel, win._norm_partition_bwd_kernel):
+        print(kernel.fn.__name__, "(maxnreg, num_warps, n_regs, n_spills):", compiled_variants(kernel))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
