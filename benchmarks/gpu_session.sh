@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work: correctness on the GPU, kernel benchmarks, profile, apply.
 # Usage (on the GPU machine, from the repo root): benchmarks/gpu_session.sh PART...   PART in
-#   tests | tests2 | maxnreg | prof-graphs-ab | fastlaunch | graphs-ab | master-ab | traced | compile-diag | compile-variants | compile-apply | prof-compile | wbench | linear | threads | sweep | sweepb | norms | dense-apply | scale | infer-quick | prof-api | prof-block | block | host | chain | graphs | dense | infer | prof-fmha | window | kernels | attn | diag | benches | graph | last | quick | profile | apply-apex | apply-fmha
+#   tests | tests2 | attn-tests | inplace | fastlaunch-ab | fastlaunch-host | fastlaunch-quick | compile-pair | maxnreg | prof-graphs-ab | fastlaunch | graphs-ab | master-ab | traced | compile-diag | compile-variants | compile-apply | prof-compile | wbench | linear | threads | sweep | sweepb | norms | dense-apply | scale | infer-quick | prof-api | prof-block | block | host | chain | graphs | dense | infer | prof-fmha | window | kernels | attn | diag | benches | graph | last | quick | profile | apply-apex | apply-fmha
 # Results go to $OUT (or ./gpu-out), packed into one tarball so they come back in one file.
 set -uo pipefail
 out=${OUT:-gpu-out}; mkdir -p "$out/r"
@@ -17,6 +17,23 @@ for part in "$@"; do
                tests/test_pass_fused_layernorm.py 2>&1 | tail -30 ;;
     tests2)  timeout 300 python3 -m pytest -q -p no:cacheprovider --durations=8 tests/test_column_sums.py tests/test_pass_fused_block.py \
                tests/test_pass_master_weights.py tests/test_compile_fused_passes.py 2>&1 | tail -30 ;;
+    attn-tests) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_window_attention.py tests/test_pass_fused_attention.py \
+               tests/test_compile_fused_passes.py 2>&1 | tail -12 ;;
+    inplace) timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_compile_fused_passes.py \
+               -k in_place --tb=line 2>&1 | grep -vE "^\s*$|warn" | cut -c1-900 | tail -8 ;;
+    fastlaunch-quick) timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_cached_launcher.py 2>&1 | tail -3
+             SWINBENCH_FAST_LAUNCH=1 timeout 60 python3 benchmarks/bench_host.py --parts launch 2>&1 | head -16 ;;
+    compile-pair) timeout 320 swinbench apply --recipe fmha-compile --stages torch-compile,fmha-compile \
+               --model swin_base_patch4_window7_224 --batch 64 --out "$out/r/apply_compile" 2>&1 | tail -16 ;;
+    fastlaunch-ab) for fl in 0 1; do
+               SWINBENCH_FAST_LAUNCH=$fl timeout 200 swinbench apply --recipe block --stages fmha,block \
+                 --model swin_base_patch4_window7_224 --batch 64 --out "$out/r/apply_fastlaunch$fl" 2>&1 | grep -E "^│ [a-z]|Error" | head -6
+             done ;;
+    fastlaunch-host) for fl in 0 1 0 1; do
+               echo "SWINBENCH_FAST_LAUNCH=$fl"
+               SWINBENCH_FAST_LAUNCH=$fl timeout 100 python3 benchmarks/bench_host.py --parts stages --stages fmha,block --steps 15 \
+                 --out "$out/r/bench_host_fastlaunch$fl.json" 2>&1 | grep -E "host enqueue|Error"
+             done ;;
     maxnreg) timeout 90 python3 benchmarks/diag_maxnreg.py 2>&1 | tail -16 ;;
     prof-graphs-ab) for op in 1 0; do
                SWINBENCH_TRITON_OP=$op timeout 270 swinbench apply --recipe fmha --stages fmha-compile-graphs --profile \

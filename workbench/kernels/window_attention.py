@@ -138,11 +138,17 @@ def _window_attention_bwd_kernel(
     sdq_b, sdq_h, sdq_n, sdq_d,
     sdk_b, sdk_h, sdk_n, sdk_d,
     sdv_b, sdv_h, sdv_n, sdv_d,
-    scale, B_PER_W, G: tl.constexpr, FILL_SLOTS,
+    scale, B_PER_W, G: tl.constexpr, FILL_SLOTS, dkv_off,
     NW, NH, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, COMPUTE_DBIAS: tl.constexpr,
+    UPCAST: tl.constexpr, COMPUTE_DBIAS: tl.constexpr, PACKED: tl.constexpr,
 ):
+    # PACKED: dq, dk, dv live in one buffer passed as DQ, dk at DQ + dkv_off and dv at DQ + 2 dkv_off
+    # elements (DK and DV are not written), so that a traced launch mutates one whole tensor rather
+    # than three views of it (Inductor would copy views in and out around the kernel).
+    if PACKED:
+        DK = DQ + dkv_off
+        DV = DQ + 2 * dkv_off
     pid = tl.program_id(0)
     h = tl.program_id(1)
     w = pid % NW
@@ -318,13 +324,16 @@ def window_attention_fwd(q, k, v, rel_bias, mask, scale):
     b_per_w = bnw // nw
     rel_bias = rel_bias.contiguous()
     mask_arg = rel_bias if mask is None else mask.contiguous()  # dummy pointer when no mask
-    out = _new_buffer((bnw, n, nh, d), q.dtype, q.device).permute(0, 2, 1, 3)
+    # The kernel writes the (B*nW, N, nH, d) buffer itself, through the strides of its permuted view:
+    # a traced launch must mutate whole tensors, not views (Inductor copies views in and out).
+    out_buf = _new_buffer((bnw, n, nh, d), q.dtype, q.device)
+    out = out_buf.permute(0, 2, 1, 3)
     lse = _new_buffer((bnw, nh, n), torch.float32, q.device)
     block_m, block_n = _block_sizes(n)
     extra = dict(_INTERPRET_CONFIG) if _INTERPRET else {}
     grid = lambda meta: (nw * cdiv(b_per_w, meta["G"]), nh)  # noqa: E731
     launch(_fwd)[grid](
-        q, k, v, rel_bias, mask_arg, out, lse,
+        q, k, v, rel_bias, mask_arg, out_buf, lse,
         *_strides(q), *_strides(k), *_strides(v), *_strides(out),
         float(scale), b_per_w, NW=nw, NH=nh, N=n, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_MASK=mask is not None, PRECISION=_precision(q.dtype),
@@ -344,8 +353,10 @@ def window_attention_bwd(q, k, v, out, lse, dout, rel_bias, mask, scale, compute
     mask_arg = rel_bias if mask is None else mask.contiguous()
     if dqkv is None:
         dq, dk, dv = (_new_buffer((bnw, nh, n, d), q.dtype, q.device) for _ in range(3))
-    else:
+        grads, dkv_off = (dq, dk, dv), 0
+    else:  # one packed buffer, written whole (PACKED): the views give the strides and the results
         dq, dk, dv = dqkv.permute(2, 0, 3, 1, 4).unbind(0)
+        grads, dkv_off = (dqkv, out, out), dk.storage_offset() - dq.storage_offset()
     max_slots = cdiv(b_per_w, 1 if _INTERPRET else _BWD_MIN_G)  # 1: the CPU tests reach the fill path
     partial = _new_buffer((max_slots if compute_dbias else 1, nw, nh, n, n), torch.float32, q.device)
     # Traced (torch.compile: Inductor autotunes G later), the kernel zeroes the slots its G leaves unused
@@ -356,10 +367,10 @@ def window_attention_bwd(q, k, v, out, lse, dout, rel_bias, mask, scale, compute
     extra = dict(_INTERPRET_CONFIG) if _INTERPRET else {}
     grid = lambda meta: (nw * cdiv(b_per_w, meta["G"]), nh)  # noqa: E731
     launch(_bwd)[grid](
-        q, k, v, out, dout, lse, rel_bias, mask_arg, dq, dk, dv, partial,
+        q, k, v, out, dout, lse, rel_bias, mask_arg, *grads, partial,
         *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(dout),
         *_strides(dq), *_strides(dk), *_strides(dv),
-        float(scale), b_per_w, FILL_SLOTS=fill_slots, NW=nw, NH=nh, N=n, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
+        float(scale), b_per_w, FILL_SLOTS=fill_slots, dkv_off=dkv_off, PACKED=dqkv is not None, NW=nw, NH=nh, N=n, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_MASK=mask is not None, PRECISION=_precision(q.dtype),
         UPCAST=_INTERPRET and q.dtype == torch.bfloat16, COMPUTE_DBIAS=compute_dbias, **extra,
     )
