@@ -6,6 +6,8 @@ GPU runs only. Three parts, printed as short tables and written as one JSON reco
           swinbench kernels' host functions, custom ops and autograd Functions.
   stages  for each recipe stage at a small batch (GPU time small), host ms to enqueue one training step
           (wall time of step() without a sync) against the GPU time of the step (CUDA events).
+  fastlaunch  as stages, with the cached launcher (SWINBENCH_FAST_LAUNCH) off and on in alternate steps
+          of one process: host ms saved per step, free of the host's drift between runs.
   pyprof  cProfile of a few eager steps of one stage: the Python functions with the most own time.
   compile for each compiled stage (--compile-stages): host enqueue and step ms, Dynamo's graph breaks
           and graph count, and the cProfile top of three compiled steps (where the host time goes).
@@ -302,6 +304,44 @@ def host_and_step_ms(wl, steps: int) -> tuple[float, float]:
     return statistics.median(enq), statistics.median(gpu)
 
 
+def fastlaunch_table(model: str, batch: int, stages: list[str], steps: int) -> list[dict]:
+    """For each stage, host enqueue and step ms with the cached launcher off and on, alternating from step
+    to step in one process (one workload), so that the host's drift falls on both sides alike. The
+    first steps of each side (compiles, cache misses) are warm-up. Medians per side, and the median of
+    the paired differences (each "on" step against the "off" step just before it)."""
+    from workbench.kernels import _ops
+
+    rows = []
+    saved = _ops.FAST_LAUNCH
+    try:
+        for stage in stages:
+            wl = build_stage(model, batch, stage)
+            for i in range(4):
+                _ops.FAST_LAUNCH = bool(i % 2)
+                wl.step(i)
+            torch.cuda.synchronize()
+            samples = {False: [], True: []}
+            for i in range(2 * steps):
+                _ops.FAST_LAUNCH = bool(i % 2)
+                samples[_ops.FAST_LAUNCH].append(host_and_step_ms(wl, 1))
+            off, on = samples[False], samples[True]
+            row = {"stage": stage, "steps_per_side": steps,
+                   "host_ms_off": statistics.median(h for h, _ in off),
+                   "host_ms_on": statistics.median(h for h, _ in on),
+                   "step_ms_off": statistics.median(g for _, g in off),
+                   "step_ms_on": statistics.median(g for _, g in on),
+                   "host_ms_paired_saving": statistics.median(a[0] - b[0] for a, b in zip(off, on))}
+            rows.append(row)
+            print(f"  {stage:14s} host enqueue off {row['host_ms_off']:7.2f} ms  on {row['host_ms_on']:7.2f} ms  "
+                  f"(paired saving {row['host_ms_paired_saving']:6.2f} ms)   step off {row['step_ms_off']:7.2f}  "
+                  f"on {row['step_ms_on']:7.2f} ms", flush=True)
+            del wl
+            torch.cuda.empty_cache()
+    finally:
+        _ops.FAST_LAUNCH = saved
+    return rows
+
+
 def stage_table(model: str, batch: int, stages: list[str], steps: int) -> list[dict]:
     rows = []
     for stage in stages:
@@ -512,6 +552,8 @@ def main() -> int:
             print(f"  {r['what']:40s} {r['host_us']:8.1f} µs")
     if "stages" in parts:
         record["stages"] = stage_table(args.model, args.batch, args.stages.split(","), args.steps)
+    if "fastlaunch" in parts:
+        record["fastlaunch"] = fastlaunch_table(args.model, args.batch, args.stages.split(","), args.steps)
     if "gc" in parts:
         record["gc"] = gc_table(args.model, args.batch, args.stages.split(","), args.steps)
     if "threads" in parts:

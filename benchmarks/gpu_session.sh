@@ -29,11 +29,8 @@ for part in "$@"; do
                SWINBENCH_FAST_LAUNCH=$fl timeout 200 swinbench apply --recipe block --stages fmha,block \
                  --model swin_base_patch4_window7_224 --batch 64 --out "$out/r/apply_fastlaunch$fl" 2>&1 | grep -E "^│ [a-z]|Error" | head -6
              done ;;
-    fastlaunch-host) for fl in 0 1 0 1; do
-               echo "SWINBENCH_FAST_LAUNCH=$fl"
-               SWINBENCH_FAST_LAUNCH=$fl timeout 100 python3 benchmarks/bench_host.py --parts stages --stages fmha,block --steps 15 \
-                 --out "$out/r/bench_host_fastlaunch$fl.json" 2>&1 | grep -E "host enqueue|Error"
-             done ;;
+    fastlaunch-host) timeout 200 python3 benchmarks/bench_host.py --parts fastlaunch --stages fmha,block --steps 20 \
+               --out "$out/r/bench_host_fastlaunch.json" 2>&1 | grep -E "host enqueue|Error" ;;
     maxnreg) timeout 90 python3 benchmarks/diag_maxnreg.py 2>&1 | tail -16 ;;
     prof-graphs-ab) for op in 1 0; do
                SWINBENCH_TRITON_OP=$op timeout 270 swinbench apply --recipe fmha --stages fmha-compile-graphs --profile \
