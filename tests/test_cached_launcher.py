@@ -1,6 +1,7 @@
 """The experimental cached launcher (SWINBENCH_FAST_LAUNCH=1): its specialization key separates
 everything Triton specializes on; a miss goes through kernel[grid] and a hit calls the compiled
-kernel's launcher with the arguments in signature order and Triton's launch hooks (checked on the CPU with a stand-in kernel);
+kernel's launcher with the arguments in signature order and Triton's launch hooks; callable grids and
+autotuned kernels are cached too (checked on the CPU with stand-in kernels);
 on a GPU every kernel launched through it gives bit-for-bit the plain launch's results."""
 import importlib
 import inspect
@@ -77,14 +78,79 @@ def test_miss_goes_through_the_kernel_and_a_hit_through_the_launcher(monkeypatch
     assert len(kernel.plain_launches) == 5 and len(kernel.compiled.calls) == 1
 
 
-def test_callable_grids_take_the_plain_path(monkeypatch):
+_SEEN: list = []
+
+
+def test_callable_grids_are_keyed_on_what_they_close_over(monkeypatch):
     monkeypatch.setattr(ops, "_device_stream", lambda: (0, "stream"))
     kernel = _Kernel()
     fast = ops.CachedLauncher(kernel)
-    grid = lambda meta: (1,)  # noqa: E731
-    fast[grid](torch.zeros(16), 3, BLOCK=8)
-    fast[grid](torch.zeros(16), 3, BLOCK=8)
-    assert len(kernel.plain_launches) == 2 and not kernel.compiled.calls and not fast.cache
+    _SEEN.clear()
+
+    def make_grid(programs):
+        def grid(meta):
+            _SEEN.append(dict(meta))      # a global: the closure holds only `programs`
+            return (programs * meta["BLOCK"], 2)
+        return grid
+
+    x = torch.zeros(16)
+    fast[make_grid(3)](x, 5, BLOCK=8)                      # miss: plain launch, grid evaluated once
+    fast[make_grid(3)](x, 7, BLOCK=8)                      # a new closure with equal values: a hit
+    assert len(kernel.plain_launches) == 1 and len(kernel.compiled.calls) == 1
+    assert _SEEN == [{"X": x, "n": 5, "BLOCK": 8, "FLAG": False}]
+    assert kernel.compiled.calls[0][:3] == (24, 2, 1)
+    fast[make_grid(4)](x, 7, BLOCK=8)                      # another closed-over value: another entry
+    assert len(kernel.plain_launches) == 2 and len(fast.cache) == 2
+
+    unhashable = [1]
+    grid = lambda meta: (unhashable[0],)  # noqa: E731
+    fast[grid](x, 3, BLOCK=8)
+    fast[grid](x, 3, BLOCK=8)
+    assert len(kernel.plain_launches) == 4 and len(fast.cache) == 2   # plain path, nothing cached
+
+
+class _Config:
+    def __init__(self, kwargs, pre_hook=None):
+        self.kwargs, self.pre_hook = kwargs, pre_hook
+
+
+class _Autotuned:
+    """Stands in for triton.autotune around a JITFunction: kernel[grid](...) picks `choice` and launches
+    the inner kernel with its values, setting best_config."""
+
+    def __init__(self, choice):
+        self.fn = _Kernel()
+        self.params = self.fn.params
+        self.configs, self.choice, self.best_config = [choice], choice, None
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.best_config = self.choice
+            meta = {p.name: a for p, a in zip(self.params, args)} | kwargs | self.choice.kwargs
+            return self.fn[grid(meta) if callable(grid) else grid](*args, **kwargs, **self.choice.kwargs)
+        return run
+
+
+def test_autotuned_kernels_are_cached_with_their_chosen_config(monkeypatch):
+    monkeypatch.setattr(ops, "_device_stream", lambda: (0, "stream"))
+    chosen = _Config({"BLOCK": 32})
+    kernel = _Autotuned(chosen)
+    fast = ops.CachedLauncher(kernel)
+    x = torch.zeros(16)
+    grid = lambda meta: (64 // meta["BLOCK"],)  # noqa: E731
+    fast[grid](x, 5)                                        # miss: the autotuner's path
+    assert kernel.fn.plain_launches == [((2,), (x, 5), {"BLOCK": 32})]
+    kernel.best_config = "another shape's choice"
+    fast[grid](x, 7)                                        # hit: the chosen value fills BLOCK
+    (call,) = kernel.fn.compiled.calls
+    assert call[:3] == (2, 1, 1) and call[9:] == (x, 7, 32, False)
+    assert kernel.best_config is chosen                      # as a real run leaves it
+
+    hooked = _Autotuned(_Config({"BLOCK": 32}, pre_hook=lambda nargs: None))
+    fast = ops.CachedLauncher(hooked)
+    fast[grid](x, 5)
+    fast[grid](x, 5)
+    assert len(hooked.fn.plain_launches) == 2 and not fast.cache
 
 
 def test_off_by_default_and_never_under_the_interpreter():
@@ -97,11 +163,13 @@ def test_off_by_default_and_never_under_the_interpreter():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_real_kernels_match_the_plain_launch_bit_for_bit(monkeypatch):
-    """Fused window ops, LayerNorm and the bias gradient, forward and backward, twice (the second call
-    hits the cache), with the cached launcher against plain launches: equal to the bit."""
+    """Fused window ops, LayerNorm, the bias gradient and window attention (autotuned, callable grids),
+    forward and backward, twice (the second call hits the cache), with the cached launcher against plain
+    launches: equal to the bit."""
     win = importlib.import_module("workbench.kernels.window")
     ln = importlib.import_module("workbench.kernels.layer_norm")
     lin = importlib.import_module("workbench.kernels.linear")
+    wa = importlib.import_module("workbench.kernels.window_attention")
     ops._cached_launcher.cache_clear()
 
     def run_all(seed):
@@ -116,7 +184,15 @@ def test_real_kernels_match_the_plain_launch_bit_for_bit(monkeypatch):
         n = ln.layer_norm(rows, w, b, 1e-5)
         (z.float().square().sum() + n.float().square().sum()).backward()
         dy, pre = r(300, 130), r(300, 130)
-        out = [y, z, n, x.grad, w.grad, b.grad, sc.grad, rows.grad, *lin.bias_grad_host(dy, pre, torch.bfloat16)]
+        # window attention: autotuned kernels with callable grids, packed qkv and separate q, k, v
+        qkv, bias = r(12, 49, 3, 3, 32).requires_grad_(), r(3, 49, 49, dt=torch.float32).requires_grad_()
+        mask = r(4, 49, 49, dt=torch.float32)
+        a1 = wa.fused_window_attention_qkv(qkv, bias, mask)
+        q, k, v = (r(10, 2, 49, 32).requires_grad_() for _ in range(3))
+        a2 = wa.fused_window_attention(q, k, v, bias[:2].detach(), None)
+        (a1.float().square().sum() + a2.float().square().sum()).backward()
+        out = [y, z, n, x.grad, w.grad, b.grad, sc.grad, rows.grad, *lin.bias_grad_host(dy, pre, torch.bfloat16),
+               a1, a2, qkv.grad, bias.grad, q.grad, k.grad, v.grad]
         return [t.detach().clone() for t in out]
 
     plain = [run_all(s) for s in (1, 2)]
@@ -126,6 +202,6 @@ def test_real_kernels_match_the_plain_launch_bit_for_bit(monkeypatch):
         for a, b in zip(p, f):
             assert torch.equal(a, b)
     kernels = [win._partition_fwd_kernel, win._merge_fwd_kernel, win._norm_partition_bwd_kernel,
-               ln._layer_norm_fwd_kernel, ln._layer_norm_bwd_kernel, lin._bias_grad_kernel]
+               ln._layer_norm_fwd_kernel, ln._layer_norm_bwd_kernel, lin._bias_grad_kernel, wa._fwd, wa._bwd]
     for k in kernels:   # each went through its launcher, and the second seed's calls hit its cache
         assert isinstance(ops.launch(k), ops.CachedLauncher) and ops.launch(k).cache, k

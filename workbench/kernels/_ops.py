@@ -65,9 +65,9 @@ def tracing() -> bool:
 
 
 # Experimental, off by default: eager launches straight through the compiled kernel's launcher.
-# On the H200's host a 41-argument no-op took 21.6 µs per launch through `kernel[grid](...)` and 5.9 µs
-# through its launcher (benchmarks/bench_host.py --parts launch, 2026-12-01). Not yet validated on the
-# GPU with the real kernels, hence the switch.
+# On the H200's host a 41-argument no-op took 21.0 µs per launch through `kernel[grid](...)` and 5.5 µs
+# through its launcher (benchmarks/bench_host.py --parts launch, 2026-12-01); the real kernels matched
+# plain launches bit for bit there. Its effect on whole steps is not measured yet, hence the switch.
 FAST_LAUNCH = os.environ.get("SWINBENCH_FAST_LAUNCH", "0") == "1"
 
 
@@ -95,43 +95,88 @@ def specialization_key(args: tuple) -> tuple:
 
 class CachedLauncher:
     """`kernel[grid]` for eager calls that launches through the compiled kernel's own launcher: a miss
-    goes through `kernel[grid](...)` (binding, specialization, compile) and keeps the CompiledKernel it
-    returns, keyed on the grid, `specialization_key` of the positional arguments and the keyword
-    arguments (constexprs and launch options, which must be hashable); a hit calls the launcher as the
-    end of `JITFunction.run` does. A callable grid takes the plain path."""
+    goes through `kernel[grid](...)` (binding, specialization, autotuning, compile) and keeps the
+    CompiledKernel it returns, keyed on the grid, `specialization_key` of the positional arguments and the
+    keyword arguments (constexprs and launch options, which must be hashable); a hit calls the launcher
+    as the end of `JITFunction.run` does.
+
+    An autotuned kernel (a `triton.autotune` around a JITFunction) is cached once its autotuner has
+    chosen: the entry keeps the chosen config, whose values fill the arguments the call leaves out, and a
+    hit sets the autotuner's `best_config` to it as a real run would (host code reads it). Configs with
+    a pre_hook take the plain path. A callable grid is keyed on its code and the values it closes over
+    (a lambda over ints, as the host functions write them) and evaluated once, on the miss, with the
+    arguments and the config; a grid closing over anything unhashable takes the plain path."""
 
     def __init__(self, kernel):
         from triton import knobs
 
         self.kernel = kernel
+        self.autotuned = hasattr(kernel, "configs") and hasattr(kernel, "fn")
+        self.params = (kernel.fn if self.autotuned else kernel).params
         self.cache: dict = {}
         self.runtime = knobs.runtime  # its launch hooks are read at each launch, as Triton reads them
 
     def __getitem__(self, grid):
         if callable(grid):
-            return self.kernel[grid]
-        return functools.partial(self._launch, tuple(grid) + (1,) * (3 - len(grid)), grid)
+            gkey = _grid_key(grid)
+            if gkey is None:
+                return self.kernel[grid]
+            return functools.partial(self._launch, gkey, grid)
+        return functools.partial(self._launch, tuple(grid), grid)
 
-    def _launch(self, grid3, grid, *args, **kwargs):
+    def _launch(self, gkey, grid, *args, **kwargs):
         device, stream = _device_stream()
-        key = (device, grid3, specialization_key(args), tuple(kwargs.items()))
+        key = (device, gkey, specialization_key(args), tuple(kwargs.items()))
         hit = self.cache.get(key)
         if hit is None:
-            compiled = self.kernel[grid](*args, **kwargs)
-            # the arguments after the positional ones, in signature order: passed by keyword or defaulted
-            tail = tuple((p.name, p.default) for p in self.kernel.params[len(args):])
-            missing = [n for n, d in tail if n not in kwargs and d is inspect.Parameter.empty]
-            if compiled is not None and not missing:
-                self.cache[key] = (compiled, tail)
-            return compiled
-        compiled, tail = hit
+            return self._miss(key, grid, args, kwargs)
+        compiled, tail, grid_t, (g0, g1, g2), config = hit
+        if config is not None:
+            self.kernel.best_config = config
         values = args + tuple(kwargs.get(n, d) for n, d in tail)
         # as JITFunction.run ends: launch metadata and hooks exactly as Triton passes them (a profiler's
         # hooks see these launches too)
-        compiled.run(grid3[0], grid3[1], grid3[2], stream, compiled.function, compiled.packed_metadata,
-                     compiled.launch_metadata(grid, stream, *values),
+        compiled.run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata,
+                     compiled.launch_metadata(grid_t, stream, *values),
                      self.runtime.launch_enter_hook, self.runtime.launch_exit_hook, *values)
         return compiled
+
+    def _miss(self, key, grid, args, kwargs):
+        compiled = self.kernel[grid](*args, **kwargs)
+        if compiled is None:
+            return compiled
+        config, chosen = None, {}
+        if self.autotuned:
+            config = self.kernel.best_config
+            if config.pre_hook is not None:
+                return compiled
+            chosen = config.kwargs
+        # the arguments after the positional ones, in signature order: passed by keyword, chosen by the
+        # autotuner or defaulted
+        tail = tuple((p.name, chosen.get(p.name, p.default)) for p in self.params[len(args):])
+        if any(n not in kwargs and d is inspect.Parameter.empty for n, d in tail):
+            return compiled
+        if callable(grid):
+            meta = {p.name: a for p, a in zip(self.params, args)}
+            meta.update((n, kwargs.get(n, d)) for n, d in tail)
+            grid = grid(meta)
+        grid_t = tuple(grid)
+        self.cache[key] = (compiled, tail, grid_t, grid_t + (1,) * (3 - len(grid_t)), config)
+        return compiled
+
+
+def _grid_key(grid) -> tuple | None:
+    """A callable grid's cache key: its code and the values it closes over and defaults to, or None
+    where one of them is not hashable (the grid could then change between calls with equal keys)."""
+    code = getattr(grid, "__code__", None)
+    if code is None:
+        return None
+    try:
+        key = (code, tuple(c.cell_contents for c in grid.__closure__ or ()), grid.__defaults__)
+        hash(key)
+    except (TypeError, ValueError):
+        return None
+    return key
 
 
 def _device_stream() -> tuple:
@@ -144,10 +189,14 @@ def _device_stream() -> tuple:
 
 @functools.lru_cache(maxsize=None)
 def _cached_launcher(kernel):
-    """The kernel's CachedLauncher (one per kernel); autotuned kernels stay as they are."""
+    """The kernel's CachedLauncher (one per kernel): a JITFunction or an autotuner straight around one;
+    anything else (heuristics, nested wrappers) stays as it is."""
+    from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
 
-    return CachedLauncher(kernel) if isinstance(kernel, JITFunction) else kernel
+    if isinstance(kernel, JITFunction) or (isinstance(kernel, Autotuner) and isinstance(kernel.fn, JITFunction)):
+        return CachedLauncher(kernel)
+    return kernel
 
 
 def launch_options(maxnreg: int | None = None) -> dict:
