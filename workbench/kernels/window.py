@@ -399,13 +399,18 @@ def _norm_bwd_config(n_tok: int, C: int, elt: int, device: torch.device) -> tupl
     """(BLOCK_T, BLOCK_C, num_warps, programs, tiles_per_program, maxnreg, stages) of the backward: one wave
     of resident programs, each a contiguous band of whole tiles; stages: Triton's software pipelining."""
     block_t, block_c, num_warps = _norm_blocks(C)
-    per_sm = _NORM_BWD_PER_SM
+    n_tiles = cdiv(n_tok, block_t)
+    programs = max(1, min(_NORM_BWD_PER_SM * sm_count(device), n_tiles, cdiv(n_tok, _NORM_BWD_MIN_TOKENS)))
+    tiles_per_prog = cdiv(n_tiles, programs)
+    programs = cdiv(n_tiles, tiles_per_prog)
+    # The register cap only has to fit the programs each SM actually gets: a grid of fewer than
+    # _NORM_BWD_PER_SM waves' worth (Swin-B stage 4: 196 programs on 132 SMs, 2 per SM) gets a looser
+    # cap. Capped for 3 per SM there (168 registers), the C=1024 variant spilled and took 11.3 µs
+    # against 10.5 uncapped (benchmarks/diag_maxnreg.py, H200, 2026-12-01).
+    per_sm = cdiv(programs, sm_count(device))
     regs = 65536 // (per_sm * num_warps * 32)  # register file per resident program
     maxnreg = min(255, regs - regs % 8)
-    n_tiles = cdiv(n_tok, block_t)
-    programs = max(1, min(per_sm * sm_count(device), n_tiles, cdiv(n_tok, _NORM_BWD_MIN_TOKENS)))
-    tiles_per_prog = cdiv(n_tiles, programs)
-    return block_t, block_c, num_warps, cdiv(n_tiles, tiles_per_prog), tiles_per_prog, maxnreg, _NORM_BWD_STAGES
+    return block_t, block_c, num_warps, programs, tiles_per_prog, maxnreg, _NORM_BWD_STAGES
 
 
 def norm_shift_partition_bwd(
