@@ -79,6 +79,19 @@ def test_compile_records_options(workload):
         apply_pass("compile", workload.model, workload.ctx, {"mode": "ludicrous"})
 
 
+def test_compile_takes_inductor_options_by_dotted_name(workload):
+    _, result = apply_pass("compile", workload.model, workload.ctx,
+                           {"inductor": {"cpp_wrapper": True, "triton.cudagraphs": False}})
+    assert workload.ctx.compile_options["options"] == {"cpp_wrapper": True, "triton.cudagraphs": False}
+    assert "mode" not in workload.ctx.compile_options and "cpp_wrapper=True" in result.changed
+    for bad in ({"inductor": {"no_such_setting": 1}}, {"inductor": {"triton.nope": True}},
+                {"inductor": {"cpp_wrapper": [1]}}, {"inductor": ["cpp_wrapper"]},
+                {"inductor": {"cpp_wrapper": True}, "mode": "reduce-overhead"},
+                {"inductor": {"cpp_wrapper": True}, "backend": "aot_eager"}):
+        with pytest.raises(UserError):
+            apply_pass("compile", workload.model, workload.ctx, bad)
+
+
 def test_cuda_graph_pass_needs_a_gpu_and_says_so():
     from workbench.passes import PassContext, apply_pass
     from workbench.precision import resolve_precision

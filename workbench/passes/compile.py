@@ -11,8 +11,29 @@ NAME = "compile"
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
+def _check_inductor_options(inductor) -> dict:
+    """Inductor config settings by dotted name (`cpp_wrapper`, `triton.cudagraphs`), each an existing
+    setting given a bool, int, float or string."""
+    if not isinstance(inductor, dict):
+        raise UserError("pass compile: inductor must be a mapping of Inductor config names to values")
+    from torch._inductor import config as inductor_config
+
+    for name, value in inductor.items():
+        target = inductor_config
+        for part in str(name).split("."):
+            if not hasattr(target, part):
+                raise UserError(f"pass compile: {name!r} is not an Inductor config setting")
+            target = getattr(target, part)
+        if not isinstance(value, (bool, int, float, str)):
+            raise UserError(f"pass compile: inductor option {name!r} must be a bool, number or string")
+    return dict(inductor)
+
+
 def apply(model, ctx: PassContext, mode: str = "default", fullgraph: bool = False, dynamic: bool | None = False,
-          backend: str = "inductor"):
+          backend: str = "inductor", inductor: dict | None = None):
+    """inductor: Inductor config settings for this compile (torch.compile's `options`), e.g.
+    {cpp_wrapper: true}. torch.compile takes either a mode or options, so they need mode default;
+    {triton.cudagraphs: true} there is what reduce-overhead sets."""
     if mode not in MODES:
         raise UserError(f"pass compile: mode must be one of {', '.join(MODES)}, got {mode!r}")
     if not isinstance(fullgraph, bool) or not (dynamic is None or isinstance(dynamic, bool)):
@@ -20,7 +41,15 @@ def apply(model, ctx: PassContext, mode: str = "default", fullgraph: bool = Fals
     options = {"backend": backend, "fullgraph": fullgraph, "dynamic": dynamic}
     if mode != "default":
         options["mode"] = mode
+    params = {"mode": mode, "fullgraph": fullgraph, "dynamic": dynamic, "backend": backend}
+    if inductor:
+        if backend != "inductor":
+            raise UserError(f"pass compile: inductor options need backend inductor, not {backend!r}")
+        if mode != "default":
+            raise UserError("pass compile: inductor options need mode default (torch.compile takes a mode or "
+                            "options, not both); set triton.cudagraphs: true for what reduce-overhead does")
+        options["options"] = params["inductor"] = _check_inductor_options(inductor)
     ctx.compile = True
     ctx.compile_options = options
-    params = {"mode": mode, "fullgraph": fullgraph, "dynamic": dynamic, "backend": backend}
-    return model, PassResult(NAME, params, f"forward+loss under torch.compile({backend}, mode={mode})", options)
+    extra = f", {', '.join(f'{k}={v}' for k, v in inductor.items())}" if inductor else ""
+    return model, PassResult(NAME, params, f"forward+loss under torch.compile({backend}, mode={mode}{extra})", options)
