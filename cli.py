@@ -94,6 +94,36 @@ def analyze(
 
 
 @app.command()
+def diff(
+    before: Annotated[Path, typer.Argument(help="The trace to compare against (.sqlite, .sqlite.xz, .nsys-rep or Kineto .json).")],
+    after: Annotated[Path, typer.Argument(help="The trace after the change.")],
+    name: Annotated[str, typer.Option(help="Kernel names: short (nsys's shortName) or demangled.")] = "short",
+    top: Annotated[int, typer.Option(help="Kernel rows before the tail is folded into 'other'.")] = 15,
+    format: Annotated[Optional[str], typer.Option("--format", help="Also write the tables as csv or json.")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Folder for --format output (default: beside AFTER).")] = None,
+    range: Annotated[Optional[str], typer.Option("--range", help="Compare only kernels launched inside this NVTX range (e.g. backward), per instance of it.")] = None,
+):
+    """What changed between two traces: GPU ms and launches per step for every kernel and category on both
+    sides, largest change first, and the step's kernel time, kernel count, host launches and GPU busy."""
+    from workbench.analyze import analyze_trace
+    from workbench.diff import diff_analyses, render_diff, write_diff
+
+    if name not in ("demangled", "short"):
+        raise _fail(UserError(f"unknown --name {name!r}: choose short or demangled"), 2)
+    if top < 1:
+        raise _fail(UserError(f"--top must be at least 1, got {top}"), 2)
+    if format is not None:
+        _check_format(format)
+    a = _call(analyze_trace, before, name_style=name, range_name=range)
+    b = _call(analyze_trace, after, name_style=name, range_name=range)
+    result = _call(diff_analyses, a, b, str(before), str(after))
+    render_diff(result, console, top=top)
+    if format:
+        for f in _call(write_diff, result, out or after.parent, format):
+            console.print(f"wrote {f}")
+
+
+@app.command()
 def apply(
     recipe: Annotated[str, typer.Option(help="Recipe name (see `swinbench recipes`) or a YAML file; runs every stage from baseline to it.")] = "fmha",
     stages: Annotated[Optional[str], typer.Option(help="Comma-separated stages to run instead of the chain (e.g. baseline,amp,torch-compile).")] = None,

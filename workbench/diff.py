@@ -1,0 +1,184 @@
+"""`swinbench diff BEFORE AFTER`: what changed between two traces, kernel by kernel.
+
+Two analyses (`analyze_trace`) -> `TraceDiff` (frames only: per-kernel and per-category GPU time and
+counts per step on each side, their deltas, and a summary of kernel time, kernel count, host launches
+and GPU busy) -> `render_diff` (rich) or `write_diff` (csv / json). Kernels are matched by name, so the
+diff is exact for library and hand-written kernels; Inductor numbers its generated kernels per graph
+(`triton_poi_fused_add_0`), so after a recompile the same kernel can show up under two names.
+
+Per step: each side's totals are divided by its number of `step{i}` NVTX ranges (the captured steps;
+swinbench's captures hold only those), so traces of different lengths compare. A trace without step
+ranges is compared as a whole, and the output says so.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from rich.console import Console
+from rich.table import Table
+
+from workbench.analysis import api_summary
+from workbench.analyze import Analysis
+from workbench.errors import UserError
+
+KERNEL_COLUMNS = ["kernel", "before_ms", "after_ms", "delta_ms", "before_n", "after_n"]
+CATEGORY_COLUMNS = ["category", "before_ms", "after_ms", "delta_ms"]
+
+
+@dataclass
+class TraceDiff:
+    """kernels / categories: per-unit ms and counts on each side and the delta (after - before), largest
+    |delta| first. summary: metric, before, after, delta. unit: 'step' when both traces have step ranges,
+    'range instance' when both were scoped to a range, else 'trace'. steps: (before, after) divisors."""
+
+    before: str
+    after: str
+    unit: str
+    steps: tuple[int, int]
+    kernels: pd.DataFrame
+    categories: pd.DataFrame
+    summary: pd.DataFrame
+    notes: list[str] = field(default_factory=list)
+
+
+def _steps(analysis: Analysis) -> int | None:
+    """How many steps (or, with a range, instances of it) the analysis covers; None if not known."""
+    meta = analysis.trace_meta
+    return int(meta["api_steps"]) if meta.get("api_unit") and meta.get("api_steps") else None
+
+
+def _side(table: pd.DataFrame, key: str, per: int, suffix: str) -> pd.DataFrame:
+    out = pd.DataFrame({key: table[key].astype(str),
+                        f"{suffix}_ms": table["total_ns"].to_numpy("float64") / 1e6 / per,
+                        f"{suffix}_n": table["instances"].to_numpy("float64") / per})
+    return out.groupby(key, as_index=False, sort=False).sum()
+
+
+def _joined(before: pd.DataFrame, after: pd.DataFrame, key: str, per: tuple[int, int]) -> pd.DataFrame:
+    joined = _side(before, key, per[0], "before").merge(_side(after, key, per[1], "after"), on=key, how="outer")
+    joined = joined.fillna(0.0)
+    joined["delta_ms"] = joined["after_ms"] - joined["before_ms"]
+    order = np.lexsort((joined[key].to_numpy(), -joined["delta_ms"].abs().to_numpy()))
+    return joined.iloc[order].reset_index(drop=True)
+
+
+def _busy_pct(analysis: Analysis) -> float:
+    busy = analysis.busy
+    rows = busy[busy["metric"] == "busy"]
+    return float(rows["pct"].iloc[0]) if len(rows) else math.nan
+
+
+def _launches(analysis: Analysis, per: int) -> float:
+    """Host kernel launches divided by `per` (api_summary gives them per step where it can)."""
+    if analysis.api is None or not len(analysis.api):
+        return math.nan
+    calls = float(api_summary(analysis.api).get("launch", 0.0))
+    steps = _steps(analysis)
+    return (calls * steps if steps else calls) / per
+
+
+def diff_analyses(before: Analysis, after: Analysis, before_label: str = "before",
+                  after_label: str = "after") -> TraceDiff:
+    """The per-kernel and per-category differences of two analyses (see the module doc)."""
+    if before.trace_meta.get("name_style") != after.trace_meta.get("name_style"):
+        raise UserError("the two analyses name kernels differently (demangled against short)")
+    steps_b, steps_a = _steps(before), _steps(after)
+    units = before.trace_meta.get("api_unit"), after.trace_meta.get("api_unit")
+    notes = []
+    if steps_b and steps_a and units[0] == units[1]:
+        unit, per = units[0], (steps_b, steps_a)
+    else:
+        unit, per = "trace", (1, 1)
+        missing = " and ".join(label for label, s in ((before_label, steps_b), (after_label, steps_a)) if not s)
+        notes.append(f"no step ranges in {missing or 'one of them'}: whole traces compared, not per step")
+    if before.backend != after.backend:
+        notes.append(f"different capture backends ({before.backend} against {after.backend}): kernel names "
+                     "and coverage may differ")
+    kernels = _joined(before.kernels, after.kernels, "kernel", per)[KERNEL_COLUMNS]
+    categories = _joined(before.categories, after.categories, "category", per)[CATEGORY_COLUMNS]
+    rows = [
+        ("kernel ms", before.trace_meta["kernel_total_ns"] / 1e6 / per[0],
+         after.trace_meta["kernel_total_ns"] / 1e6 / per[1]),
+        ("kernels", before.trace_meta["kernel_count"] / per[0], after.trace_meta["kernel_count"] / per[1]),
+        ("host launches", _launches(before, per[0]), _launches(after, per[1])),
+        ("GPU busy % of span", _busy_pct(before), _busy_pct(after)),
+    ]
+    summary = pd.DataFrame(rows, columns=["metric", "before", "after"])
+    summary["delta"] = summary["after"] - summary["before"]
+    return TraceDiff(before_label, after_label, unit, per, kernels, categories, summary, notes)
+
+
+def _fmt(x: float, digits: int = 3, signed: bool = False) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{x:+,.{digits}f}" if signed else f"{x:,.{digits}f}"
+
+
+def _folded(table: pd.DataFrame, key: str, top: int, noun: str) -> pd.DataFrame:
+    """The first `top` rows and one row summing the rest."""
+    if len(table) <= top:
+        return table
+    head, tail = table.iloc[:top], table.iloc[top:]
+    rest = {c: tail[c].sum() for c in table.columns if c != key}
+    rest[key] = f"other ({len(tail)} {noun})"
+    return pd.concat([head, pd.DataFrame([rest])], ignore_index=True)
+
+
+def render_diff(diff: TraceDiff, console: Console, top: int = 15) -> None:
+    per = f"per {diff.unit}"
+    steps = f" ({diff.steps[0]} and {diff.steps[1]} of them)" if diff.unit != "trace" else ""
+    console.print(f"[bold]before[/] {diff.before}\n[bold]after[/]  {diff.after}\nfigures {per}{steps}; "
+                  "delta = after - before")
+    for note in diff.notes:
+        console.print(f"[yellow]note:[/] {note}")
+    t = Table(title=f"Summary ({per})")
+    for c in ("metric", "before", "after", "delta"):
+        t.add_column(c, justify="left" if c == "metric" else "right")
+    for row in diff.summary.itertuples(index=False):
+        digits = 1 if row.metric != "kernel ms" else 3
+        t.add_row(row.metric, _fmt(row.before, digits), _fmt(row.after, digits), _fmt(row.delta, digits, True))
+    console.print(t)
+    t = Table(title=f"Kernels by change of GPU ms {per} (n: instances {per})")
+    # the numbers keep their width; the kernel name gets what is left of the console (at least 20)
+    t.add_column("kernel", no_wrap=True, max_width=max(20, min(80, console.width - 66)), overflow="ellipsis")
+    for c in ("ms before", "ms after", "delta", "n before", "n after"):
+        t.add_column(c, justify="right", no_wrap=True)
+    for row in _folded(diff.kernels, "kernel", top, "kernels").itertuples(index=False):
+        t.add_row(str(row.kernel), _fmt(row.before_ms), _fmt(row.after_ms), _fmt(row.delta_ms, 3, True),
+                  _fmt(row.before_n, 1), _fmt(row.after_n, 1))
+    console.print(t)
+    t = Table(title=f"Categories by change of GPU ms {per}")
+    for c in ("category", "before ms", "after ms", "delta ms"):
+        t.add_column(c, justify="left" if c == "category" else "right")
+    for row in diff.categories.itertuples(index=False):
+        t.add_row(str(row.category), _fmt(row.before_ms), _fmt(row.after_ms), _fmt(row.delta_ms, 3, True))
+    console.print(t)
+
+
+def write_diff(diff: TraceDiff, out_dir, fmt: str = "csv") -> list[Path]:
+    """diff_kernels / diff_categories / diff_summary as csv, or one diff.json with all three and the meta."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tables = {"kernels": diff.kernels, "categories": diff.categories, "summary": diff.summary}
+    if fmt == "csv":
+        paths = []
+        for name, table in tables.items():
+            path = out / f"diff_{name}.csv"
+            table.to_csv(path, index=False)
+            paths.append(path)
+        return paths
+    if fmt == "json":
+        def records(df):
+            return [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()}
+                    for r in df.to_dict("records")]
+        doc = {"before": diff.before, "after": diff.after, "unit": diff.unit, "steps": list(diff.steps),
+               "notes": diff.notes, **{name: records(table) for name, table in tables.items()}}
+        path = out / "diff.json"
+        path.write_text(json.dumps(doc, indent=1, default=float))
+        return [path]
+    raise UserError(f"unknown format {fmt!r}: use csv or json")
