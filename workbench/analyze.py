@@ -221,24 +221,32 @@ def _records(df: pd.DataFrame) -> list[dict]:
     return json.loads(df.to_json(orient="records"))
 
 
-def write_analysis(analysis: Analysis, out_dir, fmt: str = "csv") -> list[Path]:
-    """csv: kernels.csv, categories.csv, ranges.csv, busy.csv, api.csv; json: one analysis.json with every
-    frame as a list of records plus backend and meta. Returns the paths written."""
+def write_frames(frames: dict[str, pd.DataFrame], out_dir, fmt: str, *, csv_prefix: str = "",
+                 json_name: str, meta: dict) -> list[Path]:
+    """csv: one `<csv_prefix><name>.csv` per frame; json: one `json_name` holding `meta` and every frame
+    as a list of records (NaN as null). Returns the paths written."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    frames = {"kernels": analysis.kernels, "categories": analysis.categories, "ranges": analysis.ranges, "busy": analysis.busy}
-    if analysis.api is not None:
-        frames["api"] = analysis.api
     if fmt == "csv":
         paths = []
         for name, df in frames.items():
-            path = out / f"{name}.csv"
+            path = out / f"{csv_prefix}{name}.csv"
             df.to_csv(path, index=False)
             paths.append(path)
         return paths
     if fmt == "json":
-        path = out / "analysis.json"
-        doc = {"backend": analysis.backend, "meta": analysis.trace_meta, **{k: _records(v) for k, v in frames.items()}}
+        path = out / json_name
+        doc = {**meta, **{k: _records(v) for k, v in frames.items()}}
         path.write_text(json.dumps(doc, indent=1, default=str))
         return [path]
     raise UserError(f"unknown output format {fmt!r}: use csv or json")
+
+
+def write_analysis(analysis: Analysis, out_dir, fmt: str = "csv") -> list[Path]:
+    """csv: kernels.csv, categories.csv, ranges.csv, busy.csv, api.csv; json: one analysis.json with every
+    frame as a list of records plus backend and meta. Returns the paths written."""
+    frames = {"kernels": analysis.kernels, "categories": analysis.categories, "ranges": analysis.ranges, "busy": analysis.busy}
+    if analysis.api is not None:
+        frames["api"] = analysis.api
+    return write_frames(frames, out_dir, fmt, json_name="analysis.json",
+                        meta={"backend": analysis.backend, "meta": analysis.trace_meta})

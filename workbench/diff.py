@@ -12,7 +12,6 @@ ranges is compared as a whole, and the output says so.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from workbench.analysis import api_summary
-from workbench.analyze import Analysis
+from workbench.analyze import Analysis, write_frames
 from workbench.errors import UserError
 
 KERNEL_COLUMNS = ["kernel", "before_ms", "after_ms", "delta_ms", "before_n", "after_n"]
@@ -162,23 +161,6 @@ def render_diff(diff: TraceDiff, console: Console, top: int = 15) -> None:
 
 def write_diff(diff: TraceDiff, out_dir, fmt: str = "csv") -> list[Path]:
     """diff_kernels / diff_categories / diff_summary as csv, or one diff.json with all three and the meta."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tables = {"kernels": diff.kernels, "categories": diff.categories, "summary": diff.summary}
-    if fmt == "csv":
-        paths = []
-        for name, table in tables.items():
-            path = out / f"diff_{name}.csv"
-            table.to_csv(path, index=False)
-            paths.append(path)
-        return paths
-    if fmt == "json":
-        def records(df):
-            return [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()}
-                    for r in df.to_dict("records")]
-        doc = {"before": diff.before, "after": diff.after, "unit": diff.unit, "steps": list(diff.steps),
-               "notes": diff.notes, **{name: records(table) for name, table in tables.items()}}
-        path = out / "diff.json"
-        path.write_text(json.dumps(doc, indent=1, default=float))
-        return [path]
-    raise UserError(f"unknown format {fmt!r}: use csv or json")
+    frames = {"kernels": diff.kernels, "categories": diff.categories, "summary": diff.summary}
+    meta = {"before": diff.before, "after": diff.after, "unit": diff.unit, "steps": list(diff.steps), "notes": diff.notes}
+    return write_frames(frames, out_dir, fmt, csv_prefix="diff_", json_name="diff.json", meta=meta)
