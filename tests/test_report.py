@@ -181,3 +181,32 @@ def test_profiled_stage_shows_host_api_calls_per_step(records, tmp_path):
     text = out.read_text()
     assert "| amp | - | - | 1,194 | 30 | 40.0 | 40.0 | 20.0 |" in text
     assert "launches/step | sync+alloc/step" in text
+
+
+def test_profiled_stages_show_which_kernels_changed(records, tmp_path):
+    """Each profiled stage's per-kernel table against its nearest profiled ancestor: largest change first,
+    kernels that appear or vanish counted as 0 on the other side; stages without one are left out."""
+    records[0]["profile"].update(kernel_ms_per_step=10.0, kernels_per_step=[
+        {"kernel": "sgemm_fp32", "ms_per_step": 6.0, "per_step": 100.0},
+        {"kernel": "layer_norm", "ms_per_step": 2.0, "per_step": 48.0},
+        {"kernel": "elementwise", "ms_per_step": 2.0, "per_step": 300.0}])
+    records[1]["profile"].update(kernel_ms_per_step=5.5, kernels_per_step=[
+        {"kernel": "hgemm_bf16", "ms_per_step": 2.5, "per_step": 100.0},
+        {"kernel": "layer_norm", "ms_per_step": 1.5, "per_step": 48.0},
+        {"kernel": "elementwise", "ms_per_step": 1.5, "per_step": 500.0}])
+    out = tmp_path / "report.md"
+    render_report(records, out)
+    text = out.read_text()
+    assert "## What changed in the GPU profile from stage to stage" in text
+    assert "**amp** against **baseline**: GPU kernel time 10.0 → 5.5 ms per step" in text
+    section = text.split("## What changed in the GPU profile")[1].split("## What each stage changed")[0]
+    lines = [ln for ln in section.splitlines() if ln.startswith("| `")]
+    assert lines[0] == "| `sgemm_fp32` | 6.000 | 0.000 | -6.000 | 100 | 0 |"
+    assert lines[1] == "| `hgemm_bf16` | 0.000 | 2.500 | +2.500 | 0 | 100 |"
+    assert len(lines) == 4
+    # without per-kernel tables (older records) the section is not there
+    for r in records:
+        if r.get("profile"):
+            r["profile"].pop("kernels_per_step", None)
+    render_report(records, out)
+    assert "What changed in the" not in out.read_text()

@@ -218,7 +218,7 @@ def _profile_stage(spec: StageSpec, config: WorkloadConfig, record: dict) -> dic
         # At least two warm-up steps, so a compiled stage's compilation stays out of the capture.
         trace, backend = capture_workload(config, spec.stage, spec.recipe_source, folder, spec.steps,
                                           max(spec.warmup, 2))
-        analysis = analyze_trace(trace)
+        analysis = analyze_trace(trace, name_style="short")
         shares = category_shares(analysis)          # {category: percent of GPU kernel time}
     except (UserError, OSError, RuntimeError, ImportError) as exc:
         record["notes"].append(f"profile failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
@@ -232,8 +232,14 @@ def _profile_stage(spec: StageSpec, config: WorkloadConfig, record: dict) -> dic
     if len(analysis.api) and analysis.trace_meta.get("api_unit") == "step":
         from .analysis import api_summary
         per_step = api_summary(analysis.api)        # {kind: host CUDA calls per step}
+    # every kernel's GPU ms and launches per step, so that reports can say what changed between stages
+    by_name = []
+    if kernels is not None and {"kernel", "total_ns", "instances"} <= set(kernels.columns):
+        by_name = [{"kernel": str(k), "ms_per_step": round(float(t) / 1e6 / spec.steps, 5),
+                    "per_step": round(float(n) / spec.steps, 3)}
+                   for k, t, n in kernels[["kernel", "total_ns", "instances"]].values]
     return {"backend": backend, "trace": str(trace), "category_share_pct": shares, "top_kernels": top,
-            "kernel_ms_per_step": kernel_ms, "api_calls_per_step": per_step}
+            "kernel_ms_per_step": kernel_ms, "api_calls_per_step": per_step, "kernels_per_step": by_name}
 
 
 # ---------------------------------------------------------------- stage subprocess

@@ -51,19 +51,26 @@ def _steps(analysis: Analysis) -> int | None:
     return int(meta["api_steps"]) if meta.get("api_unit") and meta.get("api_steps") else None
 
 
-def _side(table: pd.DataFrame, key: str, per: int, suffix: str) -> pd.DataFrame:
+def per_unit(table: pd.DataFrame, key: str, per: int) -> pd.DataFrame:
+    """A kernel or category share table (total_ns, instances) -> key, ms, n per unit (`per` units)."""
     out = pd.DataFrame({key: table[key].astype(str),
-                        f"{suffix}_ms": table["total_ns"].to_numpy("float64") / 1e6 / per,
-                        f"{suffix}_n": table["instances"].to_numpy("float64") / per})
+                        "ms": table["total_ns"].to_numpy("float64") / 1e6 / per,
+                        "n": table["instances"].to_numpy("float64") / per})
     return out.groupby(key, as_index=False, sort=False).sum()
 
 
-def _joined(before: pd.DataFrame, after: pd.DataFrame, key: str, per: tuple[int, int]) -> pd.DataFrame:
-    joined = _side(before, key, per[0], "before").merge(_side(after, key, per[1], "after"), on=key, how="outer")
-    joined = joined.fillna(0.0)
+def join_per_unit(before: pd.DataFrame, after: pd.DataFrame, key: str) -> pd.DataFrame:
+    """Two (key, ms, n) frames -> key, before_ms, after_ms, delta_ms, before_n, after_n; a key missing on
+    one side counts 0 there; largest |delta_ms| first (then key, for a stable order)."""
+    joined = before.rename(columns={"ms": "before_ms", "n": "before_n"}).merge(
+        after.rename(columns={"ms": "after_ms", "n": "after_n"}), on=key, how="outer").fillna(0.0)
     joined["delta_ms"] = joined["after_ms"] - joined["before_ms"]
     order = np.lexsort((joined[key].to_numpy(), -joined["delta_ms"].abs().to_numpy()))
-    return joined.iloc[order].reset_index(drop=True)
+    return joined.iloc[order].reset_index(drop=True)[[key, "before_ms", "after_ms", "delta_ms", "before_n", "after_n"]]
+
+
+def _joined(before: pd.DataFrame, after: pd.DataFrame, key: str, per: tuple[int, int]) -> pd.DataFrame:
+    return join_per_unit(per_unit(before, key, per[0]), per_unit(after, key, per[1]), key)
 
 
 def _busy_pct(analysis: Analysis) -> float:

@@ -11,7 +11,9 @@ labelled CPU by `env.device_type`):
     compile_s: seconds of the first (compiling) steps, when the stage compiles, else null
     gate: {status: 'PASS' | 'FAIL' | 'SKIP' | 'REFERENCE', tolerance: {...}, metrics: {...}, reason}
     passes: [PassResult.to_dict(), ...]   (all passes of the chain up to this stage)
-    profile: {backend, trace, category_share_pct: {category: pct}, top_kernels: [...]} | null
+    profile: {backend, trace, category_share_pct: {category: pct}, top_kernels: [...], kernel_ms_per_step,
+              api_calls_per_step: {kind: calls}, kernels_per_step: [{kernel (short name), ms_per_step,
+              per_step}]} | null
 """
 from __future__ import annotations
 

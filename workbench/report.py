@@ -340,6 +340,62 @@ def _busy(rec: dict) -> str:
     return f"{100.0 * mine / rec['step_ms']:.0f}%"
 
 
+KERNEL_CHANGE_ROWS = 6  # kernels listed per stage in the report's stage-to-stage changes
+
+
+def _kernel_frame(rec: dict) -> pd.DataFrame | None:
+    """A profiled record's per-step kernel table as (kernel, ms, n), or None."""
+    rows = (rec.get("profile") or {}).get("kernels_per_step")
+    if not rows:
+        return None
+    return pd.DataFrame({"kernel": [str(r["kernel"]) for r in rows],
+                         "ms": [float(r["ms_per_step"]) for r in rows], "n": [float(r["per_step"]) for r in rows]})
+
+
+def kernel_changes(records: list[dict], rows: int = KERNEL_CHANGE_ROWS) -> list[tuple[str, str, pd.DataFrame]]:
+    """(stage, compared_with, the `rows` kernels whose GPU ms per step changed most) for every profiled
+    stage whose nearest profiled ancestor in `records` (the stage it extends, then that one's chain) has a
+    per-kernel table too."""
+    from .diff import join_per_unit
+
+    frames = {r["stage"]: f for r in records if (f := _kernel_frame(r)) is not None}
+    out = []
+    for rec in records:
+        if rec["stage"] not in frames:
+            continue
+        parent = next((a for a in _ancestors(rec, rec.get("extends")) if a in frames and a != rec["stage"]), None)
+        if parent is not None:
+            out.append((rec["stage"], parent, join_per_unit(frames[parent], frames[rec["stage"]], "kernel").head(rows)))
+    return out
+
+
+def _kernel_change_lines(records: list[dict]) -> list[str]:
+    changes = kernel_changes(records)
+    if not changes:
+        return []
+    cpu = _is_cpu(records)
+    what, calls = ("CPU op", "calls") if cpu else ("GPU kernel", "launches")
+    names = {"torch": "torch.profiler"}
+    backends = sorted({names.get(b, b) for r in records if r.get("profile") for b in [str(r["profile"].get("backend"))]})
+    lines = [f"## What changed in the {what.split()[0]} profile from stage to stage", "",
+             f"For each profiled stage, the {KERNEL_CHANGE_ROWS} {what}s whose time per step changed most "
+             "against the stage it extends (or its nearest profiled ancestor), from the two stages' captures "
+             f"({', '.join(backends)}; short names; `swinbench diff` on the two traces gives the full table).", ""]
+    if cpu:
+        lines += ["> CPU op times from torch.profiler, not GPU kernel times.", ""]
+    by_stage = {r["stage"]: r for r in records}
+    for stage, parent, table in changes:
+        mine, theirs = kernel_ms_per_step(by_stage[stage]), kernel_ms_per_step(by_stage[parent])
+        total = (f": {what} time {theirs:.1f} → {mine:.1f} ms per step"
+                 if mine is not None and theirs is not None else "")
+        rows = [[f"`{k}`" if len(k) <= 70 else f"`{k[:67]}...`", f"{b:.3f}", f"{a:.3f}", f"{d:+.3f}", f"{bn:.0f}", f"{an:.0f}"]
+                for k, b, a, d, bn, an in table[["kernel", "before_ms", "after_ms", "delta_ms", "before_n", "after_n"]].values]
+        lines += [f"**{stage}** against **{parent}**{total}", "",
+                  _md_table([what.split()[1], f"ms/step ({parent})", f"ms/step ({stage})", "change",
+                             f"{calls} ({parent})", f"{calls} ({stage})"], rows), ""]
+    return lines
+
+
 def render_report(records: list[dict], out_path_md: Path) -> Path:
     """Write the Markdown report (and, if stages were profiled, `<name>-categories.png` beside it)
     from stage records alone -> the .md path."""
@@ -397,6 +453,7 @@ def render_report(records: list[dict], out_path_md: Path) -> Path:
     else:
         lines += ["## GPU kernel time by category", "", "Not profiled (run `swinbench apply --profile`).", ""]
 
+    lines += _kernel_change_lines(records)
     lines += ["## What each stage changed", ""]
     for rec in records:
         ext = f" (extends {rec['extends']})" if rec.get("extends") else ""
