@@ -378,3 +378,38 @@ def test_host_calls_per_step_must_be_numbers(current):
     edit(current, "fmha", lambda r: r["profile"].update(api_calls_per_step={"launch": "many"}))
     err = user_error(lambda: check_records(BASELINE, current))
     assert "profile.api_calls_per_step.launch" in str(err)
+
+
+def test_regressed_stages_list_their_largest_kernel_changes(current, tmp_path):
+    """When both records of a regressed stage carry their profile's per-kernel table, the check names the
+    kernels whose GPU ms per step changed most; stages that did not regress, or lack the tables, get none."""
+    base = tmp_path / "base"
+    shutil.copytree(BASELINE, base)
+    kernels = [{"kernel": "gemm", "ms_per_step": 20.0, "per_step": 300.0},
+               {"kernel": "_window_attention_bwd_kernel", "ms_per_step": 1.7, "per_step": 24.0}]
+
+    def with_kernels(table):
+        def fn(rec):
+            rec["profile"] = dict(rec.get("profile") or {}, kernels_per_step=table)
+        return fn
+
+    for stage in ("amp", "fmha"):
+        edit(base, stage, with_kernels(kernels))
+    edit(current, "amp", with_kernels(kernels))
+    slower_attention = [kernels[0], {"kernel": "_window_attention_bwd_kernel", "ms_per_step": 3.2, "per_step": 24.0},
+                        {"kernel": "triton_poi_fused_permute_7", "ms_per_step": 1.4, "per_step": 24.0}]
+    edit(current, "fmha", lambda rec: (slower(1.10)(rec), with_kernels(slower_attention)(rec)))
+    result = check_records(base, current)
+    assert result.regressed and list(result.kernel_changes) == ["fmha"]
+    table = result.kernel_changes["fmha"]
+    assert list(table["kernel"]) == ["_window_attention_bwd_kernel", "triton_poi_fused_permute_7", "gemm"]
+    assert table["delta_ms"].tolist() == pytest.approx([1.5, 1.4, 0.0])
+    md = render_markdown(result)
+    assert "Largest kernel changes in **fmha**" in md
+    assert "| `_window_attention_bwd_kernel` | 1.700 | 3.200 | +1.500 | 24 | 24 |" in md
+    doc = to_json(result)
+    assert doc["kernel_changes"]["fmha"][1]["kernel"] == "triton_poi_fused_permute_7"
+    json.dumps(doc)
+    # the committed records carry no per-kernel tables: nothing to list
+    edit(current, "amp", slower(1.10))
+    assert check_records(BASELINE, current).kernel_changes == {}

@@ -96,6 +96,9 @@ class CheckResult:
     regressed: bool
     summary: str
     notes: list[str] = field(default_factory=list)
+    # stage -> its largest per-kernel changes (diff.join_per_unit columns), for regressed stages whose
+    # records both carry a profile's per-kernel table: where to look first
+    kernel_changes: dict = field(default_factory=dict)
 
     @property
     def exit_code(self) -> int:
@@ -489,7 +492,27 @@ def check_records(baseline_paths, current_paths, *, max_regression_pct: float = 
         notes.append(f"only in current (no baseline to check against): {', '.join(only_cur)}")
     frame = pd.DataFrame(rows, columns=ROW_COLUMNS)
     regressed = bool(frame["status"].isin(REGRESSION_STATUSES).any())
-    return CheckResult(rows=frame, regressed=regressed, summary=_summary(frame, regressed), notes=notes)
+    changes = _kernel_changes(frame, base, cur)
+    return CheckResult(rows=frame, regressed=regressed, summary=_summary(frame, regressed), notes=notes,
+                       kernel_changes=changes)
+
+
+KERNEL_CHANGE_ROWS = 5
+
+
+def _kernel_changes(frame: pd.DataFrame, base: dict, cur: dict) -> dict:
+    """For each stage with a regressed row whose baseline and current records both hold per-kernel
+    profile tables: the KERNEL_CHANGE_ROWS kernels whose GPU ms per step changed most."""
+    from .diff import join_per_unit
+    from .report import _kernel_frame
+
+    out = {}
+    for stage in frame.loc[frame["status"].isin(REGRESSION_STATUSES), "stage"].unique():
+        b, c = base.get(stage), cur.get(stage)
+        fb, fc = (_kernel_frame(b) if b else None), (_kernel_frame(c) if c else None)
+        if fb is not None and fc is not None:
+            out[str(stage)] = join_per_unit(fb, fc, "kernel").head(KERNEL_CHANGE_ROWS)
+    return out
 
 
 # ---------------------------------------------------------------- rendering
@@ -567,6 +590,12 @@ def render_markdown(result: CheckResult) -> str:
                      _fmt_delta(r.delta_pct, r.unit), _fmt_limit(r.limit, r.unit),
                      _fmt_limit(r.noise_band_pct, "%", "±"), status]
         lines.append("| " + " | ".join(_cell(x) for x in cells) + " |")
+    for stage, table in result.kernel_changes.items():
+        lines += ["", f"Largest kernel changes in **{_cell(stage)}** (GPU ms per step, from the two records' profiles):", "",
+                  "| kernel | baseline ms | current ms | Δ ms | launches baseline | launches current |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        for k, bm, cm, d, bn, cn in table[["kernel", "before_ms", "after_ms", "delta_ms", "before_n", "after_n"]].values:
+            lines.append(f"| `{_cell(str(k))}` | {bm:.3f} | {cm:.3f} | {d:+.3f} | {bn:.0f} | {cn:.0f} |")
     if result.notes:
         lines += ["", "Notes:", ""] + [f"- {_cell(n)}" for n in result.notes]
     lines += ["", f"**{result.summary}**"]
@@ -582,7 +611,10 @@ def _plain(value):
 
 
 def to_json(result: CheckResult) -> dict:
-    """{schema, regressed, exit_code, summary, notes, rows: [{column: value}]}; NaN/inf become null."""
+    """{schema, regressed, exit_code, summary, notes, rows: [{column: value}], kernel_changes: {stage:
+    [{kernel, before_ms, after_ms, delta_ms, before_n, after_n}]}}; NaN/inf become null."""
     rows = [{k: _plain(v) for k, v in row.items()} for row in result.rows.astype(object).to_dict(orient="records")]
+    changes = {stage: [{k: _plain(v) for k, v in r.items()} for r in table.astype(object).to_dict(orient="records")]
+               for stage, table in result.kernel_changes.items()}
     return {"schema": "swinbench.check/1", "regressed": result.regressed, "exit_code": result.exit_code,
-            "summary": result.summary, "notes": list(result.notes), "rows": rows}
+            "summary": result.summary, "notes": list(result.notes), "rows": rows, "kernel_changes": changes}
