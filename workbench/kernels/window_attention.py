@@ -370,7 +370,8 @@ def window_attention_bwd(q, k, v, out, lse, dout, rel_bias, mask, scale, compute
         q, k, v, out, dout, lse, rel_bias, mask_arg, *grads, partial,
         *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(dout),
         *_strides(dq), *_strides(dk), *_strides(dv),
-        float(scale), b_per_w, FILL_SLOTS=fill_slots, dkv_off=dkv_off, PACKED=dqkv is not None, NW=nw, NH=nh, N=n, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
+        float(scale), b_per_w, FILL_SLOTS=fill_slots, dkv_off=dkv_off, PACKED=dqkv is not None,
+        NW=nw, NH=nh, N=n, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_MASK=mask is not None, PRECISION=_precision(q.dtype),
         UPCAST=_INTERPRET and q.dtype == torch.bfloat16, COMPUTE_DBIAS=compute_dbias, **extra,
     )
