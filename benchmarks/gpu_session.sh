@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work: correctness on the GPU, kernel benchmarks, profile, apply.
 # Usage (on the GPU machine, from the repo root): benchmarks/gpu_session.sh PART...   PART in
-#   tests | tests2 | compile-static | compile-cpp | attn-tests | inplace | fastlaunch-ab | fastlaunch-host | fastlaunch-quick | compile-pair | maxnreg | prof-graphs-ab | fastlaunch | graphs-ab | master-ab | traced | compile-diag | compile-variants | compile-apply | prof-compile | wbench | linear | threads | sweep | sweepb | norms | dense-apply | scale | infer-quick | prof-api | prof-block | block | host | chain | graphs | dense | infer | prof-fmha | window | kernels | attn | diag | benches | graph | last | quick | profile | apply-apex | apply-fmha
+#   tests | tests2 | colsums | compile-static | compile-cpp | attn-tests | inplace | fastlaunch-ab | fastlaunch-host | fastlaunch-quick | compile-pair | maxnreg | prof-graphs-ab | fastlaunch | graphs-ab | master-ab | traced | compile-diag | compile-variants | compile-apply | prof-compile | wbench | linear | threads | sweep | sweepb | norms | dense-apply | scale | infer-quick | prof-api | prof-block | block | host | chain | graphs | dense | infer | prof-fmha | window | kernels | attn | diag | benches | graph | last | quick | profile | apply-apex | apply-fmha
 # Results go to $OUT (or ./gpu-out), packed into one tarball so they come back in one file.
 set -uo pipefail
 out=${OUT:-gpu-out}; mkdir -p "$out/r"
@@ -37,6 +37,7 @@ for part in "$@"; do
     compile-cpp) timeout 540 swinbench apply --recipe fmha-compile \
                --stages benchmarks/recipes/torch-compile-cpp.yaml,benchmarks/recipes/fmha-compile-cpp.yaml \
                --model swin_base_patch4_window7_224 --batch 64 --out "$out/r/apply_compile_cpp" 2>&1 | tail -16 ;;
+    colsums) timeout 90 python3 benchmarks/diag_column_sums.py 2>&1 | tail -12 ;;
     maxnreg) timeout 90 python3 benchmarks/diag_maxnreg.py 2>&1 | tail -16 ;;
     prof-graphs-ab) for op in 1 0; do
                SWINBENCH_TRITON_OP=$op timeout 270 swinbench apply --recipe fmha --stages fmha-compile-graphs --profile \
