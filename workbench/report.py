@@ -165,6 +165,10 @@ def render_speedup_table(records: list[dict], console) -> None:
                   "FAIL / not available / error stages are not in the speedups.")
     if (df["x_baseline_cross_run"] | df["x_previous_cross_run"]).any():
         console.print(CROSS_RUN_NOTE)
+    what = "CPU op" if _is_cpu(records) else "GPU kernel"
+    for stage, parent, table in kernel_changes(records, rows=3):
+        moved = ", ".join(f"{k[:48]} {d:+.2f}" for k, d in table[["kernel", "delta_ms"]].values)
+        console.print(f"{stage} against {parent}, largest {what} changes (ms per step): {moved}")
 
 
 def _md_table(headers: list[str], rows: list[list]) -> str:
