@@ -210,3 +210,18 @@ def test_profiled_stages_show_which_kernels_changed(records, tmp_path):
             r["profile"].pop("kernels_per_step", None)
     render_report(records, out)
     assert "What changed in the" not in out.read_text()
+
+
+def test_terminal_summary_names_the_largest_kernel_changes():
+    from rich.console import Console
+
+    from workbench.report import render_speedup_table
+
+    recs = [record(0, "amp", "baseline", 50.0, shares={"gemm": 50.0}), record(1, "fmha", "amp", 40.0, shares={"gemm": 60.0})]
+    recs[0]["profile"]["kernels_per_step"] = [{"kernel": "a", "ms_per_step": 3.0, "per_step": 1},
+                                              {"kernel": "b", "ms_per_step": 2.0, "per_step": 1}]
+    recs[1]["profile"]["kernels_per_step"] = [{"kernel": "a", "ms_per_step": 1.0, "per_step": 1},
+                                              {"kernel": "c", "ms_per_step": 3.0, "per_step": 1}]
+    console = Console(width=200, record=True)
+    render_speedup_table(recs, console)
+    assert "fmha against amp, largest GPU kernel changes (ms per step): c +3.00, a -2.00, b -2.00" in console.export_text()
