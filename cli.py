@@ -77,8 +77,10 @@ def analyze(
     out: Annotated[Optional[Path], typer.Option(help="Folder for --format output (default: beside the trace).")] = None,
     range: Annotated[Optional[str], typer.Option("--range", help="Only kernels launched inside this NVTX range (e.g. backward, stage2.block1).")] = None,
 ):
-    """Per-kernel, per-category, per-NVTX-range GPU time shares, GPU busy vs idle, and the host's CUDA API calls
-    per step (launches, synchronizing and allocating calls) of one trace."""
+    """Where one trace's GPU time goes: per kernel, category and NVTX range.
+
+    GPU time shares per kernel, category and NVTX range, GPU busy vs idle, and the host's CUDA API calls
+    per step (launches, synchronizing and allocating calls)."""
     from workbench.analyze import analyze_trace, render_analysis, write_analysis
 
     if name not in ("demangled", "short"):
@@ -103,8 +105,10 @@ def diff(
     out: Annotated[Optional[Path], typer.Option(help="Folder for --format output (default: beside AFTER).")] = None,
     range: Annotated[Optional[str], typer.Option("--range", help="Compare only kernels launched inside this NVTX range (e.g. backward), per instance of it.")] = None,
 ):
-    """What changed between two traces: GPU ms and launches per step for every kernel and category on both
-    sides, largest change first, and the step's kernel time, kernel count, host launches and GPU busy."""
+    """Compare two traces kernel by kernel, per step, largest change first.
+
+    GPU ms and launches per step for every kernel and category on both sides and the change, and the
+    step's kernel time, kernel count, host launches and GPU busy."""
     from workbench.analyze import analyze_trace
     from workbench.diff import diff_analyses, render_diff, write_diff
 
