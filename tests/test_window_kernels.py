@@ -216,3 +216,24 @@ def test_shift_larger_than_map_wraps_like_torch_roll():
     assert torch.equal(roll_partition(x, ws, shift), eager_roll_partition(x, ws, shift))
     win = roll_partition(x, ws, shift)
     assert torch.equal(merge_roll(win, ws, shift, H, W), x)
+
+
+def test_norm_backward_register_cap_fits_the_programs_each_sm_gets(monkeypatch):
+    """The persistent norm+partition backward is one wave; its maxnreg is sized for the programs per SM the
+    grid actually puts there (Swin-B at batch 64 on 132 SMs: 3 at stages 1-2, 2 at stage 4)."""
+    import importlib
+
+    win = importlib.import_module("workbench.kernels.window")
+    monkeypatch.setattr(win, "sm_count", lambda device: 132)
+    win._norm_bwd_config.cache_clear()
+    try:
+        cpu = torch.device("cpu")
+        for n_tok, C, programs, maxnreg in ((64 * 56 * 56, 128, 392, 168), (64 * 28 * 28, 256, 392, 168),
+                                            (64 * 7 * 7, 1024, 196, 255)):
+            block_t, _, warps, nprog, tiles, cap, _ = win._norm_bwd_config(n_tok, C, 2, cpu)
+            assert (nprog, cap) == (programs, maxnreg)
+            assert nprog * tiles * block_t >= n_tok > (nprog - 1) * tiles * block_t      # every token, once
+            per_sm = -(-nprog // 132)
+            assert per_sm * warps * 32 * cap <= 65536                                   # all resident
+    finally:
+        win._norm_bwd_config.cache_clear()
