@@ -503,13 +503,11 @@ KERNEL_CHANGE_ROWS = 5
 def _kernel_changes(frame: pd.DataFrame, base: dict, cur: dict) -> dict:
     """For each stage with a regressed row whose baseline and current records both hold per-kernel
     profile tables: the KERNEL_CHANGE_ROWS kernels whose GPU ms per step changed most."""
-    from .diff import join_per_unit
-    from .report import _kernel_frame
+    from .diff import join_per_unit, record_kernels
 
     out = {}
     for stage in frame.loc[frame["status"].isin(REGRESSION_STATUSES), "stage"].unique():
-        b, c = base.get(stage), cur.get(stage)
-        fb, fc = (_kernel_frame(b) if b else None), (_kernel_frame(c) if c else None)
+        fb, fc = record_kernels(base.get(stage)), record_kernels(cur.get(stage))
         if fb is not None and fc is not None:
             out[str(stage)] = join_per_unit(fb, fc, "kernel").head(KERNEL_CHANGE_ROWS)
     return out

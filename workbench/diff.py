@@ -21,7 +21,7 @@ import pandas as pd
 from rich.console import Console
 from rich.table import Table
 
-from workbench.analysis import api_summary
+from workbench.analysis import api_summary, fold_tail
 from workbench.analyze import Analysis, write_frames
 from workbench.errors import UserError
 
@@ -67,6 +67,16 @@ def join_per_unit(before: pd.DataFrame, after: pd.DataFrame, key: str) -> pd.Dat
     joined["delta_ms"] = joined["after_ms"] - joined["before_ms"]
     order = np.lexsort((joined[key].to_numpy(), -joined["delta_ms"].abs().to_numpy()))
     return joined.iloc[order].reset_index(drop=True)[[key, "before_ms", "after_ms", "delta_ms", "before_n", "after_n"]]
+
+
+def record_kernels(rec: dict | None) -> pd.DataFrame | None:
+    """A profiled stage record's per-kernel table (profile.kernels_per_step) as (kernel, ms, n) per step,
+    ready for join_per_unit; None when the record has none."""
+    rows = ((rec or {}).get("profile") or {}).get("kernels_per_step")
+    if not rows:
+        return None
+    return pd.DataFrame({"kernel": [str(r["kernel"]) for r in rows],
+                         "ms": [float(r["ms_per_step"]) for r in rows], "n": [float(r["per_step"]) for r in rows]})
 
 
 def _joined(before: pd.DataFrame, after: pd.DataFrame, key: str, per: tuple[int, int]) -> pd.DataFrame:
@@ -125,16 +135,6 @@ def _fmt(x: float, digits: int = 3, signed: bool = False) -> str:
     return f"{x:+,.{digits}f}" if signed else f"{x:,.{digits}f}"
 
 
-def _folded(table: pd.DataFrame, key: str, top: int, noun: str) -> pd.DataFrame:
-    """The first `top` rows and one row summing the rest."""
-    if len(table) <= top:
-        return table
-    head, tail = table.iloc[:top], table.iloc[top:]
-    rest = {c: tail[c].sum() for c in table.columns if c != key}
-    rest[key] = f"other ({len(tail)} {noun})"
-    return pd.concat([head, pd.DataFrame([rest])], ignore_index=True)
-
-
 def render_diff(diff: TraceDiff, console: Console, top: int = 15) -> None:
     per = f"per {diff.unit}"
     steps = f" ({diff.steps[0]} and {diff.steps[1]} of them)" if diff.unit != "trace" else ""
@@ -154,7 +154,8 @@ def render_diff(diff: TraceDiff, console: Console, top: int = 15) -> None:
     t.add_column("kernel", no_wrap=True, max_width=max(20, min(80, console.width - 66)), overflow="ellipsis")
     for c in ("ms before", "ms after", "delta", "n before", "n after"):
         t.add_column(c, justify="right", no_wrap=True)
-    for row in _folded(diff.kernels, "kernel", top, "kernels").itertuples(index=False):
+    numbers = [c for c in KERNEL_COLUMNS if c != "kernel"]
+    for row in fold_tail(diff.kernels, top, "kernel", numbers, noun="kernels").itertuples(index=False):
         t.add_row(str(row.kernel), _fmt(row.before_ms), _fmt(row.after_ms), _fmt(row.delta_ms, 3, True),
                   _fmt(row.before_n, 1), _fmt(row.after_n, 1))
     console.print(t)

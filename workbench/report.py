@@ -347,22 +347,13 @@ def _busy(rec: dict) -> str:
 KERNEL_CHANGE_ROWS = 6  # kernels listed per stage in the report's stage-to-stage changes
 
 
-def _kernel_frame(rec: dict) -> pd.DataFrame | None:
-    """A profiled record's per-step kernel table as (kernel, ms, n), or None."""
-    rows = (rec.get("profile") or {}).get("kernels_per_step")
-    if not rows:
-        return None
-    return pd.DataFrame({"kernel": [str(r["kernel"]) for r in rows],
-                         "ms": [float(r["ms_per_step"]) for r in rows], "n": [float(r["per_step"]) for r in rows]})
-
-
 def kernel_changes(records: list[dict], rows: int = KERNEL_CHANGE_ROWS) -> list[tuple[str, str, pd.DataFrame]]:
     """(stage, compared_with, the `rows` kernels whose GPU ms per step changed most) for every profiled
     stage whose nearest profiled ancestor in `records` (the stage it extends, then that one's chain) has a
     per-kernel table too."""
-    from .diff import join_per_unit
+    from .diff import join_per_unit, record_kernels
 
-    frames = {r["stage"]: f for r in records if (f := _kernel_frame(r)) is not None}
+    frames = {r["stage"]: f for r in records if (f := record_kernels(r)) is not None}
     out = []
     for rec in records:
         if rec["stage"] not in frames:
