@@ -12,21 +12,11 @@ reduction) replayed in a CUDA graph, bf16, Swin-B stage shapes at batch 64.
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from workbench.timing import cuda_graph_us  # noqa: E402
-import workbench.kernels.layer_norm  # noqa: E402,F401  (the package exports functions of the same names)
-import workbench.kernels.window  # noqa: E402,F401
-
-ln = sys.modules["workbench.kernels.layer_norm"]
-win = sys.modules["workbench.kernels.window"]
-STAGES = [("s1", 64, 56, 56, 128), ("s2", 64, 28, 28, 256), ("s3", 64, 14, 14, 512), ("s4", 64, 7, 7, 1024)]
-WS, SHIFT, EPS = 7, 3, 1e-5
+from bench_window import SWIN_B_STAGES
+from diag_maxnreg import backward_cases
+from workbench.timing import cuda_graph_us
 
 
 def main() -> int:
@@ -34,22 +24,10 @@ def main() -> int:
         print("diag_column_sums: needs a CUDA GPU")
         return 1
     dev = torch.device("cuda")
-    torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}")
     print(f"{'kernel':<22}{'stage':<6}{'atomic µs':>11}{'partials µs':>13}{'ratio':>7}{'max |diff|':>12}")
-    for name, B, H, W, C in STAGES:
-        x = torch.randn(B, H, W, C, device=dev).bfloat16()
-        w = (torch.randn(C, device=dev) * 0.5 + 1).bfloat16()
-        b = (torch.randn(C, device=dev) * 0.5).bfloat16()
-        _, mean, rstd = win.norm_shift_partition_fwd(x, w, b, EPS, WS, SHIFT)
-        dwin = torch.randn(B * (H // WS) * (W // WS), WS * WS, C, device=dev).bfloat16()
-        x2, dy2 = x.view(-1, C), torch.randn(B * H * W, C, device=dev).bfloat16()
-        _, _, mean2, rstd2 = ln.layer_norm_fwd(x2, None, w, b, EPS, torch.bfloat16)
-        cases = {
-            "layer_norm_bwd": lambda: ln.layer_norm_bwd(dy2, x2, w, b, mean2, rstd2, None, torch.bfloat16),
-            "norm_partition_bwd": lambda: win.norm_shift_partition_bwd(dwin, x, w, mean, rstd, WS, SHIFT),
-        }
-        for kname, fn in cases.items():
+    for name, B, H, W, C in SWIN_B_STAGES:
+        for kname, (fn, _) in backward_cases(B, H, W, C, dev).items():
             atomic = cuda_graph_us([fn], replays=30, calls=16)[0]
             ref = fn()[1].clone()
             torch.use_deterministic_algorithms(True)

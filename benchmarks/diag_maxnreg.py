@@ -12,21 +12,32 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from workbench.timing import cuda_graph_us  # noqa: E402
-import workbench.kernels.layer_norm  # noqa: E402,F401  (the package exports functions of the same names)
-import workbench.kernels.window  # noqa: E402,F401
+from bench_window import EPS, SHIFT, SWIN_B_STAGES, WINDOW, make_inputs  # also puts the repo on sys.path
+from workbench.timing import cuda_graph_us
+import workbench.kernels.layer_norm  # noqa: F401  (the package exports functions of the same names)
+import workbench.kernels.window  # noqa: F401
 
 ln = sys.modules["workbench.kernels.layer_norm"]
 win = sys.modules["workbench.kernels.window"]
 
-STAGES = [("s1", 64, 56, 56, 128), ("s2", 64, 28, 28, 256), ("s3", 64, 14, 14, 512), ("s4", 64, 7, 7, 1024)]
-WS, SHIFT, EPS = 7, 3, 1e-5
+
+def backward_cases(B: int, H: int, W: int, C: int, device) -> dict:
+    """{name: (host call, programs)} for the two persistent backward kernels on one bf16 stage shape:
+    LayerNorm backward over the (B*H*W, C) rows, and LayerNorm + shift + partition backward."""
+    t = make_inputs(B, H, W, C, torch.bfloat16, device)
+    x, w, b = t["x"], t["w"], t["b"]
+    _, mean, rstd = win.norm_shift_partition_fwd(x, w, b, EPS, WINDOW, SHIFT)
+    x2, dy2 = x.view(-1, C), t["d_img"].view(-1, C)
+    _, _, mean2, rstd2 = ln.layer_norm_fwd(x2, None, w, b, EPS, torch.bfloat16)
+    return {
+        "layer_norm_bwd": (lambda: ln.layer_norm_bwd(dy2, x2, w, b, mean2, rstd2, None, torch.bfloat16),
+                           ln._bwd_grid(B * H * W, C, 2, device)[0]),
+        "norm_partition_bwd": (lambda: win.norm_shift_partition_bwd(t["d_win"], x, w, mean, rstd, WINDOW, SHIFT),
+                               win._norm_bwd_config(B * H * W, C, 2, device)[3]),
+    }
 
 
 @contextmanager
@@ -55,25 +66,10 @@ def main() -> int:
         print("diag_maxnreg: needs a CUDA GPU")
         return 1
     dev = torch.device("cuda")
-    torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}  SMs {ln.sm_count(dev)}")
     print(f"{'kernel':<22}{'stage':<6}{'programs':>9}{'capped µs':>11}{'uncapped µs':>13}{'ratio':>7}")
-    for name, B, H, W, C in STAGES:
-        x = torch.randn(B, H, W, C, device=dev).bfloat16()
-        w = (torch.randn(C, device=dev) * 0.5 + 1).bfloat16()
-        b = (torch.randn(C, device=dev) * 0.5).bfloat16()
-        _, mean, rstd = win.norm_shift_partition_fwd(x, w, b, EPS, WS, SHIFT)
-        n_win = B * (H // WS) * (W // WS)
-        dwin = torch.randn(n_win, WS * WS, C, device=dev).bfloat16()
-        x2, dy2 = x.view(-1, C), torch.randn(B * H * W, C, device=dev).bfloat16()
-        _, _, mean2, rstd2 = ln.layer_norm_fwd(x2, None, w, b, EPS, torch.bfloat16)
-        cases = {
-            "layer_norm_bwd": (lambda: ln.layer_norm_bwd(dy2, x2, w, b, mean2, rstd2, None, torch.bfloat16),
-                               ln._bwd_grid(B * H * W, C, 2, dev)[0]),
-            "norm_partition_bwd": (lambda: win.norm_shift_partition_bwd(dwin, x, w, mean, rstd, WS, SHIFT),
-                                   win._norm_bwd_config(B * H * W, C, 2, dev)[3]),
-        }
-        for kname, (fn, programs) in cases.items():
+    for name, B, H, W, C in SWIN_B_STAGES:
+        for kname, (fn, programs) in backward_cases(B, H, W, C, dev).items():
             capped = cuda_graph_us([fn], replays=30, calls=16)[0]
             with uncapped():
                 free = cuda_graph_us([fn], replays=30, calls=16)[0]
