@@ -8,6 +8,10 @@ GPU runs only. Three parts, printed as short tables and written as one JSON reco
           (wall time of step() without a sync) against the GPU time of the step (CUDA events).
   fastlaunch  as stages, with the cached launcher (SWINBENCH_FAST_LAUNCH) off and on in alternate steps
           of one process: host ms saved per step, free of the host's drift between runs.
+  paired  several stages built side by side in one process and timed in alternation (rounds of a few
+          back-to-back steps each, order rotating): step ms per stage and, against the first stage, the
+          median of the per-round ratios, free of the host's drift. STAGE+fastlaunch / STAGE+plainlaunch
+          run STAGE with the cached launcher on / off for its steps only (plain STAGE: the default).
   pyprof  cProfile of a few eager steps of one stage: the Python functions with the most own time.
   compile for each compiled stage (--compile-stages): host enqueue and step ms, Dynamo's graph breaks
           and graph count, and the cProfile top of three compiled steps (where the host time goes).
@@ -342,6 +346,57 @@ def fastlaunch_table(model: str, batch: int, stages: list[str], steps: int) -> l
     return rows
 
 
+def paired_table(model: str, batch: int, stages: list[str], rounds: int, block: int = 3) -> list[dict]:
+    """Step times of several stages built side by side in one process, measured in alternation, so that
+    the host's drift (on the H200's host, one stage's steps spread from 35 to 52 ms within a minute)
+    falls on every stage alike. Each round runs `block` back-to-back steps of each stage (CUDA events per
+    step, one sync per block, as apply times them), the stages' order rotating from round to round.
+    Per stage: the median step over all rounds, and against the first stage the median of the
+    per-round ratios (first stage's round median / this stage's round median: > 1 is faster)."""
+    from workbench.kernels import _ops
+
+    default = _ops.FAST_LAUNCH
+    wls, fast = {}, {}
+    for stage in stages:
+        base, _, flag = stage.partition("+")
+        if flag not in ("", "fastlaunch", "plainlaunch"):
+            raise SystemExit(f"paired: unknown stage suffix +{flag} (+fastlaunch or +plainlaunch)")
+        fast[stage] = {"": default, "fastlaunch": True, "plainlaunch": False}[flag]
+        wls[stage] = build_stage(model, batch, base)
+        _ops.FAST_LAUNCH = fast[stage]
+        for i in range(3):
+            wls[stage].step(i)
+        torch.cuda.synchronize()
+    _ops.FAST_LAUNCH = default
+    samples = {s: [] for s in stages}
+    per_round = []
+    for r in range(rounds):
+        order = stages[r % len(stages):] + stages[:r % len(stages)]
+        this = {}
+        for stage in order:
+            ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(block)]
+            torch.cuda.synchronize()
+            _ops.FAST_LAUNCH = fast[stage]
+            for i, (e0, e1) in enumerate(ev):
+                e0.record()
+                wls[stage].step(3 + r * block + i)
+                e1.record()
+            torch.cuda.synchronize()
+            _ops.FAST_LAUNCH = default
+            this[stage] = [e0.elapsed_time(e1) for e0, e1 in ev]
+            samples[stage] += this[stage]
+        per_round.append({s: statistics.median(v) for s, v in this.items()})
+    rows, first = [], stages[0]
+    for stage in stages:
+        q = statistics.quantiles(samples[stage], n=4)
+        ratio = statistics.median(pr[first] / pr[stage] for pr in per_round)
+        rows.append({"stage": stage, "steps": len(samples[stage]), "step_ms": statistics.median(samples[stage]),
+                     "step_iqr_ms": q[2] - q[0], f"x_{first}_paired": ratio, "samples_ms": samples[stage]})
+        print(f"  {stage:48s} step {rows[-1]['step_ms']:7.2f} ± {rows[-1]['step_iqr_ms']:5.2f} ms "
+              f"({len(samples[stage])} steps)   x {first}: {ratio:5.3f} (paired)", flush=True)
+    return rows
+
+
 def stage_table(model: str, batch: int, stages: list[str], steps: int) -> list[dict]:
     rows = []
     for stage in stages:
@@ -554,6 +609,8 @@ def main() -> int:
         record["stages"] = stage_table(args.model, args.batch, args.stages.split(","), args.steps)
     if "fastlaunch" in parts:
         record["fastlaunch"] = fastlaunch_table(args.model, args.batch, args.stages.split(","), args.steps)
+    if "paired" in parts:
+        record["paired"] = paired_table(args.model, args.batch, args.stages.split(","), args.steps)
     if "gc" in parts:
         record["gc"] = gc_table(args.model, args.batch, args.stages.split(","), args.steps)
     if "threads" in parts:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work: correctness on the GPU, kernel benchmarks, profile, apply.
 # Usage (on the GPU machine, from the repo root): benchmarks/gpu_session.sh PART...   PART in
-#   tests | tests2 | colsums | compile-static | compile-cpp | attn-tests | inplace | fastlaunch-ab | fastlaunch-host | fastlaunch-quick | compile-pair | maxnreg | prof-graphs-ab | fastlaunch | graphs-ab | master-ab | traced | compile-diag | compile-variants | compile-apply | prof-compile | wbench | linear | threads | sweep | sweepb | norms | dense-apply | scale | infer-quick | prof-api | prof-block | block | host | chain | graphs | dense | infer | prof-fmha | window | kernels | attn | diag | benches | graph | last | quick | profile | apply-apex | apply-fmha
+#   tests | tests2 | paired-compile2 | paired-eager2 | paired-compile | paired-eager | colsums | compile-static | compile-cpp | attn-tests | inplace | fastlaunch-ab | fastlaunch-host | fastlaunch-quick | compile-pair | maxnreg | prof-graphs-ab | fastlaunch | graphs-ab | master-ab | traced | compile-diag | compile-variants | compile-apply | prof-compile | wbench | linear | threads | sweep | sweepb | norms | dense-apply | scale | infer-quick | prof-api | prof-block | block | host | chain | graphs | dense | infer | prof-fmha | window | kernels | attn | diag | benches | graph | last | quick | profile | apply-apex | apply-fmha
 # Results go to $OUT (or ./gpu-out), packed into one tarball so they come back in one file.
 set -uo pipefail
 out=${OUT:-gpu-out}; mkdir -p "$out/r"
@@ -23,6 +23,16 @@ for part in "$@"; do
                -k in_place --tb=line 2>&1 | grep -vE "^\s*$|warn" | cut -c1-900 | tail -8 ;;
     fastlaunch-quick) timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_cached_launcher.py 2>&1 | tail -3
              SWINBENCH_FAST_LAUNCH=1 timeout 60 python3 benchmarks/bench_host.py --parts launch 2>&1 | head -16 ;;
+    paired-compile) timeout 420 python3 benchmarks/bench_host.py --parts paired --batch 64 --steps 10 \
+               --stages torch-compile,fmha-compile,benchmarks/recipes/fmha-compile-static.yaml \
+               --out "$out/r/bench_host_paired_compile.json" 2>&1 | grep -E "step|Error|error" | tail -8 ;;
+    paired-eager) timeout 300 python3 benchmarks/bench_host.py --parts paired --batch 64 --steps 10 \
+               --stages amp,fmha+plainlaunch,fmha+fastlaunch,block+plainlaunch,block+fastlaunch \
+               --out "$out/r/bench_host_paired_eager.json" 2>&1 | grep -E "step|Error|error" | tail -8 ;;
+    paired-compile2) timeout 400 python3 benchmarks/bench_host.py --parts paired --batch 64 --steps 30 \
+               --stages torch-compile,fmha-compile --out "$out/r/bench_host_paired_compile2.json" 2>&1 | grep -E "step|Error|error" | tail -4 ;;
+    paired-eager2) timeout 200 python3 benchmarks/bench_host.py --parts paired --batch 64 --steps 20 \
+               --stages amp,fmha+plainlaunch,fmha+fastlaunch --out "$out/r/bench_host_paired_eager2.json" 2>&1 | grep -E "step|Error|error" | tail -4 ;;
     compile-pair) timeout 320 swinbench apply --recipe fmha-compile --stages torch-compile,fmha-compile \
                --model swin_base_patch4_window7_224 --batch 64 --out "$out/r/apply_compile" 2>&1 | tail -16 ;;
     fastlaunch-ab) for fl in 0 1; do
