@@ -1,5 +1,5 @@
-"""The experimental cached launcher (SWINBENCH_FAST_LAUNCH=1): its specialization key separates
-everything Triton specializes on; a miss goes through kernel[grid] and a hit calls the compiled
+"""The cached launcher (on by default on the Triton releases it was checked on; SWINBENCH_FAST_LAUNCH):
+its specialization key separates everything Triton specializes on; a miss goes through kernel[grid] and a hit calls the compiled
 kernel's launcher with the arguments in signature order and Triton's launch hooks; callable grids and
 autotuned kernels are cached too (checked on the CPU with stand-in kernels);
 on a GPU every kernel launched through it gives bit-for-bit the plain launch's results."""
@@ -153,9 +153,13 @@ def test_autotuned_kernels_are_cached_with_their_chosen_config(monkeypatch):
     assert len(hooked.fn.plain_launches) == 2 and not fast.cache
 
 
-def test_off_by_default_and_never_under_the_interpreter():
-    assert os.environ.get("SWINBENCH_FAST_LAUNCH") == "1" or not ops.FAST_LAUNCH
+def test_on_by_default_only_where_checked_and_never_under_the_interpreter():
+    assert ops.fast_launch_default(None, "3.6.0") and ops.fast_launch_default("", "3.6.1")
+    assert not ops.fast_launch_default(None, "3.8.0") and not ops.fast_launch_default(None, None)
+    assert ops.fast_launch_default("1", "3.8.0") and not ops.fast_launch_default("0", "3.6.0")
+    assert ops.FAST_LAUNCH == ops.fast_launch_default(os.environ.get("SWINBENCH_FAST_LAUNCH"), ops._triton_version())
     if ops._INTERPRET:
+        assert ops.launcher_name() == "interpreter"
         win = importlib.import_module("workbench.kernels.window")
         assert ops.launch(win._partition_fwd_kernel) is win._partition_fwd_kernel
 

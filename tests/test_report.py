@@ -97,6 +97,15 @@ def test_markdown_report(records, tmp_path):
     assert "**fmha-compile** not available" in text
 
 
+def test_configuration_names_the_eager_launcher_and_settings(records, tmp_path):
+    assert "Triton launches" not in render_report(records, tmp_path / "a.md").read_text()  # older records: no line
+    for r in records:
+        r["env"] = {**ENV, "triton_launcher": "cached", "swinbench_env": {"SWINBENCH_TRITON_OP": "0"}}
+    text = render_report(records, tmp_path / "b.md").read_text()
+    assert "| Triton launches (eager) | cached launcher (workbench.kernels._ops.CachedLauncher) |" in text
+    assert "| settings | SWINBENCH_TRITON_OP=0 |" in text
+
+
 def test_widely_spread_gpu_steps_get_a_note(records, tmp_path):
     """A GPU stage whose steps spread past 5% of the median (IQR) is flagged as likely host-bound, with
     its range; steady stages and CPU (host-clock) records are not."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import platform
 import socket
 import subprocess
@@ -63,9 +64,19 @@ def source_digest() -> str:
     return h.hexdigest()[:12]
 
 
+def _triton_launcher() -> str | None:
+    """How eager code launches the Triton kernels (workbench.kernels._ops.launcher_name), None without Triton."""
+    try:
+        from workbench.kernels._ops import launcher_name
+    except ImportError:
+        return None
+    return launcher_name()
+
+
 def environment_stamp(device: str | torch.device = "cuda") -> dict:
     """A flat dict: device kind, GPU name (or CPU model), driver, CUDA, torch, triton, timm, python, date (UTC ISO),
-    and the swinbench commit and source digest that measured it."""
+    the swinbench commit and source digest that measured it, how eager code launched the Triton kernels
+    and the SWINBENCH_* settings of the environment."""
     dev = torch.device(device)
     on_gpu = dev.type == "cuda" and torch.cuda.is_available()
     stamp = {
@@ -83,6 +94,8 @@ def environment_stamp(device: str | torch.device = "cuda") -> dict:
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "swinbench": _git_revision(),
         "swinbench_source": source_digest(),
+        "triton_launcher": _triton_launcher(),
+        "swinbench_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SWINBENCH_")},
     }
     if on_gpu:
         props = torch.cuda.get_device_properties(dev)

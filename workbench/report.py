@@ -178,6 +178,10 @@ def _md_table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+_LAUNCHERS = {"cached": "cached launcher (workbench.kernels._ops.CachedLauncher)",
+              "triton": "Triton's kernel[grid] launcher", "interpreter": "Triton's CPU interpreter"}
+
+
 def _env(records) -> dict:
     return (records[0].get("env") or {}) if records else {}
 
@@ -417,6 +421,10 @@ def render_report(records: list[dict], out_path_md: Path) -> Path:
         ("GPU", env.get("gpu") or "none (CPU)"), ("driver", env.get("driver") or "-"),
         ("CUDA", env.get("cuda") or "-"), ("torch", env.get("torch") or "-"),
         ("triton", env.get("triton") or "-"), ("timm", env.get("timm") or "-"), ("python", env.get("python") or "-"),
+        *([("Triton launches (eager)", _LAUNCHERS.get(env["triton_launcher"], env["triton_launcher"]))]
+          if env.get("triton_launcher") else []),
+        *([("settings", ", ".join(f"{k}={v}" for k, v in env["swinbench_env"].items()))]
+          if env.get("swinbench_env") else []),
         ("model", first.get("model")), ("mode", first.get("mode")), ("batch", first.get("batch")),
         ("precision per stage", ", ".join(f"{r['stage']}={r.get('precision')}" for r in records)),
         ("timed steps / warm-up", f"{timing.get('repeats', '-')} / {timing.get('warmup', '-')} ({timing.get('clock', '-')} clock)"),

@@ -64,16 +64,44 @@ def tracing() -> bool:
     return getattr(_STATE, "tracing", False)
 
 
-# Experimental, off by default: eager launches straight through the compiled kernel's launcher.
-# On the H200's host a 41-argument no-op took 21.0 µs per launch through `kernel[grid](...)` and 5.5 µs
-# through its launcher (benchmarks/bench_host.py --parts launch, 2026-12-01); the real kernels matched
-# plain launches bit for bit there. Its effect on whole steps is not measured yet, hence the switch.
-FAST_LAUNCH = os.environ.get("SWINBENCH_FAST_LAUNCH", "0") == "1"
+# Eager launches straight through the compiled kernel's launcher (CachedLauncher). On the H200's host a
+# 41-argument no-op took 21.0 µs per launch through `kernel[grid](...)` and 5.5 µs through its launcher;
+# whole eager Swin-B steps enqueued 4.5 (fmha) and 7.8 ms (block) faster, steps alternating in one
+# process (benchmarks/bench_host.py --parts launch,fastlaunch, 2026-12-01). It calls Triton's compiled
+# kernel the way that Triton's own `JITFunction.run` does, an interface that changes between Triton
+# releases, so it is on by default only on the releases where every kernel matched plain launches bit
+# for bit on a GPU (tests/test_cached_launcher.py); SWINBENCH_FAST_LAUNCH=1 / 0 forces it on / off.
+FAST_LAUNCH_CHECKED = ("3.6.",)
+
+
+def fast_launch_default(env: str | None, triton_version: str | None) -> bool:
+    """Whether the cached launcher is on: as SWINBENCH_FAST_LAUNCH says ("1" / "0") or, unset, on the
+    Triton releases in FAST_LAUNCH_CHECKED."""
+    if env is not None and env.strip() != "":
+        return env.strip() == "1"
+    return triton_version is not None and triton_version.startswith(FAST_LAUNCH_CHECKED)
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return getattr(triton, "__version__", None)
+
+
+FAST_LAUNCH = fast_launch_default(os.environ.get("SWINBENCH_FAST_LAUNCH"), _triton_version())
+
+
+def launcher_name() -> str:
+    """How eager code launches the Triton kernels here, for records: 'cached' (CachedLauncher),
+    'triton' (`kernel[grid](...)`), or 'interpreter' (Triton's CPU interpreter)."""
+    return "interpreter" if _INTERPRET else ("cached" if FAST_LAUNCH else "triton")
 
 
 def launch(kernel):
-    """`launch(kernel)[grid](...)`: the kernel itself, or its `wrap_triton` wrapper while traced (or,
-    with SWINBENCH_FAST_LAUNCH=1 on a GPU, a `CachedLauncher` around it)."""
+    """`launch(kernel)[grid](...)`: the kernel itself, or its `wrap_triton` wrapper while traced, or a
+    `CachedLauncher` around it where FAST_LAUNCH is on (not under the interpreter)."""
     if tracing():
         return torch.library.wrap_triton(kernel)
     if FAST_LAUNCH and not _INTERPRET:
