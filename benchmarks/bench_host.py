@@ -280,15 +280,10 @@ def backward_timeline(n: int = 200) -> list[dict]:
 
 def build_stage(model: str, batch: int, stage: str):
     """A bf16 training workload with every pass of `stage`'s recipe chain applied, prepared."""
-    from workbench.passes import apply_pass
-    from workbench.recipes import effective_passes, resolve_chain
-    from workbench.workload import Workload, WorkloadConfig
+    from workbench.interleave import build_stage_workload
+    from workbench.workload import WorkloadConfig
 
-    wl = Workload.build(WorkloadConfig(model=model, batch=batch, precision="bf16", device="cuda"))
-    for p in effective_passes(resolve_chain(stage)):
-        wl.model, _ = apply_pass(p.name, wl.model, wl.ctx, p.params)
-    wl.prepare()
-    return wl
+    return build_stage_workload(WorkloadConfig(model=model, batch=batch, precision="bf16", device="cuda"), stage)[0]
 
 
 def host_and_step_ms(wl, steps: int) -> tuple[float, float]:
@@ -347,53 +342,38 @@ def fastlaunch_table(model: str, batch: int, stages: list[str], steps: int) -> l
 
 
 def paired_table(model: str, batch: int, stages: list[str], rounds: int, block: int = 3) -> list[dict]:
-    """Step times of several stages built side by side in one process, measured in alternation, so that
-    the host's drift (on the H200's host, one stage's steps spread from 35 to 52 ms within a minute)
-    falls on every stage alike. Each round runs `block` back-to-back steps of each stage (CUDA events per
-    step, one sync per block, as apply times them), the stages' order rotating from round to round.
-    Per stage: the median step over all rounds, and against the first stage the median of the
-    per-round ratios (first stage's round median / this stage's round median: > 1 is faster)."""
+    """Step times of several stages built side by side in one process, measured in alternation
+    (workbench.interleave.time_interleaved: rounds of `block` back-to-back steps of each stage, the order
+    rotating), so that the host's drift falls on every stage alike. Per stage: the median step over all
+    rounds, and against the first stage the median of the per-round ratios (> 1 is faster)."""
+    from workbench.interleave import paired_ratio, time_interleaved
     from workbench.kernels import _ops
 
     default = _ops.FAST_LAUNCH
-    wls, fast = {}, {}
+    steps = {}
     for stage in stages:
         base, _, flag = stage.partition("+")
         if flag not in ("", "fastlaunch", "plainlaunch"):
             raise SystemExit(f"paired: unknown stage suffix +{flag} (+fastlaunch or +plainlaunch)")
-        fast[stage] = {"": default, "fastlaunch": True, "plainlaunch": False}[flag]
-        wls[stage] = build_stage(model, batch, base)
-        _ops.FAST_LAUNCH = fast[stage]
-        for i in range(3):
-            wls[stage].step(i)
-        torch.cuda.synchronize()
-    _ops.FAST_LAUNCH = default
-    samples = {s: [] for s in stages}
-    per_round = []
-    for r in range(rounds):
-        order = stages[r % len(stages):] + stages[:r % len(stages)]
-        this = {}
-        for stage in order:
-            ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(block)]
-            torch.cuda.synchronize()
-            _ops.FAST_LAUNCH = fast[stage]
-            for i, (e0, e1) in enumerate(ev):
-                e0.record()
-                wls[stage].step(3 + r * block + i)
-                e1.record()
-            torch.cuda.synchronize()
-            _ops.FAST_LAUNCH = default
-            this[stage] = [e0.elapsed_time(e1) for e0, e1 in ev]
-            samples[stage] += this[stage]
-        per_round.append({s: statistics.median(v) for s, v in this.items()})
+        wl = build_stage(model, batch, base)
+
+        def step(i, _wl=wl, _fast={"": default, "fastlaunch": True, "plainlaunch": False}[flag]):
+            _ops.FAST_LAUNCH = _fast
+            return _wl.step(i)
+        steps[stage] = step
+    try:
+        timings = time_interleaved(steps, rounds=rounds, block=block, warmup=3, device=torch.device("cuda"))
+    finally:
+        _ops.FAST_LAUNCH = default
     rows, first = [], stages[0]
     for stage in stages:
-        q = statistics.quantiles(samples[stage], n=4)
-        ratio = statistics.median(pr[first] / pr[stage] for pr in per_round)
-        rows.append({"stage": stage, "steps": len(samples[stage]), "step_ms": statistics.median(samples[stage]),
-                     "step_iqr_ms": q[2] - q[0], f"x_{first}_paired": ratio, "samples_ms": samples[stage]})
+        samples = timings[stage]["samples_ms"]
+        q = statistics.quantiles(samples, n=4)
+        ratio = paired_ratio(timings[first]["round_median_ms"], timings[stage]["round_median_ms"])["median"]
+        rows.append({"stage": stage, "steps": len(samples), "step_ms": statistics.median(samples),
+                     "step_iqr_ms": q[2] - q[0], f"x_{first}_paired": ratio, "samples_ms": samples})
         print(f"  {stage:48s} step {rows[-1]['step_ms']:7.2f} ± {rows[-1]['step_iqr_ms']:5.2f} ms "
-              f"({len(samples[stage])} steps)   x {first}: {ratio:5.3f} (paired)", flush=True)
+              f"({len(samples)} steps)   x {first}: {ratio:5.3f} (paired)", flush=True)
     return rows
 
 

@@ -40,7 +40,7 @@ from .env import device_label, environment_stamp
 from .errors import UserError
 from .gate import GateOutputs, capture_parameters, compare, compute_reference, forward_backward, weights_digest
 from .models import check_model_name, default_model_for
-from .passes import apply_pass
+from .interleave import InterleaveSpec, apply_chain, interleaved_entries, run_interleaved_spec, spec_json
 from .records import SCHEMA, write_record
 from .recipes import StagePlan, as_jsonable, effective_passes, gate_tolerance, plan_stages, resolve_chain
 from .timing import time_steps
@@ -133,9 +133,7 @@ def run_stage(spec: StageSpec, reference: GateOutputs, on_event: Callable[[dict]
         workload = Workload.build(config)
         digest = weights_digest(workload.model)
         params = capture_parameters(workload.model)
-        for p in effective_passes(chain):
-            workload.model, result = apply_pass(p.name, workload.model, workload.ctx, p.params)
-            record["passes"].append(result.to_dict())
+        record["passes"] = [result.to_dict() for result in apply_chain(workload, chain)]
         record["precision"] = workload.ctx.precision.name
         record["optimizer"] = None
         if config.mode == "train":
@@ -274,6 +272,22 @@ def stage_main(spec_path: str) -> int:
     return 0
 
 
+def _stream(cmd: list[str], log_path: Path, on_event: Callable[[dict], None]) -> int:
+    """Run `cmd` (a workbench module in a fresh interpreter); its stdout events go to on_event, the rest of
+    its output to log_path -> its exit code."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+        for line in proc.stdout:
+            if line.startswith(EVENT_PREFIX):
+                on_event(json.loads(line[len(EVENT_PREFIX):]))
+            else:
+                log.write(line)
+        return proc.wait()
+
+
 def _run_isolated(spec: StageSpec, on_event: Callable[[dict], None]) -> dict:
     """Run a stage in a fresh interpreter; its stdout events drive progress, the rest goes to a log."""
     out_dir = Path(spec.out_dir)
@@ -281,22 +295,15 @@ def _run_isolated(spec: StageSpec, on_event: Callable[[dict], None]) -> dict:
     spec_path = out_dir / "logs" / f"{spec.stage_index:02d}-{spec.stage}.spec.json"
     spec_path.write_text(json.dumps(asdict(spec), indent=2))
     log_path = out_dir / "logs" / f"{spec.stage_index:02d}-{spec.stage}.log"
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     record_path = None
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "workbench.apply", str(spec_path)], stdout=subprocess.PIPE,
-                                stderr=log, text=True, env=env)
-        for line in proc.stdout:
-            if line.startswith(EVENT_PREFIX):
-                event = json.loads(line[len(EVENT_PREFIX):])
-                on_event(event)
-                if event.get("event") == "done":
-                    record_path = event["record"]
-            else:
-                log.write(line)
-        rc = proc.wait()
+
+    def on_line(event):
+        nonlocal record_path
+        on_event(event)
+        if event.get("event") == "done":
+            record_path = event["record"]
+
+    rc = _stream([sys.executable, "-m", "workbench.apply", str(spec_path)], log_path, on_line)
     if record_path and Path(record_path).exists():
         record = json.loads(Path(record_path).read_text())
         record["_path"] = record_path
@@ -313,6 +320,59 @@ def _run_isolated(spec: StageSpec, on_event: Callable[[dict], None]) -> dict:
     return _finish(record, out_dir, on_event)
 
 
+def _interleave(records: list[dict], specs: list[StageSpec], config: WorkloadConfig, rounds: int, isolate: bool,
+                out_dir: Path, console, bar) -> None:
+    """Time every measured stage that passed its gate again, in alternation in one process
+    (`interleave.py`), and add each one's `interleaved` entry to its record (rewritten)."""
+    chosen = [(spec, rec) for spec, rec in zip(specs, records)
+              if rec["status"] == "ok" and rec["gate"]["status"] != "FAIL" and rec.get("step_ms") is not None]
+    if len(chosen) < 2:
+        console.print("[yellow]note:[/] --interleave needs two measured stages that passed the gate; skipped")
+        return
+    ispec = InterleaveSpec(stages=[{"stage": s.stage, "stage_ref": s.stage_ref} for s, _ in chosen],
+                           config=asdict(config), rounds=rounds)
+    task = bar.add_task("  interleaved rounds", total=rounds) if bar is not None else None
+
+    def on_event(event):
+        if bar is None:
+            return
+        if event.get("event") == "round":
+            bar.advance(task)
+        elif event.get("event") == "build":
+            bar.update(task, description=f"  interleaved: building {event['stage']}")
+
+    error = None
+    try:
+        if isolate:
+            logs = out_dir / "logs"
+            logs.mkdir(parents=True, exist_ok=True)
+            spec_path, result_path = logs / "interleave.spec.json", logs / "interleave.result.json"
+            spec_path.write_text(spec_json(ispec))
+            result_path.unlink(missing_ok=True)
+            rc = _stream([sys.executable, "-m", "workbench.interleave", str(spec_path), str(result_path)],
+                         logs / "interleave.log", on_event)
+            if rc != 0 or not result_path.exists():
+                tail = [ln for ln in (logs / "interleave.log").read_text(errors="replace").splitlines() if ln.strip()][-1:]
+                raise RuntimeError(f"process exited {rc}: {(tail or [''])[0][:200]} (log: {logs / 'interleave.log'})")
+            timings = json.loads(result_path.read_text())
+        else:
+            timings = run_interleaved_spec(ispec, on_event)
+            _free_device_memory()
+    except torch.cuda.OutOfMemoryError:
+        error = f"out of memory with {len(chosen)} stages built at once"
+    except Exception as exc:  # the stages' own records are already written; this phase only adds to them
+        error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
+    if bar is not None:
+        bar.update(task, visible=False)
+    if error:
+        console.print(f"[yellow]note:[/] interleaved timing failed: {error}; the stages' own timings stand")
+        return
+    entries = interleaved_entries([rec for _, rec in chosen], timings, rounds=rounds, block=ispec.block)
+    for _, rec in chosen:
+        rec["interleaved"] = entries[rec["stage"]]
+        write_record({k: v for k, v in rec.items() if k != "_path"}, out_dir / "records")
+
+
 # ---------------------------------------------------------------- the run
 
 
@@ -325,7 +385,7 @@ def default_run_id(recipe: str, model: str, batch: int, mode: str = "train") -> 
 def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup: int, device: str = "auto",
               out_dir: Path | None = None, profile: bool = False, stages: list[str] | None = None, seed: int = 0,
               progress: bool = True, console=None, isolate: bool | None = None,
-              peers: bool | None = None, mode: str = "train") -> ApplyResult:
+              peers: bool | None = None, mode: str = "train", interleave: int = 0) -> ApplyResult:
     """Run every stage of `recipe` (baseline first), write one record per stage and the report.
 
     recipe: a built-in name or a YAML path. stages: explicit stage names instead of the chain.
@@ -334,6 +394,8 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
     isolate: a fresh process per stage (default: on CUDA yes, on the CPU no).
     peers: also run the built-in peers of the chain (torch-compile, fmha-compile); default on CUDA yes,
     on the CPU no (Inductor on the CPU is slow to compile and says nothing about the GPU). Ignored with `stages`.
+    interleave: after the stages, time those measured and passing the gate again in this many rounds,
+    in alternation in one process (`interleave.py`); 0: off.
     Raises UserError (exit 1) after writing everything if a stage ended in an error.
     """
     from rich.console import Console
@@ -343,6 +405,8 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
     console = console or Console()
     if steps < 1 or warmup < 0:
         raise UserError("--steps must be at least 1 and --warmup at least 0")
+    if interleave < 0:
+        raise UserError("--interleave must be 0 (off) or a number of rounds")
     device = pick_device(device)
     dev = resolve_device(device)
     on_gpu = dev.type == "cuda"
@@ -400,6 +464,10 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
             if bar is not None:
                 bar.update(step_task, visible=False)
                 bar.advance(run_task)
+        if interleave:
+            reference = None
+            _free_device_memory()
+            _interleave(records, specs, config, interleave, isolate, out_dir, console, bar)
 
     report_path = render_report(records, out_dir / "report.md")
     render_speedup_table(records, console)

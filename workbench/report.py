@@ -165,6 +165,14 @@ def render_speedup_table(records: list[dict], console) -> None:
                   "FAIL / not available / error stages are not in the speedups.")
     if (df["x_baseline_cross_run"] | df["x_previous_cross_run"]).any():
         console.print(CROSS_RUN_NOTE)
+    timed = [r for r in records if r.get("interleaved")]
+    if timed:
+        e0 = timed[0]["interleaved"]
+        console.print(f"timed in alternation ({e0['rounds']} rounds of {e0['block']} steps, one process), paired: "
+                      + "; ".join(f"{r['stage']} {r['interleaved']['step_ms']:.2f} ms"
+                                  + (f", {_ratio_cell(r['interleaved']['x_previous'], r['interleaved']['previous_stage'])}"
+                                     if r["interleaved"].get("x_previous") else "")
+                                  for r in timed))
     what = "CPU op" if _is_cpu(records) else "GPU kernel"
     for stage, parent, table in kernel_changes(records, rows=3):
         moved = ", ".join(f"{k[:48]} {d:+.2f}" for k, d in table[["kernel", "delta_ms"]].values)
@@ -395,6 +403,38 @@ def _kernel_change_lines(records: list[dict]) -> list[str]:
     return lines
 
 
+def _ratio_cell(r: dict | None, against: str | None = None) -> str:
+    if not r or r.get("median") is None:
+        return "-"
+    vs = f" vs {against}" if against else ""
+    return f"{r['median']:.2f}x{vs} ({r['q1']:.2f}-{r['q3']:.2f})"
+
+
+def _interleaved_lines(records: list[dict]) -> list[str]:
+    """The `--interleave` table: the stages timed again in alternation in one process, with their paired
+    ratios (median and quartiles over the rounds)."""
+    timed = [r for r in records if r.get("interleaved")]
+    if not timed:
+        return []
+    il = timed[0]["interleaved"]
+    first = il["first_stage"]
+    rows = []
+    for r in timed:
+        e = r["interleaved"]
+        rows.append([r["stage"], fmt_step(e["step_ms"], e["iqr_ms"]),
+                     "1.00x" if r["stage"] == first else _ratio_cell(e["x_first"]),
+                     _ratio_cell(e.get("x_previous"), e.get("previous_stage"))])
+    return ["## Timed in alternation", "",
+            f"After the stages ran, these {len(timed)} were built side by side in one process and timed again: "
+            f"{il['rounds']} rounds of {il['block']} back-to-back steps of each stage, the order rotating from round "
+            "to round (`--interleave`). A paired ratio is the median over the rounds of one stage's round median "
+            "against another's, each pair taken seconds apart, so a host whose speed drifts between stages does not "
+            "move it; in brackets, its quartiles over the rounds. Where a stage is bound by the host, prefer these "
+            "ratios to the table above, whose stages ran minutes apart.", "",
+            _md_table(["stage", "step ms (median ± IQR, interleaved)", f"× {first} (paired)", "× previous (paired)"], rows),
+            ""]
+
+
 def render_report(records: list[dict], out_path_md: Path) -> Path:
     """Write the Markdown report (and, if stages were profiled, `<name>-categories.png` beside it)
     from stage records alone -> the .md path."""
@@ -415,6 +455,7 @@ def render_report(records: list[dict], out_path_md: Path) -> Path:
               "Stages that fail the correctness gate, are not available or ended in an error are not in the speedups."
               + (" " + CROSS_RUN_NOTE if (df["x_baseline_cross_run"] | df["x_previous_cross_run"]).any() else ""),
               ""]
+    lines += _interleaved_lines(records)
     timing = next((r.get("timing") for r in records if r.get("timing")), None) or {}
     config = [
         ("device", device_label(env) if env else "-"),

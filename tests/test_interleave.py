@@ -1,0 +1,99 @@
+"""`apply --interleave`: the stages timed again in alternation in one process. The timing loop's order and
+counts, the paired ratio, the record entries (previous = nearest interleaved ancestor), and a run on the
+CPU's tiny Swin that adds the entries to the stored records and a table to the report."""
+import statistics
+import time
+
+import pytest
+import torch
+from rich.console import Console
+
+from workbench.apply import run_apply
+from workbench.errors import UserError
+from workbench.interleave import interleaved_entries, paired_ratio, time_interleaved
+from workbench.models import TINY_MODEL
+from workbench.records import read_records
+from workbench.report import render_report
+
+CPU = torch.device("cpu")
+
+
+def test_rounds_rotate_the_order_and_time_every_step():
+    calls = []
+    steps = {n: (lambda i, _n=n: calls.append((_n, i))) for n in ("a", "b", "c")}
+    out = time_interleaved(steps, rounds=4, block=2, warmup=1, device=CPU)
+    assert calls[:3] == [("a", 0), ("b", 0), ("c", 0)]                  # warm-up, one each
+    timed = [n for n, _ in calls[3:]]
+    rounds = [timed[k:k + 6:2] for k in range(0, 24, 6)]                 # first step of each block
+    assert rounds == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    assert all(len(v["samples_ms"]) == 8 and len(v["round_median_ms"]) == 4 for v in out.values())
+    assert [i for n, i in calls[3:] if n == "a"] == [1, 2, 3, 4, 5, 6, 7, 8]   # step indices keep counting
+    with pytest.raises(ValueError):
+        time_interleaved(steps, rounds=0, block=1, warmup=0, device=CPU)
+
+
+def test_slow_and_fast_stages_are_told_apart():
+    steps = {"slow": lambda i: time.sleep(0.004), "fast": lambda i: time.sleep(0.002)}
+    out = time_interleaved(steps, rounds=3, block=2, warmup=0, device=CPU)
+    r = paired_ratio(out["slow"]["round_median_ms"], out["fast"]["round_median_ms"])
+    assert 1.3 < r["median"] < 2.5 and r["q1"] <= r["median"] <= r["q3"]
+
+
+def test_paired_ratio_is_the_median_of_round_ratios_not_the_ratio_of_medians():
+    # the host drifts: round 2 is 3x slower for both; each round the second stage is 2x faster
+    base, other = [10.0, 30.0, 12.0], [5.0, 15.0, 6.0]
+    assert paired_ratio(base, other) == {"median": 2.0, "q1": 2.0, "q3": 2.0}
+    assert paired_ratio([4.0], [2.0])["median"] == 2.0
+    assert paired_ratio([], [])["median"] is None
+
+
+def _rec(stage, extends, chain):
+    return {"stage": stage, "extends": extends, "chain": [{"name": n} for n in chain]}
+
+
+def test_entries_compare_with_the_nearest_interleaved_ancestor():
+    records = [_rec("amp", "baseline", ["baseline", "amp"]),
+               _rec("window", "apex", ["baseline", "amp", "apex", "window"]),
+               _rec("fmha", "window", ["baseline", "amp", "apex", "window", "fmha"])]
+    t = {"amp": [8.0, 8.0], "window": [6.0, 4.0], "fmha": [2.0, 2.0]}
+    timings = {k: {"samples_ms": v, "round_median_ms": v} for k, v in t.items()}
+    e = interleaved_entries(records, timings, rounds=2, block=1)
+    assert e["amp"]["previous_stage"] is None and e["amp"]["x_previous"] is None
+    assert e["window"]["previous_stage"] == "amp"                       # apex was not interleaved
+    assert e["window"]["x_previous"]["median"] == pytest.approx(5 / 3)   # median of 8/6 and 8/4
+    assert e["fmha"]["previous_stage"] == "window" and e["fmha"]["x_first"]["median"] == 4.0
+    assert e["fmha"]["with"] == ["amp", "window", "fmha"] and e["fmha"]["step_ms"] == 2.0
+
+
+def test_apply_interleave_adds_paired_timings_to_records_and_report(tmp_path):
+    run = dict(model=TINY_MODEL, batch=2, steps=1, warmup=0, device="cpu", progress=False)
+    result = run_apply("amp", **run, stages=["baseline", "amp"], out_dir=tmp_path / "run", interleave=2,
+                       console=Console(file=None, record=True, width=120))
+    stored = {r["stage"]: r for r in read_records([result.records_dir])}
+    for name in ("baseline", "amp"):
+        e = stored[name]["interleaved"]
+        assert e["rounds"] == 2 and len(e["samples_ms"]) == 2 * e["block"] and e["with"] == ["baseline", "amp"]
+        assert e["step_ms"] == pytest.approx(statistics.median(e["samples_ms"]))
+    assert stored["amp"]["interleaved"]["previous_stage"] == "baseline"
+    text = result.report_path.read_text()
+    assert "## Timed in alternation" in text and "| amp |" in text.split("## Timed in alternation")[1]
+    assert "× baseline (paired)" in text
+
+
+def test_interleave_needs_two_stages_and_a_sane_count(tmp_path):
+    run = dict(model=TINY_MODEL, batch=2, steps=1, warmup=0, device="cpu", progress=False)
+    console = Console(record=True, width=200)
+    result = run_apply("baseline", **run, stages=["baseline"], out_dir=tmp_path / "one", interleave=2, console=console)
+    assert "needs two measured stages" in console.export_text()
+    assert "interleaved" not in read_records([result.records_dir])[0]
+    with pytest.raises(UserError, match="--interleave"):
+        run_apply("baseline", **run, out_dir=tmp_path / "bad", interleave=-1)
+
+
+def test_report_without_interleaving_has_no_such_section(tmp_path):
+    assert "Timed in alternation" not in render_report(
+        [{**_rec("amp", None, ["amp"]), "schema": 1, "run_id": "r", "recipe": "amp", "stage_index": 0,
+          "status": "ok", "error": None, "model": TINY_MODEL, "mode": "train", "batch": 2, "precision": "bf16",
+          "device": "cpu", "seed": 0, "env": {"device_type": "cpu"}, "timing": None, "img_per_s": 1.0,
+          "step_ms": 1.0, "step_iqr_ms": 0.0, "peak_mem_bytes": None, "gate": {"status": "PASS"},
+          "passes": [], "profile": None, "notes": []}], tmp_path / "r.md").read_text()
