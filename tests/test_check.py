@@ -413,3 +413,40 @@ def test_regressed_stages_list_their_largest_kernel_changes(current, tmp_path):
     # the committed records carry no per-kernel tables: nothing to list
     edit(current, "amp", slower(1.10))
     assert check_records(BASELINE, current).kernel_changes == {}
+
+
+def paired(median: float, q1: float, q3: float, against: str = "amp"):
+    """An `apply --interleave` entry: the stage's paired ratio over `against`."""
+    def fn(rec):
+        rec["interleaved"] = {"rounds": 10, "block": 3, "with": [against, rec["stage"]], "step_ms": rec["step_ms"],
+                              "iqr_ms": 0.0, "samples_ms": [], "round_median_ms": [], "first_stage": against,
+                              "x_first": {"median": median, "q1": q1, "q3": q3}, "previous_stage": against,
+                              "x_previous": {"median": median, "q1": q1, "q3": q3}}
+    return fn
+
+
+def test_paired_speedup_from_interleaved_runs(tmp_path, current):
+    base = tmp_path / "base"
+    shutil.copytree(BASELINE, base)
+    edit(base, "fmha", paired(1.30, 1.28, 1.32))
+    # the host got slower and fmha's own step time with it (noise), but its paired ratio fell 15 %
+    edit(current, "fmha", paired(1.105, 1.10, 1.11))
+    result = check_records(base, current)
+    r = row(result, "fmha", "paired_speedup")
+    assert r["status"] == "REGRESSED" and r["delta_pct"] == pytest.approx(-15.0)
+    assert r["noise_band_pct"] == pytest.approx(50 * (0.04 / 1.30 + 0.01 / 1.105))
+    assert "1.30×" in render_markdown(result) and result.exit_code == 1
+    # stages without interleaved entries have no such row; inside the quartiles it is noise
+    assert "paired_speedup" not in set(result.rows[result.rows["stage"] == "amp"]["metric"])
+    edit(current, "fmha", paired(1.22, 1.10, 1.40))
+    assert row(check_records(base, current), "fmha", "paired_speedup")["status"] == "noise"
+
+
+def test_paired_speedup_against_another_ancestor_is_not_compared(tmp_path, current):
+    base = tmp_path / "base"
+    shutil.copytree(BASELINE, base)
+    edit(base, "fmha", paired(1.30, 1.28, 1.32, against="amp"))
+    edit(current, "fmha", paired(2.5, 2.4, 2.6, against="baseline"))
+    result = check_records(base, current)
+    (r,) = [r for _, r in result.rows.iterrows() if str(r["metric"]).startswith("paired_speedup")]
+    assert r["status"] == "not compared" and "vs amp / baseline" in r["metric"] and result.exit_code == 0

@@ -11,6 +11,10 @@ stages by name and checks, per stage:
                              profile (profile.api_calls_per_step.launch); exact counts, no noise band
     blocking_calls_per_step  lower is better  % change   synchronizing + allocating CUDA calls per step;
                              from 0, any such call is an infinite % change, so REGRESSED
+    paired_speedup   higher is better   the stage's paired ratio over the stage it extends (or its nearest
+                             interleaved ancestor) from `apply --interleave`: the median over rounds timed
+                             in alternation, so a host's drift between stages does not move it; noise band
+                             from the ratio's quartiles; compared only against the same ancestor
     share:<category> kernel category share (profile.category_share_pct), drift in percentage points
     gate             correctness gate; turning FAIL (from PASS, SKIP or REFERENCE) is a regression
 
@@ -59,10 +63,10 @@ REGRESSION_STATUSES = ("REGRESSED", "FAIL gate")
 
 # metric -> +1 when higher is better, -1 when lower is better
 PCT_METRICS = {"img_per_s": +1, "step_ms": -1, "peak_mem_bytes": -1, "speedup": +1,
-               "launches_per_step": -1, "blocking_calls_per_step": -1}
+               "launches_per_step": -1, "blocking_calls_per_step": -1, "paired_speedup": +1}
 # metrics computed from the record rather than read from a top-level key (see _load_side)
 DERIVED_KEYS = {"speedup": "_speedup", "launches_per_step": "_launches_per_step",
-                "blocking_calls_per_step": "_blocking_calls_per_step"}
+                "blocking_calls_per_step": "_blocking_calls_per_step", "paired_speedup": "_paired_speedup"}
 TIMED_METRICS = ("img_per_s", "step_ms", "speedup")
 SHARE_PREFIX = "share:"
 BASELINE_STAGE = "baseline"
@@ -288,6 +292,13 @@ def _load_side(paths, side: str, notes: list[str]) -> dict[str, dict]:
         calls = (rec.get("profile") or {}).get("api_calls_per_step") if rec["status"] == "ok" else None
         rec["_launches_per_step"] = float(calls.get("launch", 0.0)) if calls else None
         rec["_blocking_calls_per_step"] = blocking_calls(calls) if calls else None
+        il = (rec.get("interleaved") or {}) if rec["status"] == "ok" else {}
+        paired = il.get("x_previous") or {}
+        ok = isinstance(paired.get("median"), (int, float)) and paired["median"] > 0
+        rec["_paired_speedup"] = float(paired["median"]) if ok else None
+        rec["_paired_against"] = il.get("previous_stage") if ok else None
+        rec["_paired_rel_spread"] = (abs(float(paired["q3"]) - float(paired["q1"])) / float(paired["median"])
+                                     if ok and paired.get("q1") is not None and paired.get("q3") is not None else 0.0)
     by_stage: dict[str, list[dict]] = {}
     for rec in records:
         by_stage.setdefault(str(rec["stage"]), []).append(rec)
@@ -369,6 +380,11 @@ def _pct_row(stage: str, metric: str, b: dict, c: dict, th: Thresholds) -> dict 
         return _row(stage, metric, bv, cv, None, limit, None, "only in current" if bv is None else "only in baseline")
     bv, cv = float(bv), float(cv)
     band = None
+    if metric == "paired_speedup":
+        if b["_paired_against"] != c["_paired_against"]:
+            return _row(stage, f"{metric} (vs {b['_paired_against']} / {c['_paired_against']})", bv, cv, None,
+                        limit, None, "not compared")
+        band = th.noise_iqr_scale * 100.0 * (b["_paired_rel_spread"] + c["_paired_rel_spread"])
     if metric in TIMED_METRICS:
         spread = (b["_speedup_rel_iqr"] + c["_speedup_rel_iqr"]) if metric == "speedup" \
             else (_relative_iqr(b) + _relative_iqr(c))
@@ -536,7 +552,7 @@ def _fmt_value(metric: str, value) -> str:
         return f"{value:.2f} ms"
     if metric == "peak_mem_bytes":
         return f"{value / 2**30:.2f} GiB"
-    if metric == "speedup":
+    if metric in ("speedup", "paired_speedup") or metric.startswith("paired_speedup"):
         return f"{value:.2f}×"
     if metric.endswith("_per_step"):
         return f"{value:,.1f}"
