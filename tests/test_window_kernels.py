@@ -237,3 +237,45 @@ def test_norm_backward_register_cap_fits_the_programs_each_sm_gets(monkeypatch):
             assert per_sm * warps * 32 * cap <= 65536                                   # all resident
     finally:
         win._norm_bwd_config.cache_clear()
+
+
+@pytest.mark.parametrize("op", ["norm_shift_partition", "layer_norm", "add_layer_norm"])
+def test_forward_zeroes_the_backward_column_sums(monkeypatch, op):
+    """Eager, the forward kernel zeroes the fp32 buffer its backward adds dweight/dbias into, so the
+    backward launches no memset: with that buffer NaN-filled when allocated, the gradients still match,
+    the backward adds into exactly that buffer, and a second backward through a retained graph (which
+    must not add onto the first one's sums) gives the same gradients again."""
+    import importlib
+
+    lnm = importlib.import_module("workbench.kernels.layer_norm")   # the package exports a function of that name
+    winm = importlib.import_module("workbench.kernels.window")
+
+    monkeypatch.setattr(lnm, "_new_output", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device))
+    intos = []
+    for mod in (lnm, winm):
+        real = mod.column_sums
+        monkeypatch.setattr(mod, "column_sums", lambda *a, _real=real, **k: (intos.append(a[3] if len(a) > 3 else k.get("into")), _real(*a, **k))[1])
+    B, H, W, C, ws, shift = 2, 9, 11, 40, 7, 3
+    x = (_randn((B, H, W, C), torch.float32, 31) * 2 + 0.5).requires_grad_(True)
+    r = _randn((B, H, W, C), torch.float32, 32).requires_grad_(True)
+    w = (1 + 0.5 * _randn((C,), torch.float32, 33)).requires_grad_(True)
+    b = (0.5 * _randn((C,), torch.float32, 34)).requires_grad_(True)
+    x32, r32, w32, b32 = (t.detach().clone().requires_grad_(True) for t in (x, r, w, b))
+    if op == "norm_shift_partition":
+        out, ref = norm_shift_partition(x, w, b, 1e-5, ws, shift), eager_roll_partition(F.layer_norm(x32, (C,), w32, b32, 1e-5), ws, shift)
+        leaves, ref_leaves = (x, w, b), (x32, w32, b32)
+    elif op == "layer_norm":
+        out, ref = lnm.layer_norm(x, w, b, 1e-5), F.layer_norm(x32, (C,), w32, b32, 1e-5)
+        leaves, ref_leaves = (x, w, b), (x32, w32, b32)
+    else:
+        out, ref = lnm.add_layer_norm(x, r, w, b, 1e-5)[1], F.layer_norm(x32 + r32, (C,), w32, b32, 1e-5)
+        leaves, ref_leaves = (x, r, w, b), (x32, r32, w32, b32)
+    dout = _randn(ref.shape, torch.float32, 35)
+    want = torch.autograd.grad(ref, ref_leaves, dout)
+    first = torch.autograd.grad(out, leaves, dout, retain_graph=True)
+    assert intos[0] is not None, "the first backward must add into the buffer its forward zeroed"
+    second = torch.autograd.grad(out, leaves, dout)
+    assert intos[1] is None, "a second backward gets a fresh zeroed buffer"
+    for g1, g2, e in zip(first, second, want):
+        torch.testing.assert_close(g1, e, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(g2, e, atol=1e-4, rtol=1e-4)

@@ -53,15 +53,28 @@ _BWD_MIN_ROWS_PER_PROGRAM = 16
 
 
 @triton.jit
+def zero_column_sums(SUMS, n_sums, pid, ZERO: tl.constexpr, BLOCK: tl.constexpr):
+    """With ZERO, program 0 of a forward kernel zeroes the (n_sums,) fp32 buffer that the backward will
+    add its column sums into (`eager_column_sums`): the backward then needs no memset launch of its own."""
+    if ZERO:
+        if pid == 0:
+            for start in range(0, n_sums, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                tl.store(SUMS + offs, tl.zeros([BLOCK], dtype=tl.float32), mask=offs < n_sums)
+
+
+@triton.jit
 def _layer_norm_fwd_kernel(
-    X, R, S, Y, W, B, Mean, Rstd,
-    n_rows, n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    X, R, S, Y, W, B, Mean, Rstd, SUMS,
+    n_rows, n_cols, eps, n_sums,
+    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_SUMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """BLOCK_M rows per program. With HAS_RESIDUAL, s = x + r is rounded to S's dtype (as torch's add
-    would), stored, and normalized; otherwise x is normalized. Y gets the output, Mean/Rstd fp32 per row."""
+    would), stored, and normalized; otherwise x is normalized. Y gets the output, Mean/Rstd fp32 per row.
+    With ZERO_SUMS, program 0 also zeroes SUMS, the backward's column-sum buffer (zero_column_sums)."""
     pid = tl.program_id(0)
+    zero_column_sums(SUMS, n_sums, pid, ZERO_SUMS, BLOCK_N)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     row_mask = rows < n_rows
@@ -256,6 +269,19 @@ def column_sums(programs: int, n_cols: int, device: torch.device,
     return torch.zeros((1, n_cols), dtype=torch.float32, device=device), True
 
 
+def eager_column_sums(n_cols: int, device: torch.device, *params) -> torch.Tensor | None:
+    """For an autograd Function whose forward kernel can zero its backward's column-sum buffer: a fresh
+    (n_cols,) fp32 buffer for the forward to zero (`zero_column_sums`) and the backward to pass as
+    `column_sums`' `into`, which saves the backward's memset launch (one per LayerNorm backward: 53 per
+    eager Swin-B training step). None where that does not apply: no parameter takes a gradient sum,
+    deterministic algorithms are on (per-program partials instead), or torch.compile traces the forward
+    (the operators' schemas stay as they are; Inductor schedules the memset). A Function keeps it on ctx
+    and drops it after one backward, so a second backward through a retained graph gets a fresh one."""
+    if all(p is None for p in params) or torch.are_deterministic_algorithms_enabled() or torch.compiler.is_compiling():
+        return None
+    return _new_output((n_cols,), torch.float32, device)
+
+
 def finish_column_sums(sums: torch.Tensor, atomic: bool) -> torch.Tensor:
     """The (n_cols,) fp32 totals of a `column_sums` buffer after the kernel ran."""
     return sums[0] if atomic else sum_partials(sums)
@@ -301,9 +327,11 @@ def _check(x: torch.Tensor, weight, bias) -> int:
     return n_cols
 
 
-def layer_norm_fwd(x2, residual2, weight, bias, eps: float, out_dtype: torch.dtype, y_dtype: torch.dtype | None = None):
+def layer_norm_fwd(x2, residual2, weight, bias, eps: float, out_dtype: torch.dtype, y_dtype: torch.dtype | None = None,
+                   zero_sums: torch.Tensor | None = None):
     """x2 (and residual2): (M, C) contiguous -> (s or None, y, mean, rstd). s is x2 + residual2 in out_dtype;
-    y is in y_dtype (default out_dtype: the next layer's input can come out already in its compute dtype)."""
+    y is in y_dtype (default out_dtype: the next layer's input can come out already in its compute dtype).
+    zero_sums: a contiguous fp32 buffer that the kernel zeroes for the backward (eager_column_sums)."""
     n_rows, n_cols = x2.shape
     block_m, block_n, num_warps = _tile(n_cols)
     device = x2.device
@@ -315,10 +343,13 @@ def layer_norm_fwd(x2, residual2, weight, bias, eps: float, out_dtype: torch.dty
         launch(_layer_norm_fwd_kernel)[(cdiv(n_rows, block_m),)](
             x2, residual2 if residual2 is not None else x2, s if s is not None else y, y,
             weight if weight is not None else x2, bias if bias is not None else x2, mean, rstd,
-            n_rows, n_cols, eps,
+            zero_sums if zero_sums is not None else mean,
+            n_rows, n_cols, eps, zero_sums.numel() if zero_sums is not None else 0,
             HAS_RESIDUAL=residual2 is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+            ZERO_SUMS=zero_sums is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
         )
+    elif zero_sums is not None:
+        zero_sums.zero_()
     return s, y, mean, rstd
 
 
@@ -397,7 +428,11 @@ class LayerNormFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, eps):
         n_cols = _check(x, weight, bias)
         x2 = _as_rows(x, n_cols)
-        y, mean, rstd = _layer_norm_fwd_op(x2, weight, bias, eps)
+        ctx.sums = eager_column_sums(2 * n_cols, x.device, weight, bias)
+        if ctx.sums is None:
+            y, mean, rstd = _layer_norm_fwd_op(x2, weight, bias, eps)
+        else:
+            _, y, mean, rstd = layer_norm_fwd(x2, None, weight, bias, eps, x2.dtype, zero_sums=ctx.sums)
         ctx.save_for_backward(x2, weight, bias, mean, rstd)
         ctx.x_shape = x.shape
         return y.view(x.shape)
@@ -405,7 +440,11 @@ class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x2, weight, bias, mean, rstd = ctx.saved_tensors
-        dx, sums = _layer_norm_bwd_op(_as_rows(dy, x2.shape[1]), x2, weight, bias, mean, rstd, None)
+        dy2, into, ctx.sums = _as_rows(dy, x2.shape[1]), ctx.sums, None
+        if into is None:
+            dx, sums = _layer_norm_bwd_op(dy2, x2, weight, bias, mean, rstd, None)
+        else:
+            dx, sums = layer_norm_bwd(dy2, x2, weight, bias, mean, rstd, None, x2.dtype, sums_into=into)
         dw, db = split_norm_grads(sums, weight, bias)
         return dx.view(ctx.x_shape), dw, db, None
 
@@ -416,7 +455,13 @@ class AddLayerNormFunction(torch.autograd.Function):
         if x.shape != residual.shape:
             raise ValueError(f"add_layer_norm: x {tuple(x.shape)} and residual {tuple(residual.shape)} differ")
         n_cols = _check(x, weight, bias)
-        s, y, mean, rstd = _add_layer_norm_fwd_op(_as_rows(x, n_cols), _as_rows(residual, n_cols), weight, bias, eps)
+        x2, r2 = _as_rows(x, n_cols), _as_rows(residual, n_cols)
+        ctx.sums = eager_column_sums(2 * n_cols, x.device, weight, bias)
+        if ctx.sums is None:
+            s, y, mean, rstd = _add_layer_norm_fwd_op(x2, r2, weight, bias, eps)
+        else:
+            s, y, mean, rstd = layer_norm_fwd(x2, r2, weight, bias, eps, torch.promote_types(x.dtype, residual.dtype),
+                                              zero_sums=ctx.sums)
         ctx.save_for_backward(s, weight, bias, mean, rstd)
         ctx.x_shape = x.shape
         ctx.dtypes = (x.dtype, residual.dtype)
@@ -426,7 +471,11 @@ class AddLayerNormFunction(torch.autograd.Function):
     def backward(ctx, ds, dy):
         s2, weight, bias, mean, rstd = ctx.saved_tensors
         n_cols = s2.shape[1]
-        dsum, sums = _layer_norm_bwd_op(_as_rows(dy, n_cols), s2, weight, bias, mean, rstd, _as_rows(ds, n_cols))
+        dy2, ds2, into, ctx.sums = _as_rows(dy, n_cols), _as_rows(ds, n_cols), ctx.sums, None
+        if into is None:
+            dsum, sums = _layer_norm_bwd_op(dy2, s2, weight, bias, mean, rstd, ds2)
+        else:
+            dsum, sums = layer_norm_bwd(dy2, s2, weight, bias, mean, rstd, ds2, s2.dtype, sums_into=into)
         dsum = dsum.view(ctx.x_shape)
         dw, db = split_norm_grads(sums, weight, bias)
         x_dtype, r_dtype = ctx.dtypes

@@ -46,7 +46,8 @@ import triton.language as tl
 
 from ._ops import cdiv, kernel_op, launch, launch_options, next_pow2
 
-from workbench.kernels.layer_norm import column_sums, emit_column_sum, finish_column_sums, sm_count, split_norm_grads
+from workbench.kernels.layer_norm import (column_sums, eager_column_sums, emit_column_sum, finish_column_sums, sm_count,
+                                          split_norm_grads, zero_column_sums)
 
 # ----------------------------------------------------------------------------------- kernels
 
@@ -71,10 +72,11 @@ def _to_dtype(y, dtype: tl.constexpr, SOFT_RTNE: tl.constexpr):
 
 @triton.jit
 def _partition_fwd_kernel(
-    x_ptr, out_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr,
-    n_out_tokens, C, eps,
+    x_ptr, out_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, sums_ptr,
+    n_out_tokens, C, eps, n_sums,
     H: tl.constexpr, W: tl.constexpr, n_win_h: tl.constexpr, n_win_w: tl.constexpr,
-    shift_h: tl.constexpr, shift_w: tl.constexpr, WS: tl.constexpr, NORM: tl.constexpr, SOFT_RTNE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    shift_h: tl.constexpr, shift_w: tl.constexpr, WS: tl.constexpr, NORM: tl.constexpr, SOFT_RTNE: tl.constexpr,
+    ZERO_SUMS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """Writes window tokens [pid0*BLOCK_T, +BLOCK_T) x channels [pid1*BLOCK_C, +BLOCK_C).
 
@@ -82,10 +84,12 @@ def _partition_fwd_kernel(
     (hp, wp) = (wh*WS + i, ww*WS + j); it is 0 if hp >= H or wp >= W, else it is
     x[b, (hp + shift) % H, (wp + shift) % W]. With NORM, BLOCK_C covers all of C and the row
     is layer-normalized; mean and rstd are stored at the source token (each valid source
-    token is read by exactly one window token).
+    token is read by exactly one window token). With ZERO_SUMS, program (0, 0) also zeroes the
+    backward's column-sum buffer (layer_norm.zero_column_sums).
     """
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
+    zero_column_sums(sums_ptr, n_sums, pid_t + pid_c, ZERO_SUMS, BLOCK_C)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = t < n_out_tokens
     j = t % WS
@@ -324,8 +328,9 @@ def roll_partition_fwd(x: torch.Tensor, window_size: int, shift: int, *, out_dty
     block_t, block_c, num_warps = _copy_blocks(C)
     grid = (cdiv(n_out, block_t), cdiv(C, block_c))
     launch(_partition_fwd_kernel)[grid](
-        x, out, x, x, x, x, n_out, C, 0.0,
-        H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, NORM=False, SOFT_RTNE=_SOFT_RTNE, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps,
+        x, out, x, x, x, x, out, n_out, C, 0.0, 0,
+        H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, NORM=False, SOFT_RTNE=_SOFT_RTNE,
+        ZERO_SUMS=False, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps,
     )
     return out
 
@@ -365,10 +370,11 @@ def merge_roll_fwd(
 
 def norm_shift_partition_fwd(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, window_size: int, shift: int,
-    *, out_dtype=None, out=None,
+    *, out_dtype=None, out=None, zero_sums=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (B, H, W, C), weight/bias (C,) -> (windows (B*nW, ws*ws, C) in out_dtype (default x.dtype),
-    mean (B*H*W,) fp32, rstd fp32)."""
+    mean (B*H*W,) fp32, rstd fp32). zero_sums: a contiguous fp32 buffer the kernel zeroes for the
+    backward's column sums (layer_norm.eager_column_sums)."""
     x = _contig(x)
     B, H, W, C = x.shape
     Hp, Wp, nwh, nww, sh, sw = _geometry(H, W, window_size, shift)
@@ -378,10 +384,15 @@ def norm_shift_partition_fwd(
     rstd = torch.empty(B * H * W, dtype=torch.float32, device=x.device)
     n_out = B * Hp * Wp
     block_t, block_c, num_warps = _norm_fwd_config(C)
-    launch(_partition_fwd_kernel)[(cdiv(n_out, block_t), 1)](
-        x, out, _contig(weight), _contig(bias), mean, rstd, n_out, C, float(eps),
-        H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, NORM=True, SOFT_RTNE=_SOFT_RTNE, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps,
-    )
+    if n_out > 0:
+        launch(_partition_fwd_kernel)[(cdiv(n_out, block_t), 1)](
+            x, out, _contig(weight), _contig(bias), mean, rstd, zero_sums if zero_sums is not None else mean,
+            n_out, C, float(eps), zero_sums.numel() if zero_sums is not None else 0,
+            H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, NORM=True, SOFT_RTNE=_SOFT_RTNE,
+            ZERO_SUMS=zero_sums is not None, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps,
+        )
+    elif zero_sums is not None:
+        zero_sums.zero_()
     return out, mean, rstd
 
 
@@ -537,7 +548,12 @@ class MergeRollFunction(torch.autograd.Function):
 class NormShiftPartitionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, window_size, shift):
-        windows, mean, rstd = _norm_shift_partition_fwd_op(x, weight, bias, float(eps), int(window_size), int(shift))
+        ctx.sums = eager_column_sums(2 * x.shape[-1], x.device, weight, bias)
+        if ctx.sums is None:
+            windows, mean, rstd = _norm_shift_partition_fwd_op(x, weight, bias, float(eps), int(window_size), int(shift))
+        else:
+            windows, mean, rstd = norm_shift_partition_fwd(x, weight, bias, float(eps), int(window_size), int(shift),
+                                                           zero_sums=ctx.sums)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         ctx.geom = (int(window_size), int(shift))
         return windows
@@ -546,7 +562,11 @@ class NormShiftPartitionFunction(torch.autograd.Function):
     def backward(ctx, dwindows):
         x, weight, bias, mean, rstd = ctx.saved_tensors
         ws, shift = ctx.geom
-        dx, sums = _norm_shift_partition_bwd_op(dwindows, x, weight, mean, rstd, ws, shift)
+        into, ctx.sums = ctx.sums, None
+        if into is None:
+            dx, sums = _norm_shift_partition_bwd_op(dwindows, x, weight, mean, rstd, ws, shift)
+        else:
+            dx, sums = norm_shift_partition_bwd(dwindows, x, weight, mean, rstd, ws, shift, sums_into=into)
         dw, db = split_norm_grads(sums, weight, bias)
         return dx, dw, db, None, None, None
 
