@@ -113,7 +113,10 @@ def test_widely_spread_gpu_steps_get_a_note(records, tmp_path):
     noisy["timing"] = {**noisy["timing"], "samples_ms": [36.0, 40.0, 44.0, 52.0], "iqr_ms": 6.0}
     text = render_report(records, tmp_path / "r.md").read_text()
     assert "apex: step times spread from 36.0 to 52.0 ms (IQR 15% of the median)" in text
-    assert text.count("step times spread") == 1
+    assert text.count("step times spread") == 1 and "`apply --interleave N` compares such stages" in text
+    noisy["interleaved"] = {"rounds": 3, "block": 3, "step_ms": 40.0, "iqr_ms": 6.0, "first_stage": "apex",
+                            "x_first": None, "previous_stage": None, "x_previous": None}   # already interleaved
+    assert "--interleave N` compares" not in render_report(records, tmp_path / "r1.md").read_text()
     noisy["timing"]["clock"] = "host"
     assert "step times spread" not in render_report(records, tmp_path / "r2.md").read_text()
 

@@ -308,7 +308,9 @@ def _spread_note(rec: dict) -> str | None:
     return (f"{rec['stage']}: step times spread from {min(samples):.1f} to {max(samples):.1f} ms (IQR "
             f"{100.0 * iqr / median:.0f}% of the median): steps that vary this much are usually bound by the host "
             "launching kernels, so its figure depends on this machine's CPU and load; replaying the step as a "
-            "CUDA graph (the -graph and -graphs stages) takes the host out")
+            "CUDA graph (the -graph and -graphs stages) takes the host out"
+            + ("" if rec.get("interleaved") else
+               ", and `apply --interleave N` compares such stages in alternation, where the host's drift cancels"))
 
 
 def _notes(records, df: pd.DataFrame) -> list[str]:
