@@ -78,6 +78,19 @@ def test_miss_goes_through_the_kernel_and_a_hit_through_the_launcher(monkeypatch
     assert len(kernel.plain_launches) == 5 and len(kernel.compiled.calls) == 1
 
 
+def test_a_constexpr_passed_positionally_is_keyed_on_its_value(monkeypatch):
+    monkeypatch.setattr(ops, "_device_stream", lambda: (0, "stream"))
+    kernel = _Kernel()
+    for p in kernel.params:
+        p.is_constexpr = p.name in ("BLOCK", "FLAG")
+    fast = ops.CachedLauncher(kernel)
+    x = torch.zeros(16)
+    fast[(4,)](x, 7, 64)
+    fast[(4,)](x, 7, 64)                                     # hit
+    fast[(4,)](x, 7, 32)                                     # same type, another compiled-in value: a miss
+    assert len(kernel.plain_launches) == 2 and len(kernel.compiled.calls) == 1
+
+
 _SEEN: list = []
 
 

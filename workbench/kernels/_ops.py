@@ -124,9 +124,9 @@ def specialization_key(args: tuple) -> tuple:
 class CachedLauncher:
     """`kernel[grid]` for eager calls that launches through the compiled kernel's own launcher: a miss
     goes through `kernel[grid](...)` (binding, specialization, autotuning, compile) and keeps the
-    CompiledKernel it returns, keyed on the grid, `specialization_key` of the positional arguments and the
-    keyword arguments (constexprs and launch options, which must be hashable); a hit calls the launcher
-    as the end of `JITFunction.run` does.
+    CompiledKernel it returns, keyed on the grid, `specialization_key` of the positional arguments, the
+    values of any constexprs among them, and the keyword arguments (constexprs and launch options, which
+    must be hashable); a hit calls the launcher as the end of `JITFunction.run` does.
 
     An autotuned kernel (a `triton.autotune` around a JITFunction) is cached once its autotuner has
     chosen: the entry keeps the chosen config, whose values fill the arguments the call leaves out, and a
@@ -141,6 +141,8 @@ class CachedLauncher:
         self.kernel = kernel
         self.autotuned = hasattr(kernel, "configs") and hasattr(kernel, "fn")
         self.params = (kernel.fn if self.autotuned else kernel).params
+        # a constexpr passed positionally is compiled in: key on its value, not only on its type
+        self.constexpr_positions = tuple(i for i, p in enumerate(self.params) if getattr(p, "is_constexpr", False))
         self.cache: dict = {}
         self.runtime = knobs.runtime  # its launch hooks are read at each launch, as Triton reads them
 
@@ -154,7 +156,8 @@ class CachedLauncher:
 
     def _launch(self, gkey, grid, *args, **kwargs):
         device, stream = _device_stream()
-        key = (device, gkey, specialization_key(args), tuple(kwargs.items()))
+        key = (device, gkey, specialization_key(args), tuple(kwargs.items()),
+               tuple(args[i] for i in self.constexpr_positions if i < len(args)))
         hit = self.cache.get(key)
         if hit is None:
             return self._miss(key, grid, args, kwargs)
