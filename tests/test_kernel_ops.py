@@ -43,11 +43,11 @@ def op_samples():
     dout = rand(bnw, nh, n, d)
     return [
         ("layer_norm_fwd", ln._layer_norm_fwd_op, (rows, w, b, 1e-5)),
-        ("add_layer_norm_fwd", ln._add_layer_norm_fwd_op, (rows, rand(37, C), w, b, 1e-5)),
+        ("add_layer_norm_fwd", ln._add_layer_norm_fwd_op, (rows, rand(37, C), w, b, 1e-5, torch.bfloat16)),
         ("layer_norm_bwd", ln._layer_norm_bwd_op, (rand(37, C), rows, w, b, m, r, None)),
         ("roll_partition_fwd", win._roll_partition_op, (x, ws, shift, x.dtype)),
         ("merge_roll_fwd", win._merge_roll_op, (windows, ws, shift, H, W, x, x.dtype)),
-        ("norm_shift_partition_fwd", win._norm_shift_partition_fwd_op, (x, w, b, 1e-5, ws, shift)),
+        ("norm_shift_partition_fwd", win._norm_shift_partition_fwd_op, (x, w, b, 1e-5, ws, shift, torch.bfloat16)),
         ("norm_shift_partition_bwd", win._norm_shift_partition_bwd_op,
          (torch.randn_like(windows), x, w, mean, rstd, ws, shift)),
         ("window_attention_fwd", wa._window_attention_fwd_op, (q, k, v, bias, mask, d ** -0.5)),

@@ -95,3 +95,33 @@ def test_non_square_window_is_unavailable():
         fused_window.apply(model, pass_ctx(DEVICE))
     model, result = apply_pass("fused_window", model, pass_ctx(DEVICE))
     assert not result.available
+
+
+def test_windows_and_norm2_come_out_in_the_autocast_dtype_with_the_cast_path_s_bits(monkeypatch):
+    """Under autocast the norms write the Linears' input dtype themselves (no cast kernels): the qkv and
+    fc1 Linears receive bf16, and logits and every gradient equal, bit for bit, those of the same passes
+    writing fp32 and letting autocast cast."""
+    from workbench.passes import _swin
+
+    ref, model = model_pair(DEVICE)
+    for m in (ref, model):
+        apply_pass("fused_layernorm", m, pass_ctx(DEVICE, "bf16"), {"impl": "triton", "fuse_residual": True})
+        fused_window.apply(m, pass_ctx(DEVICE, "bf16"))
+    seen = []
+    for blk in model.modules():
+        if hasattr(blk, "_swinbench_fused_window"):
+            for lin in (blk.attn.qkv, blk.mlp.fc1):
+                lin.register_forward_pre_hook(lambda mod, args: seen.append(args[0].dtype))
+    x, target = tiny_batch(ref, BATCH, DEVICE)
+    from pass_helpers import train_step
+
+    logits, grads = train_step(model, x, target, torch.bfloat16, None)
+    assert seen and set(seen) == {torch.bfloat16}
+    monkeypatch.setattr(_swin, "autocast_input_dtype", lambda x: None)
+    import workbench.passes.fused_layernorm as fl
+    monkeypatch.setattr(fl, "autocast_input_dtype", lambda x: None)
+    monkeypatch.setattr(fused_window, "autocast_input_dtype", lambda x: None)
+    logits_ref, grads_ref = train_step(ref, x, target, torch.bfloat16, None)
+    assert torch.equal(logits, logits_ref)
+    for name, g in grads_ref.items():
+        assert torch.equal(grads[name], g), name

@@ -279,3 +279,29 @@ def test_forward_zeroes_the_backward_column_sums(monkeypatch, op):
     for g1, g2, e in zip(first, second, want):
         torch.testing.assert_close(g1, e, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(g2, e, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("op", ["norm_shift_partition", "add_layer_norm"])
+def test_output_in_the_autocast_dtype_matches_the_cast_bit_for_bit(op):
+    """out_dtype / y_dtype: the fp32 op's result written in bf16 is exactly `.to(bfloat16)` of the fp32
+    result, and the backward from a bf16 gradient equals the fp32 op's backward through that cast."""
+    import importlib
+
+    lnm = importlib.import_module("workbench.kernels.layer_norm")
+    B, H, W, C, ws, shift = 2, 9, 11, 40, 7, 3
+    leaves = [(_randn((B, H, W, C), torch.float32, 41) * 2 + 0.5), _randn((B, H, W, C), torch.float32, 42),
+              1 + 0.5 * _randn((C,), torch.float32, 43), 0.5 * _randn((C,), torch.float32, 44)]
+
+    def run(direct: bool):
+        x, r, w, b = (t.clone().requires_grad_(True) for t in leaves)
+        dt = torch.bfloat16 if direct else None
+        if op == "norm_shift_partition":
+            out, ins = norm_shift_partition(x, w, b, 1e-5, ws, shift, dt), (x, w, b)
+        else:
+            out, ins = lnm.add_layer_norm(x, r, w, b, 1e-5, dt)[1], (x, r, w, b)
+        out = out if direct else out.to(torch.bfloat16)
+        assert out.dtype == torch.bfloat16
+        return (out.detach(), *torch.autograd.grad(out, ins, _randn(out.shape, torch.bfloat16, 45)))
+
+    for a, e in zip(run(True), run(False)):
+        assert a.dtype == e.dtype and torch.equal(a, e)

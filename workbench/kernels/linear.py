@@ -31,8 +31,8 @@ import triton
 import triton.language as tl
 
 from ._ops import cdiv, kernel_op, launch, next_pow2
-from .layer_norm import _new_output, column_sums, emit_column_sum, finish_column_sums, sm_count
-from .window import _SOFT_RTNE, _to_dtype
+from .layer_norm import SOFT_RTNE as _SOFT_RTNE
+from .layer_norm import _new_output, column_sums, emit_column_sum, finish_column_sums, sm_count, to_dtype
 
 # Elements per (rows x cols) tile: 2048 over 4 warps is 16 fp32 accumulators per thread.
 _TILE_ELEMS = 2048
@@ -72,7 +72,7 @@ def _bias_grad_kernel(
             tl.store(DPRE + offs, d, mask=mask)
             g = d.to(tl.float32)
         elif CAST:
-            d = _to_dtype(g, DPRE.dtype.element_ty, SOFT_RTNE)
+            d = to_dtype(g, DPRE.dtype.element_ty, SOFT_RTNE)
             tl.store(DPRE + offs, d, mask=mask)
             g = d.to(tl.float32)
         acc += g

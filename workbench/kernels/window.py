@@ -37,7 +37,6 @@ Linear, casts to the autocast dtype anyway, so the values it sees are identical.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import torch
@@ -46,29 +45,10 @@ import triton.language as tl
 
 from ._ops import cdiv, kernel_op, launch, launch_options, next_pow2
 
-from workbench.kernels.layer_norm import (column_sums, eager_column_sums, emit_column_sum, finish_column_sums, sm_count,
-                                          split_norm_grads, zero_column_sums)
+from workbench.kernels.layer_norm import (SOFT_RTNE as _SOFT_RTNE, column_sums, eager_column_sums, emit_column_sum,
+                                          finish_column_sums, sm_count, split_norm_grads, to_dtype, zero_column_sums)
 
 # ----------------------------------------------------------------------------------- kernels
-
-# Triton's CPU interpreter (TRITON_INTERPRET=1, used by the tests) truncates fp32 -> bf16 instead of
-# rounding to nearest even as the GPU (and torch) do; under the interpreter we round by hand so that
-# `shortcut + windows` in bf16 matches torch bit for bit. GPU code is unchanged (plain .to()).
-_SOFT_RTNE = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@triton.jit
-def _to_dtype(y, dtype: tl.constexpr, SOFT_RTNE: tl.constexpr):
-    """Cast y to dtype, rounding to nearest even (by hand for bf16 under the interpreter)."""
-    out = y.to(dtype)
-    if SOFT_RTNE:
-        if dtype == tl.bfloat16:
-            yf = y.to(tl.float32)
-            u = yf.to(tl.uint32, bitcast=True)
-            u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-            out = tl.where(yf != yf, out, u.to(tl.uint16).to(tl.bfloat16, bitcast=True))
-    return out
-
 
 @triton.jit
 def _partition_fwd_kernel(
@@ -128,9 +108,9 @@ def _partition_fwd_kernel(
         y = tl.where(valid[:, None], y, 0.0)  # padded tokens are 0, not LN(0) = bias
         tl.store(mean_ptr + src, mean, mask=valid)
         tl.store(rstd_ptr + src, rstd, mask=valid)
-        tl.store(out_ptr + out_off, _to_dtype(y, out_ptr.dtype.element_ty, SOFT_RTNE), mask=st_mask)
+        tl.store(out_ptr + out_off, to_dtype(y, out_ptr.dtype.element_ty, SOFT_RTNE), mask=st_mask)
     else:
-        tl.store(out_ptr + out_off, _to_dtype(x, out_ptr.dtype.element_ty, SOFT_RTNE), mask=st_mask)
+        tl.store(out_ptr + out_off, to_dtype(x, out_ptr.dtype.element_ty, SOFT_RTNE), mask=st_mask)
 
 
 @triton.jit
@@ -174,7 +154,7 @@ def _merge_fwd_kernel(
     if ADD:
         sc = tl.load(shortcut_ptr + out_off, mask=mask, other=0.0)
         y = sc.to(tl.float32) + y.to(tl.float32)
-    tl.store(out_ptr + out_off, _to_dtype(y, out_ptr.dtype.element_ty, SOFT_RTNE), mask=mask)
+    tl.store(out_ptr + out_off, to_dtype(y, out_ptr.dtype.element_ty, SOFT_RTNE), mask=mask)
 
 
 @triton.jit
@@ -230,7 +210,7 @@ def _norm_partition_bwd_kernel(
         dx, dw_t, db_t = _norm_bwd_tile(g, x, w, mean, rstd, cur_mask, C)
         if HAS_DS:
             dx += tl.load(ds_ptr + x_off, mask=cur_mask, other=0.0).to(tl.float32)
-        tl.store(dx_ptr + x_off, _to_dtype(dx, dx_ptr.dtype.element_ty, SOFT_RTNE), mask=cur_mask)
+        tl.store(dx_ptr + x_off, to_dtype(dx, dx_ptr.dtype.element_ty, SOFT_RTNE), mask=cur_mask)
         dw_acc += dw_t
         db_acc += db_t
     emit_column_sum(sums_ptr, pid, 2 * C, c, tl.sum(dw_acc, axis=0), c_mask, ATOMIC)
@@ -494,14 +474,15 @@ def _(windows, window_size, shift, H, W, shortcut, out_dtype):
 
 @kernel_op("swinbench::norm_shift_partition_fwd")
 def _norm_shift_partition_fwd_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
-                                 window_size: int, shift: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return norm_shift_partition_fwd(x, weight, bias, eps, window_size, shift)
+                                 window_size: int, shift: int, out_dtype: torch.dtype
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return norm_shift_partition_fwd(x, weight, bias, eps, window_size, shift, out_dtype=out_dtype)
 
 
 @_norm_shift_partition_fwd_op.register_fake
-def _(x, weight, bias, eps, window_size, shift):
+def _(x, weight, bias, eps, window_size, shift, out_dtype):
     B, H, W, C = x.shape
-    return (x.new_empty(_windows_shape(B, H, W, C, window_size, shift)),
+    return (x.new_empty(_windows_shape(B, H, W, C, window_size, shift), dtype=out_dtype),
             x.new_empty((B * H * W,), dtype=torch.float32), x.new_empty((B * H * W,), dtype=torch.float32))
 
 
@@ -547,13 +528,15 @@ class MergeRollFunction(torch.autograd.Function):
 
 class NormShiftPartitionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, eps, window_size, shift):
+    def forward(ctx, x, weight, bias, eps, window_size, shift, out_dtype):
         ctx.sums = eager_column_sums(2 * x.shape[-1], x.device, weight, bias)
+        out_dtype = out_dtype or x.dtype
         if ctx.sums is None:
-            windows, mean, rstd = _norm_shift_partition_fwd_op(x, weight, bias, float(eps), int(window_size), int(shift))
+            windows, mean, rstd = _norm_shift_partition_fwd_op(x, weight, bias, float(eps), int(window_size), int(shift),
+                                                               out_dtype)
         else:
             windows, mean, rstd = norm_shift_partition_fwd(x, weight, bias, float(eps), int(window_size), int(shift),
-                                                           zero_sums=ctx.sums)
+                                                           out_dtype=out_dtype, zero_sums=ctx.sums)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         ctx.geom = (int(window_size), int(shift))
         return windows
@@ -568,7 +551,7 @@ class NormShiftPartitionFunction(torch.autograd.Function):
         else:
             dx, sums = norm_shift_partition_bwd(dwindows, x, weight, mean, rstd, ws, shift, sums_into=into)
         dw, db = split_norm_grads(sums, weight, bias)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 class MergeUnshiftAddFunction(torch.autograd.Function):
@@ -605,11 +588,14 @@ def merge_roll(windows: torch.Tensor, window_size: int, shift: int, H: int, W: i
 
 def norm_shift_partition(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, window_size: int, shift: int,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """roll_partition(F.layer_norm(x, (C,), weight, bias, eps)) in one kernel; padded tokens are 0.
 
-    x: (B, H, W, C); weight, bias: (C,). Statistics in fp32; output in x.dtype."""
-    return NormShiftPartitionFunction.apply(x, weight, bias, eps, window_size, shift)
+    x: (B, H, W, C); weight, bias: (C,). Statistics in fp32; output in out_dtype (default x.dtype),
+    rounded once from fp32: `out_dtype=torch.bfloat16` on an fp32 x gives the bits that
+    `.to(torch.bfloat16)` of the fp32 result would, without that cast's extra pass (and its backward's)."""
+    return NormShiftPartitionFunction.apply(x, weight, bias, eps, window_size, shift, out_dtype)
 
 
 def merge_unshift_add(

@@ -43,6 +43,48 @@ def swin_blocks(model: torch.nn.Module, ctx: PassContext, kernels: str, what: st
     return blocks
 
 
+def autocast_input_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype an autocast nn.Linear casts an fp32 input to (bf16 or fp16) when autocast is on for x's
+    device; None otherwise. A fused kernel whose output goes straight into such a Linear can write that
+    dtype itself: rounding once from its fp32 result gives the bits the Linear's cast would, and it saves
+    the cast's pass over the activation and its backward's (four launches per block and step)."""
+    dev = x.device.type
+    if x.dtype != torch.float32 or not torch.is_autocast_enabled(dev):
+        return None
+    dt = torch.get_autocast_dtype(dev)
+    return dt if dt in (torch.bfloat16, torch.float16) else None
+
+
+def attn_input_goes_to_linear(attn: torch.nn.Module) -> bool:
+    """Whether a block's attention module does nothing with its input but pass it to its qkv nn.Linear:
+    timm's WindowAttention forward, or fused_attention's."""
+    from timm.models.swin_transformer import WindowAttention
+
+    from .fused_attention import fused_window_attention_forward
+
+    if not isinstance(getattr(attn, "qkv", None), torch.nn.Linear):
+        return False
+    fwd = vars(attn).get("forward")
+    if fwd is not None:
+        return getattr(fwd, "__func__", None) is fused_window_attention_forward
+    return type(attn).forward is WindowAttention.forward
+
+
+def mlp_input_goes_to_linear(mlp: torch.nn.Module) -> bool:
+    """Whether a block's MLP does nothing with its input but pass it to its fc1 nn.Linear: timm's Mlp
+    forward, or fused_linear's (whose fc1 Function casts to the autocast dtype as F.linear does)."""
+    from timm.layers import Mlp
+
+    from .fused_linear import mlp_forward_fused
+
+    if not isinstance(getattr(mlp, "fc1", None), torch.nn.Linear):
+        return False
+    fwd = vars(mlp).get("forward")
+    if fwd is not None:
+        return getattr(fwd, "__func__", None) is mlp_forward_fused
+    return type(mlp).forward is Mlp.forward
+
+
 def gather_rel_pos_bias(table: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
     """timm's relative-position bias, (nH, n, n) contiguous, bias[h, i, j] = table[index[i, j], h]: one
     gather launch (timm's `_get_rel_pos_bias` gathers and then copies the permuted result)."""

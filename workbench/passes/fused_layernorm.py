@@ -33,6 +33,8 @@ Contract with passes that patch SwinTransformerBlock.forward later (fused_window
   * norm1/norm2 stay nn.LayerNorm instances (TritonLayerNorm subclasses it) with .weight/.bias/.eps.
 The drop paths don't restrict the fusion: drop_path1 is applied to the attention branch before the add
 and drop_path2 to the MLP output after the norm, both exactly as timm does.
+Under autocast, when h goes straight into the MLP's fc1 Linear (`_swin.mlp_input_goes_to_linear`),
+add_layer_norm writes h in the autocast dtype, the bits fc1's input cast would give (no cast launches).
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ from torch import nn
 
 from ..errors import UserError
 from . import PassContext, PassResult, PassUnavailable, triton_runs_on
+from ._swin import autocast_input_dtype, mlp_input_goes_to_linear
 
 NAME = "fused_layernorm"
 IMPLS = ("auto", "triton", "torch", "apex")
@@ -132,8 +135,8 @@ def swin_block_forward_add_norm2(self, x: torch.Tensor) -> torch.Tensor:
 
     B, H, W, C = x.shape
     attn = self.drop_path1(self._attn(self.norm1(x)))
-    x, h = add_layer_norm(x.reshape(B, -1, C), attn.reshape(B, -1, C),
-                          self.norm2.weight, self.norm2.bias, self.norm2.eps)
+    x, h = add_layer_norm(x.reshape(B, -1, C), attn.reshape(B, -1, C), self.norm2.weight, self.norm2.bias,
+                          self.norm2.eps, autocast_input_dtype(x) if mlp_input_goes_to_linear(self.mlp) else None)
     x = x + self.drop_path2(self.mlp(h))
     return x.reshape(B, H, W, C)
 

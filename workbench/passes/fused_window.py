@@ -15,10 +15,13 @@ Details the patched forward keeps from timm:
   * window_size / shift_size are timm tuples; only square ones are fused. apply() raises
     PassUnavailable for a model with a non-square block; a block made non-square later
     (set_input_size) runs its previous forward.
-  * Autocast: norm_shift_partition returns x.dtype. In an fp32 model under autocast that is fp32,
-    as timm's LayerNorm gives (layer_norm autocasts to fp32); the qkv Linear then casts to the
-    autocast dtype. merge_unshift_add adds the (bf16/fp16) attention output into the fp32 residual
-    and returns fp32, as `x + attn` does.
+  * Autocast: timm's LayerNorm gives fp32 under autocast (layer_norm autocasts to fp32) and the qkv
+    Linear then casts it to the autocast dtype. norm_shift_partition computes in fp32 too and, when
+    the windows go straight into that Linear (timm's or fused_attention's forward), writes them in the
+    autocast dtype itself: the same bits as the cast, without the cast's pass over the activation or
+    the backward's cast back (`_swin.autocast_input_dtype`). add_layer_norm does the same for norm2's
+    output when it goes straight into the MLP's fc1. merge_unshift_add adds the (bf16/fp16) attention
+    output into the fp32 residual and returns fp32, as `x + attn` does.
   * Composition with fused_layernorm(fuse_residual=True): a block that carries
     `_swinbench_add_norm2` keeps that fusion: the attention branch is merged with merge_roll and
     `add_layer_norm(x, branch, norm2...)` does the residual add and norm2 in one pass (the contract
@@ -32,7 +35,7 @@ import types
 import torch
 
 from . import PassContext, PassResult, PassUnavailable
-from ._swin import inactive, square, swin_blocks
+from ._swin import attn_input_goes_to_linear, autocast_input_dtype, inactive, mlp_input_goes_to_linear, square, swin_blocks
 
 NAME = "fused_window"
 
@@ -45,11 +48,13 @@ def _window_attention_windows(self, x: torch.Tensor):
     if ws is None or shift is None:
         return None
     B, H, W, C = x.shape
-    windows = norm_shift_partition(x, self.norm1.weight, self.norm1.bias, self.norm1.eps, ws, shift)
+    # written in the autocast dtype when the windows go straight into the qkv Linear, which would cast them
+    out_dtype = autocast_input_dtype(x) if attn_input_goes_to_linear(self.attn) else None
+    windows = norm_shift_partition(x, self.norm1.weight, self.norm1.bias, self.norm1.eps, ws, shift, out_dtype)
     if getattr(self, "dynamic_mask", False):
         Hp, Wp = -(-H // ws) * ws, -(-W // ws) * ws
-        # get_attn_mask reads only the shape, device and dtype of timm's padded, shifted x
-        attn_mask = self.get_attn_mask(windows.new_empty((1, Hp, Wp, 1)))
+        # get_attn_mask reads only the shape, device and dtype of timm's padded, shifted x (x's dtype here)
+        attn_mask = self.get_attn_mask(x.new_empty((1, Hp, Wp, 1)))
     else:
         attn_mask = self.attn_mask
     return self.attn(windows, mask=attn_mask), ws, shift
@@ -84,8 +89,8 @@ def swin_block_forward_fused_window_add_norm2(self, x: torch.Tensor) -> torch.Te
     attn_windows, ws, shift = out
     B, H, W, C = x.shape
     branch = self.drop_path1(merge_roll(attn_windows, ws, shift, H, W))
-    x, h = add_layer_norm(x.reshape(B, -1, C), branch.reshape(B, -1, C),
-                          self.norm2.weight, self.norm2.bias, self.norm2.eps)
+    x, h = add_layer_norm(x.reshape(B, -1, C), branch.reshape(B, -1, C), self.norm2.weight, self.norm2.bias,
+                          self.norm2.eps, autocast_input_dtype(x) if mlp_input_goes_to_linear(self.mlp) else None)
     x = x + self.drop_path2(self.mlp(h))
     return x.reshape(B, H, W, C)
 
