@@ -168,3 +168,32 @@ def test_inference_mode_gates_logits_and_times_the_forward(tmp_path):
 def test_unknown_mode_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match="unknown mode"):
         run_apply("baseline", **RUN, mode="serve", out_dir=tmp_path)
+
+
+def test_resume_keeps_finished_stages_and_runs_the_rest(tmp_path):
+    """A run cut short (here: its last record deleted, as if the process died in that stage) resumes
+    from its folder: finished stages are kept as they are (same run id), the missing one runs."""
+    out = tmp_path / "run"
+    first = run_apply("baseline", **{**RUN, "steps": 1, "warmup": 0}, out_dir=out, stages=["baseline", "amp"],
+                      console=Console(file=io.StringIO()))
+    kept_text = (out / "records" / "00-baseline.json").read_text()
+    (out / "records" / "01-amp.json").unlink()
+    console = Console(file=io.StringIO(), width=200)
+    again = run_apply("baseline", **{**RUN, "steps": 1, "warmup": 0}, out_dir=out, stages=["baseline", "amp"],
+                      console=console, resume=True)
+    assert "keeping 1 finished stage(s) (baseline)" in console.file.getvalue()
+    assert (out / "records" / "00-baseline.json").read_text() == kept_text          # not re-measured
+    assert [r["status"] for r in again.records] == ["ok", "ok"]
+    assert {r["run_id"] for r in again.records} == {first.run_id}
+    assert len(read_records([out / "records"])) == 2 and again.report_path.exists()
+
+
+def test_resume_refuses_a_different_experiment(tmp_path):
+    out = tmp_path / "run"
+    run_apply("baseline", **{**RUN, "steps": 1, "warmup": 0}, out_dir=out, stages=["baseline"],
+              console=Console(file=io.StringIO()))
+    with pytest.raises(UserError, match="differs: batch 2 \\(there\\) vs 4"):
+        run_apply("baseline", **{**RUN, "steps": 1, "warmup": 0, "batch": 4}, out_dir=out, stages=["baseline"],
+                  console=Console(file=io.StringIO()), resume=True)
+    with pytest.raises(UserError, match="--resume needs --out"):
+        run_apply("baseline", **RUN, resume=True, console=Console(file=io.StringIO()))

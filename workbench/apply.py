@@ -373,6 +373,40 @@ def _interleave(records: list[dict], specs: list[StageSpec], config: WorkloadCon
         write_record({k: v for k, v in rec.items() if k != "_path"}, out_dir / "records")
 
 
+def _resumable(records_dir: Path, config: WorkloadConfig, *, steps: int, warmup: int, profile: bool
+               ) -> dict[tuple[int, str], dict]:
+    """The finished records in records_dir that a resumed run can keep: {(stage_index, stage): record}.
+    Finished: status ok or not available (an error is run again). They must match the run being resumed
+    in model, mode, batch, seed, device kind, steps, warm-up and profiling; any other difference, or
+    records of two runs, is a UserError (resuming would mix experiments)."""
+    from .records import read_records
+
+    if not records_dir.is_dir() or not any(records_dir.glob("*.json")):
+        return {}
+    records = read_records([records_dir])
+    runs = {r["run_id"] for r in records}
+    if len(runs) > 1:
+        raise UserError(f"{records_dir} holds records of {len(runs)} runs; resume one run's folder")
+    want = {"model": config.model, "mode": config.mode, "batch": config.batch, "seed": config.seed}
+    device_type = "cuda" if str(config.device).startswith("cuda") else "cpu"
+    kept = {}
+    for rec in records:
+        differs = [f"{k} {rec.get(k)!r} (there) vs {v!r}" for k, v in want.items() if rec.get(k) != v]
+        if (rec.get("env") or {}).get("device_type") != device_type:
+            differs.append(f"device {(rec.get('env') or {}).get('device_type')} (there) vs {device_type}")
+        timing = rec.get("timing") or {}
+        if rec["status"] == "ok" and (timing.get("repeats"), timing.get("warmup")) != (steps, warmup):
+            differs.append(f"steps/warm-up {timing.get('repeats')}/{timing.get('warmup')} (there) vs {steps}/{warmup}")
+        if rec["status"] == "ok" and profile and not rec.get("profile"):
+            differs.append("not profiled there")
+        if differs:
+            raise UserError(f"cannot resume {records_dir}: stage {rec['stage']} differs: {'; '.join(differs)}")
+        if rec["status"] in ("ok", "not available"):
+            rec["_path"] = str(records_dir / f"{rec['stage_index']:02d}-{rec['stage']}.json")
+            kept[(rec["stage_index"], rec["stage"])] = rec
+    return kept
+
+
 # ---------------------------------------------------------------- the run
 
 
@@ -385,7 +419,8 @@ def default_run_id(recipe: str, model: str, batch: int, mode: str = "train") -> 
 def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup: int, device: str = "auto",
               out_dir: Path | None = None, profile: bool = False, stages: list[str] | None = None, seed: int = 0,
               progress: bool = True, console=None, isolate: bool | None = None,
-              peers: bool | None = None, mode: str = "train", interleave: int = 0) -> ApplyResult:
+              peers: bool | None = None, mode: str = "train", interleave: int = 0,
+              resume: bool = False) -> ApplyResult:
     """Run every stage of `recipe` (baseline first), write one record per stage and the report.
 
     recipe: a built-in name or a YAML path. stages: explicit stage names instead of the chain.
@@ -396,6 +431,9 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
     on the CPU no (Inductor on the CPU is slow to compile and says nothing about the GPU). Ignored with `stages`.
     interleave: after the stages, time those measured and passing the gate again in this many rounds,
     in alternation in one process (`interleave.py`); 0: off.
+    resume: keep the stages that `out_dir` already holds a finished record of (same stage in the same
+    place of the plan, same model, mode, batch, seed, device kind, steps, warm-up and profiling) and run
+    only the others; the kept records keep their run id, which the new ones take too.
     Raises UserError (exit 1) after writing everything if a stage ended in an error.
     """
     from rich.console import Console
@@ -416,11 +454,20 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
     isolate = on_gpu if isolate is None else isolate
     config = WorkloadConfig(model=model, mode=mode, batch=batch, precision="fp32", device=device, seed=seed)
     run_id = default_run_id(recipe, model, batch, mode)
+    if resume and out_dir is None:
+        raise UserError("--resume needs --out: the folder of the run to resume")
     out_dir = Path(out_dir) if out_dir else Path("reports") / "runs" / run_id
     records_dir = out_dir / "records"
+    kept: dict[tuple[int, str], dict] = {}
+    if resume:
+        planned = {(i, p.name) for i, p in enumerate(plans)}
+        kept = {key: rec for key, rec in _resumable(records_dir, config, steps=steps, warmup=warmup,
+                                                    profile=profile).items() if key in planned}
+        run_id = next(iter(kept.values()))["run_id"] if kept else run_id
     records_dir.mkdir(parents=True, exist_ok=True)
     for stale in records_dir.glob("*.json"):   # a re-used folder must not mix two runs in one report
-        stale.unlink()
+        if not any(stale.name == f"{i:02d}-{name}.json" for i, name in kept):
+            stale.unlink()
     if not on_gpu:
         console.print(f"[yellow]note:[/] {device_label(environment_stamp(dev))}: the tiny Swin's CPU step "
                       "times show the workflow, not what the recipes do on a GPU")
@@ -431,8 +478,11 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
                        profile=profile, out_dir=str(out_dir),
                        reference_path=str(out_dir / "reference.pt") if isolate else None)
              for i, p in enumerate(plans)]
-    if isolate:
+    if isolate and not kept:
         (out_dir / "reference.pt").unlink(missing_ok=True)
+    if kept:
+        console.print(f"resuming {out_dir}: keeping {len(kept)} finished stage(s) "
+                      f"({', '.join(name for _, name in sorted(kept))})")
 
     records: list[dict] = []
     with _progress(console, progress) as bar:
@@ -452,7 +502,11 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
                 elif kind == "done":
                     bar.update(_task, description=f"  {_stage}: {event.get('status')}")
 
-            if isolate:
+            if (spec.stage_index, spec.stage) in kept:
+                record = kept[(spec.stage_index, spec.stage)]
+                if bar is not None:
+                    bar.update(step_task, description=f"  {spec.stage}: kept from the earlier run")
+            elif isolate:
                 record = _run_isolated(spec, on_event)
             else:
                 if reference is None:
