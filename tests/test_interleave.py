@@ -97,3 +97,16 @@ def test_report_without_interleaving_has_no_such_section(tmp_path):
           "device": "cpu", "seed": 0, "env": {"device_type": "cpu"}, "timing": None, "img_per_s": 1.0,
           "step_ms": 1.0, "step_iqr_ms": 0.0, "peak_mem_bytes": None, "gate": {"status": "PASS"},
           "passes": [], "profile": None, "notes": []}], tmp_path / "r.md").read_text()
+
+
+def test_isolated_runs_interleave_in_a_process_of_their_own(tmp_path):
+    """On a GPU stages run isolated; the interleaved phase then runs as `python -m workbench.interleave`,
+    its timings coming back through a JSON file (the path the H200 runs take)."""
+    run = dict(model=TINY_MODEL, batch=2, steps=1, warmup=0, device="cpu", progress=False)
+    result = run_apply("amp", **run, stages=["baseline", "amp"], out_dir=tmp_path / "iso", interleave=1,
+                       isolate=True, console=Console(record=True, width=160))
+    logs = tmp_path / "iso" / "logs"
+    assert (logs / "interleave.spec.json").exists() and (logs / "interleave.result.json").exists()
+    stored = {r["stage"]: r for r in read_records([result.records_dir])}
+    assert stored["amp"]["interleaved"]["previous_stage"] == "baseline"
+    assert len(stored["baseline"]["interleaved"]["samples_ms"]) == 3
