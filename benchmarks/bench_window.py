@@ -7,6 +7,9 @@ Ops (fused / eager it replaces), forward + backward:
   merge_roll            window_reverse + crop + torch.roll(+3)
   norm_shift_partition  F.layer_norm + torch.roll + F.pad + window_partition
   merge_unshift_add     window_reverse + crop + torch.roll + residual add
+  norm_shift_partition_amp  the same op as the fmha stage runs it under autocast: fp32 x and LayerNorm
+                        parameters, windows written in the half dtype for the qkv Linear (out_dtype);
+                        eager: F.layer_norm in fp32 + roll + pad + partition + the Linear's cast
 Stages: 56x56x128, 28x28x256, 14x14x512, 7x7x1024; ws 7, shift 3 on every stage (timm uses no
 shift on the single-window 7x7 stage; the shifted case is the one that moves data); bf16 by default.
 
@@ -68,7 +71,8 @@ WINDOW, SHIFT, EPS = 7, 3, 1e-5
 SWIN_B_STAGES = [("s1", BATCH, 56, 56, 128), ("s2", BATCH, 28, 28, 256), ("s3", BATCH, 14, 14, 512),
                  ("s4", BATCH, 7, 7, 1024)]
 CPU_STAGES = [("s1", 1, 14, 14, 32), ("s4", 2, 7, 7, 64)]  # interpreter smoke test
-OPS = ("roll_partition", "merge_roll", "norm_shift_partition", "merge_unshift_add")
+OPS = ("roll_partition", "merge_roll", "norm_shift_partition", "merge_unshift_add", "norm_shift_partition_amp")
+LN_OPS = ("norm_shift_partition", "norm_shift_partition_amp")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LN_TOL = {"bf16": 2e-2, "fp16": 2e-2, "fp32": 1e-4}
 
@@ -91,14 +95,18 @@ def make_inputs(B, H, W, C, dtype, device, seed=0) -> dict:
     def rand(shape, scale=1.0, shift=0.0):
         return (torch.randn(shape, generator=g, device=device) * scale + shift).to(dtype)
 
-    return {"x": rand((B, H, W, C), 2.0, 0.5), "windows": rand((nw, WINDOW * WINDOW, C)),
-            "w": rand((C,), 0.5, 1.0), "b": rand((C,), 0.5),
-            "d_img": rand((B, H, W, C)), "d_win": rand((nw, WINDOW * WINDOW, C))}
+    t = {"x": rand((B, H, W, C), 2.0, 0.5), "windows": rand((nw, WINDOW * WINDOW, C)),
+         "w": rand((C,), 0.5, 1.0), "b": rand((C,), 0.5),
+         "d_img": rand((B, H, W, C)), "d_win": rand((nw, WINDOW * WINDOW, C))}
+    # norm_shift_partition_amp: fp32 activation and parameters, as autocast training holds them
+    t.update(x32=t["x"].float(), w32=t["w"].float(), b32=t["b"].float())
+    return t
 
 
 def leaves(op: str, t: dict) -> list[torch.Tensor]:
     return {"roll_partition": [t["x"]], "merge_roll": [t["windows"]],
             "norm_shift_partition": [t["x"], t["w"], t["b"]],
+            "norm_shift_partition_amp": [t["x32"], t["w32"], t["b32"]],
             "merge_unshift_add": [t["windows"], t["x"]]}[op]
 
 
@@ -113,13 +121,19 @@ def forward(op: str, impl: str, t: dict, H: int, W: int, shift: int) -> torch.Te
             return norm_shift_partition(t["x"], t["w"], t["b"], EPS, ws, shift)
         C = t["x"].shape[-1]
         return eager_roll_partition(F.layer_norm(t["x"], (C,), t["w"], t["b"], EPS), ws, shift)
+    if op == "norm_shift_partition_amp":
+        half = t["d_win"].dtype
+        if impl == "fused":
+            return norm_shift_partition(t["x32"], t["w32"], t["b32"], EPS, ws, shift, half)
+        C = t["x32"].shape[-1]
+        return eager_roll_partition(F.layer_norm(t["x32"], (C,), t["w32"], t["b32"], EPS), ws, shift).to(half)
     if impl == "fused":
         return merge_unshift_add(t["windows"], t["x"], ws, shift, H, W)
     return t["x"] + eager_merge_roll(t["windows"], ws, shift, H, W)
 
 
 def upstream(op: str, t: dict) -> torch.Tensor:
-    return t["d_win"] if op in ("roll_partition", "norm_shift_partition") else t["d_img"]
+    return t["d_win"] if op in ("roll_partition", *LN_OPS) else t["d_img"]
 
 
 def fwd_bwd_fn(op, impl, t, H, W, shift):
@@ -139,10 +153,13 @@ def kernel_fns(op, t, H, W, shift):
         return (lambda: roll_partition_fwd(x, ws, shift)), (lambda: merge_roll_fwd(d_win, ws, shift, H, W))
     if op == "merge_roll":
         return (lambda: merge_roll_fwd(win, ws, shift, H, W)), (lambda: roll_partition_fwd(d_img, ws, shift))
-    if op == "norm_shift_partition":
-        _, mean, rstd = norm_shift_partition_fwd(x, t["w"], t["b"], EPS, ws, shift)
-        return ((lambda: norm_shift_partition_fwd(x, t["w"], t["b"], EPS, ws, shift)),
-                (lambda: norm_shift_partition_bwd(d_win, x, t["w"], mean, rstd, ws, shift)))
+    if op in LN_OPS:
+        amp = op == "norm_shift_partition_amp"
+        xx, w, b = (t["x32"], t["w32"], t["b32"]) if amp else (x, t["w"], t["b"])
+        out_dtype = d_win.dtype if amp else None
+        _, mean, rstd = norm_shift_partition_fwd(xx, w, b, EPS, ws, shift, out_dtype=out_dtype)
+        return ((lambda: norm_shift_partition_fwd(xx, w, b, EPS, ws, shift, out_dtype=out_dtype)),
+                (lambda: norm_shift_partition_bwd(d_win, xx, w, mean, rstd, ws, shift)))
     return ((lambda: merge_roll_fwd(win, ws, shift, H, W, x)),
             (lambda: roll_partition_fwd(d_img, ws, shift, out_dtype=win.dtype)))
 
@@ -150,12 +167,15 @@ def kernel_fns(op, t, H, W, shift):
 def bytes_moved(op: str, B, H, W, C, elt: int) -> int:
     """Least fwd+bwd traffic: N tokens of the map, Np of the padded windows (Np = N on these shapes)."""
     n = B * H * W * C * elt
+    n32 = B * H * W * C * 4
     n_pad = B * (-(-H // WINDOW) * WINDOW) * (-(-W // WINDOW) * WINDOW) * C * elt
     stats = B * H * W * 8  # fp32 mean + rstd per token, written once and read once
     return {
         "roll_partition": (n + n_pad) + (n + n),            # fwd: read x, write windows; bwd: read valid dwin, write dx
         "merge_roll": (n + n) + (n + n_pad),                # fwd: read valid windows, write y; bwd: read dy, write dwin
         "norm_shift_partition": (n + n_pad) + (3 * n) + 2 * stats,  # bwd: read dwin, x; write dx
+        # x, dx fp32 (4 bytes an element), windows and dwin in `elt`: fwd read x, write windows; bwd read dwin, x; write dx
+        "norm_shift_partition_amp": (n32 + n_pad) + (n + 2 * n32) + 2 * stats,
         "merge_unshift_add": (3 * n) + (n + n_pad),         # fwd: read windows, shortcut, write; bwd: read dy, write dwin
     }[op]
 
@@ -231,7 +251,7 @@ def check(stages, dtype_name, device) -> list[dict]:
                 outs[impl] = [y.detach()] + [p.grad for p in leaves(op, t)]
             names = ["out"] + [f"d{i}" for i in range(len(outs["fused"]) - 1)]
             for what, ours, ref in zip(names, outs["fused"], outs["eager"]):
-                if op == "norm_shift_partition":
+                if op in LN_OPS:
                     err = ((ours.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-12)).item()
                     ok = bool(torch.isfinite(ours).all()) and err <= LN_TOL[dtype_name]
                 else:
@@ -278,12 +298,12 @@ def measure(stages, dtype_name, device, replays, copy_gbps) -> list[dict]:
 
 
 def format_table(records: list[dict]) -> str:
-    head = (f"{'op':<20} {'stage':<13} | {'graph us: eager':>15} {'fused':>6} {'x':>5} {'fwd':>5} {'bwd':>5} "
+    head = (f"{'op':<24} {'stage':<13} | {'graph us: eager':>15} {'fused':>6} {'x':>5} {'fwd':>5} {'bwd':>5} "
             f"{'GB/s':>5} {'%copy':>5} | {'per call us: eager':>18} {'fused':>6}")
     lines = [head]
     for r in records:
         shape = f"{r['stage']} {r['H']}x{r['W']}x{r['C']}"
-        lines.append(f"{r['op']:<20} {shape:<13} | {r['eager_graph_us']:>15.1f} {r['fused_graph_us']:>6.1f} "
+        lines.append(f"{r['op']:<24} {shape:<13} | {r['eager_graph_us']:>15.1f} {r['fused_graph_us']:>6.1f} "
                      f"{r['speedup']:>4.2f}x {r['fwd_us']:>5.1f} {r['bwd_us']:>5.1f} {r['gbps']:>5.0f} {r['pct_copy']:>4.0f}% | "
                      f"{r['eager_call_us']:>18.1f} {r['fused_call_us']:>6.1f}")
     return "\n".join(lines)
