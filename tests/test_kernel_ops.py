@@ -55,7 +55,15 @@ def op_samples():
         ("window_attention_qkv_bwd", wa._window_attention_qkv_bwd_op,
          (qkv, out, lse, dout, bias, None, d ** -0.5, True)),
         ("bias_grad", lin._bias_grad_op, (rand(37, C), rand(37, C), torch.float32)),
+        ("rel_pos_table_grad", wa.rel_pos_table_grad,
+         (rand(nh, n, n), wa.rel_pos_inverse(_rel_index(7).to(DEVICE), 169), torch.float32)),
     ]
+
+
+def _rel_index(ws):
+    from timm.models.swin_transformer import get_relative_position_index
+
+    return get_relative_position_index(ws, ws)
 
 
 SAMPLES = None
@@ -71,7 +79,7 @@ def samples():
 
 NAMES = ["layer_norm_fwd", "add_layer_norm_fwd", "layer_norm_bwd", "roll_partition_fwd", "merge_roll_fwd",
          "norm_shift_partition_fwd", "norm_shift_partition_bwd", "window_attention_fwd", "window_attention_bwd",
-         "window_attention_qkv_bwd", "bias_grad"]
+         "window_attention_qkv_bwd", "bias_grad", "rel_pos_table_grad"]
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -105,3 +105,35 @@ def test_rel_pos_bias_matches_timm_gather_forward_and_backward():
     (grad,) = torch.autograd.grad(ours, attn.relative_position_bias_table, d)
     assert grad.is_contiguous()
     torch.testing.assert_close(grad, ref_grad, rtol=1e-6, atol=1e-6)
+    # with the index's inverse (what fused_attention adds): one Triton launch, the same gradient
+    from workbench.passes._swin import INVERSE_BUFFER, add_rel_pos_inverse
+
+    assert add_rel_pos_inverse(attn) and getattr(attn, INVERSE_BUFFER) is not None
+    assert INVERSE_BUFFER not in attn.state_dict()
+    ours = rel_pos_bias(attn)
+    (grad2,) = torch.autograd.grad(ours, attn.relative_position_bias_table, d)
+    torch.testing.assert_close(grad2, ref_grad, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("ws", [7, 12, (5, 9)])
+def test_rel_pos_table_grad_is_the_index_add_and_deterministic(ws):
+    """rel_pos_inverse + rel_pos_table_grad against index_add_ on timm's index, square and oblong windows,
+    fp32 and bf16 tables; twice the same bits; every table row written (no memset needed)."""
+    from timm.models.swin_transformer import get_relative_position_index
+
+    from workbench.kernels import window_attention as wa
+
+    wh, ww = (ws, ws) if isinstance(ws, int) else ws
+    index = get_relative_position_index(wh, ww)
+    n_table, n, heads = (2 * wh - 1) * (2 * ww - 1), wh * ww, 3
+    inverse = wa.rel_pos_inverse(index, n_table)
+    assert inverse.dtype == torch.int32 and inverse.shape[0] == n_table
+    assert sorted(inverse[inverse >= 0].tolist()) == list(range(n * n))     # every pair listed once
+    g = torch.Generator().manual_seed(wh * 31 + ww)
+    d_rel = torch.randn(heads, n, n, generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        want = torch.zeros(n_table, heads, dtype=torch.float32).index_add_(0, index.view(-1), d_rel.reshape(heads, -1).t())
+        got = wa.rel_pos_table_grad(d_rel, inverse, dtype)
+        assert got.dtype == dtype and got.shape == (n_table, heads)
+        torch.testing.assert_close(got.float(), want, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
+        assert torch.equal(got, wa.rel_pos_table_grad(d_rel, inverse, dtype))

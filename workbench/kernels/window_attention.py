@@ -500,3 +500,55 @@ def fused_window_attention(q, k, v, rel_bias, mask=None, scale=None):
     if mask is not None:
         mask = mask.detach()
     return WindowAttentionFunction.apply(q, k, v, rel_bias, mask, float(scale))
+
+
+# --------------------------------------------------------------------------------------------
+# The relative-position table's gradient
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _rel_pos_grad_kernel(D_REL, INV, OUT, n_table, n_pairs, n_heads, P: tl.constexpr, BLOCK_T: tl.constexpr):
+    """OUT[t, h] = sum of D_REL[h, i*N + j] over the pairs whose relative position is table row t, listed
+    in INV[t, :P] (-1 padded). Every row is written once, summed in a fixed order: no memset, no atomics,
+    the same bits on every run."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1)
+    p = tl.arange(0, P)
+    t_mask = t < n_table
+    pairs = tl.load(INV + t[:, None] * P + p[None, :], mask=t_mask[:, None], other=-1)
+    vals = tl.load(D_REL + h * n_pairs + pairs, mask=pairs >= 0, other=0.0).to(tl.float32)
+    tl.store(OUT + t * n_heads + h, tl.sum(vals, axis=1).to(OUT.dtype.element_ty), mask=t_mask)
+
+
+def rel_pos_inverse(index: torch.Tensor, n_table: int) -> torch.Tensor:
+    """The inverse of a relative-position index (N, N) with values in [0, n_table): (n_table, P) int32
+    whose row t lists the flat pairs i*N + j with index[i, j] == t, in increasing order, -1 padded to P
+    (a power of two). Computed once per module (it reads the index's values), on the index's device."""
+    flat = index.reshape(-1).to(torch.int64)
+    counts = torch.bincount(flat, minlength=n_table)
+    width = next_pow2(max(1, int(counts.max())))
+    order = torch.argsort(flat, stable=True)
+    rows = flat[order]
+    starts = torch.cumsum(counts, 0) - counts
+    slot = torch.arange(flat.numel(), device=flat.device) - starts[rows]
+    inverse = torch.full((n_table, width), -1, dtype=torch.int32, device=flat.device)
+    inverse[rows, slot] = order.to(torch.int32)
+    return inverse
+
+
+@kernel_op("swinbench::rel_pos_table_grad")
+def rel_pos_table_grad(d_rel: torch.Tensor, inverse: torch.Tensor, table_dtype: torch.dtype) -> torch.Tensor:
+    """The relative-position table's gradient (n_table, nH) in table_dtype from the bias's (nH, N, N)
+    gradient and `rel_pos_inverse`: one launch (instead of a memset and an index_add_), deterministic."""
+    n_heads = d_rel.shape[0]
+    n_table, width = inverse.shape
+    d_rel = d_rel.contiguous()
+    out = _new_buffer((n_table, n_heads), table_dtype, d_rel.device)
+    block_t = max(1, min(64, 2048 // width))
+    launch(_rel_pos_grad_kernel)[(cdiv(n_table, block_t), n_heads)](
+        d_rel, inverse, out, n_table, d_rel[0].numel(), n_heads, P=width, BLOCK_T=block_t, num_warps=4)
+    return out
+
+
+@rel_pos_table_grad.register_fake
+def _(d_rel, inverse, table_dtype):
+    return d_rel.new_empty((inverse.shape[0], d_rel.shape[0]), dtype=table_dtype)

@@ -103,19 +103,42 @@ def scatter_rel_pos_grad(d_rel: torch.Tensor, index: torch.Tensor, table_shape, 
 
 
 class RelPosBias(torch.autograd.Function):
-    """gather_rel_pos_bias with scatter_rel_pos_grad as its backward: three launches per block and step
-    where timm's gather, copy and sorted index_put take five or more."""
+    """gather_rel_pos_bias with, as its backward, one deterministic Triton launch when the module carries
+    the index's inverse (`rel_pos_inverse`, set by fused_attention), else scatter_rel_pos_grad (a memset and
+    an index_add_): two or three launches per block and step where timm's gather, copy and sorted
+    index_put take five or more."""
 
     @staticmethod
-    def forward(ctx, table, index, n):
-        ctx.save_for_backward(index)
+    def forward(ctx, table, index, n, inverse):
+        ctx.save_for_backward(index, inverse)
         ctx.table = (table.shape, table.dtype)
         return gather_rel_pos_bias(table, index, n)
 
     @staticmethod
     def backward(ctx, d_rel):
-        (index,) = ctx.saved_tensors
-        return scatter_rel_pos_grad(d_rel, index, *ctx.table), None, None
+        index, inverse = ctx.saved_tensors
+        if inverse is not None:
+            from ..kernels.window_attention import rel_pos_table_grad
+
+            return rel_pos_table_grad(d_rel, inverse, ctx.table[1]), None, None, None
+        return scatter_rel_pos_grad(d_rel, index, *ctx.table), None, None, None
+
+
+INVERSE_BUFFER = "_swinbench_rel_pos_inverse"
+
+
+def add_rel_pos_inverse(attn: torch.nn.Module) -> bool:
+    """Give a timm WindowAttention its relative-position index's inverse, as a non-persistent buffer (it
+    follows the module across devices; state_dict does not change), for RelPosBias's one-launch backward.
+    False when the module has no standard table and index."""
+    from ..kernels.window_attention import rel_pos_inverse
+
+    table, index = getattr(attn, "relative_position_bias_table", None), getattr(attn, "relative_position_index", None)
+    if table is None or index is None or table.dim() != 2:
+        return False
+    if getattr(attn, INVERSE_BUFFER, None) is None:
+        attn.register_buffer(INVERSE_BUFFER, rel_pos_inverse(index, table.shape[0]), persistent=False)
+    return True
 
 
 def rel_pos_bias(attn: torch.nn.Module) -> torch.Tensor:
@@ -124,6 +147,7 @@ def rel_pos_bias(attn: torch.nn.Module) -> torch.Tensor:
     from timm.models.swin_transformer import WindowAttention
 
     if type(attn)._get_rel_pos_bias is WindowAttention._get_rel_pos_bias:
-        return RelPosBias.apply(attn.relative_position_bias_table, attn.relative_position_index, attn.window_area)
+        return RelPosBias.apply(attn.relative_position_bias_table, attn.relative_position_index, attn.window_area,
+                                getattr(attn, INVERSE_BUFFER, None))
     bias = attn._get_rel_pos_bias()
     return bias.reshape(bias.shape[-3:])

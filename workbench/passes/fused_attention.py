@@ -3,8 +3,8 @@
 Each WindowAttention instance gets its forward replaced (types.MethodType) by one that keeps the
 qkv and proj Linears as they are and swaps the attention core (q k^T * scale + bias + mask,
 softmax, @ v) for `fused_window_attention_qkv`: the N x N scores never reach global memory and
-the relative-position bias is gathered from timm's table in one launch and its gradient scattered back
-with one index_add_ (`_swin.RelPosBias`).
+the relative-position bias is gathered from timm's table in one launch and its gradient summed back
+into the table by one deterministic Triton launch over the index's inverse (`_swin.RelPosBias`).
 Instances with a non-zero attn_drop are left unpatched (the kernel has no dropout) and counted.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import types
 import torch
 
 from . import PassContext, PassResult, PassUnavailable, require_triton
-from ._swin import rel_pos_bias
+from ._swin import add_rel_pos_inverse, rel_pos_bias
 
 NAME = "fused_attention"
 
@@ -52,6 +52,7 @@ def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, Pa
             skipped_dropout += 1  # the kernel has no attention dropout: keep timm's path
             continue
         module.forward = types.MethodType(fused_window_attention_forward, module)
+        add_rel_pos_inverse(module)
         patched += 1
     if patched == 0 and skipped_dropout == 0:
         raise PassUnavailable("no timm WindowAttention modules in this model")
