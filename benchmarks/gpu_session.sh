@@ -31,7 +31,7 @@ for part in "$@"; do
                --out "$out/r/bench_host_paired_eager.json" 2>&1 | grep -E "step|Error|error" | tail -8 ;;
     next-tests) timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_window_kernels.py tests/test_layer_norm.py \
                tests/test_cached_launcher.py tests/test_pass_fused_window.py tests/test_pass_fused_layernorm.py \
-               tests/test_compile_fused_passes.py tests/test_kernel_ops.py 2>&1 | tail -4 ;;
+               tests/test_compile_fused_passes.py tests/test_kernel_ops.py tests/test_pass_fused_attention.py 2>&1 | tail -4 ;;
     next-graphs) timeout 540 swinbench apply --recipe fmha --stages amp,fmha,fmha-graph,torch-compile-graphs,fmha-compile-graphs \
                --model swin_base_patch4_window7_224 --batch 64 --out "$out/r/apply_next_graphs" 2>&1 | tail -24 ;;
     next-prof) timeout 300 swinbench apply --recipe fmha --stages amp,fmha --profile --interleave 10 \
