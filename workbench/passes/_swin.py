@@ -55,6 +55,17 @@ def autocast_input_dtype(x: torch.Tensor) -> torch.dtype | None:
     return dt if dt in (torch.bfloat16, torch.float16) else None
 
 
+def _input_goes_to_linear(module: torch.nn.Module, linear: str, class_forward, patched_forward) -> bool:
+    """Whether `module` passes its input straight to its nn.Linear `linear`: its forward is the class's
+    `class_forward` (not replaced on the instance) or our `patched_forward` bound to it."""
+    if not isinstance(getattr(module, linear, None), torch.nn.Linear):
+        return False
+    fwd = vars(module).get("forward")
+    if fwd is not None:
+        return getattr(fwd, "__func__", None) is patched_forward
+    return type(module).forward is class_forward
+
+
 def attn_input_goes_to_linear(attn: torch.nn.Module) -> bool:
     """Whether a block's attention module does nothing with its input but pass it to its qkv nn.Linear:
     timm's WindowAttention forward, or fused_attention's."""
@@ -62,12 +73,7 @@ def attn_input_goes_to_linear(attn: torch.nn.Module) -> bool:
 
     from .fused_attention import fused_window_attention_forward
 
-    if not isinstance(getattr(attn, "qkv", None), torch.nn.Linear):
-        return False
-    fwd = vars(attn).get("forward")
-    if fwd is not None:
-        return getattr(fwd, "__func__", None) is fused_window_attention_forward
-    return type(attn).forward is WindowAttention.forward
+    return _input_goes_to_linear(attn, "qkv", WindowAttention.forward, fused_window_attention_forward)
 
 
 def mlp_input_goes_to_linear(mlp: torch.nn.Module) -> bool:
@@ -77,12 +83,7 @@ def mlp_input_goes_to_linear(mlp: torch.nn.Module) -> bool:
 
     from .fused_linear import mlp_forward_fused
 
-    if not isinstance(getattr(mlp, "fc1", None), torch.nn.Linear):
-        return False
-    fwd = vars(mlp).get("forward")
-    if fwd is not None:
-        return getattr(fwd, "__func__", None) is mlp_forward_fused
-    return type(mlp).forward is Mlp.forward
+    return _input_goes_to_linear(mlp, "fc1", Mlp.forward, mlp_forward_fused)
 
 
 def gather_rel_pos_bias(table: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
