@@ -305,3 +305,21 @@ def test_output_in_the_autocast_dtype_matches_the_cast_bit_for_bit(op):
 
     for a, e in zip(run(True), run(False)):
         assert a.dtype == e.dtype and torch.equal(a, e)
+
+
+def test_no_column_sum_buffer_without_a_backward(monkeypatch):
+    """Under no_grad (inference) the forward allocates and zeroes nothing for a backward that won't run."""
+    import importlib
+
+    lnm = importlib.import_module("workbench.kernels.layer_norm")
+    made = []
+    real = lnm._new_output
+    monkeypatch.setattr(lnm, "_new_output", lambda shape, dtype, device: made.append(shape) or real(shape, dtype, device))
+    x, w, b = _randn((1, 7, 7, 16), torch.float32, 51), _randn((16,), torch.float32, 52), _randn((16,), torch.float32, 53)
+    with torch.no_grad():
+        norm_shift_partition(x, w, b, 1e-5, 7, 0)
+        lnm.layer_norm(x, w, b)
+    assert (32,) not in made
+    x.requires_grad_(True)
+    norm_shift_partition(x, w, b, 1e-5, 7, 0)
+    assert (32,) in made

@@ -289,15 +289,17 @@ def column_sums(programs: int, n_cols: int, device: torch.device,
     return torch.zeros((1, n_cols), dtype=torch.float32, device=device), True
 
 
-def eager_column_sums(n_cols: int, device: torch.device, *params) -> torch.Tensor | None:
+def eager_column_sums(n_cols: int, device: torch.device, ctx, *params) -> torch.Tensor | None:
     """For an autograd Function whose forward kernel can zero its backward's column-sum buffer: a fresh
     (n_cols,) fp32 buffer for the forward to zero (`zero_column_sums`) and the backward to pass as
     `column_sums`' `into`, which saves the backward's memset launch (one per LayerNorm backward: 53 per
-    eager Swin-B training step). None where that does not apply: no parameter takes a gradient sum,
+    eager Swin-B training step). None where that does not apply: no backward will follow (the Function's
+    ctx.needs_input_grad is all False, as under no_grad), no parameter takes a gradient sum,
     deterministic algorithms are on (per-program partials instead), or torch.compile traces the forward
     (the operators' schemas stay as they are; Inductor schedules the memset). A Function keeps it on ctx
     and drops it after one backward, so a second backward through a retained graph gets a fresh one."""
-    if all(p is None for p in params) or torch.are_deterministic_algorithms_enabled() or torch.compiler.is_compiling():
+    if (not any(ctx.needs_input_grad) or all(p is None for p in params)
+            or torch.are_deterministic_algorithms_enabled() or torch.compiler.is_compiling()):
         return None
     return _new_output((n_cols,), torch.float32, device)
 
@@ -449,7 +451,7 @@ class LayerNormFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, eps):
         n_cols = _check(x, weight, bias)
         x2 = _as_rows(x, n_cols)
-        ctx.sums = eager_column_sums(2 * n_cols, x.device, weight, bias)
+        ctx.sums = eager_column_sums(2 * n_cols, x.device, ctx, weight, bias)
         if ctx.sums is None:
             y, mean, rstd = _layer_norm_fwd_op(x2, weight, bias, eps)
         else:
@@ -479,7 +481,7 @@ class AddLayerNormFunction(torch.autograd.Function):
         x2, r2 = _as_rows(x, n_cols), _as_rows(residual, n_cols)
         out_dtype = torch.promote_types(x.dtype, residual.dtype)
         y_dtype = y_dtype or out_dtype
-        ctx.sums = eager_column_sums(2 * n_cols, x.device, weight, bias)
+        ctx.sums = eager_column_sums(2 * n_cols, x.device, ctx, weight, bias)
         if ctx.sums is None:
             s, y, mean, rstd = _add_layer_norm_fwd_op(x2, r2, weight, bias, eps, y_dtype)
         else:

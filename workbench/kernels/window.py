@@ -529,7 +529,7 @@ class MergeRollFunction(torch.autograd.Function):
 class NormShiftPartitionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, window_size, shift, out_dtype):
-        ctx.sums = eager_column_sums(2 * x.shape[-1], x.device, weight, bias)
+        ctx.sums = eager_column_sums(2 * x.shape[-1], x.device, ctx, weight, bias)
         out_dtype = out_dtype or x.dtype
         if ctx.sums is None:
             windows, mean, rstd = _norm_shift_partition_fwd_op(x, weight, bias, float(eps), int(window_size), int(shift),
