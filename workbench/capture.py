@@ -7,10 +7,7 @@ out of the capture. The report is then exported to SQLite with `nsys export`.
 """
 from __future__ import annotations
 
-import glob
 import json
-import os
-import shutil
 import subprocess
 import sys
 from dataclasses import asdict
@@ -19,32 +16,8 @@ from pathlib import Path
 import torch
 
 from .errors import UserError
+from .trace.nsys_sqlite import NSYS_FOLDERS, find_nsys
 from .workload import WorkloadConfig
-
-NSYS_FOLDERS = (
-    "/opt/nvidia/nsight-systems/*/bin",
-    "/usr/local/cuda/bin",
-    "/opt/nvidia/nsight-compute/*/host/target-linux-x64",
-)
-
-
-def find_nsys(explicit: str | None = None) -> str | None:
-    """nsys from --nsys PATH, then $SWINBENCH_NSYS, then PATH, then the usual install folders."""
-    for candidate in (explicit, os.environ.get("SWINBENCH_NSYS")):
-        if candidate:
-            if Path(candidate).is_file() and os.access(candidate, os.X_OK):
-                return str(candidate)
-            raise UserError(f"nsys not found at {candidate}")
-    found = shutil.which("nsys")
-    if found:
-        return found
-    for pattern in NSYS_FOLDERS:
-        for folder in sorted(glob.glob(pattern), reverse=True):
-            path = Path(folder) / "nsys"
-            if path.is_file() and os.access(path, os.X_OK):
-                return str(path)
-    return None
-
 
 def resolve_backend(backend: str, device: torch.device, nsys: str | None) -> tuple[str, str | None, str | None]:
     """-> (backend, nsys path, note). 'auto' takes nsys on a GPU when nsys is found, else torch.profiler,

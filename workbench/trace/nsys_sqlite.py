@@ -300,27 +300,31 @@ def load_sqlite_xz(path: Path) -> Trace:
         os.unlink(tmp)
 
 
-def find_nsys() -> str | None:
-    """nsys as workbench.capture.find_nsys looks for it: $SWINBENCH_NSYS, PATH, then the usual install
-    folders. (Not imported from there: capture imports torch, and parsing a trace should not.)"""
-    env = os.environ.get("SWINBENCH_NSYS")
-    if env:
-        if os.path.isfile(env) and os.access(env, os.X_OK):
-            return env
-        raise UserError(f"nsys not found at {env} ($SWINBENCH_NSYS)")
+# Where Nsight Systems installs nsys, newest version folder first.
+NSYS_FOLDERS = (
+    "/opt/nvidia/nsight-systems/*/bin",
+    "/usr/local/cuda/bin",
+    "/opt/nvidia/nsight-compute/*/host/target-linux-x64",
+)
+
+
+def find_nsys(explicit: str | None = None) -> str | None:
+    """nsys from an explicit path (`--nsys`), then $SWINBENCH_NSYS, then PATH, then the usual install
+    folders (NSYS_FOLDERS); None when there is none. An explicit path or $SWINBENCH_NSYS that is not an
+    executable file is a UserError. Lives here, not in `capture`, so that reading a trace imports no torch."""
+    for candidate, where in ((explicit, "--nsys"), (os.environ.get("SWINBENCH_NSYS"), "$SWINBENCH_NSYS")):
+        if candidate:
+            if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+                return str(candidate)
+            raise UserError(f"nsys not found at {candidate} ({where})")
     on_path = shutil.which("nsys")
     if on_path:
         return on_path
-    patterns = [
-        "/opt/nvidia/nsight-systems/*/bin/nsys",
-        "/usr/local/cuda/bin/nsys",
-        "/opt/nvidia/nsight-compute/*/host/target-linux-x64/nsys",
-    ]
-    for pattern in patterns:
-        hits = sorted(glob.glob(pattern), reverse=True)  # newest version folder first
-        hits = [h for h in hits if os.access(h, os.X_OK)]
-        if hits:
-            return hits[0]
+    for pattern in NSYS_FOLDERS:
+        for folder in sorted(glob.glob(pattern), reverse=True):  # newest version folder first
+            path = os.path.join(folder, "nsys")
+            if os.path.isfile(path) and os.access(path, os.X_OK):
+                return path
     return None
 
 
