@@ -219,6 +219,25 @@ def _run_check(baseline, current, limit, drift, thresholds, force, fmt, output=N
 
 
 @app.command()
+def env(
+    device: Device = "auto",
+    format: Annotated[str, typer.Option("--format", help="table (terminal) | json.")] = "table",
+):
+    """Say what this machine gives swinbench (GPU, versions, nsys, nvtx, Triton, launcher) and what falls back."""
+    import json
+
+    from workbench.doctor import environment_report, render_environment
+
+    if format not in ("table", "json"):
+        raise _fail(Exception(f"unknown format {format!r}: choose table or json"), 2)
+    rows = _call(environment_report, device)
+    if format == "json":
+        typer.echo(json.dumps(rows, indent=1))
+    else:
+        render_environment(rows, console)
+
+
+@app.command()
 def models():
     """List the Swin models swinbench can build (timm's, plus the tiny CPU one)."""
     from workbench.models import swin_model_names
