@@ -29,7 +29,8 @@ for part in "$@"; do
     paired-eager) timeout 300 python3 benchmarks/bench_host.py --parts paired --batch 64 --steps 10 \
                --stages amp,fmha+plainlaunch,fmha+fastlaunch,block+plainlaunch,block+fastlaunch \
                --out "$out/r/bench_host_paired_eager.json" 2>&1 | grep -E "step|Error|error" | tail -8 ;;
-    next-tests) timeout 400 python3 -m pytest -q -p no:cacheprovider --durations=5 tests/test_window_kernels.py tests/test_layer_norm.py \
+    next-tests) swinbench env 2>&1 | tail -30
+             timeout 400 python3 -m pytest -q -p no:cacheprovider --durations=5 tests/test_window_kernels.py tests/test_layer_norm.py \
                tests/test_cached_launcher.py tests/test_pass_fused_window.py tests/test_pass_fused_layernorm.py \
                tests/test_kernel_ops.py 2>&1 | tail -9 ;;
     next-tests2) timeout 540 python3 -m pytest -q -p no:cacheprovider --durations=5 tests/test_pass_fused_attention.py \
