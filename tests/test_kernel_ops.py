@@ -57,6 +57,11 @@ def op_samples():
         ("bias_grad", lin._bias_grad_op, (rand(37, C), rand(37, C), torch.float32)),
         ("rel_pos_table_grad", wa.rel_pos_table_grad,
          (rand(nh, n, n), wa.rel_pos_inverse(_rel_index(7).to(DEVICE), 169), torch.float32)),
+        ("window_attention_table_fwd", wa._window_attention_table_fwd_op,
+         (q, k, v, rand(169, nh), _rel_index(7).to(DEVICE), mask, d ** -0.5)),
+        ("window_attention_qkv_table_bwd", wa._window_attention_qkv_table_bwd_op,
+         (qkv, out, lse, dout, rand(169, nh), _rel_index(7).to(DEVICE), wa.rel_pos_inverse(_rel_index(7).to(DEVICE), 169),
+          None, d ** -0.5, True)),
     ]
 
 
@@ -79,7 +84,8 @@ def samples():
 
 NAMES = ["layer_norm_fwd", "add_layer_norm_fwd", "layer_norm_bwd", "roll_partition_fwd", "merge_roll_fwd",
          "norm_shift_partition_fwd", "norm_shift_partition_bwd", "window_attention_fwd", "window_attention_bwd",
-         "window_attention_qkv_bwd", "bias_grad", "rel_pos_table_grad"]
+         "window_attention_qkv_bwd", "bias_grad", "rel_pos_table_grad",
+         "window_attention_table_fwd", "window_attention_qkv_table_bwd"]
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -16,13 +16,15 @@ from pass_helpers import model_pair, pass_ctx, rel_err, tiny_batch, train_step  
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def test_fused_attention_pass_matches_timm_in_fp32():
+@pytest.mark.parametrize("bias", ["gather", "table"])
+def test_fused_attention_pass_matches_timm_in_fp32(bias):
     # drop_path_rate=0: the model trains, and stochastic depth would drop a different sample's path in
     # each run (that, not the kernel, is what a first version of this test tripped over on the GPU)
     plain, patched = model_pair(DEVICE, drop_path_rate=0.0)
-    patched, result = apply_pass("fused_attention", patched, pass_ctx(DEVICE))
+    patched, result = apply_pass("fused_attention", patched, pass_ctx(DEVICE), {"bias": bias})
     assert result.available, result.changed
     assert result.details["patched_modules"] == 4  # two blocks in each of the two stages
+    assert result.details["table_modules"] == (4 if bias == "table" else 0)
 
     images, labels = tiny_batch(plain, 2, DEVICE)
     plain_logits, plain_grads = train_step(plain, images, labels)
@@ -71,11 +73,12 @@ def features_and_table_grads(model, images, labels, autocast: bool):
                                     if "relative_position_bias_table" in n}
 
 
-def test_fused_attention_pass_under_bf16_autocast():
+@pytest.mark.parametrize("bias", ["gather", "table"])
+def test_fused_attention_pass_under_bf16_autocast(bias):
     """Under autocast q/k/v are bf16 and the bias fp32. Held to the fp32 truth, the fused model must be
     at least as close to it as timm's own bf16 path (plus a little)."""
     plain, patched = model_pair(DEVICE, drop_path_rate=0.0)
-    patched, _ = apply_pass("fused_attention", patched, pass_ctx(DEVICE, "bf16"))
+    patched, _ = apply_pass("fused_attention", patched, pass_ctx(DEVICE, "bf16"), {"bias": bias})
     images, labels = tiny_batch(plain, 2, DEVICE)
     truth, truth_grads = features_and_table_grads(plain, images, labels, autocast=False)
     plain_f, plain_g = features_and_table_grads(plain, images, labels, autocast=True)
@@ -137,3 +140,25 @@ def test_rel_pos_table_grad_is_the_index_add_and_deterministic(ws):
         assert got.dtype == dtype and got.shape == (n_table, heads)
         torch.testing.assert_close(got.float(), want, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
         assert torch.equal(got, wa.rel_pos_table_grad(d_rel, inverse, dtype))
+
+
+def test_table_bias_is_the_gathered_bias_bit_for_bit_and_a_bad_mode_is_refused():
+    """bias: table reads the same values in-kernel that bias: gather gathers first: the same outputs to
+    the bit, and table gradients equal up to the order of the fp32 sums; other modes are a user error."""
+    from workbench.errors import UserError
+
+    _, a = model_pair(DEVICE, drop_path_rate=0.0)
+    _, b = model_pair(DEVICE, drop_path_rate=0.0)
+    a, _ = apply_pass("fused_attention", a, pass_ctx(DEVICE), {"bias": "gather"})
+    b, _ = apply_pass("fused_attention", b, pass_ctx(DEVICE), {"bias": "table"})
+    images, labels = tiny_batch(a, 2, DEVICE)
+    la, ga = train_step(a, images, labels)
+    lb, gb = train_step(b, images, labels)
+    assert torch.equal(la, lb)
+    for name in ga:
+        if "relative_position_bias_table" in name:
+            torch.testing.assert_close(gb[name], ga[name], rtol=1e-5, atol=1e-6)
+        else:
+            assert torch.equal(gb[name], ga[name]), name
+    with pytest.raises(UserError, match="bias must be one of gather, table"):
+        fused_attention.apply(build_model(TINY_MODEL), pass_ctx(DEVICE), bias="sdpa")

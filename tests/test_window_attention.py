@@ -210,3 +210,64 @@ def test_traces_under_torch_compile(layout):
     for got, want in zip(torch.autograd.grad(out, [leaves[0], rel_bias], dout),
                          torch.autograd.grad(eager_out, [leaves[0], rel_bias], dout)):
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+TABLE_SHAPES = [  # (B*nW, nH, window side(s), d, nW or None): square and oblong windows, masks, odd nW
+    (6, 3, 7, 32, 3),
+    (5, 2, 7, 16, None),
+    (4, 2, 12, 32, 2),
+    (6, 1, (4, 5), 16, 3),
+]
+
+
+@pytest.mark.parametrize("dtype, out_tol, grad_tol", DTYPE_TOLERANCES, ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("shape", TABLE_SHAPES, ids=lambda s: "x".join(str(x) for x in s))
+def test_table_mode_matches_reference(shape, dtype, out_tol, grad_tol):
+    """fused_window_attention_table: the kernels gather the bias from timm's table through the index and
+    the backward sums its gradient into the table. Against the float64 formula on the gathered bias:
+    output, dqkv and the table's gradient (the sum over every window and pair that reads a row)."""
+    from timm.models.swin_transformer import get_relative_position_index
+
+    bnw, nh, ws, d, nw = shape
+    wh, ww = (ws, ws) if isinstance(ws, int) else ws
+    n, n_table = wh * ww, (2 * wh - 1) * (2 * ww - 1)
+    _, _, _, _, mask, (qkv,) = make_inputs(bnw, nh, n, d, nw, "packed", dtype, seed=wh * 7 + ww)
+    gen = torch.Generator().manual_seed(n)
+    table = (0.5 * torch.randn(n_table, nh, generator=gen)).to(DEVICE).requires_grad_()
+    index = get_relative_position_index(wh, ww).to(DEVICE)
+    inverse = wa.rel_pos_inverse(index, n_table)
+    out = wa.fused_window_attention_table(qkv, table, index, inverse, mask)
+    assert out.shape == (bnw, nh, n, d) and out.dtype == dtype
+    dout = torch.randn(out.shape, generator=gen).to(device=out.device, dtype=dtype)
+    grads = torch.autograd.grad(out, [qkv, table], dout)
+
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    bias = table[index.view(-1)].view(n, n, nh).permute(2, 0, 1)
+    ref = reference_window_attention(q, k, v, bias, mask, d ** -0.5)
+    ref_grads = torch.autograd.grad(ref, [qkv, table], dout.double())
+    assert rel_err(out, ref) < out_tol
+    for name, g, rg in zip(("dqkv", "d_table"), grads, ref_grads):
+        assert torch.isfinite(g).all(), name
+        assert rel_err(g, rg) < grad_tol, (name, rel_err(g, rg))
+    assert grads[1].dtype == table.dtype
+
+
+@pytest.mark.parametrize("nw", [None, 3])
+def test_table_mode_traced_backward_sums_every_slot(monkeypatch, nw):
+    """As test_traced_backward_sums_every_slot, for the table's gradient: traced, every partial slot is
+    summed (the unused ones zeroed by the kernel), and the result is the eager one."""
+    from timm.models.swin_transformer import get_relative_position_index
+
+    ops = importlib.import_module("workbench.kernels._ops")
+    q, k, v, _, mask, _ = make_inputs(18, 2, 49, 16, nw, "separate", torch.float32)
+    table = torch.randn(169, 2, device=DEVICE)
+    index = get_relative_position_index(7, 7).to(DEVICE)
+    inverse = wa.rel_pos_inverse(index, 169)
+    scale = 16 ** -0.5
+    out, lse = wa.window_attention_fwd(q, k, v, table, mask, scale, index=index)
+    dout = torch.randn_like(out)
+    *_, eager = wa.window_attention_bwd(q, k, v, out, lse, dout, table, mask, scale, index=index, inverse=inverse)
+    monkeypatch.setattr(ops._STATE, "tracing", True, raising=False)
+    *_, traced = wa.window_attention_bwd(q, k, v, out, lse, dout, table, mask, scale, index=index, inverse=inverse)
+    assert eager.shape == (169, 2) and torch.isfinite(traced).all()
+    torch.testing.assert_close(traced, eager, rtol=1e-5, atol=1e-6)

@@ -68,13 +68,19 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _bias_mask_tile(BIAS, MASK, h, w, offs_m, offs_n, N, HAS_MASK: tl.constexpr):
-    """fp32 (BLOCK_M, BLOCK_N) tile of (rel_bias[h] + mask[w]) * log2(e); padded keys -> -inf."""
+def _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, offs_n, N, NH, HAS_MASK: tl.constexpr, TABLE: tl.constexpr):
+    """fp32 (BLOCK_M, BLOCK_N) tile of (rel_bias[h] + mask[w]) * log2(e); padded keys -> -inf.
+    TABLE: BIAS is the relative-position table (n_table, NH) and rel_bias[h, i, j] = BIAS[INDEX[i, j], h],
+    gathered here (once per tile and program) instead of from an (NH, N, N) tensor built beforehand."""
     row_ok = offs_m < N
     key_ok = offs_n < N
     ij = offs_m[:, None] * N + offs_n[None, :]
     ok = row_ok[:, None] & key_ok[None, :]
-    t = tl.load(BIAS + h * N * N + ij, mask=ok, other=0.0).to(tl.float32)
+    if TABLE:
+        idx = tl.load(INDEX + ij, mask=ok, other=0)
+        t = tl.load(BIAS + idx * NH + h, mask=ok, other=0.0).to(tl.float32)
+    else:
+        t = tl.load(BIAS + h * N * N + ij, mask=ok, other=0.0).to(tl.float32)
     if HAS_MASK:
         t += tl.load(MASK + w * N * N + ij, mask=ok, other=0.0).to(tl.float32)
     t = t * 1.4426950408889634
@@ -83,7 +89,7 @@ def _bias_mask_tile(BIAS, MASK, h, w, offs_m, offs_n, N, HAS_MASK: tl.constexpr)
 
 @triton.jit(do_not_specialize=["B_PER_W", "NW", "NH"])
 def _window_attention_fwd_kernel(
-    Q, K, V, BIAS, MASK, O, LSE,
+    Q, K, V, BIAS, MASK, INDEX, O, LSE,
     sq_b, sq_h, sq_n, sq_d,
     sk_b, sk_h, sk_n, sk_d,
     sv_b, sv_h, sv_n, sv_d,
@@ -91,7 +97,7 @@ def _window_attention_fwd_kernel(
     scale, B_PER_W, G: tl.constexpr,
     NW, NH, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, TABLE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -108,7 +114,7 @@ def _window_attention_fwd_kernel(
     for m0 in range(0, N, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         row_ok = offs_m < N
-        bias = _bias_mask_tile(BIAS, MASK, h, w, offs_m, offs_n, N, HAS_MASK)
+        bias = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, offs_n, N, NH, HAS_MASK, TABLE)
         for i in range(i_start, i_end):
             b = (i * NW + w).to(tl.int64)
             q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_n + offs_d[None, :] * sq_d,
@@ -129,7 +135,7 @@ def _window_attention_fwd_kernel(
 
 @triton.jit(do_not_specialize=["B_PER_W", "NW", "NH", "FILL_SLOTS"])
 def _window_attention_bwd_kernel(
-    Q, K, V, O, DO, LSE, BIAS, MASK, DQ, DK, DV, DBIAS_PARTIAL,
+    Q, K, V, O, DO, LSE, BIAS, MASK, INDEX, DQ, DK, DV, DBIAS_PARTIAL,
     sq_b, sq_h, sq_n, sq_d,
     sk_b, sk_h, sk_n, sk_d,
     sv_b, sv_h, sv_n, sv_d,
@@ -141,7 +147,7 @@ def _window_attention_bwd_kernel(
     scale, B_PER_W, G: tl.constexpr, FILL_SLOTS, dkv_off,
     NW, NH, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, COMPUTE_DBIAS: tl.constexpr, PACKED: tl.constexpr,
+    UPCAST: tl.constexpr, COMPUTE_DBIAS: tl.constexpr, PACKED: tl.constexpr, TABLE: tl.constexpr,
 ):
     # PACKED: dq, dk, dv live in one buffer passed as DQ, dk at DQ + dkv_off and dv at DQ + 2 dkv_off
     # elements (DK and DV are not written), so that a traced launch mutates one whole tensor rather
@@ -165,7 +171,7 @@ def _window_attention_bwd_kernel(
     dbias_slot = DBIAS_PARTIAL + ((g * NW + w) * NH + h).to(tl.int64) * N * N
     if SINGLE_TILE:
         offs_m0 = tl.arange(0, BLOCK_M)
-        bias0 = _bias_mask_tile(BIAS, MASK, h, w, offs_m0, offs_n, N, HAS_MASK)
+        bias0 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m0, offs_n, N, NH, HAS_MASK, TABLE)
         dbias_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in range(i_start, i_end):
         b = (i * NW + w).to(tl.int64)
@@ -181,7 +187,7 @@ def _window_attention_bwd_kernel(
             if SINGLE_TILE:
                 bias = bias0
             else:
-                bias = _bias_mask_tile(BIAS, MASK, h, w, offs_m, offs_n, N, HAS_MASK)
+                bias = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, offs_n, N, NH, HAS_MASK, TABLE)
             q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_n + offs_d[None, :] * sq_d,
                         mask=row_ok[:, None], other=0.0)
             o = tl.load(O + b * so_b + h * so_h + offs_m[:, None] * so_n + offs_d[None, :] * so_d,
@@ -301,7 +307,7 @@ def _check_inputs(q, k, v, rel_bias, mask):
         raise ValueError(f"head width d must be a power of two in 16..128, got {d}")
     if n > 256:
         raise ValueError(f"window area N must be <= 256, got {n}")
-    if tuple(rel_bias.shape) != (nh, n, n):
+    if rel_bias is not None and tuple(rel_bias.shape) != (nh, n, n):
         raise ValueError(f"rel_bias must be (nH, N, N) = {(nh, n, n)}, got {tuple(rel_bias.shape)}")
     if mask is not None:
         if mask.dim() != 3 or tuple(mask.shape[1:]) != (n, n) or bnw % mask.shape[0]:
@@ -315,15 +321,17 @@ def _strides(t: torch.Tensor):
 # --------------------------------------------------------------------------------------------
 # Host functions
 # --------------------------------------------------------------------------------------------
-def window_attention_fwd(q, k, v, rel_bias, mask, scale):
-    """q, k, v: (B*nW, nH, N, d) fp16/bf16/fp32, any strides. rel_bias: (nH, N, N). mask: (nW, N, N)
-    or None. -> (out (B*nW, nH, N, d) in q.dtype (a view of a (B*nW, N, nH, d) buffer),
-    lse (B*nW, nH, N) fp32 base-2 logsumexp)."""
+def window_attention_fwd(q, k, v, rel_bias, mask, scale, index=None):
+    """q, k, v: (B*nW, nH, N, d) fp16/bf16/fp32, any strides. rel_bias: (nH, N, N), or with `index`
+    (N, N) the relative-position table (n_table, nH) that the kernel gathers from (rel_bias[h, i, j] =
+    table[index[i, j], h]). mask: (nW, N, N) or None. -> (out (B*nW, nH, N, d) in q.dtype (a view of a
+    (B*nW, N, nH, d) buffer), lse (B*nW, nH, N) fp32 base-2 logsumexp)."""
     bnw, nh, n, d = q.shape
     nw = 1 if mask is None else mask.shape[0]
     b_per_w = bnw // nw
     rel_bias = rel_bias.contiguous()
     mask_arg = rel_bias if mask is None else mask.contiguous()  # dummy pointer when no mask
+    index_arg = rel_bias if index is None else index.contiguous()  # dummy pointer without a table
     # The kernel writes the (B*nW, N, nH, d) buffer itself, through the strides of its permuted view:
     # a traced launch must mutate whole tensors, not views (Inductor copies views in and out).
     out_buf = _new_buffer((bnw, n, nh, d), q.dtype, q.device)
@@ -333,24 +341,30 @@ def window_attention_fwd(q, k, v, rel_bias, mask, scale):
     extra = dict(_INTERPRET_CONFIG) if _INTERPRET else {}
     grid = lambda meta: (nw * cdiv(b_per_w, meta["G"]), nh)  # noqa: E731
     launch(_fwd)[grid](
-        q, k, v, rel_bias, mask_arg, out_buf, lse,
+        q, k, v, rel_bias, mask_arg, index_arg, out_buf, lse,
         *_strides(q), *_strides(k), *_strides(v), *_strides(out),
         float(scale), b_per_w, NW=nw, NH=nh, N=n, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_MASK=mask is not None, PRECISION=_precision(q.dtype),
-        UPCAST=_INTERPRET and q.dtype == torch.bfloat16, **extra,
+        UPCAST=_INTERPRET and q.dtype == torch.bfloat16, TABLE=index is not None, **extra,
     )
     return out, lse
 
 
-def window_attention_bwd(q, k, v, out, lse, dout, rel_bias, mask, scale, compute_dbias=True, dqkv=None):
+def window_attention_bwd(q, k, v, out, lse, dout, rel_bias, mask, scale, compute_dbias=True, dqkv=None,
+                         index=None, inverse=None):
     """Gradients of window attention. Shapes as in `window_attention_fwd`; dout like out, any strides.
     dqkv: optional (B*nW, N, 3, nH, d) buffer to write dq, dk, dv into (timm's packed qkv layout).
-    -> (dq, dk, dv in q.dtype, d_rel_bias (nH, N, N) fp32 or None)."""
+    index, inverse: rel_bias is the relative-position table, gathered through index (as in the forward);
+    its gradient is summed from the per-program partials straight into the table's shape by
+    `rel_pos_table_grad` over `inverse` (`rel_pos_inverse(index)`).
+    -> (dq, dk, dv in q.dtype, d_rel_bias (nH, N, N) fp32, or with a table (n_table, nH) in its dtype;
+    None without compute_dbias)."""
     bnw, nh, n, d = q.shape
     nw = 1 if mask is None else mask.shape[0]
     b_per_w = bnw // nw
     rel_bias = rel_bias.contiguous()
     mask_arg = rel_bias if mask is None else mask.contiguous()
+    index_arg = rel_bias if index is None else index.contiguous()
     if dqkv is None:
         dq, dk, dv = (_new_buffer((bnw, nh, n, d), q.dtype, q.device) for _ in range(3))
         grads, dkv_off = (dq, dk, dv), 0
@@ -367,21 +381,24 @@ def window_attention_bwd(q, k, v, out, lse, dout, rel_bias, mask, scale, compute
     extra = dict(_INTERPRET_CONFIG) if _INTERPRET else {}
     grid = lambda meta: (nw * cdiv(b_per_w, meta["G"]), nh)  # noqa: E731
     launch(_bwd)[grid](
-        q, k, v, out, dout, lse, rel_bias, mask_arg, *grads, partial,
+        q, k, v, out, dout, lse, rel_bias, mask_arg, index_arg, *grads, partial,
         *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(dout),
         *_strides(dq), *_strides(dk), *_strides(dv),
         float(scale), b_per_w, FILL_SLOTS=fill_slots, dkv_off=dkv_off, PACKED=dqkv is not None,
         NW=nw, NH=nh, N=n, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_MASK=mask is not None, PRECISION=_precision(q.dtype),
-        UPCAST=_INTERPRET and q.dtype == torch.bfloat16, COMPUTE_DBIAS=compute_dbias, **extra,
+        UPCAST=_INTERPRET and q.dtype == torch.bfloat16, COMPUTE_DBIAS=compute_dbias, TABLE=index is not None,
+        **extra,
     )
     dbias = None
     if compute_dbias:
-        if traced:
-            dbias = partial.sum(dim=(0, 1))
-        else:
+        if not traced:
             g = _INTERPRET_CONFIG["G"] if _INTERPRET else _bwd.best_config.kwargs["G"]
-            dbias = partial[: cdiv(b_per_w, g)].sum(dim=(0, 1))
+            partial = partial[: cdiv(b_per_w, g)]
+        if index is None:
+            dbias = partial.sum(dim=(0, 1))
+        else:  # slots and windows summed in the same launch as the table rows
+            dbias = rel_pos_table_grad_host(partial.view(-1, nh, n * n), inverse, rel_bias.dtype)
     return dq, dk, dv, dbias
 
 
@@ -431,6 +448,37 @@ def _window_attention_qkv_bwd_op(qkv: torch.Tensor, out: torch.Tensor, lse: torc
 def _(qkv, out, lse, dout, rel_bias, mask, scale, compute_dbias):
     return (torch.empty_like(qkv, memory_format=torch.contiguous_format),
             rel_bias.new_empty(rel_bias.shape if compute_dbias else (0,)))
+
+
+@kernel_op("swinbench::window_attention_table_fwd")
+def _window_attention_table_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
+                                   index: torch.Tensor, mask: Optional[torch.Tensor], scale: float
+                                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    return window_attention_fwd(q, k, v, table, mask, scale, index=index)
+
+
+@_window_attention_table_fwd_op.register_fake
+def _(q, k, v, table, index, mask, scale):
+    bnw, nh, n, d = q.shape
+    return q.new_empty((bnw, n, nh, d)).permute(0, 2, 1, 3), q.new_empty((bnw, nh, n), dtype=torch.float32)
+
+
+@kernel_op("swinbench::window_attention_qkv_table_bwd")
+def _window_attention_qkv_table_bwd_op(qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+                                       table: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor,
+                                       mask: Optional[torch.Tensor], scale: float, compute_dbias: bool
+                                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    dqkv = _new_buffer(qkv.shape, qkv.dtype, qkv.device)
+    _, _, _, dtable = window_attention_bwd(q, k, v, out, lse, dout, table, mask, scale, compute_dbias, dqkv=dqkv,
+                                           index=index, inverse=inverse)
+    return dqkv, (dtable if dtable is not None else table.new_zeros(0))
+
+
+@_window_attention_qkv_table_bwd_op.register_fake
+def _(qkv, out, lse, dout, table, index, inverse, mask, scale, compute_dbias):
+    return (torch.empty_like(qkv, memory_format=torch.contiguous_format),
+            table.new_empty(table.shape if compute_dbias else (0,)))
 
 
 class WindowAttentionFunction(torch.autograd.Function):
@@ -487,6 +535,50 @@ def fused_window_attention_qkv(qkv, rel_bias, mask=None, scale=None):
     return WindowAttentionQKVFunction.apply(qkv, rel_bias, mask, float(scale))
 
 
+class WindowAttentionQKVTableFunction(torch.autograd.Function):
+    """As WindowAttentionQKVFunction, with the relative-position table itself as the differentiable input:
+    the kernels gather the bias from it through the index, and the backward sums the per-program bias
+    partials straight into the table's gradient (one launch), so no (nH, N, N) bias exists in memory."""
+
+    @staticmethod
+    def forward(ctx, qkv, table, index, inverse, mask, scale):
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        out, lse = _window_attention_table_fwd_op(q, k, v, table, index, mask, scale)
+        ctx.save_for_backward(qkv, out, lse, table, index, inverse, mask)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        qkv, out, lse, table, index, inverse, mask = ctx.saved_tensors
+        compute_dbias = ctx.needs_input_grad[1]
+        dqkv, dtable = _window_attention_qkv_table_bwd_op(qkv, out, lse, dout, table, index, inverse, mask,
+                                                          ctx.scale, compute_dbias)
+        return dqkv, (dtable if compute_dbias else None), None, None, None, None
+
+
+def fused_window_attention_table(qkv, table, index, inverse, mask=None, scale=None):
+    """fused_window_attention_qkv with the bias gathered from the relative-position table inside the
+    kernels: table (n_table, nH) (timm's relative_position_bias_table), index (N, N) (timm's
+    relative_position_index, values < n_table), inverse = rel_pos_inverse(index, n_table). The table
+    gets the gradient; returns (B*nW, nH, N, d) in qkv.dtype."""
+    if qkv.dim() != 5 or qkv.shape[2] != 3:
+        raise ValueError(f"qkv must be (B*nW, N, 3, nH, d), got {tuple(qkv.shape)}")
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    n, nh = q.shape[2], q.shape[1]
+    if table.dim() != 2 or table.shape[1] != nh:
+        raise ValueError(f"table must be (n_table, nH={nh}), got {tuple(table.shape)}")
+    if tuple(index.shape) != (n, n) or inverse.dim() != 2 or inverse.shape[0] != table.shape[0]:
+        raise ValueError(f"index must be ({n}, {n}) and inverse ({table.shape[0]}, P), got "
+                         f"{tuple(index.shape)} and {tuple(inverse.shape)}")
+    _check_inputs(q, k, v, None, mask)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if mask is not None:
+        mask = mask.detach()
+    return WindowAttentionQKVTableFunction.apply(qkv, table, index, inverse, mask, float(scale))
+
+
 def fused_window_attention(q, k, v, rel_bias, mask=None, scale=None):
     """softmax(q @ k^T * scale + rel_bias + mask[b % nW]) @ v, fused, forward and backward.
 
@@ -506,17 +598,20 @@ def fused_window_attention(q, k, v, rel_bias, mask=None, scale=None):
 # The relative-position table's gradient
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _rel_pos_grad_kernel(D_REL, INV, OUT, n_table, n_pairs, n_heads, P: tl.constexpr, BLOCK_T: tl.constexpr):
-    """OUT[t, h] = sum of D_REL[h, i*N + j] over the pairs whose relative position is table row t, listed
-    in INV[t, :P] (-1 padded). Every row is written once, summed in a fixed order: no memset, no atomics,
-    the same bits on every run."""
+def _rel_pos_grad_kernel(D_REL, INV, OUT, n_lead, n_table, n_pairs, n_heads, P: tl.constexpr, BLOCK_T: tl.constexpr):
+    """OUT[t, h] = sum over s < n_lead of D_REL[s, h, i*N + j] over the pairs whose relative position is
+    table row t, listed in INV[t, :P] (-1 padded). D_REL is (n_lead, n_heads, n_pairs): one bias gradient
+    (n_lead 1), or the attention backward's per-program partials. Every row is written once, summed in a
+    fixed order: no memset, no atomics, the same bits on every run."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1)
     p = tl.arange(0, P)
     t_mask = t < n_table
     pairs = tl.load(INV + t[:, None] * P + p[None, :], mask=t_mask[:, None], other=-1)
-    vals = tl.load(D_REL + h * n_pairs + pairs, mask=pairs >= 0, other=0.0).to(tl.float32)
-    tl.store(OUT + t * n_heads + h, tl.sum(vals, axis=1).to(OUT.dtype.element_ty), mask=t_mask)
+    acc = tl.zeros([BLOCK_T, P], dtype=tl.float32)
+    for s in range(0, n_lead):
+        acc += tl.load(D_REL + (s * n_heads + h).to(tl.int64) * n_pairs + pairs, mask=pairs >= 0, other=0.0).to(tl.float32)
+    tl.store(OUT + t * n_heads + h, tl.sum(acc, axis=1).to(OUT.dtype.element_ty), mask=t_mask)
 
 
 def rel_pos_inverse(index: torch.Tensor, n_table: int) -> torch.Tensor:
@@ -535,18 +630,24 @@ def rel_pos_inverse(index: torch.Tensor, n_table: int) -> torch.Tensor:
     return inverse
 
 
-@kernel_op("swinbench::rel_pos_table_grad")
-def rel_pos_table_grad(d_rel: torch.Tensor, inverse: torch.Tensor, table_dtype: torch.dtype) -> torch.Tensor:
-    """The relative-position table's gradient (n_table, nH) in table_dtype from the bias's (nH, N, N)
-    gradient and `rel_pos_inverse`: one launch (instead of a memset and an index_add_), deterministic."""
-    n_heads = d_rel.shape[0]
+def rel_pos_table_grad_host(d_rel: torch.Tensor, inverse: torch.Tensor, table_dtype: torch.dtype) -> torch.Tensor:
+    """(n_table, nH) in table_dtype: the sum over d_rel's leading slices (n_lead, nH, N*N) of the table
+    rows' pairs (`_rel_pos_grad_kernel`), one launch."""
+    n_lead, n_heads, n_pairs = d_rel.shape
     n_table, width = inverse.shape
     d_rel = d_rel.contiguous()
     out = _new_buffer((n_table, n_heads), table_dtype, d_rel.device)
     block_t = max(1, min(64, 2048 // width))
     launch(_rel_pos_grad_kernel)[(cdiv(n_table, block_t), n_heads)](
-        d_rel, inverse, out, n_table, d_rel[0].numel(), n_heads, P=width, BLOCK_T=block_t, num_warps=4)
+        d_rel, inverse, out, n_lead, n_table, n_pairs, n_heads, P=width, BLOCK_T=block_t, num_warps=4)
     return out
+
+
+@kernel_op("swinbench::rel_pos_table_grad")
+def rel_pos_table_grad(d_rel: torch.Tensor, inverse: torch.Tensor, table_dtype: torch.dtype) -> torch.Tensor:
+    """The relative-position table's gradient (n_table, nH) in table_dtype from the bias's (nH, N, N)
+    gradient and `rel_pos_inverse`: one launch (instead of a memset and an index_add_), deterministic."""
+    return rel_pos_table_grad_host(d_rel.reshape(1, d_rel.shape[0], -1), inverse, table_dtype)
 
 
 @rel_pos_table_grad.register_fake

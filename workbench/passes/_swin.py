@@ -57,12 +57,12 @@ def autocast_input_dtype(x: torch.Tensor) -> torch.dtype | None:
 
 def _input_goes_to_linear(module: torch.nn.Module, linear: str, class_forward, patched_forward) -> bool:
     """Whether `module` passes its input straight to its nn.Linear `linear`: its forward is the class's
-    `class_forward` (not replaced on the instance) or our `patched_forward` bound to it."""
+    `class_forward` (not replaced on the instance) or one of our `patched_forward` functions bound to it."""
     if not isinstance(getattr(module, linear, None), torch.nn.Linear):
         return False
     fwd = vars(module).get("forward")
     if fwd is not None:
-        return getattr(fwd, "__func__", None) is patched_forward
+        return getattr(fwd, "__func__", None) in patched_forward
     return type(module).forward is class_forward
 
 
@@ -71,9 +71,9 @@ def attn_input_goes_to_linear(attn: torch.nn.Module) -> bool:
     timm's WindowAttention forward, or fused_attention's."""
     from timm.models.swin_transformer import WindowAttention
 
-    from .fused_attention import fused_window_attention_forward
+    from .fused_attention import PATCHED_FORWARDS
 
-    return _input_goes_to_linear(attn, "qkv", WindowAttention.forward, fused_window_attention_forward)
+    return _input_goes_to_linear(attn, "qkv", WindowAttention.forward, PATCHED_FORWARDS)
 
 
 def mlp_input_goes_to_linear(mlp: torch.nn.Module) -> bool:
@@ -83,7 +83,7 @@ def mlp_input_goes_to_linear(mlp: torch.nn.Module) -> bool:
 
     from .fused_linear import mlp_forward_fused
 
-    return _input_goes_to_linear(mlp, "fc1", Mlp.forward, mlp_forward_fused)
+    return _input_goes_to_linear(mlp, "fc1", Mlp.forward, (mlp_forward_fused,))
 
 
 def gather_rel_pos_bias(table: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:

@@ -15,7 +15,8 @@ import types
 import torch
 
 from . import PassContext, PassResult, PassUnavailable, require_triton
-from ._swin import add_rel_pos_inverse, rel_pos_bias
+from ..errors import UserError
+from ._swin import INVERSE_BUFFER, add_rel_pos_inverse, rel_pos_bias
 
 NAME = "fused_attention"
 
@@ -34,8 +35,34 @@ def fused_window_attention_forward(self, x: torch.Tensor, mask: torch.Tensor | N
     return x
 
 
-def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, PassResult]:
-    """Patch every timm WindowAttention in `model` in place -> (model, PassResult)."""
+def fused_window_attention_forward_table(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """As fused_window_attention_forward, with the bias gathered from the table inside the kernels and the
+    table's gradient summed from the kernel's partials in one launch (`fused_window_attention_table`)."""
+    from ..kernels.window_attention import fused_window_attention_table
+
+    B_, N, C = x.shape
+    qkv = self.qkv(x).reshape(B_, N, 3, self.num_heads, -1)
+    x = fused_window_attention_table(qkv, self.relative_position_bias_table, self.relative_position_index,
+                                     getattr(self, INVERSE_BUFFER), mask, self.scale)
+    x = x.transpose(1, 2).reshape(B_, N, -1)
+    x = self.proj(x)
+    x = self.proj_drop(x)
+    return x
+
+
+PATCHED_FORWARDS = (fused_window_attention_forward, fused_window_attention_forward_table)
+BIAS_MODES = ("gather", "table")
+
+
+def apply(model: torch.nn.Module, ctx: PassContext, bias: str = "gather") -> tuple[torch.nn.Module, PassResult]:
+    """Patch every timm WindowAttention in `model` in place -> (model, PassResult).
+
+    bias: 'gather' (default) gathers the (nH, N, N) bias from timm's table in one launch before the
+    kernel; 'table' has the kernels read the table through the index themselves and the backward sum
+    the bias gradient straight into the table (two launches fewer per block). A module with its own
+    bias computation keeps 'gather'."""
+    if bias not in BIAS_MODES:
+        raise UserError(f"pass fused_attention: bias must be one of {', '.join(BIAS_MODES)}, not {bias!r}")
     try:
         from timm.models.swin_transformer import WindowAttention
 
@@ -44,24 +71,33 @@ def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, Pa
         raise PassUnavailable(f"fused window attention kernel not importable: {exc}") from exc
     require_triton(ctx.device)
 
-    patched, skipped_dropout = 0, 0
+    patched, skipped_dropout, table_modules = 0, 0, 0
     for module in model.modules():
         if not isinstance(module, WindowAttention):
             continue
         if module.attn_drop.p > 0:
             skipped_dropout += 1  # the kernel has no attention dropout: keep timm's path
             continue
-        module.forward = types.MethodType(fused_window_attention_forward, module)
-        add_rel_pos_inverse(module)
+        has_inverse = add_rel_pos_inverse(module)
+        table = (bias == "table" and has_inverse
+                 and type(module)._get_rel_pos_bias is WindowAttention._get_rel_pos_bias)
+        forward = fused_window_attention_forward_table if table else fused_window_attention_forward
+        module.forward = types.MethodType(forward, module)
         patched += 1
+        table_modules += bool(table)
     if patched == 0 and skipped_dropout == 0:
         raise PassUnavailable("no timm WindowAttention modules in this model")
     changed = f"{patched} WindowAttention -> fused Triton window attention (fwd+bwd)"
     if skipped_dropout:
         changed += f"; {skipped_dropout} left on timm's path (attn_drop > 0)"
+    if bias == "table":
+        changed += f", {table_modules} reading the bias table in-kernel"
     details = {
         "patched_modules": patched,
         "skipped_attn_dropout": skipped_dropout,
-        "implementation": "workbench.kernels.window_attention.fused_window_attention_qkv (Triton)",
+        "bias": bias,
+        "table_modules": table_modules,
+        "implementation": ("workbench.kernels.window_attention.fused_window_attention_table (Triton)" if table_modules
+                           else "workbench.kernels.window_attention.fused_window_attention_qkv (Triton)"),
     }
-    return model, PassResult(NAME, {}, changed, details)
+    return model, PassResult(NAME, {"bias": bias} if bias != "gather" else {}, changed, details)
