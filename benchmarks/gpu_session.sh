@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work: correctness on the GPU, kernel benchmarks, profile, apply.
 # Usage (on the GPU machine, from the repo root): benchmarks/gpu_session.sh PART...   PART in
-#   tests | tests2 | next-tests | next-tests2 | table-ab | next-graphs | next-prof | zero-sums | interleave-eager | paired-compile2 | paired-eager2 | paired-compile | paired-eager | colsums | compile-static | compile-cpp | attn-tests | inplace | fastlaunch-ab | fastlaunch-host | fastlaunch-quick | compile-pair | maxnreg | prof-graphs-ab | fastlaunch | graphs-ab | master-ab | traced | compile-diag | compile-variants | compile-apply | prof-compile | wbench | linear | threads | sweep | sweepb | norms | dense-apply | scale | infer-quick | prof-api | prof-block | block | host | chain | graphs | dense | infer | prof-fmha | window | kernels | attn | diag | benches | graph | last | quick | profile | apply-apex | apply-fmha
+#   tests | tests2 | next-tests | next-tests2 | next-tests3 | table-ab | next-graphs | next-prof | zero-sums | interleave-eager | paired-compile2 | paired-eager2 | paired-compile | paired-eager | colsums | compile-static | compile-cpp | attn-tests | inplace | fastlaunch-ab | fastlaunch-host | fastlaunch-quick | compile-pair | maxnreg | prof-graphs-ab | fastlaunch | graphs-ab | master-ab | traced | compile-diag | compile-variants | compile-apply | prof-compile | wbench | linear | threads | sweep | sweepb | norms | dense-apply | scale | infer-quick | prof-api | prof-block | block | host | chain | graphs | dense | infer | prof-fmha | window | kernels | attn | diag | benches | graph | last | quick | profile | apply-apex | apply-fmha
 # Results go to $OUT (or ./gpu-out), packed into one tarball so they come back in one file.
 set -uo pipefail
 out=${OUT:-gpu-out}; mkdir -p "$out/r"
@@ -35,6 +35,7 @@ for part in "$@"; do
                tests/test_kernel_ops.py 2>&1 | tail -9 ;;
     next-tests2) timeout 540 python3 -m pytest -q -p no:cacheprovider --durations=5 tests/test_pass_fused_attention.py \
                tests/test_compile_fused_passes.py 2>&1 | tail -9 ;;
+    next-tests3) timeout 540 python3 -m pytest -q -p no:cacheprovider --durations=5 tests/test_window_attention.py 2>&1 | tail -9 ;;
     next-graphs) timeout 540 swinbench apply --recipe fmha --stages amp,fmha,fmha-graph,torch-compile-graphs,fmha-compile-graphs \
                --model swin_base_patch4_window7_224 --batch 64 --out "$out/r/apply_next_graphs" 2>&1 | tail -24 ;;
     next-prof) timeout 300 swinbench apply --recipe fmha --stages amp,fmha --profile --interleave 10 \
