@@ -411,10 +411,15 @@ def _window_attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return window_attention_fwd(q, k, v, rel_bias, mask, scale)
 
 
-@_window_attention_fwd_op.register_fake
-def _(q, k, v, rel_bias, mask, scale):
+def _fwd_outputs_like(q):
+    """Fake (out, lse) of a forward op: out a permuted view of a (B*nW, N, nH, d) buffer, lse fp32."""
     bnw, nh, n, d = q.shape
     return q.new_empty((bnw, n, nh, d)).permute(0, 2, 1, 3), q.new_empty((bnw, nh, n), dtype=torch.float32)
+
+
+@_window_attention_fwd_op.register_fake
+def _(q, k, v, rel_bias, mask, scale):
+    return _fwd_outputs_like(q)
 
 
 @kernel_op("swinbench::window_attention_bwd")
@@ -438,16 +443,27 @@ def _(q, k, v, out, lse, dout, rel_bias, mask, scale, compute_dbias):
 def _window_attention_qkv_bwd_op(qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
                                  rel_bias: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
                                  compute_dbias: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _qkv_bwd(qkv, out, lse, dout, rel_bias, mask, scale, compute_dbias)
+
+
+def _qkv_bwd(qkv, out, lse, dout, bias, mask, scale, compute_dbias, index=None, inverse=None):
+    """(dqkv written whole in timm's packed layout, the bias's gradient in its dtype, or an empty tensor
+    without compute_dbias); with index/inverse, bias is the table (window_attention_bwd)."""
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
     dqkv = _new_buffer(qkv.shape, qkv.dtype, qkv.device)
-    _, _, _, dbias = window_attention_bwd(q, k, v, out, lse, dout, rel_bias, mask, scale, compute_dbias, dqkv=dqkv)
-    return dqkv, (dbias.to(rel_bias.dtype) if dbias is not None else rel_bias.new_zeros(0))
+    _, _, _, dbias = window_attention_bwd(q, k, v, out, lse, dout, bias, mask, scale, compute_dbias, dqkv=dqkv,
+                                          index=index, inverse=inverse)
+    return dqkv, (dbias.to(bias.dtype) if dbias is not None else bias.new_zeros(0))
+
+
+def _qkv_bwd_outputs_like(qkv, bias, compute_dbias):
+    return (torch.empty_like(qkv, memory_format=torch.contiguous_format),
+            bias.new_empty(bias.shape if compute_dbias else (0,)))
 
 
 @_window_attention_qkv_bwd_op.register_fake
 def _(qkv, out, lse, dout, rel_bias, mask, scale, compute_dbias):
-    return (torch.empty_like(qkv, memory_format=torch.contiguous_format),
-            rel_bias.new_empty(rel_bias.shape if compute_dbias else (0,)))
+    return _qkv_bwd_outputs_like(qkv, rel_bias, compute_dbias)
 
 
 @kernel_op("swinbench::window_attention_table_fwd")
@@ -459,8 +475,7 @@ def _window_attention_table_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Te
 
 @_window_attention_table_fwd_op.register_fake
 def _(q, k, v, table, index, mask, scale):
-    bnw, nh, n, d = q.shape
-    return q.new_empty((bnw, n, nh, d)).permute(0, 2, 1, 3), q.new_empty((bnw, nh, n), dtype=torch.float32)
+    return _fwd_outputs_like(q)
 
 
 @kernel_op("swinbench::window_attention_qkv_table_bwd")
@@ -468,17 +483,12 @@ def _window_attention_qkv_table_bwd_op(qkv: torch.Tensor, out: torch.Tensor, lse
                                        table: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor,
                                        mask: Optional[torch.Tensor], scale: float, compute_dbias: bool
                                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-    dqkv = _new_buffer(qkv.shape, qkv.dtype, qkv.device)
-    _, _, _, dtable = window_attention_bwd(q, k, v, out, lse, dout, table, mask, scale, compute_dbias, dqkv=dqkv,
-                                           index=index, inverse=inverse)
-    return dqkv, (dtable if dtable is not None else table.new_zeros(0))
+    return _qkv_bwd(qkv, out, lse, dout, table, mask, scale, compute_dbias, index=index, inverse=inverse)
 
 
 @_window_attention_qkv_table_bwd_op.register_fake
 def _(qkv, out, lse, dout, table, index, inverse, mask, scale, compute_dbias):
-    return (torch.empty_like(qkv, memory_format=torch.contiguous_format),
-            table.new_empty(table.shape if compute_dbias else (0,)))
+    return _qkv_bwd_outputs_like(qkv, table, compute_dbias)
 
 
 class WindowAttentionFunction(torch.autograd.Function):
