@@ -513,22 +513,32 @@ class WindowAttentionFunction(torch.autograd.Function):
 class WindowAttentionQKVFunction(torch.autograd.Function):
     """As WindowAttentionFunction, for q, k, v packed in one (B*nW, N, 3, nH, d) tensor (timm's
     qkv Linear output, reshaped). The gradient is written straight into one packed buffer, which
-    saves autograd's stack of dq, dk, dv and the copy its reshape back to (B*nW, N, 3C) needs."""
+    saves autograd's stack of dq, dk, dv and the copy its reshape back to (B*nW, N, 3C) needs.
+    With index and inverse, `bias` is the relative-position table itself: the kernels gather the bias
+    from it through the index, and the backward sums the per-program bias partials straight into the
+    table's gradient (one launch), so no (nH, N, N) bias exists in memory."""
 
     @staticmethod
-    def forward(ctx, qkv, rel_bias, mask, scale):
+    def forward(ctx, qkv, bias, mask, scale, index, inverse):
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-        out, lse = _window_attention_fwd_op(q, k, v, rel_bias, mask, scale)
-        ctx.save_for_backward(qkv, out, lse, rel_bias, mask)
+        if index is None:
+            out, lse = _window_attention_fwd_op(q, k, v, bias, mask, scale)
+        else:
+            out, lse = _window_attention_table_fwd_op(q, k, v, bias, index, mask, scale)
+        ctx.save_for_backward(qkv, out, lse, bias, mask, index, inverse)
         ctx.scale = scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        qkv, out, lse, rel_bias, mask = ctx.saved_tensors
+        qkv, out, lse, bias, mask, index, inverse = ctx.saved_tensors
         compute_dbias = ctx.needs_input_grad[1]
-        dqkv, dbias = _window_attention_qkv_bwd_op(qkv, out, lse, dout, rel_bias, mask, ctx.scale, compute_dbias)
-        return dqkv, (dbias if compute_dbias else None), None, None
+        if index is None:
+            dqkv, dbias = _window_attention_qkv_bwd_op(qkv, out, lse, dout, bias, mask, ctx.scale, compute_dbias)
+        else:
+            dqkv, dbias = _window_attention_qkv_table_bwd_op(qkv, out, lse, dout, bias, index, inverse, mask,
+                                                             ctx.scale, compute_dbias)
+        return dqkv, (dbias if compute_dbias else None), None, None, None, None
 
 
 def fused_window_attention_qkv(qkv, rel_bias, mask=None, scale=None):
@@ -542,29 +552,7 @@ def fused_window_attention_qkv(qkv, rel_bias, mask=None, scale=None):
         scale = q.shape[-1] ** -0.5
     if mask is not None:
         mask = mask.detach()
-    return WindowAttentionQKVFunction.apply(qkv, rel_bias, mask, float(scale))
-
-
-class WindowAttentionQKVTableFunction(torch.autograd.Function):
-    """As WindowAttentionQKVFunction, with the relative-position table itself as the differentiable input:
-    the kernels gather the bias from it through the index, and the backward sums the per-program bias
-    partials straight into the table's gradient (one launch), so no (nH, N, N) bias exists in memory."""
-
-    @staticmethod
-    def forward(ctx, qkv, table, index, inverse, mask, scale):
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-        out, lse = _window_attention_table_fwd_op(q, k, v, table, index, mask, scale)
-        ctx.save_for_backward(qkv, out, lse, table, index, inverse, mask)
-        ctx.scale = scale
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        qkv, out, lse, table, index, inverse, mask = ctx.saved_tensors
-        compute_dbias = ctx.needs_input_grad[1]
-        dqkv, dtable = _window_attention_qkv_table_bwd_op(qkv, out, lse, dout, table, index, inverse, mask,
-                                                          ctx.scale, compute_dbias)
-        return dqkv, (dtable if compute_dbias else None), None, None, None, None
+    return WindowAttentionQKVFunction.apply(qkv, rel_bias, mask, float(scale), None, None)
 
 
 def fused_window_attention_table(qkv, table, index, inverse, mask=None, scale=None):
@@ -586,7 +574,7 @@ def fused_window_attention_table(qkv, table, index, inverse, mask=None, scale=No
         scale = q.shape[-1] ** -0.5
     if mask is not None:
         mask = mask.detach()
-    return WindowAttentionQKVTableFunction.apply(qkv, table, index, inverse, mask, float(scale))
+    return WindowAttentionQKVFunction.apply(qkv, table, mask, float(scale), index, inverse)
 
 
 def fused_window_attention(q, k, v, rel_bias, mask=None, scale=None):
