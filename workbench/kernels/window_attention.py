@@ -541,18 +541,25 @@ class WindowAttentionQKVFunction(torch.autograd.Function):
         return dqkv, (dbias if compute_dbias else None), None, None, None, None
 
 
+def _packed_qkv(qkv):
+    if qkv.dim() != 5 or qkv.shape[2] != 3:
+        raise ValueError(f"qkv must be (B*nW, N, 3, nH, d), got {tuple(qkv.shape)}")
+    return qkv.permute(2, 0, 3, 1, 4).unbind(0)
+
+
+def _apply_qkv(qkv, bias, mask, scale, index=None, inverse=None):
+    if scale is None:
+        scale = qkv.shape[-1] ** -0.5  # d ** -0.5
+    return WindowAttentionQKVFunction.apply(qkv, bias, None if mask is None else mask.detach(), float(scale),
+                                            index, inverse)
+
+
 def fused_window_attention_qkv(qkv, rel_bias, mask=None, scale=None):
     """fused_window_attention on q, k, v packed as timm packs them: qkv (B*nW, N, 3, nH, d), i.e.
     `self.qkv(x).reshape(B_, N, 3, nH, d)`. Returns (B*nW, nH, N, d) in qkv.dtype."""
-    if qkv.dim() != 5 or qkv.shape[2] != 3:
-        raise ValueError(f"qkv must be (B*nW, N, 3, nH, d), got {tuple(qkv.shape)}")
-    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    q, k, v = _packed_qkv(qkv)
     _check_inputs(q, k, v, rel_bias, mask)
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
-    if mask is not None:
-        mask = mask.detach()
-    return WindowAttentionQKVFunction.apply(qkv, rel_bias, mask, float(scale), None, None)
+    return _apply_qkv(qkv, rel_bias, mask, scale)
 
 
 def fused_window_attention_table(qkv, table, index, inverse, mask=None, scale=None):
@@ -560,9 +567,7 @@ def fused_window_attention_table(qkv, table, index, inverse, mask=None, scale=No
     kernels: table (n_table, nH) (timm's relative_position_bias_table), index (N, N) (timm's
     relative_position_index, values < n_table), inverse = rel_pos_inverse(index, n_table). The table
     gets the gradient; returns (B*nW, nH, N, d) in qkv.dtype."""
-    if qkv.dim() != 5 or qkv.shape[2] != 3:
-        raise ValueError(f"qkv must be (B*nW, N, 3, nH, d), got {tuple(qkv.shape)}")
-    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    q, k, v = _packed_qkv(qkv)
     n, nh = q.shape[2], q.shape[1]
     if table.dim() != 2 or table.shape[1] != nh:
         raise ValueError(f"table must be (n_table, nH={nh}), got {tuple(table.shape)}")
@@ -570,11 +575,7 @@ def fused_window_attention_table(qkv, table, index, inverse, mask=None, scale=No
         raise ValueError(f"index must be ({n}, {n}) and inverse ({table.shape[0]}, P), got "
                          f"{tuple(index.shape)} and {tuple(inverse.shape)}")
     _check_inputs(q, k, v, None, mask)
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
-    if mask is not None:
-        mask = mask.detach()
-    return WindowAttentionQKVFunction.apply(qkv, table, mask, float(scale), index, inverse)
+    return _apply_qkv(qkv, table, mask, scale, index, inverse)
 
 
 def fused_window_attention(q, k, v, rel_bias, mask=None, scale=None):
