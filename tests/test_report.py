@@ -237,3 +237,16 @@ def test_terminal_summary_names_the_largest_kernel_changes():
     console = Console(width=200, record=True)
     render_speedup_table(recs, console)
     assert "fmha against amp, largest GPU kernel changes (ms per step): c +3.00, a -2.00, b -2.00" in console.export_text()
+
+
+def test_terminal_summary_points_host_bound_stages_at_interleave():
+    from rich.console import Console
+
+    from workbench.report import render_speedup_table
+
+    recs = [record(0, "amp", "baseline", 50.0), record(1, "fmha", "amp", 40.0)]
+    recs[1]["timing"] = {**recs[1]["timing"], "samples_ms": [36.0, 40.0, 44.0, 52.0], "iqr_ms": 6.0}
+    console = Console(width=200, record=True)
+    render_speedup_table(recs, console)
+    text = console.export_text()
+    assert "fmha: step times spread widely (likely bound by the host)" in text and "--interleave N" in text

@@ -166,6 +166,10 @@ def render_speedup_table(records: list[dict], console) -> None:
     if (df["x_baseline_cross_run"] | df["x_previous_cross_run"]).any():
         console.print(CROSS_RUN_NOTE)
     timed = [r for r in records if r.get("interleaved")]
+    spread = [r["stage"] for r in records if _spread_note(r)]
+    if spread and not timed:
+        console.print(f"{', '.join(spread)}: step times spread widely (likely bound by the host); their ratios depend "
+                      "on this machine's load: --interleave N times the stages again in alternation")
     if timed:
         e0 = timed[0]["interleaved"]
         console.print(f"timed in alternation ({e0['rounds']} rounds of {e0['block']} steps, one process), paired: "
