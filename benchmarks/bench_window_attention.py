@@ -13,7 +13,11 @@ both (autograd.grad, so nothing accumulates). The table gather is inside every t
                one backend forced each (a backend that refuses the inputs is reported, not timed)
   flex         torch.nn.attention.flex_attention (torch.compile'd) with a score_mod that adds
                bias[h] and mask[b % nW]; compile time reported separately
-  fused        workbench.kernels.fused_window_attention_qkv (the fused_attention pass's call)
+  fused        workbench.kernels.fused_window_attention_qkv on timm's gathered bias (the kernel alone)
+  fused_pass   as the fused_attention pass runs it (bias: gather): one index_select gather, and the table's
+               gradient in one Triton launch over the index's inverse (`_swin.RelPosBias`)
+  fused_table  fused_attention with bias: table: the kernels read the table through the index, and the
+               backward sums the bias partials into the table's rows (`fused_window_attention_table`)
   fused_views  fused_window_attention on q, k, v unbound from qkv (autograd stacks dq, dk, dv)
 Stages 1-3 use the shifted-window mask (the more expensive block); stage 4 (one window) has none.
 
@@ -49,6 +53,7 @@ from timm.models.swin_transformer import get_relative_position_index  # noqa: E4
 
 from workbench.env import device_label, environment_stamp  # noqa: E402
 from workbench.timing import cuda_graph_us  # noqa: E402
+from workbench.kernels import window_attention as wa  # noqa: E402
 from workbench.kernels.window_attention import (  # noqa: E402
     fused_window_attention,
     fused_window_attention_qkv,
@@ -85,7 +90,8 @@ def make_inputs(shape: dict, device: str, dtype=torch.bfloat16, seed: int = 0) -
         region = torch.randint(0, 4, (shape["nw"], n), generator=g, device=device)
         mask = torch.where(region[:, :, None] == region[:, None, :], 0.0, -100.0)
     dout = torch.randn(bnw, nh, n, d, generator=g, device=device).to(dtype)
-    return dict(qkv=qkv, table=table, index=index, mask=mask, dout=dout, scale=d ** -0.5)
+    inverse = wa.rel_pos_inverse(index, table.shape[0])
+    return dict(qkv=qkv, table=table, index=index, inverse=inverse, mask=mask, dout=dout, scale=d ** -0.5)
 
 
 def rel_bias(t: dict) -> torch.Tensor:
@@ -155,6 +161,17 @@ def fused_attention(t: dict) -> torch.Tensor:
     return fused_window_attention_qkv(t["qkv"], rel_bias(t), t["mask"], t["scale"])
 
 
+def fused_attention_pass(t: dict) -> torch.Tensor:
+    from workbench.passes._swin import RelPosBias
+
+    bias = RelPosBias.apply(t["table"], t["index"], t["index"].shape[0], t["inverse"])
+    return fused_window_attention_qkv(t["qkv"], bias, t["mask"], t["scale"])
+
+
+def fused_attention_table(t: dict) -> torch.Tensor:
+    return wa.fused_window_attention_table(t["qkv"], t["table"], t["index"], t["inverse"], t["mask"], t["scale"])
+
+
 def fused_attention_views(t: dict) -> torch.Tensor:
     q, k, v = unbind_qkv(t["qkv"])
     return fused_window_attention(q, k, v, rel_bias(t), t["mask"], t["scale"])
@@ -169,6 +186,8 @@ def methods(device: str) -> dict:
         if flex is not None:
             table["flex"] = flex
     table["fused"] = fused_attention
+    table["fused_pass"] = fused_attention_pass
+    table["fused_table"] = fused_attention_table
     table["fused_views"] = fused_attention_views
     return table
 

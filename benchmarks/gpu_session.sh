@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work: correctness on the GPU, kernel benchmarks, profile, apply.
 # Usage (on the GPU machine, from the repo root): benchmarks/gpu_session.sh PART...   PART in
-#   tests | tests2 | next-tests | next-tests2 | next-tests3 | table-ab | next-graphs | next-prof | zero-sums | interleave-eager | paired-compile2 | paired-eager2 | paired-compile | paired-eager | colsums | compile-static | compile-cpp | attn-tests | inplace | fastlaunch-ab | fastlaunch-host | fastlaunch-quick | compile-pair | maxnreg | prof-graphs-ab | fastlaunch | graphs-ab | master-ab | traced | compile-diag | compile-variants | compile-apply | prof-compile | wbench | linear | threads | sweep | sweepb | norms | dense-apply | scale | infer-quick | prof-api | prof-block | block | host | chain | graphs | dense | infer | prof-fmha | window | kernels | attn | diag | benches | graph | last | quick | profile | apply-apex | apply-fmha
+#   tests | tests2 | next-tests | next-tests2 | next-tests3 | attn-table | table-ab | next-graphs | next-prof | zero-sums | interleave-eager | paired-compile2 | paired-eager2 | paired-compile | paired-eager | colsums | compile-static | compile-cpp | attn-tests | inplace | fastlaunch-ab | fastlaunch-host | fastlaunch-quick | compile-pair | maxnreg | prof-graphs-ab | fastlaunch | graphs-ab | master-ab | traced | compile-diag | compile-variants | compile-apply | prof-compile | wbench | linear | threads | sweep | sweepb | norms | dense-apply | scale | infer-quick | prof-api | prof-block | block | host | chain | graphs | dense | infer | prof-fmha | window | kernels | attn | diag | benches | graph | last | quick | profile | apply-apex | apply-fmha
 # Results go to $OUT (or ./gpu-out), packed into one tarball so they come back in one file.
 set -uo pipefail
 out=${OUT:-gpu-out}; mkdir -p "$out/r"
@@ -40,6 +40,8 @@ for part in "$@"; do
                --model swin_base_patch4_window7_224 --batch 64 --out "$out/r/apply_next_graphs" 2>&1 | tail -24 ;;
     next-prof) timeout 300 swinbench apply --recipe fmha --stages amp,fmha --profile --interleave 10 \
                --model swin_base_patch4_window7_224 --batch 64 --steps 10 --warmup 3 --out "$out/r/apply_next_prof" 2>&1 | tail -14 ;;
+    attn-table) timeout 300 python3 benchmarks/bench_window_attention.py --check --methods eager,sdpa_efficient \
+               --out "$out/r/bench_window_attention.json" 2>&1 | tail -12 ;;
     table-ab) timeout 540 swinbench apply --recipe fmha \
                --stages fmha-graph,benchmarks/recipes/fmha-table-graph.yaml,fmha,benchmarks/recipes/fmha-table.yaml \
                --model swin_base_patch4_window7_224 --batch 64 --interleave 10 --out "$out/r/apply_table_ab" 2>&1 | tail -14 ;;
