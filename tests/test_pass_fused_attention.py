@@ -128,7 +128,7 @@ def test_rel_pos_table_grad_is_the_index_add_and_deterministic(ws):
 
     wh, ww = (ws, ws) if isinstance(ws, int) else ws
     index = get_relative_position_index(wh, ww)
-    n_table, n, heads = (2 * wh - 1) * (2 * ww - 1), wh * ww, 3
+    n_table, n, heads = (2 * wh - 1) * (2 * ww - 1), wh * ww, 2
     inverse = wa.rel_pos_inverse(index, n_table)
     assert inverse.dtype == torch.int32 and inverse.shape[0] == n_table
     assert sorted(inverse[inverse >= 0].tolist()) == list(range(n * n))     # every pair listed once
