@@ -119,7 +119,7 @@ def test_rel_pos_bias_matches_timm_gather_forward_and_backward():
 
 
 @pytest.mark.parametrize("ws", [7, 12, (5, 9)])
-def test_rel_pos_table_grad_is_the_index_add_and_deterministic(ws):
+def test_rel_pos_table_grad_is_the_index_add_and_deterministic(ws, monkeypatch):
     """rel_pos_inverse + rel_pos_table_grad against index_add_ on timm's index, square and oblong windows,
     fp32 and bf16 tables; twice the same bits; every table row written (no memset needed)."""
     from timm.models.swin_transformer import get_relative_position_index
@@ -140,6 +140,16 @@ def test_rel_pos_table_grad_is_the_index_add_and_deterministic(ws):
         assert got.dtype == dtype and got.shape == (n_table, heads)
         torch.testing.assert_close(got.float(), want, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
         assert torch.equal(got, wa.rel_pos_table_grad(d_rel, inverse, dtype))
+    if ws == 7 and wa._INTERPRET:
+        # the GPU's launch of the same kernel, one table row per program, over 21 leading slices (two
+        # steps of 16): the sum, as the interpreter's many-rows launch gives it (up to the fp32 order)
+        stacked = torch.stack([d_rel, 2 * d_rel, -d_rel] * 7).reshape(21, heads, -1)
+        many_rows = wa.rel_pos_table_grad_host(stacked, inverse, torch.float32)
+        monkeypatch.setattr(wa, "_INTERPRET", False)
+        one_row = wa.rel_pos_table_grad_host(stacked, inverse, torch.float32)
+        assert torch.equal(one_row, wa.rel_pos_table_grad_host(stacked, inverse, torch.float32))
+        torch.testing.assert_close(one_row, many_rows, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(one_row, 14 * want, rtol=1e-5, atol=1e-4)
 
 
 def test_table_bias_is_the_gathered_bias_bit_for_bit_and_a_bad_mode_is_refused():

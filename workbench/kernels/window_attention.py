@@ -597,23 +597,26 @@ def fused_window_attention(q, k, v, rel_bias, mask=None, scale=None):
 # The relative-position table's gradient
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _rel_pos_grad_kernel(D_REL, INV, OUT, n_lead, n_pairs, n_heads, P: tl.constexpr, LB: tl.constexpr):
+def _rel_pos_grad_kernel(D_REL, INV, OUT, n_table, n_lead, n_pairs, n_heads,
+                         P: tl.constexpr, LB: tl.constexpr, BLOCK_T: tl.constexpr):
     """OUT[t, h] = sum over s < n_lead of D_REL[s, h, i*N + j] over the pairs (i, j) whose relative
     position is table row t, listed in INV[t, :P] (-1 padded). D_REL is (n_lead, n_heads, n_pairs): one
-    bias gradient (n_lead 1), or the attention backward's per-program partials (slots x windows). One
-    program per (row, head), LB leading slices per step; every row is written once, summed in a fixed
-    order: no memset, no atomics, the same bits on every run."""
-    t = tl.program_id(0)
+    bias gradient (n_lead 1), or the attention backward's per-program partials (slots x windows). A
+    program takes BLOCK_T rows of one head (1 on a GPU: hundreds of programs), LB leading slices per
+    step; every row is written once, summed in a fixed order: no memset, no atomics, the same bits on
+    every run."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1)
-    pairs = tl.load(INV + t * P + tl.arange(0, P))
+    t_ok = t < n_table
+    pairs = tl.load(INV + t[:, None] * P + tl.arange(0, P)[None, :], mask=t_ok[:, None], other=-1)
     valid = pairs >= 0
-    acc = tl.zeros([LB, P], dtype=tl.float32)
+    acc = tl.zeros([LB, BLOCK_T, P], dtype=tl.float32)
     for s0 in range(0, n_lead, LB):
         s = s0 + tl.arange(0, LB)
         rows = (s * n_heads + h).to(tl.int64) * n_pairs
-        acc += tl.load(D_REL + rows[:, None] + pairs[None, :], mask=(s < n_lead)[:, None] & valid[None, :],
-                       other=0.0).to(tl.float32)
-    tl.store(OUT + t * n_heads + h, tl.sum(tl.sum(acc, axis=1), axis=0).to(OUT.dtype.element_ty))
+        acc += tl.load(D_REL + rows[:, None, None] + pairs[None, :, :],
+                       mask=(s < n_lead)[:, None, None] & valid[None, :, :], other=0.0).to(tl.float32)
+    tl.store(OUT + t * n_heads + h, tl.sum(tl.sum(acc, axis=2), axis=0).to(OUT.dtype.element_ty), mask=t_ok)
 
 
 def rel_pos_inverse(index: torch.Tensor, n_table: int) -> torch.Tensor:
@@ -640,8 +643,11 @@ def rel_pos_table_grad_host(d_rel: torch.Tensor, inverse: torch.Tensor, table_dt
     d_rel = d_rel.contiguous()
     out = _new_buffer((n_table, n_heads), table_dtype, d_rel.device)
     lead_block = min(16, next_pow2(n_lead))  # leading slices per step: loads in flight, not a long loop
-    launch(_rel_pos_grad_kernel)[(n_table, n_heads)](
-        d_rel, inverse, out, n_lead, n_pairs, n_heads, P=width, LB=lead_block, num_warps=4 if lead_block > 1 else 1)
+    # One row per program on a GPU (parallelism); the CPU interpreter pays per program, so it takes 32.
+    block_t = 32 if _INTERPRET else 1
+    launch(_rel_pos_grad_kernel)[(cdiv(n_table, block_t), n_heads)](
+        d_rel, inverse, out, n_table, n_lead, n_pairs, n_heads, P=width, LB=lead_block, BLOCK_T=block_t,
+        num_warps=4 if lead_block > 1 else 1)
     return out
 
 
