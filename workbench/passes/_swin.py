@@ -66,24 +66,35 @@ def _input_goes_to_linear(module: torch.nn.Module, linear: str, class_forward, p
     return type(module).forward is class_forward
 
 
+_FORWARDS_INTO_LINEAR: dict = {}
+
+
+def _forwards_into_linear() -> dict:
+    """The forwards whose module hands its input straight to a Linear, resolved on the first call (the
+    checks below run per block and step; a plain dict, which torch.compile reads without a warning, where
+    an lru_cache would draw one): {Linear's name: (the class's forward, our patched forwards)}."""
+    if not _FORWARDS_INTO_LINEAR:
+        from timm.layers import Mlp
+        from timm.models.swin_transformer import WindowAttention
+
+        from .fused_attention import PATCHED_FORWARDS
+        from .fused_linear import mlp_forward_fused
+
+        _FORWARDS_INTO_LINEAR.update(qkv=(WindowAttention.forward, PATCHED_FORWARDS),
+                                     fc1=(Mlp.forward, (mlp_forward_fused,)))
+    return _FORWARDS_INTO_LINEAR
+
+
 def attn_input_goes_to_linear(attn: torch.nn.Module) -> bool:
     """Whether a block's attention module does nothing with its input but pass it to its qkv nn.Linear:
     timm's WindowAttention forward, or fused_attention's."""
-    from timm.models.swin_transformer import WindowAttention
-
-    from .fused_attention import PATCHED_FORWARDS
-
-    return _input_goes_to_linear(attn, "qkv", WindowAttention.forward, PATCHED_FORWARDS)
+    return _input_goes_to_linear(attn, "qkv", *_forwards_into_linear()["qkv"])
 
 
 def mlp_input_goes_to_linear(mlp: torch.nn.Module) -> bool:
     """Whether a block's MLP does nothing with its input but pass it to its fc1 nn.Linear: timm's Mlp
     forward, or fused_linear's (whose fc1 Function casts to the autocast dtype as F.linear does)."""
-    from timm.layers import Mlp
-
-    from .fused_linear import mlp_forward_fused
-
-    return _input_goes_to_linear(mlp, "fc1", Mlp.forward, (mlp_forward_fused,))
+    return _input_goes_to_linear(mlp, "fc1", *_forwards_into_linear()["fc1"])
 
 
 def gather_rel_pos_bias(table: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
