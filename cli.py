@@ -68,6 +68,12 @@ def _check_format(fmt: str, allowed=("csv", "json")) -> None:
         raise _fail(UserError(f"unknown format {fmt!r}: choose {' or '.join(allowed)}"), 2)
 
 
+def _check_name_style(name: str) -> None:
+    """--name of analyze and diff: how kernel names are shown."""
+    if name not in ("demangled", "short"):
+        raise _fail(UserError(f"unknown --name {name!r}: choose demangled or short"), 2)
+
+
 @app.command()
 def analyze(
     trace: Annotated[Path, typer.Argument(help=".sqlite, .sqlite.xz or .nsys-rep from Nsight Systems, or a Kineto .json trace.")],
@@ -83,8 +89,7 @@ def analyze(
     per step (launches, synchronizing and allocating calls)."""
     from workbench.analyze import analyze_trace, render_analysis, write_analysis
 
-    if name not in ("demangled", "short"):
-        raise _fail(UserError(f"unknown --name {name!r}: choose demangled or short"), 2)
+    _check_name_style(name)
     if format is not None:
         _check_format(format)
     analysis = _call(analyze_trace, trace, name_style=name, range_name=range)
@@ -112,8 +117,7 @@ def diff(
     from workbench.analyze import analyze_trace
     from workbench.diff import diff_analyses, render_diff, write_diff
 
-    if name not in ("demangled", "short"):
-        raise _fail(UserError(f"unknown --name {name!r}: choose short or demangled"), 2)
+    _check_name_style(name)
     if top < 1:
         raise _fail(UserError(f"--top must be at least 1, got {top}"), 2)
     if format is not None:
@@ -228,8 +232,7 @@ def env(
 
     from workbench.doctor import environment_report, render_environment
 
-    if format not in ("table", "json"):
-        raise _fail(Exception(f"unknown format {format!r}: choose table or json"), 2)
+    _check_format(format, ("table", "json"))
     rows = _call(environment_report, device)
     if format == "json":
         typer.echo(json.dumps(rows, indent=1))
