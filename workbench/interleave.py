@@ -157,14 +157,13 @@ def run_interleaved_spec(spec: InterleaveSpec, emit: Callable[[dict], None]) -> 
     from .workload import WorkloadConfig
 
     config = WorkloadConfig(**spec.config)
-    steps = {}
+    workloads = {}
     for s in spec.stages:
         emit({"event": "build", "stage": s["stage"]})
-        workload, _ = build_stage_workload(config, s["stage_ref"])
-        steps[s["stage"]] = workload.step
-    device = next(iter(steps.values())).__self__.ctx.device
-    return time_interleaved(steps, rounds=spec.rounds, block=spec.block, warmup=spec.warmup, device=device,
-                            on_round=lambda r: emit({"event": "round", "i": r}))
+        workloads[s["stage"]], _ = build_stage_workload(config, s["stage_ref"])
+    device = next(iter(workloads.values())).ctx.device
+    return time_interleaved({name: wl.step for name, wl in workloads.items()}, rounds=spec.rounds, block=spec.block,
+                            warmup=spec.warmup, device=device, on_round=lambda r: emit({"event": "round", "i": r}))
 
 
 def interleave_main(spec_path: str, result_path: str) -> int:
