@@ -96,7 +96,7 @@ def test_rel_pos_bias_matches_timm_gather_forward_and_backward():
     from workbench.passes._swin import rel_pos_bias
 
     torch.manual_seed(0)
-    model = build_model(TINY_MODEL)
+    model = build_model(TINY_MODEL).to(DEVICE)
     attn = next(m for m in model.modules() if type(m).__name__ == "WindowAttention")
     with torch.no_grad():
         attn.relative_position_bias_table.normal_()
@@ -127,15 +127,15 @@ def test_rel_pos_table_grad_is_the_index_add_and_deterministic(ws, monkeypatch):
     from workbench.kernels import window_attention as wa
 
     wh, ww = (ws, ws) if isinstance(ws, int) else ws
-    index = get_relative_position_index(wh, ww)
+    index = get_relative_position_index(wh, ww).to(DEVICE)
     n_table, n, heads = (2 * wh - 1) * (2 * ww - 1), wh * ww, 2
     inverse = wa.rel_pos_inverse(index, n_table)
     assert inverse.dtype == torch.int32 and inverse.shape[0] == n_table
     assert sorted(inverse[inverse >= 0].tolist()) == list(range(n * n))     # every pair listed once
     g = torch.Generator().manual_seed(wh * 31 + ww)
-    d_rel = torch.randn(heads, n, n, generator=g)
+    d_rel = torch.randn(heads, n, n, generator=g).to(DEVICE)
     for dtype in (torch.float32, torch.bfloat16):
-        want = torch.zeros(n_table, heads, dtype=torch.float32).index_add_(0, index.view(-1), d_rel.reshape(heads, -1).t())
+        want = torch.zeros(n_table, heads, dtype=torch.float32, device=DEVICE).index_add_(0, index.view(-1), d_rel.reshape(heads, -1).t())
         got = wa.rel_pos_table_grad(d_rel, inverse, dtype)
         assert got.dtype == dtype and got.shape == (n_table, heads)
         torch.testing.assert_close(got.float(), want, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
