@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work: correctness on the GPU, kernel benchmarks, profile, apply.
 # Usage (on the GPU machine, from the repo root): benchmarks/gpu_session.sh PART...   PART in
-#   s8-tests | s8-tests-v | s8-retest | s8-ab | s8-prof | tests | tests2 | next-tests | next-tests2 | next-tests3 | attn-table | table-ab | next-graphs | next-prof | zero-sums | interleave-eager | paired-compile2 | paired-eager2 | paired-compile | paired-eager | colsums | compile-static | compile-cpp | attn-tests | inplace | fastlaunch-ab | fastlaunch-host | fastlaunch-quick | compile-pair | maxnreg | prof-graphs-ab | fastlaunch | graphs-ab | master-ab | traced | compile-diag | compile-variants | compile-apply | prof-compile | wbench | linear | threads | sweep | sweepb | norms | dense-apply | scale | infer-quick | prof-api | prof-block | block | host | chain | graphs | dense | infer | prof-fmha | window | kernels | attn | diag | benches | graph | last | quick | profile | apply-apex | apply-fmha
+#   s8-tests | s8-tests-v | s8-retest | s8-ab | s8-prof | s8-eager | tests | tests2 | next-tests | next-tests2 | next-tests3 | attn-table | table-ab | next-graphs | next-prof | zero-sums | interleave-eager | paired-compile2 | paired-eager2 | paired-compile | paired-eager | colsums | compile-static | compile-cpp | attn-tests | inplace | fastlaunch-ab | fastlaunch-host | fastlaunch-quick | compile-pair | maxnreg | prof-graphs-ab | fastlaunch | graphs-ab | master-ab | traced | compile-diag | compile-variants | compile-apply | prof-compile | wbench | linear | threads | sweep | sweepb | norms | dense-apply | scale | infer-quick | prof-api | prof-block | block | host | chain | graphs | dense | infer | prof-fmha | window | kernels | attn | diag | benches | graph | last | quick | profile | apply-apex | apply-fmha
 # Results go to $OUT (or ./gpu-out), packed into one tarball so they come back in one file.
 set -uo pipefail
 out=${OUT:-gpu-out}; mkdir -p "$out/r"
@@ -46,6 +46,8 @@ for part in "$@"; do
     s8-prof) timeout 480 swinbench apply --recipe fmha --stages amp,fmha,benchmarks/recipes/fmha-table.yaml --profile \
                --model swin_base_patch4_window7_224 --batch 64 --steps 10 --warmup 3 --interleave 12 \
                --out "$out/r/apply_s8_prof" 2>&1 | tail -14 ;;
+    s8-eager) timeout 240 swinbench apply --recipe fmha --stages amp,fmha,benchmarks/recipes/fmha-table.yaml --model swin_base_patch4_window7_224 \
+               --batch 64 --steps 10 --warmup 3 --interleave 20 --out "$out/r/apply_s8_eager" 2>&1 | tail -9 ;;
     s8-ab)   timeout 480 swinbench apply --recipe fmha \
                --stages amp,fmha,benchmarks/recipes/fmha-table.yaml,fmha-graph,benchmarks/recipes/fmha-table-graph.yaml \
                --model swin_base_patch4_window7_224 --batch 64 --interleave 12 --out "$out/r/apply_s8_ab" 2>&1 | tail -30 ;;
