@@ -134,7 +134,7 @@ def launch_table() -> list[dict]:
     w = torch.randn(C, device=dev, dtype=bf)
     b = torch.randn(C, device=dev, dtype=bf)
     add("layer_norm_fwd host fn", lambda: ln.layer_norm_fwd(xs.view(-1, C), None, w, b, 1e-5, bf))
-    add("layer_norm custom op", lambda: ln._layer_norm_fwd_op.op(xs.view(-1, C), w, b, 1e-5))
+    add("layer_norm custom op", lambda: ln._layer_norm_fwd_op.op(xs.view(-1, C), w, b, 1e-5, xs.dtype))
     add("F.layer_norm", lambda: torch.nn.functional.layer_norm(xs, (C,), w, b))
     add("norm_shift_partition_fwd host fn", lambda: win.norm_shift_partition_fwd(xs, w, b, 1e-5, ws, 3))
     qkv = torch.randn(B * 4, 49, 3, nh, C // nh, device=dev, dtype=bf)
@@ -174,7 +174,7 @@ def launch_table() -> list[dict]:
 
     # the backward path, piece by piece: which part of a Python backward costs the host time
     xr = torch.randn(B * H * W, C, device=dev, dtype=bf)
-    y0, mean0, rstd0 = ln._layer_norm_fwd_op(xr, w, b, 1e-5)
+    y0, mean0, rstd0 = ln._layer_norm_fwd_op(xr, w, b, 1e-5, xr.dtype)
     add("layer_norm_bwd host fn", lambda: ln.layer_norm_bwd(xr, xr, w, b, mean0, rstd0, None, bf))
     add("layer_norm_bwd custom op", lambda: ln._layer_norm_bwd_op.op(xr, xr, w, b, mean0, rstd0, None))
 
@@ -198,7 +198,7 @@ def launch_table() -> list[dict]:
     class DirectLnBwd(torch.autograd.Function):
         @staticmethod
         def forward(ctx, t):
-            y, m, r = ln._layer_norm_fwd_op(t, wg, bg, 1e-5)
+            y, m, r = ln._layer_norm_fwd_op(t, wg, bg, 1e-5, t.dtype)
             ctx.save_for_backward(t, m, r)
             return y
 

@@ -42,7 +42,7 @@ def op_samples():
     out, lse = wa.window_attention_fwd(q, k, v, bias, mask, d ** -0.5)
     dout = rand(bnw, nh, n, d)
     return [
-        ("layer_norm_fwd", ln._layer_norm_fwd_op, (rows, w, b, 1e-5)),
+        ("layer_norm_fwd", ln._layer_norm_fwd_op, (rows, w, b, 1e-5, torch.float32)),
         ("add_layer_norm_fwd", ln._add_layer_norm_fwd_op, (rows, rand(37, C), w, b, 1e-5, torch.bfloat16)),
         ("layer_norm_bwd", ln._layer_norm_bwd_op, (rand(37, C), rows, w, b, m, r, None)),
         ("roll_partition_fwd", win._roll_partition_op, (x, ws, shift, x.dtype)),

@@ -236,17 +236,38 @@ def test_triton_layer_norm_module_keeps_parameters():
     _assert_close(tln(x), ln(x), 1e-5, 1e-5, "module output")
 
 
-@pytest.mark.skipif(ON_GPU, reason="CPU autocast path; the GPU is covered by the pass test")
-def test_module_under_cpu_autocast_close_to_torch():
-    """torch's layer_norm under autocast returns fp32; ours returns the input dtype. Values agree to bf16."""
-    ln = torch.nn.LayerNorm(100)
+def test_module_under_autocast_returns_torch_s_dtype():
+    """Under autocast TritonLayerNorm returns the dtype torch's LayerNorm returns on this device (fp32 under
+    CUDA autocast, whose layer_norm runs in fp32; the input's dtype under the CPU's), with the same values:
+    swapping it in keeps a model's dtypes, and its residual stream's precision, as autocast has them."""
+    ln = torch.nn.LayerNorm(100).to(DEVICE)
     tln = TritonLayerNorm.from_layer_norm(ln)
     x = _rand((9, 100), torch.bfloat16, 31, scale=2.0)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16):
         y_ref = ln(x)
         y = tln(x)
-    assert y.dtype == torch.bfloat16
-    torch.testing.assert_close(y.float(), y_ref.float(), atol=2e-2, rtol=2e-2)
+    assert y.dtype == y_ref.dtype
+    tol = 1e-5 if y.dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(y, y_ref, atol=tol, rtol=tol)
+
+
+def test_layer_norm_out_dtype_fp32_from_bf16():
+    """out_dtype=fp32 on a bf16 x: F.layer_norm of the upcast x, in fp32; dx in bf16; rounding that output
+    to bf16 gives exactly the default (bf16) output, each rounded once from the same fp32 values."""
+    shape, C = (2, 7, 96), 96
+    x = _leaf(_rand(shape, torch.bfloat16, 16, scale=2.0, shift=0.5))
+    w, b = (_leaf(p) for p in _params(C, torch.float32, seed=4))
+    xr, wr, br = (_leaf(t) for t in (x, w, b))
+    y = layer_norm(x, w, b, EPS, torch.float32)
+    y_ref = F.layer_norm(xr.float(), (C,), wr, br, EPS)
+    _assert_close(y, y_ref, 1e-5, 1e-5, "y")
+    assert torch.equal(y.to(torch.bfloat16), layer_norm(x.detach(), w.detach(), b.detach(), EPS))
+    dy = _rand(shape, torch.float32, 17)
+    y.backward(dy)
+    y_ref.backward(dy)
+    _assert_close(x.grad, xr.grad, 2e-2, 2e-2, "dx")
+    _assert_close(w.grad, wr.grad, 1e-4, 1e-4, "dweight")
+    _assert_close(b.grad, br.grad, 1e-4, 1e-4, "dbias")
 
 
 def test_too_wide_rows_rejected():

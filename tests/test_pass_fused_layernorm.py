@@ -85,7 +85,7 @@ def test_drop_path_in_training_matches_unpatched():
 
 
 def test_bf16_autocast_close_to_unpatched():
-    """Under autocast torch's LayerNorm returns fp32, ours the input dtype: agree at bf16 tolerance."""
+    """Under autocast the patched model agrees with the unpatched one at bf16 tolerance."""
     ref, model = model_pair(DEVICE, seed=4)
     model, _ = fused_layernorm.apply(model, pass_ctx(DEVICE, "bf16"), impl="triton")
     ref.eval()
@@ -160,3 +160,37 @@ def test_apex_path_swaps_and_copies_weights(monkeypatch):
     assert result.details["implementation"] == "apex" and result.details["replaced"] == N_LAYER_NORMS
     assert sum(isinstance(m, FakeFusedLayerNorm) for m in model.modules()) == N_LAYER_NORMS
     _assert_same_training_step(ref, model, atol=1e-6, rtol=1e-6)
+
+
+def _dtype_flow(model, x, device_type):
+    """Output dtypes of the patch embedding, every block and the final norm, in order, under bf16 autocast."""
+    seen = []
+    mods = [model.patch_embed] + [m for m in model.modules() if type(m).__name__ == "SwinTransformerBlock"] + [model.norm]
+    hooks = [m.register_forward_hook(lambda mod, args, out: seen.append(out.dtype)) for m in mods]
+    with torch.no_grad(), torch.autocast(device_type, dtype=torch.bfloat16):
+        model(x)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+@pytest.mark.parametrize("chain", ["apex", "fmha"])
+def test_fused_chain_keeps_autocast_s_dtypes(chain):
+    """The fused stages keep every dtype that autocast gives the unpatched model: under CUDA autocast the
+    patch embedding's LayerNorm returns fp32, so stage 1's residual stream is fp32 (stages 2-4 start from
+    the patch merging's Linear, bf16), and the final norm's output is fp32. A fused LayerNorm that
+    returned its input's dtype would run stage 1 and the pooling in bf16: another precision, not a fusion."""
+    from workbench.recipes import resolve_chain
+
+    ref, model = model_pair(DEVICE, drop_path_rate=0.0)
+    ctx = pass_ctx(DEVICE, "bf16")
+    for stage in resolve_chain(chain):
+        for p in stage.passes:
+            if p.name in ("fused_layernorm", "fused_window", "fused_attention"):
+                model, result = apply_pass(p.name, model, ctx, {**p.params, **({"impl": "triton"} if p.name == "fused_layernorm" else {})})
+                assert result.available, p.name
+    x, _ = tiny_batch(ref, 2, DEVICE)
+    want = _dtype_flow(ref, x, DEVICE.type)
+    assert _dtype_flow(model, x, DEVICE.type) == want
+    if DEVICE.type == "cuda":
+        assert want[0] == torch.float32 and want[-1] == torch.float32

@@ -8,8 +8,10 @@ Shapes: x (and residual) are (..., C), any leading dims (rows = their product), 
 if not). weight/bias: (C,) or None. C up to MAX_COLS; Swin uses 96..1536.
 Dtypes: fp32, fp16, bf16 for x/residual/weight/bias, in any mix. All math is fp32; mean and rstd are
 kept in fp32 for the backward. Outputs are in the input dtype (for add_layer_norm, in the promoted dtype of
-x and residual, as `x + residual` would be): under autocast this differs from torch, whose layer_norm
-returns fp32, by one rounding of the output that the next (autocast) Linear would apply anyway.
+x and residual, as `x + residual` would be) unless out_dtype / y_dtype says otherwise: the result is then
+rounded once from fp32 into that dtype. Under CUDA autocast torch's layer_norm runs in fp32 and returns
+fp32 even for a bf16 input; TritonLayerNorm does the same (`autocast_norm_dtype`), so that swapping it in
+keeps the model's dtypes, and with them the residual stream's precision, as autocast has them.
 
 Why fuse the add: in a Swin block `x = x + attn_out; h = norm2(x)` reads x and attn_out, writes x, then reads
 x again for the norm. add_layer_norm reads both once and writes s and y in the same pass (one fewer read of
@@ -407,15 +409,15 @@ def layer_norm_bwd(dy2, x2, weight, bias, mean, rstd, ds2, dx_dtype: torch.dtype
 
 @kernel_op("swinbench::layer_norm_fwd")
 def _layer_norm_fwd_op(x2: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _, y, mean, rstd = layer_norm_fwd(x2, None, weight, bias, eps, x2.dtype)
+                       eps: float, y_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _, y, mean, rstd = layer_norm_fwd(x2, None, weight, bias, eps, x2.dtype, y_dtype)
     return y, mean, rstd
 
 
 @_layer_norm_fwd_op.register_fake
-def _(x2, weight, bias, eps):
+def _(x2, weight, bias, eps, y_dtype):
     n_rows = x2.shape[0]
-    return (x2.new_empty(x2.shape), x2.new_empty((n_rows,), dtype=torch.float32),
+    return (x2.new_empty(x2.shape, dtype=y_dtype), x2.new_empty((n_rows,), dtype=torch.float32),
             x2.new_empty((n_rows,), dtype=torch.float32))
 
 
@@ -448,14 +450,15 @@ def _(dy2, x2, weight, bias, mean, rstd, ds2):
 
 class LayerNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, eps):
+    def forward(ctx, x, weight, bias, eps, out_dtype):
         n_cols = _check(x, weight, bias)
         x2 = _as_rows(x, n_cols)
+        out_dtype = out_dtype or x.dtype
         ctx.sums = eager_column_sums(2 * n_cols, x.device, ctx, weight, bias)
         if ctx.sums is None:
-            y, mean, rstd = _layer_norm_fwd_op(x2, weight, bias, eps)
+            y, mean, rstd = _layer_norm_fwd_op(x2, weight, bias, eps, out_dtype)
         else:
-            _, y, mean, rstd = layer_norm_fwd(x2, None, weight, bias, eps, x2.dtype, zero_sums=ctx.sums)
+            _, y, mean, rstd = layer_norm_fwd(x2, None, weight, bias, eps, x2.dtype, out_dtype, zero_sums=ctx.sums)
         ctx.save_for_backward(x2, weight, bias, mean, rstd)
         ctx.x_shape = x.shape
         return y.view(x.shape)
@@ -469,7 +472,7 @@ class LayerNormFunction(torch.autograd.Function):
         else:
             dx, sums = layer_norm_bwd(dy2, x2, weight, bias, mean, rstd, None, x2.dtype, sums_into=into)
         dw, db = split_norm_grads(sums, weight, bias)
-        return dx.view(ctx.x_shape), dw, db, None
+        return dx.view(ctx.x_shape), dw, db, None, None
 
 
 class AddLayerNormFunction(torch.autograd.Function):
@@ -508,9 +511,26 @@ class AddLayerNormFunction(torch.autograd.Function):
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-               eps: float = 1e-5) -> torch.Tensor:
-    """F.layer_norm(x, (C,), weight, bias, eps) for x (..., C) fp32/fp16/bf16; output in x.dtype."""
-    return LayerNormFunction.apply(x, weight, bias, float(eps))
+               eps: float = 1e-5, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """F.layer_norm(x, (C,), weight, bias, eps) for x (..., C) fp32/fp16/bf16; output in out_dtype (default
+    x.dtype), rounded once from fp32; dx comes back in x.dtype."""
+    return LayerNormFunction.apply(x, weight, bias, float(eps), out_dtype)
+
+
+# Devices whose autocast runs torch's layer_norm in fp32 (its output fp32 for an fp16/bf16 input): CUDA's
+# autocast lists layer_norm among the ops that autocast to float32; the CPU's does not.
+AUTOCAST_FP32_NORM_DEVICES = ("cuda",)
+
+
+def autocast_norm_dtype(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.dtype | None:
+    """The dtype torch's layer_norm returns, under the autocast state in effect, for an input on x's device
+    in `dtype` (default x.dtype), where it differs from that dtype: fp32 for fp16/bf16 while autocast is on
+    for the device and the device's autocast runs layer_norm in fp32 (AUTOCAST_FP32_NORM_DEVICES); None
+    otherwise."""
+    dev, dtype = x.device.type, dtype or x.dtype
+    if dtype in (torch.float16, torch.bfloat16) and dev in AUTOCAST_FP32_NORM_DEVICES and torch.is_autocast_enabled(dev):
+        return torch.float32
+    return None
 
 
 def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
@@ -543,4 +563,5 @@ class TritonLayerNorm(torch.nn.LayerNorm):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return layer_norm(x, self.weight, self.bias, self.eps)
+        # in the dtype torch's LayerNorm would return under autocast (fp32 under CUDA autocast)
+        return layer_norm(x, self.weight, self.bias, self.eps, autocast_norm_dtype(x))

@@ -55,6 +55,18 @@ def autocast_input_dtype(x: torch.Tensor) -> torch.dtype | None:
     return dt if dt in (torch.bfloat16, torch.float16) else None
 
 
+def norm_output_dtype(x: torch.Tensor, to_linear: bool, dtype: torch.dtype | None = None) -> torch.dtype | None:
+    """The dtype a fused LayerNorm over x (or over a tensor on x's device in `dtype`, such as x plus a
+    branch) writes: the autocast dtype when its output goes straight into an nn.Linear (autocast_input_dtype:
+    the bits that Linear's cast would give), else the dtype torch's layer_norm returns under autocast
+    (kernels.layer_norm.autocast_norm_dtype: fp32 under CUDA autocast). None: the input's dtype."""
+    if to_linear:
+        return autocast_input_dtype(x)
+    from ..kernels.layer_norm import autocast_norm_dtype
+
+    return autocast_norm_dtype(x, dtype)
+
+
 def _input_goes_to_linear(module: torch.nn.Module, linear: str, class_forward, patched_forward) -> bool:
     """Whether `module` passes its input straight to its nn.Linear `linear`: its forward is the class's
     `class_forward` (not replaced on the instance) or one of our `patched_forward` functions bound to it."""

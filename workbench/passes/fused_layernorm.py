@@ -35,6 +35,9 @@ The drop paths don't restrict the fusion: drop_path1 is applied to the attention
 and drop_path2 to the MLP output after the norm, both exactly as timm does.
 Under autocast, when h goes straight into the MLP's fc1 Linear (`_swin.mlp_input_goes_to_linear`),
 add_layer_norm writes h in the autocast dtype, the bits fc1's input cast would give (no cast launches).
+Otherwise every output has the dtype torch's LayerNorm would give it under autocast: fp32 under CUDA
+autocast (`kernels.layer_norm.autocast_norm_dtype`), so the model's residual stream keeps AMP's precision
+(fp32 in stage 1, from the patch embedding's norm) and this stage changes kernels, not precision.
 """
 from __future__ import annotations
 
@@ -45,7 +48,7 @@ from torch import nn
 
 from ..errors import UserError
 from . import PassContext, PassResult, PassUnavailable, triton_runs_on
-from ._swin import autocast_input_dtype, mlp_input_goes_to_linear
+from ._swin import mlp_input_goes_to_linear, norm_output_dtype
 
 NAME = "fused_layernorm"
 IMPLS = ("auto", "triton", "torch", "apex")
@@ -136,7 +139,8 @@ def swin_block_forward_add_norm2(self, x: torch.Tensor) -> torch.Tensor:
     B, H, W, C = x.shape
     attn = self.drop_path1(self._attn(self.norm1(x)))
     x, h = add_layer_norm(x.reshape(B, -1, C), attn.reshape(B, -1, C), self.norm2.weight, self.norm2.bias,
-                          self.norm2.eps, autocast_input_dtype(x) if mlp_input_goes_to_linear(self.mlp) else None)
+                          self.norm2.eps, norm_output_dtype(x, mlp_input_goes_to_linear(self.mlp),
+                                                            torch.promote_types(x.dtype, attn.dtype)))
     x = x + self.drop_path2(self.mlp(h))
     return x.reshape(B, H, W, C)
 

@@ -35,7 +35,7 @@ import types
 import torch
 
 from . import PassContext, PassResult, PassUnavailable
-from ._swin import attn_input_goes_to_linear, autocast_input_dtype, inactive, mlp_input_goes_to_linear, square, swin_blocks
+from ._swin import attn_input_goes_to_linear, inactive, mlp_input_goes_to_linear, norm_output_dtype, square, swin_blocks
 
 NAME = "fused_window"
 
@@ -48,8 +48,9 @@ def _window_attention_windows(self, x: torch.Tensor):
     if ws is None or shift is None:
         return None
     B, H, W, C = x.shape
-    # written in the autocast dtype when the windows go straight into the qkv Linear, which would cast them
-    out_dtype = autocast_input_dtype(x) if attn_input_goes_to_linear(self.attn) else None
+    # written in the autocast dtype when the windows go straight into the qkv Linear, which would cast them;
+    # else in the dtype torch's layer_norm gives under autocast
+    out_dtype = norm_output_dtype(x, attn_input_goes_to_linear(self.attn))
     windows = norm_shift_partition(x, self.norm1.weight, self.norm1.bias, self.norm1.eps, ws, shift, out_dtype)
     if getattr(self, "dynamic_mask", False):
         Hp, Wp = -(-H // ws) * ws, -(-W // ws) * ws
@@ -90,7 +91,8 @@ def swin_block_forward_fused_window_add_norm2(self, x: torch.Tensor) -> torch.Te
     B, H, W, C = x.shape
     branch = self.drop_path1(merge_roll(attn_windows, ws, shift, H, W))
     x, h = add_layer_norm(x.reshape(B, -1, C), branch.reshape(B, -1, C), self.norm2.weight, self.norm2.bias,
-                          self.norm2.eps, autocast_input_dtype(x) if mlp_input_goes_to_linear(self.mlp) else None)
+                          self.norm2.eps, norm_output_dtype(x, mlp_input_goes_to_linear(self.mlp),
+                                                            torch.promote_types(x.dtype, branch.dtype)))
     x = x + self.drop_path2(self.mlp(h))
     return x.reshape(B, H, W, C)
 
