@@ -65,6 +65,16 @@ def test_one_record_per_stage_written(run):
     assert stored["extends"] == "baseline" and stored["recipe_source"].endswith("sdpa.yaml")
 
 
+def test_records_carry_the_activation_dtypes(run):
+    """Every stage whose gate ran records the output dtype of each part of the model under its precision."""
+    result, _ = run
+    by = {r["stage"]: r for r in result.records}
+    dtypes = by["sdpa"]["activation_dtypes"]
+    assert list(dtypes)[0] == "patch_embed" and "layers.0" in dtypes and "norm" in dtypes and "head" in dtypes
+    assert set(dtypes.values()) == {"float32"}            # an fp32 run
+    assert by["missing"]["activation_dtypes"] is None      # its gate did not run
+
+
 def test_statuses_and_gate(run):
     result, _ = run
     by = {r["stage"]: r for r in result.records}

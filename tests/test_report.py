@@ -250,3 +250,28 @@ def test_terminal_summary_points_host_bound_stages_at_interleave():
     render_speedup_table(recs, console)
     text = console.export_text()
     assert "fmha: step times spread widely (likely bound by the host)" in text and "--interleave N" in text
+
+
+def test_activation_dtypes_table_and_a_precision_change_is_named(tmp_path):
+    """Each stage's activation dtypes get a table; a stage that keeps activations in other dtypes than the
+    stage it extends, at the same precision, gets a line naming the parts (not amp against the fp32
+    baseline: another precision is that stage's point)."""
+    from workbench.report import activation_dtype_changes
+
+    chain = [{"name": n, "source": None, "passes": []} for n in ("baseline", "amp", "apex", "window", "fmha")]
+    fp32 = {"patch_embed": "float32", "layers.0": "float32", "layers.1": "float32", "norm": "float32"}
+    amp = {"patch_embed": "float32", "layers.0": "float32", "layers.1": "bfloat16", "norm": "float32"}
+    fused = {"patch_embed": "bfloat16", "layers.0": "bfloat16", "layers.1": "bfloat16", "norm": "bfloat16"}
+    recs = [dict(record(0, "baseline", None, 100.0, gate="REFERENCE", precision="fp32"), activation_dtypes=fp32, chain=chain[:1]),
+            dict(record(1, "amp", "baseline", 60.0), activation_dtypes=amp, chain=chain[:2]),
+            dict(record(2, "fmha", "window", 40.0), activation_dtypes=fused, chain=chain),
+            dict(record(3, "fmha-graph", "fmha", 20.0), activation_dtypes=fused, chain=chain + [{"name": "fmha-graph"}])]
+    changes = activation_dtype_changes(recs)
+    assert len(changes) == 1 and changes[0].startswith("**fmha** keeps activations in other dtypes than **amp**")
+    assert "patch_embed fp32 -> bf16" in changes[0] and "norm fp32 -> bf16" in changes[0] and "layers.1" not in changes[0]
+    text = render_report(recs, tmp_path / "r.md").read_text()
+    assert "## Activation dtypes" in text and "| stage | patch_embed | layers.0 | layers.1 | norm |" in text
+    assert "| amp | fp32 | fp32 | bf16 | fp32 |" in text
+    # records from before the field existed render without the section
+    old = [{k: v for k, v in r.items() if k != "activation_dtypes"} for r in recs]
+    assert "## Activation dtypes" not in render_report(old, tmp_path / "old.md").read_text()

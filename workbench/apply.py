@@ -38,7 +38,8 @@ import torch
 
 from .env import device_label, environment_stamp
 from .errors import UserError
-from .gate import GateOutputs, capture_parameters, compare, compute_reference, forward_backward, weights_digest
+from .gate import (GateOutputs, activation_dtypes, capture_parameters, compare, compute_reference, forward_backward,
+                   weights_digest)
 from .models import check_model_name, default_model_for
 from .interleave import InterleaveSpec, apply_chain, interleaved_entries, run_interleaved_spec, spec_json
 from .records import SCHEMA, write_record
@@ -99,7 +100,7 @@ def _base_record(spec: StageSpec, plan_chain) -> dict:
         "compile_s": None, "first_step_s": None, "optimizer": None,
         "gate": {"status": "SKIP", "tolerance": {}, "metrics": {}, "reason": None},
         "passes": [], "stage_passes": [p.name for p in plan_chain[-1].passes] if plan_chain else [],
-        "profile": None, "notes": [],
+        "profile": None, "notes": [], "activation_dtypes": None,
     }
 
 
@@ -161,6 +162,7 @@ def run_stage(spec: StageSpec, reference: GateOutputs, on_event: Callable[[dict]
         gate = compare(outputs, reference, tolerance, is_reference=not effective_passes(chain))
         record["gate"] = gate.to_dict()
         emit({"event": "gate", "status": gate.status})
+        record["activation_dtypes"] = activation_dtypes(workload)
 
         # 2. speed
         if device.type == "cuda":
@@ -438,7 +440,7 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
     """
     from rich.console import Console
 
-    from .report import render_report, render_speedup_table
+    from .report import activation_dtype_changes, render_report, render_speedup_table
 
     console = console or Console()
     if steps < 1 or warmup < 0:
@@ -525,6 +527,8 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
 
     report_path = render_report(records, out_dir / "report.md")
     render_speedup_table(records, console)
+    for line in activation_dtype_changes(records):
+        console.print(f"[yellow]note:[/] {line.replace('**', '')}")
     paths = [Path(r["_path"]) for r in records]
     failed = [r["stage"] for r in records if r["status"] == "error"]
     ok = sum(r["status"] == "ok" for r in records)

@@ -98,6 +98,37 @@ def forward_backward(workload: Workload, params: dict[str, torch.nn.Parameter]) 
     return out
 
 
+def activation_dtypes(workload: Workload) -> dict[str, str]:
+    """The dtype of each top-level part's output (patch embedding, every stage, the final norm, the head)
+    in one forward of the stage's model under its precision, without autograd and without torch.compile's
+    wrapper: what precision the activations are kept in. A pass that swaps in a kernel can also change
+    that (a fused LayerNorm returning bf16 where autocast's returns fp32 keeps stage 1's residual stream
+    in bf16), which the gate's tolerance may not catch; the report shows where stages differ."""
+    model = workload.model
+    parts = []
+    for name, child in model.named_children():
+        if name == "layers" and isinstance(child, torch.nn.Sequential):
+            parts += [(f"layers.{i}", m) for i, m in enumerate(child)]
+        elif name in ("patch_embed", "norm", "head"):
+            parts.append((name, child))
+    seen: dict[str, str] = {}
+
+    def hook(name):
+        def record(module, args, out):
+            if isinstance(out, torch.Tensor):
+                seen.setdefault(name, str(out.dtype).replace("torch.", ""))
+        return record
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in parts]
+    try:
+        with torch.inference_mode(), workload.ctx.precision.autocast(workload.ctx.device.type):
+            model(workload.x)
+    finally:
+        for h in handles:
+            h.remove()
+    return {n: seen[n] for n, _ in parts if n in seen}
+
+
 def compute_reference(config: WorkloadConfig) -> GateOutputs:
     """The baseline's outputs: the timm model as built, fp32 with TF32 off, one forward + backward
     (forward only for an inference workload)."""

@@ -10,6 +10,8 @@ labelled CPU by `env.device_type`):
     img_per_s, step_ms, step_iqr_ms, peak_mem_bytes
     compile_s: seconds of the first (compiling) steps, when the stage compiles, else null
     gate: {status: 'PASS' | 'FAIL' | 'SKIP' | 'REFERENCE', tolerance: {...}, metrics: {...}, reason}
+    activation_dtypes: {part: dtype} | null   output dtype of patch_embed, layers.0.., norm, head in one forward
+                       under the stage's precision (gate.activation_dtypes); null where the gate did not run
     passes: [PassResult.to_dict(), ...]   (all passes of the chain up to this stage)
     profile: {backend, trace, category_share_pct: {category: pct}, top_kernels: [...], kernel_ms_per_step,
               api_calls_per_step: {kind: calls}, kernels_per_step: [{kernel (short name), ms_per_step,

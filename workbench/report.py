@@ -254,6 +254,48 @@ def _stage_pass_lines(rec: dict) -> list[str]:
     return [f"`{p['name']}`: {p['changed']}" for p in tail]
 
 
+def _short_dtype(name: str) -> str:
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}.get(name, name)
+
+
+def activation_dtype_changes(records: list[dict]) -> list[str]:
+    """One line per stage whose activations are kept in another dtype than those of the stage it extends
+    (or its nearest ancestor in the run) at the same precision: a kernel swap that also changed precision."""
+    by_name = {r["stage"]: r for r in records if r.get("activation_dtypes")}
+    lines = []
+    for rec in records:
+        mine = rec.get("activation_dtypes")
+        if not mine:
+            continue
+        ref = next((by_name[a] for a in _ancestors(rec, rec.get("extends")) if a in by_name), None)
+        if ref is None or ref.get("precision") != rec.get("precision"):
+            continue
+        theirs = ref["activation_dtypes"]
+        diff = [f"{part} {_short_dtype(theirs[part])} -> {_short_dtype(d)}" for part, d in mine.items()
+                if part in theirs and theirs[part] != d]
+        if diff:
+            lines.append(f"**{rec['stage']}** keeps activations in other dtypes than **{ref['stage']}** "
+                         f"at the same precision ({rec.get('precision')}): {', '.join(diff)}. Part of its speed "
+                         "(and of its error against the baseline) may come from that precision, not from the kernels.")
+    return lines
+
+
+def _activation_dtype_lines(records: list[dict]) -> list[str]:
+    recs = [r for r in records if r.get("activation_dtypes")]
+    if not recs:
+        return []
+    parts = list(dict.fromkeys(p for r in recs for p in r["activation_dtypes"]))
+    rows = [[r["stage"]] + [_short_dtype(r["activation_dtypes"].get(p, "-")) for p in parts] for r in recs]
+    lines = ["## Activation dtypes", "",
+             "The output dtype of each part of the model in one forward under the stage's precision (the "
+             "residual stream between stages; `layers.N` is stage N+1).", "",
+             _md_table(["stage"] + parts, rows), ""]
+    changes = activation_dtype_changes(records)
+    if changes:
+        lines += [f"- {c}" for c in changes] + [""]
+    return lines
+
+
 def _gate_rows(records) -> list[list[str]]:
     rows = []
     for rec in records:
@@ -518,6 +560,7 @@ def render_report(records: list[dict], out_path_md: Path) -> Path:
               "loss: absolute difference).", "",
               _md_table(["stage", "gate", "precision", "logits rel L2", "loss diff", "worst grad rel L2", "tolerance",
                          "reason"], _gate_rows(records)), ""]
+    lines += _activation_dtype_lines(records)
     notes = _notes(records, df)
     if notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
