@@ -17,6 +17,8 @@ import torch.nn.functional as F  # noqa: E402
 from timm.models.swin_transformer import window_partition  # noqa: E402
 
 from workbench.kernels.window import (  # noqa: E402
+    add_norm_shift_partition,
+    add_norm_shift_partition_fwd,
     merge_roll_reference,
     roll_partition_reference,
     merge_roll,
@@ -194,6 +196,45 @@ def test_norm_shift_partition(shape, dtype, atol, rtol):
         dout, x.detach(), weight.detach(), mean, rstd, ws, shift, dx=_nan_like(x.detach()), ds=ds
     )
     torch.testing.assert_close(dx_ds.float(), grads_ref[0] + ds.float(), atol=2 * atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=_ids)
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                    (torch.float32, torch.bfloat16)], ids=["fp32", "bf16", "fp32+bf16"])
+def test_add_norm_shift_partition(shape, dtypes):
+    """s = x + r and LayerNorm + shift + partition of s in one kernel (a residual add folded into the next
+    block's norm): s bit-exact with torch's add (into a NaN-filled buffer), the windows against the fp32
+    reference, and x, r, weight and bias gradients against autograd through `x + r` and the reference,
+    with the gradient arriving at s (the residual stream) added in."""
+    B, H, W, C, ws, shift = shape
+    x_dt, r_dt = dtypes
+    eps, tol = 1e-5, (1e-5 if r_dt == torch.float32 else 2e-2)
+    x = (_randn((B, H, W, C), torch.float32, 21) * 2.0 + 0.5).to(x_dt).requires_grad_(True)
+    r = _randn((B, H, W, C), torch.float32, 22).to(r_dt).requires_grad_(True)
+    weight = (1.0 + 0.5 * _randn((C,), torch.float32, 23)).requires_grad_(True)
+    bias = (0.5 * _randn((C,), torch.float32, 24)).requires_grad_(True)
+    s_ref = x + r
+    s, win = add_norm_shift_partition(x, r, weight, bias, eps, ws, shift)
+    assert s.dtype == s_ref.dtype and torch.equal(s, s_ref)
+    xs, w32, b32 = s_ref.detach().float().requires_grad_(True), weight.detach().requires_grad_(True), bias.detach().requires_grad_(True)
+    ref = eager_roll_partition(F.layer_norm(xs, (C,), w32, b32, eps), ws, shift)
+    assert win.dtype == s.dtype and win.shape == ref.shape
+    torch.testing.assert_close(win.float(), ref, atol=tol, rtol=tol)
+    assert not win[_pad_rows(B, H, W, ws)].any()
+    s_p, win_p, _, _ = add_norm_shift_partition_fwd(x.detach(), r.detach(), weight.detach(), bias.detach(), eps, ws, shift,
+                                                    out=_nan_like(win.detach()), s_out=_nan_like(s.detach()))
+    assert torch.equal(s_p, s_ref.detach()) and torch.equal(win_p, win.detach())
+
+    dwin, ds = _randn(ref.shape, win.dtype, 25), _randn(s.shape, s.dtype, 26)
+    gx, gr, gw, gb = torch.autograd.grad((s, win), (x, r, weight, bias), (ds, dwin))
+    g_ln, gw_ref, gb_ref = torch.autograd.grad(ref, (xs, w32, b32), dwin.float())
+    d_s = g_ln + ds.float()
+    assert gx.dtype == x_dt and gr.dtype == r_dt
+    torch.testing.assert_close(gx.float(), d_s, atol=2 * tol, rtol=tol)
+    torch.testing.assert_close(gr.float(), d_s, atol=2 * tol, rtol=tol)
+    for g, g_ref in ((gw, gw_ref), (gb, gb_ref)):
+        scale = max(1.0, g_ref.abs().max().item())
+        torch.testing.assert_close(g, g_ref, atol=tol * scale, rtol=tol)
 
 
 def test_non_contiguous_input():

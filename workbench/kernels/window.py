@@ -52,11 +52,11 @@ from workbench.kernels.layer_norm import (SOFT_RTNE as _SOFT_RTNE, column_sums, 
 
 @triton.jit
 def _partition_fwd_kernel(
-    x_ptr, out_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, sums_ptr,
+    x_ptr, out_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, sums_ptr, r_ptr, s_ptr,
     n_out_tokens, C, eps, n_sums,
     H: tl.constexpr, W: tl.constexpr, n_win_h: tl.constexpr, n_win_w: tl.constexpr,
     shift_h: tl.constexpr, shift_w: tl.constexpr, WS: tl.constexpr, NORM: tl.constexpr, SOFT_RTNE: tl.constexpr,
-    ZERO_SUMS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    ZERO_SUMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """Writes window tokens [pid0*BLOCK_T, +BLOCK_T) x channels [pid1*BLOCK_C, +BLOCK_C).
 
@@ -65,7 +65,9 @@ def _partition_fwd_kernel(
     x[b, (hp + shift) % H, (wp + shift) % W]. With NORM, BLOCK_C covers all of C and the row
     is layer-normalized; mean and rstd are stored at the source token (each valid source
     token is read by exactly one window token). With ZERO_SUMS, program (0, 0) also zeroes the
-    backward's column-sum buffer (layer_norm.zero_column_sums).
+    backward's column-sum buffer (layer_norm.zero_column_sums). With HAS_RESIDUAL (NORM only), the
+    token normalized is s = x + r, rounded to s_ptr's dtype as torch's add would round it, and s is
+    stored at the source token too (the residual stream after the add, written once).
     """
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -96,6 +98,10 @@ def _partition_fwd_kernel(
     ld_mask = valid[:, None] & c_mask[None, :]
     st_mask = t_mask[:, None] & c_mask[None, :]
     x = tl.load(x_ptr + src_off, mask=ld_mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + src_off, mask=ld_mask, other=0.0)
+        x = to_dtype(x.to(tl.float32) + r.to(tl.float32), s_ptr.dtype.element_ty, SOFT_RTNE)
+        tl.store(s_ptr + src_off, x, mask=ld_mask)
     if NORM:
         xf = x.to(tl.float32)
         mean = tl.sum(xf, axis=1) / C
@@ -308,9 +314,9 @@ def roll_partition_fwd(x: torch.Tensor, window_size: int, shift: int, *, out_dty
     block_t, block_c, num_warps = _copy_blocks(C)
     grid = (cdiv(n_out, block_t), cdiv(C, block_c))
     launch(_partition_fwd_kernel)[grid](
-        x, out, x, x, x, x, out, n_out, C, 0.0, 0,
+        x, out, x, x, x, x, out, x, x, n_out, C, 0.0, 0,
         H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, NORM=False, SOFT_RTNE=_SOFT_RTNE,
-        ZERO_SUMS=False, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps,
+        ZERO_SUMS=False, HAS_RESIDUAL=False, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps,
     )
     return out
 
@@ -355,11 +361,32 @@ def norm_shift_partition_fwd(
     """x (B, H, W, C), weight/bias (C,) -> (windows (B*nW, ws*ws, C) in out_dtype (default x.dtype),
     mean (B*H*W,) fp32, rstd fp32). zero_sums: a contiguous fp32 buffer the kernel zeroes for the
     backward's column sums (layer_norm.eager_column_sums)."""
+    _, out, mean, rstd = _norm_partition(x, None, weight, bias, eps, window_size, shift, out_dtype, out, None, zero_sums)
+    return out, mean, rstd
+
+
+def add_norm_shift_partition_fwd(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+    window_size: int, shift: int, *, out_dtype=None, out=None, s_out=None, zero_sums=None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """s = x + residual (both (B, H, W, C); s in their promoted dtype, rounded as torch's add rounds), then
+    norm_shift_partition_fwd of s, in one pass -> (s, windows, mean, rstd). The backward is
+    norm_shift_partition_bwd on s, whose dx is the gradient of both x and residual."""
+    if tuple(residual.shape) != tuple(x.shape):
+        raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    return _norm_partition(x, residual, weight, bias, eps, window_size, shift, out_dtype, out, s_out, zero_sums)
+
+
+def _norm_partition(x, residual, weight, bias, eps, window_size, shift, out_dtype, out, s_out, zero_sums):
     x = _contig(x)
     B, H, W, C = x.shape
     Hp, Wp, nwh, nww, sh, sw = _geometry(H, W, window_size, shift)
     ws = int(window_size)
-    out = _check_out(out, (B * nwh * nww, ws * ws, C), out_dtype or x.dtype, x.device)
+    s = None
+    if residual is not None:
+        residual = _contig(residual)
+        s = _check_out(s_out, (B, H, W, C), torch.promote_types(x.dtype, residual.dtype), x.device)
+    out = _check_out(out, (B * nwh * nww, ws * ws, C), out_dtype or (s if s is not None else x).dtype, x.device)
     mean = torch.empty(B * H * W, dtype=torch.float32, device=x.device)
     rstd = torch.empty(B * H * W, dtype=torch.float32, device=x.device)
     n_out = B * Hp * Wp
@@ -367,13 +394,15 @@ def norm_shift_partition_fwd(
     if n_out > 0:
         launch(_partition_fwd_kernel)[(cdiv(n_out, block_t), 1)](
             x, out, _contig(weight), _contig(bias), mean, rstd, zero_sums if zero_sums is not None else mean,
+            residual if residual is not None else x, s if s is not None else x,
             n_out, C, float(eps), zero_sums.numel() if zero_sums is not None else 0,
             H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, NORM=True, SOFT_RTNE=_SOFT_RTNE,
-            ZERO_SUMS=zero_sums is not None, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps,
+            ZERO_SUMS=zero_sums is not None, HAS_RESIDUAL=residual is not None, BLOCK_T=block_t, BLOCK_C=block_c,
+            num_warps=num_warps,
         )
     elif zero_sums is not None:
         zero_sums.zero_()
-    return out, mean, rstd
+    return s, out, mean, rstd
 
 
 @functools.lru_cache(maxsize=None)
@@ -554,6 +583,34 @@ class NormShiftPartitionFunction(torch.autograd.Function):
         return dx, dw, db, None, None, None, None
 
 
+class AddNormShiftPartitionFunction(torch.autograd.Function):
+    """(s, windows) = (x + residual, norm_shift_partition(x + residual)): eager only (no operator for
+    torch.compile; the pass that uses it does not under compile)."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, eps, window_size, shift, out_dtype):
+        ctx.sums = eager_column_sums(2 * x.shape[-1], x.device, ctx, weight, bias)
+        s, windows, mean, rstd = add_norm_shift_partition_fwd(x, residual, weight, bias, float(eps), int(window_size),
+                                                              int(shift), out_dtype=out_dtype, zero_sums=ctx.sums)
+        ctx.save_for_backward(s, weight, bias, mean, rstd)
+        ctx.geom = (int(window_size), int(shift))
+        ctx.dtypes = (x.dtype, residual.dtype)
+        return s, windows
+
+    @staticmethod
+    def backward(ctx, ds, dwindows):
+        s, weight, bias, mean, rstd = ctx.saved_tensors
+        ws, shift = ctx.geom
+        into, ctx.sums = ctx.sums, None
+        if dwindows is None:
+            dwindows = torch.zeros(_windows_shape(*s.shape, ws, shift), dtype=s.dtype, device=s.device)
+        # the gradient arriving at s (the residual stream) joins the LayerNorm's dx in the same kernel
+        dx, sums = norm_shift_partition_bwd(dwindows, s, weight, mean, rstd, ws, shift, sums_into=into, ds=ds)
+        dw, db = split_norm_grads(sums, weight, bias)
+        x_dtype, r_dtype = ctx.dtypes
+        return dx.to(x_dtype), dx.to(r_dtype), dw, db, None, None, None, None
+
+
 class MergeUnshiftAddFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, windows, shortcut, window_size, shift, H, W):
@@ -596,6 +653,16 @@ def norm_shift_partition(
     rounded once from fp32: `out_dtype=torch.bfloat16` on an fp32 x gives the bits that
     `.to(torch.bfloat16)` of the fp32 result would, without that cast's extra pass (and its backward's)."""
     return NormShiftPartitionFunction.apply(x, weight, bias, eps, window_size, shift, out_dtype)
+
+
+def add_norm_shift_partition(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+    window_size: int, shift: int, out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, norm_shift_partition(s, ...)) with s = x + residual, in one kernel each way: a residual add
+    folded into the next LayerNorm + shift + partition (eager mode). s: (B, H, W, C) in the promoted
+    dtype of x and residual; windows in out_dtype (default s's dtype); both differentiable."""
+    return AddNormShiftPartitionFunction.apply(x, residual, weight, bias, eps, window_size, shift, out_dtype)
 
 
 def merge_unshift_add(
