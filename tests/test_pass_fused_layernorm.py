@@ -166,7 +166,9 @@ def _dtype_flow(model, x, device_type):
     """Output dtypes of the patch embedding, every block and the final norm, in order, under bf16 autocast."""
     seen = []
     mods = [model.patch_embed] + [m for m in model.modules() if type(m).__name__ == "SwinTransformerBlock"] + [model.norm]
-    hooks = [m.register_forward_hook(lambda mod, args, out: seen.append(out.dtype)) for m in mods]
+    # a fused_window block inside its stage's loop returns (residual stream, MLP branch not yet added)
+    hooks = [m.register_forward_hook(lambda mod, args, out: seen.append((out[0] if isinstance(out, tuple) else out).dtype))
+             for m in mods]
     with torch.no_grad(), torch.autocast(device_type, dtype=torch.bfloat16):
         model(x)
     for h in hooks:

@@ -2,6 +2,7 @@
 unpatched model (same seed, deep copies). Without a GPU the kernels run in Triton's interpreter
 (TRITON_INTERPRET=1, set before triton is imported)."""
 import os
+import types
 
 import torch
 
@@ -131,3 +132,32 @@ def test_windows_and_norm2_come_out_in_the_autocast_dtype_with_the_cast_path_s_b
     assert torch.equal(logits, logits_ref)
     for name, g in grads_ref.items():
         assert torch.equal(grads[name], g), name
+
+
+def test_mlp_residual_add_goes_into_the_next_block_s_norm(monkeypatch):
+    """Within a stage each block hands its MLP branch to the next, whose norm kernel adds it: one
+    add_norm_shift_partition per block but a stage's first, blocks still called as modules (their hooks
+    run: the NVTX ranges), and the same step as timm's, with stochastic depth on (the branch is dropped
+    before it is handed over, in timm's order of draws)."""
+    import importlib
+
+    win = importlib.import_module("workbench.kernels.window")
+    calls = []
+    real = win.AddNormShiftPartitionFunction.apply
+    monkeypatch.setattr(win.AddNormShiftPartitionFunction, "apply", lambda *a: calls.append(1) or real(*a))
+    ref, model = model_pair(DEVICE, drop_path_rate=0.2)
+    model, result = fused_window.apply(model, pass_ctx(DEVICE))
+    assert result.details["stages_deferring_mlp_add"] == 2
+    entered = []
+    for blk in model.modules():
+        if hasattr(blk, "_swinbench_fused_window"):
+            blk.register_forward_pre_hook(lambda mod, args: entered.append(1))
+    _assert_same_step(ref, model, atol=1e-5, rtol=1e-5, train=True, rng_seed=3)
+    assert len(entered) == N_BLOCKS and len(calls) == N_BLOCKS - 2
+    # a stage whose blocks a later pass replaced runs them as before, the adds unfused
+    for blk in model.modules():
+        if hasattr(blk, "_swinbench_fused_window"):
+            blk.forward = types.MethodType(lambda self, x: self._swinbench_forward_before_fused_window(x), blk)
+    calls.clear()
+    _assert_same_step(ref, model, atol=1e-5, rtol=1e-5, train=True, rng_seed=3)
+    assert calls == []

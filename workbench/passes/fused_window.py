@@ -22,6 +22,11 @@ Details the patched forward keeps from timm:
     the backward's cast back (`_swin.autocast_input_dtype`). add_layer_norm does the same for norm2's
     output when it goes straight into the MLP's fc1. merge_unshift_add adds the (bf16/fp16) attention
     output into the fp32 residual and returns fp32, as `x + attn` does.
+  * Residual add after the MLP: in eager mode each stage hands a block's MLP branch to the next block
+    unadded, whose norm kernel adds it (`add_norm_shift_partition`, `swin_stage_forward_fused_window`);
+    the stage's last block adds its own. Same values as `x + branch`; one launch and one autograd node
+    fewer per block each way. Inside that loop a block returns (x, branch): a forward hook on a block
+    sees that pair (the stages' outputs are whole).
   * Composition with fused_layernorm(fuse_residual=True): a block that carries
     `_swinbench_add_norm2` keeps that fusion: the attention branch is merged with merge_roll and
     `add_layer_norm(x, branch, norm2...)` does the residual add and norm2 in one pass (the contract
@@ -40,9 +45,11 @@ from ._swin import attn_input_goes_to_linear, inactive, mlp_input_goes_to_linear
 NAME = "fused_window"
 
 
-def _window_attention_windows(self, x: torch.Tensor):
-    """-> (attn_windows (B*nW, ws*ws, C), ws, shift), or None when this block can't be fused now."""
-    from ..kernels.window import norm_shift_partition
+def _window_attention_windows(self, x: torch.Tensor, pending: torch.Tensor | None = None):
+    """-> (attn_windows (B*nW, ws*ws, C), ws, shift, x), or None when this block can't be fused now.
+    pending: the previous block's MLP branch, not yet added to x (`swin_stage_forward_fused_window`): the
+    add is done by the norm's kernel, and the x returned is the sum (the residual stream)."""
+    from ..kernels.window import add_norm_shift_partition, norm_shift_partition
 
     ws, shift = square(self.window_size), square(self.shift_size)
     if ws is None or shift is None:
@@ -50,51 +57,101 @@ def _window_attention_windows(self, x: torch.Tensor):
     B, H, W, C = x.shape
     # written in the autocast dtype when the windows go straight into the qkv Linear, which would cast them;
     # else in the dtype torch's layer_norm gives under autocast
-    out_dtype = norm_output_dtype(x, attn_input_goes_to_linear(self.attn))
-    windows = norm_shift_partition(x, self.norm1.weight, self.norm1.bias, self.norm1.eps, ws, shift, out_dtype)
+    to_linear = attn_input_goes_to_linear(self.attn)
+    if pending is not None:
+        x, windows = add_norm_shift_partition(x, pending, self.norm1.weight, self.norm1.bias, self.norm1.eps, ws, shift,
+                                              norm_output_dtype(x, to_linear, torch.promote_types(x.dtype, pending.dtype)))
+    else:
+        windows = norm_shift_partition(x, self.norm1.weight, self.norm1.bias, self.norm1.eps, ws, shift,
+                                       norm_output_dtype(x, to_linear))
     if getattr(self, "dynamic_mask", False):
         Hp, Wp = -(-H // ws) * ws, -(-W // ws) * ws
         # get_attn_mask reads only the shape, device and dtype of timm's padded, shifted x (x's dtype here)
         attn_mask = self.get_attn_mask(x.new_empty((1, Hp, Wp, 1)))
     else:
         attn_mask = self.attn_mask
-    return self.attn(windows, mask=attn_mask), ws, shift
+    return self.attn(windows, mask=attn_mask), ws, shift, x
 
 
-def swin_block_forward_fused_window(self, x: torch.Tensor) -> torch.Tensor:
-    """timm SwinTransformerBlock.forward with fused norm1+shift+partition and merge+unshift+add. x: (B, H, W, C)."""
+def _unfused(self, x, pending, defer):
+    """The block's previous forward, after adding a pending branch; (x, None) when deferring."""
+    if pending is not None:
+        x = x + pending
+    out = self._swinbench_forward_before_fused_window(x)
+    return (out, None) if defer else out
+
+
+def _mlp_half(self, x, h, B, H, W, C, defer):
+    """x + drop_path2(mlp(h)), or with `defer` (x, that branch) for the next block's norm to add."""
+    branch = self.drop_path2(self.mlp(h))
+    if defer:
+        return x.reshape(B, H, W, C), branch.reshape(B, H, W, C)
+    return (x + branch).reshape(B, H, W, C)
+
+
+def swin_block_forward_fused_window(self, x: torch.Tensor, pending: torch.Tensor | None = None, defer: bool = False):
+    """timm SwinTransformerBlock.forward with fused norm1+shift+partition and merge+unshift+add. x: (B, H, W, C).
+    pending / defer: see swin_stage_forward_fused_window (called as blk(x) they are unused)."""
     from ..kernels.window import merge_roll, merge_unshift_add
 
-    out = _window_attention_windows(self, x)
+    out = _window_attention_windows(self, x, pending)
     if out is None:
-        return self._swinbench_forward_before_fused_window(x)
-    attn_windows, ws, shift = out
+        return _unfused(self, x, pending, defer)
+    attn_windows, ws, shift, x = out
     B, H, W, C = x.shape
     if inactive(self.drop_path1, self.training):
         x = merge_unshift_add(attn_windows, x, ws, shift, H, W)
     else:
         x = x + self.drop_path1(merge_roll(attn_windows, ws, shift, H, W))
     x = x.reshape(B, -1, C)
-    x = x + self.drop_path2(self.mlp(self.norm2(x)))
-    return x.reshape(B, H, W, C)
+    return _mlp_half(self, x, self.norm2(x), B, H, W, C, defer)
 
 
-def swin_block_forward_fused_window_add_norm2(self, x: torch.Tensor) -> torch.Tensor:
+def swin_block_forward_fused_window_add_norm2(self, x: torch.Tensor, pending: torch.Tensor | None = None,
+                                              defer: bool = False):
     """As swin_block_forward_fused_window, keeping fused_layernorm's add+norm2 fusion. x: (B, H, W, C)."""
     from ..kernels.layer_norm import add_layer_norm
     from ..kernels.window import merge_roll
 
-    out = _window_attention_windows(self, x)
+    out = _window_attention_windows(self, x, pending)
     if out is None:
-        return self._swinbench_forward_before_fused_window(x)
-    attn_windows, ws, shift = out
+        return _unfused(self, x, pending, defer)
+    attn_windows, ws, shift, x = out
     B, H, W, C = x.shape
     branch = self.drop_path1(merge_roll(attn_windows, ws, shift, H, W))
     x, h = add_layer_norm(x.reshape(B, -1, C), branch.reshape(B, -1, C), self.norm2.weight, self.norm2.bias,
                           self.norm2.eps, norm_output_dtype(x, mlp_input_goes_to_linear(self.mlp),
                                                             torch.promote_types(x.dtype, branch.dtype)))
-    x = x + self.drop_path2(self.mlp(h))
-    return x.reshape(B, H, W, C)
+    return _mlp_half(self, x, h, B, H, W, C, defer)
+
+
+DEFERRING_FORWARDS = (swin_block_forward_fused_window, swin_block_forward_fused_window_add_norm2)
+
+
+def _defers(blk) -> bool:
+    """Whether blk's forward is still one of ours (a later pass, fused_block, may have replaced it)."""
+    return getattr(vars(blk).get("forward"), "__func__", None) in DEFERRING_FORWARDS
+
+
+def swin_stage_forward_fused_window(self, x: torch.Tensor) -> torch.Tensor:
+    """timm SwinTransformerStage.forward where each fused block hands its MLP branch to the next one
+    unadded, and the next block's norm kernel adds it (add_norm_shift_partition): the residual add after
+    every MLP but a stage's last runs inside a kernel that reads those tensors anyway, and its backward
+    joins the norm's, so eager mode saves the add's launch and the backward's gradient sum. Blocks are
+    still called as modules (their hooks, NVTX ranges included, run). Under torch.compile, or with
+    gradient checkpointing, the stage runs as timm's: Inductor fuses such adds itself."""
+    if torch.compiler.is_compiling() or (getattr(self, "grad_checkpointing", False) and not torch.jit.is_scripting()):
+        return self._swinbench_forward_before_fused_window(x)
+    x = self.downsample(x)
+    pending = None
+    for blk in self.blocks:
+        if _defers(blk):
+            x, pending = blk(x, pending, True)
+        else:
+            if pending is not None:
+                x, pending = x + pending, None
+            x = blk(x)
+    return x if pending is None else x + pending
 
 
 def _norm1_fusable(norm) -> bool:
@@ -104,6 +161,22 @@ def _norm1_fusable(norm) -> bool:
         and getattr(norm, "weight", None) is not None and getattr(norm, "bias", None) is not None
         and hasattr(norm, "eps")
     )
+
+
+def _patch_stages(model: torch.nn.Module) -> int:
+    """Give every timm SwinTransformerStage with two or more of our blocks the deferring forward -> count."""
+    from timm.models.swin_transformer import SwinTransformerStage
+
+    n = 0
+    for stage in model.modules():
+        if not isinstance(stage, SwinTransformerStage) or "forward" in vars(stage):
+            continue
+        if sum(_defers(b) for b in getattr(stage, "blocks", [])) < 2:
+            continue
+        stage._swinbench_forward_before_fused_window = stage.forward
+        stage.forward = types.MethodType(swin_stage_forward_fused_window, stage)
+        n += 1
+    return n
 
 
 def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, PassResult]:
@@ -137,8 +210,12 @@ def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, Pa
         counts["blocks_with_drop_path"] += int(not isinstance(blk.drop_path1, torch.nn.Identity))
         counts["blocks_dynamic_mask"] += int(bool(getattr(blk, "dynamic_mask", False)))
 
+    counts["stages_deferring_mlp_add"] = _patch_stages(model)
     changed = (f"{counts['blocks_patched']}/{len(blocks)} SwinTransformerBlock: norm1+roll+pad+partition -> "
                f"norm_shift_partition, merge+crop+roll+add -> merge_unshift_add (Triton, fwd+bwd)")
+    if counts["stages_deferring_mlp_add"]:
+        changed += (f"; in {counts['stages_deferring_mlp_add']} stage(s) each MLP's residual add goes into the next "
+                    "block's norm kernel (add_norm_shift_partition, eager)")
     skipped = counts["blocks_forward_already_patched"] + counts["blocks_norm1_not_fusable"]
     if skipped:
         changed += f"; {skipped} left as they were"
