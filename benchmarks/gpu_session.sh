@@ -31,7 +31,7 @@ for part in "$@"; do
                --out "$out/r/bench_host_paired_eager.json" 2>&1 | grep -E "step|Error|error" | tail -8 ;;
     s9-tests) timeout 360 python3 -m pytest -q -p no:cacheprovider -rf --tb=short tests/test_layer_norm.py tests/test_pass_fused_layernorm.py \
                tests/test_pass_fused_window.py tests/test_pass_fused_attention.py tests/test_pass_fused_block.py \
-               tests/test_window_kernels.py -k "not test_roll and not test_merge" 2>&1 | tail -12 ;;
+               tests/test_window_kernels.py tests/test_compile_fused_passes.py -k "not test_roll and not test_merge" 2>&1 | tail -12 ;;
     s9-eager) timeout 300 swinbench apply --recipe fmha --stages amp,fmha,benchmarks/recipes/fmha-table.yaml --profile \
                --model swin_base_patch4_window7_224 --batch 64 --steps 10 --warmup 3 --interleave 20 \
                --out "$out/r/apply_s9_eager" 2>&1 | tail -14 ;;

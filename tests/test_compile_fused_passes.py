@@ -19,7 +19,9 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 PASSES = (("fused_layernorm", {"impl": "triton"}), ("fused_window", None), ("fused_attention", None))
 # block: under torch.compile each block runs the forward it had before fused_block (whose kernels are
 # custom ops there); the eager model it is compared with runs the one-Function blocks.
-STACKS = {"attn": (("fused_attention", None),), "fmha": PASSES, "dense": PASSES + (("fused_linear", None),),
+STACKS = {"attn": (("fused_attention", None),), "fmha": PASSES,
+          "fmha-table": PASSES[:2] + (("fused_attention", {"bias": "table"}),),
+          "dense": PASSES + (("fused_linear", None),),
           "block": PASSES + (("fused_linear", None), ("fused_block", None))}
 RTOL_FP32 = 1e-4  # relative (norm) error, fp32
 
