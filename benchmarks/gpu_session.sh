@@ -29,7 +29,7 @@ for part in "$@"; do
     paired-eager) timeout 300 python3 benchmarks/bench_host.py --parts paired --batch 64 --steps 10 \
                --stages amp,fmha+plainlaunch,fmha+fastlaunch,block+plainlaunch,block+fastlaunch \
                --out "$out/r/bench_host_paired_eager.json" 2>&1 | grep -E "step|Error|error" | tail -8 ;;
-    s9-tests) timeout 360 python3 -m pytest -q -p no:cacheprovider -rf --tb=short tests/test_layer_norm.py tests/test_pass_fused_layernorm.py \
+    s9-tests) timeout 540 python3 -m pytest -q -p no:cacheprovider -rf --tb=short tests/test_layer_norm.py tests/test_pass_fused_layernorm.py \
                tests/test_pass_fused_window.py tests/test_pass_fused_attention.py tests/test_pass_fused_block.py \
                tests/test_window_kernels.py tests/test_compile_fused_passes.py -k "not test_roll and not test_merge" 2>&1 | tail -12 ;;
     s9-eager) timeout 300 swinbench apply --recipe fmha --stages amp,fmha,benchmarks/recipes/fmha-table.yaml --profile \
