@@ -450,3 +450,23 @@ def test_paired_speedup_against_another_ancestor_is_not_compared(tmp_path, curre
     result = check_records(base, current)
     (r,) = [r for _, r in result.rows.iterrows() if str(r["metric"]).startswith("paired_speedup")]
     assert r["status"] == "not compared" and "vs amp / baseline" in r["metric"] and result.exit_code == 0
+
+
+def test_activation_dtypes_change_is_flagged_and_old_records_skip_it(current, tmp_path):
+    """A stage whose activations moved to another dtype fails the check with the parts named; records
+    without the field (written before it existed, like the checked-in baseline) skip the row."""
+    result = check_records(BASELINE, current)
+    assert "activation_dtypes" not in set(result.rows["metric"])
+    base = tmp_path / "base"
+    shutil.copytree(current, base)
+    dtypes = {"patch_embed": "float32", "layers.0": "float32", "layers.1": "bfloat16", "norm": "float32"}
+    for folder in (base, current):
+        edit(folder, "fmha", lambda rec: rec.update(activation_dtypes=dict(dtypes)))
+    assert row(check_records(base, current), "fmha", "activation_dtypes")["status"] == "unchanged"
+    edit(current, "fmha", lambda rec: rec["activation_dtypes"].update({"patch_embed": "bfloat16", "norm": "bfloat16"}))
+    result = check_records(base, current)
+    r = row(result, "fmha", "activation_dtypes")
+    assert r["status"] == "REGRESSED" and r["baseline"] == "patch_embed:fp32 norm:fp32"
+    assert r["current"] == "patch_embed:bf16 norm:bf16" and result.regressed
+    assert any("patch_embed fp32 -> bf16" in n for n in result.notes)
+    assert "fmha: activation_dtypes patch_embed:fp32 norm:fp32 -> patch_embed:bf16 norm:bf16" in result.summary

@@ -17,6 +17,10 @@ stages by name and checks, per stage:
                              from the ratio's quartiles; compared only against the same ancestor
     share:<category> kernel category share (profile.category_share_pct), drift in percentage points
     gate             correctness gate; turning FAIL (from PASS, SKIP or REFERENCE) is a regression
+    activation_dtypes  the dtype each part of the model outputs under the stage's precision (records from
+                     `apply`); any change is REGRESSED, as a different kernel mix is for the shares: a
+                     kernel change that also moves activations to another precision must be taken on
+                     purpose, by refreshing the baseline. Skipped where either side's record predates it.
 
 Status of a row (`limit` and `band` are both >= 0):
 
@@ -431,6 +435,21 @@ def _gate_row(stage: str, b: dict, c: dict, notes: list[str]) -> dict | None:
     return _row(stage, "gate", bg, cg, None, None, None, status, unit="")
 
 
+def _dtype_row(stage: str, b: dict, c: dict, notes: list[str]) -> dict | None:
+    bd, cd = b.get("activation_dtypes"), c.get("activation_dtypes")
+    if not bd or not cd:
+        return None
+    changed = [p for p in bd if p in cd and bd[p] != cd[p]]
+    if not changed:
+        return _row(stage, "activation_dtypes", "same", "same", None, None, None, "unchanged", unit="")
+    short = lambda d: {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(d, d)  # noqa: E731
+    notes.append(f"stage '{stage}': activations changed dtype: "
+                 + ", ".join(f"{p} {short(bd[p])} -> {short(cd[p])}" for p in changed)
+                 + "; refresh the baseline if that is intended")
+    return _row(stage, "activation_dtypes", " ".join(f"{p}:{short(bd[p])}" for p in changed),
+                " ".join(f"{p}:{short(cd[p])}" for p in changed), None, None, None, "REGRESSED", unit="")
+
+
 def _stage_rows(stage: str, b: dict | None, c: dict | None, th: Thresholds, notes: list[str]) -> list[dict]:
     if b is None or c is None:
         if c is not None and (c.get("gate") or {}).get("status") == "FAIL":
@@ -454,6 +473,9 @@ def _stage_rows(stage: str, b: dict | None, c: dict | None, th: Thresholds, note
     gate = _gate_row(stage, b, c, notes)
     if gate is not None:
         rows.append(gate)
+    dtypes = _dtype_row(stage, b, c, notes)
+    if dtypes is not None:
+        rows.append(dtypes)
     return rows
 
 
