@@ -10,6 +10,9 @@ Ops (fused / eager it replaces), forward + backward:
   norm_shift_partition_amp  the same op as the fmha stage runs it under autocast: fp32 x and LayerNorm
                         parameters, windows written in the half dtype for the qkv Linear (out_dtype);
                         eager: F.layer_norm in fp32 + roll + pad + partition + the Linear's cast
+  add_norm_shift_partition  the previous block's MLP residual add folded into the norm: s = x + r, then
+                        norm_shift_partition of s (outputs s and the windows; the backward takes the
+                        gradient arriving at s too); eager: x + r, F.layer_norm + roll + pad + partition
 Stages: 56x56x128, 28x28x256, 14x14x512, 7x7x1024; ws 7, shift 3 on every stage (timm uses no
 shift on the single-window 7x7 stage; the shifted case is the one that moves data); bf16 by default.
 
@@ -53,6 +56,8 @@ import torch.nn.functional as F  # noqa: E402
 from workbench.env import device_label, environment_stamp  # noqa: E402
 from workbench.timing import cuda_graph_us, per_call_us  # noqa: E402
 from workbench.kernels.window import (  # noqa: E402
+    add_norm_shift_partition,
+    add_norm_shift_partition_fwd,
     merge_roll_reference,
     roll_partition_reference,
     merge_roll,
@@ -71,8 +76,9 @@ WINDOW, SHIFT, EPS = 7, 3, 1e-5
 SWIN_B_STAGES = [("s1", BATCH, 56, 56, 128), ("s2", BATCH, 28, 28, 256), ("s3", BATCH, 14, 14, 512),
                  ("s4", BATCH, 7, 7, 1024)]
 CPU_STAGES = [("s1", 1, 14, 14, 32), ("s4", 2, 7, 7, 64)]  # interpreter smoke test
-OPS = ("roll_partition", "merge_roll", "norm_shift_partition", "merge_unshift_add", "norm_shift_partition_amp")
-LN_OPS = ("norm_shift_partition", "norm_shift_partition_amp")
+OPS = ("roll_partition", "merge_roll", "norm_shift_partition", "merge_unshift_add", "norm_shift_partition_amp",
+       "add_norm_shift_partition")
+LN_OPS = ("norm_shift_partition", "norm_shift_partition_amp", "add_norm_shift_partition")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LN_TOL = {"bf16": 2e-2, "fp16": 2e-2, "fp32": 1e-4}
 
@@ -95,7 +101,7 @@ def make_inputs(B, H, W, C, dtype, device, seed=0) -> dict:
     def rand(shape, scale=1.0, shift=0.0):
         return (torch.randn(shape, generator=g, device=device) * scale + shift).to(dtype)
 
-    t = {"x": rand((B, H, W, C), 2.0, 0.5), "windows": rand((nw, WINDOW * WINDOW, C)),
+    t = {"x": rand((B, H, W, C), 2.0, 0.5), "r": rand((B, H, W, C)), "windows": rand((nw, WINDOW * WINDOW, C)),
          "w": rand((C,), 0.5, 1.0), "b": rand((C,), 0.5),
          "d_img": rand((B, H, W, C)), "d_win": rand((nw, WINDOW * WINDOW, C))}
     # norm_shift_partition_amp: fp32 activation and parameters, as autocast training holds them
@@ -107,6 +113,7 @@ def leaves(op: str, t: dict) -> list[torch.Tensor]:
     return {"roll_partition": [t["x"]], "merge_roll": [t["windows"]],
             "norm_shift_partition": [t["x"], t["w"], t["b"]],
             "norm_shift_partition_amp": [t["x32"], t["w32"], t["b32"]],
+            "add_norm_shift_partition": [t["x"], t["r"], t["w"], t["b"]],
             "merge_unshift_add": [t["windows"], t["x"]]}[op]
 
 
@@ -127,12 +134,19 @@ def forward(op: str, impl: str, t: dict, H: int, W: int, shift: int) -> torch.Te
             return norm_shift_partition(t["x32"], t["w32"], t["b32"], EPS, ws, shift, half)
         C = t["x32"].shape[-1]
         return eager_roll_partition(F.layer_norm(t["x32"], (C,), t["w32"], t["b32"], EPS), ws, shift).to(half)
+    if op == "add_norm_shift_partition":  # two outputs: (s, windows)
+        if impl == "fused":
+            return add_norm_shift_partition(t["x"], t["r"], t["w"], t["b"], EPS, ws, shift)
+        s = t["x"] + t["r"]
+        return s, eager_roll_partition(F.layer_norm(s, (s.shape[-1],), t["w"], t["b"], EPS), ws, shift)
     if impl == "fused":
         return merge_unshift_add(t["windows"], t["x"], ws, shift, H, W)
     return t["x"] + eager_merge_roll(t["windows"], ws, shift, H, W)
 
 
-def upstream(op: str, t: dict) -> torch.Tensor:
+def upstream(op: str, t: dict):
+    if op == "add_norm_shift_partition":
+        return t["d_img"], t["d_win"]
     return t["d_win"] if op in ("roll_partition", *LN_OPS) else t["d_img"]
 
 
@@ -153,6 +167,10 @@ def kernel_fns(op, t, H, W, shift):
         return (lambda: roll_partition_fwd(x, ws, shift)), (lambda: merge_roll_fwd(d_win, ws, shift, H, W))
     if op == "merge_roll":
         return (lambda: merge_roll_fwd(win, ws, shift, H, W)), (lambda: roll_partition_fwd(d_img, ws, shift))
+    if op == "add_norm_shift_partition":
+        s, _, mean, rstd = add_norm_shift_partition_fwd(x, t["r"], t["w"], t["b"], EPS, ws, shift)
+        return ((lambda: add_norm_shift_partition_fwd(x, t["r"], t["w"], t["b"], EPS, ws, shift)),
+                (lambda: norm_shift_partition_bwd(d_win, s, t["w"], mean, rstd, ws, shift, ds=d_img)))
     if op in LN_OPS:
         amp = op == "norm_shift_partition_amp"
         xx, w, b = (t["x32"], t["w32"], t["b32"]) if amp else (x, t["w"], t["b"])
@@ -177,6 +195,8 @@ def bytes_moved(op: str, B, H, W, C, elt: int) -> int:
         # x, dx fp32 (4 bytes an element), windows and dwin in `elt`: fwd read x, write windows; bwd read dwin, x; write dx
         "norm_shift_partition_amp": (n32 + n_pad) + (n + 2 * n32) + 2 * stats,
         "merge_unshift_add": (3 * n) + (n + n_pad),         # fwd: read windows, shortcut, write; bwd: read dy, write dwin
+        # fwd: read x, r, write s, windows; bwd: read dwin, s, ds, write dx
+        "add_norm_shift_partition": (3 * n + n_pad) + (4 * n) + 2 * stats,
     }[op]
 
 
@@ -247,9 +267,12 @@ def check(stages, dtype_name, device) -> list[dict]:
                 for p in leaves(op, t):
                     p.requires_grad_(True)
                 y = forward(op, impl, t, H, W, shift)
-                y.backward(upstream(op, t))
-                outs[impl] = [y.detach()] + [p.grad for p in leaves(op, t)]
-            names = ["out"] + [f"d{i}" for i in range(len(outs["fused"]) - 1)]
+                ys = list(y) if isinstance(y, tuple) else [y]
+                up = upstream(op, t)
+                torch.autograd.backward(ys, list(up) if isinstance(up, tuple) else [up])
+                outs[impl] = [v.detach() for v in ys] + [p.grad for p in leaves(op, t)]
+            n_out = 2 if op == "add_norm_shift_partition" else 1
+            names = [f"out{i}" for i in range(n_out)] + [f"d{i}" for i in range(len(outs["fused"]) - n_out)]
             for what, ours, ref in zip(names, outs["fused"], outs["eager"]):
                 if op in LN_OPS:
                     err = ((ours.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-12)).item()

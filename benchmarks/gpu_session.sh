@@ -159,7 +159,7 @@ for part in "$@"; do
              tail -n 3 "$out"/r/apply_fmha/logs/*.log 2>/dev/null | tail -30 ;;
     prof-fmha) timeout 330 swinbench apply --recipe fmha --stages amp,window,fmha,fmha-graph --profile \
                --model swin_base_patch4_window7_224 --batch 64 --steps 10 --warmup 3 --out "$out/r/apply_fmha_profile" 2>&1 | tail -30 ;;
-    window)  timeout 90 python3 benchmarks/bench_window.py --check --out "$out/r/bench_window.json" 2>&1 | tail -27 ;;
+    window)  timeout 120 python3 benchmarks/bench_window.py --check --out "$out/r/bench_window.json" 2>&1 | tail -31 ;;
     graphs)  timeout 270 swinbench apply --recipe fmha --stages torch-compile-graphs,fmha-compile-graphs \
                --model swin_base_patch4_window7_224 --batch 64 --steps 20 --warmup 5 --out "$out/r/apply_graphs" 2>&1 | tail -22
              tail -n 4 "$out"/r/apply_graphs/logs/*.log ;;
