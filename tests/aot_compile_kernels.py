@@ -1,0 +1,193 @@
+"""Compile every Triton kernel launch the host functions make, ahead of time, for an H200 (sm_90),
+without a GPU: Triton's own compiler and its bundled ptxas, down to a cubin.
+
+The CPU tests run the kernels under TRITON_INTERPRET=1, which executes them in numpy and accepts code
+that the GPU compiler would reject (a dtype mismatch in a tl.where, a constexpr used as a tensor, a block
+shape that is not a power of two, too much shared memory). This script, run in a process WITHOUT
+TRITON_INTERPRET, calls the host functions on small CPU tensors with `launch` replaced by a recorder
+(nothing runs), so it sees exactly the specializations they would launch (dtypes, constexprs, warps,
+stages, register caps; every config of an autotuned kernel), and compiles each once for sm_90.
+
+    python tests/aot_compile_kernels.py [--quick]   # one line per compiled variant; exit 1 on a failure
+
+Every Swin-B stage shape and dtype takes about 200 variants and 3 minutes on 2 CPU cores (Triton caches
+them on disk after that); --quick compiles one shape per code path, bf16 and fp32 (about 60 variants),
+which tests/test_kernels_compile_for_gpu.py runs in CI.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)  # H200 (Hopper, sm_90), warp size 32
+SM_COUNT = 132
+DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",
+          torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
+OPTION_KEYS = ("num_warps", "num_stages", "maxnreg", "num_ctas")
+
+MODULES = ("layer_norm", "window", "window_attention", "linear")
+RECORDED: list[tuple] = []
+
+
+class _Recorder:
+    """What `launch(kernel)[grid](*args, **kwargs)` would launch: recorded, not run."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        def record(*args, **kwargs):
+            k = self.kernel
+            if hasattr(k, "configs") and hasattr(k, "fn"):  # an autotuner: every config it may pick
+                for cfg in k.configs:
+                    kw = dict(kwargs, **cfg.kwargs)
+                    for opt in OPTION_KEYS:
+                        if getattr(cfg, opt, None) is not None:
+                            kw[opt] = getattr(cfg, opt)
+                    RECORDED.append((k.fn, args, kw))
+                k.best_config = k.configs[0]  # host code reads the chosen config after a launch
+            else:
+                RECORDED.append((k, args, kwargs))
+        return record
+
+
+def _record_launches(quick: bool) -> None:
+    ops = importlib.import_module("workbench.kernels._ops")
+    assert not ops._INTERPRET, "run without TRITON_INTERPRET"
+    for name in MODULES:
+        mod = importlib.import_module(f"workbench.kernels.{name}")
+        if hasattr(mod, "launch"):
+            mod.launch = _Recorder
+        if hasattr(mod, "sm_count"):
+            mod.sm_count = lambda device: SM_COUNT
+    ln = importlib.import_module("workbench.kernels.layer_norm")
+    win = importlib.import_module("workbench.kernels.window")
+    wa = importlib.import_module("workbench.kernels.window_attention")
+    lin = importlib.import_module("workbench.kernels.linear")
+    for fn in (getattr(win, "_norm_bwd_config", None), getattr(ln, "_bwd_grid", None)):
+        if hasattr(fn, "cache_clear"):
+            fn.cache_clear()
+
+    def r(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape).to(dtype)
+
+    for dt in (torch.float32, torch.bfloat16):
+        for C in ((128, 1024) if quick else (128, 512, 1024, 1536)):
+            x, res, w, b = r(64, C, dtype=dt), r(64, C, dtype=dt), r(C, dtype=torch.float32), r(C, dtype=torch.float32)
+            zero = torch.empty(2 * C)
+            ln.layer_norm_fwd(x, None, w, b, 1e-5, dt, zero_sums=zero)
+            ln.layer_norm_fwd(x, None, w, b, 1e-5, dt, torch.float32)
+            ln.layer_norm_fwd(x, res, w, b, 1e-5, dt, torch.bfloat16, zero_sums=zero)
+            for atomic_into in (zero, None):
+                ln.layer_norm_bwd(r(64, C, dtype=dt), x, w, b, torch.zeros(64), torch.ones(64), r(64, C, dtype=dt), dt,
+                                  sums_into=atomic_into)
+        ln.sum_partials(torch.randn(5, 256))
+    for dt in (torch.float32, torch.bfloat16):
+        shapes = ((2, 56, 56, 128), (2, 28, 28, 256), (2, 14, 14, 512), (2, 7, 7, 1024), (1, 9, 15, 33))
+        for (B, H, W, C) in (shapes[2:3] + shapes[4:] if quick else shapes):
+            x = r(B, H, W, C, dtype=dt)
+            w, b = r(C, dtype=torch.float32), r(C, dtype=torch.float32)
+            shift = 3 if H > 7 else 0
+            win.roll_partition_fwd(x, 7, shift)
+            windows, mean, rstd = win.norm_shift_partition_fwd(x, w, b, 1e-5, 7, shift, out_dtype=torch.bfloat16,
+                                                              zero_sums=torch.empty(2 * C))
+            win.add_norm_shift_partition_fwd(x, r(B, H, W, C), w, b, 1e-5, 7, shift)
+            win.merge_roll_fwd(windows, 7, shift, H, W, x)
+            win.merge_roll_fwd(windows, 7, shift, H, W)
+            win.norm_shift_partition_bwd(windows, x, w, mean, rstd, 7, shift, ds=x)
+            win.norm_shift_partition_bwd(windows, x, w, mean, rstd, 7, shift, sums_into=torch.empty(2 * C))
+    for dt in ((torch.bfloat16,) if quick else (torch.bfloat16, torch.float32)):
+        attn_shapes = ((7, 4, 16, True), (7, 32, 1, False), (12, 4, 4, True))
+        for (ws, heads, nw, masked) in (attn_shapes[:1] if quick else attn_shapes):
+            n, d = ws * ws, 32
+            q, k, v = (r(2 * nw, heads, n, d, dtype=dt) for _ in range(3))
+            bias, mask = r(heads, n, n, dtype=torch.float32), (r(nw, n, n, dtype=torch.float32) if masked else None)
+            out, lse = wa.window_attention_fwd(q, k, v, bias, mask, d ** -0.5)
+            wa.window_attention_bwd(q, k, v, out, lse, r(2 * nw, heads, n, d, dtype=dt), bias, mask, d ** -0.5)
+            n_table = (2 * ws - 1) ** 2
+            from timm.models.swin_transformer import get_relative_position_index
+
+            index = get_relative_position_index(ws, ws).to(torch.int64)
+            inverse = wa.rel_pos_inverse(index, n_table)
+            table = r(n_table, heads, dtype=torch.float32)
+            out, lse = wa.window_attention_fwd(q, k, v, table, mask, d ** -0.5, index=index)
+            wa.window_attention_bwd(q, k, v, out, lse, r(2 * nw, heads, n, d, dtype=dt), table, mask, d ** -0.5,
+                                    index=index, inverse=inverse)
+            wa.rel_pos_table_grad_host(r(1, heads, n * n, dtype=torch.float32), inverse, torch.float32)
+    for dt in ((torch.bfloat16,) if quick else (torch.bfloat16, torch.float32)):
+        for C in ((512,) if quick else (128, 512, 3072)):
+            lin.bias_grad_host(r(256, C, dtype=dt), None, torch.float32)
+            lin.bias_grad_host(r(256, C, dtype=dt), r(256, C, dtype=dt), torch.float32)
+
+
+def _signature(fn, args, kwargs):
+    """(signature {param: type or 'constexpr'}, constexprs {param: value}, options)."""
+    options = {k: kwargs[k] for k in OPTION_KEYS if kwargs.get(k) is not None}
+    values = dict(zip((p.name for p in fn.params), args))
+    values.update({k: v for k, v in kwargs.items() if k not in OPTION_KEYS})
+    signature, constexprs = {}, {}
+    for p in fn.params:
+        if p.name not in values:
+            if not p.has_default:
+                raise ValueError(f"{fn.__name__}: no value for {p.name}")
+            values[p.name] = p.default
+        v = values[p.name]
+        if p.is_constexpr or v is None:
+            signature[p.name] = "constexpr"
+            constexprs[p.name] = v
+        elif isinstance(v, torch.Tensor):
+            signature[p.name] = "*" + DTYPES[v.dtype]
+        elif isinstance(v, bool):
+            signature[p.name] = "i1"
+        elif isinstance(v, int):
+            signature[p.name] = "i32" if -2**31 <= v < 2**31 else "i64"
+        elif isinstance(v, float):
+            signature[p.name] = "fp32"
+        else:
+            raise TypeError(f"{fn.__name__}: {p.name} = {v!r}")
+    return signature, constexprs, options
+
+
+def main() -> int:
+    _record_launches(quick="--quick" in sys.argv[1:])
+    seen, failures, t0 = set(), [], time.perf_counter()
+    for fn, args, kwargs in RECORDED:
+        try:
+            signature, constexprs, options = _signature(fn, args, kwargs)
+        except Exception as exc:  # noqa: BLE001 - report, don't stop
+            failures.append(f"{getattr(fn, '__name__', fn)}: {exc}")
+            continue
+        key = (fn.__name__, tuple(sorted(signature.items())), tuple(sorted((k, repr(v)) for k, v in constexprs.items())),
+               tuple(sorted(options.items())))
+        if key in seen:
+            continue
+        seen.add(key)
+        label = f"{fn.__name__} {' '.join(f'{k}={v}' for k, v in constexprs.items() if v is not None)} {options}"
+        try:
+            kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=TARGET,
+                                    options=options)
+            print(f"ok   {label}  cubin {len(kernel.asm['cubin'])} bytes, shared {kernel.metadata.shared} bytes")
+        except Exception as exc:  # noqa: BLE001
+            failures.append(f"{label}: {type(exc).__name__}: {str(exc).strip().splitlines()[-1][:400] if str(exc).strip() else ''}")
+            traceback.print_exc(limit=1)
+    print(f"# {len(seen)} kernel variants from {len(RECORDED)} recorded launches compiled for sm_90 in "
+          f"{time.perf_counter() - t0:.1f} s (triton {triton.__version__}); {len(failures)} failed")
+    for f in failures:
+        print(f"FAILED {f}")
+    return 1 if failures or not seen else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
