@@ -8,7 +8,10 @@ TRITON_INTERPRET, calls the host functions on small CPU tensors with `launch` re
 (nothing runs), so it sees exactly the specializations they would launch (dtypes, constexprs, warps,
 stages, register caps; every config of an autotuned kernel), and compiles each once for sm_90.
 
-    python tests/aot_compile_kernels.py [--quick]   # one line per compiled variant; exit 1 on a failure
+    python tests/aot_compile_kernels.py [--quick] [--resources]   # a line per variant; exit 1 on a failure
+
+--resources adds each variant's registers and stack (spills) as ptxas allocated them for sm_90
+(Triton's bundled cuobjdump on the cubin), and lists the variants that spill.
 
 Every Swin-B stage shape and dtype takes about 200 variants and 3 minutes on 2 CPU cores (Triton caches
 them on disk after that); --quick compiles one shape per code path, bf16 and fp32 (about 60 variants),
@@ -18,7 +21,10 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -160,8 +166,20 @@ def _signature(fn, args, kwargs):
     return signature, constexprs, options
 
 
+def _resources(cubin: bytes) -> dict[str, int]:
+    """{'REG': registers per thread, 'STACK': bytes of stack (spills), ...} of a cubin's kernel."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    return {k: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", out)}
+
+
 def main() -> int:
     _record_launches(quick="--quick" in sys.argv[1:])
+    resources = "--resources" in sys.argv[1:]
+    spilling: list[str] = []
     seen, failures, t0 = set(), [], time.perf_counter()
     for fn, args, kwargs in RECORDED:
         try:
@@ -178,7 +196,13 @@ def main() -> int:
         try:
             kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=TARGET,
                                     options=options)
-            print(f"ok   {label}  cubin {len(kernel.asm['cubin'])} bytes, shared {kernel.metadata.shared} bytes")
+            line = f"ok   {label}  cubin {len(kernel.asm['cubin'])} bytes, shared {kernel.metadata.shared} bytes"
+            if resources:
+                res = _resources(kernel.asm["cubin"])
+                line += f", {res.get('REG')} registers, stack {res.get('STACK')} bytes"
+                if res.get("STACK"):
+                    spilling.append(f"{label} ({res.get('REG')} registers, stack {res['STACK']} bytes)")
+            print(line)
         except Exception as exc:  # noqa: BLE001
             failures.append(f"{label}: {type(exc).__name__}: {str(exc).strip().splitlines()[-1][:400] if str(exc).strip() else ''}")
             traceback.print_exc(limit=1)
@@ -186,6 +210,10 @@ def main() -> int:
           f"{time.perf_counter() - t0:.1f} s (triton {triton.__version__}); {len(failures)} failed")
     for f in failures:
         print(f"FAILED {f}")
+    if resources:
+        print(f"# {len(spilling)} variant(s) use stack (spill registers):")
+        for v in spilling:
+            print(f"  {v}")
     return 1 if failures or not seen else 0
 
 
