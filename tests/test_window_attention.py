@@ -271,3 +271,25 @@ def test_table_mode_traced_backward_sums_every_slot(monkeypatch, nw):
     *_, traced = wa.window_attention_bwd(q, k, v, out, lse, dout, table, mask, scale, index=index, inverse=inverse)
     assert eager.shape == (169, 2) and torch.isfinite(traced).all()
     torch.testing.assert_close(traced, eager, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cfg", range(len(wa._BWD_SMALL_CONFIGS)),
+                         ids=lambda i: "BLOCK_M{BLOCK_M}-G{G}".format(**wa._BWD_SMALL_CONFIGS[i].kwargs)
+                         + f"-w{wa._BWD_SMALL_CONFIGS[i].num_warps}")
+def test_every_small_window_backward_config_matches_reference(cfg, monkeypatch):
+    """Up to 64 keys the backward's autotuner also picks the query-tile height: one 64-row tile with the
+    d_bias accumulator in registers, or 32-row tiles that read-modify-write the d_bias slot. Each config
+    alone, against the float64 formula (mask, gathered bias and table). On a GPU the autotuner is given
+    that config only; under the interpreter the host's tile height and G are set to it."""
+    config = wa._BWD_SMALL_CONFIGS[cfg]
+    if wa._INTERPRET:
+        monkeypatch.setattr(wa, "_block_sizes", lambda n: (config.kwargs["BLOCK_M"], 64) if n <= 64 else (32, 256))
+        monkeypatch.setattr(wa, "_INTERPRET_CONFIG", {"G": 2, "num_warps": config.num_warps})
+    else:
+        import triton
+
+        monkeypatch.setattr(wa, "_bwd_small", triton.autotune([config], key=wa._AUTOTUNE_KEY)(
+            wa._window_attention_bwd_kernel))
+    check_against_reference((12, 3, 49, 16, 4, "packed"), torch.bfloat16, 1e-2, 2e-2, seed=cfg)
+    if not wa._INTERPRET:
+        assert wa._bwd_small.best_config is not None

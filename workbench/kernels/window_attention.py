@@ -254,12 +254,20 @@ _FWD_CONFIGS = [triton.Config({"G": g}, num_warps=nw, num_stages=ns)
                 for nw, ns in ((4, 2), (8, 2)) for g in (4, 8)]
 _BWD_CONFIGS = [triton.Config({"G": g}, num_warps=nw, num_stages=ns)
                 for nw, ns in ((4, 1), (8, 2)) for g in (8, 16)]
+# Windows of up to 64 tokens (Swin's 7x7) fit one 64-row query tile, whose fp32 d_bias accumulator stays
+# in registers across the program's windows; compiled for sm_90 that backward spills (Triton 3.8: 776
+# bytes of stack per thread at 4 warps, 312 at 8; `tests/aot_compile_kernels.py --resources`). 32-row
+# tiles do not spill at 8 warps, but add the d_bias slot's read-modify-write per window. The autotuner
+# times both (the query-tile height is a config value there, not a host choice).
+_BWD_SMALL_CONFIGS = ([triton.Config({"G": g, "BLOCK_M": 64}, num_warps=nw, num_stages=ns)
+                       for nw, ns in ((4, 1), (8, 2)) for g in (8, 16)]
+                      + [triton.Config({"G": g, "BLOCK_M": 32}, num_warps=8, num_stages=2) for g in (8, 16)])
 # SWINBENCH_AUTOTUNE=0 pins one config per kernel (tests: correctness, not speed, and no tuning time).
 _AUTOTUNE = os.environ.get("SWINBENCH_AUTOTUNE", "1") != "0"
 _INTERPRET_CONFIG = {"G": 2, "num_warps": 4}
 _AUTOTUNE_KEY = ["N", "D", "NH", "NW"]
 # The d_bias partial buffer has ceil(B_PER_W / G) slots per (w, h); sized for the smallest G.
-_BWD_MIN_G = min(c.kwargs["G"] for c in _BWD_CONFIGS)
+_BWD_MIN_G = min(c.kwargs["G"] for c in _BWD_CONFIGS + _BWD_SMALL_CONFIGS)
 
 
 def _quick_bench(fn, quantiles=None):
@@ -269,13 +277,22 @@ def _quick_bench(fn, quantiles=None):
 
 if _INTERPRET:
     _fwd = _window_attention_fwd_kernel
-    _bwd = _window_attention_bwd_kernel
+    _bwd = _bwd_small = _window_attention_bwd_kernel
 elif not _AUTOTUNE:
     _fwd = triton.autotune(_FWD_CONFIGS[:1], key=_AUTOTUNE_KEY)(_window_attention_fwd_kernel)
     _bwd = triton.autotune(_BWD_CONFIGS[:1], key=_AUTOTUNE_KEY)(_window_attention_bwd_kernel)
+    _bwd_small = triton.autotune(_BWD_SMALL_CONFIGS[:1], key=_AUTOTUNE_KEY)(_window_attention_bwd_kernel)
 else:
     _fwd = triton.autotune(_FWD_CONFIGS, key=_AUTOTUNE_KEY, do_bench=_quick_bench)(_window_attention_fwd_kernel)
     _bwd = triton.autotune(_BWD_CONFIGS, key=_AUTOTUNE_KEY, do_bench=_quick_bench)(_window_attention_bwd_kernel)
+    _bwd_small = triton.autotune(_BWD_SMALL_CONFIGS, key=_AUTOTUNE_KEY, do_bench=_quick_bench)(
+        _window_attention_bwd_kernel)
+
+
+def _bwd_kernel(block_n: int):
+    """The backward launcher for windows whose keys fit BLOCK_N: the one whose configs also choose the
+    query-tile height (_BWD_SMALL_CONFIGS) up to 64 keys, else the one with the host's tile height."""
+    return _bwd_small if block_n <= 64 else _bwd
 
 
 def _block_sizes(n: int) -> tuple[int, int]:
@@ -378,14 +395,17 @@ def window_attention_bwd(q, k, v, out, lse, dout, rel_bias, mask, scale, compute
     traced = tracing()
     fill_slots = max_slots if traced and compute_dbias else 0
     block_m, block_n = _block_sizes(n)
+    kernel = _bwd_kernel(block_n)
     extra = dict(_INTERPRET_CONFIG) if _INTERPRET else {}
+    if _INTERPRET or kernel is not _bwd_small:  # else the autotuner's config gives BLOCK_M
+        extra["BLOCK_M"] = block_m
     grid = lambda meta: (nw * cdiv(b_per_w, meta["G"]), nh)  # noqa: E731
-    launch(_bwd)[grid](
+    launch(kernel)[grid](
         q, k, v, out, dout, lse, rel_bias, mask_arg, index_arg, *grads, partial,
         *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(dout),
         *_strides(dq), *_strides(dk), *_strides(dv),
         float(scale), b_per_w, FILL_SLOTS=fill_slots, dkv_off=dkv_off, PACKED=dqkv is not None,
-        NW=nw, NH=nh, N=n, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
+        NW=nw, NH=nh, N=n, D=d, BLOCK_N=block_n,
         HAS_MASK=mask is not None, PRECISION=_precision(q.dtype),
         UPCAST=_INTERPRET and q.dtype == torch.bfloat16, COMPUTE_DBIAS=compute_dbias, TABLE=index is not None,
         **extra,
@@ -393,7 +413,7 @@ def window_attention_bwd(q, k, v, out, lse, dout, rel_bias, mask, scale, compute
     dbias = None
     if compute_dbias:
         if not traced:
-            g = _INTERPRET_CONFIG["G"] if _INTERPRET else _bwd.best_config.kwargs["G"]
+            g = _INTERPRET_CONFIG["G"] if _INTERPRET else kernel.best_config.kwargs["G"]
             partial = partial[: cdiv(b_per_w, g)]
         if index is None:
             dbias = partial.sum(dim=(0, 1))
