@@ -26,7 +26,7 @@ Contract with passes that patch SwinTransformerBlock.forward later (fused_window
         x = x + drop_path2(mlp(h))
   * Such a block carries `blk._swinbench_add_norm2 = True` and `blk._swinbench_forward_before_add_norm2`
     (the forward it replaced). A later pass may replace the whole forward; when the flag is set it should
-    keep the fusion by computing its MLP half with `workbench.kernels.add_layer_norm` as above
+    keep the fusion by computing its MLP half with `add_norm2` below (add_layer_norm, as above)
     (shortcut, attention branch after drop_path1 -> (residual stream, normed)).
   * A block whose forward an earlier pass already replaced (an instance `forward` exists) is not
     touched: it is counted in details["blocks_forward_already_patched"].
@@ -132,15 +132,22 @@ def _apex_from(ln: nn.LayerNorm) -> nn.Module:
     return new.train(ln.training)
 
 
-def swin_block_forward_add_norm2(self, x: torch.Tensor) -> torch.Tensor:
-    """timm SwinTransformerBlock.forward with the add before norm2 fused into norm2. x: (B, H, W, C)."""
+def add_norm2(blk, x: torch.Tensor, branch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block's `x + branch` and its norm2 of that sum in one add_layer_norm -> (sum, normed), both
+    (B, L, C): the normed output in the dtype its consumer wants (`_swin.norm_output_dtype`: the autocast
+    dtype when it goes straight into the MLP's fc1). The MLP half of every forward that keeps this fusion."""
     from ..kernels.layer_norm import add_layer_norm
 
+    B, C = x.shape[0], x.shape[-1]
+    return add_layer_norm(x.reshape(B, -1, C), branch.reshape(B, -1, C), blk.norm2.weight, blk.norm2.bias,
+                          blk.norm2.eps, norm_output_dtype(x, mlp_input_goes_to_linear(blk.mlp),
+                                                           torch.promote_types(x.dtype, branch.dtype)))
+
+
+def swin_block_forward_add_norm2(self, x: torch.Tensor) -> torch.Tensor:
+    """timm SwinTransformerBlock.forward with the add before norm2 fused into norm2. x: (B, H, W, C)."""
     B, H, W, C = x.shape
-    attn = self.drop_path1(self._attn(self.norm1(x)))
-    x, h = add_layer_norm(x.reshape(B, -1, C), attn.reshape(B, -1, C), self.norm2.weight, self.norm2.bias,
-                          self.norm2.eps, norm_output_dtype(x, mlp_input_goes_to_linear(self.mlp),
-                                                            torch.promote_types(x.dtype, attn.dtype)))
+    x, h = add_norm2(self, x, self.drop_path1(self._attn(self.norm1(x))))
     x = x + self.drop_path2(self.mlp(h))
     return x.reshape(B, H, W, C)
 

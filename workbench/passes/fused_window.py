@@ -40,7 +40,8 @@ import types
 import torch
 
 from . import PassContext, PassResult, PassUnavailable
-from ._swin import attn_input_goes_to_linear, inactive, mlp_input_goes_to_linear, norm_output_dtype, square, swin_blocks
+from ._swin import attn_input_goes_to_linear, inactive, norm_output_dtype, square, swin_blocks
+from .fused_layernorm import add_norm2
 
 NAME = "fused_window"
 
@@ -110,7 +111,6 @@ def swin_block_forward_fused_window(self, x: torch.Tensor, pending: torch.Tensor
 def swin_block_forward_fused_window_add_norm2(self, x: torch.Tensor, pending: torch.Tensor | None = None,
                                               defer: bool = False):
     """As swin_block_forward_fused_window, keeping fused_layernorm's add+norm2 fusion. x: (B, H, W, C)."""
-    from ..kernels.layer_norm import add_layer_norm
     from ..kernels.window import merge_roll
 
     out = _window_attention_windows(self, x, pending)
@@ -119,9 +119,7 @@ def swin_block_forward_fused_window_add_norm2(self, x: torch.Tensor, pending: to
     attn_windows, ws, shift, x = out
     B, H, W, C = x.shape
     branch = self.drop_path1(merge_roll(attn_windows, ws, shift, H, W))
-    x, h = add_layer_norm(x.reshape(B, -1, C), branch.reshape(B, -1, C), self.norm2.weight, self.norm2.bias,
-                          self.norm2.eps, norm_output_dtype(x, mlp_input_goes_to_linear(self.mlp),
-                                                            torch.promote_types(x.dtype, branch.dtype)))
+    x, h = add_norm2(self, x, branch)
     return _mlp_half(self, x, h, B, H, W, C, defer)
 
 
