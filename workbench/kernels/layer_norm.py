@@ -33,14 +33,13 @@ Kernels run on the GPU, and on the CPU with TRITON_INTERPRET=1 set before this m
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from ._ops import cdiv, kernel_op, launch, launch_options, next_pow2
+from ._ops import _INTERPRET, cdiv, kernel_op, launch, launch_options, next_pow2
 
 # Widest row one program holds in registers. Swin needs 1536 (-> 2048); wider rows would want a
 # column loop, which no Swin needs.
@@ -58,7 +57,7 @@ _BWD_MIN_ROWS_PER_PROGRAM = 16
 # Triton's CPU interpreter (TRITON_INTERPRET=1, used by the tests) truncates fp32 -> bf16 instead of
 # rounding to nearest even as the GPU (and torch) do; under the interpreter we round by hand so that
 # the kernels' bf16 results match torch's bit for bit. GPU code is unchanged (plain .to()).
-SOFT_RTNE = os.environ.get("TRITON_INTERPRET", "0") == "1"
+SOFT_RTNE = _INTERPRET
 
 
 @triton.jit

@@ -42,9 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._ops import cdiv, kernel_op, launch, next_pow2, tracing
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from ._ops import _INTERPRET, cdiv, kernel_op, launch, next_pow2, tracing
 
 # Test hook: when True, every buffer a kernel must fill is NaN-filled first, so an element the
 # kernel forgets to write fails the comparison instead of passing by luck.
