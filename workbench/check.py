@@ -58,7 +58,7 @@ import yaml
 
 from .analysis import blocking_calls
 from .errors import UserError, yaml_error_text
-from .records import read_records
+from .records import read_records, short_dtype
 
 ROW_COLUMNS = ["stage", "metric", "baseline", "current", "delta_pct", "limit", "noise_band_pct", "status", "unit"]
 STATUSES = ("improved", "unchanged", "noise", "REGRESSED", "only in baseline", "only in current", "FAIL gate",
@@ -442,12 +442,11 @@ def _dtype_row(stage: str, b: dict, c: dict, notes: list[str]) -> dict | None:
     changed = [p for p in bd if p in cd and bd[p] != cd[p]]
     if not changed:
         return _row(stage, "activation_dtypes", "same", "same", None, None, None, "unchanged", unit="")
-    short = lambda d: {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(d, d)  # noqa: E731
     notes.append(f"stage '{stage}': activations changed dtype: "
-                 + ", ".join(f"{p} {short(bd[p])} -> {short(cd[p])}" for p in changed)
+                 + ", ".join(f"{p} {short_dtype(bd[p])} -> {short_dtype(cd[p])}" for p in changed)
                  + "; refresh the baseline if that is intended")
-    return _row(stage, "activation_dtypes", " ".join(f"{p}:{short(bd[p])}" for p in changed),
-                " ".join(f"{p}:{short(cd[p])}" for p in changed), None, None, None, "REGRESSED", unit="")
+    return _row(stage, "activation_dtypes", " ".join(f"{p}:{short_dtype(bd[p])}" for p in changed),
+                " ".join(f"{p}:{short_dtype(cd[p])}" for p in changed), None, None, None, "REGRESSED", unit="")
 
 
 def _stage_rows(stage: str, b: dict | None, c: dict | None, th: Thresholds, notes: list[str]) -> list[dict]:

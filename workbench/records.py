@@ -27,6 +27,11 @@ from .errors import UserError
 SCHEMA = "swinbench.stage/1"
 
 
+def short_dtype(name: str) -> str:
+    """A record's torch dtype name ('float32', 'bfloat16', ...) as reports print it ('fp32', 'bf16', ...)."""
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}.get(name, name)
+
+
 def write_record(record: dict, folder: Path) -> Path:
     """Write `record` as `<folder>/<stage_index>-<stage>.json` (atomically: temp file, then rename)."""
     folder.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,7 @@ import pandas as pd
 from .analysis import blocking_calls
 from .env import device_label
 from .errors import UserError
-from .records import read_records
+from .records import read_records, short_dtype
 
 COLUMNS = ["run_id", "stage", "extends", "status", "gate", "precision", "img_per_s", "step_ms", "step_iqr_ms",
            "x_baseline", "x_previous", "peak_mem_bytes", "compile_s", "counted", "x_baseline_cross_run",
@@ -254,10 +254,6 @@ def _stage_pass_lines(rec: dict) -> list[str]:
     return [f"`{p['name']}`: {p['changed']}" for p in tail]
 
 
-def _short_dtype(name: str) -> str:
-    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}.get(name, name)
-
-
 def activation_dtype_changes(records: list[dict]) -> list[str]:
     """One line per stage whose activations are kept in another dtype than those of the stage it extends
     (or its nearest ancestor in the run) at the same precision: a kernel swap that also changed precision."""
@@ -271,7 +267,7 @@ def activation_dtype_changes(records: list[dict]) -> list[str]:
         if ref is None or ref.get("precision") != rec.get("precision"):
             continue
         theirs = ref["activation_dtypes"]
-        diff = [f"{part} {_short_dtype(theirs[part])} -> {_short_dtype(d)}" for part, d in mine.items()
+        diff = [f"{part} {short_dtype(theirs[part])} -> {short_dtype(d)}" for part, d in mine.items()
                 if part in theirs and theirs[part] != d]
         if diff:
             lines.append(f"**{rec['stage']}** keeps activations in other dtypes than **{ref['stage']}** "
@@ -285,7 +281,7 @@ def _activation_dtype_lines(records: list[dict]) -> list[str]:
     if not recs:
         return []
     parts = list(dict.fromkeys(p for r in recs for p in r["activation_dtypes"]))
-    rows = [[r["stage"]] + [_short_dtype(r["activation_dtypes"].get(p, "-")) for p in parts] for r in recs]
+    rows = [[r["stage"]] + [short_dtype(r["activation_dtypes"].get(p, "-")) for p in parts] for r in recs]
     lines = ["## Activation dtypes", "",
              "The output dtype of each part of the model in one forward under the stage's precision (the "
              "residual stream between stages; `layers.N` is stage N+1).", "",
