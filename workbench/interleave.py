@@ -40,7 +40,7 @@ WARMUP_STEPS = 3       # untimed steps per stage after it is built (compiles, au
 class InterleaveSpec:
     """What the interleaved phase needs, as JSON (it crosses into its own process)."""
 
-    stages: list[dict]     # per stage: {"stage", "stage_ref", "record_path"}
+    stages: list[dict]     # per stage: {"stage", "stage_ref"}
     config: dict           # WorkloadConfig as a dict
     rounds: int
     block: int = BLOCK_STEPS
