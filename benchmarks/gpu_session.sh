@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work: correctness on the GPU, kernel benchmarks, profile, apply.
 # Usage (on the GPU machine, from the repo root): benchmarks/gpu_session.sh PART...   PART in
-#   s9-tests | s9-eager | s9-graphs | s9-table-compile | s8-tests | s8-tests-v | s8-retest | s8-ab | s8-prof | s8-eager | tests | tests2 | next-tests | next-tests2 | next-tests3 | attn-table | table-ab | next-graphs | next-prof | zero-sums | interleave-eager | paired-compile2 | paired-eager2 | paired-compile | paired-eager | colsums | compile-static | compile-cpp | attn-tests | inplace | fastlaunch-ab | fastlaunch-host | fastlaunch-quick | compile-pair | maxnreg | prof-graphs-ab | fastlaunch | graphs-ab | master-ab | traced | compile-diag | compile-variants | compile-apply | prof-compile | wbench | linear | threads | sweep | sweepb | norms | dense-apply | scale | infer-quick | prof-api | prof-block | block | host | chain | graphs | dense | infer | prof-fmha | window | kernels | attn | diag | benches | graph | last | quick | profile | apply-apex | apply-fmha
+#   s9-tests | s9-fails | s9-eager | s9-graphs | s9-table-compile | s8-tests | s8-tests-v | s8-retest | s8-ab | s8-prof | s8-eager | tests | tests2 | next-tests | next-tests2 | next-tests3 | attn-table | table-ab | next-graphs | next-prof | zero-sums | interleave-eager | paired-compile2 | paired-eager2 | paired-compile | paired-eager | colsums | compile-static | compile-cpp | attn-tests | inplace | fastlaunch-ab | fastlaunch-host | fastlaunch-quick | compile-pair | maxnreg | prof-graphs-ab | fastlaunch | graphs-ab | master-ab | traced | compile-diag | compile-variants | compile-apply | prof-compile | wbench | linear | threads | sweep | sweepb | norms | dense-apply | scale | infer-quick | prof-api | prof-block | block | host | chain | graphs | dense | infer | prof-fmha | window | kernels | attn | diag | benches | graph | last | quick | profile | apply-apex | apply-fmha
 # Results go to $OUT (or ./gpu-out), packed into one tarball so they come back in one file.
 set -uo pipefail
 out=${OUT:-gpu-out}; mkdir -p "$out/r"
@@ -32,14 +32,17 @@ for part in "$@"; do
     s9-tests) timeout 540 python3 -m pytest -q -p no:cacheprovider -rf --tb=short tests/test_layer_norm.py tests/test_pass_fused_layernorm.py \
                tests/test_pass_fused_window.py tests/test_pass_fused_attention.py tests/test_pass_fused_block.py \
                tests/test_window_kernels.py tests/test_compile_fused_passes.py -k "not test_roll and not test_merge" 2>&1 | tail -12 ;;
-    s9-eager) timeout 300 swinbench apply --recipe fmha --stages amp,fmha,benchmarks/recipes/fmha-table.yaml --profile \
+    s9-fails) timeout 90 python3 -m pytest -q -p no:cacheprovider -rf --tb=long tests/test_pass_fused_window.py tests/test_pass_fused_attention.py \
+               -k "cast_path or rel_pos_bias_matches" > "$out/r/s9_fails.log" 2>&1
+             grep -nE "^E |Error|assert|passed|failed|^tests/.*:[0-9]+:" "$out/r/s9_fails.log" | head -40 ;;
+    s9-eager) timeout 330 swinbench apply --recipe fmha --stages amp,fmha,benchmarks/recipes/fmha-table.yaml --profile \
                --model swin_base_patch4_window7_224 --batch 64 --steps 10 --warmup 3 --interleave 20 \
                --out "$out/r/apply_s9_eager" 2>&1 | tail -14 ;;
-    s9-graphs) timeout 560 swinbench apply --recipe fmha --stages amp,fmha-graph,torch-compile-graphs,fmha-compile-graphs,block-graph \
+    s9-graphs) timeout 530 swinbench apply --recipe fmha --stages amp,fmha-graph,torch-compile-graphs,fmha-compile-graphs,block-graph \
                --model swin_base_patch4_window7_224 --batch 64 --out "$out/r/apply_s9_graphs" 2>&1 | tail -24 ;;
-    s9-table-compile) timeout 560 swinbench apply --recipe fmha-compile \
+    s9-table-compile) timeout 440 swinbench apply --recipe fmha-compile \
                --stages torch-compile,fmha-compile,benchmarks/recipes/fmha-table-compile.yaml \
-               --model swin_base_patch4_window7_224 --batch 64 --interleave 12 --out "$out/r/apply_s9_table_compile" 2>&1 | tail -20 ;;
+               --model swin_base_patch4_window7_224 --batch 64 --interleave 8 --out "$out/r/apply_s9_table_compile" 2>&1 | tail -20 ;;
     s8-tests) swinbench env 2>&1 | tail -14
              timeout 430 python3 -m pytest -q -p no:cacheprovider --durations=10 tests/test_window_kernels.py tests/test_layer_norm.py \
                tests/test_cached_launcher.py tests/test_column_sums.py tests/test_kernel_ops.py tests/test_window_attention.py \

@@ -107,7 +107,8 @@ def test_rel_pos_bias_matches_timm_gather_forward_and_backward():
     assert ours.is_contiguous() and torch.equal(ours, ref)
     (grad,) = torch.autograd.grad(ours, attn.relative_position_bias_table, d)
     assert grad.is_contiguous()
-    torch.testing.assert_close(grad, ref_grad, rtol=1e-6, atol=1e-6)
+    # index_add_'s atomics (on a GPU) against the indexing backward's sorted sums: fp32 rounding apart
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-5)
     # with the index's inverse (what fused_attention adds): one Triton launch, the same gradient
     from workbench.passes._swin import INVERSE_BUFFER, add_rel_pos_inverse
 
