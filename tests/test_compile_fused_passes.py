@@ -20,7 +20,7 @@ PASSES = (("fused_layernorm", {"impl": "triton"}), ("fused_window", None), ("fus
 # block: under torch.compile each block runs the forward it had before fused_block (whose kernels are
 # custom ops there); the eager model it is compared with runs the one-Function blocks.
 STACKS = {"attn": (("fused_attention", None),), "fmha": PASSES,
-          "fmha-table": PASSES[:2] + (("fused_attention", {"bias": "table"}),),
+          "fmha-gather": PASSES[:2] + (("fused_attention", {"bias": "gather"}),),
           "dense": PASSES + (("fused_linear", None),),
           "block": PASSES + (("fused_linear", None), ("fused_block", None))}
 RTOL_FP32 = 1e-4  # relative (norm) error, fp32

@@ -174,3 +174,14 @@ def test_table_bias_is_the_gathered_bias_bit_for_bit_and_a_bad_mode_is_refused()
             assert torch.equal(gb[name], ga[name]), name
     with pytest.raises(UserError, match="bias must be one of gather, table"):
         fused_attention.apply(build_model(TINY_MODEL), pass_ctx(DEVICE), bias="sdpa")
+
+
+def test_table_is_the_default_bias_mode_and_gather_is_recorded_as_a_choice():
+    """The fmha recipe names fused_attention without params: it reads the table in-kernel. A record
+    lists bias only where a recipe chose the non-default gather."""
+    _, result = apply_pass("fused_attention", build_model(TINY_MODEL).to(DEVICE), pass_ctx(DEVICE))
+    assert result.details["bias"] == "table" and result.details["table_modules"] == 4
+    assert result.params == {}
+    _, result = apply_pass("fused_attention", build_model(TINY_MODEL).to(DEVICE), pass_ctx(DEVICE), {"bias": "gather"})
+    assert result.details["table_modules"] == 0 and result.params == {"bias": "gather"}
+    assert "gathered before the kernel" in result.changed
