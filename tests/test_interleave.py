@@ -110,3 +110,63 @@ def test_isolated_runs_interleave_in_a_process_of_their_own(tmp_path):
     stored = {r["stage"]: r for r in read_records([result.records_dir])}
     assert stored["amp"]["interleaved"]["previous_stage"] == "baseline"
     assert len(stored["baseline"]["interleaved"]["samples_ms"]) == 3
+
+
+def test_rounds_handed_out_one_by_one_add_up_to_the_same_timings():
+    """add_round rebuilds, from the per-round step times on_round hands out (the interleave process's
+    "round" events), exactly what time_interleaved returns."""
+    from workbench.interleave import add_round
+
+    steps = {n: (lambda i: None) for n in ("a", "b")}
+    seen, counts = {}, []
+    out = time_interleaved(steps, rounds=3, block=2, warmup=0, device=CPU,
+                           on_round=lambda r, samples: counts.append(add_round(seen, samples)))
+    assert counts == [1, 2, 3] and seen == out
+
+
+def _interrupted_after(real, rounds_done: int, exc: BaseException):
+    def run(spec, emit):
+        def relay(event):
+            emit(event)
+            if event.get("event") == "round" and event["i"] == rounds_done - 1:
+                raise exc
+        return real(spec, relay)
+    return run
+
+
+def test_an_interleave_that_stops_early_keeps_its_rounds_in_records_and_report(tmp_path, monkeypatch):
+    import workbench.apply as apply_mod
+
+    monkeypatch.setattr(apply_mod, "run_interleaved_spec",
+                        _interrupted_after(apply_mod.run_interleaved_spec, 2, RuntimeError("out of time")))
+    console = Console(file=None, record=True, width=200)
+    run = dict(model=TINY_MODEL, batch=2, steps=1, warmup=0, device="cpu", progress=False)
+    result = run_apply("amp", **run, stages=["baseline", "amp"], out_dir=tmp_path / "run", interleave=5,
+                       console=console)
+    stored = {r["stage"]: r for r in read_records([result.records_dir])}
+    e = stored["amp"]["interleaved"]
+    assert e["rounds"] == 2 and e["rounds_planned"] == 5 and len(e["round_median_ms"]) == 2
+    assert "2 rounds (stopped early: 5 planned)" in result.report_path.read_text()
+    assert "the 2 of 5 rounds timed before it stopped are in the records" in console.export_text()
+
+
+def test_a_run_stopped_between_stages_leaves_a_report_of_those_finished(tmp_path, monkeypatch):
+    """Ctrl-C (or a time limit) after the first stage: its record and a report of it are on disk."""
+    import workbench.apply as apply_mod
+
+    real, calls = apply_mod.run_stage, []
+
+    def run_stage(spec, reference, on_event):
+        calls.append(spec.stage)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(spec, reference, on_event)
+
+    monkeypatch.setattr(apply_mod, "run_stage", run_stage)
+    run = dict(model=TINY_MODEL, batch=2, steps=1, warmup=0, device="cpu", progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        run_apply("amp", **run, stages=["baseline", "amp"], out_dir=tmp_path / "run",
+                  console=Console(file=None, record=True, width=120))
+    report = (tmp_path / "run" / "report.md").read_text()
+    rows = [line.split("|")[1].strip() for line in report.splitlines() if line.startswith("| ")]
+    assert "baseline" in rows and "amp" not in rows

@@ -41,7 +41,7 @@ from .errors import UserError
 from .gate import (GateOutputs, activation_dtypes, capture_parameters, compare, compute_reference, forward_backward,
                    weights_digest)
 from .models import check_model_name, default_model_for
-from .interleave import InterleaveSpec, apply_chain, interleaved_entries, run_interleaved_spec, spec_json
+from .interleave import InterleaveSpec, add_round, apply_chain, interleaved_entries, run_interleaved_spec, spec_json
 from .records import SCHEMA, write_record
 from .recipes import StagePlan, as_jsonable, effective_passes, gate_tolerance, plan_stages, resolve_chain
 from .timing import time_steps
@@ -325,7 +325,9 @@ def _run_isolated(spec: StageSpec, on_event: Callable[[dict], None]) -> dict:
 def _interleave(records: list[dict], specs: list[StageSpec], config: WorkloadConfig, rounds: int, isolate: bool,
                 out_dir: Path, console, bar) -> None:
     """Time every measured stage that passed its gate again, in alternation in one process
-    (`interleave.py`), and add each one's `interleaved` entry to its record (rewritten)."""
+    (`interleave.py`), and add each one's `interleaved` entry to its record. The records and the report
+    are rewritten after every round, so a run stopped part-way (a time limit, an error, Ctrl-C) keeps the
+    rounds it timed."""
     chosen = [(spec, rec) for spec, rec in zip(specs, records)
               if rec["status"] == "ok" and rec["gate"]["status"] != "FAIL" and rec.get("step_ms") is not None]
     if len(chosen) < 2:
@@ -333,9 +335,25 @@ def _interleave(records: list[dict], specs: list[StageSpec], config: WorkloadCon
         return
     ispec = InterleaveSpec(stages=[{"stage": s.stage, "stage_ref": s.stage_ref} for s, _ in chosen],
                            config=asdict(config), rounds=rounds)
+    from .report import render_report
+
     task = bar.add_task("  interleaved rounds", total=rounds) if bar is not None else None
+    seen: dict[str, dict] = {}  # the rounds timed so far, from the events
+    done = 0
+
+    def save(timings: dict, n_rounds: int) -> None:
+        entries = interleaved_entries([rec for _, rec in chosen], timings, rounds=n_rounds, block=ispec.block,
+                                      rounds_planned=rounds)
+        for _, rec in chosen:
+            rec["interleaved"] = entries[rec["stage"]]
+            write_record({k: v for k, v in rec.items() if k != "_path"}, out_dir / "records")
+        render_report(records, out_dir / "report.md")
 
     def on_event(event):
+        nonlocal done
+        if event.get("event") == "round" and event.get("samples_ms"):
+            done = add_round(seen, event["samples_ms"])
+            save(seen, done)
         if bar is None:
             return
         if event.get("event") == "round":
@@ -367,12 +385,11 @@ def _interleave(records: list[dict], specs: list[StageSpec], config: WorkloadCon
     if bar is not None:
         bar.update(task, visible=False)
     if error:
-        console.print(f"[yellow]note:[/] interleaved timing failed: {error}; the stages' own timings stand")
+        kept = (f"; the {done} of {rounds} rounds timed before it stopped are in the records" if done
+                else "; the stages' own timings stand")
+        console.print(f"[yellow]note:[/] interleaved timing failed: {error}{kept}")
         return
-    entries = interleaved_entries([rec for _, rec in chosen], timings, rounds=rounds, block=ispec.block)
-    for _, rec in chosen:
-        rec["interleaved"] = entries[rec["stage"]]
-        write_record({k: v for k, v in rec.items() if k != "_path"}, out_dir / "records")
+    save(timings, rounds)
 
 
 def _resumable(records_dir: Path, config: WorkloadConfig, *, steps: int, warmup: int, profile: bool
@@ -517,6 +534,7 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
                     reference = compute_reference(config)
                 record = run_stage(spec, reference, on_event)
             records.append(record)
+            render_report(records, out_dir / "report.md")  # what has finished, should the run stop here
             if bar is not None:
                 bar.update(step_task, visible=False)
                 bar.advance(run_task)

@@ -72,9 +72,11 @@ def build_stage_workload(config, stage_ref: str):
 
 
 def time_interleaved(steps: dict[str, Callable[[int], object]], *, rounds: int, block: int, warmup: int,
-                     device: torch.device, on_round: Callable[[int], None] | None = None) -> dict[str, dict]:
+                     device: torch.device, on_round: Callable[[int, dict[str, list[float]]], None] | None = None
+                     ) -> dict[str, dict]:
     """Warm each stage up, then `rounds` rounds of `block` timed steps of each stage, the order rotating
-    by one stage per round -> per stage {"samples_ms": every timed step, "round_median_ms": one per round}."""
+    by one stage per round -> per stage {"samples_ms": every timed step, "round_median_ms": one per round}.
+    on_round(r, {stage: that round's step times in ms}) after each round."""
     if rounds < 1 or block < 1:
         raise ValueError("rounds and block must be at least 1")
     names = list(steps)
@@ -108,8 +110,20 @@ def time_interleaved(steps: dict[str, Callable[[int], object]], *, rounds: int, 
             out[name]["samples_ms"] += times
             out[name]["round_median_ms"].append(statistics.median(times))
         if on_round:
-            on_round(r)
+            on_round(r, {n: out[n]["samples_ms"][-block:] for n in names})
     return out
+
+
+def add_round(timings: dict[str, dict], round_samples: dict[str, list[float]]) -> int:
+    """Add one round's step times ({stage: ms}, as on_round and the "round" event give them) to timings
+    in time_interleaved's form (created as needed) -> the number of rounds now in it. What a caller
+    that only sees the rounds go by (apply, reading the interleave process's events) keeps, so that the
+    rounds already timed survive a run that stops before the last."""
+    for name, times in round_samples.items():
+        t = timings.setdefault(name, {"samples_ms": [], "round_median_ms": []})
+        t["samples_ms"] += times
+        t["round_median_ms"].append(statistics.median(times))
+    return min(len(t["round_median_ms"]) for t in timings.values())
 
 
 def paired_ratio(base_rounds: list[float], other_rounds: list[float]) -> dict:
@@ -124,8 +138,10 @@ def paired_ratio(base_rounds: list[float], other_rounds: list[float]) -> dict:
     return {"median": statistics.median(ratios), "q1": q1, "q3": q3}
 
 
-def interleaved_entries(records: list[dict], timings: dict[str, dict], *, rounds: int, block: int) -> dict[str, dict]:
-    """Each interleaved stage's `interleaved` record entry from the timings of `time_interleaved`."""
+def interleaved_entries(records: list[dict], timings: dict[str, dict], *, rounds: int, block: int,
+                        rounds_planned: int | None = None) -> dict[str, dict]:
+    """Each interleaved stage's `interleaved` record entry from the timings of `time_interleaved` (`rounds`
+    of them timed, of `rounds_planned`: fewer where the run stopped early)."""
     from .report import _ancestors
 
     names = [r["stage"] for r in records if r["stage"] in timings]
@@ -140,7 +156,7 @@ def interleaved_entries(records: list[dict], timings: dict[str, dict], *, rounds
         q = statistics.quantiles(samples, n=4, method="inclusive") if len(samples) > 1 else [samples[0]] * 3
         previous = next((a for a in _ancestors(rec, rec.get("extends")) if a in timings and a != name), None)
         entries[name] = {
-            "rounds": rounds, "block": block, "with": names,
+            "rounds": rounds, "rounds_planned": rounds_planned or rounds, "block": block, "with": names,
             "step_ms": statistics.median(samples), "iqr_ms": q[2] - q[0],
             "samples_ms": samples, "round_median_ms": t["round_median_ms"],
             "first_stage": first,
@@ -163,7 +179,8 @@ def run_interleaved_spec(spec: InterleaveSpec, emit: Callable[[dict], None]) -> 
         workloads[s["stage"]], _ = build_stage_workload(config, s["stage_ref"])
     device = next(iter(workloads.values())).ctx.device
     return time_interleaved({name: wl.step for name, wl in workloads.items()}, rounds=spec.rounds, block=spec.block,
-                            warmup=spec.warmup, device=device, on_round=lambda r: emit({"event": "round", "i": r}))
+                            warmup=spec.warmup, device=device,
+                            on_round=lambda r, samples: emit({"event": "round", "i": r, "samples_ms": samples}))
 
 
 def interleave_main(spec_path: str, result_path: str) -> int:

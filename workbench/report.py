@@ -172,7 +172,7 @@ def render_speedup_table(records: list[dict], console) -> None:
                       "on this machine's load: --interleave N times the stages again in alternation")
     if timed:
         e0 = timed[0]["interleaved"]
-        console.print(f"timed in alternation ({e0['rounds']} rounds of {e0['block']} steps, one process), paired: "
+        console.print(f"timed in alternation ({_rounds_text(e0)} of {e0['block']} steps, one process), paired: "
                       + "; ".join(f"{r['stage']} {r['interleaved']['step_ms']:.2f} ms"
                                   + (f", {_ratio_cell(r['interleaved']['x_previous'], r['interleaved']['previous_stage'])}"
                                      if r["interleaved"].get("x_previous") else "")
@@ -454,6 +454,12 @@ def _ratio_cell(r: dict | None, against: str | None = None) -> str:
     return f"{r['median']:.2f}x{vs} ({r['q1']:.2f}-{r['q3']:.2f})"
 
 
+def _rounds_text(entry: dict) -> str:
+    """'20 rounds', or '7 rounds (stopped early: 12 planned)' where the run ended before its last round."""
+    done, planned = entry["rounds"], entry.get("rounds_planned") or entry["rounds"]
+    return f"{done} rounds" + (f" (stopped early: {planned} planned)" if done < planned else "")
+
+
 def _interleaved_lines(records: list[dict]) -> list[str]:
     """The `--interleave` table: the stages timed again in alternation in one process, with their paired
     ratios (median and quartiles over the rounds)."""
@@ -470,7 +476,7 @@ def _interleaved_lines(records: list[dict]) -> list[str]:
                      _ratio_cell(e.get("x_previous"), e.get("previous_stage"))])
     return ["## Timed in alternation", "",
             f"After the stages ran, these {len(timed)} were built side by side in one process and timed again: "
-            f"{il['rounds']} rounds of {il['block']} back-to-back steps of each stage, the order rotating from round "
+            f"{_rounds_text(il)} of {il['block']} back-to-back steps of each stage, the order rotating from round "
             "to round (`--interleave`). A paired ratio is the median over the rounds of one stage's round median "
             "against another's, each pair taken seconds apart, so a host whose speed drifts between stages does not "
             "move it; in brackets, its quartiles over the rounds. Where a stage is bound by the host, prefer these "
