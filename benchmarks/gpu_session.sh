@@ -22,6 +22,7 @@
 #   infer          the fmha chain, forward only
 #   chain          the whole fmha-compile recipe, baseline to fmha-compile
 #   host           bench_host: what the host spends per step
+#   host-eager     bench_host at batch 64 for amp and fmha: host ms per step, per-thread and cProfile tops
 #   profile        swinbench profile on Swin-T (the README's first command, under nsys)
 set -uo pipefail
 out=${OUT:-gpu-out}; mkdir -p "$out/r"
@@ -67,6 +68,8 @@ for part in "$@"; do
     infer)   timeout 540 swinbench apply --recipe fmha --mode infer "${B64[@]}" --out "$out/r/apply_infer" 2>&1 | tail -30 ;;
     chain)   timeout 540 swinbench apply --recipe fmha-compile "${B64[@]}" --out "$out/r/apply_chain" 2>&1 | tail -40 ;;
     host)    timeout 240 python3 benchmarks/bench_host.py --out "$out/r/bench_host.json" 2>&1 | tail -75 ;;
+    host-eager) timeout 300 python3 benchmarks/bench_host.py --parts stages,threads,pyprof --stages amp,fmha --batch 64 \
+               --out "$out/r/bench_host_eager.json" 2>&1 | tail -90 ;;
     profile) timeout 300 swinbench profile --model swin_tiny_patch4_window7_224 --mode train --batch 32 --precision bf16 \
                --steps 4 --warmup 3 --out "$out/r/profile_swin_tiny_train_bf16" --top 12 2>&1 | tail -60 ;;
     *) echo "unknown part $part (see the list at the top of benchmarks/gpu_session.sh)" ;;

@@ -196,3 +196,43 @@ def test_fused_chain_keeps_autocast_s_dtypes(chain):
     assert _dtype_flow(model, x, DEVICE.type) == want
     if DEVICE.type == "cuda":
         assert want[0] == torch.float32 and want[-1] == torch.float32
+
+
+def test_patch_merging_norm_writes_the_reduction_linear_s_dtype(monkeypatch):
+    """Each PatchMerging's norm feeds its reduction Linear directly: under autocast it writes bf16 itself
+    (no cast kernels), with the logits of the model whose norm returns fp32 for autocast to cast, bit for
+    bit; gradients bitwise under the interpreter, to 1e-3 on a GPU (the backward's row sums run in the
+    layout Triton picks for dy's dtype there). Without autocast it is a plain LayerNorm."""
+    import importlib
+
+    from pass_helpers import rel_err, train_step
+
+    from workbench.kernels.layer_norm import TritonLayerNorm
+
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    monkeypatch.setattr(importlib.import_module("workbench.kernels.layer_norm"), "AUTOCAST_FP32_NORM_DEVICES", ("cuda", "cpu"))
+    ref, model = model_pair(DEVICE, drop_path_rate=0.0)
+    for m in (ref, model):
+        _, result = apply_pass("fused_layernorm", m, pass_ctx(DEVICE, "bf16"), {"impl": "triton"})
+    assert result.details["merging_norms_into_linear"] == 1  # the tiny Swin's one downsample
+    mergings = [m for m in model.modules() if type(m).__name__ == "PatchMerging"]
+    assert all(isinstance(m.norm, TritonLayerNorm) and m.norm.into_linear for m in mergings)
+    for m in ref.modules():
+        if type(m).__name__ == "PatchMerging":
+            m.norm.into_linear = False  # the cast path: fp32 out, the Linear casts
+    seen = []
+    for m in mergings:
+        m.reduction.register_forward_pre_hook(lambda mod, args: seen.append(args[0].dtype))
+    x, target = _inputs(ref)
+    logits, grads = train_step(model, x, target, torch.bfloat16, None)
+    assert seen == [torch.bfloat16]
+    logits_ref, grads_ref = train_step(ref, x, target, torch.bfloat16, None)
+    assert torch.equal(logits, logits_ref)
+    for name, g in grads_ref.items():
+        if DEVICE.type == "cpu":
+            assert torch.equal(grads[name], g), name
+        else:
+            assert rel_err(grads[name], g) < 1e-3, (name, rel_err(grads[name], g))
+    with torch.no_grad():  # no autocast: the input's dtype, as torch's LayerNorm
+        y = mergings[0].norm(torch.randn(2, 3, 3, mergings[0].norm.normalized_shape[0], device=DEVICE))
+    assert y.dtype == torch.float32

@@ -532,6 +532,18 @@ def autocast_norm_dtype(x: torch.Tensor, dtype: torch.dtype | None = None) -> to
     return None
 
 
+def autocast_linear_input_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype an autocast nn.Linear casts an fp32 input to (bf16 or fp16) when autocast is on for x's
+    device; None otherwise. A fused kernel whose output goes straight into such a Linear can write that
+    dtype itself: rounding once from its fp32 result gives the bits the Linear's cast would, and it saves
+    the cast's pass over the activation and its backward's (four launches per block and step)."""
+    dev = x.device.type
+    if x.dtype != torch.float32 or not torch.is_autocast_enabled(dev):
+        return None
+    dt = torch.get_autocast_dtype(dev)
+    return dt if dt in (torch.bfloat16, torch.float16) else None
+
+
 def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
                    bias: torch.Tensor | None, eps: float = 1e-5, y_dtype: torch.dtype | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -543,7 +555,14 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
 
 class TritonLayerNorm(torch.nn.LayerNorm):
     """nn.LayerNorm over the last dim whose forward runs `layer_norm`. Same parameters and state_dict
-    keys (`weight`, `bias`) as the module it replaces; `from_layer_norm` keeps the very Parameter objects."""
+    keys (`weight`, `bias`) as the module it replaces; `from_layer_norm` keeps the very Parameter objects.
+
+    Its output has the dtype torch's LayerNorm would return under autocast (fp32 under CUDA autocast),
+    unless `into_linear` is set (by the pass that knows the module's output goes straight into an
+    nn.Linear): then, under autocast, it writes the dtype that Linear casts its input to, the same bits
+    without the cast (`autocast_linear_input_dtype`; the input's dtype for a half-precision input)."""
+
+    into_linear = False
 
     def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True,
                  bias: bool = True, device=None, dtype=None):
@@ -562,5 +581,5 @@ class TritonLayerNorm(torch.nn.LayerNorm):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # in the dtype torch's LayerNorm would return under autocast (fp32 under CUDA autocast)
-        return layer_norm(x, self.weight, self.bias, self.eps, autocast_norm_dtype(x))
+        dtype = autocast_linear_input_dtype(x) if self.into_linear else autocast_norm_dtype(x)
+        return layer_norm(x, self.weight, self.bias, self.eps, dtype)

@@ -44,15 +44,11 @@ def swin_blocks(model: torch.nn.Module, ctx: PassContext, kernels: str, what: st
 
 
 def autocast_input_dtype(x: torch.Tensor) -> torch.dtype | None:
-    """The dtype an autocast nn.Linear casts an fp32 input to (bf16 or fp16) when autocast is on for x's
-    device; None otherwise. A fused kernel whose output goes straight into such a Linear can write that
-    dtype itself: rounding once from its fp32 result gives the bits the Linear's cast would, and it saves
-    the cast's pass over the activation and its backward's (four launches per block and step)."""
-    dev = x.device.type
-    if x.dtype != torch.float32 or not torch.is_autocast_enabled(dev):
-        return None
-    dt = torch.get_autocast_dtype(dev)
-    return dt if dt in (torch.bfloat16, torch.float16) else None
+    """`kernels.layer_norm.autocast_linear_input_dtype`: the dtype an autocast nn.Linear casts an fp32 x to
+    (None: no cast). Looked up here, by this name, by every fused norm of the passes."""
+    from ..kernels.layer_norm import autocast_linear_input_dtype
+
+    return autocast_linear_input_dtype(x)
 
 
 def norm_output_dtype(x: torch.Tensor, to_linear: bool, dtype: torch.dtype | None = None) -> torch.dtype | None:
@@ -95,6 +91,14 @@ def _forwards_into_linear() -> dict:
         _FORWARDS_INTO_LINEAR.update(qkv=(WindowAttention.forward, PATCHED_FORWARDS),
                                      fc1=(Mlp.forward, (mlp_forward_fused,)))
     return _FORWARDS_INTO_LINEAR
+
+
+def merging_norm_goes_to_linear(merging: torch.nn.Module) -> bool:
+    """Whether a timm PatchMerging hands its norm's output straight to its `reduction` Linear: its forward
+    is the class's (pad, 2x2 gather, norm, reduction)."""
+    from timm.models.swin_transformer import PatchMerging
+
+    return isinstance(merging, PatchMerging) and _input_goes_to_linear(merging, "reduction", PatchMerging.forward, ())
 
 
 def attn_input_goes_to_linear(attn: torch.nn.Module) -> bool:

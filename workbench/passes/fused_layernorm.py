@@ -35,6 +35,8 @@ The drop paths don't restrict the fusion: drop_path1 is applied to the attention
 and drop_path2 to the MLP output after the norm, both exactly as timm does.
 Under autocast, when h goes straight into the MLP's fc1 Linear (`_swin.mlp_input_goes_to_linear`),
 add_layer_norm writes h in the autocast dtype, the bits fc1's input cast would give (no cast launches).
+So does each PatchMerging's norm, whose output goes straight into the `reduction` Linear (the class's
+forward; `TritonLayerNorm.into_linear`; a later pass that replaces that forward must keep norm -> reduction).
 Otherwise every output has the dtype torch's LayerNorm would give it under autocast: fp32 under CUDA
 autocast (`kernels.layer_norm.autocast_norm_dtype`), so the model's residual stream keeps AMP's precision
 (fp32 in stage 1, from the patch embedding's norm) and this stage changes kernels, not precision.
@@ -48,7 +50,7 @@ from torch import nn
 
 from ..errors import UserError
 from . import PassContext, PassResult, PassUnavailable, triton_runs_on
-from ._swin import mlp_input_goes_to_linear, norm_output_dtype
+from ._swin import merging_norm_goes_to_linear, mlp_input_goes_to_linear, norm_output_dtype
 
 NAME = "fused_layernorm"
 IMPLS = ("auto", "triton", "torch", "apex")
@@ -197,7 +199,12 @@ def apply(model: nn.Module, ctx: PassContext, impl: str = "auto", fuse_residual:
 
     model, replaced, skipped = _replace_layer_norms(model, TritonLayerNorm.from_layer_norm)
     n = sum(replaced.values())
-    details.update(replaced=n, replaced_by_class=replaced, skipped=skipped)
+    merging = 0
+    for module in model.modules():  # PatchMerging: norm -> reduction Linear, the norm writes its dtype
+        if isinstance(getattr(module, "norm", None), TritonLayerNorm) and merging_norm_goes_to_linear(module):
+            module.norm.into_linear = True
+            merging += 1
+    details.update(replaced=n, replaced_by_class=replaced, skipped=skipped, merging_norms_into_linear=merging)
     changed = f"{n} LayerNorm -> Triton LayerNorm"
     if fuse_residual:
         counts = _fuse_residual_norm2(model)
