@@ -13,7 +13,7 @@ stages, register caps; every config of an autotuned kernel), and compiles each o
 --resources adds each variant's registers and stack (spills) as ptxas allocated them for sm_90
 (Triton's bundled cuobjdump on the cubin), and lists the variants that spill.
 
-Every Swin-B stage shape and dtype takes about 200 variants and 3 minutes on 2 CPU cores (Triton caches
+Every Swin-B stage shape and dtype takes about 240 variants and 3-7 minutes on 2 CPU cores (Triton caches
 them on disk after that); --quick compiles one shape per code path, bf16 and fp32 (about 60 variants),
 which tests/test_kernels_compile_for_gpu.py runs in CI.
 """
@@ -90,15 +90,20 @@ def _record_launches(quick: bool) -> None:
         return torch.randn(*shape).to(dtype)
 
     for dt in (torch.float32, torch.bfloat16):
-        for C in ((128, 1024) if quick else (128, 512, 1024, 1536)):
+        # 128-1536: the blocks' widths; 512-2048: the patch mergings' 4C (their norms write the reduction
+        # Linear's bf16 from an fp32 x at the first merge)
+        for C in ((128, 1024) if quick else (128, 512, 1024, 1536, 2048)):
             x, res, w, b = r(64, C, dtype=dt), r(64, C, dtype=dt), r(C, dtype=torch.float32), r(C, dtype=torch.float32)
             zero = torch.empty(2 * C)
             ln.layer_norm_fwd(x, None, w, b, 1e-5, dt, zero_sums=zero)
             ln.layer_norm_fwd(x, None, w, b, 1e-5, dt, torch.float32)
+            ln.layer_norm_fwd(x, None, w, b, 1e-5, dt, torch.bfloat16, zero_sums=zero)
             ln.layer_norm_fwd(x, res, w, b, 1e-5, dt, torch.bfloat16, zero_sums=zero)
             for atomic_into in (zero, None):
                 ln.layer_norm_bwd(r(64, C, dtype=dt), x, w, b, torch.zeros(64), torch.ones(64), r(64, C, dtype=dt), dt,
                                   sums_into=atomic_into)
+            for dy_dt in {dt, torch.bfloat16}:  # a plain norm's backward (no residual); dy bf16 where it wrote bf16
+                ln.layer_norm_bwd(r(64, C, dtype=dy_dt), x, w, b, torch.zeros(64), torch.ones(64), None, dt, sums_into=zero)
         ln.sum_partials(torch.randn(5, 256))
     for dt in (torch.float32, torch.bfloat16):
         shapes = ((2, 56, 56, 128), (2, 28, 28, 256), (2, 14, 14, 512), (2, 7, 7, 1024), (1, 9, 15, 33))
