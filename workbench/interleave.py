@@ -89,6 +89,7 @@ def time_interleaved(steps: dict[str, Callable[[int], object]], *, rounds: int, 
     out = {n: {"samples_ms": [], "round_median_ms": []} for n in names}
     for r in range(rounds):
         k = r % len(names)
+        round_ms: dict[str, list[float]] = {}
         for name in names[k:] + names[:k]:
             first = warmup + r * block
             if cuda:
@@ -107,10 +108,10 @@ def time_interleaved(steps: dict[str, Callable[[int], object]], *, rounds: int, 
                     t0 = time.perf_counter()
                     steps[name](first + i)
                     times.append((time.perf_counter() - t0) * 1e3)
-            out[name]["samples_ms"] += times
-            out[name]["round_median_ms"].append(statistics.median(times))
+            round_ms[name] = times
+        add_round(out, round_ms)
         if on_round:
-            on_round(r, {n: out[n]["samples_ms"][-block:] for n in names})
+            on_round(r, round_ms)
     return out
 
 
