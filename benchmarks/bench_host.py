@@ -1,6 +1,6 @@
 """Where the host time of an eager step goes: launch costs, per-op host cost, per-stage host ms per step.
 
-GPU runs only. Three parts, printed as short tables and written as one JSON record:
+GPU runs only. Parts (--parts), printed as short tables and written as one JSON record:
   launch  host µs per call (no sync in the loop; tensors tiny so the GPU never backs up) of a torch op,
           a trivial Triton kernel, one with 40 int arguments, a custom op around a no-op, and the
           swinbench kernels' host functions, custom ops and autograd Functions.
@@ -12,6 +12,7 @@ GPU runs only. Three parts, printed as short tables and written as one JSON reco
           back-to-back steps each, order rotating): step ms per stage and, against the first stage, the
           median of the per-round ratios, free of the host's drift. STAGE+fastlaunch / STAGE+plainlaunch
           run STAGE with the cached launcher on / off for its steps only (plain STAGE: the default).
+  phases  for each stage, host ms to enqueue the forward, the backward and the optimizer step.
   pyprof  cProfile of a few eager steps of one stage: the Python functions with the most own time.
   compile for each compiled stage (--compile-stages): host enqueue and step ms, Dynamo's graph breaks
           and graph count, and the cProfile top of three compiled steps (where the host time goes).
@@ -393,6 +394,39 @@ def stage_table(model: str, batch: int, stages: list[str], steps: int) -> list[d
     return rows
 
 
+def phase_table(model: str, batch: int, stages: list[str], steps: int) -> list[dict]:
+    """For each stage, host ms to enqueue each phase of a training step (forward with the loss, backward,
+    optimizer step with zero_grad), the GPU idle before the step so that no phase waits on a full launch
+    queue: medians over `steps` steps. Where the step is host-bound these say which phase to cut."""
+    rows = []
+    for stage in stages:
+        wl = build_stage(model, batch, stage)
+        for i in range(3):
+            wl.step(i)
+        torch.cuda.synchronize()
+        phases = {"forward": [], "backward": [], "optimizer": []}
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            _, loss = wl.forward_loss()
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            wl.optimizer.step()
+            wl.optimizer.zero_grad(set_to_none=True)
+            t3 = time.perf_counter()
+            for k, a, b in (("forward", t0, t1), ("backward", t1, t2), ("optimizer", t2, t3)):
+                phases[k].append((b - a) * 1e3)
+        torch.cuda.synchronize()
+        row = {"stage": stage, "steps": steps, **{f"{k}_host_ms": statistics.median(v) for k, v in phases.items()}}
+        rows.append(row)
+        print(f"  {stage:14s} host ms  forward {row['forward_host_ms']:7.2f}  backward {row['backward_host_ms']:7.2f}  "
+              f"optimizer {row['optimizer_host_ms']:7.2f}", flush=True)
+        del wl
+        torch.cuda.empty_cache()
+    return rows
+
+
 def gc_table(model: str, batch: int, stages: list[str], steps: int) -> list[dict]:
     """Step time (CUDA events, warm-up excluded) with Python's cyclic GC as it is, and with the objects
     alive after warm-up frozen (gc.freeze) and collection off during the timed steps."""
@@ -591,6 +625,8 @@ def main() -> int:
         record["fastlaunch"] = fastlaunch_table(args.model, args.batch, args.stages.split(","), args.steps)
     if "paired" in parts:
         record["paired"] = paired_table(args.model, args.batch, args.stages.split(","), args.steps)
+    if "phases" in parts:
+        record["phases"] = phase_table(args.model, args.batch, args.stages.split(","), args.steps)
     if "gc" in parts:
         record["gc"] = gc_table(args.model, args.batch, args.stages.split(","), args.steps)
     if "threads" in parts:

@@ -13,6 +13,9 @@ Ops (fused / eager it replaces), forward + backward:
   add_norm_shift_partition  the previous block's MLP residual add folded into the norm: s = x + r, then
                         norm_shift_partition of s (outputs s and the windows; the backward takes the
                         gradient arriving at s too); eager: x + r, F.layer_norm + roll + pad + partition
+  merge_add_norm        a block's attention merge, residual add and norm2: s = x + merge_roll(windows),
+                        y = LayerNorm(s) (outputs s and y; the backward takes gradients at both and writes
+                        the windows' and x's); eager: window_reverse + crop + roll + add + F.layer_norm
 Stages: 56x56x128, 28x28x256, 14x14x512, 7x7x1024; ws 7, shift 3 on every stage (timm uses no
 shift on the single-window 7x7 stage; the shifted case is the one that moves data); bf16 by default.
 
@@ -30,8 +33,9 @@ torch.autograd.grad so nothing accumulates):
   over the fused graph_us, and that over the device-to-device copy bandwidth measured the same way
   (Tensor.copy_ of a 1 GiB buffer, counting read + write).
 The first call (Triton compile) is timed separately (first_call_s), never in the medians.
---check first verifies fused == eager (data movement bit-exact, LayerNorm at 2e-2 of max |ref|
-in half precision) on the same shapes, forward and every gradient, and exits 1 on a mismatch.
+--check first verifies fused == eager (data movement bit-exact; the LayerNorm ops against the eager ops
+in fp32, at 2e-2 of max |ref| in half precision) on the same shapes, forward and every gradient, and
+exits 1 on a mismatch.
 --out FILE writes {"benchmark", "environment": environment_stamp(), "settings", "copy", "records",
 "check"} as JSON. Without a GPU it runs the interpreter on tiny shapes: a smoke test only.
 """
@@ -58,6 +62,9 @@ from workbench.timing import cuda_graph_us, per_call_us  # noqa: E402
 from workbench.kernels.window import (  # noqa: E402
     add_norm_shift_partition,
     add_norm_shift_partition_fwd,
+    merge_add_norm,
+    merge_add_norm_bwd,
+    merge_add_norm_fwd,
     merge_roll_reference,
     roll_partition_reference,
     merge_roll,
@@ -77,8 +84,9 @@ SWIN_B_STAGES = [("s1", BATCH, 56, 56, 128), ("s2", BATCH, 28, 28, 256), ("s3", 
                  ("s4", BATCH, 7, 7, 1024)]
 CPU_STAGES = [("s1", 1, 14, 14, 32), ("s4", 2, 7, 7, 64)]  # interpreter smoke test
 OPS = ("roll_partition", "merge_roll", "norm_shift_partition", "merge_unshift_add", "norm_shift_partition_amp",
-       "add_norm_shift_partition")
-LN_OPS = ("norm_shift_partition", "norm_shift_partition_amp", "add_norm_shift_partition")
+       "add_norm_shift_partition", "merge_add_norm")
+LN_OPS = ("norm_shift_partition", "norm_shift_partition_amp", "add_norm_shift_partition", "merge_add_norm")
+TWO_OUTPUTS = ("add_norm_shift_partition", "merge_add_norm")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LN_TOL = {"bf16": 2e-2, "fp16": 2e-2, "fp32": 1e-4}
 
@@ -114,6 +122,7 @@ def leaves(op: str, t: dict) -> list[torch.Tensor]:
             "norm_shift_partition": [t["x"], t["w"], t["b"]],
             "norm_shift_partition_amp": [t["x32"], t["w32"], t["b32"]],
             "add_norm_shift_partition": [t["x"], t["r"], t["w"], t["b"]],
+            "merge_add_norm": [t["windows"], t["x"], t["w"], t["b"]],
             "merge_unshift_add": [t["windows"], t["x"]]}[op]
 
 
@@ -139,6 +148,11 @@ def forward(op: str, impl: str, t: dict, H: int, W: int, shift: int) -> torch.Te
             return add_norm_shift_partition(t["x"], t["r"], t["w"], t["b"], EPS, ws, shift)
         s = t["x"] + t["r"]
         return s, eager_roll_partition(F.layer_norm(s, (s.shape[-1],), t["w"], t["b"], EPS), ws, shift)
+    if op == "merge_add_norm":  # two outputs: (s, y)
+        if impl == "fused":
+            return merge_add_norm(t["windows"], t["x"], t["w"], t["b"], EPS, ws, shift)
+        s = t["x"] + eager_merge_roll(t["windows"], ws, shift, H, W)
+        return s, F.layer_norm(s, (s.shape[-1],), t["w"], t["b"], EPS)
     if impl == "fused":
         return merge_unshift_add(t["windows"], t["x"], ws, shift, H, W)
     return t["x"] + eager_merge_roll(t["windows"], ws, shift, H, W)
@@ -147,6 +161,8 @@ def forward(op: str, impl: str, t: dict, H: int, W: int, shift: int) -> torch.Te
 def upstream(op: str, t: dict):
     if op == "add_norm_shift_partition":
         return t["d_img"], t["d_win"]
+    if op == "merge_add_norm":
+        return t["d_img"], t["r"]   # at s and at y
     return t["d_win"] if op in ("roll_partition", *LN_OPS) else t["d_img"]
 
 
@@ -167,6 +183,10 @@ def kernel_fns(op, t, H, W, shift):
         return (lambda: roll_partition_fwd(x, ws, shift)), (lambda: merge_roll_fwd(d_win, ws, shift, H, W))
     if op == "merge_roll":
         return (lambda: merge_roll_fwd(win, ws, shift, H, W)), (lambda: roll_partition_fwd(d_img, ws, shift))
+    if op == "merge_add_norm":
+        s, _, mean, rstd = merge_add_norm_fwd(win, x, t["w"], t["b"], EPS, ws, shift)
+        return ((lambda: merge_add_norm_fwd(win, x, t["w"], t["b"], EPS, ws, shift)),
+                (lambda: merge_add_norm_bwd(t["r"], s, t["w"], mean, rstd, ws, shift, d_img, win.dtype)))
     if op == "add_norm_shift_partition":
         s, _, mean, rstd = add_norm_shift_partition_fwd(x, t["r"], t["w"], t["b"], EPS, ws, shift)
         return ((lambda: add_norm_shift_partition_fwd(x, t["r"], t["w"], t["b"], EPS, ws, shift)),
@@ -197,6 +217,8 @@ def bytes_moved(op: str, B, H, W, C, elt: int) -> int:
         "merge_unshift_add": (3 * n) + (n + n_pad),         # fwd: read windows, shortcut, write; bwd: read dy, write dwin
         # fwd: read x, r, write s, windows; bwd: read dwin, s, ds, write dx
         "add_norm_shift_partition": (3 * n + n_pad) + (4 * n) + 2 * stats,
+        # fwd: read windows, x, write s, y; bwd: read dy, s, ds, write dx, dwin
+        "merge_add_norm": (n_pad + 3 * n) + (4 * n + n_pad) + 2 * stats,
     }[op]
 
 
@@ -264,6 +286,8 @@ def check(stages, dtype_name, device) -> list[dict]:
             outs = {}
             for impl in ("eager", "fused"):
                 t = make_inputs(B, H, W, C, dtype, device)
+                if impl == "eager" and op in LN_OPS:  # the LayerNorm ops against the eager ops run in fp32
+                    t = {k: v.float() for k, v in t.items()}
                 for p in leaves(op, t):
                     p.requires_grad_(True)
                 y = forward(op, impl, t, H, W, shift)
@@ -271,7 +295,7 @@ def check(stages, dtype_name, device) -> list[dict]:
                 up = upstream(op, t)
                 torch.autograd.backward(ys, list(up) if isinstance(up, tuple) else [up])
                 outs[impl] = [v.detach() for v in ys] + [p.grad for p in leaves(op, t)]
-            n_out = 2 if op == "add_norm_shift_partition" else 1
+            n_out = 2 if op in TWO_OUTPUTS else 1
             names = [f"out{i}" for i in range(n_out)] + [f"d{i}" for i in range(len(outs["fused"]) - n_out)]
             for what, ours, ref in zip(names, outs["fused"], outs["eager"]):
                 if op in LN_OPS:
@@ -354,7 +378,7 @@ def main(argv=None) -> int:
         checks = check(stages, args.dtype, device)
         failed = [c for c in checks if not c["ok"]]
         print(f"# check: {len(checks) - len(failed)}/{len(checks)} outputs/gradients match eager "
-              f"(data movement bit-exact; LayerNorm worst {max((c['rel_max_err'] for c in checks if c['op'] == 'norm_shift_partition'), default=0):.1e} of max |ref|)")
+              f"(data movement bit-exact; LayerNorm ops worst {max((c['rel_max_err'] for c in checks if c['op'] in LN_OPS), default=0):.1e} of max |ref| against fp32)")
         if failed:
             for c in failed:
                 print(f"MISMATCH {c['op']} {c['stage']} {c['what']}: {c['rel_max_err']:.3e}", file=sys.stderr)

@@ -7,6 +7,7 @@
 #   env            swinbench env (GPU, versions, nsys, Triton launcher)
 #   tests-kernels  the Triton kernels against PyTorch, fwd+bwd, on the GPU (~3 min)
 #   tests-passes   the passes against timm on the GPU (~2 min)
+#   tests-window   the window kernels, the cached launcher and the window/LayerNorm passes on the GPU
 #   tests-compile  the fused passes under torch.compile, aot_eager and Inductor (~2.5 min)
 #   window         bench_window: the window kernels against eager, % of copy bandwidth
 #   attn           bench_window_attention: the fused attention against eager and SDPA
@@ -23,6 +24,9 @@
 #   chain          the whole fmha-compile recipe, baseline to fmha-compile
 #   host           bench_host: what the host spends per step
 #   host-eager     bench_host at batch 64 for amp and fmha: host ms per step, per-thread and cProfile tops
+#   host-phases    host ms of forward / backward / optimizer for amp and fmha at batch 64
+#   host-spy       where py-spy is installed (a wheel in .gpu/wheels): sampled Python stacks of 60 eager fmha
+#                  steps, every thread (collapsed stacks in pyspy_fmha.txt)
 #   profile        swinbench profile on Swin-T (the README's first command, under nsys)
 set -uo pipefail
 out=${OUT:-gpu-out}; mkdir -p "$out/r"
@@ -45,6 +49,8 @@ for part in "$@"; do
     tests-passes) pytest_part tests_passes 400 tests/test_pass_fused_window.py tests/test_pass_fused_layernorm.py \
                tests/test_pass_fused_attention.py tests/test_pass_fused_block.py tests/test_pass_fused_linear.py \
                tests/test_pass_master_weights.py ;;
+    tests-window) pytest_part tests_window 300 tests/test_window_kernels.py tests/test_cached_launcher.py \
+               tests/test_pass_fused_window.py tests/test_pass_fused_layernorm.py ;;
     tests-compile) pytest_part tests_compile 400 tests/test_compile_fused_passes.py ;;
     window)  timeout 120 python3 benchmarks/bench_window.py --check --out "$out/r/bench_window.json" 2>&1 | tail -31 ;;
     attn)    timeout 200 python3 benchmarks/bench_window_attention.py --check --out "$out/r/bench_window_attention.json" 2>&1 | tail -25 ;;
@@ -70,6 +76,13 @@ for part in "$@"; do
     host)    timeout 240 python3 benchmarks/bench_host.py --out "$out/r/bench_host.json" 2>&1 | tail -75 ;;
     host-eager) timeout 300 python3 benchmarks/bench_host.py --parts stages,threads,pyprof --stages amp,fmha --batch 64 \
                --out "$out/r/bench_host_eager.json" 2>&1 | tail -90 ;;
+    host-phases) timeout 240 python3 benchmarks/bench_host.py --parts phases --stages amp,fmha --steps 20 --batch 64 \
+               --out "$out/r/bench_host_phases.json" 2>&1 | tail -8 ;;
+    host-spy)  spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
+               if [ -x "$spy" ]; then
+                 timeout 200 "$spy" record --nonblocking --threads --rate 200 --format raw -o "$out/r/pyspy_fmha.txt" -- \
+                   python3 benchmarks/bench_host.py --parts phases --stages fmha --steps 60 --batch 64 2>&1 | tail -4; ls -la "$out/r"
+               else echo "no py-spy"; fi ;;
     profile) timeout 300 swinbench profile --model swin_tiny_patch4_window7_224 --mode train --batch 32 --precision bf16 \
                --steps 4 --warmup 3 --out "$out/r/profile_swin_tiny_train_bf16" --top 12 2>&1 | tail -60 ;;
     *) echo "unknown part $part (see the list at the top of benchmarks/gpu_session.sh)" ;;

@@ -119,6 +119,12 @@ def _record_launches(quick: bool) -> None:
             win.merge_roll_fwd(windows, 7, shift, H, W)
             win.norm_shift_partition_bwd(windows, x, w, mean, rstd, 7, shift, ds=x)
             win.norm_shift_partition_bwd(windows, x, w, mean, rstd, 7, shift, sums_into=torch.empty(2 * C))
+            # a block's merge + add + norm2: bf16 attention windows into the residual stream (fp32 or bf16),
+            # the norm writing fc1's bf16
+            s, _, mean, rstd = win.merge_add_norm_fwd(windows, x, w, b, 1e-5, 7, shift, y_dtype=torch.bfloat16,
+                                                      zero_sums=torch.empty(2 * C))
+            win.merge_add_norm_bwd(r(B, H, W, C), s, w, mean, rstd, 7, shift, x, torch.bfloat16, dt,
+                                   sums_into=torch.empty(2 * C))
     for dt in ((torch.bfloat16,) if quick else (torch.bfloat16, torch.float32)):
         attn_shapes = ((7, 4, 16, True), (7, 32, 1, False), (12, 4, 4, True))
         for (ws, heads, nw, masked) in (attn_shapes[:1] if quick else attn_shapes):

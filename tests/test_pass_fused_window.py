@@ -78,14 +78,42 @@ def test_matches_unpatched_under_bf16_autocast():
     _assert_same_step(ref, model, atol=3e-2, rtol=3e-2, autocast=torch.bfloat16)
 
 
-def test_composes_with_fused_layernorm_add_norm2():
-    ref, model = model_pair(DEVICE)
+def test_composes_with_fused_layernorm_add_norm2(monkeypatch):
+    """With fused_layernorm's add+norm2, each block's attention merge, residual add and norm2 run as one
+    merge_add_norm (eager, no stochastic depth), and the step is timm's."""
+    import workbench.kernels.window as win
+
+    calls = []
+    real = win.merge_add_norm
+    monkeypatch.setattr(win, "merge_add_norm", lambda *a, **k: (calls.append(a[0].shape), real(*a, **k))[1])
+    ref, model = model_pair(DEVICE, drop_path_rate=0.0)
     model, ln = apply_pass("fused_layernorm", model, pass_ctx(DEVICE), {"impl": "triton", "fuse_residual": True})
     assert ln.available, ln.changed   # the Triton LayerNorm runs wherever these tests run
     model, result = fused_window.apply(model, pass_ctx(DEVICE))
     assert result.details["blocks_patched"] == N_BLOCKS
-    assert result.details["blocks_with_add_norm2"] == ln.details.get("fused_residual_blocks", 0)
-    _assert_same_step(ref, model, atol=1e-5, rtol=1e-5)
+    assert result.details["blocks_with_add_norm2"] == ln.details.get("fused_residual_blocks", 0) == N_BLOCKS
+    assert "merge_add_norm" in result.changed
+    _assert_same_step(ref, model, atol=1e-5, rtol=1e-5, train=True)
+    assert len(calls) == N_BLOCKS
+
+
+def test_add_norm2_blocks_with_stochastic_depth_merge_then_add_norm(monkeypatch):
+    """drop_path1 active (training): the attention branch is merged, dropped, then added by add_norm2,
+    as timm orders it; merge_add_norm only in the blocks whose drop_path1 is an Identity (the first:
+    timm's rates rise from 0). Same step with the same RNG draws."""
+    import workbench.kernels.window as win
+
+    calls = []
+    real = win.merge_add_norm
+    monkeypatch.setattr(win, "merge_add_norm", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    from timm.models.swin_transformer import SwinTransformer
+
+    ref, model = model_pair(DEVICE, build=lambda: SwinTransformer(**TINY_KWARGS, drop_path_rate=0.3))
+    apply_pass("fused_layernorm", model, pass_ctx(DEVICE), {"impl": "triton", "fuse_residual": True})
+    fused_window.apply(model, pass_ctx(DEVICE))
+    _assert_same_step(ref, model, atol=1e-5, rtol=1e-5, train=True, rng_seed=5)
+    identity = sum(isinstance(b.drop_path1, torch.nn.Identity) for b in model.modules() if hasattr(b, "drop_path1"))
+    assert 0 < identity < N_BLOCKS and len(calls) == identity
 
 
 def test_non_square_window_is_unavailable():

@@ -19,6 +19,9 @@ from timm.models.swin_transformer import window_partition  # noqa: E402
 from workbench.kernels.window import (  # noqa: E402
     add_norm_shift_partition,
     add_norm_shift_partition_fwd,
+    merge_add_norm,
+    merge_add_norm_bwd,
+    merge_add_norm_fwd,
     merge_roll_reference,
     roll_partition_reference,
     merge_roll,
@@ -237,6 +240,55 @@ def test_add_norm_shift_partition(shape, dtypes):
         torch.testing.assert_close(g, g_ref, atol=tol * scale, rtol=tol)
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=_ids)
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32, None), (torch.bfloat16, torch.bfloat16, None),
+                                    (torch.bfloat16, torch.float32, torch.bfloat16), (torch.float16, torch.float16, None)],
+                         ids=["fp32", "bf16", "bf16win+fp32stream->bf16", "fp16"])
+def test_merge_add_norm(shape, dtypes):
+    """A block's attention merge, residual add and norm2 in one kernel each way: s = shortcut +
+    merge_roll(windows) bit-exact with torch's add (into NaN-filled buffers), y against the fp32
+    LayerNorm of it; the windows', shortcut's, weight's and bias's gradients against autograd through
+    the eager ops, with a gradient arriving at s as well. The gradient of s goes out twice from one fp32
+    value: the windows' is exactly the shortcut's (cast to the windows' dtype) partitioned back, 0 on
+    padding rows."""
+    B, H, W, C, ws, shift = shape
+    win_dt, sc_dt, y_dt = dtypes
+    eps, tol = 1e-5, (1e-5 if win_dt == torch.float32 and y_dt is None else 2e-2)
+    Hp, Wp = -(-H // ws) * ws, -(-W // ws) * ws
+    windows = _randn((B * (Hp // ws) * (Wp // ws), ws * ws, C), torch.float32, 41).to(win_dt).requires_grad_(True)
+    sc = (_randn((B, H, W, C), torch.float32, 42) * 2.0 + 0.5).to(sc_dt).requires_grad_(True)
+    weight = (1.0 + 0.5 * _randn((C,), torch.float32, 43)).requires_grad_(True)
+    bias = (0.5 * _randn((C,), torch.float32, 44)).requires_grad_(True)
+    s_ref = sc + eager_merge_roll(windows, ws, shift, H, W)
+    s, y = merge_add_norm(windows, sc, weight, bias, eps, ws, shift, y_dt)
+    assert s.dtype == s_ref.dtype and torch.equal(s, s_ref)
+    assert y.dtype == (y_dt or s_ref.dtype) and y.shape == (B, H, W, C)
+    xs, w32, b32 = (t.detach().float().requires_grad_(True) for t in (s_ref, weight, bias))
+    y_ref = F.layer_norm(xs, (C,), w32, b32, eps)
+    torch.testing.assert_close(y.float(), y_ref, atol=tol, rtol=tol)
+    s_p, y_p, _, _ = merge_add_norm_fwd(windows.detach(), sc.detach(), weight.detach(), bias.detach(), eps, ws, shift,
+                                        y_dtype=y_dt, s_out=_nan_like(s.detach()), y_out=_nan_like(y.detach()))
+    assert torch.equal(s_p, s.detach()) and torch.equal(y_p, y.detach())
+
+    ds, dy = _randn(s.shape, s.dtype, 45), _randn(y.shape, y.dtype, 46)
+    gwin, gsc, gw, gb = torch.autograd.grad((s, y), (windows, sc, weight, bias), (ds, dy))
+    g_ln, gw_ref, gb_ref = torch.autograd.grad(y_ref, (xs, w32, b32), dy.float())
+    d_s = g_ln + ds.float()
+    assert gwin.dtype == win_dt and gsc.dtype == sc_dt and gwin.shape == windows.shape
+    torch.testing.assert_close(gsc.float(), d_s, atol=2 * tol, rtol=tol)
+    assert torch.equal(gwin, eager_roll_partition(gsc.detach().to(win_dt), ws, shift))
+    assert not gwin[_pad_rows(B, H, W, ws)].any()
+    for g, g_ref in ((gw, gw_ref), (gb, gb_ref)):
+        scale = max(1.0, g_ref.abs().max().item())
+        torch.testing.assert_close(g, g_ref, atol=tol * scale, rtol=tol)
+    # no gradient at s: the windows' and the shortcut's gradients are the norm's alone
+    _, _, mean, rstd = merge_add_norm_fwd(windows.detach(), sc.detach(), weight.detach(), bias.detach(), eps, ws, shift,
+                                          y_dtype=y_dt)
+    dsc0, dwin0, _ = merge_add_norm_bwd(dy, s.detach(), weight.detach(), mean, rstd, ws, shift, None, win_dt, sc_dt)
+    torch.testing.assert_close(dsc0.float(), g_ln, atol=2 * tol, rtol=tol)
+    assert torch.equal(dwin0, eager_roll_partition(dsc0.to(win_dt), ws, shift))
+
+
 def test_non_contiguous_input():
     B, H, W, C, ws, shift = 1, 9, 15, 33, 4, 2
     x = _randn((B, C, H, W), torch.float32, 11).permute(0, 2, 3, 1)  # (B, H, W, C), channels strided
@@ -280,7 +332,7 @@ def test_norm_backward_register_cap_fits_the_programs_each_sm_gets(monkeypatch):
         win._norm_bwd_config.cache_clear()
 
 
-@pytest.mark.parametrize("op", ["norm_shift_partition", "layer_norm", "add_layer_norm"])
+@pytest.mark.parametrize("op", ["norm_shift_partition", "layer_norm", "add_layer_norm", "merge_add_norm"])
 def test_forward_zeroes_the_backward_column_sums(monkeypatch, op):
     """Eager, the forward kernel zeroes the fp32 buffer its backward adds dweight/dbias into, so the
     backward launches no memset: with that buffer NaN-filled when allocated, the gradients still match,
@@ -308,9 +360,14 @@ def test_forward_zeroes_the_backward_column_sums(monkeypatch, op):
     elif op == "layer_norm":
         out, ref = lnm.layer_norm(x, w, b, 1e-5), F.layer_norm(x32, (C,), w32, b32, 1e-5)
         leaves, ref_leaves = (x, w, b), (x32, w32, b32)
-    else:
+    elif op == "add_layer_norm":
         out, ref = lnm.add_layer_norm(x, r, w, b, 1e-5)[1], F.layer_norm(x32 + r32, (C,), w32, b32, 1e-5)
         leaves, ref_leaves = (x, r, w, b), (x32, r32, w32, b32)
+    else:  # the windows are roll_partition(r): the merge gives r back
+        win, win32 = (eager_roll_partition(t, ws, shift).detach().requires_grad_(True) for t in (r, r32))
+        out = merge_add_norm(win, x, w, b, 1e-5, ws, shift)[1]
+        ref = F.layer_norm(x32 + eager_merge_roll(win32, ws, shift, H, W), (C,), w32, b32, 1e-5)
+        leaves, ref_leaves = (win, x, w, b), (win32, x32, w32, b32)
     dout = _randn(ref.shape, torch.float32, 35)
     want = torch.autograd.grad(ref, ref_leaves, dout)
     first = torch.autograd.grad(out, leaves, dout, retain_graph=True)

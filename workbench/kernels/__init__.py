@@ -1,7 +1,8 @@
 """Fused Triton kernels for Swin, each in one file with its autograd Function.
 
 Exports (usable without the CLI):
-  roll_partition, merge_roll, norm_shift_partition, add_norm_shift_partition, merge_unshift_add   (window.py)
+  roll_partition, merge_roll, norm_shift_partition, add_norm_shift_partition, merge_unshift_add,
+  merge_add_norm                                                         (window.py)
   fused_window_attention                                                 (window_attention.py)
   layer_norm, add_layer_norm                                             (layer_norm.py)
   linear, bias_grad                                                      (linear.py)
@@ -12,9 +13,11 @@ from __future__ import annotations
 __all__: list[str] = []
 
 try:
-    from .window import add_norm_shift_partition, merge_roll, merge_unshift_add, norm_shift_partition, roll_partition
+    from .window import (add_norm_shift_partition, merge_add_norm, merge_roll, merge_unshift_add, norm_shift_partition,
+                         roll_partition)
 
-    __all__ += ["roll_partition", "merge_roll", "norm_shift_partition", "add_norm_shift_partition", "merge_unshift_add"]
+    __all__ += ["roll_partition", "merge_roll", "norm_shift_partition", "add_norm_shift_partition", "merge_unshift_add",
+                "merge_add_norm"]
 except ImportError:  # pragma: no cover - kernel file not present yet
     pass
 try:

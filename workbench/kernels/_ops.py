@@ -114,11 +114,11 @@ def specialization_key(args: tuple) -> tuple:
     tensor's dtype and whether its address is 16-byte aligned; an int's width class (i32, i64, u64),
     whether it equals 1 and whether 16 divides it; for anything else (floats, bools, None) its type.
     Conservative: arguments marked do_not_specialize are keyed too, which only costs extra entries."""
-    return tuple(
+    return tuple([  # a list comprehension: no generator frame per argument
         (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
         else (a == 1, a % 16 == 0, -2**31 <= a < 2**31, a >= 2**63) if type(a) is int
         else type(a)
-        for a in args)
+        for a in args])
 
 
 class CachedLauncher:
@@ -210,8 +210,18 @@ def _grid_key(grid) -> tuple | None:
     return key
 
 
+_GET_DEVICE = getattr(torch._C, "_cuda_getDevice", None)
+_GET_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _device_stream() -> tuple:
-    """(current device, its current stream), as Triton's own launch path reads them."""
+    """(current device, its current stream), as Triton's own launch path reads them: torch's current
+    device and raw stream, called straight (Triton's CUDA driver wraps the same two calls in
+    `torch.cuda.current_device` and a property lookup per launch); through Triton's driver where this
+    torch lacks them."""
+    if _GET_STREAM is not None and _GET_DEVICE is not None:
+        device = _GET_DEVICE()
+        return device, _GET_STREAM(device)
     from triton.runtime.driver import driver
 
     device = driver.active.get_current_device()

@@ -164,6 +164,44 @@ def _merge_fwd_kernel(
 
 
 @triton.jit
+def _merge_norm_fwd_kernel(
+    win_ptr, shortcut_ptr, s_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, sums_ptr,
+    n_tokens, C, eps, n_sums,
+    H: tl.constexpr, W: tl.constexpr, n_win_h: tl.constexpr, n_win_w: tl.constexpr,
+    shift_h: tl.constexpr, shift_w: tl.constexpr, WS: tl.constexpr, ZERO_SUMS: tl.constexpr,
+    SOFT_RTNE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """s = shortcut + windows merged back (window_reverse, crop, roll(+shift)), rounded to s_ptr's dtype
+    as torch's add rounds it, then y = LayerNorm(s), for the image tokens of this program's block (whole
+    rows: BLOCK_C covers C). Stores s, y, and fp32 mean/rstd per token. With ZERO_SUMS, program 0 also
+    zeroes the backward's column-sum buffer (layer_norm.zero_column_sums)."""
+    pid = tl.program_id(0)
+    zero_column_sums(sums_ptr, n_sums, pid, ZERO_SUMS, BLOCK_C)
+    s = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    s_mask = s < n_tokens
+    row = _window_row_of_token(s, H, W, n_win_h, n_win_w, shift_h, shift_w, WS)
+    c = tl.arange(0, BLOCK_C)
+    c_mask = c < C
+    mask = s_mask[:, None] & c_mask[None, :]
+    off = s.to(tl.int64)[:, None] * C + c[None, :]
+    win = tl.load(win_ptr + row.to(tl.int64)[:, None] * C + c[None, :], mask=mask, other=0.0)
+    sc = tl.load(shortcut_ptr + off, mask=mask, other=0.0)
+    x = to_dtype(sc.to(tl.float32) + win.to(tl.float32), s_ptr.dtype.element_ty, SOFT_RTNE)
+    tl.store(s_ptr + off, x, mask=mask)
+    xf = x.to(tl.float32)
+    mean = tl.sum(xf, axis=1) / C
+    xc = tl.where(c_mask[None, :], xf - mean[:, None], 0.0)
+    var = tl.sum(xc * xc, axis=1) / C
+    rstd = 1.0 / tl.sqrt(var + tl.cast(eps, tl.float32))  # fp32 even if passed as fp64 (Inductor)
+    w = tl.load(w_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
+    bb = tl.load(b_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
+    y = xc * rstd[:, None] * w[None, :] + bb[None, :]
+    tl.store(y_ptr + off, to_dtype(y, y_ptr.dtype.element_ty, SOFT_RTNE), mask=mask)
+    tl.store(mean_ptr + s, mean, mask=s_mask)
+    tl.store(rstd_ptr + s, rstd, mask=s_mask)
+
+
+@triton.jit
 def _norm_bwd_tile(g, x, w, mean, rstd, mask, C):
     """LayerNorm backward of one (tokens x C) tile, fp32: (dx, g * xhat, g) -- the last two summed over
     tokens give dweight and dbias."""
@@ -177,14 +215,19 @@ def _norm_bwd_tile(g, x, w, mean, rstd, mask, C):
 
 @triton.jit
 def _norm_partition_bwd_kernel(
-    dwin_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, ds_ptr, dx_ptr, sums_ptr,
+    dwin_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, ds_ptr, dx_ptr, dwo_ptr, sums_ptr,
     n_tokens, tiles_per_prog, C,
     H: tl.constexpr, W: tl.constexpr, n_win_h: tl.constexpr, n_win_w: tl.constexpr,
     shift_h: tl.constexpr, shift_w: tl.constexpr, WS: tl.constexpr, SOFT_RTNE: tl.constexpr, ATOMIC: tl.constexpr,
-    HAS_DS: tl.constexpr, STAGES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_DS: tl.constexpr, MERGE: tl.constexpr, STAGES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """LayerNorm backward with the gradient gathered from window order (d of the partition), plus, with
     HAS_DS, a gradient ds of x from elsewhere (the block's residual path) added into dx in the same pass.
+
+    With MERGE, the backward of merge_add_norm instead (the norm's input was s = shortcut + merge of the
+    windows): the gradient dwin_ptr points at is in token order (d of the norm's output), and dx, the
+    gradient of s and so of the shortcut, is also stored at the token's window row of dwo_ptr (d of the
+    windows, in that buffer's dtype).
 
     Program p owns the contiguous band of token tiles [p * tiles_per_prog, (p + 1) * tiles_per_prog).
     dweight/dbias partials are accumulated per (row-in-tile, channel) in registers across the band
@@ -209,7 +252,11 @@ def _norm_partition_bwd_kernel(
         cur_mask = s_mask[:, None] & c_mask[None, :]
         row = _window_row_of_token(s, H, W, n_win_h, n_win_w, shift_h, shift_w, WS)
         x_off = s.to(tl.int64)[:, None] * C + c[None, :]
-        g = tl.load(dwin_ptr + row.to(tl.int64)[:, None] * C + c[None, :], mask=cur_mask, other=0.0).to(tl.float32)
+        win_off = row.to(tl.int64)[:, None] * C + c[None, :]
+        if MERGE:
+            g = tl.load(dwin_ptr + x_off, mask=cur_mask, other=0.0).to(tl.float32)
+        else:
+            g = tl.load(dwin_ptr + win_off, mask=cur_mask, other=0.0).to(tl.float32)
         x = tl.load(x_ptr + x_off, mask=cur_mask, other=0.0).to(tl.float32)
         mean = tl.load(mean_ptr + s, mask=s_mask, other=0.0)
         rstd = tl.load(rstd_ptr + s, mask=s_mask, other=0.0)
@@ -217,6 +264,8 @@ def _norm_partition_bwd_kernel(
         if HAS_DS:
             dx += tl.load(ds_ptr + x_off, mask=cur_mask, other=0.0).to(tl.float32)
         tl.store(dx_ptr + x_off, to_dtype(dx, dx_ptr.dtype.element_ty, SOFT_RTNE), mask=cur_mask)
+        if MERGE:
+            tl.store(dwo_ptr + win_off, to_dtype(dx, dwo_ptr.dtype.element_ty, SOFT_RTNE), mask=cur_mask)
         dw_acc += dw_t
         db_acc += db_t
     emit_column_sum(sums_ptr, pid, 2 * C, c, tl.sum(dw_acc, axis=0), c_mask, ATOMIC)
@@ -440,11 +489,18 @@ def norm_shift_partition_bwd(
     """-> (dx (B, H, W, C) in x.dtype, (2C,) fp32 sums: dweight then dbias (layer_norm.split_norm_grads)).
     Padding rows of dwindows are ignored. sums_into: a zeroed (2C,) fp32 tensor for the sums (column_sums).
     ds: another gradient of x, (B, H, W, C), added into dx in the same pass (no separate add)."""
-    dwindows = _contig(dwindows)
     x = _contig(x)
+    dx = _check_out(dx, x.shape, x.dtype, x.device)
+    dx, _, sums = _norm_bwd(_contig(dwindows), x, weight, mean, rstd, window_size, shift, ds, dx, None, sums_into)
+    return dx, sums
+
+
+def _norm_bwd(g, x, weight, mean, rstd, window_size, shift, ds, dx, dwo, sums_into):
+    """The LayerNorm backward over x (B, H, W, C) of the window kernels: g is the gradient of the norm's
+    output in window order, or with dwo (merge_add_norm_bwd) in token order, and dx then also goes to
+    dwo's window rows. x, dx (B, H, W, C) contiguous. -> (dx, dwo, (2C,) fp32 column sums)."""
     B, H, W, C = x.shape
     Hp, Wp, nwh, nww, sh, sw = _geometry(H, W, window_size, shift)
-    dx = _check_out(dx, (B, H, W, C), x.dtype, x.device)
     n_tok = B * H * W
     block_t, block_c, num_warps, nprog, tiles_per_prog, maxnreg, stages = _norm_bwd_config(n_tok, C, x.element_size(), x.device)
     sums, atomic = column_sums(nprog, 2 * C, x.device, sums_into)
@@ -453,13 +509,77 @@ def norm_shift_partition_bwd(
         if tuple(ds.shape) != (B, H, W, C):
             raise ValueError(f"ds shape {tuple(ds.shape)} != {(B, H, W, C)}")
     launch(_norm_partition_bwd_kernel)[(nprog,)](
-        dwindows, x, _contig(weight), mean, rstd, ds if ds is not None else x, dx, sums,
+        g, x, _contig(weight), mean, rstd, ds if ds is not None else x, dx, dwo if dwo is not None else dx, sums,
         n_tok, tiles_per_prog, C,
         H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=int(window_size), SOFT_RTNE=_SOFT_RTNE,
-        ATOMIC=atomic, HAS_DS=ds is not None, STAGES=stages, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps,
-        **launch_options(maxnreg),
+        ATOMIC=atomic, HAS_DS=ds is not None, MERGE=dwo is not None, STAGES=stages, BLOCK_T=block_t,
+        BLOCK_C=block_c, num_warps=num_warps, **launch_options(maxnreg),
     )
-    return dx, finish_column_sums(sums, atomic)
+    return dx, dwo, finish_column_sums(sums, atomic)
+
+
+def merge_add_norm_fwd(
+    windows: torch.Tensor, shortcut: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+    window_size: int, shift: int, *, y_dtype=None, s_out=None, y_out=None, zero_sums=None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """s = shortcut + merge_roll(windows) and y = LayerNorm(s) in one pass -> (s, y, mean, rstd).
+
+    windows (B*nW, ws*ws, C) or (B*nW, ws, ws, C); shortcut (B, H, W, C). s: (B, H, W, C) in the promoted
+    dtype of both, rounded as torch's add rounds it; y: (B, H, W, C) in y_dtype (default s's dtype),
+    rounded once from fp32; mean, rstd: (B*H*W,) fp32. zero_sums: as in norm_shift_partition_fwd."""
+    shortcut = _contig(shortcut)
+    windows = _contig(windows)
+    B, H, W, C = shortcut.shape
+    Hp, Wp, nwh, nww, sh, sw = _geometry(H, W, window_size, shift)
+    ws = int(window_size)
+    if windows.shape[-1] != C or windows.numel() != B * Hp * Wp * C:
+        raise ValueError(f"windows of shape {tuple(windows.shape)} do not tile the {B}x{H}x{W}x{C} shortcut "
+                         f"with ws={ws}")
+    s_dtype = torch.promote_types(windows.dtype, shortcut.dtype)
+    s = _check_out(s_out, (B, H, W, C), s_dtype, shortcut.device)
+    y = _check_out(y_out, (B, H, W, C), y_dtype or s_dtype, shortcut.device)
+    n_tok = B * H * W
+    mean = torch.empty(n_tok, dtype=torch.float32, device=shortcut.device)
+    rstd = torch.empty(n_tok, dtype=torch.float32, device=shortcut.device)
+    block_t, block_c, num_warps = _norm_fwd_config(C)
+    if n_tok > 0:
+        launch(_merge_norm_fwd_kernel)[(cdiv(n_tok, block_t),)](
+            windows, shortcut, s, y, _contig(weight), _contig(bias), mean, rstd,
+            zero_sums if zero_sums is not None else mean, n_tok, C, float(eps),
+            zero_sums.numel() if zero_sums is not None else 0,
+            H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, ZERO_SUMS=zero_sums is not None,
+            SOFT_RTNE=_SOFT_RTNE, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps,
+        )
+    elif zero_sums is not None:
+        zero_sums.zero_()
+    return s, y, mean, rstd
+
+
+def merge_add_norm_bwd(
+    dy: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+    window_size: int, shift: int, ds: torch.Tensor | None, windows_dtype: torch.dtype,
+    shortcut_dtype: torch.dtype | None = None, *, sums_into=None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of merge_add_norm_fwd -> (d shortcut (B, H, W, C) in shortcut_dtype (default s's),
+    d windows (B*nW, ws*ws, C) in windows_dtype, (2C,) fp32 column sums: dweight then dbias).
+    dy: gradient of y; ds: gradient that reached s directly (or None). The gradient of s (the norm's dx
+    plus ds) is the shortcut's and, partitioned back into windows, the windows'; both are written from
+    one fp32 value in the same pass. Window rows that are padding get 0."""
+    s = _contig(s)
+    B, H, W, C = s.shape
+    Hp, Wp, nwh, nww, _, _ = _geometry(H, W, window_size, shift)
+    ws = int(window_size)
+    shape = (B * nwh * nww, ws * ws, C)
+    # padded window rows are cropped by the merge: their gradient is 0, and the kernel writes only valid rows
+    dwo = (torch.empty(shape, dtype=windows_dtype, device=s.device) if (Hp, Wp) == (H, W)
+           else torch.zeros(shape, dtype=windows_dtype, device=s.device))
+    dx = torch.empty((B, H, W, C), dtype=shortcut_dtype or s.dtype, device=s.device)
+    dy = _contig(dy)
+    if tuple(dy.shape) != (B, H, W, C):
+        dy = dy.reshape(B, H, W, C)
+    if ds is not None and tuple(ds.shape) != (B, H, W, C):
+        ds = ds.reshape(B, H, W, C)
+    return _norm_bwd(dy, s, weight, mean, rstd, window_size, shift, ds, dx, dwo, sums_into)
 
 
 # ------------------------------------------------------------------------------- operators
@@ -611,6 +731,34 @@ class AddNormShiftPartitionFunction(torch.autograd.Function):
         return dx.to(x_dtype), dx.to(r_dtype), dw, db, None, None, None, None
 
 
+class MergeAddNormFunction(torch.autograd.Function):
+    """(s, y) = (shortcut + merge_roll(windows), LayerNorm(s)): eager only, like
+    AddNormShiftPartitionFunction (the pass that uses it does not under torch.compile)."""
+
+    @staticmethod
+    def forward(ctx, windows, shortcut, weight, bias, eps, window_size, shift, y_dtype):
+        ctx.sums = eager_column_sums(2 * shortcut.shape[-1], shortcut.device, ctx, weight, bias)
+        s, y, mean, rstd = merge_add_norm_fwd(windows, shortcut, weight, bias, float(eps), int(window_size), int(shift),
+                                              y_dtype=y_dtype, zero_sums=ctx.sums)
+        ctx.save_for_backward(s, weight, bias, mean, rstd)
+        ctx.geom = (int(window_size), int(shift))
+        ctx.windows_shape, ctx.dtypes = windows.shape, (windows.dtype, shortcut.dtype)
+        return s, y
+
+    @staticmethod
+    def backward(ctx, ds, dy):
+        s, weight, bias, mean, rstd = ctx.saved_tensors
+        ws, shift = ctx.geom
+        into, ctx.sums = ctx.sums, None
+        win_dtype, sc_dtype = ctx.dtypes
+        if dy is None:
+            dy = torch.zeros_like(s)
+        dsc, dwin, sums = merge_add_norm_bwd(dy, s, weight, mean, rstd, ws, shift, ds, win_dtype, sc_dtype,
+                                             sums_into=into)
+        dw, db = split_norm_grads(sums, weight, bias)
+        return dwin.view(ctx.windows_shape), dsc, dw, db, None, None, None, None
+
+
 class MergeUnshiftAddFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, windows, shortcut, window_size, shift, H, W):
@@ -671,6 +819,18 @@ def merge_unshift_add(
     """shortcut + merge_roll(windows, ...) in one pass. shortcut: (B, H, W, C) -> (B, H, W, C)
     in the promoted dtype of windows and shortcut."""
     return MergeUnshiftAddFunction.apply(windows, shortcut, window_size, shift, H, W)
+
+
+def merge_add_norm(
+    windows: torch.Tensor, shortcut: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+    window_size: int, shift: int, y_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, F.layer_norm(s, (C,), weight, bias, eps)) with s = shortcut + merge_roll(windows, ...), in one
+    kernel each way: a block's attention merge, residual add and norm2 (eager mode). shortcut (B, H, W, C);
+    s in the promoted dtype of windows and shortcut, y in y_dtype (default s's dtype, rounded once from
+    fp32); both (B, H, W, C) and differentiable. The backward writes the gradient of s once as the
+    shortcut's and once, partitioned, as the windows'."""
+    return MergeAddNormFunction.apply(windows, shortcut, weight, bias, eps, window_size, shift, y_dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -28,10 +28,14 @@ Details the patched forward keeps from timm:
     fewer per block each way. Inside that loop a block returns (x, branch): a forward hook on a block
     sees that pair (the stages' outputs are whole).
   * Composition with fused_layernorm(fuse_residual=True): a block that carries
-    `_swinbench_add_norm2` keeps that fusion: the attention branch is merged with merge_roll and
-    `add_layer_norm(x, branch, norm2...)` does the residual add and norm2 in one pass (the contract
-    in fused_layernorm's docstring). A block whose forward another pass replaced is left alone
-    and counted in details["blocks_forward_already_patched"].
+    `_swinbench_add_norm2` keeps that fusion (the contract in fused_layernorm's docstring), and in eager
+    mode goes one step further: `merge_add_norm` merges the attention windows back, adds them into x and
+    runs norm2 in one kernel, whose backward writes the gradient of the sum once in token order (the
+    residual's) and once in window order (the attention output's). That saves, per block, the merged
+    branch's write and read forward, and the cast and re-partition of its gradient backward: three
+    launches and one autograd node. Under torch.compile (or with drop_path1 active) the branch is merged
+    with merge_roll and `add_layer_norm(x, branch, norm2...)` does the add and norm2. A block whose
+    forward another pass replaced is left alone and counted in details["blocks_forward_already_patched"].
 """
 from __future__ import annotations
 
@@ -40,7 +44,7 @@ import types
 import torch
 
 from . import PassContext, PassResult, PassUnavailable
-from ._swin import attn_input_goes_to_linear, inactive, norm_output_dtype, square, swin_blocks
+from ._swin import attn_input_goes_to_linear, inactive, mlp_input_goes_to_linear, norm_output_dtype, square, swin_blocks
 from .fused_layernorm import add_norm2
 
 NAME = "fused_window"
@@ -118,9 +122,24 @@ def swin_block_forward_fused_window_add_norm2(self, x: torch.Tensor, pending: to
         return _unfused(self, x, pending, defer)
     attn_windows, ws, shift, x = out
     B, H, W, C = x.shape
-    branch = self.drop_path1(merge_roll(attn_windows, ws, shift, H, W))
-    x, h = add_norm2(self, x, branch)
+    if inactive(self.drop_path1, self.training) and not torch.compiler.is_compiling():
+        x, h = _merge_add_norm2(self, attn_windows, x, ws, shift)
+    else:
+        branch = self.drop_path1(merge_roll(attn_windows, ws, shift, H, W))
+        x, h = add_norm2(self, x, branch)
     return _mlp_half(self, x, h, B, H, W, C, defer)
+
+
+def _merge_add_norm2(blk, attn_windows: torch.Tensor, x: torch.Tensor, ws: int, shift: int):
+    """add_norm2(blk, x, merge_roll(attn_windows)) as one kernel each way (merge_add_norm) -> (sum, normed),
+    both (B, L, C), the normed output in the dtype add_norm2 would write."""
+    from ..kernels.window import merge_add_norm
+
+    B, C = x.shape[0], x.shape[-1]
+    norm2 = blk.norm2
+    y_dtype = norm_output_dtype(x, mlp_input_goes_to_linear(blk.mlp), torch.promote_types(x.dtype, attn_windows.dtype))
+    s, h = merge_add_norm(attn_windows, x, norm2.weight, norm2.bias, norm2.eps, ws, shift, y_dtype)
+    return s.view(B, -1, C), h.view(B, -1, C)
 
 
 DEFERRING_FORWARDS = (swin_block_forward_fused_window, swin_block_forward_fused_window_add_norm2)
@@ -211,6 +230,9 @@ def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, Pa
     counts["stages_deferring_mlp_add"] = _patch_stages(model)
     changed = (f"{counts['blocks_patched']}/{len(blocks)} SwinTransformerBlock: norm1+roll+pad+partition -> "
                f"norm_shift_partition, merge+crop+roll+add -> merge_unshift_add (Triton, fwd+bwd)")
+    if counts["blocks_with_add_norm2"]:
+        changed += (f"; in {counts['blocks_with_add_norm2']} block(s) with fused_layernorm's add+norm2, merge + add + "
+                    "norm2 -> merge_add_norm (eager)")
     if counts["stages_deferring_mlp_add"]:
         changed += (f"; in {counts['stages_deferring_mlp_add']} stage(s) each MLP's residual add goes into the next "
                     "block's norm kernel (add_norm_shift_partition, eager)")
@@ -218,5 +240,6 @@ def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, Pa
     if skipped:
         changed += f"; {skipped} left as they were"
     details = dict(counts, blocks_total=len(blocks),
-                   implementation="workbench.kernels.window (Triton): norm_shift_partition, merge_unshift_add")
+                   implementation="workbench.kernels.window (Triton): norm_shift_partition, merge_unshift_add, "
+                                  "add_norm_shift_partition, merge_add_norm")
     return model, PassResult(NAME, {}, changed, details)
