@@ -16,6 +16,8 @@
 #   diag           diag_maxnreg and diag_column_sums
 #   eager          amp, fmha and fmha-gather (the bias gathered before the attention), eager, profiled,
 #                  then 12 rounds in alternation
+#   eager-pair     as eager, amp and fmha only (profiled, 12 interleaved rounds)
+#   graph-fmha     fmha-graph alone (step ms with CUDA-graph replay)
 #   graphs         amp, fmha-graph, torch-compile-graphs, fmha-compile-graphs, block-graph
 #   compile        torch-compile and fmha-compile, then 8 rounds in alternation
 #   prof-compile-graphs  fmha-compile-graphs and torch-compile-graphs, profiled
@@ -25,6 +27,7 @@
 #   host           bench_host: what the host spends per step
 #   host-eager     bench_host at batch 64 for amp and fmha: host ms per step, per-thread and cProfile tops
 #   host-phases    host ms of forward / backward / optimizer for amp and fmha at batch 64
+#   host-paired    amp, fmha and fmha without merge_add_norm in one process, steps in alternation (20 rounds)
 #   host-spy       where py-spy is installed (a wheel in .gpu/wheels): sampled Python stacks of 60 eager fmha
 #                  steps, every thread (collapsed stacks in pyspy_fmha.txt)
 #   profile        swinbench profile on Swin-T (the README's first command, under nsys)
@@ -62,6 +65,9 @@ for part in "$@"; do
              timeout 90 python3 benchmarks/diag_column_sums.py 2>&1 | tail -12 ;;
     eager)   timeout 400 swinbench apply --recipe fmha --stages amp,fmha,benchmarks/recipes/fmha-gather.yaml --profile \
                "${B64[@]}" --steps 10 --warmup 3 --interleave 12 --out "$out/r/apply_eager" 2>&1 | tail -14 ;;
+    eager-pair) timeout 330 swinbench apply --recipe fmha --stages amp,fmha --profile \
+               "${B64[@]}" --steps 10 --warmup 3 --interleave 12 --out "$out/r/apply_eager_pair" 2>&1 | tail -14 ;;
+    graph-fmha) timeout 200 swinbench apply --recipe fmha --stages fmha-graph "${B64[@]}" --out "$out/r/apply_graph_fmha" 2>&1 | tail -10 ;;
     graphs)  timeout 540 swinbench apply --recipe fmha --stages amp,fmha-graph,torch-compile-graphs,fmha-compile-graphs,block-graph \
                "${B64[@]}" --out "$out/r/apply_graphs" 2>&1 | tail -24 ;;
     compile) timeout 500 swinbench apply --recipe fmha-compile --stages torch-compile,fmha-compile \
@@ -78,6 +84,8 @@ for part in "$@"; do
                --out "$out/r/bench_host_eager.json" 2>&1 | tail -90 ;;
     host-phases) timeout 240 python3 benchmarks/bench_host.py --parts phases --stages amp,fmha --steps 20 --batch 64 \
                --out "$out/r/bench_host_phases.json" 2>&1 | tail -8 ;;
+    host-paired) timeout 300 python3 benchmarks/bench_host.py --parts paired --stages amp,fmha,fmha+nomergenorm --steps 20 \
+               --batch 64 --out "$out/r/bench_host_paired_eager.json" 2>&1 | tail -6 ;;
     host-spy)  spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
                if [ -x "$spy" ]; then
                  timeout 200 "$spy" record --nonblocking --threads --rate 200 --format raw -o "$out/r/pyspy_fmha.txt" -- \
