@@ -18,15 +18,30 @@ ops = importlib.import_module("workbench.kernels._ops")  # noqa: E402
 
 
 def test_specialization_key_separates_what_triton_specializes_on():
+    """Equal keys must mean the same specialization: tensors by dtype and 16-byte alignment, ints by value
+    (finer than Triton's classes: 1, multiples of 16, i32/i64/u64), floats not at all; a bool is not the
+    int 1 and None is not 0."""
     key = ops.specialization_key
     base = torch.zeros(64)
     assert key((base,)) == key((torch.ones(64),))                       # same dtype, both aligned
     assert key((base,)) != key((base[1:],))                             # 4-byte offset: not 16-aligned
     assert key((base,)) != key((base.half(),))
-    assert key((3,)) == key((5,))
+    assert key((3,)) == key((3,)) and key((3,)) != key((5,))
     assert len({key((1,)), key((3,)), key((32,)), key((2**31,)), key((2**63,))}) == 5
     assert key((0.5,)) == key((1e-5,))                                  # floats are not specialized
     assert key((True,)) != key((1,)) and key((None,)) != key((0,))
+    assert key((False,)) != key((0,))
+
+
+def test_the_cache_starts_over_past_its_bound(monkeypatch):
+    monkeypatch.setattr(ops, "_device_stream", lambda: (0, "stream"))
+    monkeypatch.setattr(ops, "MAX_CACHE_ENTRIES", 3)
+    kernel = _Kernel()
+    launcher = ops.CachedLauncher(kernel)
+    x = torch.zeros(8)
+    for n in range(5):
+        launcher[(1,)](x, n, 4)
+    assert len(launcher.cache) == 2 and len(kernel.plain_launches) == 5
 
 
 class _Compiled:
@@ -61,9 +76,9 @@ def test_miss_goes_through_the_kernel_and_a_hit_through_the_launcher(monkeypatch
     kernel = _Kernel()
     fast = ops.CachedLauncher(kernel)
     x = torch.zeros(16)
-    fast[(4,)](x, 7, BLOCK=64, num_warps=4)                                 # miss
+    fast[(4,)](x, 9, BLOCK=64, num_warps=4)                                 # miss
     assert len(kernel.plain_launches) == 1 and not kernel.compiled.calls
-    fast[(4,)](x, 9, BLOCK=64, num_warps=4)                                 # hit: same specialization
+    fast[(4,)](x, 9, BLOCK=64, num_warps=4)                                 # hit: same arguments
     assert len(kernel.plain_launches) == 1
     (call,) = kernel.compiled.calls
     from triton import knobs
@@ -71,7 +86,7 @@ def test_miss_goes_through_the_kernel_and_a_hit_through_the_launcher(monkeypatch
     assert call[:7] == (4, 1, 1, "stream", "fn", "packed", ("metadata", (4,), "stream"))
     assert call[7:9] == (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
     assert call[9:] == (x, 9, 64, False)                    # positional, then keyword, then the default
-    fast[(4,)](x, 16, BLOCK=64, num_warps=4)                                # n % 16 == 0: a new variant
+    fast[(4,)](x, 16, BLOCK=64, num_warps=4)                                # another n: a new entry
     fast[(4,)](x, 9, BLOCK=32, num_warps=4)                                 # another constexpr
     fast[(4,)](x, 9, BLOCK=64, num_warps=8)                                 # another launch option
     fast[(2, 3)](x, 9, BLOCK=64, num_warps=4)                               # another grid
@@ -108,11 +123,11 @@ def test_callable_grids_are_keyed_on_what_they_close_over(monkeypatch):
 
     x = torch.zeros(16)
     fast[make_grid(3)](x, 5, BLOCK=8)                      # miss: plain launch, grid evaluated once
-    fast[make_grid(3)](x, 7, BLOCK=8)                      # a new closure with equal values: a hit
+    fast[make_grid(3)](x, 5, BLOCK=8)                      # a new closure with equal values: a hit
     assert len(kernel.plain_launches) == 1 and len(kernel.compiled.calls) == 1
     assert _SEEN == [{"X": x, "n": 5, "BLOCK": 8, "FLAG": False}]
     assert kernel.compiled.calls[0][:3] == (24, 2, 1)
-    fast[make_grid(4)](x, 7, BLOCK=8)                      # another closed-over value: another entry
+    fast[make_grid(4)](x, 5, BLOCK=8)                      # another closed-over value: another entry
     assert len(kernel.plain_launches) == 2 and len(fast.cache) == 2
 
     unhashable = [1]
@@ -154,9 +169,9 @@ def test_autotuned_kernels_are_cached_with_their_chosen_config(monkeypatch):
     fast[grid](x, 5)                                        # miss: the autotuner's path
     assert kernel.fn.plain_launches == [((2,), (x, 5), {"BLOCK": 32})]
     kernel.best_config = "another shape's choice"
-    fast[grid](x, 7)                                        # hit: the chosen value fills BLOCK
+    fast[grid](x, 5)                                        # hit: the chosen value fills BLOCK
     (call,) = kernel.fn.compiled.calls
-    assert call[:3] == (2, 1, 1) and call[9:] == (x, 7, 32, False)
+    assert call[:3] == (2, 1, 1) and call[9:] == (x, 5, 32, False)
     assert kernel.best_config is chosen                      # as a real run leaves it
 
     hooked = _Autotuned(_Config({"BLOCK": 32}, pre_hook=lambda nargs: None))

@@ -110,15 +110,20 @@ def launch(kernel):
 
 
 def specialization_key(args: tuple) -> tuple:
-    """What Triton specializes a compiled kernel on, for positional arguments, in cheap Python: a
-    tensor's dtype and whether its address is 16-byte aligned; an int's width class (i32, i64, u64),
-    whether it equals 1 and whether 16 divides it; for anything else (floats, bools, None) its type.
-    Conservative: arguments marked do_not_specialize are keyed too, which only costs extra entries."""
+    """A key under which equal argument lists get the same compiled kernel, in cheap Python: a tensor's
+    dtype and whether its address is 16-byte aligned; an int's value; for anything else (floats, bools,
+    None) its type. Triton specializes an int only on its width class, whether it is 1 and whether 16
+    divides it, so keying on the value is finer than needed (one entry per shape, where the kernels'
+    ints are sizes and strides) and cheaper than computing those classes on every launch. Conservative:
+    arguments marked do_not_specialize are keyed too, which only costs extra entries."""
     return tuple([  # a list comprehension: no generator frame per argument
-        (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
-        else (a == 1, a % 16 == 0, -2**31 <= a < 2**31, a >= 2**63) if type(a) is int
-        else type(a)
+        (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a if type(a) is int else type(a)
         for a in args])
+
+
+# Entries one CachedLauncher keeps before it starts over: the kernels' int arguments are sizes and strides,
+# a handful of shapes per model, so this bounds only a caller that passes ever-new ints.
+MAX_CACHE_ENTRIES = 4096
 
 
 class CachedLauncher:
@@ -192,6 +197,8 @@ class CachedLauncher:
             meta.update((n, kwargs.get(n, d)) for n, d in tail)
             grid = grid(meta)
         grid_t = tuple(grid)
+        if len(self.cache) >= MAX_CACHE_ENTRIES:
+            self.cache.clear()
         self.cache[key] = (compiled, tail, grid_t, grid_t + (1,) * (3 - len(grid_t)), config)
         return compiled
 
