@@ -8,6 +8,7 @@
 #   tests-kernels  the Triton kernels against PyTorch, fwd+bwd, on the GPU (~3 min)
 #   tests-passes   the passes against timm on the GPU (~2 min)
 #   tests-window   the window kernels, the cached launcher and the window/LayerNorm passes on the GPU
+#   tests-launcher the cached launcher against plain launches, bit for bit, on the GPU
 #   tests-compile  the fused passes under torch.compile, aot_eager and Inductor (~2.5 min)
 #   window         bench_window: the window kernels against eager, % of copy bandwidth
 #   attn           bench_window_attention: the fused attention against eager and SDPA
@@ -27,7 +28,8 @@
 #   host           bench_host: what the host spends per step
 #   host-eager     bench_host at batch 64 for amp and fmha: host ms per step, per-thread and cProfile tops
 #   host-phases    host ms of forward / backward / optimizer for amp and fmha at batch 64
-#   host-paired    amp, fmha and fmha without merge_add_norm in one process, steps in alternation (20 rounds)
+#   host-paired    amp, fmha and fmha without merge_add_norm in one process, steps in alternation (20 rounds);
+#                  PAIRED_STAGES=amp,fmha,fmha+plainlaunch (say) pairs other stages
 #   host-spy       where py-spy is installed (a wheel in .gpu/wheels): sampled Python stacks of 60 eager fmha
 #                  steps, every thread (collapsed stacks in pyspy_fmha.txt)
 #   profile        swinbench profile on Swin-T (the README's first command, under nsys)
@@ -54,6 +56,7 @@ for part in "$@"; do
                tests/test_pass_master_weights.py ;;
     tests-window) pytest_part tests_window 300 tests/test_window_kernels.py tests/test_cached_launcher.py \
                tests/test_pass_fused_window.py tests/test_pass_fused_layernorm.py ;;
+    tests-launcher) pytest_part tests_launcher 200 tests/test_cached_launcher.py ;;
     tests-compile) pytest_part tests_compile 400 tests/test_compile_fused_passes.py ;;
     window)  timeout 120 python3 benchmarks/bench_window.py --check --out "$out/r/bench_window.json" 2>&1 | tail -31 ;;
     attn)    timeout 200 python3 benchmarks/bench_window_attention.py --check --out "$out/r/bench_window_attention.json" 2>&1 | tail -25 ;;
@@ -84,7 +87,7 @@ for part in "$@"; do
                --out "$out/r/bench_host_eager.json" 2>&1 | tail -90 ;;
     host-phases) timeout 240 python3 benchmarks/bench_host.py --parts phases --stages amp,fmha --steps 20 --batch 64 \
                --out "$out/r/bench_host_phases.json" 2>&1 | tail -8 ;;
-    host-paired) timeout 300 python3 benchmarks/bench_host.py --parts paired --stages amp,fmha,fmha+nomergenorm --steps 20 \
+    host-paired) timeout 300 python3 benchmarks/bench_host.py --parts paired --stages "${PAIRED_STAGES:-amp,fmha,fmha+nomergenorm}" --steps 20 \
                --batch 64 --out "$out/r/bench_host_paired_eager.json" 2>&1 | tail -6 ;;
     host-spy)  spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
                if [ -x "$spy" ]; then
