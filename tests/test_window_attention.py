@@ -118,6 +118,34 @@ def test_output_is_transpose_friendly_view():
     assert out.transpose(1, 2).is_contiguous()
 
 
+@pytest.mark.parametrize("mode", ["bias", "table"])
+def test_token_rows_are_the_same_values_and_gradients(mode):
+    """tokens=True returns the output as (B*nW*N, nH*d) rows, timm's transpose(1, 2).reshape(B_, N, C)
+    flattened: the same values bit for bit, and a gradient given in that layout gives the same gradients as
+    it given to the (B*nW, nH, N, d) output."""
+    from timm.models.swin_transformer import get_relative_position_index
+
+    bnw, nh, n, d, nw = 6, 3, 49, 16, 3
+    _, _, _, rel_bias, mask, (qkv,) = make_inputs(bnw, nh, n, d, nw, "packed", torch.float32, seed=4)
+    if mode == "table":
+        index = get_relative_position_index(7, 7).to(DEVICE)
+        table = (0.5 * torch.randn(169, nh)).to(DEVICE).requires_grad_()
+        run = lambda tokens: wa.fused_window_attention_table(qkv, table, index, wa.rel_pos_inverse(index, 169), mask,  # noqa: E731
+                                                             tokens=tokens)
+        bias = table
+    else:
+        run = lambda tokens: fused_window_attention_qkv(qkv, rel_bias, mask, tokens=tokens)  # noqa: E731
+        bias = rel_bias
+    out, rows = run(False), run(True)
+    assert rows.shape == (bnw * n, nh * d) and rows.is_contiguous()
+    assert torch.equal(rows, out.transpose(1, 2).reshape(bnw * n, nh * d))
+    drows = torch.randn(rows.shape).to(DEVICE)
+    g_rows = torch.autograd.grad(rows, [qkv, bias], drows)
+    g_out = torch.autograd.grad(out, [qkv, bias], drows.view(bnw, n, nh, d).transpose(1, 2))
+    for a, b in zip(g_rows, g_out):
+        assert torch.equal(a, b)
+
+
 def test_bias_without_grad_and_low_precision_bias():
     """A frozen bias gets no gradient (the d_bias pass is skipped); a bf16 bias gets a bf16 one."""
     q, k, v, rel_bias, mask, _ = make_inputs(6, 3, 49, 16, 3, "contiguous", torch.bfloat16)

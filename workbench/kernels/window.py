@@ -736,14 +736,14 @@ class MergeAddNormFunction(torch.autograd.Function):
     AddNormShiftPartitionFunction (the pass that uses it does not under torch.compile)."""
 
     @staticmethod
-    def forward(ctx, windows, shortcut, weight, bias, eps, window_size, shift, y_dtype):
+    def forward(ctx, windows, shortcut, weight, bias, eps, window_size, shift, y_dtype, y_rows):
         ctx.sums = eager_column_sums(2 * shortcut.shape[-1], shortcut.device, ctx, weight, bias)
         s, y, mean, rstd = merge_add_norm_fwd(windows, shortcut, weight, bias, float(eps), int(window_size), int(shift),
                                               y_dtype=y_dtype, zero_sums=ctx.sums)
         ctx.save_for_backward(s, weight, bias, mean, rstd)
         ctx.geom = (int(window_size), int(shift))
         ctx.windows_shape, ctx.dtypes = windows.shape, (windows.dtype, shortcut.dtype)
-        return s, y
+        return s, (y.view(-1, y.shape[-1]) if y_rows else y)
 
     @staticmethod
     def backward(ctx, ds, dy):
@@ -756,7 +756,7 @@ class MergeAddNormFunction(torch.autograd.Function):
         dsc, dwin, sums = merge_add_norm_bwd(dy, s, weight, mean, rstd, ws, shift, ds, win_dtype, sc_dtype,
                                              sums_into=into)
         dw, db = split_norm_grads(sums, weight, bias)
-        return dwin.view(ctx.windows_shape), dsc, dw, db, None, None, None, None
+        return dwin.view(ctx.windows_shape), dsc, dw, db, None, None, None, None, None
 
 
 class MergeUnshiftAddFunction(torch.autograd.Function):
@@ -823,14 +823,15 @@ def merge_unshift_add(
 
 def merge_add_norm(
     windows: torch.Tensor, shortcut: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
-    window_size: int, shift: int, y_dtype: torch.dtype | None = None,
+    window_size: int, shift: int, y_dtype: torch.dtype | None = None, y_rows: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, F.layer_norm(s, (C,), weight, bias, eps)) with s = shortcut + merge_roll(windows, ...), in one
     kernel each way: a block's attention merge, residual add and norm2 (eager mode). shortcut (B, H, W, C);
     s in the promoted dtype of windows and shortcut, y in y_dtype (default s's dtype, rounded once from
-    fp32); both (B, H, W, C) and differentiable. The backward writes the gradient of s once as the
-    shortcut's and once, partitioned, as the windows'."""
-    return MergeAddNormFunction.apply(windows, shortcut, weight, bias, eps, window_size, shift, y_dtype)
+    fp32); both (B, H, W, C) and differentiable, or with y_rows y as (B*H*W, C) token rows (what a Linear
+    takes without view nodes of its own). The backward writes the gradient of s once as the shortcut's
+    and once, partitioned, as the windows'."""
+    return MergeAddNormFunction.apply(windows, shortcut, weight, bias, eps, window_size, shift, y_dtype, bool(y_rows))
 
 
 # ---------------------------------------------------------------------------------------------------------

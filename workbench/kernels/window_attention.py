@@ -537,26 +537,32 @@ class WindowAttentionQKVFunction(torch.autograd.Function):
     table's gradient (one launch), so no (nH, N, N) bias exists in memory."""
 
     @staticmethod
-    def forward(ctx, qkv, bias, mask, scale, index, inverse):
+    def forward(ctx, qkv, bias, mask, scale, index, inverse, tokens):
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
         if index is None:
             out, lse = _window_attention_fwd_op(q, k, v, bias, mask, scale)
         else:
             out, lse = _window_attention_table_fwd_op(q, k, v, bias, index, mask, scale)
         ctx.save_for_backward(qkv, out, lse, bias, mask, index, inverse)
-        ctx.scale = scale
+        ctx.scale, ctx.tokens = scale, tokens
+        if tokens:  # the output buffer is (B*nW, N, nH, d): its rows are the tokens, no copy
+            bnw, nh, n, d = out.shape
+            return out.transpose(1, 2).reshape(bnw * n, nh * d)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         qkv, out, lse, bias, mask, index, inverse = ctx.saved_tensors
+        if ctx.tokens:
+            bnw, nh, n, d = out.shape
+            dout = dout.view(bnw, n, nh, d).transpose(1, 2)
         compute_dbias = ctx.needs_input_grad[1]
         if index is None:
             dqkv, dbias = _window_attention_qkv_bwd_op(qkv, out, lse, dout, bias, mask, ctx.scale, compute_dbias)
         else:
             dqkv, dbias = _window_attention_qkv_table_bwd_op(qkv, out, lse, dout, bias, index, inverse, mask,
                                                              ctx.scale, compute_dbias)
-        return dqkv, (dbias if compute_dbias else None), None, None, None, None
+        return dqkv, (dbias if compute_dbias else None), None, None, None, None, None
 
 
 def _packed_qkv(qkv):
@@ -565,26 +571,28 @@ def _packed_qkv(qkv):
     return qkv.permute(2, 0, 3, 1, 4).unbind(0)
 
 
-def _apply_qkv(qkv, bias, mask, scale, index=None, inverse=None):
+def _apply_qkv(qkv, bias, mask, scale, index=None, inverse=None, tokens=False):
     if scale is None:
         scale = qkv.shape[-1] ** -0.5  # d ** -0.5
     return WindowAttentionQKVFunction.apply(qkv, bias, None if mask is None else mask.detach(), float(scale),
-                                            index, inverse)
+                                            index, inverse, bool(tokens))
 
 
-def fused_window_attention_qkv(qkv, rel_bias, mask=None, scale=None):
+def fused_window_attention_qkv(qkv, rel_bias, mask=None, scale=None, tokens=False):
     """fused_window_attention on q, k, v packed as timm packs them: qkv (B*nW, N, 3, nH, d), i.e.
-    `self.qkv(x).reshape(B_, N, 3, nH, d)`. Returns (B*nW, nH, N, d) in qkv.dtype."""
+    `self.qkv(x).reshape(B_, N, 3, nH, d)`. Returns (B*nW, nH, N, d) in qkv.dtype, or with `tokens`
+    the same values as (B*nW*N, nH*d) rows, timm's `transpose(1, 2).reshape(B_, N, C)` flattened: the
+    kernel writes that layout, so the rows cost no copy and no autograd view nodes on the way to proj."""
     q, k, v = _packed_qkv(qkv)
     _check_inputs(q, k, v, rel_bias, mask)
-    return _apply_qkv(qkv, rel_bias, mask, scale)
+    return _apply_qkv(qkv, rel_bias, mask, scale, tokens=tokens)
 
 
-def fused_window_attention_table(qkv, table, index, inverse, mask=None, scale=None):
+def fused_window_attention_table(qkv, table, index, inverse, mask=None, scale=None, tokens=False):
     """fused_window_attention_qkv with the bias gathered from the relative-position table inside the
     kernels: table (n_table, nH) (timm's relative_position_bias_table), index (N, N) (timm's
     relative_position_index, values < n_table), inverse = rel_pos_inverse(index, n_table). The table
-    gets the gradient; returns (B*nW, nH, N, d) in qkv.dtype."""
+    gets the gradient; returns (B*nW, nH, N, d) in qkv.dtype (or rows, with `tokens`)."""
     q, k, v = _packed_qkv(qkv)
     n, nh = q.shape[2], q.shape[1]
     if table.dim() != 2 or table.shape[1] != nh:
@@ -593,7 +601,7 @@ def fused_window_attention_table(qkv, table, index, inverse, mask=None, scale=No
         raise ValueError(f"index must be ({n}, {n}) and inverse ({table.shape[0]}, P), got "
                          f"{tuple(index.shape)} and {tuple(inverse.shape)}")
     _check_inputs(q, k, v, None, mask)
-    return _apply_qkv(qkv, table, mask, scale, index, inverse)
+    return _apply_qkv(qkv, table, mask, scale, index, inverse, tokens)
 
 
 def fused_window_attention(q, k, v, rel_bias, mask=None, scale=None):

@@ -26,13 +26,13 @@ def fused_window_attention_forward(self, x: torch.Tensor, mask: torch.Tensor | N
     from ..kernels.window_attention import fused_window_attention_qkv
 
     B_, N, C = x.shape
-    qkv = self.qkv(x).reshape(B_, N, 3, self.num_heads, -1)  # q, k, v are strided views of this
+    # the Linears take token rows (a 3-D input costs two autograd view nodes inside each Linear)
+    qkv = self.qkv(x.reshape(B_ * N, C)).view(B_, N, 3, self.num_heads, -1)  # q, k, v are strided views of this
     rel_bias = rel_pos_bias(self)  # (nH, N, N)
-    x = fused_window_attention_qkv(qkv, rel_bias, mask, self.scale)
-    x = x.transpose(1, 2).reshape(B_, N, -1)  # the kernel's output layout makes this a view
+    x = fused_window_attention_qkv(qkv, rel_bias, mask, self.scale, tokens=True)  # (B_*N, C), no copy
     x = self.proj(x)
     x = self.proj_drop(x)
-    return x
+    return x.view(B_, N, -1)
 
 
 def fused_window_attention_forward_table(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -41,13 +41,12 @@ def fused_window_attention_forward_table(self, x: torch.Tensor, mask: torch.Tens
     from ..kernels.window_attention import fused_window_attention_table
 
     B_, N, C = x.shape
-    qkv = self.qkv(x).reshape(B_, N, 3, self.num_heads, -1)
+    qkv = self.qkv(x.reshape(B_ * N, C)).view(B_, N, 3, self.num_heads, -1)
     x = fused_window_attention_table(qkv, self.relative_position_bias_table, self.relative_position_index,
-                                     getattr(self, INVERSE_BUFFER), mask, self.scale)
-    x = x.transpose(1, 2).reshape(B_, N, -1)
+                                     getattr(self, INVERSE_BUFFER), mask, self.scale, tokens=True)
     x = self.proj(x)
     x = self.proj_drop(x)
-    return x
+    return x.view(B_, N, -1)
 
 
 PATCHED_FORWARDS = (fused_window_attention_forward, fused_window_attention_forward_table)

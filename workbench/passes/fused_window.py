@@ -89,12 +89,18 @@ def _unfused(self, x, pending, defer):
     return (out, None) if defer else out
 
 
+def _as_map(t: torch.Tensor, B: int, H: int, W: int, C: int) -> torch.Tensor:
+    """t as (B, H, W, C): t itself when it has that shape already (a reshape would still record a view)."""
+    return t if t.dim() == 4 else t.reshape(B, H, W, C)
+
+
 def _mlp_half(self, x, h, B, H, W, C, defer):
-    """x + drop_path2(mlp(h)), or with `defer` (x, that branch) for the next block's norm to add."""
-    branch = self.drop_path2(self.mlp(h))
+    """x + drop_path2(mlp(h)), or with `defer` (x, that branch) for the next block's norm to add. x and h
+    may come as (B, H, W, C), (B, L, C) or token rows (B*L, C); the results are (B, H, W, C)."""
+    branch = _as_map(self.drop_path2(self.mlp(h)), B, H, W, C)
     if defer:
-        return x.reshape(B, H, W, C), branch.reshape(B, H, W, C)
-    return (x + branch).reshape(B, H, W, C)
+        return _as_map(x, B, H, W, C), branch
+    return _as_map(x, B, H, W, C) + branch
 
 
 def swin_block_forward_fused_window(self, x: torch.Tensor, pending: torch.Tensor | None = None, defer: bool = False):
@@ -134,15 +140,14 @@ def swin_block_forward_fused_window_add_norm2(self, x: torch.Tensor, pending: to
 
 
 def _merge_add_norm2(blk, attn_windows: torch.Tensor, x: torch.Tensor, ws: int, shift: int):
-    """add_norm2(blk, x, merge_roll(attn_windows)) as one kernel each way (merge_add_norm) -> (sum, normed),
-    both (B, L, C), the normed output in the dtype add_norm2 would write."""
+    """add_norm2(blk, x, merge_roll(attn_windows)) as one kernel each way (merge_add_norm) -> (sum (B, H, W, C),
+    normed (B*H*W, C) token rows: the MLP's Linears take them without view nodes of their own), the normed
+    output in the dtype add_norm2 would write."""
     from ..kernels.window import merge_add_norm
 
-    B, C = x.shape[0], x.shape[-1]
     norm2 = blk.norm2
     y_dtype = norm_output_dtype(x, mlp_input_goes_to_linear(blk.mlp), torch.promote_types(x.dtype, attn_windows.dtype))
-    s, h = merge_add_norm(attn_windows, x, norm2.weight, norm2.bias, norm2.eps, ws, shift, y_dtype)
-    return s.view(B, -1, C), h.view(B, -1, C)
+    return merge_add_norm(attn_windows, x, norm2.weight, norm2.bias, norm2.eps, ws, shift, y_dtype, y_rows=True)
 
 
 DEFERRING_FORWARDS = (swin_block_forward_fused_window, swin_block_forward_fused_window_add_norm2)
