@@ -383,13 +383,19 @@ def paired_table(model: str, batch: int, stages: list[str], rounds: int, block: 
     return rows
 
 
+def warm_stage(model: str, batch: int, stage: str):
+    """build_stage, then three steps (compiles, autotuning, cache misses) and a sync."""
+    wl = build_stage(model, batch, stage)
+    for i in range(3):
+        wl.step(i)
+    torch.cuda.synchronize()
+    return wl
+
+
 def stage_table(model: str, batch: int, stages: list[str], steps: int) -> list[dict]:
     rows = []
     for stage in stages:
-        wl = build_stage(model, batch, stage)
-        for i in range(3):
-            wl.step(i)
-        torch.cuda.synchronize()
+        wl = warm_stage(model, batch, stage)
         host_ms, step_ms = host_and_step_ms(wl, steps)
         rows.append({"stage": stage, "host_ms_per_step": host_ms, "step_ms": step_ms})
         print(f"  {stage:14s} host enqueue {rows[-1]['host_ms_per_step']:7.2f} ms   step {rows[-1]['step_ms']:7.2f} ms",
@@ -405,10 +411,7 @@ def phase_table(model: str, batch: int, stages: list[str], steps: int) -> list[d
     queue: medians over `steps` steps. Where the step is host-bound these say which phase to cut."""
     rows = []
     for stage in stages:
-        wl = build_stage(model, batch, stage)
-        for i in range(3):
-            wl.step(i)
-        torch.cuda.synchronize()
+        wl = warm_stage(model, batch, stage)
         phases = {"forward": [], "backward": [], "optimizer": []}
         for _ in range(steps):
             torch.cuda.synchronize()

@@ -8,10 +8,12 @@ TRITON_INTERPRET, calls the host functions on small CPU tensors with `launch` re
 (nothing runs), so it sees exactly the specializations they would launch (dtypes, constexprs, warps,
 stages, register caps; every config of an autotuned kernel), and compiles each once for sm_90.
 
-    python tests/aot_compile_kernels.py [--quick] [--resources]   # a line per variant; exit 1 on a failure
+    python tests/aot_compile_kernels.py [--quick] [--resources] [--sass DIR]   # a line per variant; exit 1 on a failure
 
 --resources adds each variant's registers and stack (spills) as ptxas allocated them for sm_90
-(Triton's bundled cuobjdump on the cubin), and lists the variants that spill.
+(Triton's bundled cuobjdump on the cubin), and lists the variants that spill. --sass DIR writes each variant's SASS (no addresses or encodings) to
+DIR/<kernel>-<hash of its specialization>.sass: diff two such folders, built from two versions of the
+code, to see whether a change to a kernel's source changed the instructions it runs.
 
 Every Swin-B stage shape and dtype takes about 240 variants and 3-7 minutes on 2 CPU cores (Triton caches
 them on disk after that); --quick compiles one shape per code path, bf16 and fp32 (about 60 variants),
@@ -187,9 +189,24 @@ def _resources(cubin: bytes) -> dict[str, int]:
     return {k: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", out)}
 
 
+def _sass(cubin: bytes) -> str:
+    """The cubin's SASS, one instruction a line, without addresses and encodings: two builds of a kernel
+    compare equal here exactly when they run the same instructions."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True).stdout
+    lines = (re.sub(r"/\*[^*]*\*/", "", ln).strip() for ln in out.splitlines() if re.match(r"\s*/\*[0-9a-f]{4}\*/", ln))
+    return "\n".join(ln.rstrip(" ;") for ln in lines if ln) + "\n"
+
+
 def main() -> int:
     _record_launches(quick="--quick" in sys.argv[1:])
     resources = "--resources" in sys.argv[1:]
+    sass_dir = Path(sys.argv[sys.argv.index("--sass") + 1]) if "--sass" in sys.argv[1:] else None
+    if sass_dir is not None:
+        sass_dir.mkdir(parents=True, exist_ok=True)
     spilling: list[str] = []
     seen, failures, t0 = set(), [], time.perf_counter()
     for fn, args, kwargs in RECORDED:
@@ -208,6 +225,11 @@ def main() -> int:
             kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=TARGET,
                                     options=options)
             line = f"ok   {label}  cubin {len(kernel.asm['cubin'])} bytes, shared {kernel.metadata.shared} bytes"
+            if sass_dir is not None:
+                import hashlib
+
+                name = f"{fn.__name__}-{hashlib.sha1(label.encode()).hexdigest()[:12]}.sass"
+                (sass_dir / name).write_text(f"# {label}\n" + _sass(kernel.asm["cubin"]))
             if resources:
                 res = _resources(kernel.asm["cubin"])
                 line += f", {res.get('REG')} registers, stack {res.get('STACK')} bytes"

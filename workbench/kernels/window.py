@@ -51,6 +51,19 @@ from workbench.kernels.layer_norm import (SOFT_RTNE as _SOFT_RTNE, column_sums, 
 # ----------------------------------------------------------------------------------- kernels
 
 @triton.jit
+def _norm_rows(x, w_ptr, b_ptr, c, c_mask, C, eps):
+    """LayerNorm of whole rows x (tokens x BLOCK_C, columns c < C valid) in fp32 -> (y, mean, rstd)."""
+    xf = x.to(tl.float32)
+    mean = tl.sum(xf, axis=1) / C
+    xc = tl.where(c_mask[None, :], xf - mean[:, None], 0.0)
+    var = tl.sum(xc * xc, axis=1) / C
+    rstd = 1.0 / tl.sqrt(var + tl.cast(eps, tl.float32))  # fp32 even if passed as fp64 (Inductor)
+    w = tl.load(w_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
+    bb = tl.load(b_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
+    return xc * rstd[:, None] * w[None, :] + bb[None, :], mean, rstd
+
+
+@triton.jit
 def _partition_fwd_kernel(
     x_ptr, out_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, sums_ptr, r_ptr, s_ptr,
     n_out_tokens, C, eps, n_sums,
@@ -103,14 +116,7 @@ def _partition_fwd_kernel(
         x = to_dtype(x.to(tl.float32) + r.to(tl.float32), s_ptr.dtype.element_ty, SOFT_RTNE)
         tl.store(s_ptr + src_off, x, mask=ld_mask)
     if NORM:
-        xf = x.to(tl.float32)
-        mean = tl.sum(xf, axis=1) / C
-        xc = tl.where(c_mask[None, :], xf - mean[:, None], 0.0)
-        var = tl.sum(xc * xc, axis=1) / C
-        rstd = 1.0 / tl.sqrt(var + tl.cast(eps, tl.float32))  # fp32 even if passed as fp64 (Inductor)
-        w = tl.load(w_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
-        bb = tl.load(b_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
-        y = xc * rstd[:, None] * w[None, :] + bb[None, :]
+        y, mean, rstd = _norm_rows(x, w_ptr, b_ptr, c, c_mask, C, eps)
         y = tl.where(valid[:, None], y, 0.0)  # padded tokens are 0, not LN(0) = bias
         tl.store(mean_ptr + src, mean, mask=valid)
         tl.store(rstd_ptr + src, rstd, mask=valid)
@@ -188,14 +194,7 @@ def _merge_norm_fwd_kernel(
     sc = tl.load(shortcut_ptr + off, mask=mask, other=0.0)
     x = to_dtype(sc.to(tl.float32) + win.to(tl.float32), s_ptr.dtype.element_ty, SOFT_RTNE)
     tl.store(s_ptr + off, x, mask=mask)
-    xf = x.to(tl.float32)
-    mean = tl.sum(xf, axis=1) / C
-    xc = tl.where(c_mask[None, :], xf - mean[:, None], 0.0)
-    var = tl.sum(xc * xc, axis=1) / C
-    rstd = 1.0 / tl.sqrt(var + tl.cast(eps, tl.float32))  # fp32 even if passed as fp64 (Inductor)
-    w = tl.load(w_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
-    bb = tl.load(b_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
-    y = xc * rstd[:, None] * w[None, :] + bb[None, :]
+    y, mean, rstd = _norm_rows(x, w_ptr, b_ptr, c, c_mask, C, eps)
     tl.store(y_ptr + off, to_dtype(y, y_ptr.dtype.element_ty, SOFT_RTNE), mask=mask)
     tl.store(mean_ptr + s, mean, mask=s_mask)
     tl.store(rstd_ptr + s, rstd, mask=s_mask)
