@@ -750,8 +750,6 @@ class MergeAddNormFunction(torch.autograd.Function):
         ws, shift = ctx.geom
         into, ctx.sums = ctx.sums, None
         win_dtype, sc_dtype = ctx.dtypes
-        if dy is None:
-            dy = torch.zeros_like(s)
         dsc, dwin, sums = merge_add_norm_bwd(dy, s, weight, mean, rstd, ws, shift, ds, win_dtype, sc_dtype,
                                              sums_into=into)
         dw, db = split_norm_grads(sums, weight, bias)

@@ -21,18 +21,24 @@ from ._swin import INVERSE_BUFFER, add_rel_pos_inverse, rel_pos_bias
 NAME = "fused_attention"
 
 
+def _around_the_core(self, x: torch.Tensor, core) -> torch.Tensor:
+    """timm WindowAttention.forward around an attention core: qkv Linear, core(qkv) -> (B_*N, C) token
+    rows, proj Linear, proj_drop. x: (B*nW, N, C). The Linears take token rows (a 3-D input costs two
+    autograd view nodes inside each Linear); q, k, v are strided views of the packed qkv."""
+    B_, N, C = x.shape
+    qkv = self.qkv(x.reshape(B_ * N, C)).view(B_, N, 3, self.num_heads, -1)
+    x = self.proj(core(qkv))
+    x = self.proj_drop(x)
+    return x.view(B_, N, -1)
+
+
 def fused_window_attention_forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """timm WindowAttention.forward with the fused kernel. x: (B*nW, N, C); mask: (nW, N, N) or None."""
     from ..kernels.window_attention import fused_window_attention_qkv
 
-    B_, N, C = x.shape
-    # the Linears take token rows (a 3-D input costs two autograd view nodes inside each Linear)
-    qkv = self.qkv(x.reshape(B_ * N, C)).view(B_, N, 3, self.num_heads, -1)  # q, k, v are strided views of this
-    rel_bias = rel_pos_bias(self)  # (nH, N, N)
-    x = fused_window_attention_qkv(qkv, rel_bias, mask, self.scale, tokens=True)  # (B_*N, C), no copy
-    x = self.proj(x)
-    x = self.proj_drop(x)
-    return x.view(B_, N, -1)
+    # the kernel's output comes as token rows, the layout it writes (no copy)
+    return _around_the_core(self, x, lambda qkv: fused_window_attention_qkv(qkv, rel_pos_bias(self), mask, self.scale,
+                                                                             tokens=True))
 
 
 def fused_window_attention_forward_table(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -40,13 +46,9 @@ def fused_window_attention_forward_table(self, x: torch.Tensor, mask: torch.Tens
     table's gradient summed from the kernel's partials in one launch (`fused_window_attention_table`)."""
     from ..kernels.window_attention import fused_window_attention_table
 
-    B_, N, C = x.shape
-    qkv = self.qkv(x.reshape(B_ * N, C)).view(B_, N, 3, self.num_heads, -1)
-    x = fused_window_attention_table(qkv, self.relative_position_bias_table, self.relative_position_index,
-                                     getattr(self, INVERSE_BUFFER), mask, self.scale, tokens=True)
-    x = self.proj(x)
-    x = self.proj_drop(x)
-    return x.view(B_, N, -1)
+    return _around_the_core(self, x, lambda qkv: fused_window_attention_table(
+        qkv, self.relative_position_bias_table, self.relative_position_index, getattr(self, INVERSE_BUFFER), mask,
+        self.scale, tokens=True))
 
 
 PATCHED_FORWARDS = (fused_window_attention_forward, fused_window_attention_forward_table)

@@ -142,8 +142,13 @@ def add_norm2(blk, x: torch.Tensor, branch: torch.Tensor) -> tuple[torch.Tensor,
 
     B, C = x.shape[0], x.shape[-1]
     return add_layer_norm(x.reshape(B, -1, C), branch.reshape(B, -1, C), blk.norm2.weight, blk.norm2.bias,
-                          blk.norm2.eps, norm_output_dtype(x, mlp_input_goes_to_linear(blk.mlp),
-                                                           torch.promote_types(x.dtype, branch.dtype)))
+                          blk.norm2.eps, norm2_output_dtype(blk, x, branch.dtype))
+
+
+def norm2_output_dtype(blk, x: torch.Tensor, branch_dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype a block's fused add + norm2 writes for the residual x plus a branch in branch_dtype
+    (`_swin.norm_output_dtype`: fc1's autocast input dtype where the MLP takes it straight)."""
+    return norm_output_dtype(x, mlp_input_goes_to_linear(blk.mlp), torch.promote_types(x.dtype, branch_dtype))
 
 
 def swin_block_forward_add_norm2(self, x: torch.Tensor) -> torch.Tensor:

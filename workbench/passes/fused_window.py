@@ -44,8 +44,8 @@ import types
 import torch
 
 from . import PassContext, PassResult, PassUnavailable
-from ._swin import attn_input_goes_to_linear, inactive, mlp_input_goes_to_linear, norm_output_dtype, square, swin_blocks
-from .fused_layernorm import add_norm2
+from ._swin import attn_input_goes_to_linear, inactive, norm_output_dtype, square, swin_blocks
+from .fused_layernorm import add_norm2, norm2_output_dtype
 
 NAME = "fused_window"
 # merge_add_norm where fused_layernorm's add+norm2 is kept (eager); False: merge_roll, then add_layer_norm
@@ -146,8 +146,8 @@ def _merge_add_norm2(blk, attn_windows: torch.Tensor, x: torch.Tensor, ws: int, 
     from ..kernels.window import merge_add_norm
 
     norm2 = blk.norm2
-    y_dtype = norm_output_dtype(x, mlp_input_goes_to_linear(blk.mlp), torch.promote_types(x.dtype, attn_windows.dtype))
-    return merge_add_norm(attn_windows, x, norm2.weight, norm2.bias, norm2.eps, ws, shift, y_dtype, y_rows=True)
+    return merge_add_norm(attn_windows, x, norm2.weight, norm2.bias, norm2.eps, ws, shift,
+                          norm2_output_dtype(blk, x, attn_windows.dtype), y_rows=True)
 
 
 DEFERRING_FORWARDS = (swin_block_forward_fused_window, swin_block_forward_fused_window_add_norm2)
