@@ -238,3 +238,16 @@ def test_real_kernels_match_the_plain_launch_bit_for_bit(monkeypatch):
                wa._bwd_kernel(64)]  # N = 49: the backward whose configs choose the query-tile height
     for k in kernels:   # each went through its launcher, and the second seed's calls hit its cache
         assert isinstance(ops.launch(k), ops.CachedLauncher) and ops.launch(k).cache, k
+
+
+def test_pdl_default_and_launch_options(monkeypatch):
+    """Programmatic dependent launch: on by default only where supported; SWINBENCH_PDL=0 turns it off, =1
+    cannot turn it on where unsupported; the launch keyword is dropped while traced (Inductor's launcher)."""
+    from workbench.kernels import _ops
+
+    assert _ops.pdl_default(None, True) and not _ops.pdl_default(None, False)
+    assert not _ops.pdl_default("0", True) and _ops.pdl_default("1", True) and not _ops.pdl_default("1", False)
+    assert _ops.launch_options(None, True) == {"launch_pdl": True}
+    assert _ops.launch_options(64, False) == {"maxnreg": 64}
+    monkeypatch.setattr(_ops._STATE, "tracing", True, raising=False)
+    assert _ops.launch_options(64, True) == {} and not _ops.pdl_launch()

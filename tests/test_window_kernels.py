@@ -425,3 +425,85 @@ def test_no_column_sum_buffer_without_a_backward(monkeypatch):
     x.requires_grad_(True)
     norm_shift_partition(x, w, b, 1e-5, 7, 0)
     assert (32,) in made
+
+
+def _ln_op_grads(op, shape, dtype, seed):
+    """(outputs, every gradient) of a window LayerNorm op through autograd, parameters in `dtype`."""
+    B, H, W, C, ws, shift = shape
+    Hp, Wp = -(-H // ws) * ws, -(-W // ws) * ws
+    x = (_randn((B, H, W, C), torch.float32, seed) * 2.0 + 0.5).to(dtype).requires_grad_(True)
+    r = _randn((B, H, W, C), torch.float32, seed + 1).to(dtype).requires_grad_(True)
+    windows = _randn((B * (Hp // ws) * (Wp // ws), ws * ws, C), torch.float32, seed + 2).to(dtype).requires_grad_(True)
+    weight = (1.0 + 0.5 * _randn((C,), torch.float32, seed + 3)).to(dtype).requires_grad_(True)
+    bias = (0.5 * _randn((C,), torch.float32, seed + 4)).to(dtype).requires_grad_(True)
+    if op == "norm":
+        outs, leaves = (norm_shift_partition(x, weight, bias, 1e-5, ws, shift),), (x, weight, bias)
+    elif op == "add_norm":
+        outs, leaves = add_norm_shift_partition(x, r, weight, bias, 1e-5, ws, shift), (x, r, weight, bias)
+    else:
+        outs, leaves = merge_add_norm(windows, x, weight, bias, 1e-5, ws, shift), (windows, x, weight, bias)
+    ups = tuple(_randn(o.shape, o.dtype, seed + 5 + i) for i, o in enumerate(outs))
+    grads = torch.autograd.grad(outs, leaves, ups)
+    return [o.detach() for o in outs] + list(grads)
+
+
+@pytest.mark.parametrize("shape", SHAPES[:2], ids=_ids)
+@pytest.mark.parametrize("op", ["norm", "add_norm", "merge_add_norm"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_grads_in_kernel_match_the_cast(monkeypatch, shape, op, dtype):
+    """With half-precision LayerNorm parameters the backward's last program writes dweight/dbias in their
+    dtype itself (window.GRADS_IN_KERNEL): the same values as the fp32 sums cast afterwards, every other
+    output and gradient unchanged. (On a GPU the fp32 sums' atomic order varies between runs, so there
+    the parameters' gradients are compared to a bf16 ulp.)"""
+    import workbench.kernels.window as win
+
+    monkeypatch.setattr(win, "GRADS_IN_KERNEL", False)
+    ref = _ln_op_grads(op, shape, dtype, 60)
+    monkeypatch.setattr(win, "GRADS_IN_KERNEL", True)
+    got = _ln_op_grads(op, shape, dtype, 60)
+    assert len(got) == len(ref)
+    n_params = 2
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        if i >= len(ref) - n_params and DEVICE == "cuda":
+            torch.testing.assert_close(b.float(), a.float(), atol=1e-2 * max(1.0, a.float().abs().max().item()),
+                                       rtol=1e-2)
+        else:
+            assert torch.equal(a, b), i
+
+
+def test_grads_in_kernel_only_for_half_parameters():
+    import workbench.kernels.window as win
+
+    half, full = torch.ones(4, dtype=torch.bfloat16), torch.ones(4)
+    assert win._grads_in_kernel(half, half)
+    assert not win._grads_in_kernel(full, full)          # fp32 (autocast training): the sums are the grads
+    assert not win._grads_in_kernel(half, full)          # mixed: a cast each, as before
+    assert not win._grads_in_kernel(half, None)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="programmatic dependent launch is a GPU launch attribute")
+@pytest.mark.parametrize("op", ["norm", "add_norm", "merge_add_norm"])
+def test_pdl_launches_match_plain_launches(monkeypatch, op):
+    """The window kernels launched with programmatic dependent launch give the plain launches' results
+    (every kernel waits for the previous one before its first load): outputs and dx bit for bit, the
+    parameters' gradients to a bf16 ulp (fp32 atomic sums in another order)."""
+    import workbench.kernels._ops as ops
+
+    if not ops.pdl_supported():
+        pytest.skip("no programmatic dependent launch on this GPU / Triton")
+    shape = (4, 14, 14, 256, 7, 3)
+    monkeypatch.setattr(ops, "PDL_OVERRIDE", False)
+    ref = _ln_op_grads(op, shape, torch.bfloat16, 70)
+    monkeypatch.setattr(ops, "PDL_OVERRIDE", True)
+    got = _ln_op_grads(op, shape, torch.bfloat16, 70)
+    for i, (a, b) in enumerate(zip(ref, got)):
+        if i >= len(ref) - 2:
+            torch.testing.assert_close(b.float(), a.float(), atol=1e-2 * max(1.0, a.float().abs().max().item()), rtol=1e-2)
+        else:
+            assert torch.equal(a, b), i
+    x = _randn((4, 14, 14, 96), torch.bfloat16, 71)
+    monkeypatch.setattr(ops, "PDL_OVERRIDE", True)
+    win = roll_partition(x, 7, 3)
+    assert torch.equal(win, roll_partition_reference(x, 7, 3))
+    assert torch.equal(merge_roll(win, 7, 3, 14, 14), x)

@@ -37,6 +37,7 @@ import torch
 
 _STATE = threading.local()
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_PDL_ENV = os.environ.get("SWINBENCH_PDL")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -247,10 +248,64 @@ def _cached_launcher(kernel):
     return kernel
 
 
-def launch_options(maxnreg: int | None = None) -> dict:
-    """Extra launch keywords: maxnreg, except while traced (Inductor's launcher takes only num_warps,
-    num_stages and the like, so a traced kernel runs without the register cap)."""
-    return {} if maxnreg is None or tracing() else {"maxnreg": maxnreg}
+def launch_options(maxnreg: int | None = None, pdl: bool = False) -> dict:
+    """Extra launch keywords: maxnreg, and launch_pdl where `pdl` (the caller's `pdl_launch()`), except
+    while traced (Inductor's launcher takes only num_warps, num_stages and the like, so a traced kernel
+    runs without the register cap and without programmatic dependent launch)."""
+    if tracing():
+        return {}
+    opts = {} if maxnreg is None else {"maxnreg": maxnreg}
+    if pdl:
+        opts["launch_pdl"] = True
+    return opts
+
+
+def _pdl_supported() -> bool:
+    """Programmatic dependent launch: Hopper or newer, a Triton with `launch_pdl` and griddepcontrol
+    (`triton.language.extra.cuda.gdc_wait`), compiled kernels (not the interpreter)."""
+    if _INTERPRET or not torch.cuda.is_available():
+        return False
+    try:
+        from triton.language.extra import cuda as tl_cuda
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    if not hasattr(tl_cuda, "gdc_wait") or "launch_pdl" not in getattr(CUDAOptions, "__dataclass_fields__", {}):
+        return False
+    return torch.cuda.get_device_capability()[0] >= 9
+
+
+def pdl_default(env: str | None, supported: bool) -> bool:
+    """Whether the window kernels launch with programmatic dependent launch: SWINBENCH_PDL=1 / 0 forces it
+    on / off (on only where supported), unset it is on where supported."""
+    if env is not None and env.strip() != "":
+        return env.strip() == "1" and supported
+    return supported
+
+
+_PDL_SUPPORTED: bool | None = None
+
+
+def pdl_supported() -> bool:
+    global _PDL_SUPPORTED
+    if _PDL_SUPPORTED is None:
+        _PDL_SUPPORTED = _pdl_supported()
+    return _PDL_SUPPORTED
+
+
+# None: as SWINBENCH_PDL says (pdl_default); True / False: on (where supported) / off for the process
+# (benchmarks flip it to compare both in one process).
+PDL_OVERRIDE: bool | None = None
+
+
+def pdl_launch() -> bool:
+    """Whether a kernel launched now takes programmatic dependent launch (its PDL constexpr and
+    `launch_options(pdl=...)`): never while traced."""
+    if tracing():
+        return False
+    if PDL_OVERRIDE is None:
+        return pdl_default(_PDL_ENV, pdl_supported())
+    return PDL_OVERRIDE and pdl_supported()
 
 
 def _traced_body(fn: Callable) -> Callable:

@@ -43,12 +43,54 @@ import torch
 import triton
 import triton.language as tl
 
-from ._ops import cdiv, kernel_op, launch, launch_options, next_pow2
+from ._ops import _INTERPRET, cdiv, kernel_op, launch, launch_options, next_pow2, pdl_launch
 
 from workbench.kernels.layer_norm import (SOFT_RTNE as _SOFT_RTNE, column_sums, eager_column_sums, emit_column_sum,
                                           finish_column_sums, sm_count, split_norm_grads, to_dtype, zero_column_sums)
 
 # ----------------------------------------------------------------------------------- kernels
+
+if not _INTERPRET:
+    try:
+        import triton.language.extra.cuda  # noqa: F401  (griddepcontrol: tl.extra.cuda.gdc_*)
+    except ImportError:
+        pass
+
+
+@triton.jit
+def _pdl_enter(PDL: tl.constexpr):
+    """Under programmatic dependent launch (the host's `pdl_launch()`), before any load or store: wait
+    until the previous kernel in the stream has finished and its writes are visible, then let the next
+    kernel's programs start launching (they wait the same way). The kernel's launch and the scheduling
+    of its programs then overlap the previous kernel's tail instead of following it."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _gpu_fence(FENCE: tl.constexpr):
+    """fence.acq_rel.gpu by every thread (compiled kernels; the interpreter runs programs one at a time)."""
+    if FENCE:
+        tl.inline_asm_elementwise("fence.acq_rel.gpu; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _finish_norm_grads(sums_ptr, count_ptr, grads_ptr, n_programs, c, c_mask, C, SOFT_RTNE: tl.constexpr,
+                       FENCE: tl.constexpr):
+    """After a program's atomic adds into the (2C,) fp32 column sums: the last program to arrive writes
+    them in the parameters' dtype to grads_ptr (dweight then dbias), so that no cast launch follows.
+    count_ptr: an int32 zeroed with the sums (the forward zeroes both). The pattern of CUDA's
+    threadFenceReduction: every thread fences its adds, the program syncs, one thread counts it in."""
+    _gpu_fence(FENCE)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel")
+    if arrived == n_programs - 1:
+        _gpu_fence(FENCE)
+        dw = tl.load(sums_ptr + c, mask=c_mask, other=0.0, cache_modifier=".cg")
+        db = tl.load(sums_ptr + C + c, mask=c_mask, other=0.0, cache_modifier=".cg")
+        tl.store(grads_ptr + c, to_dtype(dw, grads_ptr.dtype.element_ty, SOFT_RTNE), mask=c_mask)
+        tl.store(grads_ptr + C + c, to_dtype(db, grads_ptr.dtype.element_ty, SOFT_RTNE), mask=c_mask)
 
 @triton.jit
 def _norm_rows(x, w_ptr, b_ptr, c, c_mask, C, eps):
@@ -70,6 +112,7 @@ def _partition_fwd_kernel(
     H: tl.constexpr, W: tl.constexpr, n_win_h: tl.constexpr, n_win_w: tl.constexpr,
     shift_h: tl.constexpr, shift_w: tl.constexpr, WS: tl.constexpr, NORM: tl.constexpr, SOFT_RTNE: tl.constexpr,
     ZERO_SUMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Writes window tokens [pid0*BLOCK_T, +BLOCK_T) x channels [pid1*BLOCK_C, +BLOCK_C).
 
@@ -82,6 +125,7 @@ def _partition_fwd_kernel(
     token normalized is s = x + r, rounded to s_ptr's dtype as torch's add would round it, and s is
     stored at the source token too (the residual stream after the add, written once).
     """
+    _pdl_enter(PDL)
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
     zero_column_sums(sums_ptr, n_sums, pid_t + pid_c, ZERO_SUMS, BLOCK_C)
@@ -150,8 +194,10 @@ def _merge_fwd_kernel(
     n_tokens, C,
     H: tl.constexpr, W: tl.constexpr, n_win_h: tl.constexpr, n_win_w: tl.constexpr,
     shift_h: tl.constexpr, shift_w: tl.constexpr, WS: tl.constexpr, ADD: tl.constexpr, SOFT_RTNE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """out[s] = windows[row(s)] (+ shortcut[s]) for image tokens s in this program's block."""
+    _pdl_enter(PDL)
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
     s = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -176,11 +222,13 @@ def _merge_norm_fwd_kernel(
     H: tl.constexpr, W: tl.constexpr, n_win_h: tl.constexpr, n_win_w: tl.constexpr,
     shift_h: tl.constexpr, shift_w: tl.constexpr, WS: tl.constexpr, ZERO_SUMS: tl.constexpr,
     SOFT_RTNE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """s = shortcut + windows merged back (window_reverse, crop, roll(+shift)), rounded to s_ptr's dtype
     as torch's add rounds it, then y = LayerNorm(s), for the image tokens of this program's block (whole
     rows: BLOCK_C covers C). Stores s, y, and fp32 mean/rstd per token. With ZERO_SUMS, program 0 also
     zeroes the backward's column-sum buffer (layer_norm.zero_column_sums)."""
+    _pdl_enter(PDL)
     pid = tl.program_id(0)
     zero_column_sums(sums_ptr, n_sums, pid, ZERO_SUMS, BLOCK_C)
     s = pid * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -214,11 +262,12 @@ def _norm_bwd_tile(g, x, w, mean, rstd, mask, C):
 
 @triton.jit
 def _norm_partition_bwd_kernel(
-    dwin_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, ds_ptr, dx_ptr, dwo_ptr, sums_ptr,
-    n_tokens, tiles_per_prog, C,
+    dwin_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, ds_ptr, dx_ptr, dwo_ptr, sums_ptr, grads_ptr,
+    n_tokens, tiles_per_prog, C, n_programs,
     H: tl.constexpr, W: tl.constexpr, n_win_h: tl.constexpr, n_win_w: tl.constexpr,
     shift_h: tl.constexpr, shift_w: tl.constexpr, WS: tl.constexpr, SOFT_RTNE: tl.constexpr, ATOMIC: tl.constexpr,
     HAS_DS: tl.constexpr, MERGE: tl.constexpr, STAGES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr = False, FINISH: tl.constexpr = False, FENCE: tl.constexpr = False,
 ):
     """LayerNorm backward with the gradient gathered from window order (d of the partition), plus, with
     HAS_DS, a gradient ds of x from elsewhere (the block's residual path) added into dx in the same pass.
@@ -232,9 +281,12 @@ def _norm_partition_bwd_kernel(
     dweight/dbias partials are accumulated per (row-in-tile, channel) in registers across the band
     and reduced across rows once at the end (a cross-warp reduction per tile would cost two
     shared-memory round trips per iteration) and go to columns [0, C) / [C, 2C) of sums_ptr
-    (layer_norm.emit_column_sum). The sweep found Triton's pipelining (STAGES = 3) as fast as a
+    (layer_norm.emit_column_sum). With FINISH (atomic sums only), the last of the n_programs programs also
+    writes them in grads_ptr's dtype (_finish_norm_grads; an int32 counter at sums_ptr[2C], zeroed with
+    the sums). The sweep found Triton's pipelining (STAGES = 3) as fast as a
     hand-written one-tile prefetch at every stage (within 0.5 µs at stages 2-4, 5% faster at stage 1).
     """
+    _pdl_enter(PDL)
     pid = tl.program_id(0)
     c = tl.arange(0, BLOCK_C)
     c_mask = c < C
@@ -269,6 +321,9 @@ def _norm_partition_bwd_kernel(
         db_acc += db_t
     emit_column_sum(sums_ptr, pid, 2 * C, c, tl.sum(dw_acc, axis=0), c_mask, ATOMIC)
     emit_column_sum(sums_ptr, pid, 2 * C, C + c, tl.sum(db_acc, axis=0), c_mask, ATOMIC)
+    if FINISH:
+        count_ptr = (sums_ptr + 2 * C).to(tl.pointer_type(tl.int32), bitcast=True)
+        _finish_norm_grads(sums_ptr, count_ptr, grads_ptr, n_programs, c, c_mask, C, SOFT_RTNE, FENCE)
 
 
 # ------------------------------------------------------------------------------ host functions
@@ -361,10 +416,12 @@ def roll_partition_fwd(x: torch.Tensor, window_size: int, shift: int, *, out_dty
     n_out = B * Hp * Wp
     block_t, block_c, num_warps = _copy_blocks(C)
     grid = (cdiv(n_out, block_t), cdiv(C, block_c))
+    pdl = pdl_launch()
     launch(_partition_fwd_kernel)[grid](
         x, out, x, x, x, x, out, x, x, n_out, C, 0.0, 0,
         H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, NORM=False, SOFT_RTNE=_SOFT_RTNE,
-        ZERO_SUMS=False, HAS_RESIDUAL=False, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps,
+        ZERO_SUMS=False, HAS_RESIDUAL=False, BLOCK_T=block_t, BLOCK_C=block_c, PDL=pdl, num_warps=num_warps,
+        **launch_options(pdl=pdl),
     )
     return out
 
@@ -394,10 +451,12 @@ def merge_roll_fwd(
     n_tok = B * H * W
     block_t, block_c, num_warps = _copy_blocks(C)
     grid = (cdiv(n_tok, block_t), cdiv(C, block_c))
+    pdl = pdl_launch()
     launch(_merge_fwd_kernel)[grid](
         windows, shortcut if shortcut is not None else windows, out,
         n_tok, C,
-        H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, ADD=shortcut is not None, SOFT_RTNE=_SOFT_RTNE, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps,
+        H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, ADD=shortcut is not None, SOFT_RTNE=_SOFT_RTNE, BLOCK_T=block_t, BLOCK_C=block_c, PDL=pdl,
+        num_warps=num_warps, **launch_options(pdl=pdl),
     )
     return out
 
@@ -440,13 +499,14 @@ def _norm_partition(x, residual, weight, bias, eps, window_size, shift, out_dtyp
     n_out = B * Hp * Wp
     block_t, block_c, num_warps = _norm_fwd_config(C)
     if n_out > 0:
+        pdl = pdl_launch()
         launch(_partition_fwd_kernel)[(cdiv(n_out, block_t), 1)](
             x, out, _contig(weight), _contig(bias), mean, rstd, zero_sums if zero_sums is not None else mean,
             residual if residual is not None else x, s if s is not None else x,
             n_out, C, float(eps), zero_sums.numel() if zero_sums is not None else 0,
             H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, NORM=True, SOFT_RTNE=_SOFT_RTNE,
             ZERO_SUMS=zero_sums is not None, HAS_RESIDUAL=residual is not None, BLOCK_T=block_t, BLOCK_C=block_c,
-            num_warps=num_warps,
+            PDL=pdl, num_warps=num_warps, **launch_options(pdl=pdl),
         )
     elif zero_sums is not None:
         zero_sums.zero_()
@@ -494,27 +554,55 @@ def norm_shift_partition_bwd(
     return dx, sums
 
 
+# Where the LayerNorm's parameters are not fp32 (a bf16 or fp16 model), the backward's last program writes
+# dweight/dbias in their dtype itself (_finish_norm_grads) instead of a cast launch after the kernel.
+# Switched off only to compare (benchmarks).
+GRADS_IN_KERNEL = True
+
+
+def _grads_in_kernel(weight, bias) -> bool:
+    return (GRADS_IN_KERNEL and weight is not None and bias is not None and weight.dtype == bias.dtype
+            and weight.dtype != torch.float32)
+
+
+def _eager_sums(C: int, device, ctx, weight, bias):
+    """eager_column_sums for a window norm's backward: the (2C,) fp32 sums, plus an int32 counter slot
+    where the backward writes the parameters' gradients itself (_grads_in_kernel)."""
+    return eager_column_sums(2 * C + (1 if _grads_in_kernel(weight, bias) else 0), device, ctx, weight, bias)
+
+
 def _norm_bwd(g, x, weight, mean, rstd, window_size, shift, ds, dx, dwo, sums_into):
     """The LayerNorm backward over x (B, H, W, C) of the window kernels: g is the gradient of the norm's
     output in window order, or with dwo (merge_add_norm_bwd) in token order, and dx then also goes to
-    dwo's window rows. x, dx (B, H, W, C) contiguous. -> (dx, dwo, (2C,) fp32 column sums)."""
+    dwo's window rows. x, dx (B, H, W, C) contiguous. -> (dx, dwo, grads): grads are the (2C,) fp32 column
+    sums (dweight then dbias) or, where sums_into has the counter slot of _eager_sums, the same already in
+    weight's dtype."""
     B, H, W, C = x.shape
     Hp, Wp, nwh, nww, sh, sw = _geometry(H, W, window_size, shift)
     n_tok = B * H * W
     block_t, block_c, num_warps, nprog, tiles_per_prog, maxnreg, stages = _norm_bwd_config(n_tok, C, x.element_size(), x.device)
-    sums, atomic = column_sums(nprog, 2 * C, x.device, sums_into)
+    finish = (sums_into is not None and sums_into.numel() == 2 * C + 1
+              and not torch.are_deterministic_algorithms_enabled())
+    if finish:
+        sums, atomic = sums_into, True
+        grads = torch.empty(2 * C, dtype=weight.dtype, device=x.device)
+    else:
+        sums, atomic = column_sums(nprog, 2 * C, x.device, sums_into)
+        grads = None
     if ds is not None:
         ds = _contig(ds)
         if tuple(ds.shape) != (B, H, W, C):
             raise ValueError(f"ds shape {tuple(ds.shape)} != {(B, H, W, C)}")
+    pdl = pdl_launch()
     launch(_norm_partition_bwd_kernel)[(nprog,)](
         g, x, _contig(weight), mean, rstd, ds if ds is not None else x, dx, dwo if dwo is not None else dx, sums,
-        n_tok, tiles_per_prog, C,
+        grads if finish else dx, n_tok, tiles_per_prog, C, nprog,
         H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=int(window_size), SOFT_RTNE=_SOFT_RTNE,
         ATOMIC=atomic, HAS_DS=ds is not None, MERGE=dwo is not None, STAGES=stages, BLOCK_T=block_t,
-        BLOCK_C=block_c, num_warps=num_warps, **launch_options(maxnreg),
+        BLOCK_C=block_c, PDL=pdl, FINISH=finish, FENCE=not _INTERPRET, num_warps=num_warps,
+        **launch_options(maxnreg, pdl),
     )
-    return dx, dwo, finish_column_sums(sums, atomic)
+    return dx, dwo, grads if finish else finish_column_sums(sums, atomic)
 
 
 def merge_add_norm_fwd(
@@ -542,12 +630,14 @@ def merge_add_norm_fwd(
     rstd = torch.empty(n_tok, dtype=torch.float32, device=shortcut.device)
     block_t, block_c, num_warps = _norm_fwd_config(C)
     if n_tok > 0:
+        pdl = pdl_launch()
         launch(_merge_norm_fwd_kernel)[(cdiv(n_tok, block_t),)](
             windows, shortcut, s, y, _contig(weight), _contig(bias), mean, rstd,
             zero_sums if zero_sums is not None else mean, n_tok, C, float(eps),
             zero_sums.numel() if zero_sums is not None else 0,
             H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, ZERO_SUMS=zero_sums is not None,
-            SOFT_RTNE=_SOFT_RTNE, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps,
+            SOFT_RTNE=_SOFT_RTNE, BLOCK_T=block_t, BLOCK_C=block_c, PDL=pdl, num_warps=num_warps,
+            **launch_options(pdl=pdl),
         )
     elif zero_sums is not None:
         zero_sums.zero_()
@@ -677,7 +767,7 @@ class MergeRollFunction(torch.autograd.Function):
 class NormShiftPartitionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, window_size, shift, out_dtype):
-        ctx.sums = eager_column_sums(2 * x.shape[-1], x.device, ctx, weight, bias)
+        ctx.sums = _eager_sums(x.shape[-1], x.device, ctx, weight, bias)
         out_dtype = out_dtype or x.dtype
         if ctx.sums is None:
             windows, mean, rstd = _norm_shift_partition_fwd_op(x, weight, bias, float(eps), int(window_size), int(shift),
@@ -708,7 +798,7 @@ class AddNormShiftPartitionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, residual, weight, bias, eps, window_size, shift, out_dtype):
-        ctx.sums = eager_column_sums(2 * x.shape[-1], x.device, ctx, weight, bias)
+        ctx.sums = _eager_sums(x.shape[-1], x.device, ctx, weight, bias)
         s, windows, mean, rstd = add_norm_shift_partition_fwd(x, residual, weight, bias, float(eps), int(window_size),
                                                               int(shift), out_dtype=out_dtype, zero_sums=ctx.sums)
         ctx.save_for_backward(s, weight, bias, mean, rstd)
@@ -736,7 +826,7 @@ class MergeAddNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, windows, shortcut, weight, bias, eps, window_size, shift, y_dtype, y_rows):
-        ctx.sums = eager_column_sums(2 * shortcut.shape[-1], shortcut.device, ctx, weight, bias)
+        ctx.sums = _eager_sums(shortcut.shape[-1], shortcut.device, ctx, weight, bias)
         s, y, mean, rstd = merge_add_norm_fwd(windows, shortcut, weight, bias, float(eps), int(window_size), int(shift),
                                               y_dtype=y_dtype, zero_sums=ctx.sums)
         ctx.save_for_backward(s, weight, bias, mean, rstd)

@@ -1,0 +1,149 @@
+"""The window ops' fused fwd+bwd with and without programmatic dependent launch (PDL) and, for the LayerNorm
+ops with bf16 parameters, with and without the backward writing the parameters' gradients itself
+(window.GRADS_IN_KERNEL) instead of a cast launch after it.
+
+Each variant is timed as bench_window times the fused ops (autograd forward + backward, CUDA-graph replay of
+back-to-back calls over input sets larger than the L2) in one process, variants alternating per op and stage,
+and given as % of the copy bar. Before timing, every variant's outputs and gradients from a replayed graph
+are compared with the plain variant's eager call: data movement and dx bit-exact where the op's are, the
+LayerNorm parameters' gradients to 1e-2 of their largest value (bf16 rounding of fp32 sums added in another order).
+
+    python benchmarks/diag_window_launch.py [--ops a,b] [--stages s1,s2] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_window import (LN_OPS, OPS, SHIFT, SWIN_B_STAGES, WINDOW, bytes_moved, copy_bandwidth,  # noqa: E402
+                          fwd_bwd_fn, graph_us, leaves, make_inputs, n_input_sets)
+from workbench.env import environment_stamp  # noqa: E402
+
+ops_mod = importlib.import_module("workbench.kernels._ops")
+win = importlib.import_module("workbench.kernels.window")
+
+VARIANTS = {  # name: (PDL, GRADS_IN_KERNEL)
+    "plain": (False, False),
+    "pdl": (True, False),
+    "gik": (False, True),
+    "pdl+gik": (True, True),
+}
+
+
+def set_variant(name: str) -> None:
+    pdl, gik = VARIANTS[name]
+    ops_mod.PDL_OVERRIDE = pdl
+    win.GRADS_IN_KERNEL = gik
+
+
+def variants_for(op: str) -> list[str]:
+    # grads in kernel only changes the LayerNorm ops with bf16 parameters (the _amp op's are fp32)
+    return list(VARIANTS) if op in LN_OPS and op != "norm_shift_partition_amp" else ["plain", "pdl"]
+
+
+def results_of(fn) -> list[torch.Tensor]:
+    return [g.detach().clone() for g in fn()]
+
+
+def replayed(fn) -> list[torch.Tensor]:
+    """fn's results from a CUDA graph replay (the graph captured after two warm-up calls)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = fn()
+    g.replay()
+    torch.cuda.synchronize()
+    return [o.detach().clone() for o in outs]
+
+
+def compare(op, ref, got) -> float:
+    """Worst error relative to each tensor's largest value (0.0: bit-exact everywhere)."""
+    worst = 0.0
+    for a, b in zip(ref, got):
+        if torch.equal(a, b):
+            continue
+        if op not in LN_OPS:
+            return float("inf")
+        worst = max(worst, ((a.float() - b.float()).abs().max() / a.float().abs().max().clamp_min(1e-12)).item())
+    return worst
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ops", default=",".join(OPS))
+    ap.add_argument("--stages", default="s1,s2,s3,s4")
+    ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of all variants; median kept")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("diag_window_launch: needs a GPU (PDL is a launch attribute; nothing to compare on the CPU)")
+        return 2
+    stamp = environment_stamp("cuda")
+    print(f"# {stamp.get('gpu')}; torch {stamp['torch']}, triton {stamp['triton']}; PDL supported: "
+          f"{ops_mod.pdl_supported()}")
+    stages = [s for s in SWIN_B_STAGES if s[0] in args.stages.split(",")]
+    copy = copy_bandwidth("cuda", args.replays)
+    records, bad = [], 0
+    for op in args.ops.split(","):
+        for stage, B, H, W, C in stages:
+            elt = 2
+            nbytes = bytes_moved(op, B, H, W, C, elt)
+            sets = [make_inputs(B, H, W, C, torch.bfloat16, "cuda", seed=k) for k in range(n_input_sets(nbytes))]
+            for t in sets:
+                for p in leaves(op, t):
+                    p.requires_grad_(True)
+            fns = [fwd_bwd_fn(op, "fused", t, H, W, SHIFT) for t in sets]
+            names = variants_for(op)
+            set_variant("plain")
+            ref = results_of(fns[0])
+            errs = {}
+            for name in names:
+                set_variant(name)
+                errs[name] = max(compare(op, ref, results_of(fns[0])), compare(op, ref, replayed(fns[0])))
+            times = {name: [] for name in names}
+            for _ in range(args.rounds):
+                for name in names:
+                    set_variant(name)
+                    times[name].append(graph_us(fns, args.replays)[0])
+            rec = {"op": op, "stage": stage, "B": B, "H": H, "W": W, "C": C, "bytes": nbytes}
+            for name in names:
+                us = sorted(times[name])[len(times[name]) // 2]
+                ok = errs[name] <= (1e-2 if op in LN_OPS else 0.0)
+                bad += not ok
+                rec[name] = {"us": us, "us_rounds": times[name], "pct_copy": 100 * nbytes / (us * 1e-6) / 1e9 / copy["gbps"],
+                             "max_rel_err": errs[name], "ok": ok}
+            records.append(rec)
+            print(f"{op:<26} {stage} C={C:<5} " + "  ".join(
+                f"{n} {rec[n]['us']:6.2f} us {rec[n]['pct_copy']:3.0f}%{'' if rec[n]['ok'] else ' MISMATCH'}" for n in names),
+                flush=True)
+            del sets, fns
+            torch.cuda.empty_cache()
+    set_variant("plain")
+    ops_mod.PDL_OVERRIDE = None
+    print(f"# copy_: {copy['gbps']:.0f} GB/s (bench_window's bar is max(copy_, the best op), so its % run a little lower); "
+          f"{bad} mismatch(es)")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"benchmark": "diag_window_launch", "environment": stamp, "copy": copy,
+                                        "window": WINDOW, "shift": SHIFT, "replays": args.replays,
+                                        "rounds": args.rounds, "records": records}, indent=1))
+        print(f"# wrote {args.out}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
