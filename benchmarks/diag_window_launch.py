@@ -1,6 +1,6 @@
-"""The window ops' fused fwd+bwd with and without programmatic dependent launch (PDL) and, for the LayerNorm
-ops with bf16 parameters, with and without the backward writing the parameters' gradients itself
-(window.GRADS_IN_KERNEL) instead of a cast launch after it.
+"""The window ops' fused fwd+bwd with and without programmatic dependent launch (PDL, the next kernel
+released at once or after each program's last store) and, for the LayerNorm ops, with the norm backward's
+tiles spread evenly over exactly 1 or 2 programs per SM (window.NORM_BWD_BALANCED) instead of the shipped rule.
 
 Each variant is timed as bench_window times the fused ops (autograd forward + backward, CUDA-graph replay of
 back-to-back calls over input sets larger than the L2) in one process, variants alternating per op and stage,
@@ -30,23 +30,29 @@ from workbench.env import environment_stamp  # noqa: E402
 ops_mod = importlib.import_module("workbench.kernels._ops")
 win = importlib.import_module("workbench.kernels.window")
 
-VARIANTS = {  # name: (PDL, GRADS_IN_KERNEL)
-    "plain": (False, False),
-    "pdl": (True, False),
-    "gik": (False, True),
-    "pdl+gik": (True, True),
+VARIANTS = {  # name: (PDL, PDL_TRIGGER, NORM_BWD_BALANCED)
+    "plain": (False, 1, 0),
+    "pdl1": (True, 1, 0),
+    "pdl2": (True, 2, 0),
+    "bal1": (False, 1, 1),
+    "bal2": (False, 1, 2),
+    "bal1+pdl2": (True, 2, 1),
+    "bal2+pdl2": (True, 2, 2),
 }
 
 
 def set_variant(name: str) -> None:
-    pdl, gik = VARIANTS[name]
+    pdl, trigger, balanced = VARIANTS[name]
     ops_mod.PDL_OVERRIDE = pdl
-    win.GRADS_IN_KERNEL = gik
+    win.PDL_TRIGGER = trigger
+    if win.NORM_BWD_BALANCED != balanced:
+        win.NORM_BWD_BALANCED = balanced
+        win._norm_bwd_config.cache_clear()
 
 
 def variants_for(op: str) -> list[str]:
-    # grads in kernel only changes the LayerNorm ops with bf16 parameters (the _amp op's are fp32)
-    return list(VARIANTS) if op in LN_OPS and op != "norm_shift_partition_amp" else ["plain", "pdl"]
+    # the backward's grid only matters to the LayerNorm ops
+    return list(VARIANTS) if op in LN_OPS else ["plain", "pdl1", "pdl2"]
 
 
 def results_of(fn) -> list[torch.Tensor]:

@@ -9,6 +9,7 @@
 #   tests-passes   the passes against timm on the GPU (~2 min)
 #   tests-window   the window kernels, the cached launcher and the window/LayerNorm passes on the GPU
 #   tests-rows     the token-row attention output and the window/attention passes against timm on the GPU
+#   tests-pdl      the window kernels launched with programmatic dependent launch against plain launches
 #   tests-launcher the cached launcher against plain launches, bit for bit, on the GPU
 #   tests-compile  the fused passes under torch.compile, aot_eager and Inductor (~2.5 min)
 #   window         bench_window: the window kernels against eager, % of copy bandwidth
@@ -56,10 +57,11 @@ for part in "$@"; do
     tests-passes) pytest_part tests_passes 400 tests/test_pass_fused_window.py tests/test_pass_fused_layernorm.py \
                tests/test_pass_fused_attention.py tests/test_pass_fused_block.py tests/test_pass_fused_linear.py \
                tests/test_pass_master_weights.py ;;
-    tests-window) pytest_part tests_window 300 tests/test_window_kernels.py tests/test_cached_launcher.py \
+    tests-window) pytest_part tests_window 450 tests/test_window_kernels.py tests/test_cached_launcher.py \
                tests/test_pass_fused_window.py tests/test_pass_fused_layernorm.py ;;
     tests-rows) pytest_part tests_rows 200 tests/test_pass_fused_window.py tests/test_pass_fused_attention.py \
                tests/test_window_attention.py -k "token_rows or table_mode or matches_unpatched or composes or norm2" ;;
+    tests-pdl) pytest_part tests_pdl 200 tests/test_window_kernels.py tests/test_cached_launcher.py -k "pdl or launcher" ;;
     tests-launcher) pytest_part tests_launcher 200 tests/test_cached_launcher.py ;;
     tests-compile) pytest_part tests_compile 400 tests/test_compile_fused_passes.py ;;
     window)  timeout 120 python3 benchmarks/bench_window.py --check --out "$out/r/bench_window.json" 2>&1 | tail -31 ;;

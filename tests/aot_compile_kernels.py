@@ -127,22 +127,21 @@ def _record_launches(quick: bool) -> None:
                                                       zero_sums=torch.empty(2 * C))
             win.merge_add_norm_bwd(r(B, H, W, C), s, w, mean, rstd, 7, shift, x, torch.bfloat16, dt,
                                    sums_into=torch.empty(2 * C))
-            # programmatic dependent launch (on by default on Hopper), and a bf16 model's backward writing its
-            # parameters' gradients itself (a counter slot after the sums)
-            ops.PDL_OVERRIDE, ops._PDL_SUPPORTED = True, True
+            # programmatic dependent launch (where supported), the next kernel released early or late
+            ops.PDL_OVERRIDE, ops._PDL_SUPPORTED, trigger = True, True, win.PDL_TRIGGER
             try:
-                w16, b16 = w.to(torch.bfloat16), b.to(torch.bfloat16)
-                win.roll_partition_fwd(x, 7, shift)
-                win.merge_roll_fwd(windows, 7, shift, H, W, x)
-                windows, mean, rstd = win.norm_shift_partition_fwd(x, w16, b16, 1e-5, 7, shift,
-                                                                  zero_sums=torch.empty(2 * C + 1))
-                win.norm_shift_partition_bwd(windows, x, w16, mean, rstd, 7, shift, sums_into=torch.empty(2 * C + 1))
-                s, _, mean, rstd = win.merge_add_norm_fwd(windows, x, w16, b16, 1e-5, 7, shift,
-                                                          zero_sums=torch.empty(2 * C + 1))
-                win.merge_add_norm_bwd(r(B, H, W, C), s, w16, mean, rstd, 7, shift, x, torch.bfloat16, dt,
-                                       sums_into=torch.empty(2 * C + 1))
+                for win.PDL_TRIGGER in (1, 2):
+                    win.roll_partition_fwd(x, 7, shift)
+                    win.merge_roll_fwd(windows, 7, shift, H, W, x)
+                    windows, mean, rstd = win.norm_shift_partition_fwd(x, w, b, 1e-5, 7, shift,
+                                                                      zero_sums=torch.empty(2 * C))
+                    win.norm_shift_partition_bwd(windows, x, w, mean, rstd, 7, shift, sums_into=torch.empty(2 * C))
+                    s, _, mean, rstd = win.merge_add_norm_fwd(windows, x, w, b, 1e-5, 7, shift,
+                                                              zero_sums=torch.empty(2 * C))
+                    win.merge_add_norm_bwd(r(B, H, W, C), s, w, mean, rstd, 7, shift, x, torch.bfloat16, dt,
+                                           sums_into=torch.empty(2 * C))
             finally:
-                ops.PDL_OVERRIDE, ops._PDL_SUPPORTED = None, None
+                ops.PDL_OVERRIDE, ops._PDL_SUPPORTED, win.PDL_TRIGGER = None, None, trigger
     for dt in ((torch.bfloat16,) if quick else (torch.bfloat16, torch.float32)):
         attn_shapes = ((7, 4, 16, True), (7, 32, 1, False), (12, 4, 4, True))
         for (ws, heads, nw, masked) in (attn_shapes[:1] if quick else attn_shapes):

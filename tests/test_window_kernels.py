@@ -447,48 +447,15 @@ def _ln_op_grads(op, shape, dtype, seed):
     return [o.detach() for o in outs] + list(grads)
 
 
-@pytest.mark.parametrize("shape", SHAPES[:2], ids=_ids)
-@pytest.mark.parametrize("op", ["norm", "add_norm", "merge_add_norm"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_grads_in_kernel_match_the_cast(monkeypatch, shape, op, dtype):
-    """With half-precision LayerNorm parameters the backward's last program writes dweight/dbias in their
-    dtype itself (window.GRADS_IN_KERNEL): the same values as the fp32 sums cast afterwards, every other
-    output and gradient unchanged. (On a GPU the fp32 sums' atomic order varies between runs, so there
-    the parameters' gradients are compared to a bf16 ulp.)"""
-    import workbench.kernels.window as win
-
-    monkeypatch.setattr(win, "GRADS_IN_KERNEL", False)
-    ref = _ln_op_grads(op, shape, dtype, 60)
-    monkeypatch.setattr(win, "GRADS_IN_KERNEL", True)
-    got = _ln_op_grads(op, shape, dtype, 60)
-    assert len(got) == len(ref)
-    n_params = 2
-    for i, (a, b) in enumerate(zip(ref, got)):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        if i >= len(ref) - n_params and DEVICE == "cuda":
-            torch.testing.assert_close(b.float(), a.float(), atol=1e-2 * max(1.0, a.float().abs().max().item()),
-                                       rtol=1e-2)
-        else:
-            assert torch.equal(a, b), i
-
-
-def test_grads_in_kernel_only_for_half_parameters():
-    import workbench.kernels.window as win
-
-    half, full = torch.ones(4, dtype=torch.bfloat16), torch.ones(4)
-    assert win._grads_in_kernel(half, half)
-    assert not win._grads_in_kernel(full, full)          # fp32 (autocast training): the sums are the grads
-    assert not win._grads_in_kernel(half, full)          # mixed: a cast each, as before
-    assert not win._grads_in_kernel(half, None)
-
-
 @pytest.mark.skipif(DEVICE != "cuda", reason="programmatic dependent launch is a GPU launch attribute")
 @pytest.mark.parametrize("op", ["norm", "add_norm", "merge_add_norm"])
-def test_pdl_launches_match_plain_launches(monkeypatch, op):
+@pytest.mark.parametrize("trigger", [1, 2])
+def test_pdl_launches_match_plain_launches(monkeypatch, op, trigger):
     """The window kernels launched with programmatic dependent launch give the plain launches' results
     (every kernel waits for the previous one before its first load): outputs and dx bit for bit, the
     parameters' gradients to a bf16 ulp (fp32 atomic sums in another order)."""
     import workbench.kernels._ops as ops
+    import workbench.kernels.window as wk
 
     if not ops.pdl_supported():
         pytest.skip("no programmatic dependent launch on this GPU / Triton")
@@ -496,6 +463,7 @@ def test_pdl_launches_match_plain_launches(monkeypatch, op):
     monkeypatch.setattr(ops, "PDL_OVERRIDE", False)
     ref = _ln_op_grads(op, shape, torch.bfloat16, 70)
     monkeypatch.setattr(ops, "PDL_OVERRIDE", True)
+    monkeypatch.setattr(wk, "PDL_TRIGGER", trigger)
     got = _ln_op_grads(op, shape, torch.bfloat16, 70)
     for i, (a, b) in enumerate(zip(ref, got)):
         if i >= len(ref) - 2:

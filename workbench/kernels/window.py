@@ -59,38 +59,22 @@ if not _INTERPRET:
 
 @triton.jit
 def _pdl_enter(PDL: tl.constexpr):
-    """Under programmatic dependent launch (the host's `pdl_launch()`), before any load or store: wait
-    until the previous kernel in the stream has finished and its writes are visible, then let the next
-    kernel's programs start launching (they wait the same way). The kernel's launch and the scheduling
-    of its programs then overlap the previous kernel's tail instead of following it."""
-    if PDL:
+    """Under programmatic dependent launch (PDL > 0, the host's `pdl_launch()`), before any load or store:
+    wait until the previous kernel in the stream has finished and its writes are visible. With PDL == 1,
+    then let the next kernel's programs start launching at once (they wait the same way); with PDL == 2
+    that happens at `_pdl_exit`, after this program's last store is issued. Either way the next kernel's
+    launch and the scheduling of its programs overlap this one's tail instead of following it."""
+    if PDL > 0:
         tl.extra.cuda.gdc_wait()
+    if PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
-def _gpu_fence(FENCE: tl.constexpr):
-    """fence.acq_rel.gpu by every thread (compiled kernels; the interpreter runs programs one at a time)."""
-    if FENCE:
-        tl.inline_asm_elementwise("fence.acq_rel.gpu; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+def _pdl_exit(PDL: tl.constexpr):
+    if PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
 
-
-@triton.jit
-def _finish_norm_grads(sums_ptr, count_ptr, grads_ptr, n_programs, c, c_mask, C, SOFT_RTNE: tl.constexpr,
-                       FENCE: tl.constexpr):
-    """After a program's atomic adds into the (2C,) fp32 column sums: the last program to arrive writes
-    them in the parameters' dtype to grads_ptr (dweight then dbias), so that no cast launch follows.
-    count_ptr: an int32 zeroed with the sums (the forward zeroes both). The pattern of CUDA's
-    threadFenceReduction: every thread fences its adds, the program syncs, one thread counts it in."""
-    _gpu_fence(FENCE)
-    tl.debug_barrier()
-    arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel")
-    if arrived == n_programs - 1:
-        _gpu_fence(FENCE)
-        dw = tl.load(sums_ptr + c, mask=c_mask, other=0.0, cache_modifier=".cg")
-        db = tl.load(sums_ptr + C + c, mask=c_mask, other=0.0, cache_modifier=".cg")
-        tl.store(grads_ptr + c, to_dtype(dw, grads_ptr.dtype.element_ty, SOFT_RTNE), mask=c_mask)
-        tl.store(grads_ptr + C + c, to_dtype(db, grads_ptr.dtype.element_ty, SOFT_RTNE), mask=c_mask)
 
 @triton.jit
 def _norm_rows(x, w_ptr, b_ptr, c, c_mask, C, eps):
@@ -112,7 +96,7 @@ def _partition_fwd_kernel(
     H: tl.constexpr, W: tl.constexpr, n_win_h: tl.constexpr, n_win_w: tl.constexpr,
     shift_h: tl.constexpr, shift_w: tl.constexpr, WS: tl.constexpr, NORM: tl.constexpr, SOFT_RTNE: tl.constexpr,
     ZERO_SUMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """Writes window tokens [pid0*BLOCK_T, +BLOCK_T) x channels [pid1*BLOCK_C, +BLOCK_C).
 
@@ -167,6 +151,7 @@ def _partition_fwd_kernel(
         tl.store(out_ptr + out_off, to_dtype(y, out_ptr.dtype.element_ty, SOFT_RTNE), mask=st_mask)
     else:
         tl.store(out_ptr + out_off, to_dtype(x, out_ptr.dtype.element_ty, SOFT_RTNE), mask=st_mask)
+    _pdl_exit(PDL)
 
 
 @triton.jit
@@ -194,7 +179,7 @@ def _merge_fwd_kernel(
     n_tokens, C,
     H: tl.constexpr, W: tl.constexpr, n_win_h: tl.constexpr, n_win_w: tl.constexpr,
     shift_h: tl.constexpr, shift_w: tl.constexpr, WS: tl.constexpr, ADD: tl.constexpr, SOFT_RTNE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """out[s] = windows[row(s)] (+ shortcut[s]) for image tokens s in this program's block."""
     _pdl_enter(PDL)
@@ -213,6 +198,7 @@ def _merge_fwd_kernel(
         sc = tl.load(shortcut_ptr + out_off, mask=mask, other=0.0)
         y = sc.to(tl.float32) + y.to(tl.float32)
     tl.store(out_ptr + out_off, to_dtype(y, out_ptr.dtype.element_ty, SOFT_RTNE), mask=mask)
+    _pdl_exit(PDL)
 
 
 @triton.jit
@@ -222,7 +208,7 @@ def _merge_norm_fwd_kernel(
     H: tl.constexpr, W: tl.constexpr, n_win_h: tl.constexpr, n_win_w: tl.constexpr,
     shift_h: tl.constexpr, shift_w: tl.constexpr, WS: tl.constexpr, ZERO_SUMS: tl.constexpr,
     SOFT_RTNE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """s = shortcut + windows merged back (window_reverse, crop, roll(+shift)), rounded to s_ptr's dtype
     as torch's add rounds it, then y = LayerNorm(s), for the image tokens of this program's block (whole
@@ -246,6 +232,7 @@ def _merge_norm_fwd_kernel(
     tl.store(y_ptr + off, to_dtype(y, y_ptr.dtype.element_ty, SOFT_RTNE), mask=mask)
     tl.store(mean_ptr + s, mean, mask=s_mask)
     tl.store(rstd_ptr + s, rstd, mask=s_mask)
+    _pdl_exit(PDL)
 
 
 @triton.jit
@@ -262,12 +249,12 @@ def _norm_bwd_tile(g, x, w, mean, rstd, mask, C):
 
 @triton.jit
 def _norm_partition_bwd_kernel(
-    dwin_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, ds_ptr, dx_ptr, dwo_ptr, sums_ptr, grads_ptr,
-    n_tokens, tiles_per_prog, C, n_programs,
+    dwin_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, ds_ptr, dx_ptr, dwo_ptr, sums_ptr,
+    n_tokens, tiles_per_prog, C,
     H: tl.constexpr, W: tl.constexpr, n_win_h: tl.constexpr, n_win_w: tl.constexpr,
     shift_h: tl.constexpr, shift_w: tl.constexpr, WS: tl.constexpr, SOFT_RTNE: tl.constexpr, ATOMIC: tl.constexpr,
     HAS_DS: tl.constexpr, MERGE: tl.constexpr, STAGES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    PDL: tl.constexpr = False, FINISH: tl.constexpr = False, FENCE: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """LayerNorm backward with the gradient gathered from window order (d of the partition), plus, with
     HAS_DS, a gradient ds of x from elsewhere (the block's residual path) added into dx in the same pass.
@@ -281,9 +268,7 @@ def _norm_partition_bwd_kernel(
     dweight/dbias partials are accumulated per (row-in-tile, channel) in registers across the band
     and reduced across rows once at the end (a cross-warp reduction per tile would cost two
     shared-memory round trips per iteration) and go to columns [0, C) / [C, 2C) of sums_ptr
-    (layer_norm.emit_column_sum). With FINISH (atomic sums only), the last of the n_programs programs also
-    writes them in grads_ptr's dtype (_finish_norm_grads; an int32 counter at sums_ptr[2C], zeroed with
-    the sums). The sweep found Triton's pipelining (STAGES = 3) as fast as a
+    (layer_norm.emit_column_sum). The sweep found Triton's pipelining (STAGES = 3) as fast as a
     hand-written one-tile prefetch at every stage (within 0.5 µs at stages 2-4, 5% faster at stage 1).
     """
     _pdl_enter(PDL)
@@ -321,9 +306,7 @@ def _norm_partition_bwd_kernel(
         db_acc += db_t
     emit_column_sum(sums_ptr, pid, 2 * C, c, tl.sum(dw_acc, axis=0), c_mask, ATOMIC)
     emit_column_sum(sums_ptr, pid, 2 * C, C + c, tl.sum(db_acc, axis=0), c_mask, ATOMIC)
-    if FINISH:
-        count_ptr = (sums_ptr + 2 * C).to(tl.pointer_type(tl.int32), bitcast=True)
-        _finish_norm_grads(sums_ptr, count_ptr, grads_ptr, n_programs, c, c_mask, C, SOFT_RTNE, FENCE)
+    _pdl_exit(PDL)
 
 
 # ------------------------------------------------------------------------------ host functions
@@ -348,6 +331,17 @@ _NORM_SMALL_ROWS = 4
 _NORM_BWD_MIN_TOKENS = 16
 _NORM_BWD_PER_SM = 3
 _NORM_BWD_STAGES = 3
+# Experiment knob (benchmarks/diag_window_launch.py): 0, the rule above; k > 0, exactly k programs per SM's
+# worth of tiles spread evenly (every SM the same number of tiles).
+NORM_BWD_BALANCED = 0
+# When the next kernel may start launching under PDL: 1, at once (each kernel's first instructions); 2, after
+# each program's last store (_pdl_exit).
+PDL_TRIGGER = 1
+
+
+def _pdl_mode(pdl: bool) -> int:
+    """The kernels' PDL constexpr: 0 (plain launch) or PDL_TRIGGER."""
+    return PDL_TRIGGER if pdl else 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -420,7 +414,7 @@ def roll_partition_fwd(x: torch.Tensor, window_size: int, shift: int, *, out_dty
     launch(_partition_fwd_kernel)[grid](
         x, out, x, x, x, x, out, x, x, n_out, C, 0.0, 0,
         H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, NORM=False, SOFT_RTNE=_SOFT_RTNE,
-        ZERO_SUMS=False, HAS_RESIDUAL=False, BLOCK_T=block_t, BLOCK_C=block_c, PDL=pdl, num_warps=num_warps,
+        ZERO_SUMS=False, HAS_RESIDUAL=False, BLOCK_T=block_t, BLOCK_C=block_c, PDL=_pdl_mode(pdl), num_warps=num_warps,
         **launch_options(pdl=pdl),
     )
     return out
@@ -455,7 +449,7 @@ def merge_roll_fwd(
     launch(_merge_fwd_kernel)[grid](
         windows, shortcut if shortcut is not None else windows, out,
         n_tok, C,
-        H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, ADD=shortcut is not None, SOFT_RTNE=_SOFT_RTNE, BLOCK_T=block_t, BLOCK_C=block_c, PDL=pdl,
+        H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, ADD=shortcut is not None, SOFT_RTNE=_SOFT_RTNE, BLOCK_T=block_t, BLOCK_C=block_c, PDL=_pdl_mode(pdl),
         num_warps=num_warps, **launch_options(pdl=pdl),
     )
     return out
@@ -506,7 +500,7 @@ def _norm_partition(x, residual, weight, bias, eps, window_size, shift, out_dtyp
             n_out, C, float(eps), zero_sums.numel() if zero_sums is not None else 0,
             H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, NORM=True, SOFT_RTNE=_SOFT_RTNE,
             ZERO_SUMS=zero_sums is not None, HAS_RESIDUAL=residual is not None, BLOCK_T=block_t, BLOCK_C=block_c,
-            PDL=pdl, num_warps=num_warps, **launch_options(pdl=pdl),
+            PDL=_pdl_mode(pdl), num_warps=num_warps, **launch_options(pdl=pdl),
         )
     elif zero_sums is not None:
         zero_sums.zero_()
@@ -529,6 +523,8 @@ def _norm_bwd_config(n_tok: int, C: int, elt: int, device: torch.device) -> tupl
     block_t, block_c, num_warps = _norm_blocks(C)
     n_tiles = cdiv(n_tok, block_t)
     programs = max(1, min(_NORM_BWD_PER_SM * sm_count(device), n_tiles, cdiv(n_tok, _NORM_BWD_MIN_TOKENS)))
+    if NORM_BWD_BALANCED:
+        programs = max(1, min(n_tiles, NORM_BWD_BALANCED * sm_count(device)))
     tiles_per_prog = cdiv(n_tiles, programs)
     programs = cdiv(n_tiles, tiles_per_prog)
     # The register cap only has to fit the programs each SM actually gets: a grid of fewer than
@@ -554,41 +550,15 @@ def norm_shift_partition_bwd(
     return dx, sums
 
 
-# Where the LayerNorm's parameters are not fp32 (a bf16 or fp16 model), the backward's last program writes
-# dweight/dbias in their dtype itself (_finish_norm_grads) instead of a cast launch after the kernel.
-# Switched off only to compare (benchmarks).
-GRADS_IN_KERNEL = True
-
-
-def _grads_in_kernel(weight, bias) -> bool:
-    return (GRADS_IN_KERNEL and weight is not None and bias is not None and weight.dtype == bias.dtype
-            and weight.dtype != torch.float32)
-
-
-def _eager_sums(C: int, device, ctx, weight, bias):
-    """eager_column_sums for a window norm's backward: the (2C,) fp32 sums, plus an int32 counter slot
-    where the backward writes the parameters' gradients itself (_grads_in_kernel)."""
-    return eager_column_sums(2 * C + (1 if _grads_in_kernel(weight, bias) else 0), device, ctx, weight, bias)
-
-
 def _norm_bwd(g, x, weight, mean, rstd, window_size, shift, ds, dx, dwo, sums_into):
     """The LayerNorm backward over x (B, H, W, C) of the window kernels: g is the gradient of the norm's
     output in window order, or with dwo (merge_add_norm_bwd) in token order, and dx then also goes to
-    dwo's window rows. x, dx (B, H, W, C) contiguous. -> (dx, dwo, grads): grads are the (2C,) fp32 column
-    sums (dweight then dbias) or, where sums_into has the counter slot of _eager_sums, the same already in
-    weight's dtype."""
+    dwo's window rows. x, dx (B, H, W, C) contiguous. -> (dx, dwo, (2C,) fp32 column sums)."""
     B, H, W, C = x.shape
     Hp, Wp, nwh, nww, sh, sw = _geometry(H, W, window_size, shift)
     n_tok = B * H * W
     block_t, block_c, num_warps, nprog, tiles_per_prog, maxnreg, stages = _norm_bwd_config(n_tok, C, x.element_size(), x.device)
-    finish = (sums_into is not None and sums_into.numel() == 2 * C + 1
-              and not torch.are_deterministic_algorithms_enabled())
-    if finish:
-        sums, atomic = sums_into, True
-        grads = torch.empty(2 * C, dtype=weight.dtype, device=x.device)
-    else:
-        sums, atomic = column_sums(nprog, 2 * C, x.device, sums_into)
-        grads = None
+    sums, atomic = column_sums(nprog, 2 * C, x.device, sums_into)
     if ds is not None:
         ds = _contig(ds)
         if tuple(ds.shape) != (B, H, W, C):
@@ -596,13 +566,13 @@ def _norm_bwd(g, x, weight, mean, rstd, window_size, shift, ds, dx, dwo, sums_in
     pdl = pdl_launch()
     launch(_norm_partition_bwd_kernel)[(nprog,)](
         g, x, _contig(weight), mean, rstd, ds if ds is not None else x, dx, dwo if dwo is not None else dx, sums,
-        grads if finish else dx, n_tok, tiles_per_prog, C, nprog,
+        n_tok, tiles_per_prog, C,
         H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=int(window_size), SOFT_RTNE=_SOFT_RTNE,
         ATOMIC=atomic, HAS_DS=ds is not None, MERGE=dwo is not None, STAGES=stages, BLOCK_T=block_t,
-        BLOCK_C=block_c, PDL=pdl, FINISH=finish, FENCE=not _INTERPRET, num_warps=num_warps,
+        BLOCK_C=block_c, PDL=_pdl_mode(pdl), num_warps=num_warps,
         **launch_options(maxnreg, pdl),
     )
-    return dx, dwo, grads if finish else finish_column_sums(sums, atomic)
+    return dx, dwo, finish_column_sums(sums, atomic)
 
 
 def merge_add_norm_fwd(
@@ -636,7 +606,7 @@ def merge_add_norm_fwd(
             zero_sums if zero_sums is not None else mean, n_tok, C, float(eps),
             zero_sums.numel() if zero_sums is not None else 0,
             H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, ZERO_SUMS=zero_sums is not None,
-            SOFT_RTNE=_SOFT_RTNE, BLOCK_T=block_t, BLOCK_C=block_c, PDL=pdl, num_warps=num_warps,
+            SOFT_RTNE=_SOFT_RTNE, BLOCK_T=block_t, BLOCK_C=block_c, PDL=_pdl_mode(pdl), num_warps=num_warps,
             **launch_options(pdl=pdl),
         )
     elif zero_sums is not None:
@@ -767,7 +737,7 @@ class MergeRollFunction(torch.autograd.Function):
 class NormShiftPartitionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, window_size, shift, out_dtype):
-        ctx.sums = _eager_sums(x.shape[-1], x.device, ctx, weight, bias)
+        ctx.sums = eager_column_sums(2 * x.shape[-1], x.device, ctx, weight, bias)
         out_dtype = out_dtype or x.dtype
         if ctx.sums is None:
             windows, mean, rstd = _norm_shift_partition_fwd_op(x, weight, bias, float(eps), int(window_size), int(shift),
@@ -798,7 +768,7 @@ class AddNormShiftPartitionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, residual, weight, bias, eps, window_size, shift, out_dtype):
-        ctx.sums = _eager_sums(x.shape[-1], x.device, ctx, weight, bias)
+        ctx.sums = eager_column_sums(2 * x.shape[-1], x.device, ctx, weight, bias)
         s, windows, mean, rstd = add_norm_shift_partition_fwd(x, residual, weight, bias, float(eps), int(window_size),
                                                               int(shift), out_dtype=out_dtype, zero_sums=ctx.sums)
         ctx.save_for_backward(s, weight, bias, mean, rstd)
@@ -826,7 +796,7 @@ class MergeAddNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, windows, shortcut, weight, bias, eps, window_size, shift, y_dtype, y_rows):
-        ctx.sums = _eager_sums(shortcut.shape[-1], shortcut.device, ctx, weight, bias)
+        ctx.sums = eager_column_sums(2 * shortcut.shape[-1], shortcut.device, ctx, weight, bias)
         s, y, mean, rstd = merge_add_norm_fwd(windows, shortcut, weight, bias, float(eps), int(window_size), int(shift),
                                               y_dtype=y_dtype, zero_sums=ctx.sums)
         ctx.save_for_backward(s, weight, bias, mean, rstd)
