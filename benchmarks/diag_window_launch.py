@@ -1,6 +1,8 @@
 """The window ops' fused fwd+bwd with and without programmatic dependent launch (PDL, the next kernel
-released at once or after each program's last store) and, for the LayerNorm ops, with the norm backward's
-tiles spread evenly over exactly 1 or 2 programs per SM (window.NORM_BWD_BALANCED) instead of the shipped rule.
+released at once or after each program's last store) and, for the LayerNorm ops, with bf16 parameters' grads
+cast by a Triton kernel in the PDL chain (window.PDL_CAST) and with the norm backward's tiles spread evenly
+over exactly 2 programs per SM (window.NORM_BWD_BALANCED) instead of the shipped rule. The op
+norm_shift_partition@f32p is norm_shift_partition with bf16 activations and fp32 parameters (no cast at all).
 
 Each variant is timed as bench_window times the fused ops (autograd forward + backward, CUDA-graph replay of
 back-to-back calls over input sets larger than the L2) in one process, variants alternating per op and stage,
@@ -30,28 +32,27 @@ from workbench.env import environment_stamp  # noqa: E402
 ops_mod = importlib.import_module("workbench.kernels._ops")
 win = importlib.import_module("workbench.kernels.window")
 
-VARIANTS = {  # name: (PDL, PDL_TRIGGER, NORM_BWD_BALANCED)
-    "plain": (False, 1, 0),
-    "pdl1": (True, 1, 0),
-    "pdl2": (True, 2, 0),
-    "bal1": (False, 1, 1),
-    "bal2": (False, 1, 2),
-    "bal1+pdl2": (True, 2, 1),
-    "bal2+pdl2": (True, 2, 2),
+VARIANTS = {  # name: (PDL, PDL_TRIGGER, NORM_BWD_BALANCED, PDL_CAST)
+    "plain": (False, 1, 0, False),
+    "pdl1": (True, 1, 0, False),
+    "pdl2": (True, 2, 0, False),
+    "pdl2+cast": (True, 2, 0, True),
+    "bal2+pdl2+cast": (True, 2, 2, True),
 }
 
 
 def set_variant(name: str) -> None:
-    pdl, trigger, balanced = VARIANTS[name]
+    pdl, trigger, balanced, cast = VARIANTS[name]
     ops_mod.PDL_OVERRIDE = pdl
     win.PDL_TRIGGER = trigger
+    win.PDL_CAST = cast
     if win.NORM_BWD_BALANCED != balanced:
         win.NORM_BWD_BALANCED = balanced
         win._norm_bwd_config.cache_clear()
 
 
 def variants_for(op: str) -> list[str]:
-    # the backward's grid only matters to the LayerNorm ops
+    # the backward's grid and the grads' cast only matter to the LayerNorm ops
     return list(VARIANTS) if op in LN_OPS else ["plain", "pdl1", "pdl2"]
 
 
@@ -89,7 +90,7 @@ def compare(op, ref, got) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ops", default=",".join(OPS))
+    ap.add_argument("--ops", default=",".join(OPS + ("norm_shift_partition@f32p",)))
     ap.add_argument("--stages", default="s1,s2,s3,s4")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of all variants; median kept")
@@ -104,11 +105,15 @@ def main() -> int:
     stages = [s for s in SWIN_B_STAGES if s[0] in args.stages.split(",")]
     copy = copy_bandwidth("cuda", args.replays)
     records, bad = [], 0
-    for op in args.ops.split(","):
+    for label in args.ops.split(","):
+        op, _, params = label.partition("@")
         for stage, B, H, W, C in stages:
             elt = 2
             nbytes = bytes_moved(op, B, H, W, C, elt)
             sets = [make_inputs(B, H, W, C, torch.bfloat16, "cuda", seed=k) for k in range(n_input_sets(nbytes))]
+            if params == "f32p":
+                for t in sets:
+                    t["w"], t["b"] = t["w32"], t["b32"]
             for t in sets:
                 for p in leaves(op, t):
                     p.requires_grad_(True)
@@ -125,7 +130,7 @@ def main() -> int:
                 for name in names:
                     set_variant(name)
                     times[name].append(graph_us(fns, args.replays)[0])
-            rec = {"op": op, "stage": stage, "B": B, "H": H, "W": W, "C": C, "bytes": nbytes}
+            rec = {"op": label, "stage": stage, "B": B, "H": H, "W": W, "C": C, "bytes": nbytes}
             for name in names:
                 us = sorted(times[name])[len(times[name]) // 2]
                 ok = errs[name] <= (1e-2 if op in LN_OPS else 0.0)
@@ -133,7 +138,7 @@ def main() -> int:
                 rec[name] = {"us": us, "us_rounds": times[name], "pct_copy": 100 * nbytes / (us * 1e-6) / 1e9 / copy["gbps"],
                              "max_rel_err": errs[name], "ok": ok}
             records.append(rec)
-            print(f"{op:<26} {stage} C={C:<5} " + "  ".join(
+            print(f"{label:<26} {stage} C={C:<5} " + "  ".join(
                 f"{n} {rec[n]['us']:6.2f} us {rec[n]['pct_copy']:3.0f}%{'' if rec[n]['ok'] else ' MISMATCH'}" for n in names),
                 flush=True)
             del sets, fns

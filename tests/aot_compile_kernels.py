@@ -140,6 +140,7 @@ def _record_launches(quick: bool) -> None:
                                                               zero_sums=torch.empty(2 * C))
                     win.merge_add_norm_bwd(r(B, H, W, C), s, w, mean, rstd, 7, shift, x, torch.bfloat16, dt,
                                            sums_into=torch.empty(2 * C))
+                    win._norm_grads(torch.empty(2 * C), w.to(torch.bfloat16), b.to(torch.bfloat16))
             finally:
                 ops.PDL_OVERRIDE, ops._PDL_SUPPORTED, win.PDL_TRIGGER = None, None, trigger
     for dt in ((torch.bfloat16,) if quick else (torch.bfloat16, torch.float32)):

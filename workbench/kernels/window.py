@@ -309,6 +309,18 @@ def _norm_partition_bwd_kernel(
     _pdl_exit(PDL)
 
 
+@triton.jit
+def _cast_kernel(src_ptr, dst_ptr, n, SOFT_RTNE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+    """dst[i] = src[i] in dst's dtype (rounded to nearest even): the fp32 column sums of a half-precision
+    model's LayerNorm, cast to its parameters' dtype inside the chain of PDL launches."""
+    _pdl_enter(PDL)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    v = tl.load(src_ptr + offs, mask=mask, other=0.0)
+    tl.store(dst_ptr + offs, to_dtype(v, dst_ptr.dtype.element_ty, SOFT_RTNE), mask=mask)
+    _pdl_exit(PDL)
+
+
 # ------------------------------------------------------------------------------ host functions
 
 
@@ -550,6 +562,26 @@ def norm_shift_partition_bwd(
     return dx, sums
 
 
+# Experiment knob (benchmarks/diag_window_launch.py): half parameters' gradients cast by _cast_kernel in the
+# PDL chain (True) or by torch's cast, a plain launch after the backward (False).
+PDL_CAST = True
+_CAST_BLOCK = 1024
+
+
+def _norm_grads(sums: torch.Tensor, weight, bias) -> tuple:
+    """(dweight, dbias) from the (2C,) fp32 column sums, as layer_norm.split_norm_grads gives them; where the
+    kernels launch with PDL and both parameters are bf16 or fp16, the one cast is _cast_kernel, launched
+    with PDL too, so that the next kernel's launch still overlaps (torch's cast would break the chain)."""
+    if (PDL_CAST and weight is not None and bias is not None and weight.dtype == bias.dtype
+            and weight.dtype in (torch.bfloat16, torch.float16) and pdl_launch()):
+        n = sums.numel()
+        out = torch.empty(n, dtype=weight.dtype, device=sums.device)
+        launch(_cast_kernel)[(cdiv(n, _CAST_BLOCK),)](sums, out, n, SOFT_RTNE=_SOFT_RTNE, BLOCK=_CAST_BLOCK,
+                                                     PDL=_pdl_mode(True), num_warps=4, **launch_options(pdl=True))
+        return out[: n // 2], out[n // 2:]
+    return split_norm_grads(sums, weight, bias)
+
+
 def _norm_bwd(g, x, weight, mean, rstd, window_size, shift, ds, dx, dwo, sums_into):
     """The LayerNorm backward over x (B, H, W, C) of the window kernels: g is the gradient of the norm's
     output in window order, or with dwo (merge_add_norm_bwd) in token order, and dx then also goes to
@@ -758,7 +790,7 @@ class NormShiftPartitionFunction(torch.autograd.Function):
             dx, sums = _norm_shift_partition_bwd_op(dwindows, x, weight, mean, rstd, ws, shift)
         else:
             dx, sums = norm_shift_partition_bwd(dwindows, x, weight, mean, rstd, ws, shift, sums_into=into)
-        dw, db = split_norm_grads(sums, weight, bias)
+        dw, db = _norm_grads(sums, weight, bias)
         return dx, dw, db, None, None, None, None
 
 
@@ -785,7 +817,7 @@ class AddNormShiftPartitionFunction(torch.autograd.Function):
             dwindows = torch.zeros(_windows_shape(*s.shape, ws, shift), dtype=s.dtype, device=s.device)
         # the gradient arriving at s (the residual stream) joins the LayerNorm's dx in the same kernel
         dx, sums = norm_shift_partition_bwd(dwindows, s, weight, mean, rstd, ws, shift, sums_into=into, ds=ds)
-        dw, db = split_norm_grads(sums, weight, bias)
+        dw, db = _norm_grads(sums, weight, bias)
         x_dtype, r_dtype = ctx.dtypes
         return dx.to(x_dtype), dx.to(r_dtype), dw, db, None, None, None, None
 
@@ -812,7 +844,7 @@ class MergeAddNormFunction(torch.autograd.Function):
         win_dtype, sc_dtype = ctx.dtypes
         dsc, dwin, sums = merge_add_norm_bwd(dy, s, weight, mean, rstd, ws, shift, ds, win_dtype, sc_dtype,
                                              sums_into=into)
-        dw, db = split_norm_grads(sums, weight, bias)
+        dw, db = _norm_grads(sums, weight, bias)
         return dwin.view(ctx.windows_shape), dsc, dw, db, None, None, None, None, None
 
 
