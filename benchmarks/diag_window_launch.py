@@ -1,14 +1,19 @@
-"""The window ops' fused fwd+bwd with and without programmatic dependent launch (PDL, the next kernel
-released at once or after each program's last store) and, for the LayerNorm ops, with bf16 parameters' grads
-cast by a Triton kernel in the PDL chain (window.PDL_CAST) and with the norm backward's tiles spread evenly
-over exactly 2 programs per SM (window.NORM_BWD_BALANCED) instead of the shipped rule. The op
-norm_shift_partition@f32p is norm_shift_partition with bf16 activations and fp32 parameters (no cast at all).
+"""The window ops' fused fwd+bwd launched plainly or with programmatic dependent launch (PDL), and for the
+LayerNorm ops with bf16 parameters, with their grads cast by torch (a plain launch that ends the PDL chain)
+or by the Triton cast kernel in the chain (window.PDL_CAST). The op norm_shift_partition@f32p is
+norm_shift_partition with bf16 activations and fp32 parameters: no cast at all.
 
 Each variant is timed as bench_window times the fused ops (autograd forward + backward, CUDA-graph replay of
 back-to-back calls over input sets larger than the L2) in one process, variants alternating per op and stage,
-and given as % of the copy bar. Before timing, every variant's outputs and gradients from a replayed graph
-are compared with the plain variant's eager call: data movement and dx bit-exact where the op's are, the
-LayerNorm parameters' gradients to 1e-2 of their largest value (bf16 rounding of fp32 sums added in another order).
+and given as % of the copy rate. Before timing, every variant's outputs and gradients, from a plain call
+and from a replayed graph, are compared with the plain variant's: data movement and dx bit-exact, the
+LayerNorm parameters' gradients to 1e-2 of their largest value (fp32 atomic sums in another order).
+
+Earlier knobs measured with this script on the H200 (2026-12-01, benchmarks/results/
+diag_window_launch_{gik,knobs,cast}_h200.json, each with a note on its variants) and since removed: the next kernel released at the top of each kernel instead of after its
+last store (6% slower data movement at stage 3), the norm backward's tiles spread evenly over 1 or 2
+programs per SM (no better at any stage, 1 per SM up to 27% slower), and the backward's last program
+casting the parameters' grads itself (an atomic counter and a fence per program: 1.4 us slower at stage 4).
 
     python benchmarks/diag_window_launch.py [--ops a,b] [--stages s1,s2] [--out FILE]
 """
@@ -32,28 +37,20 @@ from workbench.env import environment_stamp  # noqa: E402
 ops_mod = importlib.import_module("workbench.kernels._ops")
 win = importlib.import_module("workbench.kernels.window")
 
-VARIANTS = {  # name: (PDL, PDL_TRIGGER, NORM_BWD_BALANCED, PDL_CAST)
-    "plain": (False, 1, 0, False),
-    "pdl1": (True, 1, 0, False),
-    "pdl2": (True, 2, 0, False),
-    "pdl2+cast": (True, 2, 0, True),
-    "bal2+pdl2+cast": (True, 2, 2, True),
+VARIANTS = {  # name: (PDL, PDL_CAST)
+    "plain": (False, False),
+    "pdl": (True, False),
+    "pdl+cast": (True, True),
 }
 
 
 def set_variant(name: str) -> None:
-    pdl, trigger, balanced, cast = VARIANTS[name]
-    ops_mod.PDL_OVERRIDE = pdl
-    win.PDL_TRIGGER = trigger
-    win.PDL_CAST = cast
-    if win.NORM_BWD_BALANCED != balanced:
-        win.NORM_BWD_BALANCED = balanced
-        win._norm_bwd_config.cache_clear()
+    ops_mod.PDL_OVERRIDE, win.PDL_CAST = VARIANTS[name]
 
 
 def variants_for(op: str) -> list[str]:
-    # the backward's grid and the grads' cast only matter to the LayerNorm ops
-    return list(VARIANTS) if op in LN_OPS else ["plain", "pdl1", "pdl2"]
+    # the grads' cast only matters to the LayerNorm ops
+    return list(VARIANTS) if op in LN_OPS else ["plain", "pdl"]
 
 
 def results_of(fn) -> list[torch.Tensor]:
@@ -143,8 +140,7 @@ def main() -> int:
                 flush=True)
             del sets, fns
             torch.cuda.empty_cache()
-    set_variant("plain")
-    ops_mod.PDL_OVERRIDE = None
+    ops_mod.PDL_OVERRIDE, win.PDL_CAST = None, True
     print(f"# copy_: {copy['gbps']:.0f} GB/s (bench_window's bar is max(copy_, the best op), so its % run a little lower); "
           f"{bad} mismatch(es)")
     if args.out:

@@ -127,22 +127,21 @@ def _record_launches(quick: bool) -> None:
                                                       zero_sums=torch.empty(2 * C))
             win.merge_add_norm_bwd(r(B, H, W, C), s, w, mean, rstd, 7, shift, x, torch.bfloat16, dt,
                                    sums_into=torch.empty(2 * C))
-            # programmatic dependent launch (where supported), the next kernel released early or late
-            ops.PDL_OVERRIDE, ops._PDL_SUPPORTED, trigger = True, True, win.PDL_TRIGGER
+            # programmatic dependent launch (on where supported)
+            ops.PDL_OVERRIDE, ops._PDL_SUPPORTED = True, True
             try:
-                for win.PDL_TRIGGER in (1, 2):
-                    win.roll_partition_fwd(x, 7, shift)
-                    win.merge_roll_fwd(windows, 7, shift, H, W, x)
-                    windows, mean, rstd = win.norm_shift_partition_fwd(x, w, b, 1e-5, 7, shift,
-                                                                      zero_sums=torch.empty(2 * C))
-                    win.norm_shift_partition_bwd(windows, x, w, mean, rstd, 7, shift, sums_into=torch.empty(2 * C))
-                    s, _, mean, rstd = win.merge_add_norm_fwd(windows, x, w, b, 1e-5, 7, shift,
-                                                              zero_sums=torch.empty(2 * C))
-                    win.merge_add_norm_bwd(r(B, H, W, C), s, w, mean, rstd, 7, shift, x, torch.bfloat16, dt,
-                                           sums_into=torch.empty(2 * C))
-                    win._norm_grads(torch.empty(2 * C), w.to(torch.bfloat16), b.to(torch.bfloat16))
+                win.roll_partition_fwd(x, 7, shift)
+                win.merge_roll_fwd(windows, 7, shift, H, W, x)
+                windows, mean, rstd = win.norm_shift_partition_fwd(x, w, b, 1e-5, 7, shift,
+                                                                  zero_sums=torch.empty(2 * C))
+                win.norm_shift_partition_bwd(windows, x, w, mean, rstd, 7, shift, sums_into=torch.empty(2 * C))
+                s, _, mean, rstd = win.merge_add_norm_fwd(windows, x, w, b, 1e-5, 7, shift,
+                                                          zero_sums=torch.empty(2 * C))
+                win.merge_add_norm_bwd(r(B, H, W, C), s, w, mean, rstd, 7, shift, x, torch.bfloat16, dt,
+                                       sums_into=torch.empty(2 * C))
+                win._norm_grads(torch.empty(2 * C), w.to(torch.bfloat16), b.to(torch.bfloat16))
             finally:
-                ops.PDL_OVERRIDE, ops._PDL_SUPPORTED, win.PDL_TRIGGER = None, None, trigger
+                ops.PDL_OVERRIDE, ops._PDL_SUPPORTED = None, None
     for dt in ((torch.bfloat16,) if quick else (torch.bfloat16, torch.float32)):
         attn_shapes = ((7, 4, 16, True), (7, 32, 1, False), (12, 4, 4, True))
         for (ws, heads, nw, masked) in (attn_shapes[:1] if quick else attn_shapes):

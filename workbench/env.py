@@ -73,6 +73,16 @@ def _triton_launcher() -> str | None:
     return launcher_name()
 
 
+def _pdl() -> bool | None:
+    """Whether the window kernels launch with programmatic dependent launch (workbench.kernels._ops.pdl_launch),
+    None without Triton."""
+    try:
+        from workbench.kernels._ops import pdl_launch
+    except ImportError:
+        return None
+    return pdl_launch()
+
+
 def environment_stamp(device: str | torch.device = "cuda") -> dict:
     """A flat dict: device kind, GPU name (or CPU model), driver, CUDA, torch, triton, timm, python, date (UTC ISO),
     the swinbench commit and source digest that measured it, how eager code launched the Triton kernels
@@ -95,6 +105,7 @@ def environment_stamp(device: str | torch.device = "cuda") -> dict:
         "swinbench": _git_revision(),
         "swinbench_source": source_digest(),
         "triton_launcher": _triton_launcher(),
+        "pdl": _pdl(),
         "swinbench_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SWINBENCH_")},
     }
     if on_gpu:

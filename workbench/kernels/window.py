@@ -59,20 +59,21 @@ if not _INTERPRET:
 
 @triton.jit
 def _pdl_enter(PDL: tl.constexpr):
-    """Under programmatic dependent launch (PDL > 0, the host's `pdl_launch()`), before any load or store:
-    wait until the previous kernel in the stream has finished and its writes are visible. With PDL == 1,
-    then let the next kernel's programs start launching at once (they wait the same way); with PDL == 2
-    that happens at `_pdl_exit`, after this program's last store is issued. Either way the next kernel's
-    launch and the scheduling of its programs overlap this one's tail instead of following it."""
-    if PDL > 0:
+    """Under programmatic dependent launch (the host's `pdl_launch()`), before any load or store: wait until
+    the previous kernel in the stream has finished and its writes are visible."""
+    if PDL:
         tl.extra.cuda.gdc_wait()
-    if PDL == 1:
-        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
 def _pdl_exit(PDL: tl.constexpr):
-    if PDL == 2:
+    """After the program's last store is issued: let the next kernel's programs start launching (they wait
+    in their own _pdl_enter). Its launch and the scheduling of its programs then overlap this kernel's
+    tail instead of following it. Released at once instead (in _pdl_enter), the next kernel's waiting
+    programs took SM slots from this one's: the H200 timed roll_partition and merge_roll at Swin-B stage 3
+    6% slower than plain launches that way, and 8% faster released here
+    (benchmarks/results/diag_window_launch_knobs_h200.json)."""
+    if PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
 
@@ -96,7 +97,7 @@ def _partition_fwd_kernel(
     H: tl.constexpr, W: tl.constexpr, n_win_h: tl.constexpr, n_win_w: tl.constexpr,
     shift_h: tl.constexpr, shift_w: tl.constexpr, WS: tl.constexpr, NORM: tl.constexpr, SOFT_RTNE: tl.constexpr,
     ZERO_SUMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    PDL: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     """Writes window tokens [pid0*BLOCK_T, +BLOCK_T) x channels [pid1*BLOCK_C, +BLOCK_C).
 
@@ -179,7 +180,7 @@ def _merge_fwd_kernel(
     n_tokens, C,
     H: tl.constexpr, W: tl.constexpr, n_win_h: tl.constexpr, n_win_w: tl.constexpr,
     shift_h: tl.constexpr, shift_w: tl.constexpr, WS: tl.constexpr, ADD: tl.constexpr, SOFT_RTNE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    PDL: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     """out[s] = windows[row(s)] (+ shortcut[s]) for image tokens s in this program's block."""
     _pdl_enter(PDL)
@@ -208,7 +209,7 @@ def _merge_norm_fwd_kernel(
     H: tl.constexpr, W: tl.constexpr, n_win_h: tl.constexpr, n_win_w: tl.constexpr,
     shift_h: tl.constexpr, shift_w: tl.constexpr, WS: tl.constexpr, ZERO_SUMS: tl.constexpr,
     SOFT_RTNE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    PDL: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     """s = shortcut + windows merged back (window_reverse, crop, roll(+shift)), rounded to s_ptr's dtype
     as torch's add rounds it, then y = LayerNorm(s), for the image tokens of this program's block (whole
@@ -254,7 +255,7 @@ def _norm_partition_bwd_kernel(
     H: tl.constexpr, W: tl.constexpr, n_win_h: tl.constexpr, n_win_w: tl.constexpr,
     shift_h: tl.constexpr, shift_w: tl.constexpr, WS: tl.constexpr, SOFT_RTNE: tl.constexpr, ATOMIC: tl.constexpr,
     HAS_DS: tl.constexpr, MERGE: tl.constexpr, STAGES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    PDL: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     """LayerNorm backward with the gradient gathered from window order (d of the partition), plus, with
     HAS_DS, a gradient ds of x from elsewhere (the block's residual path) added into dx in the same pass.
@@ -310,7 +311,7 @@ def _norm_partition_bwd_kernel(
 
 
 @triton.jit
-def _cast_kernel(src_ptr, dst_ptr, n, SOFT_RTNE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+def _cast_kernel(src_ptr, dst_ptr, n, SOFT_RTNE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """dst[i] = src[i] in dst's dtype (rounded to nearest even): the fp32 column sums of a half-precision
     model's LayerNorm, cast to its parameters' dtype inside the chain of PDL launches."""
     _pdl_enter(PDL)
@@ -343,18 +344,6 @@ _NORM_SMALL_ROWS = 4
 _NORM_BWD_MIN_TOKENS = 16
 _NORM_BWD_PER_SM = 3
 _NORM_BWD_STAGES = 3
-# Experiment knob (benchmarks/diag_window_launch.py): 0, the rule above; k > 0, exactly k programs per SM's
-# worth of tiles spread evenly (every SM the same number of tiles).
-NORM_BWD_BALANCED = 0
-# When the next kernel may start launching under PDL: 1, at once (each kernel's first instructions); 2, after
-# each program's last store (_pdl_exit).
-PDL_TRIGGER = 1
-
-
-def _pdl_mode(pdl: bool) -> int:
-    """The kernels' PDL constexpr: 0 (plain launch) or PDL_TRIGGER."""
-    return PDL_TRIGGER if pdl else 0
-
 
 @functools.lru_cache(maxsize=None)
 def _copy_blocks(C: int) -> tuple[int, int, int]:
@@ -426,7 +415,7 @@ def roll_partition_fwd(x: torch.Tensor, window_size: int, shift: int, *, out_dty
     launch(_partition_fwd_kernel)[grid](
         x, out, x, x, x, x, out, x, x, n_out, C, 0.0, 0,
         H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, NORM=False, SOFT_RTNE=_SOFT_RTNE,
-        ZERO_SUMS=False, HAS_RESIDUAL=False, BLOCK_T=block_t, BLOCK_C=block_c, PDL=_pdl_mode(pdl), num_warps=num_warps,
+        ZERO_SUMS=False, HAS_RESIDUAL=False, BLOCK_T=block_t, BLOCK_C=block_c, PDL=pdl, num_warps=num_warps,
         **launch_options(pdl=pdl),
     )
     return out
@@ -461,7 +450,7 @@ def merge_roll_fwd(
     launch(_merge_fwd_kernel)[grid](
         windows, shortcut if shortcut is not None else windows, out,
         n_tok, C,
-        H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, ADD=shortcut is not None, SOFT_RTNE=_SOFT_RTNE, BLOCK_T=block_t, BLOCK_C=block_c, PDL=_pdl_mode(pdl),
+        H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, ADD=shortcut is not None, SOFT_RTNE=_SOFT_RTNE, BLOCK_T=block_t, BLOCK_C=block_c, PDL=pdl,
         num_warps=num_warps, **launch_options(pdl=pdl),
     )
     return out
@@ -512,7 +501,7 @@ def _norm_partition(x, residual, weight, bias, eps, window_size, shift, out_dtyp
             n_out, C, float(eps), zero_sums.numel() if zero_sums is not None else 0,
             H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, NORM=True, SOFT_RTNE=_SOFT_RTNE,
             ZERO_SUMS=zero_sums is not None, HAS_RESIDUAL=residual is not None, BLOCK_T=block_t, BLOCK_C=block_c,
-            PDL=_pdl_mode(pdl), num_warps=num_warps, **launch_options(pdl=pdl),
+            PDL=pdl, num_warps=num_warps, **launch_options(pdl=pdl),
         )
     elif zero_sums is not None:
         zero_sums.zero_()
@@ -535,8 +524,6 @@ def _norm_bwd_config(n_tok: int, C: int, elt: int, device: torch.device) -> tupl
     block_t, block_c, num_warps = _norm_blocks(C)
     n_tiles = cdiv(n_tok, block_t)
     programs = max(1, min(_NORM_BWD_PER_SM * sm_count(device), n_tiles, cdiv(n_tok, _NORM_BWD_MIN_TOKENS)))
-    if NORM_BWD_BALANCED:
-        programs = max(1, min(n_tiles, NORM_BWD_BALANCED * sm_count(device)))
     tiles_per_prog = cdiv(n_tiles, programs)
     programs = cdiv(n_tiles, tiles_per_prog)
     # The register cap only has to fit the programs each SM actually gets: a grid of fewer than
@@ -577,7 +564,7 @@ def _norm_grads(sums: torch.Tensor, weight, bias) -> tuple:
         n = sums.numel()
         out = torch.empty(n, dtype=weight.dtype, device=sums.device)
         launch(_cast_kernel)[(cdiv(n, _CAST_BLOCK),)](sums, out, n, SOFT_RTNE=_SOFT_RTNE, BLOCK=_CAST_BLOCK,
-                                                     PDL=_pdl_mode(True), num_warps=4, **launch_options(pdl=True))
+                                                     PDL=True, num_warps=4, **launch_options(pdl=True))
         return out[: n // 2], out[n // 2:]
     return split_norm_grads(sums, weight, bias)
 
@@ -601,7 +588,7 @@ def _norm_bwd(g, x, weight, mean, rstd, window_size, shift, ds, dx, dwo, sums_in
         n_tok, tiles_per_prog, C,
         H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=int(window_size), SOFT_RTNE=_SOFT_RTNE,
         ATOMIC=atomic, HAS_DS=ds is not None, MERGE=dwo is not None, STAGES=stages, BLOCK_T=block_t,
-        BLOCK_C=block_c, PDL=_pdl_mode(pdl), num_warps=num_warps,
+        BLOCK_C=block_c, PDL=pdl, num_warps=num_warps,
         **launch_options(maxnreg, pdl),
     )
     return dx, dwo, finish_column_sums(sums, atomic)
@@ -638,7 +625,7 @@ def merge_add_norm_fwd(
             zero_sums if zero_sums is not None else mean, n_tok, C, float(eps),
             zero_sums.numel() if zero_sums is not None else 0,
             H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, ZERO_SUMS=zero_sums is not None,
-            SOFT_RTNE=_SOFT_RTNE, BLOCK_T=block_t, BLOCK_C=block_c, PDL=_pdl_mode(pdl), num_warps=num_warps,
+            SOFT_RTNE=_SOFT_RTNE, BLOCK_T=block_t, BLOCK_C=block_c, PDL=pdl, num_warps=num_warps,
             **launch_options(pdl=pdl),
         )
     elif zero_sums is not None:
