@@ -44,7 +44,7 @@ def backward_cases(B: int, H: int, W: int, C: int, device) -> dict:
 def uncapped():
     """launch_options without maxnreg, as while traced."""
     saved = ln.launch_options, win.launch_options
-    ln.launch_options = win.launch_options = lambda maxnreg=None: {}
+    ln.launch_options = win.launch_options = lambda maxnreg=None, pdl=False: {"launch_pdl": True} if pdl else {}
     try:
         yield
     finally:

@@ -13,6 +13,7 @@
 #   tests-launcher the cached launcher against plain launches, bit for bit, on the GPU
 #   tests-compile  the fused passes under torch.compile, aot_eager and Inductor (~2.5 min)
 #   window         bench_window: the window kernels against eager, % of copy bandwidth
+#   norm-bwd       diag_norm_backward: what the norm backward's column sums, stores and arithmetic cost
 #   window-launch  diag_window_launch: the window ops with/without PDL and in-kernel parameter grads
 #   attn           bench_window_attention: the fused attention against eager and SDPA
 #   norms          bench_layer_norm and bench_linear
@@ -66,6 +67,7 @@ for part in "$@"; do
     tests-compile) pytest_part tests_compile 400 tests/test_compile_fused_passes.py ;;
     window)  timeout 120 python3 benchmarks/bench_window.py --check --out "$out/r/bench_window.json" 2>&1 | tail -31 ;;
     window-launch) timeout 300 python3 benchmarks/diag_window_launch.py --out "$out/r/diag_window_launch.json" 2>&1 | tail -32 ;;
+    norm-bwd) timeout 200 python3 benchmarks/diag_norm_backward.py --out "$out/r/diag_norm_backward.json" 2>&1 | tail -8 ;;
     attn)    timeout 200 python3 benchmarks/bench_window_attention.py --check --out "$out/r/bench_window_attention.json" 2>&1 | tail -25 ;;
     norms)   timeout 90 python3 benchmarks/bench_layer_norm.py --check --out "$out/r/bench_layer_norm.json" 2>&1 | tail -22
              timeout 120 python3 benchmarks/bench_linear.py --check --out "$out/r/bench_linear.json" 2>&1 | tail -20 ;;

@@ -255,7 +255,7 @@ def _norm_partition_bwd_kernel(
     H: tl.constexpr, W: tl.constexpr, n_win_h: tl.constexpr, n_win_w: tl.constexpr,
     shift_h: tl.constexpr, shift_w: tl.constexpr, WS: tl.constexpr, SOFT_RTNE: tl.constexpr, ATOMIC: tl.constexpr,
     HAS_DS: tl.constexpr, MERGE: tl.constexpr, STAGES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, DIAG: tl.constexpr = 0,
 ):
     """LayerNorm backward with the gradient gathered from window order (d of the partition), plus, with
     HAS_DS, a gradient ds of x from elsewhere (the block's residual path) added into dx in the same pass.
@@ -271,6 +271,9 @@ def _norm_partition_bwd_kernel(
     shared-memory round trips per iteration) and go to columns [0, C) / [C, 2C) of sums_ptr
     (layer_norm.emit_column_sum). The sweep found Triton's pipelining (STAGES = 3) as fast as a
     hand-written one-tile prefetch at every stage (within 0.5 µs at stages 2-4, 5% faster at stage 1).
+
+    DIAG (benchmarks/diag_norm_backward.py only; wrong results): 1 drops the column sums, 2 the dx stores,
+    3 the LayerNorm arithmetic (dx = g + x), to see what each costs.
     """
     _pdl_enter(PDL)
     pid = tl.program_id(0)
@@ -297,16 +300,21 @@ def _norm_partition_bwd_kernel(
         x = tl.load(x_ptr + x_off, mask=cur_mask, other=0.0).to(tl.float32)
         mean = tl.load(mean_ptr + s, mask=s_mask, other=0.0)
         rstd = tl.load(rstd_ptr + s, mask=s_mask, other=0.0)
-        dx, dw_t, db_t = _norm_bwd_tile(g, x, w, mean, rstd, cur_mask, C)
+        if DIAG == 3:
+            dx, dw_t, db_t = g + x, g * mean[:, None], x * rstd[:, None]
+        else:
+            dx, dw_t, db_t = _norm_bwd_tile(g, x, w, mean, rstd, cur_mask, C)
         if HAS_DS:
             dx += tl.load(ds_ptr + x_off, mask=cur_mask, other=0.0).to(tl.float32)
-        tl.store(dx_ptr + x_off, to_dtype(dx, dx_ptr.dtype.element_ty, SOFT_RTNE), mask=cur_mask)
+        if DIAG != 2:
+            tl.store(dx_ptr + x_off, to_dtype(dx, dx_ptr.dtype.element_ty, SOFT_RTNE), mask=cur_mask)
         if MERGE:
             tl.store(dwo_ptr + win_off, to_dtype(dx, dwo_ptr.dtype.element_ty, SOFT_RTNE), mask=cur_mask)
         dw_acc += dw_t
         db_acc += db_t
-    emit_column_sum(sums_ptr, pid, 2 * C, c, tl.sum(dw_acc, axis=0), c_mask, ATOMIC)
-    emit_column_sum(sums_ptr, pid, 2 * C, C + c, tl.sum(db_acc, axis=0), c_mask, ATOMIC)
+    if DIAG != 1:
+        emit_column_sum(sums_ptr, pid, 2 * C, c, tl.sum(dw_acc, axis=0), c_mask, ATOMIC)
+        emit_column_sum(sums_ptr, pid, 2 * C, C + c, tl.sum(db_acc, axis=0), c_mask, ATOMIC)
     _pdl_exit(PDL)
 
 
