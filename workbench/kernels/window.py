@@ -251,7 +251,7 @@ def _norm_bwd_tile(g, x, w, mean, rstd, mask, C):
 @triton.jit
 def _norm_partition_bwd_kernel(
     dwin_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, ds_ptr, dx_ptr, dwo_ptr, sums_ptr,
-    n_tokens, tiles_per_prog, C, n_slots,
+    n_tokens, tiles_per_prog, C,
     H: tl.constexpr, W: tl.constexpr, n_win_h: tl.constexpr, n_win_w: tl.constexpr,
     shift_h: tl.constexpr, shift_w: tl.constexpr, WS: tl.constexpr, SOFT_RTNE: tl.constexpr, ATOMIC: tl.constexpr,
     HAS_DS: tl.constexpr, MERGE: tl.constexpr, STAGES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -269,8 +269,7 @@ def _norm_partition_bwd_kernel(
     dweight/dbias partials are accumulated per (row-in-tile, channel) in registers across the band
     and reduced across rows once at the end (a cross-warp reduction per tile would cost two
     shared-memory round trips per iteration) and go to columns [0, C) / [C, 2C) of sums_ptr
-    (layer_norm.emit_column_sum); added atomically, program p adds into row p % n_slots of the
-    (n_slots, 2C) buffer, so that no more than programs / n_slots adds queue on one address. The sweep found Triton's pipelining (STAGES = 3) as fast as a
+    (layer_norm.emit_column_sum). The sweep found Triton's pipelining (STAGES = 3) as fast as a
     hand-written one-tile prefetch at every stage (within 0.5 µs at stages 2-4, 5% faster at stage 1).
 
     DIAG (benchmarks/diag_norm_backward.py only; wrong results): 1 drops the column sums, 2 the dx stores,
@@ -313,8 +312,6 @@ def _norm_partition_bwd_kernel(
             tl.store(dwo_ptr + win_off, to_dtype(dx, dwo_ptr.dtype.element_ty, SOFT_RTNE), mask=cur_mask)
         dw_acc += dw_t
         db_acc += db_t
-    if ATOMIC:
-        sums_ptr += (pid % n_slots) * (2 * C)
     if DIAG != 1:
         emit_column_sum(sums_ptr, pid, 2 * C, c, tl.sum(dw_acc, axis=0), c_mask, ATOMIC)
         emit_column_sum(sums_ptr, pid, 2 * C, C + c, tl.sum(db_acc, axis=0), c_mask, ATOMIC)
@@ -322,18 +319,14 @@ def _norm_partition_bwd_kernel(
 
 
 @triton.jit
-def _sum_cast_kernel(src_ptr, dst_ptr, n, n_slots, SOFT_RTNE: tl.constexpr, BLOCK: tl.constexpr,
-                     PDL: tl.constexpr = False):
-    """dst[i] = sum over k < n_slots of src[k * n + i], in fp32, stored in dst's dtype (rounded to nearest
-    even): the norm backward's (n_slots, 2C) column sums as the parameters' (2C,) gradients, in one launch
-    inside the chain of PDL launches."""
+def _cast_kernel(src_ptr, dst_ptr, n, SOFT_RTNE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """dst[i] = src[i] in dst's dtype (rounded to nearest even): the fp32 column sums of a half-precision
+    model's LayerNorm, cast to its parameters' dtype inside the chain of PDL launches."""
     _pdl_enter(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for k in range(0, n_slots):
-        acc += tl.load(src_ptr + k * n + offs, mask=mask, other=0.0)
-    tl.store(dst_ptr + offs, to_dtype(acc, dst_ptr.dtype.element_ty, SOFT_RTNE), mask=mask)
+    v = tl.load(src_ptr + offs, mask=mask, other=0.0)
+    tl.store(dst_ptr + offs, to_dtype(v, dst_ptr.dtype.element_ty, SOFT_RTNE), mask=mask)
     _pdl_exit(PDL)
 
 
@@ -359,14 +352,6 @@ _NORM_SMALL_ROWS = 4
 _NORM_BWD_MIN_TOKENS = 16
 _NORM_BWD_PER_SM = 3
 _NORM_BWD_STAGES = 3
-# At C = 512-1024 (the one-warp-per-row tiles) the backward is short of warps: at Swin-B stage 4 its 196
-# programs took 9.3 µs, 6.4 without the LayerNorm arithmetic, where a kernel moving the same bytes took
-# 3.4; on 784 programs without the column sums it took 4.8, but 13.7 with them, all 784 adding into the
-# same 2C addresses (benchmarks/diag_norm_backward.py, H200, 2026-12-01). So there the grid is 6 programs
-# per SM, as many tiles as that gives, and the programs add into _NORM_BWD_SLOTS rows of sums in turn,
-# which one small kernel adds up (and casts) after the backward.
-_NORM_BWD_WIDE_PER_SM = 6
-_NORM_BWD_SLOTS = 8
 
 @functools.lru_cache(maxsize=None)
 def _copy_blocks(C: int) -> tuple[int, int, int]:
@@ -546,10 +531,7 @@ def _norm_bwd_config(n_tok: int, C: int, elt: int, device: torch.device) -> tupl
     of resident programs, each a contiguous band of whole tiles; stages: Triton's software pipelining."""
     block_t, block_c, num_warps = _norm_blocks(C)
     n_tiles = cdiv(n_tok, block_t)
-    if _norm_bwd_slots(C) > 1:
-        programs = max(1, min(_NORM_BWD_WIDE_PER_SM * sm_count(device), n_tiles))
-    else:
-        programs = max(1, min(_NORM_BWD_PER_SM * sm_count(device), n_tiles, cdiv(n_tok, _NORM_BWD_MIN_TOKENS)))
+    programs = max(1, min(_NORM_BWD_PER_SM * sm_count(device), n_tiles, cdiv(n_tok, _NORM_BWD_MIN_TOKENS)))
     tiles_per_prog = cdiv(n_tiles, programs)
     programs = cdiv(n_tiles, tiles_per_prog)
     # The register cap only has to fit the programs each SM actually gets: a grid of fewer than
@@ -559,79 +541,51 @@ def _norm_bwd_config(n_tok: int, C: int, elt: int, device: torch.device) -> tupl
     per_sm = cdiv(programs, sm_count(device))
     regs = 65536 // (per_sm * num_warps * 32)  # register file per resident program
     maxnreg = min(255, regs - regs % 8)
-    if _norm_bwd_slots(C) > 1:
-        # the wide grid is not all resident at once (as many programs per SM run as their registers allow,
-        # the rest follow); capped to fit 6 per SM, the C = 1024 variant would spill
-        maxnreg = 255
     return block_t, block_c, num_warps, programs, tiles_per_prog, maxnreg, _NORM_BWD_STAGES
-
-
-@functools.lru_cache(maxsize=None)
-def _norm_bwd_slots(C: int) -> int:
-    """Rows of column sums the norm backward adds into in turn (then summed by _sum_cast_kernel): more than
-    one where its tiles are a warp per row (C = 512-1024) and its grid is wide (_NORM_BWD_WIDE_PER_SM)."""
-    block_t, block_c, _ = _norm_blocks(C)
-    return _NORM_BWD_SLOTS if block_t == _NORM_SMALL_ROWS and 256 < block_c <= 1024 else 1
-
-
-def _slot_total(sums: torch.Tensor) -> torch.Tensor:
-    """(2C,) fp32 totals of the backward's column sums: (2C,) as they are, (slots, 2C) added up."""
-    if sums.dim() == 1:
-        return sums
-    return sums[0] if sums.shape[0] == 1 else sums.sum(0)
 
 
 def norm_shift_partition_bwd(
     dwindows: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
-    window_size: int, shift: int, *, dx=None, sums_into=None, ds=None, sum_rows: bool = True,
+    window_size: int, shift: int, *, dx=None, sums_into=None, ds=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (dx (B, H, W, C) in x.dtype, (2C,) fp32 sums: dweight then dbias (layer_norm.split_norm_grads)).
-    Padding rows of dwindows are ignored. sums_into: a zeroed fp32 tensor of _norm_bwd_slots(C) * 2C
-    elements for the sums (column_sums). ds: another gradient of x, (B, H, W, C), added into dx in the same
-    pass (no separate add). sum_rows=False: the sums as the kernel left them, possibly (slots, 2C) rows
-    (the autograd Functions add them up in _norm_grads' one launch)."""
+    Padding rows of dwindows are ignored. sums_into: a zeroed (2C,) fp32 tensor for the sums (column_sums).
+    ds: another gradient of x, (B, H, W, C), added into dx in the same pass (no separate add)."""
     x = _contig(x)
     dx = _check_out(dx, x.shape, x.dtype, x.device)
     dx, _, sums = _norm_bwd(_contig(dwindows), x, weight, mean, rstd, window_size, shift, ds, dx, None, sums_into)
-    return dx, (_slot_total(sums) if sum_rows else sums)
+    return dx, sums
 
 
-# Experiment knob (benchmarks/diag_window_launch.py): half parameters' gradients cast by _sum_cast_kernel in
-# the PDL chain (True) or by torch's cast, a plain launch after the backward (False).
+# Experiment knob (benchmarks/diag_window_launch.py): half parameters' gradients cast by _cast_kernel in the
+# PDL chain (True) or by torch's cast, a plain launch after the backward (False).
 PDL_CAST = True
 _CAST_BLOCK = 1024
 
 
 def _norm_grads(sums: torch.Tensor, weight, bias) -> tuple:
-    """(dweight, dbias) from the backward's fp32 column sums, (2C,) or (slots, 2C) rows to add up, as
-    layer_norm.split_norm_grads gives them. One _sum_cast_kernel adds the rows and writes the parameters'
-    dtype where there are several rows, or where the kernels launch with PDL and the parameters are bf16
-    or fp16 (torch's cast would break the chain of PDL launches); otherwise views or torch's cast."""
-    rows = sums.view(1, -1) if sums.dim() == 1 else sums
-    k, n = rows.shape
-    if (weight is not None and bias is not None and weight.dtype == bias.dtype
-            and not torch.compiler.is_compiling()
-            and (k > 1 or (PDL_CAST and weight.dtype in (torch.bfloat16, torch.float16) and pdl_launch()))):
+    """(dweight, dbias) from the (2C,) fp32 column sums, as layer_norm.split_norm_grads gives them; where the
+    kernels launch with PDL and both parameters are bf16 or fp16, the one cast is _cast_kernel, launched
+    with PDL too, so that the next kernel's launch still overlaps (torch's cast would break the chain)."""
+    if (PDL_CAST and weight is not None and bias is not None and weight.dtype == bias.dtype
+            and weight.dtype in (torch.bfloat16, torch.float16) and pdl_launch()):
+        n = sums.numel()
         out = torch.empty(n, dtype=weight.dtype, device=sums.device)
-        pdl = pdl_launch()
-        launch(_sum_cast_kernel)[(cdiv(n, _CAST_BLOCK),)](rows, out, n, k, SOFT_RTNE=_SOFT_RTNE, BLOCK=_CAST_BLOCK,
-                                                         PDL=pdl, num_warps=4, **launch_options(pdl=pdl))
+        launch(_cast_kernel)[(cdiv(n, _CAST_BLOCK),)](sums, out, n, SOFT_RTNE=_SOFT_RTNE, BLOCK=_CAST_BLOCK,
+                                                     PDL=True, num_warps=4, **launch_options(pdl=True))
         return out[: n // 2], out[n // 2:]
-    return split_norm_grads(_slot_total(rows), weight, bias)
+    return split_norm_grads(sums, weight, bias)
 
 
 def _norm_bwd(g, x, weight, mean, rstd, window_size, shift, ds, dx, dwo, sums_into):
     """The LayerNorm backward over x (B, H, W, C) of the window kernels: g is the gradient of the norm's
     output in window order, or with dwo (merge_add_norm_bwd) in token order, and dx then also goes to
-    dwo's window rows. x, dx (B, H, W, C) contiguous. -> (dx, dwo, fp32 column sums, dweight then dbias):
-    (slots, 2C) rows to add up (_norm_bwd_slots; sums_into then holds slots * 2C zeros), or (2C,) under
-    deterministic algorithms."""
+    dwo's window rows. x, dx (B, H, W, C) contiguous. -> (dx, dwo, (2C,) fp32 column sums)."""
     B, H, W, C = x.shape
     Hp, Wp, nwh, nww, sh, sw = _geometry(H, W, window_size, shift)
     n_tok = B * H * W
     block_t, block_c, num_warps, nprog, tiles_per_prog, maxnreg, stages = _norm_bwd_config(n_tok, C, x.element_size(), x.device)
-    slots = 1 if torch.are_deterministic_algorithms_enabled() else _norm_bwd_slots(C)
-    sums, atomic = column_sums(nprog, 2 * C * slots, x.device, sums_into)
+    sums, atomic = column_sums(nprog, 2 * C, x.device, sums_into)
     if ds is not None:
         ds = _contig(ds)
         if tuple(ds.shape) != (B, H, W, C):
@@ -639,13 +593,13 @@ def _norm_bwd(g, x, weight, mean, rstd, window_size, shift, ds, dx, dwo, sums_in
     pdl = pdl_launch()
     launch(_norm_partition_bwd_kernel)[(nprog,)](
         g, x, _contig(weight), mean, rstd, ds if ds is not None else x, dx, dwo if dwo is not None else dx, sums,
-        n_tok, tiles_per_prog, C, slots,
+        n_tok, tiles_per_prog, C,
         H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=int(window_size), SOFT_RTNE=_SOFT_RTNE,
         ATOMIC=atomic, HAS_DS=ds is not None, MERGE=dwo is not None, STAGES=stages, BLOCK_T=block_t,
         BLOCK_C=block_c, PDL=pdl, num_warps=num_warps,
         **launch_options(maxnreg, pdl),
     )
-    return dx, dwo, (sums.view(slots, 2 * C) if atomic else finish_column_sums(sums, atomic))
+    return dx, dwo, finish_column_sums(sums, atomic)
 
 
 def merge_add_norm_fwd(
@@ -690,14 +644,13 @@ def merge_add_norm_fwd(
 def merge_add_norm_bwd(
     dy: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
     window_size: int, shift: int, ds: torch.Tensor | None, windows_dtype: torch.dtype,
-    shortcut_dtype: torch.dtype | None = None, *, sums_into=None, sum_rows: bool = True,
+    shortcut_dtype: torch.dtype | None = None, *, sums_into=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of merge_add_norm_fwd -> (d shortcut (B, H, W, C) in shortcut_dtype (default s's),
     d windows (B*nW, ws*ws, C) in windows_dtype, (2C,) fp32 column sums: dweight then dbias).
     dy: gradient of y; ds: gradient that reached s directly (or None). The gradient of s (the norm's dx
     plus ds) is the shortcut's and, partitioned back into windows, the windows'; both are written from
-    one fp32 value in the same pass. Window rows that are padding get 0. sums_into, sum_rows: as in
-    norm_shift_partition_bwd."""
+    one fp32 value in the same pass. Window rows that are padding get 0."""
     s = _contig(s)
     B, H, W, C = s.shape
     Hp, Wp, nwh, nww, _, _ = _geometry(H, W, window_size, shift)
@@ -712,8 +665,7 @@ def merge_add_norm_bwd(
         dy = dy.reshape(B, H, W, C)
     if ds is not None and tuple(ds.shape) != (B, H, W, C):
         ds = ds.reshape(B, H, W, C)
-    dx, dwo, sums = _norm_bwd(dy, s, weight, mean, rstd, window_size, shift, ds, dx, dwo, sums_into)
-    return dx, dwo, (_slot_total(sums) if sum_rows else sums)
+    return _norm_bwd(dy, s, weight, mean, rstd, window_size, shift, ds, dx, dwo, sums_into)
 
 
 # ------------------------------------------------------------------------------- operators
@@ -812,7 +764,7 @@ class MergeRollFunction(torch.autograd.Function):
 class NormShiftPartitionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, window_size, shift, out_dtype):
-        ctx.sums = eager_column_sums(2 * x.shape[-1] * _norm_bwd_slots(x.shape[-1]), x.device, ctx, weight, bias)
+        ctx.sums = eager_column_sums(2 * x.shape[-1], x.device, ctx, weight, bias)
         out_dtype = out_dtype or x.dtype
         if ctx.sums is None:
             windows, mean, rstd = _norm_shift_partition_fwd_op(x, weight, bias, float(eps), int(window_size), int(shift),
@@ -832,8 +784,7 @@ class NormShiftPartitionFunction(torch.autograd.Function):
         if into is None:
             dx, sums = _norm_shift_partition_bwd_op(dwindows, x, weight, mean, rstd, ws, shift)
         else:
-            dx, sums = norm_shift_partition_bwd(dwindows, x, weight, mean, rstd, ws, shift, sums_into=into,
-                                                sum_rows=False)
+            dx, sums = norm_shift_partition_bwd(dwindows, x, weight, mean, rstd, ws, shift, sums_into=into)
         dw, db = _norm_grads(sums, weight, bias)
         return dx, dw, db, None, None, None, None
 
@@ -844,7 +795,7 @@ class AddNormShiftPartitionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, residual, weight, bias, eps, window_size, shift, out_dtype):
-        ctx.sums = eager_column_sums(2 * x.shape[-1] * _norm_bwd_slots(x.shape[-1]), x.device, ctx, weight, bias)
+        ctx.sums = eager_column_sums(2 * x.shape[-1], x.device, ctx, weight, bias)
         s, windows, mean, rstd = add_norm_shift_partition_fwd(x, residual, weight, bias, float(eps), int(window_size),
                                                               int(shift), out_dtype=out_dtype, zero_sums=ctx.sums)
         ctx.save_for_backward(s, weight, bias, mean, rstd)
@@ -860,8 +811,7 @@ class AddNormShiftPartitionFunction(torch.autograd.Function):
         if dwindows is None:
             dwindows = torch.zeros(_windows_shape(*s.shape, ws, shift), dtype=s.dtype, device=s.device)
         # the gradient arriving at s (the residual stream) joins the LayerNorm's dx in the same kernel
-        dx, sums = norm_shift_partition_bwd(dwindows, s, weight, mean, rstd, ws, shift, sums_into=into, ds=ds,
-                                            sum_rows=False)
+        dx, sums = norm_shift_partition_bwd(dwindows, s, weight, mean, rstd, ws, shift, sums_into=into, ds=ds)
         dw, db = _norm_grads(sums, weight, bias)
         x_dtype, r_dtype = ctx.dtypes
         return dx.to(x_dtype), dx.to(r_dtype), dw, db, None, None, None, None
@@ -873,8 +823,7 @@ class MergeAddNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, windows, shortcut, weight, bias, eps, window_size, shift, y_dtype, y_rows):
-        C = shortcut.shape[-1]
-        ctx.sums = eager_column_sums(2 * C * _norm_bwd_slots(C), shortcut.device, ctx, weight, bias)
+        ctx.sums = eager_column_sums(2 * shortcut.shape[-1], shortcut.device, ctx, weight, bias)
         s, y, mean, rstd = merge_add_norm_fwd(windows, shortcut, weight, bias, float(eps), int(window_size), int(shift),
                                               y_dtype=y_dtype, zero_sums=ctx.sums)
         ctx.save_for_backward(s, weight, bias, mean, rstd)
@@ -889,7 +838,7 @@ class MergeAddNormFunction(torch.autograd.Function):
         into, ctx.sums = ctx.sums, None
         win_dtype, sc_dtype = ctx.dtypes
         dsc, dwin, sums = merge_add_norm_bwd(dy, s, weight, mean, rstd, ws, shift, ds, win_dtype, sc_dtype,
-                                             sums_into=into, sum_rows=False)
+                                             sums_into=into)
         dw, db = _norm_grads(sums, weight, bias)
         return dwin.view(ctx.windows_shape), dsc, dw, db, None, None, None, None, None
 
