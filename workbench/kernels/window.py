@@ -353,6 +353,7 @@ _NORM_BWD_MIN_TOKENS = 16
 _NORM_BWD_PER_SM = 3
 _NORM_BWD_STAGES = 3
 
+
 @functools.lru_cache(maxsize=None)
 def _copy_blocks(C: int) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_C, num_warps) for the pure data-movement kernels.
@@ -566,9 +567,11 @@ _CAST_BLOCK = 1024
 def _norm_grads(sums: torch.Tensor, weight, bias) -> tuple:
     """(dweight, dbias) from the (2C,) fp32 column sums, as layer_norm.split_norm_grads gives them; where the
     kernels launch with PDL and both parameters are bf16 or fp16, the one cast is _cast_kernel, launched
-    with PDL too, so that the next kernel's launch still overlaps (torch's cast would break the chain)."""
+    with PDL too, so that the next kernel's launch still overlaps (torch's cast would break the chain).
+    Not while torch.compile traces (Inductor schedules the cast with the rest)."""
     if (PDL_CAST and weight is not None and bias is not None and weight.dtype == bias.dtype
-            and weight.dtype in (torch.bfloat16, torch.float16) and pdl_launch()):
+            and weight.dtype in (torch.bfloat16, torch.float16) and pdl_launch()
+            and not torch.compiler.is_compiling()):
         n = sums.numel()
         out = torch.empty(n, dtype=weight.dtype, device=sums.device)
         launch(_cast_kernel)[(cdiv(n, _CAST_BLOCK),)](sums, out, n, SOFT_RTNE=_SOFT_RTNE, BLOCK=_CAST_BLOCK,
