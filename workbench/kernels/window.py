@@ -26,6 +26,10 @@ The autograd Functions call the host functions through torch.library operators (
 roll_partition_fwd, merge_roll_fwd, norm_shift_partition_fwd/_bwd; see _ops.py): under torch.compile on
 a GPU Inductor launches the kernels itself, elsewhere each call is one opaque op.
 
+Launches: on Hopper and newer, with programmatic dependent launch (`_ops.pdl_launch`, SWINBENCH_PDL=0 turns it
+off): every kernel waits for the previous one before its first load and releases the next after its last
+store (`_pdl_enter` / `_pdl_exit`), so that launches overlap the kernels' tails.
+
 Dtypes: fp32, fp16, bf16; math in fp32; outputs in the input dtype (merge_unshift_add:
 the promoted dtype of windows and shortcut, as `shortcut + windows` would give).
 Autocast: these Functions do not cast. timm's LayerNorm under autocast computes in fp32 and
