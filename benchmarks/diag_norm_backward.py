@@ -12,6 +12,8 @@ preallocated buffer, no memset):
   no-math        without the LayerNorm arithmetic (DIAG=3: dx = g + x)
   programs xN    the shipped kernel on N times the shipped number of programs (fewer tiles each), and the
                  same without the column sums
+  one tile       a program per tile, its column sums added straight from the tile (ONE_TILE: no
+                 accumulators held across a band, so more programs fit on an SM), with and without the sums
 
 The DIAG variants compute wrong results on purpose; nothing here is checked but the shipped kernel's
 time. GPU only.
@@ -40,7 +42,8 @@ win = importlib.import_module("workbench.kernels.window")
 
 
 def backward_launch(g, x, w, mean, rstd, sums, dx, programs_factor: int, diag: int):
-    """The backward kernel launched as window._norm_bwd launches it, on programs_factor times its programs."""
+    """The backward kernel launched as window._norm_bwd launches it, on programs_factor times its programs;
+    programs_factor 0: a program per tile, with ONE_TILE."""
     B, H, W, C = x.shape
     _, _, nwh, nww, sh, sw = win._geometry(H, W, WINDOW, SHIFT)
     n_tok = B * H * W
@@ -48,6 +51,8 @@ def backward_launch(g, x, w, mean, rstd, sums, dx, programs_factor: int, diag: i
     if programs_factor > 1:
         tiles = max(1, cdiv(tiles, programs_factor))
         nprog = cdiv(cdiv(n_tok, block_t), tiles)
+    if programs_factor == 0:
+        tiles, nprog = 1, cdiv(n_tok, block_t)
     pdl = pdl_launch()
 
     def run():
@@ -55,6 +60,7 @@ def backward_launch(g, x, w, mean, rstd, sums, dx, programs_factor: int, diag: i
             g, x, w, mean, rstd, x, dx, dx, sums, n_tok, tiles, C,
             H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=WINDOW, SOFT_RTNE=win._SOFT_RTNE, ATOMIC=True,
             HAS_DS=False, MERGE=False, STAGES=stages, BLOCK_T=block_t, BLOCK_C=block_c, PDL=pdl, DIAG=diag,
+            ONE_TILE=programs_factor == 0,
             num_warps=warps, **launch_options(maxnreg, pdl))
     return run, nprog
 
@@ -83,7 +89,7 @@ def main() -> int:
         variants = {"copy3": (lambda: win.merge_roll_fwd(t["windows"], WINDOW, SHIFT, H, W, x, out=out), None)}
         for name, factor, diag in (("shipped", 1, 0), ("no-sums", 1, 1), ("no-store", 1, 2), ("no-math", 1, 3),
                                    ("programs x2", 2, 0), ("programs x4", 4, 0), ("programs x2 no-sums", 2, 1),
-                                   ("programs x4 no-sums", 4, 1)):
+                                   ("programs x4 no-sums", 4, 1), ("one tile", 0, 0), ("one tile no-sums", 0, 1)):
             variants[name] = backward_launch(g, x, w, mean, rstd, sums, dx, factor, diag)
         rec = {"stage": stage, "B": B, "H": H, "W": W, "C": C, "bytes": 3 * x.numel() * 2}
         line = []

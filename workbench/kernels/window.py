@@ -259,7 +259,7 @@ def _norm_partition_bwd_kernel(
     H: tl.constexpr, W: tl.constexpr, n_win_h: tl.constexpr, n_win_w: tl.constexpr,
     shift_h: tl.constexpr, shift_w: tl.constexpr, WS: tl.constexpr, SOFT_RTNE: tl.constexpr, ATOMIC: tl.constexpr,
     HAS_DS: tl.constexpr, MERGE: tl.constexpr, STAGES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    PDL: tl.constexpr = False, DIAG: tl.constexpr = 0,
+    PDL: tl.constexpr = False, DIAG: tl.constexpr = 0, ONE_TILE: tl.constexpr = False,
 ):
     """LayerNorm backward with the gradient gathered from window order (d of the partition), plus, with
     HAS_DS, a gradient ds of x from elsewhere (the block's residual path) added into dx in the same pass.
@@ -277,7 +277,9 @@ def _norm_partition_bwd_kernel(
     hand-written one-tile prefetch at every stage (within 0.5 µs at stages 2-4, 5% faster at stage 1).
 
     DIAG (benchmarks/diag_norm_backward.py only; wrong results): 1 drops the column sums, 2 the dx stores,
-    3 the LayerNorm arithmetic (dx = g + x), to see what each costs.
+    3 the LayerNorm arithmetic (dx = g + x), to see what each costs. ONE_TILE (tiles_per_prog == 1; so far
+    only that diag launches it): each program's one tile's column sums go out straight, with no
+    accumulators held across a band (64 fewer fp32 registers a thread at C = 1024).
     """
     _pdl_enter(PDL)
     pid = tl.program_id(0)
@@ -314,9 +316,14 @@ def _norm_partition_bwd_kernel(
             tl.store(dx_ptr + x_off, to_dtype(dx, dx_ptr.dtype.element_ty, SOFT_RTNE), mask=cur_mask)
         if MERGE:
             tl.store(dwo_ptr + win_off, to_dtype(dx, dwo_ptr.dtype.element_ty, SOFT_RTNE), mask=cur_mask)
-        dw_acc += dw_t
-        db_acc += db_t
-    if DIAG != 1:
+        if ONE_TILE:
+            if DIAG != 1:
+                emit_column_sum(sums_ptr, pid, 2 * C, c, tl.sum(dw_t, axis=0), c_mask, ATOMIC)
+                emit_column_sum(sums_ptr, pid, 2 * C, C + c, tl.sum(db_t, axis=0), c_mask, ATOMIC)
+        else:
+            dw_acc += dw_t
+            db_acc += db_t
+    if DIAG != 1 and not ONE_TILE:
         emit_column_sum(sums_ptr, pid, 2 * C, c, tl.sum(dw_acc, axis=0), c_mask, ATOMIC)
         emit_column_sum(sums_ptr, pid, 2 * C, C + c, tl.sum(db_acc, axis=0), c_mask, ATOMIC)
     _pdl_exit(PDL)
