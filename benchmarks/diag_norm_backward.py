@@ -15,8 +15,9 @@ preallocated buffer, no memset):
   one tile       a program per tile, its column sums added straight from the tile (ONE_TILE: no
                  accumulators held across a band, so more programs fit on an SM), with and without the sums
 
-The DIAG variants compute wrong results on purpose; nothing here is checked but the shipped kernel's
-time. GPU only.
+The DIAG variants compute wrong results on purpose. The one-tile variant with its sums computes the
+backward: its dx is checked bit for bit, and its sums to 1e-3 of their largest value, against the shipped
+host function before it is timed. GPU only.
 
     python benchmarks/diag_norm_backward.py [--stages s3,s4] [--out FILE]
 """
@@ -91,6 +92,13 @@ def main() -> int:
                                    ("programs x2", 2, 0), ("programs x4", 4, 0), ("programs x2 no-sums", 2, 1),
                                    ("programs x4 no-sums", 4, 1), ("one tile", 0, 0), ("one tile no-sums", 0, 1)):
             variants[name] = backward_launch(g, x, w, mean, rstd, sums, dx, factor, diag)
+        dx_ref, sums_ref = win.norm_shift_partition_bwd(g, x, w, mean, rstd, WINDOW, SHIFT)
+        sums1, dx1 = torch.zeros_like(sums), torch.empty_like(x)
+        backward_launch(g, x, w, mean, rstd, sums1, dx1, 0, 0)[0]()
+        err = ((sums1 - sums_ref).abs().max() / sums_ref.abs().max()).item()
+        if not torch.equal(dx1, dx_ref) or err > 1e-3:
+            print(f"{stage}: the one-tile backward does not match the shipped one (sums off by {err:.1e})")
+            return 1
         rec = {"stage": stage, "B": B, "H": H, "W": W, "C": C, "bytes": 3 * x.numel() * 2}
         line = []
         for name, (fn, nprog) in variants.items():
