@@ -284,6 +284,7 @@ def pdl_default(env: str | None, supported: bool) -> bool:
 
 
 _PDL_SUPPORTED: bool | None = None
+_PDL_DEFAULT: bool | None = None  # pdl_default of this process's SWINBENCH_PDL, read once
 
 
 def pdl_supported() -> bool:
@@ -301,10 +302,13 @@ PDL_OVERRIDE: bool | None = None
 def pdl_launch() -> bool:
     """Whether a kernel launched now takes programmatic dependent launch (its PDL constexpr and
     `launch_options(pdl=...)`): never while traced."""
+    global _PDL_DEFAULT
     if tracing():
         return False
     if PDL_OVERRIDE is None:
-        return pdl_default(_PDL_ENV, pdl_supported())
+        if _PDL_DEFAULT is None:
+            _PDL_DEFAULT = pdl_default(_PDL_ENV, pdl_supported())
+        return _PDL_DEFAULT
     return PDL_OVERRIDE and pdl_supported()
 
 

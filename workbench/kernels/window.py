@@ -409,6 +409,13 @@ def _geometry(H: int, W: int, window_size: int, shift: int):
     return n_win_h * ws, n_win_w * ws, n_win_h, n_win_w, int(shift) % H, int(shift) % W
 
 
+def _pdl_args(maxnreg: int | None = None) -> dict:
+    """The launch keywords every window kernel takes: its PDL constexpr and the matching launch options
+    (pdl_launch; with the register cap, where given)."""
+    pdl = pdl_launch()
+    return {"PDL": pdl, **launch_options(maxnreg, pdl)}
+
+
 def _contig(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
@@ -431,12 +438,10 @@ def roll_partition_fwd(x: torch.Tensor, window_size: int, shift: int, *, out_dty
     n_out = B * Hp * Wp
     block_t, block_c, num_warps = _copy_blocks(C)
     grid = (cdiv(n_out, block_t), cdiv(C, block_c))
-    pdl = pdl_launch()
     launch(_partition_fwd_kernel)[grid](
         x, out, x, x, x, x, out, x, x, n_out, C, 0.0, 0,
         H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, NORM=False, SOFT_RTNE=_SOFT_RTNE,
-        ZERO_SUMS=False, HAS_RESIDUAL=False, BLOCK_T=block_t, BLOCK_C=block_c, PDL=pdl, num_warps=num_warps,
-        **launch_options(pdl=pdl),
+        ZERO_SUMS=False, HAS_RESIDUAL=False, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps, **_pdl_args(),
     )
     return out
 
@@ -466,12 +471,11 @@ def merge_roll_fwd(
     n_tok = B * H * W
     block_t, block_c, num_warps = _copy_blocks(C)
     grid = (cdiv(n_tok, block_t), cdiv(C, block_c))
-    pdl = pdl_launch()
     launch(_merge_fwd_kernel)[grid](
         windows, shortcut if shortcut is not None else windows, out,
         n_tok, C,
-        H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, ADD=shortcut is not None, SOFT_RTNE=_SOFT_RTNE, BLOCK_T=block_t, BLOCK_C=block_c, PDL=pdl,
-        num_warps=num_warps, **launch_options(pdl=pdl),
+        H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, ADD=shortcut is not None, SOFT_RTNE=_SOFT_RTNE, BLOCK_T=block_t, BLOCK_C=block_c,
+        num_warps=num_warps, **_pdl_args(),
     )
     return out
 
@@ -514,14 +518,13 @@ def _norm_partition(x, residual, weight, bias, eps, window_size, shift, out_dtyp
     n_out = B * Hp * Wp
     block_t, block_c, num_warps = _norm_fwd_config(C)
     if n_out > 0:
-        pdl = pdl_launch()
         launch(_partition_fwd_kernel)[(cdiv(n_out, block_t), 1)](
             x, out, _contig(weight), _contig(bias), mean, rstd, zero_sums if zero_sums is not None else mean,
             residual if residual is not None else x, s if s is not None else x,
             n_out, C, float(eps), zero_sums.numel() if zero_sums is not None else 0,
             H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, NORM=True, SOFT_RTNE=_SOFT_RTNE,
             ZERO_SUMS=zero_sums is not None, HAS_RESIDUAL=residual is not None, BLOCK_T=block_t, BLOCK_C=block_c,
-            PDL=pdl, num_warps=num_warps, **launch_options(pdl=pdl),
+            num_warps=num_warps, **_pdl_args(),
         )
     elif zero_sums is not None:
         zero_sums.zero_()
@@ -586,7 +589,7 @@ def _norm_grads(sums: torch.Tensor, weight, bias) -> tuple:
         n = sums.numel()
         out = torch.empty(n, dtype=weight.dtype, device=sums.device)
         launch(_cast_kernel)[(cdiv(n, _CAST_BLOCK),)](sums, out, n, SOFT_RTNE=_SOFT_RTNE, BLOCK=_CAST_BLOCK,
-                                                     PDL=True, num_warps=4, **launch_options(pdl=True))
+                                                     num_warps=4, **_pdl_args())
         return out[: n // 2], out[n // 2:]
     return split_norm_grads(sums, weight, bias)
 
@@ -604,14 +607,12 @@ def _norm_bwd(g, x, weight, mean, rstd, window_size, shift, ds, dx, dwo, sums_in
         ds = _contig(ds)
         if tuple(ds.shape) != (B, H, W, C):
             raise ValueError(f"ds shape {tuple(ds.shape)} != {(B, H, W, C)}")
-    pdl = pdl_launch()
     launch(_norm_partition_bwd_kernel)[(nprog,)](
         g, x, _contig(weight), mean, rstd, ds if ds is not None else x, dx, dwo if dwo is not None else dx, sums,
         n_tok, tiles_per_prog, C,
         H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=int(window_size), SOFT_RTNE=_SOFT_RTNE,
         ATOMIC=atomic, HAS_DS=ds is not None, MERGE=dwo is not None, STAGES=stages, BLOCK_T=block_t,
-        BLOCK_C=block_c, PDL=pdl, num_warps=num_warps,
-        **launch_options(maxnreg, pdl),
+        BLOCK_C=block_c, num_warps=num_warps, **_pdl_args(maxnreg),
     )
     return dx, dwo, finish_column_sums(sums, atomic)
 
@@ -641,14 +642,12 @@ def merge_add_norm_fwd(
     rstd = torch.empty(n_tok, dtype=torch.float32, device=shortcut.device)
     block_t, block_c, num_warps = _norm_fwd_config(C)
     if n_tok > 0:
-        pdl = pdl_launch()
         launch(_merge_norm_fwd_kernel)[(cdiv(n_tok, block_t),)](
             windows, shortcut, s, y, _contig(weight), _contig(bias), mean, rstd,
             zero_sums if zero_sums is not None else mean, n_tok, C, float(eps),
             zero_sums.numel() if zero_sums is not None else 0,
             H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, ZERO_SUMS=zero_sums is not None,
-            SOFT_RTNE=_SOFT_RTNE, BLOCK_T=block_t, BLOCK_C=block_c, PDL=pdl, num_warps=num_warps,
-            **launch_options(pdl=pdl),
+            SOFT_RTNE=_SOFT_RTNE, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps, **_pdl_args(),
         )
     elif zero_sums is not None:
         zero_sums.zero_()
