@@ -468,7 +468,6 @@ def test_pdl_launches_match_plain_launches(monkeypatch, op):
         else:
             assert torch.equal(a, b), i
     x = _randn((4, 14, 14, 96), torch.bfloat16, 71)
-    monkeypatch.setattr(ops, "PDL_OVERRIDE", True)
     win = roll_partition(x, 7, 3)
     assert torch.equal(win, roll_partition_reference(x, 7, 3))
     assert torch.equal(merge_roll(win, 7, 3, 14, 14), x)
