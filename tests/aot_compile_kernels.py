@@ -36,7 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from triton._C.libtriton import native_specialize_impl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import CUDABackend  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H200 (Hopper, sm_90), warp size 32
@@ -140,6 +142,8 @@ def _record_launches(quick: bool) -> None:
                 win.merge_add_norm_bwd(r(B, H, W, C), s, w, mean, rstd, 7, shift, x, torch.bfloat16, dt,
                                        sums_into=torch.empty(2 * C))
                 win._norm_grads(torch.empty(2 * C), w.to(torch.bfloat16), b.to(torch.bfloat16))
+                win._norm_grads(torch.empty(16, 2 * C), w.to(torch.bfloat16), b.to(torch.bfloat16))
+                win._norm_grads(torch.empty(16, 2 * C), w, b)
             finally:
                 ops.PDL_OVERRIDE, ops._PDL_SUPPORTED = None, None
     for dt in ((torch.bfloat16,) if quick else (torch.bfloat16, torch.float32)):
@@ -167,12 +171,16 @@ def _record_launches(quick: bool) -> None:
 
 
 def _signature(fn, args, kwargs):
-    """(signature {param: type or 'constexpr'}, constexprs {param: value}, options)."""
+    """(signature {param: type or 'constexpr'}, constexprs {param: value}, attrs, options), specialized as
+    Triton's JIT specializes a launch (its own native_specialize_impl): an int equal to 1 becomes a
+    constexpr, and an int divisible by 16 or a tensor whose address is 16-byte aligned carries
+    tt.divisibility 16, which is what lets the compiler vectorize loads and stores. Without these
+    attributes a kernel compiles to scalar memory accesses and different register counts."""
     options = {k: kwargs[k] for k in OPTION_KEYS if kwargs.get(k) is not None}
     values = dict(zip((p.name for p in fn.params), args))
     values.update({k: v for k, v in kwargs.items() if k not in OPTION_KEYS})
-    signature, constexprs = {}, {}
-    for p in fn.params:
+    signature, constexprs, attrs = {}, {}, {}
+    for i, p in enumerate(fn.params):
         if p.name not in values:
             if not p.has_default:
                 raise ValueError(f"{fn.__name__}: no value for {p.name}")
@@ -181,17 +189,17 @@ def _signature(fn, args, kwargs):
         if p.is_constexpr or v is None:
             signature[p.name] = "constexpr"
             constexprs[p.name] = v
-        elif isinstance(v, torch.Tensor):
-            signature[p.name] = "*" + DTYPES[v.dtype]
-        elif isinstance(v, bool):
-            signature[p.name] = "i1"
-        elif isinstance(v, int):
-            signature[p.name] = "i32" if -2**31 <= v < 2**31 else "i64"
-        elif isinstance(v, float):
-            signature[p.name] = "fp32"
-        else:
+            continue
+        if not isinstance(v, (torch.Tensor, bool, int, float)):
             raise TypeError(f"{fn.__name__}: {p.name} = {v!r}")
-    return signature, constexprs, options
+        kind, attr = native_specialize_impl(CUDABackend, v, p.is_const, not p.do_not_specialize,
+                                            not p.do_not_specialize_on_alignment)
+        signature[p.name] = kind
+        if kind == "constexpr":
+            constexprs[p.name] = attr
+        elif isinstance(attr, str) and attr:
+            attrs[(i,)] = CUDABackend.parse_attr(attr)
+    return signature, constexprs, attrs, options
 
 
 def _resources(cubin: bytes) -> dict[str, int]:
@@ -226,18 +234,18 @@ def main() -> int:
     seen, failures, t0 = set(), [], time.perf_counter()
     for fn, args, kwargs in RECORDED:
         try:
-            signature, constexprs, options = _signature(fn, args, kwargs)
+            signature, constexprs, attrs, options = _signature(fn, args, kwargs)
         except Exception as exc:  # noqa: BLE001 - report, don't stop
             failures.append(f"{getattr(fn, '__name__', fn)}: {exc}")
             continue
         key = (fn.__name__, tuple(sorted(signature.items())), tuple(sorted((k, repr(v)) for k, v in constexprs.items())),
-               tuple(sorted(options.items())))
+               tuple(sorted(attrs)), tuple(sorted(options.items())))
         if key in seen:
             continue
         seen.add(key)
         label = f"{fn.__name__} {' '.join(f'{k}={v}' for k, v in constexprs.items() if v is not None)} {options}"
         try:
-            kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=TARGET,
+            kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs), target=TARGET,
                                     options=options)
             line = f"ok   {label}  cubin {len(kernel.asm['cubin'])} bytes, shared {kernel.metadata.shared} bytes"
             if sass_dir is not None:
