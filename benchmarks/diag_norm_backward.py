@@ -2,22 +2,25 @@
 
 The backward reads the gradient (window order) and x and writes dx: the bytes of a kernel that reads two
 tensors and writes one, which merge_roll_fwd with a shortcut (merge_unshift_add's forward) also moves.
-This times, by CUDA-graph replay of back-to-back kernel launches (the column sums added into one
-preallocated buffer, no memset):
+Every variant is timed as bench_window times the ops: CUDA-graph replay of back-to-back calls rotating over
+input sets that together exceed the L2 three times (the data comes from DRAM, as in training), and each
+call includes what the backward needs after the kernel: the column sums added up over their rows (slots)
+and cast to the bf16 parameters' dtype (window._sum_rows; _norm_grads launches it), with PDL where on.
 
   copy3          merge_roll_fwd(windows, shortcut): the same bytes, pure data movement
-  shipped        the backward as the host function launches it
-  no-sums        without the column sums (DIAG=1: no cross-warp reduction, no atomics)
-  no-store       without the dx stores (DIAG=2)
-  no-math        without the LayerNorm arithmetic (DIAG=3: dx = g + x)
-  programs xN    the shipped kernel on N times the shipped number of programs (fewer tiles each), and the
-                 same without the column sums
-  one tile       a program per tile, its column sums added straight from the tile (ONE_TILE: no
-                 accumulators held across a band, so more programs fit on an SM), with and without the sums
+  shipped        the backward as the host function launches it (its config: _norm_bwd_config)
+  no-sums / no-store / no-math
+                 the shipped kernel without the column sums (DIAG=1), the dx stores (DIAG=2), the
+                 LayerNorm arithmetic (DIAG=3: dx = g + x); wrong results on purpose
+  band / band slots S
+                 3 programs per SM at most, each a band of at least 16 tokens, the column sums added into
+                 one row (the grid before 2026-12-01) or S rows in turn
+  tN slots S     bands of N tiles (N = 2, 1: more programs than one wave) with the sums spread over S rows
+                 (only where ROW_SUMS holds a band's sums in two (BLOCK_C,) vectors)
+  ... no-sums    the same grid without the column sums
 
-The DIAG variants compute wrong results on purpose. The one-tile variant with its sums computes the
-backward: its dx is checked bit for bit, and its sums to 1e-3 of their largest value, against the shipped
-host function before it is timed. GPU only.
+Every variant that computes the backward has its dx checked bit for bit, and its sums to 1e-3 of their
+largest value, against the shipped host function before it is timed. GPU only.
 
     python benchmarks/diag_norm_backward.py [--stages s3,s4] [--out FILE]
 """
@@ -34,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_window import EPS, SHIFT, SWIN_B_STAGES, WINDOW, make_inputs  # noqa: E402
+from bench_window import EPS, SHIFT, SWIN_B_STAGES, WINDOW, make_inputs, n_input_sets  # noqa: E402
 from workbench.env import environment_stamp  # noqa: E402
 from workbench.kernels._ops import cdiv, launch_options, pdl_launch  # noqa: E402
 from workbench.timing import cuda_graph_us  # noqa: E402
@@ -42,28 +45,47 @@ from workbench.timing import cuda_graph_us  # noqa: E402
 win = importlib.import_module("workbench.kernels.window")
 
 
-def backward_launch(g, x, w, mean, rstd, sums, dx, programs_factor: int, diag: int):
-    """The backward kernel launched as window._norm_bwd launches it, on programs_factor times its programs;
-    programs_factor 0: a program per tile, with ONE_TILE."""
+def grid(n_tok: int, C: int, device, kind: str, tiles: int = 1):
+    """(block_t, block_c, warps, programs, tiles a program, maxnreg, stages, row_sums) for `kind`:
+    'shipped' (_norm_bwd_config), 'band' (at most 3 programs per SM, bands of at least 16 tokens: the grid
+    before 2026-12-01), or 'tiles' (bands of `tiles` tiles; uncapped registers where more than one wave)."""
+    block_t, block_c, warps, nprog, tpp, maxnreg, stages, row_sums, _ = win._norm_bwd_config(n_tok, C, 2, device)
+    if kind == "band":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        n_tiles = cdiv(n_tok, block_t)
+        nprog = max(1, min(win._NORM_BWD_PER_SM * sms, n_tiles, cdiv(n_tok, win._NORM_BWD_MIN_TOKENS)))
+        tpp = cdiv(n_tiles, nprog)
+        nprog = cdiv(n_tiles, tpp)
+        regs = 65536 // (cdiv(nprog, sms) * warps * 32)
+        maxnreg = min(255, regs - regs % 8)
+    if kind == "tiles":
+        nprog, tpp = cdiv(cdiv(n_tok, block_t), tiles), tiles
+        per_sm = cdiv(nprog, torch.cuda.get_device_properties(device).multi_processor_count)
+        regs = 65536 // (per_sm * warps * 32)
+        maxnreg = min(255, regs - regs % 8) if per_sm <= 3 else None
+    return block_t, block_c, warps, nprog, tpp, maxnreg, stages, row_sums
+
+
+def backward_fn(s: dict, cfg, diag: int, slots: int, bf16_grads: bool):
+    """One call: the backward kernel on input set s with config cfg, its sums into s['sums'][:slots], then
+    (bf16_grads) the sums added up and cast, as _norm_grads does."""
+    x = s["x"]
     B, H, W, C = x.shape
     _, _, nwh, nww, sh, sw = win._geometry(H, W, WINDOW, SHIFT)
-    n_tok = B * H * W
-    block_t, block_c, warps, nprog, tiles, maxnreg, stages = win._norm_bwd_config(n_tok, C, 2, x.device)
-    if programs_factor > 1:
-        tiles = max(1, cdiv(tiles, programs_factor))
-        nprog = cdiv(cdiv(n_tok, block_t), tiles)
-    if programs_factor == 0:
-        tiles, nprog = 1, cdiv(n_tok, block_t)
+    block_t, block_c, warps, nprog, tiles, maxnreg, stages, row_sums = cfg
     pdl = pdl_launch()
+    sums = s["sums"][:slots]
 
     def run():
         win._norm_partition_bwd_kernel[(nprog,)](
-            g, x, w, mean, rstd, x, dx, dx, sums, n_tok, tiles, C,
-            H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=WINDOW, SOFT_RTNE=win._SOFT_RTNE, ATOMIC=True,
-            HAS_DS=False, MERGE=False, STAGES=stages, BLOCK_T=block_t, BLOCK_C=block_c, PDL=pdl, DIAG=diag,
-            ONE_TILE=programs_factor == 0,
-            num_warps=warps, **launch_options(maxnreg, pdl))
-    return run, nprog
+            s["g"], x, s["w"], s["mean"], s["rstd"], x, s["dx"], s["dx"], sums, B * H * W, tiles, C,
+            H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=WINDOW, SOFT_RTNE=win._SOFT_RTNE,
+            ATOMIC=True, HAS_DS=False, MERGE=False, STAGES=stages, BLOCK_T=block_t, BLOCK_C=block_c, PDL=pdl,
+            DIAG=diag, ROW_SUMS=row_sums, SLOTS=slots, num_warps=warps, **launch_options(maxnreg, pdl))
+        if bf16_grads:
+            return win._sum_rows(sums, torch.bfloat16)
+        return None
+    return run
 
 
 def main() -> int:
@@ -78,37 +100,49 @@ def main() -> int:
     stamp = environment_stamp("cuda")
     print(f"# {stamp.get('gpu')}; torch {stamp['torch']}, triton {stamp['triton']}; PDL {pdl_launch()}")
     records = []
+    dev = torch.device("cuda")
     for stage, B, H, W, C in SWIN_B_STAGES:
         if stage not in args.stages.split(","):
             continue
-        t = make_inputs(B, H, W, C, torch.bfloat16, "cuda")
-        x, w, b, g = t["x"], t["w"], t["b"], t["d_win"]
-        _, mean, rstd = win.norm_shift_partition_fwd(x, w, b, EPS, WINDOW, SHIFT)
-        sums = torch.zeros(2 * C, dtype=torch.float32, device="cuda")
-        dx = torch.empty_like(x)
-        out = torch.empty_like(x)
-        variants = {"copy3": (lambda: win.merge_roll_fwd(t["windows"], WINDOW, SHIFT, H, W, x, out=out), None)}
-        for name, factor, diag in (("shipped", 1, 0), ("no-sums", 1, 1), ("no-store", 1, 2), ("no-math", 1, 3),
-                                   ("programs x2", 2, 0), ("programs x4", 4, 0), ("programs x2 no-sums", 2, 1),
-                                   ("programs x4 no-sums", 4, 1), ("one tile", 0, 0), ("one tile no-sums", 0, 1)):
-            variants[name] = backward_launch(g, x, w, mean, rstd, sums, dx, factor, diag)
-        dx_ref, sums_ref = win.norm_shift_partition_bwd(g, x, w, mean, rstd, WINDOW, SHIFT)
-        sums1, dx1 = torch.zeros_like(sums), torch.empty_like(x)
-        backward_launch(g, x, w, mean, rstd, sums1, dx1, 0, 0)[0]()
-        err = ((sums1 - sums_ref).abs().max() / sums_ref.abs().max()).item()
-        if not torch.equal(dx1, dx_ref) or err > 1e-3:
-            print(f"{stage}: the one-tile backward does not match the shipped one (sums off by {err:.1e})")
-            return 1
-        rec = {"stage": stage, "B": B, "H": H, "W": W, "C": C, "bytes": 3 * x.numel() * 2}
+        n_tok = B * H * W
+        n_sets = n_input_sets(3 * n_tok * C * 2)
+        sets = []
+        for i in range(n_sets):
+            t = make_inputs(B, H, W, C, torch.bfloat16, "cuda", seed=i)
+            _, mean, rstd = win.norm_shift_partition_fwd(t["x"], t["w"], t["b"], EPS, WINDOW, SHIFT)
+            sets.append({"x": t["x"], "g": t["d_win"], "w": t["w"], "b": t["b"], "mean": mean, "rstd": rstd,
+                         "dx": torch.empty_like(t["x"]), "out": torch.empty_like(t["x"]), "windows": t["windows"],
+                         "sums": torch.zeros(128, 2 * C, dtype=torch.float32, device=dev)})
+        s0 = sets[0]
+        dx_ref, sums_ref = win.norm_shift_partition_bwd(s0["g"], s0["x"], s0["w"], s0["mean"], s0["rstd"], WINDOW, SHIFT)
+        row_sums = win._norm_bwd_config(n_tok, C, 2, dev)[7]
+        variants: dict = {"copy3": ([lambda s=s: win.merge_roll_fwd(s["windows"], WINDOW, SHIFT, H, W, s["x"], out=s["out"])
+                                     for s in sets], None)}
+        plan = [("shipped", grid(n_tok, C, dev, "shipped"), win._norm_bwd_config(n_tok, C, 2, dev)[8])]
+        plan += [(f"band slots {k}" if k > 1 else "band", grid(n_tok, C, dev, "band"), k) for k in (1, 4)]
+        if row_sums:
+            plan += [(f"t{n} slots {k}", grid(n_tok, C, dev, "tiles", n), k) for n in (2, 1) for k in (4, 16)]
+        for name, cfg, slots in plan:
+            probe = dict(s0, sums=torch.zeros(128, 2 * C, dtype=torch.float32, device=dev), dx=torch.empty_like(s0["x"]))
+            backward_fn(probe, cfg, 0, slots, False)()
+            err = ((probe["sums"].sum(0) - sums_ref).abs().max() / sums_ref.abs().max()).item()
+            if not torch.equal(probe["dx"], dx_ref) or err > 1e-3:
+                print(f"{stage}: {name} does not match the shipped backward (sums off by {err:.1e})")
+                return 1
+            variants[name] = ([backward_fn(s, cfg, 0, slots, True) for s in sets], cfg[3])
+        shipped = grid(n_tok, C, dev, "shipped")
+        for name, diag in (("no-sums", 1), ("no-store", 2), ("no-math", 3)):
+            variants[name] = ([backward_fn(s, shipped, diag, 1, False) for s in sets], shipped[3])
+        variants["band no-sums"] = ([backward_fn(s, grid(n_tok, C, dev, "band"), 1, 1, False) for s in sets], None)
+        rec = {"stage": stage, "B": B, "H": H, "W": W, "C": C, "bytes": 3 * n_tok * C * 2, "input_sets": n_sets}
         line = []
-        for name, (fn, nprog) in variants.items():
-            fn()
-            us = cuda_graph_us([fn], replays=args.replays, calls=16)[0]
+        for name, (fns, nprog) in variants.items():
+            us = cuda_graph_us(fns, replays=args.replays, calls=16)[0]
             rec[name] = {"us": us, "programs": nprog}
             line.append(f"{name} {us:.2f}" + (f" ({nprog})" if nprog else ""))
         records.append(rec)
-        print(f"{stage} C={C}: " + " | ".join(line), flush=True)
-        del t, x, g, dx, out, sums
+        print(f"{stage} C={C} ({n_sets} sets): " + " | ".join(line), flush=True)
+        del sets, s0, probe
         torch.cuda.empty_cache()
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """The window ops' fused fwd+bwd launched plainly or with programmatic dependent launch (PDL), and for the
 LayerNorm ops with bf16 parameters, with their grads cast by torch (a plain launch that ends the PDL chain)
-or by the Triton cast kernel in the chain (window.PDL_CAST). The op norm_shift_partition@f32p is
+or by the Triton kernel that adds up the sums in the chain (window.PDL_CAST). The op norm_shift_partition@f32p is
 norm_shift_partition with bf16 activations and fp32 parameters: no cast at all.
 
 Each variant is timed as bench_window times the fused ops (autograd forward + backward, CUDA-graph replay of

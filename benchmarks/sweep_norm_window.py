@@ -57,8 +57,25 @@ def bwd_candidates(n_tok, C, dev):
         programs = -(-n_tiles // tiles)
         if programs < sms or programs > (32 if small else 8) * sms:
             continue
-        yield (block_t, block_c, warps, programs, tiles, None, stages), dict(
-            block_t=block_t, warps=warps, tiles=tiles, programs=programs, stages=stages)
+        row_sums = block_c >= 256 * warps  # as window._norm_bwd_config decides it
+        yield (block_t, block_c, warps, programs, tiles, None, stages, row_sums, 1), dict(
+            block_t=block_t, warps=warps, tiles=tiles, programs=programs, stages=stages, row_sums=row_sums)
+
+
+def slot_candidates(n_tok, C, dev):
+    """The shipped tile (_norm_blocks) where ROW_SUMS holds (C = 512-1024): bands of 1-12 tiles (from more
+    programs than one wave to fewer than one per SM), pipelined with 1, 3 or 4 stages, the column sums
+    spread over 1, 4 or 16 rows (slots); registers as the compiler allocates them."""
+    block_t, block_c, warps = win._norm_blocks(C)
+    if block_c < 256 * warps:
+        return
+    n_tiles = -(-n_tok // block_t)
+    for tiles, stages, slots in itertools.product((1, 2, 3, 4, 6, 8, 12), (1, 3, 4), (1, 4, 16)):
+        if tiles == 1 and stages != 1:
+            continue
+        programs = -(-n_tiles // tiles)
+        yield (block_t, block_c, warps, programs, tiles, None, stages, True, slots), dict(
+            block_t=block_t, warps=warps, tiles=tiles, programs=programs, stages=stages, slots=slots)
 
 
 def fwd_candidates(C):
@@ -76,6 +93,9 @@ def main() -> int:
     ap.add_argument("--stages", default="s1,s2,s3,s4")
     ap.add_argument("--replays", type=int, default=10)
     ap.add_argument("--dirs", default="fwd,bwd")
+    ap.add_argument("--family", choices=("bands", "slots"), default="bands",
+                    help="backward candidates: bands of 2048-4096 element tiles (bwd_candidates) or the shipped "
+                         "ROW_SUMS tile on bands of 1-12 tiles with the sums over 1-16 rows (slot_candidates)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     bf = torch.bfloat16
@@ -96,7 +116,11 @@ def main() -> int:
         n_tok = B * H * W
         ref = win.norm_shift_partition_bwd(dwin, x, w, mean, rstd, WS, SHIFT)
         fwd_fns = [lambda s=s_: win.norm_shift_partition_fwd(s[0], s[1], s[2], 1e-5, WS, SHIFT) for s_ in sets]
-        bwd_fns = [lambda s=s_: win.norm_shift_partition_bwd(s[6], s[0], s[1], s[4], s[5], WS, SHIFT) for s_ in sets]
+        # as the autograd backward of a bf16 model runs it: the kernel, then its sums added up over their rows
+        # and cast to the parameters' bf16 (one launch)
+        bwd_fns = [lambda s=s_: win._norm_grads(win.norm_shift_partition_bwd(s[6], s[0], s[1], s[4], s[5], WS, SHIFT,
+                                                                             raw_sums=True)[1], s[1], s[2])
+                   for s_ in sets]
         rows = []
         try:
             for cfg, desc in (fwd_candidates(C) if "fwd" in args.dirs else ()):
@@ -110,7 +134,8 @@ def main() -> int:
                     desc["error"] = f"{type(exc).__name__}: {exc}"[:200]
                 rows.append({"dir": "fwd", **desc, "ok": ok, "us": us})
             win._norm_fwd_config = orig_fwd
-            for cfg, desc in (bwd_candidates(n_tok, C, dev) if "bwd" in args.dirs else ()):
+            family = bwd_candidates if args.family == "bands" else slot_candidates
+            for cfg, desc in (family(n_tok, C, dev) if "bwd" in args.dirs else ()):
                 win._norm_bwd_config = lambda *a, cfg=cfg: cfg
                 try:
                     dx, sums = win.norm_shift_partition_bwd(dwin, x, w, mean, rstd, WS, SHIFT)
@@ -132,7 +157,7 @@ def main() -> int:
             bad = [r for r in rows if r["dir"] == d and not r["ok"]]
             print(f"{name} {d}: shipped {ship:7.1f} µs | best:", "; ".join(
                 f"{r['us']:.1f} " + ",".join(f"{k}={v}" for k, v in r.items() if k not in ("dir", "ok", "us"))
-                for r in good[:5]), f"| {len(bad)} failed", (bad[0].get("error", "mismatch") if bad else ""), flush=True)
+                for r in good[:8]), f"| {len(bad)} failed", (bad[0].get("error", "mismatch") if bad else ""), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1, default=str))
     return 0

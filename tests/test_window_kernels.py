@@ -311,9 +311,11 @@ def test_shift_larger_than_map_wraps_like_torch_roll():
     assert torch.equal(merge_roll(win, ws, shift, H, W), x)
 
 
-def test_norm_backward_register_cap_fits_the_programs_each_sm_gets(monkeypatch):
-    """The persistent norm+partition backward is one wave; its maxnreg is sized for the programs per SM the
-    grid actually puts there (Swin-B at batch 64 on 132 SMs: 3 at stages 1-2, 2 at stage 4)."""
+def test_norm_backward_grid_and_register_cap(monkeypatch):
+    """The norm+partition backward's grid at Swin-B's stages (batch 64, 132 SMs): one wave of programs,
+    each a band of whole tiles, every token once; maxnreg sized for the programs per SM the grid actually
+    puts there. Stages 1-2: 3 per SM, one row of column sums. Stages 3-4 (ROW_SUMS): 8 warps' worth of
+    programs per SM, evenly loaded (4 of 2 warps, 2 of 4 warps), the sums over 4 and 2 rows."""
     import importlib
 
     win = importlib.import_module("workbench.kernels.window")
@@ -321,10 +323,11 @@ def test_norm_backward_register_cap_fits_the_programs_each_sm_gets(monkeypatch):
     win._norm_bwd_config.cache_clear()
     try:
         cpu = torch.device("cpu")
-        for n_tok, C, programs, maxnreg in ((64 * 56 * 56, 128, 392, 168), (64 * 28 * 28, 256, 392, 168),
-                                            (64 * 7 * 7, 1024, 196, 255)):
-            block_t, _, warps, nprog, tiles, cap, _ = win._norm_bwd_config(n_tok, C, 2, cpu)
-            assert (nprog, cap) == (programs, maxnreg)
+        for n_tok, C, programs, maxnreg, row_sums, slots in (
+                (64 * 56 * 56, 128, 392, 168, False, 1), (64 * 28 * 28, 256, 392, 168, False, 1),
+                (64 * 14 * 14, 512, 523, 255, True, 4), (64 * 7 * 7, 1024, 262, 255, True, 2)):
+            block_t, _, warps, nprog, tiles, cap, _, rs, sl = win._norm_bwd_config(n_tok, C, 2, cpu)
+            assert (nprog, cap, rs, sl) == (programs, maxnreg, row_sums, slots)
             assert nprog * tiles * block_t >= n_tok > (nprog - 1) * tiles * block_t      # every token, once
             per_sm = -(-nprog // 132)
             assert per_sm * warps * 32 * cap <= 65536                                   # all resident
@@ -332,12 +335,14 @@ def test_norm_backward_register_cap_fits_the_programs_each_sm_gets(monkeypatch):
         win._norm_bwd_config.cache_clear()
 
 
-@pytest.mark.parametrize("op", ["norm_shift_partition", "layer_norm", "add_layer_norm", "merge_add_norm"])
-def test_forward_zeroes_the_backward_column_sums(monkeypatch, op):
+@pytest.mark.parametrize("op, C", [("norm_shift_partition", 40), ("layer_norm", 40), ("add_layer_norm", 40),
+                                   ("merge_add_norm", 40), ("norm_shift_partition", 300), ("merge_add_norm", 300)])
+def test_forward_zeroes_the_backward_column_sums(monkeypatch, request, op, C):
     """Eager, the forward kernel zeroes the fp32 buffer its backward adds dweight/dbias into, so the
     backward launches no memset: with that buffer NaN-filled when allocated, the gradients still match,
     the backward adds into exactly that buffer, and a second backward through a retained graph (which
-    must not add onto the first one's sums) gives the same gradients again."""
+    must not add onto the first one's sums) gives the same gradients again. C = 300: the window norms'
+    backward spreads its sums over several rows (slots), a buffer the forward's programs zero in turn."""
     import importlib
 
     lnm = importlib.import_module("workbench.kernels.layer_norm")   # the package exports a function of that name
@@ -348,7 +353,13 @@ def test_forward_zeroes_the_backward_column_sums(monkeypatch, op):
     for mod in (lnm, winm):
         real = mod.column_sums
         monkeypatch.setattr(mod, "column_sums", lambda *a, _real=real, **k: (intos.append(a[3] if len(a) > 3 else k.get("into")), _real(*a, **k))[1])
-    B, H, W, C, ws, shift = 2, 9, 11, 40, 7, 3
+    B, H, W, ws, shift = 2, 9, 11, 7, 3
+    if C == 300:  # a row of sums per 2 programs: several rows even for this small grid
+        monkeypatch.setattr(winm, "_NORM_BWD_PER_SLOT", 2)
+        winm._norm_bwd_config.cache_clear()
+        request.addfinalizer(winm._norm_bwd_config.cache_clear)  # no grid cached with the patched constant
+        x_like = torch.empty(B, H, W, C)
+        assert winm._norm_bwd_slots(x_like) > 1 and winm._norm_bwd_slots(x_like) * 2 * C > 512  # several blocks
     x = (_randn((B, H, W, C), torch.float32, 31) * 2 + 0.5).requires_grad_(True)
     r = _randn((B, H, W, C), torch.float32, 32).requires_grad_(True)
     w = (1 + 0.5 * _randn((C,), torch.float32, 33)).requires_grad_(True)
@@ -372,6 +383,8 @@ def test_forward_zeroes_the_backward_column_sums(monkeypatch, op):
     want = torch.autograd.grad(ref, ref_leaves, dout)
     first = torch.autograd.grad(out, leaves, dout, retain_graph=True)
     assert intos[0] is not None, "the first backward must add into the buffer its forward zeroed"
+    if C == 300:
+        assert intos[0].numel() == winm._norm_bwd_slots(x) * 2 * C
     second = torch.autograd.grad(out, leaves, dout)
     assert intos[1] is None, "a second backward gets a fresh zeroed buffer"
     for g1, g2, e in zip(first, second, want):

@@ -74,14 +74,14 @@ def to_dtype(y, dtype: tl.constexpr, SOFT_RTNE: tl.constexpr):
 
 
 @triton.jit
-def zero_column_sums(SUMS, n_sums, pid, ZERO: tl.constexpr, BLOCK: tl.constexpr):
-    """With ZERO, program 0 of a forward kernel zeroes the (n_sums,) fp32 buffer that the backward will
-    add its column sums into (`eager_column_sums`): the backward then needs no memset launch of its own."""
+def zero_column_sums(SUMS, n_sums, pid, n_programs, ZERO: tl.constexpr, BLOCK: tl.constexpr):
+    """With ZERO, the programs of a forward kernel zero the (n_sums,) fp32 buffer that the backward will
+    add its column sums into (`eager_column_sums`), BLOCK elements each in turn (one block for most, as
+    a buffer of several rows is larger than one): the backward then needs no memset launch of its own."""
     if ZERO:
-        if pid == 0:
-            for start in range(0, n_sums, BLOCK):
-                offs = start + tl.arange(0, BLOCK)
-                tl.store(SUMS + offs, tl.zeros([BLOCK], dtype=tl.float32), mask=offs < n_sums)
+        for start in range(pid * BLOCK, n_sums, n_programs * BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            tl.store(SUMS + offs, tl.zeros([BLOCK], dtype=tl.float32), mask=offs < n_sums)
 
 
 @triton.jit
@@ -93,9 +93,9 @@ def _layer_norm_fwd_kernel(
 ):
     """BLOCK_M rows per program. With HAS_RESIDUAL, s = x + r is rounded to S's dtype (as torch's add
     would), stored, and normalized; otherwise x is normalized. Y gets the output, Mean/Rstd fp32 per row.
-    With ZERO_SUMS, program 0 also zeroes SUMS, the backward's column-sum buffer (zero_column_sums)."""
+    With ZERO_SUMS, the programs also zero SUMS, the backward's column-sum buffer (zero_column_sums)."""
     pid = tl.program_id(0)
-    zero_column_sums(SUMS, n_sums, pid, ZERO_SUMS, BLOCK_N)
+    zero_column_sums(SUMS, n_sums, pid, tl.num_programs(0), ZERO_SUMS, BLOCK_N)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     row_mask = rows < n_rows
@@ -272,7 +272,7 @@ _SUM_BLOCK_P, _SUM_BLOCK_N = 32, 64
 
 
 def column_sums(programs: int, n_cols: int, device: torch.device,
-                into: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
+                into: torch.Tensor | None = None, slots: int = 1) -> tuple[torch.Tensor, bool]:
     """(buffer, atomic) for a backward kernel whose `programs` programs each sum n_cols fp32 column
     values over their rows (dweight/dbias, a bias gradient), written with `emit_column_sum`.
 
@@ -282,17 +282,22 @@ def column_sums(programs: int, n_cols: int, device: torch.device,
     torch.use_deterministic_algorithms(True) each program stores its own row of a (programs, n_cols)
     buffer instead, which `finish_column_sums` adds in a fixed order. `into`: a zeroed contiguous
     fp32 tensor of n_cols elements to add into instead of a fresh one (a caller with several reductions
-    zeroes one buffer for all of them: one memset instead of several); ignored in deterministic mode."""
+    zeroes one buffer for all of them: one memset instead of several); ignored in deterministic mode.
+
+    slots > 1: (slots, n_cols) rows instead of one, which a kernel with many programs adds into in turn
+    (program p into row p % slots), so that fewer atomic adds queue on each address; `finish_column_sums`
+    then adds the rows up. `into` holds slots * n_cols elements, or n_cols (one row, whatever slots says:
+    a caller that zeroes one buffer for several reductions)."""
     if torch.are_deterministic_algorithms_enabled():
         return _new_output((programs, n_cols), torch.float32, device), False
     if into is not None:
-        return into.view(1, n_cols), True
-    return torch.zeros((1, n_cols), dtype=torch.float32, device=device), True
+        return into.view(-1 if into.numel() == slots * n_cols else 1, n_cols), True
+    return torch.zeros((slots, n_cols), dtype=torch.float32, device=device), True
 
 
-def eager_column_sums(n_cols: int, device: torch.device, ctx, *params) -> torch.Tensor | None:
+def eager_column_sums(n_cols: int, device: torch.device, ctx, *params, slots: int = 1) -> torch.Tensor | None:
     """For an autograd Function whose forward kernel can zero its backward's column-sum buffer: a fresh
-    (n_cols,) fp32 buffer for the forward to zero (`zero_column_sums`) and the backward to pass as
+    (slots * n_cols,) fp32 buffer for the forward to zero (`zero_column_sums`) and the backward to pass as
     `column_sums`' `into`, which saves the backward's memset launch (one per LayerNorm backward: 53 per
     eager Swin-B training step). None where that does not apply: no backward will follow (the Function's
     ctx.needs_input_grad is all False, as under no_grad), no parameter takes a gradient sum,
@@ -302,12 +307,12 @@ def eager_column_sums(n_cols: int, device: torch.device, ctx, *params) -> torch.
     if (not any(ctx.needs_input_grad) or all(p is None for p in params)
             or torch.are_deterministic_algorithms_enabled() or torch.compiler.is_compiling()):
         return None
-    return _new_output((n_cols,), torch.float32, device)
+    return _new_output((slots * n_cols,), torch.float32, device)
 
 
 def finish_column_sums(sums: torch.Tensor, atomic: bool) -> torch.Tensor:
     """The (n_cols,) fp32 totals of a `column_sums` buffer after the kernel ran."""
-    return sums[0] if atomic else sum_partials(sums)
+    return sums[0] if atomic and sums.shape[0] == 1 else sum_partials(sums)
 
 
 def sum_partials(partial: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,7 @@ Linear, casts to the autocast dtype anyway, so the values it sees are identical.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional
 
 import torch
@@ -109,15 +110,15 @@ def _partition_fwd_kernel(
     (hp, wp) = (wh*WS + i, ww*WS + j); it is 0 if hp >= H or wp >= W, else it is
     x[b, (hp + shift) % H, (wp + shift) % W]. With NORM, BLOCK_C covers all of C and the row
     is layer-normalized; mean and rstd are stored at the source token (each valid source
-    token is read by exactly one window token). With ZERO_SUMS, program (0, 0) also zeroes the
-    backward's column-sum buffer (layer_norm.zero_column_sums). With HAS_RESIDUAL (NORM only), the
+    token is read by exactly one window token). With ZERO_SUMS, the programs also zero the backward's
+    column-sum buffer (layer_norm.zero_column_sums). With HAS_RESIDUAL (NORM only), the
     token normalized is s = x + r, rounded to s_ptr's dtype as torch's add would round it, and s is
     stored at the source token too (the residual stream after the add, written once).
     """
     _pdl_enter(PDL)
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
-    zero_column_sums(sums_ptr, n_sums, pid_t + pid_c, ZERO_SUMS, BLOCK_C)
+    zero_column_sums(sums_ptr, n_sums, pid_t, tl.num_programs(0), ZERO_SUMS, BLOCK_C)  # NORM only: pid_c == 0
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = t < n_out_tokens
     j = t % WS
@@ -217,11 +218,11 @@ def _merge_norm_fwd_kernel(
 ):
     """s = shortcut + windows merged back (window_reverse, crop, roll(+shift)), rounded to s_ptr's dtype
     as torch's add rounds it, then y = LayerNorm(s), for the image tokens of this program's block (whole
-    rows: BLOCK_C covers C). Stores s, y, and fp32 mean/rstd per token. With ZERO_SUMS, program 0 also
-    zeroes the backward's column-sum buffer (layer_norm.zero_column_sums)."""
+    rows: BLOCK_C covers C). Stores s, y, and fp32 mean/rstd per token. With ZERO_SUMS, the programs also
+    zero the backward's column-sum buffer (layer_norm.zero_column_sums)."""
     _pdl_enter(PDL)
     pid = tl.program_id(0)
-    zero_column_sums(sums_ptr, n_sums, pid, ZERO_SUMS, BLOCK_C)
+    zero_column_sums(sums_ptr, n_sums, pid, tl.num_programs(0), ZERO_SUMS, BLOCK_C)
     s = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     s_mask = s < n_tokens
     row = _window_row_of_token(s, H, W, n_win_h, n_win_w, shift_h, shift_w, WS)
@@ -259,7 +260,7 @@ def _norm_partition_bwd_kernel(
     H: tl.constexpr, W: tl.constexpr, n_win_h: tl.constexpr, n_win_w: tl.constexpr,
     shift_h: tl.constexpr, shift_w: tl.constexpr, WS: tl.constexpr, SOFT_RTNE: tl.constexpr, ATOMIC: tl.constexpr,
     HAS_DS: tl.constexpr, MERGE: tl.constexpr, STAGES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    PDL: tl.constexpr = False, DIAG: tl.constexpr = 0, ONE_TILE: tl.constexpr = False,
+    PDL: tl.constexpr = False, DIAG: tl.constexpr = 0, ROW_SUMS: tl.constexpr = False, SLOTS: tl.constexpr = 1,
 ):
     """LayerNorm backward with the gradient gathered from window order (d of the partition), plus, with
     HAS_DS, a gradient ds of x from elsewhere (the block's residual path) added into dx in the same pass.
@@ -270,24 +271,31 @@ def _norm_partition_bwd_kernel(
     windows, in that buffer's dtype).
 
     Program p owns the contiguous band of token tiles [p * tiles_per_prog, (p + 1) * tiles_per_prog).
-    dweight/dbias partials are accumulated per (row-in-tile, channel) in registers across the band
-    and reduced across rows once at the end (a cross-warp reduction per tile would cost two
-    shared-memory round trips per iteration) and go to columns [0, C) / [C, 2C) of sums_ptr
-    (layer_norm.emit_column_sum). The sweep found Triton's pipelining (STAGES = 3) as fast as a
-    hand-written one-tile prefetch at every stage (within 0.5 µs at stages 2-4, 5% faster at stage 1).
+    dweight/dbias partials are summed over the band in registers and go to columns [0, C) / [C, 2C) of
+    sums_ptr once at the end (layer_norm.emit_column_sum). Where every row of a tile lies within each
+    thread (ROW_SUMS: a row spans all the program's threads, so the sum over a tile's rows needs no
+    shuffle or shared memory), each tile is reduced to (BLOCK_C,) partials as it goes and the band's
+    accumulators are two (BLOCK_C,) vectors; otherwise they are (BLOCK_T, BLOCK_C) and reduced across rows
+    once at the end (a cross-warp reduction per tile would cost two shared-memory round trips per
+    iteration). With SLOTS > 1 (atomic mode), program p adds into row p % SLOTS of sums_ptr's (SLOTS, 2C):
+    fewer atomic adds queue on each address; the host adds the rows up (_sum_rows). The sweep found
+    Triton's pipelining (STAGES = 3) as fast as a hand-written one-tile prefetch at every stage (within
+    0.5 µs at stages 2-4, 5% faster at stage 1).
 
     DIAG (benchmarks/diag_norm_backward.py only; wrong results): 1 drops the column sums, 2 the dx stores,
-    3 the LayerNorm arithmetic (dx = g + x), to see what each costs. ONE_TILE (tiles_per_prog == 1; so far
-    only that diag launches it): each program's one tile's column sums go out straight, with no
-    accumulators held across a band (64 fewer fp32 registers a thread at C = 1024).
+    3 the LayerNorm arithmetic (dx = g + x), to see what each costs.
     """
     _pdl_enter(PDL)
     pid = tl.program_id(0)
     c = tl.arange(0, BLOCK_C)
     c_mask = c < C
     w = tl.load(w_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
-    dw_acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
-    db_acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    if ROW_SUMS:
+        dw_acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+        db_acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    else:
+        dw_acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+        db_acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
     tok_start = pid * tiles_per_prog * BLOCK_T
     tok_end = tl.minimum(tok_start + tiles_per_prog * BLOCK_T, n_tokens)
     # Loads at the top of the loop; Triton's pipeliner keeps STAGES - 1 tiles in flight (asynchronous
@@ -316,28 +324,39 @@ def _norm_partition_bwd_kernel(
             tl.store(dx_ptr + x_off, to_dtype(dx, dx_ptr.dtype.element_ty, SOFT_RTNE), mask=cur_mask)
         if MERGE:
             tl.store(dwo_ptr + win_off, to_dtype(dx, dwo_ptr.dtype.element_ty, SOFT_RTNE), mask=cur_mask)
-        if ONE_TILE:
-            if DIAG != 1:
-                emit_column_sum(sums_ptr, pid, 2 * C, c, tl.sum(dw_t, axis=0), c_mask, ATOMIC)
-                emit_column_sum(sums_ptr, pid, 2 * C, C + c, tl.sum(db_t, axis=0), c_mask, ATOMIC)
+        if ROW_SUMS:
+            dw_acc += tl.sum(dw_t, axis=0)
+            db_acc += tl.sum(db_t, axis=0)
         else:
             dw_acc += dw_t
             db_acc += db_t
-    if DIAG != 1 and not ONE_TILE:
-        emit_column_sum(sums_ptr, pid, 2 * C, c, tl.sum(dw_acc, axis=0), c_mask, ATOMIC)
-        emit_column_sum(sums_ptr, pid, 2 * C, C + c, tl.sum(db_acc, axis=0), c_mask, ATOMIC)
+    if DIAG != 1:
+        if not ROW_SUMS:
+            dw_acc = tl.sum(dw_acc, axis=0)
+            db_acc = tl.sum(db_acc, axis=0)
+        if SLOTS > 1:  # atomic adds spread over SLOTS rows of sums: fewer queued on each address
+            sums_ptr += (pid % SLOTS) * 2 * C
+        emit_column_sum(sums_ptr, pid, 2 * C, c, dw_acc, c_mask, ATOMIC)
+        emit_column_sum(sums_ptr, pid, 2 * C, C + c, db_acc, c_mask, ATOMIC)
     _pdl_exit(PDL)
 
 
 @triton.jit
-def _cast_kernel(src_ptr, dst_ptr, n, SOFT_RTNE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """dst[i] = src[i] in dst's dtype (rounded to nearest even): the fp32 column sums of a half-precision
-    model's LayerNorm, cast to its parameters' dtype inside the chain of PDL launches."""
+def _sum_rows_kernel(src_ptr, dst_ptr, n_rows, n, SOFT_RTNE: tl.constexpr, BLOCK_R: tl.constexpr,
+                     BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
+    """dst[i] = sum over r of src[r, i] (src (n_rows, n) fp32, rows added in a fixed order per lane) in
+    dst's dtype, rounded to nearest even: the LayerNorm backward's column sums, added over the rows
+    (slots) its programs spread them over and, for a half-precision model, cast to its parameters' dtype,
+    in one kernel inside the chain of PDL launches."""
     _pdl_enter(PDL)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs < n
-    v = tl.load(src_ptr + offs, mask=mask, other=0.0)
-    tl.store(dst_ptr + offs, to_dtype(v, dst_ptr.dtype.element_ty, SOFT_RTNE), mask=mask)
+    acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, n_rows, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        acc += tl.load(src_ptr + r[:, None] * n + offs[None, :], mask=(r < n_rows)[:, None] & mask[None, :],
+                       other=0.0)
+    tl.store(dst_ptr + offs, to_dtype(tl.sum(acc, axis=0), dst_ptr.dtype.element_ty, SOFT_RTNE), mask=mask)
     _pdl_exit(PDL)
 
 
@@ -363,6 +382,16 @@ _NORM_SMALL_ROWS = 4
 _NORM_BWD_MIN_TOKENS = 16
 _NORM_BWD_PER_SM = 3
 _NORM_BWD_STAGES = 3
+# Where ROW_SUMS holds (C = 512-1024, and Swin-L's 1536): programs of _NORM_BWD_WARPS_PER_SM // num_warps
+# per SM, tiles shared out evenly, and the column sums spread over a row per _NORM_BWD_PER_SLOT programs
+# (atomic adds onto one address queue one after another). From benchmarks/sweep_norm_window.py --family
+# slots (H200, 2026-12-01, Swin-B batch 64, bf16, the backward with its grads' cast, over input sets that
+# exceed the L2): stage 4, 262 programs of 3 tiles: 11.8 µs against 12.4 for 196 of 4 (the grid before,
+# two programs on half the SMs and one on the rest); stage 3, 523 programs of 6 tiles over 4 rows of sums:
+# 16.3 µs (16.0 for 784 of 4) against 17.9 for 392 of 8 into one row.
+_NORM_BWD_WARPS_PER_SM = 8
+_NORM_BWD_PER_SLOT = 256
+_NORM_BWD_MAX_SLOTS = 16
 
 
 @functools.lru_cache(maxsize=None)
@@ -541,14 +570,25 @@ def _norm_fwd_config(C: int) -> tuple[int, int, int]:
 
 
 @functools.lru_cache(maxsize=None)
-def _norm_bwd_config(n_tok: int, C: int, elt: int, device: torch.device) -> tuple[int, int, int, int, int, int | None, int]:
-    """(BLOCK_T, BLOCK_C, num_warps, programs, tiles_per_program, maxnreg, stages) of the backward: one wave
-    of resident programs, each a contiguous band of whole tiles; stages: Triton's software pipelining."""
+def _norm_bwd_config(n_tok: int, C: int, elt: int, device: torch.device,
+                     ) -> tuple[int, int, int, int, int, int | None, int, bool, int]:
+    """(BLOCK_T, BLOCK_C, num_warps, programs, tiles_per_program, maxnreg, stages, row_sums, slots) of the
+    backward: one wave of resident programs, each a contiguous band of whole tiles; stages: Triton's
+    software pipelining of a band's loads. row_sums: the kernel's ROW_SUMS, where a row spans every
+    thread of a program in 16-byte vectors of bf16 (BLOCK_C >= 8 * 32 * num_warps), so that a tile's rows
+    lie within each thread and a band's sums take two (BLOCK_C,) vectors of registers; then
+    _NORM_BWD_WARPS_PER_SM warps' worth of programs per SM, evenly loaded, and the column sums over
+    `slots` rows. Otherwise _NORM_BWD_PER_SM programs per SM and one row of sums."""
     block_t, block_c, num_warps = _norm_blocks(C)
     n_tiles = cdiv(n_tok, block_t)
-    programs = max(1, min(_NORM_BWD_PER_SM * sm_count(device), n_tiles, cdiv(n_tok, _NORM_BWD_MIN_TOKENS)))
+    row_sums = block_c >= 256 * num_warps
+    if row_sums:
+        programs = max(1, min(max(1, _NORM_BWD_WARPS_PER_SM // num_warps) * sm_count(device), n_tiles))
+    else:
+        programs = max(1, min(_NORM_BWD_PER_SM * sm_count(device), n_tiles, cdiv(n_tok, _NORM_BWD_MIN_TOKENS)))
     tiles_per_prog = cdiv(n_tiles, programs)
     programs = cdiv(n_tiles, tiles_per_prog)
+    slots = min(_NORM_BWD_MAX_SLOTS, next_pow2(cdiv(programs, _NORM_BWD_PER_SLOT))) if row_sums else 1
     # The register cap only has to fit the programs each SM actually gets: a grid of fewer than
     # _NORM_BWD_PER_SM waves' worth (Swin-B stage 4: 196 programs on 132 SMs, 2 per SM) gets a looser
     # cap. Capped for 3 per SM there (168 registers), the C=1024 variant spilled and took 11.3 µs
@@ -556,53 +596,78 @@ def _norm_bwd_config(n_tok: int, C: int, elt: int, device: torch.device) -> tupl
     per_sm = cdiv(programs, sm_count(device))
     regs = 65536 // (per_sm * num_warps * 32)  # register file per resident program
     maxnreg = min(255, regs - regs % 8)
-    return block_t, block_c, num_warps, programs, tiles_per_prog, maxnreg, _NORM_BWD_STAGES
+    return block_t, block_c, num_warps, programs, tiles_per_prog, maxnreg, _NORM_BWD_STAGES, row_sums, slots
+
+
+def _norm_bwd_slots(x: torch.Tensor) -> int:
+    """Rows of column sums the norm backward over x (B, H, W, C) adds into: the size of the buffer (times
+    2C) that its forward zeroes for it (eager_column_sums)."""
+    *lead, C = x.shape
+    return _norm_bwd_config(math.prod(lead), C, x.element_size(), x.device)[8]
 
 
 def norm_shift_partition_bwd(
     dwindows: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
-    window_size: int, shift: int, *, dx=None, sums_into=None, ds=None,
+    window_size: int, shift: int, *, dx=None, sums_into=None, ds=None, raw_sums=False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (dx (B, H, W, C) in x.dtype, (2C,) fp32 sums: dweight then dbias (layer_norm.split_norm_grads)).
-    Padding rows of dwindows are ignored. sums_into: a zeroed (2C,) fp32 tensor for the sums (column_sums).
-    ds: another gradient of x, (B, H, W, C), added into dx in the same pass (no separate add)."""
+    Padding rows of dwindows are ignored. sums_into: a zeroed fp32 tensor of _norm_bwd_slots(x) * 2C
+    elements for the sums (column_sums). ds: another gradient of x, (B, H, W, C), added into dx in the
+    same pass (no separate add). raw_sums: the sums as the kernel left them, (rows, 2C), for _norm_grads
+    to add up (and cast) in one launch."""
     x = _contig(x)
     dx = _check_out(dx, x.shape, x.dtype, x.device)
-    dx, _, sums = _norm_bwd(_contig(dwindows), x, weight, mean, rstd, window_size, shift, ds, dx, None, sums_into)
-    return dx, sums
+    return _norm_bwd(_contig(dwindows), x, weight, mean, rstd, window_size, shift, ds, dx, None, sums_into,
+                     raw_sums)[::2]
 
 
-# Experiment knob (benchmarks/diag_window_launch.py): half parameters' gradients cast by _cast_kernel in the
-# PDL chain (True) or by torch's cast, a plain launch after the backward (False).
+# Experiment knob (benchmarks/diag_window_launch.py): half parameters' gradients cast by _sum_rows_kernel in
+# the PDL chain (True) or by torch's cast, a plain launch after the backward (False).
 PDL_CAST = True
-_CAST_BLOCK = 1024
+_SUM_ROWS_ELEMS = 4096  # elements of src one _sum_rows_kernel program adds per step
+_SUM_ROWS_MAX_N = 1024  # columns a program at most (a plain cast: 1024 a program)
+
+
+def _sum_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(R, n) fp32 -> (n,) sums over R in dtype, one _sum_rows_kernel launch (with PDL where on)."""
+    n_rows, n = rows.shape
+    block_r = min(next_pow2(n_rows), _SUM_ROWS_ELEMS // 32)
+    block_n = max(32, min(_SUM_ROWS_MAX_N, _SUM_ROWS_ELEMS // block_r))
+    out = torch.empty(n, dtype=dtype, device=rows.device)
+    launch(_sum_rows_kernel)[(cdiv(n, block_n),)](rows, out, n_rows, n, SOFT_RTNE=_SOFT_RTNE, BLOCK_R=block_r,
+                                                 BLOCK_N=block_n, num_warps=4, **_pdl_args())
+    return out
 
 
 def _norm_grads(sums: torch.Tensor, weight, bias) -> tuple:
-    """(dweight, dbias) from the (2C,) fp32 column sums, as layer_norm.split_norm_grads gives them; where the
-    kernels launch with PDL and both parameters are bf16 or fp16, the one cast is _cast_kernel, launched
-    with PDL too, so that the next kernel's launch still overlaps (torch's cast would break the chain).
-    Not while torch.compile traces (Inductor schedules the cast with the rest)."""
-    if (PDL_CAST and weight is not None and bias is not None and weight.dtype == bias.dtype
-            and weight.dtype in (torch.bfloat16, torch.float16) and pdl_launch()
-            and not torch.compiler.is_compiling()):
-        n = sums.numel()
-        out = torch.empty(n, dtype=weight.dtype, device=sums.device)
-        launch(_cast_kernel)[(cdiv(n, _CAST_BLOCK),)](sums, out, n, SOFT_RTNE=_SOFT_RTNE, BLOCK=_CAST_BLOCK,
-                                                     num_warps=4, **_pdl_args())
+    """(dweight, dbias) from the fp32 column sums, (2C,) or the (rows, 2C) the backward left them in
+    (raw_sums), as layer_norm.split_norm_grads gives them. Rows are added up by one _sum_rows_kernel launch,
+    which, where the kernels launch with PDL and both parameters are bf16 or fp16, also casts (torch's
+    cast would be a plain launch that breaks the chain of PDL launches). While torch.compile traces,
+    torch's sum and cast (Inductor schedules them with the rest)."""
+    rows = sums.view(-1, sums.shape[-1])
+    if torch.compiler.is_compiling():
+        return split_norm_grads(rows.sum(0) if rows.shape[0] > 1 else rows[0], weight, bias)
+    fold = (PDL_CAST and weight is not None and bias is not None and weight.dtype == bias.dtype
+            and weight.dtype in (torch.bfloat16, torch.float16) and pdl_launch())
+    if fold:
+        out = _sum_rows(rows, weight.dtype)
+        n = out.numel()
         return out[: n // 2], out[n // 2:]
-    return split_norm_grads(sums, weight, bias)
+    return split_norm_grads(_sum_rows(rows, torch.float32) if rows.shape[0] > 1 else rows[0], weight, bias)
 
 
-def _norm_bwd(g, x, weight, mean, rstd, window_size, shift, ds, dx, dwo, sums_into):
+def _norm_bwd(g, x, weight, mean, rstd, window_size, shift, ds, dx, dwo, sums_into, raw_sums=False):
     """The LayerNorm backward over x (B, H, W, C) of the window kernels: g is the gradient of the norm's
     output in window order, or with dwo (merge_add_norm_bwd) in token order, and dx then also goes to
-    dwo's window rows. x, dx (B, H, W, C) contiguous. -> (dx, dwo, (2C,) fp32 column sums)."""
+    dwo's window rows. x, dx (B, H, W, C) contiguous. -> (dx, dwo, (2C,) fp32 column sums; with raw_sums,
+    the atomic (rows, 2C) buffer as the kernel left it)."""
     B, H, W, C = x.shape
     Hp, Wp, nwh, nww, sh, sw = _geometry(H, W, window_size, shift)
     n_tok = B * H * W
-    block_t, block_c, num_warps, nprog, tiles_per_prog, maxnreg, stages = _norm_bwd_config(n_tok, C, x.element_size(), x.device)
-    sums, atomic = column_sums(nprog, 2 * C, x.device, sums_into)
+    block_t, block_c, num_warps, nprog, tiles_per_prog, maxnreg, stages, row_sums, slots = _norm_bwd_config(
+        n_tok, C, x.element_size(), x.device)
+    sums, atomic = column_sums(nprog, 2 * C, x.device, sums_into, slots)
     if ds is not None:
         ds = _contig(ds)
         if tuple(ds.shape) != (B, H, W, C):
@@ -612,8 +677,13 @@ def _norm_bwd(g, x, weight, mean, rstd, window_size, shift, ds, dx, dwo, sums_in
         n_tok, tiles_per_prog, C,
         H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=int(window_size), SOFT_RTNE=_SOFT_RTNE,
         ATOMIC=atomic, HAS_DS=ds is not None, MERGE=dwo is not None, STAGES=stages, BLOCK_T=block_t,
-        BLOCK_C=block_c, num_warps=num_warps, **_pdl_args(maxnreg),
+        BLOCK_C=block_c, ROW_SUMS=row_sums, SLOTS=sums.shape[0] if atomic else 1, num_warps=num_warps,
+        **_pdl_args(maxnreg),
     )
+    if raw_sums and atomic:
+        return dx, dwo, sums
+    if atomic and sums.shape[0] > 1:
+        return dx, dwo, _sum_rows(sums, torch.float32)
     return dx, dwo, finish_column_sums(sums, atomic)
 
 
@@ -657,10 +727,11 @@ def merge_add_norm_fwd(
 def merge_add_norm_bwd(
     dy: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
     window_size: int, shift: int, ds: torch.Tensor | None, windows_dtype: torch.dtype,
-    shortcut_dtype: torch.dtype | None = None, *, sums_into=None,
+    shortcut_dtype: torch.dtype | None = None, *, sums_into=None, raw_sums=False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of merge_add_norm_fwd -> (d shortcut (B, H, W, C) in shortcut_dtype (default s's),
-    d windows (B*nW, ws*ws, C) in windows_dtype, (2C,) fp32 column sums: dweight then dbias).
+    d windows (B*nW, ws*ws, C) in windows_dtype, (2C,) fp32 column sums: dweight then dbias). sums_into
+    and raw_sums: as in norm_shift_partition_bwd.
     dy: gradient of y; ds: gradient that reached s directly (or None). The gradient of s (the norm's dx
     plus ds) is the shortcut's and, partitioned back into windows, the windows'; both are written from
     one fp32 value in the same pass. Window rows that are padding get 0."""
@@ -678,7 +749,7 @@ def merge_add_norm_bwd(
         dy = dy.reshape(B, H, W, C)
     if ds is not None and tuple(ds.shape) != (B, H, W, C):
         ds = ds.reshape(B, H, W, C)
-    return _norm_bwd(dy, s, weight, mean, rstd, window_size, shift, ds, dx, dwo, sums_into)
+    return _norm_bwd(dy, s, weight, mean, rstd, window_size, shift, ds, dx, dwo, sums_into, raw_sums)
 
 
 # ------------------------------------------------------------------------------- operators
@@ -777,7 +848,7 @@ class MergeRollFunction(torch.autograd.Function):
 class NormShiftPartitionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, window_size, shift, out_dtype):
-        ctx.sums = eager_column_sums(2 * x.shape[-1], x.device, ctx, weight, bias)
+        ctx.sums = eager_column_sums(2 * x.shape[-1], x.device, ctx, weight, bias, slots=_norm_bwd_slots(x))
         out_dtype = out_dtype or x.dtype
         if ctx.sums is None:
             windows, mean, rstd = _norm_shift_partition_fwd_op(x, weight, bias, float(eps), int(window_size), int(shift),
@@ -797,7 +868,8 @@ class NormShiftPartitionFunction(torch.autograd.Function):
         if into is None:
             dx, sums = _norm_shift_partition_bwd_op(dwindows, x, weight, mean, rstd, ws, shift)
         else:
-            dx, sums = norm_shift_partition_bwd(dwindows, x, weight, mean, rstd, ws, shift, sums_into=into)
+            dx, sums = norm_shift_partition_bwd(dwindows, x, weight, mean, rstd, ws, shift, sums_into=into,
+                                                raw_sums=True)
         dw, db = _norm_grads(sums, weight, bias)
         return dx, dw, db, None, None, None, None
 
@@ -808,7 +880,7 @@ class AddNormShiftPartitionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, residual, weight, bias, eps, window_size, shift, out_dtype):
-        ctx.sums = eager_column_sums(2 * x.shape[-1], x.device, ctx, weight, bias)
+        ctx.sums = eager_column_sums(2 * x.shape[-1], x.device, ctx, weight, bias, slots=_norm_bwd_slots(x))
         s, windows, mean, rstd = add_norm_shift_partition_fwd(x, residual, weight, bias, float(eps), int(window_size),
                                                               int(shift), out_dtype=out_dtype, zero_sums=ctx.sums)
         ctx.save_for_backward(s, weight, bias, mean, rstd)
@@ -824,7 +896,8 @@ class AddNormShiftPartitionFunction(torch.autograd.Function):
         if dwindows is None:
             dwindows = torch.zeros(_windows_shape(*s.shape, ws, shift), dtype=s.dtype, device=s.device)
         # the gradient arriving at s (the residual stream) joins the LayerNorm's dx in the same kernel
-        dx, sums = norm_shift_partition_bwd(dwindows, s, weight, mean, rstd, ws, shift, sums_into=into, ds=ds)
+        dx, sums = norm_shift_partition_bwd(dwindows, s, weight, mean, rstd, ws, shift, sums_into=into, ds=ds,
+                                            raw_sums=True)
         dw, db = _norm_grads(sums, weight, bias)
         x_dtype, r_dtype = ctx.dtypes
         return dx.to(x_dtype), dx.to(r_dtype), dw, db, None, None, None, None
@@ -836,7 +909,8 @@ class MergeAddNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, windows, shortcut, weight, bias, eps, window_size, shift, y_dtype, y_rows):
-        ctx.sums = eager_column_sums(2 * shortcut.shape[-1], shortcut.device, ctx, weight, bias)
+        ctx.sums = eager_column_sums(2 * shortcut.shape[-1], shortcut.device, ctx, weight, bias,
+                                     slots=_norm_bwd_slots(shortcut))
         s, y, mean, rstd = merge_add_norm_fwd(windows, shortcut, weight, bias, float(eps), int(window_size), int(shift),
                                               y_dtype=y_dtype, zero_sums=ctx.sums)
         ctx.save_for_backward(s, weight, bias, mean, rstd)
@@ -851,7 +925,7 @@ class MergeAddNormFunction(torch.autograd.Function):
         into, ctx.sums = ctx.sums, None
         win_dtype, sc_dtype = ctx.dtypes
         dsc, dwin, sums = merge_add_norm_bwd(dy, s, weight, mean, rstd, ws, shift, ds, win_dtype, sc_dtype,
-                                             sums_into=into)
+                                             sums_into=into, raw_sums=True)
         dw, db = _norm_grads(sums, weight, bias)
         return dwin.view(ctx.windows_shape), dsc, dw, db, None, None, None, None, None
 

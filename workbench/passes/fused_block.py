@@ -112,7 +112,7 @@ class SwinBlockFunction(torch.autograd.Function):
     def backward(ctx, dout):
         from ..kernels.layer_norm import layer_norm_bwd, split_column_sums, split_norm_grads
         from ..kernels.linear import bias_grad_host
-        from ..kernels.window import norm_shift_partition_bwd, roll_partition_fwd
+        from ..kernels.window import _norm_bwd_slots, norm_shift_partition_bwd, roll_partition_fwd
         from ..kernels.window_attention import window_attention_bwd
 
         (x, n1w, n1b, mean1, rstd1, win2, w_qkv, qkv, attn, lse, rel, o, w_proj, s, n2w, n2b, mean2, rstd2,
@@ -127,10 +127,12 @@ class SwinBlockFunction(torch.autograd.Function):
             # adds into one zeroed fp32 buffer: one memset for the block instead of six. The bias sums
             # come first, so that low-precision biases take their gradients in one cast (split_column_sums).
             # The table's gradient shares the memset when the table is fp32 (index_add_ adds into it).
+            # norm1's backward spreads its sums over several rows where it has many programs (slots).
             n_table = table.numel() if table.dtype == torch.float32 else 0
-            sums = torch.zeros(13 * C + n_table, dtype=torch.float32, device=d.device)
+            n_n1 = 2 * C * _norm_bwd_slots(x)
+            sums = torch.zeros(11 * C + n_n1 + n_table, dtype=torch.float32, device=d.device)
             s_fc2, s_fc1, s_proj, s_qkv, s_n2, s_n1, s_table = sums.split(
-                (C, 4 * C, C, 3 * C, 2 * C, 2 * C, n_table))
+                (C, 4 * C, C, 3 * C, 2 * C, n_n1, n_table))
             # MLP: fc2 (its bias gradient and dy = d in the compute dtype in one pass), GELU + fc1 bias (one
             # fused reduction), fc1
             dy, _ = bias_grad_host(d, None, torch.float32, sums_into=s_fc2, out_dtype=dt)
