@@ -68,13 +68,13 @@ for part in "$@"; do
     tests-compile) pytest_part tests_compile 400 tests/test_compile_fused_passes.py ;;
     window)  timeout 120 python3 benchmarks/bench_window.py --check --out "$out/r/bench_window.json" 2>&1 | tail -31 ;;
     window-launch) timeout 300 python3 benchmarks/diag_window_launch.py --out "$out/r/diag_window_launch.json" 2>&1 | tail -32 ;;
-    norm-bwd) timeout 200 python3 benchmarks/diag_norm_backward.py --out "$out/r/diag_norm_backward.json" 2>&1 | tail -8 ;;
+    norm-bwd) timeout 200 python3 benchmarks/diag_norm_backward.py --stages ${DIAG_STAGES:-s2,s3,s4} --out "$out/r/diag_norm_backward.json" 2>&1 | tail -8 ;;
     attn)    timeout 200 python3 benchmarks/bench_window_attention.py --check --out "$out/r/bench_window_attention.json" 2>&1 | tail -25 ;;
     norms)   timeout 90 python3 benchmarks/bench_layer_norm.py --check --out "$out/r/bench_layer_norm.json" 2>&1 | tail -22
              timeout 120 python3 benchmarks/bench_linear.py --check --out "$out/r/bench_linear.json" 2>&1 | tail -20 ;;
     sweep-norm) timeout 420 python3 benchmarks/sweep_norm_window.py --dirs bwd --stages s3,s4 \
                --out "$out/r/sweep_norm_window_bwd.json" 2>&1 | tail -16 ;;
-    sweep-slots) timeout 420 python3 benchmarks/sweep_norm_window.py --dirs bwd --stages s3,s4 --family slots \
+    sweep-slots) timeout 420 python3 benchmarks/sweep_norm_window.py --dirs bwd --stages ${SWEEP_STAGES:-s3,s4} --family slots \
                --out "$out/r/sweep_norm_window_slots.json" 2>&1 | tail -16 ;;
     diag)    timeout 90 python3 benchmarks/diag_maxnreg.py 2>&1 | tail -16
              timeout 90 python3 benchmarks/diag_column_sums.py 2>&1 | tail -12 ;;

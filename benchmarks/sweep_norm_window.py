@@ -63,18 +63,24 @@ def bwd_candidates(n_tok, C, dev):
 
 
 def slot_candidates(n_tok, C, dev):
-    """The shipped tile (_norm_blocks) where ROW_SUMS holds (C = 512-1024): bands of 1-12 tiles (from more
-    programs than one wave to fewer than one per SM), pipelined with 1, 3 or 4 stages, the column sums
-    spread over 1, 4 or 16 rows (slots); registers as the compiler allocates them."""
-    block_t, block_c, warps = win._norm_blocks(C)
-    if block_c < 256 * warps:
+    """Where ROW_SUMS holds for the shipped tile (_norm_blocks; C = 512-1024): tiles of 2-16 rows over 2-8
+    warps (ROW_SUMS where a row spans the warps), bands of 1-6 tiles (from more programs than one wave to
+    fewer than one per SM), pipelined with 3 stages (1 for one-tile programs), the column sums spread over
+    1, 2 or 4 rows (slots); registers as the compiler allocates them. (The first run of this family, kept
+    in sweep_norm_window_slots_h200.json, took the shipped tile only, with 1-12 tiles, 1, 3 or 4 stages
+    and 1, 4 or 16 rows.)"""
+    block_t0, block_c, warps0 = win._norm_blocks(C)
+    if block_c < 256 * warps0:
         return
-    n_tiles = -(-n_tok // block_t)
-    for tiles, stages, slots in itertools.product((1, 2, 3, 4, 6, 8, 12), (1, 3, 4), (1, 4, 16)):
-        if tiles == 1 and stages != 1:
+    for (block_t, warps), tiles, slots in itertools.product(((2, 2), (4, 4), (8, 4), (8, 8), (16, 8)),
+                                                            (1, 2, 3, 4, 6), (1, 2, 4)):
+        if block_t * block_c // (32 * warps) > 64:
             continue
+        n_tiles = -(-n_tok // block_t)
         programs = -(-n_tiles // tiles)
-        yield (block_t, block_c, warps, programs, tiles, None, stages, True, slots), dict(
+        stages = 1 if tiles == 1 else 3
+        row_sums = block_c >= 256 * warps
+        yield (block_t, block_c, warps, programs, tiles, None, stages, row_sums, slots), dict(
             block_t=block_t, warps=warps, tiles=tiles, programs=programs, stages=stages, slots=slots)
 
 

@@ -55,6 +55,8 @@ from workbench.kernels.layer_norm import (SOFT_RTNE as _SOFT_RTNE, column_sums, 
 
 # ----------------------------------------------------------------------------------- kernels
 
+_INTERPRET_C = tl.constexpr(_INTERPRET)
+
 if not _INTERPRET:
     try:
         import triton.language.extra.cuda  # noqa: F401  (griddepcontrol: tl.extra.cuda.gdc_*)
@@ -261,6 +263,7 @@ def _norm_partition_bwd_kernel(
     shift_h: tl.constexpr, shift_w: tl.constexpr, WS: tl.constexpr, SOFT_RTNE: tl.constexpr, ATOMIC: tl.constexpr,
     HAS_DS: tl.constexpr, MERGE: tl.constexpr, STAGES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
     PDL: tl.constexpr = False, DIAG: tl.constexpr = 0, ROW_SUMS: tl.constexpr = False, SLOTS: tl.constexpr = 1,
+    FINISH: tl.constexpr = False, cnt_ptr=None, fin_ptr=None,
 ):
     """LayerNorm backward with the gradient gathered from window order (d of the partition), plus, with
     HAS_DS, a gradient ds of x from elsewhere (the block's residual path) added into dx in the same pass.
@@ -334,11 +337,35 @@ def _norm_partition_bwd_kernel(
         if not ROW_SUMS:
             dw_acc = tl.sum(dw_acc, axis=0)
             db_acc = tl.sum(db_acc, axis=0)
+        slot_ptr = sums_ptr
         if SLOTS > 1:  # atomic adds spread over SLOTS rows of sums: fewer queued on each address
-            sums_ptr += (pid % SLOTS) * 2 * C
-        emit_column_sum(sums_ptr, pid, 2 * C, c, dw_acc, c_mask, ATOMIC)
-        emit_column_sum(sums_ptr, pid, 2 * C, C + c, db_acc, c_mask, ATOMIC)
+            slot_ptr += (pid % SLOTS) * 2 * C
+        emit_column_sum(slot_ptr, pid, 2 * C, c, dw_acc, c_mask, ATOMIC)
+        emit_column_sum(slot_ptr, pid, 2 * C, C + c, db_acc, c_mask, ATOMIC)
+        if FINISH:  # the last program to finish adds up the rows and writes them in fin_ptr's dtype
+            _fence_gpu(pid)
+            tl.debug_barrier()
+            done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+            if done == tl.num_programs(0) - 1:
+                tot_w = tl.zeros((BLOCK_C,), dtype=tl.float32)
+                tot_b = tl.zeros((BLOCK_C,), dtype=tl.float32)
+                for r in tl.static_range(SLOTS):
+                    tot_w += tl.load(sums_ptr + r * 2 * C + c, mask=c_mask, other=0.0, cache_modifier=".cg")
+                    tot_b += tl.load(sums_ptr + r * 2 * C + C + c, mask=c_mask, other=0.0, cache_modifier=".cg")
+                tl.store(fin_ptr + c, to_dtype(tot_w, fin_ptr.dtype.element_ty, SOFT_RTNE), mask=c_mask)
+                tl.store(fin_ptr + C + c, to_dtype(tot_b, fin_ptr.dtype.element_ty, SOFT_RTNE), mask=c_mask)
+                tl.atomic_xchg(cnt_ptr, 0, sem="relaxed")  # ready for the next launch on the same counter
     _pdl_exit(PDL)
+
+
+@triton.jit
+def _fence_gpu(token):
+    """fence.acq_rel.gpu by every thread (token: any int32 scalar): its earlier writes (stores, atomic adds)
+    are performed at GPU scope before its later ones. A no-op under the interpreter, which runs one program
+    after another."""
+    if not _INTERPRET_C:
+        tl.inline_asm_elementwise("fence.acq_rel.gpu;\n mov.u32 $0, $1;", "=r,r", [token], dtype=tl.int32,
+                                  is_pure=False, pack=1)
 
 
 @triton.jit
