@@ -85,6 +85,11 @@ def _pdl_exit(PDL: tl.constexpr):
 
 
 @triton.jit
+def _add_pair(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
 def _norm_rows(x, w_ptr, b_ptr, c, c_mask, C, eps):
     """LayerNorm of whole rows x (tokens x BLOCK_C, columns c < C valid) in fp32 -> (y, mean, rstd)."""
     xf = x.to(tl.float32)
@@ -249,8 +254,13 @@ def _norm_bwd_tile(g, x, w, mean, rstd, mask, C):
     tokens give dweight and dbias."""
     xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
     wg = g * w[None, :]
-    c1 = tl.sum(xhat * wg, axis=1) / C
-    c2 = tl.sum(wg, axis=1) / C
+    if _INTERPRET_C:  # numpy sums (the interpreter runs a combine function element by element in Python)
+        c1 = tl.sum(xhat * wg, axis=1) / C
+        c2 = tl.sum(wg, axis=1) / C
+    else:  # both row sums in one reduction: one exchange between warps instead of two
+        c1, c2 = tl.reduce((xhat * wg, wg), 1, _add_pair)
+        c1 = c1 / C
+        c2 = c2 / C
     dx = (wg - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
     return dx, g * xhat, g
 
@@ -263,7 +273,7 @@ def _norm_partition_bwd_kernel(
     shift_h: tl.constexpr, shift_w: tl.constexpr, WS: tl.constexpr, SOFT_RTNE: tl.constexpr, ATOMIC: tl.constexpr,
     HAS_DS: tl.constexpr, MERGE: tl.constexpr, STAGES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
     PDL: tl.constexpr = False, DIAG: tl.constexpr = 0, ROW_SUMS: tl.constexpr = False, SLOTS: tl.constexpr = 1,
-    FINISH: tl.constexpr = False, cnt_ptr=None, fin_ptr=None,
+    PDL_EARLY: tl.constexpr = False,
 ):
     """LayerNorm backward with the gradient gathered from window order (d of the partition), plus, with
     HAS_DS, a gradient ds of x from elsewhere (the block's residual path) added into dx in the same pass.
@@ -285,10 +295,15 @@ def _norm_partition_bwd_kernel(
     Triton's pipelining (STAGES = 3) as fast as a hand-written one-tile prefetch at every stage (within
     0.5 µs at stages 2-4, 5% faster at stage 1).
 
+    PDL_EARLY: release the next kernel at the start instead of after the last store, where that kernel is
+    the small _sum_rows_kernel (it waits for this grid to complete all the same).
+
     DIAG (benchmarks/diag_norm_backward.py only; wrong results): 1 drops the column sums, 2 the dx stores,
     3 the LayerNorm arithmetic (dx = g + x), to see what each costs.
     """
     _pdl_enter(PDL)
+    if PDL_EARLY:  # the next kernel is the small one that adds up these sums: let it get resident now
+        _pdl_exit(PDL)
     pid = tl.program_id(0)
     c = tl.arange(0, BLOCK_C)
     c_mask = c < C
@@ -342,30 +357,8 @@ def _norm_partition_bwd_kernel(
             slot_ptr += (pid % SLOTS) * 2 * C
         emit_column_sum(slot_ptr, pid, 2 * C, c, dw_acc, c_mask, ATOMIC)
         emit_column_sum(slot_ptr, pid, 2 * C, C + c, db_acc, c_mask, ATOMIC)
-        if FINISH:  # the last program to finish adds up the rows and writes them in fin_ptr's dtype
-            _fence_gpu(pid)
-            tl.debug_barrier()
-            done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-            if done == tl.num_programs(0) - 1:
-                tot_w = tl.zeros((BLOCK_C,), dtype=tl.float32)
-                tot_b = tl.zeros((BLOCK_C,), dtype=tl.float32)
-                for r in tl.static_range(SLOTS):
-                    tot_w += tl.load(sums_ptr + r * 2 * C + c, mask=c_mask, other=0.0, cache_modifier=".cg")
-                    tot_b += tl.load(sums_ptr + r * 2 * C + C + c, mask=c_mask, other=0.0, cache_modifier=".cg")
-                tl.store(fin_ptr + c, to_dtype(tot_w, fin_ptr.dtype.element_ty, SOFT_RTNE), mask=c_mask)
-                tl.store(fin_ptr + C + c, to_dtype(tot_b, fin_ptr.dtype.element_ty, SOFT_RTNE), mask=c_mask)
-                tl.atomic_xchg(cnt_ptr, 0, sem="relaxed")  # ready for the next launch on the same counter
-    _pdl_exit(PDL)
-
-
-@triton.jit
-def _fence_gpu(token):
-    """fence.acq_rel.gpu by every thread (token: any int32 scalar): its earlier writes (stores, atomic adds)
-    are performed at GPU scope before its later ones. A no-op under the interpreter, which runs one program
-    after another."""
-    if not _INTERPRET_C:
-        tl.inline_asm_elementwise("fence.acq_rel.gpu;\n mov.u32 $0, $1;", "=r,r", [token], dtype=tl.int32,
-                                  is_pure=False, pack=1)
+    if not PDL_EARLY:
+        _pdl_exit(PDL)
 
 
 @triton.jit
@@ -699,13 +692,15 @@ def _norm_bwd(g, x, weight, mean, rstd, window_size, shift, ds, dx, dwo, sums_in
         ds = _contig(ds)
         if tuple(ds.shape) != (B, H, W, C):
             raise ValueError(f"ds shape {tuple(ds.shape)} != {(B, H, W, C)}")
+    # _sum_rows_kernel follows where the sums take several rows, or (raw_sums) where _norm_grads will cast them
+    followed = atomic and (sums.shape[0] > 1 or (raw_sums and PDL_CAST and weight.dtype in (torch.bfloat16, torch.float16)))
     launch(_norm_partition_bwd_kernel)[(nprog,)](
         g, x, _contig(weight), mean, rstd, ds if ds is not None else x, dx, dwo if dwo is not None else dx, sums,
         n_tok, tiles_per_prog, C,
         H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=int(window_size), SOFT_RTNE=_SOFT_RTNE,
         ATOMIC=atomic, HAS_DS=ds is not None, MERGE=dwo is not None, STAGES=stages, BLOCK_T=block_t,
-        BLOCK_C=block_c, ROW_SUMS=row_sums, SLOTS=sums.shape[0] if atomic else 1, num_warps=num_warps,
-        **_pdl_args(maxnreg),
+        BLOCK_C=block_c, ROW_SUMS=row_sums, SLOTS=sums.shape[0] if atomic else 1, PDL_EARLY=followed and pdl_launch(),
+        num_warps=num_warps, **_pdl_args(maxnreg),
     )
     if raw_sums and atomic:
         return dx, dwo, sums
