@@ -80,3 +80,69 @@ def test_sums_into_a_shared_zeroed_buffer(monkeypatch):
     det = lin.bias_grad_host(dy, pre, torch.float32, sums_into=fresh)[1]
     assert not fresh.any() and det.data_ptr() != fresh.data_ptr()
     torch.testing.assert_close(det, ref, rtol=1e-5, atol=1e-4)
+
+
+def test_slot_rows_buffer_shapes():
+    """slots > 1: a fresh (slots, n) buffer, or `into` viewed as (slots, n) where it holds slots * n
+    elements and as one row where it holds n (a slice of a caller's shared buffer)."""
+    dev = torch.device(DEVICE)
+    buf, atomic = ln.column_sums(50, 8, dev, None, 4)
+    assert atomic and buf.shape == (4, 8) and not buf.any()
+    assert ln.column_sums(50, 8, dev, torch.zeros(32, device=DEVICE), 4)[0].shape == (4, 8)
+    assert ln.column_sums(50, 8, dev, torch.zeros(8, device=DEVICE), 4)[0].shape == (1, 8)
+
+
+@pytest.mark.parametrize("rows, n, dtype", [(1, 70, torch.bfloat16), (3, 2 * 300, torch.float32),
+                                            (4, 2 * 1000, torch.bfloat16), (200, 66, torch.float16)])
+def test_sum_rows_adds_the_rows_then_casts_once(rows, n, dtype):
+    """_sum_rows_kernel: the fp32 sum over the rows, rounded once to the output dtype (odd widths, more
+    rows than one step takes)."""
+    src = _rand((rows, n), 11)
+    got = win._sum_rows(src, dtype)
+    assert got.dtype == dtype and got.shape == (n,)
+    want = src.sum(0)
+    if rows == 1:  # a plain cast: exactly torch's rounding
+        assert torch.equal(got, want.to(dtype))
+    else:
+        tol = 1e-6 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got.float(), want, rtol=tol, atol=1e-5)
+
+
+@pytest.mark.parametrize("pdtype", [torch.float32, torch.bfloat16])
+def test_norm_grads_from_slot_rows(pdtype):
+    """_norm_grads takes the (rows, 2C) sums as the backward left them: dweight and dbias are the rows'
+    sums, in the parameters' dtype."""
+    C = 37
+    rows = _rand((4, 2 * C), 12)
+    w, b = torch.ones(C, dtype=pdtype, device=DEVICE), torch.zeros(C, dtype=pdtype, device=DEVICE)
+    dw, db = win._norm_grads(rows, w, b)
+    assert dw.dtype == db.dtype == pdtype and dw.shape == db.shape == (C,)
+    tol = {"rtol": 1e-2, "atol": 1e-2} if pdtype != torch.float32 else {"rtol": 1e-6, "atol": 1e-5}
+    torch.testing.assert_close(dw.float(), rows.sum(0)[:C], **tol)
+    torch.testing.assert_close(db.float(), rows.sum(0)[C:], **tol)
+
+
+def test_norm_backward_over_several_slot_rows_matches_one_row(monkeypatch):
+    """The norm + partition backward's column sums spread over several rows (a row per 2 programs here)
+    add up to those of one row, and dx is the same bit for bit; raw_sums hands back the rows."""
+    B, H, W, C, ws, shift = 2, 9, 11, 300, 4, 2
+    x, w, b = _rand((B, H, W, C), 13), _rand((C,), 14), _rand((C,), 15)
+    windows, mean, rstd = win.norm_shift_partition_fwd(x, w, b, 1e-5, ws, shift)
+    dwin = _rand(windows.shape, 16)
+    monkeypatch.setattr(win, "_NORM_BWD_MAX_SLOTS", 1)
+    win._norm_bwd_config.cache_clear()
+    try:
+        dx1, sums1 = win.norm_shift_partition_bwd(dwin, x, w, mean, rstd, ws, shift)
+        monkeypatch.setattr(win, "_NORM_BWD_MAX_SLOTS", 16)
+        monkeypatch.setattr(win, "_NORM_BWD_PER_SLOT", 2)
+        win._norm_bwd_config.cache_clear()
+        slots = win._norm_bwd_slots(x)
+        assert slots > 1
+        dx2, sums2 = win.norm_shift_partition_bwd(dwin, x, w, mean, rstd, ws, shift)
+        dx3, raw = win.norm_shift_partition_bwd(dwin, x, w, mean, rstd, ws, shift, raw_sums=True)
+    finally:
+        win._norm_bwd_config.cache_clear()
+    assert torch.equal(dx1, dx2) and torch.equal(dx1, dx3)
+    assert raw.shape == (slots, 2 * C)
+    torch.testing.assert_close(sums2, sums1, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(raw.sum(0), sums1, rtol=1e-5, atol=1e-4)
