@@ -693,7 +693,8 @@ def _norm_bwd(g, x, weight, mean, rstd, window_size, shift, ds, dx, dwo, sums_in
         if tuple(ds.shape) != (B, H, W, C):
             raise ValueError(f"ds shape {tuple(ds.shape)} != {(B, H, W, C)}")
     # _sum_rows_kernel follows where the sums take several rows, or (raw_sums) where _norm_grads will cast them
-    followed = atomic and (sums.shape[0] > 1 or (raw_sums and PDL_CAST and weight.dtype in (torch.bfloat16, torch.float16)))
+    half = weight.dtype in (torch.bfloat16, torch.float16)
+    followed = atomic and (sums.shape[0] > 1 or (raw_sums and PDL_CAST and half))
     launch(_norm_partition_bwd_kernel)[(nprog,)](
         g, x, _contig(weight), mean, rstd, ds if ds is not None else x, dx, dwo if dwo is not None else dx, sums,
         n_tok, tiles_per_prog, C,
