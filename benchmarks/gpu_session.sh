@@ -18,6 +18,7 @@
 #   attn           bench_window_attention: the fused attention against eager and SDPA
 #   norms          bench_layer_norm and bench_linear
 #   sweep-norm     the norm + shift + partition backward's launch sweep at stages 3-4
+#   warp-rows      diag_warp_rows: the LayerNorm + shift + partition forward with a warp per row, against the shipped one
 #   sweep-slots    the same for the ROW_SUMS tile: band length, pipelining and rows of column sums (slots)
 #   diag           diag_maxnreg and diag_column_sums
 #   eager          amp, fmha and fmha-gather (the bias gathered before the attention), eager, profiled,
@@ -74,6 +75,7 @@ for part in "$@"; do
              timeout 120 python3 benchmarks/bench_linear.py --check --out "$out/r/bench_linear.json" 2>&1 | tail -20 ;;
     sweep-norm) timeout 420 python3 benchmarks/sweep_norm_window.py --dirs bwd --stages s3,s4 \
                --out "$out/r/sweep_norm_window_bwd.json" 2>&1 | tail -16 ;;
+    warp-rows) timeout 200 python3 benchmarks/diag_warp_rows.py --out "$out/r/diag_warp_rows.json" 2>&1 | tail -12 ;;
     sweep-slots) timeout 420 python3 benchmarks/sweep_norm_window.py --dirs bwd --stages ${SWEEP_STAGES:-s3,s4} --family slots \
                --out "$out/r/sweep_norm_window_slots.json" 2>&1 | tail -16 ;;
     diag)    timeout 90 python3 benchmarks/diag_maxnreg.py 2>&1 | tail -16
