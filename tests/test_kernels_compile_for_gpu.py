@@ -28,3 +28,33 @@ def test_every_kernel_variant_compiles_for_sm90():
     tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
     assert proc.returncode == 0, tail
     assert "0 failed" in proc.stdout and "_partition_fwd_kernel" in proc.stdout, tail
+
+
+_SPECIALIZATION_PROBE = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+import aot_compile_kernels as A
+from workbench.kernels import window as win
+fn = win._sum_rows_kernel
+names = [p.name for p in fn.params]
+for n in (2048, 1023):
+    sig, constexprs, attrs, _ = A._signature(fn, (torch.empty(2 * n), torch.empty(n), 1, n),
+                                             dict(SOFT_RTNE=False, BLOCK_R=1, BLOCK_N=1024, num_warps=4))
+    print(sig["src_ptr"], (names.index("src_ptr"),) in attrs, sig["n_rows"], constexprs.get("n_rows"), sig["n"],
+          (names.index("n"),) in attrs)
+"""
+
+
+@pytest.mark.skipif(not _nvidia_backend(), reason="this Triton has no NVIDIA backend to compile with")
+def test_ahead_of_time_launches_are_specialized_as_the_jit_specializes_them():
+    """The script compiles each launch with the attributes Triton's JIT would give it: an int equal to 1
+    is a constexpr, a 16-byte aligned tensor and an int divisible by 16 carry tt.divisibility 16, other
+    ints carry nothing. Without them every kernel compiles to scalar memory accesses and other register
+    counts than it runs with."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parents[1])] + [p for p in [env.get("PYTHONPATH")] if p])
+    proc = subprocess.run([sys.executable, "-c", _SPECIALIZATION_PROBE.format(tests=str(SCRIPT.parent))], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["*fp32", "True", "constexpr", "1", "i32", "True",
+                                   "*fp32", "True", "constexpr", "1", "i32", "False"], proc.stdout
