@@ -34,14 +34,14 @@ _SPECIALIZATION_PROBE = """
 import sys, torch
 sys.path.insert(0, {tests!r})
 import aot_compile_kernels as A
-from workbench.kernels import window as win
-fn = win._sum_rows_kernel
+import importlib
+fn = importlib.import_module("workbench.kernels.layer_norm")._sum_partials_kernel  # the package exports a function of that name
 names = [p.name for p in fn.params]
 for n in (2048, 1023):
     sig, constexprs, attrs, _ = A._signature(fn, (torch.empty(2 * n), torch.empty(n), 1, n),
-                                             dict(SOFT_RTNE=False, BLOCK_R=1, BLOCK_N=1024, num_warps=4))
-    print(sig["src_ptr"], (names.index("src_ptr"),) in attrs, sig["n_rows"], constexprs.get("n_rows"), sig["n"],
-          (names.index("n"),) in attrs)
+                                             dict(BLOCK_P=1, BLOCK_N=1024, num_warps=4))
+    print(sig["PARTIAL"], (names.index("PARTIAL"),) in attrs, sig["n_partials"], constexprs.get("n_partials"),
+          sig["n_cols"], (names.index("n_cols"),) in attrs)
 """
 
 

@@ -51,38 +51,12 @@ import triton.language as tl
 from ._ops import _INTERPRET, cdiv, kernel_op, launch, launch_options, next_pow2, pdl_launch
 
 from workbench.kernels.layer_norm import (SOFT_RTNE as _SOFT_RTNE, column_sums, eager_column_sums, emit_column_sum,
-                                          finish_column_sums, sm_count, split_norm_grads, to_dtype, zero_column_sums)
+                                          finish_column_sums, pdl_enter as _pdl_enter, pdl_exit as _pdl_exit,
+                                          sm_count, split_norm_grads, sum_partials, to_dtype, zero_column_sums)
 
 # ----------------------------------------------------------------------------------- kernels
 
 _INTERPRET_C = tl.constexpr(_INTERPRET)
-
-if not _INTERPRET:
-    try:
-        import triton.language.extra.cuda  # noqa: F401  (griddepcontrol: tl.extra.cuda.gdc_*)
-    except ImportError:
-        pass
-
-
-@triton.jit
-def _pdl_enter(PDL: tl.constexpr):
-    """Under programmatic dependent launch (the host's `pdl_launch()`), before any load or store: wait until
-    the previous kernel in the stream has finished and its writes are visible."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
-def _pdl_exit(PDL: tl.constexpr):
-    """After the program's last store is issued: let the next kernel's programs start launching (they wait
-    in their own _pdl_enter). Its launch and the scheduling of its programs then overlap this kernel's
-    tail instead of following it. Released at once instead (in _pdl_enter), the next kernel's waiting
-    programs took SM slots from this one's: the H200 timed roll_partition and merge_roll at Swin-B stage 3
-    6% slower than plain launches that way, and 8% faster released here
-    (benchmarks/results/diag_window_launch_knobs_h200.json)."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-
 
 @triton.jit
 def _add_pair(a0, b0, a1, b1):
@@ -296,7 +270,7 @@ def _norm_partition_bwd_kernel(
     0.5 µs at stages 2-4, 5% faster at stage 1).
 
     PDL_EARLY: release the next kernel at the start instead of after the last store, where that kernel is
-    the small _sum_rows_kernel (it waits for this grid to complete all the same).
+    the small one of layer_norm.sum_partials (it waits for this grid to complete all the same).
 
     DIAG (benchmarks/diag_norm_backward.py only; wrong results): 1 drops the column sums, 2 the dx stores,
     3 the LayerNorm arithmetic (dx = g + x), to see what each costs.
@@ -359,25 +333,6 @@ def _norm_partition_bwd_kernel(
         emit_column_sum(slot_ptr, pid, 2 * C, C + c, db_acc, c_mask, ATOMIC)
     if not PDL_EARLY:
         _pdl_exit(PDL)
-
-
-@triton.jit
-def _sum_rows_kernel(src_ptr, dst_ptr, n_rows, n, SOFT_RTNE: tl.constexpr, BLOCK_R: tl.constexpr,
-                     BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
-    """dst[i] = sum over r of src[r, i] (src (n_rows, n) fp32, rows added in a fixed order per lane) in
-    dst's dtype, rounded to nearest even: the LayerNorm backward's column sums, added over the rows
-    (slots) its programs spread them over and, for a half-precision model, cast to its parameters' dtype,
-    in one kernel inside the chain of PDL launches."""
-    _pdl_enter(PDL)
-    offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = offs < n
-    acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
-    for r0 in range(0, n_rows, BLOCK_R):
-        r = r0 + tl.arange(0, BLOCK_R)
-        acc += tl.load(src_ptr + r[:, None] * n + offs[None, :], mask=(r < n_rows)[:, None] & mask[None, :],
-                       other=0.0)
-    tl.store(dst_ptr + offs, to_dtype(tl.sum(acc, axis=0), dst_ptr.dtype.element_ty, SOFT_RTNE), mask=mask)
-    _pdl_exit(PDL)
 
 
 # ------------------------------------------------------------------------------ host functions
@@ -641,27 +596,24 @@ def norm_shift_partition_bwd(
                      raw_sums)[::2]
 
 
-# Experiment knob (benchmarks/diag_window_launch.py): half parameters' gradients cast by _sum_rows_kernel in
+# Experiment knob (benchmarks/diag_window_launch.py): half parameters' gradients cast by the sum_partials launch in
 # the PDL chain (True) or by torch's cast, a plain launch after the backward (False).
 PDL_CAST = True
-_SUM_ROWS_ELEMS = 4096  # elements of src one _sum_rows_kernel program adds per step
+_SUM_ROWS_ELEMS = 4096  # elements of src one summing program adds per step
 _SUM_ROWS_MAX_N = 1024  # columns a program at most (a plain cast: 1024 a program)
 
 
 def _sum_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(R, n) fp32 -> (n,) sums over R in dtype, one _sum_rows_kernel launch (with PDL where on)."""
-    n_rows, n = rows.shape
-    block_r = min(next_pow2(n_rows), _SUM_ROWS_ELEMS // 32)
+    """(R, n) fp32 -> (n,) sums over R in dtype: one layer_norm.sum_partials launch (with PDL where on), on
+    blocks sized for R (a single row: a plain cast, 1024 columns a program)."""
+    block_r = min(next_pow2(rows.shape[0]), _SUM_ROWS_ELEMS // 32)
     block_n = max(32, min(_SUM_ROWS_MAX_N, _SUM_ROWS_ELEMS // block_r))
-    out = torch.empty(n, dtype=dtype, device=rows.device)
-    launch(_sum_rows_kernel)[(cdiv(n, block_n),)](rows, out, n_rows, n, SOFT_RTNE=_SOFT_RTNE, BLOCK_R=block_r,
-                                                 BLOCK_N=block_n, num_warps=4, **_pdl_args())
-    return out
+    return sum_partials(rows, dtype, block_p=block_r, block_n=block_n, pdl=pdl_launch())
 
 
 def _norm_grads(sums: torch.Tensor, weight, bias) -> tuple:
     """(dweight, dbias) from the fp32 column sums, (2C,) or the (rows, 2C) the backward left them in
-    (raw_sums), as layer_norm.split_norm_grads gives them. Rows are added up by one _sum_rows_kernel launch,
+    (raw_sums), as layer_norm.split_norm_grads gives them. Rows are added up by one sum_partials launch,
     which, where the kernels launch with PDL and both parameters are bf16 or fp16, also casts (torch's
     cast would be a plain launch that breaks the chain of PDL launches). While torch.compile traces,
     torch's sum and cast (Inductor schedules them with the rest)."""
@@ -692,7 +644,7 @@ def _norm_bwd(g, x, weight, mean, rstd, window_size, shift, ds, dx, dwo, sums_in
         ds = _contig(ds)
         if tuple(ds.shape) != (B, H, W, C):
             raise ValueError(f"ds shape {tuple(ds.shape)} != {(B, H, W, C)}")
-    # _sum_rows_kernel follows where the sums take several rows, or (raw_sums) where _norm_grads will cast them
+    # a sum_partials launch follows where the sums take several rows, or (raw_sums) where _norm_grads casts them
     half = weight.dtype in (torch.bfloat16, torch.float16)
     followed = atomic and (sums.shape[0] > 1 or (raw_sums and PDL_CAST and half))
     launch(_norm_partition_bwd_kernel)[(nprog,)](
