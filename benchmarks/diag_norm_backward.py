@@ -120,23 +120,22 @@ def main() -> int:
                          "sums": torch.zeros(128, 2 * C, dtype=torch.float32, device=dev)})
         s0 = sets[0]
         dx_ref, sums_ref = win.norm_shift_partition_bwd(s0["g"], s0["x"], s0["w"], s0["mean"], s0["rstd"], WINDOW, SHIFT)
-        row_sums = win._norm_bwd_config(n_tok, C, 2, dev)[7]
+        row_sums, slots = win._norm_bwd_config(n_tok, C, 2, dev)[7:]
+        shipped = grid(n_tok, C, dev, "shipped")
         variants: dict = {"copy3": ([lambda s=s: win.merge_roll_fwd(s["windows"], WINDOW, SHIFT, H, W, s["x"], out=s["out"])
                                      for s in sets], None)}
-        plan = [("shipped", grid(n_tok, C, dev, "shipped"), win._norm_bwd_config(n_tok, C, 2, dev)[8])]
+        plan = [("shipped", shipped, slots)]
         plan += [(f"band slots {k}" if k > 1 else "band", grid(n_tok, C, dev, "band"), k) for k in (1, 4)]
         if row_sums:
             plan += [(f"t{n} slots {k}", grid(n_tok, C, dev, "tiles", n), k) for n in (2, 1) for k in (4, 16)]
-        for name, cfg, slots in plan:
+        for name, cfg, k in plan:
             probe = dict(s0, sums=torch.zeros(128, 2 * C, dtype=torch.float32, device=dev), dx=torch.empty_like(s0["x"]))
-            backward_fn(probe, cfg, 0, slots, False)()
+            backward_fn(probe, cfg, 0, k, False)()
             err = ((probe["sums"].sum(0) - sums_ref).abs().max() / sums_ref.abs().max()).item()
             if not torch.equal(probe["dx"], dx_ref) or err > 1e-3:
                 print(f"{stage}: {name} does not match the shipped backward (sums off by {err:.1e})")
                 return 1
-            variants[name] = ([backward_fn(s, cfg, 0, slots, True) for s in sets], cfg[3])
-        shipped = grid(n_tok, C, dev, "shipped")
-        slots = win._norm_bwd_config(n_tok, C, 2, dev)[8]
+            variants[name] = ([backward_fn(s, cfg, 0, k, True) for s in sets], cfg[3])
         variants["shipped no-cast"] = ([backward_fn(s, shipped, 0, slots, False) for s in sets], shipped[3])
         variants["shipped late"] = ([backward_fn(s, shipped, 0, slots, True, early=False) for s in sets], shipped[3])
         for name, diag in (("no-sums", 1), ("no-store", 2), ("no-math", 3)):
