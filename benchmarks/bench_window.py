@@ -1,6 +1,7 @@
 """Fused Swin window ops vs the eager timm ops they replace, on Swin-B stage shapes at batch 64.
 
     python benchmarks/bench_window.py --check --out results/bench_window_h200.json
+    python benchmarks/bench_window.py --inductor --out results/bench_window_inductor_h200.json
 
 Ops (fused / eager it replaces), forward + backward:
   roll_partition        torch.roll(-3) + F.pad + window_partition
@@ -32,6 +33,8 @@ torch.autograd.grad so nothing accumulates):
   GB/s and % copy: the least traffic of fwd+bwd (read inputs, write outputs once; fp32 LN stats)
   over the fused graph_us, and that over the device-to-device copy bandwidth measured the same way
   (Tensor.copy_ of a 1 GiB buffer, counting read + write).
+  --inductor: the eager ops compiled by torch.compile (Inductor, default mode, static shapes), fwd+bwd
+  through autograd, graph-replayed the same way (inductor_graph_us): what torch.compile alone gives.
 The first call (Triton compile) is timed separately (first_call_s), never in the medians.
 --check first verifies fused == eager (data movement bit-exact; the LayerNorm ops against the eager ops
 in fp32, at 2e-2 of max |ref| in half precision) on the same shapes, forward and every gradient, and
@@ -117,13 +120,13 @@ def make_inputs(B, H, W, C, dtype, device, seed=0) -> dict:
     return t
 
 
+LEAVES = {"roll_partition": ("x",), "merge_roll": ("windows",), "norm_shift_partition": ("x", "w", "b"),
+          "norm_shift_partition_amp": ("x32", "w32", "b32"), "add_norm_shift_partition": ("x", "r", "w", "b"),
+          "merge_add_norm": ("windows", "x", "w", "b"), "merge_unshift_add": ("windows", "x")}
+
+
 def leaves(op: str, t: dict) -> list[torch.Tensor]:
-    return {"roll_partition": [t["x"]], "merge_roll": [t["windows"]],
-            "norm_shift_partition": [t["x"], t["w"], t["b"]],
-            "norm_shift_partition_amp": [t["x32"], t["w32"], t["b32"]],
-            "add_norm_shift_partition": [t["x"], t["r"], t["w"], t["b"]],
-            "merge_add_norm": [t["windows"], t["x"], t["w"], t["b"]],
-            "merge_unshift_add": [t["windows"], t["x"]]}[op]
+    return [t[k] for k in LEAVES[op]]
 
 
 def forward(op: str, impl: str, t: dict, H: int, W: int, shift: int) -> torch.Tensor:
@@ -166,13 +169,28 @@ def upstream(op: str, t: dict):
     return t["d_win"] if op in ("roll_partition", *LN_OPS) else t["d_img"]
 
 
-def fwd_bwd_fn(op, impl, t, H, W, shift):
+def compiled_eager(op, H, W, shift, half: torch.dtype):
+    """The eager ops of `op` compiled by torch.compile (Inductor, default mode, static shapes) as a
+    function of the op's leaves: what a user gets from torch.compile alone. Dynamo's caches are reset
+    first: every (op, stage) is its own compile, never a fallback to eager past the recompile limit."""
+    torch._dynamo.reset()
+
+    def eager(*args):
+        t = dict(zip(LEAVES[op], args))
+        t["d_win"] = torch.empty(0, dtype=half)  # forward reads only its dtype (the amp op's output dtype)
+        return forward(op, "eager", t, H, W, shift)
+    return torch.compile(eager, dynamic=False)
+
+
+def fwd_bwd_fn(op, impl, t, H, W, shift, compiled=None):
     """Forward + backward through autograd; torch.autograd.grad returns the gradients instead of
-    accumulating them into .grad (no extra add kernels, graph-capturable)."""
+    accumulating them into .grad (no extra add kernels, graph-capturable). impl "inductor" runs
+    `compiled` (compiled_eager) on the leaves."""
     inputs, dout = leaves(op, t), upstream(op, t)
 
     def run():
-        return torch.autograd.grad(forward(op, impl, t, H, W, shift), inputs, dout)
+        y = compiled(*inputs) if impl == "inductor" else forward(op, impl, t, H, W, shift)
+        return torch.autograd.grad(y, inputs, dout)
     return run
 
 
@@ -308,7 +326,7 @@ def check(stages, dtype_name, device) -> list[dict]:
     return results
 
 
-def measure(stages, dtype_name, device, replays, copy_gbps) -> list[dict]:
+def measure(stages, dtype_name, device, replays, copy_gbps, inductor=False) -> list[dict]:
     dtype = DTYPES[dtype_name]
     elt = torch.tensor([], dtype=dtype).element_size()
     records = []
@@ -322,8 +340,9 @@ def measure(stages, dtype_name, device, replays, copy_gbps) -> list[dict]:
                     p.requires_grad_(True)
             rec = {"op": op, "stage": stage, "B": B, "H": H, "W": W, "C": C, "window": WINDOW, "shift": shift,
                    "dtype": dtype_name, "input_sets": len(sets), "bytes": nbytes}
-            for impl in ("eager", "fused"):
-                fns = [fwd_bwd_fn(op, impl, t, H, W, shift) for t in sets]
+            for impl in ("eager", "fused") + (("inductor",) if inductor else ()):
+                compiled = compiled_eager(op, H, W, shift, sets[0]["d_win"].dtype) if impl == "inductor" else None
+                fns = [fwd_bwd_fn(op, impl, t, H, W, shift, compiled) for t in sets]
                 rec[f"{impl}_first_call_s"] = first_call_s(fns[0])
                 rec[f"{impl}_graph_us"], rec[f"{impl}_graph_us_p20"], rec[f"{impl}_graph_us_p80"] = graph_us(fns, replays)
                 rec[f"{impl}_call_us"], rec[f"{impl}_call_us_p20"], rec[f"{impl}_call_us_p80"] = call_us(fns, 5, 10)
@@ -337,6 +356,9 @@ def measure(stages, dtype_name, device, replays, copy_gbps) -> list[dict]:
             rec["gbps"] = nbytes / (rec["fused_graph_us"] * 1e-6) / 1e9
             rec["eager_gbps"] = nbytes / (rec["eager_graph_us"] * 1e-6) / 1e9
             rec["pct_copy"] = 100.0 * rec["gbps"] / copy_gbps
+            if inductor:
+                rec["speedup_vs_inductor"] = rec["inductor_graph_us"] / rec["fused_graph_us"]
+                rec["inductor_gbps"] = nbytes / (rec["inductor_graph_us"] * 1e-6) / 1e9
             records.append(rec)
             del sets, fns, pairs
             if device == "cuda":
@@ -345,14 +367,21 @@ def measure(stages, dtype_name, device, replays, copy_gbps) -> list[dict]:
 
 
 def format_table(records: list[dict]) -> str:
+    inductor = bool(records) and "inductor_graph_us" in records[0]
     head = (f"{'op':<24} {'stage':<13} | {'graph us: eager':>15} {'fused':>6} {'x':>5} {'fwd':>5} {'bwd':>5} "
             f"{'GB/s':>5} {'%copy':>5} | {'per call us: eager':>18} {'fused':>6}")
+    if inductor:
+        head += f" | {'inductor us':>11} {'%copy':>5} {'fused x':>7}"
     lines = [head]
     for r in records:
         shape = f"{r['stage']} {r['H']}x{r['W']}x{r['C']}"
-        lines.append(f"{r['op']:<24} {shape:<13} | {r['eager_graph_us']:>15.1f} {r['fused_graph_us']:>6.1f} "
-                     f"{r['speedup']:>4.2f}x {r['fwd_us']:>5.1f} {r['bwd_us']:>5.1f} {r['gbps']:>5.0f} {r['pct_copy']:>4.0f}% | "
-                     f"{r['eager_call_us']:>18.1f} {r['fused_call_us']:>6.1f}")
+        line = (f"{r['op']:<24} {shape:<13} | {r['eager_graph_us']:>15.1f} {r['fused_graph_us']:>6.1f} "
+                f"{r['speedup']:>4.2f}x {r['fwd_us']:>5.1f} {r['bwd_us']:>5.1f} {r['gbps']:>5.0f} {r['pct_copy']:>4.0f}% | "
+                f"{r['eager_call_us']:>18.1f} {r['fused_call_us']:>6.1f}")
+        if inductor:
+            line += (f" | {r['inductor_graph_us']:>11.1f} {r['pct_copy'] * r['inductor_gbps'] / r['gbps']:>4.0f}% "
+                     f"{r['speedup_vs_inductor']:>6.2f}x")
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -362,9 +391,16 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, help="write records + environment stamp as JSON here (default: stdout only)")
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--replays", type=int, default=20, help="graph replays timed per measurement")
+    ap.add_argument("--inductor", action="store_true",
+                    help="also time the eager ops compiled by torch.compile (Inductor; GPU only; adds a compile "
+                         "of forward and backward per op and stage, minutes)")
     args = ap.parse_args(argv)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.inductor and device != "cuda":
+        print("bench_window: --inductor needs a GPU (Inductor cannot compile these ops' Triton code for the CPU)",
+              file=sys.stderr)
+        return 2
     stages = SWIN_B_STAGES if device == "cuda" else CPU_STAGES
     stamp = environment_stamp(device)
     print(f"# bench_window on {device_label(stamp)}; torch {stamp['torch']}, triton {stamp['triton']}, {args.dtype}, "
@@ -386,7 +422,7 @@ def main(argv=None) -> int:
 
     # The copy rate is measured before and after the ops and the faster run kept.
     copies = [copy_bandwidth(device, args.replays)]
-    records = measure(stages, args.dtype, device, args.replays, copies[0]["gbps"])
+    records = measure(stages, args.dtype, device, args.replays, copies[0]["gbps"], args.inductor)
     copies.append(copy_bandwidth(device, args.replays))
     copy = max(copies, key=lambda c: c["gbps"])
     copy["gbps_runs"] = [c["gbps"] for c in copies]
@@ -412,6 +448,13 @@ def main(argv=None) -> int:
           f"{geo_call ** (1 / len(records)):.2f}x per plain call; "
           f"first calls (compile) {sum(r['kernel_first_call_s'] + r['fused_first_call_s'] for r in records):.1f} s; "
           f"total {time.perf_counter() - t0:.1f} s")
+    if args.inductor:
+        geo_ind = 1.0
+        for r in records:
+            geo_ind *= r["speedup_vs_inductor"]
+        print(f"# fused vs torch.compile (Inductor) of the eager ops, fwd+bwd: geomean {geo_ind ** (1 / len(records)):.2f}x "
+              f"GPU time (graph); range {min(r['speedup_vs_inductor'] for r in records):.2f}x.."
+              f"{max(r['speedup_vs_inductor'] for r in records):.2f}x")
 
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,11 @@ timed with the launch that adds them up and casts them, as the shipped backward 
     python benchmarks/diag_warp_rows.py              # GPU: check against the shipped kernels, then time them
     TRITON_INTERPRET=1 python benchmarks/diag_warp_rows.py --check   # CPU: the check alone (small shapes)
 
-The timing is bench_window's: CUDA-graph replay over input sets that exceed the L2. Not yet run on a GPU.
+The timing is bench_window's: CUDA-graph replay over input sets that exceed the L2.
+
+Measured (H200, 2026-12-01 18:00, benchmarks/results/diag_warp_rows_h200.json; µs): a warp per row pays
+nowhere. Forward, shipped vs the best warp-rows tile: s2 16.5 vs 17.9, s3 9.5 vs 8.9, s4 5.2 vs 5.5.
+Backward with its sum/cast launch: s2 31.0 vs 35.3, s3 14.0 vs 15.0, s4 10.2 vs 10.1. Not ported.
 """
 from __future__ import annotations
 
