@@ -115,3 +115,49 @@ def test_eager_calls_skip_the_dispatcher(monkeypatch):
     y, mean, rstd = op(*args)
     ref = torch.nn.functional.layer_norm(args[0], (args[0].shape[-1],), args[1], args[2], args[3])
     torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_traced_launches_pass_the_kernels_defaults():
+    """While torch.compile traces, launches go through wrap_triton, which does not apply a kernel's
+    default arguments itself: launch() fills them in (an argument list short of them made Inductor's
+    mutation analysis assume every input written, and AOTAutograd refuse a LayerNorm weight)."""
+    from workbench.kernels._ops import with_kernel_defaults
+    k = win._norm_partition_bwd_kernel
+    given = {"PDL": True, "ROW_SUMS": True}
+    filled = with_kernel_defaults(k, tuple(range(9)), given)
+    assert filled == {"PDL": True, "ROW_SUMS": True, "DIAG": 0, "SLOTS": 1, "PDL_EARLY": False}
+    assert given == {"PDL": True, "ROW_SUMS": True}  # the caller's dict is left alone
+    # a default passed positionally counts as given
+    import inspect
+    names = list(inspect.signature(k.fn).parameters)
+    n = names.index("DIAG") + 1
+    assert "DIAG" not in with_kernel_defaults(k, tuple(range(n)), {})
+
+
+def test_traced_launches_leave_autotuned_arguments_to_the_autotuner():
+    import triton
+    import triton.language as tl
+    from workbench.kernels._ops import with_kernel_defaults
+
+    def body(X, N, BLOCK: tl.constexpr = 16, FLAG: tl.constexpr = False):
+        pass
+    tuned = triton.autotune([triton.Config({"BLOCK": 32})], key=["N"])(triton.jit(body))
+    assert with_kernel_defaults(tuned, (None, 4), {}) == {"FLAG": False}
+
+
+@pytest.mark.parametrize("module", [ln, win, wa, lin], ids=lambda m: m.__name__.rsplit(".", 1)[-1])
+def test_jit_functions_keep_their_own_names(module):
+    """Inductor copies a traced kernel's source together with the @triton.jit functions it calls, under
+    their own names (fn.__name__). A kernel module that imports one under another name (`pdl_enter as
+    _pdl_enter`) compiles with Triton but not under torch.compile's Inductor (NameError in the copy)."""
+    import triton
+    jit_types = tuple(t for t in (getattr(triton, "JITFunction", None),
+                                  getattr(getattr(triton, "runtime", None), "JITFunction", None)) if t)
+    renamed = []
+    for name, obj in vars(module).items():
+        fn = getattr(obj, "fn", None)
+        if (isinstance(obj, jit_types) or type(obj).__name__ == "InterpretedFunction") and callable(fn):
+            own = getattr(fn, "__name__", name)
+            if own != name and vars(module).get(own) is not obj:  # an alias beside the own name is harmless
+                renamed.append(f"{name} -> {own}")
+    assert not renamed, f"{module.__name__} holds @triton.jit functions only under other names: {renamed}"

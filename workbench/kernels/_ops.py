@@ -101,13 +101,53 @@ def launcher_name() -> str:
 
 
 def launch(kernel):
-    """`launch(kernel)[grid](...)`: the kernel itself, or its `wrap_triton` wrapper while traced, or a
-    `CachedLauncher` around it where FAST_LAUNCH is on (not under the interpreter)."""
+    """`launch(kernel)[grid](...)`: the kernel itself, or its `wrap_triton` wrapper while traced (with the
+    kernel's defaults filled in: _TracedLaunch), or a `CachedLauncher` around it where FAST_LAUNCH is on
+    (not under the interpreter)."""
     if tracing():
-        return torch.library.wrap_triton(kernel)
+        return _TracedLaunch(kernel)
     if FAST_LAUNCH and not _INTERPRET:
         return _cached_launcher(kernel)
     return kernel
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_defaults(kernel) -> tuple[tuple[str, ...], dict]:
+    """(parameter names, {name: default}) of a Triton kernel's Python signature, leaving out parameters an
+    autotuner's configs set (it fills those in itself)."""
+    fn = kernel
+    while not inspect.isfunction(fn):  # Autotuner / Heuristics -> JITFunction -> the Python function
+        fn = fn.fn
+    params = inspect.signature(fn).parameters
+    tuned = {k for cfg in getattr(kernel, "configs", ()) for k in cfg.kwargs}
+    return tuple(params), {name: p.default for name, p in params.items()
+                           if p.default is not inspect.Parameter.empty and name not in tuned}
+
+
+def with_kernel_defaults(kernel, args: tuple, kwargs: dict) -> dict:
+    """kwargs plus the kernel's default values for the parameters the call leaves out. Triton's launcher
+    applies a kernel's defaults itself, but torch.compile's `wrap_triton` path does not: traced without
+    them, its analysis of which tensors the kernel writes fails, it assumes every input is written, and
+    AOTAutograd then refuses a parameter that requires grad (a LayerNorm weight) as a written input."""
+    names, defaults = _kernel_defaults(kernel)
+    given = set(names[:len(args)]) | set(kwargs)
+    missing = {k: v for k, v in defaults.items() if k not in given}
+    return {**kwargs, **missing} if missing else kwargs
+
+
+class _TracedLaunch:
+    """`wrap_triton(kernel)[grid](*args, **kwargs)` with the kernel's defaults filled in
+    (with_kernel_defaults)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        wrapped = torch.library.wrap_triton(self.kernel)[grid]
+
+        def call(*args, **kwargs):
+            return wrapped(*args, **with_kernel_defaults(self.kernel, args, kwargs))
+        return call
 
 
 def specialization_key(args: tuple) -> tuple:

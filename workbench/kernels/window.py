@@ -28,7 +28,7 @@ a GPU Inductor launches the kernels itself, elsewhere each call is one opaque op
 
 Launches: on Hopper and newer, with programmatic dependent launch (`_ops.pdl_launch`, SWINBENCH_PDL=0 turns it
 off): every kernel waits for the previous one before its first load and releases the next after its last
-store (`_pdl_enter` / `_pdl_exit`), so that launches overlap the kernels' tails.
+store (`pdl_enter` / `pdl_exit`), so that launches overlap the kernels' tails.
 
 Dtypes: fp32, fp16, bf16; math in fp32; outputs in the input dtype (merge_unshift_add:
 the promoted dtype of windows and shortcut, as `shortcut + windows` would give).
@@ -51,7 +51,7 @@ import triton.language as tl
 from ._ops import _INTERPRET, cdiv, kernel_op, launch, launch_options, next_pow2, pdl_launch
 
 from workbench.kernels.layer_norm import (SOFT_RTNE as _SOFT_RTNE, column_sums, eager_column_sums, emit_column_sum,
-                                          finish_column_sums, pdl_enter as _pdl_enter, pdl_exit as _pdl_exit,
+                                          finish_column_sums, pdl_enter, pdl_exit,
                                           sm_count, split_norm_grads, sum_partials, to_dtype, zero_column_sums)
 
 # ----------------------------------------------------------------------------------- kernels
@@ -96,7 +96,7 @@ def _partition_fwd_kernel(
     token normalized is s = x + r, rounded to s_ptr's dtype as torch's add would round it, and s is
     stored at the source token too (the residual stream after the add, written once).
     """
-    _pdl_enter(PDL)
+    pdl_enter(PDL)
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
     zero_column_sums(sums_ptr, n_sums, pid_t, tl.num_programs(0), ZERO_SUMS, BLOCK_C)  # NORM only: pid_c == 0
@@ -138,7 +138,7 @@ def _partition_fwd_kernel(
         tl.store(out_ptr + out_off, to_dtype(y, out_ptr.dtype.element_ty, SOFT_RTNE), mask=st_mask)
     else:
         tl.store(out_ptr + out_off, to_dtype(x, out_ptr.dtype.element_ty, SOFT_RTNE), mask=st_mask)
-    _pdl_exit(PDL)
+    pdl_exit(PDL)
 
 
 @triton.jit
@@ -169,7 +169,7 @@ def _merge_fwd_kernel(
     PDL: tl.constexpr = False,
 ):
     """out[s] = windows[row(s)] (+ shortcut[s]) for image tokens s in this program's block."""
-    _pdl_enter(PDL)
+    pdl_enter(PDL)
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
     s = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -185,7 +185,7 @@ def _merge_fwd_kernel(
         sc = tl.load(shortcut_ptr + out_off, mask=mask, other=0.0)
         y = sc.to(tl.float32) + y.to(tl.float32)
     tl.store(out_ptr + out_off, to_dtype(y, out_ptr.dtype.element_ty, SOFT_RTNE), mask=mask)
-    _pdl_exit(PDL)
+    pdl_exit(PDL)
 
 
 @triton.jit
@@ -201,7 +201,7 @@ def _merge_norm_fwd_kernel(
     as torch's add rounds it, then y = LayerNorm(s), for the image tokens of this program's block (whole
     rows: BLOCK_C covers C). Stores s, y, and fp32 mean/rstd per token. With ZERO_SUMS, the programs also
     zero the backward's column-sum buffer (layer_norm.zero_column_sums)."""
-    _pdl_enter(PDL)
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     zero_column_sums(sums_ptr, n_sums, pid, tl.num_programs(0), ZERO_SUMS, BLOCK_C)
     s = pid * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -219,7 +219,7 @@ def _merge_norm_fwd_kernel(
     tl.store(y_ptr + off, to_dtype(y, y_ptr.dtype.element_ty, SOFT_RTNE), mask=mask)
     tl.store(mean_ptr + s, mean, mask=s_mask)
     tl.store(rstd_ptr + s, rstd, mask=s_mask)
-    _pdl_exit(PDL)
+    pdl_exit(PDL)
 
 
 @triton.jit
@@ -275,9 +275,9 @@ def _norm_partition_bwd_kernel(
     DIAG (benchmarks/diag_norm_backward.py only; wrong results): 1 drops the column sums, 2 the dx stores,
     3 the LayerNorm arithmetic (dx = g + x), to see what each costs.
     """
-    _pdl_enter(PDL)
+    pdl_enter(PDL)
     if PDL_EARLY:  # the next kernel is the small one that adds up these sums: let it get resident now
-        _pdl_exit(PDL)
+        pdl_exit(PDL)
     pid = tl.program_id(0)
     c = tl.arange(0, BLOCK_C)
     c_mask = c < C
@@ -332,7 +332,7 @@ def _norm_partition_bwd_kernel(
         emit_column_sum(slot_ptr, pid, 2 * C, c, dw_acc, c_mask, ATOMIC)
         emit_column_sum(slot_ptr, pid, 2 * C, C + c, db_acc, c_mask, ATOMIC)
     if not PDL_EARLY:
-        _pdl_exit(PDL)
+        pdl_exit(PDL)
 
 
 # ------------------------------------------------------------------------------ host functions
