@@ -18,7 +18,8 @@ Ops (fused / eager it replaces), forward + backward:
                         y = LayerNorm(s) (outputs s and y; the backward takes gradients at both and writes
                         the windows' and x's); eager: window_reverse + crop + roll + add + F.layer_norm
 Stages: 56x56x128, 28x28x256, 14x14x512, 7x7x1024; ws 7, shift 3 on every stage (timm uses no
-shift on the single-window 7x7 stage; the shifted case is the one that moves data); bf16 by default.
+shift on the single-window 7x7 stage; the shifted case is the one that moves data; --timm-shifts times
+stage 4 unshifted, as Swin runs it, marked "s0" in the table); bf16 by default.
 
 Timing, two ways, both for the eager ops and for the fused ones (fwd+bwd through autograd,
 torch.autograd.grad so nothing accumulates):
@@ -86,6 +87,12 @@ WINDOW, SHIFT, EPS = 7, 3, 1e-5
 SWIN_B_STAGES = [("s1", BATCH, 56, 56, 128), ("s2", BATCH, 28, 28, 256), ("s3", BATCH, 14, 14, 512),
                  ("s4", BATCH, 7, 7, 1024)]
 CPU_STAGES = [("s1", 1, 14, 14, 32), ("s4", 2, 7, 7, 64)]  # interpreter smoke test
+
+
+def stage_shift(H: int, W: int, timm_shifts: bool) -> int:
+    """The shift a stage is timed with: SHIFT everywhere by default (the shifted case is the one that moves
+    data), or, with timm_shifts, what timm's Swin runs: no shift where the map is a single window."""
+    return 0 if timm_shifts and min(H, W) <= WINDOW else SHIFT
 OPS = ("roll_partition", "merge_roll", "norm_shift_partition", "merge_unshift_add", "norm_shift_partition_amp",
        "add_norm_shift_partition", "merge_add_norm")
 LN_OPS = ("norm_shift_partition", "norm_shift_partition_amp", "add_norm_shift_partition", "merge_add_norm")
@@ -295,12 +302,12 @@ def copy_bandwidth(device, replays) -> dict:
 # --------------------------------------------------------------------------------- check, measure
 
 
-def check(stages, dtype_name, device) -> list[dict]:
+def check(stages, dtype_name, device, timm_shifts=False) -> list[dict]:
     """Fused vs eager on every (op, stage): forward and every gradient."""
     dtype, results = DTYPES[dtype_name], []
     for op in OPS:
         for stage, B, H, W, C in stages:
-            shift = SHIFT
+            shift = stage_shift(H, W, timm_shifts)
             outs = {}
             for impl in ("eager", "fused"):
                 t = make_inputs(B, H, W, C, dtype, device)
@@ -326,13 +333,13 @@ def check(stages, dtype_name, device) -> list[dict]:
     return results
 
 
-def measure(stages, dtype_name, device, replays, copy_gbps, inductor=False) -> list[dict]:
+def measure(stages, dtype_name, device, replays, copy_gbps, inductor=False, timm_shifts=False) -> list[dict]:
     dtype = DTYPES[dtype_name]
     elt = torch.tensor([], dtype=dtype).element_size()
     records = []
     for op in OPS:
         for stage, B, H, W, C in stages:
-            shift = SHIFT
+            shift = stage_shift(H, W, timm_shifts)
             nbytes = bytes_moved(op, B, H, W, C, elt)
             sets = [make_inputs(B, H, W, C, dtype, device, seed=k) for k in range(n_input_sets(nbytes))]
             for t in sets:
@@ -368,14 +375,14 @@ def measure(stages, dtype_name, device, replays, copy_gbps, inductor=False) -> l
 
 def format_table(records: list[dict]) -> str:
     inductor = bool(records) and "inductor_graph_us" in records[0]
-    head = (f"{'op':<24} {'stage':<13} | {'graph us: eager':>15} {'fused':>6} {'x':>5} {'fwd':>5} {'bwd':>5} "
+    head = (f"{'op':<24} {'stage':<16} | {'graph us: eager':>15} {'fused':>6} {'x':>5} {'fwd':>5} {'bwd':>5} "
             f"{'GB/s':>5} {'%copy':>5} | {'per call us: eager':>18} {'fused':>6}")
     if inductor:
         head += f" | {'inductor us':>11} {'%copy':>5} {'fused x':>7}"
     lines = [head]
     for r in records:
-        shape = f"{r['stage']} {r['H']}x{r['W']}x{r['C']}"
-        line = (f"{r['op']:<24} {shape:<13} | {r['eager_graph_us']:>15.1f} {r['fused_graph_us']:>6.1f} "
+        shape = f"{r['stage']} {r['H']}x{r['W']}x{r['C']}" + ("" if r["shift"] else " s0")
+        line = (f"{r['op']:<24} {shape:<16} | {r['eager_graph_us']:>15.1f} {r['fused_graph_us']:>6.1f} "
                 f"{r['speedup']:>4.2f}x {r['fwd_us']:>5.1f} {r['bwd_us']:>5.1f} {r['gbps']:>5.0f} {r['pct_copy']:>4.0f}% | "
                 f"{r['eager_call_us']:>18.1f} {r['fused_call_us']:>6.1f}")
         if inductor:
@@ -391,6 +398,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, help="write records + environment stamp as JSON here (default: stdout only)")
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--replays", type=int, default=20, help="graph replays timed per measurement")
+    ap.add_argument("--timm-shifts", action="store_true",
+                    help="time each stage with timm's shift (none at stage 4, whose 7x7 map is one window) "
+                         "instead of shift 3 everywhere")
     ap.add_argument("--inductor", action="store_true",
                     help="also time the eager ops compiled by torch.compile (Inductor; GPU only; adds a compile "
                          "of forward and backward per op and stage, minutes)")
@@ -411,7 +421,7 @@ def main(argv=None) -> int:
 
     checks = []
     if args.check:
-        checks = check(stages, args.dtype, device)
+        checks = check(stages, args.dtype, device, args.timm_shifts)
         failed = [c for c in checks if not c["ok"]]
         print(f"# check: {len(checks) - len(failed)}/{len(checks)} outputs/gradients match eager "
               f"(data movement bit-exact; LayerNorm ops worst {max((c['rel_max_err'] for c in checks if c['op'] in LN_OPS), default=0):.1e} of max |ref| against fp32)")
@@ -422,7 +432,7 @@ def main(argv=None) -> int:
 
     # The copy rate is measured before and after the ops and the faster run kept.
     copies = [copy_bandwidth(device, args.replays)]
-    records = measure(stages, args.dtype, device, args.replays, copies[0]["gbps"], args.inductor)
+    records = measure(stages, args.dtype, device, args.replays, copies[0]["gbps"], args.inductor, args.timm_shifts)
     copies.append(copy_bandwidth(device, args.replays))
     copy = max(copies, key=lambda c: c["gbps"])
     copy["gbps_runs"] = [c["gbps"] for c in copies]
@@ -460,7 +470,7 @@ def main(argv=None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         payload = {"benchmark": "bench_window", "environment": stamp,
                    "settings": {"batch": stages[0][1], "stages": stages, "dtype": args.dtype, "window": WINDOW,
-                                "shift": SHIFT, "eps": EPS, "replays": args.replays, "graph_calls": GRAPH_CALLS,
+                                "shift": SHIFT, "timm_shifts": args.timm_shifts, "eps": EPS, "replays": args.replays, "graph_calls": GRAPH_CALLS,
                                 "timing": "graph_us: CUDA-graph replay of back-to-back calls; call_us: plain calls, host included"},
                    "copy": copy, "records": records, "check": checks}
         args.out.write_text(json.dumps(payload, indent=1))

@@ -13,6 +13,7 @@
 #   tests-launcher the cached launcher against plain launches, bit for bit, on the GPU
 #   tests-compile  the fused passes under torch.compile, aot_eager and Inductor (~2.5 min)
 #   window         bench_window: the window kernels against eager, % of copy bandwidth
+#   window-timm    bench_window --timm-shifts: stage 4 unshifted, as timm's Swin runs it
 #   window-inductor  bench_window --inductor: the same, and against the eager ops compiled by torch.compile
 #   norm-bwd       diag_norm_backward: what the norm backward's column sums, stores and arithmetic cost
 #   window-launch  diag_window_launch: the window ops with/without PDL and in-kernel parameter grads
@@ -69,6 +70,7 @@ for part in "$@"; do
     tests-launcher) pytest_part tests_launcher 200 tests/test_cached_launcher.py ;;
     tests-compile) pytest_part tests_compile 400 tests/test_compile_fused_passes.py ;;
     window)  timeout 120 python3 benchmarks/bench_window.py --check --out "$out/r/bench_window.json" 2>&1 | tail -31 ;;
+    window-timm) timeout 120 python3 benchmarks/bench_window.py --check --timm-shifts --out "$out/r/bench_window_timm_shifts.json" 2>&1 | tail -31 ;;
     window-inductor) timeout 560 python3 benchmarks/bench_window.py --inductor --out "$out/r/bench_window_inductor.json" 2>&1 | tail -33 ;;
     window-launch) timeout 300 python3 benchmarks/diag_window_launch.py --out "$out/r/diag_window_launch.json" 2>&1 | tail -32 ;;
     norm-bwd) timeout 200 python3 benchmarks/diag_norm_backward.py --stages ${DIAG_STAGES:-s2,s3,s4} --out "$out/r/diag_norm_backward.json" 2>&1 | tail -8 ;;
