@@ -87,18 +87,18 @@ WINDOW, SHIFT, EPS = 7, 3, 1e-5
 SWIN_B_STAGES = [("s1", BATCH, 56, 56, 128), ("s2", BATCH, 28, 28, 256), ("s3", BATCH, 14, 14, 512),
                  ("s4", BATCH, 7, 7, 1024)]
 CPU_STAGES = [("s1", 1, 14, 14, 32), ("s4", 2, 7, 7, 64)]  # interpreter smoke test
-
-
-def stage_shift(H: int, W: int, timm_shifts: bool) -> int:
-    """The shift a stage is timed with: SHIFT everywhere by default (the shifted case is the one that moves
-    data), or, with timm_shifts, what timm's Swin runs: no shift where the map is a single window."""
-    return 0 if timm_shifts and min(H, W) <= WINDOW else SHIFT
 OPS = ("roll_partition", "merge_roll", "norm_shift_partition", "merge_unshift_add", "norm_shift_partition_amp",
        "add_norm_shift_partition", "merge_add_norm")
 LN_OPS = ("norm_shift_partition", "norm_shift_partition_amp", "add_norm_shift_partition", "merge_add_norm")
 TWO_OUTPUTS = ("add_norm_shift_partition", "merge_add_norm")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LN_TOL = {"bf16": 2e-2, "fp16": 2e-2, "fp32": 1e-4}
+
+
+def stage_shift(H: int, W: int, timm_shifts: bool) -> int:
+    """The shift a stage is timed with: SHIFT everywhere by default (the shifted case is the one that moves
+    data), or, with timm_shifts, what timm's Swin runs: no shift where the map is a single window."""
+    return 0 if timm_shifts and min(H, W) <= WINDOW else SHIFT
 
 
 # ---------------------------------------------------------------------------- eager references
