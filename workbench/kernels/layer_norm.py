@@ -33,6 +33,7 @@ Kernels run on the GPU, and on the CPU with TRITON_INTERPRET=1 set before this m
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional
 
 import torch
@@ -549,10 +550,37 @@ class AddLayerNormFunction(torch.autograd.Function):
         return dsum.to(x_dtype), dsum.to(r_dtype), dw, db, None, None
 
 
+# Experiment, off by default (SWINBENCH_LN_VIA_WINDOW=1 turns it on): layer_norm and add_layer_norm, in eager
+# mode and with both parameters, run window.py's LayerNorm kernels on the rows as an (M, 1, 1, C) map of 1x1
+# windows, where the shift and partition are the identity. Those kernels have the window ops' tuned backward
+# (whole rows per thread's share of column sums, an evenly loaded grid, rows of sums, programmatic dependent
+# launch). On the H200 norm_shift_partition's fwd+bwd took 23.3 / 13.8 µs at Swin-B's stages 3 / 4
+# (2026-12-01) where this module's layer_norm took 39.9 / 23.3 (2026-11-30): not yet timed side by side
+# (benchmarks/bench_layer_norm.py with and without; gpu_session.sh part norms-window).
+LN_VIA_WINDOW = os.environ.get("SWINBENCH_LN_VIA_WINDOW", "0") == "1"
+_VIA_WINDOW_MAX_COLS = 2048  # the window kernels hold a whole row per program; Swin's widest is 1536
+
+
+def _via_window(x: torch.Tensor, weight, bias) -> bool:
+    return (LN_VIA_WINDOW and weight is not None and bias is not None and 0 < x.shape[-1] <= _VIA_WINDOW_MAX_COLS
+            and x.numel() > 0 and not torch.compiler.is_compiling())
+
+
+def _window_kernels():
+    """workbench.kernels.window, imported on first use: it builds on this module."""
+    from . import window
+    return window
+
+
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                eps: float = 1e-5, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """F.layer_norm(x, (C,), weight, bias, eps) for x (..., C) fp32/fp16/bf16; output in out_dtype (default
     x.dtype), rounded once from fp32; dx comes back in x.dtype."""
+    if _via_window(x, weight, bias):
+        _check(x, weight, bias)
+        y = _window_kernels().norm_shift_partition(x.reshape(-1, 1, 1, x.shape[-1]), weight, bias, float(eps), 1, 0,
+                                                   out_dtype)
+        return y.view(x.shape)
     return LayerNormFunction.apply(x, weight, bias, float(eps), out_dtype)
 
 
@@ -590,6 +618,12 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
     """(s, F.layer_norm(s, (C,), weight, bias, eps)) with s = x + residual, both (..., C), in one pass.
     s is in the promoted dtype of x and residual, and so is the normalized output unless y_dtype says
     otherwise (rounded once from fp32, the bits `.to(y_dtype)` would give); both are differentiable."""
+    if _via_window(x, weight, bias) and x.shape == residual.shape:
+        _check(x, weight, bias)
+        rows = (-1, 1, 1, x.shape[-1])
+        s, y = _window_kernels().add_norm_shift_partition(x.reshape(rows), residual.reshape(rows), weight, bias,
+                                                          float(eps), 1, 0, y_dtype)
+        return s.view(x.shape), y.view(x.shape)
     return AddLayerNormFunction.apply(x, residual, weight, bias, float(eps), y_dtype)
 
 
