@@ -21,6 +21,8 @@
 #   norms          bench_layer_norm and bench_linear
 #   norms-window   bench_layer_norm with layer_norm / add_layer_norm through window.py's kernels (the experiment
 #                  SWINBENCH_LN_VIA_WINDOW=1), against the plain `norms` run
+#   ln-route       diag_layer_norm_route: layer_norm / add_layer_norm via their own kernels or window.py's, GPU time
+#                  and per plain call in alternation
 #   sweep-norm     the norm + shift + partition backward's launch sweep at stages 3-4
 #   warp-rows      diag_warp_rows: the LayerNorm + shift + partition forward with a warp per row, against the shipped one
 #   sweep-slots    the same for the ROW_SUMS tile: band length, pipelining and rows of column sums (slots)
@@ -78,6 +80,7 @@ for part in "$@"; do
     norm-bwd) timeout 200 python3 benchmarks/diag_norm_backward.py --stages ${DIAG_STAGES:-s2,s3,s4} --out "$out/r/diag_norm_backward.json" 2>&1 | tail -8 ;;
     norms-window) SWINBENCH_LN_VIA_WINDOW=1 timeout 90 python3 benchmarks/bench_layer_norm.py --check \
                --out "$out/r/bench_layer_norm_via_window.json" 2>&1 | tail -22 ;;
+    ln-route) timeout 200 python3 benchmarks/diag_layer_norm_route.py --out "$out/r/diag_layer_norm_route.json" 2>&1 | tail -14 ;;
     attn)    timeout 200 python3 benchmarks/bench_window_attention.py --check --out "$out/r/bench_window_attention.json" 2>&1 | tail -25 ;;
     norms)   timeout 90 python3 benchmarks/bench_layer_norm.py --check --out "$out/r/bench_layer_norm.json" 2>&1 | tail -22
              timeout 120 python3 benchmarks/bench_linear.py --check --out "$out/r/bench_linear.json" 2>&1 | tail -20 ;;
