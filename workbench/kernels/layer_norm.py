@@ -554,9 +554,10 @@ class AddLayerNormFunction(torch.autograd.Function):
 # mode and with both parameters, run window.py's LayerNorm kernels on the rows as an (M, 1, 1, C) map of 1x1
 # windows, where the shift and partition are the identity. Those kernels have the window ops' tuned backward
 # (whole rows per thread's share of column sums, an evenly loaded grid, rows of sums, programmatic dependent
-# launch). On the H200 norm_shift_partition's fwd+bwd took 23.3 / 13.8 µs at Swin-B's stages 3 / 4
-# (2026-12-01) where this module's layer_norm took 39.9 / 23.3 (2026-11-30): not yet timed side by side
-# (benchmarks/bench_layer_norm.py with and without; gpu_session.sh part norms-window).
+# launch). Timed side by side on the H200 (benchmarks/diag_layer_norm_route.py, 2026-12-01, Swin-B shapes,
+# fwd+bwd): 1.01-1.69x less GPU time (bf16 stage 3: 37.6 -> 22.3 µs), but 13-25% more time per plain call
+# on that host, where eager steps are host-bound (the window host path and its PDL launches cost more
+# than this module's). So off by default until that host path is as lean.
 LN_VIA_WINDOW = os.environ.get("SWINBENCH_LN_VIA_WINDOW", "0") == "1"
 _VIA_WINDOW_MAX_COLS = 2048  # the window kernels hold a whole row per program; Swin's widest is 1536
 
