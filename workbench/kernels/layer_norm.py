@@ -553,8 +553,8 @@ class AddLayerNormFunction(torch.autograd.Function):
 # Experiment, off by default (SWINBENCH_LN_VIA_WINDOW=1 turns it on): layer_norm and add_layer_norm, in eager
 # mode and with both parameters, run window.py's LayerNorm kernels on the rows as an (M, 1, 1, C) map of 1x1
 # windows, where the shift and partition are the identity. Those kernels have the window ops' tuned backward
-# (whole rows per thread's share of column sums, an evenly loaded grid, rows of sums, programmatic dependent
-# launch). Timed side by side on the H200 (benchmarks/diag_layer_norm_route.py, 2026-12-01, Swin-B shapes,
+# (a tile's rows summed within each thread for dweight/dbias, an evenly loaded grid, several rows of column
+# sums, programmatic dependent launch). Timed side by side on the H200 (benchmarks/diag_layer_norm_route.py, 2026-12-01, Swin-B shapes,
 # fwd+bwd): 1.01-1.69x less GPU time (bf16 stage 3: 37.6 -> 22.3 µs), but 13-25% more time per plain call
 # on that host, where eager steps are host-bound (the window host path and its PDL launches cost more
 # than this module's). So off by default until that host path is as lean.
