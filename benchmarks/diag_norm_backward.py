@@ -5,7 +5,7 @@ tensors and writes one, which merge_roll_fwd with a shortcut (merge_unshift_add'
 Every variant is timed as bench_window times the ops: CUDA-graph replay of back-to-back calls rotating over
 input sets that together exceed the L2 three times (the data comes from DRAM, as in training), and each
 call includes what the backward needs after the kernel: the column sums added up over their rows (slots)
-and cast to the bf16 parameters' dtype (window._sum_rows; _norm_grads launches it), with PDL where on.
+and cast to the bf16 parameters' dtype (layer_norm.sum_rows; window._norm_grads launches it), with PDL where on.
 
   copy3          merge_roll_fwd(windows, shortcut): the same bytes, pure data movement
   shipped        the backward as the host function launches it (its config: _norm_bwd_config)
@@ -46,6 +46,7 @@ from workbench.kernels._ops import cdiv, launch_options, pdl_launch  # noqa: E40
 from workbench.timing import cuda_graph_us  # noqa: E402
 
 win = importlib.import_module("workbench.kernels.window")
+ln = importlib.import_module("workbench.kernels.layer_norm")
 
 
 def grid(n_tok: int, C: int, device, kind: str, tiles: int = 1):
@@ -88,7 +89,7 @@ def backward_fn(s: dict, cfg, diag: int, slots: int, bf16_grads: bool, early: bo
             DIAG=diag, ROW_SUMS=row_sums, SLOTS=slots, PDL_EARLY=pdl and (bf16_grads if early is None else early),
             num_warps=warps, **launch_options(maxnreg, pdl))
         if bf16_grads:
-            return win._sum_rows(sums, torch.bfloat16)
+            return ln.sum_rows(sums, torch.bfloat16)
         return None
     return run
 

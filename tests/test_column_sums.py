@@ -95,10 +95,10 @@ def test_slot_rows_buffer_shapes():
 @pytest.mark.parametrize("rows, n, dtype", [(1, 70, torch.bfloat16), (3, 2 * 300, torch.float32),
                                             (4, 2 * 1000, torch.bfloat16), (200, 66, torch.float16)])
 def test_sum_rows_adds_the_rows_then_casts_once(rows, n, dtype):
-    """window._sum_rows (layer_norm.sum_partials): the fp32 sum over the rows, rounded once to the output dtype (odd widths, more
+    """layer_norm.sum_rows (sum_partials on blocks for a few rows): the fp32 sum over the rows, rounded once to the output dtype (odd widths, more
     rows than one step takes)."""
     src = _rand((rows, n), 11)
-    got = win._sum_rows(src, dtype)
+    got = ln.sum_rows(src, dtype)
     assert got.dtype == dtype and got.shape == (n,)
     want = src.sum(0)
     if rows == 1:  # a plain cast: exactly torch's rounding
@@ -146,3 +146,14 @@ def test_norm_backward_over_several_slot_rows_matches_one_row(monkeypatch):
     assert raw.shape == (slots, 2 * C)
     torch.testing.assert_close(sums2, sums1, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(raw.sum(0), sums1, rtol=1e-5, atol=1e-4)
+
+
+def test_finish_column_sums_adds_up_atomic_rows():
+    """finish_column_sums: one atomic row as it is, several (slots) added up by sum_rows, per-program
+    partials by sum_partials; all three give the column totals in fp32."""
+    rows = _rand((4, 2 * 70), 12)
+    assert torch.equal(ln.finish_column_sums(rows[:1], True), rows[0])
+    for atomic in (True, False):
+        got = ln.finish_column_sums(rows, atomic)
+        assert got.dtype == torch.float32 and got.shape == (2 * 70,)
+        torch.testing.assert_close(got, rows.sum(0), rtol=1e-6, atol=1e-5)

@@ -343,8 +343,24 @@ def eager_column_sums(n_cols: int, device: torch.device, ctx, *params, slots: in
 
 
 def finish_column_sums(sums: torch.Tensor, atomic: bool) -> torch.Tensor:
-    """The (n_cols,) fp32 totals of a `column_sums` buffer after the kernel ran."""
-    return sums[0] if atomic and sums.shape[0] == 1 else sum_partials(sums)
+    """The (n_cols,) fp32 totals of a `column_sums` buffer after the kernel ran: its one atomic row, its
+    atomic rows (slots) added up by `sum_rows`, or its per-program partials by `sum_partials`."""
+    if atomic:
+        return sums[0] if sums.shape[0] == 1 else sum_rows(sums, torch.float32)
+    return sum_partials(sums)
+
+
+_SUM_ROWS_ELEMS = 4096  # elements one sum_rows program adds per step
+_SUM_ROWS_MAX_N = 1024  # columns a program at most (a plain cast: 1024 a program)
+
+
+def sum_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(R, n) fp32 -> (n,) sums over R in dtype: one sum_partials launch (with PDL where on), on blocks sized
+    for a few rows of atomic sums (slots) rather than many per-program partials (a single row: a plain
+    cast, 1024 columns a program)."""
+    block_r = min(next_pow2(rows.shape[0]), _SUM_ROWS_ELEMS // 32)
+    block_n = max(32, min(_SUM_ROWS_MAX_N, _SUM_ROWS_ELEMS // block_r))
+    return sum_partials(rows, dtype, block_p=block_r, block_n=block_n, pdl=pdl_launch())
 
 
 def sum_partials(partial: torch.Tensor, dtype: torch.dtype = torch.float32, *, block_p: int = _SUM_BLOCK_P,

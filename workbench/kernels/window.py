@@ -52,7 +52,7 @@ from ._ops import _INTERPRET, cdiv, kernel_op, launch, launch_options, next_pow2
 
 from workbench.kernels.layer_norm import (SOFT_RTNE as _SOFT_RTNE, column_sums, eager_column_sums, emit_column_sum,
                                           finish_column_sums, pdl_enter, pdl_exit,
-                                          sm_count, split_norm_grads, sum_partials, to_dtype, zero_column_sums)
+                                          sm_count, split_norm_grads, sum_rows, to_dtype, zero_column_sums)
 
 # ----------------------------------------------------------------------------------- kernels
 
@@ -265,7 +265,7 @@ def _norm_partition_bwd_kernel(
     accumulators are two (BLOCK_C,) vectors; otherwise they are (BLOCK_T, BLOCK_C) and reduced across rows
     once at the end (a cross-warp reduction per tile would cost two shared-memory round trips per
     iteration). With SLOTS > 1 (atomic mode), program p adds into row p % SLOTS of sums_ptr's (SLOTS, 2C):
-    fewer atomic adds queue on each address; the host adds the rows up (_sum_rows). The sweep found
+    fewer atomic adds queue on each address; the host adds the rows up (layer_norm.sum_rows). The sweep found
     Triton's pipelining (STAGES = 3) as fast as a hand-written one-tile prefetch at every stage (within
     0.5 µs at stages 2-4, 5% faster at stage 1).
 
@@ -599,16 +599,6 @@ def norm_shift_partition_bwd(
 # Experiment knob (benchmarks/diag_window_launch.py): half parameters' gradients cast by the sum_partials launch in
 # the PDL chain (True) or by torch's cast, a plain launch after the backward (False).
 PDL_CAST = True
-_SUM_ROWS_ELEMS = 4096  # elements of src one summing program adds per step
-_SUM_ROWS_MAX_N = 1024  # columns a program at most (a plain cast: 1024 a program)
-
-
-def _sum_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(R, n) fp32 -> (n,) sums over R in dtype: one layer_norm.sum_partials launch (with PDL where on), on
-    blocks sized for R (a single row: a plain cast, 1024 columns a program)."""
-    block_r = min(next_pow2(rows.shape[0]), _SUM_ROWS_ELEMS // 32)
-    block_n = max(32, min(_SUM_ROWS_MAX_N, _SUM_ROWS_ELEMS // block_r))
-    return sum_partials(rows, dtype, block_p=block_r, block_n=block_n, pdl=pdl_launch())
 
 
 def _norm_grads(sums: torch.Tensor, weight, bias) -> tuple:
@@ -623,10 +613,10 @@ def _norm_grads(sums: torch.Tensor, weight, bias) -> tuple:
     fold = (PDL_CAST and weight is not None and bias is not None and weight.dtype == bias.dtype
             and weight.dtype in (torch.bfloat16, torch.float16) and pdl_launch())
     if fold:
-        out = _sum_rows(rows, weight.dtype)
+        out = sum_rows(rows, weight.dtype)
         n = out.numel()
         return out[: n // 2], out[n // 2:]
-    return split_norm_grads(_sum_rows(rows, torch.float32) if rows.shape[0] > 1 else rows[0], weight, bias)
+    return split_norm_grads(finish_column_sums(rows, True), weight, bias)
 
 
 def _norm_bwd(g, x, weight, mean, rstd, window_size, shift, ds, dx, dwo, sums_into, raw_sums=False):
@@ -655,11 +645,7 @@ def _norm_bwd(g, x, weight, mean, rstd, window_size, shift, ds, dx, dwo, sums_in
         BLOCK_C=block_c, ROW_SUMS=row_sums, SLOTS=sums.shape[0] if atomic else 1, PDL_EARLY=followed and pdl_launch(),
         num_warps=num_warps, **_pdl_args(maxnreg),
     )
-    if raw_sums and atomic:
-        return dx, dwo, sums
-    if atomic and sums.shape[0] > 1:
-        return dx, dwo, _sum_rows(sums, torch.float32)
-    return dx, dwo, finish_column_sums(sums, atomic)
+    return dx, dwo, sums if raw_sums and atomic else finish_column_sums(sums, atomic)
 
 
 def merge_add_norm_fwd(
