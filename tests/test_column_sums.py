@@ -95,8 +95,8 @@ def test_slot_rows_buffer_shapes():
 @pytest.mark.parametrize("rows, n, dtype", [(1, 70, torch.bfloat16), (3, 2 * 300, torch.float32),
                                             (4, 2 * 1000, torch.bfloat16), (200, 66, torch.float16)])
 def test_sum_rows_adds_the_rows_then_casts_once(rows, n, dtype):
-    """layer_norm.sum_rows (sum_partials on blocks for a few rows): the fp32 sum over the rows, rounded once to the output dtype (odd widths, more
-    rows than one step takes)."""
+    """layer_norm.sum_rows (sum_partials on blocks for a few rows): the fp32 sum over the rows, rounded once
+    to the output dtype (odd widths, more rows than one step takes)."""
     src = _rand((rows, n), 11)
     got = ln.sum_rows(src, dtype)
     assert got.dtype == dtype and got.shape == (n,)
