@@ -570,10 +570,10 @@ class AddLayerNormFunction(torch.autograd.Function):
 # mode and with both parameters, run window.py's LayerNorm kernels on the rows as an (M, 1, 1, C) map of 1x1
 # windows, where the shift and partition are the identity. Those kernels have the window ops' tuned backward
 # (a tile's rows summed within each thread for dweight/dbias, an evenly loaded grid, several rows of column
-# sums, programmatic dependent launch). Timed side by side on the H200 (benchmarks/diag_layer_norm_route.py, 2026-12-01, Swin-B shapes,
-# fwd+bwd): 1.01-1.69x less GPU time (bf16 stage 3: 37.6 -> 22.3 µs), but 13-25% more time per plain call
-# on that host, where eager steps are host-bound (the window host path and its PDL launches cost more
-# than this module's). So off by default until that host path is as lean.
+# sums, programmatic dependent launch). Timed side by side on the H200 (benchmarks/diag_layer_norm_route.py,
+# 2026-12-01, Swin-B shapes, fwd+bwd): 1.01-1.69x less GPU time (bf16 stage 3: 37.6 -> 22.3 µs), but 13-25%
+# more time per plain call on that host, where eager steps are host-bound (the window host path and its PDL
+# launches cost more than this module's). So off by default until that host path is as lean.
 LN_VIA_WINDOW = os.environ.get("SWINBENCH_LN_VIA_WINDOW", "0") == "1"
 _VIA_WINDOW_MAX_COLS = 2048  # the window kernels hold a whole row per program; Swin's widest is 1536
 
