@@ -1,0 +1,107 @@
+"""Writing files so that nothing measured is half-written: every record, report and table goes
+through `atomic_write_*` (a temporary file in the same folder, then one rename), so a kill at any
+instant leaves either the old file or the new one, never a mix."""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from .errors import UserError
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Write `data` to `path` atomically; UserError (one line) when the folder cannot be written."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(exc, OSError):
+            raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
+        raise
+    return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write `text` (UTF-8) to `path` atomically; see atomic_write_bytes."""
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+MAX_YAML_BYTES = 1 << 20
+MAX_YAML_ALIASES = 100
+MAX_YAML_NODES = 100_000
+
+
+def load_yaml_file(path: str | os.PathLike, what: str):
+    """Parse a small YAML file (a recipe, a thresholds file) with bounds a hostile file cannot pass:
+    at most MAX_YAML_BYTES of UTF-8, MAX_YAML_ALIASES aliases and MAX_YAML_NODES values once aliases
+    are expanded (an alias bomb of a few hundred bytes otherwise expands to gigabytes as soon as
+    anything walks or prints it). Every failure is a UserError naming `what` and the file."""
+    import yaml
+
+    from .errors import yaml_error_text
+
+    path = Path(path)
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_YAML_BYTES + 1)
+    except OSError as exc:
+        raise UserError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    if len(data) > MAX_YAML_BYTES:
+        raise UserError(f"{what} {path} is larger than {MAX_YAML_BYTES // 1024} KiB; not read")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{what} {path} is not UTF-8 text (byte {exc.start})") from None
+
+    class _BoundedLoader(yaml.SafeLoader):
+        aliases = 0
+
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent):
+                self.aliases += 1
+                if self.aliases > MAX_YAML_ALIASES:
+                    raise UserError(f"{what} {path} uses more than {MAX_YAML_ALIASES} YAML aliases; not read")
+            return super().compose_node(parent, index)
+
+    try:
+        data = yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        raise UserError(f"{what} {path} is not valid YAML{yaml_error_text(exc)}") from None
+    if _expanded_size(data, MAX_YAML_NODES) > MAX_YAML_NODES:
+        raise UserError(f"{what} {path} expands to more than {MAX_YAML_NODES:,} values; not read")
+    return data
+
+
+def _expanded_size(value, budget: int) -> int:
+    """How many values `value` holds with shared (aliased) parts counted each time they appear;
+    stops counting once past `budget`."""
+    count, stack = 0, [value]
+    while stack and count <= budget:
+        item = stack.pop()
+        count += 1
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return count
+
+
+def short_repr(value, limit: int = 80) -> str:
+    """`repr(value)` cut to `limit` characters, for error lines that quote what a file held."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
