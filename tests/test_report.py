@@ -5,37 +5,10 @@ import math
 
 import pytest
 
+from record_helpers import ENV, record
 from workbench.errors import UserError
-from workbench.records import SCHEMA, write_record
+from workbench.records import write_record
 from workbench.report import default_report_path, display_rows, render_report, render_report_from_paths, speedup_table
-
-ENV = {"device_type": "cuda", "gpu": "NVIDIA H200", "driver": "580.1", "cuda": "12.8", "torch": "2.11.0",
-       "triton": "3.5.0", "timm": "1.0.29", "python": "3.12.3", "host": "gpu1", "date": "2026-01-01T00:00:00+00:00"}
-
-
-def record(i, stage, extends, step_ms, *, gate="PASS", status="ok", shares=None, precision="bf16"):
-    timed = status == "ok"
-    return {
-        "schema": SCHEMA, "run_id": "r1", "recipe": "fmha", "stage": stage, "stage_index": i, "status": status,
-        "error": None if status == "ok" else "fused_window: not available: no kernel",
-        "extends": extends, "description": f"{stage} stage", "model": "swin_tiny_patch4_window7_224", "mode": "train",
-        "batch": 64, "precision": precision, "device": "cuda", "seed": 0, "env": ENV,
-        "timing": {"samples_ms": [step_ms] * 4, "warmup": 5, "clock": "cuda-events", "median_ms": step_ms,
-                   "iqr_ms": 0.5, "repeats": 4} if timed else None,
-        "img_per_s": 64 / (step_ms / 1e3) if timed else None, "step_ms": step_ms if timed else None,
-        "step_iqr_ms": 0.5 if timed else None, "peak_mem_bytes": 3 * 2**30 if timed else None,
-        "compile_s": None, "optimizer": "torch.optim.AdamW(fused=True)",
-        "gate": {"status": gate, "tolerance": {"logits_rel": 0.05, "loss_atol": 0.05, "grad_rel": 0.15},
-                 "metrics": {"logits": {"max_abs": 1e-3, "rel_l2": 7e-3}, "loss": {"abs_diff": 1e-4},
-                             "grads": {"head.fc.weight": {"max_abs": 1e-4, "rel_l2": 6e-3}}},
-                 "reason": "logits rel L2 0.1 > 0.05" if gate == "FAIL" else None},
-        "passes": [{"name": f"{stage}_pass", "params": {}, "changed": f"{stage} changed things", "details": {},
-                    "available": status == "ok"}] if extends else [],
-        "stage_passes": [f"{stage}_pass"] if extends else [],
-        "profile": {"backend": "nsys", "trace": "t.sqlite", "category_share_pct": shares} if shares else None,
-        "notes": [],
-    }
-
 
 @pytest.fixture
 def records():
@@ -114,8 +87,10 @@ def test_widely_spread_gpu_steps_get_a_note(records, tmp_path):
     text = render_report(records, tmp_path / "r.md").read_text()
     assert "apex: step times spread from 36.0 to 52.0 ms (IQR 15% of the median)" in text
     assert text.count("step times spread") == 1 and "`apply --interleave N` compares such stages" in text
-    noisy["interleaved"] = {"rounds": 3, "block": 3, "step_ms": 40.0, "iqr_ms": 6.0, "first_stage": "apex",
-                            "x_first": None, "previous_stage": None, "x_previous": None}   # already interleaved
+    noisy["interleaved"] = {"rounds": 1, "block": 3, "with": ["apex"], "step_ms": 40.0, "iqr_ms": 6.0,
+                            "samples_ms": [36.0, 40.0, 46.0], "round_median_ms": [40.0], "first_stage": "apex",
+                            "x_first": {"median": 1.0, "q1": 1.0, "q3": 1.0}, "previous_stage": None,
+                            "x_previous": None}   # already interleaved
     assert "--interleave N` compares" not in render_report(records, tmp_path / "r1.md").read_text()
     noisy["timing"]["clock"] = "host"
     assert "step times spread" not in render_report(records, tmp_path / "r2.md").read_text()
@@ -153,11 +128,16 @@ def test_bad_record_paths_are_user_errors(tmp_path):
 def test_slower_stage_with_less_gpu_time_is_explained_as_host_bound(tmp_path):
     from workbench.report import _slower_why
 
-    parent = {"stage": "amp", "step_ms": 67.0, "profile": {"kernel_ms_per_step": 63.2}}
-    slower = {"stage": "apex", "extends": "amp", "step_ms": 98.7, "profile": {"kernel_ms_per_step": 51.1}}
-    why = _slower_why(slower, [parent, slower], "amp")
+    from workbench.records import as_records
+
+    parent = record(0, "amp", "baseline", 67.0, shares={"gemm": 100.0})
+    slower = record(1, "apex", "amp", 98.7, shares={"gemm": 100.0})
+    parent["profile"]["kernel_ms_per_step"], slower["profile"]["kernel_ms_per_step"] = 63.2, 51.1
+    recs = as_records([parent, slower])
+    why = _slower_why(recs[1], recs, "amp")
     assert "fell from 63.2 to 51.1 ms" in why and "host" in why and "52%" in why
-    assert "look at its passes" in _slower_why({**slower, "profile": None}, [parent, slower], "amp")
+    unprofiled = as_records([{**slower, "profile": None}])[0]
+    assert "look at its passes" in _slower_why(unprofiled, recs, "amp")
 
 
 def test_previous_falls_back_to_the_nearest_measured_ancestor(tmp_path):
