@@ -255,3 +255,61 @@ def test_activation_dtypes_table_and_a_precision_change_is_named(tmp_path):
     # records from before the field existed render without the section
     old = [{k: v for k, v in r.items() if k != "activation_dtypes"} for r in recs]
     assert "## Activation dtypes" not in render_report(old, tmp_path / "old.md").read_text()
+
+
+HOSTILE = [("img_per_s", float("nan")), ("step_ms", "fast"), ("stage_index", "two"), ("run_id", 5),
+           ("peak_mem_bytes", 10**30), ("timing", [1.0]), ("gate", "PASS"), ("profile", {"backend": 1})]
+
+
+@pytest.mark.parametrize("field,value", HOSTILE, ids=[f"{f}={v!r}" for f, v in HOSTILE])
+def test_cli_report_of_a_bad_record_is_one_line_exit_2(records, tmp_path, field, value):
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    folder = tmp_path / "records"
+    for r in records[:3]:
+        write_record(r, folder)
+    path = folder / "01-amp.json"
+    data = json.loads(path.read_text())
+    data[field] = value
+    path.write_text(json.dumps(data))
+    result = CliRunner().invoke(app, ["report", str(folder), "--out", str(tmp_path / "r.md")])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1 and "01-amp.json" in result.output
+    assert "stage 'amp'" in result.output and f"'{field}" in result.output
+    assert not (tmp_path / "r.md").exists()
+
+
+def test_records_of_several_models_and_devices_are_labelled_per_row(records, tmp_path):
+    """A table of records from different GPUs, models or the CPU says "mixed" and names each row's model
+    and device; speedups are never taken across devices."""
+    other = dict(record(0, "baseline", None, 80.0, gate="REFERENCE", precision="fp32"), run_id="r2",
+                 model="swin_base_patch4_window7_224", env={**ENV, "gpu": "NVIDIA A100-SXM4-80GB"})
+    cpu = dict(record(0, "baseline", None, 900.0, gate="REFERENCE", precision="fp32"), run_id="r3",
+               model="swinbench_tiny_cpu", env={**ENV, "device_type": "cpu", "gpu": None}, peak_mem_bytes=None)
+    text = render_report(records[:2] + [other, cpu], tmp_path / "mixed.md").read_text()
+    title = text.splitlines()[0]
+    assert "mixed models" in title and "mixed devices" in title and "NVIDIA H200" in title
+    assert "NVIDIA A100" in title and "CPU" in title
+    assert "| stage | model | device | precision |" in text
+    assert "| amp (r1) | swin_tiny_patch4_window7_224 | NVIDIA H200 | bf16 |" in text
+    assert "| baseline (r2) | swin_base_patch4_window7_224 | NVIDIA A100-SXM4-80GB | fp32 |" in text
+    assert "| baseline (r3) | swinbench_tiny_cpu | CPU | fp32 |" in text
+    assert "not GPU speed figures" in text
+    df = speedup_table(records[:2] + [other, cpu]).set_index(["run_id", "stage"])
+    assert df.loc[("r2", "baseline"), "x_baseline"] == pytest.approx(1.0)     # its own run only
+    assert "| model | swin_tiny_patch4_window7_224, swin_base_patch4_window7_224, swinbench_tiny_cpu |" in text
+    # one model on one GPU: no per-row labels, the GPU in the title
+    plain = render_report(records[:2], tmp_path / "plain.md").read_text()
+    assert "| stage | precision |" in plain and "mixed" not in plain.splitlines()[0]
+
+
+def test_a_cpu_run_says_cpu_in_the_title_and_rows(tmp_path):
+    cpu_env = {**ENV, "device_type": "cpu", "gpu": None, "cpu": "x86_64"}
+    recs = [dict(record(i, s, e, 100.0), env=cpu_env, peak_mem_bytes=None)
+            for i, (s, e) in enumerate([("baseline", None), ("amp", "baseline")])]
+    text = render_report(recs, tmp_path / "cpu.md").read_text()
+    assert text.splitlines()[0].endswith("CPU — not a GPU speed figure")
+    assert "| device | CPU (x86_64) - no GPU, speed figures are not GPU figures |" in text
+    assert "| GPU | none (CPU) |" in text

@@ -470,6 +470,21 @@ _REQUIRED = ("run_id", "recipe", "stage", "stage_index", "status", "model", "mod
              "gate")
 
 
+def _shown(value) -> str:
+    """A value from the file as an error line quotes it (JSON's null for None)."""
+    return "null" if value is None else short_repr(value)
+
+
+def _bound(n: int) -> str:
+    """2**50 rather than 1125899906842624 in an error line."""
+    for k in range(20, 65):
+        if n == 1 << k:
+            return f"2**{k}"
+        if n == (1 << k) - 1:
+            return f"2**{k}-1"
+    return str(n)
+
+
 def _given(value, default):
     """`value`, or `default` where it is null or absent (not where it is false, 0 or empty: those are
     checked as they are)."""
@@ -500,10 +515,10 @@ class _Parser:
         if value is None and optional:
             return None
         if not isinstance(value, dict):
-            raise self.fail(f"{name!r} must be a mapping{' or null' if optional else ''}, got {short_repr(value)}")
+            raise self.fail(f"{name!r} must be a mapping{' or null' if optional else ''}, got {_shown(value)}")
         for key in value:
             if not isinstance(key, str):
-                raise self.fail(f"{name!r} has a key that is not a string: {short_repr(key)}")
+                raise self.fail(f"{name!r} has a key that is not a string: {_shown(key)}")
         return value
 
     def known(self, data: dict, keys, name: str) -> None:
@@ -516,7 +531,7 @@ class _Parser:
         if value is None and optional:
             return None
         if not isinstance(value, list):
-            raise self.fail(f"{name!r} must be a list{' or null' if optional else ''}, got {short_repr(value)}")
+            raise self.fail(f"{name!r} must be a list{' or null' if optional else ''}, got {_shown(value)}")
         return value
 
     def string(self, value, name: str, *, optional: bool = False, choices=None, is_name: bool = False,
@@ -524,13 +539,13 @@ class _Parser:
         if value is None and optional:
             return None
         if not isinstance(value, str):
-            raise self.fail(f"{name!r} must be a string{' or null' if optional else ''}, got {short_repr(value)}")
+            raise self.fail(f"{name!r} must be a string{' or null' if optional else ''}, got {_shown(value)}")
         if choices is not None and value not in choices:
-            raise self.fail(f"{name!r} must be one of {', '.join(map(repr, choices))}, got {short_repr(value)}")
+            raise self.fail(f"{name!r} must be one of {', '.join(map(repr, choices))}, got {_shown(value)}")
         if is_name:
             if not value or len(value) > MAX_NAME or any(ord(c) < 32 or ord(c) == 127 for c in value):
                 raise self.fail(f"{name!r} must be a name of 1 to {MAX_NAME} printable characters, "
-                                f"got {short_repr(value)}")
+                                f"got {_shown(value)}")
         elif non_empty and not value:
             raise self.fail(f"{name!r} must not be empty")
         return value
@@ -539,8 +554,8 @@ class _Parser:
         if value is None and optional:
             return None
         if type(value) is not int or not low <= value <= high:
-            raise self.fail(f"{name!r} must be an integer {low}..{high}{' or null' if optional else ''}, "
-                            f"got {short_repr(value)}")
+            raise self.fail(f"{name!r} must be an integer {low}..{_bound(high)}{' or null' if optional else ''}, "
+                            f"got {_shown(value)}")
         return value
 
     def number(self, value, name: str, *, positive: bool = True, high: float | None = None,
@@ -551,17 +566,17 @@ class _Parser:
         rule = ("> 0" if positive else ">= 0") + (f" and <= {high:g}" if high is not None else "")
         rule += " (finite)" + (" or null" if optional else "")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise self.fail(f"{name!r} must be a number {rule}, got {short_repr(value)}")
+            raise self.fail(f"{name!r} must be a number {rule}, got {_shown(value)}")
         try:
             x = float(value)
         except OverflowError:
             x = math.inf
         if not math.isfinite(x):
             if finite:
-                raise self.fail(f"{name!r} must be a number {rule}, got {short_repr(value)}")
+                raise self.fail(f"{name!r} must be a number {rule}, got {_shown(value)}")
             return x
         if x < 0 or (positive and x == 0) or (high is not None and x > high):
-            raise self.fail(f"{name!r} must be a number {rule}, got {short_repr(value)}")
+            raise self.fail(f"{name!r} must be a number {rule}, got {_shown(value)}")
         return x
 
     def any_number(self, value, name: str, *, finite: bool) -> float | None:
@@ -569,20 +584,20 @@ class _Parser:
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise self.fail(f"{name!r} must be a number or null, got {short_repr(value)}")
+            raise self.fail(f"{name!r} must be a number or null, got {_shown(value)}")
         try:
             x = float(value)
         except OverflowError:
             x = math.inf if value > 0 else -math.inf
         if finite and not math.isfinite(x):
-            raise self.fail(f"{name!r} must be finite where the gate passed, got {short_repr(value)}")
+            raise self.fail(f"{name!r} must be finite where the gate passed, got {_shown(value)}")
         return x
 
     def boolean(self, value, name: str, optional: bool = False) -> bool | None:
         if value is None and optional:
             return None
         if not isinstance(value, bool):
-            raise self.fail(f"{name!r} must be true or false, got {short_repr(value)}")
+            raise self.fail(f"{name!r} must be true or false, got {_shown(value)}")
         return value
 
     def numbers(self, value, name: str, *, non_empty: bool = True) -> tuple[float, ...]:
@@ -612,15 +627,15 @@ class _Parser:
     def record(self, data) -> StageRecord:
         if not isinstance(data, dict):
             raise self.fail(f"is not a swinbench stage record (a JSON object with schema {SCHEMA!r} expected), "
-                            f"got {short_repr(data)}")
+                            f"got {_shown(data)}")
         schema = data.get("schema")
         if schema not in READABLE_SCHEMAS:
             raise self.fail(f"is not a swinbench stage record (schema {' or '.join(map(repr, READABLE_SCHEMAS))} "
-                            f"expected, got {short_repr(schema)})")
+                            f"expected, got {_shown(schema)})")
         stage = self.get(data, "stage", "", required=True)
         self.stage = self.string(stage, "stage", is_name=True)
         if "/" in stage or stage in (".", ".."):
-            raise self.fail(f"'stage' must be a name without '/', got {short_repr(stage)}")
+            raise self.fail(f"'stage' must be a name without '/', got {_shown(stage)}")
         self.known(data, _TOP_KEYS, "")
         for key in _REQUIRED:
             self.get(data, key, "", required=True)
@@ -631,14 +646,11 @@ class _Parser:
         if not ok and error is None:
             raise self.fail(f"'error' must say why the stage is {status!r}, got null")
         gate = self.gate(data["gate"])
-        timing = self.timing(data.get("timing"), required=ok)
-        measured = {}
-        for key in ("img_per_s", "step_ms"):
-            if ok:
-                self.get(data, key, "", required=True)
-            measured[key] = self.number(data.get(key), key, optional=not ok)
         if ok:
-            self.get(data, "step_iqr_ms", "", required=True)
+            for key in ("timing", "img_per_s", "step_ms", "step_iqr_ms"):
+                self.get(data, key, "", required=True)
+        timing = self.timing(data.get("timing"), required=ok)
+        measured = {key: self.number(data.get(key), key, optional=not ok) for key in ("img_per_s", "step_ms")}
         measured["step_iqr_ms"] = self.number(data.get("step_iqr_ms"), "step_iqr_ms", positive=False,
                                               optional=not ok)
         mem_required = ok and env.on_gpu
@@ -682,7 +694,7 @@ class _Parser:
         device_type = self.string(env["device_type"], "env.device_type", choices=DEVICE_TYPES)
         values: dict = {k: self.string(env.get(k), f"env.{k}", optional=True) for k in ENV_STRINGS}
         if device_type == "cuda" and not values["gpu"]:
-            raise self.fail(f"'env.gpu' must name the GPU of a cuda record, got {short_repr(env['gpu'])}")
+            raise self.fail(f"'env.gpu' must name the GPU of a cuda record, got {_shown(env['gpu'])}")
         values["torch"] = self.string(env["torch"], "env.torch", non_empty=True)
         values.update({k: self.integer(env.get(k), f"env.{k}", 0, MAX_BYTES, optional=True) for k in ENV_INTS})
         values["pdl"] = self.boolean(env.get("pdl"), "env.pdl", optional=True)
@@ -695,7 +707,7 @@ class _Parser:
             if key in known:
                 continue
             if item is not None and not isinstance(item, (bool, int, float, str)):
-                raise self.fail(f"'env.{key}' must be a string, number, true/false or null, got {short_repr(item)}")
+                raise self.fail(f"'env.{key}' must be a string, number, true/false or null, got {_shown(item)}")
             extra[key] = item
         return Env(device_type=device_type, swinbench_env=dict(settings), extra=extra, **values)
 
@@ -755,7 +767,7 @@ class _Parser:
                 item = self.any_number(item, f"gate.metrics.{key}", finite=finite)
             elif item is not None and not isinstance(item, (bool, str)):
                 raise self.fail(f"'gate.metrics.{key}' must be a number, string, true/false or null, "
-                                f"got {short_repr(item)}")
+                                f"got {_shown(item)}")
             extra[key] = item
         return GateMetrics(
             weights_match=self.boolean(m.get("weights_match"), "gate.metrics.weights_match", optional=True),

@@ -510,6 +510,7 @@ def _config_rows(records: list[StageRecord]) -> list[tuple[str, object]]:
     settings = _distinct(", ".join(f"{k}={v}" for k, v in r.env.swinbench_env.items())
                          for r in records if r.env.swinbench_env)
     distinct = lambda values: ", ".join(map(str, _distinct(values)))
+    multi_run = len({r.run_id for r in records}) > 1
     return [
         ("device", "; ".join(devices) if len(devices) == 1 else "mixed: " + "; ".join(devices)),
         ("GPU", _env_value(records, "gpu", "none (CPU)")), ("driver", _env_value(records, "driver")),
@@ -520,7 +521,8 @@ def _config_rows(records: list[StageRecord]) -> list[tuple[str, object]]:
         *([("settings", "; ".join(settings))] if settings else []),
         ("model", distinct(r.model for r in records)), ("mode", distinct(r.mode for r in records)),
         ("batch", distinct(r.batch for r in records)),
-        ("precision per stage", ", ".join(f"{r.stage}={r.precision}" for r in records)),
+        ("precision per stage", ", ".join(f"{r.stage}{f' ({r.run_id})' if multi_run else ''}={r.precision}"
+                                          for r in records)),
         ("timed steps / warm-up", f"{timing.repeats} / {timing.warmup} ({timing.clock} clock)" if timing
          else "- / - (- clock)"),
         ("seed", distinct(r.seed for r in records)), ("date", env.date or "-"), ("host", _env_value(records, "host")),
