@@ -30,7 +30,8 @@ def test_committed_v1_records_load_and_round_trip():
 def test_written_record_round_trips(tmp_path):
     rec = record(1, "amp", "baseline", 50.0, shares={"gemm": 60.0, "other": 40.0})
     rec["interleaved"] = {"rounds": 2, "rounds_planned": 3, "block": 3, "with": ["baseline", "amp"], "step_ms": 50.0,
-                          "iqr_ms": 0.5, "samples_ms": [49.5, 50.0, 50.5, 49.0, 50.0, 51.0], "round_median_ms": [50.0, 50.0],
+                          "iqr_ms": 0.5, "samples_ms": [49.5, 50.0, 50.5, 49.0, 50.0, 51.0],
+                          "round_median_ms": [50.0, 50.0],
                           "first_stage": "baseline", "x_first": {"median": 2.0, "q1": 1.9, "q3": 2.1},
                           "previous_stage": "baseline", "x_previous": {"median": 2.0, "q1": 1.9, "q3": 2.1}}
     rec["passes"][0]["details"] = {"betas": (0.9, 0.999), "dtype": math}   # a tuple and a non-JSON object

@@ -609,6 +609,10 @@ class _Parser:
     def strings(self, value, name: str) -> tuple[str, ...]:
         return tuple(self.string(x, f"{name}[{i}]") for i, x in enumerate(self.sequence(value, name)))
 
+    def json_object(self, value, name: str) -> dict:
+        """A free-form JSON mapping (pass params and details); null reads as {}."""
+        return self.json_value(self.mapping(_given(value, {}), name), name)
+
     def json_value(self, value, name: str, depth: int = 0):
         """Free-form JSON (pass params and details): plain values, bounded depth."""
         if depth > MAX_JSON_DEPTH:
@@ -788,8 +792,7 @@ class _Parser:
                 self.known(p, {"name", "params"}, pname)
                 passes.append(ChainPass(self.string(self.get(p, "name", pname + ".", required=True), f"{pname}.name",
                                                     is_name=True),
-                                        self.json_value(self.mapping(_given(p.get("params"), {}), f"{pname}.params"),
-                                                        f"{pname}.params")))
+                                        self.json_object(p.get("params"), f"{pname}.params")))
             out.append(ChainEntry(self.string(self.get(c, "name", name + ".", required=True), f"{name}.name",
                                               is_name=True),
                                   self.string(c.get("source"), f"{name}.source", optional=True), tuple(passes)))
@@ -803,9 +806,9 @@ class _Parser:
             self.known(p, {"name", "params", "changed", "details", "available"}, name)
             out.append(PassRecord(
                 name=self.string(self.get(p, "name", name + ".", required=True), f"{name}.name", is_name=True),
-                params=self.json_value(self.mapping(_given(p.get("params"), {}), f"{name}.params"), f"{name}.params"),
+                params=self.json_object(p.get("params"), f"{name}.params"),
                 changed=self.string(_given(p.get("changed"), ""), f"{name}.changed"),
-                details=self.json_value(self.mapping(_given(p.get("details"), {}), f"{name}.details"), f"{name}.details"),
+                details=self.json_object(p.get("details"), f"{name}.details"),
                 available=self.boolean(p.get("available", True), f"{name}.available")))
         return tuple(out)
 
@@ -815,8 +818,9 @@ class _Parser:
         p = self.mapping(value, "profile")
         self.known(p, {"backend", "trace", "category_share_pct", "top_kernels", "kernel_ms_per_step",
                        "api_calls_per_step", "kernels_per_step"}, "profile")
+        shares = self.mapping(_given(p.get("category_share_pct"), {}), "profile.category_share_pct")
         shares = {k: self.number(v, f"profile.category_share_pct.{k}", positive=False, high=100.0 + 1e-6)
-                  for k, v in self.mapping(_given(p.get("category_share_pct"), {}), "profile.category_share_pct").items()}
+                  for k, v in shares.items()}
         calls = self.mapping(p.get("api_calls_per_step"), "profile.api_calls_per_step", optional=True)
         if calls is not None:
             calls = {k: self.number(v, f"profile.api_calls_per_step.{k}", positive=False) for k, v in calls.items()}
@@ -938,7 +942,8 @@ def read_record(path: Path) -> StageRecord:
     except json.JSONDecodeError as exc:
         raise UserError(f"record {path} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
     except (ValueError, RecursionError) as exc:   # an integer of thousands of digits; nesting too deep
-        raise UserError(f"record {path} is not valid JSON ({str(exc).splitlines()[0][:120] or 'nested too deep'})") from None
+        why = str(exc).splitlines()[0][:120] if str(exc).strip() else "nested too deep"
+        raise UserError(f"record {path} is not valid JSON ({why})") from None
     return StageRecord.from_dict(parsed, source=str(path))
 
 
