@@ -2,9 +2,8 @@
 
 `apply` times its stages one after another, each in its own process. A stage bound by the GPU gives the
 same figure whenever it runs. A stage bound by the host launching kernels gives whatever the host
-gives at that minute: on the H200's shared host one stage's steps spread from 35 to 52 ms within a
-minute, and an amp stage that had held at 67.6 ms took 93-114 ms an hour later. Two host-bound stages
-timed minutes apart can then swap places.
+gives at that minute: on a shared host its steps can spread by half within a minute, and drift further
+over an hour. Two host-bound stages timed minutes apart can then swap places.
 
 After the stages have run, `--interleave N` builds every stage that was measured and passed its gate
 side by side in one process and times them again in N rounds. Each round runs `block` back-to-back steps
@@ -18,7 +17,7 @@ interleaved steps, and the paired ratio against the first interleaved stage and 
 extends (or its nearest interleaved ancestor). The report shows them in their own table.
 
 Every stage lives at once in this process, so the phase needs the sum of the stages' memory: it is
-for a handful of stages (Swin-B at batch 64 takes 8-10 GiB each).
+for a handful of stages.
 """
 from __future__ import annotations
 
