@@ -213,12 +213,20 @@ def _run_check(baseline, current, limit, drift, thresholds, force, fmt, output=N
     if fmt == "markdown":
         fmt = "md"
     _check_format(fmt, ("md", "json"))
-    result = _call(check_records, baseline, current, max_regression_pct=limit, thresholds_file=thresholds,
-                   force=force, max_share_drift_pp=drift)
-    text = json.dumps(to_json(result), indent=2, default=str) if fmt == "json" else render_markdown(result)
+    from workbench.files import atomic_write_text
+
+    try:
+        result = _call(check_records, baseline, current, max_regression_pct=limit, thresholds_file=thresholds,
+                       force=force, max_share_drift_pp=drift)
+        text = json.dumps(to_json(result), indent=2, default=str) if fmt == "json" else render_markdown(result)
+        if output is not None:
+            _call(atomic_write_text, output, text + "\n")
+    except typer.Exit:
+        raise
+    except Exception as exc:  # exit 1 means a measured regression to CI: nothing else may exit 1
+        raise _fail(Exception(f"swinbench check failed (not a regression): {type(exc).__name__}: "
+                              f"{str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"), 2) from None
     typer.echo(text)
-    if output is not None:
-        output.write_text(text + "\n")
     raise typer.Exit(result.exit_code)
 
 

@@ -418,8 +418,9 @@ def test_regressed_stages_list_their_largest_kernel_changes(current, tmp_path):
 def paired(median: float, q1: float, q3: float, against: str = "amp"):
     """An `apply --interleave` entry: the stage's paired ratio over `against`."""
     def fn(rec):
-        rec["interleaved"] = {"rounds": 10, "block": 3, "with": [against, rec["stage"]], "step_ms": rec["step_ms"],
-                              "iqr_ms": 0.0, "samples_ms": [], "round_median_ms": [], "first_stage": against,
+        rec["interleaved"] = {"rounds": 1, "block": 3, "with": [against, rec["stage"]], "step_ms": rec["step_ms"],
+                              "iqr_ms": 0.0, "samples_ms": [rec["step_ms"]] * 3, "round_median_ms": [rec["step_ms"]],
+                              "first_stage": against,
                               "x_first": {"median": median, "q1": q1, "q3": q3}, "previous_stage": against,
                               "x_previous": {"median": median, "q1": q1, "q3": q3}}
     return fn

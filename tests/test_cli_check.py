@@ -3,6 +3,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from cli import app
@@ -56,3 +57,78 @@ def test_committed_h200_runs_check_clean_against_each_other():
     assert result.exit_code == 0, result.output
     rows = [r for r in json.loads(result.output)["rows"] if r["stage"] == "amp" and r["metric"] == "img_per_s"]
     assert rows and rows[0]["status"] == "unchanged"
+
+
+def _hostile_copy(tmp_path, field, value) -> Path:
+    """The committed records with one field of the amp record replaced."""
+    folder = tmp_path / "hostile"
+    shutil.copytree(SAMPLE, folder)
+    path = next(folder.glob("*-amp.json"))
+    rec = json.loads(path.read_text())
+    rec[field] = value
+    path.write_text(json.dumps(rec))
+    return folder
+
+
+def _one_line_exit_2(result, *needles):
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1, result.output
+    for needle in needles:
+        assert needle in result.output, result.output
+
+
+HOSTILE = [("img_per_s", float("nan")), ("img_per_s", float("inf")), ("img_per_s", None), ("img_per_s", -900.0),
+           ("stage_index", "two"), ("run_id", 5), ("peak_mem_bytes", 10**30), ("step_ms", [71.0]),
+           ("env", ["NVIDIA H200"]), ("timing", "fast")]
+
+
+@pytest.mark.parametrize("field,value", HOSTILE, ids=[f"{f}={v!r}" for f, v in HOSTILE])
+@pytest.mark.parametrize("side", ["--current", "--baseline"])
+def test_a_record_that_is_not_a_measurement_is_bad_input(tmp_path, side, field, value):
+    """NaN, infinite, null or wrong-typed figures are neither 'improved' nor 'only in baseline': exit 2, one
+    line naming the file, the stage and the field, on either side."""
+    hostile = _hostile_copy(tmp_path, field, value)
+    other = "--baseline" if side == "--current" else "--current"
+    result = runner.invoke(app, ["check", side, str(hostile), other, str(SAMPLE)])
+    _one_line_exit_2(result, "01-amp.json", "stage 'amp'", f"'{field}")
+
+
+def _thresholds(tmp_path, content: bytes) -> Path:
+    path = tmp_path / "thresholds.yaml"
+    path.write_bytes(content)
+    return path
+
+
+@pytest.mark.parametrize("content,needle", [
+    (b"default: {max_regression_pct: 5}\n# \xff\xfe\n", "not UTF-8"),
+    (b"default: {max_regression_pct: .inf}\n", "default.max_regression_pct"),
+    (b"stages:\n  fmha: {img_per_s: .inf}\n", "stages.fmha.img_per_s"),
+    (b"noise_iqr_scale: .nan\n", "noise_iqr_scale"),
+    (b"default: {peak_mem_bytes: " + b"9" * 400 + b"}\n", "default.peak_mem_bytes"),
+    (b"a: &a [x, x, x, x, x, x, x, x, x]\n" + b"".join(b"%c: &%c [*%c, *%c, *%c, *%c, *%c, *%c, *%c, *%c, *%c]\n"
+                                                       % ((97 + i + 1,) * 2 + (97 + i,) * 9) for i in range(8)),
+     "not read"),
+], ids=["non-utf8", "inf-default", "inf-stage", "nan-scale", "huge-int", "alias-bomb"])
+def test_bad_thresholds_are_one_line_exit_2(tmp_path, content, needle):
+    result = runner.invoke(app, ["check", "--baseline", str(SAMPLE), "--current", str(SAMPLE),
+                                 "--thresholds", str(_thresholds(tmp_path, content))])
+    _one_line_exit_2(result, needle)
+
+
+def test_unwritable_output_is_exit_2(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    result = runner.invoke(app, ["check", "--baseline", str(SAMPLE), "--current", str(SAMPLE),
+                                 "--output", str(blocker / "check.md")])
+    _one_line_exit_2(result, "cannot write")
+
+
+def test_an_unexpected_failure_is_exit_2_not_a_regression(monkeypatch):
+    import workbench.check
+
+    def broken(*args, **kwargs):
+        raise KeyError("surprise")
+
+    monkeypatch.setattr(workbench.check, "check_records", broken)
+    result = runner.invoke(app, ["check", "--baseline", str(SAMPLE), "--current", str(SAMPLE)])
+    _one_line_exit_2(result, "not a regression", "KeyError")

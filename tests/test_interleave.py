@@ -8,6 +8,7 @@ import pytest
 import torch
 from rich.console import Console
 
+from record_helpers import record
 from workbench.apply import run_apply
 from workbench.errors import UserError
 from workbench.interleave import interleaved_entries, paired_ratio, time_interleaved
@@ -48,7 +49,7 @@ def test_paired_ratio_is_the_median_of_round_ratios_not_the_ratio_of_medians():
 
 
 def _rec(stage, extends, chain):
-    return {"stage": stage, "extends": extends, "chain": [{"name": n} for n in chain]}
+    return dict(record(len(chain), stage, extends, 10.0), chain=[{"name": n} for n in chain])
 
 
 def test_entries_compare_with_the_nearest_interleaved_ancestor():
@@ -69,7 +70,7 @@ def test_apply_interleave_adds_paired_timings_to_records_and_report(tmp_path):
     run = dict(model=TINY_MODEL, batch=2, steps=1, warmup=0, device="cpu", progress=False)
     result = run_apply("amp", **run, stages=["baseline", "amp"], out_dir=tmp_path / "run", interleave=2,
                        console=Console(file=None, record=True, width=120))
-    stored = {r["stage"]: r for r in read_records([result.records_dir])}
+    stored = {r.stage: r.to_dict() for r in read_records([result.records_dir])}
     for name in ("baseline", "amp"):
         e = stored[name]["interleaved"]
         assert e["rounds"] == 2 and len(e["samples_ms"]) == 2 * e["block"] and e["with"] == ["baseline", "amp"]
@@ -85,18 +86,13 @@ def test_interleave_needs_two_stages_and_a_sane_count(tmp_path):
     console = Console(record=True, width=200)
     result = run_apply("baseline", **run, stages=["baseline"], out_dir=tmp_path / "one", interleave=2, console=console)
     assert "needs two measured stages" in console.export_text()
-    assert "interleaved" not in read_records([result.records_dir])[0]
+    assert read_records([result.records_dir])[0].interleaved is None
     with pytest.raises(UserError, match="--interleave"):
         run_apply("baseline", **run, out_dir=tmp_path / "bad", interleave=-1)
 
 
 def test_report_without_interleaving_has_no_such_section(tmp_path):
-    assert "Timed in alternation" not in render_report(
-        [{**_rec("amp", None, ["amp"]), "schema": 1, "run_id": "r", "recipe": "amp", "stage_index": 0,
-          "status": "ok", "error": None, "model": TINY_MODEL, "mode": "train", "batch": 2, "precision": "bf16",
-          "device": "cpu", "seed": 0, "env": {"device_type": "cpu"}, "timing": None, "img_per_s": 1.0,
-          "step_ms": 1.0, "step_iqr_ms": 0.0, "peak_mem_bytes": None, "gate": {"status": "PASS"},
-          "passes": [], "profile": None, "notes": []}], tmp_path / "r.md").read_text()
+    assert "Timed in alternation" not in render_report([_rec("amp", None, ["amp"])], tmp_path / "r.md").read_text()
 
 
 def test_isolated_runs_interleave_in_a_process_of_their_own(tmp_path):
@@ -107,7 +103,7 @@ def test_isolated_runs_interleave_in_a_process_of_their_own(tmp_path):
                        isolate=True, console=Console(record=True, width=160))
     logs = tmp_path / "iso" / "logs"
     assert (logs / "interleave.spec.json").exists() and (logs / "interleave.result.json").exists()
-    stored = {r["stage"]: r for r in read_records([result.records_dir])}
+    stored = {r.stage: r.to_dict() for r in read_records([result.records_dir])}
     assert stored["amp"]["interleaved"]["previous_stage"] == "baseline"
     assert len(stored["baseline"]["interleaved"]["samples_ms"]) == 3
 
@@ -143,7 +139,7 @@ def test_an_interleave_that_stops_early_keeps_its_rounds_in_records_and_report(t
     run = dict(model=TINY_MODEL, batch=2, steps=1, warmup=0, device="cpu", progress=False)
     result = run_apply("amp", **run, stages=["baseline", "amp"], out_dir=tmp_path / "run", interleave=5,
                        console=console)
-    stored = {r["stage"]: r for r in read_records([result.records_dir])}
+    stored = {r.stage: r.to_dict() for r in read_records([result.records_dir])}
     e = stored["amp"]["interleaved"]
     assert e["rounds"] == 2 and e["rounds_planned"] == 5 and len(e["round_median_ms"]) == 2
     assert "2 rounds (stopped early: 5 planned)" in result.report_path.read_text()

@@ -5,37 +5,10 @@ import math
 
 import pytest
 
+from record_helpers import ENV, record
 from workbench.errors import UserError
-from workbench.records import SCHEMA, write_record
+from workbench.records import write_record
 from workbench.report import default_report_path, display_rows, render_report, render_report_from_paths, speedup_table
-
-ENV = {"device_type": "cuda", "gpu": "NVIDIA H200", "driver": "580.1", "cuda": "12.8", "torch": "2.11.0",
-       "triton": "3.5.0", "timm": "1.0.29", "python": "3.12.3", "host": "gpu1", "date": "2026-01-01T00:00:00+00:00"}
-
-
-def record(i, stage, extends, step_ms, *, gate="PASS", status="ok", shares=None, precision="bf16"):
-    timed = status == "ok"
-    return {
-        "schema": SCHEMA, "run_id": "r1", "recipe": "fmha", "stage": stage, "stage_index": i, "status": status,
-        "error": None if status == "ok" else "fused_window: not available: no kernel",
-        "extends": extends, "description": f"{stage} stage", "model": "swin_tiny_patch4_window7_224", "mode": "train",
-        "batch": 64, "precision": precision, "device": "cuda", "seed": 0, "env": ENV,
-        "timing": {"samples_ms": [step_ms] * 4, "warmup": 5, "clock": "cuda-events", "median_ms": step_ms,
-                   "iqr_ms": 0.5, "repeats": 4} if timed else None,
-        "img_per_s": 64 / (step_ms / 1e3) if timed else None, "step_ms": step_ms if timed else None,
-        "step_iqr_ms": 0.5 if timed else None, "peak_mem_bytes": 3 * 2**30 if timed else None,
-        "compile_s": None, "optimizer": "torch.optim.AdamW(fused=True)",
-        "gate": {"status": gate, "tolerance": {"logits_rel": 0.05, "loss_atol": 0.05, "grad_rel": 0.15},
-                 "metrics": {"logits": {"max_abs": 1e-3, "rel_l2": 7e-3}, "loss": {"abs_diff": 1e-4},
-                             "grads": {"head.fc.weight": {"max_abs": 1e-4, "rel_l2": 6e-3}}},
-                 "reason": "logits rel L2 0.1 > 0.05" if gate == "FAIL" else None},
-        "passes": [{"name": f"{stage}_pass", "params": {}, "changed": f"{stage} changed things", "details": {},
-                    "available": status == "ok"}] if extends else [],
-        "stage_passes": [f"{stage}_pass"] if extends else [],
-        "profile": {"backend": "nsys", "trace": "t.sqlite", "category_share_pct": shares} if shares else None,
-        "notes": [],
-    }
-
 
 @pytest.fixture
 def records():
@@ -114,8 +87,10 @@ def test_widely_spread_gpu_steps_get_a_note(records, tmp_path):
     text = render_report(records, tmp_path / "r.md").read_text()
     assert "apex: step times spread from 36.0 to 52.0 ms (IQR 15% of the median)" in text
     assert text.count("step times spread") == 1 and "`apply --interleave N` compares such stages" in text
-    noisy["interleaved"] = {"rounds": 3, "block": 3, "step_ms": 40.0, "iqr_ms": 6.0, "first_stage": "apex",
-                            "x_first": None, "previous_stage": None, "x_previous": None}   # already interleaved
+    noisy["interleaved"] = {"rounds": 1, "block": 3, "with": ["apex"], "step_ms": 40.0, "iqr_ms": 6.0,
+                            "samples_ms": [36.0, 40.0, 46.0], "round_median_ms": [40.0], "first_stage": "apex",
+                            "x_first": {"median": 1.0, "q1": 1.0, "q3": 1.0}, "previous_stage": None,
+                            "x_previous": None}   # already interleaved
     assert "--interleave N` compares" not in render_report(records, tmp_path / "r1.md").read_text()
     noisy["timing"]["clock"] = "host"
     assert "step times spread" not in render_report(records, tmp_path / "r2.md").read_text()
@@ -153,11 +128,16 @@ def test_bad_record_paths_are_user_errors(tmp_path):
 def test_slower_stage_with_less_gpu_time_is_explained_as_host_bound(tmp_path):
     from workbench.report import _slower_why
 
-    parent = {"stage": "amp", "step_ms": 67.0, "profile": {"kernel_ms_per_step": 63.2}}
-    slower = {"stage": "apex", "extends": "amp", "step_ms": 98.7, "profile": {"kernel_ms_per_step": 51.1}}
-    why = _slower_why(slower, [parent, slower], "amp")
+    from workbench.records import as_records
+
+    parent = record(0, "amp", "baseline", 67.0, shares={"gemm": 100.0})
+    slower = record(1, "apex", "amp", 98.7, shares={"gemm": 100.0})
+    parent["profile"]["kernel_ms_per_step"], slower["profile"]["kernel_ms_per_step"] = 63.2, 51.1
+    recs = as_records([parent, slower])
+    why = _slower_why(recs[1], recs, "amp")
     assert "fell from 63.2 to 51.1 ms" in why and "host" in why and "52%" in why
-    assert "look at its passes" in _slower_why({**slower, "profile": None}, [parent, slower], "amp")
+    unprofiled = as_records([{**slower, "profile": None}])[0]
+    assert "look at its passes" in _slower_why(unprofiled, recs, "amp")
 
 
 def test_previous_falls_back_to_the_nearest_measured_ancestor(tmp_path):
@@ -275,3 +255,61 @@ def test_activation_dtypes_table_and_a_precision_change_is_named(tmp_path):
     # records from before the field existed render without the section
     old = [{k: v for k, v in r.items() if k != "activation_dtypes"} for r in recs]
     assert "## Activation dtypes" not in render_report(old, tmp_path / "old.md").read_text()
+
+
+HOSTILE = [("img_per_s", float("nan")), ("step_ms", "fast"), ("stage_index", "two"), ("run_id", 5),
+           ("peak_mem_bytes", 10**30), ("timing", [1.0]), ("gate", "PASS"), ("profile", {"backend": 1})]
+
+
+@pytest.mark.parametrize("field,value", HOSTILE, ids=[f"{f}={v!r}" for f, v in HOSTILE])
+def test_cli_report_of_a_bad_record_is_one_line_exit_2(records, tmp_path, field, value):
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    folder = tmp_path / "records"
+    for r in records[:3]:
+        write_record(r, folder)
+    path = folder / "01-amp.json"
+    data = json.loads(path.read_text())
+    data[field] = value
+    path.write_text(json.dumps(data))
+    result = CliRunner().invoke(app, ["report", str(folder), "--out", str(tmp_path / "r.md")])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1 and "01-amp.json" in result.output
+    assert "stage 'amp'" in result.output and f"'{field}" in result.output
+    assert not (tmp_path / "r.md").exists()
+
+
+def test_records_of_several_models_and_devices_are_labelled_per_row(records, tmp_path):
+    """A table of records from different GPUs, models or the CPU says "mixed" and names each row's model
+    and device; speedups are never taken across devices."""
+    other = dict(record(0, "baseline", None, 80.0, gate="REFERENCE", precision="fp32"), run_id="r2",
+                 model="swin_base_patch4_window7_224", env={**ENV, "gpu": "NVIDIA A100-SXM4-80GB"})
+    cpu = dict(record(0, "baseline", None, 900.0, gate="REFERENCE", precision="fp32"), run_id="r3",
+               model="swinbench_tiny_cpu", env={**ENV, "device_type": "cpu", "gpu": None}, peak_mem_bytes=None)
+    text = render_report(records[:2] + [other, cpu], tmp_path / "mixed.md").read_text()
+    title = text.splitlines()[0]
+    assert "mixed models" in title and "mixed devices" in title and "NVIDIA H200" in title
+    assert "NVIDIA A100" in title and "CPU" in title
+    assert "| stage | model | device | precision |" in text
+    assert "| amp (r1) | swin_tiny_patch4_window7_224 | NVIDIA H200 | bf16 |" in text
+    assert "| baseline (r2) | swin_base_patch4_window7_224 | NVIDIA A100-SXM4-80GB | fp32 |" in text
+    assert "| baseline (r3) | swinbench_tiny_cpu | CPU | fp32 |" in text
+    assert "not GPU speed figures" in text
+    df = speedup_table(records[:2] + [other, cpu]).set_index(["run_id", "stage"])
+    assert df.loc[("r2", "baseline"), "x_baseline"] == pytest.approx(1.0)     # its own run only
+    assert "| model | swin_tiny_patch4_window7_224, swin_base_patch4_window7_224, swinbench_tiny_cpu |" in text
+    # one model on one GPU: no per-row labels, the GPU in the title
+    plain = render_report(records[:2], tmp_path / "plain.md").read_text()
+    assert "| stage | precision |" in plain and "mixed" not in plain.splitlines()[0]
+
+
+def test_a_cpu_run_says_cpu_in_the_title_and_rows(tmp_path):
+    cpu_env = {**ENV, "device_type": "cpu", "gpu": None, "cpu": "x86_64"}
+    recs = [dict(record(i, s, e, 100.0), env=cpu_env, peak_mem_bytes=None)
+            for i, (s, e) in enumerate([("baseline", None), ("amp", "baseline")])]
+    text = render_report(recs, tmp_path / "cpu.md").read_text()
+    assert text.splitlines()[0].endswith("CPU — not a GPU speed figure")
+    assert "| device | CPU (x86_64) - no GPU, speed figures are not GPU figures |" in text
+    assert "| GPU | none (CPU) |" in text

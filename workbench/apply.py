@@ -37,17 +37,16 @@ from typing import Callable
 import torch
 
 from .env import device_label, environment_stamp
+from .events import EVENT_PREFIX
 from .errors import UserError
 from .gate import (GateOutputs, activation_dtypes, capture_parameters, compare, compute_reference, forward_backward,
                    weights_digest)
 from .models import check_model_name, default_model_for
 from .interleave import InterleaveSpec, add_round, apply_chain, interleaved_entries, run_interleaved_spec, spec_json
-from .records import SCHEMA, write_record
+from .records import SCHEMA, read_record, write_record
 from .recipes import StagePlan, as_jsonable, effective_passes, gate_tolerance, plan_stages, resolve_chain
 from .timing import time_steps
 from .workload import Workload, WorkloadConfig, pick_device, resolve_device
-
-EVENT_PREFIX = "@swinbench "   # stage subprocesses report progress on stdout with this prefix
 
 
 @dataclass
@@ -125,8 +124,7 @@ def run_stage(spec: StageSpec, reference: GateOutputs, on_event: Callable[[dict]
     except UserError as exc:
         record = _base_record(spec, [])
         record.update(status="error", error=str(exc))
-        write_record(record, out_dir / "records")
-        return record
+        return _finish(record, out_dir, emit)
     record = _base_record(spec, chain)
     config = WorkloadConfig(**spec.config)
     workload = None
@@ -307,7 +305,7 @@ def _run_isolated(spec: StageSpec, on_event: Callable[[dict], None]) -> dict:
 
     rc = _stream([sys.executable, "-m", "workbench.apply", str(spec_path)], log_path, on_line)
     if record_path and Path(record_path).exists():
-        record = json.loads(Path(record_path).read_text())
+        record = read_record(Path(record_path)).to_dict()
         record["_path"] = record_path
         return record
     # The process died before writing its record (a crash in a kernel, a kill): record that.
@@ -402,7 +400,7 @@ def _resumable(records_dir: Path, config: WorkloadConfig, *, steps: int, warmup:
 
     if not records_dir.is_dir() or not any(records_dir.glob("*.json")):
         return {}
-    records = read_records([records_dir])
+    records = [r.to_dict() for r in read_records([records_dir])]
     runs = {r["run_id"] for r in records}
     if len(runs) > 1:
         raise UserError(f"{records_dir} holds records of {len(runs)} runs; resume one run's folder")

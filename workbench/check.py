@@ -1,7 +1,8 @@
 """`swinbench check`: compare stored stage records (current) with a stored baseline, for CI.
 
-Reads two sets of `swinbench.stage/1` records (files or folders, several runs allowed), matches
-stages by name and checks, per stage:
+Reads two sets of stage records through `records.read_records` (files or folders, several runs allowed;
+a record holding anything that is not a measurement, such as an img/s that is NaN, infinite, null or
+not a number, is refused there), matches stages by name and checks, per stage:
 
     img_per_s        higher is better   % change, limit in %      noise band from the step-time IQRs
     step_ms          lower is better    % change, limit in %      noise band from the step-time IQRs
@@ -45,7 +46,9 @@ and torch/triton versions must match unless `force`; with `force` the difference
 A stage held by several records on one side (several runs) is taken from the newest (env.date).
 
 Everything returns plain data: `check_records` -> `CheckResult` (a DataFrame of rows plus verdict),
-`render_markdown` and `to_json` render it. Problems with the inputs raise UserError (exit 2).
+`render_markdown` and `to_json` render it. Exit codes: 0 nothing regressed, 1 a measured regression and
+nothing else, 2 bad input (unreadable or invalid records or thresholds, mismatched experiments without
+`force`, an output that cannot be written): every problem with the inputs raises UserError (exit 2).
 """
 from __future__ import annotations
 
@@ -54,11 +57,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
-import yaml
 
 from .analysis import blocking_calls
-from .errors import UserError, yaml_error_text
-from .records import read_records, short_dtype
+from .errors import UserError
+from .files import load_yaml_file, short_repr
+from .records import StageRecord, read_records, short_dtype
 
 ROW_COLUMNS = ["stage", "metric", "baseline", "current", "delta_pct", "limit", "noise_band_pct", "status", "unit"]
 STATUSES = ("improved", "unchanged", "noise", "REGRESSED", "only in baseline", "only in current", "FAIL gate",
@@ -68,9 +71,6 @@ REGRESSION_STATUSES = ("REGRESSED", "FAIL gate")
 # metric -> +1 when higher is better, -1 when lower is better
 PCT_METRICS = {"img_per_s": +1, "step_ms": -1, "peak_mem_bytes": -1, "speedup": +1,
                "launches_per_step": -1, "blocking_calls_per_step": -1, "paired_speedup": +1}
-# metrics computed from the record rather than read from a top-level key (see _load_side)
-DERIVED_KEYS = {"speedup": "_speedup", "launches_per_step": "_launches_per_step",
-                "blocking_calls_per_step": "_blocking_calls_per_step", "paired_speedup": "_paired_speedup"}
 TIMED_METRICS = ("img_per_s", "step_ms", "speedup")
 SHARE_PREFIX = "share:"
 BASELINE_STAGE = "baseline"
@@ -88,9 +88,6 @@ ENV_SETTINGS = (("device_type", "device type", "device types"), ("gpu", "GPU", "
 # Worth a note, not worth refusing.
 ENV_NOTES = (("driver", "driver version"), ("cuda", "CUDA version"), ("timm", "timm version"))
 
-REQUIRED_KEYS = ("run_id", "stage", "stage_index", "status", "model", "mode", "batch", "precision", "env")
-REQUIRED_OK_KEYS = ("img_per_s", "step_ms", "peak_mem_bytes")
-REQUIRED_ENV_KEYS = ("device_type", "gpu", "torch", "triton")
 
 
 @dataclass
@@ -139,15 +136,29 @@ class Thresholds:
         return self.share_drift_pp if is_share else self.max_regression_pct
 
 
+def _printable(text) -> bool:
+    return isinstance(text, str) and bool(text) and not any(ord(c) < 32 or ord(c) == 127 for c in text)
+
+
+def _quoted(key) -> str:
+    """A key from the thresholds file as an error line shows it: as is when printable, else its repr."""
+    return key if _printable(key) else short_repr(key)
+
+
 def _valid_metric_key(key) -> bool:
-    return isinstance(key, str) and (key in PCT_METRICS or key == "share_drift_pp"
-                                     or (key.startswith(SHARE_PREFIX) and len(key) > len(SHARE_PREFIX)))
+    return _printable(key) and (key in PCT_METRICS or key == "share_drift_pp"
+                                or (key.startswith(SHARE_PREFIX) and len(key) > len(SHARE_PREFIX)))
 
 
 def _limit_value(value, where: str, path: Path) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise UserError(f"{path}: {where} must be a number >= 0, got {value!r}")
-    return float(value)
+    """A limit: a finite number >= 0 (a limit of .inf would let every change pass)."""
+    try:
+        number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number) or number < 0:
+        raise UserError(f"{path}: {where} must be a number >= 0 (finite), got {short_repr(value)}")
+    return number
 
 
 def load_thresholds(path, *, max_regression_pct: float = DEFAULT_MAX_REGRESSION_PCT,
@@ -160,12 +171,7 @@ def load_thresholds(path, *, max_regression_pct: float = DEFAULT_MAX_REGRESSION_
     if path is None:
         return th
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise UserError(f"cannot read thresholds file {path}: {exc.strerror or exc}") from None
-    except yaml.YAMLError as exc:
-        raise UserError(f"thresholds file {path} is not valid YAML{yaml_error_text(exc)}") from None
+    data = load_yaml_file(path, "thresholds file")
     if data is None:
         return th
     if not isinstance(data, dict):
@@ -173,9 +179,10 @@ def load_thresholds(path, *, max_regression_pct: float = DEFAULT_MAX_REGRESSION_
     allowed = {"version", "default", "share_drift_pp", "noise_iqr_scale", "stages"}
     for key in data:
         if key not in allowed:
-            raise UserError(f"{path}: unknown key {key!r} (allowed: {', '.join(sorted(allowed))})")
-    if data.get("version", 1) != 1:
-        raise UserError(f"{path}: version {data['version']!r} is not supported (expected 1)")
+            raise UserError(f"{path}: unknown key {short_repr(key)} (allowed: {', '.join(sorted(allowed))})")
+    version = data.get("version", 1)
+    if type(version) is not int or version != 1:
+        raise UserError(f"{path}: version {short_repr(version)} is not supported (expected 1)")
 
     default = data.get("default") or {}
     if not isinstance(default, dict):
@@ -188,7 +195,7 @@ def load_thresholds(path, *, max_regression_pct: float = DEFAULT_MAX_REGRESSION_
         elif _valid_metric_key(key):
             th.metric_defaults[key] = _limit_value(value, f"default.{key}", path)
         else:
-            raise UserError(f"{path}: unknown key default.{key} (metrics: {', '.join(PCT_METRICS)}, "
+            raise UserError(f"{path}: unknown key default.{_quoted(key)} (metrics: {', '.join(PCT_METRICS)}, "
                             f"share_drift_pp, share:<category>, or max_regression_pct)")
     if "share_drift_pp" in data:
         if "share_drift_pp" in default:
@@ -201,126 +208,94 @@ def load_thresholds(path, *, max_regression_pct: float = DEFAULT_MAX_REGRESSION_
     if not isinstance(stages, dict):
         raise UserError(f"{path}: 'stages' must map stage names to {{metric: limit}}")
     for stage, limits in stages.items():
+        if not _printable(stage):
+            raise UserError(f"{path}: stages must be keyed by stage name, got {short_repr(stage)}")
         if not isinstance(limits, dict):
             raise UserError(f"{path}: stages.{stage} must be a mapping of metric to limit, e.g. {{img_per_s: 3}}")
         checked = {}
         for key, value in limits.items():
             if not _valid_metric_key(key):
-                raise UserError(f"{path}: unknown metric stages.{stage}.{key} (metrics: {', '.join(PCT_METRICS)}, "
-                                f"share_drift_pp, share:<category>)")
+                raise UserError(f"{path}: unknown metric stages.{stage}.{_quoted(key)} (metrics: "
+                                f"{', '.join(PCT_METRICS)}, share_drift_pp, share:<category>)")
             checked[key] = _limit_value(value, f"stages.{stage}.{key}", path)
-        th.stages[str(stage)] = checked
+        th.stages[stage] = checked
     return th
 
 
 # ---------------------------------------------------------------- records
 
 
-def _require(rec: dict, key: str, where: dict | None = None, prefix: str = "") -> object:
-    container = rec if where is None else where
-    if key not in container:
-        raise UserError(f"record {rec.get('_path', '?')} lacks required key {prefix + key!r}")
-    return container[key]
+@dataclass(frozen=True)
+class _Stage:
+    """One side's record of a stage with the figures derived from it (what `_pct_row` compares)."""
+
+    record: StageRecord
+    speedup: float | None = None              # img_per_s / that of the run's 'baseline' stage
+    speedup_rel_iqr: float = 0.0
+    launches_per_step: float | None = None
+    blocking_calls_per_step: float | None = None
+    paired_speedup: float | None = None
+    paired_against: str | None = None
+    paired_rel_spread: float = 0.0
+
+    def metric(self, name: str) -> float | None:
+        """The value of a PCT_METRICS metric, None when the record does not have it."""
+        if name in ("img_per_s", "step_ms", "peak_mem_bytes"):
+            return getattr(self.record, name)
+        return getattr(self, name)
 
 
-def _number(rec: dict, value, key: str) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise UserError(f"record {rec.get('_path', '?')}: {key!r} must be a number, got {value!r}")
-    return float(value)
-
-
-def _validate(rec: dict) -> None:
-    """One line naming the key and the file for a record missing what the comparison reads."""
-    for key in REQUIRED_KEYS:
-        _require(rec, key)
-    env = rec["env"]
-    if not isinstance(env, dict):
-        raise UserError(f"record {rec['_path']}: 'env' must be a mapping, got {type(env).__name__}")
-    for key in REQUIRED_ENV_KEYS:
-        _require(rec, key, env, "env.")
-    if rec["status"] != "ok":
-        return
-    for key in REQUIRED_OK_KEYS:
-        _number(rec, _require(rec, key), key)
-    timing = rec.get("timing")
-    if timing is not None:
-        if not isinstance(timing, dict):
-            raise UserError(f"record {rec['_path']}: 'timing' must be a mapping or null")
-        for key in ("median_ms", "iqr_ms"):
-            _number(rec, _require(rec, key, timing, "timing."), f"timing.{key}")
-    for key in ("gate", "profile"):
-        if rec.get(key) is not None and not isinstance(rec[key], dict):
-            raise UserError(f"record {rec['_path']}: {key!r} must be a mapping or null")
-    for key, meaning in (("category_share_pct", "category to percent"),
-                         ("api_calls_per_step", "call kind to calls per step")):
-        values = (rec.get("profile") or {}).get(key)
-        if values is None:
-            continue
-        if not isinstance(values, dict):
-            raise UserError(f"record {rec['_path']}: 'profile.{key}' must map {meaning}")
-        for name, value in values.items():
-            _number(rec, value, f"profile.{key}.{name}")
-
-
-def _relative_iqr(rec: dict) -> float:
+def _relative_iqr(rec: StageRecord) -> float:
     """iqr / median of the step time (timing.*, else step_iqr_ms / step_ms); 0 when unknown."""
-    timing = rec.get("timing") or {}
-    median, iqr = timing.get("median_ms"), timing.get("iqr_ms")
-    if median is None or iqr is None:
-        median, iqr = rec.get("step_ms"), rec.get("step_iqr_ms")
-    if not median or iqr is None:
-        return 0.0
-    return abs(float(iqr)) / float(median)
+    if rec.timing is not None:
+        return rec.timing.iqr_ms / rec.timing.median_ms
+    if rec.step_ms and rec.step_iqr_ms is not None:
+        return rec.step_iqr_ms / rec.step_ms
+    return 0.0
 
 
-def _load_side(paths, side: str, notes: list[str]) -> dict[str, dict]:
-    """stage name -> record. When several runs hold the same stage, the newest (env.date, run_id) wins."""
-    if isinstance(paths, (str, Path)):
-        paths = [paths]
-    records = read_records(list(paths))
-    for rec in records:
-        _validate(rec)
+def _derive(rec: StageRecord, base: StageRecord | None) -> _Stage:
+    """`rec` with its speedup over `base` (its run's 'baseline' stage), host calls and paired speedup."""
+    if not rec.ok:
+        return _Stage(rec)
+    speedup, speedup_iqr = None, 0.0
+    if base is not None and rec.stage != BASELINE_STAGE:
+        speedup = rec.img_per_s / base.img_per_s
+        speedup_iqr = _relative_iqr(rec) + _relative_iqr(base)
+    calls = rec.profile.api_calls_per_step if rec.profile is not None else None
+    paired = rec.interleaved.x_previous if rec.interleaved is not None else None
+    paired_ok = paired is not None and paired.median is not None
+    return _Stage(rec, speedup=speedup, speedup_rel_iqr=speedup_iqr,
+                  launches_per_step=float(calls.get("launch", 0.0)) if calls else None,
+                  blocking_calls_per_step=blocking_calls(calls) if calls else None,
+                  paired_speedup=paired.median if paired_ok else None,
+                  paired_against=rec.interleaved.previous_stage if paired_ok else None,
+                  paired_rel_spread=(paired.q3 - paired.q1) / paired.median if paired_ok else 0.0)
+
+
+def _load_side(paths, side: str, notes: list[str]) -> dict[str, _Stage]:
+    """stage name -> its _Stage. When several runs hold the same stage, the newest (env.date, run_id) wins."""
+    records = read_records(paths)
     # speedup needs the 'baseline' stage of the same run, so compute it before choosing among runs
-    base_by_run = {r["run_id"]: r for r in records if r["stage"] == BASELINE_STAGE and r["status"] == "ok"}
+    base_by_run = {r.run_id: r for r in records if r.stage == BASELINE_STAGE and r.ok}
+    by_stage: dict[str, list[_Stage]] = {}
     for rec in records:
-        base = base_by_run.get(rec["run_id"])
-        rec["_speedup"] = None
-        rec["_speedup_rel_iqr"] = 0.0
-        if base is not None and rec["stage"] != BASELINE_STAGE and rec["status"] == "ok" \
-                and rec.get("img_per_s") and base.get("img_per_s"):
-            rec["_speedup"] = float(rec["img_per_s"]) / float(base["img_per_s"])
-            rec["_speedup_rel_iqr"] = _relative_iqr(rec) + _relative_iqr(base)
-    for rec in records:
-        calls = (rec.get("profile") or {}).get("api_calls_per_step") if rec["status"] == "ok" else None
-        rec["_launches_per_step"] = float(calls.get("launch", 0.0)) if calls else None
-        rec["_blocking_calls_per_step"] = blocking_calls(calls) if calls else None
-        il = (rec.get("interleaved") or {}) if rec["status"] == "ok" else {}
-        paired = il.get("x_previous") or {}
-        ok = isinstance(paired.get("median"), (int, float)) and paired["median"] > 0
-        rec["_paired_speedup"] = float(paired["median"]) if ok else None
-        rec["_paired_against"] = il.get("previous_stage") if ok else None
-        rec["_paired_rel_spread"] = (abs(float(paired["q3"]) - float(paired["q1"])) / float(paired["median"])
-                                     if ok and paired.get("q1") is not None and paired.get("q3") is not None else 0.0)
-    by_stage: dict[str, list[dict]] = {}
-    for rec in records:
-        by_stage.setdefault(str(rec["stage"]), []).append(rec)
+        by_stage.setdefault(rec.stage, []).append(_derive(rec, base_by_run.get(rec.run_id)))
     chosen = {}
-    for stage, recs in by_stage.items():
-        recs.sort(key=lambda r: (str((r.get("env") or {}).get("date") or ""), str(r["run_id"])))
-        chosen[stage] = recs[-1]
-        if len(recs) > 1:
-            notes.append(f"{side}: stage '{stage}' appears in {len(recs)} records; compared the newest "
-                         f"({recs[-1]['_path']})")
-    return dict(sorted(chosen.items(), key=lambda kv: (kv[1].get("stage_index", 0), kv[0])))
+    for stage, entries in by_stage.items():
+        entries.sort(key=lambda s: (s.record.env.date or "", s.record.run_id))
+        chosen[stage] = entries[-1]
+        if len(entries) > 1:
+            notes.append(f"{side}: stage '{stage}' appears in {len(entries)} records; compared the newest "
+                         f"({entries[-1].record.source})")
+    return dict(sorted(chosen.items(), key=lambda kv: (kv[1].record.stage_index, kv[0])))
 
 
-def _values(recs, key: str, env: bool) -> list:
-    """Distinct values of `key` (in env when `env`), in record order."""
+def _values(stages, key: str, env: bool) -> list:
+    """Distinct values of `key` (a StageRecord field, or an Env field when `env`), in record order."""
     out: list = []
-    for rec in recs:
-        value = (rec["env"] if env else rec).get(key)
+    for entry in stages:
+        value = getattr(entry.record.env if env else entry.record, key)
         if value not in out:
             out.append(value)
     return out
@@ -344,7 +319,7 @@ def _check_settings(base: dict, cur: dict, force: bool, notes: list[str]) -> Non
                 notes.append(f"compared across different {plural} with --force: {bv[0]} (baseline) vs "
                              f"{cv[0]} (current); deltas mix both changes")
     for stage in base.keys() & cur.keys():
-        bp, cp = base[stage]["precision"], cur[stage]["precision"]
+        bp, cp = base[stage].record.precision, cur[stage].record.precision
         if bp != cp:
             if not force:
                 raise UserError(f"stage '{stage}' ran in different precision: {bp} (baseline) vs {cp} (current); "
@@ -374,9 +349,8 @@ def _row(stage, metric, base, cur, delta, limit, band, status, unit="%") -> dict
                 noise_band_pct=band, status=status, unit=unit)
 
 
-def _pct_row(stage: str, metric: str, b: dict, c: dict, th: Thresholds) -> dict | None:
-    key = DERIVED_KEYS.get(metric, metric)
-    bv, cv = b.get(key), c.get(key)
+def _pct_row(stage: str, metric: str, b: _Stage, c: _Stage, th: Thresholds) -> dict | None:
+    bv, cv = b.metric(metric), c.metric(metric)
     limit = th.limit(stage, metric)
     if bv is None and cv is None:
         return None
@@ -385,13 +359,13 @@ def _pct_row(stage: str, metric: str, b: dict, c: dict, th: Thresholds) -> dict 
     bv, cv = float(bv), float(cv)
     band = None
     if metric == "paired_speedup":
-        if b["_paired_against"] != c["_paired_against"]:
-            return _row(stage, f"{metric} (vs {b['_paired_against']} / {c['_paired_against']})", bv, cv, None,
+        if b.paired_against != c.paired_against:
+            return _row(stage, f"{metric} (vs {b.paired_against} / {c.paired_against})", bv, cv, None,
                         limit, None, "not compared")
-        band = th.noise_iqr_scale * 100.0 * (b["_paired_rel_spread"] + c["_paired_rel_spread"])
+        band = th.noise_iqr_scale * 100.0 * (b.paired_rel_spread + c.paired_rel_spread)
     if metric in TIMED_METRICS:
-        spread = (b["_speedup_rel_iqr"] + c["_speedup_rel_iqr"]) if metric == "speedup" \
-            else (_relative_iqr(b) + _relative_iqr(c))
+        spread = (b.speedup_rel_iqr + c.speedup_rel_iqr) if metric == "speedup" \
+            else (_relative_iqr(b.record) + _relative_iqr(c.record))
         band = th.noise_iqr_scale * 100.0 * spread
     if bv == 0:
         delta = 0.0 if cv == 0 else math.copysign(math.inf, cv)
@@ -401,16 +375,16 @@ def _pct_row(stage: str, metric: str, b: dict, c: dict, th: Thresholds) -> dict 
     return _row(stage, metric, bv, cv, delta, limit, band, _classify(worse, limit, band))
 
 
-def _share_rows(stage: str, b: dict, c: dict, th: Thresholds) -> list[dict]:
-    bs = (b.get("profile") or {}).get("category_share_pct")
-    cs = (c.get("profile") or {}).get("category_share_pct")
+def _share_rows(stage: str, b: StageRecord, c: StageRecord, th: Thresholds) -> list[dict]:
+    bs = b.profile.category_share_pct if b.profile is not None else None
+    cs = c.profile.category_share_pct if c.profile is not None else None
     if not bs or not cs:
         return []
     rows = []
     # a category missing on one side has share 0 there (shares sum to 100 on each side)
     for cat in list(bs) + [k for k in cs if k not in bs]:
         metric = f"{SHARE_PREFIX}{cat}"
-        bv, cv = float(bs.get(cat) or 0.0), float(cs.get(cat) or 0.0)
+        bv, cv = bs.get(cat, 0.0), cs.get(cat, 0.0)
         drift = cv - bv
         limit = th.limit(stage, metric)
         status = "unchanged" if abs(round(drift, 9)) <= limit else "REGRESSED"
@@ -418,25 +392,23 @@ def _share_rows(stage: str, b: dict, c: dict, th: Thresholds) -> list[dict]:
     return rows
 
 
-def _gate_row(stage: str, b: dict, c: dict, notes: list[str]) -> dict | None:
-    bg, cg = (b.get("gate") or {}).get("status"), (c.get("gate") or {}).get("status")
-    if bg is None and cg is None:
-        return None
+def _gate_row(stage: str, b: StageRecord, c: StageRecord, notes: list[str]) -> dict:
+    bg, cg = b.gate.status, c.gate.status
     if cg == "FAIL" and bg != "FAIL":
         status = "FAIL gate"
-        reason = (c.get("gate") or {}).get("reason")
-        notes.append(f"stage '{stage}': correctness gate {bg or 'absent'} -> FAIL" + (f" ({reason})" if reason else ""))
-    elif bg == "FAIL" and cg not in (None, "FAIL"):
-        status = "improved"
-    else:
-        status = "unchanged"
+        reason = c.gate.reason
+        notes.append(f"stage '{stage}': correctness gate {bg} -> FAIL" + (f" ({reason})" if reason else ""))
+    elif bg == "FAIL":
+        status = "unchanged" if cg == "FAIL" else "improved"
         if cg == "FAIL":
             notes.append(f"stage '{stage}': correctness gate FAILs in the baseline too")
+    else:
+        status = "unchanged"
     return _row(stage, "gate", bg, cg, None, None, None, status, unit="")
 
 
-def _dtype_row(stage: str, b: dict, c: dict, notes: list[str]) -> dict | None:
-    bd, cd = b.get("activation_dtypes"), c.get("activation_dtypes")
+def _dtype_row(stage: str, b: StageRecord, c: StageRecord, notes: list[str]) -> dict | None:
+    bd, cd = b.activation_dtypes, c.activation_dtypes
     if not bd or not cd:
         return None
     changed = [p for p in bd if p in cd and bd[p] != cd[p]]
@@ -449,29 +421,28 @@ def _dtype_row(stage: str, b: dict, c: dict, notes: list[str]) -> dict | None:
                 " ".join(f"{p}:{short_dtype(cd[p])}" for p in changed), None, None, None, "REGRESSED", unit="")
 
 
-def _stage_rows(stage: str, b: dict | None, c: dict | None, th: Thresholds, notes: list[str]) -> list[dict]:
+def _stage_rows(stage: str, bs: _Stage | None, cs: _Stage | None, th: Thresholds, notes: list[str]) -> list[dict]:
+    b, c = bs and bs.record, cs and cs.record
     if b is None or c is None:
-        if c is not None and (c.get("gate") or {}).get("status") == "FAIL":
+        if c is not None and c.gate.status == "FAIL":
             notes.append(f"stage '{stage}' (only in current) FAILs its correctness gate")
-        return [_row(stage, "stage", b and b["status"], c and c["status"], None, None, None,
+        return [_row(stage, "stage", b and b.status, c and c.status, None, None, None,
                      "only in baseline" if c is None else "only in current", unit="")]
-    if b["status"] != "ok" or c["status"] != "ok":
+    if not b.ok or not c.ok:
         # A stage that ran and now errors is lost work: count it. Otherwise just list it.
-        status = "REGRESSED" if (b["status"] == "ok" and c["status"] == "error") else "not compared"
+        status = "REGRESSED" if (b.ok and c.status == "error") else "not compared"
         for side, rec in (("baseline", b), ("current", c)):
-            if rec["status"] != "ok":
-                notes.append(f"stage '{stage}' is '{rec['status']}' in {side}"
-                             + (f": {rec['error']}" if rec.get("error") else "") + "; not compared")
-        return [_row(stage, "stage", b["status"], c["status"], None, None, None, status, unit="")]
+            if not rec.ok:
+                notes.append(f"stage '{stage}' is '{rec.status}' in {side}"
+                             + (f": {rec.error}" if rec.error else "") + "; not compared")
+        return [_row(stage, "stage", b.status, c.status, None, None, None, status, unit="")]
     rows = []
     for metric in PCT_METRICS:
-        row = _pct_row(stage, metric, b, c, th)
+        row = _pct_row(stage, metric, bs, cs, th)
         if row is not None:
             rows.append(row)
     rows += _share_rows(stage, b, c, th)
-    gate = _gate_row(stage, b, c, notes)
-    if gate is not None:
-        rows.append(gate)
+    rows.append(_gate_row(stage, b, c, notes))
     dtypes = _dtype_row(stage, b, c, notes)
     if dtypes is not None:
         rows.append(dtypes)
@@ -506,7 +477,7 @@ def check_records(baseline_paths, current_paths, *, max_regression_pct: float = 
     Raises UserError (exit 2) for unreadable records, bad thresholds or, without `force`, mismatches."""
     for name, value in (("--max-regression", max_regression_pct), ("--max-share-drift", max_share_drift_pp)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise UserError(f"{name} must be a number >= 0, got {value!r}")
+            raise UserError(f"{name} must be a number >= 0 (finite), got {short_repr(value)}")
     th = load_thresholds(thresholds_file, max_regression_pct=float(max_regression_pct),
                          share_drift_pp=float(max_share_drift_pp))
     notes: list[str] = []
@@ -540,14 +511,19 @@ KERNEL_CHANGE_ROWS = 5
 def _kernel_changes(frame: pd.DataFrame, base: dict, cur: dict) -> dict:
     """For each stage with a regressed row whose baseline and current records both hold per-kernel
     profile tables: the KERNEL_CHANGE_ROWS kernels whose GPU ms per step changed most."""
-    from .diff import join_per_unit, record_kernels
+    from .diff import join_per_unit
 
     out = {}
     for stage in frame.loc[frame["status"].isin(REGRESSION_STATUSES), "stage"].unique():
-        fb, fc = record_kernels(base.get(stage)), record_kernels(cur.get(stage))
+        fb, fc = _kernels(base.get(stage)), _kernels(cur.get(stage))
         if fb is not None and fc is not None:
             out[str(stage)] = join_per_unit(fb, fc, "kernel").head(KERNEL_CHANGE_ROWS)
     return out
+
+
+def _kernels(entry: _Stage | None):
+    profile = entry.record.profile if entry is not None else None
+    return profile.kernels_frame() if profile is not None else None
 
 
 # ---------------------------------------------------------------- rendering

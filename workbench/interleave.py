@@ -2,9 +2,8 @@
 
 `apply` times its stages one after another, each in its own process. A stage bound by the GPU gives the
 same figure whenever it runs. A stage bound by the host launching kernels gives whatever the host
-gives at that minute: on the H200's shared host one stage's steps spread from 35 to 52 ms within a
-minute, and an amp stage that had held at 67.6 ms took 93-114 ms an hour later. Two host-bound stages
-timed minutes apart can then swap places.
+gives at that minute: on a shared host its steps can spread by half within a minute, and drift further
+over an hour. Two host-bound stages timed minutes apart can then swap places.
 
 After the stages have run, `--interleave N` builds every stage that was measured and passed its gate
 side by side in one process and times them again in N rounds. Each round runs `block` back-to-back steps
@@ -18,7 +17,7 @@ interleaved steps, and the paired ratio against the first interleaved stage and 
 extends (or its nearest interleaved ancestor). The report shows them in their own table.
 
 Every stage lives at once in this process, so the phase needs the sum of the stages' memory: it is
-for a handful of stages (Swin-B at batch 64 takes 8-10 GiB each).
+for a handful of stages.
 """
 from __future__ import annotations
 
@@ -31,6 +30,10 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+from .events import print_event
+from .files import atomic_write_text
+from .records import as_records
 
 BLOCK_STEPS = 3        # back-to-back steps per stage per round
 WARMUP_STEPS = 3       # untimed steps per stage after it is built (compiles, autotuning, graph capture)
@@ -139,23 +142,23 @@ def paired_ratio(base_rounds: list[float], other_rounds: list[float]) -> dict:
     return {"median": statistics.median(ratios), "q1": q1, "q3": q3}
 
 
-def interleaved_entries(records: list[dict], timings: dict[str, dict], *, rounds: int, block: int,
+def interleaved_entries(records, timings: dict[str, dict], *, rounds: int, block: int,
                         rounds_planned: int | None = None) -> dict[str, dict]:
-    """Each interleaved stage's `interleaved` record entry from the timings of `time_interleaved` (`rounds`
-    of them timed, of `rounds_planned`: fewer where the run stopped early)."""
-    from .report import _ancestors
-
-    names = [r["stage"] for r in records if r["stage"] in timings]
+    """Each interleaved stage's `interleaved` record entry (as records.Interleaved.to_dict gives it) from
+    the timings of `time_interleaved` (`rounds` of them timed, of `rounds_planned`: fewer where the run
+    stopped early). `records`: StageRecords, or record dicts (validated into them)."""
+    records = as_records(records)
+    names = [r.stage for r in records if r.stage in timings]
     first = names[0]
     entries = {}
     for rec in records:
-        name = rec["stage"]
+        name = rec.stage
         if name not in timings:
             continue
         t = timings[name]
         samples = t["samples_ms"]
         q = statistics.quantiles(samples, n=4, method="inclusive") if len(samples) > 1 else [samples[0]] * 3
-        previous = next((a for a in _ancestors(rec, rec.get("extends")) if a in timings and a != name), None)
+        previous = next((a for a in rec.ancestors() if a in timings and a != name), None)
         entries[name] = {
             "rounds": rounds, "rounds_planned": rounds_planned or rounds, "block": block, "with": names,
             "step_ms": statistics.median(samples), "iqr_ms": q[2] - q[0],
@@ -186,16 +189,9 @@ def run_interleaved_spec(spec: InterleaveSpec, emit: Callable[[dict], None]) -> 
 
 def interleave_main(spec_path: str, result_path: str) -> int:
     """Entry point of the interleaved phase's own process: timings written as JSON to result_path."""
-    from .apply import EVENT_PREFIX
-
-    def emit(event: dict) -> None:
-        print(EVENT_PREFIX + json.dumps(event), flush=True)
-
     spec = InterleaveSpec(**json.loads(Path(spec_path).read_text()))
-    timings = run_interleaved_spec(spec, emit)
-    tmp = Path(result_path).with_suffix(".tmp")
-    tmp.write_text(json.dumps(timings))
-    tmp.replace(result_path)
+    timings = run_interleaved_spec(spec, print_event)
+    atomic_write_text(result_path, json.dumps(timings))
     return 0
 
 
