@@ -47,6 +47,7 @@ def pair_words(meta_a: dict, meta_b: dict) -> DeviceWords:
 
 
 def record_words(records: list[dict]) -> DeviceWords:
-    """The words for stage records: GPU only when every record's env says it ran on CUDA."""
-    gpu = bool(records) and all(((r.get("env") or {}).get("device_type") == "cuda") for r in records)
-    return GPU_WORDS if gpu else CPU_WORDS
+    """The words for stage records: CPU when any record's env says it ran on another device than CUDA
+    (`device_type: cpu`), else GPU."""
+    types = {(r.get("env") or {}).get("device_type") for r in records} - {None}
+    return CPU_WORDS if types - {"cuda"} else GPU_WORDS

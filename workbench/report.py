@@ -24,6 +24,7 @@ import pandas as pd
 from .analysis import blocking_calls
 from .env import device_label
 from .errors import UserError
+from .labels import record_words
 from .records import read_records, short_dtype
 
 COLUMNS = ["run_id", "stage", "extends", "status", "gate", "precision", "img_per_s", "step_ms", "step_iqr_ms",
@@ -199,14 +200,27 @@ def _env(records) -> dict:
 
 
 def _is_cpu(records) -> bool:
-    return _env(records).get("device_type") != "cuda"
+    return record_words(records).is_cpu
+
+
+def run_label(records: list[dict]) -> str:
+    """What the run ran, for titles: the recipe's name when the records hold its whole chain (the default
+    `apply`, peers included), else the stages themselves ('baseline, amp' for `--stages baseline,amp`)."""
+    recipe = str(records[0].get("recipe"))
+    stages = [str(r.get("stage")) for r in records]
+    target = next((r for r in records if r.get("stage") == recipe
+                   or (r.get("recipe_source") and Path(str(r["recipe_source"])) == Path(recipe))), None)
+    chain = [c.get("name") for c in (target or {}).get("chain") or [] if isinstance(c, dict)]
+    if target is not None and all(name in stages for name in chain):
+        return recipe
+    return ", ".join(stages)
 
 
 def _title(records) -> str:
     first = records[0]
     where = "CPU — not a GPU speed figure" if _is_cpu(records) else (_env(records).get("gpu") or "GPU")
     mode = "inference" if first.get("mode") == "infer" else "training"
-    return (f"swinbench apply: {first.get('recipe')} — {first.get('model')}, {mode}, batch {first.get('batch')}, "
+    return (f"swinbench apply: {run_label(records)} — {first.get('model')}, {mode}, batch {first.get('batch')}, "
             f"{where}")
 
 
@@ -224,8 +238,9 @@ def category_share_frame(records: list[dict]) -> pd.DataFrame:
     return df[df.max().sort_values(ascending=False).index]
 
 
-def plot_category_shares(df: pd.DataFrame, path: Path) -> Path:
-    """A stacked horizontal bar per stage of kernel-category shares, written as PNG."""
+def plot_category_shares(df: pd.DataFrame, path: Path, what: str = "GPU kernel time") -> Path:
+    """A stacked horizontal bar per stage of category shares of `what` ('GPU kernel time', 'CPU op
+    time'), written as PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -233,7 +248,7 @@ def plot_category_shares(df: pd.DataFrame, path: Path) -> Path:
 
     fig, ax = plt.subplots(figsize=(8, 0.5 * len(df) + 1.6))
     df.iloc[::-1].plot.barh(stacked=True, ax=ax, width=0.7, colormap="tab20")
-    ax.set_xlabel("share of GPU kernel time (%)")
+    ax.set_xlabel(f"share of {what} (%)")
     ax.set_xlim(0, 100)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4, fontsize=8, frameon=False)
     fig.tight_layout()
@@ -323,6 +338,8 @@ def _slower_why(rec: dict, records: list[dict], previous: str) -> str:
     mine, theirs = kernel_ms_per_step(rec), kernel_ms_per_step(parent) if parent else None
     if mine is None or theirs is None or not _isnum(rec.get("step_ms")):
         return ": look at its passes above and its kernel shares before keeping it"
+    if record_words([rec]).is_cpu:   # the launch-bound story below is about a GPU waiting on its host
+        return f": its CPU op time per step went from {theirs:.1f} to {mine:.1f} ms (step {rec['step_ms']:.1f} ms)"
     busy = 100.0 * mine / rec["step_ms"]
     if mine < theirs:
         return (f": its GPU kernel time per step fell from {theirs:.1f} to {mine:.1f} ms, but its step takes "
@@ -420,18 +437,25 @@ def kernel_changes(records: list[dict], rows: int = KERNEL_CHANGE_ROWS) -> list[
     return out
 
 
+_BACKENDS = {"torch": "torch.profiler", "nsys": "Nsight Systems"}
+
+
+def _backend_names(records: list[dict]) -> str:
+    """The capture backends of the profiled stages, as readers know them ('Nsight Systems', 'torch.profiler')."""
+    found = {str(r["profile"].get("backend")) for r in records if r.get("profile")}
+    return ", ".join(sorted(_BACKENDS.get(b, b) for b in found))
+
+
 def _kernel_change_lines(records: list[dict]) -> list[str]:
     changes = kernel_changes(records)
     if not changes:
         return []
     cpu = _is_cpu(records)
     what, calls = ("CPU op", "calls") if cpu else ("GPU kernel", "launches")
-    names = {"torch": "torch.profiler"}
-    backends = sorted({names.get(b, b) for r in records if r.get("profile") for b in [str(r["profile"].get("backend"))]})
     lines = [f"## What changed in the {what.split()[0]} profile from stage to stage", "",
              f"For each profiled stage, the {KERNEL_CHANGE_ROWS} {what}s whose time per step changed most "
              "against the stage it extends (or its nearest profiled ancestor), from the two stages' captures "
-             f"({', '.join(backends)}; short names; `swinbench diff` on the two traces gives the full table).", ""]
+             f"({_backend_names(records)}; short names; `swinbench diff` on the two traces gives the full table).", ""]
     if cpu:
         lines += ["> CPU op times from torch.profiler, not GPU kernel times.", ""]
     by_stage = {r["stage"]: r for r in records}
@@ -526,26 +550,29 @@ def render_report(records: list[dict], out_path_md: Path) -> Path:
     lines += ["## Configuration", "", _md_table(["", ""], [[k, v] for k, v in config]), ""]
 
     shares = category_share_frame(records)
+    w = record_words(records)
     if not shares.empty:
-        png = plot_category_shares(shares, out_path_md.with_name(out_path_md.stem + "-categories.png"))
+        png = plot_category_shares(shares, out_path_md.with_name(out_path_md.stem + "-categories.png"), w.time)
         by_stage = {r["stage"]: r for r in records}
         rows = [[stage, _fmt_ms(kernel_ms_per_step(by_stage[stage])), _busy(by_stage[stage]),
                  _api_calls(by_stage[stage], lambda c: float(c.get("launch", 0.0))),
                  _api_calls(by_stage[stage], blocking_calls)]
                 + [f"{v:.1f}" for v in shares.loc[stage]] for stage in shares.index]
-        lines += ["## GPU kernel time by category (%)", "",
-                  "Kernel ms/step: GPU kernel time per step in the stage's nsys capture; GPU busy: that over the "
-                  "measured step time. A stage far under 100% busy is bound by the host launching kernels. "
+        busy_why = ("" if w.is_cpu else " A stage far under 100% busy is bound by the host launching kernels.")
+        lines += [f"## {w.time} by category (%)", "",
+                  f"{w.op.capitalize()} ms/step: {w.time} per step in the stage's capture ({_backend_names(records)}); "
+                  f"{w.device} busy: that over the measured step time.{busy_why} "
                   "Launches / sync+alloc: host CUDA API calls per step in the capture (kernel launches; "
-                  "synchronizing and allocating calls, each of which can stall the launch queue).", "",
-                  _md_table(["stage", "kernel ms/step", "GPU busy", "launches/step", "sync+alloc/step", *shares.columns],
-                            rows), "",
-                  f"![kernel-category shares per stage]({png.name})", ""]
+                  "synchronizing and allocating calls, each of which can stall the launch queue"
+                  + ("; none on the CPU)." if w.is_cpu else ")."), "",
+                  _md_table(["stage", f"{w.op} ms/step", f"{w.device} busy", "launches/step", "sync+alloc/step",
+                             *shares.columns], rows), "",
+                  f"![{w.unit}-category shares per stage]({png.name})", ""]
     elif any(n.startswith("profile") for r in records for n in (r.get("notes") or [])):
-        lines += ["## GPU kernel time by category", "", "Profiling was asked for but gave no GPU kernel shares "
+        lines += [f"## {w.time} by category", "", f"Profiling was asked for but gave no {w.time} shares "
                   "(see Notes).", ""]
     else:
-        lines += ["## GPU kernel time by category", "", "Not profiled (run `swinbench apply --profile`).", ""]
+        lines += [f"## {w.time} by category", "", "Not profiled (run `swinbench apply --profile`).", ""]
 
     lines += _kernel_change_lines(records)
     lines += ["## What each stage changed", ""]
