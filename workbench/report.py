@@ -5,7 +5,7 @@ and Markdown share `speedup_table`), and the Markdown report a reader wants on a
     run_id, stage, extends, status ('ok' | 'not available' | 'error'), gate ('PASS' | 'FAIL' |
     'REFERENCE' | 'SKIP'), precision, img_per_s, step_ms, step_iqr_ms, x_baseline, x_previous,
     peak_mem_bytes, compile_s, counted (bool: in the speedups), x_baseline_cross_run, x_previous_cross_run,
-    previous_stage
+    previous_stage, x_baseline_ns, x_previous_ns (bool: that speedup is not significant, see significance.py)
 x_baseline = baseline step time / this stage's; x_previous = the same against the stage it extends
 (for a peer such as torch-compile, that is amp), or, when that stage was not measured, against its
 nearest measured ancestor in the stage's recipe chain (`swinbench apply --stages amp,fmha` compares fmha
@@ -26,10 +26,11 @@ from .env import device_label
 from .errors import UserError
 from .labels import record_words
 from .records import read_records, short_dtype
+from .significance import NS_MARK, NS_NOTE, paired_significant, speedup_significant
 
 COLUMNS = ["run_id", "stage", "extends", "status", "gate", "precision", "img_per_s", "step_ms", "step_iqr_ms",
            "x_baseline", "x_previous", "peak_mem_bytes", "compile_s", "counted", "x_baseline_cross_run",
-           "x_previous_cross_run", "previous_stage"]
+           "x_previous_cross_run", "previous_stage", "x_baseline_ns", "x_previous_ns"]
 CROSS_RUN_MARK = "†"
 CROSS_RUN_NOTE = (f"{CROSS_RUN_MARK} against that stage in another run of the same model, batch and GPU (another "
                   "process, minutes apart): the run of this stage had no such stage of its own.")
@@ -51,21 +52,23 @@ def speedup_table(records: list[dict]) -> pd.DataFrame:
             "step_iqr_ms": rec.get("step_iqr_ms"), "peak_mem_bytes": rec.get("peak_mem_bytes"),
             "compile_s": rec.get("compile_s"), "counted": _counted(rec),
         })
-    derived = ("x_baseline", "x_previous", "previous_stage")
+    derived = ("x_baseline", "x_previous", "previous_stage")   # the _ns flags start with these too
     df = pd.DataFrame(rows, columns=[c for c in COLUMNS if not c.startswith(derived)])
     df["x_baseline"] = math.nan
     df["x_previous"] = math.nan
     df["x_baseline_cross_run"] = False
     df["x_previous_cross_run"] = False
     df["previous_stage"] = None
+    df["x_baseline_ns"] = False
+    df["x_previous_ns"] = False
     # Speedups compare stages of one run; a stage whose run lacks the baseline (or the stage it extends)
     # is compared with that stage of another run of the same workload on the same GPU, and marked.
     workload = {rec.get("run_id"): (rec.get("model"), rec.get("batch"), rec.get("mode"),
                                     (rec.get("env") or {}).get("gpu")) for rec in records}
-    steps_by_run: dict = {}
-    for r in df.itertuples():
+    steps_by_run: dict = {}   # run -> stage -> (median ms, IQR ms, timed steps)
+    for idx, r in enumerate(df.itertuples()):
         if r.counted:
-            steps_by_run.setdefault(r.run_id, {}).setdefault(r.stage, r.step_ms)
+            steps_by_run.setdefault(r.run_id, {}).setdefault(r.stage, _spread(records[idx], r))
 
     def lookup(run_id, stage):
         if stage in steps_by_run.get(run_id, {}):
@@ -78,18 +81,30 @@ def speedup_table(records: list[dict]) -> pd.DataFrame:
     for idx, r in df.iterrows():
         if not r.counted:
             continue
+        mine = _spread(records[idx], r)
         base, cross_b = lookup(r.run_id, "baseline")
         if base:
-            df.at[idx, "x_baseline"] = base / r.step_ms
+            df.at[idx, "x_baseline"] = base[0] / r.step_ms
             df.at[idx, "x_baseline_cross_run"] = cross_b
+            # the baseline against itself is 1.00x by definition, not a measurement
+            if not (r.stage == "baseline" and not cross_b):
+                df.at[idx, "x_baseline_ns"] = not speedup_significant(*mine, *base)
         for ancestor in _ancestors(records[idx], r.extends):
             prev, cross_p = lookup(r.run_id, ancestor)
             if prev:
-                df.at[idx, "x_previous"] = prev / r.step_ms
+                df.at[idx, "x_previous"] = prev[0] / r.step_ms
                 df.at[idx, "x_previous_cross_run"] = cross_p
                 df.at[idx, "previous_stage"] = ancestor
+                df.at[idx, "x_previous_ns"] = not speedup_significant(*mine, *prev)
                 break
     return df[COLUMNS]
+
+
+def _spread(rec: dict, row) -> tuple:
+    """(median step ms, IQR ms, timed steps or None) of a record, for significance.speedup_significant."""
+    timing = rec.get("timing") or {}
+    steps = timing.get("repeats") or (len(timing["samples_ms"]) if timing.get("samples_ms") else None)
+    return row.step_ms, row.step_iqr_ms, steps
 
 
 def _ancestors(rec: dict, extends: str | None) -> list[str]:
@@ -140,6 +155,8 @@ def display_rows(df: pd.DataFrame) -> list[list[str]]:
         stage = r["stage"] + (f" ({r['run_id']})" if multi else "")
         xb = fmt_speedup(r["x_baseline"]) + (CROSS_RUN_MARK if r["x_baseline_cross_run"] else "")
         xp = fmt_speedup(r["x_previous"]) + (CROSS_RUN_MARK if r["x_previous_cross_run"] else "")
+        xb += f" ({NS_MARK})" if _isnum(r["x_baseline"]) and r["x_baseline_ns"] else ""
+        xp += f" ({NS_MARK})" if _isnum(r["x_previous"]) and r["x_previous_ns"] else ""
         if _isnum(r["x_previous"]) and r["previous_stage"] != r["extends"]:
             xp += f" (vs {r['previous_stage']})"
         out.append([stage, r["precision"] or "-", fmt_rate(r["img_per_s"]), fmt_step(r["step_ms"], r["step_iqr_ms"]),
@@ -166,6 +183,8 @@ def render_speedup_table(records: list[dict], console) -> None:
                   "FAIL / not available / error stages are not in the speedups.")
     if (df["x_baseline_cross_run"] | df["x_previous_cross_run"]).any():
         console.print(CROSS_RUN_NOTE)
+    if _any_not_significant(records, df):
+        console.print(NS_NOTE)
     timed = [r for r in records if r.get("interleaved")]
     spread = [r["stage"] for r in records if _spread_note(r)]
     if spread and not timed:
@@ -175,13 +194,22 @@ def render_speedup_table(records: list[dict], console) -> None:
         e0 = timed[0]["interleaved"]
         console.print(f"timed in alternation ({_rounds_text(e0)} of {e0['block']} steps, one process), paired: "
                       + "; ".join(f"{r['stage']} {r['interleaved']['step_ms']:.2f} ms"
-                                  + (f", {_ratio_cell(r['interleaved']['x_previous'], r['interleaved']['previous_stage'])}"
+                                  + (f", {_ratio_cell(r['interleaved']['x_previous'], r['interleaved']['previous_stage'], r['interleaved']['rounds'])}"
                                      if r["interleaved"].get("x_previous") else "")
                                   for r in timed))
     what = "CPU op" if _is_cpu(records) else "GPU kernel"
     for stage, parent, table in kernel_changes(records, rows=3):
         moved = ", ".join(f"{k[:48]} {d:+.2f}" for k, d in table[["kernel", "delta_ms"]].values)
         console.print(f"{stage} against {parent}, largest {what} changes (ms per step): {moved}")
+
+
+def _any_not_significant(records: list[dict], df: pd.DataFrame) -> bool:
+    """Whether any speedup shown (the table's, or a paired one) is marked n.s."""
+    shown = (df["x_baseline_ns"] & df["x_baseline"].notna()) | (df["x_previous_ns"] & df["x_previous"].notna())
+    paired = any(NS_MARK in _ratio_cell(e.get(k), rounds=e.get("rounds"))
+                 for r in records if (e := r.get("interleaved"))
+                 for k in ("x_first", "x_previous") if e.get(k) and not (k == "x_first" and r["stage"] == e.get("first_stage")))
+    return bool(shown.any()) or paired
 
 
 def _md_table(headers: list[str], rows: list[list]) -> str:
@@ -387,8 +415,13 @@ def _notes(records, df: pd.DataFrame) -> list[str]:
                          "it is left out of the speedups")
         if r is not None and _isnum(r.x_previous) and r.x_previous < 1.0:
             how = "the stage it extends" if r.previous_stage == rec.get("extends") else "its nearest measured ancestor"
-            notes.append(f"**{rec['stage']}** is slower than **{r.previous_stage}**, {how} "
-                         f"({r.x_previous:.2f}x)" + _slower_why(rec, records, r.previous_stage))
+            if r.x_previous_ns:   # no reason is drawn from a difference the spread covers
+                notes.append(f"**{rec['stage']}** is slower than **{r.previous_stage}**, {how} "
+                             f"({r.x_previous:.2f}x, {NS_MARK}), by less than their step times spread: "
+                             "not a measured slowdown")
+            else:
+                notes.append(f"**{rec['stage']}** is slower than **{r.previous_stage}**, {how} "
+                             f"({r.x_previous:.2f}x)" + _slower_why(rec, records, r.previous_stage))
         spread = _spread_note(rec)
         if spread:
             notes.append(spread)
@@ -471,11 +504,12 @@ def _kernel_change_lines(records: list[dict]) -> list[str]:
     return lines
 
 
-def _ratio_cell(r: dict | None, against: str | None = None) -> str:
+def _ratio_cell(r: dict | None, against: str | None = None, rounds: int | None = None) -> str:
     if not r or r.get("median") is None:
         return "-"
     vs = f" vs {against}" if against else ""
-    return f"{r['median']:.2f}x{vs} ({r['q1']:.2f}-{r['q3']:.2f})"
+    ns = "" if paired_significant(r.get("q1"), r.get("q3"), rounds) else f" {NS_MARK}"
+    return f"{r['median']:.2f}x{vs} ({r['q1']:.2f}-{r['q3']:.2f}){ns}"
 
 
 def _rounds_text(entry: dict) -> str:
@@ -496,8 +530,8 @@ def _interleaved_lines(records: list[dict]) -> list[str]:
     for r in timed:
         e = r["interleaved"]
         rows.append([r["stage"], fmt_step(e["step_ms"], e["iqr_ms"]),
-                     "1.00x" if r["stage"] == first else _ratio_cell(e["x_first"]),
-                     _ratio_cell(e.get("x_previous"), e.get("previous_stage"))])
+                     "1.00x" if r["stage"] == first else _ratio_cell(e["x_first"], rounds=e["rounds"]),
+                     _ratio_cell(e.get("x_previous"), e.get("previous_stage"), e["rounds"])])
     return ["## Timed in alternation", "",
             f"After the stages ran, these {len(timed)} were built side by side in one process and timed again: "
             f"{_rounds_text(il)} of {il['block']} back-to-back steps of each stage, the order rotating from round "
@@ -527,7 +561,8 @@ def render_report(records: list[dict], out_path_md: Path) -> Path:
               "img/s = batch / median step time. × previous compares a stage with the stage it extends or, where "
               "that stage was not measured, with its nearest measured ancestor (named). "
               "Stages that fail the correctness gate, are not available or ended in an error are not in the speedups."
-              + (" " + CROSS_RUN_NOTE if (df["x_baseline_cross_run"] | df["x_previous_cross_run"]).any() else ""),
+              + (" " + CROSS_RUN_NOTE if (df["x_baseline_cross_run"] | df["x_previous_cross_run"]).any() else "")
+              + (" " + NS_NOTE if _any_not_significant(records, df) else ""),
               ""]
     lines += _interleaved_lines(records)
     timing = next((r.get("timing") for r in records if r.get("timing")), None) or {}
