@@ -488,7 +488,7 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
         if not any(stale.name == f"{i:02d}-{name}.json" for i, name in kept):
             stale.unlink()
     if not on_gpu:
-        console.print(f"[yellow]note:[/] {device_label(environment_stamp(dev))}: the tiny Swin's CPU step "
+        console.print(f"[yellow]note:[/] {device_label(environment_stamp(dev))}: {model}'s CPU step "
                       "times show the workflow, not what the recipes do on a GPU")
 
     specs = [StageSpec(run_id=run_id, recipe=str(recipe), stage=p.name, stage_index=i,

@@ -52,7 +52,7 @@ def run_profile(*, model: str | None, mode: str, batch: int, precision: str, ste
 
         chain_passes(recipe)  # validate the recipe before capturing
     if cpu_fallback:  # said once the arguments are known to be good: a user mistake gets one line only
-        console.print("[yellow]note:[/] no CUDA GPU here: running the tiny Swin on the CPU "
+        console.print(f"[yellow]note:[/] no CUDA GPU here: running {config.model} on the CPU "
                       "(timings and shares are CPU figures, not GPU ones)")
     chosen, nsys_path, note = resolve_backend(backend, dev, nsys)
     out_dir = Path(out) if out else Path("profiles") / default_run_name(config, recipe)
