@@ -151,7 +151,7 @@ def apply(
     peers: Annotated[Optional[bool], typer.Option("--peers/--no-peers", help="Also run the peer stages that extend the chain (torch-compile, fmha-compile). Default: on a GPU yes, on the CPU no.")] = None,
     isolate: Annotated[Optional[bool], typer.Option("--isolate/--no-isolate", help="Run each stage in its own process so allocator and compile caches don't leak between stages. Default: on a GPU yes.")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out: keep its finished stages (same model, batch, steps and settings) and run the rest.")] = False,
-    interleave: Annotated[int, typer.Option(help="After the stages, build the measured ones side by side in one process and time them again in this many rounds, in alternation, for paired speedups that a drifting host cannot move (0: off; 10-30 is typical). Needs every stage's memory at once.")] = 0,
+    interleave: Annotated[Optional[int], typer.Option(help="After the stages, build the measured ones side by side in one process and time them again in this many rounds, in alternation, for paired speedups that a drifting host cannot move (0: off; 10-30 is typical on a GPU). Needs every stage's memory at once. Default: 3 rounds on the CPU, off on a GPU.")] = None,
 ):
     """Apply a staged optimization recipe, measuring, checking and profiling every stage."""
     from workbench.apply import run_apply
