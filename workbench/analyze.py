@@ -194,7 +194,8 @@ def render_analysis(analysis: Analysis, console: Console, top: int = 15) -> None
     for col in ("metric", "ms", "% of span"):
         t.add_column(col, justify="left" if col == "metric" else "right")
     for row in analysis.busy.itertuples(index=False):
-        t.add_row(str(row.metric), _ms(row.ns), _pct(row.pct))
+        metric = f"{words.op}_sum" if row.metric == "kernel_sum" else str(row.metric)
+        t.add_row(metric, _ms(row.ns), _pct(row.pct))
     console.print(t)
 
     if analysis.api is not None and len(analysis.api):
