@@ -55,7 +55,7 @@ def profile(
     format: Annotated[str, typer.Option("--format", help="Machine-readable tables written beside the trace: csv | json.")] = "csv",
     top: Annotated[int, typer.Option(help="Rows per table before the tail is folded into 'other'.")] = 15,
 ):
-    """Run a Swin model under Nsight Systems (or torch.profiler) and show where its GPU time goes."""
+    """Run a Swin model under Nsight Systems (or torch.profiler) and show where its GPU time goes (on the CPU: its CPU operator time)."""
     from workbench.profile import run_profile
 
     _check_format(format)
@@ -143,7 +143,8 @@ def diff(
     """Compare two traces kernel by kernel, per step, largest change first.
 
     GPU ms and launches per step for every kernel and category on both sides and the change, and the
-    step's kernel time, kernel count, host launches and GPU busy."""
+    step's kernel time, kernel count, host launches and GPU busy (for two CPU captures: CPU operators,
+    op time and CPU busy)."""
     from workbench.analyze import analyze_trace
     from workbench.diff import diff_analyses, render_diff, write_diff
 
