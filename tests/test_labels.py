@@ -4,7 +4,6 @@ a run whose output is not a terminal prints plain progress lines."""
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
