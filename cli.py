@@ -55,7 +55,7 @@ def profile(
     format: Annotated[str, typer.Option("--format", help="Machine-readable tables written beside the trace: csv | json.")] = "csv",
     top: Annotated[int, typer.Option(help="Rows per table before the tail is folded into 'other'.")] = 15,
 ):
-    """Run a Swin model under Nsight Systems (or torch.profiler) and show where its GPU time goes."""
+    """Run a Swin model under Nsight Systems (or torch.profiler) and show where its GPU time goes (on the CPU: its CPU operator time)."""
     from workbench.profile import run_profile
 
     _check_format(format)
@@ -68,6 +68,36 @@ def _check_format(fmt: str, allowed=("csv", "json")) -> None:
         raise _fail(UserError(f"unknown format {fmt!r}: choose {' or '.join(allowed)}"), 2)
 
 
+def _version() -> str:
+    """The installed package's version, else (a source checkout run as `python cli.py`) workbench's."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("swinbench")
+    except PackageNotFoundError:
+        from workbench import __version__
+
+        return __version__
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"swinbench {_version()}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main(
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="Print swinbench's version and exit.")] = False,
+):
+    pass   # options of `swinbench` itself; the help text is the app's
+
+
+NAME_HELP = ("Kernel names: short (nsys's shortName; the default of both analyze and diff) or demangled (the full "
+             "C++ name, as nsys prints it). CPU operators have one name.")
+
+
 def _check_name_style(name: str) -> None:
     """--name of analyze and diff: how kernel names are shown."""
     if name not in ("demangled", "short"):
@@ -77,13 +107,13 @@ def _check_name_style(name: str) -> None:
 @app.command()
 def analyze(
     trace: Annotated[Path, typer.Argument(help=".sqlite, .sqlite.xz or .nsys-rep from Nsight Systems, or a Kineto .json trace.")],
-    name: Annotated[str, typer.Option(help="Kernel names: demangled (as nsys prints them) or short.")] = "demangled",
+    name: Annotated[str, typer.Option(help=NAME_HELP)] = "short",
     top: Annotated[int, typer.Option(help="Rows per table before the tail is folded into 'other'.")] = 15,
     format: Annotated[Optional[str], typer.Option("--format", help="Also write the tables as csv or json.")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Folder for --format output (default: beside the trace).")] = None,
     range: Annotated[Optional[str], typer.Option("--range", help="Only kernels launched inside this NVTX range (e.g. backward, stage2.block1).")] = None,
 ):
-    """Where one trace's GPU time goes: per kernel, category and NVTX range.
+    """Where one trace's GPU time goes (a CPU capture's: CPU operator time): per kernel, category and NVTX range.
 
     GPU time shares per kernel, category and NVTX range, GPU busy vs idle, and the host's CUDA API calls
     per step (launches, synchronizing and allocating calls)."""
@@ -104,7 +134,7 @@ def analyze(
 def diff(
     before: Annotated[Path, typer.Argument(help="The trace to compare against (.sqlite, .sqlite.xz, .nsys-rep or Kineto .json).")],
     after: Annotated[Path, typer.Argument(help="The trace after the change.")],
-    name: Annotated[str, typer.Option(help="Kernel names: short (nsys's shortName) or demangled.")] = "short",
+    name: Annotated[str, typer.Option(help=NAME_HELP)] = "short",
     top: Annotated[int, typer.Option(help="Kernel rows before the tail is folded into 'other'.")] = 15,
     format: Annotated[Optional[str], typer.Option("--format", help="Also write the tables as csv or json.")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Folder for --format output (default: beside AFTER).")] = None,
@@ -113,7 +143,8 @@ def diff(
     """Compare two traces kernel by kernel, per step, largest change first.
 
     GPU ms and launches per step for every kernel and category on both sides and the change, and the
-    step's kernel time, kernel count, host launches and GPU busy."""
+    step's kernel time, kernel count, host launches and GPU busy (for two CPU captures: CPU operators,
+    op time and CPU busy)."""
     from workbench.analyze import analyze_trace
     from workbench.diff import diff_analyses, render_diff, write_diff
 
@@ -151,7 +182,7 @@ def apply(
     peers: Annotated[Optional[bool], typer.Option("--peers/--no-peers", help="Also run the peer stages that extend the chain (torch-compile, fmha-compile). Default: on a GPU yes, on the CPU no.")] = None,
     isolate: Annotated[Optional[bool], typer.Option("--isolate/--no-isolate", help="Run each stage in its own process so allocator and compile caches don't leak between stages. Default: on a GPU yes.")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out: keep its finished stages (same model, batch, steps and settings) and run the rest.")] = False,
-    interleave: Annotated[int, typer.Option(help="After the stages, build the measured ones side by side in one process and time them again in this many rounds, in alternation, for paired speedups that a drifting host cannot move (0: off; 10-30 is typical). Needs every stage's memory at once.")] = 0,
+    interleave: Annotated[Optional[int], typer.Option(help="After the stages, build the measured ones side by side in one process and time them again in this many rounds, in alternation, for paired speedups that a drifting host cannot move (0: off; 10-30 is typical on a GPU). Needs every stage's memory at once. Default: 3 rounds on the CPU, off on a GPU.")] = None,
 ):
     """Apply a staged optimization recipe, measuring, checking and profiling every stage."""
     from workbench.apply import run_apply
@@ -192,10 +223,10 @@ def check(
     thresholds: Annotated[Optional[Path], typer.Option(help="YAML with per-stage, per-metric limits (see docs/check.md).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Compare records of different GPUs, versions, models or batches anyway (noted in the output).")] = False,
     format: Annotated[str, typer.Option("--format", help="md (Markdown table) | json.")] = "md",
-    output: Annotated[Optional[Path], typer.Option(help="Write the table to this file as well as stdout.")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "--output", help="Write the table to this file as well as stdout (--output is the same option).")] = None,
 ):
     """Compare stored results with a baseline: exit 0 if nothing regressed, 1 if something did, 2 on bad input."""
-    _run_check(baseline, current, _percent(max_regression), max_share_drift, thresholds, force, format, output)
+    _run_check(baseline, current, _percent(max_regression), max_share_drift, thresholds, force, format, out)
 
 
 def _percent(text: str) -> float:

@@ -16,7 +16,7 @@ from workbench.records import read_records
 from workbench.report import render_report_from_paths, speedup_table
 from pass_helpers import register_test_pass, scale_head
 
-RUN = dict(model=TINY_MODEL, batch=2, steps=2, warmup=1, device="cpu", progress=False)
+RUN = dict(model=TINY_MODEL, batch=2, steps=2, warmup=1, device="cpu", progress=False, interleave=0)
 
 
 def missing_kernel(model, ctx):

@@ -18,6 +18,7 @@ from rich.table import Table
 
 from workbench import analysis as A
 from workbench.errors import UserError
+from workbench.labels import trace_words
 from workbench.trace import Trace, load_trace
 
 NAME_STYLES = {"demangled": "name", "short": "short_name"}
@@ -145,7 +146,7 @@ def _header(analysis: Analysis) -> str:
         f"[bold]{analysis.backend}[/bold]{' ' + version if version else ''}",
         f"trace {m.get('path')}",
         f"span {span_ns / 1e6:,.3f} ms",
-        f"{m.get('kernel_count', 0):,} kernels, {m.get('kernel_total_ns', 0) / 1e6:,.3f} ms",
+        f"{m.get('kernel_count', 0):,} {trace_words(m).units}, {m.get('kernel_total_ns', 0) / 1e6:,.3f} ms",
     ]
     if m.get("gpus"):
         parts.append(", ".join(sorted(set(m["gpus"]))))
@@ -159,14 +160,15 @@ def render_analysis(analysis: Analysis, console: Console, top: int = 15) -> None
     long tails are folded into one 'other (k ...)' row with exact sums."""
     console.print(_header(analysis))
     # A CPU-only Kineto trace is analyzed on its leaf CPU operators: say so in every title.
-    unit, units = ("CPU", "operators") if analysis.trace_meta.get("device") == "cpu" else ("GPU", "kernels")
+    words = trace_words(analysis.trace_meta)
+    unit, units = words.device, words.units
     for note in analysis.trace_meta.get("notes", []):
         console.print(f"[yellow]note:[/yellow] {note}")
 
-    kernels = A.fold_tail(analysis.kernels, top, "kernel", ["instances", "total_ns", "share_pct"])
+    kernels = A.fold_tail(analysis.kernels, top, "kernel", ["instances", "total_ns", "share_pct"], noun=units)
     t = Table(title=f"{unit} {units} ({analysis.trace_meta.get('name_style', 'demangled')} names)", title_justify="left")
     for col, kw in [("share %", {"justify": "right"}), ("total ms", {"justify": "right"}), ("count", {"justify": "right"}),
-                    ("avg µs", {"justify": "right"}), ("med µs", {"justify": "right"}), ("kernel", {"overflow": "fold"})]:
+                    ("avg µs", {"justify": "right"}), ("med µs", {"justify": "right"}), (words.unit, {"overflow": "fold"})]:
         t.add_column(col, **kw)
     for row in kernels.itertuples(index=False):  # at most top + 1 rows
         t.add_row(_pct(row.share_pct), _ms(row.total_ns), f"{row.instances:,}", _us(row.avg_ns), _us(row.med_ns), _clip(str(row.kernel)))
@@ -192,7 +194,8 @@ def render_analysis(analysis: Analysis, console: Console, top: int = 15) -> None
     for col in ("metric", "ms", "% of span"):
         t.add_column(col, justify="left" if col == "metric" else "right")
     for row in analysis.busy.itertuples(index=False):
-        t.add_row(str(row.metric), _ms(row.ns), _pct(row.pct))
+        metric = f"{words.op}_sum" if row.metric == "kernel_sum" else str(row.metric)
+        t.add_row(metric, _ms(row.ns), _pct(row.pct))
     console.print(t)
 
     if analysis.api is not None and len(analysis.api):

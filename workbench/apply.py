@@ -12,7 +12,12 @@ Per stage (all on the same seed, so the same initial weights and the same synthe
   4. profile (--profile): `capture.capture_workload` in its own process (nsys), then the
      category shares from `analyze`.
 The record is written to `<out>/records/` as soon as the stage ends, so an interrupted run keeps
-every finished stage.
+every finished stage. Then, with `interleave` rounds (by default CPU_INTERLEAVE_ROUNDS on the CPU, whose
+timings drift with the machine's load, and none on a GPU), the stages are timed again in alternation
+(`interleave.py`).
+
+Progress: rich bars on a terminal; otherwise (a CI log) one plain line as each stage starts and ends
+(stage, img/s, gate) and one per interleaved round.
 
 Process model: with `isolate=True` (the default on CUDA) each stage runs in a fresh Python process
 (`python -m workbench.apply SPEC.json`), so the caching allocator, cuDNN/cuBLAS autotuning and
@@ -48,6 +53,9 @@ from .recipes import StagePlan, as_jsonable, effective_passes, gate_tolerance, p
 from .timing import time_steps
 from .workload import Workload, WorkloadConfig, pick_device, resolve_device
 
+# On the CPU, stages timed one after another drift with the machine's load far more than on a GPU, so
+# `apply` times them again in alternation by default there (a few rounds: the tiny Swin's steps are short).
+CPU_INTERLEAVE_ROUNDS = 3
 
 @dataclass
 class ApplyResult:
@@ -321,15 +329,17 @@ def _run_isolated(spec: StageSpec, on_event: Callable[[dict], None]) -> dict:
 
 
 def _interleave(records: list[dict], specs: list[StageSpec], config: WorkloadConfig, rounds: int, isolate: bool,
-                out_dir: Path, console, bar) -> None:
+                out_dir: Path, console, bar, *, plain: bool = False, asked: bool = True) -> None:
     """Time every measured stage that passed its gate again, in alternation in one process
     (`interleave.py`), and add each one's `interleaved` entry to its record. The records and the report
     are rewritten after every round, so a run stopped part-way (a time limit, an error, Ctrl-C) keeps the
-    rounds it timed."""
+    rounds it timed. plain: one line per round on the console (no bar: output that is not a terminal);
+    asked: the user asked for it (else it is the CPU's default, skipped quietly with fewer than two stages)."""
     chosen = [(spec, rec) for spec, rec in zip(specs, records)
               if rec["status"] == "ok" and rec["gate"]["status"] != "FAIL" and rec.get("step_ms") is not None]
     if len(chosen) < 2:
-        console.print("[yellow]note:[/] --interleave needs two measured stages that passed the gate; skipped")
+        if asked:
+            console.print("[yellow]note:[/] --interleave needs two measured stages that passed the gate; skipped")
         return
     ispec = InterleaveSpec(stages=[{"stage": s.stage, "stage_ref": s.stage_ref} for s, _ in chosen],
                            config=asdict(config), rounds=rounds)
@@ -352,6 +362,8 @@ def _interleave(records: list[dict], specs: list[StageSpec], config: WorkloadCon
         if event.get("event") == "round" and event.get("samples_ms"):
             done = add_round(seen, event["samples_ms"])
             save(seen, done)
+        if plain and event.get("event") == "round":
+            _line(console, f"interleaved round {event.get('i', 0) + 1}/{rounds} done")
         if bar is None:
             return
         if event.get("event") == "round":
@@ -436,7 +448,7 @@ def default_run_id(recipe: str, model: str, batch: int, mode: str = "train") -> 
 def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup: int, device: str = "auto",
               out_dir: Path | None = None, profile: bool = False, stages: list[str] | None = None, seed: int = 0,
               progress: bool = True, console=None, isolate: bool | None = None,
-              peers: bool | None = None, mode: str = "train", interleave: int = 0,
+              peers: bool | None = None, mode: str = "train", interleave: int | None = None,
               resume: bool = False) -> ApplyResult:
     """Run every stage of `recipe` (baseline first), write one record per stage and the report.
 
@@ -447,7 +459,10 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
     peers: also run the built-in peers of the chain (torch-compile, fmha-compile); default on CUDA yes,
     on the CPU no (Inductor on the CPU is slow to compile and says nothing about the GPU). Ignored with `stages`.
     interleave: after the stages, time those measured and passing the gate again in this many rounds,
-    in alternation in one process (`interleave.py`); 0: off.
+    in alternation in one process (`interleave.py`); 0: off; None: CPU_INTERLEAVE_ROUNDS on the CPU, off
+    on a GPU.
+    progress: show where the run is: rich bars on a terminal, else (a CI log) one plain line as each
+    stage starts and ends.
     resume: keep the stages that `out_dir` already holds a finished record of (same stage in the same
     place of the plan, same model, mode, batch, seed, device kind, steps, warm-up and profiling) and run
     only the others; the kept records keep their run id, which the new ones take too.
@@ -460,7 +475,7 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
     console = console or Console()
     if steps < 1 or warmup < 0:
         raise UserError("--steps must be at least 1 and --warmup at least 0")
-    if interleave < 0:
+    if interleave is not None and interleave < 0:
         raise UserError("--interleave must be 0 (off) or a number of rounds")
     device = pick_device(device)
     dev = resolve_device(device)
@@ -469,6 +484,8 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
     check_model_name(model)
     plans: list[StagePlan] = plan_stages(recipe, stages, peers=on_gpu if peers is None else peers)
     isolate = on_gpu if isolate is None else isolate
+    asked_interleave = interleave is not None
+    interleave = interleave if asked_interleave else (0 if on_gpu else CPU_INTERLEAVE_ROUNDS)
     config = WorkloadConfig(model=model, mode=mode, batch=batch, precision="fp32", device=device, seed=seed)
     run_id = default_run_id(recipe, model, batch, mode)
     if resume and out_dir is None:
@@ -486,8 +503,11 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
         if not any(stale.name == f"{i:02d}-{name}.json" for i, name in kept):
             stale.unlink()
     if not on_gpu:
-        console.print(f"[yellow]note:[/] {device_label(environment_stamp(dev))}: the tiny Swin's CPU step "
+        console.print(f"[yellow]note:[/] {device_label(environment_stamp(dev))}: {model}'s CPU step "
                       "times show the workflow, not what the recipes do on a GPU")
+        if interleave and not asked_interleave and len(plans) > 1:
+            console.print(f"[yellow]note:[/] on the CPU the stages are timed again in alternation after they run "
+                          f"({interleave} rounds; --interleave 0 turns it off, --interleave N sets the rounds)")
 
     specs = [StageSpec(run_id=run_id, recipe=str(recipe), stage=p.name, stage_index=i,
                        stage_ref=p.recipe.name if p.recipe.builtin else str(p.recipe.source),
@@ -502,16 +522,19 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
                       f"({', '.join(name for _, name in sorted(kept))})")
 
     records: list[dict] = []
-    with _progress(console, progress) as bar:
+    plain = progress and not console.is_terminal   # a CI log: one line per stage as it starts and ends
+    with _progress(console, progress and not plain) as bar:
         run_task = bar.add_task("stages", total=len(specs)) if bar is not None else None
         reference = None
         for spec in specs:
             step_task = bar.add_task(f"  {spec.stage}", total=warmup + steps) if bar is not None else None
 
             def on_event(event, _task=step_task, _stage=spec.stage):
+                kind = event.get("event")
+                if plain and kind == "profile":
+                    _line(console, f"stage {_stage}: profiling")
                 if bar is None:
                     return
-                kind = event.get("event")
                 if kind == "step":
                     bar.advance(_task)
                 elif kind in ("reference", "gate", "profile"):
@@ -519,6 +542,8 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
                 elif kind == "done":
                     bar.update(_task, description=f"  {_stage}: {event.get('status')}")
 
+            if plain:
+                _line(console, f"stage {spec.stage_index + 1}/{len(specs)} {spec.stage}: started")
             if (spec.stage_index, spec.stage) in kept:
                 record = kept[(spec.stage_index, spec.stage)]
                 if bar is not None:
@@ -532,6 +557,8 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
                     reference = compute_reference(config)
                 record = run_stage(spec, reference, on_event)
             records.append(record)
+            if plain:
+                _line(console, f"stage {spec.stage_index + 1}/{len(specs)} {spec.stage}: {_outcome(record)}")
             render_report(records, out_dir / "report.md")  # what has finished, should the run stop here
             if bar is not None:
                 bar.update(step_task, visible=False)
@@ -539,7 +566,10 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
         if interleave:
             reference = None
             _free_device_memory()
-            _interleave(records, specs, config, interleave, isolate, out_dir, console, bar)
+            if plain:
+                _line(console, f"timing the stages again in alternation: {interleave} rounds")
+            _interleave(records, specs, config, interleave, isolate, out_dir, console, bar, plain=plain,
+                        asked=asked_interleave)
 
     report_path = render_report(records, out_dir / "report.md")
     render_speedup_table(records, console)
@@ -557,6 +587,20 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
         err.result = result   # for callers that want the records anyway
         raise err
     return result
+
+
+def _line(console, text: str) -> None:
+    """One plain progress line (no markup, no wrapping), for output that is not a terminal."""
+    console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+def _outcome(record: dict) -> str:
+    """A finished stage in a few words: 'ok, 21.0 img/s, gate PASS' or 'error: ...'."""
+    if record.get("status") != "ok":
+        return f"{record.get('status')}" + (f": {record['error']}" if record.get("error") else "")
+    rate = record.get("img_per_s")
+    rate = f"{rate:,.1f} img/s" if isinstance(rate, (int, float)) else "not timed"
+    return f"ok, {rate}, gate {(record.get('gate') or {}).get('status', 'SKIP')}"
 
 
 class _NoProgress:

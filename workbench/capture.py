@@ -4,12 +4,20 @@ Under nsys the process re-runs itself (`python -m workbench.capture_worker SPEC.
 `nsys profile -t cuda,nvtx -s none --cpuctxsw=none --capture-range=cudaProfilerApi`, and the worker
 brackets only the measured steps with cudaProfilerStart/Stop, so warm-up (and compilation) stays
 out of the capture. The report is then exported to SQLite with `nsys export`.
+
+Under torch.profiler the workload runs in this process. Kineto's C++ side writes to file descriptor 2
+directly ('ERROR: ... gpuGetDeviceCount failed' on a machine without a GPU, 'USDT: ... profiler_start'),
+so while it runs, descriptor 2 goes to `capture.log` in the output folder (`stderr_to_log`); of what
+lands there, only the lines a user must see (Python exceptions and warnings) are echoed afterwards.
 """
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -92,13 +100,50 @@ def capture_nsys(config: WorkloadConfig, recipe: str | None, out_dir: Path, step
     return sqlite
 
 
+# A Python exception line ('RuntimeError: ...') or a warning ('x.py:12: UserWarning: ...'). Kineto's own
+# lines ('ERROR:2026-... DeviceProperties.cpp:56] ...', 'USDT:...') start with an upper-case tag instead.
+_PYTHON_LINE = re.compile(r"^(?:\S+\.py:\d+: )?(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Warning): ")
+
+
+def python_lines(log: Path, start: int = 0) -> list[str]:
+    """The lines of `log` from byte `start` on that Python wrote as an exception or a warning."""
+    with open(log, "rb") as fh:
+        fh.seek(start)
+        text = fh.read().decode(errors="replace")
+    return [ln for ln in text.splitlines() if _PYTHON_LINE.match(ln.strip())]
+
+
+@contextmanager
+def stderr_to_log(log: Path):
+    """While the block runs, send this process's file descriptor 2 (where C++ libraries write) to `log`
+    (appended); afterwards echo on stderr only the Python exception and warning lines it got."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    sys.stderr.flush()
+    start = log.stat().st_size if log.exists() else 0
+    saved = os.dup(2)
+    try:
+        with open(log, "ab") as fh:
+            os.dup2(fh.fileno(), 2)
+            try:
+                yield
+            finally:
+                sys.stderr.flush()
+                os.dup2(saved, 2)
+    finally:
+        os.close(saved)
+    for line in python_lines(log, start):
+        print(line, file=sys.stderr)
+
+
 def capture_torch(config: WorkloadConfig, recipe: str | None, out_dir: Path, steps: int, warmup: int) -> Path:
-    """Run the workload in this process under torch.profiler -> path of `trace.json` (Kineto)."""
+    """Run the workload in this process under torch.profiler -> path of `trace.json` (Kineto). The
+    profiler's C++ output goes to `capture.log` beside it (`stderr_to_log`)."""
     from .capture_worker import run_capture
 
     out_dir.mkdir(parents=True, exist_ok=True)
     trace = out_dir / "trace.json"
-    run_capture(config, recipe, steps=steps, warmup=warmup, marker="torch", out_dir=out_dir, torch_trace=trace)
+    with stderr_to_log(out_dir / "capture.log"):
+        run_capture(config, recipe, steps=steps, warmup=warmup, marker="torch", out_dir=out_dir, torch_trace=trace)
     return trace
 
 

@@ -61,6 +61,7 @@ import pandas as pd
 from .analysis import blocking_calls
 from .errors import UserError
 from .files import load_yaml_file, short_repr
+from .labels import GPU_WORDS, DeviceWords, record_words
 from .records import StageRecord, read_records, short_dtype
 
 ROW_COLUMNS = ["stage", "metric", "baseline", "current", "delta_pct", "limit", "noise_band_pct", "status", "unit"]
@@ -104,6 +105,7 @@ class CheckResult:
     # stage -> its largest per-kernel changes (diff.join_per_unit columns), for regressed stages whose
     # records both carry a profile's per-kernel table: where to look first
     kernel_changes: dict = field(default_factory=dict)
+    words: DeviceWords = GPU_WORDS   # CPU when the records ran on the CPU (labels.record_words)
 
     @property
     def exit_code(self) -> int:
@@ -502,7 +504,7 @@ def check_records(baseline_paths, current_paths, *, max_regression_pct: float = 
     regressed = bool(frame["status"].isin(REGRESSION_STATUSES).any())
     changes = _kernel_changes(frame, base, cur)
     return CheckResult(rows=frame, regressed=regressed, summary=_summary(frame, regressed), notes=notes,
-                       kernel_changes=changes)
+                       kernel_changes=changes, words=record_words([s.record for s in (*base.values(), *cur.values())]))
 
 
 KERNEL_CHANGE_ROWS = 5
@@ -584,8 +586,11 @@ def render_markdown(result: CheckResult) -> str:
     """A Markdown table (stage, metric, baseline, current, signed Δ, limit, noise band, status),
     then the notes, then the one-line summary. Unchanged category shares of a stage are folded
     into one row; every other row is shown."""
-    lines = ["| stage | metric | baseline | current | Δ | limit | noise band | status |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    w = result.words
+    lines = ["**CPU records** (no GPU): times, shares and changes are CPU figures, not GPU ones.", ""] \
+        if w.is_cpu else []
+    lines += ["| stage | metric | baseline | current | Δ | limit | noise band | status |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     rows = result.rows
     quiet_share = rows["metric"].str.startswith(SHARE_PREFIX) & (rows["status"] == "unchanged")
     folded_done = set()
@@ -602,8 +607,9 @@ def render_markdown(result: CheckResult) -> str:
                      _fmt_limit(r.noise_band_pct, "%", "±"), status]
         lines.append("| " + " | ".join(_cell(x) for x in cells) + " |")
     for stage, table in result.kernel_changes.items():
-        lines += ["", f"Largest kernel changes in **{_cell(stage)}** (GPU ms per step, from the two records' profiles):", "",
-                  "| kernel | baseline ms | current ms | Δ ms | launches baseline | launches current |",
+        lines += ["", f"Largest {w.unit} changes in **{_cell(stage)}** ({w.device} ms per step, from the two records' "
+                  "profiles):", "",
+                  f"| {w.unit} | baseline ms | current ms | Δ ms | {w.calls} baseline | {w.calls} current |",
                   "| --- | ---: | ---: | ---: | ---: | ---: |"]
         for k, bm, cm, d, bn, cn in table[["kernel", "before_ms", "after_ms", "delta_ms", "before_n", "after_n"]].values:
             lines.append(f"| `{_cell(str(k))}` | {bm:.3f} | {cm:.3f} | {d:+.3f} | {bn:.0f} | {cn:.0f} |")
@@ -622,10 +628,10 @@ def _plain(value):
 
 
 def to_json(result: CheckResult) -> dict:
-    """{schema, regressed, exit_code, summary, notes, rows: [{column: value}], kernel_changes: {stage:
-    [{kernel, before_ms, after_ms, delta_ms, before_n, after_n}]}}; NaN/inf become null."""
+    """{schema, regressed, exit_code, device ('CPU' | 'GPU'), summary, notes, rows: [{column: value}],
+    kernel_changes: {stage: [{kernel, before_ms, after_ms, delta_ms, before_n, after_n}]}}; NaN/inf become null."""
     rows = [{k: _plain(v) for k, v in row.items()} for row in result.rows.astype(object).to_dict(orient="records")]
     changes = {stage: [{k: _plain(v) for k, v in r.items()} for r in table.astype(object).to_dict(orient="records")]
                for stage, table in result.kernel_changes.items()}
     return {"schema": "swinbench.check/1", "regressed": result.regressed, "exit_code": result.exit_code,
-            "summary": result.summary, "notes": list(result.notes), "rows": rows, "kernel_changes": changes}
+            "device": result.words.device, "summary": result.summary, "notes": list(result.notes), "rows": rows, "kernel_changes": changes}

@@ -9,6 +9,9 @@ diff is exact for library and hand-written kernels; Inductor numbers its generat
 Per step: each side's totals are divided by its number of `step{i}` NVTX ranges (the captured steps;
 swinbench's captures hold only those), so traces of different lengths compare. A trace without step
 ranges is compared as a whole, and the output says so.
+
+Two CPU captures (Kineto without GPU kernels: leaf CPU operators in place of kernels) are compared the
+same way; their tables and summary say CPU and operators (`labels.pair_words`).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from rich.table import Table
 from workbench.analysis import api_summary, fold_tail
 from workbench.analyze import Analysis, write_frames
 from workbench.errors import UserError
+from workbench.labels import DeviceWords, GPU_WORDS, pair_words
 
 KERNEL_COLUMNS = ["kernel", "before_ms", "after_ms", "delta_ms", "before_n", "after_n"]
 CATEGORY_COLUMNS = ["category", "before_ms", "after_ms", "delta_ms"]
@@ -43,6 +47,7 @@ class TraceDiff:
     categories: pd.DataFrame
     summary: pd.DataFrame
     notes: list[str] = field(default_factory=list)
+    words: DeviceWords = GPU_WORDS   # CPU traces: CPU operators, labelled so (workbench/labels.py)
 
 
 def _steps(analysis: Analysis) -> int | None:
@@ -112,21 +117,25 @@ def diff_analyses(before: Analysis, after: Analysis, before_label: str = "before
         unit, per = "trace", (1, 1)
         missing = " and ".join(label for label, s in ((before_label, steps_b), (after_label, steps_a)) if not s)
         notes.append(f"no step ranges in {missing or 'one of them'}: whole traces compared, not per step")
+    words = pair_words(before.trace_meta, after.trace_meta)
+    if words.device == "CPU/GPU":
+        notes.append("one trace is a CPU capture (CPU operators) and the other a GPU one (GPU kernels): "
+                     "their times are not comparable")
     if before.backend != after.backend:
         notes.append(f"different capture backends ({before.backend} against {after.backend}): kernel names "
                      "and coverage may differ")
     kernels = _joined(before.kernels, after.kernels, "kernel", per)[KERNEL_COLUMNS]
     categories = _joined(before.categories, after.categories, "category", per)[CATEGORY_COLUMNS]
     rows = [
-        ("kernel ms", before.trace_meta["kernel_total_ns"] / 1e6 / per[0],
+        (f"{words.op} ms", before.trace_meta["kernel_total_ns"] / 1e6 / per[0],
          after.trace_meta["kernel_total_ns"] / 1e6 / per[1]),
-        ("kernels", before.trace_meta["kernel_count"] / per[0], after.trace_meta["kernel_count"] / per[1]),
+        (words.units, before.trace_meta["kernel_count"] / per[0], after.trace_meta["kernel_count"] / per[1]),
         ("host launches", _launches(before, per[0]), _launches(after, per[1])),
-        ("GPU busy % of span", _busy_pct(before), _busy_pct(after)),
+        (f"{words.device} busy % of span", _busy_pct(before), _busy_pct(after)),
     ]
     summary = pd.DataFrame(rows, columns=["metric", "before", "after"])
     summary["delta"] = summary["after"] - summary["before"]
-    return TraceDiff(before_label, after_label, unit, per, kernels, categories, summary, notes)
+    return TraceDiff(before_label, after_label, unit, per, kernels, categories, summary, notes, words)
 
 
 def _fmt(x: float, digits: int = 3, signed: bool = False) -> str:
@@ -145,21 +154,22 @@ def render_diff(diff: TraceDiff, console: Console, top: int = 15) -> None:
     t = Table(title=f"Summary ({per})")
     for c in ("metric", "before", "after", "delta"):
         t.add_column(c, justify="left" if c == "metric" else "right")
+    w = diff.words
     for row in diff.summary.itertuples(index=False):
-        digits = 1 if row.metric != "kernel ms" else 3
+        digits = 3 if row.metric == f"{w.op} ms" else 1
         t.add_row(row.metric, _fmt(row.before, digits), _fmt(row.after, digits), _fmt(row.delta, digits, True))
     console.print(t)
-    t = Table(title=f"Kernels by change of GPU ms {per} (n: instances {per})")
+    t = Table(title=f"{w.units.capitalize()} by change of {w.device} ms {per} (n: instances {per})")
     # the numbers keep their width; the kernel name gets what is left of the console (at least 20)
-    t.add_column("kernel", no_wrap=True, max_width=max(20, min(80, console.width - 66)), overflow="ellipsis")
+    t.add_column(w.unit, no_wrap=True, max_width=max(20, min(80, console.width - 66)), overflow="ellipsis")
     for c in ("ms before", "ms after", "delta", "n before", "n after"):
         t.add_column(c, justify="right", no_wrap=True)
     numbers = [c for c in KERNEL_COLUMNS if c != "kernel"]
-    for row in fold_tail(diff.kernels, top, "kernel", numbers, noun="kernels").itertuples(index=False):
+    for row in fold_tail(diff.kernels, top, "kernel", numbers, noun=w.units).itertuples(index=False):
         t.add_row(str(row.kernel), _fmt(row.before_ms), _fmt(row.after_ms), _fmt(row.delta_ms, 3, True),
                   _fmt(row.before_n, 1), _fmt(row.after_n, 1))
     console.print(t)
-    t = Table(title=f"Categories by change of GPU ms {per}")
+    t = Table(title=f"Categories by change of {w.device} ms {per}")
     for c in ("category", "before ms", "after ms", "delta ms"):
         t.add_column(c, justify="left" if c == "category" else "right")
     for row in diff.categories.itertuples(index=False):

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import datetime as _dt
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,7 +54,7 @@ def run_profile(*, model: str | None, mode: str, batch: int, precision: str, ste
 
         chain_passes(recipe)  # validate the recipe before capturing
     if cpu_fallback:  # said once the arguments are known to be good: a user mistake gets one line only
-        console.print("[yellow]note:[/] no CUDA GPU here: running the tiny Swin on the CPU "
+        console.print(f"[yellow]note:[/] no CUDA GPU here: running {config.model} on the CPU "
                       "(timings and shares are CPU figures, not GPU ones)")
     chosen, nsys_path, note = resolve_backend(backend, dev, nsys)
     out_dir = Path(out) if out else Path("profiles") / default_run_name(config, recipe)
@@ -61,21 +63,37 @@ def run_profile(*, model: str | None, mode: str, batch: int, precision: str, ste
     for n in notes:
         console.print(f"[yellow]note:[/] {n}")
     label = "Nsight Systems" if chosen == "nsys" else "torch.profiler"
-    with console.status(f"capturing {config.model} {mode} {precision} batch {batch}: "
-                        f"{warmup} warm-up + {steps} captured steps under {label} ..."):
+    with _phase(console, f"capturing {config.model} {mode} {precision} batch {batch}: "
+                         f"{warmup} warm-up + {steps} captured steps under {label}"):
         if chosen == "nsys":
             trace = capture_nsys(config, recipe, out_dir, steps, warmup, nsys_path)
         else:
             trace = capture_torch(config, recipe, out_dir, steps, warmup)
     _print_passes(out_dir / "run.json", recipe, console)
-    analysis = analyze_trace(trace)
+    with _phase(console, f"analyzing {trace}"):
+        analysis = analyze_trace(trace)
     render_analysis(analysis, console, top=top)
-    files = [p for p in (out_dir / "trace.nsys-rep", trace, out_dir / "run.json") if p.exists()]
+    files = [p for p in (out_dir / "trace.nsys-rep", trace, out_dir / "run.json", out_dir / "capture.log",
+                         out_dir / "nsys.log") if p.exists()]
     files += write_analysis(analysis, out_dir, fmt)
     console.print(f"[bold]{label}[/] backend; files written:")
     for f in files:
         console.print(f"  {f}")
     return ProfileResult(out_dir=out_dir, backend=chosen, trace=trace, files=files, notes=notes)
+
+
+@contextmanager
+def _phase(console: Console, what: str):
+    """One phase of the run: a spinner on a terminal; elsewhere (a CI log) a plain line as it starts and
+    one as it ends, so a log shows where a long capture is."""
+    if console.is_terminal:
+        with console.status(what + " ..."):
+            yield
+        return
+    console.print(f"{what} ...", markup=False, highlight=False, soft_wrap=True)
+    t0 = time.perf_counter()
+    yield
+    console.print(f"{what}: done in {time.perf_counter() - t0:.1f} s", markup=False, highlight=False, soft_wrap=True)
 
 
 def _print_passes(run_json: Path, recipe: str | None, console: Console) -> None:

@@ -6,7 +6,8 @@ into them first). `speedup_table(records)` columns (one row per record, in stage
     run_id, stage, extends, status ('ok' | 'not available' | 'error'), gate ('PASS' | 'FAIL' |
     'REFERENCE' | 'SKIP'), precision, img_per_s, step_ms, step_iqr_ms, x_baseline, x_previous,
     peak_mem_bytes, compile_s, counted (bool: in the speedups), x_baseline_cross_run, x_previous_cross_run,
-    previous_stage, model, device ('CPU' or the GPU's name)
+    previous_stage, model, device ('CPU' or the GPU's name), x_baseline_ns, x_previous_ns (bool: that speedup
+    is not significant, see significance.py)
 x_baseline = baseline step time / this stage's; x_previous = the same against the stage it extends
 (for a peer such as torch-compile, that is amp), or, when that stage was not measured, against its
 nearest measured ancestor in the stage's recipe chain (`swinbench apply --stages amp,fmha` compares fmha
@@ -26,11 +27,13 @@ import pandas as pd
 from .analysis import blocking_calls
 from .env import device_label
 from .errors import UserError
+from .labels import record_words
 from .records import Interleaved, PairedRatio, StageRecord, as_records, read_records, short_dtype
+from .significance import NS_MARK, NS_NOTE, paired_significant, speedup_significant
 
 COLUMNS = ["run_id", "stage", "extends", "status", "gate", "precision", "img_per_s", "step_ms", "step_iqr_ms",
            "x_baseline", "x_previous", "peak_mem_bytes", "compile_s", "counted", "x_baseline_cross_run",
-           "x_previous_cross_run", "previous_stage", "model", "device"]
+           "x_previous_cross_run", "previous_stage", "model", "device", "x_baseline_ns", "x_previous_ns"]
 CROSS_RUN_MARK = "†"
 CROSS_RUN_NOTE = (f"{CROSS_RUN_MARK} against that stage in another run of the same model, batch and GPU (another "
                   "process, minutes apart): the run of this stage had no such stage of its own.")
@@ -51,20 +54,22 @@ def speedup_table(records) -> pd.DataFrame:
             "step_iqr_ms": rec.step_iqr_ms, "peak_mem_bytes": rec.peak_mem_bytes, "compile_s": rec.compile_s,
             "counted": _counted(rec), "model": rec.model, "device": rec.env.device_name,
         })
-    derived = ("x_baseline", "x_previous", "previous_stage")
+    derived = ("x_baseline", "x_previous", "previous_stage")   # the _ns flags start with these too
     df = pd.DataFrame(rows, columns=[c for c in COLUMNS if not c.startswith(derived)])
     df["x_baseline"] = math.nan
     df["x_previous"] = math.nan
     df["x_baseline_cross_run"] = False
     df["x_previous_cross_run"] = False
     df["previous_stage"] = None
+    df["x_baseline_ns"] = False
+    df["x_previous_ns"] = False
     # Speedups compare stages of one run; a stage whose run lacks the baseline (or the stage it extends)
     # is compared with that stage of another run of the same workload on the same GPU, and marked.
     workload = {rec.run_id: (rec.model, rec.batch, rec.mode, rec.env.device_name) for rec in records}
-    steps_by_run: dict = {}
-    for r in df.itertuples():
+    steps_by_run: dict = {}   # run -> stage -> (median ms, IQR ms, timed steps)
+    for idx, r in enumerate(df.itertuples()):
         if r.counted:
-            steps_by_run.setdefault(r.run_id, {}).setdefault(r.stage, r.step_ms)
+            steps_by_run.setdefault(r.run_id, {}).setdefault(r.stage, _spread(records[idx], r))
 
     def lookup(run_id, stage):
         if stage in steps_by_run.get(run_id, {}):
@@ -77,18 +82,30 @@ def speedup_table(records) -> pd.DataFrame:
     for idx, r in df.iterrows():
         if not r.counted:
             continue
+        mine = _spread(records[idx], r)
         base, cross_b = lookup(r.run_id, "baseline")
         if base:
-            df.at[idx, "x_baseline"] = base / r.step_ms
+            df.at[idx, "x_baseline"] = base[0] / r.step_ms
             df.at[idx, "x_baseline_cross_run"] = cross_b
+            # the baseline against itself is 1.00x by definition, not a measurement
+            if not (r.stage == "baseline" and not cross_b):
+                df.at[idx, "x_baseline_ns"] = not speedup_significant(*mine, *base)
         for ancestor in records[idx].ancestors():
             prev, cross_p = lookup(r.run_id, ancestor)
             if prev:
-                df.at[idx, "x_previous"] = prev / r.step_ms
+                df.at[idx, "x_previous"] = prev[0] / r.step_ms
                 df.at[idx, "x_previous_cross_run"] = cross_p
                 df.at[idx, "previous_stage"] = ancestor
+                df.at[idx, "x_previous_ns"] = not speedup_significant(*mine, *prev)
                 break
     return df[COLUMNS]
+
+
+def _spread(rec: StageRecord, row) -> tuple:
+    """(median step ms, IQR ms, timed steps or None) of a record, for significance.speedup_significant."""
+    timing = rec.timing
+    steps = (timing.repeats or len(timing.samples_ms) or None) if timing is not None else None
+    return row.step_ms, row.step_iqr_ms, steps
 
 
 # ---------------------------------------------------------------- formatting helpers
@@ -139,6 +156,8 @@ def display_rows(df: pd.DataFrame) -> list[list[str]]:
         stage = r["stage"] + (f" ({r['run_id']})" if multi else "")
         xb = fmt_speedup(r["x_baseline"]) + (CROSS_RUN_MARK if r["x_baseline_cross_run"] else "")
         xp = fmt_speedup(r["x_previous"]) + (CROSS_RUN_MARK if r["x_previous_cross_run"] else "")
+        xb += f" ({NS_MARK})" if _isnum(r["x_baseline"]) and r["x_baseline_ns"] else ""
+        xp += f" ({NS_MARK})" if _isnum(r["x_previous"]) and r["x_previous_ns"] else ""
         if _isnum(r["x_previous"]) and r["previous_stage"] != r["extends"]:
             xp += f" (vs {r['previous_stage']})"
         out.append([stage, *([r["model"], r["device"]] if labels else []), r["precision"] or "-",
@@ -168,6 +187,8 @@ def render_speedup_table(records, console) -> None:
                   "FAIL / not available / error stages are not in the speedups.")
     if (df["x_baseline_cross_run"] | df["x_previous_cross_run"]).any():
         console.print(CROSS_RUN_NOTE)
+    if _any_not_significant(records, df):
+        console.print(NS_NOTE)
     timed = [r for r in records if r.interleaved is not None]
     spread = [r.stage for r in records if _spread_note(r)]
     if spread and not timed:
@@ -177,13 +198,22 @@ def render_speedup_table(records, console) -> None:
         e0 = timed[0].interleaved
         console.print(f"timed in alternation ({_rounds_text(e0)} of {e0.block} steps, one process), paired: "
                       + "; ".join(f"{r.stage} {r.interleaved.step_ms:.2f} ms"
-                                  + (f", {_ratio_cell(r.interleaved.x_previous, r.interleaved.previous_stage)}"
+                                  + (f", {_ratio_cell(r.interleaved.x_previous, r.interleaved.previous_stage, r.interleaved.rounds)}"
                                      if r.interleaved.x_previous is not None else "")
                                   for r in timed))
     what = "CPU op" if _is_cpu(records) else "GPU kernel"
     for stage, parent, table in kernel_changes(records, rows=3):
         moved = ", ".join(f"{k[:48]} {d:+.2f}" for k, d in table[["kernel", "delta_ms"]].values)
         console.print(f"{stage} against {parent}, largest {what} changes (ms per step): {moved}")
+
+
+def _any_not_significant(records: list[StageRecord], df: pd.DataFrame) -> bool:
+    """Whether any speedup shown (the table's, or a paired one) is marked n.s."""
+    shown = (df["x_baseline_ns"] & df["x_baseline"].notna()) | (df["x_previous_ns"] & df["x_previous"].notna())
+    paired = any(NS_MARK in _ratio_cell(ratio, rounds=e.rounds)
+                 for r in records if (e := r.interleaved) is not None
+                 for ratio in (e.x_first if r.stage != e.first_stage else None, e.x_previous) if ratio is not None)
+    return bool(shown.any()) or paired
 
 
 def _md_table(headers: list[str], rows: list[list]) -> str:
@@ -206,6 +236,21 @@ def _is_cpu(records: list[StageRecord]) -> bool:
     return all(not r.env.on_gpu for r in records)
 
 
+def run_label(records) -> str:
+    """What the run ran, for titles: the recipe's name when the records hold its whole chain (the default
+    `apply`, peers included), else the stages themselves ('baseline, amp' for `--stages baseline,amp`).
+    Takes StageRecords or the dicts apply holds."""
+    records = as_records(records)
+    recipe = str(records[0].recipe)
+    stages = [r.stage for r in records]
+    target = next((r for r in records if r.stage == recipe
+                   or (r.recipe_source and Path(r.recipe_source) == Path(recipe))), None)
+    chain = [c.name for c in target.chain] if target is not None else []
+    if target is not None and all(name in stages for name in chain):
+        return recipe
+    return ", ".join(stages)
+
+
 def _title(records: list[StageRecord]) -> str:
     """What the table holds; a setting that differs between records is called mixed (the rows then name
     their model and device)."""
@@ -213,7 +258,6 @@ def _title(records: list[StageRecord]) -> str:
     devices = _distinct(r.env.device_name for r in records)
     modes = _distinct("inference" if r.mode == "infer" else "training" for r in records)
     batches = _distinct(r.batch for r in records)
-    recipes = _distinct(r.recipe for r in records)
     if _is_cpu(records):
         where = "CPU — not a GPU speed figure"
     elif len(devices) == 1:
@@ -224,7 +268,7 @@ def _title(records: list[StageRecord]) -> str:
     model = models[0] if len(models) == 1 else "mixed models (per row)"
     mode = modes[0] if len(modes) == 1 else "mixed modes"
     batch = f"batch {batches[0]}" if len(batches) == 1 else f"batches {', '.join(map(str, batches))}"
-    return f"swinbench apply: {', '.join(recipes)} — {model}, {mode}, {batch}, {where}"
+    return f"swinbench apply: {run_label(records)} — {model}, {mode}, {batch}, {where}"
 
 
 # ---------------------------------------------------------------- the Markdown report
@@ -241,8 +285,9 @@ def category_share_frame(records) -> pd.DataFrame:
     return df[df.max().sort_values(ascending=False).index]
 
 
-def plot_category_shares(df: pd.DataFrame, path: Path) -> Path:
-    """A stacked horizontal bar per stage of kernel-category shares, written as PNG."""
+def plot_category_shares(df: pd.DataFrame, path: Path, what: str = "GPU kernel time") -> Path:
+    """A stacked horizontal bar per stage of category shares of `what` ('GPU kernel time', 'CPU op
+    time'), written as PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -250,7 +295,7 @@ def plot_category_shares(df: pd.DataFrame, path: Path) -> Path:
 
     fig, ax = plt.subplots(figsize=(8, 0.5 * len(df) + 1.6))
     df.iloc[::-1].plot.barh(stacked=True, ax=ax, width=0.7, colormap="tab20")
-    ax.set_xlabel("share of GPU kernel time (%)")
+    ax.set_xlabel(f"share of {what} (%)")
     ax.set_xlim(0, 100)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4, fontsize=8, frameon=False)
     fig.tight_layout()
@@ -336,6 +381,8 @@ def _slower_why(rec: StageRecord, records: list[StageRecord], previous: str) -> 
     mine, theirs = kernel_ms_per_step(rec), kernel_ms_per_step(parent) if parent else None
     if mine is None or theirs is None or rec.step_ms is None:
         return ": look at its passes above and its kernel shares before keeping it"
+    if record_words([rec]).is_cpu:   # the launch-bound story below is about a GPU waiting on its host
+        return f": its CPU op time per step went from {theirs:.1f} to {mine:.1f} ms (step {rec.step_ms:.1f} ms)"
     busy = 100.0 * mine / rec.step_ms
     if mine < theirs:
         return (f": its GPU kernel time per step fell from {theirs:.1f} to {mine:.1f} ms, but its step takes "
@@ -379,8 +426,13 @@ def _notes(records: list[StageRecord], df: pd.DataFrame) -> list[str]:
                          "it is left out of the speedups")
         if r is not None and _isnum(r.x_previous) and r.x_previous < 1.0:
             how = "the stage it extends" if r.previous_stage == rec.extends else "its nearest measured ancestor"
-            notes.append(f"**{rec.stage}** is slower than **{r.previous_stage}**, {how} "
-                         f"({r.x_previous:.2f}x)" + _slower_why(rec, records, r.previous_stage))
+            if r.x_previous_ns:   # no reason is drawn from a difference the spread covers
+                notes.append(f"**{rec.stage}** is slower than **{r.previous_stage}**, {how} "
+                             f"({r.x_previous:.2f}x, {NS_MARK}), by less than their step times spread: "
+                             "not a measured slowdown")
+            else:
+                notes.append(f"**{rec.stage}** is slower than **{r.previous_stage}**, {how} "
+                             f"({r.x_previous:.2f}x)" + _slower_why(rec, records, r.previous_stage))
         spread = _spread_note(rec)
         if spread:
             notes.append(spread)
@@ -430,18 +482,25 @@ def kernel_changes(records, rows: int = KERNEL_CHANGE_ROWS) -> list[tuple[str, s
     return out
 
 
+_BACKENDS = {"torch": "torch.profiler", "nsys": "Nsight Systems"}
+
+
+def _backend_names(records: list[StageRecord]) -> str:
+    """The capture backends of the profiled stages, as readers know them ('Nsight Systems', 'torch.profiler')."""
+    found = {r.profile.backend for r in records if r.profile is not None}
+    return ", ".join(sorted(_BACKENDS.get(b, b) for b in found))
+
+
 def _kernel_change_lines(records: list[StageRecord]) -> list[str]:
     changes = kernel_changes(records)
     if not changes:
         return []
     cpu = _is_cpu(records)
     what, calls = ("CPU op", "calls") if cpu else ("GPU kernel", "launches")
-    names = {"torch": "torch.profiler"}
-    backends = sorted({names.get(r.profile.backend, r.profile.backend) for r in records if r.profile is not None})
     lines = [f"## What changed in the {what.split()[0]} profile from stage to stage", "",
              f"For each profiled stage, the {KERNEL_CHANGE_ROWS} {what}s whose time per step changed most "
              "against the stage it extends (or its nearest profiled ancestor), from the two stages' captures "
-             f"({', '.join(backends)}; short names; `swinbench diff` on the two traces gives the full table).", ""]
+             f"({_backend_names(records)}; short names; `swinbench diff` on the two traces gives the full table).", ""]
     if cpu:
         lines += ["> CPU op times from torch.profiler, not GPU kernel times.", ""]
     by_stage = {r.stage: r for r in records}
@@ -457,11 +516,12 @@ def _kernel_change_lines(records: list[StageRecord]) -> list[str]:
     return lines
 
 
-def _ratio_cell(r: PairedRatio | None, against: str | None = None) -> str:
+def _ratio_cell(r: PairedRatio | None, against: str | None = None, rounds: int | None = None) -> str:
     if r is None or r.median is None:
         return "-"
     vs = f" vs {against}" if against else ""
-    return f"{r.median:.2f}x{vs} ({r.q1:.2f}-{r.q3:.2f})"
+    ns = "" if paired_significant(r.q1, r.q3, rounds) else f" {NS_MARK}"
+    return f"{r.median:.2f}x{vs} ({r.q1:.2f}-{r.q3:.2f}){ns}"
 
 
 def _rounds_text(entry: Interleaved) -> str:
@@ -482,8 +542,8 @@ def _interleaved_lines(records: list[StageRecord]) -> list[str]:
     for r in timed:
         e = r.interleaved
         rows.append([r.stage, fmt_step(e.step_ms, e.iqr_ms),
-                     "1.00x" if r.stage == first else _ratio_cell(e.x_first),
-                     _ratio_cell(e.x_previous, e.previous_stage)])
+                     "1.00x" if r.stage == first else _ratio_cell(e.x_first, rounds=e.rounds),
+                     _ratio_cell(e.x_previous, e.previous_stage, e.rounds)])
     return ["## Timed in alternation", "",
             f"After the stages ran, these {len(timed)} were built side by side in one process and timed again: "
             f"{_rounds_text(il)} of {il.block} back-to-back steps of each stage, the order rotating from round "
@@ -552,32 +612,36 @@ def render_report(records, out_path_md: Path) -> Path:
               "img/s = batch / median step time. × previous compares a stage with the stage it extends or, where "
               "that stage was not measured, with its nearest measured ancestor (named). "
               "Stages that fail the correctness gate, are not available or ended in an error are not in the speedups."
-              + (" " + CROSS_RUN_NOTE if (df["x_baseline_cross_run"] | df["x_previous_cross_run"]).any() else ""),
+              + (" " + CROSS_RUN_NOTE if (df["x_baseline_cross_run"] | df["x_previous_cross_run"]).any() else "")
+              + (" " + NS_NOTE if _any_not_significant(records, df) else ""),
               ""]
     lines += _interleaved_lines(records)
     lines += ["## Configuration", "", _md_table(["", ""], [[k, v] for k, v in _config_rows(records)]), ""]
 
     shares = category_share_frame(records)
+    w = record_words(records)
     if not shares.empty:
-        png = plot_category_shares(shares, out_path_md.with_name(out_path_md.stem + "-categories.png"))
+        png = plot_category_shares(shares, out_path_md.with_name(out_path_md.stem + "-categories.png"), w.time)
         by_stage = {r.stage: r for r in records}
         rows = [[stage, _fmt_ms(kernel_ms_per_step(by_stage[stage])), _busy(by_stage[stage]),
                  _api_calls(by_stage[stage], lambda c: float(c.get("launch", 0.0))),
                  _api_calls(by_stage[stage], blocking_calls)]
                 + [f"{v:.1f}" for v in shares.loc[stage]] for stage in shares.index]
-        lines += ["## GPU kernel time by category (%)", "",
-                  "Kernel ms/step: GPU kernel time per step in the stage's nsys capture; GPU busy: that over the "
-                  "measured step time. A stage far under 100% busy is bound by the host launching kernels. "
+        busy_why = ("" if w.is_cpu else " A stage far under 100% busy is bound by the host launching kernels.")
+        lines += [f"## {w.time} by category (%)", "",
+                  f"{w.op.capitalize()} ms/step: {w.time} per step in the stage's capture ({_backend_names(records)}); "
+                  f"{w.device} busy: that over the measured step time.{busy_why} "
                   "Launches / sync+alloc: host CUDA API calls per step in the capture (kernel launches; "
-                  "synchronizing and allocating calls, each of which can stall the launch queue).", "",
-                  _md_table(["stage", "kernel ms/step", "GPU busy", "launches/step", "sync+alloc/step", *shares.columns],
-                            rows), "",
-                  f"![kernel-category shares per stage]({png.name})", ""]
+                  "synchronizing and allocating calls, each of which can stall the launch queue"
+                  + ("; none on the CPU)." if w.is_cpu else ")."), "",
+                  _md_table(["stage", f"{w.op} ms/step", f"{w.device} busy", "launches/step", "sync+alloc/step",
+                             *shares.columns], rows), "",
+                  f"![{w.unit}-category shares per stage]({png.name})", ""]
     elif any(n.startswith("profile") for r in records for n in r.notes):
-        lines += ["## GPU kernel time by category", "", "Profiling was asked for but gave no GPU kernel shares "
+        lines += [f"## {w.time} by category", "", f"Profiling was asked for but gave no {w.time} shares "
                   "(see Notes).", ""]
     else:
-        lines += ["## GPU kernel time by category", "", "Not profiled (run `swinbench apply --profile`).", ""]
+        lines += [f"## {w.time} by category", "", "Not profiled (run `swinbench apply --profile`).", ""]
 
     lines += _kernel_change_lines(records)
     lines += ["## What each stage changed", ""]
