@@ -163,3 +163,19 @@ def test_analyze_restricted_to_range(bf16):
     assert analysis.ranges.set_index("range").loc["forward", "share_pct"] == pytest.approx(100.0)
     busy = analysis.busy.set_index("metric")["ns"]
     assert busy["busy"] + busy["idle"] == busy["span"] and busy["kernel_sum"] == forward_ns
+
+
+def test_range_table_counts_a_kernel_once_per_name():
+    """Instances of one name that nest or overlap (a recursive range, one name on two threads) do not
+    count a kernel twice: the share stays within 100%."""
+    k = pd.DataFrame({"launch_ns": [10, 20, 30], "duration_ns": [5, 7, 11], "pid": [1, 1, 1]})
+    r = pd.DataFrame({"range_id": [0, 1, 2, 3], "name": ["outer", "outer", "x", "outer"],
+                      "start_ns": [0, 5, 15, 200], "end_ns": [100, 25, 35, 300], "pid": [1, 1, 1, 1],
+                      "domain": [""] * 4})
+    trace = type("T", (), {"kernels": k, "ranges": r})()
+    table = A.range_table(trace).set_index("range")
+    assert table.loc["outer", ["instances", "kernels", "gpu_ns"]].tolist() == [3, 3, 23]
+    assert table.loc["outer", "share_pct"] == 100.0 and table.loc["x", "gpu_ns"] == 18
+    per_instance = A.attribute_ranges(k, r)["gpu_ns"].tolist()  # the per-instance view still nests
+    assert per_instance == [23, 12, 18, 0]
+
