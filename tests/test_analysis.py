@@ -179,3 +179,20 @@ def test_range_table_counts_a_kernel_once_per_name():
     per_instance = A.attribute_ranges(k, r)["gpu_ns"].tolist()  # the per-instance view still nests
     assert per_instance == [23, 12, 18, 0]
 
+
+REAL_TRACES = [DATA / "swin_tiny_train_bf16.sqlite.xz", DATA / "swin_tiny_train_fp32.sqlite.xz",
+               DATA.parent.parent / "profiles" / "examples" / "swin_tiny_train_bf16" / "trace.sqlite.xz"]
+
+
+@pytest.mark.parametrize("range_name", [None, "backward"])
+@pytest.mark.parametrize("path", REAL_TRACES, ids=["bf16", "fp32", "example-bf16"])
+def test_real_traces_are_clean_and_bounded(unxz, path, range_name):
+    """The committed real exports: nothing dropped, no negative total, no share over 100%."""
+    analysis = analyze_trace(unxz(path), range_name=range_name)
+    assert analysis.warnings == []
+    assert analysis.ranges["share_pct"].max() <= 100.0 + 1e-9
+    assert analysis.kernels["share_pct"].sum() == pytest.approx(100.0)
+    assert (analysis.kernels[["total_ns", "min_ns"]] >= 0).all().all() and (analysis.categories["total_ns"] >= 0).all()
+    assert (analysis.ranges["gpu_ns"] >= 0).all() and (analysis.busy["ns"] >= 0).all()
+    busy = analysis.busy.set_index("metric")["pct"]
+    assert busy["busy"] <= 100.0 + 1e-9

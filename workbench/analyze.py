@@ -2,7 +2,8 @@
 
 Layers: `load_trace` (parsing) -> the pure functions of workbench/analysis.py -> `Analysis` (frames only)
 -> `render_analysis` (rich) or `write_analysis` (csv / json). Nothing here reads a file except through
-load_trace, and the renderers never see the trace.
+load_trace, and the renderers never see the trace. The rows the parser dropped as broken are in
+trace_meta["warnings"], shown above the tables and written into the JSON.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ BACKENDS = {"nsys": "nsys", "kineto": "torch.profiler"}
 class Analysis:
     """Frames of one analyzed trace. kernels: kernel_share_table; categories: category_share_table;
     ranges: range_table; busy: busy_idle; api: api_table (host-side CUDA calls); backend: 'nsys' |
-    'torch.profiler'. trace_meta is the trace's meta plus name_style, range_name, kernel_count,
+    'torch.profiler'. trace_meta is the trace's meta (notes, warnings) plus name_style, range_name, kernel_count,
     kernel_total_ns, memops (count, ns), api_scope, api_steps and api_unit ('step' | 'range instance' |
     None: what api.per_step is per)."""
 
@@ -39,6 +40,10 @@ class Analysis:
     busy: pd.DataFrame
     backend: str
     api: pd.DataFrame = None
+
+    @property
+    def warnings(self) -> list[str]:
+        return list(self.trace_meta.get("warnings", []))
 
 
 def _busy_over_instances(trace: Trace, kernels: pd.DataFrame, range_name: str) -> pd.DataFrame:
@@ -69,6 +74,7 @@ def analyze_trace(path, *, name_style: str = "demangled", range_name: str | None
         busy = A.busy_idle(kernels)
     scoped = Trace(kernels=kernels, ranges=trace.ranges, meta=trace.meta, memops=trace.memops)
     meta = dict(trace.meta)
+    meta["warnings"] = list(meta.get("warnings", []))
     meta.update(
         name_style=name_style,
         range_name=range_name,
@@ -155,11 +161,13 @@ def _header(analysis: Analysis) -> str:
 
 
 def render_analysis(analysis: Analysis, console: Console, top: int = 15) -> None:
-    """Header line (backend, trace path, span, notes), then the kernel, category, range and busy tables;
-    long tails are folded into one 'other (k ...)' row with exact sums."""
+    """Header line (backend, trace path, span), warnings and notes, then the kernel, category, range and
+    busy tables; long tails are folded into one 'other (k ...)' row with exact sums."""
     console.print(_header(analysis))
     # A CPU-only Kineto trace is analyzed on its leaf CPU operators: say so in every title.
     unit, units = ("CPU", "operators") if analysis.trace_meta.get("device") == "cpu" else ("GPU", "kernels")
+    for warning in analysis.warnings:
+        console.print(f"[bold yellow]warning:[/] {warning}", highlight=False)
     for note in analysis.trace_meta.get("notes", []):
         console.print(f"[yellow]note:[/yellow] {note}")
 

@@ -8,7 +8,8 @@ diff is exact for library and hand-written kernels; Inductor numbers its generat
 
 Per step: each side's totals are divided by its number of `step{i}` NVTX ranges (the captured steps;
 swinbench's captures hold only those), so traces of different lengths compare. A trace without step
-ranges is compared as a whole, and the output says so.
+ranges is compared as a whole, and the output says so. The rows each side's parser dropped as broken
+come along as warnings.
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ CATEGORY_COLUMNS = ["category", "before_ms", "after_ms", "delta_ms"]
 class TraceDiff:
     """kernels / categories: per-unit ms and counts on each side and the delta (after - before), largest
     |delta| first. summary: metric, before, after, delta. unit: 'step' when both traces have step ranges,
-    'range instance' when both were scoped to a range, else 'trace'. steps: (before, after) divisors."""
+    'range instance' when both were scoped to a range, else 'trace'. steps: (before, after) divisors.
+    warnings: the parsers' warnings of both sides, labelled."""
 
     before: str
     after: str
@@ -43,6 +45,7 @@ class TraceDiff:
     categories: pd.DataFrame
     summary: pd.DataFrame
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
 
 
 def _steps(analysis: Analysis) -> int | None:
@@ -115,6 +118,7 @@ def diff_analyses(before: Analysis, after: Analysis, before_label: str = "before
     if before.backend != after.backend:
         notes.append(f"different capture backends ({before.backend} against {after.backend}): kernel names "
                      "and coverage may differ")
+    warnings = [f"{label}: {w}" for label, side in ((before_label, before), (after_label, after)) for w in side.warnings]
     kernels = _joined(before.kernels, after.kernels, "kernel", per)[KERNEL_COLUMNS]
     categories = _joined(before.categories, after.categories, "category", per)[CATEGORY_COLUMNS]
     rows = [
@@ -126,7 +130,7 @@ def diff_analyses(before: Analysis, after: Analysis, before_label: str = "before
     ]
     summary = pd.DataFrame(rows, columns=["metric", "before", "after"])
     summary["delta"] = summary["after"] - summary["before"]
-    return TraceDiff(before_label, after_label, unit, per, kernels, categories, summary, notes)
+    return TraceDiff(before_label, after_label, unit, per, kernels, categories, summary, notes, warnings)
 
 
 def _fmt(x: float, digits: int = 3, signed: bool = False) -> str:
@@ -140,6 +144,8 @@ def render_diff(diff: TraceDiff, console: Console, top: int = 15) -> None:
     steps = f" ({diff.steps[0]} and {diff.steps[1]} of them)" if diff.unit != "trace" else ""
     console.print(f"[bold]before[/] {diff.before}\n[bold]after[/]  {diff.after}\nfigures {per}{steps}; "
                   "delta = after - before")
+    for warning in diff.warnings:
+        console.print(f"[bold yellow]warning:[/] {warning}", highlight=False)
     for note in diff.notes:
         console.print(f"[yellow]note:[/] {note}")
     t = Table(title=f"Summary ({per})")
@@ -170,5 +176,6 @@ def render_diff(diff: TraceDiff, console: Console, top: int = 15) -> None:
 def write_diff(diff: TraceDiff, out_dir, fmt: str = "csv") -> list[Path]:
     """diff_kernels / diff_categories / diff_summary as csv, or one diff.json with all three and the meta."""
     frames = {"kernels": diff.kernels, "categories": diff.categories, "summary": diff.summary}
-    meta = {"before": diff.before, "after": diff.after, "unit": diff.unit, "steps": list(diff.steps), "notes": diff.notes}
+    meta = {"before": diff.before, "after": diff.after, "unit": diff.unit, "steps": list(diff.steps), "notes": diff.notes,
+            "warnings": diff.warnings}
     return write_frames(frames, out_dir, fmt, csv_prefix="diff_", json_name="diff.json", meta=meta)

@@ -24,6 +24,23 @@ api, one row per CUDA runtime / driver API call on the host (nsys CUPTI_ACTIVITY
 cuda_runtime / cuda_driver events):
     start_ns, end_ns, duration_ns, name (without nsys's `_v3020`-style version suffix), tid, pid,
     correlation_id.
+
+Broken input, decided once here for every parser:
+
+- A row whose times cannot be a real event is dropped: no start or end (NULL, absent), a start or end that
+  is not a number (text, a blob, a JSON string), a negative time, an end before its start, or an absurd time
+  (beyond MAX_TIMESTAMP_NS, lasting longer than MAX_SPAN_NS, or starting more than MAX_SPAN_NS from the
+  median start of its frame). Such a row has no duration to trust, and one of them is enough to turn a
+  total negative or stretch a span over years, while the rest of the trace is still good. Each kind of
+  drop adds ONE line to `meta["warnings"]` saying how many rows of which frame went, and the analysis
+  shows those lines with its tables and in its JSON.
+- Nothing valid left (every kernel row dropped), or a table the frames cannot be built without (no kernel
+  table; no StringIds, so kernel names cannot be resolved): UserError, one line.
+- A kernel or API name id that StringIds lacks: the row is kept (its time is real) under the name
+  `<string id N>` (`<no name>` for NULL), with one warning line.
+- An NVTX push/pop range that never ended (the capture stopped inside it) is normal: dropped with a note.
+
+meta["warnings"] (list of one-line str) holds the warnings; meta["notes"] what is normal but worth saying.
 """
 from __future__ import annotations
 
@@ -46,13 +63,29 @@ API_COLUMNS = ["start_ns", "end_ns", "duration_ns", "name", "tid", "pid", "corre
 
 _STR_COLUMNS = {"name", "short_name", "domain", "kind"}
 
+# No clock reading is this large: 2**62 ns is 146 years, past any epoch a profiler counts from, and keeps
+# every sum of two times inside int64.
+MAX_TIMESTAMP_NS = 2**62
+# No profiled event lasts longer, and none starts farther than this from the others of its frame.
+MAX_SPAN_NS = 24 * 3600 * 10**9
+
+# Why a row's times are refused (`time_code`), tested in this order: a row counts under the first.
+TIME_OK, TIME_MISSING, TIME_NOT_A_NUMBER, TIME_NEGATIVE, TIME_END_BEFORE_START, TIME_ABSURD = range(6)
+_TIME_REASONS = {
+    TIME_MISSING: "no start or end time",
+    TIME_NOT_A_NUMBER: "a start or end time that is not a number",
+    TIME_NEGATIVE: "a negative start or end time",
+    TIME_END_BEFORE_START: "an end before the start",
+    TIME_ABSURD: "an absurd time (beyond 2^62 ns, lasting over 24 h, or over 24 h away from the other rows)",
+}
+
 
 @dataclass
 class Trace:
     """A parsed trace: kernels, ranges, memops and api frames (columns above) plus `meta`.
 
     meta keys: source ('nsys' | 'kineto'), path, schema_version, export_version, span_start_ns,
-    span_end_ns (first kernel start, last kernel end), notes (list of one-line str).
+    span_end_ns (first kernel start, last kernel end), notes and warnings (lists of one-line str).
     """
 
     kernels: pd.DataFrame
@@ -83,6 +116,32 @@ def finish_frame(df: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
         else:
             out[c] = _int_column(df[c].to_numpy()) if c in df else np.full(n, -1, dtype="int64")
     return pd.DataFrame(out, columns=columns)
+
+
+def drop_bad_times(df: pd.DataFrame, what: str, warnings: list[str]) -> pd.DataFrame:
+    """`df` without the rows whose times cannot be real (rules in the module docstring), one line per
+    kind of drop appended to `warnings` ("dropped 3 of 1,204 kernel rows: an end before the start").
+
+    df: int64 start_ns and end_ns, plus an optional int `time_code` column the parser filled where it saw
+    the raw value (TIME_MISSING, TIME_NOT_A_NUMBER, TIME_ABSURD; start_ns / end_ns hold anything there).
+    The numeric checks run here, on int64 arrays. Returns the kept rows without `time_code`.
+    """
+    n = len(df)
+    code = df["time_code"].to_numpy("int64").copy() if "time_code" in df else np.zeros(n, dtype="int64")
+    start, end = df["start_ns"].to_numpy("int64"), df["end_ns"].to_numpy("int64")
+    code[(code == TIME_OK) & ((start < 0) | (end < 0))] = TIME_NEGATIVE
+    code[(code == TIME_OK) & (end < start)] = TIME_END_BEFORE_START
+    # both are in [0, 2**63) here, so end - start cannot overflow
+    code[(code == TIME_OK) & ((start > MAX_TIMESTAMP_NS) | (end > MAX_TIMESTAMP_NS) | (end - start > MAX_SPAN_NS))] = TIME_ABSURD
+    ok = code == TIME_OK
+    if ok.any():
+        median = int(np.median(start[ok]))  # robust to a few stray rows; both in [0, 2**62]: no overflow
+        code[ok & (np.abs(start - median) > MAX_SPAN_NS)] = TIME_ABSURD
+    kinds, counts = np.unique(code[code != TIME_OK], return_counts=True)
+    for kind, count in zip(kinds, counts):  # at most five kinds
+        warnings.append(f"dropped {count:,} of {n:,} {what}: {_TIME_REASONS[int(kind)]}")
+    kept = df[code == TIME_OK] if len(kinds) else df
+    return kept.drop(columns=["time_code"], errors="ignore")
 
 
 def nesting_depth(start: np.ndarray, end: np.ndarray, tid: np.ndarray) -> np.ndarray:
@@ -123,8 +182,15 @@ def _suffix(path: Path) -> str:
 def load_trace(path) -> Trace:
     """Parse an nsys export (.sqlite, .sqlite.xz, .nsys-rep) or a Kineto trace (.json, .json.gz).
 
-    Raises UserError (one line) when the file is missing, unreadable, of an unknown kind, or has no kernels.
+    Raises UserError (one line) when the file is missing, unreadable, of an unknown kind, or has no kernels
+    with valid times.
     """
+    trace = _parse(path)
+    trace.meta.setdefault("warnings", [])
+    return trace
+
+
+def _parse(path) -> Trace:
     path = Path(os.fspath(path))
     if not path.exists():
         raise UserError(f"trace not found: {path}")
@@ -148,4 +214,4 @@ def load_trace(path) -> Trace:
     )
 
 
-__all__ = ["Trace", "load_trace", "KERNEL_COLUMNS", "RANGE_COLUMNS", "MEMOP_COLUMNS"]
+__all__ = ["Trace", "load_trace", "KERNEL_COLUMNS", "RANGE_COLUMNS", "MEMOP_COLUMNS", "drop_bad_times"]
