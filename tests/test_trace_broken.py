@@ -1,22 +1,27 @@
 """Broken traces: rows whose times cannot be real are dropped with one warning line per kind (in the
-analysis, its rendering and its JSON); a trace with nothing valid left or without StringIds is one
-UserError line and exit 2. Hand-built hostile files in tmp_path."""
+analysis, its rendering and its JSON); a trace with nothing valid left, without StringIds, or expanding
+past the decompression cap is one UserError line and exit 2. Hand-built hostile files in tmp_path."""
 from __future__ import annotations
 
+import gzip
 import json
+import lzma
 import os
 import sqlite3
+from pathlib import Path
 
 import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
+import workbench.trace as trace_pkg
 from cli import app
 from trace_builders import GOOD_KERNELS, kineto_trace, nsys_export
 from workbench.analyze import analyze_trace, render_analysis, write_analysis
 from workbench.errors import UserError
 from workbench.trace import MAX_SPAN_NS, load_trace
 
+DATA = Path(__file__).parent / "data"
 runner = CliRunner()
 GOOD_NS = sum(e - s for s, e, _, _ in GOOD_KERNELS)
 DAY = 24 * 3600 * 10**9
@@ -170,3 +175,28 @@ def test_kineto_deeply_nested_json_is_one_line(tmp_path):
     path.write_text("[" * 100_000 + "]" * 100_000)
     assert "cannot read" in one_line_error(["analyze", str(path)])
 
+
+# --- decompression cap ------------------------------------------------------------------------------------
+
+def test_xz_bomb_is_refused_naming_the_cap(tmp_path):
+    path = tmp_path / "bomb.sqlite.xz"
+    path.write_bytes(lzma.compress(b"\0" * 3_000_000))  # ~500 bytes that expand 6,000x
+    cap = 50 * path.stat().st_size
+    message = one_line_error(["analyze", str(path)])
+    assert f"decompresses to more than {cap:,} bytes" in message and "50x" in message
+
+
+def test_xz_absolute_cap(tmp_path, monkeypatch):
+    monkeypatch.setattr(trace_pkg, "MAX_DECOMPRESSED_BYTES", 1 << 20)
+    path = tmp_path / "big.sqlite.xz"
+    path.write_bytes(lzma.compress(os.urandom(1_200_000)))  # incompressible: under 50x, over the 1 MiB cap
+    with pytest.raises(UserError, match=r"decompresses to more than 1,048,576 bytes"):
+        load_trace(path)
+    monkeypatch.setattr(trace_pkg, "MAX_DECOMPRESSED_BYTES", 4 << 30)
+    assert len(load_trace(DATA / "swin_tiny_train_fp32.sqlite.xz").kernels) > 0  # a real export is well under
+
+
+def test_gzip_bomb_is_refused(tmp_path):
+    path = tmp_path / "bomb.json.gz"
+    path.write_bytes(gzip.compress(b'{"traceEvents": [' + b" " * 3_000_000 + b"]}"))
+    assert "decompresses to more than" in one_line_error(["analyze", str(path)])

@@ -39,6 +39,9 @@ Broken input, decided once here for every parser:
 - A kernel or API name id that StringIds lacks: the row is kept (its time is real) under the name
   `<string id N>` (`<no name>` for NULL), with one warning line.
 - An NVTX push/pop range that never ended (the capture stopped inside it) is normal: dropped with a note.
+- Compressed input (.xz, .json.gz) is decompressed as a stream up to decompression_cap(size): at most
+  MAX_DECOMPRESSED_BYTES, and at most MAX_COMPRESSION_RATIO times the compressed size. Beyond it, UserError:
+  a few hundred kilobytes can otherwise expand to gigabytes on disk before anything reads them.
 
 meta["warnings"] (list of one-line str) holds the warnings; meta["notes"] what is normal but worth saying.
 """
@@ -68,6 +71,10 @@ _STR_COLUMNS = {"name", "short_name", "domain", "kind"}
 MAX_TIMESTAMP_NS = 2**62
 # No profiled event lasts longer, and none starts farther than this from the others of its frame.
 MAX_SPAN_NS = 24 * 3600 * 10**9
+# Compressed traces expand to at most this many bytes, and at most this many times their own size (real
+# nsys exports compress about 5x, Kineto JSON about 10x).
+MAX_DECOMPRESSED_BYTES = 4 << 30
+MAX_COMPRESSION_RATIO = 50
 
 # Why a row's times are refused (`time_code`), tested in this order: a row counts under the first.
 TIME_OK, TIME_MISSING, TIME_NOT_A_NUMBER, TIME_NEGATIVE, TIME_END_BEFORE_START, TIME_ABSURD = range(6)
@@ -144,6 +151,30 @@ def drop_bad_times(df: pd.DataFrame, what: str, warnings: list[str]) -> pd.DataF
     return kept.drop(columns=["time_code"], errors="ignore")
 
 
+def decompression_cap(compressed_bytes: int) -> int:
+    """The most bytes a compressed trace of `compressed_bytes` may expand to (module docstring)."""
+    return min(MAX_DECOMPRESSED_BYTES, MAX_COMPRESSION_RATIO * max(int(compressed_bytes), 1))
+
+
+def copy_capped(src, dst, path: Path, chunk: int = 1 << 20) -> int:
+    """Copy the decompressing stream `src` into `dst`, chunk by chunk, and stop with a UserError naming
+    the cap as soon as more than decompression_cap(size of `path`) bytes come out. Returns bytes copied."""
+    cap = decompression_cap(path.stat().st_size)
+    copied = 0
+    while True:
+        block = src.read(min(chunk, cap + 1 - copied))
+        if not block:
+            return copied
+        copied += len(block)
+        if copied > cap:
+            raise UserError(
+                f"{path} decompresses to more than {cap:,} bytes, the cap for a file of its size "
+                f"({MAX_COMPRESSION_RATIO}x its {path.stat().st_size:,} bytes, at most "
+                f"{MAX_DECOMPRESSED_BYTES >> 30} GiB): decompress it yourself and pass the result"
+            )
+        dst.write(block)
+
+
 def nesting_depth(start: np.ndarray, end: np.ndarray, tid: np.ndarray) -> np.ndarray:
     """Depth of each range among the ranges of its thread (0 = outermost), for properly nested ranges.
 
@@ -182,8 +213,8 @@ def _suffix(path: Path) -> str:
 def load_trace(path) -> Trace:
     """Parse an nsys export (.sqlite, .sqlite.xz, .nsys-rep) or a Kineto trace (.json, .json.gz).
 
-    Raises UserError (one line) when the file is missing, unreadable, of an unknown kind, or has no kernels
-    with valid times.
+    Raises UserError (one line) when the file is missing, unreadable, of an unknown kind, expands past the
+    decompression cap, or has no kernels with valid times.
     """
     trace = _parse(path)
     trace.meta.setdefault("warnings", [])

@@ -25,6 +25,7 @@ one warning line per kind. end = start + dur, so a negative dur is an end before
 from __future__ import annotations
 
 import gzip
+import io
 import json
 from pathlib import Path
 
@@ -34,7 +35,7 @@ import pandas as pd
 from workbench.errors import UserError
 from workbench.trace import (
     API_COLUMNS, KERNEL_COLUMNS, MAX_TIMESTAMP_NS, MEMOP_COLUMNS, RANGE_COLUMNS, TIME_ABSURD, TIME_MISSING,
-    TIME_NOT_A_NUMBER, TIME_OK, Trace, drop_bad_times, empty_frame, finish_frame, kernel_span,
+    TIME_NOT_A_NUMBER, TIME_OK, Trace, copy_capped, drop_bad_times, empty_frame, finish_frame, kernel_span,
     nesting_depth,
 )
 
@@ -238,11 +239,17 @@ def cpu_ops_as_kernels(ev_or_data, warnings: list[str] | None = None) -> pd.Data
 
 
 def load_kineto(path: Path) -> Trace:
-    """Read a .json or .json.gz Kineto trace; UserError on unreadable JSON or zero kernels."""
+    """Read a .json or .json.gz Kineto trace (.gz decompressed up to the decompression cap, copy_capped);
+    UserError on unreadable JSON or zero kernels."""
     try:
-        opener = gzip.open if path.name.lower().endswith(".gz") else open
-        with opener(path, "rt", encoding="utf-8") as f:
-            data = json.load(f)
+        if path.name.lower().endswith(".gz"):
+            buffer = io.BytesIO()
+            with gzip.open(path, "rb") as src:
+                copy_capped(src, buffer, path)
+            text = buffer.getvalue().decode("utf-8")
+        else:
+            text = path.read_text(encoding="utf-8")
+        data = json.loads(text)
     except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise UserError(f"cannot read {path} as a Kineto JSON trace: {e}") from None
     trace = parse_kineto(data, str(path))

@@ -40,7 +40,7 @@ import pandas as pd
 from workbench.errors import UserError
 from workbench.trace import (
     API_COLUMNS, KERNEL_COLUMNS, MEMOP_COLUMNS, RANGE_COLUMNS, TIME_MISSING, TIME_NOT_A_NUMBER, TIME_OK, Trace,
-    drop_bad_times, empty_frame, finish_frame, kernel_span, nesting_depth,
+    copy_capped, drop_bad_times, empty_frame, finish_frame, kernel_span, nesting_depth,
 )
 
 # ENUM_NSYS_EVENT_TYPE ids; read from the file when it has the enum table.
@@ -365,12 +365,13 @@ def load_sqlite(path: Path, display_path: Path | None = None) -> Trace:
 
 
 def load_sqlite_xz(path: Path) -> Trace:
-    """Decompress to a temporary file (SQLite needs a real file), parse it, delete it."""
+    """Decompress to a temporary file (SQLite needs a real file), parse it, delete it. The stream stops at
+    the decompression cap (copy_capped): UserError beyond it."""
     fd, tmp = tempfile.mkstemp(suffix=".sqlite", prefix="swinbench-")
     try:
         try:
             with lzma.open(path) as src, os.fdopen(fd, "wb") as dst:
-                shutil.copyfileobj(src, dst, length=1 << 20)
+                copy_capped(src, dst, path)
         except (lzma.LZMAError, EOFError, OSError) as e:
             raise UserError(f"cannot decompress {path}: {e}") from None
         return load_sqlite(Path(tmp), display_path=path)
