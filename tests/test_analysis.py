@@ -187,9 +187,9 @@ REAL_TRACES = [DATA / "swin_tiny_train_bf16.sqlite.xz", DATA / "swin_tiny_train_
 @pytest.mark.parametrize("range_name", [None, "backward"])
 @pytest.mark.parametrize("path", REAL_TRACES, ids=["bf16", "fp32", "example-bf16"])
 def test_real_traces_are_clean_and_bounded(unxz, path, range_name):
-    """The committed real exports: nothing dropped, no negative total, no share over 100%."""
+    """The committed real exports: nothing dropped, one GPU, no negative total, no share over 100%."""
     analysis = analyze_trace(unxz(path), range_name=range_name)
-    assert analysis.warnings == []
+    assert analysis.warnings == [] and analysis.devices == [0] and "device" not in analysis.kernels
     assert analysis.ranges["share_pct"].max() <= 100.0 + 1e-9
     assert analysis.kernels["share_pct"].sum() == pytest.approx(100.0)
     assert (analysis.kernels[["total_ns", "min_ns"]] >= 0).all().all() and (analysis.categories["total_ns"] >= 0).all()

@@ -14,6 +14,10 @@ for them too. Kernels with no known launch (launch_ns = -1) belong to no range. 
 inclusive: a kernel in `forward` also counts in the `step{i}` around it. A range table counts a kernel at
 most once per range name, even where instances of one name nest or overlap (a recursive range, the same
 name on two threads), so a range's share never exceeds 100%.
+
+Several GPUs: shares are of one device's kernel time. `per_device` runs any table function once per
+`device_id` and stacks the results under a leading `device` column; a trace on one device keeps the
+tables without that column.
 """
 from __future__ import annotations
 
@@ -166,6 +170,23 @@ def range_table(trace, domain: str | None = None, kernels: pd.DataFrame | None =
     table["share_pct"] = _share(table["gpu_ns"], int(kernels["duration_ns"].sum()))
     table = table.sort_values(["gpu_ns", "first"], ascending=[False, True], kind="stable")
     return table[RANGE_TABLE_COLUMNS].reset_index(drop=True)
+
+
+def per_device(kernels: pd.DataFrame, table) -> pd.DataFrame:
+    """`table(kernels of one device)` for each device_id of `kernels`, stacked by stack_devices; each
+    device's shares are of its own kernel time."""
+    return stack_devices({int(d): table(group) for d, group in kernels.groupby("device_id", sort=True)})
+
+
+def stack_devices(tables: dict[int, pd.DataFrame]) -> pd.DataFrame:
+    """{device: table} -> one frame: the tables in ascending device order under a leading int64 `device`
+    column."""
+    frames = []
+    for device in sorted(tables):  # one iteration per GPU
+        t = tables[device].copy()
+        t.insert(0, "device", np.full(len(t), device, dtype="int64"))
+        frames.append(t)
+    return pd.concat(frames, ignore_index=True)
 
 
 def range_instance_of(kernels: pd.DataFrame, instances: pd.DataFrame) -> np.ndarray:

@@ -25,6 +25,10 @@ cuda_runtime / cuda_driver events):
     start_ns, end_ns, duration_ns, name (without nsys's `_v3020`-style version suffix), tid, pid,
     correlation_id.
 
+Several GPUs: kernels and memops carry the GPU in `device_id` (nsys deviceId; Kineto args.device, else the
+event's pid, which torch.profiler sets to the device index), so a single-process multi-GPU capture or a
+merged trace of several ranks keeps its devices apart; the analysis builds its tables per device.
+
 Broken input, decided once here for every parser:
 
 - A row whose times cannot be a real event is dropped: no start or end (NULL, absent), a start or end that
@@ -214,10 +218,12 @@ def load_trace(path) -> Trace:
     """Parse an nsys export (.sqlite, .sqlite.xz, .nsys-rep) or a Kineto trace (.json, .json.gz).
 
     Raises UserError (one line) when the file is missing, unreadable, of an unknown kind, expands past the
-    decompression cap, or has no kernels with valid times.
+    decompression cap, or has no kernels with valid times. meta gets `devices`: the distinct device_id of
+    the kernels, ascending.
     """
     trace = _parse(path)
     trace.meta.setdefault("warnings", [])
+    trace.meta["devices"] = sorted(int(d) for d in trace.kernels["device_id"].unique())
     return trace
 
 
