@@ -37,6 +37,7 @@ BAD_NSYS_ROWS = [
     ("negative start", (-40, 100, 0, 1), "a negative start or end time"),
     ("beyond 2^62", (2**62 + 10, 2**62 + 20, 0, 1), "an absurd time"),
     ("huge real", (1e30, 1e30, 0, 1), "an absurd time"),
+    ("huge start", (1e30, 7000, 0, 1), "an absurd time"),
     ("lasting over a day", (7000, 7000 + DAY + 1, 0, 1), "an absurd time"),
     ("a day from the rest", (7000 + DAY, 7000 + DAY + 100, 0, 1), "an absurd time"),
 ]

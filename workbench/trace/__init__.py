@@ -80,7 +80,7 @@ MAX_SPAN_NS = 24 * 3600 * 10**9
 MAX_DECOMPRESSED_BYTES = 4 << 30
 MAX_COMPRESSION_RATIO = 50
 
-# Why a row's times are refused (`time_code`), tested in this order: a row counts under the first.
+# Why a row's times are refused (`time_code`); a row counts under the first that drop_bad_times finds.
 TIME_OK, TIME_MISSING, TIME_NOT_A_NUMBER, TIME_NEGATIVE, TIME_END_BEFORE_START, TIME_ABSURD = range(6)
 _TIME_REASONS = {
     TIME_MISSING: "no start or end time",
@@ -141,12 +141,13 @@ def drop_bad_times(df: pd.DataFrame, what: str, warnings: list[str]) -> pd.DataF
     code = df["time_code"].to_numpy("int64").copy() if "time_code" in df else np.zeros(n, dtype="int64")
     start, end = df["start_ns"].to_numpy("int64"), df["end_ns"].to_numpy("int64")
     code[(code == TIME_OK) & ((start < 0) | (end < 0))] = TIME_NEGATIVE
+    # before end < start: a huge start (a saturated cast, say) is what is wrong with its row
+    code[(code == TIME_OK) & ((start > MAX_TIMESTAMP_NS) | (end > MAX_TIMESTAMP_NS))] = TIME_ABSURD
     code[(code == TIME_OK) & (end < start)] = TIME_END_BEFORE_START
-    # both are in [0, 2**63) here, so end - start cannot overflow
-    code[(code == TIME_OK) & ((start > MAX_TIMESTAMP_NS) | (end > MAX_TIMESTAMP_NS) | (end - start > MAX_SPAN_NS))] = TIME_ABSURD
+    code[(code == TIME_OK) & (end - start > MAX_SPAN_NS)] = TIME_ABSURD  # both in [0, 2**62]: no overflow
     ok = code == TIME_OK
     if ok.any():
-        median = int(np.median(start[ok]))  # robust to a few stray rows; both in [0, 2**62]: no overflow
+        median = int(np.median(start[ok]))  # robust to a few stray rows
         code[ok & (np.abs(start - median) > MAX_SPAN_NS)] = TIME_ABSURD
     kinds, counts = np.unique(code[code != TIME_OK], return_counts=True)
     for kind, count in zip(kinds, counts):  # at most five kinds
