@@ -31,13 +31,14 @@ merged trace of several ranks keeps its devices apart; the analysis builds its t
 
 Broken input, decided once here for every parser:
 
-- A row whose times cannot be a real event is dropped: no start or end (NULL, absent), a start or end that
-  is not a number (text, a blob, a JSON string), a negative time, an end before its start, or an absurd time
+- A row whose times cannot be a real event is dropped: no start or end (NULL, absent, a JSON NaN), a start
+  or end that is not a number (text, a blob, a JSON string or list), a negative time, an end before its start, or an absurd time
   (beyond MAX_TIMESTAMP_NS, lasting longer than MAX_SPAN_NS, or starting more than MAX_SPAN_NS from the
   median start of its frame). Such a row has no duration to trust, and one of them is enough to turn a
   total negative or stretch a span over years, while the rest of the trace is still good. Each kind of
   drop adds ONE line to `meta["warnings"]` saying how many rows of which frame went, and the analysis
-  shows those lines with its tables and in its JSON.
+  shows those lines with its tables and in its JSON. (A fractional ns count in an nsys export is truncated
+  to whole ns, not dropped; an id column holding something other than an integer reads -1.)
 - Nothing valid left (every kernel row dropped), or a table the frames cannot be built without (no kernel
   table; no StringIds, so kernel names cannot be resolved): UserError, one line.
 - A kernel or API name id that StringIds lacks: the row is kept (its time is real) under the name
