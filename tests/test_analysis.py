@@ -163,3 +163,36 @@ def test_analyze_restricted_to_range(bf16):
     assert analysis.ranges.set_index("range").loc["forward", "share_pct"] == pytest.approx(100.0)
     busy = analysis.busy.set_index("metric")["ns"]
     assert busy["busy"] + busy["idle"] == busy["span"] and busy["kernel_sum"] == forward_ns
+
+
+def test_range_table_counts_a_kernel_once_per_name():
+    """Instances of one name that nest or overlap (a recursive range, one name on two threads) do not
+    count a kernel twice: the share stays within 100%."""
+    k = pd.DataFrame({"launch_ns": [10, 20, 30], "duration_ns": [5, 7, 11], "pid": [1, 1, 1]})
+    r = pd.DataFrame({"range_id": [0, 1, 2, 3], "name": ["outer", "outer", "x", "outer"],
+                      "start_ns": [0, 5, 15, 200], "end_ns": [100, 25, 35, 300], "pid": [1, 1, 1, 1],
+                      "domain": [""] * 4})
+    trace = type("T", (), {"kernels": k, "ranges": r})()
+    table = A.range_table(trace).set_index("range")
+    assert table.loc["outer", ["instances", "kernels", "gpu_ns"]].tolist() == [3, 3, 23]
+    assert table.loc["outer", "share_pct"] == 100.0 and table.loc["x", "gpu_ns"] == 18
+    per_instance = A.attribute_ranges(k, r)["gpu_ns"].tolist()  # the per-instance view still nests
+    assert per_instance == [23, 12, 18, 0]
+
+
+REAL_TRACES = [DATA / "swin_tiny_train_bf16.sqlite.xz", DATA / "swin_tiny_train_fp32.sqlite.xz",
+               DATA.parent.parent / "profiles" / "examples" / "swin_tiny_train_bf16" / "trace.sqlite.xz"]
+
+
+@pytest.mark.parametrize("range_name", [None, "backward"])
+@pytest.mark.parametrize("path", REAL_TRACES, ids=["bf16", "fp32", "example-bf16"])
+def test_real_traces_are_clean_and_bounded(unxz, path, range_name):
+    """The committed real exports: nothing dropped, one GPU, no negative total, no share over 100%."""
+    analysis = analyze_trace(unxz(path), range_name=range_name)
+    assert analysis.warnings == [] and analysis.devices == [0] and "device" not in analysis.kernels
+    assert analysis.ranges["share_pct"].max() <= 100.0 + 1e-9
+    assert analysis.kernels["share_pct"].sum() == pytest.approx(100.0)
+    assert (analysis.kernels[["total_ns", "min_ns"]] >= 0).all().all() and (analysis.categories["total_ns"] >= 0).all()
+    assert (analysis.ranges["gpu_ns"] >= 0).all() and (analysis.busy["ns"] >= 0).all()
+    busy = analysis.busy.set_index("metric")["pct"]
+    assert busy["busy"] <= 100.0 + 1e-9

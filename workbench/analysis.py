@@ -11,7 +11,13 @@ come out right: autograd runs backward on its own thread, so the kernels of `los
 from a thread that never pushed the `backward` range. Forward-hook ranges (`stage{s}.block{b}`) only exist
 while the main thread runs forward, when no other thread launches work, so matching by time alone is safe
 for them too. Kernels with no known launch (launch_ns = -1) belong to no range. Nested ranges are
-inclusive: a kernel in `forward` also counts in the `step{i}` around it.
+inclusive: a kernel in `forward` also counts in the `step{i}` around it. A range table counts a kernel at
+most once per range name, even where instances of one name nest or overlap (a recursive range, the same
+name on two threads), so a range's share never exceeds 100%.
+
+Several GPUs: shares are of one device's kernel time. `per_device` runs any table function once per
+`device_id` and stacks the results under a leading `device` column; a trace on one device keeps the
+tables without that column.
 """
 from __future__ import annotations
 
@@ -107,29 +113,80 @@ def attribute_ranges(kernels: pd.DataFrame, ranges: pd.DataFrame) -> pd.DataFram
     return out
 
 
-def range_table(trace, domain: str | None = None) -> pd.DataFrame:
-    """One row per range name: instances, kernels launched, gpu_ns (their summed duration, nested ranges
-    inclusive), avg_gpu_ns per instance, share_pct of all kernel time in `trace.kernels`. Sorted by gpu_ns
-    desc. `domain` keeps only ranges of that NVTX domain.
+def _launched_in_union(kernels: pd.DataFrame, ranges: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """(kernels, gpu_ns) per distinct name of `ranges` (in pd.factorize order): the kernels launched inside
+    the union of that name's instances, per process, so each kernel counts once per name.
+
+    Per process, kernels sorted by launch_ns with a prefix sum of duration; each name's instances merged
+    into disjoint blocks (sort by start, running max of end); two np.searchsorted calls per block.
     """
+    codes, names = pd.factorize(ranges["name"], sort=False)
+    counts = np.zeros(len(names), dtype="int64")
+    gpu = np.zeros(len(names), dtype="int64")
+    launched = kernels[kernels["launch_ns"] >= 0]
+    by_pid = {}
+    for pid, group in launched.groupby("pid", sort=False):  # one iteration per process
+        launch = group["launch_ns"].to_numpy("int64")
+        order = np.argsort(launch, kind="stable")
+        by_pid[pid] = launch[order], np.concatenate([[0], np.cumsum(group["duration_ns"].to_numpy("int64")[order])])
+    r = pd.DataFrame({"code": codes, "pid": ranges["pid"].to_numpy("int64"),
+                      "start": ranges["start_ns"].to_numpy("int64"), "end": ranges["end_ns"].to_numpy("int64")})
+    for (code, pid), inst in r.groupby(["code", "pid"], sort=False):  # one iteration per (name, process)
+        if pid not in by_pid:
+            continue
+        launch, prefix = by_pid[pid]
+        inst = inst.sort_values("start", kind="stable")
+        start, reach = inst["start"].to_numpy(), np.maximum.accumulate(inst["end"].to_numpy())
+        new_block = np.r_[True, start[1:] > reach[:-1]]
+        block_end = reach[np.r_[np.flatnonzero(new_block)[1:] - 1, len(start) - 1]]
+        lo = np.searchsorted(launch, start[new_block], side="left")
+        hi = np.searchsorted(launch, block_end, side="right")
+        counts[code] += int((hi - lo).sum())
+        gpu[code] += int((prefix[hi] - prefix[lo]).sum())
+    return counts, gpu
+
+
+def range_table(trace, domain: str | None = None, kernels: pd.DataFrame | None = None) -> pd.DataFrame:
+    """One row per range name: instances, kernels launched (each counted once however many instances of
+    the name hold its launch), gpu_ns (their summed duration; nested ranges of other names inclusive),
+    avg_gpu_ns per instance, share_pct of all kernel time in `kernels` (default trace.kernels), so at most
+    100. Sorted by gpu_ns desc. `domain` keeps only ranges of that NVTX domain.
+    """
+    kernels = trace.kernels if kernels is None else kernels
     ranges = trace.ranges if domain is None else trace.ranges[trace.ranges["domain"] == domain]
     if ranges.empty:
         return pd.DataFrame({c: [] for c in RANGE_TABLE_COLUMNS})
-    per = attribute_ranges(trace.kernels, ranges)
-    grouped = per.groupby("name", sort=False).agg(
-        instances=("range_id", "size"), kernels=("kernels", "sum"), gpu_ns=("gpu_ns", "sum"), first=("start_ns", "min")
-    )
+    n_kernels, gpu_ns = _launched_in_union(kernels, ranges)
+    grouped = ranges.groupby(pd.factorize(ranges["name"], sort=False)[0], sort=True).agg(
+        range=("name", "first"), instances=("range_id", "size"), first=("start_ns", "min"))
     table = pd.DataFrame({
-        "range": grouped.index.to_numpy(dtype=object),
+        "range": grouped["range"].to_numpy(dtype=object),
         "instances": grouped["instances"].to_numpy("int64"),
-        "kernels": grouped["kernels"].to_numpy("int64"),
-        "gpu_ns": grouped["gpu_ns"].to_numpy("int64"),
+        "kernels": n_kernels,
+        "gpu_ns": gpu_ns,
         "first": grouped["first"].to_numpy("int64"),
     })
     table["avg_gpu_ns"] = table["gpu_ns"] / table["instances"]
-    table["share_pct"] = _share(table["gpu_ns"], int(trace.kernels["duration_ns"].sum()))
+    table["share_pct"] = _share(table["gpu_ns"], int(kernels["duration_ns"].sum()))
     table = table.sort_values(["gpu_ns", "first"], ascending=[False, True], kind="stable")
     return table[RANGE_TABLE_COLUMNS].reset_index(drop=True)
+
+
+def per_device(kernels: pd.DataFrame, table) -> pd.DataFrame:
+    """`table(kernels of one device)` for each device_id of `kernels`, stacked by stack_devices; each
+    device's shares are of its own kernel time."""
+    return stack_devices({int(d): table(group) for d, group in kernels.groupby("device_id", sort=True)})
+
+
+def stack_devices(tables: dict[int, pd.DataFrame]) -> pd.DataFrame:
+    """{device: table} -> one frame: the tables in ascending device order under a leading int64 `device`
+    column."""
+    frames = []
+    for device in sorted(tables):  # one iteration per GPU
+        t = tables[device].copy()
+        t.insert(0, "device", np.full(len(t), device, dtype="int64"))
+        frames.append(t)
+    return pd.concat(frames, ignore_index=True)
 
 
 def range_instance_of(kernels: pd.DataFrame, instances: pd.DataFrame) -> np.ndarray:

@@ -15,11 +15,17 @@ Kineto names kernels with their demangled name only; short_name is derived from 
 parameters and namespaces stripped), one pass per distinct name.
 
 No GPU kernels at all (a CPU-only capture): load_kineto falls back to the leaf `cpu_op` events
-(cpu_ops_as_kernels) and notes it, so `profile --device cpu` still gets tables.
+(cpu_ops_as_kernels) and notes it, so `profile --device cpu` still gets tables. Kernel events whose times
+are all broken are not "no kernels": that is a UserError.
+
+Times: `ts` and `dur` must be numbers (a numeric string is read as one); a missing, non-numeric, infinite
+or out-of-range one marks the event for drop_bad_times (workbench/trace/__init__.py), which drops it with
+one warning line per kind. end = start + dur, so a negative dur is an end before the start.
 """
 from __future__ import annotations
 
 import gzip
+import io
 import json
 from pathlib import Path
 
@@ -28,7 +34,8 @@ import pandas as pd
 
 from workbench.errors import UserError
 from workbench.trace import (
-    API_COLUMNS, KERNEL_COLUMNS, MEMOP_COLUMNS, RANGE_COLUMNS, Trace, empty_frame, finish_frame, kernel_span,
+    API_COLUMNS, KERNEL_COLUMNS, MAX_TIMESTAMP_NS, MEMOP_COLUMNS, RANGE_COLUMNS, TIME_ABSURD, TIME_MISSING,
+    TIME_NOT_A_NUMBER, TIME_OK, Trace, copy_capped, drop_bad_times, empty_frame, finish_frame, kernel_span,
     nesting_depth,
 )
 
@@ -68,8 +75,18 @@ def _int(values) -> np.ndarray:
     return num.fillna(-1).to_numpy(dtype="int64")
 
 
-def _us_to_ns(values) -> np.ndarray:
-    return np.rint(pd.to_numeric(pd.Series(values), errors="coerce").fillna(0).to_numpy("float64") * 1000.0).astype("int64")
+def _us_to_ns(values) -> tuple[np.ndarray, np.ndarray]:
+    """(float64 ns, time_code) of µs values: TIME_MISSING for None / absent, TIME_NOT_A_NUMBER for what
+    does not parse as a number, TIME_ABSURD for an infinite one or one beyond MAX_TIMESTAMP_NS; those read
+    0 ns."""
+    raw = pd.Series(values, dtype=object)
+    ns = pd.to_numeric(raw, errors="coerce").to_numpy("float64") * 1000.0
+    code = np.full(len(raw), TIME_OK, dtype="int64")
+    code[np.isnan(ns)] = TIME_NOT_A_NUMBER
+    code[raw.isna().to_numpy()] = TIME_MISSING
+    with np.errstate(invalid="ignore"):
+        code[(code == TIME_OK) & ~(np.abs(ns) <= MAX_TIMESTAMP_NS)] = TIME_ABSURD
+    return np.where(code == TIME_OK, ns, 0.0), code
 
 
 def _arg(args: pd.Series, key: str) -> list:
@@ -85,22 +102,31 @@ def _events(data: dict) -> pd.DataFrame:
         if col not in ev:
             ev[col] = None
     ev["cat_l"] = ev["cat"].fillna("").astype(str).str.lower()
-    ev["start_ns"] = _us_to_ns(ev["ts"])
-    ev["end_ns"] = ev["start_ns"] + _us_to_ns(ev["dur"])
+    start, start_code = _us_to_ns(ev["ts"])
+    dur, dur_code = _us_to_ns(ev["dur"])
+    code = np.where(start_code != TIME_OK, start_code, dur_code)
+    code[(code == TIME_OK) & ~(np.abs(start + dur) <= MAX_TIMESTAMP_NS)] = TIME_ABSURD
+    ev["start_ns"] = np.rint(np.where(code == TIME_OK, start, 0.0)).astype("int64")
+    ev["end_ns"] = ev["start_ns"] + np.rint(np.where(code == TIME_OK, dur, 0.0)).astype("int64")
+    ev["time_code"] = code
     return ev
 
 
-def _kernels(ev: pd.DataFrame) -> pd.DataFrame:
-    k = ev[ev["cat_l"].isin(_KERNEL)].reset_index(drop=True)
+def _kernels(ev: pd.DataFrame, warnings: list[str], path: str) -> pd.DataFrame:
+    """The kernels frame; UserError when there are kernel events but none with valid times."""
+    k = ev[ev["cat_l"].isin(_KERNEL)]
     if k.empty:
         return empty_frame(KERNEL_COLUMNS)
+    k = drop_bad_times(k, "kernel rows", warnings).reset_index(drop=True)
+    if k.empty:
+        raise UserError(f"no GPU kernel with valid times in {path or 'the trace'}: {'; '.join(warnings)}")
     args = k["args"]
     k["correlation_id"] = _int(_arg(args, "correlation"))
     dev = _int(_arg(args, "device"))
     stream = _int(_arg(args, "stream"))
     k["device_id"] = np.where(dev >= 0, dev, _int(k["pid"]))
     k["stream_id"] = np.where(stream >= 0, stream, _int(k["tid"]))
-    rt = ev[ev["cat_l"].isin(_RUNTIME)]
+    rt = ev[ev["cat_l"].isin(_RUNTIME) & (ev["time_code"] == TIME_OK)]
     rt = pd.DataFrame({
         "correlation_id": _int(_arg(rt["args"], "correlation")),
         "launch_ns": rt["start_ns"].to_numpy("int64"),
@@ -117,8 +143,8 @@ def _kernels(ev: pd.DataFrame) -> pd.DataFrame:
     return finish_frame(k, KERNEL_COLUMNS)
 
 
-def _ranges(ev: pd.DataFrame) -> pd.DataFrame:
-    r = ev[ev["cat_l"].isin(_ANNOTATION)].copy()
+def _ranges(ev: pd.DataFrame, warnings: list[str]) -> pd.DataFrame:
+    r = drop_bad_times(ev[ev["cat_l"].isin(_ANNOTATION)], "range rows", warnings)
     if r.empty:
         return empty_frame(RANGE_COLUMNS)
     r["tid"] = _int(r["tid"])
@@ -131,8 +157,8 @@ def _ranges(ev: pd.DataFrame) -> pd.DataFrame:
     return finish_frame(r, RANGE_COLUMNS)
 
 
-def _memops(ev: pd.DataFrame) -> pd.DataFrame:
-    m = ev[ev["cat_l"].isin(_MEMCPY | _MEMSET)].copy()
+def _memops(ev: pd.DataFrame, warnings: list[str]) -> pd.DataFrame:
+    m = drop_bad_times(ev[ev["cat_l"].isin(_MEMCPY | _MEMSET)], "memcpy/memset rows", warnings)
     if m.empty:
         return empty_frame(MEMOP_COLUMNS)
     m["kind"] = np.where(m["cat_l"].isin(_MEMCPY), "memcpy", "memset")
@@ -144,8 +170,8 @@ def _memops(ev: pd.DataFrame) -> pd.DataFrame:
     return finish_frame(m.sort_values("start_ns", kind="stable"), MEMOP_COLUMNS)
 
 
-def _api(ev: pd.DataFrame) -> pd.DataFrame:
-    a = ev[ev["cat_l"].isin(_RUNTIME)].copy()
+def _api(ev: pd.DataFrame, warnings: list[str]) -> pd.DataFrame:
+    a = drop_bad_times(ev[ev["cat_l"].isin(_RUNTIME)], "CUDA API rows", warnings)
     if a.empty:
         return empty_frame(API_COLUMNS)
     a["name"] = a["name"].fillna("").astype(str)
@@ -158,10 +184,11 @@ def _api(ev: pd.DataFrame) -> pd.DataFrame:
 
 def parse_kineto(data: dict, path: str = "") -> Trace:
     """Trace from an already-loaded Kineto JSON object (no emptiness check: a CPU-only trace has ranges
-    but no kernels)."""
+    but no kernels; kernel events with none of valid times are a UserError naming `path`)."""
     ev = _events(data)
-    kernels = _kernels(ev)
     notes: list[str] = []
+    warnings: list[str] = []
+    kernels = _kernels(ev, warnings, path)
     unlaunched = int((kernels["launch_ns"] < 0).sum())
     if unlaunched:
         notes.append(f"{unlaunched} of {len(kernels)} kernels have no matching runtime launch (not attributed to ranges)")
@@ -174,6 +201,7 @@ def parse_kineto(data: dict, path: str = "") -> Trace:
         "span_start_ns": span_start,
         "span_end_ns": span_end,
         "notes": notes,
+        "warnings": warnings,
     }
     if isinstance(data, dict):
         if data.get("baseTimeNanoseconds") is not None:
@@ -181,16 +209,18 @@ def parse_kineto(data: dict, path: str = "") -> Trace:
         gpus = [d.get("name") for d in data.get("deviceProperties") or [] if isinstance(d, dict)]
         if gpus:
             meta["gpus"] = gpus
-    return Trace(kernels=kernels, ranges=_ranges(ev), meta=meta, memops=_memops(ev), api=_api(ev))
+    return Trace(kernels=kernels, ranges=_ranges(ev, warnings), meta=meta, memops=_memops(ev, warnings),
+                 api=_api(ev, warnings))
 
 
-def cpu_ops_as_kernels(ev_or_data) -> pd.DataFrame:
+def cpu_ops_as_kernels(ev_or_data, warnings: list[str] | None = None) -> pd.DataFrame:
     """Leaf `cpu_op` events (operators with no operator nested inside them on their thread) in the kernels
     frame's columns, for CPU-only traces. Leaves never overlap on a thread, so their times add up without
     double counting (the exclusive-time view). launch_ns = start, launch_tid = tid: range attribution works
-    unchanged. device_id / stream_id / correlation_id are -1."""
+    unchanged. device_id / stream_id / correlation_id are -1. Operators with broken times are dropped, with
+    a line in `warnings`."""
     ev = ev_or_data if isinstance(ev_or_data, pd.DataFrame) else _events(ev_or_data)
-    ops = ev[ev["cat_l"] == "cpu_op"].copy()
+    ops = drop_bad_times(ev[ev["cat_l"] == "cpu_op"], "CPU operator rows", [] if warnings is None else warnings)
     if ops.empty:
         return empty_frame(KERNEL_COLUMNS)
     ops["tid"] = _int(ops["tid"])
@@ -209,17 +239,23 @@ def cpu_ops_as_kernels(ev_or_data) -> pd.DataFrame:
 
 
 def load_kineto(path: Path) -> Trace:
-    """Read a .json or .json.gz Kineto trace; UserError on unreadable JSON or zero kernels."""
+    """Read a .json or .json.gz Kineto trace (.gz decompressed up to the decompression cap, copy_capped);
+    UserError on unreadable JSON or zero kernels."""
     try:
-        opener = gzip.open if path.name.lower().endswith(".gz") else open
-        with opener(path, "rt", encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        if path.name.lower().endswith(".gz"):
+            buffer = io.BytesIO()
+            with gzip.open(path, "rb") as src:
+                copy_capped(src, buffer, path)
+            text = buffer.getvalue().decode("utf-8")
+        else:
+            text = path.read_text(encoding="utf-8")
+        data = json.loads(text)
+    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise UserError(f"cannot read {path} as a Kineto JSON trace: {e}") from None
     trace = parse_kineto(data, str(path))
     if trace.kernels.empty:
         # A CPU-only capture (torch.profiler on the CPU dev box): analyze CPU operators instead, and say so.
-        trace.kernels = cpu_ops_as_kernels(data)
+        trace.kernels = cpu_ops_as_kernels(data, trace.meta["warnings"])
         if trace.kernels.empty:
             raise UserError(f"empty trace: no GPU kernels and no CPU operators in {path}")
         trace.meta["span_start_ns"], trace.meta["span_end_ns"] = kernel_span(trace.kernels)

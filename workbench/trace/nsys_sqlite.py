@@ -16,8 +16,11 @@ nsys globalTid packs the process: pid = (globalTid >> 24) & 0xFFFFFF, tid = glob
 the full globalTid as `tid` / `launch_tid` (unique across processes) and the decoded `pid`.
 
 All joins run inside SQLite; the kernel rows come back as int64 arrays (Db.int_query), the small tables
-through pd.read_sql_query; no per-row Python. A 1M-kernel export parses in ~3.5 s on 2 CPU cores
-(benchmarks/bench_analyze.py).
+through pd.read_sql_query; no per-row Python. A NULL or a text where nsys writes an integer is a -1 (an
+id) or a dropped row (a time, see workbench/trace/__init__.py), never a crash: the big queries run plain
+first and again with every value checked inside SQLite (`typeof`) only when numpy finds a non-integer in
+the result, so a sound export pays nothing for the checks. benchmarks/bench_analyze.py times a 1M-kernel
+export.
 """
 from __future__ import annotations
 
@@ -36,7 +39,8 @@ import pandas as pd
 
 from workbench.errors import UserError
 from workbench.trace import (
-    API_COLUMNS, KERNEL_COLUMNS, MEMOP_COLUMNS, RANGE_COLUMNS, Trace, empty_frame, finish_frame, kernel_span, nesting_depth,
+    API_COLUMNS, KERNEL_COLUMNS, MEMOP_COLUMNS, RANGE_COLUMNS, TIME_MISSING, TIME_NOT_A_NUMBER, TIME_OK, Trace,
+    copy_capped, drop_bad_times, empty_frame, finish_frame, kernel_span, nesting_depth,
 )
 
 # ENUM_NSYS_EVENT_TYPE ids; read from the file when it has the enum table.
@@ -73,15 +77,24 @@ class _Db:
     def query(self, sql: str) -> pd.DataFrame:
         return pd.read_sql_query(sql, self.con)
 
-    def int_query(self, sql: str, columns: list[str]) -> pd.DataFrame:
-        """All-integer result (NULLs COALESCEd to -1 in the SQL) straight into int64 arrays.
+    def int_query(self, build, columns: list[str]) -> pd.DataFrame:
+        """The rows of `build(careful)` (SQL text) straight into int64 arrays, plus a `time_code` column.
+        First `build(False)`, the plain query of `columns`; its rows get time_code TIME_OK. When a value in
+        its result is not an integer (numpy then infers another dtype), `build(True)`: the same columns,
+        each an integer by construction (_int_sql, _time_sql), then the time_code (_time_code_sql).
 
         For the million-row kernel query this is ~3x faster than pd.read_sql_query, which infers a dtype
         per column from Python objects.
         """
-        rows = self.con.execute(sql).fetchall()
-        arr = np.array(rows, dtype="int64").reshape(len(rows), len(columns))
-        return pd.DataFrame(arr, columns=columns)
+        rows = self.con.execute(build(False)).fetchall()
+        arr = np.array(rows) if rows else np.zeros((0, len(columns)), dtype="int64")
+        if arr.dtype == np.int64:
+            df = pd.DataFrame(arr.reshape(len(rows), len(columns)), columns=columns)
+            df["time_code"] = TIME_OK
+            return df
+        rows = self.con.execute(build(True)).fetchall()
+        arr = np.array(rows, dtype="int64").reshape(len(rows), len(columns) + 1)
+        return pd.DataFrame(arr, columns=columns + ["time_code"])
 
 
 def _col(alias: str, name: str, have: set[str], as_name: str | None = None) -> str:
@@ -90,23 +103,60 @@ def _col(alias: str, name: str, have: set[str], as_name: str | None = None) -> s
     return f"{alias}.{name} AS {as_name}" if name in have else f"NULL AS {as_name}"
 
 
-def _int_col(alias: str, name: str, have: set[str]) -> str:
-    """`COALESCE(alias.name, -1)`, or -1 where the column is missing."""
-    return f"COALESCE({alias}.{name}, -1)" if name in have else "-1"
+def _int_sql(expr: str, careful: bool = True) -> str:
+    """careful: `expr` where it holds an integer, else -1 (NULL, text, a real, a blob). Plain: NULL -> -1."""
+    return f"CASE WHEN typeof({expr}) = 'integer' THEN {expr} ELSE -1 END" if careful else f"COALESCE({expr}, -1)"
+
+
+def _int_col(alias: str, name: str, have: set[str], careful: bool = True) -> str:
+    """_int_sql of `alias.name`, or -1 where the column is missing."""
+    return _int_sql(f"{alias}.{name}", careful) if name in have else "-1"
+
+
+_NUMERIC = "IN ('integer', 'real')"
+
+
+def _start_end(alias: str, have: set[str]) -> tuple[str, str]:
+    return tuple(f"{alias}.{c}" if c in have else "NULL" for c in ("start", "end"))
+
+
+def _time_sql(alias: str, have: set[str], careful: bool = True) -> list[str]:
+    """start and end of `alias`: careful, a real cast to integer ns (CAST saturates, so a huge one comes
+    out absurd) and anything else 0, to be classified by _time_code_sql; plain, the raw columns."""
+    s, e = _start_end(alias, have)
+    return [f"CASE WHEN typeof({x}) {_NUMERIC} THEN CAST({x} AS INTEGER) ELSE 0 END" for x in (s, e)] if careful else [s, e]
+
+
+def _time_code_sql(alias: str, have: set[str]) -> str:
+    """time_code of `alias`'s start/end, classified inside SQLite for drop_bad_times: NULL (or no such
+    column) -> TIME_MISSING, text or a blob -> TIME_NOT_A_NUMBER. The numeric checks follow in numpy."""
+    s, e = _start_end(alias, have)
+    return (f"CASE WHEN {s} IS NULL OR {e} IS NULL THEN {TIME_MISSING} "
+            f"WHEN typeof({s}) NOT {_NUMERIC} OR typeof({e}) NOT {_NUMERIC} THEN {TIME_NOT_A_NUMBER} ELSE {TIME_OK} END")
 
 
 def _string_lookup(db: _Db) -> pd.Series:
-    if "StringIds" not in db.tables:
-        return pd.Series([], dtype=object)
+    """StringIds as id -> text (the first row of a duplicated id; a NULL text stays unresolved)."""
     s = db.query("SELECT id, value FROM StringIds")
+    ids = pd.to_numeric(s["id"], errors="coerce")
+    s = s[ids.notna()].assign(id=ids[ids.notna()].astype("int64")).drop_duplicates("id")
     return pd.Series(s["value"].to_numpy(dtype=object), index=s["id"].to_numpy())
 
 
-def _names(lookup: pd.Series, ids: pd.Series) -> np.ndarray:
-    return lookup.reindex(pd.to_numeric(ids, errors="coerce").to_numpy()).fillna("").to_numpy(dtype=object)
+def _names(lookup: pd.Series, ids, clean=None) -> tuple[np.ndarray, int]:
+    """(name of each string id, how many rows had none): an id StringIds lacks reads `<string id N>`, a NULL
+    one (-1) `<no name>`. Resolves (and `clean`s) each distinct id once."""
+    which, uniques = pd.factorize(np.asarray(ids, dtype="int64"), sort=False)
+    found = lookup.reindex(uniques).to_numpy(dtype=object)
+    resolved = np.array([isinstance(v, str) for v in found], dtype=bool)
+    names = np.array([(clean(v) if clean else v) if ok else ("<no name>" if i < 0 else f"<string id {i}>")
+                      for i, v, ok in zip(uniques, found, resolved)], dtype=object)
+    return names[which], int((~resolved[which]).sum())
 
 
-def _read_kernels(db: _Db, lookup: pd.Series, notes: list[str]) -> pd.DataFrame:
+def _read_kernels(db: _Db, notes: list[str], warnings: list[str]) -> pd.DataFrame:
+    """The kernels frame; rows with broken times dropped (drop_bad_times). UserError when the kernel table,
+    its time or name columns, or StringIds are missing."""
     ktab = db.table("CUPTI_ACTIVITY_KIND_KERNEL")
     if ktab is None:
         raise UserError(
@@ -117,33 +167,44 @@ def _read_kernels(db: _Db, lookup: pd.Series, notes: list[str]) -> pd.DataFrame:
     if missing or not ({"demangledName", "shortName"} & kc):
         need = missing + ([] if {"demangledName", "shortName"} & kc else ["demangledName/shortName"])
         raise UserError(f"kernel table {ktab} lacks required column(s): {', '.join(need)}")
+    if "StringIds" not in db.tables:
+        raise UserError("no StringIds table in this nsys export: kernel names cannot be resolved "
+                        "(export it again with `nsys export --type sqlite`)")
     name_col = "demangledName" if "demangledName" in kc else "shortName"
     short_col = "shortName" if "shortName" in kc else "demangledName"
     columns = ["row_id", "start_ns", "end_ns", "device_id", "stream_id", "correlation_id", "global_pid", "name_id",
                "short_id", "launch_ns", "launch_tid"]
-    select = [
-        "k.rowid", "k.start", "k.end", _int_col("k", "deviceId", kc), _int_col("k", "streamId", kc),
-        _int_col("k", "correlationId", kc), _int_col("k", "globalPid", kc),
-        f"COALESCE(k.{name_col}, -1)", f"COALESCE(k.{short_col}, -1)",
-    ]
     rtab = db.table("CUPTI_ACTIVITY_KIND_RUNTIME")
     rc = db.columns(rtab) if rtab else set()
+    joined = bool(rtab and {"correlationId", "start", "globalTid"} <= rc and "correlationId" in kc)
     join = ""
-    if rtab and {"correlationId", "start", "globalTid"} <= rc and "correlationId" in kc:
-        select += ["COALESCE(r.start, -1)", "COALESCE(r.globalTid, -1)"]
+    if joined:
         # correlationId is unique per process, so match the process as well where the kernel row has one.
         same_process = "(k.globalPid IS NULL OR (r.globalTid >> 24) = (k.globalPid >> 24))" if "globalPid" in kc else "1"
         join = f'LEFT JOIN "{rtab}" r ON r.correlationId = k.correlationId AND {same_process}'
     else:
         notes.append("no CUDA runtime table: kernels cannot be attributed to NVTX ranges")
-        select += ["-1", "-1"]
-    df = db.int_query(f'SELECT {", ".join(select)} FROM "{ktab}" k {join}', columns)
+
+    def sql(careful: bool) -> str:
+        select = [
+            "k.rowid", *_time_sql("k", kc, careful),
+            *(_int_col("k", c, kc, careful) for c in ("deviceId", "streamId", "correlationId", "globalPid", name_col, short_col)),
+            *((_int_sql("r.start", careful), _int_sql("r.globalTid", careful)) if joined else ("-1", "-1")),
+        ] + ([_time_code_sql("k", kc)] if careful else [])
+        return f'SELECT {", ".join(select)} FROM "{ktab}" k {join}'
+
+    df = db.int_query(sql, columns)
     if df["row_id"].duplicated().any():  # several runtime rows for one correlationId: keep the first
         df = df.drop_duplicates("row_id")
+    df = drop_bad_times(df, "kernel rows", warnings)
     df = df.sort_values(["start_ns", "row_id"], kind="stable")
     df["duration_ns"] = df["end_ns"] - df["start_ns"]
-    df["name"] = _names(lookup, df["name_id"])
-    df["short_name"] = _names(lookup, df["short_id"])
+    lookup = _string_lookup(db)
+    df["name"], unnamed = _names(lookup, df["name_id"])
+    df["short_name"], _ = _names(lookup, df["short_id"])
+    if unnamed:
+        warnings.append(f"{unnamed:,} of {len(df):,} kernel rows name a string id that StringIds lacks: "
+                        "shown as <string id N>")
     gpid = df["global_pid"].to_numpy("int64")
     df["pid"] = np.where(gpid >= 0, pid_of(gpid), pid_of(df["launch_tid"].to_numpy("int64")))
     unlaunched = int((df["launch_ns"] < 0).sum())
@@ -161,7 +222,7 @@ def _event_type_ids(db: _Db) -> dict[str, int]:
     return ids
 
 
-def _read_ranges(db: _Db, notes: list[str]) -> pd.DataFrame:
+def _read_ranges(db: _Db, notes: list[str], warnings: list[str]) -> pd.DataFrame:
     ntab = db.table("NVTX_EVENTS")
     if ntab is None:
         notes.append("no NVTX_EVENTS table: no ranges")
@@ -173,9 +234,14 @@ def _read_ranges(db: _Db, notes: list[str]) -> pd.DataFrame:
     if "textId" in nc and "StringIds" in db.tables:
         text = f"COALESCE({text}, s.value)"
         join = "LEFT JOIN StringIds s ON s.id = e.textId"
+    (start, end), code = _time_sql("e", nc), _time_code_sql("e", nc)
+    # a push with no pop (the capture stopped inside the range) is normal; any other missing time is not
+    open_ended = f"CASE WHEN {code} = {TIME_MISSING} AND typeof(e.start) IN ('integer', 'real') THEN 1 ELSE 0 END" \
+        if "start" in nc and "end" in nc else "0"
     sql = (
-        f'SELECT e.start AS start_ns, {_col("e", "end", nc, "end_ns")}, e.eventType AS event_type, '
-        f'{text} AS name, {_col("e", "globalTid", nc, "tid")}, {_col("e", "domainId", nc, "domain_id")} '
+        f'SELECT {start} AS start_ns, {end} AS end_ns, {code} AS time_code, {open_ended} AS open_ended, '
+        f'e.eventType AS event_type, {text} AS name, {_col("e", "globalTid", nc, "tid")}, '
+        f'{_col("e", "domainId", nc, "domain_id")} '
         f'FROM "{ntab}" e {join} WHERE e.eventType IN ({ids["push_pop"]}, {ids["start_end"]}, {ids["domain"]})'
     )
     ev = db.query(sql)
@@ -184,15 +250,16 @@ def _read_ranges(db: _Db, notes: list[str]) -> pd.DataFrame:
     ev["domain_id"] = pd.to_numeric(ev["domain_id"], errors="coerce").fillna(0).astype("int64")
     domains = ev[ev["event_type"] == ids["domain"]]
     ranges = ev[ev["event_type"] != ids["domain"]].copy()
-    open_ended = int(pd.isna(ranges["end_ns"]).sum())
+    open_ended = int(ranges["open_ended"].sum())
     if open_ended:
         notes.append(f"{open_ended} NVTX ranges never ended (dropped)")
-        ranges = ranges[pd.notna(ranges["end_ns"])]
+        ranges = ranges[ranges["open_ended"] == 0]
+    ranges = drop_bad_times(ranges, "NVTX range rows", warnings)
     # A domainId is named by its NvtxDomainCreate event in the same process; 0 is the default domain.
     domain_names = domains.drop_duplicates(["pid", "domain_id"]).set_index(["pid", "domain_id"])["name"]
     key = pd.MultiIndex.from_arrays([ranges["pid"].to_numpy(), ranges["domain_id"].to_numpy()])
     ranges["domain"] = domain_names.reindex(key).fillna("").to_numpy(dtype=object)
-    ranges["name"] = ranges["name"].fillna("")
+    ranges["name"] = ranges["name"].fillna("").astype(str)
     ranges = ranges.sort_values(["start_ns", "end_ns"], ascending=[True, False], kind="stable").reset_index(drop=True)
     ranges["end_ns"] = ranges["end_ns"].astype("int64")
     ranges["range_id"] = np.arange(len(ranges), dtype="int64")
@@ -205,26 +272,31 @@ def _read_ranges(db: _Db, notes: list[str]) -> pd.DataFrame:
 _API_VERSION = re.compile(r"_v\d+$")
 
 
-def _read_api(db: _Db, lookup: pd.Series) -> pd.DataFrame:
+def _read_api(db: _Db, warnings: list[str]) -> pd.DataFrame:
     """Every CUDA runtime / driver call nsys traced (CUPTI_ACTIVITY_KIND_RUNTIME), named without the
-    `_v3020`-style version suffix."""
+    `_v3020`-style version suffix; rows with broken times dropped."""
     tab = db.table("CUPTI_ACTIVITY_KIND_RUNTIME")
     c = db.columns(tab) if tab else set()
     if not tab or not {"start", "end", "nameId"} <= c:
         return empty_frame(API_COLUMNS)
     df = db.int_query(
-        f'SELECT r.start, r.end, COALESCE(r.nameId, -1), {_int_col("r", "globalTid", c)}, {_int_col("r", "correlationId", c)} '
-        f'FROM "{tab}" r', ["start_ns", "end_ns", "name_id", "tid", "correlation_id"])
+        lambda careful: f'SELECT {", ".join(_time_sql("r", c, careful))}, '
+                        f'{", ".join(_int_col("r", col, c, careful) for col in ("nameId", "globalTid", "correlationId"))}'
+                        f'{", " + _time_code_sql("r", c) if careful else ""} FROM "{tab}" r',
+        ["start_ns", "end_ns", "name_id", "tid", "correlation_id"])
+    df = drop_bad_times(df, "CUDA API rows", warnings)
     df = df.sort_values("start_ns", kind="stable")
     df["duration_ns"] = df["end_ns"] - df["start_ns"]
-    ids, which = np.unique(df["name_id"].to_numpy("int64"), return_inverse=True)  # a few dozen distinct calls
-    names = np.array([_API_VERSION.sub("", n) for n in _names(lookup, pd.Series(ids))], dtype=object)
-    df["name"] = names[which]
+    # a few dozen distinct calls: the version suffix is stripped once per name
+    df["name"], unnamed = _names(_string_lookup(db), df["name_id"], clean=lambda n: _API_VERSION.sub("", n))
+    if unnamed:
+        warnings.append(f"{unnamed:,} of {len(df):,} CUDA API rows name a string id that StringIds lacks: "
+                        "shown as <string id N>")
     df["pid"] = pid_of(df["tid"].to_numpy("int64"))
     return finish_frame(df, API_COLUMNS)
 
 
-def _read_memops(db: _Db) -> pd.DataFrame:
+def _read_memops(db: _Db, warnings: list[str]) -> pd.DataFrame:
     frames = []
     for kind, base in (("memcpy", "CUPTI_ACTIVITY_KIND_MEMCPY"), ("memset", "CUPTI_ACTIVITY_KIND_MEMSET")):
         tab = db.table(base)
@@ -233,15 +305,18 @@ def _read_memops(db: _Db) -> pd.DataFrame:
         c = db.columns(tab)
         if not {"start", "end"} <= c:
             continue
+        (start, end), code = _time_sql("m", c), _time_code_sql("m", c)
         df = db.query(
-            f'SELECT m.start AS start_ns, m.end AS end_ns, {_col("m", "bytes", c)}, {_col("m", "deviceId", c, "device_id")}, '
-            f'{_col("m", "streamId", c, "stream_id")}, {_col("m", "correlationId", c, "correlation_id")} FROM "{tab}" m'
+            f'SELECT {start} AS start_ns, {end} AS end_ns, {code} AS time_code, {_col("m", "bytes", c)}, '
+            f'{_col("m", "deviceId", c, "device_id")}, {_col("m", "streamId", c, "stream_id")}, '
+            f'{_col("m", "correlationId", c, "correlation_id")} FROM "{tab}" m'
         )
         df["kind"] = kind
         frames.append(df)
     if not frames:
         return empty_frame(MEMOP_COLUMNS)
-    df = pd.concat(frames, ignore_index=True).sort_values("start_ns", kind="stable")
+    df = drop_bad_times(pd.concat(frames, ignore_index=True), "memcpy/memset rows", warnings)
+    df = df.sort_values("start_ns", kind="stable")
     df["duration_ns"] = df["end_ns"] - df["start_ns"]
     return finish_frame(df, MEMOP_COLUMNS)
 
@@ -256,7 +331,7 @@ def _read_meta(db: _Db) -> dict:
         row = db.con.execute("SELECT MIN(startTime), MAX(stopTime) FROM ANALYSIS_DETAILS").fetchone()
         meta["capture_start_ns"], meta["capture_end_ns"] = row
     if "TARGET_INFO_GPU" in db.tables and "name" in db.columns("TARGET_INFO_GPU"):
-        meta["gpus"] = [r[0] for r in db.con.execute("SELECT name FROM TARGET_INFO_GPU")]
+        meta["gpus"] = [r[0] for r in db.con.execute("SELECT name FROM TARGET_INFO_GPU") if isinstance(r[0], str)]
     return meta
 
 
@@ -264,16 +339,18 @@ def load_sqlite(path: Path, display_path: Path | None = None) -> Trace:
     """Parse an nsys SQLite export. `display_path` is what meta['path'] and messages name (the .xz, say)."""
     shown = display_path or path
     notes: list[str] = []
+    warnings: list[str] = []
     try:
         db = _Db(path)
         try:
-            lookup = _string_lookup(db)
-            kernels = _read_kernels(db, lookup, notes)
+            kernels = _read_kernels(db, notes, warnings)
+            if kernels.empty and warnings:
+                raise UserError(f"no GPU kernel with valid times in {shown}: {'; '.join(warnings)}")
             if kernels.empty:
                 raise UserError(f"empty trace: no GPU kernels in {shown}")
-            ranges = _read_ranges(db, notes)
-            memops = _read_memops(db)
-            api = _read_api(db, lookup)
+            ranges = _read_ranges(db, notes, warnings)
+            memops = _read_memops(db, warnings)
+            api = _read_api(db, warnings)
             meta = _read_meta(db)
         finally:
             db.con.close()
@@ -282,17 +359,19 @@ def load_sqlite(path: Path, display_path: Path | None = None) -> Trace:
     span_start, span_end = kernel_span(kernels)
     meta.setdefault("export_version", None)
     meta.setdefault("schema_version", None)
-    meta.update(source="nsys", path=str(shown), span_start_ns=span_start, span_end_ns=span_end, notes=notes)
+    meta.update(source="nsys", path=str(shown), span_start_ns=span_start, span_end_ns=span_end, notes=notes,
+                warnings=warnings)
     return Trace(kernels=kernels, ranges=ranges, meta=meta, memops=memops, api=api)
 
 
 def load_sqlite_xz(path: Path) -> Trace:
-    """Decompress to a temporary file (SQLite needs a real file), parse it, delete it."""
+    """Decompress to a temporary file (SQLite needs a real file), parse it, delete it. The stream stops at
+    the decompression cap (copy_capped): UserError beyond it."""
     fd, tmp = tempfile.mkstemp(suffix=".sqlite", prefix="swinbench-")
     try:
         try:
             with lzma.open(path) as src, os.fdopen(fd, "wb") as dst:
-                shutil.copyfileobj(src, dst, length=1 << 20)
+                copy_capped(src, dst, path)
         except (lzma.LZMAError, EOFError, OSError) as e:
             raise UserError(f"cannot decompress {path}: {e}") from None
         return load_sqlite(Path(tmp), display_path=path)
