@@ -59,6 +59,7 @@ def profile(
     from workbench.profile import run_profile
 
     _check_format(format)
+    _check_top(top)
     _call(run_profile, model=model, mode=mode, batch=batch, precision=precision, steps=steps, warmup=warmup,
           device=device, backend=backend, out=out, nsys=nsys, recipe=recipe, fmt=format, top=top, console=console)
 
@@ -66,6 +67,11 @@ def profile(
 def _check_format(fmt: str, allowed=("csv", "json")) -> None:
     if fmt not in allowed:
         raise _fail(UserError(f"unknown format {fmt!r}: choose {' or '.join(allowed)}"), 2)
+
+
+def _check_top(top: int) -> None:
+    if top < 1:
+        raise _fail(UserError(f"--top must be at least 1, got {top}"), 2)
 
 
 def _check_name_style(name: str) -> None:
@@ -90,6 +96,7 @@ def analyze(
     from workbench.analyze import analyze_trace, render_analysis, write_analysis
 
     _check_name_style(name)
+    _check_top(top)
     if format is not None:
         _check_format(format)
     analysis = _call(analyze_trace, trace, name_style=name, range_name=range)
@@ -156,11 +163,28 @@ def apply(
     """Apply a staged optimization recipe, measuring, checking and profiling every stage."""
     from workbench.apply import run_apply
 
+    limit = _check_inputs_before_apply(check_against, thresholds, max_regression)
     result = _call(run_apply, recipe, model=model, batch=batch, steps=steps, warmup=warmup, device=device,
                    out_dir=out, profile=profile, stages=stages.split(",") if stages else None, seed=seed,
                    peers=peers, isolate=isolate, console=console, mode=mode, interleave=interleave, resume=resume)
     if check_against is not None:
-        _run_check([check_against], [result.records_dir], _percent(max_regression), 2.0, thresholds, force, "md")
+        _run_check([check_against], [result.records_dir], limit, 2.0, thresholds, force, "md")
+
+
+def _check_inputs_before_apply(check_against, thresholds, max_regression) -> float:
+    """apply's --check-against, --thresholds and --max-regression, validated before any stage runs (a typo
+    there must not cost a run) -> the percentage."""
+    limit = _percent(max_regression)
+    if check_against is None:
+        if thresholds is not None:
+            raise _fail(UserError("--thresholds is read with --check-against; give both or neither"), 2)
+        return limit
+    from workbench.check import load_thresholds
+    from workbench.records import read_records
+
+    _call(read_records, [check_against])
+    _call(load_thresholds, thresholds, max_regression_pct=limit)
+    return limit
 
 
 @app.command()
@@ -199,10 +223,17 @@ def check(
 
 
 def _percent(text: str) -> float:
+    import math
+
+    from workbench.files import short_repr
+
     try:
-        return float(str(text).rstrip("%"))
+        value = float(str(text).rstrip("%"))
     except ValueError:
-        raise _fail(UserError(f"--max-regression takes a percentage like 5 or 5%, got {text!r}"), 2) from None
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise _fail(UserError(f"--max-regression takes a percentage >= 0 like 5 or 5%, got {short_repr(text)}"), 2)
+    return value
 
 
 def _run_check(baseline, current, limit, drift, thresholds, force, fmt, output=None):
