@@ -21,7 +21,10 @@ err_console = Console(stderr=True)
 
 
 def _fail(exc: Exception, code: int) -> typer.Exit:
-    err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+    from rich.markup import escape
+
+    # the message may quote a file's contents: '[/x]' there is text, not rich markup
+    err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
     return typer.Exit(code)
 
 

@@ -54,3 +54,8 @@ def test_apply_check_options_are_validated_before_any_stage(tmp_path, no_run, ex
                    *[a.replace("{tmp}", str(tmp_path)) for a in extra]])
     assert message in out
     assert no_run == [] and not (tmp_path / "run").exists()
+
+
+def test_error_quoting_rich_markup_is_printed_as_text(tmp_path):
+    out = refused(["apply", "--recipe", str(tmp_path / "a[/x]b.yaml"), "--device", "cpu"])
+    assert "a[/x]b.yaml" in out

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,18 +91,16 @@ def _as_float(value, source: Path, where: str) -> float:
 
 
 def _check_name(name, source: Path) -> str:
-    """A recipe's name: it names the stage in tables and in the file names of its record, log and
-    profile, so it must be a safe, short file name part."""
-    if not isinstance(name, str) or not name.strip():
+    """A recipe's name names the stage in tables, --stages lists and the file names of its record, log
+    and profile: letters, digits and . _ + - only, at most MAX_NAME_BYTES bytes of UTF-8."""
+    if not isinstance(name, str) or not name:
         raise _fail(source, f"name must be a non-empty string, got {short_repr(name)}")
-    bad = sorted({c for c in name if c in ",/\\" or unicodedata.category(c) in ("Cc", "Cf", "Cs", "Zl", "Zp")})
-    if bad:
-        raise _fail(source, f"name {short_repr(name)} holds {short_repr(bad[0])}: a recipe name is used in "
-                            "file names and --stages lists, so no ',', '/', '\\' or control characters")
-    if name != name.strip():
-        raise _fail(source, f"name {short_repr(name)} starts or ends with a space")
-    if len(name.encode("utf-8")) > MAX_NAME_BYTES:
-        raise _fail(source, f"name {short_repr(name)} is longer than {MAX_NAME_BYTES} bytes (it is used in "
+    bad = next((c for c in name if not (c.isalnum() or c in "._+-")), None)
+    if bad is not None:
+        raise _fail(source, f"name {short_repr(name)} holds {short_repr(bad)}: a recipe name is part of file "
+                            "names and --stages lists, so it takes letters, digits and . _ + - only")
+    if len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+        raise _fail(source, f"name {short_repr(name)} is longer than {MAX_NAME_BYTES} bytes (it is part of "
                             "file names)")
     return name
 
