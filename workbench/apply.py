@@ -453,7 +453,8 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
     resume: keep the stages that `out_dir` already holds a finished record of (same stage in the same
     place of the plan, same model, mode, batch, seed, device kind, steps, warm-up and profiling) and run
     only the others; the kept records keep their run id, which the new ones take too.
-    Raises UserError (exit 1) after writing everything if a stage ended in an error.
+    Raises UserError (exit 2) after writing everything if a stage ended in an error (exit 1 is only
+    for a regression that `swinbench check` measures).
     """
     from rich.console import Console
 
@@ -555,7 +556,7 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
     if failed:
         first = next(r for r in records if r["status"] == "error")
         err = UserError(f"{len(failed)} stage(s) failed ({first['stage']}: {first['error']}); "
-                        f"finished stages are in {records_dir}, report {report_path}", exit_code=1)
+                        f"finished stages are in {records_dir}, report {report_path}", exit_code=2)
         err.result = result   # for callers that want the records anyway
         raise err
     return result

@@ -80,7 +80,7 @@ def _run(cmd: list[str], log: Path, what: str, env: dict | None = None) -> None:
         fh.flush()
         proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
     if proc.returncode != 0:
-        raise UserError(f"{what} failed (exit {proc.returncode}): {_first_error(log)} (full log: {log})", 1)
+        raise UserError(f"{what} failed (exit {proc.returncode}): {_first_error(log)} (full log: {log})")
 
 
 def capture_nsys(config: WorkloadConfig, recipe: str | None, out_dir: Path, steps: int, warmup: int,
@@ -102,8 +102,8 @@ def capture_nsys(config: WorkloadConfig, recipe: str | None, out_dir: Path, step
     if not rep.exists():
         if (out_dir / "trace.qdstrm").exists():
             raise UserError("nsys wrote only trace.qdstrm: its QdstrmImporter could not make a report "
-                            "(on many images it lacks libdw/libelf; see docs/gpu-machine.md)", 1)
-        raise UserError(f"nsys wrote no report (see {log})", 1)
+                            "(on many images it lacks libdw/libelf; see docs/gpu-machine.md)")
+        raise UserError(f"nsys wrote no report (see {log})")
     sqlite = out_dir / "trace.sqlite"
     _run([nsys, "export", "--type", "sqlite", "--force-overwrite", "true", "-o", str(sqlite), str(rep)],
          log, "nsys export")
