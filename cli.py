@@ -21,7 +21,10 @@ err_console = Console(stderr=True)
 
 
 def _fail(exc: Exception, code: int) -> typer.Exit:
-    err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+    from rich.markup import escape
+
+    # the message may quote a file's contents: '[/x]' there is text, not rich markup
+    err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
     return typer.Exit(code)
 
 
@@ -31,6 +34,9 @@ def _call(fn, *args, **kwargs):
         return fn(*args, **kwargs)
     except UserError as exc:
         raise _fail(exc, exc.exit_code) from None
+    except OSError as exc:   # a path the user gave that the system refuses (too long, no permission, disk full)
+        where = f": {exc.filename}" if exc.filename else ""
+        raise _fail(Exception(f"{exc.strerror or exc}{where}"), 2) from None
     except KeyboardInterrupt:
         raise _fail(Exception("interrupted; what finished is written"), 130) from None
 
@@ -59,6 +65,7 @@ def profile(
     from workbench.profile import run_profile
 
     _check_format(format)
+    _check_top(top)
     _call(run_profile, model=model, mode=mode, batch=batch, precision=precision, steps=steps, warmup=warmup,
           device=device, backend=backend, out=out, nsys=nsys, recipe=recipe, fmt=format, top=top, console=console)
 
@@ -98,6 +105,11 @@ NAME_HELP = ("Kernel names: short (nsys's shortName; the default of both analyze
              "C++ name, as nsys prints it). CPU operators have one name.")
 
 
+def _check_top(top: int) -> None:
+    if top < 1:
+        raise _fail(UserError(f"--top must be at least 1, got {top}"), 2)
+
+
 def _check_name_style(name: str) -> None:
     """--name of analyze and diff: how kernel names are shown."""
     if name not in ("demangled", "short"):
@@ -120,6 +132,7 @@ def analyze(
     from workbench.analyze import analyze_trace, render_analysis, write_analysis
 
     _check_name_style(name)
+    _check_top(top)
     if format is not None:
         _check_format(format)
     analysis = _call(analyze_trace, trace, name_style=name, range_name=range)
@@ -187,11 +200,28 @@ def apply(
     """Apply a staged optimization recipe, measuring, checking and profiling every stage."""
     from workbench.apply import run_apply
 
+    limit = _check_inputs_before_apply(check_against, thresholds, max_regression)
     result = _call(run_apply, recipe, model=model, batch=batch, steps=steps, warmup=warmup, device=device,
                    out_dir=out, profile=profile, stages=stages.split(",") if stages else None, seed=seed,
                    peers=peers, isolate=isolate, console=console, mode=mode, interleave=interleave, resume=resume)
     if check_against is not None:
-        _run_check([check_against], [result.records_dir], _percent(max_regression), 2.0, thresholds, force, "md")
+        _run_check([check_against], [result.records_dir], limit, 2.0, thresholds, force, "md")
+
+
+def _check_inputs_before_apply(check_against, thresholds, max_regression) -> float:
+    """apply's --check-against, --thresholds and --max-regression, validated before any stage runs (a typo
+    there must not cost a run) -> the percentage."""
+    limit = _percent(max_regression)
+    if check_against is None:
+        if thresholds is not None:
+            raise _fail(UserError("--thresholds is read with --check-against; give both or neither"), 2)
+        return limit
+    from workbench.check import load_thresholds
+    from workbench.records import read_records
+
+    _call(read_records, [check_against])
+    _call(load_thresholds, thresholds, max_regression_pct=limit)
+    return limit
 
 
 @app.command()
@@ -230,10 +260,17 @@ def check(
 
 
 def _percent(text: str) -> float:
+    import math
+
+    from workbench.files import short_repr
+
     try:
-        return float(str(text).rstrip("%"))
+        value = float(str(text).rstrip("%"))
     except ValueError:
-        raise _fail(UserError(f"--max-regression takes a percentage like 5 or 5%, got {text!r}"), 2) from None
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise _fail(UserError(f"--max-regression takes a percentage >= 0 like 5 or 5%, got {short_repr(text)}"), 2)
+    return value
 
 
 def _run_check(baseline, current, limit, drift, thresholds, force, fmt, output=None):

@@ -124,7 +124,7 @@ def test_stage_errors_are_recorded_and_the_run_exits_non_zero(tmp_path):
         with pytest.raises(UserError) as exc:
             run_apply("baseline", **RUN, out_dir=tmp_path / "out", stages=stages,
                       console=Console(file=io.StringIO()))
-    assert exc.value.exit_code == 1 and "\n" not in str(exc.value)
+    assert exc.value.exit_code == 2 and "\n" not in str(exc.value)
     assert "broken: RuntimeError: kernel launch failed" in str(exc.value)
     records = {r["stage"]: r for r in exc.value.result.records}
     assert records["broken"]["status"] == "error" and records["broken"]["error"] == "RuntimeError: kernel launch failed"

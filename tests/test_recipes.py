@@ -78,7 +78,7 @@ def test_user_file_extends_user_file_by_relative_path(tmp_path):
     ("name: x\nextends: amp\npasses: [warp_speed]\n", "unknown pass 'warp_speed'"),
     ("name: x\nextends: amp\npasses: [{name: amp, params: {dtype: bf16, colour: red}}]\n", "takes no parameter 'colour'"),
     ("name: x\nextends: amp\npasses: {amp: 1}\n", "passes must be a list"),
-    ("name: x\nextends: amp\npasses: [amp\n", "malformed YAML"),
+    ("name: x\nextends: amp\npasses: [amp\n", "is not valid YAML"),
     ("- just\n- a list\n", "must be a YAML mapping"),
     ("name: [x]\nextends: amp\n", "name must be a non-empty string"),
     ("name: x\nextends: 3\n", "extends must be"),

@@ -30,7 +30,6 @@ from __future__ import annotations
 import datetime as _dt
 import gc
 import json
-import os
 import subprocess
 import sys
 import time
@@ -280,12 +279,13 @@ def stage_main(spec_path: str) -> int:
     return 0
 
 
-def _stream(cmd: list[str], log_path: Path, on_event: Callable[[dict], None]) -> int:
-    """Run `cmd` (a workbench module in a fresh interpreter); its stdout events go to on_event, the rest of
-    its output to log_path -> its exit code."""
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+def _stream(module: str, args: list[str], log_path: Path, on_event: Callable[[dict], None]) -> int:
+    """Run a workbench module in a fresh interpreter that does not import from the current folder
+    (`capture.python_module_command`); its stdout events go to on_event, the rest of its output to
+    log_path -> its exit code."""
+    from .capture import python_module_command
+
+    cmd, env = python_module_command(module, *args)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
         for line in proc.stdout:
@@ -311,7 +311,7 @@ def _run_isolated(spec: StageSpec, on_event: Callable[[dict], None]) -> dict:
         if event.get("event") == "done":
             record_path = event["record"]
 
-    rc = _stream([sys.executable, "-m", "workbench.apply", str(spec_path)], log_path, on_line)
+    rc = _stream("workbench.apply", [str(spec_path)], log_path, on_line)
     if record_path and Path(record_path).exists():
         record = read_record(Path(record_path)).to_dict()
         record["_path"] = record_path
@@ -379,8 +379,8 @@ def _interleave(records: list[dict], specs: list[StageSpec], config: WorkloadCon
             spec_path, result_path = logs / "interleave.spec.json", logs / "interleave.result.json"
             spec_path.write_text(spec_json(ispec))
             result_path.unlink(missing_ok=True)
-            rc = _stream([sys.executable, "-m", "workbench.interleave", str(spec_path), str(result_path)],
-                         logs / "interleave.log", on_event)
+            rc = _stream("workbench.interleave", [str(spec_path), str(result_path)], logs / "interleave.log",
+                         on_event)
             if rc != 0 or not result_path.exists():
                 tail = [ln for ln in (logs / "interleave.log").read_text(errors="replace").splitlines() if ln.strip()][-1:]
                 raise RuntimeError(f"process exited {rc}: {(tail or [''])[0][:200]} (log: {logs / 'interleave.log'})")
@@ -466,7 +466,8 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
     resume: keep the stages that `out_dir` already holds a finished record of (same stage in the same
     place of the plan, same model, mode, batch, seed, device kind, steps, warm-up and profiling) and run
     only the others; the kept records keep their run id, which the new ones take too.
-    Raises UserError (exit 1) after writing everything if a stage ended in an error.
+    Raises UserError (exit 2) after writing everything if a stage ended in an error (exit 1 is only
+    for a regression that `swinbench check` measures).
     """
     from rich.console import Console
 
@@ -583,7 +584,7 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
     if failed:
         first = next(r for r in records if r["status"] == "error")
         err = UserError(f"{len(failed)} stage(s) failed ({first['stage']}: {first['error']}); "
-                        f"finished stages are in {records_dir}, report {report_path}", exit_code=1)
+                        f"finished stages are in {records_dir}, report {report_path}", exit_code=2)
         err.result = result   # for callers that want the records anyway
         raise err
     return result

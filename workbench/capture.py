@@ -27,6 +27,23 @@ from .errors import UserError
 from .trace.nsys_sqlite import NSYS_FOLDERS, find_nsys
 from .workload import WorkloadConfig
 
+_ROOT = str(Path(__file__).resolve().parent.parent)   # the folder that holds the workbench package
+
+
+def python_module_command(module: str, *args: str) -> tuple[list[str], dict]:
+    """-> (argv, environment) that run `python -m module args` in a fresh interpreter whose import path
+    starts with the folder holding this `workbench` package and never holds the current folder, so a
+    `timm.py` or `torch.py` lying in the user's folder is not imported (nor run) by a stage or capture
+    process. Python 3.11+ gets `-P`; older ones replace sys.path[0] before importing anything."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = _ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    if sys.version_info >= (3, 11):
+        return [sys.executable, "-P", "-m", module, *args], env
+    start = (f"import sys; sys.path[0] = {_ROOT!r}; import runpy; "
+             f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
+    return [sys.executable, "-c", start, *args], env
+
+
 def resolve_backend(backend: str, device: torch.device, nsys: str | None) -> tuple[str, str | None, str | None]:
     """-> (backend, nsys path, note). 'auto' takes nsys on a GPU when nsys is found, else torch.profiler,
     and the note says why; an explicit 'nsys' that cannot run is a UserError."""
@@ -64,13 +81,13 @@ def _first_error(log: Path) -> str:
     return (errors or lines or ["no output"])[-1][:240]
 
 
-def _run(cmd: list[str], log: Path, what: str) -> None:
+def _run(cmd: list[str], log: Path, what: str, env: dict | None = None) -> None:
     with open(log, "ab") as fh:
         fh.write(("$ " + " ".join(cmd) + "\n").encode())
         fh.flush()
-        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT)
+        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
     if proc.returncode != 0:
-        raise UserError(f"{what} failed (exit {proc.returncode}): {_first_error(log)} (full log: {log})", 1)
+        raise UserError(f"{what} failed (exit {proc.returncode}): {_first_error(log)} (full log: {log})")
 
 
 def capture_nsys(config: WorkloadConfig, recipe: str | None, out_dir: Path, steps: int, warmup: int,
@@ -83,17 +100,17 @@ def capture_nsys(config: WorkloadConfig, recipe: str | None, out_dir: Path, step
         stale.unlink(missing_ok=True)
     log = out_dir / "nsys.log"
     log.write_text("")
+    worker, env = python_module_command("workbench.capture_worker", str(spec))
     cmd = [nsys, "profile", "-t", "cuda,nvtx", "-s", "none", "--cpuctxsw=none", "--cuda-graph-trace=node",
            "--capture-range=cudaProfilerApi", "--capture-range-end=stop",
-           "--force-overwrite", "true", "-o", str(rep_base),
-           sys.executable, "-m", "workbench.capture_worker", str(spec)]
-    _run(cmd, log, "nsys profile")
+           "--force-overwrite", "true", "-o", str(rep_base), *worker]
+    _run(cmd, log, "nsys profile", env)
     rep = out_dir / "trace.nsys-rep"
     if not rep.exists():
         if (out_dir / "trace.qdstrm").exists():
             raise UserError("nsys wrote only trace.qdstrm: its QdstrmImporter could not make a report "
-                            "(on many images it lacks libdw/libelf; see docs/gpu-machine.md)", 1)
-        raise UserError(f"nsys wrote no report (see {log})", 1)
+                            "(on many images it lacks libdw/libelf; see docs/gpu-machine.md)")
+        raise UserError(f"nsys wrote no report (see {log})")
     sqlite = out_dir / "trace.sqlite"
     _run([nsys, "export", "--type", "sqlite", "--force-overwrite", "true", "-o", str(sqlite), str(rep)],
          log, "nsys export")

@@ -10,24 +10,31 @@
     passes: [fused_layernorm, {name: fused_adamw, params: {impl: torch}}]
 
 A stage's effective passes are its chain's passes, baseline first. Everything a user can get wrong
-here (unknown recipe or pass, a cycle in `extends`, malformed YAML, wrong types) is a one-line UserError.
+here is a one-line UserError when the recipe is loaded, before anything is measured: unknown recipe or
+pass, a cycle in `extends`, malformed or oversized YAML (read through `files.load_yaml_file`), a name
+that cannot be part of a file name, pass parameters that the pass's `apply` does not take or whose
+type or value its `PARAMS` does not allow, a gate tolerance that is not a finite number >= 0.
 """
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from .errors import UserError, yaml_error_text
+from .errors import UserError
+from .files import load_yaml_file, short_repr
 from .passes import PASS_MODULES, get_pass
 from .precision import PRECISIONS
 
 RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
 GATE_KEYS = ("logits_rel", "loss_atol", "grad_rel")
 _TOP_KEYS = {"name", "extends", "description", "peer", "gate", "passes"}
+# A stage's name goes into its record's, log's and profile folder's file names
+# (`<out>/logs/NN-<name>.traceback.txt`, a temporary `.NN-<name>.json.XXXXXXXX.tmp`): short enough for
+# any file system's 255-byte limit with those around it.
+MAX_NAME_BYTES = 100
 
 
 @dataclass(frozen=True)
@@ -72,14 +79,30 @@ def _fail(source: Path, msg: str) -> UserError:
 def _as_float(value, source: Path, where: str) -> float:
     # YAML 1.1 reads `1e-4` (no dot) as a string; accept it rather than make users learn that.
     if isinstance(value, bool):
-        raise _fail(source, f"{where} must be a number, got {value!r}")
+        raise _fail(source, f"{where} must be a number, got {short_repr(value)}")
     try:
         out = float(value)
-    except (TypeError, ValueError):
-        raise _fail(source, f"{where} must be a number, got {value!r}") from None
-    if not out >= 0:
-        raise _fail(source, f"{where} must be a non-negative number, got {value!r}")
+    except (TypeError, ValueError, OverflowError):
+        raise _fail(source, f"{where} must be a number, got {short_repr(value)}") from None
+    # inf or NaN would make a gate that cannot fail
+    if not (math.isfinite(out) and out >= 0):
+        raise _fail(source, f"{where} must be a finite number >= 0, got {short_repr(value)}")
     return out
+
+
+def _check_name(name, source: Path) -> str:
+    """A recipe's name names the stage in tables, --stages lists and the file names of its record, log
+    and profile: letters, digits and . _ + - only, at most MAX_NAME_BYTES bytes of UTF-8."""
+    if not isinstance(name, str) or not name:
+        raise _fail(source, f"name must be a non-empty string, got {short_repr(name)}")
+    bad = next((c for c in name if not (c.isalnum() or c in "._+-")), None)
+    if bad is not None:
+        raise _fail(source, f"name {short_repr(name)} holds {short_repr(bad)}: a recipe name is part of file "
+                            "names and --stages lists, so it takes letters, digits and . _ + - only")
+    if len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+        raise _fail(source, f"name {short_repr(name)} is longer than {MAX_NAME_BYTES} bytes (it is part of "
+                            "file names)")
+    return name
 
 
 def _parse_pass(item, source: Path, i: int) -> PassSpec:
@@ -88,49 +111,87 @@ def _parse_pass(item, source: Path, i: int) -> PassSpec:
     elif isinstance(item, dict):
         extra = set(item) - {"name", "params"}
         if extra or "name" not in item:
-            raise _fail(source, f"passes[{i}] must be a pass name or {{name: ..., params: {{...}}}}, got {item!r}")
+            raise _fail(source, f"passes[{i}] must be a pass name or {{name: ..., params: {{...}}}}, "
+                                f"got {short_repr(item)}")
         name, params = item["name"], item.get("params") or {}
         if not isinstance(params, dict) or not all(isinstance(k, str) for k in params):
-            raise _fail(source, f"passes[{i}].params must be a mapping, got {params!r}")
+            raise _fail(source, f"passes[{i}].params must be a mapping, got {short_repr(params)}")
     else:
-        raise _fail(source, f"passes[{i}] must be a pass name or a mapping, got {item!r}")
+        raise _fail(source, f"passes[{i}] must be a pass name or a mapping, got {short_repr(item)}")
     if not isinstance(name, str) or name not in PASS_MODULES:
-        raise _fail(source, f"unknown pass {name!r}: known passes are {', '.join(sorted(PASS_MODULES))}")
+        raise _fail(source, f"unknown pass {short_repr(name)}: known passes are {', '.join(sorted(PASS_MODULES))}")
     _check_params(name, params, source)
     return PassSpec(name, dict(params))
 
 
+def _type_names(types: tuple) -> str:
+    names = {bool: "true/false", int: "an integer", float: "a number", str: "a string", dict: "a mapping",
+             list: "a list", type(None): "null"}
+    return " or ".join(names.get(t, t.__name__) for t in types)
+
+
+def _check_value(name: str, key: str, value, spec, source: Path) -> None:
+    """One parameter against its declared (types, allowed): allowed is None, a tuple of values, or a
+    function that raises UserError for a value it refuses."""
+    types, allowed = spec
+    types = types if isinstance(types, tuple) else (types,)
+    # YAML reads `yes` as true: a bool passes only where bool is declared, an int where a float is
+    ok = any(type(value) is t or (t is float and type(value) is int) for t in types)
+    if not ok:
+        raise _fail(source, f"pass {name!r}: parameter {short_repr(key)} must be {_type_names(types)}, "
+                            f"got {short_repr(value)}")
+    if allowed is None or value is None:
+        return
+    if callable(allowed):
+        try:
+            allowed(value)
+        except UserError as exc:
+            raise _fail(source, str(exc)) from None
+    elif value not in allowed:
+        raise _fail(source, f"pass {name!r}: parameter {short_repr(key)} must be one of "
+                            f"{', '.join(map(str, allowed))}, got {short_repr(value)}")
+
+
 def _check_params(name: str, params: dict, source: Path) -> None:
-    """Reject parameters the pass's `apply` does not take. A pass that cannot be imported here (its
-    kernel is not written yet, no Triton) is checked when it runs, and reported as unavailable then."""
+    """Check a pass's parameters before anything runs: the names against its `apply` signature (or its
+    declared PARAMS when `apply` takes **kwargs), the values against PARAMS' types and allowed values.
+    A pass that cannot be imported here (no Triton) is checked when it runs, and reported as unavailable
+    then."""
     try:
         module = get_pass(name)
     except ImportError:
         return
+    declared = getattr(module, "PARAMS", None)
     sig = inspect.signature(module.apply)
-    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+    if declared is not None:
+        known = list(declared)
+    elif any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
         return
-    known = [p for p in list(sig.parameters)[2:]]
+    else:
+        known = list(sig.parameters)[2:]
     unknown = sorted(set(params) - set(known))
     if unknown:
-        raise _fail(source, f"pass {name!r} takes no parameter {', '.join(map(repr, unknown))} "
+        raise _fail(source, f"pass {name!r} takes no parameter {', '.join(map(short_repr, unknown))} "
                             f"(it takes: {', '.join(known) or 'none'})")
+    for key, value in params.items():
+        if declared is not None:
+            _check_value(name, key, value, declared[key], source)
 
 
 def _parse_gate(raw, source: Path) -> dict[str, dict[str, float]]:
     if raw is None:
         return {}
     if not isinstance(raw, dict):
-        raise _fail(source, f"gate must map a precision to tolerances, got {raw!r}")
+        raise _fail(source, f"gate must map a precision to tolerances, got {short_repr(raw)}")
     out = {}
     for prec, tol in raw.items():
         if prec not in PRECISIONS:
-            raise _fail(source, f"gate: unknown precision {prec!r} (choose from {', '.join(PRECISIONS)})")
+            raise _fail(source, f"gate: unknown precision {short_repr(prec)} (choose from {', '.join(PRECISIONS)})")
         if not isinstance(tol, dict):
-            raise _fail(source, f"gate.{prec} must map {', '.join(GATE_KEYS)} to numbers, got {tol!r}")
-        bad = sorted(set(tol) - set(GATE_KEYS))
+            raise _fail(source, f"gate.{prec} must map {', '.join(GATE_KEYS)} to numbers, got {short_repr(tol)}")
+        bad = sorted(set(tol) - set(GATE_KEYS), key=str)
         if bad:
-            raise _fail(source, f"gate.{prec}: unknown key {bad[0]!r} (keys: {', '.join(GATE_KEYS)})")
+            raise _fail(source, f"gate.{prec}: unknown key {short_repr(bad[0])} (keys: {', '.join(GATE_KEYS)})")
         out[prec] = {k: _as_float(v, source, f"gate.{prec}.{k}") for k, v in tol.items()}
     return out
 
@@ -138,32 +199,25 @@ def _parse_gate(raw, source: Path) -> dict[str, dict[str, float]]:
 def load_recipe_file(path: Path, *, builtin: bool = False) -> Recipe:
     """Parse and validate one YAML file -> Recipe (its own passes; `extends` not followed yet)."""
     path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise UserError(f"cannot read recipe {path}: {exc.strerror or exc}") from None
-    except yaml.YAMLError as exc:
-        raise _fail(path, f"malformed YAML{yaml_error_text(exc)}") from None
+    raw = load_yaml_file(path, "recipe")
     if not isinstance(raw, dict):
         raise _fail(path, "must be a YAML mapping with name, extends, description and passes")
-    unknown = sorted(set(raw) - _TOP_KEYS)
+    unknown = sorted((k for k in raw if k not in _TOP_KEYS), key=str)
     if unknown:
-        raise _fail(path, f"unknown key {unknown[0]!r} (keys: {', '.join(sorted(_TOP_KEYS))})")
-    name = raw.get("name")
-    if not isinstance(name, str) or not name.strip() or "," in name or "/" in name:
-        raise _fail(path, f"name must be a non-empty string without ',' or '/', got {name!r}")
+        raise _fail(path, f"unknown key {short_repr(unknown[0])} (keys: {', '.join(sorted(_TOP_KEYS))})")
+    name = _check_name(raw.get("name"), path)
     extends = raw.get("extends")
     if extends is not None and not isinstance(extends, str):
-        raise _fail(path, f"extends must be a recipe name, a YAML path or null, got {extends!r}")
+        raise _fail(path, f"extends must be a recipe name, a YAML path or null, got {short_repr(extends)}")
     description = raw.get("description", "")
     if not isinstance(description, str):
-        raise _fail(path, f"description must be a string, got {description!r}")
+        raise _fail(path, f"description must be a string, got {short_repr(description)}")
     peer = raw.get("peer", False)
     if not isinstance(peer, bool):
-        raise _fail(path, f"peer must be true or false, got {peer!r}")
+        raise _fail(path, f"peer must be true or false, got {short_repr(peer)}")
     passes = raw.get("passes") or []
     if not isinstance(passes, list):
-        raise _fail(path, f"passes must be a list, got {passes!r}")
+        raise _fail(path, f"passes must be a list, got {short_repr(passes)}")
     return Recipe(name=name, extends=extends, description=description.strip(),
                   passes=[_parse_pass(p, path, i) for i, p in enumerate(passes)],
                   gate=_parse_gate(raw.get("gate"), path), peer=peer, source=path.resolve(), builtin=builtin)
@@ -203,13 +257,13 @@ class RecipeBook:
                 r = self.user_by_name[ref]
                 return str(r.source), r
             where = f" (in {base})" if base else ""
-            raise UserError(f"unknown recipe {ref!r}{where}: known recipes are {self.known()} "
+            raise UserError(f"unknown recipe {short_repr(ref)}{where}: known recipes are {self.known()} "
                             "(or give a path to a .yaml file)")
         path = Path(ref).expanduser()
         if base is not None and not path.is_absolute():
             path = base.parent / path
         if not path.is_file():
-            raise UserError(f"no such recipe file: {path}")
+            raise UserError(f"no such recipe file: {short_repr(str(path), 200)}")
         key = str(path.resolve())
         if key not in self.by_key:
             r = load_recipe_file(path)
@@ -313,7 +367,7 @@ def plan_stages(recipe: str, stages: list[str] | None = None, peers: bool = Fals
             raise UserError("--stages is empty: give stage names separated by commas")
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
-            raise UserError(f"--stages names {dup[0]!r} twice")
+            raise UserError(f"--stages names {short_repr(dup[0])} twice")
         plans = [StagePlan(book.chain(n)[-1], book.chain(n)) for n in names]
     else:
         plans = [StagePlan(r, main[: i + 1]) for i, r in enumerate(main)]

@@ -10,6 +10,8 @@ from ..precision import resolve_precision
 from . import PassContext, PassResult
 
 NAME = "amp"
+# parameter -> (type, allowed values); recipes.py checks a recipe against it when it is loaded
+PARAMS = {"dtype": (str, ("bf16", "fp16"))}
 
 
 def apply(model, ctx: PassContext, dtype: str = "bf16"):

@@ -9,6 +9,9 @@ from . import PassContext, PassResult
 
 NAME = "compile"
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# parameter -> (types, allowed values or a check); recipes.py checks a recipe against it when it is loaded
+PARAMS = {"mode": (str, MODES), "fullgraph": (bool, None), "dynamic": ((bool, type(None)), None),
+          "backend": (str, None), "inductor": ((dict, type(None)), lambda v: _check_inductor_options(v))}
 
 
 def _check_inductor_options(inductor) -> dict:

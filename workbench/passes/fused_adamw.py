@@ -14,6 +14,7 @@ from . import PassContext, PassResult, PassUnavailable, default_optimizer_factor
 
 NAME = "fused_adamw"
 IMPLS = ("auto", "apex", "torch")
+PARAMS = {"impl": (str, IMPLS)}   # parameter -> (type, allowed values), checked when a recipe is loaded
 
 
 def baseline_hyperparameters() -> dict:

@@ -53,6 +53,7 @@ def fused_window_attention_forward_table(self, x: torch.Tensor, mask: torch.Tens
 
 PATCHED_FORWARDS = (fused_window_attention_forward, fused_window_attention_forward_table)
 BIAS_MODES = ("gather", "table")
+PARAMS = {"bias": (str, BIAS_MODES)}   # parameter -> (type, allowed values), checked when a recipe is loaded
 
 
 def apply(model: torch.nn.Module, ctx: PassContext, bias: str = "table") -> tuple[torch.nn.Module, PassResult]:

@@ -54,6 +54,8 @@ from ._swin import merging_norm_goes_to_linear, mlp_input_goes_to_linear, norm_o
 
 NAME = "fused_layernorm"
 IMPLS = ("auto", "triton", "torch", "apex")
+# parameter -> (type, allowed values); recipes.py checks a recipe against it when it is loaded
+PARAMS = {"impl": (str, IMPLS), "fuse_residual": (bool, None)}
 # What `auto` picks on a GPU when apex is missing. Keep it the faster one on benchmarks/bench_layer_norm.py
 # (fwd+bwd, Swin-B shapes); set it to "torch" if the Triton kernel loses there.
 AUTO_GPU_IMPL = "triton"
