@@ -218,7 +218,9 @@ def _run_check(baseline, current, limit, drift, thresholds, force, fmt, output=N
     text = json.dumps(to_json(result), indent=2, default=str) if fmt == "json" else render_markdown(result)
     typer.echo(text)
     if output is not None:
-        output.write_text(text + "\n")
+        from workbench.files import atomic_write_text
+
+        _call(atomic_write_text, output, text + "\n")
     raise typer.Exit(result.exit_code)
 
 

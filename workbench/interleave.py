@@ -32,6 +32,8 @@ from typing import Callable
 
 import torch
 
+from .files import atomic_write_text
+
 BLOCK_STEPS = 3        # back-to-back steps per stage per round
 WARMUP_STEPS = 3       # untimed steps per stage after it is built (compiles, autotuning, graph capture)
 
@@ -193,9 +195,7 @@ def interleave_main(spec_path: str, result_path: str) -> int:
 
     spec = InterleaveSpec(**json.loads(Path(spec_path).read_text()))
     timings = run_interleaved_spec(spec, emit)
-    tmp = Path(result_path).with_suffix(".tmp")
-    tmp.write_text(json.dumps(timings))
-    tmp.replace(result_path)
+    atomic_write_text(result_path, json.dumps(timings))
     return 0
 
 

@@ -23,6 +23,7 @@ import json
 from pathlib import Path
 
 from .errors import UserError
+from .files import atomic_write_text
 
 SCHEMA = "swinbench.stage/1"
 
@@ -34,12 +35,8 @@ def short_dtype(name: str) -> str:
 
 def write_record(record: dict, folder: Path) -> Path:
     """Write `record` as `<folder>/<stage_index>-<stage>.json` (atomically: temp file, then rename)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{record['stage_index']:02d}-{record['stage']}.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(record, indent=2, sort_keys=False, default=str) + "\n")
-    tmp.replace(path)
-    return path
+    path = Path(folder) / f"{record['stage_index']:02d}-{record['stage']}.json"
+    return atomic_write_text(path, json.dumps(record, indent=2, sort_keys=False, default=str) + "\n")
 
 
 def read_records(paths) -> list[dict]:

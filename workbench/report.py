@@ -16,6 +16,7 @@ says so. Stages that FAIL the gate, are not available or ended in an error have 
 """
 from __future__ import annotations
 
+import io
 import math
 from pathlib import Path
 
@@ -24,6 +25,7 @@ import pandas as pd
 from .analysis import blocking_calls
 from .env import device_label
 from .errors import UserError
+from .files import atomic_write_bytes, atomic_write_text
 from .records import read_records, short_dtype
 
 COLUMNS = ["run_id", "stage", "extends", "status", "gate", "precision", "img_per_s", "step_ms", "step_iqr_ms",
@@ -237,9 +239,10 @@ def plot_category_shares(df: pd.DataFrame, path: Path) -> Path:
     ax.set_xlim(0, 100)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4, fontsize=8, frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=120)
     plt.close(fig)
-    return path
+    return atomic_write_bytes(path, png.getvalue())
 
 
 def _stage_pass_lines(rec: dict) -> list[str]:
@@ -485,17 +488,17 @@ def _interleaved_lines(records: list[dict]) -> list[str]:
             ""]
 
 
-def render_report(records: list[dict], out_path_md: Path) -> Path:
+def render_report(records: list[dict], out_path_md: Path, note: str | None = None) -> Path:
     """Write the Markdown report (and, if stages were profiled, `<name>-categories.png` beside it)
-    from stage records alone -> the .md path."""
+    from stage records alone -> the .md path. note: a line quoted under the title (a run that did not
+    finish says so)."""
     if not records:
         raise UserError("no stage records to report")
     out_path_md = Path(out_path_md)
-    out_path_md.parent.mkdir(parents=True, exist_ok=True)
     df = speedup_table(records)
     env = _env(records)
     first = records[0]
-    lines = [f"# {_title(records)}", ""]
+    lines = [f"# {_title(records)}", ""] + ([f"> {note}", ""] if note else [])
     if _is_cpu(records):
         lines += ["> **CPU — not a GPU speed figure.** These numbers come from the CPU (no GPU was used): "
                   "they show the workflow and the correctness gate, not what the recipes do on a GPU.", ""]
@@ -566,8 +569,7 @@ def render_report(records: list[dict], out_path_md: Path) -> Path:
     notes = _notes(records, df)
     if notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
-    out_path_md.write_text("\n".join(lines))
-    return out_path_md
+    return atomic_write_text(out_path_md, "\n".join(lines))
 
 
 def default_report_path(paths: list[Path]) -> Path:
