@@ -32,11 +32,12 @@ def _call(fn, *args, **kwargs):
     except UserError as exc:
         raise _fail(exc, exc.exit_code) from None
     except KeyboardInterrupt:
-        raise _fail(Exception("interrupted; what finished is written"), 130) from None
+        raise _fail(Exception("interrupted"), 130) from None
 
 
 Model = Annotated[Optional[str], typer.Option(help="timm Swin model name (default: swin_tiny_patch4_window7_224 on a GPU, the tiny 'swinbench_tiny_cpu' Swin on the CPU).")]
 Device = Annotated[str, typer.Option(help="auto (cuda if a GPU is visible, else cpu), cuda, cuda:N or cpu. CPU runs use the tiny Swin by default and are labelled CPU in every output.")]
+Overwrite = Annotated[bool, typer.Option("--overwrite", help="If --out holds an earlier run (or tables of another trace), move it aside to a '.previous-' sibling first (nothing is deleted). Without it such a folder is refused.")]
 
 
 @app.command()
@@ -150,7 +151,8 @@ def apply(
     seed: Annotated[int, typer.Option(help="Seed for weights and the synthetic batch (the same for every stage).")] = 0,
     peers: Annotated[Optional[bool], typer.Option("--peers/--no-peers", help="Also run the peer stages that extend the chain (torch-compile, fmha-compile). Default: on a GPU yes, on the CPU no.")] = None,
     isolate: Annotated[Optional[bool], typer.Option("--isolate/--no-isolate", help="Run each stage in its own process so allocator and compile caches don't leak between stages. Default: on a GPU yes.")] = None,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out: keep its finished stages (same model, batch, steps and settings) and run the rest.")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out: keep its finished stages (same stages, recipe, model, batch, steps and settings) and run the rest.")] = False,
+    overwrite: Overwrite = False,
     interleave: Annotated[int, typer.Option(help="After the stages, build the measured ones side by side in one process and time them again in this many rounds, in alternation, for paired speedups that a drifting host cannot move (0: off; 10-30 is typical). Needs every stage's memory at once.")] = 0,
 ):
     """Apply a staged optimization recipe, measuring, checking and profiling every stage."""
@@ -158,7 +160,8 @@ def apply(
 
     result = _call(run_apply, recipe, model=model, batch=batch, steps=steps, warmup=warmup, device=device,
                    out_dir=out, profile=profile, stages=stages.split(",") if stages else None, seed=seed,
-                   peers=peers, isolate=isolate, console=console, mode=mode, interleave=interleave, resume=resume)
+                   peers=peers, isolate=isolate, console=console, mode=mode, interleave=interleave, resume=resume,
+                   overwrite=overwrite)
     if check_against is not None:
         _run_check([check_against], [result.records_dir], _percent(max_regression), 2.0, thresholds, force, "md")
 
