@@ -55,13 +55,19 @@ def profile(
     recipe: Annotated[Optional[str], typer.Option(help="Profile the model as this recipe (name or YAML path) leaves it.")] = None,
     format: Annotated[str, typer.Option("--format", help="Machine-readable tables written beside the trace: csv | json.")] = "csv",
     top: Annotated[int, typer.Option(help="Rows per table before the tail is folded into 'other'.")] = 15,
+    overwrite: Overwrite = False,
 ):
     """Run a Swin model under Nsight Systems (or torch.profiler) and show where its GPU time goes."""
     from workbench.profile import run_profile
 
     _check_format(format)
     _call(run_profile, model=model, mode=mode, batch=batch, precision=precision, steps=steps, warmup=warmup,
-          device=device, backend=backend, out=out, nsys=nsys, recipe=recipe, fmt=format, top=top, console=console)
+          device=device, backend=backend, out=out, nsys=nsys, recipe=recipe, fmt=format, top=top, console=console,
+          overwrite=overwrite)
+
+
+def _note(text: str) -> None:
+    console.print(f"[yellow]note:[/] {text}", highlight=False)
 
 
 def _check_format(fmt: str, allowed=("csv", "json")) -> None:
