@@ -88,22 +88,24 @@ def analyze(
     top: Annotated[int, typer.Option(help="Rows per table before the tail is folded into 'other'.")] = 15,
     format: Annotated[Optional[str], typer.Option("--format", help="Also write the tables as csv or json.")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Folder for --format output (default: beside the trace).")] = None,
-    range: Annotated[Optional[str], typer.Option("--range", help="Only kernels launched inside this NVTX range (e.g. backward, stage2.block1).")] = None,
+    range: Annotated[Optional[str], typer.Option("--range", help="Only kernels launched inside this NVTX range (e.g. backward, stage2.block1); written tables carry it in their names (kernels.range-backward.csv).")] = None,
+    overwrite: Overwrite = False,
 ):
     """Where one trace's GPU time goes: per kernel, category and NVTX range.
 
     GPU time shares per kernel, category and NVTX range, GPU busy vs idle, and the host's CUDA API calls
     per step (launches, synchronizing and allocating calls)."""
-    from workbench.analyze import analyze_trace, render_analysis, write_analysis
+    from workbench.analyze import analysis_tables, analyze_trace, render_analysis, write_analysis
 
     _check_name_style(name)
+    folder = out or trace.parent
     if format is not None:
         _check_format(format)
+        _call(analysis_tables(folder, format, trace, range).check, overwrite)   # refuse before the work
     analysis = _call(analyze_trace, trace, name_style=name, range_name=range)
     render_analysis(analysis, console, top=top)
     if format:
-        folder = out or trace.parent
-        for f in _call(write_analysis, analysis, folder, format):
+        for f in _call(write_analysis, analysis, folder, format, trace=trace, overwrite=overwrite, on_note=_note):
             console.print(f"wrote {f}")
 
 
@@ -115,26 +117,28 @@ def diff(
     top: Annotated[int, typer.Option(help="Kernel rows before the tail is folded into 'other'.")] = 15,
     format: Annotated[Optional[str], typer.Option("--format", help="Also write the tables as csv or json.")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Folder for --format output (default: beside AFTER).")] = None,
-    range: Annotated[Optional[str], typer.Option("--range", help="Compare only kernels launched inside this NVTX range (e.g. backward), per instance of it.")] = None,
+    range: Annotated[Optional[str], typer.Option("--range", help="Compare only kernels launched inside this NVTX range (e.g. backward), per instance of it; written tables carry it in their names.")] = None,
+    overwrite: Overwrite = False,
 ):
     """Compare two traces kernel by kernel, per step, largest change first.
 
     GPU ms and launches per step for every kernel and category on both sides and the change, and the
     step's kernel time, kernel count, host launches and GPU busy."""
     from workbench.analyze import analyze_trace
-    from workbench.diff import diff_analyses, render_diff, write_diff
+    from workbench.diff import diff_analyses, diff_tables, render_diff, write_diff
 
     _check_name_style(name)
     if top < 1:
         raise _fail(UserError(f"--top must be at least 1, got {top}"), 2)
     if format is not None:
         _check_format(format)
+        _call(diff_tables(out or after.parent, format, before, after, range).check, overwrite)
     a = _call(analyze_trace, before, name_style=name, range_name=range)
     b = _call(analyze_trace, after, name_style=name, range_name=range)
     result = _call(diff_analyses, a, b, str(before), str(after))
     render_diff(result, console, top=top)
     if format:
-        for f in _call(write_diff, result, out or after.parent, format):
+        for f in _call(write_diff, result, out or after.parent, format, overwrite=overwrite, on_note=_note):
             console.print(f"wrote {f}")
 
 

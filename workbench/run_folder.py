@@ -56,6 +56,20 @@ def run_entries(folder: Path) -> list[Path]:
             if n != LOCK_NAME and any(fnmatch.fnmatchcase(n, p) for p in RUN_ENTRY_PATTERNS)]
 
 
+def check_writable_folder(folder) -> None:
+    """UserError (one line) unless `folder` is, or can be made as, a folder this process may write in:
+    not a file, and its nearest existing ancestor a writable folder. Creates nothing."""
+    probe = Path(os.path.abspath(folder))
+    if probe.exists() and not probe.is_dir():
+        raise UserError(f"cannot write to {folder}: it is a file, not a folder")
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise UserError(f"cannot write to {folder}: {probe} is a file, not a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write to {folder}: {probe} is not writable")
+
+
 def newest_time_tag(paths: list[Path]) -> str:
     """YYYYmmdd-HHMMSS of the newest modification among `paths` (the time an old run last wrote)."""
     times = []
