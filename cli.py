@@ -31,8 +31,8 @@ def _call(fn, *args, **kwargs):
         return fn(*args, **kwargs)
     except UserError as exc:
         raise _fail(exc, exc.exit_code) from None
-    except KeyboardInterrupt:
-        raise _fail(Exception("interrupted"), 130) from None
+    except KeyboardInterrupt as exc:   # workbench.errors.Interrupted says what was kept
+        raise _fail(Exception(str(exc) or "interrupted"), 130) from None
 
 
 Model = Annotated[Optional[str], typer.Option(help="timm Swin model name (default: swin_tiny_patch4_window7_224 on a GPU, the tiny 'swinbench_tiny_cpu' Swin on the CPU).")]

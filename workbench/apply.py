@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 
 from .env import device_label, environment_stamp
-from .errors import UserError
+from .errors import Interrupted, UserError
 from .gate import (GateOutputs, activation_dtypes, capture_parameters, compare, compute_reference, forward_backward,
                    weights_digest)
 from .models import check_model_name, default_model_for
@@ -461,8 +461,8 @@ def _refusal(out_dir: Path, entries: list[Path], dest: Path, plans, recipe, conf
     except UserError as exc:
         return f"{out_dir} holds an earlier run whose records cannot be read ({exc}); {moving}, or choose another --out"
     if not records:
-        return (f"{out_dir} holds an earlier run's files ({', '.join(e.name for e in entries)}); {moving}, "
-                "or choose another --out")
+        names = ", ".join(e.name for e in entries[:5]) + (", ..." if len(entries) > 5 else "")
+        return f"{out_dir} holds an earlier run's files ({names}); {moving}, or choose another --out"
     what = f"{out_dir} holds run {records[0].get('run_id')} ({len(records)} stage records)"
     diffs = _plan_differences(records, plans, recipe, config, **plan)
     if diffs:
@@ -473,9 +473,10 @@ def _refusal(out_dir: Path, entries: list[Path], dest: Path, plans, recipe, conf
 def _resumable(out_dir: Path, entries: list[Path], plans, recipe, config, **plan
                ) -> tuple[str | None, dict[tuple[int, str], dict]]:
     """(run id, finished records) of the run in out_dir that --resume continues: the records kept are
-    those with status ok or not available (an error is run again), {(stage_index, stage): record}. UserError, before anything is written, when that
-    run's plan differs from this one (_plan_differences) or the folder holds no stage records but other
-    files of a run (a report of records elsewhere)."""
+    those with status ok or not available (an error is run again), {(stage_index, stage): record}.
+    UserError, before anything is written, when that run's plan differs from this one
+    (_plan_differences) or the folder holds no stage records but other files of a run (a report of
+    records kept elsewhere)."""
     records_dir = out_dir / "records"
     records = _folder_records(records_dir)
     if not records:
@@ -530,8 +531,8 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
     refused when that run's plan differs (stages at their places, recipe, model, mode, batch, seed,
     device kind, steps, warm-up, profiling). The kept records keep their run id, which the new ones take too.
     overwrite: move the earlier run's files aside to `<out_dir>.previous-<its run id>` first.
-    Raises UserError (exit 1) after writing everything if a stage ended in an error, and UserError
-    (exit 130) on Ctrl-C or SIGTERM, after rewriting the report from the stages that finished.
+    Raises UserError (exit 1) after writing everything if a stage ended in an error, and Interrupted
+    (a KeyboardInterrupt) on Ctrl-C or SIGTERM, after rewriting the report from the stages that finished.
     """
     from rich.console import Console
 
@@ -688,7 +689,7 @@ def _unfinished_note(done: int, total: int, interrupted: bool = False) -> str:
 @contextmanager
 def _report_if_interrupted(records: list[dict], kept: dict, total: int, out_dir: Path):
     """On Ctrl-C (or SIGTERM, which the folder claim turns into one): rewrite the report from the
-    stages that finished, saying the run was interrupted, and end with a UserError (exit 130) that says
+    stages that finished, saying the run was interrupted, and raise Interrupted, whose message says
     where they are."""
     try:
         yield
@@ -697,15 +698,14 @@ def _report_if_interrupted(records: list[dict], kept: dict, total: int, out_dir:
 
         finished = _finished(records, kept)
         if not finished:
-            raise UserError(f"interrupted before any stage finished; nothing was measured ({out_dir})",
-                            exit_code=130) from None
+            raise Interrupted(f"interrupted before any stage finished; nothing was measured ({out_dir})") from None
         report = render_report(finished, out_dir / "report.md",
                                note=_unfinished_note(len(finished), total, interrupted=True))
         if len(finished) == total:
-            raise UserError(f"interrupted during the interleaved timing: every stage's record is in "
-                            f"{out_dir / 'records'}, report {report}", exit_code=130) from None
-        raise UserError(f"interrupted after {len(finished)} of {total} stages: their records are in "
-                        f"{out_dir / 'records'}, report {report} (--resume runs the rest)", exit_code=130) from None
+            raise Interrupted(f"interrupted during the interleaved timing: every stage's record is in "
+                              f"{out_dir / 'records'}, report {report}") from None
+        raise Interrupted(f"interrupted after {len(finished)} of {total} stages: their records are in "
+                          f"{out_dir / 'records'}, report {report} (--resume runs the rest)") from None
 
 
 class _NoProgress:
