@@ -153,6 +153,29 @@ def test_ctrl_c_keeps_the_finished_stages_and_says_so_in_the_report(tmp_path, sd
     assert not (out / LOCK_NAME).exists()
 
 
+def test_ctrl_c_as_a_stage_writes_its_record_counts_that_stage(tmp_path, sdpa, monkeypatch):
+    """A stage process can write its record in the instant before the interrupt reaches the parent:
+    the report and the message go by the records on disk."""
+    real_run_stage = workbench.apply.run_stage
+
+    def interrupted_once_written(spec, reference, on_event=None):
+        record = real_run_stage(spec, reference, on_event)
+        if spec.stage_index == 1:
+            raise KeyboardInterrupt
+        return record
+
+    monkeypatch.setattr(workbench.apply, "run_stage", interrupted_once_written)
+    third = tmp_path / "third.yaml"
+    third.write_text("name: third\nextends: baseline\ndescription: never reached\npasses: [sdpa_attention]\n")
+    out = tmp_path / "run"
+    result = runner.invoke(app, apply_args(out, f"baseline,{sdpa},{third}"))
+    assert result.exit_code == 130
+    assert result.output.strip().splitlines()[-1].startswith("error: interrupted after 2 of 3 stages")
+    assert sorted(p.name for p in (out / "records").iterdir()) == ["00-baseline.json", "01-sdpa.json"]
+    report = (out / "report.md").read_text()
+    assert "stopped after 2 of 3 stages" in report and "| sdpa |" in report
+
+
 # ---------------------------------------------------------------- profile
 
 

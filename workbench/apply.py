@@ -609,7 +609,12 @@ def _run_claimed(claim: FolderClaim, recipe: str, plans: list[StagePlan], config
                       f"({', '.join(name for _, name in sorted(kept))})")
 
     records: list[dict] = []
-    with _report_if_interrupted(records, kept, len(specs), out_dir), _progress(console, progress) as bar:
+    planned = {(spec.stage_index, spec.stage) for spec in specs}
+
+    def finished_now() -> list[dict]:   # after Ctrl-C: the records on disk, else those this process holds
+        return _finished_on_disk(records_dir, run_id, planned) or _finished(records, kept)
+
+    with _report_if_interrupted(finished_now, len(specs), out_dir), _progress(console, progress) as bar:
         run_task = bar.add_task("stages", total=len(specs)) if bar is not None else None
         reference = None
         for spec in specs:
@@ -677,8 +682,8 @@ def _finished(records: list[dict], kept: dict[tuple[int, str], dict]) -> list[di
 def _unfinished_note(done: int, total: int, interrupted: bool = False) -> str:
     """The line under a report's title while a run has not finished, or after it was interrupted."""
     if interrupted and done == total:
-        return ("**Interrupted** during the interleaved timing: every stage had finished; the rounds timed "
-                "before the stop are in the records.")
+        return (f"**Interrupted** after all {total} stages had finished; interleaved rounds timed before the "
+                "stop, if any, are in the records.")
     if interrupted:
         return (f"**Interrupted:** the run was stopped after {done} of {total} stages had finished; this report "
                 "holds those. The same command with `--resume` runs the rest.")
@@ -686,23 +691,37 @@ def _unfinished_note(done: int, total: int, interrupted: bool = False) -> str:
             "was still going, or was stopped).")
 
 
+def _finished_on_disk(records_dir: Path, run_id: str, planned: set[tuple[int, str]]) -> list[dict]:
+    """The records of this run's planned stages in records_dir, in stage order ([] if none can be read).
+    After Ctrl-C these are what finished: a stage process can write its record in the instant between
+    its last event and the interrupt, before the record reaches this process's list."""
+    from .records import read_records
+
+    try:
+        records = read_records([records_dir]) if records_dir.is_dir() else []
+    except UserError:
+        return []
+    ours = [r for r in records if r.get("run_id") == run_id and (r.get("stage_index"), r.get("stage")) in planned]
+    return sorted(ours, key=lambda r: r["stage_index"])
+
+
 @contextmanager
-def _report_if_interrupted(records: list[dict], kept: dict, total: int, out_dir: Path):
+def _report_if_interrupted(finished_now: Callable[[], list[dict]], total: int, out_dir: Path):
     """On Ctrl-C (or SIGTERM, which the folder claim turns into one): rewrite the report from the
-    stages that finished, saying the run was interrupted, and raise Interrupted, whose message says
-    where they are."""
+    stages that finished (finished_now()), saying the run was interrupted, and raise Interrupted, whose
+    message says where they are."""
     try:
         yield
     except KeyboardInterrupt:
         from .report import render_report
 
-        finished = _finished(records, kept)
+        finished = finished_now()
         if not finished:
             raise Interrupted(f"interrupted before any stage finished; nothing was measured ({out_dir})") from None
         report = render_report(finished, out_dir / "report.md",
                                note=_unfinished_note(len(finished), total, interrupted=True))
         if len(finished) == total:
-            raise Interrupted(f"interrupted during the interleaved timing: every stage's record is in "
+            raise Interrupted(f"interrupted after all {total} stages had finished: their records are in "
                               f"{out_dir / 'records'}, report {report}") from None
         raise Interrupted(f"interrupted after {len(finished)} of {total} stages: their records are in "
                           f"{out_dir / 'records'}, report {report} (--resume runs the rest)") from None
