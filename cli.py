@@ -37,12 +37,13 @@ def _call(fn, *args, **kwargs):
     except OSError as exc:   # a path the user gave that the system refuses (too long, no permission, disk full)
         where = f": {exc.filename}" if exc.filename else ""
         raise _fail(Exception(f"{exc.strerror or exc}{where}"), 2) from None
-    except KeyboardInterrupt:
-        raise _fail(Exception("interrupted; what finished is written"), 130) from None
+    except KeyboardInterrupt as exc:   # workbench.errors.Interrupted says what was kept
+        raise _fail(Exception(str(exc) or "interrupted"), 130) from None
 
 
 Model = Annotated[Optional[str], typer.Option(help="timm Swin model name (default: swin_tiny_patch4_window7_224 on a GPU, the tiny 'swinbench_tiny_cpu' Swin on the CPU).")]
 Device = Annotated[str, typer.Option(help="auto (cuda if a GPU is visible, else cpu), cuda, cuda:N or cpu. CPU runs use the tiny Swin by default and are labelled CPU in every output.")]
+Overwrite = Annotated[bool, typer.Option("--overwrite", help="If --out holds an earlier run (or tables of another trace), move it aside to a '.previous-' sibling first (nothing is deleted). Without it such a folder is refused.")]
 
 
 @app.command()
@@ -60,6 +61,7 @@ def profile(
     recipe: Annotated[Optional[str], typer.Option(help="Profile the model as this recipe (name or YAML path) leaves it.")] = None,
     format: Annotated[str, typer.Option("--format", help="Machine-readable tables written beside the trace: csv | json.")] = "csv",
     top: Annotated[int, typer.Option(help="Rows per table before the tail is folded into 'other'.")] = 15,
+    overwrite: Overwrite = False,
 ):
     """Run a Swin model under Nsight Systems (or torch.profiler) and show where its GPU time goes (on the CPU: its CPU operator time)."""
     from workbench.profile import run_profile
@@ -67,7 +69,12 @@ def profile(
     _check_format(format)
     _check_top(top)
     _call(run_profile, model=model, mode=mode, batch=batch, precision=precision, steps=steps, warmup=warmup,
-          device=device, backend=backend, out=out, nsys=nsys, recipe=recipe, fmt=format, top=top, console=console)
+          device=device, backend=backend, out=out, nsys=nsys, recipe=recipe, fmt=format, top=top, console=console,
+          overwrite=overwrite)
+
+
+def _note(text: str) -> None:
+    console.print(f"[yellow]note:[/] {text}", highlight=False)
 
 
 def _check_format(fmt: str, allowed=("csv", "json")) -> None:
@@ -123,23 +130,25 @@ def analyze(
     top: Annotated[int, typer.Option(help="Rows per table before the tail is folded into 'other'.")] = 15,
     format: Annotated[Optional[str], typer.Option("--format", help="Also write the tables as csv or json.")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Folder for --format output (default: beside the trace).")] = None,
-    range: Annotated[Optional[str], typer.Option("--range", help="Only kernels launched inside this NVTX range (e.g. backward, stage2.block1).")] = None,
+    range: Annotated[Optional[str], typer.Option("--range", help="Only kernels launched inside this NVTX range (e.g. backward, stage2.block1); written tables carry it in their names (kernels.range-backward.csv).")] = None,
+    overwrite: Overwrite = False,
 ):
     """Where one trace's GPU time goes (a CPU capture's: CPU operator time): per kernel, category and NVTX range.
 
     GPU time shares per kernel, category and NVTX range, GPU busy vs idle, and the host's CUDA API calls
     per step (launches, synchronizing and allocating calls)."""
-    from workbench.analyze import analyze_trace, render_analysis, write_analysis
+    from workbench.analyze import analysis_tables, analyze_trace, render_analysis, write_analysis
 
     _check_name_style(name)
     _check_top(top)
+    folder = out or trace.parent
     if format is not None:
         _check_format(format)
+        _call(analysis_tables(folder, format, trace, range).check, overwrite)   # refuse before the work
     analysis = _call(analyze_trace, trace, name_style=name, range_name=range)
     render_analysis(analysis, console, top=top)
     if format:
-        folder = out or trace.parent
-        for f in _call(write_analysis, analysis, folder, format):
+        for f in _call(write_analysis, analysis, folder, format, trace=trace, overwrite=overwrite, on_note=_note):
             console.print(f"wrote {f}")
 
 
@@ -151,7 +160,8 @@ def diff(
     top: Annotated[int, typer.Option(help="Kernel rows before the tail is folded into 'other'.")] = 15,
     format: Annotated[Optional[str], typer.Option("--format", help="Also write the tables as csv or json.")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Folder for --format output (default: beside AFTER).")] = None,
-    range: Annotated[Optional[str], typer.Option("--range", help="Compare only kernels launched inside this NVTX range (e.g. backward), per instance of it.")] = None,
+    range: Annotated[Optional[str], typer.Option("--range", help="Compare only kernels launched inside this NVTX range (e.g. backward), per instance of it; written tables carry it in their names.")] = None,
+    overwrite: Overwrite = False,
 ):
     """Compare two traces kernel by kernel, per step, largest change first.
 
@@ -159,19 +169,20 @@ def diff(
     step's kernel time, kernel count, host launches and GPU busy (for two CPU captures: CPU operators,
     op time and CPU busy)."""
     from workbench.analyze import analyze_trace
-    from workbench.diff import diff_analyses, render_diff, write_diff
+    from workbench.diff import diff_analyses, diff_tables, render_diff, write_diff
 
     _check_name_style(name)
     if top < 1:
         raise _fail(UserError(f"--top must be at least 1, got {top}"), 2)
     if format is not None:
         _check_format(format)
+        _call(diff_tables(out or after.parent, format, before, after, range).check, overwrite)
     a = _call(analyze_trace, before, name_style=name, range_name=range)
     b = _call(analyze_trace, after, name_style=name, range_name=range)
     result = _call(diff_analyses, a, b, str(before), str(after))
     render_diff(result, console, top=top)
     if format:
-        for f in _call(write_diff, result, out or after.parent, format):
+        for f in _call(write_diff, result, out or after.parent, format, overwrite=overwrite, on_note=_note):
             console.print(f"wrote {f}")
 
 
@@ -194,7 +205,8 @@ def apply(
     seed: Annotated[int, typer.Option(help="Seed for weights and the synthetic batch (the same for every stage).")] = 0,
     peers: Annotated[Optional[bool], typer.Option("--peers/--no-peers", help="Also run the peer stages that extend the chain (torch-compile, fmha-compile). Default: on a GPU yes, on the CPU no.")] = None,
     isolate: Annotated[Optional[bool], typer.Option("--isolate/--no-isolate", help="Run each stage in its own process so allocator and compile caches don't leak between stages. Default: on a GPU yes.")] = None,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out: keep its finished stages (same model, batch, steps and settings) and run the rest.")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out: keep its finished stages (same stages, recipe, model, batch, steps and settings) and run the rest.")] = False,
+    overwrite: Overwrite = False,
     interleave: Annotated[Optional[int], typer.Option(help="After the stages, build the measured ones side by side in one process and time them again in this many rounds, in alternation, for paired speedups that a drifting host cannot move (0: off; 10-30 is typical on a GPU). Needs every stage's memory at once. Default: 3 rounds on the CPU, off on a GPU.")] = None,
 ):
     """Apply a staged optimization recipe, measuring, checking and profiling every stage."""
@@ -203,7 +215,8 @@ def apply(
     limit = _check_inputs_before_apply(check_against, thresholds, max_regression)
     result = _call(run_apply, recipe, model=model, batch=batch, steps=steps, warmup=warmup, device=device,
                    out_dir=out, profile=profile, stages=stages.split(",") if stages else None, seed=seed,
-                   peers=peers, isolate=isolate, console=console, mode=mode, interleave=interleave, resume=resume)
+                   peers=peers, isolate=isolate, console=console, mode=mode, interleave=interleave, resume=resume,
+                   overwrite=overwrite)
     if check_against is not None:
         _run_check([check_against], [result.records_dir], limit, 2.0, thresholds, force, "md")
 

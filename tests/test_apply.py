@@ -202,7 +202,7 @@ def test_resume_refuses_a_different_experiment(tmp_path):
     out = tmp_path / "run"
     run_apply("baseline", **{**RUN, "steps": 1, "warmup": 0}, out_dir=out, stages=["baseline"],
               console=Console(file=io.StringIO()))
-    with pytest.raises(UserError, match="differs: batch 2 \\(there\\) vs 4"):
+    with pytest.raises(UserError, match="differs from this plan: batch 2 there vs 4"):
         run_apply("baseline", **{**RUN, "steps": 1, "warmup": 0, "batch": 4}, out_dir=out, stages=["baseline"],
                   console=Console(file=io.StringIO()), resume=True)
     with pytest.raises(UserError, match="--resume needs --out"):

@@ -53,7 +53,6 @@ FUZZ = settings(max_examples=20, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                        HealthCheck.filter_too_much])
 
-XFAIL_OUTDIR = pytest.mark.xfail(reason="outdir branch: output folder safety, atomic writes", strict=False)
 
 
 # ---------------------------------------------------------------- the sandbox and the invariants
@@ -119,7 +118,9 @@ def check_invariants(case: Case, before: dict, code: int, output: str, command: 
         assert command == "check" and ("REGRESSED" in output or "FAIL gate" in output), output[-2000:]
     assert "Traceback" not in output, output[-3000:]
     out_rel = str(out.relative_to(case.root))
-    outside = lambda snap: {k: v for k, v in snap.items() if not _under(k, out_rel)}  # noqa: E731
+    # the output folder, and where --overwrite moves an earlier run in it aside (<out>.previous-<id>)
+    mine = lambda k: _under(k, out_rel) or k.split("/")[0].startswith(f"{out_rel}.previous-")  # noqa: E731
+    outside = lambda snap: {k: v for k, v in snap.items() if not mine(k)}  # noqa: E731
     assert outside(after) == outside(before), "a file outside the output folder changed"
     lost = set(before.values()) - set(after.values())
     assert not lost, f"content lost: {[k for k, v in before.items() if v in lost]}"
@@ -694,11 +695,11 @@ def test_file_that_is_not_a_database(fuzz_root):
 
 
 @pytest.mark.parametrize("command", [
-    pytest.param("analyze", id="analyze", marks=XFAIL_OUTDIR),
-    pytest.param("diff", id="diff", marks=XFAIL_OUTDIR),
-    pytest.param("report", id="report", marks=XFAIL_OUTDIR),
-    pytest.param("check", id="check-output", marks=XFAIL_OUTDIR),
-    pytest.param("apply", id="apply", marks=XFAIL_OUTDIR),
+    pytest.param("analyze", id="analyze"),
+    pytest.param("diff", id="diff"),
+    pytest.param("report", id="report"),
+    pytest.param("check", id="check-output"),
+    pytest.param("apply", id="apply"),
 ])
 def test_unwritable_out(fuzz_root, command):
     """--out below a regular file (root can write anywhere, but not there): refused, nothing lost."""
@@ -720,8 +721,8 @@ def test_unwritable_out(fuzz_root, command):
 @pytest.mark.parametrize("what", [
     pytest.param("recipe name", id="recipe-name"),
     pytest.param("trace path", id="trace-path"),
-    pytest.param("out folder", id="out-folder", marks=XFAIL_OUTDIR),
-    pytest.param("recipe file stem", id="recipe-file-stem", marks=XFAIL_OUTDIR),
+    pytest.param("out folder", id="out-folder"),
+    pytest.param("recipe file stem", id="recipe-file-stem"),
 ])
 def test_over_long_names(fuzz_root, what):
     long = "x" * 300
@@ -742,7 +743,6 @@ def test_over_long_names(fuzz_root, what):
             assert outcome.code in (0, 2)
 
 
-@XFAIL_OUTDIR
 def test_existing_run_is_not_overwritten(fuzz_root):
     """A second run into a folder that holds a run: refused without --overwrite; with it, the old run is
     moved aside (the content check in run_cli finds every old file's bytes after the run)."""
@@ -754,7 +754,6 @@ def test_existing_run_is_not_overwritten(fuzz_root):
         assert run_cli(case, [*args, "--overwrite"]).code == 0
 
 
-@XFAIL_OUTDIR
 def test_resume_with_another_plan_is_refused(fuzz_root):
     with sandbox(fuzz_root) as case, stubbed_stages():
         assert run_cli(case, ["apply", "--stages", "baseline,amp", "--out", case.out, *APPLY_FAST]).code == 0

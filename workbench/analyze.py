@@ -11,8 +11,11 @@ dropped as broken are in trace_meta["warnings"], shown above the tables and writ
 """
 from __future__ import annotations
 
+import csv
 import json
 import math
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +27,7 @@ from rich.table import Table
 from workbench import analysis as A
 from workbench.errors import UserError
 from workbench.labels import DeviceWords, trace_words
+from workbench.files import atomic_write_text
 from workbench.trace import Trace, load_trace
 
 NAME_STYLES = {"demangled": "name", "short": "short_name"}
@@ -280,32 +284,129 @@ def _records(df: pd.DataFrame) -> list[dict]:
     return json.loads(df.to_json(orient="records"))
 
 
-def write_frames(frames: dict[str, pd.DataFrame], out_dir, fmt: str, *, csv_prefix: str = "",
-                 json_name: str, meta: dict) -> list[Path]:
-    """csv: one `<csv_prefix><name>.csv` per frame; json: one `json_name` holding `meta` and every frame
-    as a list of records (NaN as null). Returns the paths written."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if fmt == "csv":
-        paths = []
-        for name, df in frames.items():
-            path = out / f"{csv_prefix}{name}.csv"
-            df.to_csv(path, index=False)
-            paths.append(path)
-        return paths
-    if fmt == "json":
-        path = out / json_name
-        doc = {**meta, **{k: _records(v) for k, v in frames.items()}}
-        path.write_text(json.dumps(doc, indent=1, default=str))
-        return [path]
-    raise UserError(f"unknown output format {fmt!r}: use csv or json")
+def tables_suffix(range_name: str | None) -> str:
+    """What a table's file name carries between its name and extension: '' for a whole trace,
+    '.range-<name>' for tables of one NVTX range (characters a file name cannot hold become '_')."""
+    if range_name is None:
+        return ""
+    return ".range-" + (re.sub(r"[^A-Za-z0-9._-]+", "_", range_name).strip(".") or "_")
 
 
-def write_analysis(analysis: Analysis, out_dir, fmt: str = "csv") -> list[Path]:
+def trace_origin(trace, out_dir) -> str:
+    """How a table in `out_dir` names the trace it was made from: its path relative to out_dir (so a
+    folder of tables can move with its trace), or absolute when there is no relative path."""
+    try:
+        return os.path.relpath(Path(trace).resolve(), Path(out_dir).resolve())
+    except ValueError:
+        return str(Path(trace).resolve())
+
+
+def _origin_of(path: Path, keys: list[str]) -> dict | None:
+    """The origin (trace, range) an existing table file names: {key: value}; {} for a CSV with the origin
+    columns but no rows (nothing to lose); None when the file names none (written by an older swinbench,
+    or not a table of ours) or cannot be read."""
+    try:
+        if path.suffix == ".json":
+            doc = json.loads(path.read_text())
+            if not isinstance(doc, dict) or not all(k in doc for k in keys):
+                return None
+            return {k: doc[k] or "" for k in keys}
+        with open(path, newline="") as fh:
+            reader = csv.DictReader(fh)
+            if not reader.fieldnames or not all(k in reader.fieldnames for k in keys):
+                return None
+            row = next(reader, None)
+            return {} if row is None else {k: row[k] or "" for k in keys}
+    except (OSError, UnicodeDecodeError, ValueError, csv.Error):
+        return None
+
+
+@dataclass
+class TableFiles:
+    """The files one set of tables is written to, and what they are of.
+
+    csv: `<out>/<csv_prefix><name><suffix>.csv` per table name; json: `<out>/<json_stem><suffix>.json`
+    holding them all. suffix: tables_suffix(origin['trace_range']). origin ({'trace': trace_origin(...),
+    'trace_range': range or None}; a diff has before_trace and after_trace) is written into every table:
+    as its last CSV columns, as top-level JSON keys. Rewriting tables of the same origin is fine; tables
+    of another origin, or naming none, are not replaced without `overwrite` (which moves them aside into
+    `<out>/previous-<their time>/`)."""
+
+    out: Path
+    fmt: str
+    names: list[str]
+    origin: dict[str, str | None]
+    csv_prefix: str = ""
+    json_stem: str = "analysis"
+
+    def paths(self) -> dict[str, Path]:
+        suffix = tables_suffix(self.origin.get("trace_range"))
+        if self.fmt == "json":
+            return {"*": self.out / f"{self.json_stem}{suffix}.json"}
+        return {name: self.out / f"{self.csv_prefix}{name}{suffix}.csv" for name in self.names}
+
+    def _ours(self) -> dict[str, str]:
+        return {k: "" if v is None else str(v) for k, v in self.origin.items()}
+
+    def check(self, overwrite: bool = False) -> list[Path]:
+        """Before any work: UserError (one line) when the folder cannot take the tables, or tables of
+        another origin are in the way and `overwrite` is not given -> the paths in the way."""
+        if self.fmt not in ("csv", "json"):
+            raise UserError(f"unknown output format {self.fmt!r}: use csv or json")
+        from .run_folder import check_writable_folder
+
+        check_writable_folder(self.out)
+        ours = self._ours()
+        others = [p for p in self.paths().values() if p.exists() and _origin_of(p, list(ours)) not in ({}, ours)]
+        if others and not overwrite:
+            theirs = _origin_of(others[0], list(ours))
+            what = (f"tables of another trace or range ({', '.join(f'{k} {v!r}' for k, v in theirs.items() if v)})"
+                    if theirs else "tables that do not name their trace")
+            raise UserError(f"{others[0]} holds {what}; nothing was written: --overwrite moves them aside, "
+                            "or choose another --out")
+        return others
+
+    def write(self, frames: dict[str, pd.DataFrame], meta: dict, *, overwrite: bool = False,
+              on_note=None) -> list[Path]:
+        """Write `frames` (keys: self.names), each file atomically, after check(); a JSON file holds `meta`
+        and every frame as a list of records (NaN as null). on_note(line) hears where tables in the way
+        were moved. Returns the paths written."""
+        if self.check(overwrite):
+            from .run_folder import move_aside, newest_time_tag
+
+            existing = [p for p in self.paths().values() if p.exists()]
+            dest = move_aside(existing, self.out / f"previous-{newest_time_tag(existing)}")
+            if on_note:
+                on_note(f"moved the earlier tables aside to {dest}")
+        ours = self._ours()
+        paths = self.paths()
+        if self.fmt == "json":
+            doc = {**meta, **ours, **{k: _records(v) for k, v in frames.items()}}
+            return [atomic_write_text(paths["*"], json.dumps(doc, indent=1, default=str))]
+        return [atomic_write_text(paths[name], df.assign(**ours).to_csv(index=False)) for name, df in frames.items()]
+
+
+ANALYSIS_TABLES = ["kernels", "categories", "ranges", "busy", "api"]
+
+
+def analysis_tables(out_dir, fmt: str, trace, range_name: str | None) -> TableFiles:
+    """Where write_analysis puts the tables of `trace` (scoped to range_name) in out_dir; `.check()` it
+    before analyzing, so a refusal comes before the work."""
+    origin = {"trace": trace_origin(trace, out_dir), "trace_range": range_name}
+    return TableFiles(Path(out_dir), fmt, ANALYSIS_TABLES, origin, json_stem="analysis")
+
+
+def write_analysis(analysis: Analysis, out_dir, fmt: str = "csv", *, trace=None, overwrite: bool = False,
+                   on_note=None) -> list[Path]:
     """csv: kernels.csv, categories.csv, ranges.csv, busy.csv, api.csv; json: one analysis.json with every
-    frame as a list of records plus backend and meta. Returns the paths written."""
+    frame as a list of records plus backend and meta. Tables of one range carry it in their names
+    (kernels.range-backward.csv); every table names its trace (`trace`, relative to out_dir; default the
+    path the analysis was read from) and range (`trace_range`, empty for the whole trace), and tables of
+    another trace are not replaced without `overwrite` (see TableFiles). Returns the paths written."""
     frames = {"kernels": analysis.kernels, "categories": analysis.categories, "ranges": analysis.ranges, "busy": analysis.busy}
     if analysis.api is not None:
         frames["api"] = analysis.api
-    return write_frames(frames, out_dir, fmt, json_name="analysis.json",
-                        meta={"backend": analysis.backend, "meta": analysis.trace_meta})
+    source = trace if trace is not None else analysis.trace_meta.get("path")
+    tables = analysis_tables(out_dir, fmt, source, analysis.trace_meta.get("range_name"))
+    return tables.write(frames, {"backend": analysis.backend, "meta": analysis.trace_meta}, overwrite=overwrite,
+                        on_note=on_note)

@@ -34,6 +34,7 @@ import subprocess
 import sys
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -42,13 +43,15 @@ import torch
 
 from .env import device_label, environment_stamp
 from .events import EVENT_PREFIX
-from .errors import UserError
+from .errors import Interrupted, UserError
 from .gate import (GateOutputs, activation_dtypes, capture_parameters, compare, compute_reference, forward_backward,
                    weights_digest)
 from .models import check_model_name, default_model_for
 from .interleave import InterleaveSpec, add_round, apply_chain, interleaved_entries, run_interleaved_spec, spec_json
+from .files import atomic_write_text
 from .records import SCHEMA, read_record, write_record
 from .recipes import StagePlan, as_jsonable, effective_passes, gate_tolerance, plan_stages, resolve_chain
+from .run_folder import FolderClaim, claim_run_folder, newest_time_tag, previous_folder, run_entries
 from .timing import time_steps
 from .workload import Workload, WorkloadConfig, pick_device, resolve_device
 
@@ -186,9 +189,8 @@ def run_stage(spec: StageSpec, reference: GateOutputs, on_event: Callable[[dict]
         record.update(status="error", error=str(exc))
     except Exception as exc:  # a broken kernel must not take the other stages down; the log has the traceback
         record.update(status="error", error=f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}")
-        log = out_dir / "logs" / f"{spec.stage_index:02d}-{spec.stage}.traceback.txt"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        log.write_text(traceback.format_exc())
+        log = atomic_write_text(out_dir / "logs" / f"{spec.stage_index:02d}-{spec.stage}.traceback.txt",
+                                traceback.format_exc())
         record["notes"].append(f"traceback in {log}")
     finally:
         if workload is not None and workload.ctx.compile:
@@ -288,20 +290,34 @@ def _stream(module: str, args: list[str], log_path: Path, on_event: Callable[[di
     cmd, env = python_module_command(module, *args)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-        for line in proc.stdout:
-            if line.startswith(EVENT_PREFIX):
-                on_event(json.loads(line[len(EVENT_PREFIX):]))
-            else:
-                log.write(line)
-        return proc.wait()
+        try:
+            for line in proc.stdout:
+                if line.startswith(EVENT_PREFIX):
+                    on_event(json.loads(line[len(EVENT_PREFIX):]))
+                else:
+                    log.write(line)
+            return proc.wait()
+        finally:
+            _end(proc)   # on Ctrl-C: the child must not write on after this run has released its folder
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """Stop `proc` if it still runs: SIGTERM, then SIGKILL after 10 s."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _run_isolated(spec: StageSpec, on_event: Callable[[dict], None]) -> dict:
     """Run a stage in a fresh interpreter; its stdout events drive progress, the rest goes to a log."""
     out_dir = Path(spec.out_dir)
-    (out_dir / "logs").mkdir(parents=True, exist_ok=True)
-    spec_path = out_dir / "logs" / f"{spec.stage_index:02d}-{spec.stage}.spec.json"
-    spec_path.write_text(json.dumps(asdict(spec), indent=2))
+    spec_path = atomic_write_text(out_dir / "logs" / f"{spec.stage_index:02d}-{spec.stage}.spec.json",
+                                  json.dumps(asdict(spec), indent=2))
     log_path = out_dir / "logs" / f"{spec.stage_index:02d}-{spec.stage}.log"
     record_path = None
 
@@ -375,9 +391,8 @@ def _interleave(records: list[dict], specs: list[StageSpec], config: WorkloadCon
     try:
         if isolate:
             logs = out_dir / "logs"
-            logs.mkdir(parents=True, exist_ok=True)
             spec_path, result_path = logs / "interleave.spec.json", logs / "interleave.result.json"
-            spec_path.write_text(spec_json(ispec))
+            atomic_write_text(spec_path, spec_json(ispec))
             result_path.unlink(missing_ok=True)
             rc = _stream("workbench.interleave", [str(spec_path), str(result_path)], logs / "interleave.log",
                          on_event)
@@ -402,38 +417,97 @@ def _interleave(records: list[dict], specs: list[StageSpec], config: WorkloadCon
     save(timings, rounds)
 
 
-def _resumable(records_dir: Path, config: WorkloadConfig, *, steps: int, warmup: int, profile: bool
-               ) -> dict[tuple[int, str], dict]:
-    """The finished records in records_dir that a resumed run can keep: {(stage_index, stage): record}.
-    Finished: status ok or not available (an error is run again). They must match the run being resumed
-    in model, mode, batch, seed, device kind, steps, warm-up and profiling; any other difference, or
-    records of two runs, is a UserError (resuming would mix experiments)."""
+def _plan_differences(records: list[dict], plans: list[StagePlan], recipe: str, config: WorkloadConfig, *,
+                      steps: int, warmup: int, profile: bool) -> list[str]:
+    """What keeps the stage records of a run folder from being continued by the run planned now, one
+    phrase each ([]: it can be resumed): records of several runs, stages not in this plan (at their place
+    in it), another recipe, model, mode, batch, seed or device kind, and for measured stages other steps,
+    warm-up or no profile where one is asked for."""
+    diffs: dict[str, str] = {}
+    runs = sorted({str(r.get("run_id")) for r in records})
+    if len(runs) > 1:
+        diffs["runs"] = f"records of {len(runs)} runs ({', '.join(runs[:3])})"
+    planned = {(i, p.name) for i, p in enumerate(plans)}
+    other = [f"{r.get('stage_index')}:{r.get('stage')}" for r in records
+             if (r.get("stage_index"), r.get("stage")) not in planned]
+    if other:
+        listed = ", ".join(other[:4]) + (f" and {len(other) - 4} more" if len(other) > 4 else "")
+        diffs["stages"] = (f"stages {listed} there, not in this plan "
+                           f"({', '.join(f'{i}:{p.name}' for i, p in enumerate(plans))})")
+    want = {"recipe": str(recipe), "model": config.model, "mode": config.mode, "batch": config.batch,
+            "seed": config.seed}
+    device_type = "cuda" if str(config.device).startswith("cuda") else "cpu"
+    for rec in records:
+        for key, value in want.items():
+            if rec.get(key) != value:
+                diffs.setdefault(key, f"{key} {rec.get(key)!r} there vs {value!r}")
+        there = (rec.get("env") or {}).get("device_type")
+        if there != device_type:
+            diffs.setdefault("device", f"device {there} there vs {device_type}")
+        timing = rec.get("timing") or {}
+        if rec.get("status") == "ok" and (timing.get("repeats"), timing.get("warmup")) != (steps, warmup):
+            diffs.setdefault("steps", f"steps/warm-up {timing.get('repeats')}/{timing.get('warmup')} there "
+                                      f"vs {steps}/{warmup}")
+        if rec.get("status") == "ok" and profile and not rec.get("profile"):
+            diffs.setdefault("profile", f"stage {rec.get('stage')} not profiled there")
+    return list(diffs.values())
+
+
+def _folder_records(records_dir: Path) -> list[dict]:
+    """The stage records in records_dir ([] when it has none)."""
     from .records import read_records
 
     if not records_dir.is_dir() or not any(records_dir.glob("*.json")):
-        return {}
-    records = [r.to_dict() for r in read_records([records_dir])]
-    runs = {r["run_id"] for r in records}
-    if len(runs) > 1:
-        raise UserError(f"{records_dir} holds records of {len(runs)} runs; resume one run's folder")
-    want = {"model": config.model, "mode": config.mode, "batch": config.batch, "seed": config.seed}
-    device_type = "cuda" if str(config.device).startswith("cuda") else "cpu"
+        return []
+    return [r.to_dict() for r in read_records([records_dir])]   # dicts, as apply holds them
+
+
+def _refusal(out_dir: Path, entries: list[Path], dest: Path, plans, recipe, config, **plan) -> str:
+    """The one line said when out_dir holds an earlier run and neither --resume nor --overwrite was given:
+    --resume is offered only when that run's plan is this one's, else what differs is named."""
+    moving = f"nothing was changed: --overwrite moves it aside to {dest}"
+    try:
+        records = _folder_records(out_dir / "records")
+    except UserError as exc:
+        return f"{out_dir} holds an earlier run whose records cannot be read ({exc}); {moving}, or choose another --out"
+    if not records:
+        names = ", ".join(e.name for e in entries[:5]) + (", ..." if len(entries) > 5 else "")
+        return f"{out_dir} holds an earlier run's files ({names}); {moving}, or choose another --out"
+    what = f"{out_dir} holds run {records[0].get('run_id')} ({len(records)} stage records)"
+    diffs = _plan_differences(records, plans, recipe, config, **plan)
+    if diffs:
+        return f"{what} of another plan ({'; '.join(diffs)}); {moving}, or choose another --out"
+    return f"{what}; {moving}, --resume continues it, or choose another --out"
+
+
+def _resumable(out_dir: Path, entries: list[Path], plans, recipe, config, **plan
+               ) -> tuple[str | None, dict[tuple[int, str], dict]]:
+    """(run id, finished records) of the run in out_dir that --resume continues: the records kept are
+    those with status ok or not available (an error is run again), {(stage_index, stage): record}.
+    UserError, before anything is written, when that run's plan differs from this one
+    (_plan_differences) or the folder holds no stage records but other files of a run (a report of
+    records kept elsewhere)."""
+    records_dir = out_dir / "records"
+    records = _folder_records(records_dir)
+    if not records:
+        others = [e.name for e in entries if e.name not in ("logs", "reference.pt", "reference.tmp")
+                  and not e.name.startswith(".")]
+        if others:
+            raise UserError(f"cannot resume {out_dir}: it holds no stage records, only {', '.join(others)}; "
+                            "nothing was changed (--overwrite moves them aside)")
+        return None, {}
+    diffs = _plan_differences(records, plans, recipe, config, **plan)
+    if diffs:
+        dest = previous_folder(out_dir, _earlier_run_id(records_dir) or newest_time_tag(entries))
+        raise UserError(f"cannot resume {out_dir}: its run {records[0].get('run_id')} differs from this plan: "
+                        f"{'; '.join(diffs)}; nothing was changed: --overwrite moves it aside to {dest}, "
+                        "or choose another --out")
     kept = {}
     for rec in records:
-        differs = [f"{k} {rec.get(k)!r} (there) vs {v!r}" for k, v in want.items() if rec.get(k) != v]
-        if (rec.get("env") or {}).get("device_type") != device_type:
-            differs.append(f"device {(rec.get('env') or {}).get('device_type')} (there) vs {device_type}")
-        timing = rec.get("timing") or {}
-        if rec["status"] == "ok" and (timing.get("repeats"), timing.get("warmup")) != (steps, warmup):
-            differs.append(f"steps/warm-up {timing.get('repeats')}/{timing.get('warmup')} (there) vs {steps}/{warmup}")
-        if rec["status"] == "ok" and profile and not rec.get("profile"):
-            differs.append("not profiled there")
-        if differs:
-            raise UserError(f"cannot resume {records_dir}: stage {rec['stage']} differs: {'; '.join(differs)}")
         if rec["status"] in ("ok", "not available"):
             rec["_path"] = str(records_dir / f"{rec['stage_index']:02d}-{rec['stage']}.json")
             kept[(rec["stage_index"], rec["stage"])] = rec
-    return kept
+    return records[0].get("run_id"), kept
 
 
 # ---------------------------------------------------------------- the run
@@ -449,7 +523,7 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
               out_dir: Path | None = None, profile: bool = False, stages: list[str] | None = None, seed: int = 0,
               progress: bool = True, console=None, isolate: bool | None = None,
               peers: bool | None = None, mode: str = "train", interleave: int | None = None,
-              resume: bool = False) -> ApplyResult:
+              resume: bool = False, overwrite: bool = False) -> ApplyResult:
     """Run every stage of `recipe` (baseline first), write one record per stage and the report.
 
     recipe: a built-in name or a YAML path. stages: explicit stage names instead of the chain.
@@ -463,15 +537,18 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
     on a GPU.
     progress: show where the run is: rich bars on a terminal, else (a CI log) one plain line as each
     stage starts and ends.
-    resume: keep the stages that `out_dir` already holds a finished record of (same stage in the same
-    place of the plan, same model, mode, batch, seed, device kind, steps, warm-up and profiling) and run
-    only the others; the kept records keep their run id, which the new ones take too.
-    Raises UserError (exit 2) after writing everything if a stage ended in an error (exit 1 is only
-    for a regression that `swinbench check` measures).
+    out_dir: the run's folder (default reports/runs/<run id>), locked while the run writes it
+    (`run_folder.claim_run_folder`). A folder that holds an earlier run is refused (UserError, nothing
+    changed) unless `resume` or `overwrite` says what to do with it.
+    resume: keep the stages that `out_dir` already holds a finished record of and run only the others;
+    refused when that run's plan differs (stages at their places, recipe, model, mode, batch, seed,
+    device kind, steps, warm-up, profiling). The kept records keep their run id, which the new ones take too.
+    overwrite: move the earlier run's files aside to `<out_dir>.previous-<its run id>` first.
+    Raises UserError (exit 2) after writing everything if a stage ended in an error (exit 1 is only for a
+    regression that `swinbench check` measures), and Interrupted (a KeyboardInterrupt) on Ctrl-C or
+    SIGTERM, after rewriting the report from the stages that finished.
     """
     from rich.console import Console
-
-    from .report import activation_dtype_changes, render_report, render_speedup_table
 
     console = console or Console()
     if steps < 1 or warmup < 0:
@@ -493,18 +570,47 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
         raise UserError("--resume needs --out: the folder of the run to resume")
     out_dir = Path(out_dir) if out_dir else Path("reports") / "runs" / run_id
     records_dir = out_dir / "records"
+    plan = dict(steps=steps, warmup=warmup, profile=profile)
+    claim = claim_run_folder(
+        out_dir, command="apply", overwrite=overwrite, keep=resume,
+        refusal=lambda entries, dest: _refusal(out_dir, entries, dest, plans, recipe, config, **plan),
+        previous_tag=lambda entries: _earlier_run_id(records_dir) or newest_time_tag(entries))
+    with claim:
+        return _run_claimed(claim, recipe, plans, config, run_id, records_dir, console=console, resume=resume,
+                            steps=steps, warmup=warmup, profile=profile, isolate=isolate, on_gpu=on_gpu,
+                            interleave=interleave, asked_interleave=asked_interleave, progress=progress)
+
+
+def _earlier_run_id(records_dir: Path) -> str | None:
+    """The run id in the first readable record of records_dir (to name the folder it is moved aside to)."""
+    for path in sorted(records_dir.glob("*.json")) if records_dir.is_dir() else []:
+        try:
+            run_id = json.loads(path.read_text()).get("run_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(run_id, str) and run_id:
+            return run_id
+    return None
+
+
+def _run_claimed(claim: FolderClaim, recipe: str, plans: list[StagePlan], config: WorkloadConfig, run_id: str,
+                 records_dir: Path, *, console, resume: bool, steps: int, warmup: int, profile: bool,
+                 isolate: bool, on_gpu: bool, interleave: int, asked_interleave: bool,
+                 progress: bool) -> ApplyResult:
+    """run_apply's work once its folder is claimed: every stage, the interleaved rounds, the report."""
+    from .report import activation_dtype_changes, render_report, render_speedup_table
+
+    out_dir = claim.folder
+    dev = resolve_device(config.device)
+    for note in claim.notes:
+        console.print(f"[yellow]note:[/] {note}", highlight=False)
     kept: dict[tuple[int, str], dict] = {}
     if resume:
-        planned = {(i, p.name) for i, p in enumerate(plans)}
-        kept = {key: rec for key, rec in _resumable(records_dir, config, steps=steps, warmup=warmup,
-                                                    profile=profile).items() if key in planned}
-        run_id = next(iter(kept.values()))["run_id"] if kept else run_id
-    records_dir.mkdir(parents=True, exist_ok=True)
-    for stale in records_dir.glob("*.json"):   # a re-used folder must not mix two runs in one report
-        if not any(stale.name == f"{i:02d}-{name}.json" for i, name in kept):
-            stale.unlink()
+        earlier_id, kept = _resumable(out_dir, run_entries(out_dir), plans, recipe, config, steps=steps,
+                                      warmup=warmup, profile=profile)
+        run_id = earlier_id or run_id
     if not on_gpu:
-        console.print(f"[yellow]note:[/] {device_label(environment_stamp(dev))}: {model}'s CPU step "
+        console.print(f"[yellow]note:[/] {device_label(environment_stamp(dev))}: {config.model}'s CPU step "
                       "times show the workflow, not what the recipes do on a GPU")
         if interleave and not asked_interleave and len(plans) > 1:
             console.print(f"[yellow]note:[/] on the CPU the stages are timed again in alternation after they run "
@@ -524,7 +630,12 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
 
     records: list[dict] = []
     plain = progress and not console.is_terminal   # a CI log: one line per stage as it starts and ends
-    with _progress(console, progress and not plain) as bar:
+    planned = {(spec.stage_index, spec.stage) for spec in specs}
+
+    def finished_now() -> list[dict]:   # after Ctrl-C: the records on disk, else those this process holds
+        return _finished_on_disk(records_dir, run_id, planned) or _finished(records, kept)
+
+    with _report_if_interrupted(finished_now, len(specs), out_dir), _progress(console, progress and not plain) as bar:
         run_task = bar.add_task("stages", total=len(specs)) if bar is not None else None
         reference = None
         for spec in specs:
@@ -560,7 +671,9 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
             records.append(record)
             if plain:
                 _line(console, f"stage {spec.stage_index + 1}/{len(specs)} {spec.stage}: {_outcome(record)}")
-            render_report(records, out_dir / "report.md")  # what has finished, should the run stop here
+            finished = _finished(records, kept)   # the report holds what has finished, should the run stop here
+            render_report(finished, out_dir / "report.md",
+                          note=_unfinished_note(len(finished), len(specs)) if len(finished) < len(specs) else None)
             if bar is not None:
                 bar.update(step_task, visible=False)
                 bar.advance(run_task)
@@ -602,6 +715,60 @@ def _outcome(record: dict) -> str:
     rate = record.get("img_per_s")
     rate = f"{rate:,.1f} img/s" if isinstance(rate, (int, float)) else "not timed"
     return f"ok, {rate}, gate {(record.get('gate') or {}).get('status', 'SKIP')}"
+
+
+def _finished(records: list[dict], kept: dict[tuple[int, str], dict]) -> list[dict]:
+    """The records of the stages run so far and the kept ones (a resumed run's) not yet reached, in stage order."""
+    done = {(r["stage_index"], r["stage"]) for r in records}
+    return sorted(records + [r for key, r in kept.items() if key not in done], key=lambda r: r["stage_index"])
+
+
+def _unfinished_note(done: int, total: int, interrupted: bool = False) -> str:
+    """The line under a report's title while a run has not finished, or after it was interrupted."""
+    if interrupted and done == total:
+        return (f"**Interrupted** after all {total} stages had finished; interleaved rounds timed before the "
+                "stop, if any, are in the records.")
+    if interrupted:
+        return (f"**Interrupted:** the run was stopped after {done} of {total} stages had finished; this report "
+                "holds those. The same command with `--resume` runs the rest.")
+    return (f"**Incomplete:** {done} of {total} stages had finished when this report was written (the run "
+            "was still going, or was stopped).")
+
+
+def _finished_on_disk(records_dir: Path, run_id: str, planned: set[tuple[int, str]]) -> list[dict]:
+    """The records of this run's planned stages in records_dir, in stage order ([] if none can be read).
+    After Ctrl-C these are what finished: a stage process can write its record in the instant between
+    its last event and the interrupt, before the record reaches this process's list."""
+    from .records import read_records
+
+    try:
+        records = [r.to_dict() for r in read_records([records_dir])] if records_dir.is_dir() else []
+    except UserError:
+        return []
+    ours = [r for r in records if r.get("run_id") == run_id and (r.get("stage_index"), r.get("stage")) in planned]
+    return sorted(ours, key=lambda r: r["stage_index"])
+
+
+@contextmanager
+def _report_if_interrupted(finished_now: Callable[[], list[dict]], total: int, out_dir: Path):
+    """On Ctrl-C (or SIGTERM, which the folder claim turns into one): rewrite the report from the
+    stages that finished (finished_now()), saying the run was interrupted, and raise Interrupted, whose
+    message says where they are."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        from .report import render_report
+
+        finished = finished_now()
+        if not finished:
+            raise Interrupted(f"interrupted before any stage finished; nothing was measured ({out_dir})") from None
+        report = render_report(finished, out_dir / "report.md",
+                               note=_unfinished_note(len(finished), total, interrupted=True))
+        if len(finished) == total:
+            raise Interrupted(f"interrupted after all {total} stages had finished: their records are in "
+                              f"{out_dir / 'records'}, report {report}") from None
+        raise Interrupted(f"interrupted after {len(finished)} of {total} stages: their records are in "
+                          f"{out_dir / 'records'}, report {report} (--resume runs the rest)") from None
 
 
 class _NoProgress:

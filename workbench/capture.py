@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from .errors import UserError
+from .files import atomic_write_text
 from .trace.nsys_sqlite import NSYS_FOLDERS, find_nsys
 from .workload import WorkloadConfig
 
@@ -69,9 +70,7 @@ def _worker_spec(config: WorkloadConfig, recipe: str | None, steps: int, warmup:
                  out_dir: Path, torch_trace: Path | None = None) -> Path:
     spec = {"config": asdict(config), "recipe": recipe, "steps": steps, "warmup": warmup,
             "marker": marker, "out_dir": str(out_dir), "torch_trace": str(torch_trace) if torch_trace else None}
-    path = out_dir / "capture_spec.json"
-    path.write_text(json.dumps(spec, indent=2))
-    return path
+    return atomic_write_text(out_dir / "capture_spec.json", json.dumps(spec, indent=2))
 
 
 def _first_error(log: Path) -> str:
@@ -111,9 +110,13 @@ def capture_nsys(config: WorkloadConfig, recipe: str | None, out_dir: Path, step
             raise UserError("nsys wrote only trace.qdstrm: its QdstrmImporter could not make a report "
                             "(on many images it lacks libdw/libelf; see docs/gpu-machine.md)")
         raise UserError(f"nsys wrote no report (see {log})")
-    sqlite = out_dir / "trace.sqlite"
-    _run([nsys, "export", "--type", "sqlite", "--force-overwrite", "true", "-o", str(sqlite), str(rep)],
-         log, "nsys export")
+    sqlite, tmp = out_dir / "trace.sqlite", out_dir / ".trace.export.sqlite"   # renamed once complete
+    try:
+        _run([nsys, "export", "--type", "sqlite", "--force-overwrite", "true", "-o", str(tmp), str(rep)],
+             log, "nsys export")
+        tmp.replace(sqlite)
+    finally:
+        tmp.unlink(missing_ok=True)
     return sqlite
 
 

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -14,6 +15,8 @@ from pathlib import Path
 import torch
 
 from .env import environment_stamp
+from .errors import UserError
+from .files import atomic_write_text
 from .ranges import RangeMarker, annotate_modules
 from .timing import time_steps
 from .workload import Workload, WorkloadConfig
@@ -51,7 +54,7 @@ def run_capture(config: WorkloadConfig, recipe: str | None, *, steps: int, warmu
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         with torch.profiler.profile(activities=activities) as prof:
             timing = time_steps(lambda i: workload.step(warmup + i), warmup=0, repeats=steps, device=device)
-        prof.export_chrome_trace(str(torch_trace))
+        _export_chrome_trace(prof, Path(torch_trace))
     else:
         torch.cuda.profiler.start()
         timing = time_steps(lambda i: workload.step(warmup + i), warmup=0, repeats=steps, device=device)
@@ -59,8 +62,20 @@ def run_capture(config: WorkloadConfig, recipe: str | None, *, steps: int, warmu
     run = {"config": asdict(config), "recipe": recipe, "passes": passes, "warmup": warmup, "steps": steps,
            "backend": "nsys" if marker == "nvtx" else "torch", "env": environment_stamp(device),
            "timing_under_profiler": timing.to_dict(), "marker_note": workload.marker.note}
-    (Path(out_dir) / "run.json").write_text(json.dumps(run, indent=2, default=str) + "\n")
+    atomic_write_text(Path(out_dir) / "run.json", json.dumps(run, indent=2, default=str) + "\n")
     return run
+
+
+def _export_chrome_trace(prof, path: Path) -> None:
+    """The profiler's Kineto trace to `path`, whole or not at all (exported beside it, then renamed)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        prof.export_chrome_trace(str(tmp))
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def main(argv: list[str]) -> int:

@@ -31,7 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 from workbench.analysis import api_summary, fold_tail, stack_devices
-from workbench.analyze import Analysis, write_frames
+from workbench.analyze import Analysis, TableFiles, trace_origin
 from workbench.errors import UserError
 from workbench.labels import DeviceWords, GPU_WORDS, pair_words
 
@@ -59,6 +59,7 @@ class TraceDiff:
     warnings: list[str] = field(default_factory=list)
     devices: list[int] = field(default_factory=list)
     device_steps: dict[int, tuple[int, int]] = field(default_factory=dict)
+    range_name: str | None = None    # the NVTX range both sides were scoped to, None for whole traces
 
 
 def _steps(analysis: Analysis) -> int | None:
@@ -131,6 +132,9 @@ def diff_analyses(before: Analysis, after: Analysis, before_label: str = "before
     """The per-kernel and per-category differences of two analyses (see the module doc)."""
     if before.trace_meta.get("name_style") != after.trace_meta.get("name_style"):
         raise UserError("the two analyses name kernels differently (demangled against short)")
+    if before.trace_meta.get("range_name") != after.trace_meta.get("range_name"):
+        raise UserError("the two analyses cover different ranges "
+                        f"({before.trace_meta.get('range_name')!r} against {after.trace_meta.get('range_name')!r})")
     devices = _devices(before, after, before_label, after_label)
     steps_b, steps_a = _steps(before), _steps(after)
     units = before.trace_meta.get("api_unit"), after.trace_meta.get("api_unit")
@@ -152,7 +156,7 @@ def diff_analyses(before: Analysis, after: Analysis, before_label: str = "before
     if devices is not None:
         return _diff_per_device(before, after, devices, unit, per,
                                 TraceDiff(before_label, after_label, unit, per, None, None, None, notes, words,
-                                          warnings, devices))
+                                          warnings, devices, range_name=before.trace_meta.get("range_name")))
     kernels = _joined(before.kernels, after.kernels, "kernel", per)[KERNEL_COLUMNS]
     categories = _joined(before.categories, after.categories, "category", per)[CATEGORY_COLUMNS]
     rows = [
@@ -164,7 +168,8 @@ def diff_analyses(before: Analysis, after: Analysis, before_label: str = "before
     ]
     summary = pd.DataFrame(rows, columns=["metric", "before", "after"])
     summary["delta"] = summary["after"] - summary["before"]
-    return TraceDiff(before_label, after_label, unit, per, kernels, categories, summary, notes, words, warnings)
+    return TraceDiff(before_label, after_label, unit, per, kernels, categories, summary, notes, words, warnings,
+                     range_name=before.trace_meta.get("range_name"))
 
 
 def _diff_per_device(before: Analysis, after: Analysis, devices: list[int], unit: str, per: tuple[int, int],
@@ -257,9 +262,23 @@ def _render_kernel_tables(kernels: pd.DataFrame, categories: pd.DataFrame, per: 
     console.print(t)
 
 
-def write_diff(diff: TraceDiff, out_dir, fmt: str = "csv") -> list[Path]:
-    """diff_kernels / diff_categories / diff_summary as csv, or one diff.json with all three and the meta."""
+def diff_tables(out_dir, fmt: str, before, after, range_name: str | None) -> TableFiles:
+    """Where write_diff puts the tables of `before` against `after` (scoped to range_name) in out_dir;
+    `.check()` it before analyzing, so a refusal comes before the work."""
+    origin = {"before_trace": trace_origin(before, out_dir), "after_trace": trace_origin(after, out_dir),
+              "trace_range": range_name}
+    return TableFiles(Path(out_dir), fmt, ["kernels", "categories", "summary"], origin, csv_prefix="diff_",
+                      json_stem="diff")
+
+
+def write_diff(diff: TraceDiff, out_dir, fmt: str = "csv", *, overwrite: bool = False, on_note=None) -> list[Path]:
+    """diff_kernels / diff_categories / diff_summary as csv, or one diff.json with all three and the meta.
+    Tables of a range carry it in their names (diff_kernels.range-backward.csv); every table names both
+    traces (before_trace, after_trace: relative to out_dir; diff.before and diff.after are their paths)
+    and the range (trace_range), and tables of other traces are not replaced without `overwrite` (see
+    analyze.TableFiles)."""
     frames = {"kernels": diff.kernels, "categories": diff.categories, "summary": diff.summary}
     meta = {"before": diff.before, "after": diff.after, "unit": diff.unit, "steps": list(diff.steps), "notes": diff.notes,
             "warnings": diff.warnings, "devices": diff.devices}
-    return write_frames(frames, out_dir, fmt, csv_prefix="diff_", json_name="diff.json", meta=meta)
+    tables = diff_tables(out_dir, fmt, diff.before, diff.after, diff.range_name)
+    return tables.write(frames, meta, overwrite=overwrite, on_note=on_note)

@@ -9,6 +9,11 @@ class UserError(Exception):
         self.exit_code = exit_code
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (or SIGTERM) that a command handled: what had finished is written, and the message says
+    where. Still a KeyboardInterrupt for callers; the CLI prints the message and exits 130."""
+
+
 def yaml_error_text(exc: Exception) -> str:
     """' (line N): problem' for a yaml.YAMLError, on one line, to follow 'malformed YAML' in a UserError."""
     mark = getattr(exc, "problem_mark", None)

@@ -12,6 +12,7 @@ from rich.console import Console
 
 from .capture import capture_nsys, capture_torch, resolve_backend
 from .errors import UserError
+from .run_folder import claim_run_folder
 from .models import check_model_name, default_model_for
 from .precision import resolve_precision
 from .workload import WorkloadConfig, pick_device, resolve_device
@@ -35,10 +36,14 @@ def default_run_name(config: WorkloadConfig, recipe: str | None) -> str:
 
 def run_profile(*, model: str | None, mode: str, batch: int, precision: str, steps: int, warmup: int,
                 device: str, backend: str, out: Path | None, nsys: str | None = None, recipe: str | None = None,
-                fmt: str = "csv", top: int = 15, console: Console | None = None) -> ProfileResult:
-    """Capture `steps` steps after `warmup`, analyze the trace, print the tables and write them beside it."""
-    from .analyze import analyze_trace, render_analysis, write_analysis
+                fmt: str = "csv", top: int = 15, console: Console | None = None,
+                overwrite: bool = False) -> ProfileResult:
+    """Capture `steps` steps after `warmup`, analyze the trace, print the tables and write them beside it.
 
+    out: the folder (default profiles/<model-mode-precision-batch-time>/), locked while the capture
+    writes it. A folder that holds an earlier profile or run is refused (UserError, nothing changed)
+    unless `overwrite`, which moves that run's files aside to `<out>.previous-<its time>` first
+    (`run_folder.claim_run_folder`)."""
     console = console or Console()
     if steps < 1 or warmup < 0:
         raise UserError("--steps must be at least 1 and --warmup at least 0")
@@ -58,10 +63,21 @@ def run_profile(*, model: str | None, mode: str, batch: int, precision: str, ste
                       "(timings and shares are CPU figures, not GPU ones)")
     chosen, nsys_path, note = resolve_backend(backend, dev, nsys)
     out_dir = Path(out) if out else Path("profiles") / default_run_name(config, recipe)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    notes = [note] if note else []
-    for n in notes:
-        console.print(f"[yellow]note:[/] {n}")
+    with claim_run_folder(out_dir, command="profile", overwrite=overwrite) as claim:
+        notes = [note] if note else []
+        for n in notes + claim.notes:
+            console.print(f"[yellow]note:[/] {n}", highlight=False)
+        return _capture_and_analyze(config, recipe, out_dir, chosen, nsys_path, steps=steps, warmup=warmup,
+                                    fmt=fmt, top=top, notes=notes, console=console)
+
+
+def _capture_and_analyze(config: WorkloadConfig, recipe: str | None, out_dir: Path, chosen: str,
+                         nsys_path: str | None, *, steps: int, warmup: int, fmt: str, top: int, notes: list[str],
+                         console: Console) -> ProfileResult:
+    """run_profile's work once its folder is claimed: the capture, the tables printed and written."""
+    from .analyze import analyze_trace, render_analysis, write_analysis
+
+    mode, precision, batch = config.mode, config.precision, config.batch
     label = "Nsight Systems" if chosen == "nsys" else "torch.profiler"
     with _phase(console, f"capturing {config.model} {mode} {precision} batch {batch}: "
                          f"{warmup} warm-up + {steps} captured steps under {label}"):
@@ -75,7 +91,7 @@ def run_profile(*, model: str | None, mode: str, batch: int, precision: str, ste
     render_analysis(analysis, console, top=top)
     files = [p for p in (out_dir / "trace.nsys-rep", trace, out_dir / "run.json", out_dir / "capture.log",
                          out_dir / "nsys.log") if p.exists()]
-    files += write_analysis(analysis, out_dir, fmt)
+    files += write_analysis(analysis, out_dir, fmt, trace=trace)
     console.print(f"[bold]{label}[/] backend; files written:")
     for f in files:
         console.print(f"  {f}")

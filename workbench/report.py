@@ -19,6 +19,7 @@ labelled "mixed" in the title, and each row then names its model and device.
 """
 from __future__ import annotations
 
+import io
 import math
 from pathlib import Path
 
@@ -27,6 +28,7 @@ import pandas as pd
 from .analysis import blocking_calls
 from .env import device_label
 from .errors import UserError
+from .files import atomic_write_bytes, atomic_write_text
 from .labels import record_words
 from .records import Interleaved, PairedRatio, StageRecord, as_records, read_records, short_dtype
 from .significance import NS_MARK, NS_NOTE, paired_significant, speedup_significant
@@ -299,9 +301,10 @@ def plot_category_shares(df: pd.DataFrame, path: Path, what: str = "GPU kernel t
     ax.set_xlim(0, 100)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4, fontsize=8, frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=120)
     plt.close(fig)
-    return path
+    return atomic_write_bytes(path, png.getvalue())
 
 
 def _stage_pass_lines(rec: StageRecord) -> list[str]:
@@ -591,17 +594,17 @@ def _config_rows(records: list[StageRecord]) -> list[tuple[str, object]]:
     ]
 
 
-def render_report(records, out_path_md: Path) -> Path:
+def render_report(records, out_path_md: Path, note: str | None = None) -> Path:
     """Write the Markdown report (and, if stages were profiled, `<name>-categories.png` beside it)
-    from stage records alone -> the .md path."""
+    from stage records alone -> the .md path. note: a line quoted under the title (a run that did not
+    finish says so)."""
     if not records:
         raise UserError("no stage records to report")
     records = as_records(records)
     out_path_md = Path(out_path_md)
-    out_path_md.parent.mkdir(parents=True, exist_ok=True)
     df = speedup_table(records)
     first = records[0]
-    lines = [f"# {_title(records)}", ""]
+    lines = [f"# {_title(records)}", ""] + ([f"> {note}", ""] if note else [])
     if _is_cpu(records):
         lines += ["> **CPU — not a GPU speed figure.** These numbers come from the CPU (no GPU was used): "
                   "they show the workflow and the correctness gate, not what the recipes do on a GPU.", ""]
@@ -662,8 +665,7 @@ def render_report(records, out_path_md: Path) -> Path:
     notes = _notes(records, df)
     if notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
-    out_path_md.write_text("\n".join(lines))
-    return out_path_md
+    return atomic_write_text(out_path_md, "\n".join(lines))
 
 
 def default_report_path(paths: list[Path]) -> Path:
