@@ -33,7 +33,6 @@ Kernels run on the GPU, and on the CPU with TRITON_INTERPRET=1 set before this m
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import torch
@@ -566,38 +565,10 @@ class AddLayerNormFunction(torch.autograd.Function):
         return dsum.to(x_dtype), dsum.to(r_dtype), dw, db, None, None
 
 
-# Experiment, off by default (SWINBENCH_LN_VIA_WINDOW=1 turns it on): layer_norm and add_layer_norm, in eager
-# mode and with both parameters, run window.py's LayerNorm kernels on the rows as an (M, 1, 1, C) map of 1x1
-# windows, where the shift and partition are the identity. Those kernels have the window ops' tuned backward
-# (a tile's rows summed within each thread for dweight/dbias, an evenly loaded grid, several rows of column
-# sums, programmatic dependent launch). Timed side by side on the H200 (benchmarks/diag_layer_norm_route.py,
-# 2026-12-01, Swin-B shapes, fwd+bwd): 1.01-1.69x less GPU time (bf16 stage 3: 37.6 -> 22.3 µs), but 13-25%
-# more time per plain call on that host, where eager steps are host-bound (the window host path and its PDL
-# launches cost more than this module's). So off by default until that host path is as lean.
-LN_VIA_WINDOW = os.environ.get("SWINBENCH_LN_VIA_WINDOW", "0") == "1"
-_VIA_WINDOW_MAX_COLS = 2048  # the window kernels hold a whole row per program; Swin's widest is 1536
-
-
-def _via_window(x: torch.Tensor, weight, bias) -> bool:
-    return (LN_VIA_WINDOW and weight is not None and bias is not None and 0 < x.shape[-1] <= _VIA_WINDOW_MAX_COLS
-            and x.numel() > 0 and not torch.compiler.is_compiling())
-
-
-def _window_kernels():
-    """workbench.kernels.window, imported on first use: it builds on this module."""
-    from . import window
-    return window
-
-
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                eps: float = 1e-5, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """F.layer_norm(x, (C,), weight, bias, eps) for x (..., C) fp32/fp16/bf16; output in out_dtype (default
     x.dtype), rounded once from fp32; dx comes back in x.dtype."""
-    if _via_window(x, weight, bias):
-        _check(x, weight, bias)
-        y = _window_kernels().norm_shift_partition(x.reshape(-1, 1, 1, x.shape[-1]), weight, bias, float(eps), 1, 0,
-                                                   out_dtype)
-        return y.view(x.shape)
     return LayerNormFunction.apply(x, weight, bias, float(eps), out_dtype)
 
 
@@ -635,12 +606,6 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
     """(s, F.layer_norm(s, (C,), weight, bias, eps)) with s = x + residual, both (..., C), in one pass.
     s is in the promoted dtype of x and residual, and so is the normalized output unless y_dtype says
     otherwise (rounded once from fp32, the bits `.to(y_dtype)` would give); both are differentiable."""
-    if _via_window(x, weight, bias) and x.shape == residual.shape:
-        _check(x, weight, bias)
-        rows = (-1, 1, 1, x.shape[-1])
-        s, y = _window_kernels().add_norm_shift_partition(x.reshape(rows), residual.reshape(rows), weight, bias,
-                                                          float(eps), 1, 0, y_dtype)
-        return s.view(x.shape), y.view(x.shape)
     return AddLayerNormFunction.apply(x, residual, weight, bias, float(eps), y_dtype)
 
 
