@@ -48,9 +48,6 @@ from ._swin import attn_input_goes_to_linear, inactive, norm_output_dtype, squar
 from .fused_layernorm import add_norm2, norm2_output_dtype
 
 NAME = "fused_window"
-# merge_add_norm where fused_layernorm's add+norm2 is kept (eager); False: merge_roll, then add_layer_norm
-# (benchmarks/bench_host.py --parts paired times the two in one process as fmha and fmha+nomergenorm)
-MERGE_ADD_NORM = True
 
 
 def _window_attention_windows(self, x: torch.Tensor, pending: torch.Tensor | None = None):
@@ -131,7 +128,7 @@ def swin_block_forward_fused_window_add_norm2(self, x: torch.Tensor, pending: to
         return _unfused(self, x, pending, defer)
     attn_windows, ws, shift, x = out
     B, H, W, C = x.shape
-    if MERGE_ADD_NORM and inactive(self.drop_path1, self.training) and not torch.compiler.is_compiling():
+    if inactive(self.drop_path1, self.training) and not torch.compiler.is_compiling():
         x, h = _merge_add_norm2(self, attn_windows, x, ws, shift)
     else:
         branch = self.drop_path1(merge_roll(attn_windows, ws, shift, H, W))
