@@ -596,11 +596,6 @@ def norm_shift_partition_bwd(
                      raw_sums)[::2]
 
 
-# Experiment knob (benchmarks/diag_window_launch.py): half parameters' gradients cast by the sum_partials launch in
-# the PDL chain (True) or by torch's cast, a plain launch after the backward (False).
-PDL_CAST = True
-
-
 def _norm_grads(sums: torch.Tensor, weight, bias) -> tuple:
     """(dweight, dbias) from the fp32 column sums, (2C,) or the (rows, 2C) the backward left them in
     (raw_sums), as layer_norm.split_norm_grads gives them. Rows are added up by one sum_partials launch,
@@ -610,7 +605,7 @@ def _norm_grads(sums: torch.Tensor, weight, bias) -> tuple:
     rows = sums.view(-1, sums.shape[-1])
     if torch.compiler.is_compiling():
         return split_norm_grads(rows.sum(0) if rows.shape[0] > 1 else rows[0], weight, bias)
-    fold = (PDL_CAST and weight is not None and bias is not None and weight.dtype == bias.dtype
+    fold = (weight is not None and bias is not None and weight.dtype == bias.dtype
             and weight.dtype in (torch.bfloat16, torch.float16) and pdl_launch())
     if fold:
         out = sum_rows(rows, weight.dtype)
@@ -636,7 +631,7 @@ def _norm_bwd(g, x, weight, mean, rstd, window_size, shift, ds, dx, dwo, sums_in
             raise ValueError(f"ds shape {tuple(ds.shape)} != {(B, H, W, C)}")
     # a sum_partials launch follows where the sums take several rows, or (raw_sums) where _norm_grads casts them
     half = weight.dtype in (torch.bfloat16, torch.float16)
-    followed = atomic and (sums.shape[0] > 1 or (raw_sums and PDL_CAST and half))
+    followed = atomic and (sums.shape[0] > 1 or (raw_sums and half))
     launch(_norm_partition_bwd_kernel)[(nprog,)](
         g, x, _contig(weight), mean, rstd, ds if ds is not None else x, dx, dwo if dwo is not None else dx, sums,
         n_tok, tiles_per_prog, C,
