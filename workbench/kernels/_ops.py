@@ -13,7 +13,7 @@ that torch.compile can put it in its graph. Two registrations:
   a clone of it and a copy back into its base, full-size copy kernels Inductor cannot remove (five per
   attention backward cost 4.3 ms per Swin-B step on the H200 until the attention kernels wrote whole
   buffers).
-* `torch.library.custom_op` (Triton's CPU interpreter, SWINBENCH_TRITON_OP=0, or symbolic shapes): one
+* `torch.library.custom_op` (Triton's CPU interpreter, no GPU, or symbolic shapes): one
   opaque node per call with a fake implementation for shapes; at run time the compiled graph calls back
   into the dispatcher and the Python host function.
 
@@ -54,10 +54,9 @@ def next_pow2(n: int) -> int:
 
 def triton_ops_enabled() -> bool:
     """Whether operators are registered as triton_ops (Inductor launches the kernels) rather than opaque
-    custom ops. Off under Triton's CPU interpreter (Inductor cannot compile the kernels for the CPU) and
-    with SWINBENCH_TRITON_OP=0 (to compare the two)."""
-    return (not _INTERPRET and os.environ.get("SWINBENCH_TRITON_OP", "1") != "0"
-            and hasattr(torch.library, "triton_op") and torch.cuda.is_available())
+    custom ops: wherever torch has triton_op and a GPU runs compiled Triton. Off under Triton's CPU
+    interpreter (Inductor cannot compile the kernels for the CPU)."""
+    return not _INTERPRET and hasattr(torch.library, "triton_op") and torch.cuda.is_available()
 
 
 def tracing() -> bool:
