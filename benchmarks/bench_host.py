@@ -310,7 +310,7 @@ def fastlaunch_table(model: str, batch: int, stages: list[str], steps: int) -> l
     to step in one process (one workload), so that the host's drift falls on both sides alike. The
     first steps of each side (compiles, cache misses) are warm-up. Medians per side, and the median of
     the paired differences (each "on" step against the "off" step just before it)."""
-    from workbench.kernels import _ops
+    from workbench.kernels import _common as _ops
 
     rows = []
     saved = _ops.FAST_LAUNCH
@@ -349,7 +349,7 @@ def paired_table(model: str, batch: int, stages: list[str], rounds: int, block: 
     rotating), so that the host's drift falls on every stage alike. Per stage: the median step over all
     rounds, and against the first stage the median of the per-round ratios (> 1 is faster)."""
     from workbench.interleave import paired_ratio, time_interleaved
-    from workbench.kernels import _ops
+    from workbench.kernels import _common as _ops
 
     # suffix -> (fast launch, PDL override) for that stage's steps; a plain stage runs the defaults
     default = (_ops.FAST_LAUNCH, _ops.PDL_OVERRIDE)

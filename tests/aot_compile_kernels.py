@@ -47,7 +47,7 @@ DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", 
           torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
 OPTION_KEYS = ("num_warps", "num_stages", "maxnreg", "num_ctas", "launch_pdl")
 
-MODULES = ("layer_norm", "window", "window_attention", "linear")
+MODULES = ("_common", "layer_norm", "window", "window_attention", "linear")
 RECORDED: list[tuple] = []
 
 
@@ -74,7 +74,7 @@ class _Recorder:
 
 
 def _record_launches(quick: bool) -> None:
-    ops = importlib.import_module("workbench.kernels._ops")
+    ops = importlib.import_module("workbench.kernels._common")
     assert not ops._INTERPRET, "run without TRITON_INTERPRET"
     for name in MODULES:
         mod = importlib.import_module(f"workbench.kernels.{name}")
@@ -108,7 +108,7 @@ def _record_launches(quick: bool) -> None:
                                   sums_into=atomic_into)
             for dy_dt in {dt, torch.bfloat16}:  # a plain norm's backward (no residual); dy bf16 where it wrote bf16
                 ln.layer_norm_bwd(r(64, C, dtype=dy_dt), x, w, b, torch.zeros(64), torch.ones(64), None, dt, sums_into=zero)
-        ln.sum_partials(torch.randn(5, 256))
+        ops.sum_partials(torch.randn(5, 256))
     for dt in (torch.float32, torch.bfloat16):
         shapes = ((2, 56, 56, 128), (2, 28, 28, 256), (2, 14, 14, 512), (2, 7, 7, 1024), (1, 9, 15, 33))
         for (B, H, W, C) in (shapes[2:3] + shapes[4:] if quick else shapes):

@@ -14,7 +14,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-ops = importlib.import_module("workbench.kernels._ops")  # noqa: E402
+ops = importlib.import_module("workbench.kernels._common")  # noqa: E402
 
 
 def test_specialization_key_separates_what_triton_specializes_on():
@@ -243,7 +243,7 @@ def test_real_kernels_match_the_plain_launch_bit_for_bit(monkeypatch):
 def test_pdl_default_and_launch_options(monkeypatch):
     """Programmatic dependent launch: on by default only where supported; SWINBENCH_PDL=0 turns it off, =1
     cannot turn it on where unsupported; the launch keyword is dropped while traced (Inductor's launcher)."""
-    from workbench.kernels import _ops
+    from workbench.kernels import _common as _ops
 
     assert _ops.pdl_default(None, True) and not _ops.pdl_default(None, False)
     assert not _ops.pdl_default("0", True) and _ops.pdl_default("1", True) and not _ops.pdl_default("1", False)

@@ -18,15 +18,15 @@ writes are contiguous and padding is written as 0 without a separate fill), comp
 token the source row with integer arithmetic, and moves BLOCK_C contiguous channels per row
 (coalesced along C, masked for odd C). LayerNorm's dweight/dbias are per-program sums (a band of
 tiles per program, one wave of programs) added atomically into one zeroed fp32 buffer
-(`layer_norm.column_sums`; per-program rows summed in a fixed order under deterministic mode).
+(`_common.column_sums`; per-program rows summed in a fixed order under deterministic mode).
 
 Backward of each op is a forward of another: d(roll_partition) = merge_roll(dout);
 d(merge_roll) = roll_partition(dout); merge_unshift_add's dshortcut is dout itself (no copy).
 The autograd Functions call the host functions through torch.library operators (swinbench::
-roll_partition_fwd, merge_roll_fwd, norm_shift_partition_fwd/_bwd; see _ops.py): under torch.compile on
+roll_partition_fwd, merge_roll_fwd, norm_shift_partition_fwd/_bwd; see _common.py): under torch.compile on
 a GPU Inductor launches the kernels itself, elsewhere each call is one opaque op.
 
-Launches: on Hopper and newer, with programmatic dependent launch (`_ops.pdl_launch`, SWINBENCH_PDL=0 turns it
+Launches: on Hopper and newer, with programmatic dependent launch (`_common.pdl_launch`, SWINBENCH_PDL=0 turns it
 off): every kernel waits for the previous one before its first load and releases the next after its last
 store (`pdl_enter` / `pdl_exit`), so that launches overlap the kernels' tails.
 
@@ -48,11 +48,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._ops import _INTERPRET, cdiv, kernel_op, launch, launch_options, next_pow2, pdl_launch
-
-from workbench.kernels.layer_norm import (SOFT_RTNE as _SOFT_RTNE, column_sums, eager_column_sums, emit_column_sum,
-                                          finish_column_sums, pdl_enter, pdl_exit,
-                                          sm_count, split_norm_grads, sum_rows, to_dtype, zero_column_sums)
+from ._common import (_INTERPRET, SOFT_RTNE as _SOFT_RTNE, cdiv, column_sums, eager_column_sums, emit_column_sum,
+                      finish_column_sums, kernel_op, launch, launch_options, next_pow2, pdl_enter, pdl_exit, pdl_launch,
+                      sm_count, split_norm_grads, sum_rows, to_dtype, zero_column_sums)
 
 # ----------------------------------------------------------------------------------- kernels
 
@@ -92,7 +90,7 @@ def _partition_fwd_kernel(
     x[b, (hp + shift) % H, (wp + shift) % W]. With NORM, BLOCK_C covers all of C and the row
     is layer-normalized; mean and rstd are stored at the source token (each valid source
     token is read by exactly one window token). With ZERO_SUMS, the programs also zero the backward's
-    column-sum buffer (layer_norm.zero_column_sums). With HAS_RESIDUAL (NORM only), the
+    column-sum buffer (_common.zero_column_sums). With HAS_RESIDUAL (NORM only), the
     token normalized is s = x + r, rounded to s_ptr's dtype as torch's add would round it, and s is
     stored at the source token too (the residual stream after the add, written once).
     """
@@ -200,7 +198,7 @@ def _merge_norm_fwd_kernel(
     """s = shortcut + windows merged back (window_reverse, crop, roll(+shift)), rounded to s_ptr's dtype
     as torch's add rounds it, then y = LayerNorm(s), for the image tokens of this program's block (whole
     rows: BLOCK_C covers C). Stores s, y, and fp32 mean/rstd per token. With ZERO_SUMS, the programs also
-    zero the backward's column-sum buffer (layer_norm.zero_column_sums)."""
+    zero the backward's column-sum buffer (_common.zero_column_sums)."""
     pdl_enter(PDL)
     pid = tl.program_id(0)
     zero_column_sums(sums_ptr, n_sums, pid, tl.num_programs(0), ZERO_SUMS, BLOCK_C)
@@ -259,18 +257,18 @@ def _norm_partition_bwd_kernel(
 
     Program p owns the contiguous band of token tiles [p * tiles_per_prog, (p + 1) * tiles_per_prog).
     dweight/dbias partials are summed over the band in registers and go to columns [0, C) / [C, 2C) of
-    sums_ptr once at the end (layer_norm.emit_column_sum). Where every row of a tile lies within each
+    sums_ptr once at the end (_common.emit_column_sum). Where every row of a tile lies within each
     thread (ROW_SUMS: a row spans all the program's threads, so the sum over a tile's rows needs no
     shuffle or shared memory), each tile is reduced to (BLOCK_C,) partials as it goes and the band's
     accumulators are two (BLOCK_C,) vectors; otherwise they are (BLOCK_T, BLOCK_C) and reduced across rows
     once at the end (a cross-warp reduction per tile would cost two shared-memory round trips per
     iteration). With SLOTS > 1 (atomic mode), program p adds into row p % SLOTS of sums_ptr's (SLOTS, 2C):
-    fewer atomic adds queue on each address; the host adds the rows up (layer_norm.sum_rows). The sweep found
+    fewer atomic adds queue on each address; the host adds the rows up (_common.sum_rows). The sweep found
     Triton's pipelining (STAGES = 3) as fast as a hand-written one-tile prefetch at every stage (within
     0.5 µs at stages 2-4, 5% faster at stage 1).
 
     PDL_EARLY: release the next kernel at the start instead of after the last store, where that kernel is
-    the small one of layer_norm.sum_partials (it waits for this grid to complete all the same).
+    the small one of _common.sum_partials (it waits for this grid to complete all the same).
 
     DIAG (benchmarks/diag_norm_backward.py only; wrong results): 1 drops the column sums, 2 the dx stores,
     3 the LayerNorm arithmetic (dx = g + x), to see what each costs.
@@ -490,7 +488,7 @@ def norm_shift_partition_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (B, H, W, C), weight/bias (C,) -> (windows (B*nW, ws*ws, C) in out_dtype (default x.dtype),
     mean (B*H*W,) fp32, rstd fp32). zero_sums: a contiguous fp32 buffer the kernel zeroes for the
-    backward's column sums (layer_norm.eager_column_sums)."""
+    backward's column sums (_common.eager_column_sums)."""
     _, out, mean, rstd = _norm_partition(x, None, weight, bias, eps, window_size, shift, out_dtype, out, None, zero_sums)
     return out, mean, rstd
 
@@ -585,7 +583,7 @@ def norm_shift_partition_bwd(
     dwindows: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
     window_size: int, shift: int, *, dx=None, sums_into=None, ds=None, raw_sums=False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (dx (B, H, W, C) in x.dtype, (2C,) fp32 sums: dweight then dbias (layer_norm.split_norm_grads)).
+    """-> (dx (B, H, W, C) in x.dtype, (2C,) fp32 sums: dweight then dbias (_common.split_norm_grads)).
     Padding rows of dwindows are ignored. sums_into: a zeroed fp32 tensor of _norm_bwd_slots(x) * 2C
     elements for the sums (column_sums). ds: another gradient of x, (B, H, W, C), added into dx in the
     same pass (no separate add). raw_sums: the sums as the kernel left them, (rows, 2C), for _norm_grads
@@ -598,7 +596,7 @@ def norm_shift_partition_bwd(
 
 def _norm_grads(sums: torch.Tensor, weight, bias) -> tuple:
     """(dweight, dbias) from the fp32 column sums, (2C,) or the (rows, 2C) the backward left them in
-    (raw_sums), as layer_norm.split_norm_grads gives them. Rows are added up by one sum_partials launch,
+    (raw_sums), as _common.split_norm_grads gives them. Rows are added up by one sum_partials launch,
     which, where the kernels launch with PDL and both parameters are bf16 or fp16, also casts (torch's
     cast would be a plain launch that breaks the chain of PDL launches). While torch.compile traces,
     torch's sum and cast (Inductor schedules them with the rest)."""
@@ -710,7 +708,7 @@ def merge_add_norm_bwd(
 
 # ------------------------------------------------------------------------------- operators
 
-# One operator per host function (_ops.kernel_op): traced into by torch.compile on a GPU (triton_op),
+# One operator per host function (_common.kernel_op): traced into by torch.compile on a GPU (triton_op),
 # opaque otherwise, where the fake implementations give the output shapes, dtypes and (contiguous)
 # strides. Every op returns fresh tensors, never a view of an input.
 

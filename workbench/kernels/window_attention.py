@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._ops import _INTERPRET, cdiv, kernel_op, launch, next_pow2, tracing
+from ._common import _INTERPRET, cdiv, kernel_op, launch, next_pow2, tracing
 
 # Test hook: when True, every buffer a kernel must fill is NaN-filled first, so an element the
 # kernel forgets to write fails the comparison instead of passing by luck.
@@ -420,7 +420,7 @@ def window_attention_bwd(q, k, v, out, lse, dout, rel_bias, mask, scale, compute
     return dq, dk, dv, dbias
 
 
-# One operator per host function (_ops.kernel_op): traced into by torch.compile on a GPU (triton_op,
+# One operator per host function (_common.kernel_op): traced into by torch.compile on a GPU (triton_op,
 # Inductor autotunes G itself, hence FILL_SLOTS), opaque otherwise, where the fake implementations give
 # the output shapes and strides.
 @kernel_op("swinbench::window_attention_fwd")

@@ -110,7 +110,8 @@ class SwinBlockFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        from ..kernels.layer_norm import layer_norm_bwd, split_column_sums, split_norm_grads
+        from ..kernels._common import split_column_sums, split_norm_grads
+        from ..kernels.layer_norm import layer_norm_bwd
         from ..kernels.linear import bias_grad_host
         from ..kernels.window import _norm_bwd_slots, norm_shift_partition_bwd, roll_partition_fwd
         from ..kernels.window_attention import window_attention_bwd

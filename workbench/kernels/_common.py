@@ -1,7 +1,20 @@
-"""Kernel entry points: plain calls in eager mode, operators that torch.compile can see into.
+"""What the kernel modules share, below all of them: no kernel module imports another.
 
-Each host function (allocate outputs, launch Triton) is registered as a `torch.library` operator so
-that torch.compile can put it in its graph. Two registrations:
+Launching (host side):
+  kernel_op        a host function (allocate outputs, launch Triton) as a plain call in eager mode and a
+                   torch.library operator while torch.compile traces (see Operators below)
+  launch           `launch(kernel)[grid](...)`: the kernel, its CachedLauncher in eager mode (FAST_LAUNCH),
+                   or its wrap_triton wrapper while traced
+  launch_options   maxnreg and programmatic dependent launch (pdl_launch, pdl_supported)
+Inside kernels (triton.jit): pdl_enter / pdl_exit, to_dtype (rounds to nearest even, by hand under the
+interpreter: SOFT_RTNE), zero_column_sums, emit_column_sum.
+Column sums, what a backward adds up over rows (LayerNorm dweight/dbias, a Linear's bias gradient):
+  column_sums, eager_column_sums, finish_column_sums, sum_rows, sum_partials, split_column_sums,
+  split_norm_grads.
+Buffers and sizes: new_output (every buffer a kernel writes), sm_count, cdiv, next_pow2.
+
+Operators. Each host function is registered as a `torch.library` operator so that torch.compile can put
+it in its graph. Two registrations:
 
 * `torch.library.triton_op` (a GPU with compiled Triton): AOTAutograd traces the host function
   itself, its launches written as `launch(kernel)[grid](...)` become `wrap_triton` nodes, and Inductor
@@ -10,20 +23,15 @@ that torch.compile can put it in its graph. Two registrations:
   reads of tensor data or of an autotuner's choice, no launch options Inductor does not take
   (`launch_options` drops maxnreg while tracing). Every tensor a kernel writes must be passed whole,
   never as a view (pass the buffer and the view's strides): functionalization turns a written view into
-  a clone of it and a copy back into its base, full-size copy kernels Inductor cannot remove (five per
-  attention backward cost 4.3 ms per Swin-B step on the H200 until the attention kernels wrote whole
-  buffers).
-* `torch.library.custom_op` (Triton's CPU interpreter, no GPU, or symbolic shapes): one
-  opaque node per call with a fake implementation for shapes; at run time the compiled graph calls back
-  into the dispatcher and the Python host function.
-
-On the H200 (benchmarks/bench_host.py --parts compile, Swin-B batch 64) the compiled fmha stage took
-49.16 ms per step with opaque ops and 36.34 ms with triton_ops, host-bound both times.
+  a clone of it and a copy back into its base, full-size copy kernels Inductor cannot remove.
+* `torch.library.custom_op` (Triton's CPU interpreter, no GPU, or symbolic shapes): one opaque node per
+  call with a fake implementation for shapes; at run time the compiled graph calls back into the
+  dispatcher and the Python host function.
 
 In eager mode either op's dispatcher path (schema binding, the autograd fallback, aliasing checks)
-costs 15-45 µs of host time per call on top of the launch, for nothing: the op has no autograd formula
-of its own (the autograd Functions wrap it). So the entry point calls the host function straight when
-nothing is compiling and the op when Dynamo traces.
+costs host time on every call on top of the launch, for nothing: the op has no autograd formula of its
+own (the autograd Functions wrap it). So the entry point calls the host function straight when nothing
+is compiling and the op when Dynamo traces.
 """
 from __future__ import annotations
 
@@ -34,6 +42,8 @@ import threading
 from typing import Callable
 
 import torch
+import triton
+import triton.language as tl
 
 _STATE = threading.local()
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -83,10 +93,6 @@ def fast_launch_default(env: str | None, triton_version: str | None) -> bool:
 
 
 def _triton_version() -> str | None:
-    try:
-        import triton
-    except ImportError:
-        return None
     return getattr(triton, "__version__", None)
 
 
@@ -407,3 +413,205 @@ class KernelOp:
 
 def kernel_op(name: str, eager: Callable | None = None) -> Callable[[Callable], KernelOp]:
     return lambda fn: KernelOp(name, fn, eager)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Device side: jit functions the kernels call, and the kernel that adds up column sums.
+
+# Triton's CPU interpreter (TRITON_INTERPRET=1, used by the tests) truncates fp32 -> bf16 instead of
+# rounding to nearest even as the GPU (and torch) do; under the interpreter we round by hand so that
+# the kernels' bf16 results match torch's bit for bit. GPU code is unchanged (plain .to()).
+SOFT_RTNE = _INTERPRET
+
+
+if not _INTERPRET:
+    try:
+        import triton.language.extra.cuda  # noqa: F401  (griddepcontrol: tl.extra.cuda.gdc_*)
+    except ImportError:
+        pass
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """Under programmatic dependent launch (the host's `pdl_launch()`), before any load or store: wait until
+    the previous kernel in the stream has finished and its writes are visible."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def pdl_exit(PDL: tl.constexpr):
+    """After the program's last store is issued: let the next kernel's programs start launching (they wait
+    in their own pdl_enter). Its launch and the scheduling of its programs then overlap this kernel's
+    tail instead of following it. Released at once instead (in pdl_enter), the next kernel's waiting
+    programs took SM slots from this one's: the H200 timed roll_partition and merge_roll at Swin-B stage 3
+    6% slower than plain launches that way, and 8% faster released here
+    (benchmarks/results/diag_window_launch_knobs_h200.json)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def to_dtype(y, dtype: tl.constexpr, SOFT_RTNE: tl.constexpr):
+    """Cast y to dtype, rounding to nearest even (by hand for bf16 under the interpreter)."""
+    out = y.to(dtype)
+    if SOFT_RTNE:
+        if dtype == tl.bfloat16:
+            yf = y.to(tl.float32)
+            u = yf.to(tl.uint32, bitcast=True)
+            u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+            out = tl.where(yf != yf, out, u.to(tl.uint16).to(tl.bfloat16, bitcast=True))
+    return out
+
+
+@triton.jit
+def zero_column_sums(SUMS, n_sums, pid, n_programs, ZERO: tl.constexpr, BLOCK: tl.constexpr):
+    """With ZERO, the programs of a forward kernel zero the (n_sums,) fp32 buffer that the backward will
+    add its column sums into (`eager_column_sums`), BLOCK elements each in turn (one block for most, as
+    a buffer of several rows is larger than one): the backward then needs no memset launch of its own."""
+    if ZERO:
+        for start in range(pid * BLOCK, n_sums, n_programs * BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            tl.store(SUMS + offs, tl.zeros([BLOCK], dtype=tl.float32), mask=offs < n_sums)
+
+
+@triton.jit
+def emit_column_sum(SUMS, pid, row_len, cols, val, mask, ATOMIC: tl.constexpr):
+    """A program's fp32 column sums `val` at columns `cols` of the buffer from `column_sums`: added
+    atomically into its single row (ATOMIC), or stored in row `pid` of the partials (deterministic)."""
+    if ATOMIC:
+        tl.atomic_add(SUMS + cols, val, mask=mask, sem="relaxed")
+    else:
+        tl.store(SUMS + pid * row_len + cols, val, mask=mask)
+
+
+@triton.jit
+def _sum_partials_kernel(PARTIAL, OUT, n_partials, n_cols, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                         SOFT_RTNE: tl.constexpr = False, PDL: tl.constexpr = False):
+    """OUT[c] = sum_p PARTIAL[p, c] in fp32, p in increasing order per lane, rounded once to OUT's dtype;
+    programs split the columns. PDL: launched with programmatic dependent launch (pdl_enter / pdl_exit)."""
+    pdl_enter(PDL)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    for p0 in range(0, n_partials, BLOCK_P):
+        parts = p0 + tl.arange(0, BLOCK_P)
+        mask = (parts < n_partials)[:, None] & col_mask[None, :]
+        acc += tl.load(PARTIAL + parts[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
+    tl.store(OUT + cols, to_dtype(tl.sum(acc, axis=0), OUT.dtype.element_ty, SOFT_RTNE), mask=col_mask)
+    pdl_exit(PDL)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Host side: output buffers, the device's size, column sums.
+
+
+def new_output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialized tensor for a kernel to write. The kernel modules call it as `_common.new_output`,
+    looked up at each call, so that a test can replace it with a NaN-filled allocator and check that the
+    kernels write every element they return."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (queried once per device, not per call); 2 under the CPU
+    interpreter, so that a few programs each loop over several blocks there too."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2
+
+
+# Deterministic reduction of (G, N) partials: BLOCK_P partial rows x _SUM_BLOCK_N columns per step.
+_SUM_BLOCK_P, _SUM_BLOCK_N = 32, 64
+
+
+def column_sums(programs: int, n_cols: int, device: torch.device,
+                into: torch.Tensor | None = None, slots: int = 1) -> tuple[torch.Tensor, bool]:
+    """(buffer, atomic) for a backward kernel whose `programs` programs each sum n_cols fp32 column
+    values over their rows (dweight/dbias, a bias gradient), written with `emit_column_sum`.
+
+    By default one zeroed (1, n_cols) row that every program adds into atomically: a memset and no
+    reduction launch (the reduction of (programs, n_cols) partials runs on only n_cols/64 programs).
+    The order of the fp32 additions then varies from run to run, so with
+    torch.use_deterministic_algorithms(True) each program stores its own row of a (programs, n_cols)
+    buffer instead, which `finish_column_sums` adds in a fixed order. `into`: a zeroed contiguous
+    fp32 tensor of n_cols elements to add into instead of a fresh one (a caller with several reductions
+    zeroes one buffer for all of them: one memset instead of several); ignored in deterministic mode.
+
+    slots > 1: (slots, n_cols) rows instead of one, which a kernel with many programs adds into in turn
+    (program p into row p % slots), so that fewer atomic adds queue on each address; `finish_column_sums`
+    then adds the rows up. `into` holds slots * n_cols elements, or n_cols (one row, whatever slots says:
+    a caller that zeroes one buffer for several reductions)."""
+    if torch.are_deterministic_algorithms_enabled():
+        return new_output((programs, n_cols), torch.float32, device), False
+    if into is not None:
+        return into.view(-1 if into.numel() == slots * n_cols else 1, n_cols), True
+    return torch.zeros((slots, n_cols), dtype=torch.float32, device=device), True
+
+
+def eager_column_sums(n_cols: int, device: torch.device, ctx, *params, slots: int = 1) -> torch.Tensor | None:
+    """For an autograd Function whose forward kernel can zero its backward's column-sum buffer: a fresh
+    (slots * n_cols,) fp32 buffer for the forward to zero (`zero_column_sums`) and the backward to pass as
+    `column_sums`' `into`, which saves the backward's memset launch (one per LayerNorm backward: 53 per
+    eager Swin-B training step). None where that does not apply: no backward will follow (the Function's
+    ctx.needs_input_grad is all False, as under no_grad), no parameter takes a gradient sum,
+    deterministic algorithms are on (per-program partials instead), or torch.compile traces the forward
+    (the operators' schemas stay as they are; Inductor schedules the memset). A Function keeps it on ctx
+    and drops it after one backward, so a second backward through a retained graph gets a fresh one."""
+    if (not any(ctx.needs_input_grad) or all(p is None for p in params)
+            or torch.are_deterministic_algorithms_enabled() or torch.compiler.is_compiling()):
+        return None
+    return new_output((slots * n_cols,), torch.float32, device)
+
+
+def finish_column_sums(sums: torch.Tensor, atomic: bool) -> torch.Tensor:
+    """The (n_cols,) fp32 totals of a `column_sums` buffer after the kernel ran: its one atomic row, its
+    atomic rows (slots) added up by `sum_rows`, or its per-program partials by `sum_partials`."""
+    if atomic:
+        return sums[0] if sums.shape[0] == 1 else sum_rows(sums, torch.float32)
+    return sum_partials(sums)
+
+
+_SUM_ROWS_ELEMS = 4096  # elements one sum_rows program adds per step
+_SUM_ROWS_MAX_N = 1024  # columns a program at most (a plain cast: 1024 a program)
+
+
+def sum_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(R, n) fp32 -> (n,) sums over R in dtype: one sum_partials launch (with PDL where on), on blocks sized
+    for a few rows of atomic sums (slots) rather than many per-program partials (a single row: a plain
+    cast, 1024 columns a program)."""
+    block_r = min(next_pow2(rows.shape[0]), _SUM_ROWS_ELEMS // 32)
+    block_n = max(32, min(_SUM_ROWS_MAX_N, _SUM_ROWS_ELEMS // block_r))
+    return sum_partials(rows, dtype, block_p=block_r, block_n=block_n, pdl=pdl_launch())
+
+
+def sum_partials(partial: torch.Tensor, dtype: torch.dtype = torch.float32, *, block_p: int = _SUM_BLOCK_P,
+                 block_n: int = _SUM_BLOCK_N, pdl: bool = False) -> torch.Tensor:
+    """(G, N) fp32 partial sums -> (N,) totals in dtype (added in fp32, rounded once), each column added over
+    G in a fixed order (one launch; with programmatic dependent launch where `pdl`, the caller's
+    pdl_launch())."""
+    n_partials, n_cols = partial.shape
+    out = new_output((n_cols,), dtype, partial.device)
+    launch(_sum_partials_kernel)[(cdiv(n_cols, block_n),)](
+        partial, out, n_partials, n_cols, BLOCK_P=block_p, BLOCK_N=block_n, SOFT_RTNE=SOFT_RTNE, PDL=pdl,
+        num_warps=4, **launch_options(None, pdl))
+    return out
+
+
+def split_column_sums(sums: torch.Tensor, sizes: tuple, dtypes: tuple) -> list:
+    """Consecutive slices of fp32 column sums, each in its parameter's dtype (None: no parameter, gives
+    None): views where the dtype is fp32, one cast for all when every slice wants the same lower
+    precision (master_weights' bf16 biases), a cast each otherwise."""
+    if len(set(dtypes)) == 1 and dtypes[0] not in (None, torch.float32):
+        return list(sums.to(dtypes[0]).split(sizes))
+    return [None if t is None else (g if t == torch.float32 else g.to(t)) for g, t in zip(sums.split(sizes), dtypes)]
+
+
+def split_norm_grads(sums: torch.Tensor, weight, bias) -> tuple:
+    """(dweight, dbias) from a LayerNorm backward's (2C,) fp32 column sums (split_column_sums): views
+    when the parameter is fp32 (autocast training keeps them so), cast copies otherwise; None for a
+    missing parameter."""
+    n_cols = sums.shape[0] // 2
+    dw, db = split_column_sums(sums, (n_cols, n_cols), tuple(None if p is None else p.dtype for p in (weight, bias)))
+    return dw, db
