@@ -351,8 +351,8 @@ def paired_table(model: str, batch: int, stages: list[str], rounds: int, block: 
     from workbench.interleave import paired_ratio, time_interleaved
     from workbench.kernels import _common as _ops
 
-    # suffix -> (fast launch, PDL override) for that stage's steps; a plain stage runs the defaults
-    default = (_ops.FAST_LAUNCH, _ops.PDL_OVERRIDE)
+    # suffix -> (fast launch, PDL) for that stage's steps; a plain stage runs the defaults
+    default = (_ops.FAST_LAUNCH, _ops.pdl_launch())
     flags = {"": default, "fastlaunch": (True, default[1]), "plainlaunch": (False, default[1]),
              "nopdl": (default[0], False)}
     steps = {}
@@ -363,13 +363,13 @@ def paired_table(model: str, batch: int, stages: list[str], rounds: int, block: 
         wl = build_stage(model, batch, base)
 
         def step(i, _wl=wl, _flags=flags[flag]):
-            _ops.FAST_LAUNCH, _ops.PDL_OVERRIDE = _flags
+            _ops.FAST_LAUNCH, _ops.PDL_LAUNCH = _flags
             return _wl.step(i)
         steps[stage] = step
     try:
         timings = time_interleaved(steps, rounds=rounds, block=block, warmup=3, device=torch.device("cuda"))
     finally:
-        _ops.FAST_LAUNCH, _ops.PDL_OVERRIDE = default
+        _ops.FAST_LAUNCH, _ops.PDL_LAUNCH = default
     rows, first = [], stages[0]
     for stage in stages:
         samples = timings[stage]["samples_ms"]

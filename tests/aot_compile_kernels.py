@@ -130,7 +130,7 @@ def _record_launches(quick: bool) -> None:
             win.merge_add_norm_bwd(r(B, H, W, C), s, w, mean, rstd, 7, shift, x, torch.bfloat16, dt,
                                    sums_into=torch.empty(2 * C))
             # programmatic dependent launch (on where supported)
-            ops.PDL_OVERRIDE, ops._PDL_SUPPORTED = True, True
+            ops.PDL_LAUNCH, ops._PDL_SUPPORTED = True, True
             try:
                 win.roll_partition_fwd(x, 7, shift)
                 win.merge_roll_fwd(windows, 7, shift, H, W, x)
@@ -145,7 +145,7 @@ def _record_launches(quick: bool) -> None:
                 win._norm_grads(torch.empty(16, 2 * C), w.to(torch.bfloat16), b.to(torch.bfloat16))
                 win._norm_grads(torch.empty(16, 2 * C), w, b)
             finally:
-                ops.PDL_OVERRIDE, ops._PDL_SUPPORTED = None, None
+                ops.PDL_LAUNCH, ops._PDL_SUPPORTED = None, None
     for dt in ((torch.bfloat16,) if quick else (torch.bfloat16, torch.float32)):
         attn_shapes = ((7, 4, 16, True), (7, 32, 1, False), (12, 4, 4, True))
         for (ws, heads, nw, masked) in (attn_shapes[:1] if quick else attn_shapes):

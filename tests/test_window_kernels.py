@@ -473,9 +473,9 @@ def test_pdl_launches_match_plain_launches(monkeypatch, op):
     if not ops.pdl_supported():
         pytest.skip("no programmatic dependent launch on this GPU / Triton")
     shape = (4, 14, 14, 256, 7, 3)
-    monkeypatch.setattr(ops, "PDL_OVERRIDE", False)
+    monkeypatch.setattr(ops, "PDL_LAUNCH", False)
     ref = _ln_op_grads(op, shape, torch.bfloat16, 70)
-    monkeypatch.setattr(ops, "PDL_OVERRIDE", True)
+    monkeypatch.setattr(ops, "PDL_LAUNCH", True)
     got = _ln_op_grads(op, shape, torch.bfloat16, 70)
     for i, (a, b) in enumerate(zip(ref, got)):
         if i >= len(ref) - 2:

@@ -83,7 +83,7 @@ def environment_report(device: str = "auto") -> list[dict]:
         from .kernels._common import launcher_name, pdl_launch, pdl_supported
 
         add("eager Triton launches", launcher_name(),
-            "SWINBENCH_FAST_LAUNCH=1 / 0 forces the cached launcher on / off (docs/kernels.md)")
+            "SWINBENCH_FAST_LAUNCH=1 / 0 forces the cached launcher on / off (docs/debugging.md)")
         add("programmatic dependent launch", "on" if pdl_launch() else "off",
             "window kernels; SWINBENCH_PDL=0 turns it off" if pdl_supported()
             else "needs a Hopper or newer GPU and a Triton with launch_pdl")

@@ -47,7 +47,30 @@ import triton.language as tl
 
 _STATE = threading.local()
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-_PDL_ENV = os.environ.get("SWINBENCH_PDL")
+
+# The SWINBENCH_* debugging variables of the kernels and what each does (docs/debugging.md lists every
+# SWINBENCH_* variable). debug_env below is the only reader; the kernels read them once, at import.
+DEBUG_VARIABLES = {
+    "SWINBENCH_AUTOTUNE": "0: one launch configuration per window-attention kernel instead of autotuning",
+    "SWINBENCH_PDL": "0: no programmatic dependent launch for the window kernels (on where the GPU and Triton "
+                     "support it)",
+    "SWINBENCH_FAST_LAUNCH": "1 / 0: eager launches through the cached launcher forced on / off (by default on "
+                             "for the Triton releases in FAST_LAUNCH_CHECKED)",
+}
+
+
+def debug_env(name: str) -> str | None:
+    """The value of the debugging variable `name` (one of DEBUG_VARIABLES) in this process's environment,
+    stripped; None where it is unset or empty."""
+    if name not in DEBUG_VARIABLES:
+        raise KeyError(f"{name} is not one of the kernels' debugging variables")
+    value = os.environ.get(name, "").strip()
+    return value or None
+
+
+# Autotune the window-attention kernels (window_attention.py); SWINBENCH_AUTOTUNE=0 pins one
+# configuration each (the tests set it: correctness, not speed, and no tuning time).
+AUTOTUNE = debug_env("SWINBENCH_AUTOTUNE") != "0"
 
 
 def cdiv(a: int, b: int) -> int:
@@ -74,13 +97,13 @@ def tracing() -> bool:
     return getattr(_STATE, "tracing", False)
 
 
-# Eager launches straight through the compiled kernel's launcher (CachedLauncher). On the H200's host a
-# 41-argument no-op took 21.0 µs per launch through `kernel[grid](...)` and 5.5 µs through its launcher;
-# whole eager Swin-B steps enqueued 4.5 (fmha) and 7.8 ms (block) faster, steps alternating in one
-# process (benchmarks/bench_host.py --parts launch,fastlaunch, 2026-12-01). It calls Triton's compiled
-# kernel the way that Triton's own `JITFunction.run` does, an interface that changes between Triton
-# releases, so it is on by default only on the releases where every kernel matched plain launches bit
-# for bit on a GPU (tests/test_cached_launcher.py); SWINBENCH_FAST_LAUNCH=1 / 0 forces it on / off.
+# Eager launches straight through the compiled kernel's launcher (CachedLauncher): `kernel[grid](...)`
+# binds and specializes every argument in Python at each launch, which costs the host several times
+# what the launch itself does, and an eager Swin step is bound by the host. The launcher calls Triton's
+# compiled kernel the way that Triton's own `JITFunction.run` does, an interface that changes between
+# Triton releases, so it is on by default only on the releases where every kernel matched plain
+# launches bit for bit on a GPU (tests/test_cached_launcher.py); SWINBENCH_FAST_LAUNCH=1 / 0 forces it
+# on / off (a debugging aid: another release, or a suspected launcher problem).
 FAST_LAUNCH_CHECKED = ("3.6.",)
 
 
@@ -96,7 +119,9 @@ def _triton_version() -> str | None:
     return getattr(triton, "__version__", None)
 
 
-FAST_LAUNCH = fast_launch_default(os.environ.get("SWINBENCH_FAST_LAUNCH"), _triton_version())
+# Whether eager launches go through the cached launcher in this process (benchmarks/bench_host.py sets it
+# to time both in one process).
+FAST_LAUNCH = fast_launch_default(debug_env("SWINBENCH_FAST_LAUNCH"), _triton_version())
 
 
 def launcher_name() -> str:
@@ -329,7 +354,7 @@ def pdl_default(env: str | None, supported: bool) -> bool:
 
 
 _PDL_SUPPORTED: bool | None = None
-_PDL_DEFAULT: bool | None = None  # pdl_default of this process's SWINBENCH_PDL, read once
+_PDL_ENV = debug_env("SWINBENCH_PDL")
 
 
 def pdl_supported() -> bool:
@@ -339,22 +364,21 @@ def pdl_supported() -> bool:
     return _PDL_SUPPORTED
 
 
-# None: as SWINBENCH_PDL says (pdl_default); True / False: on (where supported) / off for the process
-# (benchmarks flip it to compare both in one process).
-PDL_OVERRIDE: bool | None = None
+# Whether the window kernels launch with programmatic dependent launch in this process: None until the
+# first launch sets it to pdl_default(SWINBENCH_PDL, pdl_supported()) (the GPU is not queried at import).
+# A test or benchmark that sets it True must check pdl_supported() first.
+PDL_LAUNCH: bool | None = None
 
 
 def pdl_launch() -> bool:
     """Whether a kernel launched now takes programmatic dependent launch (its PDL constexpr and
-    `launch_options(pdl=...)`): never while traced."""
-    global _PDL_DEFAULT
+    `launch_options(pdl=...)`): PDL_LAUNCH, never while traced."""
+    global PDL_LAUNCH
     if tracing():
         return False
-    if PDL_OVERRIDE is None:
-        if _PDL_DEFAULT is None:
-            _PDL_DEFAULT = pdl_default(_PDL_ENV, pdl_supported())
-        return _PDL_DEFAULT
-    return PDL_OVERRIDE and pdl_supported()
+    if PDL_LAUNCH is None:
+        PDL_LAUNCH = pdl_default(_PDL_ENV, pdl_supported())
+    return PDL_LAUNCH
 
 
 def _traced_body(fn: Callable) -> Callable:
