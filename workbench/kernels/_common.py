@@ -75,7 +75,7 @@ AUTOTUNE = debug_env("SWINBENCH_AUTOTUNE") != "0"
 
 def cdiv(a: int, b: int) -> int:
     """Ceiling division for the host code's grids and tile counts. Newer Triton makes `triton.cdiv` and
-    `triton.next_power_of_2` constexpr functions, about 1.5 µs per host call through their wrapper;
+    `triton.next_power_of_2` constexpr functions, which cost host time per call through their wrapper;
     this is plain integer arithmetic."""
     return -(-a // b)
 
@@ -468,9 +468,7 @@ def pdl_exit(PDL: tl.constexpr):
     """After the program's last store is issued: let the next kernel's programs start launching (they wait
     in their own pdl_enter). Its launch and the scheduling of its programs then overlap this kernel's
     tail instead of following it. Released at once instead (in pdl_enter), the next kernel's waiting
-    programs took SM slots from this one's: the H200 timed roll_partition and merge_roll at Swin-B stage 3
-    6% slower than plain launches that way, and 8% faster released here
-    (benchmarks/results/diag_window_launch_knobs_h200.json)."""
+    programs would take SM slots from this one's and slow it down."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
 

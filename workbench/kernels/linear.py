@@ -5,9 +5,9 @@
 
 Why: in an autocast training step every nn.Linear's backward computes its bias gradient as a separate
 `sum(0)` over the (rows, out_features) output gradient, in the half dtype (rounded to bf16, then cast
-to the fp32 parameter). In the H200 profile of the `fmha` stage (Swin-B, batch 64) those column
-reductions are the largest single kernel, 13.5% of the step's GPU time, and the MLP's GELU backward,
-an elementwise pass over the same (rows, 4C) tensor just before, another 5.6%. Here one kernel reads
+to the fp32 parameter). Once the window and attention kernels are fused, those column reductions are
+the largest single kernel of a Swin step besides the GEMMs, and the MLP's GELU backward is another
+elementwise pass over the same (rows, 4C) tensor just before. Here one kernel reads
 the output gradient (and, for fc1, the pre-activation), writes the GELU backward's result (the
 gradient the two GEMMs then use) and accumulates the bias gradient in fp32 per program, added
 atomically into one zeroed fp32 row (_common.column_sums; per-program rows summed in a fixed order

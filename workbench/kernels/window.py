@@ -263,9 +263,9 @@ def _norm_partition_bwd_kernel(
     accumulators are two (BLOCK_C,) vectors; otherwise they are (BLOCK_T, BLOCK_C) and reduced across rows
     once at the end (a cross-warp reduction per tile would cost two shared-memory round trips per
     iteration). With SLOTS > 1 (atomic mode), program p adds into row p % SLOTS of sums_ptr's (SLOTS, 2C):
-    fewer atomic adds queue on each address; the host adds the rows up (_common.sum_rows). The sweep found
-    Triton's pipelining (STAGES = 3) as fast as a hand-written one-tile prefetch at every stage (within
-    0.5 µs at stages 2-4, 5% faster at stage 1).
+    fewer atomic adds queue on each address; the host adds the rows up (_common.sum_rows). Triton's
+    pipelining (STAGES = 3) keeps the next tiles' loads in flight, as a hand-written one-tile prefetch
+    would, at no cost in registers.
 
     PDL_EARLY: release the next kernel at the start instead of after the last store, where that kernel is
     the small one of _common.sum_partials (it waits for this grid to complete all the same).
@@ -340,11 +340,10 @@ def _norm_partition_bwd_kernel(
 # programs than 4096 (8 KB) amortize the per-token index math and the block scheduling.
 _COPY_TILE_ELEMS = 8192
 # LayerNorm kernels hold whole rows over 4 warps: ~2048 elements per backward tile, ~4096 per forward
-# tile. The launch configuration of both comes from benchmarks/sweep_norm_window.py on the H200 (Swin-B
-# stages 1-4, batch 64, bf16; raw sweeps in benchmarks/results/sweep_norm_window*_h200.json): 4 warps
-# beat 8 and 16 at every stage, the forward is fastest on 4096-8192 element tiles; in the backward, band
-# length, residency and pipelining depth move it by about 1 µs, and at C = 512-1024 fewer warps per row
-# (a warp per 1024 elements) beat 4-warp 2048-element tiles (_norm_blocks).
+# tile. Tuned on Swin-B's four stages (bf16): 4 warps beat 8 and 16 at every stage, the forward is
+# fastest on 4096-8192 element tiles; in the backward, band length, residency and pipelining depth matter
+# little, and at C = 512-1024 fewer warps per row (a warp per 1024 elements) beat 4-warp 2048-element
+# tiles (_norm_blocks).
 _NORM_TILE_ELEMS = 2048
 _NORM_FWD_TILE_ELEMS = 4096
 _NORM_WARPS = 4
@@ -357,11 +356,8 @@ _NORM_BWD_PER_SM = 3
 _NORM_BWD_STAGES = 3
 # Where ROW_SUMS holds (C = 512-1024, and Swin-L's 1536): programs of _NORM_BWD_WARPS_PER_SM // num_warps
 # per SM, tiles shared out evenly, and the column sums spread over a row per _NORM_BWD_PER_SLOT programs
-# (atomic adds onto one address queue one after another). From benchmarks/sweep_norm_window.py --family
-# slots (H200, 2026-12-01, Swin-B batch 64, bf16, the backward with its grads' cast, over input sets that
-# exceed the L2): stage 4, 262 programs of 3 tiles: 11.8 µs against 12.4 for 196 of 4 (the grid before,
-# two programs on half the SMs and one on the rest); stage 3, 523 programs of 6 tiles over 4 rows of sums:
-# 16.3 µs (16.0 for 784 of 4) against 17.9 for 392 of 8 into one row.
+# (atomic adds onto one address queue one after another). Evenly loaded programs beat a grid of two
+# programs on some SMs and one on the rest, and several rows of sums beat one at Swin-B's stages 3 and 4.
 _NORM_BWD_WARPS_PER_SM = 8
 _NORM_BWD_PER_SLOT = 256
 _NORM_BWD_MAX_SLOTS = 16
@@ -387,10 +383,8 @@ def _norm_blocks(C: int) -> tuple[int, int, int]:
 
     * C <= 256: ~2048 elements over 4 warps.
     * 256 < C <= 1024 (Swin's stages 3 and 4): 32 elements per thread per tensor, a warp per 1024
-      elements: 4 rows of 512 on 2 warps, 4 rows of 1024 on 4 warps. The H200 sweep
-      (benchmarks/results/sweep_norm_window_bwd_small_warps_h200.json) put these at 15.6 / 11.4 µs
-      against 18.3 / 11.8 µs for 2048-element tiles on 4 warps; fewer warps per row means cheaper
-      row reductions.
+      elements: 4 rows of 512 on 2 warps, 4 rows of 1024 on 4 warps, faster than 2048-element tiles on
+      4 warps: fewer warps per row means cheaper row reductions.
     * C > 1024 (Swin-L's 1536): two rows over 8 warps, so that a thread's share stays in registers.
     """
     block_c = next_pow2(C)
@@ -536,8 +530,8 @@ def _norm_partition(x, residual, weight, bias, eps, window_size, shift, out_dtyp
 @functools.lru_cache(maxsize=None)
 def _norm_fwd_config(C: int) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_C, num_warps) of the LayerNorm + shift + partition forward: whole rows, ~4096
-    elements (at least 2 rows) over 4 warps. The sweep's best forward at stages 2-4 were 4096-8192
-    element tiles on 4 warps (16.8 / 8.4 / 4.8 µs against 17.4 / 9.3 / 5.1 µs for 2048)."""
+    elements (at least 2 rows) over 4 warps, the fastest tiles at Swin-B's stages 2-4 (2048-element
+    tiles were slower)."""
     block_c = next_pow2(C)
     return max(2, _NORM_FWD_TILE_ELEMS // block_c), block_c, _NORM_WARPS
 
@@ -564,8 +558,7 @@ def _norm_bwd_config(n_tok: int, C: int, elt: int, device: torch.device,
     slots = min(_NORM_BWD_MAX_SLOTS, next_pow2(cdiv(programs, _NORM_BWD_PER_SLOT))) if row_sums else 1
     # The register cap only has to fit the programs each SM actually gets: a grid of fewer than
     # _NORM_BWD_PER_SM waves' worth (Swin-B stage 4: 196 programs on 132 SMs, 2 per SM) gets a looser
-    # cap. Capped for 3 per SM there (168 registers), the C=1024 variant spilled and took 11.3 µs
-    # against 10.5 uncapped (benchmarks/diag_maxnreg.py, H200, 2026-12-01).
+    # cap: capped for 3 per SM there (168 registers), the C=1024 variant spilled and ran slower.
     per_sm = cdiv(programs, sm_count(device))
     regs = 65536 // (per_sm * num_warps * 32)  # register file per resident program
     maxnreg = min(255, regs - regs % 8)

@@ -27,11 +27,14 @@ Design (why it is shaped this way):
 
   * Entry points: `fused_window_attention(q, k, v, ...)` and `fused_window_attention_qkv(qkv, ...)`
     for timm's packed (B*nW, N, 3, nH, d) qkv, whose backward writes dq, dk, dv straight into one
-    packed gradient (no autograd stack + reshape copies). Both launch through torch.library custom
-    ops, so torch.compile keeps them as single opaque ops in one graph.
+    packed gradient (no autograd stack + reshape copies). Their host functions are torch.library
+    operators (_common.kernel_op): under torch.compile on a GPU they are triton_ops, which Inductor
+    traces into and launches itself; under Triton's CPU interpreter or with symbolic shapes each call is
+    one opaque custom op.
 
-Autotuning (num_warps x num_stages x windows-per-program G) is keyed on (N, D, NH, NW) and is off under
-TRITON_INTERPRET=1, where a single config keeps CPU tests fast.
+Autotuning (num_warps x num_stages x windows-per-program G) is keyed on (N, D, NH, NW). It is off under
+TRITON_INTERPRET=1, where a single config keeps CPU tests fast, and SWINBENCH_AUTOTUNE=0 pins the first
+config of each kernel on a GPU (docs/debugging.md).
 """
 from __future__ import annotations
 
