@@ -12,8 +12,7 @@ GPU runs only. Parts (--parts), printed as short tables and written as one JSON 
           back-to-back steps each, order rotating): step ms per stage and, against the first stage, the
           median of the per-round ratios, free of the host's drift. STAGE+fastlaunch / STAGE+plainlaunch
           run STAGE with the cached launcher on / off for its steps only (plain STAGE: the default);
-          STAGE+nomergenorm without merge_add_norm (merge_roll, then add_layer_norm); STAGE+nopdl with the
-          window kernels launched without programmatic dependent launch.
+          STAGE+nopdl with the window kernels launched without programmatic dependent launch.
   phases  for each stage, host ms to enqueue the forward, the backward and the optimizer step.
   pyprof  cProfile of a few eager steps of one stage: the Python functions with the most own time.
   compile for each compiled stage (--compile-stages): host enqueue and step ms, Dynamo's graph breaks
@@ -311,7 +310,7 @@ def fastlaunch_table(model: str, batch: int, stages: list[str], steps: int) -> l
     to step in one process (one workload), so that the host's drift falls on both sides alike. The
     first steps of each side (compiles, cache misses) are warm-up. Medians per side, and the median of
     the paired differences (each "on" step against the "off" step just before it)."""
-    from workbench.kernels import _ops
+    from workbench.kernels import _common as _ops
 
     rows = []
     saved = _ops.FAST_LAUNCH
@@ -350,14 +349,12 @@ def paired_table(model: str, batch: int, stages: list[str], rounds: int, block: 
     rotating), so that the host's drift falls on every stage alike. Per stage: the median step over all
     rounds, and against the first stage the median of the per-round ratios (> 1 is faster)."""
     from workbench.interleave import paired_ratio, time_interleaved
-    from workbench.kernels import _ops
-    from workbench.passes import fused_window
+    from workbench.kernels import _common as _ops
 
-    # suffix -> (fast launch, merge_add_norm, PDL override) for that stage's steps; a plain stage runs the
-    # defaults
-    default = (_ops.FAST_LAUNCH, fused_window.MERGE_ADD_NORM, _ops.PDL_OVERRIDE)
-    flags = {"": default, "fastlaunch": (True, *default[1:]), "plainlaunch": (False, *default[1:]),
-             "nomergenorm": (default[0], False, default[2]), "nopdl": (*default[:2], False)}
+    # suffix -> (fast launch, PDL) for that stage's steps; a plain stage runs the defaults
+    default = (_ops.FAST_LAUNCH, _ops.pdl_launch())
+    flags = {"": default, "fastlaunch": (True, default[1]), "plainlaunch": (False, default[1]),
+             "nopdl": (default[0], False)}
     steps = {}
     for stage in stages:
         base, _, flag = stage.partition("+")
@@ -366,13 +363,13 @@ def paired_table(model: str, batch: int, stages: list[str], rounds: int, block: 
         wl = build_stage(model, batch, base)
 
         def step(i, _wl=wl, _flags=flags[flag]):
-            _ops.FAST_LAUNCH, fused_window.MERGE_ADD_NORM, _ops.PDL_OVERRIDE = _flags
+            _ops.FAST_LAUNCH, _ops.PDL_LAUNCH = _flags
             return _wl.step(i)
         steps[stage] = step
     try:
         timings = time_interleaved(steps, rounds=rounds, block=block, warmup=3, device=torch.device("cuda"))
     finally:
-        _ops.FAST_LAUNCH, fused_window.MERGE_ADD_NORM, _ops.PDL_OVERRIDE = default
+        _ops.FAST_LAUNCH, _ops.PDL_LAUNCH = default
     rows, first = [], stages[0]
     for stage in stages:
         samples = timings[stage]["samples_ms"]

@@ -29,8 +29,6 @@ ratio is a speed ratio. The table prints bf16 and amp rows; fp32 rows are in the
 shapes and exits non-zero on a mismatch. --out FILE writes {"environment": environment_stamp(), "settings",
 "records": [...flat dicts...], "check": [...]} as JSON.
 Without a GPU the kernels run in Triton's interpreter on tiny shapes: a smoke test, not a measurement.
-With SWINBENCH_LN_VIA_WINDOW=1 the triton rows are layer_norm / add_layer_norm through window.py's kernels
-(workbench/kernels/layer_norm.py LN_VIA_WINDOW), recorded in settings.ln_via_window.
 """
 from __future__ import annotations
 
@@ -52,7 +50,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from workbench.env import device_label, environment_stamp  # noqa: E402
 from workbench.timing import cuda_graph_us, per_call_us  # noqa: E402
-from workbench.kernels.layer_norm import LN_VIA_WINDOW, add_layer_norm, layer_norm  # noqa: E402
+from workbench.kernels.layer_norm import add_layer_norm, layer_norm  # noqa: E402
 
 BATCH = 64
 # (rows, C) of the LayerNorms in Swin-B's four stages at batch 64.
@@ -305,8 +303,7 @@ def main(argv=None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = SWIN_B_SHAPES if device == "cuda" else CPU_SHAPES
     stamp = environment_stamp(device)
-    print(f"# bench_layer_norm on {device_label(stamp)}; torch {stamp['torch']}, triton {stamp['triton']}"
-          + ("; triton = window.py's kernels (SWINBENCH_LN_VIA_WINDOW=1)" if LN_VIA_WINDOW else ""))
+    print(f"# bench_layer_norm on {device_label(stamp)}; torch {stamp['torch']}, triton {stamp['triton']}")
     if device == "cpu":
         print("# no GPU: Triton interpreter on tiny shapes - a smoke test, the times mean nothing")
     t0 = time.perf_counter()
@@ -338,7 +335,7 @@ def main(argv=None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         payload = {"benchmark": "bench_layer_norm", "environment": stamp,
                    "settings": {"batch": BATCH, "shapes": shapes, "dtypes": dtype_names, "eps": EPS,
-                                "ln_via_window": LN_VIA_WINDOW, "replays": args.replays, "graph_calls": GRAPH_CALLS,
+                                "replays": args.replays, "graph_calls": GRAPH_CALLS,
                                 "timing": "ms_*: CUDA-graph replay of back-to-back calls; call_ms: plain calls, host included"},
                    "records": records, "check": checks}
         args.out.write_text(json.dumps(payload, indent=1))

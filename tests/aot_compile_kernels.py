@@ -47,7 +47,7 @@ DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", 
           torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
 OPTION_KEYS = ("num_warps", "num_stages", "maxnreg", "num_ctas", "launch_pdl")
 
-MODULES = ("layer_norm", "window", "window_attention", "linear")
+MODULES = ("_common", "layer_norm", "window", "window_attention", "linear")
 RECORDED: list[tuple] = []
 
 
@@ -74,7 +74,7 @@ class _Recorder:
 
 
 def _record_launches(quick: bool) -> None:
-    ops = importlib.import_module("workbench.kernels._ops")
+    ops = importlib.import_module("workbench.kernels._common")
     assert not ops._INTERPRET, "run without TRITON_INTERPRET"
     for name in MODULES:
         mod = importlib.import_module(f"workbench.kernels.{name}")
@@ -108,7 +108,7 @@ def _record_launches(quick: bool) -> None:
                                   sums_into=atomic_into)
             for dy_dt in {dt, torch.bfloat16}:  # a plain norm's backward (no residual); dy bf16 where it wrote bf16
                 ln.layer_norm_bwd(r(64, C, dtype=dy_dt), x, w, b, torch.zeros(64), torch.ones(64), None, dt, sums_into=zero)
-        ln.sum_partials(torch.randn(5, 256))
+        ops.sum_partials(torch.randn(5, 256))
     for dt in (torch.float32, torch.bfloat16):
         shapes = ((2, 56, 56, 128), (2, 28, 28, 256), (2, 14, 14, 512), (2, 7, 7, 1024), (1, 9, 15, 33))
         for (B, H, W, C) in (shapes[2:3] + shapes[4:] if quick else shapes):
@@ -130,7 +130,7 @@ def _record_launches(quick: bool) -> None:
             win.merge_add_norm_bwd(r(B, H, W, C), s, w, mean, rstd, 7, shift, x, torch.bfloat16, dt,
                                    sums_into=torch.empty(2 * C))
             # programmatic dependent launch (on where supported)
-            ops.PDL_OVERRIDE, ops._PDL_SUPPORTED = True, True
+            ops.PDL_LAUNCH, ops._PDL_SUPPORTED = True, True
             try:
                 win.roll_partition_fwd(x, 7, shift)
                 win.merge_roll_fwd(windows, 7, shift, H, W, x)
@@ -145,7 +145,7 @@ def _record_launches(quick: bool) -> None:
                 win._norm_grads(torch.empty(16, 2 * C), w.to(torch.bfloat16), b.to(torch.bfloat16))
                 win._norm_grads(torch.empty(16, 2 * C), w, b)
             finally:
-                ops.PDL_OVERRIDE, ops._PDL_SUPPORTED = None, None
+                ops.PDL_LAUNCH, ops._PDL_SUPPORTED = None, None
     for dt in ((torch.bfloat16,) if quick else (torch.bfloat16, torch.float32)):
         attn_shapes = ((7, 4, 16, True), (7, 32, 1, False), (12, 4, 4, True))
         for (ws, heads, nw, masked) in (attn_shapes[:1] if quick else attn_shapes):

@@ -14,7 +14,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-ops = importlib.import_module("workbench.kernels._ops")  # noqa: E402
+ops = importlib.import_module("workbench.kernels._common")  # noqa: E402
 
 
 def test_specialization_key_separates_what_triton_specializes_on():
@@ -243,7 +243,7 @@ def test_real_kernels_match_the_plain_launch_bit_for_bit(monkeypatch):
 def test_pdl_default_and_launch_options(monkeypatch):
     """Programmatic dependent launch: on by default only where supported; SWINBENCH_PDL=0 turns it off, =1
     cannot turn it on where unsupported; the launch keyword is dropped while traced (Inductor's launcher)."""
-    from workbench.kernels import _ops
+    from workbench.kernels import _common as _ops
 
     assert _ops.pdl_default(None, True) and not _ops.pdl_default(None, False)
     assert not _ops.pdl_default("0", True) and _ops.pdl_default("1", True) and not _ops.pdl_default("1", False)
@@ -251,3 +251,25 @@ def test_pdl_default_and_launch_options(monkeypatch):
     assert _ops.launch_options(64, False) == {"maxnreg": 64}
     monkeypatch.setattr(_ops._STATE, "tracing", True, raising=False)
     assert _ops.launch_options(64, True) == {} and not _ops.pdl_launch()
+
+
+def test_debugging_variables_are_read_in_one_place_and_all_documented(monkeypatch):
+    """The kernels read their SWINBENCH_* variables through _common.debug_env only (stripped, empty as
+    unset, unknown names refused), and docs/debugging.md lists every SWINBENCH_* variable the code names."""
+    import pathlib
+    import re
+
+    monkeypatch.setenv("SWINBENCH_PDL", " 0 ")
+    monkeypatch.setenv("SWINBENCH_AUTOTUNE", "")
+    assert ops.debug_env("SWINBENCH_PDL") == "0" and ops.debug_env("SWINBENCH_AUTOTUNE") is None
+    with pytest.raises(KeyError):
+        ops.debug_env("SWINBENCH_NO_SUCH")
+    root = pathlib.Path(__file__).resolve().parents[1]
+    for path in (root / "workbench" / "kernels").glob("*.py"):
+        if path.name != "_common.py":
+            assert "os.environ" not in path.read_text(), f"{path.name} reads the environment itself"
+    named = {m for p in [root / "cli.py", *(root / "workbench").rglob("*.py")]
+             for m in re.findall(r"SWINBENCH_[A-Z_]+", p.read_text())}
+    assert set(ops.DEBUG_VARIABLES) <= named
+    doc = (root / "docs" / "debugging.md").read_text()
+    assert not [n for n in sorted(named) if f"`{n}`" not in doc]

@@ -18,6 +18,7 @@ import pytest  # noqa: E402
 ln = importlib.import_module("workbench.kernels.layer_norm")
 win = importlib.import_module("workbench.kernels.window")
 lin = importlib.import_module("workbench.kernels.linear")
+common = importlib.import_module("workbench.kernels._common")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -60,7 +61,7 @@ def test_atomic_and_deterministic_sums_agree(monkeypatch, make):
 def test_deterministic_mode_is_read_at_call_time(monkeypatch):
     calls = []
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: calls.append(1) or False)
-    buf, atomic = ln.column_sums(5, 8, torch.device(DEVICE))
+    buf, atomic = common.column_sums(5, 8, torch.device(DEVICE))
     assert calls and atomic and buf.shape == (1, 8) and not buf.any()
 
 
@@ -86,19 +87,19 @@ def test_slot_rows_buffer_shapes():
     """slots > 1: a fresh (slots, n) buffer, or `into` viewed as (slots, n) where it holds slots * n
     elements and as one row where it holds n (a slice of a caller's shared buffer)."""
     dev = torch.device(DEVICE)
-    buf, atomic = ln.column_sums(50, 8, dev, None, 4)
+    buf, atomic = common.column_sums(50, 8, dev, None, 4)
     assert atomic and buf.shape == (4, 8) and not buf.any()
-    assert ln.column_sums(50, 8, dev, torch.zeros(32, device=DEVICE), 4)[0].shape == (4, 8)
-    assert ln.column_sums(50, 8, dev, torch.zeros(8, device=DEVICE), 4)[0].shape == (1, 8)
+    assert common.column_sums(50, 8, dev, torch.zeros(32, device=DEVICE), 4)[0].shape == (4, 8)
+    assert common.column_sums(50, 8, dev, torch.zeros(8, device=DEVICE), 4)[0].shape == (1, 8)
 
 
 @pytest.mark.parametrize("rows, n, dtype", [(1, 70, torch.bfloat16), (3, 2 * 300, torch.float32),
                                             (4, 2 * 1000, torch.bfloat16), (200, 66, torch.float16)])
 def test_sum_rows_adds_the_rows_then_casts_once(rows, n, dtype):
-    """layer_norm.sum_rows (sum_partials on blocks for a few rows): the fp32 sum over the rows, rounded once
+    """_common.sum_rows (sum_partials on blocks for a few rows): the fp32 sum over the rows, rounded once
     to the output dtype (odd widths, more rows than one step takes)."""
     src = _rand((rows, n), 11)
-    got = ln.sum_rows(src, dtype)
+    got = common.sum_rows(src, dtype)
     assert got.dtype == dtype and got.shape == (n,)
     want = src.sum(0)
     if rows == 1:  # a plain cast: exactly torch's rounding
@@ -152,8 +153,8 @@ def test_finish_column_sums_adds_up_atomic_rows():
     """finish_column_sums: one atomic row as it is, several (slots) added up by sum_rows, per-program
     partials by sum_partials; all three give the column totals in fp32."""
     rows = _rand((4, 2 * 70), 12)
-    assert torch.equal(ln.finish_column_sums(rows[:1], True), rows[0])
+    assert torch.equal(common.finish_column_sums(rows[:1], True), rows[0])
     for atomic in (True, False):
-        got = ln.finish_column_sums(rows, atomic)
+        got = common.finish_column_sums(rows, atomic)
         assert got.dtype == torch.float32 and got.shape == (2 * 70,)
         torch.testing.assert_close(got, rows.sum(0), rtol=1e-6, atol=1e-5)

@@ -15,7 +15,7 @@ ln = importlib.import_module("workbench.kernels.layer_norm")  # noqa: E402
 win = importlib.import_module("workbench.kernels.window")  # noqa: E402
 wa = importlib.import_module("workbench.kernels.window_attention")  # noqa: E402
 lin = importlib.import_module("workbench.kernels.linear")  # noqa: E402
-from workbench.kernels._ops import KernelOp  # noqa: E402
+from workbench.kernels._common import KernelOp  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # opcheck's default set: schema, autograd registration, fake tensor vs real output, AOT dispatch with
@@ -121,7 +121,7 @@ def test_traced_launches_pass_the_kernels_defaults():
     """While torch.compile traces, launches go through wrap_triton, which does not apply a kernel's
     default arguments itself: launch() fills them in (an argument list short of them made Inductor's
     mutation analysis assume every input written, and AOTAutograd refuse a LayerNorm weight)."""
-    from workbench.kernels._ops import with_kernel_defaults
+    from workbench.kernels._common import with_kernel_defaults
     k = win._norm_partition_bwd_kernel
     given = {"PDL": True, "ROW_SUMS": True}
     filled = with_kernel_defaults(k, tuple(range(9)), given)
@@ -137,7 +137,7 @@ def test_traced_launches_pass_the_kernels_defaults():
 def test_traced_launches_leave_autotuned_arguments_to_the_autotuner():
     import triton
     import triton.language as tl
-    from workbench.kernels._ops import with_kernel_defaults
+    from workbench.kernels._common import with_kernel_defaults
 
     def body(X, N, BLOCK: tl.constexpr = 16, FLAG: tl.constexpr = False):
         pass

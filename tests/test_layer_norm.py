@@ -39,14 +39,6 @@ DTYPES = [
 EPS = 1e-5
 
 
-@pytest.fixture(params=[False, True], ids=["own_kernels", "via_window"])
-def route(request, monkeypatch):
-    """Both routes of layer_norm / add_layer_norm: this module's kernels, and window.py's through an
-    (M, 1, 1, C) map of 1x1 windows (LN_VIA_WINDOW, the experiment behind SWINBENCH_LN_VIA_WINDOW)."""
-    monkeypatch.setattr(layer_norm_module, "LN_VIA_WINDOW", request.param)
-    return request.param
-
-
 def _rand(shape, dtype, seed_offset=0, scale=1.0, shift=0.0):
     """Fresh random tensor (never zeros), off-center so the mean subtraction matters."""
     g = torch.Generator().manual_seed(1234 + seed_offset)
@@ -72,7 +64,7 @@ def _assert_close(actual, expected, atol, rtol, what):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
-def test_layer_norm_matches_torch(shape, dtype, atol, rtol, route):
+def test_layer_norm_matches_torch(shape, dtype, atol, rtol):
     C = shape[-1]
     x = _rand(shape, dtype, 1, scale=2.0, shift=0.5)
     w, b = _params(C, dtype)
@@ -91,7 +83,7 @@ def test_layer_norm_matches_torch(shape, dtype, atol, rtol, route):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
-def test_add_layer_norm_matches_torch(shape, dtype, atol, rtol, route):
+def test_add_layer_norm_matches_torch(shape, dtype, atol, rtol):
     C = shape[-1]
     x = _rand(shape, dtype, 3, scale=2.0, shift=0.5)
     r = _rand(shape, dtype, 4)
@@ -115,7 +107,7 @@ def test_add_layer_norm_matches_torch(shape, dtype, atol, rtol, route):
         _assert_close(a.grad, e.grad.to(dtype), atol, rtol, name)
 
 
-def test_add_layer_norm_only_normed_output_used(route):
+def test_add_layer_norm_only_normed_output_used():
     """When only the normed output feeds the loss, the gradient at the sum arrives as zeros."""
     shape, C = (11, 100), 100
     ours = [_leaf(t) for t in (_rand(shape, torch.float32, 7), _rand(shape, torch.float32, 8), *_params(C, torch.float32))]
@@ -129,7 +121,7 @@ def test_add_layer_norm_only_normed_output_used(route):
         _assert_close(a.grad, e.grad, 1e-5, 1e-5, name)
 
 
-def test_add_layer_norm_mixed_dtypes_like_autocast(route):
+def test_add_layer_norm_mixed_dtypes_like_autocast():
     """Under autocast the residual stream is fp32 and the attention output bf16: the sum and the normed
     output are fp32 (as torch's promotion gives) and each input gets its gradient in its own dtype."""
     shape, C = (3, 7, 96), 96
@@ -151,7 +143,7 @@ def test_add_layer_norm_mixed_dtypes_like_autocast(route):
     _assert_close(b.grad, br.grad, 1e-5, 1e-5, "dbias")
 
 
-def test_layer_norm_bf16_input_fp32_params(route):
+def test_layer_norm_bf16_input_fp32_params():
     """bf16 activations with fp32 parameters (an autocast model): output bf16, grads in each input's dtype."""
     shape, C = (9, 128), 128
     x = _leaf(_rand(shape, torch.bfloat16, 14, scale=2.0))
@@ -183,7 +175,7 @@ def test_without_weight_and_bias():
     _assert_close(layer_norm(x, None, None, EPS), F.layer_norm(x, (C,), None, None, EPS), 1e-5, 1e-5, "y")
 
 
-def test_non_contiguous_input(route):
+def test_non_contiguous_input():
     C = 100
     base = _rand((C, 15), torch.float32, 19, scale=2.0)
     x_leaf, xr_leaf = _leaf(base), _leaf(base)
@@ -207,7 +199,7 @@ def test_kernels_write_every_element(monkeypatch, fn, deterministic):
     def nan_filled(shape, dtype, device):
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
-    monkeypatch.setattr(layer_norm_module, "_new_output", nan_filled)
+    monkeypatch.setattr(importlib.import_module("workbench.kernels._common"), "new_output", nan_filled)
     shape, C = (2, 37, 100), 100  # 74 rows: several backward programs, a ragged last one
     x = _leaf(_rand(shape, torch.float32, 21, scale=2.0))
     r = _leaf(_rand(shape, torch.float32, 22))
@@ -244,7 +236,7 @@ def test_triton_layer_norm_module_keeps_parameters():
     _assert_close(tln(x), ln(x), 1e-5, 1e-5, "module output")
 
 
-def test_module_under_autocast_returns_torch_s_dtype(route):
+def test_module_under_autocast_returns_torch_s_dtype():
     """Under autocast TritonLayerNorm returns the dtype torch's LayerNorm returns on this device (fp32 under
     CUDA autocast, whose layer_norm runs in fp32; the input's dtype under the CPU's), with the same values:
     swapping it in keeps a model's dtypes, and its residual stream's precision, as autocast has them."""
@@ -259,7 +251,7 @@ def test_module_under_autocast_returns_torch_s_dtype(route):
     torch.testing.assert_close(y, y_ref, atol=tol, rtol=tol)
 
 
-def test_layer_norm_out_dtype_fp32_from_bf16(route):
+def test_layer_norm_out_dtype_fp32_from_bf16():
     """out_dtype=fp32 on a bf16 x: F.layer_norm of the upcast x, in fp32; dx in bf16; rounding that output
     to bf16 gives exactly the default (bf16) output, each rounded once from the same fp32 values."""
     shape, C = (2, 7, 96), 96
@@ -328,36 +320,18 @@ def _check_against_float64(op, shape, dtype, tol):
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("shape", SWIN_SHAPES)
 @pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
-def test_add_layer_norm_swin_shapes_gpu(shape, dtype, atol, rtol, route):
+def test_add_layer_norm_swin_shapes_gpu(shape, dtype, atol, rtol):
     if dtype == torch.float32:
         # fp32 at up to 2e5 rows: against float64, normwise (see _check_against_float64); fp32 math
         # gives ~1e-7..1e-6, so 1e-5 leaves room for the reduction order and nothing for a bug.
         for op in ("add_layer_norm", "layer_norm"):
             _check_against_float64(op, shape, dtype, 1e-5)
         return
-    test_add_layer_norm_matches_torch(shape, dtype, atol, rtol, route)
-    test_layer_norm_matches_torch(shape, dtype, atol, rtol, route)
+    test_add_layer_norm_matches_torch(shape, dtype, atol, rtol)
+    test_layer_norm_matches_torch(shape, dtype, atol, rtol)
 
 
 def test_float64_check_on_cpu_shape():
     """The float64 comparison itself, on a small shape (runs without a GPU too)."""
     for op in ("add_layer_norm", "layer_norm"):
         _check_against_float64(op, (37, 100), torch.float32, 1e-5)
-
-
-def test_via_window_runs_the_window_kernels(monkeypatch):
-    """With LN_VIA_WINDOW, layer_norm and add_layer_norm go through window.py's autograd Functions (both
-    parameters given); without a bias they keep this module's kernels."""
-    win = importlib.import_module("workbench.kernels.window")
-    monkeypatch.setattr(layer_norm_module, "LN_VIA_WINDOW", True)
-    seen = []
-    for cls in (win.NormShiftPartitionFunction, win.AddNormShiftPartitionFunction):
-        monkeypatch.setattr(cls, "apply", (lambda f, n: lambda *a: (seen.append(n), f(*a))[1])(cls.apply, cls.__name__))
-    x, r = _rand((3, 4, 96), torch.float32, 1), _rand((3, 4, 96), torch.float32, 2)
-    w, b = _params(96, torch.float32)
-    assert layer_norm(x, w, b).shape == x.shape
-    s, y = add_layer_norm(x, r, w, b)
-    assert s.shape == y.shape == x.shape
-    layer_norm(x, w, None)
-    assert seen == ["NormShiftPartitionFunction", "AddNormShiftPartitionFunction"]
-

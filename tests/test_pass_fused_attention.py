@@ -114,7 +114,7 @@ def test_rel_pos_bias_matches_timm_gather_forward_and_backward():
 
     assert add_rel_pos_inverse(attn) and getattr(attn, INVERSE_BUFFER) is not None
     assert INVERSE_BUFFER not in attn.state_dict()
-    ours = rel_pos_bias(attn)
+    ours = rel_pos_bias(attn, getattr(attn, INVERSE_BUFFER))
     (grad2,) = torch.autograd.grad(ours, attn.relative_position_bias_table, d)
     # summed in another order than index_add_'s atomics: fp32 rounding apart (1.5e-6 seen on the H200)
     torch.testing.assert_close(grad2, ref_grad, rtol=1e-5, atol=1e-5)

@@ -15,6 +15,8 @@ import pytest  # noqa: E402
 
 from workbench.passes import PassUnavailable, apply_pass  # noqa: E402
 from workbench.passes import fused_block  # noqa: E402
+from workbench.passes.block_forward import SwinBlockFunction  # noqa: E402
+from workbench.passes.block_plan import BlockPlan, block_plans  # noqa: E402
 from pass_helpers import model_pair, pass_ctx, rel_err, tiny_batch, train_step  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -78,8 +80,8 @@ def test_replaces_the_kernel_passes_it_sits_on(autocast, tol):
 
 def test_function_runs_once_per_block_and_falls_back_when_dropout_is_active(monkeypatch):
     calls = []
-    real = fused_block.SwinBlockFunction.apply
-    monkeypatch.setattr(fused_block.SwinBlockFunction, "apply", lambda *a: calls.append(1) or real(*a))
+    real = SwinBlockFunction.apply
+    monkeypatch.setattr(SwinBlockFunction, "apply", lambda *a: calls.append(1) or real(*a))
     _, model = model_pair(DEVICE, drop_path_rate=0.1)
     model, _ = fused_block.apply(model, pass_ctx(DEVICE))
     _step(model, train=False)                 # DropPath is the identity in eval: fused
@@ -112,8 +114,7 @@ def test_applying_twice_patches_once():
     model, _ = fused_block.apply(model, pass_ctx(DEVICE))
     model, again = fused_block.apply(model, pass_ctx(DEVICE))
     assert again.details["blocks_patched"] == 0
-    blk = model.layers[0].blocks[0]
-    assert blk._swinbench_forward_before_fused_block.__func__ is not fused_block.swin_block_forward_fused_block
+    assert block_plans(model).plan("layers.0.blocks.0") == BlockPlan(whole_block=True)
 
 
 def test_padded_windows_and_dynamic_mask():

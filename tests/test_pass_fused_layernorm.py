@@ -21,6 +21,7 @@ from workbench.errors import UserError  # noqa: E402
 from workbench.models import TINY_MODEL, build_model  # noqa: E402
 from workbench.passes import apply_pass  # noqa: E402
 from workbench.passes import fused_layernorm  # noqa: E402
+from workbench.passes.block_plan import block_plans  # noqa: E402
 from pass_helpers import assert_same_step, model_pair, pass_ctx, tiny_batch  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -55,9 +56,10 @@ def test_triton_fused_residual_matches_unpatched_fp32():
     from workbench.kernels.layer_norm import TritonLayerNorm
 
     assert sum(isinstance(m, TritonLayerNorm) for m in model.modules()) == N_LAYER_NORMS
-    for blk in model.layers.modules():
+    plans = block_plans(model)
+    for name, blk in model.named_modules():
         if type(blk).__name__ == "SwinTransformerBlock":
-            assert blk._swinbench_add_norm2 is True and "forward" in vars(blk)
+            assert plans.plan(name).add_norm2 is True and "forward" in vars(blk)
     _assert_same_training_step(ref, model, atol=1e-5, rtol=1e-5)
 
 
@@ -104,7 +106,7 @@ def test_apply_pass_twice_changes_nothing_more():
 
 
 def test_earlier_forward_patch_is_left_alone():
-    """A block whose forward another pass already replaced keeps it (and gets no add_layer_norm flag)."""
+    """A block whose forward was replaced outside its plan keeps it (and its plan no add_norm2)."""
     _, model = model_pair(DEVICE, seed=6)
     blocks = [m for m in model.modules() if type(m).__name__ == "SwinTransformerBlock"]
     marker = types.MethodType(lambda self, x: x, blocks[0])
@@ -112,7 +114,8 @@ def test_earlier_forward_patch_is_left_alone():
     model, result = fused_layernorm.apply(model, pass_ctx(DEVICE), impl="triton")
     assert result.details["blocks_forward_already_patched"] == 1
     assert result.details["fused_residual_blocks"] == N_BLOCKS - 1
-    assert blocks[0].forward is marker and not getattr(blocks[0], "_swinbench_add_norm2", False)
+    plan = block_plans(model).plan("layers.0.blocks.0")
+    assert blocks[0].forward is marker and not plan.add_norm2 and dict(plan.fallbacks).get("add_norm2")
 
 
 def test_impl_torch_keeps_model():

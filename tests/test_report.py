@@ -75,7 +75,7 @@ def test_configuration_names_the_eager_launcher_and_settings(records, tmp_path):
     for r in records:
         r["env"] = {**ENV, "triton_launcher": "cached", "swinbench_env": {"SWINBENCH_TRITON_OP": "0"}}
     text = render_report(records, tmp_path / "b.md").read_text()
-    assert "| Triton launches (eager) | cached launcher (workbench.kernels._ops.CachedLauncher) |" in text
+    assert "| Triton launches (eager) | cached launcher (workbench.kernels._common.CachedLauncher) |" in text
     assert "| settings | SWINBENCH_TRITON_OP=0 |" in text
 
 

@@ -206,7 +206,7 @@ def test_traced_backward_sums_every_slot(monkeypatch, nw):
     """Traced by torch.compile (triton_op), the backward cannot know the G Inductor's autotuning will
     pick: it sums every slot of the d_bias partial buffer, and the kernel zeroes those its G leaves
     unused. With the buffers NaN-poisoned, an unzeroed slot would show."""
-    ops = importlib.import_module("workbench.kernels._ops")
+    ops = importlib.import_module("workbench.kernels._common")
     q, k, v, rel_bias, mask, _ = make_inputs(18, 2, 49, 16, nw, "separate", torch.float32)
     scale = 16 ** -0.5
     out, lse = wa.window_attention_fwd(q, k, v, rel_bias, mask, scale)
@@ -286,7 +286,7 @@ def test_table_mode_traced_backward_sums_every_slot(monkeypatch, nw):
     summed (the unused ones zeroed by the kernel), and the result is the eager one."""
     from timm.models.swin_transformer import get_relative_position_index
 
-    ops = importlib.import_module("workbench.kernels._ops")
+    ops = importlib.import_module("workbench.kernels._common")
     q, k, v, _, mask, _ = make_inputs(18, 2, 49, 16, nw, "separate", torch.float32)
     table = torch.randn(169, 2, device=DEVICE)
     index = get_relative_position_index(7, 7).to(DEVICE)

@@ -347,8 +347,9 @@ def test_forward_zeroes_the_backward_column_sums(monkeypatch, request, op, C):
 
     lnm = importlib.import_module("workbench.kernels.layer_norm")   # the package exports a function of that name
     winm = importlib.import_module("workbench.kernels.window")
+    common = importlib.import_module("workbench.kernels._common")
 
-    monkeypatch.setattr(lnm, "_new_output", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device))
+    monkeypatch.setattr(common, "new_output", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device))
     intos = []
     for mod in (lnm, winm):
         real = mod.column_sums
@@ -427,9 +428,10 @@ def test_no_column_sum_buffer_without_a_backward(monkeypatch):
     import importlib
 
     lnm = importlib.import_module("workbench.kernels.layer_norm")
+    common = importlib.import_module("workbench.kernels._common")
     made = []
-    real = lnm._new_output
-    monkeypatch.setattr(lnm, "_new_output", lambda shape, dtype, device: made.append(shape) or real(shape, dtype, device))
+    real = common.new_output
+    monkeypatch.setattr(common, "new_output", lambda shape, dtype, device: made.append(shape) or real(shape, dtype, device))
     x, w, b = _randn((1, 7, 7, 16), torch.float32, 51), _randn((16,), torch.float32, 52), _randn((16,), torch.float32, 53)
     with torch.no_grad():
         norm_shift_partition(x, w, b, 1e-5, 7, 0)
@@ -466,14 +468,14 @@ def test_pdl_launches_match_plain_launches(monkeypatch, op):
     """The window kernels launched with programmatic dependent launch give the plain launches' results
     (every kernel waits for the previous one before its first load): outputs and dx bit for bit, the
     parameters' gradients to a bf16 ulp (fp32 atomic sums in another order)."""
-    import workbench.kernels._ops as ops
+    import workbench.kernels._common as ops
 
     if not ops.pdl_supported():
         pytest.skip("no programmatic dependent launch on this GPU / Triton")
     shape = (4, 14, 14, 256, 7, 3)
-    monkeypatch.setattr(ops, "PDL_OVERRIDE", False)
+    monkeypatch.setattr(ops, "PDL_LAUNCH", False)
     ref = _ln_op_grads(op, shape, torch.bfloat16, 70)
-    monkeypatch.setattr(ops, "PDL_OVERRIDE", True)
+    monkeypatch.setattr(ops, "PDL_LAUNCH", True)
     got = _ln_op_grads(op, shape, torch.bfloat16, 70)
     for i, (a, b) in enumerate(zip(ref, got)):
         if i >= len(ref) - 2:

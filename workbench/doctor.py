@@ -48,7 +48,6 @@ def _module_row(name: str, without: str) -> tuple[str, str]:
 
 def environment_report(device: str = "auto") -> list[dict]:
     """Rows of {"what", "value", "note"}: the machine's capabilities and what swinbench does with them."""
-    from .kernels._ops import launcher_name, pdl_launch, pdl_supported
     from .passes import triton_runs_on
     from .workload import pick_device
 
@@ -81,8 +80,10 @@ def environment_report(device: str = "auto") -> list[dict]:
         kernels, note = "not on this device", "no GPU: the fused-kernel passes report themselves not available"
     add("Triton kernels", kernels, note)
     if kernels == "compiled for the GPU":
+        from .kernels._common import launcher_name, pdl_launch, pdl_supported
+
         add("eager Triton launches", launcher_name(),
-            "SWINBENCH_FAST_LAUNCH=1 / 0 forces the cached launcher on / off (docs/kernels.md)")
+            "SWINBENCH_FAST_LAUNCH=1 / 0 forces the cached launcher on / off (docs/debugging.md)")
         add("programmatic dependent launch", "on" if pdl_launch() else "off",
             "window kernels; SWINBENCH_PDL=0 turns it off" if pdl_supported()
             else "needs a Hopper or newer GPU and a Triton with launch_pdl")

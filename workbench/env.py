@@ -65,19 +65,19 @@ def source_digest() -> str:
 
 
 def _triton_launcher() -> str | None:
-    """How eager code launches the Triton kernels (workbench.kernels._ops.launcher_name), None without Triton."""
+    """How eager code launches the Triton kernels (workbench.kernels._common.launcher_name), None without Triton."""
     try:
-        from workbench.kernels._ops import launcher_name
+        from workbench.kernels._common import launcher_name
     except ImportError:
         return None
     return launcher_name()
 
 
 def _pdl() -> bool | None:
-    """Whether the window kernels launch with programmatic dependent launch (workbench.kernels._ops.pdl_launch),
+    """Whether the window kernels launch with programmatic dependent launch (workbench.kernels._common.pdl_launch),
     None without Triton."""
     try:
-        from workbench.kernels._ops import pdl_launch
+        from workbench.kernels._common import pdl_launch
     except ImportError:
         return None
     return pdl_launch()

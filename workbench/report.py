@@ -225,7 +225,7 @@ def _md_table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-_LAUNCHERS = {"cached": "cached launcher (workbench.kernels._ops.CachedLauncher)",
+_LAUNCHERS = {"cached": "cached launcher (workbench.kernels._common.CachedLauncher)",
               "triton": "Triton's kernel[grid] launcher", "interpreter": "Triton's CPU interpreter"}
 
 

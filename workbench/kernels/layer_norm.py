@@ -25,7 +25,7 @@ one memset and no reduction launch. Under torch.use_deterministic_algorithms(Tru
 its own row of a (G, 2C) buffer instead and `sum_partials` adds the rows in a fixed order.
 
 The autograd Functions call the host functions through torch.library operators (swinbench::layer_norm_fwd,
-add_layer_norm_fwd, layer_norm_bwd; see _ops.py): under torch.compile on a GPU Inductor launches the
+add_layer_norm_fwd, layer_norm_bwd; see _common.py): under torch.compile on a GPU Inductor launches the
 kernels itself, elsewhere each call is one opaque op.
 
 Kernels run on the GPU, and on the CPU with TRITON_INTERPRET=1 set before this module is imported (slow).
@@ -33,14 +33,15 @@ Kernels run on the GPU, and on the CPU with TRITON_INTERPRET=1 set before this m
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from ._ops import _INTERPRET, cdiv, kernel_op, launch, launch_options, next_pow2, pdl_launch
+from . import _common
+from ._common import (SOFT_RTNE, cdiv, column_sums, eager_column_sums, emit_column_sum, finish_column_sums, kernel_op,
+                      launch, launch_options, next_pow2, sm_count, split_norm_grads, to_dtype, zero_column_sums)
 
 # Widest row one program holds in registers. Swin needs 1536 (-> 2048); wider rows would want a
 # column loop, which no Swin needs.
@@ -53,63 +54,6 @@ _TILE_ELEMS = 2048
 # Backward grid: the fewest rows one program should own (its (C,) partials cost as much traffic as a
 # few rows). Programs per SM: see bwd_occupancy.
 _BWD_MIN_ROWS_PER_PROGRAM = 16
-
-
-# Triton's CPU interpreter (TRITON_INTERPRET=1, used by the tests) truncates fp32 -> bf16 instead of
-# rounding to nearest even as the GPU (and torch) do; under the interpreter we round by hand so that
-# the kernels' bf16 results match torch's bit for bit. GPU code is unchanged (plain .to()).
-SOFT_RTNE = _INTERPRET
-
-
-if not _INTERPRET:
-    try:
-        import triton.language.extra.cuda  # noqa: F401  (griddepcontrol: tl.extra.cuda.gdc_*)
-    except ImportError:
-        pass
-
-
-@triton.jit
-def pdl_enter(PDL: tl.constexpr):
-    """Under programmatic dependent launch (the host's `pdl_launch()`), before any load or store: wait until
-    the previous kernel in the stream has finished and its writes are visible."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
-def pdl_exit(PDL: tl.constexpr):
-    """After the program's last store is issued: let the next kernel's programs start launching (they wait
-    in their own pdl_enter). Its launch and the scheduling of its programs then overlap this kernel's
-    tail instead of following it. Released at once instead (in pdl_enter), the next kernel's waiting
-    programs took SM slots from this one's: the H200 timed roll_partition and merge_roll at Swin-B stage 3
-    6% slower than plain launches that way, and 8% faster released here
-    (benchmarks/results/diag_window_launch_knobs_h200.json)."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def to_dtype(y, dtype: tl.constexpr, SOFT_RTNE: tl.constexpr):
-    """Cast y to dtype, rounding to nearest even (by hand for bf16 under the interpreter)."""
-    out = y.to(dtype)
-    if SOFT_RTNE:
-        if dtype == tl.bfloat16:
-            yf = y.to(tl.float32)
-            u = yf.to(tl.uint32, bitcast=True)
-            u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-            out = tl.where(yf != yf, out, u.to(tl.uint16).to(tl.bfloat16, bitcast=True))
-    return out
-
-
-@triton.jit
-def zero_column_sums(SUMS, n_sums, pid, n_programs, ZERO: tl.constexpr, BLOCK: tl.constexpr):
-    """With ZERO, the programs of a forward kernel zero the (n_sums,) fp32 buffer that the backward will
-    add its column sums into (`eager_column_sums`), BLOCK elements each in turn (one block for most, as
-    a buffer of several rows is larger than one): the backward then needs no memset launch of its own."""
-    if ZERO:
-        for start in range(pid * BLOCK, n_sums, n_programs * BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            tl.store(SUMS + offs, tl.zeros([BLOCK], dtype=tl.float32), mask=offs < n_sums)
 
 
 @triton.jit
@@ -221,41 +165,8 @@ def _layer_norm_bwd_kernel(
         emit_column_sum(SUMS, pid, 2 * n_cols, n_cols + cols, tl.sum(db_acc, axis=0), col_mask, ATOMIC)
 
 
-@triton.jit
-def emit_column_sum(SUMS, pid, row_len, cols, val, mask, ATOMIC: tl.constexpr):
-    """A program's fp32 column sums `val` at columns `cols` of the buffer from `column_sums`: added
-    atomically into its single row (ATOMIC), or stored in row `pid` of the partials (deterministic)."""
-    if ATOMIC:
-        tl.atomic_add(SUMS + cols, val, mask=mask, sem="relaxed")
-    else:
-        tl.store(SUMS + pid * row_len + cols, val, mask=mask)
-
-
-@triton.jit
-def _sum_partials_kernel(PARTIAL, OUT, n_partials, n_cols, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                         SOFT_RTNE: tl.constexpr = False, PDL: tl.constexpr = False):
-    """OUT[c] = sum_p PARTIAL[p, c] in fp32, p in increasing order per lane, rounded once to OUT's dtype;
-    programs split the columns. PDL: launched with programmatic dependent launch (pdl_enter / pdl_exit)."""
-    pdl_enter(PDL)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < n_cols
-    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-    for p0 in range(0, n_partials, BLOCK_P):
-        parts = p0 + tl.arange(0, BLOCK_P)
-        mask = (parts < n_partials)[:, None] & col_mask[None, :]
-        acc += tl.load(PARTIAL + parts[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
-    tl.store(OUT + cols, to_dtype(tl.sum(acc, axis=0), OUT.dtype.element_ty, SOFT_RTNE), mask=col_mask)
-    pdl_exit(PDL)
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Host side: plain functions the autograd Functions call.
-
-
-def _new_output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Every buffer a kernel writes is allocated here (tests replace it with a NaN-filled allocator to
-    check that the kernels write every element they return)."""
-    return torch.empty(shape, dtype=dtype, device=device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -267,15 +178,6 @@ def _tile(n_cols: int) -> tuple[int, int, int]:
     block_m = max(1, min(64, _TILE_ELEMS // block_n))
     num_warps = min(8, max(4, block_m * block_n // 256))
     return block_m, block_n, num_warps
-
-
-@functools.lru_cache(maxsize=None)
-def sm_count(device: torch.device) -> int:
-    """Multiprocessors of a CUDA device (queried once per device, not per call); 2 under the CPU
-    interpreter, so that a few programs each loop over several blocks there too."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 2
 
 
 def bwd_occupancy(elt: int) -> tuple[int, int | None]:
@@ -299,101 +201,6 @@ def _bwd_grid(n_rows: int, n_cols: int, elt: int, device: torch.device) -> tuple
     return max(1, cdiv(n_rows, rows_per_program)), rows_per_program, maxnreg
 
 
-# Deterministic reduction of (G, N) partials: BLOCK_P partial rows x _SUM_BLOCK_N columns per step.
-_SUM_BLOCK_P, _SUM_BLOCK_N = 32, 64
-
-
-def column_sums(programs: int, n_cols: int, device: torch.device,
-                into: torch.Tensor | None = None, slots: int = 1) -> tuple[torch.Tensor, bool]:
-    """(buffer, atomic) for a backward kernel whose `programs` programs each sum n_cols fp32 column
-    values over their rows (dweight/dbias, a bias gradient), written with `emit_column_sum`.
-
-    By default one zeroed (1, n_cols) row that every program adds into atomically: a memset and no
-    reduction launch (the reduction of (programs, n_cols) partials runs on only n_cols/64 programs).
-    The order of the fp32 additions then varies from run to run, so with
-    torch.use_deterministic_algorithms(True) each program stores its own row of a (programs, n_cols)
-    buffer instead, which `finish_column_sums` adds in a fixed order. `into`: a zeroed contiguous
-    fp32 tensor of n_cols elements to add into instead of a fresh one (a caller with several reductions
-    zeroes one buffer for all of them: one memset instead of several); ignored in deterministic mode.
-
-    slots > 1: (slots, n_cols) rows instead of one, which a kernel with many programs adds into in turn
-    (program p into row p % slots), so that fewer atomic adds queue on each address; `finish_column_sums`
-    then adds the rows up. `into` holds slots * n_cols elements, or n_cols (one row, whatever slots says:
-    a caller that zeroes one buffer for several reductions)."""
-    if torch.are_deterministic_algorithms_enabled():
-        return _new_output((programs, n_cols), torch.float32, device), False
-    if into is not None:
-        return into.view(-1 if into.numel() == slots * n_cols else 1, n_cols), True
-    return torch.zeros((slots, n_cols), dtype=torch.float32, device=device), True
-
-
-def eager_column_sums(n_cols: int, device: torch.device, ctx, *params, slots: int = 1) -> torch.Tensor | None:
-    """For an autograd Function whose forward kernel can zero its backward's column-sum buffer: a fresh
-    (slots * n_cols,) fp32 buffer for the forward to zero (`zero_column_sums`) and the backward to pass as
-    `column_sums`' `into`, which saves the backward's memset launch (one per LayerNorm backward: 53 per
-    eager Swin-B training step). None where that does not apply: no backward will follow (the Function's
-    ctx.needs_input_grad is all False, as under no_grad), no parameter takes a gradient sum,
-    deterministic algorithms are on (per-program partials instead), or torch.compile traces the forward
-    (the operators' schemas stay as they are; Inductor schedules the memset). A Function keeps it on ctx
-    and drops it after one backward, so a second backward through a retained graph gets a fresh one."""
-    if (not any(ctx.needs_input_grad) or all(p is None for p in params)
-            or torch.are_deterministic_algorithms_enabled() or torch.compiler.is_compiling()):
-        return None
-    return _new_output((slots * n_cols,), torch.float32, device)
-
-
-def finish_column_sums(sums: torch.Tensor, atomic: bool) -> torch.Tensor:
-    """The (n_cols,) fp32 totals of a `column_sums` buffer after the kernel ran: its one atomic row, its
-    atomic rows (slots) added up by `sum_rows`, or its per-program partials by `sum_partials`."""
-    if atomic:
-        return sums[0] if sums.shape[0] == 1 else sum_rows(sums, torch.float32)
-    return sum_partials(sums)
-
-
-_SUM_ROWS_ELEMS = 4096  # elements one sum_rows program adds per step
-_SUM_ROWS_MAX_N = 1024  # columns a program at most (a plain cast: 1024 a program)
-
-
-def sum_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(R, n) fp32 -> (n,) sums over R in dtype: one sum_partials launch (with PDL where on), on blocks sized
-    for a few rows of atomic sums (slots) rather than many per-program partials (a single row: a plain
-    cast, 1024 columns a program)."""
-    block_r = min(next_pow2(rows.shape[0]), _SUM_ROWS_ELEMS // 32)
-    block_n = max(32, min(_SUM_ROWS_MAX_N, _SUM_ROWS_ELEMS // block_r))
-    return sum_partials(rows, dtype, block_p=block_r, block_n=block_n, pdl=pdl_launch())
-
-
-def sum_partials(partial: torch.Tensor, dtype: torch.dtype = torch.float32, *, block_p: int = _SUM_BLOCK_P,
-                 block_n: int = _SUM_BLOCK_N, pdl: bool = False) -> torch.Tensor:
-    """(G, N) fp32 partial sums -> (N,) totals in dtype (added in fp32, rounded once), each column added over
-    G in a fixed order (one launch; with programmatic dependent launch where `pdl`, the caller's
-    pdl_launch())."""
-    n_partials, n_cols = partial.shape
-    out = _new_output((n_cols,), dtype, partial.device)
-    launch(_sum_partials_kernel)[(cdiv(n_cols, block_n),)](
-        partial, out, n_partials, n_cols, BLOCK_P=block_p, BLOCK_N=block_n, SOFT_RTNE=SOFT_RTNE, PDL=pdl,
-        num_warps=4, **launch_options(None, pdl))
-    return out
-
-
-def split_column_sums(sums: torch.Tensor, sizes: tuple, dtypes: tuple) -> list:
-    """Consecutive slices of fp32 column sums, each in its parameter's dtype (None: no parameter, gives
-    None): views where the dtype is fp32, one cast for all when every slice wants the same lower
-    precision (master_weights' bf16 biases), a cast each otherwise."""
-    if len(set(dtypes)) == 1 and dtypes[0] not in (None, torch.float32):
-        return list(sums.to(dtypes[0]).split(sizes))
-    return [None if t is None else (g if t == torch.float32 else g.to(t)) for g, t in zip(sums.split(sizes), dtypes)]
-
-
-def split_norm_grads(sums: torch.Tensor, weight, bias) -> tuple:
-    """(dweight, dbias) from a LayerNorm backward's (2C,) fp32 column sums (split_column_sums): views
-    when the parameter is fp32 (autocast training keeps them so), cast copies otherwise; None for a
-    missing parameter."""
-    n_cols = sums.shape[0] // 2
-    dw, db = split_column_sums(sums, (n_cols, n_cols), tuple(None if p is None else p.dtype for p in (weight, bias)))
-    return dw, db
-
-
 def _as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
     t = t.reshape(-1, n_cols)
     return t if t.is_contiguous() else t.contiguous()
@@ -415,10 +222,10 @@ def layer_norm_fwd(x2, residual2, weight, bias, eps: float, out_dtype: torch.dty
     n_rows, n_cols = x2.shape
     block_m, block_n, num_warps = _tile(n_cols)
     device = x2.device
-    y = _new_output((n_rows, n_cols), y_dtype or out_dtype, device)
-    s = _new_output((n_rows, n_cols), out_dtype, device) if residual2 is not None else None
-    mean = _new_output((n_rows,), torch.float32, device)
-    rstd = _new_output((n_rows,), torch.float32, device)
+    y = _common.new_output((n_rows, n_cols), y_dtype or out_dtype, device)
+    s = _common.new_output((n_rows, n_cols), out_dtype, device) if residual2 is not None else None
+    mean = _common.new_output((n_rows,), torch.float32, device)
+    rstd = _common.new_output((n_rows,), torch.float32, device)
     if n_rows > 0:
         launch(_layer_norm_fwd_kernel)[(cdiv(n_rows, block_m),)](
             x2, residual2 if residual2 is not None else x2, s if s is not None else y, y,
@@ -440,7 +247,7 @@ def layer_norm_bwd(dy2, x2, weight, bias, mean, rstd, ds2, dx_dtype: torch.dtype
     sums_into: a zeroed (2C,) fp32 tensor for the sums (column_sums)."""
     n_rows, n_cols = x2.shape
     device = x2.device
-    dx = _new_output((n_rows, n_cols), dx_dtype, device)
+    dx = _common.new_output((n_rows, n_cols), dx_dtype, device)
     if n_rows == 0:
         return dx, torch.zeros(2 * n_cols, dtype=torch.float32, device=device)
     block_m, block_n, num_warps = _tile(n_cols)
@@ -456,7 +263,7 @@ def layer_norm_bwd(dy2, x2, weight, bias, mean, rstd, ds2, dx_dtype: torch.dtype
     return dx, finish_column_sums(sums, atomic)
 
 
-# One operator per host function (_ops.kernel_op): traced into by torch.compile on a GPU (triton_op),
+# One operator per host function (_common.kernel_op): traced into by torch.compile on a GPU (triton_op),
 # opaque otherwise, where the fake implementations give the output shapes and dtypes. Inputs are (M, C)
 # rows (the autograd Functions reshape); outputs are fresh contiguous tensors. dweight and dbias come back
 # as one (2C,) fp32 tensor (two views of one buffer may not both be outputs of an op); the Functions split
@@ -566,38 +373,10 @@ class AddLayerNormFunction(torch.autograd.Function):
         return dsum.to(x_dtype), dsum.to(r_dtype), dw, db, None, None
 
 
-# Experiment, off by default (SWINBENCH_LN_VIA_WINDOW=1 turns it on): layer_norm and add_layer_norm, in eager
-# mode and with both parameters, run window.py's LayerNorm kernels on the rows as an (M, 1, 1, C) map of 1x1
-# windows, where the shift and partition are the identity. Those kernels have the window ops' tuned backward
-# (a tile's rows summed within each thread for dweight/dbias, an evenly loaded grid, several rows of column
-# sums, programmatic dependent launch). Timed side by side on the H200 (benchmarks/diag_layer_norm_route.py,
-# 2026-12-01, Swin-B shapes, fwd+bwd): 1.01-1.69x less GPU time (bf16 stage 3: 37.6 -> 22.3 µs), but 13-25%
-# more time per plain call on that host, where eager steps are host-bound (the window host path and its PDL
-# launches cost more than this module's). So off by default until that host path is as lean.
-LN_VIA_WINDOW = os.environ.get("SWINBENCH_LN_VIA_WINDOW", "0") == "1"
-_VIA_WINDOW_MAX_COLS = 2048  # the window kernels hold a whole row per program; Swin's widest is 1536
-
-
-def _via_window(x: torch.Tensor, weight, bias) -> bool:
-    return (LN_VIA_WINDOW and weight is not None and bias is not None and 0 < x.shape[-1] <= _VIA_WINDOW_MAX_COLS
-            and x.numel() > 0 and not torch.compiler.is_compiling())
-
-
-def _window_kernels():
-    """workbench.kernels.window, imported on first use: it builds on this module."""
-    from . import window
-    return window
-
-
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                eps: float = 1e-5, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """F.layer_norm(x, (C,), weight, bias, eps) for x (..., C) fp32/fp16/bf16; output in out_dtype (default
     x.dtype), rounded once from fp32; dx comes back in x.dtype."""
-    if _via_window(x, weight, bias):
-        _check(x, weight, bias)
-        y = _window_kernels().norm_shift_partition(x.reshape(-1, 1, 1, x.shape[-1]), weight, bias, float(eps), 1, 0,
-                                                   out_dtype)
-        return y.view(x.shape)
     return LayerNormFunction.apply(x, weight, bias, float(eps), out_dtype)
 
 
@@ -635,12 +414,6 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
     """(s, F.layer_norm(s, (C,), weight, bias, eps)) with s = x + residual, both (..., C), in one pass.
     s is in the promoted dtype of x and residual, and so is the normalized output unless y_dtype says
     otherwise (rounded once from fp32, the bits `.to(y_dtype)` would give); both are differentiable."""
-    if _via_window(x, weight, bias) and x.shape == residual.shape:
-        _check(x, weight, bias)
-        rows = (-1, 1, 1, x.shape[-1])
-        s, y = _window_kernels().add_norm_shift_partition(x.reshape(rows), residual.reshape(rows), weight, bias,
-                                                          float(eps), 1, 0, y_dtype)
-        return s.view(x.shape), y.view(x.shape)
     return AddLayerNormFunction.apply(x, residual, weight, bias, float(eps), y_dtype)
 
 

@@ -5,12 +5,12 @@
 
 Why: in an autocast training step every nn.Linear's backward computes its bias gradient as a separate
 `sum(0)` over the (rows, out_features) output gradient, in the half dtype (rounded to bf16, then cast
-to the fp32 parameter). In the H200 profile of the `fmha` stage (Swin-B, batch 64) those column
-reductions are the largest single kernel, 13.5% of the step's GPU time, and the MLP's GELU backward,
-an elementwise pass over the same (rows, 4C) tensor just before, another 5.6%. Here one kernel reads
+to the fp32 parameter). Once the window and attention kernels are fused, those column reductions are
+the largest single kernel of a Swin step besides the GEMMs, and the MLP's GELU backward is another
+elementwise pass over the same (rows, 4C) tensor just before. Here one kernel reads
 the output gradient (and, for fc1, the pre-activation), writes the GELU backward's result (the
 gradient the two GEMMs then use) and accumulates the bias gradient in fp32 per program, added
-atomically into one zeroed fp32 row (layer_norm.column_sums; per-program rows summed in a fixed order
+atomically into one zeroed fp32 row (_common.column_sums; per-program rows summed in a fixed order
 under deterministic mode). The GEMMs for dx and dweight stay cuBLAS (torch.mm).
 
 Numerics: the GEMMs see exactly the tensors autograd would give them (dpre rounded to the activation
@@ -30,9 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._ops import cdiv, kernel_op, launch, next_pow2
-from .layer_norm import SOFT_RTNE as _SOFT_RTNE
-from .layer_norm import _new_output, column_sums, emit_column_sum, finish_column_sums, sm_count, to_dtype
+from . import _common
+from ._common import SOFT_RTNE as _SOFT_RTNE
+from ._common import (cdiv, column_sums, emit_column_sum, finish_column_sums, kernel_op, launch, next_pow2, sm_count,
+                      to_dtype)
 
 # Elements per (rows x cols) tile: 2048 over 4 warps is 16 fp32 accumulators per thread.
 _TILE_ELEMS = 2048
@@ -104,7 +105,7 @@ def bias_grad_host(dy: torch.Tensor, pre: Optional[torch.Tensor], bias_dtype: to
     sums, atomic = column_sums(row_programs, n_cols, dy.device, sums_into)
     cast = pre is None and out_dtype is not None and out_dtype != dy.dtype
     if pre is not None or cast:
-        dpre = _new_output(dy.shape, out_dtype if cast else dy.dtype, dy.device)
+        dpre = _common.new_output(dy.shape, out_dtype if cast else dy.dtype, dy.device)
     else:
         dpre = dy
     launch(_bias_grad_kernel)[(row_programs, col_blocks)](

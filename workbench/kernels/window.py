@@ -18,15 +18,15 @@ writes are contiguous and padding is written as 0 without a separate fill), comp
 token the source row with integer arithmetic, and moves BLOCK_C contiguous channels per row
 (coalesced along C, masked for odd C). LayerNorm's dweight/dbias are per-program sums (a band of
 tiles per program, one wave of programs) added atomically into one zeroed fp32 buffer
-(`layer_norm.column_sums`; per-program rows summed in a fixed order under deterministic mode).
+(`_common.column_sums`; per-program rows summed in a fixed order under deterministic mode).
 
 Backward of each op is a forward of another: d(roll_partition) = merge_roll(dout);
 d(merge_roll) = roll_partition(dout); merge_unshift_add's dshortcut is dout itself (no copy).
 The autograd Functions call the host functions through torch.library operators (swinbench::
-roll_partition_fwd, merge_roll_fwd, norm_shift_partition_fwd/_bwd; see _ops.py): under torch.compile on
+roll_partition_fwd, merge_roll_fwd, norm_shift_partition_fwd/_bwd; see _common.py): under torch.compile on
 a GPU Inductor launches the kernels itself, elsewhere each call is one opaque op.
 
-Launches: on Hopper and newer, with programmatic dependent launch (`_ops.pdl_launch`, SWINBENCH_PDL=0 turns it
+Launches: on Hopper and newer, with programmatic dependent launch (`_common.pdl_launch`, SWINBENCH_PDL=0 turns it
 off): every kernel waits for the previous one before its first load and releases the next after its last
 store (`pdl_enter` / `pdl_exit`), so that launches overlap the kernels' tails.
 
@@ -48,11 +48,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._ops import _INTERPRET, cdiv, kernel_op, launch, launch_options, next_pow2, pdl_launch
-
-from workbench.kernels.layer_norm import (SOFT_RTNE as _SOFT_RTNE, column_sums, eager_column_sums, emit_column_sum,
-                                          finish_column_sums, pdl_enter, pdl_exit,
-                                          sm_count, split_norm_grads, sum_rows, to_dtype, zero_column_sums)
+from ._common import (_INTERPRET, SOFT_RTNE as _SOFT_RTNE, cdiv, column_sums, eager_column_sums, emit_column_sum,
+                      finish_column_sums, kernel_op, launch, launch_options, next_pow2, pdl_enter, pdl_exit, pdl_launch,
+                      sm_count, split_norm_grads, sum_rows, to_dtype, zero_column_sums)
 
 # ----------------------------------------------------------------------------------- kernels
 
@@ -92,7 +90,7 @@ def _partition_fwd_kernel(
     x[b, (hp + shift) % H, (wp + shift) % W]. With NORM, BLOCK_C covers all of C and the row
     is layer-normalized; mean and rstd are stored at the source token (each valid source
     token is read by exactly one window token). With ZERO_SUMS, the programs also zero the backward's
-    column-sum buffer (layer_norm.zero_column_sums). With HAS_RESIDUAL (NORM only), the
+    column-sum buffer (_common.zero_column_sums). With HAS_RESIDUAL (NORM only), the
     token normalized is s = x + r, rounded to s_ptr's dtype as torch's add would round it, and s is
     stored at the source token too (the residual stream after the add, written once).
     """
@@ -200,7 +198,7 @@ def _merge_norm_fwd_kernel(
     """s = shortcut + windows merged back (window_reverse, crop, roll(+shift)), rounded to s_ptr's dtype
     as torch's add rounds it, then y = LayerNorm(s), for the image tokens of this program's block (whole
     rows: BLOCK_C covers C). Stores s, y, and fp32 mean/rstd per token. With ZERO_SUMS, the programs also
-    zero the backward's column-sum buffer (layer_norm.zero_column_sums)."""
+    zero the backward's column-sum buffer (_common.zero_column_sums)."""
     pdl_enter(PDL)
     pid = tl.program_id(0)
     zero_column_sums(sums_ptr, n_sums, pid, tl.num_programs(0), ZERO_SUMS, BLOCK_C)
@@ -259,18 +257,18 @@ def _norm_partition_bwd_kernel(
 
     Program p owns the contiguous band of token tiles [p * tiles_per_prog, (p + 1) * tiles_per_prog).
     dweight/dbias partials are summed over the band in registers and go to columns [0, C) / [C, 2C) of
-    sums_ptr once at the end (layer_norm.emit_column_sum). Where every row of a tile lies within each
+    sums_ptr once at the end (_common.emit_column_sum). Where every row of a tile lies within each
     thread (ROW_SUMS: a row spans all the program's threads, so the sum over a tile's rows needs no
     shuffle or shared memory), each tile is reduced to (BLOCK_C,) partials as it goes and the band's
     accumulators are two (BLOCK_C,) vectors; otherwise they are (BLOCK_T, BLOCK_C) and reduced across rows
     once at the end (a cross-warp reduction per tile would cost two shared-memory round trips per
     iteration). With SLOTS > 1 (atomic mode), program p adds into row p % SLOTS of sums_ptr's (SLOTS, 2C):
-    fewer atomic adds queue on each address; the host adds the rows up (layer_norm.sum_rows). The sweep found
-    Triton's pipelining (STAGES = 3) as fast as a hand-written one-tile prefetch at every stage (within
-    0.5 µs at stages 2-4, 5% faster at stage 1).
+    fewer atomic adds queue on each address; the host adds the rows up (_common.sum_rows). Triton's
+    pipelining (STAGES = 3) keeps the next tiles' loads in flight, as a hand-written one-tile prefetch
+    would, at no cost in registers.
 
     PDL_EARLY: release the next kernel at the start instead of after the last store, where that kernel is
-    the small one of layer_norm.sum_partials (it waits for this grid to complete all the same).
+    the small one of _common.sum_partials (it waits for this grid to complete all the same).
 
     DIAG (benchmarks/diag_norm_backward.py only; wrong results): 1 drops the column sums, 2 the dx stores,
     3 the LayerNorm arithmetic (dx = g + x), to see what each costs.
@@ -342,11 +340,10 @@ def _norm_partition_bwd_kernel(
 # programs than 4096 (8 KB) amortize the per-token index math and the block scheduling.
 _COPY_TILE_ELEMS = 8192
 # LayerNorm kernels hold whole rows over 4 warps: ~2048 elements per backward tile, ~4096 per forward
-# tile. The launch configuration of both comes from benchmarks/sweep_norm_window.py on the H200 (Swin-B
-# stages 1-4, batch 64, bf16; raw sweeps in benchmarks/results/sweep_norm_window*_h200.json): 4 warps
-# beat 8 and 16 at every stage, the forward is fastest on 4096-8192 element tiles; in the backward, band
-# length, residency and pipelining depth move it by about 1 µs, and at C = 512-1024 fewer warps per row
-# (a warp per 1024 elements) beat 4-warp 2048-element tiles (_norm_blocks).
+# tile. Tuned on Swin-B's four stages (bf16): 4 warps beat 8 and 16 at every stage, the forward is
+# fastest on 4096-8192 element tiles; in the backward, band length, residency and pipelining depth matter
+# little, and at C = 512-1024 fewer warps per row (a warp per 1024 elements) beat 4-warp 2048-element
+# tiles (_norm_blocks).
 _NORM_TILE_ELEMS = 2048
 _NORM_FWD_TILE_ELEMS = 4096
 _NORM_WARPS = 4
@@ -359,11 +356,8 @@ _NORM_BWD_PER_SM = 3
 _NORM_BWD_STAGES = 3
 # Where ROW_SUMS holds (C = 512-1024, and Swin-L's 1536): programs of _NORM_BWD_WARPS_PER_SM // num_warps
 # per SM, tiles shared out evenly, and the column sums spread over a row per _NORM_BWD_PER_SLOT programs
-# (atomic adds onto one address queue one after another). From benchmarks/sweep_norm_window.py --family
-# slots (H200, 2026-12-01, Swin-B batch 64, bf16, the backward with its grads' cast, over input sets that
-# exceed the L2): stage 4, 262 programs of 3 tiles: 11.8 µs against 12.4 for 196 of 4 (the grid before,
-# two programs on half the SMs and one on the rest); stage 3, 523 programs of 6 tiles over 4 rows of sums:
-# 16.3 µs (16.0 for 784 of 4) against 17.9 for 392 of 8 into one row.
+# (atomic adds onto one address queue one after another). Evenly loaded programs beat a grid of two
+# programs on some SMs and one on the rest, and several rows of sums beat one at Swin-B's stages 3 and 4.
 _NORM_BWD_WARPS_PER_SM = 8
 _NORM_BWD_PER_SLOT = 256
 _NORM_BWD_MAX_SLOTS = 16
@@ -389,10 +383,8 @@ def _norm_blocks(C: int) -> tuple[int, int, int]:
 
     * C <= 256: ~2048 elements over 4 warps.
     * 256 < C <= 1024 (Swin's stages 3 and 4): 32 elements per thread per tensor, a warp per 1024
-      elements: 4 rows of 512 on 2 warps, 4 rows of 1024 on 4 warps. The H200 sweep
-      (benchmarks/results/sweep_norm_window_bwd_small_warps_h200.json) put these at 15.6 / 11.4 µs
-      against 18.3 / 11.8 µs for 2048-element tiles on 4 warps; fewer warps per row means cheaper
-      row reductions.
+      elements: 4 rows of 512 on 2 warps, 4 rows of 1024 on 4 warps, faster than 2048-element tiles on
+      4 warps: fewer warps per row means cheaper row reductions.
     * C > 1024 (Swin-L's 1536): two rows over 8 warps, so that a thread's share stays in registers.
     """
     block_c = next_pow2(C)
@@ -490,7 +482,7 @@ def norm_shift_partition_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (B, H, W, C), weight/bias (C,) -> (windows (B*nW, ws*ws, C) in out_dtype (default x.dtype),
     mean (B*H*W,) fp32, rstd fp32). zero_sums: a contiguous fp32 buffer the kernel zeroes for the
-    backward's column sums (layer_norm.eager_column_sums)."""
+    backward's column sums (_common.eager_column_sums)."""
     _, out, mean, rstd = _norm_partition(x, None, weight, bias, eps, window_size, shift, out_dtype, out, None, zero_sums)
     return out, mean, rstd
 
@@ -538,8 +530,8 @@ def _norm_partition(x, residual, weight, bias, eps, window_size, shift, out_dtyp
 @functools.lru_cache(maxsize=None)
 def _norm_fwd_config(C: int) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_C, num_warps) of the LayerNorm + shift + partition forward: whole rows, ~4096
-    elements (at least 2 rows) over 4 warps. The sweep's best forward at stages 2-4 were 4096-8192
-    element tiles on 4 warps (16.8 / 8.4 / 4.8 µs against 17.4 / 9.3 / 5.1 µs for 2048)."""
+    elements (at least 2 rows) over 4 warps, the fastest tiles at Swin-B's stages 2-4 (2048-element
+    tiles were slower)."""
     block_c = next_pow2(C)
     return max(2, _NORM_FWD_TILE_ELEMS // block_c), block_c, _NORM_WARPS
 
@@ -566,8 +558,7 @@ def _norm_bwd_config(n_tok: int, C: int, elt: int, device: torch.device,
     slots = min(_NORM_BWD_MAX_SLOTS, next_pow2(cdiv(programs, _NORM_BWD_PER_SLOT))) if row_sums else 1
     # The register cap only has to fit the programs each SM actually gets: a grid of fewer than
     # _NORM_BWD_PER_SM waves' worth (Swin-B stage 4: 196 programs on 132 SMs, 2 per SM) gets a looser
-    # cap. Capped for 3 per SM there (168 registers), the C=1024 variant spilled and took 11.3 µs
-    # against 10.5 uncapped (benchmarks/diag_maxnreg.py, H200, 2026-12-01).
+    # cap: capped for 3 per SM there (168 registers), the C=1024 variant spilled and ran slower.
     per_sm = cdiv(programs, sm_count(device))
     regs = 65536 // (per_sm * num_warps * 32)  # register file per resident program
     maxnreg = min(255, regs - regs % 8)
@@ -585,7 +576,7 @@ def norm_shift_partition_bwd(
     dwindows: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
     window_size: int, shift: int, *, dx=None, sums_into=None, ds=None, raw_sums=False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (dx (B, H, W, C) in x.dtype, (2C,) fp32 sums: dweight then dbias (layer_norm.split_norm_grads)).
+    """-> (dx (B, H, W, C) in x.dtype, (2C,) fp32 sums: dweight then dbias (_common.split_norm_grads)).
     Padding rows of dwindows are ignored. sums_into: a zeroed fp32 tensor of _norm_bwd_slots(x) * 2C
     elements for the sums (column_sums). ds: another gradient of x, (B, H, W, C), added into dx in the
     same pass (no separate add). raw_sums: the sums as the kernel left them, (rows, 2C), for _norm_grads
@@ -596,21 +587,16 @@ def norm_shift_partition_bwd(
                      raw_sums)[::2]
 
 
-# Experiment knob (benchmarks/diag_window_launch.py): half parameters' gradients cast by the sum_partials launch in
-# the PDL chain (True) or by torch's cast, a plain launch after the backward (False).
-PDL_CAST = True
-
-
 def _norm_grads(sums: torch.Tensor, weight, bias) -> tuple:
     """(dweight, dbias) from the fp32 column sums, (2C,) or the (rows, 2C) the backward left them in
-    (raw_sums), as layer_norm.split_norm_grads gives them. Rows are added up by one sum_partials launch,
+    (raw_sums), as _common.split_norm_grads gives them. Rows are added up by one sum_partials launch,
     which, where the kernels launch with PDL and both parameters are bf16 or fp16, also casts (torch's
     cast would be a plain launch that breaks the chain of PDL launches). While torch.compile traces,
     torch's sum and cast (Inductor schedules them with the rest)."""
     rows = sums.view(-1, sums.shape[-1])
     if torch.compiler.is_compiling():
         return split_norm_grads(rows.sum(0) if rows.shape[0] > 1 else rows[0], weight, bias)
-    fold = (PDL_CAST and weight is not None and bias is not None and weight.dtype == bias.dtype
+    fold = (weight is not None and bias is not None and weight.dtype == bias.dtype
             and weight.dtype in (torch.bfloat16, torch.float16) and pdl_launch())
     if fold:
         out = sum_rows(rows, weight.dtype)
@@ -636,7 +622,7 @@ def _norm_bwd(g, x, weight, mean, rstd, window_size, shift, ds, dx, dwo, sums_in
             raise ValueError(f"ds shape {tuple(ds.shape)} != {(B, H, W, C)}")
     # a sum_partials launch follows where the sums take several rows, or (raw_sums) where _norm_grads casts them
     half = weight.dtype in (torch.bfloat16, torch.float16)
-    followed = atomic and (sums.shape[0] > 1 or (raw_sums and PDL_CAST and half))
+    followed = atomic and (sums.shape[0] > 1 or (raw_sums and half))
     launch(_norm_partition_bwd_kernel)[(nprog,)](
         g, x, _contig(weight), mean, rstd, ds if ds is not None else x, dx, dwo if dwo is not None else dx, sums,
         n_tok, tiles_per_prog, C,
@@ -715,7 +701,7 @@ def merge_add_norm_bwd(
 
 # ------------------------------------------------------------------------------- operators
 
-# One operator per host function (_ops.kernel_op): traced into by torch.compile on a GPU (triton_op),
+# One operator per host function (_common.kernel_op): traced into by torch.compile on a GPU (triton_op),
 # opaque otherwise, where the fake implementations give the output shapes, dtypes and (contiguous)
 # strides. Every op returns fresh tensors, never a view of an input.
 

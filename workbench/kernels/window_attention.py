@@ -27,22 +27,24 @@ Design (why it is shaped this way):
 
   * Entry points: `fused_window_attention(q, k, v, ...)` and `fused_window_attention_qkv(qkv, ...)`
     for timm's packed (B*nW, N, 3, nH, d) qkv, whose backward writes dq, dk, dv straight into one
-    packed gradient (no autograd stack + reshape copies). Both launch through torch.library custom
-    ops, so torch.compile keeps them as single opaque ops in one graph.
+    packed gradient (no autograd stack + reshape copies). Their host functions are torch.library
+    operators (_common.kernel_op): under torch.compile on a GPU they are triton_ops, which Inductor
+    traces into and launches itself; under Triton's CPU interpreter or with symbolic shapes each call is
+    one opaque custom op.
 
-Autotuning (num_warps x num_stages x windows-per-program G) is keyed on (N, D, NH, NW) and is off under
-TRITON_INTERPRET=1, where a single config keeps CPU tests fast.
+Autotuning (num_warps x num_stages x windows-per-program G) is keyed on (N, D, NH, NW). It is off under
+TRITON_INTERPRET=1, where a single config keeps CPU tests fast, and SWINBENCH_AUTOTUNE=0 pins the first
+config of each kernel on a GPU (docs/debugging.md).
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from ._ops import _INTERPRET, cdiv, kernel_op, launch, next_pow2, tracing
+from ._common import _INTERPRET, AUTOTUNE, cdiv, kernel_op, launch, next_pow2, tracing
 
 # Test hook: when True, every buffer a kernel must fill is NaN-filled first, so an element the
 # kernel forgets to write fails the comparison instead of passing by luck.
@@ -260,8 +262,6 @@ _BWD_CONFIGS = [triton.Config({"G": g}, num_warps=nw, num_stages=ns)
 _BWD_SMALL_CONFIGS = ([triton.Config({"G": g, "BLOCK_M": 64}, num_warps=nw, num_stages=ns)
                        for nw, ns in ((4, 1), (8, 2)) for g in (8, 16)]
                       + [triton.Config({"G": g, "BLOCK_M": 32}, num_warps=8, num_stages=2) for g in (8, 16)])
-# SWINBENCH_AUTOTUNE=0 pins one config per kernel (tests: correctness, not speed, and no tuning time).
-_AUTOTUNE = os.environ.get("SWINBENCH_AUTOTUNE", "1") != "0"
 _INTERPRET_CONFIG = {"G": 2, "num_warps": 4}
 _AUTOTUNE_KEY = ["N", "D", "NH", "NW"]
 # The d_bias partial buffer has ceil(B_PER_W / G) slots per (w, h); sized for the smallest G.
@@ -276,7 +276,7 @@ def _quick_bench(fn, quantiles=None):
 if _INTERPRET:
     _fwd = _window_attention_fwd_kernel
     _bwd = _bwd_small = _window_attention_bwd_kernel
-elif not _AUTOTUNE:
+elif not AUTOTUNE:
     _fwd = triton.autotune(_FWD_CONFIGS[:1], key=_AUTOTUNE_KEY)(_window_attention_fwd_kernel)
     _bwd = triton.autotune(_BWD_CONFIGS[:1], key=_AUTOTUNE_KEY)(_window_attention_bwd_kernel)
     _bwd_small = triton.autotune(_BWD_SMALL_CONFIGS[:1], key=_AUTOTUNE_KEY)(_window_attention_bwd_kernel)
@@ -420,7 +420,7 @@ def window_attention_bwd(q, k, v, out, lse, dout, rel_bias, mask, scale, compute
     return dq, dk, dv, dbias
 
 
-# One operator per host function (_ops.kernel_op): traced into by torch.compile on a GPU (triton_op,
+# One operator per host function (_common.kernel_op): traced into by torch.compile on a GPU (triton_op,
 # Inductor autotunes G itself, hence FILL_SLOTS), opaque otherwise, where the fake implementations give
 # the output shapes and strides.
 @kernel_op("swinbench::window_attention_fwd")

@@ -7,6 +7,10 @@
 of what it changed. Passes that change how the model is *run* rather than the model itself
 (precision, optimizer, compile) change `ctx` and say so in their result.
 
+Passes that change how a timm Swin block runs do not replace forwards themselves: each sets its fields
+of the blocks' plans and binds them (block_plan.py; the forwards are block_forward.py's), so they
+compose in any order.
+
 Adding a technique means adding one module here, its test and a YAML line; `PASS_MODULES`
 below is the only list to extend.
 """

@@ -1,5 +1,6 @@
-"""What the passes that patch timm's SwinTransformerBlock share: finding the blocks, square windows,
-and whether a dropout / stochastic-depth module is the identity right now."""
+"""What the passes that plan timm's SwinTransformerBlocks share: finding the blocks, square windows,
+whether a dropout / stochastic-depth module is the identity right now, the dtype a fused norm writes, and
+the relative-position bias gathered from timm's table."""
 from __future__ import annotations
 
 import importlib
@@ -27,17 +28,24 @@ def inactive(m: torch.nn.Module | None, training: bool) -> bool:
     return False
 
 
-def swin_blocks(model: torch.nn.Module, ctx: PassContext, kernels: str, what: str) -> list:
-    """Every timm SwinTransformerBlock in `model`, after checking that timm and the Triton kernel module
-    `kernels` import and that the device runs Triton; PassUnavailable (naming `what`) otherwise."""
+def named_swin_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(qualified name, block) of every timm SwinTransformerBlock in `model`, in module order."""
+    from timm.models.swin_transformer import SwinTransformerBlock
+
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, SwinTransformerBlock)]
+
+
+def swin_blocks(model: torch.nn.Module, ctx: PassContext, kernels: str, what: str) -> list[tuple[str, torch.nn.Module]]:
+    """named_swin_blocks(model), after checking that timm and the Triton kernel module `kernels` import
+    and that the device runs Triton; PassUnavailable (naming `what`) otherwise, or without blocks."""
     try:
-        from timm.models.swin_transformer import SwinTransformerBlock
+        import timm.models.swin_transformer  # noqa: F401
 
         importlib.import_module(kernels)
     except ImportError as exc:
         raise PassUnavailable(f"{what} not importable: {exc}") from exc
     require_triton(ctx.device)
-    blocks = [m for m in model.modules() if isinstance(m, SwinTransformerBlock)]
+    blocks = named_swin_blocks(model)
     if not blocks:
         raise PassUnavailable("no timm SwinTransformerBlock in this model")
     return blocks
@@ -45,7 +53,7 @@ def swin_blocks(model: torch.nn.Module, ctx: PassContext, kernels: str, what: st
 
 def autocast_input_dtype(x: torch.Tensor) -> torch.dtype | None:
     """`kernels.layer_norm.autocast_linear_input_dtype`: the dtype an autocast nn.Linear casts an fp32 x to
-    (None: no cast). Looked up here, by this name, by every fused norm of the passes."""
+    (None: no cast). Every fused norm of the passes looks it up here, through norm_output_dtype."""
     from ..kernels.layer_norm import autocast_linear_input_dtype
 
     return autocast_linear_input_dtype(x)
@@ -63,54 +71,13 @@ def norm_output_dtype(x: torch.Tensor, to_linear: bool, dtype: torch.dtype | Non
     return autocast_norm_dtype(x, dtype)
 
 
-def _input_goes_to_linear(module: torch.nn.Module, linear: str, class_forward, patched_forward) -> bool:
-    """Whether `module` passes its input straight to its nn.Linear `linear`: its forward is the class's
-    `class_forward` (not replaced on the instance) or one of our `patched_forward` functions bound to it."""
-    if not isinstance(getattr(module, linear, None), torch.nn.Linear):
-        return False
-    fwd = vars(module).get("forward")
-    if fwd is not None:
-        return getattr(fwd, "__func__", None) in patched_forward
-    return type(module).forward is class_forward
-
-
-_FORWARDS_INTO_LINEAR: dict = {}
-
-
-def _forwards_into_linear() -> dict:
-    """The forwards whose module hands its input straight to a Linear, resolved on the first call (the
-    checks below run per block and step; a plain dict, which torch.compile reads without a warning, where
-    an lru_cache would draw one): {Linear's name: (the class's forward, our patched forwards)}."""
-    if not _FORWARDS_INTO_LINEAR:
-        from timm.layers import Mlp
-        from timm.models.swin_transformer import WindowAttention
-
-        from .fused_attention import PATCHED_FORWARDS
-        from .fused_linear import mlp_forward_fused
-
-        _FORWARDS_INTO_LINEAR.update(qkv=(WindowAttention.forward, PATCHED_FORWARDS),
-                                     fc1=(Mlp.forward, (mlp_forward_fused,)))
-    return _FORWARDS_INTO_LINEAR
-
-
 def merging_norm_goes_to_linear(merging: torch.nn.Module) -> bool:
     """Whether a timm PatchMerging hands its norm's output straight to its `reduction` Linear: its forward
-    is the class's (pad, 2x2 gather, norm, reduction)."""
+    is the class's (pad, 2x2 gather, norm, reduction), not replaced on the instance."""
     from timm.models.swin_transformer import PatchMerging
 
-    return isinstance(merging, PatchMerging) and _input_goes_to_linear(merging, "reduction", PatchMerging.forward, ())
-
-
-def attn_input_goes_to_linear(attn: torch.nn.Module) -> bool:
-    """Whether a block's attention module does nothing with its input but pass it to its qkv nn.Linear:
-    timm's WindowAttention forward, or fused_attention's."""
-    return _input_goes_to_linear(attn, "qkv", *_forwards_into_linear()["qkv"])
-
-
-def mlp_input_goes_to_linear(mlp: torch.nn.Module) -> bool:
-    """Whether a block's MLP does nothing with its input but pass it to its fc1 nn.Linear: timm's Mlp
-    forward, or fused_linear's (whose fc1 Function casts to the autocast dtype as F.linear does)."""
-    return _input_goes_to_linear(mlp, "fc1", *_forwards_into_linear()["fc1"])
+    return (isinstance(merging, PatchMerging) and isinstance(getattr(merging, "reduction", None), torch.nn.Linear)
+            and "forward" not in vars(merging) and type(merging).forward is PatchMerging.forward)
 
 
 def gather_rel_pos_bias(table: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
@@ -131,10 +98,10 @@ def scatter_rel_pos_grad(d_rel: torch.Tensor, index: torch.Tensor, table_shape, 
 
 
 class RelPosBias(torch.autograd.Function):
-    """gather_rel_pos_bias with, as its backward, one deterministic Triton launch when the module carries
-    the index's inverse (`rel_pos_inverse`, set by fused_attention), else scatter_rel_pos_grad (a memset and
-    an index_add_): two or three launches per block and step where timm's gather, copy and sorted
-    index_put take five or more."""
+    """gather_rel_pos_bias with, as its backward, one deterministic Triton launch when given the index's
+    inverse (`kernels.window_attention.rel_pos_inverse`), else scatter_rel_pos_grad (a memset and an
+    index_add_): two or three launches per block and step where timm's gather, copy and sorted index_put
+    take five or more."""
 
     @staticmethod
     def forward(ctx, table, index, n, inverse):
@@ -152,13 +119,16 @@ class RelPosBias(torch.autograd.Function):
         return scatter_rel_pos_grad(d_rel, index, *ctx.table), None, None, None
 
 
-INVERSE_BUFFER = "_swinbench_rel_pos_inverse"
+# The buffer that holds a WindowAttention's relative-position index inverse while the fused kernel runs it
+# (block_plan binds and unbinds it), beside timm's relative_position_index.
+INVERSE_BUFFER = "relative_position_inverse"
 
 
 def add_rel_pos_inverse(attn: torch.nn.Module) -> bool:
-    """Give a timm WindowAttention its relative-position index's inverse, as a non-persistent buffer (it
-    follows the module across devices; state_dict does not change), for RelPosBias's one-launch backward.
-    False when the module has no standard table and index."""
+    """Give a timm WindowAttention its relative-position index's inverse (n_table, P) int32, as the
+    non-persistent buffer INVERSE_BUFFER (it follows the module across devices; state_dict does not
+    change), for the fused attention's one-launch table gradient. False when the module has no standard
+    table and index."""
     from ..kernels.window_attention import rel_pos_inverse
 
     table, index = getattr(attn, "relative_position_bias_table", None), getattr(attn, "relative_position_index", None)
@@ -169,13 +139,14 @@ def add_rel_pos_inverse(attn: torch.nn.Module) -> bool:
     return True
 
 
-def rel_pos_bias(attn: torch.nn.Module) -> torch.Tensor:
-    """A timm WindowAttention's (nH, N, N) relative-position bias through RelPosBias, or through its own
-    `_get_rel_pos_bias` when a subclass computes the bias some other way."""
+def rel_pos_bias(attn: torch.nn.Module, inverse: torch.Tensor | None = None) -> torch.Tensor:
+    """A timm WindowAttention's (nH, N, N) relative-position bias through RelPosBias (its backward one launch
+    over `inverse`, the index's inverse, where given), or through its own `_get_rel_pos_bias` when a
+    subclass computes the bias some other way."""
     from timm.models.swin_transformer import WindowAttention
 
     if type(attn)._get_rel_pos_bias is WindowAttention._get_rel_pos_bias:
         return RelPosBias.apply(attn.relative_position_bias_table, attn.relative_position_index, attn.window_area,
-                                getattr(attn, INVERSE_BUFFER, None))
+                                inverse)
     bias = attn._get_rel_pos_bias()
     return bias.reshape(bias.shape[-3:])

@@ -1,9 +1,9 @@
 """cuda_graph: capture the whole training step (forward, backward, optimizer) in one CUDA graph and
 replay it, so the host launches one graph per step instead of thousands of kernels.
 
-Why: a hand-fused eager model still pays the host's per-launch cost for every kernel (tens of µs per
-Triton launch on a slow host); once the GPU work per step shrinks below the host's launch time, the
-step is host-bound and fusion stops paying. Replaying a graph removes that cost. The workload
+Why: a hand-fused eager model still pays the host's per-launch cost for every kernel (a Triton launch
+can cost the host more than the kernel takes on the GPU); once the GPU work per step shrinks below the
+host's launch time, the step is host-bound and fusion stops paying. Replaying a graph removes that cost. The workload
 captures lazily, at its first step (after the correctness gate has run the same model eagerly):
 three warm-up steps on a side stream (Triton autotuning happens there), then one captured step.
 Requirements it checks: a CUDA device, training or inference without torch.compile (compile has its

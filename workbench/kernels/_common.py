@@ -1,7 +1,20 @@
-"""Kernel entry points: plain calls in eager mode, operators that torch.compile can see into.
+"""What the kernel modules share, below all of them: no kernel module imports another.
 
-Each host function (allocate outputs, launch Triton) is registered as a `torch.library` operator so
-that torch.compile can put it in its graph. Two registrations:
+Launching (host side):
+  kernel_op        a host function (allocate outputs, launch Triton) as a plain call in eager mode and a
+                   torch.library operator while torch.compile traces (see Operators below)
+  launch           `launch(kernel)[grid](...)`: the kernel, its CachedLauncher in eager mode (FAST_LAUNCH),
+                   or its wrap_triton wrapper while traced
+  launch_options   maxnreg and programmatic dependent launch (pdl_launch, pdl_supported)
+Inside kernels (triton.jit): pdl_enter / pdl_exit, to_dtype (rounds to nearest even, by hand under the
+interpreter: SOFT_RTNE), zero_column_sums, emit_column_sum.
+Column sums, what a backward adds up over rows (LayerNorm dweight/dbias, a Linear's bias gradient):
+  column_sums, eager_column_sums, finish_column_sums, sum_rows, sum_partials, split_column_sums,
+  split_norm_grads.
+Buffers and sizes: new_output (every buffer a kernel writes), sm_count, cdiv, next_pow2.
+
+Operators. Each host function is registered as a `torch.library` operator so that torch.compile can put
+it in its graph. Two registrations:
 
 * `torch.library.triton_op` (a GPU with compiled Triton): AOTAutograd traces the host function
   itself, its launches written as `launch(kernel)[grid](...)` become `wrap_triton` nodes, and Inductor
@@ -10,20 +23,15 @@ that torch.compile can put it in its graph. Two registrations:
   reads of tensor data or of an autotuner's choice, no launch options Inductor does not take
   (`launch_options` drops maxnreg while tracing). Every tensor a kernel writes must be passed whole,
   never as a view (pass the buffer and the view's strides): functionalization turns a written view into
-  a clone of it and a copy back into its base, full-size copy kernels Inductor cannot remove (five per
-  attention backward cost 4.3 ms per Swin-B step on the H200 until the attention kernels wrote whole
-  buffers).
-* `torch.library.custom_op` (Triton's CPU interpreter, SWINBENCH_TRITON_OP=0, or symbolic shapes): one
-  opaque node per call with a fake implementation for shapes; at run time the compiled graph calls back
-  into the dispatcher and the Python host function.
-
-On the H200 (benchmarks/bench_host.py --parts compile, Swin-B batch 64) the compiled fmha stage took
-49.16 ms per step with opaque ops and 36.34 ms with triton_ops, host-bound both times.
+  a clone of it and a copy back into its base, full-size copy kernels Inductor cannot remove.
+* `torch.library.custom_op` (Triton's CPU interpreter, no GPU, or symbolic shapes): one opaque node per
+  call with a fake implementation for shapes; at run time the compiled graph calls back into the
+  dispatcher and the Python host function.
 
 In eager mode either op's dispatcher path (schema binding, the autograd fallback, aliasing checks)
-costs 15-45 µs of host time per call on top of the launch, for nothing: the op has no autograd formula
-of its own (the autograd Functions wrap it). So the entry point calls the host function straight when
-nothing is compiling and the op when Dynamo traces.
+costs host time on every call on top of the launch, for nothing: the op has no autograd formula of its
+own (the autograd Functions wrap it). So the entry point calls the host function straight when nothing
+is compiling and the op when Dynamo traces.
 """
 from __future__ import annotations
 
@@ -34,15 +42,40 @@ import threading
 from typing import Callable
 
 import torch
+import triton
+import triton.language as tl
 
 _STATE = threading.local()
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-_PDL_ENV = os.environ.get("SWINBENCH_PDL")
+
+# The SWINBENCH_* debugging variables of the kernels and what each does (docs/debugging.md lists every
+# SWINBENCH_* variable). debug_env below is the only reader; the kernels read them once, at import.
+DEBUG_VARIABLES = {
+    "SWINBENCH_AUTOTUNE": "0: one launch configuration per window-attention kernel instead of autotuning",
+    "SWINBENCH_PDL": "0: no programmatic dependent launch for the window kernels (on where the GPU and Triton "
+                     "support it)",
+    "SWINBENCH_FAST_LAUNCH": "1 / 0: eager launches through the cached launcher forced on / off (by default on "
+                             "for the Triton releases in FAST_LAUNCH_CHECKED)",
+}
+
+
+def debug_env(name: str) -> str | None:
+    """The value of the debugging variable `name` (one of DEBUG_VARIABLES) in this process's environment,
+    stripped; None where it is unset or empty."""
+    if name not in DEBUG_VARIABLES:
+        raise KeyError(f"{name} is not one of the kernels' debugging variables")
+    value = os.environ.get(name, "").strip()
+    return value or None
+
+
+# Autotune the window-attention kernels (window_attention.py); SWINBENCH_AUTOTUNE=0 pins one
+# configuration each (the tests set it: correctness, not speed, and no tuning time).
+AUTOTUNE = debug_env("SWINBENCH_AUTOTUNE") != "0"
 
 
 def cdiv(a: int, b: int) -> int:
     """Ceiling division for the host code's grids and tile counts. Newer Triton makes `triton.cdiv` and
-    `triton.next_power_of_2` constexpr functions, about 1.5 µs per host call through their wrapper;
+    `triton.next_power_of_2` constexpr functions, which cost host time per call through their wrapper;
     this is plain integer arithmetic."""
     return -(-a // b)
 
@@ -54,10 +87,9 @@ def next_pow2(n: int) -> int:
 
 def triton_ops_enabled() -> bool:
     """Whether operators are registered as triton_ops (Inductor launches the kernels) rather than opaque
-    custom ops. Off under Triton's CPU interpreter (Inductor cannot compile the kernels for the CPU) and
-    with SWINBENCH_TRITON_OP=0 (to compare the two)."""
-    return (not _INTERPRET and os.environ.get("SWINBENCH_TRITON_OP", "1") != "0"
-            and hasattr(torch.library, "triton_op") and torch.cuda.is_available())
+    custom ops: wherever torch has triton_op and a GPU runs compiled Triton. Off under Triton's CPU
+    interpreter (Inductor cannot compile the kernels for the CPU)."""
+    return not _INTERPRET and hasattr(torch.library, "triton_op") and torch.cuda.is_available()
 
 
 def tracing() -> bool:
@@ -65,13 +97,13 @@ def tracing() -> bool:
     return getattr(_STATE, "tracing", False)
 
 
-# Eager launches straight through the compiled kernel's launcher (CachedLauncher). On the H200's host a
-# 41-argument no-op took 21.0 µs per launch through `kernel[grid](...)` and 5.5 µs through its launcher;
-# whole eager Swin-B steps enqueued 4.5 (fmha) and 7.8 ms (block) faster, steps alternating in one
-# process (benchmarks/bench_host.py --parts launch,fastlaunch, 2026-12-01). It calls Triton's compiled
-# kernel the way that Triton's own `JITFunction.run` does, an interface that changes between Triton
-# releases, so it is on by default only on the releases where every kernel matched plain launches bit
-# for bit on a GPU (tests/test_cached_launcher.py); SWINBENCH_FAST_LAUNCH=1 / 0 forces it on / off.
+# Eager launches straight through the compiled kernel's launcher (CachedLauncher): `kernel[grid](...)`
+# binds and specializes every argument in Python at each launch, which costs the host several times
+# what the launch itself does, and an eager Swin step is bound by the host. The launcher calls Triton's
+# compiled kernel the way that Triton's own `JITFunction.run` does, an interface that changes between
+# Triton releases, so it is on by default only on the releases where every kernel matched plain
+# launches bit for bit on a GPU (tests/test_cached_launcher.py); SWINBENCH_FAST_LAUNCH=1 / 0 forces it
+# on / off (a debugging aid: another release, or a suspected launcher problem).
 FAST_LAUNCH_CHECKED = ("3.6.",)
 
 
@@ -84,14 +116,12 @@ def fast_launch_default(env: str | None, triton_version: str | None) -> bool:
 
 
 def _triton_version() -> str | None:
-    try:
-        import triton
-    except ImportError:
-        return None
     return getattr(triton, "__version__", None)
 
 
-FAST_LAUNCH = fast_launch_default(os.environ.get("SWINBENCH_FAST_LAUNCH"), _triton_version())
+# Whether eager launches go through the cached launcher in this process (benchmarks/bench_host.py sets it
+# to time both in one process).
+FAST_LAUNCH = fast_launch_default(debug_env("SWINBENCH_FAST_LAUNCH"), _triton_version())
 
 
 def launcher_name() -> str:
@@ -324,7 +354,7 @@ def pdl_default(env: str | None, supported: bool) -> bool:
 
 
 _PDL_SUPPORTED: bool | None = None
-_PDL_DEFAULT: bool | None = None  # pdl_default of this process's SWINBENCH_PDL, read once
+_PDL_ENV = debug_env("SWINBENCH_PDL")
 
 
 def pdl_supported() -> bool:
@@ -334,22 +364,21 @@ def pdl_supported() -> bool:
     return _PDL_SUPPORTED
 
 
-# None: as SWINBENCH_PDL says (pdl_default); True / False: on (where supported) / off for the process
-# (benchmarks flip it to compare both in one process).
-PDL_OVERRIDE: bool | None = None
+# Whether the window kernels launch with programmatic dependent launch in this process: None until the
+# first launch sets it to pdl_default(SWINBENCH_PDL, pdl_supported()) (the GPU is not queried at import).
+# A test or benchmark that sets it True must check pdl_supported() first.
+PDL_LAUNCH: bool | None = None
 
 
 def pdl_launch() -> bool:
     """Whether a kernel launched now takes programmatic dependent launch (its PDL constexpr and
-    `launch_options(pdl=...)`): never while traced."""
-    global _PDL_DEFAULT
+    `launch_options(pdl=...)`): PDL_LAUNCH, never while traced."""
+    global PDL_LAUNCH
     if tracing():
         return False
-    if PDL_OVERRIDE is None:
-        if _PDL_DEFAULT is None:
-            _PDL_DEFAULT = pdl_default(_PDL_ENV, pdl_supported())
-        return _PDL_DEFAULT
-    return PDL_OVERRIDE and pdl_supported()
+    if PDL_LAUNCH is None:
+        PDL_LAUNCH = pdl_default(_PDL_ENV, pdl_supported())
+    return PDL_LAUNCH
 
 
 def _traced_body(fn: Callable) -> Callable:
@@ -408,3 +437,203 @@ class KernelOp:
 
 def kernel_op(name: str, eager: Callable | None = None) -> Callable[[Callable], KernelOp]:
     return lambda fn: KernelOp(name, fn, eager)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Device side: jit functions the kernels call, and the kernel that adds up column sums.
+
+# Triton's CPU interpreter (TRITON_INTERPRET=1, used by the tests) truncates fp32 -> bf16 instead of
+# rounding to nearest even as the GPU (and torch) do; under the interpreter we round by hand so that
+# the kernels' bf16 results match torch's bit for bit. GPU code is unchanged (plain .to()).
+SOFT_RTNE = _INTERPRET
+
+
+if not _INTERPRET:
+    try:
+        import triton.language.extra.cuda  # noqa: F401  (griddepcontrol: tl.extra.cuda.gdc_*)
+    except ImportError:
+        pass
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """Under programmatic dependent launch (the host's `pdl_launch()`), before any load or store: wait until
+    the previous kernel in the stream has finished and its writes are visible."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def pdl_exit(PDL: tl.constexpr):
+    """After the program's last store is issued: let the next kernel's programs start launching (they wait
+    in their own pdl_enter). Its launch and the scheduling of its programs then overlap this kernel's
+    tail instead of following it. Released at once instead (in pdl_enter), the next kernel's waiting
+    programs would take SM slots from this one's and slow it down."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def to_dtype(y, dtype: tl.constexpr, SOFT_RTNE: tl.constexpr):
+    """Cast y to dtype, rounding to nearest even (by hand for bf16 under the interpreter)."""
+    out = y.to(dtype)
+    if SOFT_RTNE:
+        if dtype == tl.bfloat16:
+            yf = y.to(tl.float32)
+            u = yf.to(tl.uint32, bitcast=True)
+            u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+            out = tl.where(yf != yf, out, u.to(tl.uint16).to(tl.bfloat16, bitcast=True))
+    return out
+
+
+@triton.jit
+def zero_column_sums(SUMS, n_sums, pid, n_programs, ZERO: tl.constexpr, BLOCK: tl.constexpr):
+    """With ZERO, the programs of a forward kernel zero the (n_sums,) fp32 buffer that the backward will
+    add its column sums into (`eager_column_sums`), BLOCK elements each in turn (one block for most, as
+    a buffer of several rows is larger than one): the backward then needs no memset launch of its own."""
+    if ZERO:
+        for start in range(pid * BLOCK, n_sums, n_programs * BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            tl.store(SUMS + offs, tl.zeros([BLOCK], dtype=tl.float32), mask=offs < n_sums)
+
+
+@triton.jit
+def emit_column_sum(SUMS, pid, row_len, cols, val, mask, ATOMIC: tl.constexpr):
+    """A program's fp32 column sums `val` at columns `cols` of the buffer from `column_sums`: added
+    atomically into its single row (ATOMIC), or stored in row `pid` of the partials (deterministic)."""
+    if ATOMIC:
+        tl.atomic_add(SUMS + cols, val, mask=mask, sem="relaxed")
+    else:
+        tl.store(SUMS + pid * row_len + cols, val, mask=mask)
+
+
+@triton.jit
+def _sum_partials_kernel(PARTIAL, OUT, n_partials, n_cols, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                         SOFT_RTNE: tl.constexpr = False, PDL: tl.constexpr = False):
+    """OUT[c] = sum_p PARTIAL[p, c] in fp32, p in increasing order per lane, rounded once to OUT's dtype;
+    programs split the columns. PDL: launched with programmatic dependent launch (pdl_enter / pdl_exit)."""
+    pdl_enter(PDL)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    for p0 in range(0, n_partials, BLOCK_P):
+        parts = p0 + tl.arange(0, BLOCK_P)
+        mask = (parts < n_partials)[:, None] & col_mask[None, :]
+        acc += tl.load(PARTIAL + parts[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
+    tl.store(OUT + cols, to_dtype(tl.sum(acc, axis=0), OUT.dtype.element_ty, SOFT_RTNE), mask=col_mask)
+    pdl_exit(PDL)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Host side: output buffers, the device's size, column sums.
+
+
+def new_output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialized tensor for a kernel to write. The kernel modules call it as `_common.new_output`,
+    looked up at each call, so that a test can replace it with a NaN-filled allocator and check that the
+    kernels write every element they return."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (queried once per device, not per call); 2 under the CPU
+    interpreter, so that a few programs each loop over several blocks there too."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2
+
+
+# Deterministic reduction of (G, N) partials: BLOCK_P partial rows x _SUM_BLOCK_N columns per step.
+_SUM_BLOCK_P, _SUM_BLOCK_N = 32, 64
+
+
+def column_sums(programs: int, n_cols: int, device: torch.device,
+                into: torch.Tensor | None = None, slots: int = 1) -> tuple[torch.Tensor, bool]:
+    """(buffer, atomic) for a backward kernel whose `programs` programs each sum n_cols fp32 column
+    values over their rows (dweight/dbias, a bias gradient), written with `emit_column_sum`.
+
+    By default one zeroed (1, n_cols) row that every program adds into atomically: a memset and no
+    reduction launch (the reduction of (programs, n_cols) partials runs on only n_cols/64 programs).
+    The order of the fp32 additions then varies from run to run, so with
+    torch.use_deterministic_algorithms(True) each program stores its own row of a (programs, n_cols)
+    buffer instead, which `finish_column_sums` adds in a fixed order. `into`: a zeroed contiguous
+    fp32 tensor of n_cols elements to add into instead of a fresh one (a caller with several reductions
+    zeroes one buffer for all of them: one memset instead of several); ignored in deterministic mode.
+
+    slots > 1: (slots, n_cols) rows instead of one, which a kernel with many programs adds into in turn
+    (program p into row p % slots), so that fewer atomic adds queue on each address; `finish_column_sums`
+    then adds the rows up. `into` holds slots * n_cols elements, or n_cols (one row, whatever slots says:
+    a caller that zeroes one buffer for several reductions)."""
+    if torch.are_deterministic_algorithms_enabled():
+        return new_output((programs, n_cols), torch.float32, device), False
+    if into is not None:
+        return into.view(-1 if into.numel() == slots * n_cols else 1, n_cols), True
+    return torch.zeros((slots, n_cols), dtype=torch.float32, device=device), True
+
+
+def eager_column_sums(n_cols: int, device: torch.device, ctx, *params, slots: int = 1) -> torch.Tensor | None:
+    """For an autograd Function whose forward kernel can zero its backward's column-sum buffer: a fresh
+    (slots * n_cols,) fp32 buffer for the forward to zero (`zero_column_sums`) and the backward to pass as
+    `column_sums`' `into`, which saves the backward's memset launch (one per LayerNorm backward: 53 per
+    eager Swin-B training step). None where that does not apply: no backward will follow (the Function's
+    ctx.needs_input_grad is all False, as under no_grad), no parameter takes a gradient sum,
+    deterministic algorithms are on (per-program partials instead), or torch.compile traces the forward
+    (the operators' schemas stay as they are; Inductor schedules the memset). A Function keeps it on ctx
+    and drops it after one backward, so a second backward through a retained graph gets a fresh one."""
+    if (not any(ctx.needs_input_grad) or all(p is None for p in params)
+            or torch.are_deterministic_algorithms_enabled() or torch.compiler.is_compiling()):
+        return None
+    return new_output((slots * n_cols,), torch.float32, device)
+
+
+def finish_column_sums(sums: torch.Tensor, atomic: bool) -> torch.Tensor:
+    """The (n_cols,) fp32 totals of a `column_sums` buffer after the kernel ran: its one atomic row, its
+    atomic rows (slots) added up by `sum_rows`, or its per-program partials by `sum_partials`."""
+    if atomic:
+        return sums[0] if sums.shape[0] == 1 else sum_rows(sums, torch.float32)
+    return sum_partials(sums)
+
+
+_SUM_ROWS_ELEMS = 4096  # elements one sum_rows program adds per step
+_SUM_ROWS_MAX_N = 1024  # columns a program at most (a plain cast: 1024 a program)
+
+
+def sum_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(R, n) fp32 -> (n,) sums over R in dtype: one sum_partials launch (with PDL where on), on blocks sized
+    for a few rows of atomic sums (slots) rather than many per-program partials (a single row: a plain
+    cast, 1024 columns a program)."""
+    block_r = min(next_pow2(rows.shape[0]), _SUM_ROWS_ELEMS // 32)
+    block_n = max(32, min(_SUM_ROWS_MAX_N, _SUM_ROWS_ELEMS // block_r))
+    return sum_partials(rows, dtype, block_p=block_r, block_n=block_n, pdl=pdl_launch())
+
+
+def sum_partials(partial: torch.Tensor, dtype: torch.dtype = torch.float32, *, block_p: int = _SUM_BLOCK_P,
+                 block_n: int = _SUM_BLOCK_N, pdl: bool = False) -> torch.Tensor:
+    """(G, N) fp32 partial sums -> (N,) totals in dtype (added in fp32, rounded once), each column added over
+    G in a fixed order (one launch; with programmatic dependent launch where `pdl`, the caller's
+    pdl_launch())."""
+    n_partials, n_cols = partial.shape
+    out = new_output((n_cols,), dtype, partial.device)
+    launch(_sum_partials_kernel)[(cdiv(n_cols, block_n),)](
+        partial, out, n_partials, n_cols, BLOCK_P=block_p, BLOCK_N=block_n, SOFT_RTNE=SOFT_RTNE, PDL=pdl,
+        num_warps=4, **launch_options(None, pdl))
+    return out
+
+
+def split_column_sums(sums: torch.Tensor, sizes: tuple, dtypes: tuple) -> list:
+    """Consecutive slices of fp32 column sums, each in its parameter's dtype (None: no parameter, gives
+    None): views where the dtype is fp32, one cast for all when every slice wants the same lower
+    precision (master_weights' bf16 biases), a cast each otherwise."""
+    if len(set(dtypes)) == 1 and dtypes[0] not in (None, torch.float32):
+        return list(sums.to(dtypes[0]).split(sizes))
+    return [None if t is None else (g if t == torch.float32 else g.to(t)) for g, t in zip(sums.split(sizes), dtypes)]
+
+
+def split_norm_grads(sums: torch.Tensor, weight, bias) -> tuple:
+    """(dweight, dbias) from a LayerNorm backward's (2C,) fp32 column sums (split_column_sums): views
+    when the parameter is fp32 (autocast training keeps them so), cast copies otherwise; None for a
+    missing parameter."""
+    n_cols = sums.shape[0] // 2
+    dw, db = split_column_sums(sums, (n_cols, n_cols), tuple(None if p is None else p.dtype for p in (weight, bias)))
+    return dw, db
