@@ -337,8 +337,7 @@ SPREAD_NOTE_FRACTION = 0.05  # GPU step times whose IQR exceeds this share of th
 
 def _spread_note(rec: dict) -> str | None:
     """A note for a GPU stage whose step times spread widely. Steady steps are bound by the GPU; eager
-    steps bound by the host (launch overhead) vary with the CPU and whatever else runs on it. On
-    2026-12-01 an eager block stage ran 55.6-79.8 ms per step while amp, bound by the GPU, held at 67.6."""
+    steps bound by the host (launch overhead) vary with the CPU and whatever else runs on it."""
     timing = rec.get("timing") or {}
     samples = timing.get("samples_ms") or []
     median = timing.get("median_ms")
