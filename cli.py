@@ -249,10 +249,17 @@ def recipes():
 def report(
     records: Annotated[list[Path], typer.Argument(help="Stage records (JSON files or folders) written by `swinbench apply`.")],
     out: Annotated[Optional[Path], typer.Option(help="Markdown file to write (default: report.md beside the records).")] = None,
+    readme: Annotated[Optional[Path], typer.Option(help="Instead, rewrite the results table between <!-- results:begin --> and <!-- results:end --> in this Markdown file (one table for all the records given; with --out, the report too).")] = None,
 ):
     """Re-render the Markdown report from stored records (no GPU needed)."""
     from workbench.report import render_report_from_paths
 
+    if readme is not None:
+        from workbench.readme_table import update_readme
+
+        console.print(f"wrote {_call(update_readme, records, readme)}")
+        if out is None:
+            return
     path = _call(render_report_from_paths, records, out)
     console.print(f"wrote {path}")
 

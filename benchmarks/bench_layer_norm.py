@@ -1,6 +1,6 @@
 """LayerNorm and residual add + LayerNorm: torch vs the Triton kernels, on Swin-B shapes at batch 64.
 
-    python benchmarks/bench_layer_norm.py --check --out results/bench_layer_norm_h200.json
+    python benchmarks/bench_layer_norm.py --check        # writes benchmarks/results/layer_norm.{json,md}
 
 Variants (op / impl):
   layer_norm      torch   F.layer_norm(x)
@@ -26,14 +26,14 @@ mean/rstd per row) over the graph median. Torch and Triton rows of one op share 
 ratio is a speed ratio. The table prints bf16 and amp rows; fp32 rows are in the JSON and the verdict lines.
 
 --check first compares every Triton variant with torch (computed in fp32 on the same inputs) on the same
-shapes and exits non-zero on a mismatch. --out FILE writes {"environment": environment_stamp(), "settings",
-"records": [...flat dicts...], "check": [...]} as JSON.
-Without a GPU the kernels run in Triton's interpreter on tiny shapes: a smoke test, not a measurement.
+shapes and exits non-zero on a mismatch. Results: benchmarks/results/layer_norm.json ({"environment":
+environment_stamp(), "settings", "records": [...flat dicts...], "check": [...]}) and layer_norm.md.
+Without a GPU the kernels run in Triton's interpreter on tiny shapes: a smoke test, not a measurement
+(nothing is written unless --out-dir is given).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -44,13 +44,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch.nn.functional as F  # noqa: E402
 
+from _results import add_out_dir_argument, markdown_table, out_dir_for, write_results  # noqa: E402
 from workbench.env import device_label, environment_stamp  # noqa: E402
-from workbench.timing import cuda_graph_us, per_call_us  # noqa: E402
 from workbench.kernels.layer_norm import add_layer_norm, layer_norm  # noqa: E402
+from workbench.timing import cuda_graph_us, per_call_us  # noqa: E402
 
 BATCH = 64
 # (rows, C) of the LayerNorms in Swin-B's four stages at batch 64.
@@ -257,6 +258,24 @@ def format_table(records: list[dict], dtypes=("bf16", "amp")) -> str:
     return "\n".join(lines)
 
 
+def markdown_rows(records: list[dict], dtypes=("bf16", "fp32", "amp")) -> list[list[str]]:
+    """The results table: one row per (op, dtype, shape), GPU µs by graph replay and µs per plain call."""
+    by = {(s["op"], s["dtype"], s["rows"], s["C"], s["mode"]): s for s in speedups(records)}
+    rows = []
+    for (op, dtype, n, C, mode), f in by.items():
+        if mode != "fwd" or dtype not in dtypes:
+            continue
+        b = by[(op, dtype, n, C, "fwd+bwd")]
+        rows.append([op, dtype, f"{n}×{C}", f"{f['torch_ms'] * 1e3:.1f}", f"{f['triton_ms'] * 1e3:.1f}",
+                     f"{b['torch_ms'] * 1e3:.1f}", f"{b['triton_ms'] * 1e3:.1f}", f"{b['speedup']:.2f}x",
+                     f"{b['triton_gbps']:.0f}", f"{b['torch_call_ms'] * 1e3:.0f} / {b['triton_call_ms'] * 1e3:.0f}"])
+    return rows
+
+
+MD_HEADERS = ["op", "dtype", "rows × C", "fwd torch µs", "fwd Triton µs", "fwd+bwd torch µs", "fwd+bwd Triton µs",
+              "fwd+bwd speedup", "Triton GB/s", "per call fwd+bwd µs, torch / Triton"]
+
+
 def verdict(records: list[dict]) -> list[str]:
     """One line per op: where Triton loses to torch, say so (the pass keeps the faster one: see
     workbench/passes/fused_layernorm.py AUTO_GPU_IMPL)."""
@@ -290,7 +309,7 @@ def verdict(records: list[dict]) -> list[str]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="verify Triton vs torch first; exit 1 on mismatch")
-    ap.add_argument("--out", type=Path, help="write records + environment stamp as JSON here")
+    add_out_dir_argument(ap)
     ap.add_argument("--dtypes", default="bf16,fp32,amp", help="comma list of bf16, fp32, amp")
     ap.add_argument("--replays", type=int, default=20, help="graph replays timed per measurement")
     args = ap.parse_args(argv)
@@ -331,15 +350,20 @@ def main(argv=None) -> int:
           f"torch {sum(r['first_call_s'] for r in records if r['impl'] == 'torch'):.1f} s; "
           f"total {time.perf_counter() - t0:.1f} s")
 
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"benchmark": "bench_layer_norm", "environment": stamp,
-                   "settings": {"batch": BATCH, "shapes": shapes, "dtypes": dtype_names, "eps": EPS,
-                                "replays": args.replays, "graph_calls": GRAPH_CALLS,
-                                "timing": "ms_*: CUDA-graph replay of back-to-back calls; call_ms: plain calls, host included"},
-                   "records": records, "check": checks}
-        args.out.write_text(json.dumps(payload, indent=1))
-        print(f"# wrote {args.out}")
+    settings = {"batch": BATCH if device == "cuda" else None, "shapes": shapes, "dtypes": dtype_names, "eps": EPS,
+                "replays": args.replays, "graph_calls": GRAPH_CALLS,
+                "timing": "ms_*: CUDA-graph replay of back-to-back calls; call_ms: plain calls, host included"}
+    written = write_results(
+        out_dir_for(args.out_dir, device == "cuda"), "layer_norm",
+        title="LayerNorm and add + LayerNorm: torch against the Triton kernels (Swin-B shapes, batch 64)",
+        stamp=stamp, settings=settings, records=records, check=checks,
+        table=markdown_table(MD_HEADERS, markdown_rows(records, dtype_names)),
+        notes=["GPU µs: CUDA-graph replay of 16 back-to-back calls over input sets >= 3x the L2, median of "
+               f"{args.replays} replays; per call: plain calls, host included.",
+               "amp: fp32 residual stream x, bf16 branch r, fp32 parameters (what Swin sees under bf16 autocast).",
+               *verdict(records)])
+    for path in written:
+        print(f"# wrote {path}")
     return 0
 
 

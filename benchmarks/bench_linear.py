@@ -1,7 +1,7 @@
 """The Linear layers' backward on Swin-B shapes at batch 64: PyTorch autograd against the fused bias-gradient
 (+ GELU backward) reduction of workbench.kernels.linear, bf16.
 
-    python benchmarks/bench_linear.py [--check] [--out results/bench_linear_h200.json]
+    python benchmarks/bench_linear.py --check        # writes benchmarks/results/linear.{json,md}
 
 Per Swin-B stage and layer (qkv: C -> 3C, proj: C -> C, fc1: C -> 4C with GELU, fc2: 4C -> C), rows =
 64 * H * W tokens:
@@ -12,12 +12,13 @@ Per Swin-B stage and layer (qkv: C -> 3C, proj: C -> C, fc1: C -> 4C with GELU, 
            torch's F.linear (+ GELU) against workbench.kernels.linear.linear, graph replay.
 GB/s for `reduce`: bytes it must move (read dy [and pre], write dpre for GELU) over its time.
 --check compares the fused results with torch's on the same inputs first and exits non-zero on a mismatch.
-Without a GPU the kernels run under Triton's interpreter on tiny shapes: a smoke test, not a measurement.
+Results: benchmarks/results/linear.json ({"environment", "settings", "records", "check_failures"}) and linear.md.
+Without a GPU the kernels run under Triton's interpreter on tiny shapes, unmeasured: a smoke test of the
+check and the results files (written only with --out-dir).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -27,10 +28,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch.nn.functional as F  # noqa: E402
 
+from _results import add_out_dir_argument, markdown_table, out_dir_for, write_results  # noqa: E402
 from workbench.env import device_label, environment_stamp  # noqa: E402
 from workbench.kernels.linear import bias_grad, linear  # noqa: E402
 from workbench.timing import cuda_graph_us  # noqa: E402
@@ -39,13 +41,27 @@ STAGES = {"s1": (56, 128), "s2": (28, 256), "s3": (14, 512), "s4": (7, 1024)}
 LAYERS = {"qkv": (1, 3, False), "proj": (1, 1, False), "fc1": (1, 4, True), "fc2": (4, 1, False)}  # (in x C, out x C, gelu)
 
 
-def main() -> int:
+MD_HEADERS = ["stage layer", "rows × out", "autograd reduction µs", "fused µs", "speedup", "fused GB/s",
+              "Linear fwd+bwd µs, autograd / fused"]
+
+
+def markdown_rows(records: list[dict]) -> list[list[str]]:
+    """One row per stage and layer; '-' where nothing was timed (no GPU)."""
+    f = lambda r, k, fmt="{:.1f}": fmt.format(r[k]) if k in r else "-"  # noqa: E731
+    return [[f"{r['stage']} {r['layer']}", f"{r['rows']}×{r['out']}", f(r, "torch_reduce_us"), f(r, "fused_reduce_us"),
+             f"{r['torch_reduce_us'] / r['fused_reduce_us']:.2f}x" if "fused_reduce_us" in r else "-",
+             f(r, "fused_gbps", "{:.0f}"),
+             f"{r['torch_fwd_bwd_us']:.1f} / {r['fused_fwd_bwd_us']:.1f}" if "fused_fwd_bwd_us" in r else "-"]
+            for r in records]
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--check", action="store_true", help="compare with torch first; exit 1 on a mismatch")
+    add_out_dir_argument(ap)
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--replays", type=int, default=20)
-    args = ap.parse_args()
+    ap.add_argument("--replays", type=int, default=20, help="graph replays timed per measurement")
+    args = ap.parse_args(argv)
     gpu = torch.cuda.is_available()
     dev = torch.device("cuda" if gpu else "cpu")
     bf = torch.bfloat16
@@ -107,9 +123,18 @@ def main() -> int:
     if args.check:
         print(f"# check: {len(records) - len(failures)}/{len(records)} match torch" +
               (f"; MISMATCH: {', '.join(failures)}" if failures else ""))
-    if args.out:
-        Path(args.out).write_text(json.dumps({"benchmark": "linear", "environment": env, "settings": vars(args),
-                                              "records": records, "check_failures": failures}, indent=1))
+    settings = {"batch": batch, "replays": args.replays, "dtype": "bf16", "graph_calls": 16}
+    written = write_results(
+        out_dir_for(args.out_dir, gpu), "linear",
+        title=f"Linear backward: autograd's bias-gradient reduction against the fused one, bf16 (Swin-B, batch {batch})",
+        stamp=env, settings=settings, records=records, check_failures=failures,
+        table=markdown_table(MD_HEADERS, markdown_rows(records)),
+        notes=["Reduction: autograd's bias-gradient sum (fc1: with the GELU backward before it) against "
+               "bias_grad; Linear fwd+bwd: the whole layer through autograd under bf16 autocast, F.linear against "
+               "workbench.kernels.linear.linear. GPU time from CUDA-graph replay (16 calls per graph), median.",
+               "GB/s: the bytes the reduction must move (read dy, and for fc1 pre, write dpre) over its time."])
+    for path in written:
+        print(f"# wrote {path}")
     return 1 if failures else 0
 
 

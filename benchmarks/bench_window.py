@@ -1,7 +1,7 @@
 """Fused Swin window ops vs the eager timm ops they replace, on Swin-B stage shapes at batch 64.
 
-    python benchmarks/bench_window.py --check --out results/bench_window_h200.json
-    python benchmarks/bench_window.py --inductor --out results/bench_window_inductor_h200.json
+    python benchmarks/bench_window.py --check              # writes benchmarks/results/window.{json,md}
+    python benchmarks/bench_window.py --check --inductor   # adds torch.compile of the eager ops (minutes more)
 
 Ops (fused / eager it replaces), forward + backward:
   roll_partition        torch.roll(-3) + F.pad + window_partition
@@ -18,8 +18,7 @@ Ops (fused / eager it replaces), forward + backward:
                         y = LayerNorm(s) (outputs s and y; the backward takes gradients at both and writes
                         the windows' and x's); eager: window_reverse + crop + roll + add + F.layer_norm
 Stages: 56x56x128, 28x28x256, 14x14x512, 7x7x1024; ws 7, shift 3 on every stage (timm uses no
-shift on the single-window 7x7 stage; the shifted case is the one that moves data; --timm-shifts times
-stage 4 unshifted, as Swin runs it, marked "s0" in the table); bf16 by default.
+shift on the single-window 7x7 stage; the shifted case is the one that moves data); bf16 by default.
 
 Timing, two ways, both for the eager ops and for the fused ones (fwd+bwd through autograd,
 torch.autograd.grad so nothing accumulates):
@@ -40,13 +39,13 @@ The first call (Triton compile) is timed separately (first_call_s), never in the
 --check first verifies fused == eager (data movement bit-exact; the LayerNorm ops against the eager ops
 in fp32, at 2e-2 of max |ref| in half precision) on the same shapes, forward and every gradient, and
 exits 1 on a mismatch.
---out FILE writes {"benchmark", "environment": environment_stamp(), "settings", "copy", "records",
-"check"} as JSON. Without a GPU it runs the interpreter on tiny shapes: a smoke test only.
+Results: benchmarks/results/window.json ({"benchmark", "environment": environment_stamp(), "settings",
+"copy", "records", "check"}) and window.md. Without a GPU it runs the interpreter on tiny shapes: a smoke
+test only (nothing is written unless --out-dir is given).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -57,10 +56,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch.nn.functional as F  # noqa: E402
 
+from _results import add_out_dir_argument, markdown_table, out_dir_for, write_results  # noqa: E402
 from workbench.env import device_label, environment_stamp  # noqa: E402
 from workbench.timing import cuda_graph_us, per_call_us  # noqa: E402
 from workbench.kernels.window import (  # noqa: E402
@@ -93,12 +93,6 @@ LN_OPS = ("norm_shift_partition", "norm_shift_partition_amp", "add_norm_shift_pa
 TWO_OUTPUTS = ("add_norm_shift_partition", "merge_add_norm")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LN_TOL = {"bf16": 2e-2, "fp16": 2e-2, "fp32": 1e-4}
-
-
-def stage_shift(H: int, W: int, timm_shifts: bool) -> int:
-    """The shift a stage is timed with: SHIFT everywhere by default (the shifted case is the one that moves
-    data), or, with timm_shifts, what timm's Swin runs: no shift where the map is a single window."""
-    return 0 if timm_shifts and min(H, W) <= WINDOW else SHIFT
 
 
 # ---------------------------------------------------------------------------- eager references
@@ -289,9 +283,9 @@ def first_call_s(fn) -> float:
 
 def copy_bandwidth(device, replays) -> dict:
     """Device-to-device Tensor.copy_ of a 1 GiB buffer (64 KiB on the CPU): GB/s counting read + write.
-    Timed as plain back-to-back calls (a 1 GiB copy takes ~0.5 ms, so the host's launch cost hides behind
-    it), not by graph replay: captured into a graph, copy_ becomes a memcpy node, which on the H200 moves
-    only ~2.7 TB/s against ~4.25 TB/s for the copy kernel."""
+    Timed as plain back-to-back calls (a 1 GiB copy is long enough that the host's launch cost hides behind
+    it), not by graph replay: captured into a graph, copy_ becomes a memcpy node, which moves markedly
+    less than the copy kernel."""
     n_bytes = (1 << 30) if device == "cuda" else (1 << 16)
     src = torch.randn(n_bytes // 4, device=device)
     dst = torch.empty_like(src)
@@ -302,12 +296,12 @@ def copy_bandwidth(device, replays) -> dict:
 # --------------------------------------------------------------------------------- check, measure
 
 
-def check(stages, dtype_name, device, timm_shifts=False) -> list[dict]:
+def check(stages, dtype_name, device) -> list[dict]:
     """Fused vs eager on every (op, stage): forward and every gradient."""
     dtype, results = DTYPES[dtype_name], []
     for op in OPS:
         for stage, B, H, W, C in stages:
-            shift = stage_shift(H, W, timm_shifts)
+            shift = SHIFT
             outs = {}
             for impl in ("eager", "fused"):
                 t = make_inputs(B, H, W, C, dtype, device)
@@ -333,13 +327,13 @@ def check(stages, dtype_name, device, timm_shifts=False) -> list[dict]:
     return results
 
 
-def measure(stages, dtype_name, device, replays, copy_gbps, inductor=False, timm_shifts=False) -> list[dict]:
+def measure(stages, dtype_name, device, replays, copy_gbps, inductor=False) -> list[dict]:
     dtype = DTYPES[dtype_name]
     elt = torch.tensor([], dtype=dtype).element_size()
     records = []
     for op in OPS:
         for stage, B, H, W, C in stages:
-            shift = stage_shift(H, W, timm_shifts)
+            shift = SHIFT
             nbytes = bytes_moved(op, B, H, W, C, elt)
             sets = [make_inputs(B, H, W, C, dtype, device, seed=k) for k in range(n_input_sets(nbytes))]
             for t in sets:
@@ -381,7 +375,7 @@ def format_table(records: list[dict]) -> str:
         head += f" | {'inductor us':>11} {'%copy':>5} {'fused x':>7}"
     lines = [head]
     for r in records:
-        shape = f"{r['stage']} {r['H']}x{r['W']}x{r['C']}" + ("" if r["shift"] else " s0")
+        shape = f"{r['stage']} {r['H']}x{r['W']}x{r['C']}"
         line = (f"{r['op']:<24} {shape:<16} | {r['eager_graph_us']:>15.1f} {r['fused_graph_us']:>6.1f} "
                 f"{r['speedup']:>4.2f}x {r['fwd_us']:>5.1f} {r['bwd_us']:>5.1f} {r['gbps']:>5.0f} {r['pct_copy']:>4.0f}% | "
                 f"{r['eager_call_us']:>18.1f} {r['fused_call_us']:>6.1f}")
@@ -392,15 +386,30 @@ def format_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def markdown_rows(records: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """(headers, rows) of the results table: one row per op and stage."""
+    inductor = bool(records) and "inductor_graph_us" in records[0]
+    headers = ["op", "stage", "eager GPU µs", "fused GPU µs", "speedup", "fused fwd / bwd µs", "fused GB/s",
+               "% of copy", "per call µs, eager / fused"]
+    if inductor:
+        headers += ["Inductor GPU µs", "fused vs Inductor"]
+    rows = []
+    for r in records:
+        row = [r["op"], f"{r['stage']} {r['H']}×{r['W']}×{r['C']}", f"{r['eager_graph_us']:.1f}",
+               f"{r['fused_graph_us']:.1f}", f"{r['speedup']:.2f}x", f"{r['fwd_us']:.1f} / {r['bwd_us']:.1f}",
+               f"{r['gbps']:.0f}", f"{r['pct_copy']:.0f}%", f"{r['eager_call_us']:.0f} / {r['fused_call_us']:.0f}"]
+        if inductor:
+            row += [f"{r['inductor_graph_us']:.1f}", f"{r['speedup_vs_inductor']:.2f}x"]
+        rows.append(row)
+    return headers, rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="verify fused == eager first; exit 1 on a mismatch")
-    ap.add_argument("--out", type=Path, help="write records + environment stamp as JSON here (default: stdout only)")
+    add_out_dir_argument(ap)
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--replays", type=int, default=20, help="graph replays timed per measurement")
-    ap.add_argument("--timm-shifts", action="store_true",
-                    help="time each stage with timm's shift (none at stage 4, whose 7x7 map is one window) "
-                         "instead of shift 3 everywhere")
     ap.add_argument("--inductor", action="store_true",
                     help="also time the eager ops compiled by torch.compile (Inductor; GPU only; adds a compile "
                          "of forward and backward per op and stage, minutes)")
@@ -421,7 +430,7 @@ def main(argv=None) -> int:
 
     checks = []
     if args.check:
-        checks = check(stages, args.dtype, device, args.timm_shifts)
+        checks = check(stages, args.dtype, device)
         failed = [c for c in checks if not c["ok"]]
         print(f"# check: {len(checks) - len(failed)}/{len(checks)} outputs/gradients match eager "
               f"(data movement bit-exact; LayerNorm ops worst {max((c['rel_max_err'] for c in checks if c['op'] in LN_OPS), default=0):.1e} of max |ref| against fp32)")
@@ -432,13 +441,12 @@ def main(argv=None) -> int:
 
     # The copy rate is measured before and after the ops and the faster run kept.
     copies = [copy_bandwidth(device, args.replays)]
-    records = measure(stages, args.dtype, device, args.replays, copies[0]["gbps"], args.inductor, args.timm_shifts)
+    records = measure(stages, args.dtype, device, args.replays, copies[0]["gbps"], args.inductor)
     copies.append(copy_bandwidth(device, args.replays))
     copy = max(copies, key=lambda c: c["gbps"])
     copy["gbps_runs"] = [c["gbps"] for c in copies]
     # The bar is the faster of Tensor.copy_ and the best any op here reaches, so that a slow copy
-    # measurement never flatters the kernels (graph-replayed, copy_ read 2.71 TB/s while roll_partition
-    # moved 3.79 TB/s).
+    # measurement never flatters the kernels.
     copy["ceiling_gbps"] = max([copy["gbps"]] + [r["gbps"] for r in records])
     for r in records:
         r["pct_copy"] = 100.0 * r["gbps"] / copy["ceiling_gbps"]
@@ -466,15 +474,20 @@ def main(argv=None) -> int:
               f"GPU time (graph); range {min(r['speedup_vs_inductor'] for r in records):.2f}x.."
               f"{max(r['speedup_vs_inductor'] for r in records):.2f}x")
 
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"benchmark": "bench_window", "environment": stamp,
-                   "settings": {"batch": stages[0][1], "stages": stages, "dtype": args.dtype, "window": WINDOW,
-                                "shift": SHIFT, "timm_shifts": args.timm_shifts, "eps": EPS, "replays": args.replays, "graph_calls": GRAPH_CALLS,
-                                "timing": "graph_us: CUDA-graph replay of back-to-back calls; call_us: plain calls, host included"},
-                   "copy": copy, "records": records, "check": checks}
-        args.out.write_text(json.dumps(payload, indent=1))
-        print(f"# wrote {args.out}")
+    settings = {"batch": stages[0][1], "stages": stages, "dtype": args.dtype, "window": WINDOW, "shift": SHIFT,
+                "eps": EPS, "replays": args.replays, "graph_calls": GRAPH_CALLS, "inductor": args.inductor,
+                "timing": "graph_us: CUDA-graph replay of back-to-back calls; call_us: plain calls, host included"}
+    written = write_results(
+        out_dir_for(args.out_dir, device == "cuda"), "window",
+        title=f"Fused window ops against the eager timm ops, fwd+bwd, {args.dtype} (Swin-B stages, batch {stages[0][1]})",
+        stamp=stamp, settings=settings, records=records, copy=copy, check=checks,
+        table=markdown_table(*markdown_rows(records)),
+        notes=[f"GPU µs: CUDA-graph replay of {GRAPH_CALLS} back-to-back calls over input sets >= 3x the L2, median of "
+               f"{args.replays} replays; per call: plain calls, host included.",
+               f"% of copy: fwd+bwd floor bytes over the fused GPU time, against the faster of Tensor.copy_ "
+               f"(read + write) and the best op here: {copy['ceiling_gbps']:.0f} GB/s."])
+    for path in written:
+        print(f"# wrote {path}")
     return 0
 
 

@@ -1,8 +1,8 @@
 """Window attention fwd+bwd: timm eager, SDPA backends, FlexAttention and the fused Triton kernel,
 on Swin-B stage shapes at batch 64 in bf16.
 
-    python benchmarks/bench_window_attention.py --check --out results/bench_window_attention_h200.json
-    python benchmarks/bench_window_attention.py --window 12 --img 384     # Swin-B 384 (N = 144)
+    python benchmarks/bench_window_attention.py --check      # writes benchmarks/results/window_attention.{json,md}
+    python benchmarks/bench_window_attention.py --window 12 --img 384 --out-dir /tmp/wa384   # Swin-B 384 (N = 144)
 
 Every method starts where timm's WindowAttention does, from the packed qkv tensor
 (B*nW, N, 3, nH, d) bf16 and the fp32 relative_position_bias_table, and ends with the gradients of
@@ -14,10 +14,8 @@ both (autograd.grad, so nothing accumulates). The table gather is inside every t
   flex         torch.nn.attention.flex_attention (torch.compile'd) with a score_mod that adds
                bias[h] and mask[b % nW]; compile time reported separately
   fused        workbench.kernels.fused_window_attention_qkv on timm's gathered bias (the kernel alone)
-  fused_pass   as the fused_attention pass runs it (bias: gather): one index_select gather, and the table's
-               gradient in one Triton launch over the index's inverse (`_swin.RelPosBias`)
-  fused_table  fused_attention with bias: table: the kernels read the table through the index, and the
-               backward sums the bias partials into the table's rows (`fused_window_attention_table`)
+  fused_table  fused_window_attention_table, as the fused_attention pass runs it: the kernels read the
+               table through the index, and the backward sums the bias partials into the table's rows
   fused_views  fused_window_attention on q, k, v unbound from qkv (autograd stacks dq, dk, dv)
 Stages 1-3 use the shifted-window mask (the more expensive block); stage 4 (one window) has none.
 
@@ -27,14 +25,15 @@ percentiles in microseconds. The first call of each method (compile, autotune) i
 GB/s: memory floor bytes = read q, k, v, dout + write out, dq, dk, dv once, in bf16, over the fused
 median time. "speedup" is the best non-fused median over the fused median.
 --check first compares fused with eager computed in fp32 on the same inputs (out, d_qkv,
-d_table relative Frobenius error < 2e-2) and exits non-zero on a mismatch. --out FILE writes
-{"environment", "settings", "records", "check"} as JSON.
-Without a GPU the kernel runs in Triton's interpreter on tiny shapes: a smoke test, not a measurement.
+d_table relative Frobenius error < 2e-2) and exits non-zero on a mismatch.
+Results: benchmarks/results/window_attention.json ({"environment", "settings", "records", "summary",
+"check"}) and window_attention.md.
+Without a GPU the kernel runs in Triton's interpreter on tiny shapes: a smoke test, not a measurement
+(nothing is written unless --out-dir is given).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -45,12 +44,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 from timm.models.swin_transformer import get_relative_position_index  # noqa: E402
 
+from _results import add_out_dir_argument, markdown_table, out_dir_for, write_results  # noqa: E402
 from workbench.env import device_label, environment_stamp  # noqa: E402
 from workbench.timing import cuda_graph_us  # noqa: E402
 from workbench.kernels import window_attention as wa  # noqa: E402
@@ -161,13 +161,6 @@ def fused_attention(t: dict) -> torch.Tensor:
     return fused_window_attention_qkv(t["qkv"], rel_bias(t), t["mask"], t["scale"])
 
 
-def fused_attention_pass(t: dict) -> torch.Tensor:
-    from workbench.passes._swin import RelPosBias
-
-    bias = RelPosBias.apply(t["table"], t["index"], t["index"].shape[0], t["inverse"])
-    return fused_window_attention_qkv(t["qkv"], bias, t["mask"], t["scale"])
-
-
 def fused_attention_table(t: dict) -> torch.Tensor:
     return wa.fused_window_attention_table(t["qkv"], t["table"], t["index"], t["inverse"], t["mask"], t["scale"])
 
@@ -186,7 +179,6 @@ def methods(device: str) -> dict:
         if flex is not None:
             table["flex"] = flex
     table["fused"] = fused_attention
-    table["fused_pass"] = fused_attention_pass
     table["fused_table"] = fused_attention_table
     table["fused_views"] = fused_attention_views
     return table
@@ -256,7 +248,7 @@ def main(argv=None) -> int:
     parser.add_argument("--check", action="store_true", help="verify fused against eager (fp32) first")
     parser.add_argument("--warmup-ms", type=int, default=25)
     parser.add_argument("--rep-ms", type=int, default=100)
-    parser.add_argument("--out", type=Path, default=None, help="write a JSON record here")
+    add_out_dir_argument(parser)
     args = parser.parse_args(argv)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -306,43 +298,50 @@ def main(argv=None) -> int:
     def gpu(r):
         return r.get(t_key) if r["status"] == "ok" else None
 
-    print()
-    header = ["stage", "B*nW x nH x N x d"] + [f"{n} us (GPU / call)" for n in names] + [
-        "GPU speedup vs best other", "fused GB/s", "floor us@4.8TB/s"]
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
-    summary = []
+    header = ["stage", "windows × heads × N × d"] + [f"{n} µs (GPU / call)" for n in names] + [
+        "GPU speedup vs best other", "fused GB/s", "floor µs at 4.8 TB/s"]
+    rows, summary = [], []
     for shape in shapes:
-        rows = {r["method"]: r for r in records if r["stage"] == shape["stage"]}
+        by_method = {r["method"]: r for r in records if r["stage"] == shape["stage"]}
 
         def cell(m):
-            r = rows[m]
+            r = by_method[m]
             if r["status"] != "ok":
                 return "refused"
             g = gpu(r)
             return (f"{g:.0f}" if g is not None else "-") + f" / {r['median_us']:.0f}"
-        others = [gpu(r) for m, r in rows.items() if not m.startswith("fused") and gpu(r) is not None]
-        fused = gpu(rows["fused"])
+        others = [gpu(r) for m, r in by_method.items() if not m.startswith("fused") and gpu(r) is not None]
+        fused = gpu(by_method["fused"])
         speedup = min(others) / fused if others and fused else None
         gbs = floor_bytes(shape) / (fused * 1e-6) / 1e9 if fused else None
         summary.append(dict(stage=shape["stage"], timer=t_key, best_other_us=min(others) if others else None,
                             fused_us=fused, speedup=speedup, fused_gbs=gbs,
                             floor_fraction=(floor_bytes(shape) / 4.8e12 * 1e6) / fused if fused else None))
-        dims = f"{shape['bnw']}x{shape['nh']}x{shape['n']}x{shape['d']}" + ("" if shape["masked"] else " (no mask)")
-        print("| " + " | ".join([str(shape["stage"]), dims] + [cell(m) for m in names] + [
+        dims = f"{shape['bnw']}×{shape['nh']}×{shape['n']}×{shape['d']}" + ("" if shape["masked"] else " (no mask)")
+        rows.append([str(shape["stage"]), dims] + [cell(m) for m in names] + [
             f"{speedup:.2f}x" if speedup else "-", f"{gbs:.0f}" if gbs else "-",
-            f"{floor_bytes(shape) / 4.8e12 * 1e6:.0f}"]) + " |")
+            f"{floor_bytes(shape) / 4.8e12 * 1e6:.0f}"])
+    table_md = markdown_table(header, rows)
+    print()
+    print(table_md)
     refused = sorted({(r["method"], r["error"]) for r in records if r["status"] != "ok"})
     for name, err in refused[:4]:
         print(f"refused: {name}: {err}")
 
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        settings = dict(batch=batch, img=args.img, window=args.window, dtype="bf16", mode="fwd+bwd",
-                        warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, timer="graph replay (graph_us) and triton.testing.do_bench per call (median_us)")
-        args.out.write_text(json.dumps(dict(environment=stamp, settings=settings, records=records,
-                                            summary=summary, check=checks), indent=1))
-        print(f"wrote {args.out}")
+    settings = dict(batch=batch, img=args.img, window=args.window, dtype="bf16", mode="fwd+bwd",
+                    warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
+                    timer="graph replay (graph_us) and triton.testing.do_bench per call (median_us)")
+    written = write_results(
+        out_dir_for(args.out_dir, device == "cuda"), "window_attention",
+        title=f"Window attention fwd+bwd, bf16: timm eager, SDPA, FlexAttention and the fused kernels "
+              f"(Swin-B {args.img}, window {args.window}, batch {batch})",
+        stamp=stamp, settings=settings, records=records, summary=summary, check=checks, table=table_md,
+        notes=["Cells: GPU time from CUDA-graph replay / time per call by triton.testing.do_bench (host "
+               "included), µs. The speedup is fused against the best of the other methods, by GPU time.",
+               "Floor: q, k, v and dout read once, out, dq, dk, dv written once, at 4.8 TB/s (H200's HBM).",
+               *[f"refused: {name}: {err}" for name, err in refused[:4]]])
+    for path in written:
+        print(f"wrote {path}")
     return 0
 
 

@@ -45,15 +45,14 @@ def test_bad_input_exit_2_one_line(tmp_path):
     assert result.exit_code == 2 and "percentage" in result.output
 
 
-REPORTS = Path(__file__).resolve().parent.parent / "reports"
+RECORDS = Path(__file__).parent / "data" / "records"
 
 
-def test_committed_h200_runs_check_clean_against_each_other():
-    """The project's own regression check on its committed H200 records: the amp stage measured in two
-    separate runs (apex chain, fmha-graph run) must agree within the limits."""
-    result = runner.invoke(app, ["check", "--baseline", str(REPORTS / "h200-swin_base-b64-apex" / "records"),
-                                 "--current", str(REPORTS / "h200-swin_base-b64-fmha-graph" / "records"),
-                                 "--format", "json"])
+def test_two_h200_runs_of_one_stage_check_clean_against_each_other():
+    """Real H200 records of the amp stage (Swin-B, batch 64) from two separate runs must agree within the
+    default limits: the check does not flag a stage that did not change."""
+    result = runner.invoke(app, ["check", "--baseline", str(RECORDS / "h200-amp-run-a"),
+                                 "--current", str(RECORDS / "h200-amp-run-b"), "--format", "json"])
     assert result.exit_code == 0, result.output
     rows = [r for r in json.loads(result.output)["rows"] if r["stage"] == "amp" and r["metric"] == "img_per_s"]
     assert rows and rows[0]["status"] == "unchanged"

@@ -2,8 +2,9 @@
 
 `apply` times its stages one after another, each in its own process. A stage bound by the GPU gives the
 same figure whenever it runs. A stage bound by the host launching kernels gives whatever the host
-gives at that minute: on a shared host its steps can spread by half within a minute, and drift further
-over an hour. Two host-bound stages timed minutes apart can then swap places.
+gives at that minute: on a shared or virtual host its step time can move by tens of percent within
+minutes while the GPU work stays the same. Two host-bound stages timed minutes apart can then swap
+places.
 
 After the stages have run, `--interleave N` builds every stage that was measured and passed its gate
 side by side in one process and times them again in N rounds. Each round runs `block` back-to-back steps
