@@ -64,7 +64,7 @@ def profile(
     overwrite: Overwrite = False,
 ):
     """Run a Swin model under Nsight Systems (or torch.profiler) and show where its GPU time goes (on the CPU: its CPU operator time)."""
-    from workbench.profile import run_profile
+    from workbench.capture.profile import run_profile
 
     _check_format(format)
     _check_top(top)
@@ -137,7 +137,7 @@ def analyze(
 
     GPU time shares per kernel, category and NVTX range, GPU busy vs idle, and the host's CUDA API calls
     per step (launches, synchronizing and allocating calls)."""
-    from workbench.analyze import analysis_tables, analyze_trace, render_analysis, write_analysis
+    from workbench.analysis.analyze import analysis_tables, analyze_trace, render_analysis, write_analysis
 
     _check_name_style(name)
     _check_top(top)
@@ -168,8 +168,8 @@ def diff(
     GPU ms and launches per step for every kernel and category on both sides and the change, and the
     step's kernel time, kernel count, host launches and GPU busy (for two CPU captures: CPU operators,
     op time and CPU busy)."""
-    from workbench.analyze import analyze_trace
-    from workbench.diff import diff_analyses, diff_tables, render_diff, write_diff
+    from workbench.analysis.analyze import analyze_trace
+    from workbench.analysis.diff import diff_analyses, diff_tables, render_diff, write_diff
 
     _check_name_style(name)
     if top < 1:
@@ -210,7 +210,7 @@ def apply(
     interleave: Annotated[Optional[int], typer.Option(help="After the stages, build the measured ones side by side in one process and time them again in this many rounds, in alternation, for paired speedups that a drifting host cannot move (0: off; 10-30 is typical on a GPU). Needs every stage's memory at once. Default: 3 rounds on the CPU, off on a GPU.")] = None,
 ):
     """Apply a staged optimization recipe, measuring, checking and profiling every stage."""
-    from workbench.apply import run_apply
+    from workbench.ladder.apply import run_apply
 
     limit = _check_inputs_before_apply(check_against, thresholds, max_regression)
     result = _call(run_apply, recipe, model=model, batch=batch, steps=steps, warmup=warmup, device=device,
@@ -229,8 +229,8 @@ def _check_inputs_before_apply(check_against, thresholds, max_regression) -> flo
         if thresholds is not None:
             raise _fail(UserError("--thresholds is read with --check-against; give both or neither"), 2)
         return limit
-    from workbench.check import load_thresholds
-    from workbench.records import read_records
+    from workbench.results.check import load_thresholds
+    from workbench.results.record import read_records
 
     _call(read_records, [check_against])
     _call(load_thresholds, thresholds, max_regression_pct=limit)
@@ -240,7 +240,7 @@ def _check_inputs_before_apply(check_against, thresholds, max_regression) -> flo
 @app.command()
 def recipes():
     """List the recipes and their passes."""
-    from workbench.recipes import render_recipes
+    from workbench.optimize.recipes import render_recipes
 
     _call(render_recipes, console)
 
@@ -252,10 +252,10 @@ def report(
     readme: Annotated[Optional[Path], typer.Option(help="Instead, rewrite the results table between <!-- results:begin --> and <!-- results:end --> in this Markdown file (one table for all the records given; with --out, the report too).")] = None,
 ):
     """Re-render the Markdown report from stored records (no GPU needed)."""
-    from workbench.report import render_report_from_paths
+    from workbench.results.report import render_report_from_paths
 
     if readme is not None:
-        from workbench.readme_table import update_readme
+        from workbench.results.readme_table import update_readme
 
         console.print(f"wrote {_call(update_readme, records, readme)}")
         if out is None:
@@ -296,7 +296,7 @@ def _percent(text: str) -> float:
 def _run_check(baseline, current, limit, drift, thresholds, force, fmt, output=None):
     import json
 
-    from workbench.check import check_records, render_markdown, to_json
+    from workbench.results.check import check_records, render_markdown, to_json
 
     if fmt == "markdown":
         fmt = "md"
@@ -326,7 +326,7 @@ def env(
     """Say what this machine gives swinbench (GPU, versions, nsys, nvtx, Triton, launcher) and what falls back."""
     import json
 
-    from workbench.doctor import environment_report, render_environment
+    from workbench.capture.environment import environment_report, render_environment
 
     _check_format(format, ("table", "json"))
     rows = _call(environment_report, device)

@@ -32,7 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _results import RESULTS_DIR, add_out_dir_argument, markdown_table, write_results  # noqa: E402
-from workbench.analyze import analyze_trace  # noqa: E402
+from workbench.analysis.analyze import analyze_trace  # noqa: E402
 from workbench.env import environment_stamp  # noqa: E402
 
 DDL = [

@@ -51,7 +51,7 @@ import torch.nn.functional as F  # noqa: E402
 from _results import add_out_dir_argument, markdown_table, out_dir_for, write_results  # noqa: E402
 from workbench.env import device_label, environment_stamp  # noqa: E402
 from workbench.kernels.layer_norm import add_layer_norm, layer_norm  # noqa: E402
-from workbench.timing import cuda_graph_us, per_call_us  # noqa: E402
+from workbench.optimize.timing import cuda_graph_us, per_call_us  # noqa: E402
 
 BATCH = 64
 # (rows, C) of the LayerNorms in Swin-B's four stages at batch 64.
@@ -142,7 +142,7 @@ GRAPH_CALLS = 16
 
 
 def call_ms(fns: list, loops: int = 5, calls: int = 10) -> tuple[float, float, float]:
-    """(median, p20, p80) ms per plain call, host overhead included (workbench.timing)."""
+    """(median, p20, p80) ms per plain call, host overhead included (workbench.optimize.timing)."""
     if not torch.cuda.is_available():  # interpreter smoke test: a couple of calls is plenty
         loops, calls = 1, 2
     return tuple(us / 1e3 for us in per_call_us(fns, loops=loops, calls=calls))
@@ -150,7 +150,7 @@ def call_ms(fns: list, loops: int = 5, calls: int = 10) -> tuple[float, float, f
 
 def graph_ms(fns: list, replays: int) -> tuple[float, float, float]:
     """(median, p20, p80) GPU ms per call: GRAPH_CALLS calls round robin over fns captured in one CUDA graph,
-    replays timed with CUDA events (workbench.timing.cuda_graph_us)."""
+    replays timed with CUDA events (workbench.optimize.timing.cuda_graph_us)."""
     if not torch.cuda.is_available():
         return call_ms(fns, 1, 2)
     return tuple(us / 1e3 for us in cuda_graph_us(fns, replays=replays, calls=GRAPH_CALLS))
@@ -278,7 +278,7 @@ MD_HEADERS = ["op", "dtype", "rows × C", "fwd torch µs", "fwd Triton µs", "fw
 
 def verdict(records: list[dict]) -> list[str]:
     """One line per op: where Triton loses to torch, say so (the pass keeps the faster one: see
-    workbench/passes/fused_layernorm.py AUTO_GPU_IMPL)."""
+    workbench/optimize/passes/fused_layernorm.py AUTO_GPU_IMPL)."""
     lines = []
     for op in OPS:
         rows = [s for s in speedups(records) if s["op"] == op]

@@ -35,7 +35,7 @@ import torch.nn.functional as F  # noqa: E402
 from _results import add_out_dir_argument, markdown_table, out_dir_for, write_results  # noqa: E402
 from workbench.env import device_label, environment_stamp  # noqa: E402
 from workbench.kernels.linear import bias_grad, linear  # noqa: E402
-from workbench.timing import cuda_graph_us  # noqa: E402
+from workbench.optimize.timing import cuda_graph_us  # noqa: E402
 
 STAGES = {"s1": (56, 128), "s2": (28, 256), "s3": (14, 512), "s4": (7, 1024)}
 LAYERS = {"qkv": (1, 3, False), "proj": (1, 1, False), "fc1": (1, 4, True), "fc2": (4, 1, False)}  # (in x C, out x C, gelu)

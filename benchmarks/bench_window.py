@@ -62,7 +62,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from _results import add_out_dir_argument, markdown_table, out_dir_for, write_results  # noqa: E402
 from workbench.env import device_label, environment_stamp  # noqa: E402
-from workbench.timing import cuda_graph_us, per_call_us  # noqa: E402
+from workbench.optimize.timing import cuda_graph_us, per_call_us  # noqa: E402
 from workbench.kernels.window import (  # noqa: E402
     add_norm_shift_partition,
     add_norm_shift_partition_fwd,
@@ -260,14 +260,14 @@ def n_input_sets(set_bytes: int) -> int:
 
 def graph_us(fns: list, replays: int) -> tuple[float, float, float]:
     """(median, p20, p80) GPU microseconds per call: fns (one closure per input set) are called round robin,
-    GRAPH_CALLS calls captured into one CUDA graph, replays timed with CUDA events (workbench.timing)."""
+    GRAPH_CALLS calls captured into one CUDA graph, replays timed with CUDA events (workbench.optimize.timing)."""
     if not torch.cuda.is_available():
         return call_us(fns, 1, 2)
     return cuda_graph_us(fns, replays=replays, calls=GRAPH_CALLS)
 
 
 def call_us(fns: list, loops: int, calls: int) -> tuple[float, float, float]:
-    """(median, p20, p80) microseconds per plain call, host overhead included (workbench.timing)."""
+    """(median, p20, p80) microseconds per plain call, host overhead included (workbench.optimize.timing)."""
     if not torch.cuda.is_available():  # interpreter smoke test: a couple of calls is plenty
         loops, calls = 1, 2
     return per_call_us(fns, loops=loops, calls=calls)

@@ -52,7 +52,7 @@ from timm.models.swin_transformer import get_relative_position_index  # noqa: E4
 
 from _results import add_out_dir_argument, markdown_table, out_dir_for, write_results  # noqa: E402
 from workbench.env import device_label, environment_stamp  # noqa: E402
-from workbench.timing import cuda_graph_us  # noqa: E402
+from workbench.optimize.timing import cuda_graph_us  # noqa: E402
 from workbench.kernels import window_attention as wa  # noqa: E402
 from workbench.kernels.window_attention import (  # noqa: E402
     fused_window_attention,

@@ -4,12 +4,12 @@ import types
 
 import torch
 
-from workbench.passes import PASS_MODULES, PassResult
+from workbench.optimize.passes import PASS_MODULES, PassResult
 
 
 def register_test_pass(monkeypatch, name: str, apply_fn) -> None:
-    """Register a pass module at runtime (as if it were workbench/passes/<name>.py)."""
-    module = types.ModuleType(f"workbench.passes.{name}")
+    """Register a pass module at runtime (as if it were workbench/optimize/passes/<name>.py)."""
+    module = types.ModuleType(f"workbench.optimize.passes.{name}")
     module.NAME = name
     module.apply = apply_fn
     monkeypatch.setitem(sys.modules, module.__name__, module)
@@ -25,7 +25,7 @@ def scale_head(model, ctx):
 
 def pass_ctx(device, precision: str = "fp32"):
     """A PassContext for `device` with `precision` resolved (what Workload.build gives a pass)."""
-    from workbench.passes import PassContext
+    from workbench.optimize.passes import PassContext
     from workbench.precision import resolve_precision
 
     return PassContext(device=torch.device(device), precision=resolve_precision(precision))

@@ -1,5 +1,5 @@
 """Stage records for tests: `record(...)` builds a valid record dict (what `apply` writes), to edit."""
-from workbench.records import SCHEMA
+from workbench.results.record import SCHEMA
 
 ENV = {"device_type": "cuda", "gpu": "NVIDIA H200", "driver": "580.1", "cuda": "12.8", "torch": "2.11.0",
        "triton": "3.5.0", "timm": "1.0.29", "python": "3.12.3", "host": "gpu1", "date": "2026-01-01T00:00:00+00:00"}

@@ -12,8 +12,8 @@ import pandas as pd
 import pytest
 from rich.console import Console
 
-from workbench import analysis as A
-from workbench.analyze import analyze_trace, category_shares, render_analysis, write_analysis
+from workbench.analysis import frames as A
+from workbench.analysis.analyze import analyze_trace, category_shares, render_analysis, write_analysis
 from workbench.errors import UserError
 from workbench.trace import load_trace
 

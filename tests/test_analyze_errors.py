@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from workbench.analyze import analyze_trace, write_analysis
+from workbench.analysis.analyze import analyze_trace, write_analysis
 from workbench.errors import UserError
 
 DATA = Path(__file__).parent / "data"

@@ -11,8 +11,8 @@ import pandas as pd
 import pytest
 from rich.console import Console
 
-from workbench import analysis as A
-from workbench.analyze import analyze_trace, render_analysis, write_analysis
+from workbench.analysis import frames as A
+from workbench.analysis.analyze import analyze_trace, render_analysis, write_analysis
 from workbench.trace import API_COLUMNS, load_trace
 
 DATA = Path(__file__).parent / "data"

@@ -8,12 +8,12 @@ import pytest
 import torch
 from rich.console import Console
 
-from workbench.apply import run_apply
+from workbench.ladder.apply import run_apply
 from workbench.errors import UserError
 from workbench.models import TINY_MODEL
-from workbench.passes import PassUnavailable
-from workbench.records import read_records
-from workbench.report import render_report_from_paths, speedup_table
+from workbench.optimize.passes import PassUnavailable
+from workbench.results.record import read_records
+from workbench.results.report import render_report_from_paths, speedup_table
 from pass_helpers import register_test_pass, scale_head
 
 RUN = dict(model=TINY_MODEL, batch=2, steps=2, warmup=1, device="cpu", progress=False, interleave=0)

@@ -1,4 +1,4 @@
-"""Block plans (workbench/passes/block_plan.py): every order of a recipe's block passes gives the same plans
+"""Block plans (workbench/optimize/passes/block_plan.py): every order of a recipe's block passes gives the same plans
 and binds the same forwards, and every plan the block passes produce computes timm's block, forward and
 backward, on the tiny Swin's shifted block. Without a GPU the kernels run in Triton's interpreter
 (TRITON_INTERPRET=1, set before triton is imported)."""
@@ -16,9 +16,9 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from workbench.passes import apply_pass  # noqa: E402
-from workbench.passes._swin import INVERSE_BUFFER  # noqa: E402
-from workbench.passes.block_plan import BlockPlan, block_plans  # noqa: E402
+from workbench.optimize.passes import apply_pass  # noqa: E402
+from workbench.optimize.passes._swin import INVERSE_BUFFER  # noqa: E402
+from workbench.optimize.passes.block_plan import BlockPlan, block_plans  # noqa: E402
 from pass_helpers import model_pair, pass_ctx, rel_err  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -69,7 +69,7 @@ def _bound(model) -> dict:
 
 
 def _recipe_block_passes(recipe: str) -> tuple[tuple[str, dict], ...]:
-    from workbench.recipes import effective_passes, resolve_chain
+    from workbench.optimize.recipes import effective_passes, resolve_chain
 
     return tuple((p.name, {**BLOCK_PASSES[p.name], **p.params}) for p in effective_passes(resolve_chain(recipe))
                  if p.name in BLOCK_PASSES)

@@ -5,7 +5,7 @@ import stat
 import pytest
 import torch
 
-from workbench.capture import find_nsys, resolve_backend
+from workbench.capture.backends import find_nsys, resolve_backend
 from workbench.errors import UserError
 
 CPU = torch.device("cpu")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from workbench.categories import CATEGORIES, RULES, categorize, categorize_one
+from workbench.analysis.categories import CATEGORIES, RULES, categorize, categorize_one
 
 DATA = Path(__file__).parent / "data"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from workbench.check import check_records, load_thresholds, render_markdown, to_json
+from workbench.results.check import check_records, load_thresholds, render_markdown, to_json
 from workbench.errors import UserError
 
 BASELINE = Path(__file__).parent / "data" / "records" / "baseline"

@@ -123,11 +123,11 @@ def test_unwritable_output_is_exit_2(tmp_path):
 
 
 def test_an_unexpected_failure_is_exit_2_not_a_regression(monkeypatch):
-    import workbench.check
+    import workbench.results.check
 
     def broken(*args, **kwargs):
         raise KeyError("surprise")
 
-    monkeypatch.setattr(workbench.check, "check_records", broken)
+    monkeypatch.setattr(workbench.results.check, "check_records", broken)
     result = runner.invoke(app, ["check", "--baseline", str(SAMPLE), "--current", str(SAMPLE)])
     _one_line_exit_2(result, "not a regression", "KeyError")

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import workbench.apply
+import workbench.ladder.apply
 from cli import app
 
 runner = CliRunner()
@@ -17,7 +17,7 @@ TRACE = DATA / "kineto_cpu_tiny_train.json"
 def no_run(monkeypatch):
     """apply must stop before run_apply: it fails the test if it is reached."""
     calls = []
-    monkeypatch.setattr(workbench.apply, "run_apply", lambda *a, **k: calls.append(a) or pytest.fail("ran"))
+    monkeypatch.setattr(workbench.ladder.apply, "run_apply", lambda *a, **k: calls.append(a) or pytest.fail("ran"))
     return calls
 
 

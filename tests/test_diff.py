@@ -7,8 +7,8 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app
-from workbench.analyze import analyze_trace
-from workbench.diff import diff_analyses, write_diff
+from workbench.analysis.analyze import analyze_trace
+from workbench.analysis.diff import diff_analyses, write_diff
 from workbench.errors import UserError
 
 DATA = Path(__file__).parent / "data"

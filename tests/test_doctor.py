@@ -5,7 +5,7 @@ import stat
 from typer.testing import CliRunner
 
 from cli import app
-from workbench.doctor import environment_report
+from workbench.capture.environment import environment_report
 
 runner = CliRunner()
 

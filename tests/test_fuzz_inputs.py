@@ -36,10 +36,10 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-import workbench.apply as apply_mod
+import workbench.ladder.apply as apply_mod
 from cli import app
-from workbench.passes import PASS_MODULES
-from workbench.recipes import GATE_KEYS
+from workbench.optimize.passes import PASS_MODULES
+from workbench.optimize.recipes import GATE_KEYS
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).parent / "data"

@@ -3,12 +3,12 @@ from dataclasses import replace
 
 import pytest
 
-from workbench.gate import (capture_parameters, compare, compute_reference, forward_backward,
+from workbench.optimize.gate import (capture_parameters, compare, compute_reference, forward_backward,
                             gate_parameter_names, weights_digest)
 from workbench.models import TINY_MODEL
-from workbench.passes import apply_pass
-from workbench.recipes import gate_tolerance, resolve_chain
-from workbench.workload import Workload, WorkloadConfig
+from workbench.optimize.passes import apply_pass
+from workbench.optimize.recipes import gate_tolerance, resolve_chain
+from workbench.optimize.workload import Workload, WorkloadConfig
 from pass_helpers import register_test_pass, scale_head
 
 CFG = WorkloadConfig(model=TINY_MODEL, batch=2, precision="fp32", device="cpu", seed=0)

@@ -9,12 +9,12 @@ import torch
 from rich.console import Console
 
 from record_helpers import record
-from workbench.apply import run_apply
+from workbench.ladder.apply import run_apply
 from workbench.errors import UserError
-from workbench.interleave import interleaved_entries, paired_ratio, time_interleaved
+from workbench.ladder.interleave import interleaved_entries, paired_ratio, time_interleaved
 from workbench.models import TINY_MODEL
-from workbench.records import read_records
-from workbench.report import render_report
+from workbench.results.record import read_records
+from workbench.results.report import render_report
 
 CPU = torch.device("cpu")
 
@@ -96,7 +96,7 @@ def test_report_without_interleaving_has_no_such_section(tmp_path):
 
 
 def test_isolated_runs_interleave_in_a_process_of_their_own(tmp_path):
-    """On a GPU stages run isolated; the interleaved phase then runs as `python -m workbench.interleave`,
+    """On a GPU stages run isolated; the interleaved phase then runs as `python -m workbench.ladder.interleave`,
     its timings coming back through a JSON file (the path the H200 runs take)."""
     run = dict(model=TINY_MODEL, batch=2, steps=1, warmup=0, device="cpu", progress=False)
     result = run_apply("amp", **run, stages=["baseline", "amp"], out_dir=tmp_path / "iso", interleave=1,
@@ -111,7 +111,7 @@ def test_isolated_runs_interleave_in_a_process_of_their_own(tmp_path):
 def test_rounds_handed_out_one_by_one_add_up_to_the_same_timings():
     """add_round rebuilds, from the per-round step times on_round hands out (the interleave process's
     "round" events), exactly what time_interleaved returns."""
-    from workbench.interleave import add_round
+    from workbench.ladder.interleave import add_round
 
     steps = {n: (lambda i: None) for n in ("a", "b")}
     seen, counts = {}, []
@@ -131,7 +131,7 @@ def _interrupted_after(real, rounds_done: int, exc: BaseException):
 
 
 def test_an_interleave_that_stops_early_keeps_its_rounds_in_records_and_report(tmp_path, monkeypatch):
-    import workbench.apply as apply_mod
+    import workbench.ladder.apply as apply_mod
 
     monkeypatch.setattr(apply_mod, "run_interleaved_spec",
                         _interrupted_after(apply_mod.run_interleaved_spec, 2, RuntimeError("out of time")))
@@ -148,7 +148,7 @@ def test_an_interleave_that_stops_early_keeps_its_rounds_in_records_and_report(t
 
 def test_a_run_stopped_between_stages_leaves_a_report_of_those_finished(tmp_path, monkeypatch):
     """Ctrl-C (or a time limit) after the first stage: its record and a report of it are on disk."""
-    import workbench.apply as apply_mod
+    import workbench.ladder.apply as apply_mod
 
     real, calls = apply_mod.run_stage, []
 

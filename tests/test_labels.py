@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import workbench.apply as apply_mod
+import workbench.ladder.apply as apply_mod
 from cli import app
-from workbench.capture import stderr_to_log
-from workbench.check import check_records, render_markdown
-from workbench.report import render_report, run_label, speedup_table
-from workbench.significance import paired_significant, speedup_significant
+from workbench.capture.backends import stderr_to_log
+from workbench.results.check import check_records, render_markdown
+from workbench.results.report import render_report, run_label, speedup_table
+from workbench.results.significance import paired_significant, speedup_significant
 
 runner = CliRunner()
 DATA = Path(__file__).parent / "data"
@@ -195,7 +195,7 @@ def test_interleaved_rounds_print_a_line_each_off_a_terminal(tmp_path):
 
     from rich.console import Console
 
-    from workbench.apply import _interleave
+    from workbench.ladder.apply import _interleave
 
     console = Console(file=io.StringIO(), width=100)
     records = [stage_record(0, "baseline", None, 10.0, 1.0), stage_record(1, "amp", "baseline", 9.0, 1.0)]

@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-import workbench.apply
+import workbench.ladder.apply
 from cli import app
 from test_run_folder import dead_pid, folder_digest, write_lock
 from workbench.run_folder import LOCK_NAME
@@ -132,14 +132,14 @@ def test_apply_refuses_a_folder_a_live_run_holds(tmp_path):
 
 
 def test_ctrl_c_keeps_the_finished_stages_and_says_so_in_the_report(tmp_path, sdpa, monkeypatch):
-    real_run_stage = workbench.apply.run_stage
+    real_run_stage = workbench.ladder.apply.run_stage
 
     def interrupted_after_first(spec, reference, on_event=None):
         if spec.stage_index > 0:
             raise KeyboardInterrupt
         return real_run_stage(spec, reference, on_event)
 
-    monkeypatch.setattr(workbench.apply, "run_stage", interrupted_after_first)
+    monkeypatch.setattr(workbench.ladder.apply, "run_stage", interrupted_after_first)
     out = tmp_path / "run"
     result = runner.invoke(app, apply_args(out, f"baseline,{sdpa}"))
     assert result.exit_code == 130
@@ -156,13 +156,13 @@ def test_ctrl_c_keeps_the_finished_stages_and_says_so_in_the_report(tmp_path, sd
 def test_ctrl_c_as_a_stage_writes_its_record_counts_that_stage(tmp_path, sdpa, monkeypatch):
     """A stage process can write its record in the instant before the interrupt reaches the parent:
     the report and the message go by the records on disk."""
-    real_run_stage = workbench.apply.run_stage
+    real_run_stage = workbench.ladder.apply.run_stage
 
     def interrupted_once_written(spec, reference, on_event=None):
         real_run_stage(spec, reference, on_event)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(workbench.apply, "run_stage", interrupted_once_written)
+    monkeypatch.setattr(workbench.ladder.apply, "run_stage", interrupted_once_written)
     out = tmp_path / "run"
     result = runner.invoke(app, apply_args(out, f"baseline,{sdpa}"))
     assert result.exit_code == 130

@@ -9,8 +9,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from workbench.models import TINY_MODEL, build_model  # noqa: E402
-from workbench.passes import apply_pass  # noqa: E402
-from workbench.passes import fused_attention  # noqa: E402
+from workbench.optimize.passes import apply_pass  # noqa: E402
+from workbench.optimize.passes import fused_attention  # noqa: E402
 from pass_helpers import model_pair, pass_ctx, rel_err, tiny_batch, train_step  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -53,7 +53,7 @@ def test_kernel_passes_reject_parameters_when_the_recipe_loads(tmp_path, name):
     """A parameter these passes do not take is a user's mistake: one clear error when the YAML loads,
     not a stage that silently reports itself unavailable."""
     from workbench.errors import UserError
-    from workbench.recipes import resolve_chain
+    from workbench.optimize.recipes import resolve_chain
 
     path = tmp_path / "typo.yaml"
     path.write_text(f"name: typo\nextends: fmha\npasses: [{{name: {name}, params: {{bogus: 1}}}}]\n")
@@ -93,7 +93,7 @@ def test_fused_attention_pass_under_bf16_autocast(bias):
 
 def test_rel_pos_bias_matches_timm_gather_forward_and_backward():
     """_swin.RelPosBias (one gather; memset + index_add_ backward) against timm's _get_rel_pos_bias."""
-    from workbench.passes._swin import rel_pos_bias
+    from workbench.optimize.passes._swin import rel_pos_bias
 
     torch.manual_seed(0)
     model = build_model(TINY_MODEL).to(DEVICE)
@@ -110,7 +110,7 @@ def test_rel_pos_bias_matches_timm_gather_forward_and_backward():
     # index_add_'s atomics (on a GPU) against the indexing backward's sorted sums: fp32 rounding apart
     torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-5)
     # with the index's inverse (what fused_attention adds): one Triton launch, the same gradient
-    from workbench.passes._swin import INVERSE_BUFFER, add_rel_pos_inverse
+    from workbench.optimize.passes._swin import INVERSE_BUFFER, add_rel_pos_inverse
 
     assert add_rel_pos_inverse(attn) and getattr(attn, INVERSE_BUFFER) is not None
     assert INVERSE_BUFFER not in attn.state_dict()

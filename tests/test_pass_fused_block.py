@@ -13,10 +13,10 @@ import copy  # noqa: E402
 
 import pytest  # noqa: E402
 
-from workbench.passes import PassUnavailable, apply_pass  # noqa: E402
-from workbench.passes import fused_block  # noqa: E402
-from workbench.passes.block_forward import SwinBlockFunction  # noqa: E402
-from workbench.passes.block_plan import BlockPlan, block_plans  # noqa: E402
+from workbench.optimize.passes import PassUnavailable, apply_pass  # noqa: E402
+from workbench.optimize.passes import fused_block  # noqa: E402
+from workbench.optimize.passes.block_forward import SwinBlockFunction  # noqa: E402
+from workbench.optimize.passes.block_plan import BlockPlan, block_plans  # noqa: E402
 from pass_helpers import model_pair, pass_ctx, rel_err, tiny_batch, train_step  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -19,9 +19,9 @@ from torch import nn  # noqa: E402
 
 from workbench.errors import UserError  # noqa: E402
 from workbench.models import TINY_MODEL, build_model  # noqa: E402
-from workbench.passes import apply_pass  # noqa: E402
-from workbench.passes import fused_layernorm  # noqa: E402
-from workbench.passes.block_plan import block_plans  # noqa: E402
+from workbench.optimize.passes import apply_pass  # noqa: E402
+from workbench.optimize.passes import fused_layernorm  # noqa: E402
+from workbench.optimize.passes.block_plan import block_plans  # noqa: E402
 from pass_helpers import assert_same_step, model_pair, pass_ctx, tiny_batch  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -185,7 +185,7 @@ def test_fused_chain_keeps_autocast_s_dtypes(chain):
     patch embedding's LayerNorm returns fp32, so stage 1's residual stream is fp32 (stages 2-4 start from
     the patch merging's Linear, bf16), and the final norm's output is fp32. A fused LayerNorm that
     returned its input's dtype would run stage 1 and the pooling in bf16: another precision, not a fusion."""
-    from workbench.recipes import resolve_chain
+    from workbench.optimize.recipes import resolve_chain
 
     ref, model = model_pair(DEVICE, drop_path_rate=0.0)
     ctx = pass_ctx(DEVICE, "bf16")

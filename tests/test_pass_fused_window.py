@@ -11,9 +11,9 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from workbench.models import TINY_KWARGS, input_size  # noqa: E402
-from workbench.passes import PassUnavailable, apply_pass  # noqa: E402
-from workbench.passes import fused_window  # noqa: E402
-from workbench.passes.block_plan import block_plans  # noqa: E402
+from workbench.optimize.passes import PassUnavailable, apply_pass  # noqa: E402
+from workbench.optimize.passes import fused_window  # noqa: E402
+from workbench.optimize.passes.block_plan import block_plans  # noqa: E402
 from pass_helpers import assert_same_as_the_cast_path, assert_same_step, model_pair, pass_ctx, tiny_batch  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -138,7 +138,7 @@ def test_windows_and_norm2_come_out_in_the_autocast_dtype_with_the_cast_path_s_b
     H200 patch_embed.norm.weight's came out apart in the last bits: the norm backward's sums follow dy's dtype).
     No stochastic depth (it would drop other samples in the second run) and the weight and bias sums in
     their fixed-order mode (atomic sums on a GPU add in whatever order the programs finish)."""
-    from workbench.passes import _swin
+    from workbench.optimize.passes import _swin
 
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     # the residual stream fp32, as CUDA autocast has it (torch's layer_norm returns fp32 there), on the CPU too

@@ -14,9 +14,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from workbench.models import TINY_MODEL  # noqa: E402
-from workbench.passes import apply_pass  # noqa: E402
-from workbench.passes.master_weights import gemm_parameters  # noqa: E402
-from workbench.workload import Workload, WorkloadConfig  # noqa: E402
+from workbench.optimize.passes import apply_pass  # noqa: E402
+from workbench.optimize.passes.master_weights import gemm_parameters  # noqa: E402
+from workbench.optimize.workload import Workload, WorkloadConfig  # noqa: E402
 
 KERNEL_PASSES = [("fused_layernorm", {"impl": "triton"}), ("fused_window", None), ("fused_attention", None),
                  ("fused_linear", None), ("fused_block", None)]

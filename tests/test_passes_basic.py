@@ -5,10 +5,10 @@ import torch
 
 from workbench.errors import UserError
 from workbench.models import TINY_MODEL
-from workbench.passes import apply_pass, default_optimizer_factory
-from workbench.passes.fused_adamw import baseline_hyperparameters
-from workbench.passes.sdpa_attention import window_attention_modules
-from workbench.workload import Workload, WorkloadConfig
+from workbench.optimize.passes import apply_pass, default_optimizer_factory
+from workbench.optimize.passes.fused_adamw import baseline_hyperparameters
+from workbench.optimize.passes.sdpa_attention import window_attention_modules
+from workbench.optimize.workload import Workload, WorkloadConfig
 
 CFG = WorkloadConfig(model=TINY_MODEL, batch=2, precision="fp32", device="cpu", seed=0)
 
@@ -93,7 +93,7 @@ def test_compile_takes_inductor_options_by_dotted_name(workload):
 
 
 def test_cuda_graph_pass_needs_a_gpu_and_says_so():
-    from workbench.passes import PassContext, apply_pass
+    from workbench.optimize.passes import PassContext, apply_pass
     from workbench.precision import resolve_precision
 
     ctx = PassContext(device=torch.device("cpu"), precision=resolve_precision("bf16"))

@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app
-from workbench.analyze import analyze_trace
+from workbench.analysis.analyze import analyze_trace
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "profiles" / "examples" / "swin_tiny_train_bf16"
 

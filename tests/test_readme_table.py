@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from cli import app
 from workbench.errors import UserError
-from workbench.readme_table import BEGIN, END, render_for_readme, replace_between_markers, short_model, table_block
+from workbench.results.readme_table import BEGIN, END, render_for_readme, replace_between_markers, short_model, table_block
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

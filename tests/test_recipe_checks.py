@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from workbench.errors import UserError
-from workbench.passes import PASS_MODULES, get_pass
-from workbench.recipes import MAX_NAME_BYTES, chain_passes, gate_tolerance, plan_stages, resolve_chain
+from workbench.optimize.passes import PASS_MODULES, get_pass
+from workbench.optimize.recipes import MAX_NAME_BYTES, chain_passes, gate_tolerance, plan_stages, resolve_chain
 
 
 def write(tmp_path: Path, text: str | bytes, name: str = "r.yaml") -> Path:

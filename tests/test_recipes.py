@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from workbench.errors import UserError
-from workbench.recipes import (chain_passes, gate_tolerance, list_recipes, plan_stages, resolve_chain)
+from workbench.optimize.recipes import (chain_passes, gate_tolerance, list_recipes, plan_stages, resolve_chain)
 
 CHAIN = ["baseline", "amp", "apex", "window", "fmha"]
 PEERS = ["torch-compile", "torch-compile-graphs", "fmha-compile", "fmha-compile-graphs", "fmha-graph"]

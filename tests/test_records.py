@@ -9,7 +9,7 @@ import pytest
 
 from record_helpers import ENV, record
 from workbench.errors import UserError
-from workbench.records import (MAX_RECORD_BYTES, SCHEMA, StageRecord, as_records, read_record, read_records,
+from workbench.results.record import (MAX_RECORD_BYTES, SCHEMA, StageRecord, as_records, read_record, read_records,
                                write_record)
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,8 +7,8 @@ import pytest
 
 from record_helpers import ENV, record
 from workbench.errors import UserError
-from workbench.records import write_record
-from workbench.report import default_report_path, display_rows, render_report, render_report_from_paths, speedup_table
+from workbench.results.record import write_record
+from workbench.results.report import default_report_path, display_rows, render_report, render_report_from_paths, speedup_table
 
 @pytest.fixture
 def records():
@@ -126,9 +126,9 @@ def test_bad_record_paths_are_user_errors(tmp_path):
 
 
 def test_slower_stage_with_less_gpu_time_is_explained_as_host_bound(tmp_path):
-    from workbench.report import _slower_why
+    from workbench.results.report import _slower_why
 
-    from workbench.records import as_records
+    from workbench.results.record import as_records
 
     parent = record(0, "amp", "baseline", 67.0, shares={"gemm": 100.0})
     slower = record(1, "apex", "amp", 98.7, shares={"gemm": 100.0})
@@ -207,7 +207,7 @@ def test_profiled_stages_show_which_kernels_changed(records, tmp_path):
 def test_terminal_summary_names_the_largest_kernel_changes():
     from rich.console import Console
 
-    from workbench.report import render_speedup_table
+    from workbench.results.report import render_speedup_table
 
     recs = [record(0, "amp", "baseline", 50.0, shares={"gemm": 50.0}), record(1, "fmha", "amp", 40.0, shares={"gemm": 60.0})]
     recs[0]["profile"]["kernels_per_step"] = [{"kernel": "a", "ms_per_step": 3.0, "per_step": 1},
@@ -222,7 +222,7 @@ def test_terminal_summary_names_the_largest_kernel_changes():
 def test_terminal_summary_points_host_bound_stages_at_interleave():
     from rich.console import Console
 
-    from workbench.report import render_speedup_table
+    from workbench.results.report import render_speedup_table
 
     recs = [record(0, "amp", "baseline", 50.0), record(1, "fmha", "amp", 40.0)]
     recs[1]["timing"] = {**recs[1]["timing"], "samples_ms": [36.0, 40.0, 44.0, 52.0], "iqr_ms": 6.0}
@@ -236,7 +236,7 @@ def test_activation_dtypes_table_and_a_precision_change_is_named(tmp_path):
     """Each stage's activation dtypes get a table; a stage that keeps activations in other dtypes than the
     stage it extends, at the same precision, gets a line naming the parts (not amp against the fp32
     baseline: another precision is that stage's point)."""
-    from workbench.report import activation_dtype_changes
+    from workbench.results.report import activation_dtype_changes
 
     chain = [{"name": n, "source": None, "passes": []} for n in ("baseline", "amp", "apex", "window", "fmha")]
     fp32 = {"patch_embed": "float32", "layers.0": "float32", "layers.1": "float32", "norm": "float32"}

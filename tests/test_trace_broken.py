@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 import workbench.trace as trace_pkg
 from cli import app
 from trace_builders import GOOD_KERNELS, kineto_trace, nsys_export
-from workbench.analyze import analyze_trace, render_analysis, write_analysis
+from workbench.analysis.analyze import analyze_trace, render_analysis, write_analysis
 from workbench.errors import UserError
 from workbench.trace import MAX_SPAN_NS, load_trace
 

@@ -12,9 +12,9 @@ from typer.testing import CliRunner
 
 from cli import app
 from trace_builders import GOOD_KERNELS, kineto_trace, nsys_export
-from workbench import analysis as A
-from workbench.analyze import analyze_trace, category_shares, render_analysis, write_analysis
-from workbench.diff import diff_analyses, write_diff
+from workbench.analysis import frames as A
+from workbench.analysis.analyze import analyze_trace, category_shares, render_analysis, write_analysis
+from workbench.analysis.diff import diff_analyses, write_diff
 from workbench.errors import UserError
 from workbench.trace import load_trace
 

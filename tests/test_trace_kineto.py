@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from workbench import analysis as A
-from workbench.analyze import analyze_trace
+from workbench.analysis import frames as A
+from workbench.analysis.analyze import analyze_trace
 from workbench.errors import UserError
 from workbench.trace import KERNEL_COLUMNS, RANGE_COLUMNS, load_trace
 from workbench.trace.kineto import parse_kineto, short_kernel_name

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from workbench import apply as apply_mod
-from workbench import capture
-from workbench.capture import python_module_command
+from workbench.ladder import apply as apply_mod
+from workbench.capture import backends as capture
+from workbench.capture.backends import python_module_command
 
 PROBE = "swinbench_cwd_probe"
 
@@ -49,6 +49,6 @@ def test_nsys_capture_starts_its_worker_the_same_way(tmp_path, monkeypatch):
     with pytest.raises(capture.UserError):   # the fake nsys wrote no report
         capture.capture_nsys(config, None, tmp_path, 1, 0, "nsys")
     cmd, env = seen[0]
-    worker, worker_env = python_module_command("workbench.capture_worker", str(tmp_path / "capture_spec.json"))
+    worker, worker_env = python_module_command("workbench.capture.worker", str(tmp_path / "capture_spec.json"))
     assert cmd[-len(worker):] == worker
     assert env["PYTHONPATH"] == worker_env["PYTHONPATH"]

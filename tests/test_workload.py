@@ -7,9 +7,9 @@ import torch
 from workbench.errors import UserError
 from workbench.models import TINY_MODEL, build_model, check_model_name, input_size
 from workbench.precision import resolve_precision
-from workbench.ranges import RangeMarker, annotate_modules
-from workbench.timing import StepTiming, time_steps
-from workbench.workload import Workload, WorkloadConfig, pick_device, resolve_device
+from workbench.optimize.ranges import RangeMarker, annotate_modules
+from workbench.optimize.timing import StepTiming, time_steps
+from workbench.optimize.workload import Workload, WorkloadConfig, pick_device, resolve_device
 
 
 def tiny(**kw):
@@ -90,7 +90,7 @@ def test_names_and_devices_are_checked():
 
 
 def test_per_call_us_rotates_inputs_and_counts_warm_calls():
-    from workbench.timing import per_call_us
+    from workbench.optimize.timing import per_call_us
 
     calls = {"a": 0, "b": 0}
 

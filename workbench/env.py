@@ -9,6 +9,8 @@ import subprocess
 
 import torch
 
+from workbench import SOURCE_ROOT
+
 
 def _version(module: str) -> str | None:
     try:
@@ -34,7 +36,7 @@ def _git_revision() -> str | None:
     outside a git checkout (an installed package, a copied tree)."""
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = SOURCE_ROOT
     try:
         rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
                              capture_output=True, text=True, timeout=10)
@@ -55,7 +57,7 @@ def source_digest() -> str:
     import hashlib
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = SOURCE_ROOT
     files = sorted([*root.joinpath("workbench").rglob("*.py"), root / "cli.py", *root.joinpath("recipes").glob("*.yaml")])
     h = hashlib.sha256()
     for f in files:

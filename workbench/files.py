@@ -7,7 +7,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from .errors import UserError
+from workbench.errors import UserError
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
@@ -52,7 +52,7 @@ def load_yaml_file(path: str | os.PathLike, what: str):
     anything walks or prints it). Every failure is a UserError naming `what` and the file."""
     import yaml
 
-    from .errors import yaml_error_text
+    from workbench.errors import yaml_error_text
 
     path = Path(path)
     try:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import UserError
+from workbench.errors import UserError
 
 DEFAULT_MODEL = "swin_tiny_patch4_window7_224"
 # A Swin small enough for a CPU demo and for tests: two stages, a shifted 14x14 stage

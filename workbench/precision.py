@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import UserError
+from workbench.errors import UserError
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 

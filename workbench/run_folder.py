@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .errors import UserError
-from .files import atomic_write_text
+from workbench.errors import UserError
+from workbench.files import atomic_write_text
 
 LOCK_NAME = ".swinbench.lock"
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 __all__: list[str] = []
 
 try:
-    from .window import (add_norm_shift_partition, merge_add_norm, merge_roll, merge_unshift_add, norm_shift_partition,
+    from workbench.kernels.window import (add_norm_shift_partition, merge_add_norm, merge_roll, merge_unshift_add, norm_shift_partition,
                          roll_partition)
 
     __all__ += ["roll_partition", "merge_roll", "norm_shift_partition", "add_norm_shift_partition", "merge_unshift_add",
@@ -21,19 +21,19 @@ try:
 except ImportError:  # pragma: no cover - kernel file not present yet
     pass
 try:
-    from .window_attention import fused_window_attention
+    from workbench.kernels.window_attention import fused_window_attention
 
     __all__ += ["fused_window_attention"]
 except ImportError:  # pragma: no cover
     pass
 try:
-    from .layer_norm import add_layer_norm, layer_norm
+    from workbench.kernels.layer_norm import add_layer_norm, layer_norm
 
     __all__ += ["layer_norm", "add_layer_norm"]
 except ImportError:  # pragma: no cover
     pass
 try:
-    from .linear import bias_grad, linear
+    from workbench.kernels.linear import bias_grad, linear
 
     __all__ += ["linear", "bias_grad"]
 except ImportError:  # pragma: no cover

@@ -39,8 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _common
-from ._common import (SOFT_RTNE, cdiv, column_sums, eager_column_sums, emit_column_sum, finish_column_sums, kernel_op,
+from workbench.kernels import _common
+from workbench.kernels._common import (SOFT_RTNE, cdiv, column_sums, eager_column_sums, emit_column_sum, finish_column_sums, kernel_op,
                       launch, launch_options, next_pow2, sm_count, split_norm_grads, to_dtype, zero_column_sums)
 
 # Widest row one program holds in registers. Swin needs 1536 (-> 2048); wider rows would want a

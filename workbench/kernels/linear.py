@@ -30,9 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _common
-from ._common import SOFT_RTNE as _SOFT_RTNE
-from ._common import (cdiv, column_sums, emit_column_sum, finish_column_sums, kernel_op, launch, next_pow2, sm_count,
+from workbench.kernels import _common
+from workbench.kernels._common import SOFT_RTNE as _SOFT_RTNE
+from workbench.kernels._common import (cdiv, column_sums, emit_column_sum, finish_column_sums, kernel_op, launch, next_pow2, sm_count,
                       to_dtype)
 
 # Elements per (rows x cols) tile: 2048 over 4 warps is 16 fp32 accumulators per thread.

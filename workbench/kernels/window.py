@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (_INTERPRET, SOFT_RTNE as _SOFT_RTNE, cdiv, column_sums, eager_column_sums, emit_column_sum,
+from workbench.kernels._common import (_INTERPRET, SOFT_RTNE as _SOFT_RTNE, cdiv, column_sums, eager_column_sums, emit_column_sum,
                       finish_column_sums, kernel_op, launch, launch_options, next_pow2, pdl_enter, pdl_exit, pdl_launch,
                       sm_count, split_norm_grads, sum_rows, to_dtype, zero_column_sums)
 

@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import _INTERPRET, AUTOTUNE, cdiv, kernel_op, launch, next_pow2, tracing
+from workbench.kernels._common import _INTERPRET, AUTOTUNE, cdiv, kernel_op, launch, next_pow2, tracing
 
 # Test hook: when True, every buffer a kernel must fill is NaN-filled first, so an element the
 # kernel forgets to write fails the comparison instead of passing by luck.

@@ -7,7 +7,7 @@
 - `.nsys-rep`: exported to SQLite with `nsys export --type sqlite`, then as above.
 - `.json` / `.json.gz`: a Kineto (torch.profiler) Chrome trace (`kineto.py`).
 
-Every parser returns the same `Trace`, so the analysis layer (`workbench/analysis.py`) never sees a file.
+Every parser returns the same `Trace`, so the analysis layer (`workbench/analysis/frames.py`) never sees a file.
 
 Frames (all times are integer nanoseconds on the trace's own clock; unknown integers are -1):
 

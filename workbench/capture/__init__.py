@@ -1,0 +1,1 @@
+"""Capture: running a workload under Nsight Systems or torch.profiler, and the profile command."""

@@ -1,0 +1,124 @@
+"""`swinbench profile`: capture a Swin workload's trace and print where its GPU time goes."""
+from __future__ import annotations
+
+import datetime as _dt
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from workbench.capture.backends import capture_nsys, capture_torch, resolve_backend
+from workbench.errors import UserError
+from workbench.run_folder import claim_run_folder
+from workbench.models import check_model_name, default_model_for
+from workbench.precision import resolve_precision
+from workbench.optimize.workload import WorkloadConfig, pick_device, resolve_device
+
+
+@dataclass
+class ProfileResult:
+    out_dir: Path
+    backend: str
+    trace: Path
+    files: list[Path] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def default_run_name(config: WorkloadConfig, recipe: str | None) -> str:
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    parts = [config.model.replace("_patch4", "").replace("_window", "w"), config.mode, config.precision,
+             f"b{config.batch}"] + ([Path(recipe).stem] if recipe else []) + [stamp]
+    return "-".join(parts)
+
+
+def run_profile(*, model: str | None, mode: str, batch: int, precision: str, steps: int, warmup: int,
+                device: str, backend: str, out: Path | None, nsys: str | None = None, recipe: str | None = None,
+                fmt: str = "csv", top: int = 15, console: Console | None = None,
+                overwrite: bool = False) -> ProfileResult:
+    """Capture `steps` steps after `warmup`, analyze the trace, print the tables and write them beside it.
+
+    out: the folder (default profiles/<model-mode-precision-batch-time>/), locked while the capture
+    writes it. A folder that holds an earlier profile or run is refused (UserError, nothing changed)
+    unless `overwrite`, which moves that run's files aside to `<out>.previous-<its time>` first
+    (`run_folder.claim_run_folder`)."""
+    console = console or Console()
+    if steps < 1 or warmup < 0:
+        raise UserError("--steps must be at least 1 and --warmup at least 0")
+    cpu_fallback = device == "auto" and not torch.cuda.is_available()
+    device = pick_device(device)
+    dev = resolve_device(device)
+    config = WorkloadConfig(model=model or default_model_for(device), mode=mode, batch=batch,
+                            precision=precision, device=device)
+    check_model_name(config.model)  # fail fast, before any subprocess starts
+    resolve_precision(precision)
+    if recipe:
+        from workbench.optimize.recipes import chain_passes
+
+        chain_passes(recipe)  # validate the recipe before capturing
+    if cpu_fallback:  # said once the arguments are known to be good: a user mistake gets one line only
+        console.print(f"[yellow]note:[/] no CUDA GPU here: running {config.model} on the CPU "
+                      "(timings and shares are CPU figures, not GPU ones)")
+    chosen, nsys_path, note = resolve_backend(backend, dev, nsys)
+    out_dir = Path(out) if out else Path("profiles") / default_run_name(config, recipe)
+    with claim_run_folder(out_dir, command="profile", overwrite=overwrite) as claim:
+        notes = [note] if note else []
+        for n in notes + claim.notes:
+            console.print(f"[yellow]note:[/] {n}", highlight=False)
+        return _capture_and_analyze(config, recipe, out_dir, chosen, nsys_path, steps=steps, warmup=warmup,
+                                    fmt=fmt, top=top, notes=notes, console=console)
+
+
+def _capture_and_analyze(config: WorkloadConfig, recipe: str | None, out_dir: Path, chosen: str,
+                         nsys_path: str | None, *, steps: int, warmup: int, fmt: str, top: int, notes: list[str],
+                         console: Console) -> ProfileResult:
+    """run_profile's work once its folder is claimed: the capture, the tables printed and written."""
+    from workbench.analysis.analyze import analyze_trace, render_analysis, write_analysis
+
+    mode, precision, batch = config.mode, config.precision, config.batch
+    label = "Nsight Systems" if chosen == "nsys" else "torch.profiler"
+    with _phase(console, f"capturing {config.model} {mode} {precision} batch {batch}: "
+                         f"{warmup} warm-up + {steps} captured steps under {label}"):
+        if chosen == "nsys":
+            trace = capture_nsys(config, recipe, out_dir, steps, warmup, nsys_path)
+        else:
+            trace = capture_torch(config, recipe, out_dir, steps, warmup)
+    _print_passes(out_dir / "run.json", recipe, console)
+    with _phase(console, f"analyzing {trace}"):
+        analysis = analyze_trace(trace)
+    render_analysis(analysis, console, top=top)
+    files = [p for p in (out_dir / "trace.nsys-rep", trace, out_dir / "run.json", out_dir / "capture.log",
+                         out_dir / "nsys.log") if p.exists()]
+    files += write_analysis(analysis, out_dir, fmt, trace=trace)
+    console.print(f"[bold]{label}[/] backend; files written:")
+    for f in files:
+        console.print(f"  {f}")
+    return ProfileResult(out_dir=out_dir, backend=chosen, trace=trace, files=files, notes=notes)
+
+
+@contextmanager
+def _phase(console: Console, what: str):
+    """One phase of the run: a spinner on a terminal; elsewhere (a CI log) a plain line as it starts and
+    one as it ends, so a log shows where a long capture is."""
+    if console.is_terminal:
+        with console.status(what + " ..."):
+            yield
+        return
+    console.print(f"{what} ...", markup=False, highlight=False, soft_wrap=True)
+    t0 = time.perf_counter()
+    yield
+    console.print(f"{what}: done in {time.perf_counter() - t0:.1f} s", markup=False, highlight=False, soft_wrap=True)
+
+
+def _print_passes(run_json: Path, recipe: str | None, console: Console) -> None:
+    """What the recipe changed in the profiled model, one line a pass; a pass that could not apply
+    here is flagged, so a trace is never mistaken for the optimized model's."""
+    if not recipe or not run_json.exists():
+        return
+    import json
+
+    for p in json.loads(run_json.read_text()).get("passes", []):
+        style = "" if p.get("available", True) else "[yellow]not applied:[/] "
+        console.print(f"recipe {recipe}: {style}{p['name']}: {p['changed']}")

@@ -1,0 +1,90 @@
+"""The process that runs under the profiler: build the workload, apply a recipe, warm up, capture steps.
+
+`python -m workbench.capture.worker SPEC.json` (nsys re-runs swinbench through this). It writes
+`run.json` beside the trace: the configuration, the environment stamp and the captured steps' times
+(under a profiler, so only indicative; `swinbench apply` gives the clean figures).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from workbench.env import environment_stamp
+from workbench.errors import UserError
+from workbench.files import atomic_write_text
+from workbench.optimize.ranges import RangeMarker, annotate_modules
+from workbench.optimize.timing import time_steps
+from workbench.optimize.workload import Workload, WorkloadConfig
+
+
+def apply_recipe(workload: Workload, recipe: str | None) -> list[dict]:
+    """Apply every pass of `recipe`'s chain (baseline first) to the workload -> pass results as dicts."""
+    if not recipe:
+        return []
+    from workbench.optimize.passes import apply_pass
+    from workbench.optimize.recipes import chain_passes
+
+    results = []
+    for name, params in chain_passes(recipe):
+        workload.model, result = apply_pass(name, workload.model, workload.ctx, params)
+        results.append(result.to_dict())
+    return results
+
+
+def run_capture(config: WorkloadConfig, recipe: str | None, *, steps: int, warmup: int, marker: str,
+                out_dir: Path, torch_trace: Path | None = None) -> dict:
+    workload = Workload.build(config)
+    passes = apply_recipe(workload, recipe)
+    workload.marker = RangeMarker(marker)
+    annotate_modules(workload.model, workload.marker)
+    workload.prepare()
+    device = workload.ctx.device
+    for i in range(warmup):
+        workload.step(i)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    if marker == "torch":
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            timing = time_steps(lambda i: workload.step(warmup + i), warmup=0, repeats=steps, device=device)
+        _export_chrome_trace(prof, Path(torch_trace))
+    else:
+        torch.cuda.profiler.start()
+        timing = time_steps(lambda i: workload.step(warmup + i), warmup=0, repeats=steps, device=device)
+        torch.cuda.profiler.stop()
+    run = {"config": asdict(config), "recipe": recipe, "passes": passes, "warmup": warmup, "steps": steps,
+           "backend": "nsys" if marker == "nvtx" else "torch", "env": environment_stamp(device),
+           "timing_under_profiler": timing.to_dict(), "marker_note": workload.marker.note}
+    atomic_write_text(Path(out_dir) / "run.json", json.dumps(run, indent=2, default=str) + "\n")
+    return run
+
+
+def _export_chrome_trace(prof, path: Path) -> None:
+    """The profiler's Kineto trace to `path`, whole or not at all (exported beside it, then renamed)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        prof.export_chrome_trace(str(tmp))
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(Path(argv[0]).read_text())
+    run_capture(WorkloadConfig(**spec["config"]), spec["recipe"], steps=spec["steps"], warmup=spec["warmup"],
+                marker=spec["marker"], out_dir=Path(spec["out_dir"]),
+                torch_trace=Path(spec["torch_trace"]) if spec.get("torch_trace") else None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

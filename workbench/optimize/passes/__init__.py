@@ -1,0 +1,129 @@
+"""Optimization passes. A pass is one module in this package with:
+
+    NAME: str                                   # the name recipes use
+    def apply(model, ctx: PassContext, **params) -> tuple[nn.Module, PassResult]
+
+`apply` returns the changed model (the same object when patched in place) and a short record
+of what it changed. Passes that change how the model is *run* rather than the model itself
+(precision, optimizer, compile) change `ctx` and say so in their result.
+
+Passes that change how a timm Swin block runs do not replace forwards themselves: each sets its fields
+of the blocks' plans and binds them (block_plan.py; the forwards are block_forward.py's), so they
+compose in any order.
+
+Adding a technique means adding one module here, its test and a YAML line; `PASS_MODULES`
+below is the only list to extend.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+
+from workbench.errors import UserError
+from workbench.precision import Precision
+
+OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+def default_optimizer_factory(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The baseline optimizer: plain (for-each) AdamW, as a user would write it."""
+    return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.05, foreach=True)
+
+
+@dataclass
+class PassContext:
+    """What passes may read and change besides the model.
+
+    device: where the model runs. precision: autocast/TF32 mode (the `amp` pass sets it).
+    optimizer_factory: builds the optimizer (fused_adamw replaces it).
+    compile: whether the runner wraps the step in torch.compile (the `compile` pass sets it).
+    grad_scaler: whether fp16 training uses a GradScaler.
+    cuda_graph: whether the runner captures the step in a CUDA graph (the `cuda_graph` pass sets it).
+    master_weights: low-precision GEMM weights with fp32 masters (the `master_weights` pass sets it); the
+    runner then builds the optimizer through it, around whatever `optimizer_factory` builds.
+    training: whether the workload trains (passes may skip what only training needs).
+    """
+
+    device: torch.device
+    precision: Precision
+    optimizer_factory: OptimizerFactory = default_optimizer_factory
+    optimizer_name: str = "torch.optim.AdamW(foreach=True)"
+    compile: bool = False
+    compile_options: dict = field(default_factory=dict)
+    grad_scaler: bool = False
+    cuda_graph: bool = False
+    master_weights: Any = None
+    training: bool = True
+
+
+@dataclass
+class PassResult:
+    """What a pass did: `changed` is one line for tables; `details` holds counts and the implementation used."""
+
+    name: str
+    params: dict[str, Any]
+    changed: str
+    details: dict[str, Any] = field(default_factory=dict)
+    available: bool = True
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "params": self.params, "changed": self.changed,
+                "details": self.details, "available": self.available}
+
+
+def triton_runs_on(device: torch.device | str) -> bool:
+    """Whether the Triton kernels can run for `device`: on a CUDA device, or anywhere under the
+    interpreter (TRITON_INTERPRET set and not 0, as the tests set it on the CPU)."""
+    import os
+
+    return torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+class PassUnavailable(Exception):
+    """Raised by a pass whose implementation is missing here (a kernel not built yet, no GPU for it)."""
+
+
+def require_triton(device: torch.device | str) -> None:
+    """PassUnavailable unless the Triton kernels can run for `device` (see triton_runs_on)."""
+    if not triton_runs_on(device):
+        raise PassUnavailable("the Triton kernels need a CUDA GPU (or TRITON_INTERPRET=1 on the CPU)")
+
+
+# name -> module (relative to this package). Extend this when adding a pass.
+PASS_MODULES = {
+    "amp": "amp",
+    "sdpa_attention": "sdpa_attention",
+    "fused_adamw": "fused_adamw",
+    "master_weights": "master_weights",
+    "fused_layernorm": "fused_layernorm",
+    "fused_window": "fused_window",
+    "fused_attention": "fused_attention",
+    "fused_linear": "fused_linear",
+    "fused_block": "fused_block",
+    "compile": "compile",
+    "cuda_graph": "cuda_graph",
+}
+
+
+def get_pass(name: str):
+    """The pass module for `name`; UserError for an unknown name. A module that fails to import
+    (kernel not there yet) is reported as unavailable by `apply_pass`, not here."""
+    if name not in PASS_MODULES:
+        raise UserError(f"unknown pass {name!r}: known passes are {', '.join(sorted(PASS_MODULES))}")
+    return importlib.import_module(f"{__name__}.{PASS_MODULES[name]}")
+
+
+def apply_pass(name: str, model: torch.nn.Module, ctx: PassContext, params: dict | None = None):
+    """Apply one pass by name -> (model, PassResult). An unavailable pass returns the model unchanged
+    and a result with available=False and the reason, so a run can go on and say so."""
+    params = dict(params or {})
+    try:
+        module = get_pass(name)
+        return module.apply(model, ctx, **params)
+    except (ImportError, PassUnavailable) as exc:
+        if isinstance(exc, ImportError) and name not in PASS_MODULES:
+            raise
+        return model, PassResult(name, params, f"not available: {exc}", available=False)

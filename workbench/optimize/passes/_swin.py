@@ -1,0 +1,152 @@
+"""What the passes that plan timm's SwinTransformerBlocks share: finding the blocks, square windows,
+whether a dropout / stochastic-depth module is the identity right now, the dtype a fused norm writes, and
+the relative-position bias gathered from timm's table."""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from workbench.optimize.passes import PassContext, PassUnavailable, require_triton
+
+
+def square(pair) -> int | None:
+    """The side of a square timm (h, w) window or shift (or an int), None when not square."""
+    a, b = (pair, pair) if isinstance(pair, int) else tuple(pair)
+    return int(a) if a == b else None
+
+
+def inactive(m: torch.nn.Module | None, training: bool) -> bool:
+    """m(x) is x now: None or nn.Identity, nn.Dropout with p == 0 or in eval, timm's DropPath with
+    drop_prob 0 or in eval."""
+    if m is None or isinstance(m, torch.nn.Identity):
+        return True
+    if isinstance(m, torch.nn.Dropout):
+        return m.p == 0 or not training
+    if type(m).__name__ == "DropPath":
+        return getattr(m, "drop_prob", 1.0) == 0.0 or not training
+    return False
+
+
+def named_swin_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(qualified name, block) of every timm SwinTransformerBlock in `model`, in module order."""
+    from timm.models.swin_transformer import SwinTransformerBlock
+
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, SwinTransformerBlock)]
+
+
+def swin_blocks(model: torch.nn.Module, ctx: PassContext, kernels: str, what: str) -> list[tuple[str, torch.nn.Module]]:
+    """named_swin_blocks(model), after checking that timm and the Triton kernel module `kernels` import
+    and that the device runs Triton; PassUnavailable (naming `what`) otherwise, or without blocks."""
+    try:
+        import timm.models.swin_transformer  # noqa: F401
+
+        importlib.import_module(kernels)
+    except ImportError as exc:
+        raise PassUnavailable(f"{what} not importable: {exc}") from exc
+    require_triton(ctx.device)
+    blocks = named_swin_blocks(model)
+    if not blocks:
+        raise PassUnavailable("no timm SwinTransformerBlock in this model")
+    return blocks
+
+
+def autocast_input_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """`kernels.layer_norm.autocast_linear_input_dtype`: the dtype an autocast nn.Linear casts an fp32 x to
+    (None: no cast). Every fused norm of the passes looks it up here, through norm_output_dtype."""
+    from workbench.kernels.layer_norm import autocast_linear_input_dtype
+
+    return autocast_linear_input_dtype(x)
+
+
+def norm_output_dtype(x: torch.Tensor, to_linear: bool, dtype: torch.dtype | None = None) -> torch.dtype | None:
+    """The dtype a fused LayerNorm over x (or over a tensor on x's device in `dtype`, such as x plus a
+    branch) writes: the autocast dtype when its output goes straight into an nn.Linear (autocast_input_dtype:
+    the bits that Linear's cast would give), else the dtype torch's layer_norm returns under autocast
+    (kernels.layer_norm.autocast_norm_dtype: fp32 under CUDA autocast). None: the input's dtype."""
+    if to_linear:
+        return autocast_input_dtype(x)
+    from workbench.kernels.layer_norm import autocast_norm_dtype
+
+    return autocast_norm_dtype(x, dtype)
+
+
+def merging_norm_goes_to_linear(merging: torch.nn.Module) -> bool:
+    """Whether a timm PatchMerging hands its norm's output straight to its `reduction` Linear: its forward
+    is the class's (pad, 2x2 gather, norm, reduction), not replaced on the instance."""
+    from timm.models.swin_transformer import PatchMerging
+
+    return (isinstance(merging, PatchMerging) and isinstance(getattr(merging, "reduction", None), torch.nn.Linear)
+            and "forward" not in vars(merging) and type(merging).forward is PatchMerging.forward)
+
+
+def gather_rel_pos_bias(table: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
+    """timm's relative-position bias, (nH, n, n) contiguous, bias[h, i, j] = table[index[i, j], h]: one
+    gather launch (timm's `_get_rel_pos_bias` gathers and then copies the permuted result)."""
+    return table.t().index_select(1, index.view(-1)).view(-1, n, n)
+
+
+def scatter_rel_pos_grad(d_rel: torch.Tensor, index: torch.Tensor, table_shape, table_dtype,
+                         into: torch.Tensor | None = None) -> torch.Tensor:
+    """The table's gradient from the bias's (nH, n, n): a memset and one index_add_ (atomic adds; PyTorch
+    switches to a deterministic kernel under torch.use_deterministic_algorithms). Autograd's backward of
+    timm's gather is index_put_ with accumulate, which sorts the indices first. into: a zeroed tensor of the
+    table's shape and dtype to add into instead of a fresh one (no memset of its own)."""
+    heads = d_rel.shape[0]
+    out = d_rel.new_zeros(table_shape, dtype=table_dtype) if into is None else into
+    return out.index_add_(0, index.view(-1), d_rel.reshape(heads, -1).t().to(table_dtype))
+
+
+class RelPosBias(torch.autograd.Function):
+    """gather_rel_pos_bias with, as its backward, one deterministic Triton launch when given the index's
+    inverse (`kernels.window_attention.rel_pos_inverse`), else scatter_rel_pos_grad (a memset and an
+    index_add_): two or three launches per block and step where timm's gather, copy and sorted index_put
+    take five or more."""
+
+    @staticmethod
+    def forward(ctx, table, index, n, inverse):
+        ctx.save_for_backward(index, inverse)
+        ctx.table = (table.shape, table.dtype)
+        return gather_rel_pos_bias(table, index, n)
+
+    @staticmethod
+    def backward(ctx, d_rel):
+        index, inverse = ctx.saved_tensors
+        if inverse is not None:
+            from workbench.kernels.window_attention import rel_pos_table_grad
+
+            return rel_pos_table_grad(d_rel, inverse, ctx.table[1]), None, None, None
+        return scatter_rel_pos_grad(d_rel, index, *ctx.table), None, None, None
+
+
+# The buffer that holds a WindowAttention's relative-position index inverse while the fused kernel runs it
+# (block_plan binds and unbinds it), beside timm's relative_position_index.
+INVERSE_BUFFER = "relative_position_inverse"
+
+
+def add_rel_pos_inverse(attn: torch.nn.Module) -> bool:
+    """Give a timm WindowAttention its relative-position index's inverse (n_table, P) int32, as the
+    non-persistent buffer INVERSE_BUFFER (it follows the module across devices; state_dict does not
+    change), for the fused attention's one-launch table gradient. False when the module has no standard
+    table and index."""
+    from workbench.kernels.window_attention import rel_pos_inverse
+
+    table, index = getattr(attn, "relative_position_bias_table", None), getattr(attn, "relative_position_index", None)
+    if table is None or index is None or table.dim() != 2:
+        return False
+    if getattr(attn, INVERSE_BUFFER, None) is None:
+        attn.register_buffer(INVERSE_BUFFER, rel_pos_inverse(index, table.shape[0]), persistent=False)
+    return True
+
+
+def rel_pos_bias(attn: torch.nn.Module, inverse: torch.Tensor | None = None) -> torch.Tensor:
+    """A timm WindowAttention's (nH, N, N) relative-position bias through RelPosBias (its backward one launch
+    over `inverse`, the index's inverse, where given), or through its own `_get_rel_pos_bias` when a
+    subclass computes the bias some other way."""
+    from timm.models.swin_transformer import WindowAttention
+
+    if type(attn)._get_rel_pos_bias is WindowAttention._get_rel_pos_bias:
+        return RelPosBias.apply(attn.relative_position_bias_table, attn.relative_position_index, attn.window_area,
+                                inverse)
+    bias = attn._get_rel_pos_bias()
+    return bias.reshape(bias.shape[-3:])

@@ -1,0 +1,389 @@
+"""What a planned timm SwinTransformerBlock runs: the forwards `block_plan.BlockPlans.bind` builds from a
+`BlockPlan`'s fields, for the block, its attention, its MLP and its stage, and the block as one autograd
+Function (`SwinBlockFunction`).
+
+A block's forward is built in layers, each falling back to the one below where it cannot run now:
+
+    timm's own forward
+    add_norm2    the residual add before norm2 and norm2 as one add_layer_norm
+    window       norm1 + roll + pad + partition and the merge back as fused kernels (window.py); with
+                 add_norm2, the attention merge, residual add and norm2 as one merge_add_norm
+    whole_block  the block as one SwinBlockFunction
+
+Each forward is a closure over plain values (the plan's flags and the function it falls back to), never
+over modules or tensors, so a deep copy of a bound model shares the functions and rebinds them to its
+own modules. x is (B, H, W, C) throughout, the layout timm's blocks take and return.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from workbench.optimize.passes._swin import (INVERSE_BUFFER, gather_rel_pos_bias, inactive, norm_output_dtype, rel_pos_bias,
+                    scatter_rel_pos_grad, square)
+
+# ------------------------------------------------------------------------------------ the block
+
+
+def block_forward(add_norm2: bool, window: bool, whole_block: bool, attn_to_linear: bool,
+                  mlp_to_linear: bool) -> Callable | None:
+    """The forward of a timm SwinTransformerBlock with these plan fields, to bind with types.MethodType;
+    None where timm's own runs. attn_to_linear / mlp_to_linear: whether the attention module and the MLP
+    hand their input straight to an nn.Linear (qkv, fc1), so that the norm before each can write that
+    Linear's autocast dtype itself (`_swin.norm_output_dtype`)."""
+    forward = None
+    if add_norm2:
+        forward = _add_norm2_forward(mlp_to_linear)
+    if window:
+        forward = _window_forward(add_norm2, attn_to_linear, mlp_to_linear, forward or timm_block_forward)
+    if whole_block:
+        forward = _whole_block_forward(forward or timm_block_forward)
+    return forward
+
+
+def timm_block_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """The block's class forward (timm's), what a planned forward falls back to last."""
+    return type(self).forward(self, x)
+
+
+def add_norm2(blk, x: torch.Tensor, branch: torch.Tensor, mlp_to_linear: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block's `x + branch` and its norm2 of that sum in one add_layer_norm -> (sum, normed), both
+    (B, L, C): the normed output in the dtype its consumer wants (`_swin.norm_output_dtype`: the autocast
+    dtype when it goes straight into the MLP's fc1)."""
+    from workbench.kernels.layer_norm import add_layer_norm
+
+    B, C = x.shape[0], x.shape[-1]
+    return add_layer_norm(x.reshape(B, -1, C), branch.reshape(B, -1, C), blk.norm2.weight, blk.norm2.bias,
+                          blk.norm2.eps, _norm2_dtype(x, branch.dtype, mlp_to_linear))
+
+
+def _norm2_dtype(x: torch.Tensor, branch_dtype: torch.dtype, mlp_to_linear: bool) -> torch.dtype | None:
+    """The dtype a fused add + norm2 writes for the residual x plus a branch in branch_dtype."""
+    return norm_output_dtype(x, mlp_to_linear, torch.promote_types(x.dtype, branch_dtype))
+
+
+def _add_norm2_forward(mlp_to_linear: bool) -> Callable:
+    def swin_block_forward_add_norm2(self, x: torch.Tensor) -> torch.Tensor:
+        """timm SwinTransformerBlock.forward with the add before norm2 fused into norm2 (add_layer_norm).
+        drop_path1 applies to the attention branch before the add, drop_path2 to the MLP output, as in timm."""
+        B, H, W, C = x.shape
+        x, h = add_norm2(self, x, self.drop_path1(self._attn(self.norm1(x))), mlp_to_linear)
+        x = x + self.drop_path2(self.mlp(h))
+        return x.reshape(B, H, W, C)
+    return swin_block_forward_add_norm2
+
+
+def _window_forward(add_norm2_fused: bool, attn_to_linear: bool, mlp_to_linear: bool, fallback: Callable) -> Callable:
+    def swin_block_forward_fused_window(self, x: torch.Tensor, pending: torch.Tensor | None = None,
+                                        defer: bool = False):
+        """timm SwinTransformerBlock.forward with norm1 + roll + pad + partition as one kernel
+        (norm_shift_partition) and the merge back, crop, roll and residual add as another
+        (merge_unshift_add), or, with add_norm2, merge, add and norm2 as one (merge_add_norm, eager and
+        without stochastic depth). The attention module is called as a module (its hooks run).
+        pending / defer: see stage_forward (called as blk(x) they are unused)."""
+        from workbench.kernels.window import merge_roll, merge_unshift_add
+
+        out = _window_attention_windows(self, x, pending, attn_to_linear)
+        if out is None:  # made non-square after binding (set_input_size)
+            if pending is not None:
+                x = x + pending
+            out = fallback(self, x)
+            return (out, None) if defer else out
+        attn_windows, ws, shift, x = out
+        B, H, W, C = x.shape
+        if add_norm2_fused:
+            if inactive(self.drop_path1, self.training) and not torch.compiler.is_compiling():
+                x, h = _merge_add_norm2(self, attn_windows, x, ws, shift, mlp_to_linear)
+            else:
+                x, h = add_norm2(self, x, self.drop_path1(merge_roll(attn_windows, ws, shift, H, W)), mlp_to_linear)
+        else:
+            if inactive(self.drop_path1, self.training):
+                x = merge_unshift_add(attn_windows, x, ws, shift, H, W)
+            else:
+                x = x + self.drop_path1(merge_roll(attn_windows, ws, shift, H, W))
+            x = x.reshape(B, -1, C)
+            h = self.norm2(x)
+        return _mlp_half(self, x, h, B, H, W, C, defer)
+    return swin_block_forward_fused_window
+
+
+def _window_attention_windows(self, x: torch.Tensor, pending: torch.Tensor | None, to_linear: bool):
+    """-> (attn_windows (B*nW, ws*ws, C), ws, shift, x), or None when this block's window or shift is not
+    square now. pending: the previous block's MLP branch, not yet added to x (stage_forward): the add is
+    done by the norm's kernel, and the x returned is the sum (the residual stream). The windows are
+    written in the autocast dtype when they go straight into the qkv Linear (to_linear), which would cast
+    them; else in the dtype torch's layer_norm gives under autocast."""
+    from workbench.kernels.window import add_norm_shift_partition, norm_shift_partition
+
+    ws, shift = square(self.window_size), square(self.shift_size)
+    if ws is None or shift is None:
+        return None
+    B, H, W, C = x.shape
+    if pending is not None:
+        x, windows = add_norm_shift_partition(x, pending, self.norm1.weight, self.norm1.bias, self.norm1.eps, ws, shift,
+                                              norm_output_dtype(x, to_linear, torch.promote_types(x.dtype, pending.dtype)))
+    else:
+        windows = norm_shift_partition(x, self.norm1.weight, self.norm1.bias, self.norm1.eps, ws, shift,
+                                       norm_output_dtype(x, to_linear))
+    return self.attn(windows, mask=_attn_mask(self, x, H, W, ws)), ws, shift, x
+
+
+def _attn_mask(blk, x: torch.Tensor, H: int, W: int, ws: int) -> torch.Tensor | None:
+    """The block's shift mask: with timm's dynamic_mask built from the padded shape, as timm does
+    (get_attn_mask reads only the shape, device and dtype of its padded, shifted input: x's dtype here)."""
+    if getattr(blk, "dynamic_mask", False):
+        Hp, Wp = -(-H // ws) * ws, -(-W // ws) * ws
+        return blk.get_attn_mask(x.new_empty((1, Hp, Wp, 1)))
+    return blk.attn_mask
+
+
+def _as_map(t: torch.Tensor, B: int, H: int, W: int, C: int) -> torch.Tensor:
+    """t as (B, H, W, C): t itself when it has that shape already (a reshape would still record a view)."""
+    return t if t.dim() == 4 else t.reshape(B, H, W, C)
+
+
+def _mlp_half(self, x, h, B, H, W, C, defer):
+    """x + drop_path2(mlp(h)), or with `defer` (x, that branch) for the next block's norm to add. x and h
+    may come as (B, H, W, C), (B, L, C) or token rows (B*L, C); the results are (B, H, W, C)."""
+    branch = _as_map(self.drop_path2(self.mlp(h)), B, H, W, C)
+    if defer:
+        return _as_map(x, B, H, W, C), branch
+    return _as_map(x, B, H, W, C) + branch
+
+
+def _merge_add_norm2(blk, attn_windows: torch.Tensor, x: torch.Tensor, ws: int, shift: int, mlp_to_linear: bool):
+    """add_norm2(blk, x, merge_roll(attn_windows)) as one kernel each way (merge_add_norm) -> (sum (B, H, W, C),
+    normed (B*H*W, C) token rows: the MLP's Linears take them without view nodes of their own), the normed
+    output in the dtype add_norm2 would write."""
+    from workbench.kernels.window import merge_add_norm
+
+    norm2 = blk.norm2
+    return merge_add_norm(attn_windows, x, norm2.weight, norm2.bias, norm2.eps, ws, shift,
+                          _norm2_dtype(x, attn_windows.dtype, mlp_to_linear), y_rows=True)
+
+
+def _whole_block_forward(fallback: Callable) -> Callable:
+    def swin_block_forward_fused_block(self, x: torch.Tensor) -> torch.Tensor:
+        """timm SwinTransformerBlock.forward as one SwinBlockFunction. Falls back while torch.compile traces
+        (the Function is not traced; the fallback's kernels are custom ops there), while a dropout or
+        stochastic depth is active, and for a block made non-square after binding."""
+        from workbench.kernels.linear import compute_dtype
+
+        if torch.compiler.is_compiling() or not _dropouts_inactive(self):
+            return fallback(self, x)
+        ws, shift = square(self.window_size), square(self.shift_size)
+        if ws is None or shift is None:
+            return fallback(self, x)
+        B, H, W, C = x.shape
+        mask = _attn_mask(self, x, H, W, ws)
+        attn, mlp = self.attn, self.mlp
+        geom = (ws, shift, attn.num_heads, float(attn.scale), float(self.norm1.eps), float(self.norm2.eps),
+                compute_dtype(x, attn.qkv.weight))
+        return SwinBlockFunction.apply(
+            x, mask.detach() if mask is not None else None, attn.relative_position_index, geom,
+            self.norm1.weight, self.norm1.bias, attn.qkv.weight, attn.qkv.bias, attn.relative_position_bias_table,
+            attn.proj.weight, attn.proj.bias, self.norm2.weight, self.norm2.bias,
+            mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias)
+    return swin_block_forward_fused_block
+
+
+def _dropouts_inactive(blk) -> bool:
+    training = blk.training
+    mods = (blk.drop_path1, blk.drop_path2, blk.attn.attn_drop, blk.attn.proj_drop,
+            getattr(blk.mlp, "drop1", None), getattr(blk.mlp, "drop2", None))
+    return all(inactive(m, training) for m in mods)
+
+
+# ----------------------------------------------------------------------------- the block's stage
+
+
+def stage_forward(defers: tuple[bool, ...]) -> Callable:
+    """The forward of a timm SwinTransformerStage whose blocks i with defers[i] run the window forward:
+    each such block hands its MLP branch to the next one unadded, and the next block's norm kernel adds it
+    (add_norm_shift_partition), so the residual add after every MLP but a stage's last runs inside a
+    kernel that reads those tensors anyway, and its backward joins the norm's. Blocks are still called as
+    modules (their hooks, NVTX ranges included, run); inside the loop a deferring block returns
+    (x, branch). Under torch.compile, or with gradient checkpointing, the stage runs as timm's: Inductor
+    fuses such adds itself."""
+    def swin_stage_forward_fused_window(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() or (getattr(self, "grad_checkpointing", False) and not torch.jit.is_scripting()):
+            return type(self).forward(self, x)
+        x = self.downsample(x)
+        pending = None
+        for blk, defer in zip(self.blocks, defers):
+            if defer:
+                x, pending = blk(x, pending, True)
+            else:
+                if pending is not None:
+                    x, pending = x + pending, None
+                x = blk(x)
+        return x if pending is None else x + pending
+    return swin_stage_forward_fused_window
+
+
+# ------------------------------------------------------------------------- attention and MLP
+
+
+def _around_the_core(self, x: torch.Tensor, core) -> torch.Tensor:
+    """timm WindowAttention.forward around an attention core: qkv Linear, core(qkv) -> (B_*N, C) token
+    rows, proj Linear, proj_drop. x: (B*nW, N, C). The Linears take token rows (a 3-D input costs two
+    autograd view nodes inside each Linear); q, k, v are strided views of the packed qkv."""
+    B_, N, C = x.shape
+    qkv = self.qkv(x.reshape(B_ * N, C)).view(B_, N, 3, self.num_heads, -1)
+    x = self.proj(core(qkv))
+    x = self.proj_drop(x)
+    return x.view(B_, N, -1)
+
+
+def attention_forward(table: bool, has_inverse: bool) -> Callable:
+    """timm WindowAttention.forward with the fused Triton kernel (x: (B*nW, N, C); mask: (nW, N, N) or
+    None): with `table`, the kernels read the relative-position table through its index themselves and
+    the backward sums the table's gradient from the kernel's partials in one launch
+    (`fused_window_attention_table`); else the (nH, N, N) bias is gathered first (`_swin.RelPosBias`),
+    its backward one launch over the index's inverse where the module has it (has_inverse), else a
+    memset and an index_add_. Both need the inverse buffer (INVERSE_BUFFER) that binding registers."""
+    if table:
+        return fused_window_attention_forward_table
+
+    def fused_window_attention_forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        from workbench.kernels.window_attention import fused_window_attention_qkv
+
+        inverse = getattr(self, INVERSE_BUFFER) if has_inverse else None
+        # the kernel's output comes as token rows, the layout it writes (no copy)
+        return _around_the_core(self, x, lambda qkv: fused_window_attention_qkv(qkv, rel_pos_bias(self, inverse), mask,
+                                                                                 self.scale, tokens=True))
+    return fused_window_attention_forward
+
+
+def fused_window_attention_forward_table(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """timm WindowAttention.forward with the bias gathered from the table inside the kernels
+    (attention_forward with table)."""
+    from workbench.kernels.window_attention import fused_window_attention_table
+
+    return _around_the_core(self, x, lambda qkv: fused_window_attention_table(
+        qkv, self.relative_position_bias_table, self.relative_position_index, getattr(self, INVERSE_BUFFER), mask,
+        self.scale, tokens=True))
+
+
+def mlp_forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+    """timm Mlp.forward (fc1 -> GELU -> fc2, no dropout, no hidden norm) with fc1 and GELU as one Function."""
+    from workbench.kernels.linear import linear
+
+    return self.fc2(linear(x, self.fc1.weight, self.fc1.bias, gelu=True))
+
+
+# ------------------------------------------------------------------ the block as one Function
+
+
+class SwinBlockFunction(torch.autograd.Function):
+    """One timm SwinTransformerBlock (x: (B, H, W, C) -> (B, H, W, C)), forward and backward by hand, with
+    the kernels of the passes it replaces and cuBLAS GEMMs: autograd records one node per block, and the
+    block's Python runs once per direction.
+
+    apply(x, mask, index, geom, n1w, n1b, qkv_w, qkv_b, table, proj_w, proj_b, n2w, n2b,
+          fc1_w, fc1_b, fc2_w, fc2_b)
+    geom = (window, shift, heads, scale, eps1, eps2, compute dtype). mask: (nW, N, N) or None;
+    index: the relative-position index (N*N,) into table (rows, heads).
+
+    Numerics are those of the dense stage under autocast: GEMMs in the compute dtype on weights cast once
+    per call, LayerNorm statistics and the residual stream in fp32, the attention in the fused kernel,
+    bias gradients summed in fp32. The LayerNorms write their outputs straight in the GEMMs' dtype (one
+    rounding, as autocast's cast would do)."""
+
+    @staticmethod
+    def forward(ctx, x, mask, index, geom, n1w, n1b, qkv_w, qkv_b, table, proj_w, proj_b, n2w, n2b,
+                fc1_w, fc1_b, fc2_w, fc2_b):
+        from workbench.kernels.layer_norm import layer_norm_fwd
+        from workbench.kernels.window import merge_roll_fwd, norm_shift_partition_fwd
+        from workbench.kernels.window_attention import window_attention_fwd
+
+        ws, shift, heads, scale, eps1, eps2, dt = geom
+        B, H, W, C = x.shape
+        with torch.autocast(x.device.type, enabled=False):
+            x = x.contiguous()
+            w_qkv, w_proj, w_fc1, w_fc2 = (w.to(dt) for w in (qkv_w, proj_w, fc1_w, fc2_w))
+            win, mean1, rstd1 = norm_shift_partition_fwd(x, n1w, n1b, eps1, ws, shift, out_dtype=dt)
+            bnw, n, _ = win.shape
+            win2 = win.view(-1, C)
+            qkv = torch.addmm(qkv_b.to(dt), win2, w_qkv.t()).view(bnw, n, 3, heads, C // heads)
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+            rel = gather_rel_pos_bias(table, index, n)
+            attn, lse = window_attention_fwd(q, k, v, rel, mask, scale)   # a (bnw, heads, n, d) view
+            o = attn.transpose(1, 2).reshape(bnw * n, C)                  # of a (bnw, n, heads, d) buffer
+            proj = torch.addmm(proj_b.to(dt), o, w_proj.t())
+            branch = merge_roll_fwd(proj.view(bnw, n, C), ws, shift, H, W)
+            s, h, mean2, rstd2 = layer_norm_fwd(x.view(-1, C), branch.view(-1, C), n2w, n2b, eps2,
+                                                torch.promote_types(x.dtype, dt), y_dtype=dt)
+            pre = torch.addmm(fc1_b.to(dt), h, w_fc1.t())
+            act = torch.nn.functional.gelu(pre)
+            out = s + torch.addmm(fc2_b.to(dt), act, w_fc2.t())
+        ctx.save_for_backward(x, n1w, n1b, mean1, rstd1, win2, w_qkv, qkv, attn, lse, rel, o, w_proj, s,
+                              n2w, n2b, mean2, rstd2, h, w_fc1, pre, act, w_fc2, mask, index, table)
+        ctx.geom = geom
+        ctx.dtypes = tuple(t.dtype for t in (qkv_w, qkv_b, proj_w, proj_b, fc1_w, fc1_b, fc2_w, fc2_b))
+        return out.view(B, H, W, C)
+
+    @staticmethod
+    def backward(ctx, dout):
+        from workbench.kernels._common import split_column_sums, split_norm_grads
+        from workbench.kernels.layer_norm import layer_norm_bwd
+        from workbench.kernels.linear import bias_grad_host
+        from workbench.kernels.window import _norm_bwd_slots, norm_shift_partition_bwd, roll_partition_fwd
+        from workbench.kernels.window_attention import window_attention_bwd
+
+        (x, n1w, n1b, mean1, rstd1, win2, w_qkv, qkv, attn, lse, rel, o, w_proj, s, n2w, n2b, mean2, rstd2,
+         h, w_fc1, pre, act, w_fc2, mask, index, table) = ctx.saved_tensors
+        ws, shift, heads, scale, eps1, eps2, dt = ctx.geom
+        t_qkv_w, t_qkv_b, t_proj_w, t_proj_b, t_fc1_w, t_fc1_b, t_fc2_w, t_fc2_b = ctx.dtypes
+        B, H, W, C = x.shape
+        bnw, n = qkv.shape[:2]
+        with torch.autocast(dout.device.type, enabled=False):
+            d = dout.reshape(-1, C).contiguous()
+            # Every column reduction of the block (four bias gradients, two LayerNorms' dweight/dbias)
+            # adds into one zeroed fp32 buffer: one memset for the block instead of six. The bias sums
+            # come first, so that low-precision biases take their gradients in one cast (split_column_sums).
+            # The table's gradient shares the memset when the table is fp32 (index_add_ adds into it).
+            # norm1's backward spreads its sums over several rows where it has many programs (slots).
+            n_table = table.numel() if table.dtype == torch.float32 else 0
+            n_n1 = 2 * C * _norm_bwd_slots(x)
+            sums = torch.zeros(11 * C + n_n1 + n_table, dtype=torch.float32, device=d.device)
+            s_fc2, s_fc1, s_proj, s_qkv, s_n2, s_n1, s_table = sums.split(
+                (C, 4 * C, C, 3 * C, 2 * C, n_n1, n_table))
+            # MLP: fc2 (its bias gradient and dy = d in the compute dtype in one pass), GELU + fc1 bias (one
+            # fused reduction), fc1
+            dy, _ = bias_grad_host(d, None, torch.float32, sums_into=s_fc2, out_dtype=dt)
+            d_act = dy @ w_fc2
+            d_fc2_w = (dy.t() @ act).to(t_fc2_w)
+            d_pre, _ = bias_grad_host(d_act, pre, torch.float32, sums_into=s_fc1)
+            d_h = d_pre @ w_fc1
+            d_fc1_w = (d_pre.t() @ h).to(t_fc1_w)
+            # add + norm2: the residual gradient d joins the LayerNorm's dx in the same kernel
+            d_s, sums2 = layer_norm_bwd(d_h, s, n2w, n2b, mean2, rstd2, d, s.dtype, sums_into=s_n2)
+            d_n2w, d_n2b = split_norm_grads(sums2, n2w, n2b)
+            # merge_roll's backward is roll_partition; then proj
+            d_proj = roll_partition_fwd(d_s.view(B, H, W, C), ws, shift, out_dtype=dt).view(-1, C)
+            d_o = d_proj @ w_proj
+            d_proj_w = (d_proj.t() @ o).to(t_proj_w)
+            bias_grad_host(d_proj, None, torch.float32, sums_into=s_proj)
+            # attention, written straight into the packed qkv gradient
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+            dqkv = torch.empty_like(qkv)
+            d_attn = d_o.view(bnw, n, heads, C // heads).transpose(1, 2)
+            _, _, _, d_rel = window_attention_bwd(q, k, v, attn, lse, d_attn, rel, mask, scale, True, dqkv=dqkv)
+            # the table gather's backward: a memset and one index_add_ (_swin.scatter_rel_pos_grad)
+            d_table = scatter_rel_pos_grad(d_rel, index, table.shape, table.dtype,
+                                           into=s_table.view(table.shape) if n_table else None)
+            dqkv2 = dqkv.view(-1, 3 * C)
+            d_win = dqkv2 @ w_qkv
+            d_qkv_w = (dqkv2.t() @ win2).to(t_qkv_w)
+            bias_grad_host(dqkv2, None, torch.float32, sums_into=s_qkv)
+            d_fc2_b, d_fc1_b, d_proj_b, d_qkv_b = split_column_sums(
+                sums[:9 * C], (C, 4 * C, C, 3 * C), (t_fc2_b, t_fc1_b, t_proj_b, t_qkv_b))
+            # norm1 + shift + partition
+            # (the residual path's gradient d_s joins dx inside the same kernel)
+            dx, sums1 = norm_shift_partition_bwd(d_win.view(bnw, n, C), x, n1w, mean1, rstd1, ws, shift,
+                                                 sums_into=s_n1, ds=d_s.view(B, H, W, C))
+            d_n1w, d_n1b = split_norm_grads(sums1, n1w, n1b)
+        return (dx, None, None, None, d_n1w, d_n1b, d_qkv_w, d_qkv_b, d_table, d_proj_w, d_proj_b,
+                d_n2w, d_n2b, d_fc1_w, d_fc1_b, d_fc2_w, d_fc2_b)

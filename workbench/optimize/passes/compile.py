@@ -1,0 +1,58 @@
+"""compile: run the forward + loss under torch.compile (Inductor). The workload wraps its step function
+when it prepares, so this pass only records the wish and the options; compile time shows up in the
+stage's first step and is reported as compile_s, never in the step times.
+"""
+from __future__ import annotations
+
+from workbench.errors import UserError
+from workbench.optimize.passes import PassContext, PassResult
+
+NAME = "compile"
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# parameter -> (types, allowed values or a check); recipes.py checks a recipe against it when it is loaded
+PARAMS = {"mode": (str, MODES), "fullgraph": (bool, None), "dynamic": ((bool, type(None)), None),
+          "backend": (str, None), "inductor": ((dict, type(None)), lambda v: _check_inductor_options(v))}
+
+
+def _check_inductor_options(inductor) -> dict:
+    """Inductor config settings by dotted name (`cpp_wrapper`, `triton.cudagraphs`), each an existing
+    setting given a bool, int, float or string."""
+    if not isinstance(inductor, dict):
+        raise UserError("pass compile: inductor must be a mapping of Inductor config names to values")
+    from torch._inductor import config as inductor_config
+
+    for name, value in inductor.items():
+        target = inductor_config
+        for part in str(name).split("."):
+            if not hasattr(target, part):
+                raise UserError(f"pass compile: {name!r} is not an Inductor config setting")
+            target = getattr(target, part)
+        if not isinstance(value, (bool, int, float, str)):
+            raise UserError(f"pass compile: inductor option {name!r} must be a bool, number or string")
+    return dict(inductor)
+
+
+def apply(model, ctx: PassContext, mode: str = "default", fullgraph: bool = False, dynamic: bool | None = False,
+          backend: str = "inductor", inductor: dict | None = None):
+    """inductor: Inductor config settings for this compile (torch.compile's `options`), e.g.
+    {cpp_wrapper: true}. torch.compile takes either a mode or options, so they need mode default;
+    {triton.cudagraphs: true} there is what reduce-overhead sets."""
+    if mode not in MODES:
+        raise UserError(f"pass compile: mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if not isinstance(fullgraph, bool) or not (dynamic is None or isinstance(dynamic, bool)):
+        raise UserError("pass compile: fullgraph must be true/false and dynamic true/false/null")
+    options = {"backend": backend, "fullgraph": fullgraph, "dynamic": dynamic}
+    if mode != "default":
+        options["mode"] = mode
+    params = {"mode": mode, "fullgraph": fullgraph, "dynamic": dynamic, "backend": backend}
+    if inductor:
+        if backend != "inductor":
+            raise UserError(f"pass compile: inductor options need backend inductor, not {backend!r}")
+        if mode != "default":
+            raise UserError("pass compile: inductor options need mode default (torch.compile takes a mode or "
+                            "options, not both); set triton.cudagraphs: true for what reduce-overhead does")
+        options["options"] = params["inductor"] = _check_inductor_options(inductor)
+    ctx.compile = True
+    ctx.compile_options = options
+    extra = f", {', '.join(f'{k}={v}' for k, v in inductor.items())}" if inductor else ""
+    return model, PassResult(NAME, params, f"forward+loss under torch.compile({backend}, mode={mode}{extra})", options)

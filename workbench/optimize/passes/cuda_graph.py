@@ -1,0 +1,29 @@
+"""cuda_graph: capture the whole training step (forward, backward, optimizer) in one CUDA graph and
+replay it, so the host launches one graph per step instead of thousands of kernels.
+
+Why: a hand-fused eager model still pays the host's per-launch cost for every kernel (a Triton launch
+can cost the host more than the kernel takes on the GPU); once the GPU work per step shrinks below the
+host's launch time, the step is host-bound and fusion stops paying. Replaying a graph removes that cost. The workload
+captures lazily, at its first step (after the correctness gate has run the same model eagerly):
+three warm-up steps on a side stream (Triton autotuning happens there), then one captured step.
+Requirements it checks: a CUDA device, training or inference without torch.compile (compile has its
+own `reduce-overhead` mode), no GradScaler (its inf check syncs with the host). The optimizer is
+made capturable (its step counter lives on the GPU).
+"""
+from __future__ import annotations
+
+from workbench.optimize.passes import PassContext, PassResult, PassUnavailable
+
+NAME = "cuda_graph"
+
+
+def apply(model, ctx: PassContext):
+    if ctx.device.type != "cuda":
+        raise PassUnavailable("CUDA graphs need a CUDA device")
+    if ctx.compile:
+        raise PassUnavailable("the step is compiled: use compile mode reduce-overhead for graphs under torch.compile")
+    if ctx.grad_scaler:
+        raise PassUnavailable("fp16 GradScaler syncs with the host every step; use bf16 for CUDA graphs")
+    ctx.cuda_graph = True
+    return model, PassResult(NAME, {}, "whole training step captured once and replayed as one CUDA graph",
+                             {"capture": "lazy, at the first step, after 3 side-stream warm-up steps"})

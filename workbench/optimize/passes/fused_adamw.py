@@ -1,0 +1,57 @@
+"""fused_adamw: one fused optimizer kernel (per parameter group) instead of for-each AdamW launches.
+
+impl 'auto' (default): apex.optimizers.FusedAdam(adam_w_mode=True) when apex imports (what NVIDIA's
+Swin talk used), else torch.optim.AdamW(fused=True). On the CPU it stays torch's for-each AdamW
+(fused CPU AdamW is no GPU figure) and says so. Hyperparameters are read from the baseline optimizer
+so the stage computes the same update.
+"""
+from __future__ import annotations
+
+import torch
+
+from workbench.errors import UserError
+from workbench.optimize.passes import PassContext, PassResult, PassUnavailable, default_optimizer_factory
+
+NAME = "fused_adamw"
+IMPLS = ("auto", "apex", "torch")
+PARAMS = {"impl": (str, IMPLS)}   # parameter -> (type, allowed values), checked when a recipe is loaded
+
+
+def baseline_hyperparameters() -> dict:
+    """lr, betas, eps, weight_decay of `default_optimizer_factory` (built on a dummy parameter)."""
+    opt = default_optimizer_factory([torch.nn.Parameter(torch.zeros(1))])
+    return {k: opt.defaults[k] for k in ("lr", "betas", "eps", "weight_decay")}
+
+
+def _apex_fused_adam():
+    from apex.optimizers import FusedAdam  # type: ignore
+
+    return FusedAdam
+
+
+def apply(model, ctx: PassContext, impl: str = "auto"):
+    if impl not in IMPLS:
+        raise UserError(f"pass fused_adamw: impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+    hp = baseline_hyperparameters()
+    if ctx.device.type != "cuda":
+        if impl == "apex":
+            raise PassUnavailable("apex FusedAdam needs a CUDA device")
+        ctx.optimizer_factory = lambda params: torch.optim.AdamW(params, **hp, foreach=True)
+        ctx.optimizer_name = "torch.optim.AdamW(foreach=True)"
+        return model, PassResult(NAME, {"impl": impl}, "CPU: kept for-each AdamW (fused AdamW is a GPU kernel)",
+                                 {"optimizer": ctx.optimizer_name, **hp})
+    fused_adam = None
+    if impl in ("auto", "apex"):
+        try:
+            fused_adam = _apex_fused_adam()
+        except ImportError as exc:
+            if impl == "apex":
+                raise PassUnavailable(f"apex is not importable: {exc}") from None
+    if fused_adam is not None:
+        ctx.optimizer_factory = lambda params: fused_adam(params, adam_w_mode=True, **hp)
+        ctx.optimizer_name = "apex.optimizers.FusedAdam(adam_w_mode=True)"
+    else:
+        ctx.optimizer_factory = lambda params: torch.optim.AdamW(params, **hp, fused=True)
+        ctx.optimizer_name = "torch.optim.AdamW(fused=True)"
+    return model, PassResult(NAME, {"impl": impl}, f"optimizer -> {ctx.optimizer_name}",
+                             {"optimizer": ctx.optimizer_name, **hp})

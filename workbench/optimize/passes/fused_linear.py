@@ -1,0 +1,76 @@
+"""Pass `fused_linear`: the Linear layers of every Swin block compute their bias gradient in one fused
+reduction, and the MLP's GELU backward is fused into fc1's.
+
+After the fused window and attention kernels, the largest single kernel of an autocast Swin training
+step is PyTorch's column sum for each Linear's bias gradient, and the MLP's GELU backward another
+elementwise pass over the widest activation. In each SwinTransformerBlock:
+  * attn.qkv, attn.proj, mlp.fc1, mlp.fc2 (nn.Linear) -> BiasGradLinear (same Parameters): backward = two
+    cuBLAS GEMMs + one Triton reduction for the bias gradient (fp32 accumulation, cast once);
+  * the block's plan (block_plan.py) gets `linear`, and `mlp_gelu` where the MLP is timm's Mlp with exact
+    GELU, no dropout and no hidden norm: its forward becomes linear(x, fc1, gelu=True) then fc2, and fc1's
+    backward computes the GELU backward and fc1's bias gradient in the same kernel.
+Blocks whose Mlp has another activation, dropout or a hidden norm keep timm's Mlp forward (their
+Linears are still swapped) and are counted; the plan says why. See workbench/kernels/linear.py for the
+numerics.
+"""
+from __future__ import annotations
+
+import torch
+
+from workbench.optimize.passes import PassContext, PassResult, PassUnavailable, require_triton
+from workbench.optimize.passes._swin import named_swin_blocks
+from workbench.optimize.passes.block_plan import block_plans
+
+NAME = "fused_linear"
+
+
+def _exact_gelu(act: torch.nn.Module) -> bool:
+    return isinstance(act, torch.nn.GELU) and act.approximate == "none"
+
+
+def _identity_or_no_drop(m: torch.nn.Module) -> bool:
+    return isinstance(m, torch.nn.Identity) or (isinstance(m, torch.nn.Dropout) and m.p == 0.0)
+
+
+def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, PassResult]:
+    """Swap the Linears of every timm SwinTransformerBlock in place, plan the fused MLP and bind ->
+    (model, PassResult)."""
+    try:
+        from timm.layers import Mlp
+
+        from workbench.kernels.linear import BiasGradLinear
+    except ImportError as exc:
+        raise PassUnavailable(f"fused linear kernel not importable: {exc}") from exc
+    require_triton(ctx.device)
+
+    linears, fused_mlps, kept_mlps = 0, [], []
+    blocks = named_swin_blocks(model)
+    for name, block in blocks:
+        for parent in (block.attn, block.mlp):
+            for child_name, child in list(parent.named_children()):
+                if type(child) is torch.nn.Linear:
+                    setattr(parent, child_name, BiasGradLinear.from_linear(child))
+                    linears += 1
+        mlp = block.mlp
+        if (isinstance(mlp, Mlp) and _exact_gelu(mlp.act) and _identity_or_no_drop(mlp.drop1)
+                and _identity_or_no_drop(mlp.drop2) and isinstance(mlp.norm, torch.nn.Identity)
+                and isinstance(mlp.fc1, BiasGradLinear)):
+            fused_mlps.append(name)
+        else:
+            kept_mlps.append(name)
+    if linears == 0:
+        raise PassUnavailable("no timm SwinTransformerBlock Linear layers in this model")
+    plans = block_plans(model)
+    for name, _ in blocks:
+        plans.update(name, linear=True, mlp_gelu=name in fused_mlps)
+        if name in kept_mlps:
+            plans.fall_back(name, "mlp_gelu", "an MLP with another activation, dropout or a hidden norm")
+    plans.bind(model)
+    mlps_fused, mlps_kept = len(fused_mlps), len(kept_mlps)
+    changed = (f"{linears} Linear -> fused bias-gradient backward (Triton); "
+               f"{mlps_fused} MLP fc1+GELU backward fused")
+    if mlps_kept:
+        changed += f"; {mlps_kept} MLP kept on timm's forward (other activation, dropout or hidden norm)"
+    details = {"linears": linears, "mlps_fused": mlps_fused, "mlps_kept": mlps_kept,
+               "implementation": "workbench.kernels.linear (cuBLAS GEMMs + Triton bias/GELU reduction)"}
+    return model, PassResult(NAME, {}, changed, details)

@@ -1,0 +1,107 @@
+"""Pass `fused_window`: each timm SwinTransformerBlock's window plumbing runs as two fused kernels.
+
+timm's attention half is, per block (x: (B, H, W, C)):
+    LayerNorm -> roll(-shift) -> pad -> window_partition -> attn -> window_reverse -> crop -> roll(+shift) -> + x
+about eight full passes over the activations besides the attention itself. Planned (`window` in the
+block's plan, block_plan.py; the forward is block_forward.py's), it is
+    windows = norm_shift_partition(x, norm1.weight, norm1.bias, norm1.eps, ws, shift)   # one kernel
+    attn    = blk.attn(windows, mask=attn_mask)                                          # the attention module
+    x       = merge_unshift_add(attn, x, ws, shift, H, W)                                # one kernel
+and the MLP half is timm's. `blk.attn(...)` is called as a module: whatever attention the plan gives it
+(timm's, SDPA, fused_attention's) runs there.
+
+Details the planned forward keeps from timm:
+  * drop_path1 active (stochastic depth, training): merge_roll, then x + drop_path1(...), unfused add.
+  * dynamic_mask: the mask is built from the padded shape, as timm does (`get_attn_mask`).
+  * window_size / shift_size are timm tuples; only square ones are fused. apply() raises
+    PassUnavailable for a model with a non-square block; a block made non-square later
+    (set_input_size) runs the forward its plan has without `window`.
+  * Autocast: timm's LayerNorm gives fp32 under autocast (layer_norm autocasts to fp32) and the qkv
+    Linear then casts it to the autocast dtype. norm_shift_partition computes in fp32 too and, when
+    the windows go straight into that Linear (timm's or fused_attention's forward), writes them in the
+    autocast dtype itself: the same bits as the cast, without the cast's pass over the activation or
+    the backward's cast back (`_swin.autocast_input_dtype`). add_layer_norm does the same for norm2's
+    output when it goes straight into the MLP's fc1. merge_unshift_add adds the (bf16/fp16) attention
+    output into the fp32 residual and returns fp32, as `x + attn` does.
+  * Residual add after the MLP: in eager mode each stage hands a block's MLP branch to the next block
+    unadded, whose norm kernel adds it (`add_norm_shift_partition`, `block_forward.stage_forward`); the
+    stage's last block adds its own. Same values as `x + branch`; one launch and one autograd node fewer
+    per block each way. Inside that loop a block returns (x, branch): a forward hook on a block sees that
+    pair (the stages' outputs are whole).
+  * With fused_layernorm's add_norm2 in the plan, in eager mode, `merge_add_norm` merges the attention
+    windows back, adds them into x and runs norm2 in one kernel, whose backward writes the gradient of
+    the sum once in token order (the residual's) and once in window order (the attention output's). That
+    saves, per block, the merged branch's write and read forward, and the cast and re-partition of its
+    gradient backward: three launches and one autograd node. Under torch.compile (or with drop_path1
+    active) the branch is merged with merge_roll and `add_layer_norm(x, branch, norm2...)` does the add
+    and norm2.
+A block whose forward was replaced outside the plans is left alone and counted in
+details["blocks_forward_already_patched"].
+"""
+from __future__ import annotations
+
+import torch
+
+from workbench.optimize.passes import PassContext, PassResult, PassUnavailable
+from workbench.optimize.passes._swin import square, swin_blocks
+from workbench.optimize.passes.block_plan import block_plans
+
+NAME = "fused_window"
+
+
+def _norm1_fusable(norm) -> bool:
+    shape = getattr(norm, "normalized_shape", None)
+    return (
+        shape is not None and len(tuple(shape)) == 1
+        and getattr(norm, "weight", None) is not None and getattr(norm, "bias", None) is not None
+        and hasattr(norm, "eps")
+    )
+
+
+def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, PassResult]:
+    """Plan `window` for every timm SwinTransformerBlock in `model` and bind the plans -> (model, PassResult)."""
+    blocks = swin_blocks(model, ctx, "workbench.kernels.window", "fused window kernels")
+    non_square = [n for n, b in blocks if square(b.window_size) is None or square(b.shift_size) is None]
+    if non_square:
+        raise PassUnavailable(f"{len(non_square)} block(s) with non-square window_size/shift_size: only square windows are fused")
+
+    plans = block_plans(model)
+    counts = {"blocks_patched": 0, "blocks_shifted": 0, "blocks_with_add_norm2": 0, "blocks_with_drop_path": 0,
+              "blocks_dynamic_mask": 0, "blocks_forward_already_patched": 0, "blocks_norm1_not_fusable": 0,
+              "blocks_already_fused_window": 0}
+    for name, blk in blocks:
+        plan = plans.plan(name)
+        if plan.window:
+            counts["blocks_already_fused_window"] += 1
+            continue
+        if plans.forward_replaced_elsewhere(name, blk):
+            counts["blocks_forward_already_patched"] += 1
+            plans.fall_back(name, "window", "the block's forward was replaced outside its plan")
+            continue
+        if not _norm1_fusable(blk.norm1):
+            counts["blocks_norm1_not_fusable"] += 1
+            plans.fall_back(name, "window", "norm1 is not a LayerNorm with weight and bias")
+            continue
+        plans.update(name, window=True)
+        counts["blocks_patched"] += 1
+        counts["blocks_shifted"] += int(any(blk.shift_size))
+        counts["blocks_with_add_norm2"] += int(plan.add_norm2)
+        counts["blocks_with_drop_path"] += int(not isinstance(blk.drop_path1, torch.nn.Identity))
+        counts["blocks_dynamic_mask"] += int(bool(getattr(blk, "dynamic_mask", False)))
+
+    counts["stages_deferring_mlp_add"] = plans.bind(model)["deferring_stages"]
+    changed = (f"{counts['blocks_patched']}/{len(blocks)} SwinTransformerBlock: norm1+roll+pad+partition -> "
+               f"norm_shift_partition, merge+crop+roll+add -> merge_unshift_add (Triton, fwd+bwd)")
+    if counts["blocks_with_add_norm2"]:
+        changed += (f"; in {counts['blocks_with_add_norm2']} block(s) with fused_layernorm's add+norm2, merge + add + "
+                    "norm2 -> merge_add_norm (eager)")
+    if counts["stages_deferring_mlp_add"]:
+        changed += (f"; in {counts['stages_deferring_mlp_add']} stage(s) each MLP's residual add goes into the next "
+                    "block's norm kernel (add_norm_shift_partition, eager)")
+    skipped = counts["blocks_forward_already_patched"] + counts["blocks_norm1_not_fusable"]
+    if skipped:
+        changed += f"; {skipped} left as they were"
+    details = dict(counts, blocks_total=len(blocks),
+                   implementation="workbench.kernels.window (Triton): norm_shift_partition, merge_unshift_add, "
+                                  "add_norm_shift_partition, merge_add_norm")
+    return model, PassResult(NAME, {}, changed, details)

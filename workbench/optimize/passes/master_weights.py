@@ -1,0 +1,136 @@
+"""Pass `master_weights`: bf16 GEMM weights with an fp32 master copy in the optimizer (apex's O2 style).
+
+Under autocast every Linear and Conv2d casts its fp32 weight and bias to bf16 in each forward, and the
+backward casts their bf16 gradients back to fp32: four small kernels per Linear per step, about 400
+launches in a Swin-B training step (and 200 per inference forward), each paid in host time by an eager
+step that is bound by the host. This pass stores those weights in bf16 instead, as views of one flat
+bf16 buffer, and keeps their fp32 values in one flat master tensor that the optimizer updates. Per
+step the optimizer then gathers the bf16 gradients with one `torch.cat`, widens them with one copy,
+steps the master tensor, and narrows it back into the model with one copy.
+
+The arithmetic is the same as autocast's: the forward's weights are the master values rounded to
+bf16 (what autocast's cast gives), the gradients are the bf16 results of the same GEMMs and sums
+(which autocast's cast-backward only widened), and the update runs on the fp32 master. LayerNorm
+weights, the relative-position tables and every other parameter stay fp32 and are stepped as before.
+
+bf16 only: fp16 would need the GradScaler to unscale low-precision gradients.
+"""
+from __future__ import annotations
+
+import torch
+
+from workbench.optimize.passes import PassContext, PassResult, PassUnavailable
+
+NAME = "master_weights"
+
+
+def gemm_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The weights and biases of every nn.Linear and nn.Conv2d (autocast's casting ops), each once."""
+    seen, params = set(), []
+    for module in model.modules():
+        if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)):
+            for p in (module.weight, module.bias):
+                if p is not None and p.dtype == torch.float32 and id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+    return params
+
+
+class MasterWeights:
+    """Low-precision parameters as views of one flat buffer, their fp32 masters made on demand (kept
+    only for training: an inference workload needs no optimizer)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], dtype: torch.dtype, keep_master: bool = True):
+        self.params = params
+        self.dtype = dtype
+        device = params[0].device
+        self.sizes = [p.numel() for p in params]
+        total = sum(self.sizes)
+        self.flat = torch.empty(total, dtype=dtype, device=device)
+        self._fp32 = torch.empty(total, dtype=torch.float32, device=device) if keep_master else None
+        offset = 0
+        for p, n in zip(params, self.sizes):
+            if keep_master:
+                self._fp32[offset:offset + n].copy_(p.detach().reshape(-1))
+            self.flat[offset:offset + n].copy_(p.detach().reshape(-1))
+            p.data = self.flat[offset:offset + n].view(p.shape)
+            offset += n
+        self.master = None
+
+    def master_parameter(self) -> torch.nn.Parameter:
+        """The flat fp32 master (one Parameter with a persistent gradient buffer), made on first use."""
+        if self.master is None:
+            if self._fp32 is None:
+                raise RuntimeError("master weights were not kept (the pass ran for an inference workload)")
+            self.master = torch.nn.Parameter(self._fp32)
+            self.master.grad = torch.zeros_like(self._fp32)
+            self._grads = torch.empty_like(self.flat)
+        self._fp32 = None
+        return self.master
+
+    def gather_grads(self) -> None:
+        """The parameters' low-precision gradients into the master's fp32 gradient: one cat, one copy.
+        A parameter without a gradient contributes zeros (as autograd's would-be zero gradient)."""
+        grads = [p.grad.reshape(-1) if p.grad is not None else self.flat.new_zeros(n)
+                 for p, n in zip(self.params, self.sizes)]
+        torch.cat(grads, out=self._grads)
+        self.master.grad.copy_(self._grads)
+
+    def scatter_params(self) -> None:
+        """The stepped masters back into the model's parameters (one rounding copy)."""
+        with torch.no_grad():
+            self.flat.copy_(self.master)
+
+    def optimizer(self, factory, params) -> "MasterWeightOptimizer":
+        return MasterWeightOptimizer(self, factory, params)
+
+
+class MasterWeightOptimizer:
+    """The optimizer `factory` builds over the fp32 master and the model's other parameters, stepped
+    through the low-precision parameters' gradients. What the workload uses of an optimizer:
+    step, zero_grad, param_groups (CUDA-graph capture sets `capturable` there)."""
+
+    def __init__(self, weights: MasterWeights, factory, params):
+        self.weights = weights
+        lowp = {id(p) for p in weights.params}
+        self.model_params = list(params)
+        others = [p for p in self.model_params if id(p) not in lowp]
+        self.inner = factory([weights.master_parameter(), *others])
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def step(self) -> None:
+        self.weights.gather_grads()
+        self.inner.step()
+        self.weights.scatter_params()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        # The master's gradient is a persistent buffer that gather_grads overwrites: left alone.
+        for p in self.model_params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+
+def apply(model: torch.nn.Module, ctx: PassContext):
+    dtype = ctx.precision.amp_dtype
+    if dtype is not torch.bfloat16:
+        raise PassUnavailable(f"master weights need bf16 autocast (this stage runs {ctx.precision.name}); "
+                              "fp16 would need the GradScaler to unscale low-precision gradients")
+    if ctx.master_weights is not None:
+        raise PassUnavailable("master weights are already in place")
+    params = gemm_parameters(model)
+    if not params:
+        raise PassUnavailable("no fp32 Linear or Conv2d parameters in this model")
+    ctx.master_weights = MasterWeights(params, dtype, keep_master=ctx.training)
+    n = sum(p.numel() for p in params)
+    changed = (f"{len(params)} Linear/Conv2d weights and biases ({n / 1e6:.1f}M values) stored in bf16 "
+               f"(no autocast casts), fp32 masters stepped by the optimizer")
+    return model, PassResult(NAME, {}, changed, {"parameters": len(params), "values": n, "dtype": "bfloat16"})

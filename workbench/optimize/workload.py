@@ -1,0 +1,194 @@
+"""The workload: a Swin model, its optimizer and one synthetic batch, stepped with named ranges.
+
+Everything that runs a model goes through `Workload`: `profile` captures its steps, `apply` times
+them and compares them with the baseline. Stochastic depth and dropout are off (drop_path_rate=0)
+so that every recipe stage computes the same function and the correctness gate can compare them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from workbench.errors import UserError
+from workbench.models import build_model, input_size
+from workbench.optimize.passes import PassContext
+from workbench.precision import Precision, resolve_precision
+from workbench.optimize.ranges import RangeMarker
+
+
+@dataclass
+class WorkloadConfig:
+    model: str
+    mode: str = "train"          # 'train' | 'infer'
+    batch: int = 32
+    precision: str = "bf16"
+    device: str = "cuda"
+    seed: int = 0
+    num_classes: int | None = None
+
+    def __post_init__(self):
+        if self.mode not in ("train", "infer"):
+            raise UserError(f"unknown mode {self.mode!r}: choose train or infer")
+        if self.batch < 1:
+            raise UserError(f"--batch must be at least 1, got {self.batch}")
+
+
+def pick_device(name: str) -> str:
+    """'auto' -> 'cuda' when a GPU is visible, else 'cpu'; any other name is returned as it is."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto', 'cuda', 'cuda:1' or 'cpu' -> torch.device; a CUDA device that is not there is a UserError."""
+    name = pick_device(name)
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"unknown device {name!r}: use cuda, cuda:N or cpu") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError("no CUDA GPU is visible here: use --device cpu (a tiny Swin on the CPU)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UserError(f"device {name} is not there: {torch.cuda.device_count()} GPU(s) visible")
+    elif dev.type != "cpu":
+        raise UserError(f"unsupported device {name!r}: use cuda or cpu")
+    return dev
+
+
+def synthetic_batch(model: torch.nn.Module, batch: int, num_classes: int, device: torch.device, seed: int):
+    """Random images (N, 3, H, W) fp32 and labels, from their own generator so every stage gets the same."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    c, h, w = input_size(model)
+    x = torch.randn(batch, c, h, w, generator=gen)
+    y = torch.randint(0, num_classes, (batch,), generator=gen)
+    return x.to(device), y.to(device)
+
+
+@dataclass
+class Workload:
+    """A built model on its device, ready to step. Build with `Workload.build`."""
+
+    config: WorkloadConfig
+    model: torch.nn.Module
+    ctx: PassContext
+    x: torch.Tensor
+    y: torch.Tensor
+    optimizer: torch.optim.Optimizer | None = None
+    scaler: object = None
+    marker: RangeMarker = field(default_factory=RangeMarker)
+    _step_fn: object = None
+    _graph: object = None
+    _graph_loss: object = None
+
+    @classmethod
+    def build(cls, config: WorkloadConfig, *, fused_attn: bool = False) -> "Workload":
+        device = resolve_device(config.device)
+        precision = resolve_precision(config.precision)
+        torch.manual_seed(config.seed)
+        model = build_model(config.model, fused_attn=fused_attn, num_classes=config.num_classes,
+                            drop_path_rate=0.0)
+        model.to(device)
+        model.train(config.mode == "train")
+        num_classes = model.num_classes
+        x, y = synthetic_batch(model, config.batch, num_classes, device, config.seed)
+        ctx = PassContext(device=device, precision=precision, training=config.mode == "train")
+        return cls(config=config, model=model, ctx=ctx, x=x, y=y)
+
+    @property
+    def precision(self) -> Precision:
+        return self.ctx.precision
+
+    def prepare(self) -> None:
+        """Build the optimizer and step function from the (possibly pass-changed) model and context.
+        Call after every pass has run and before the first step."""
+        self.ctx.precision.apply_matmul_mode()
+        if self.config.mode == "train":
+            if self.ctx.master_weights is not None:
+                self.optimizer = self.ctx.master_weights.optimizer(self.ctx.optimizer_factory, self.model.parameters())
+            else:
+                self.optimizer = self.ctx.optimizer_factory(self.model.parameters())
+            if self.ctx.grad_scaler and self.ctx.device.type == "cuda":
+                self.scaler = torch.amp.GradScaler("cuda")
+        self._step_fn = self._forward_loss
+        if self.ctx.compile:
+            self._step_fn = torch.compile(self._forward_loss, **self.ctx.compile_options)
+
+    def forward_loss(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, loss) of the batch through the step's forward (compiled when the stage compiles)."""
+        if self._step_fn is None:
+            self.prepare()
+        return self._step_fn(self.x, self.y)
+
+    def _forward_loss(self, x, y):
+        with self.ctx.precision.autocast(self.ctx.device.type):
+            logits = self.model(x)
+            loss = F.cross_entropy(logits.float(), y)
+        return logits, loss
+
+    def _eager_step(self) -> torch.Tensor:
+        if self.config.mode == "infer":
+            with torch.inference_mode():
+                return self._step_fn(self.x, self.y)[1]
+        _, loss = self._step_fn(self.x, self.y)
+        loss.backward()
+        self.optimizer.step()
+        return loss
+
+    def capture_graph(self, warmup: int = 3) -> None:
+        """Capture one whole step in a CUDA graph (see passes/cuda_graph.py). The warm-up steps run on a
+        side stream, as CUDA graph capture requires; they train the model like any other step."""
+        if self.optimizer is not None:
+            for group in self.optimizer.param_groups:
+                if "capturable" in group:
+                    group["capturable"] = True
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                if self.optimizer is not None:
+                    self.optimizer.zero_grad(set_to_none=True)
+                self._eager_step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        with torch.cuda.graph(graph):
+            # Gradients are allocated inside the graph's pool and overwritten by every replay.
+            self._graph_loss = self._eager_step()
+        self._graph = graph
+
+    def step(self, i: int) -> torch.Tensor:
+        """One training step (forward, backward, optimizer) or one inference forward, with ranges."""
+        if self._step_fn is None:
+            self.prepare()
+        m = self.marker
+        if self.ctx.cuda_graph:
+            if self._graph is None:
+                self.capture_graph()
+            with m.range(f"step{i}"), m.range("graph"):
+                self._graph.replay()
+            return self._graph_loss
+        with m.range(f"step{i}"):
+            if self.config.mode == "infer":
+                with m.range("forward"), torch.inference_mode():
+                    logits, loss = self._step_fn(self.x, self.y)
+                return loss
+            with m.range("forward"):
+                logits, loss = self._step_fn(self.x, self.y)
+            with m.range("backward"):
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
+            with m.range("optimizer"):
+                if self.scaler:
+                    self.scaler.step(self.optimizer)
+                    self.scaler.update()
+                else:
+                    self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def images_per_step(self) -> int:
+        return self.config.batch

@@ -1,0 +1,637 @@
+"""`swinbench check`: compare stored stage records (current) with a stored baseline, for CI.
+
+Reads two sets of stage records through `records.read_records` (files or folders, several runs allowed;
+a record holding anything that is not a measurement, such as an img/s that is NaN, infinite, null or
+not a number, is refused there), matches stages by name and checks, per stage:
+
+    img_per_s        higher is better   % change, limit in %      noise band from the step-time IQRs
+    step_ms          lower is better    % change, limit in %      noise band from the step-time IQRs
+    peak_mem_bytes   lower is better    % change, limit in %      no noise band (memory is exact)
+    speedup          higher is better   img_per_s / img_per_s of stage 'baseline' of the same run
+    launches_per_step        lower is better  % change   host kernel launches per step in the stage's
+                             profile (profile.api_calls_per_step.launch); exact counts, no noise band
+    blocking_calls_per_step  lower is better  % change   synchronizing + allocating CUDA calls per step;
+                             from 0, any such call is an infinite % change, so REGRESSED
+    paired_speedup   higher is better   the stage's paired ratio over the stage it extends (or its nearest
+                             interleaved ancestor) from `apply --interleave`: the median over rounds timed
+                             in alternation, so a host's drift between stages does not move it; noise band
+                             from the ratio's quartiles; compared only against the same ancestor
+    share:<category> kernel category share (profile.category_share_pct), drift in percentage points
+    gate             correctness gate; turning FAIL (from PASS, SKIP or REFERENCE) is a regression
+    activation_dtypes  the dtype each part of the model outputs under the stage's precision (records from
+                     `apply`); any change is REGRESSED, as a different kernel mix is for the shares: a
+                     kernel change that also moves activations to another precision must be taken on
+                     purpose, by refreshing the baseline. Skipped where either side's record predates it.
+
+Status of a row (`limit` and `band` are both >= 0):
+
+    |Δ| <= limit                   -> unchanged
+    |Δ| >  limit, |Δ| <= band      -> noise        (the change is inside the run-to-run spread)
+    |Δ| >  limit, |Δ| >  band      -> REGRESSED if worse, improved if better
+
+The noise band (in %) of a timed metric is
+
+    band = noise_iqr_scale * 100 * (iqr_base / median_base + iqr_cur / median_cur)
+
+with noise_iqr_scale = 0.5 by default: half the IQR on each side, summed, i.e. the change must
+be large enough that the two interquartile boxes around the medians no longer overlap. The speedup
+band adds the same terms for the run's 'baseline' stage (the spread of a ratio is about the sum of
+the spreads). Share drift has no better direction: any drift beyond its limit is REGRESSED, since a
+different kernel mix means the baseline should be refreshed on purpose.
+
+Stages on one side only are listed ("only in baseline" / "only in current") and do not fail. Records
+whose status is not 'ok' are listed ("not compared"), except a stage that was 'ok' in the baseline
+and is 'error' now: that is REGRESSED (the stage no longer runs). Model, mode, batch, precision, GPU
+and torch/triton versions must match unless `force`; with `force` the difference becomes a note.
+A stage held by several records on one side (several runs) is taken from the newest (env.date).
+
+Everything returns plain data: `check_records` -> `CheckResult` (a DataFrame of rows plus verdict),
+`render_markdown` and `to_json` render it. Exit codes: 0 nothing regressed, 1 a measured regression and
+nothing else, 2 bad input (unreadable or invalid records or thresholds, mismatched experiments without
+`force`, an output that cannot be written): every problem with the inputs raises UserError (exit 2).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from workbench.analysis.frames import blocking_calls
+from workbench.errors import UserError
+from workbench.files import load_yaml_file, short_repr
+from workbench.labels import GPU_WORDS, DeviceWords, record_words
+from workbench.results.record import StageRecord, read_records, short_dtype
+
+ROW_COLUMNS = ["stage", "metric", "baseline", "current", "delta_pct", "limit", "noise_band_pct", "status", "unit"]
+STATUSES = ("improved", "unchanged", "noise", "REGRESSED", "only in baseline", "only in current", "FAIL gate",
+            "not compared")
+REGRESSION_STATUSES = ("REGRESSED", "FAIL gate")
+
+# metric -> +1 when higher is better, -1 when lower is better
+PCT_METRICS = {"img_per_s": +1, "step_ms": -1, "peak_mem_bytes": -1, "speedup": +1,
+               "launches_per_step": -1, "blocking_calls_per_step": -1, "paired_speedup": +1}
+TIMED_METRICS = ("img_per_s", "step_ms", "speedup")
+SHARE_PREFIX = "share:"
+BASELINE_STAGE = "baseline"
+
+DEFAULT_MAX_REGRESSION_PCT = 5.0
+DEFAULT_SHARE_DRIFT_PP = 2.0
+DEFAULT_NOISE_IQR_SCALE = 0.5
+
+# Settings that make two measurements different experiments; comparing them needs --force.
+# (record key, label, plural label)
+# Precision is per stage (the amp pass changes it), so it is compared per matched stage instead.
+RUN_SETTINGS = (("model", "model", "models"), ("mode", "mode", "modes"), ("batch", "batch", "batch sizes"))
+ENV_SETTINGS = (("device_type", "device type", "device types"), ("gpu", "GPU", "GPUs"),
+                ("torch", "torch version", "torch versions"), ("triton", "triton version", "triton versions"))
+# Worth a note, not worth refusing.
+ENV_NOTES = (("driver", "driver version"), ("cuda", "CUDA version"), ("timm", "timm version"))
+
+
+
+@dataclass
+class CheckResult:
+    """rows: one row per (stage, metric), columns ROW_COLUMNS; `baseline`/`current` hold numbers,
+    or strings for the gate and record-status rows. `delta_pct` is in % (pp for share rows, see
+    `unit`), `limit` and `noise_band_pct` likewise. `regressed` is True when any row is REGRESSED or
+    FAIL gate."""
+
+    rows: pd.DataFrame
+    regressed: bool
+    summary: str
+    notes: list[str] = field(default_factory=list)
+    # stage -> its largest per-kernel changes (diff.join_per_unit columns), for regressed stages whose
+    # records both carry a profile's per-kernel table: where to look first
+    kernel_changes: dict = field(default_factory=dict)
+    words: DeviceWords = GPU_WORDS   # CPU when the records ran on the CPU (labels.record_words)
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.regressed else 0
+
+
+# ---------------------------------------------------------------- thresholds
+
+
+@dataclass
+class Thresholds:
+    """Limits per metric: `default` (metric -> limit), `share_drift_pp`, per-stage overrides."""
+
+    max_regression_pct: float = DEFAULT_MAX_REGRESSION_PCT
+    share_drift_pp: float = DEFAULT_SHARE_DRIFT_PP
+    noise_iqr_scale: float = DEFAULT_NOISE_IQR_SCALE
+    metric_defaults: dict = field(default_factory=dict)   # metric -> limit
+    stages: dict = field(default_factory=dict)            # stage -> {metric -> limit}
+
+    def limit(self, stage: str, metric: str) -> float:
+        """Most specific first: stage+metric, stage share_drift_pp (shares), default metric, default."""
+        per_stage = self.stages.get(stage, {})
+        if metric in per_stage:
+            return per_stage[metric]
+        is_share = metric.startswith(SHARE_PREFIX)
+        if is_share and "share_drift_pp" in per_stage:
+            return per_stage["share_drift_pp"]
+        if metric in self.metric_defaults:
+            return self.metric_defaults[metric]
+        return self.share_drift_pp if is_share else self.max_regression_pct
+
+
+def _printable(text) -> bool:
+    return isinstance(text, str) and bool(text) and not any(ord(c) < 32 or ord(c) == 127 for c in text)
+
+
+def _quoted(key) -> str:
+    """A key from the thresholds file as an error line shows it: as is when printable, else its repr."""
+    return key if _printable(key) else short_repr(key)
+
+
+def _valid_metric_key(key) -> bool:
+    return _printable(key) and (key in PCT_METRICS or key == "share_drift_pp"
+                                or (key.startswith(SHARE_PREFIX) and len(key) > len(SHARE_PREFIX)))
+
+
+def _limit_value(value, where: str, path: Path) -> float:
+    """A limit: a finite number >= 0 (a limit of .inf would let every change pass)."""
+    try:
+        number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number) or number < 0:
+        raise UserError(f"{path}: {where} must be a number >= 0 (finite), got {short_repr(value)}")
+    return number
+
+
+def load_thresholds(path, *, max_regression_pct: float = DEFAULT_MAX_REGRESSION_PCT,
+                    share_drift_pp: float = DEFAULT_SHARE_DRIFT_PP) -> Thresholds:
+    """Read and validate a thresholds YAML file (shape in .ci/check-thresholds.example.yaml).
+
+    Values in the file replace the arguments. UserError (exit 2) for a missing file, bad YAML,
+    an unknown key or a limit that is not a number >= 0."""
+    th = Thresholds(max_regression_pct=max_regression_pct, share_drift_pp=share_drift_pp)
+    if path is None:
+        return th
+    path = Path(path)
+    data = load_yaml_file(path, "thresholds file")
+    if data is None:
+        return th
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a mapping with keys default, share_drift_pp, noise_iqr_scale, stages")
+    allowed = {"version", "default", "share_drift_pp", "noise_iqr_scale", "stages"}
+    for key in data:
+        if key not in allowed:
+            raise UserError(f"{path}: unknown key {short_repr(key)} (allowed: {', '.join(sorted(allowed))})")
+    version = data.get("version", 1)
+    if type(version) is not int or version != 1:
+        raise UserError(f"{path}: version {short_repr(version)} is not supported (expected 1)")
+
+    default = data.get("default") or {}
+    if not isinstance(default, dict):
+        raise UserError(f"{path}: 'default' must be a mapping, e.g. {{max_regression_pct: 5}}")
+    for key, value in default.items():
+        if key == "max_regression_pct":
+            th.max_regression_pct = _limit_value(value, "default.max_regression_pct", path)
+        elif key == "share_drift_pp":
+            th.share_drift_pp = _limit_value(value, "default.share_drift_pp", path)
+        elif _valid_metric_key(key):
+            th.metric_defaults[key] = _limit_value(value, f"default.{key}", path)
+        else:
+            raise UserError(f"{path}: unknown key default.{_quoted(key)} (metrics: {', '.join(PCT_METRICS)}, "
+                            f"share_drift_pp, share:<category>, or max_regression_pct)")
+    if "share_drift_pp" in data:
+        if "share_drift_pp" in default:
+            raise UserError(f"{path}: share_drift_pp is given both at the top level and under default; keep one")
+        th.share_drift_pp = _limit_value(data["share_drift_pp"], "share_drift_pp", path)
+    if "noise_iqr_scale" in data:
+        th.noise_iqr_scale = _limit_value(data["noise_iqr_scale"], "noise_iqr_scale", path)
+
+    stages = data.get("stages") or {}
+    if not isinstance(stages, dict):
+        raise UserError(f"{path}: 'stages' must map stage names to {{metric: limit}}")
+    for stage, limits in stages.items():
+        if not _printable(stage):
+            raise UserError(f"{path}: stages must be keyed by stage name, got {short_repr(stage)}")
+        if not isinstance(limits, dict):
+            raise UserError(f"{path}: stages.{stage} must be a mapping of metric to limit, e.g. {{img_per_s: 3}}")
+        checked = {}
+        for key, value in limits.items():
+            if not _valid_metric_key(key):
+                raise UserError(f"{path}: unknown metric stages.{stage}.{_quoted(key)} (metrics: "
+                                f"{', '.join(PCT_METRICS)}, share_drift_pp, share:<category>)")
+            checked[key] = _limit_value(value, f"stages.{stage}.{key}", path)
+        th.stages[stage] = checked
+    return th
+
+
+# ---------------------------------------------------------------- records
+
+
+@dataclass(frozen=True)
+class _Stage:
+    """One side's record of a stage with the figures derived from it (what `_pct_row` compares)."""
+
+    record: StageRecord
+    speedup: float | None = None              # img_per_s / that of the run's 'baseline' stage
+    speedup_rel_iqr: float = 0.0
+    launches_per_step: float | None = None
+    blocking_calls_per_step: float | None = None
+    paired_speedup: float | None = None
+    paired_against: str | None = None
+    paired_rel_spread: float = 0.0
+
+    def metric(self, name: str) -> float | None:
+        """The value of a PCT_METRICS metric, None when the record does not have it."""
+        if name in ("img_per_s", "step_ms", "peak_mem_bytes"):
+            return getattr(self.record, name)
+        return getattr(self, name)
+
+
+def _relative_iqr(rec: StageRecord) -> float:
+    """iqr / median of the step time (timing.*, else step_iqr_ms / step_ms); 0 when unknown."""
+    if rec.timing is not None:
+        return rec.timing.iqr_ms / rec.timing.median_ms
+    if rec.step_ms and rec.step_iqr_ms is not None:
+        return rec.step_iqr_ms / rec.step_ms
+    return 0.0
+
+
+def _derive(rec: StageRecord, base: StageRecord | None) -> _Stage:
+    """`rec` with its speedup over `base` (its run's 'baseline' stage), host calls and paired speedup."""
+    if not rec.ok:
+        return _Stage(rec)
+    speedup, speedup_iqr = None, 0.0
+    if base is not None and rec.stage != BASELINE_STAGE:
+        speedup = rec.img_per_s / base.img_per_s
+        speedup_iqr = _relative_iqr(rec) + _relative_iqr(base)
+    calls = rec.profile.api_calls_per_step if rec.profile is not None else None
+    paired = rec.interleaved.x_previous if rec.interleaved is not None else None
+    paired_ok = paired is not None and paired.median is not None
+    return _Stage(rec, speedup=speedup, speedup_rel_iqr=speedup_iqr,
+                  launches_per_step=float(calls.get("launch", 0.0)) if calls else None,
+                  blocking_calls_per_step=blocking_calls(calls) if calls else None,
+                  paired_speedup=paired.median if paired_ok else None,
+                  paired_against=rec.interleaved.previous_stage if paired_ok else None,
+                  paired_rel_spread=(paired.q3 - paired.q1) / paired.median if paired_ok else 0.0)
+
+
+def _load_side(paths, side: str, notes: list[str]) -> dict[str, _Stage]:
+    """stage name -> its _Stage. When several runs hold the same stage, the newest (env.date, run_id) wins."""
+    records = read_records(paths)
+    # speedup needs the 'baseline' stage of the same run, so compute it before choosing among runs
+    base_by_run = {r.run_id: r for r in records if r.stage == BASELINE_STAGE and r.ok}
+    by_stage: dict[str, list[_Stage]] = {}
+    for rec in records:
+        by_stage.setdefault(rec.stage, []).append(_derive(rec, base_by_run.get(rec.run_id)))
+    chosen = {}
+    for stage, entries in by_stage.items():
+        entries.sort(key=lambda s: (s.record.env.date or "", s.record.run_id))
+        chosen[stage] = entries[-1]
+        if len(entries) > 1:
+            notes.append(f"{side}: stage '{stage}' appears in {len(entries)} records; compared the newest "
+                         f"({entries[-1].record.source})")
+    return dict(sorted(chosen.items(), key=lambda kv: (kv[1].record.stage_index, kv[0])))
+
+
+def _values(stages, key: str, env: bool) -> list:
+    """Distinct values of `key` (a StageRecord field, or an Env field when `env`), in record order."""
+    out: list = []
+    for entry in stages:
+        value = getattr(entry.record.env if env else entry.record, key)
+        if value not in out:
+            out.append(value)
+    return out
+
+
+def _check_settings(base: dict, cur: dict, force: bool, notes: list[str]) -> None:
+    """Different experiments (model, mode, batch, GPU, torch/triton; precision per stage) need --force."""
+    for keys, env in ((RUN_SETTINGS, False), (ENV_SETTINGS, True)):
+        for key, label, plural in keys:
+            bv, cv = _values(base.values(), key, env), _values(cur.values(), key, env)
+            if len(bv) > 1 or len(cv) > 1:
+                side, vals = ("baseline", bv) if len(bv) > 1 else ("current", cv)
+                problem = f"{side} records mix {plural}: {', '.join(map(str, vals))}"
+                if not force:
+                    raise UserError(f"{problem}; pass --force to compare anyway")
+                notes.append(f"compared with --force although {problem}")
+            elif bv != cv:
+                if not force:
+                    raise UserError(f"baseline and current differ in {label}: {bv[0]} (baseline) vs {cv[0]} "
+                                    f"(current); pass --force to compare anyway")
+                notes.append(f"compared across different {plural} with --force: {bv[0]} (baseline) vs "
+                             f"{cv[0]} (current); deltas mix both changes")
+    for stage in base.keys() & cur.keys():
+        bp, cp = base[stage].record.precision, cur[stage].record.precision
+        if bp != cp:
+            if not force:
+                raise UserError(f"stage '{stage}' ran in different precision: {bp} (baseline) vs {cp} (current); "
+                                f"pass --force to compare anyway")
+            notes.append(f"stage '{stage}' compared across precisions with --force: {bp} (baseline) vs {cp} (current)")
+    for key, label in ENV_NOTES:
+        bv, cv = _values(base.values(), key, True), _values(cur.values(), key, True)
+        if set(map(str, bv)) != set(map(str, cv)):
+            notes.append(f"{label} differs: {', '.join(map(str, bv))} (baseline) vs {', '.join(map(str, cv))} (current)")
+
+
+# ---------------------------------------------------------------- comparison
+
+
+def _classify(worse: float, limit: float, band: float | None) -> str:
+    """`worse`: signed change, positive = worse. See the module docstring for the rule."""
+    worse = round(worse, 9)   # 1.05 * x is not exactly +5 %; don't let float dust cross a limit
+    if abs(worse) <= limit:
+        return "unchanged"
+    if band is not None and abs(worse) <= band:
+        return "noise"
+    return "REGRESSED" if worse > 0 else "improved"
+
+
+def _row(stage, metric, base, cur, delta, limit, band, status, unit="%") -> dict:
+    return dict(stage=stage, metric=metric, baseline=base, current=cur, delta_pct=delta, limit=limit,
+                noise_band_pct=band, status=status, unit=unit)
+
+
+def _pct_row(stage: str, metric: str, b: _Stage, c: _Stage, th: Thresholds) -> dict | None:
+    bv, cv = b.metric(metric), c.metric(metric)
+    limit = th.limit(stage, metric)
+    if bv is None and cv is None:
+        return None
+    if bv is None or cv is None:
+        return _row(stage, metric, bv, cv, None, limit, None, "only in current" if bv is None else "only in baseline")
+    bv, cv = float(bv), float(cv)
+    band = None
+    if metric == "paired_speedup":
+        if b.paired_against != c.paired_against:
+            return _row(stage, f"{metric} (vs {b.paired_against} / {c.paired_against})", bv, cv, None,
+                        limit, None, "not compared")
+        band = th.noise_iqr_scale * 100.0 * (b.paired_rel_spread + c.paired_rel_spread)
+    if metric in TIMED_METRICS:
+        spread = (b.speedup_rel_iqr + c.speedup_rel_iqr) if metric == "speedup" \
+            else (_relative_iqr(b.record) + _relative_iqr(c.record))
+        band = th.noise_iqr_scale * 100.0 * spread
+    if bv == 0:
+        delta = 0.0 if cv == 0 else math.copysign(math.inf, cv)
+    else:
+        delta = (cv - bv) / abs(bv) * 100.0
+    worse = -delta * PCT_METRICS[metric]
+    return _row(stage, metric, bv, cv, delta, limit, band, _classify(worse, limit, band))
+
+
+def _share_rows(stage: str, b: StageRecord, c: StageRecord, th: Thresholds) -> list[dict]:
+    bs = b.profile.category_share_pct if b.profile is not None else None
+    cs = c.profile.category_share_pct if c.profile is not None else None
+    if not bs or not cs:
+        return []
+    rows = []
+    # a category missing on one side has share 0 there (shares sum to 100 on each side)
+    for cat in list(bs) + [k for k in cs if k not in bs]:
+        metric = f"{SHARE_PREFIX}{cat}"
+        bv, cv = bs.get(cat, 0.0), cs.get(cat, 0.0)
+        drift = cv - bv
+        limit = th.limit(stage, metric)
+        status = "unchanged" if abs(round(drift, 9)) <= limit else "REGRESSED"
+        rows.append(_row(stage, metric, bv, cv, drift, limit, None, status, unit="pp"))
+    return rows
+
+
+def _gate_row(stage: str, b: StageRecord, c: StageRecord, notes: list[str]) -> dict:
+    bg, cg = b.gate.status, c.gate.status
+    if cg == "FAIL" and bg != "FAIL":
+        status = "FAIL gate"
+        reason = c.gate.reason
+        notes.append(f"stage '{stage}': correctness gate {bg} -> FAIL" + (f" ({reason})" if reason else ""))
+    elif bg == "FAIL":
+        status = "unchanged" if cg == "FAIL" else "improved"
+        if cg == "FAIL":
+            notes.append(f"stage '{stage}': correctness gate FAILs in the baseline too")
+    else:
+        status = "unchanged"
+    return _row(stage, "gate", bg, cg, None, None, None, status, unit="")
+
+
+def _dtype_row(stage: str, b: StageRecord, c: StageRecord, notes: list[str]) -> dict | None:
+    bd, cd = b.activation_dtypes, c.activation_dtypes
+    if not bd or not cd:
+        return None
+    changed = [p for p in bd if p in cd and bd[p] != cd[p]]
+    if not changed:
+        return _row(stage, "activation_dtypes", "same", "same", None, None, None, "unchanged", unit="")
+    notes.append(f"stage '{stage}': activations changed dtype: "
+                 + ", ".join(f"{p} {short_dtype(bd[p])} -> {short_dtype(cd[p])}" for p in changed)
+                 + "; refresh the baseline if that is intended")
+    return _row(stage, "activation_dtypes", " ".join(f"{p}:{short_dtype(bd[p])}" for p in changed),
+                " ".join(f"{p}:{short_dtype(cd[p])}" for p in changed), None, None, None, "REGRESSED", unit="")
+
+
+def _stage_rows(stage: str, bs: _Stage | None, cs: _Stage | None, th: Thresholds, notes: list[str]) -> list[dict]:
+    b, c = bs and bs.record, cs and cs.record
+    if b is None or c is None:
+        if c is not None and c.gate.status == "FAIL":
+            notes.append(f"stage '{stage}' (only in current) FAILs its correctness gate")
+        return [_row(stage, "stage", b and b.status, c and c.status, None, None, None,
+                     "only in baseline" if c is None else "only in current", unit="")]
+    if not b.ok or not c.ok:
+        # A stage that ran and now errors is lost work: count it. Otherwise just list it.
+        status = "REGRESSED" if (b.ok and c.status == "error") else "not compared"
+        for side, rec in (("baseline", b), ("current", c)):
+            if not rec.ok:
+                notes.append(f"stage '{stage}' is '{rec.status}' in {side}"
+                             + (f": {rec.error}" if rec.error else "") + "; not compared")
+        return [_row(stage, "stage", b.status, c.status, None, None, None, status, unit="")]
+    rows = []
+    for metric in PCT_METRICS:
+        row = _pct_row(stage, metric, bs, cs, th)
+        if row is not None:
+            rows.append(row)
+    rows += _share_rows(stage, b, c, th)
+    rows.append(_gate_row(stage, b, c, notes))
+    dtypes = _dtype_row(stage, b, c, notes)
+    if dtypes is not None:
+        rows.append(dtypes)
+    return rows
+
+
+def _summary(rows: pd.DataFrame, regressed: bool) -> str:
+    counts = rows["status"].value_counts()
+    stages = rows["stage"].nunique()
+    tail = ", ".join(f"{int(counts[s])} {s}" for s in STATUSES if s in counts and s not in REGRESSION_STATUSES)
+    if not regressed:
+        return f"OK: no regression in {len(rows)} checks over {stages} stages ({tail})"
+    bad = rows[rows["status"].isin(REGRESSION_STATUSES)]
+    parts = []
+    for stage, group in bad.groupby("stage", sort=False):
+        items = [f"{r.metric} {_fmt_delta(r.delta_pct, r.unit)}" if r.delta_pct is not None and not pd.isna(r.delta_pct)
+                 else (f"{r.metric} {r.baseline} -> {r.current}") for r in group.itertuples()]
+        parts.append(f"{stage}: {', '.join(items)}")
+    n_stages = bad["stage"].nunique()
+    return (f"REGRESSED: {len(bad)} of {len(rows)} checks in {n_stages} stage{'s' if n_stages > 1 else ''} "
+            f"({'; '.join(parts)})" + (f"; {tail}" if tail else ""))
+
+
+def check_records(baseline_paths, current_paths, *, max_regression_pct: float = DEFAULT_MAX_REGRESSION_PCT,
+                  thresholds_file=None, force: bool = False,
+                  max_share_drift_pp: float = DEFAULT_SHARE_DRIFT_PP) -> CheckResult:
+    """Compare current stage records with baseline ones (each: a path or list of files/folders).
+
+    `max_regression_pct` limits img_per_s, step_ms, peak_mem_bytes and speedup; `max_share_drift_pp`
+    limits kernel category share drift; a thresholds YAML file, when given, replaces both and adds
+    per-stage limits. `force` compares records of different settings, GPUs or versions, with a note.
+    Raises UserError (exit 2) for unreadable records, bad thresholds or, without `force`, mismatches."""
+    for name, value in (("--max-regression", max_regression_pct), ("--max-share-drift", max_share_drift_pp)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise UserError(f"{name} must be a number >= 0 (finite), got {short_repr(value)}")
+    th = load_thresholds(thresholds_file, max_regression_pct=float(max_regression_pct),
+                         share_drift_pp=float(max_share_drift_pp))
+    notes: list[str] = []
+    base = _load_side(baseline_paths, "baseline", notes)
+    cur = _load_side(current_paths, "current", notes)
+    _check_settings(base, cur, force, notes)
+    for stage in th.stages:
+        if stage not in base and stage not in cur:
+            notes.append(f"thresholds name stage '{stage}', which no record has")
+
+    stages = list(base) + [s for s in cur if s not in base]
+    rows = []
+    for stage in stages:
+        rows += _stage_rows(stage, base.get(stage), cur.get(stage), th, notes)
+    only_base = [s for s in base if s not in cur]
+    only_cur = [s for s in cur if s not in base]
+    if only_base:
+        notes.append(f"only in baseline (not checked): {', '.join(only_base)}")
+    if only_cur:
+        notes.append(f"only in current (no baseline to check against): {', '.join(only_cur)}")
+    frame = pd.DataFrame(rows, columns=ROW_COLUMNS)
+    regressed = bool(frame["status"].isin(REGRESSION_STATUSES).any())
+    changes = _kernel_changes(frame, base, cur)
+    return CheckResult(rows=frame, regressed=regressed, summary=_summary(frame, regressed), notes=notes,
+                       kernel_changes=changes, words=record_words([s.record for s in (*base.values(), *cur.values())]))
+
+
+KERNEL_CHANGE_ROWS = 5
+
+
+def _kernel_changes(frame: pd.DataFrame, base: dict, cur: dict) -> dict:
+    """For each stage with a regressed row whose baseline and current records both hold per-kernel
+    profile tables: the KERNEL_CHANGE_ROWS kernels whose GPU ms per step changed most."""
+    from workbench.analysis.diff import join_per_unit
+
+    out = {}
+    for stage in frame.loc[frame["status"].isin(REGRESSION_STATUSES), "stage"].unique():
+        fb, fc = _kernels(base.get(stage)), _kernels(cur.get(stage))
+        if fb is not None and fc is not None:
+            out[str(stage)] = join_per_unit(fb, fc, "kernel").head(KERNEL_CHANGE_ROWS)
+    return out
+
+
+def _kernels(entry: _Stage | None):
+    profile = entry.record.profile if entry is not None else None
+    return profile.kernels_frame() if profile is not None else None
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def _fmt_delta(delta, unit: str) -> str:
+    if delta is None or (isinstance(delta, float) and math.isnan(delta)):
+        return "—"
+    if math.isinf(delta):
+        return "+∞%" if delta > 0 else "−∞%"
+    sign = "+" if delta > 0 else ("−" if delta < 0 else "")
+    return f"{sign}{abs(delta):.1f}{' pp' if unit == 'pp' else '%'}"
+
+
+def _fmt_value(metric: str, value) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "—"
+    if isinstance(value, str):
+        return value
+    if metric == "img_per_s":
+        return f"{value:,.1f}"
+    if metric == "step_ms":
+        return f"{value:.2f} ms"
+    if metric == "peak_mem_bytes":
+        return f"{value / 2**30:.2f} GiB"
+    if metric in ("speedup", "paired_speedup") or metric.startswith("paired_speedup"):
+        return f"{value:.2f}×"
+    if metric.endswith("_per_step"):
+        return f"{value:,.1f}"
+    if metric.startswith(SHARE_PREFIX):
+        return f"{value:.1f}%"
+    return str(value)
+
+
+def _fmt_limit(value, unit: str, prefix: str = "") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "—"
+    return f"{prefix}{round(value, 1):g}{' pp' if unit == 'pp' else '%'}"
+
+
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|")
+
+
+def _folded_share_row(stage: str, shares: pd.DataFrame) -> list[str]:
+    """Unchanged category shares of one stage, folded into one line (the table stays readable)."""
+    worst = shares.loc[shares["delta_pct"].abs().idxmax()]
+    limits = sorted(set(shares["limit"]))
+    limit = _fmt_limit(limits[0], "pp") if len(limits) == 1 else "per category"
+    drift = _fmt_delta(worst["delta_pct"], "pp")
+    if worst["delta_pct"] != 0:
+        drift = f"max {drift} ({worst['metric'][len(SHARE_PREFIX):]})"
+    return [stage, f"share: {len(shares)} categories", "—", "—", drift,
+            limit, "—", "unchanged"]
+
+
+def render_markdown(result: CheckResult) -> str:
+    """A Markdown table (stage, metric, baseline, current, signed Δ, limit, noise band, status),
+    then the notes, then the one-line summary. Unchanged category shares of a stage are folded
+    into one row; every other row is shown."""
+    w = result.words
+    lines = ["**CPU records** (no GPU): times, shares and changes are CPU figures, not GPU ones.", ""] \
+        if w.is_cpu else []
+    lines += ["| stage | metric | baseline | current | Δ | limit | noise band | status |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    rows = result.rows
+    quiet_share = rows["metric"].str.startswith(SHARE_PREFIX) & (rows["status"] == "unchanged")
+    folded_done = set()
+    for i, r in enumerate(rows.itertuples()):
+        if quiet_share.iloc[i]:
+            if r.stage in folded_done:
+                continue
+            folded_done.add(r.stage)
+            cells = _folded_share_row(r.stage, rows[quiet_share & (rows["stage"] == r.stage)])
+        else:
+            status = f"**{r.status}**" if r.status in REGRESSION_STATUSES else r.status
+            cells = [r.stage, r.metric, _fmt_value(r.metric, r.baseline), _fmt_value(r.metric, r.current),
+                     _fmt_delta(r.delta_pct, r.unit), _fmt_limit(r.limit, r.unit),
+                     _fmt_limit(r.noise_band_pct, "%", "±"), status]
+        lines.append("| " + " | ".join(_cell(x) for x in cells) + " |")
+    for stage, table in result.kernel_changes.items():
+        lines += ["", f"Largest {w.unit} changes in **{_cell(stage)}** ({w.device} ms per step, from the two records' "
+                  "profiles):", "",
+                  f"| {w.unit} | baseline ms | current ms | Δ ms | {w.calls} baseline | {w.calls} current |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        for k, bm, cm, d, bn, cn in table[["kernel", "before_ms", "after_ms", "delta_ms", "before_n", "after_n"]].values:
+            lines.append(f"| `{_cell(str(k))}` | {bm:.3f} | {cm:.3f} | {d:+.3f} | {bn:.0f} | {cn:.0f} |")
+    if result.notes:
+        lines += ["", "Notes:", ""] + [f"- {_cell(n)}" for n in result.notes]
+    lines += ["", f"**{result.summary}**"]
+    return "\n".join(lines) + "\n"
+
+
+def _plain(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if hasattr(value, "item"):   # numpy scalars
+        return _plain(value.item())
+    return value
+
+
+def to_json(result: CheckResult) -> dict:
+    """{schema, regressed, exit_code, device ('CPU' | 'GPU'), summary, notes, rows: [{column: value}],
+    kernel_changes: {stage: [{kernel, before_ms, after_ms, delta_ms, before_n, after_n}]}}; NaN/inf become null."""
+    rows = [{k: _plain(v) for k, v in row.items()} for row in result.rows.astype(object).to_dict(orient="records")]
+    changes = {stage: [{k: _plain(v) for k, v in r.items()} for r in table.astype(object).to_dict(orient="records")]
+               for stage, table in result.kernel_changes.items()}
+    return {"schema": "swinbench.check/1", "regressed": result.regressed, "exit_code": result.exit_code,
+            "device": result.words.device, "summary": result.summary, "notes": list(result.notes), "rows": rows, "kernel_changes": changes}

@@ -1,0 +1,157 @@
+"""The README's results table, rendered from stored stage records.
+
+`swinbench report RECORDS... --readme README.md` reads the records (folders or files, in the order
+given), renders one Markdown table with `results_table` and writes it between the README's markers
+`<!-- results:begin -->` and `<!-- results:end -->`; nothing outside the markers changes. The block
+ends with the command that rendered it, with the record paths relative to the README's folder, so a
+test can render the same records again and compare (tests/test_readme_table.py).
+
+`results_table(records, command)` is pure: a list of `swinbench.stage/1` records (grouped by run, in the
+order given) -> Markdown. One row per stage; the first row of each run names the model, mode, batch
+and device. Under the table, one line per run with what measured it (GPU and driver, or CPU; torch,
+triton and timm versions; the date) and where its records are.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+
+from workbench.errors import UserError
+from workbench.files import atomic_write_text
+from workbench.results.record import StageRecord, as_records, read_records
+from workbench.results.report import CROSS_RUN_MARK, CROSS_RUN_NOTE, fmt_rate, fmt_speedup, fmt_step, speedup_table
+
+BEGIN = "<!-- results:begin -->"
+END = "<!-- results:end -->"
+HEADERS = ["run", "stage", "precision", "step ms (median ± IQR)", "img/s", "× baseline", "× previous", "gate"]
+_SIZES = {"tiny": "T", "small": "S", "base": "B", "large": "L"}
+
+
+def short_model(name: str | None) -> str:
+    """'swin_base_patch4_window7_224' -> 'Swin-B 224'; the tiny CPU Swin -> 'tiny CPU Swin'; other names as is."""
+    if name == "swinbench_tiny_cpu":
+        return "tiny CPU Swin"
+    m = re.fullmatch(r"swin_(tiny|small|base|large)_patch4_window(\d+)_(\d+)(.*)", name or "")
+    if not m:
+        return str(name)
+    size, window, img, rest = m.groups()
+    label = f"Swin-{_SIZES[size]} {img}" + (f" (window {window})" if window != "7" else "")
+    return label + (f" {rest.lstrip('_')}" if rest else "")
+
+
+def run_label(rec: StageRecord) -> str:
+    """'Swin-B 224, training, batch 64, H200' for a run's first row."""
+    mode = "inference" if rec.mode == "infer" else "training"
+    return f"{short_model(rec.model)}, {mode}, batch {rec.batch}, {rec.env.device_name.removeprefix('NVIDIA ')}"
+
+
+def _run_note(rec: StageRecord, where: str | None) -> str:
+    env = rec.env
+    if env.on_gpu:
+        device = f"{env.gpu or 'GPU'} (driver {env.driver or '?'})"
+    else:
+        device = "CPU, not a GPU speed figure"
+        if env.triton_launcher == "interpreter":
+            device += " (Triton kernels under the CPU interpreter: the stages run and pass the gate, slowly)"
+    versions = ", ".join(f"{k} {getattr(env, k)}" for k in ("torch", "triton", "timm") if getattr(env, k))
+    date = str(env.date or "")[:10]
+    timing = rec.timing
+    steps = (f"; median of {timing.repeats} steps after {timing.warmup} warm-up" if timing is not None else "")
+    parts = [f"**{run_label(rec)}**: {device}", versions, f"measured {date}" if date else ""]
+    text = "; ".join(p for p in parts if p) + steps
+    return text + (f"; records `{where}`" if where else "")
+
+
+def _nan(x) -> bool:
+    return x is None or (isinstance(x, float) and math.isnan(x))
+
+
+def results_table(records, command: str | None = None, sources: list[str] | None = None) -> str:
+    """The README's results block (Markdown, no markers): the table, one line per run, and `command`
+    (the command that rendered it) when given. `sources[i]` names where run i's records are, in
+    the order the runs first appear."""
+    if not records:
+        raise UserError("no stage records for the results table")
+    records = as_records(records)
+    df = speedup_table(records)
+    runs = list(dict.fromkeys(r.run_id for r in records))
+    lines = ["| " + " | ".join(HEADERS) + " |", "|" + "|".join("---" for _ in HEADERS) + "|"]
+    first_of_run: dict = {}
+    for idx, (rec, row) in enumerate(zip(records, df.itertuples())):
+        first = rec.run_id not in first_of_run
+        first_of_run.setdefault(rec.run_id, rec)
+        xb = fmt_speedup(row.x_baseline) + (CROSS_RUN_MARK if row.x_baseline_cross_run else "")
+        xp = fmt_speedup(row.x_previous) + (CROSS_RUN_MARK if row.x_previous_cross_run else "")
+        if not _nan(row.x_previous) and row.previous_stage != row.extends:
+            xp += f" (vs {row.previous_stage})"
+        gate = row.gate if row.status == "ok" else row.status
+        cells = [run_label(rec) if first else "", row.stage, row.precision or "-",
+                 fmt_step(row.step_ms, row.step_iqr_ms), fmt_rate(row.img_per_s), xb, xp, gate]
+        lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
+    lines.append("")
+    for i, run in enumerate(runs):
+        where = sources[i] if sources and i < len(sources) else None
+        lines.append(f"- {_run_note(first_of_run[run], where)}")
+    lines.append("")
+    lines.append("× previous: against the stage it extends (or the named ancestor). Stages that fail the "
+                 "correctness gate against the fp32 baseline, or are not available, have no speedups.")
+    if (df["x_baseline_cross_run"] | df["x_previous_cross_run"]).any():
+        lines.append(CROSS_RUN_NOTE)
+    if command:
+        lines += ["", f"Rendered by `{command}`; do not edit by hand."]
+    return "\n".join(lines)
+
+
+def replace_between_markers(text: str, block: str, where: str = "the file") -> str:
+    """`text` with everything between BEGIN and END replaced by `block` (markers kept, each on its
+    own line). UserError unless each marker occurs exactly once, BEGIN first."""
+    nb, ne = text.count(BEGIN), text.count(END)
+    if nb != 1 or ne != 1:
+        raise UserError(f"{where} must hold {BEGIN} and {END} once each (found {nb} and {ne})")
+    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+    if end < start:
+        raise UserError(f"{where}: {END} comes before {BEGIN}")
+    return text[:start] + "\n" + block.strip("\n") + "\n" + text[end:]
+
+
+def table_block(text: str) -> str:
+    """What `text` holds between the markers, without the surrounding newlines."""
+    replace_between_markers(text, "")  # validates the markers
+    return text[text.index(BEGIN) + len(BEGIN): text.index(END)].strip("\n")
+
+
+def _display_path(path: Path, base: Path) -> str:
+    try:
+        return Path(os.path.relpath(Path(path).resolve(), base.resolve())).as_posix()
+    except ValueError:  # another drive (Windows)
+        return Path(path).as_posix()
+
+
+def render_for_readme(paths: list[Path], readme: Path) -> str:
+    """The block `update_readme` writes: records read per path (in the order given), sources and the
+    command with paths relative to the README's folder."""
+    readme = Path(readme)
+    records: list[StageRecord] = []
+    sources: list[str] = []
+    for p in map(Path, paths):
+        seen = {r.run_id for r in records}
+        got = read_records([p])
+        new_runs = dict.fromkeys(r.run_id for r in got if r.run_id not in seen)
+        sources += [_display_path(p, readme.parent)] * len(new_runs)
+        records += got
+    command = "swinbench report " + " ".join(_display_path(p, readme.parent) for p in paths) + \
+        f" --readme {readme.name}"
+    return results_table(records, command, sources)
+
+
+def update_readme(paths: list[Path], readme: Path) -> Path:
+    """`swinbench report RECORDS... --readme README.md`: rewrite the table between the markers, atomically."""
+    readme = Path(readme)
+    try:
+        text = readme.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read {readme}: {getattr(exc, 'strerror', None) or exc}") from None
+    new = replace_between_markers(text, render_for_readme(paths, readme), str(readme))
+    return atomic_write_text(readme, new)

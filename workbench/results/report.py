@@ -1,0 +1,683 @@
+"""Reports from stored stage records only (never a model, never a trace): the speedup table (terminal
+and Markdown share `speedup_table`), and the Markdown report a reader wants on a pull request.
+
+Every function takes stage records (`records.StageRecord`; dicts of records being built are validated
+into them first). `speedup_table(records)` columns (one row per record, in stage order):
+    run_id, stage, extends, status ('ok' | 'not available' | 'error'), gate ('PASS' | 'FAIL' |
+    'REFERENCE' | 'SKIP'), precision, img_per_s, step_ms, step_iqr_ms, x_baseline, x_previous,
+    peak_mem_bytes, compile_s, counted (bool: in the speedups), x_baseline_cross_run, x_previous_cross_run,
+    previous_stage, model, device ('CPU' or the GPU's name), x_baseline_ns, x_previous_ns (bool: that speedup
+    is not significant, see significance.py)
+x_baseline = baseline step time / this stage's; x_previous = the same against the stage it extends
+(for a peer such as torch-compile, that is amp), or, when that stage was not measured, against its
+nearest measured ancestor in the stage's recipe chain (`swinbench apply --stages amp,fmha` compares fmha
+with amp); previous_stage names the stage compared with. Both come from the stage's own run; when that
+run has no such stage, from another run of the same model, mode, batch and GPU, and the *_cross_run flag
+says so. Stages that FAIL the gate, are not available or ended in an error have no img/s-based speedups
+(NaN): a fast wrong answer is not a speedup. Records of several models or devices in one table are
+labelled "mixed" in the title, and each row then names its model and device.
+"""
+from __future__ import annotations
+
+import io
+import math
+from pathlib import Path
+
+import pandas as pd
+
+from workbench.analysis.frames import blocking_calls
+from workbench.env import device_label
+from workbench.errors import UserError
+from workbench.files import atomic_write_bytes, atomic_write_text
+from workbench.labels import record_words
+from workbench.results.record import Interleaved, PairedRatio, StageRecord, as_records, read_records, short_dtype
+from workbench.results.significance import NS_MARK, NS_NOTE, paired_significant, speedup_significant
+
+COLUMNS = ["run_id", "stage", "extends", "status", "gate", "precision", "img_per_s", "step_ms", "step_iqr_ms",
+           "x_baseline", "x_previous", "peak_mem_bytes", "compile_s", "counted", "x_baseline_cross_run",
+           "x_previous_cross_run", "previous_stage", "model", "device", "x_baseline_ns", "x_previous_ns"]
+CROSS_RUN_MARK = "†"
+CROSS_RUN_NOTE = (f"{CROSS_RUN_MARK} against that stage in another run of the same model, batch and GPU (another "
+                  "process, minutes apart): the run of this stage had no such stage of its own.")
+
+
+def _counted(rec: StageRecord) -> bool:
+    return rec.ok and rec.step_ms is not None and rec.gate.status in ("PASS", "REFERENCE")
+
+
+def speedup_table(records) -> pd.DataFrame:
+    """One row per stage record with its throughput and speedups (see the module docstring for columns)."""
+    records = as_records(records)
+    rows = []
+    for rec in records:
+        rows.append({
+            "run_id": rec.run_id, "stage": rec.stage, "extends": rec.extends, "status": rec.status,
+            "gate": rec.gate.status, "precision": rec.precision, "img_per_s": rec.img_per_s, "step_ms": rec.step_ms,
+            "step_iqr_ms": rec.step_iqr_ms, "peak_mem_bytes": rec.peak_mem_bytes, "compile_s": rec.compile_s,
+            "counted": _counted(rec), "model": rec.model, "device": rec.env.device_name,
+        })
+    derived = ("x_baseline", "x_previous", "previous_stage")   # the _ns flags start with these too
+    df = pd.DataFrame(rows, columns=[c for c in COLUMNS if not c.startswith(derived)])
+    df["x_baseline"] = math.nan
+    df["x_previous"] = math.nan
+    df["x_baseline_cross_run"] = False
+    df["x_previous_cross_run"] = False
+    df["previous_stage"] = None
+    df["x_baseline_ns"] = False
+    df["x_previous_ns"] = False
+    # Speedups compare stages of one run; a stage whose run lacks the baseline (or the stage it extends)
+    # is compared with that stage of another run of the same workload on the same GPU, and marked.
+    workload = {rec.run_id: (rec.model, rec.batch, rec.mode, rec.env.device_name) for rec in records}
+    steps_by_run: dict = {}   # run -> stage -> (median ms, IQR ms, timed steps)
+    for idx, r in enumerate(df.itertuples()):
+        if r.counted:
+            steps_by_run.setdefault(r.run_id, {}).setdefault(r.stage, _spread(records[idx], r))
+
+    def lookup(run_id, stage):
+        if stage in steps_by_run.get(run_id, {}):
+            return steps_by_run[run_id][stage], False
+        for other, steps in steps_by_run.items():
+            if other != run_id and workload.get(other) == workload.get(run_id) and stage in steps:
+                return steps[stage], True
+        return None, False
+
+    for idx, r in df.iterrows():
+        if not r.counted:
+            continue
+        mine = _spread(records[idx], r)
+        base, cross_b = lookup(r.run_id, "baseline")
+        if base:
+            df.at[idx, "x_baseline"] = base[0] / r.step_ms
+            df.at[idx, "x_baseline_cross_run"] = cross_b
+            # the baseline against itself is 1.00x by definition, not a measurement
+            if not (r.stage == "baseline" and not cross_b):
+                df.at[idx, "x_baseline_ns"] = not speedup_significant(*mine, *base)
+        for ancestor in records[idx].ancestors():
+            prev, cross_p = lookup(r.run_id, ancestor)
+            if prev:
+                df.at[idx, "x_previous"] = prev[0] / r.step_ms
+                df.at[idx, "x_previous_cross_run"] = cross_p
+                df.at[idx, "previous_stage"] = ancestor
+                df.at[idx, "x_previous_ns"] = not speedup_significant(*mine, *prev)
+                break
+    return df[COLUMNS]
+
+
+def _spread(rec: StageRecord, row) -> tuple:
+    """(median step ms, IQR ms, timed steps or None) of a record, for significance.speedup_significant."""
+    timing = rec.timing
+    steps = (timing.repeats or len(timing.samples_ms) or None) if timing is not None else None
+    return row.step_ms, row.step_iqr_ms, steps
+
+
+# ---------------------------------------------------------------- formatting helpers
+
+
+def _isnum(x) -> bool:
+    return x is not None and not (isinstance(x, float) and math.isnan(x))
+
+
+def fmt_bytes(n) -> str:
+    return f"{n / 2**30:.2f} GiB" if _isnum(n) else "-"
+
+
+def fmt_speedup(x) -> str:
+    return f"{x:.2f}x" if _isnum(x) else "-"
+
+
+def fmt_step(ms, iqr) -> str:
+    return f"{ms:.2f} ± {iqr:.2f}" if _isnum(ms) else "-"
+
+
+def fmt_rate(x) -> str:
+    return f"{x:,.1f}" if _isnum(x) else "-"
+
+
+def gate_cell(row) -> str:
+    if row["status"] != "ok":
+        return row["status"]
+    return row["gate"]
+
+
+def _per_row_labels(df: pd.DataFrame) -> bool:
+    """Whether the table mixes models or devices, so that each row must name its own."""
+    return df["model"].nunique() > 1 or df["device"].nunique() > 1
+
+
+def table_headers(df: pd.DataFrame) -> list[str]:
+    """HEADERS, with model and device after the stage when the table mixes them."""
+    return HEADERS[:1] + ["model", "device"] + HEADERS[1:] if _per_row_labels(df) else list(HEADERS)
+
+
+def display_rows(df: pd.DataFrame) -> list[list[str]]:
+    """The table as strings, as both the terminal and the Markdown show it (columns: table_headers(df))."""
+    multi = df["run_id"].nunique() > 1
+    labels = _per_row_labels(df)
+    out = []
+    for _, r in df.iterrows():
+        stage = r["stage"] + (f" ({r['run_id']})" if multi else "")
+        xb = fmt_speedup(r["x_baseline"]) + (CROSS_RUN_MARK if r["x_baseline_cross_run"] else "")
+        xp = fmt_speedup(r["x_previous"]) + (CROSS_RUN_MARK if r["x_previous_cross_run"] else "")
+        xb += f" ({NS_MARK})" if _isnum(r["x_baseline"]) and r["x_baseline_ns"] else ""
+        xp += f" ({NS_MARK})" if _isnum(r["x_previous"]) and r["x_previous_ns"] else ""
+        if _isnum(r["x_previous"]) and r["previous_stage"] != r["extends"]:
+            xp += f" (vs {r['previous_stage']})"
+        out.append([stage, *([r["model"], r["device"]] if labels else []), r["precision"] or "-",
+                    fmt_rate(r["img_per_s"]), fmt_step(r["step_ms"], r["step_iqr_ms"]),
+                    xb, xp, fmt_bytes(r["peak_mem_bytes"]), gate_cell(r)])
+    return out
+
+
+HEADERS = ["stage", "precision", "img/s", "step ms (median ± IQR)", "× baseline", "× previous", "peak memory", "gate"]
+NUMERIC_HEADERS = {"img/s", "step ms (median ± IQR)", "× baseline", "× previous", "peak memory"}
+
+
+def render_speedup_table(records, console) -> None:
+    """The speedup table in the terminal (rich)."""
+    from rich.table import Table
+
+    records = as_records(records)
+    df = speedup_table(records)
+    table = Table(title=_title(records), title_justify="left")
+    for h in table_headers(df):
+        table.add_column(h, justify="right" if h in NUMERIC_HEADERS else "left")
+    for row in display_rows(df):
+        style = {"FAIL": "red", "error": "red", "not available": "yellow"}.get(row[-1])
+        table.add_row(*row, style=style)
+    console.print(table)
+    console.print("× previous: against the stage it extends (or, named, its nearest measured ancestor); "
+                  "FAIL / not available / error stages are not in the speedups.")
+    if (df["x_baseline_cross_run"] | df["x_previous_cross_run"]).any():
+        console.print(CROSS_RUN_NOTE)
+    if _any_not_significant(records, df):
+        console.print(NS_NOTE)
+    timed = [r for r in records if r.interleaved is not None]
+    spread = [r.stage for r in records if _spread_note(r)]
+    if spread and not timed:
+        console.print(f"{', '.join(spread)}: step times spread widely (likely bound by the host); their ratios depend "
+                      "on this machine's load: --interleave N times the stages again in alternation")
+    if timed:
+        e0 = timed[0].interleaved
+        console.print(f"timed in alternation ({_rounds_text(e0)} of {e0.block} steps, one process), paired: "
+                      + "; ".join(f"{r.stage} {r.interleaved.step_ms:.2f} ms"
+                                  + (f", {_ratio_cell(r.interleaved.x_previous, r.interleaved.previous_stage, r.interleaved.rounds)}"
+                                     if r.interleaved.x_previous is not None else "")
+                                  for r in timed))
+    what = "CPU op" if _is_cpu(records) else "GPU kernel"
+    for stage, parent, table in kernel_changes(records, rows=3):
+        moved = ", ".join(f"{k[:48]} {d:+.2f}" for k, d in table[["kernel", "delta_ms"]].values)
+        console.print(f"{stage} against {parent}, largest {what} changes (ms per step): {moved}")
+
+
+def _any_not_significant(records: list[StageRecord], df: pd.DataFrame) -> bool:
+    """Whether any speedup shown (the table's, or a paired one) is marked n.s."""
+    shown = (df["x_baseline_ns"] & df["x_baseline"].notna()) | (df["x_previous_ns"] & df["x_previous"].notna())
+    paired = any(NS_MARK in _ratio_cell(ratio, rounds=e.rounds)
+                 for r in records if (e := r.interleaved) is not None
+                 for ratio in (e.x_first if r.stage != e.first_stage else None, e.x_previous) if ratio is not None)
+    return bool(shown.any()) or paired
+
+
+def _md_table(headers: list[str], rows: list[list]) -> str:
+    esc = lambda v: str(v).replace("|", "\\|").replace("\n", " ")
+    lines = ["| " + " | ".join(map(esc, headers)) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(map(esc, r)) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+_LAUNCHERS = {"cached": "cached launcher (workbench.kernels._common.CachedLauncher)",
+              "triton": "Triton's kernel[grid] launcher", "interpreter": "Triton's CPU interpreter"}
+
+
+def _distinct(values) -> list:
+    return list(dict.fromkeys(values))
+
+
+def _is_cpu(records: list[StageRecord]) -> bool:
+    """Every record measured on the CPU."""
+    return all(not r.env.on_gpu for r in records)
+
+
+def run_label(records) -> str:
+    """What the run ran, for titles: the recipe's name when the records hold its whole chain (the default
+    `apply`, peers included), else the stages themselves ('baseline, amp' for `--stages baseline,amp`).
+    Takes StageRecords or the dicts apply holds."""
+    records = as_records(records)
+    recipe = str(records[0].recipe)
+    stages = [r.stage for r in records]
+    target = next((r for r in records if r.stage == recipe
+                   or (r.recipe_source and Path(r.recipe_source) == Path(recipe))), None)
+    chain = [c.name for c in target.chain] if target is not None else []
+    if target is not None and all(name in stages for name in chain):
+        return recipe
+    return ", ".join(stages)
+
+
+def _title(records: list[StageRecord]) -> str:
+    """What the table holds; a setting that differs between records is called mixed (the rows then name
+    their model and device)."""
+    models = _distinct(r.model for r in records)
+    devices = _distinct(r.env.device_name for r in records)
+    modes = _distinct("inference" if r.mode == "infer" else "training" for r in records)
+    batches = _distinct(r.batch for r in records)
+    if _is_cpu(records):
+        where = "CPU — not a GPU speed figure"
+    elif len(devices) == 1:
+        where = devices[0]
+    else:
+        where = f"mixed devices ({', '.join(devices)}; per row)" + (" — CPU rows are not GPU speed figures"
+                                                                   if "CPU" in devices else "")
+    model = models[0] if len(models) == 1 else "mixed models (per row)"
+    mode = modes[0] if len(modes) == 1 else "mixed modes"
+    batch = f"batch {batches[0]}" if len(batches) == 1 else f"batches {', '.join(map(str, batches))}"
+    return f"swinbench apply: {run_label(records)} — {model}, {mode}, {batch}, {where}"
+
+
+# ---------------------------------------------------------------- the Markdown report
+
+
+def category_share_frame(records) -> pd.DataFrame:
+    """Stages (rows, in order) x kernel categories (columns), percent of GPU kernel time; empty when
+    no stage was profiled. Columns are ordered by their largest share."""
+    rows = {r.stage: r.profile.category_share_pct for r in as_records(records)
+            if r.profile is not None and r.profile.category_share_pct}
+    if not rows:
+        return pd.DataFrame()
+    df = pd.DataFrame.from_dict(rows, orient="index").fillna(0.0)
+    return df[df.max().sort_values(ascending=False).index]
+
+
+def plot_category_shares(df: pd.DataFrame, path: Path, what: str = "GPU kernel time") -> Path:
+    """A stacked horizontal bar per stage of category shares of `what` ('GPU kernel time', 'CPU op
+    time'), written as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(df) + 1.6))
+    df.iloc[::-1].plot.barh(stacked=True, ax=ax, width=0.7, colormap="tab20")
+    ax.set_xlabel(f"share of {what} (%)")
+    ax.set_xlim(0, 100)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout()
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=120)
+    plt.close(fig)
+    return atomic_write_bytes(path, png.getvalue())
+
+
+def _stage_pass_lines(rec: StageRecord) -> list[str]:
+    """What the passes this stage adds (over the one it extends) changed, one line each."""
+    own, done = rec.stage_passes, rec.passes
+    tail = done[len(done) - len(own):] if own and len(done) >= len(own) else ()
+    if not own:
+        return ["no passes (the reference)"] if not rec.extends else ["no passes of its own"]
+    if not tail:
+        return [f"`{n}`: not applied ({rec.status})" for n in own]
+    return [f"`{p.name}`: {p.changed}" for p in tail]
+
+
+def activation_dtype_changes(records) -> list[str]:
+    """One line per stage whose activations are kept in another dtype than those of the stage it extends
+    (or its nearest ancestor in the run) at the same precision: a kernel swap that also changed precision."""
+    records = as_records(records)
+    by_name = {r.stage: r for r in records if r.activation_dtypes}
+    lines = []
+    for rec in records:
+        mine = rec.activation_dtypes
+        if not mine:
+            continue
+        ref = next((by_name[a] for a in rec.ancestors() if a in by_name), None)
+        if ref is None or ref.precision != rec.precision:
+            continue
+        theirs = ref.activation_dtypes
+        diff = [f"{part} {short_dtype(theirs[part])} -> {short_dtype(d)}" for part, d in mine.items()
+                if part in theirs and theirs[part] != d]
+        if diff:
+            lines.append(f"**{rec.stage}** keeps activations in other dtypes than **{ref.stage}** "
+                         f"at the same precision ({rec.precision}): {', '.join(diff)}. Part of its speed "
+                         "(and of its error against the baseline) may come from that precision, not from the kernels.")
+    return lines
+
+
+def _activation_dtype_lines(records: list[StageRecord]) -> list[str]:
+    recs = [r for r in records if r.activation_dtypes]
+    if not recs:
+        return []
+    parts = list(dict.fromkeys(p for r in recs for p in r.activation_dtypes))
+    rows = [[r.stage] + [short_dtype(r.activation_dtypes.get(p, "-")) for p in parts] for r in recs]
+    lines = ["## Activation dtypes", "",
+             "The output dtype of each part of the model in one forward under the stage's precision (the "
+             "residual stream between stages; `layers.N` is stage N+1).", "",
+             _md_table(["stage"] + parts, rows), ""]
+    changes = activation_dtype_changes(records)
+    if changes:
+        lines += [f"- {c}" for c in changes] + [""]
+    return lines
+
+
+def _gate_rows(records: list[StageRecord]) -> list[list[str]]:
+    rows = []
+    for rec in records:
+        g, m = rec.gate, rec.gate.metrics
+        logits = m.logits.rel_l2 if m.logits is not None else None
+        loss = m.loss.abs_diff if m.loss is not None else None
+        grads = {k: v.rel_l2 for k, v in m.grads.items()}
+        worst = max(grads.items(), key=lambda kv: -1 if kv[1] is None else kv[1], default=(None, None))
+        f = lambda x: "-" if x is None else f"{x:.2e}"
+        tol_txt = ", ".join(f"{k} {v:g}" for k, v in g.tolerance.items()) or "-"
+        worst_txt = f"{f(worst[1])} ({worst[0]})" if worst[0] else "-"
+        rows.append([rec.stage, g.status, rec.precision or "-", f(logits), f(loss), worst_txt, tol_txt, g.reason or ""])
+    return rows
+
+
+def kernel_ms_per_step(rec: StageRecord) -> float | None:
+    """GPU kernel time per step from the stage's profile (None when it was not profiled)."""
+    return rec.profile.kernel_ms_per_step if rec.profile is not None else None
+
+
+def _slower_why(rec: StageRecord, records: list[StageRecord], previous: str) -> str:
+    """Why a stage is slower than the stage it was compared with, from what was measured: if its GPU
+    kernel time per step went down while the wall step went up, the step is host-bound (launch overhead)."""
+    parent = next((r for r in records if r.stage == previous), None)
+    mine, theirs = kernel_ms_per_step(rec), kernel_ms_per_step(parent) if parent else None
+    if mine is None or theirs is None or rec.step_ms is None:
+        return ": look at its passes above and its kernel shares before keeping it"
+    if record_words([rec]).is_cpu:   # the launch-bound story below is about a GPU waiting on its host
+        return f": its CPU op time per step went from {theirs:.1f} to {mine:.1f} ms (step {rec.step_ms:.1f} ms)"
+    busy = 100.0 * mine / rec.step_ms
+    if mine < theirs:
+        return (f": its GPU kernel time per step fell from {theirs:.1f} to {mine:.1f} ms, but its step takes "
+                f"{rec.step_ms:.1f} ms, the GPU busy {busy:.0f}% of it, so the step is bound by the host "
+                "launching kernels (its fused kernels cost more host time per launch than the ops they "
+                "replace); a CUDA graph (the fmha-graph stage) or torch.compile removes that cost")
+    return f": its GPU kernel time per step rose from {theirs:.1f} to {mine:.1f} ms"
+
+
+SPREAD_NOTE_FRACTION = 0.05  # GPU step times whose IQR exceeds this share of the median get a note
+
+
+def _spread_note(rec: StageRecord) -> str | None:
+    """A note for a GPU stage whose step times spread widely. Steady steps are bound by the GPU; eager
+    steps bound by the host (launch overhead) vary with the CPU and whatever else runs on it."""
+    timing = rec.timing
+    if timing is None or timing.clock != "cuda-events" or len(timing.samples_ms) < 4:
+        return None
+    median, iqr, samples = timing.median_ms, timing.iqr_ms, timing.samples_ms
+    if iqr <= SPREAD_NOTE_FRACTION * median:
+        return None
+    return (f"{rec.stage}: step times spread from {min(samples):.1f} to {max(samples):.1f} ms (IQR "
+            f"{100.0 * iqr / median:.0f}% of the median): steps that vary this much are usually bound by the host "
+            "launching kernels, so its figure depends on this machine's CPU and load; replaying the step as a "
+            "CUDA graph (the -graph and -graphs stages) takes the host out"
+            + ("" if rec.interleaved is not None else
+               ", and `apply --interleave N` compares such stages in alternation, where the host's drift cancels"))
+
+
+def _notes(records: list[StageRecord], df: pd.DataFrame) -> list[str]:
+    notes = []
+    by_stage = {r.stage: r for r in df.itertuples()}
+    for rec in records:
+        r = by_stage.get(rec.stage)
+        if rec.status == "not available":
+            notes.append(f"**{rec.stage}** not available: {rec.error}")
+        elif rec.status == "error":
+            notes.append(f"**{rec.stage}** ended in an error: {rec.error}")
+        elif rec.gate.status == "FAIL":
+            notes.append(f"**{rec.stage}** FAILED the correctness gate ({rec.gate.reason}); "
+                         "it is left out of the speedups")
+        if r is not None and _isnum(r.x_previous) and r.x_previous < 1.0:
+            how = "the stage it extends" if r.previous_stage == rec.extends else "its nearest measured ancestor"
+            if r.x_previous_ns:   # no reason is drawn from a difference the spread covers
+                notes.append(f"**{rec.stage}** is slower than **{r.previous_stage}**, {how} "
+                             f"({r.x_previous:.2f}x, {NS_MARK}), by less than their step times spread: "
+                             "not a measured slowdown")
+            else:
+                notes.append(f"**{rec.stage}** is slower than **{r.previous_stage}**, {how} "
+                             f"({r.x_previous:.2f}x)" + _slower_why(rec, records, r.previous_stage))
+        spread = _spread_note(rec)
+        if spread:
+            notes.append(spread)
+        for n in rec.notes:
+            notes.append(f"{rec.stage}: {n}")
+        if rec.compile_s is not None:
+            notes.append(f"{rec.stage}: torch.compile took {rec.compile_s:.1f} s on its first step "
+                         "(excluded from step times)")
+    return notes
+
+
+def _fmt_ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _api_calls(rec: StageRecord, count) -> str:
+    """count(api_calls_per_step) of the stage's capture, formatted ('-' when not recorded)."""
+    per_step = rec.profile.api_calls_per_step if rec.profile is not None else None
+    return f"{count(per_step):,.0f}" if per_step else "-"
+
+
+def _busy(rec: StageRecord) -> str:
+    mine = kernel_ms_per_step(rec)
+    if mine is None or rec.step_ms is None:
+        return "-"
+    return f"{100.0 * mine / rec.step_ms:.0f}%"
+
+
+KERNEL_CHANGE_ROWS = 6  # kernels listed per stage in the report's stage-to-stage changes
+
+
+def kernel_changes(records, rows: int = KERNEL_CHANGE_ROWS) -> list[tuple[str, str, pd.DataFrame]]:
+    """(stage, compared_with, the `rows` kernels whose GPU ms per step changed most) for every profiled
+    stage whose nearest profiled ancestor in `records` (the stage it extends, then that one's chain) has a
+    per-kernel table too."""
+    from workbench.analysis.diff import join_per_unit
+
+    records = as_records(records)
+    frames = {r.stage: f for r in records if r.profile is not None and (f := r.profile.kernels_frame()) is not None}
+    out = []
+    for rec in records:
+        if rec.stage not in frames:
+            continue
+        parent = next((a for a in rec.ancestors() if a in frames and a != rec.stage), None)
+        if parent is not None:
+            out.append((rec.stage, parent, join_per_unit(frames[parent], frames[rec.stage], "kernel").head(rows)))
+    return out
+
+
+_BACKENDS = {"torch": "torch.profiler", "nsys": "Nsight Systems"}
+
+
+def _backend_names(records: list[StageRecord]) -> str:
+    """The capture backends of the profiled stages, as readers know them ('Nsight Systems', 'torch.profiler')."""
+    found = {r.profile.backend for r in records if r.profile is not None}
+    return ", ".join(sorted(_BACKENDS.get(b, b) for b in found))
+
+
+def _kernel_change_lines(records: list[StageRecord]) -> list[str]:
+    changes = kernel_changes(records)
+    if not changes:
+        return []
+    cpu = _is_cpu(records)
+    what, calls = ("CPU op", "calls") if cpu else ("GPU kernel", "launches")
+    lines = [f"## What changed in the {what.split()[0]} profile from stage to stage", "",
+             f"For each profiled stage, the {KERNEL_CHANGE_ROWS} {what}s whose time per step changed most "
+             "against the stage it extends (or its nearest profiled ancestor), from the two stages' captures "
+             f"({_backend_names(records)}; short names; `swinbench diff` on the two traces gives the full table).", ""]
+    if cpu:
+        lines += ["> CPU op times from torch.profiler, not GPU kernel times.", ""]
+    by_stage = {r.stage: r for r in records}
+    for stage, parent, table in changes:
+        mine, theirs = kernel_ms_per_step(by_stage[stage]), kernel_ms_per_step(by_stage[parent])
+        total = (f": {what} time {theirs:.1f} → {mine:.1f} ms per step"
+                 if mine is not None and theirs is not None else "")
+        rows = [[f"`{k}`" if len(k) <= 70 else f"`{k[:67]}...`", f"{b:.3f}", f"{a:.3f}", f"{d:+.3f}", f"{bn:.0f}", f"{an:.0f}"]
+                for k, b, a, d, bn, an in table[["kernel", "before_ms", "after_ms", "delta_ms", "before_n", "after_n"]].values]
+        lines += [f"**{stage}** against **{parent}**{total}", "",
+                  _md_table([what.split()[1], f"ms/step ({parent})", f"ms/step ({stage})", "change",
+                             f"{calls} ({parent})", f"{calls} ({stage})"], rows), ""]
+    return lines
+
+
+def _ratio_cell(r: PairedRatio | None, against: str | None = None, rounds: int | None = None) -> str:
+    if r is None or r.median is None:
+        return "-"
+    vs = f" vs {against}" if against else ""
+    ns = "" if paired_significant(r.q1, r.q3, rounds) else f" {NS_MARK}"
+    return f"{r.median:.2f}x{vs} ({r.q1:.2f}-{r.q3:.2f}){ns}"
+
+
+def _rounds_text(entry: Interleaved) -> str:
+    """'20 rounds', or '7 rounds (stopped early: 12 planned)' where the run ended before its last round."""
+    done, planned = entry.rounds, entry.rounds_planned
+    return f"{done} rounds" + (f" (stopped early: {planned} planned)" if done < planned else "")
+
+
+def _interleaved_lines(records: list[StageRecord]) -> list[str]:
+    """The `--interleave` table: the stages timed again in alternation in one process, with their paired
+    ratios (median and quartiles over the rounds)."""
+    timed = [r for r in records if r.interleaved is not None]
+    if not timed:
+        return []
+    il = timed[0].interleaved
+    first = il.first_stage
+    rows = []
+    for r in timed:
+        e = r.interleaved
+        rows.append([r.stage, fmt_step(e.step_ms, e.iqr_ms),
+                     "1.00x" if r.stage == first else _ratio_cell(e.x_first, rounds=e.rounds),
+                     _ratio_cell(e.x_previous, e.previous_stage, e.rounds)])
+    return ["## Timed in alternation", "",
+            f"After the stages ran, these {len(timed)} were built side by side in one process and timed again: "
+            f"{_rounds_text(il)} of {il.block} back-to-back steps of each stage, the order rotating from round "
+            "to round (`--interleave`). A paired ratio is the median over the rounds of one stage's round median "
+            "against another's, each pair taken seconds apart, so a host whose speed drifts between stages does not "
+            "move it; in brackets, its quartiles over the rounds. Where a stage is bound by the host, prefer these "
+            "ratios to the table above, whose stages ran minutes apart.", "",
+            _md_table(["stage", "step ms (median ± IQR, interleaved)", f"× {first} (paired)", "× previous (paired)"], rows),
+            ""]
+
+
+def _env_value(records: list[StageRecord], key: str, missing: str = "-") -> str:
+    """An env field as the configuration table shows it: its value, or the distinct values where the
+    records differ."""
+    values = _distinct(getattr(r.env, key) for r in records)
+    return ", ".join(missing if v is None else str(v) for v in values)
+
+
+def _config_rows(records: list[StageRecord]) -> list[tuple[str, object]]:
+    env = records[0].env
+    timing = next((r.timing for r in records if r.timing is not None), None)
+    devices = _distinct(device_label(r.env.to_dict()) for r in records)
+    launchers = _distinct(r.env.triton_launcher for r in records if r.env.triton_launcher)
+    settings = _distinct(", ".join(f"{k}={v}" for k, v in r.env.swinbench_env.items())
+                         for r in records if r.env.swinbench_env)
+    distinct = lambda values: ", ".join(map(str, _distinct(values)))
+    multi_run = len({r.run_id for r in records}) > 1
+    return [
+        ("device", "; ".join(devices) if len(devices) == 1 else "mixed: " + "; ".join(devices)),
+        ("GPU", _env_value(records, "gpu", "none (CPU)")), ("driver", _env_value(records, "driver")),
+        ("CUDA", _env_value(records, "cuda")), ("torch", _env_value(records, "torch")),
+        ("triton", _env_value(records, "triton")), ("timm", _env_value(records, "timm")),
+        ("python", _env_value(records, "python")),
+        *([("Triton launches (eager)", ", ".join(_LAUNCHERS.get(v, v) for v in launchers))] if launchers else []),
+        *([("settings", "; ".join(settings))] if settings else []),
+        ("model", distinct(r.model for r in records)), ("mode", distinct(r.mode for r in records)),
+        ("batch", distinct(r.batch for r in records)),
+        ("precision per stage", ", ".join(f"{r.stage}{f' ({r.run_id})' if multi_run else ''}={r.precision}"
+                                          for r in records)),
+        ("timed steps / warm-up", f"{timing.repeats} / {timing.warmup} ({timing.clock} clock)" if timing
+         else "- / - (- clock)"),
+        ("seed", distinct(r.seed for r in records)), ("date", env.date or "-"), ("host", _env_value(records, "host")),
+        ("run", ", ".join(sorted({r.run_id for r in records}))),
+        ("recipe", distinct(r.recipe for r in records)),
+    ]
+
+
+def render_report(records, out_path_md: Path, note: str | None = None) -> Path:
+    """Write the Markdown report (and, if stages were profiled, `<name>-categories.png` beside it)
+    from stage records alone -> the .md path. note: a line quoted under the title (a run that did not
+    finish says so)."""
+    if not records:
+        raise UserError("no stage records to report")
+    records = as_records(records)
+    out_path_md = Path(out_path_md)
+    df = speedup_table(records)
+    first = records[0]
+    lines = [f"# {_title(records)}", ""] + ([f"> {note}", ""] if note else [])
+    if _is_cpu(records):
+        lines += ["> **CPU — not a GPU speed figure.** These numbers come from the CPU (no GPU was used): "
+                  "they show the workflow and the correctness gate, not what the recipes do on a GPU.", ""]
+    elif any(not r.env.on_gpu for r in records):
+        lines += ["> **Rows measured on the CPU (device column) are not GPU speed figures**, and speedups are "
+                  "only taken between records of the same device.", ""]
+    lines += [_md_table(table_headers(df), display_rows(df)), "",
+              "img/s = batch / median step time. × previous compares a stage with the stage it extends or, where "
+              "that stage was not measured, with its nearest measured ancestor (named). "
+              "Stages that fail the correctness gate, are not available or ended in an error are not in the speedups."
+              + (" " + CROSS_RUN_NOTE if (df["x_baseline_cross_run"] | df["x_previous_cross_run"]).any() else "")
+              + (" " + NS_NOTE if _any_not_significant(records, df) else ""),
+              ""]
+    lines += _interleaved_lines(records)
+    lines += ["## Configuration", "", _md_table(["", ""], [[k, v] for k, v in _config_rows(records)]), ""]
+
+    shares = category_share_frame(records)
+    w = record_words(records)
+    if not shares.empty:
+        png = plot_category_shares(shares, out_path_md.with_name(out_path_md.stem + "-categories.png"), w.time)
+        by_stage = {r.stage: r for r in records}
+        rows = [[stage, _fmt_ms(kernel_ms_per_step(by_stage[stage])), _busy(by_stage[stage]),
+                 _api_calls(by_stage[stage], lambda c: float(c.get("launch", 0.0))),
+                 _api_calls(by_stage[stage], blocking_calls)]
+                + [f"{v:.1f}" for v in shares.loc[stage]] for stage in shares.index]
+        busy_why = ("" if w.is_cpu else " A stage far under 100% busy is bound by the host launching kernels.")
+        lines += [f"## {w.time} by category (%)", "",
+                  f"{w.op.capitalize()} ms/step: {w.time} per step in the stage's capture ({_backend_names(records)}); "
+                  f"{w.device} busy: that over the measured step time.{busy_why} "
+                  "Launches / sync+alloc: host CUDA API calls per step in the capture (kernel launches; "
+                  "synchronizing and allocating calls, each of which can stall the launch queue"
+                  + ("; none on the CPU)." if w.is_cpu else ")."), "",
+                  _md_table(["stage", f"{w.op} ms/step", f"{w.device} busy", "launches/step", "sync+alloc/step",
+                             *shares.columns], rows), "",
+                  f"![{w.unit}-category shares per stage]({png.name})", ""]
+    elif any(n.startswith("profile") for r in records for n in r.notes):
+        lines += [f"## {w.time} by category", "", f"Profiling was asked for but gave no {w.time} shares "
+                  "(see Notes).", ""]
+    else:
+        lines += [f"## {w.time} by category", "", "Not profiled (run `swinbench apply --profile`).", ""]
+
+    lines += _kernel_change_lines(records)
+    lines += ["## What each stage changed", ""]
+    for rec in records:
+        ext = f" (extends {rec.extends})" if rec.extends else ""
+        lines.append(f"- **{rec.stage}**{ext}: {rec.description}")
+        lines += [f"  - {t}" for t in _stage_pass_lines(rec)]
+        if rec.optimizer and rec.mode != "infer":
+            lines.append(f"  - optimizer: {rec.optimizer}")
+    lines.append("")
+    what = "One forward" if first.mode == "infer" else "One forward + backward"
+    lines += ["## Correctness gate", "",
+              f"{what} on the same seed and batch, against the fp32 baseline (relative L2 error; "
+              "loss: absolute difference).", "",
+              _md_table(["stage", "gate", "precision", "logits rel L2", "loss diff", "worst grad rel L2", "tolerance",
+                         "reason"], _gate_rows(records)), ""]
+    lines += _activation_dtype_lines(records)
+    notes = _notes(records, df)
+    if notes:
+        lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    return atomic_write_text(out_path_md, "\n".join(lines))
+
+
+def default_report_path(paths: list[Path]) -> Path:
+    """report.md beside the records: for `<run>/records` (the folder apply writes), `<run>/report.md`."""
+    p = Path(paths[0])
+    folder = p if p.is_dir() else p.parent
+    if folder.name == "records":
+        folder = folder.parent
+    return folder / "report.md"
+
+
+def render_report_from_paths(paths: list[Path], out: Path | None = None) -> Path:
+    """`swinbench report RECORDS...`: read stored records (files or folders) and write the report."""
+    records = read_records(paths)
+    return render_report(records, Path(out) if out else default_report_path(list(paths)))
