@@ -22,7 +22,7 @@ from workbench.run_folder import LOCK_NAME
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).parent / "data"
 FP32, BF16 = DATA / "swin_tiny_train_fp32.sqlite.xz", DATA / "swin_tiny_train_bf16.sqlite.xz"
-COMMITTED_RUN = ROOT / "reports" / "h200-swin_base-b64-fmha"
+COMMITTED_RUN = ROOT / "reports" / "cpu-tiny-b8-train"
 runner = CliRunner()
 
 
@@ -73,7 +73,7 @@ def test_apply_refuses_another_plans_run_and_changes_nothing(tmp_path):
         assert result.exit_code == 2, result.output
         line = one_line(result)
         assert "--overwrite moves it aside to" in line and "--resume continues" not in line
-        assert "batch 64 there vs 1" in line and "recipe 'fmha' there vs 'baseline'" in line
+        assert "batch 8 there vs 1" in line and "recipe 'fmha' there vs 'baseline'" in line
         assert folder_digest(out) == before and sorted(tmp_path.iterdir()) == [out]
 
 

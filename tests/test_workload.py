@@ -113,7 +113,7 @@ def test_environment_stamp_names_device_versions_and_commit():
     assert "no GPU" in device_label(stamp)
 
 
-def test_source_digest_follows_the_code_not_the_commit(tmp_path, monkeypatch):
+def test_source_digest_follows_the_code_not_the_commit(tmp_path):
     """The digest names the code that ran: stable for the same files, different when one changes."""
     import shutil
 
@@ -124,8 +124,7 @@ def test_source_digest_follows_the_code_not_the_commit(tmp_path, monkeypatch):
                     ignore=shutil.ignore_patterns("__pycache__"))
     (root / "cli.py").write_text("# cli\n")
     (root / "recipes").mkdir()
-    monkeypatch.setattr(env, "__file__", str(root / "workbench" / "env.py"))
-    first = env.source_digest()
-    assert first == env.source_digest() and len(first) == 12
+    first = env.source_digest(root)
+    assert first == env.source_digest(root) and len(first) == 12
     (root / "recipes" / "mine.yaml").write_text("name: mine\nextends: amp\n")
-    assert env.source_digest() != first
+    assert env.source_digest(root) != first

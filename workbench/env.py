@@ -49,15 +49,13 @@ def _git_revision() -> str | None:
     return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
-def source_digest() -> str:
-    """sha256 (first 12 hex digits) of the code that measures: every .py under workbench/, cli.py and the
-    recipes' YAML, by relative path and content. Unlike the commit it names the code that ran even in a
+def source_digest(root=SOURCE_ROOT) -> str:
+    """sha256 (first 12 hex digits) of the code that measures: every .py under root/workbench/, cli.py and
+    the recipes' YAML, by relative path and content (root: the folder that holds the package). Unlike the commit it names the code that ran even in a
     copied or uncommitted tree (the GPU machine gets a copy of the working tree, not its commits): two
     records with the same digest ran the same swinbench code."""
     import hashlib
-    from pathlib import Path
 
-    root = SOURCE_ROOT
     files = sorted([*root.joinpath("workbench").rglob("*.py"), root / "cli.py", *root.joinpath("recipes").glob("*.yaml")])
     h = hashlib.sha256()
     for f in files:

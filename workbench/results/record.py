@@ -455,8 +455,14 @@ class StageRecord:
 
 
 def as_records(items) -> list[StageRecord]:
-    """StageRecords as they are; dicts (records being built in memory) through `StageRecord.from_dict`."""
-    return [r if isinstance(r, StageRecord) else StageRecord.from_dict(r) for r in items]
+    """StageRecords as they are; dicts (records being built in memory) as `write_record` would write them
+    (through JSON: tuples become lists) and then `StageRecord.from_dict`."""
+    return [r if isinstance(r, StageRecord) else StageRecord.from_dict(_as_json(r)) for r in items]
+
+
+def _as_json(record: dict) -> dict:
+    """A record dict as it reads back from its file: passed through JSON, values JSON cannot hold as strings."""
+    return json.loads(json.dumps({k: v for k, v in record.items() if k != "_path"}, default=str))
 
 
 # ---------------------------------------------------------------- validation
@@ -902,8 +908,7 @@ def write_record(record: StageRecord | dict, folder: Path) -> Path:
     A dict is first passed through JSON (values JSON cannot hold become strings) and `from_dict`, so that
     nothing is written that `read_records` would refuse: a record that does not validate raises UserError."""
     if not isinstance(record, StageRecord):
-        data = {k: v for k, v in record.items() if k != "_path"}
-        record = StageRecord.from_dict(json.loads(json.dumps(data, default=str)), source=f"being written to {folder}")
+        record = StageRecord.from_dict(_as_json(record), source=f"being written to {folder}")
     path = Path(folder) / record.file_name
     atomic_write_text(path, json.dumps(record.to_dict(), indent=2) + "\n")
     return path
