@@ -78,7 +78,9 @@ def test_readme_commands_run_on_a_cpu_and_leave_the_tree_clean(tmp_path):
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True, capture_output=True)
     commands = runnable(readme_commands((clone / "README.md").read_text()))
     assert commands and not any(PLACEHOLDER.search(c) for c in commands)
-    env = {**os.environ, "PYTHONPATH": str(clone), "PYTHONDONTWRITEBYTECODE": "1", "COLUMNS": "120"}
+    # as a user runs them: without the test session's Triton interpreter (conftest sets it on a CPU)
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
+           "PYTHONPATH": str(clone), "PYTHONDONTWRITEBYTECODE": "1", "COLUMNS": "120"}
     for command in commands:
         args = shlex.split(command, comments=True)[1:]
         proc = subprocess.run([sys.executable, "cli.py", *args], cwd=clone, env=env, capture_output=True,
