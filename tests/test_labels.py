@@ -171,7 +171,7 @@ def test_apply_off_a_terminal_prints_a_line_per_stage(tmp_path, monkeypatch):
     """CliRunner's output is not a terminal: no bars, one line as each stage starts and ends, and on the CPU
     the stages are timed again in alternation by default (its timing is test_interleave's; stubbed here)."""
     calls = []
-    monkeypatch.setattr(apply_mod, "_interleave", lambda *a, **k: calls.append((a[3], k)))
+    monkeypatch.setattr(apply_mod, "_interleave", lambda *a, **k: calls.append((a[3], a[7].plain, k)))
     result = runner.invoke(app, ["apply", "--device", "cpu", "--steps", "1", "--warmup", "0", "--batch", "1",
                                  "--stages", "baseline,amp", "--out", str(tmp_path / "run")])
     assert result.exit_code == 0, result.output
@@ -182,7 +182,7 @@ def test_apply_off_a_terminal_prints_a_line_per_stage(tmp_path, monkeypatch):
     assert lines[start + 3].startswith("stage 2/2 amp: ok, ") and lines[start + 3].endswith("img/s, gate PASS")
     assert "timed again in alternation after they run (3 rounds; --interleave 0 turns it off" in " ".join(result.output.split())
     assert "timing the stages again in alternation: 3 rounds" in lines
-    assert calls == [(apply_mod.CPU_INTERLEAVE_ROUNDS, {"plain": True, "asked": False})]
+    assert calls == [(apply_mod.CPU_INTERLEAVE_ROUNDS, True, {"asked": False})]   # rounds, plain lines
     assert "stages ━" not in result.output and "0:00:" not in result.output   # no progress bar in a log
     assert "swinbench apply: baseline, amp — swinbench_tiny_cpu" in result.output
     assert "swinbench_tiny_cpu's CPU step times" in result.output
@@ -196,6 +196,7 @@ def test_interleaved_rounds_print_a_line_each_off_a_terminal(tmp_path):
     from rich.console import Console
 
     from workbench.ladder.apply import _interleave
+    from workbench.ladder.progress import LadderProgress
 
     console = Console(file=io.StringIO(), width=100)
     records = [stage_record(0, "baseline", None, 10.0, 1.0), stage_record(1, "amp", "baseline", 9.0, 1.0)]
@@ -212,5 +213,5 @@ def test_interleaved_rounds_print_a_line_each_off_a_terminal(tmp_path):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(apply_mod, "run_interleaved_spec", two_rounds)
         mp.setattr(apply_mod, "asdict", lambda c: {})
-        _interleave(records, specs, None, 2, False, tmp_path, console, None, plain=True, asked=False)
+        _interleave(records, specs, None, 2, False, tmp_path, console, LadderProgress(console, True, 2), asked=False)
     assert console.file.getvalue().splitlines() == ["interleaved round 1/2 done", "interleaved round 2/2 done"]

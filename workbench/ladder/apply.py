@@ -48,6 +48,7 @@ from workbench.optimize.gate import (GateOutputs, activation_dtypes, capture_par
                    weights_digest)
 from workbench.models import check_model_name, default_model_for
 from workbench.ladder.interleave import InterleaveSpec, add_round, apply_chain, interleaved_entries, run_interleaved_spec, spec_json
+from workbench.ladder.progress import LadderProgress
 from workbench.files import atomic_write_text
 from workbench.results.record import SCHEMA, read_record, write_record
 from workbench.optimize.recipes import StagePlan, as_jsonable, effective_passes, gate_tolerance, plan_stages, resolve_chain
@@ -345,12 +346,11 @@ def _run_isolated(spec: StageSpec, on_event: Callable[[dict], None]) -> dict:
 
 
 def _interleave(records: list[dict], specs: list[StageSpec], config: WorkloadConfig, rounds: int, isolate: bool,
-                out_dir: Path, console, bar, *, plain: bool = False, asked: bool = True) -> None:
+                out_dir: Path, console, shown: LadderProgress, *, asked: bool = True) -> None:
     """Time every measured stage that passed its gate again, in alternation in one process
     (`interleave.py`), and add each one's `interleaved` entry to its record. The records and the report
     are rewritten after every round, so a run stopped part-way (a time limit, an error, Ctrl-C) keeps the
-    rounds it timed. plain: one line per round on the console (no bar: output that is not a terminal);
-    asked: the user asked for it (else it is the CPU's default, skipped quietly with fewer than two stages)."""
+    rounds it timed. shown: the run's progress display; asked: the user asked for it (else it is the CPU's default, skipped quietly with fewer than two stages)."""
     chosen = [(spec, rec) for spec, rec in zip(specs, records)
               if rec["status"] == "ok" and rec["gate"]["status"] != "FAIL" and rec.get("step_ms") is not None]
     if len(chosen) < 2:
@@ -361,7 +361,7 @@ def _interleave(records: list[dict], specs: list[StageSpec], config: WorkloadCon
                            config=asdict(config), rounds=rounds)
     from workbench.results.report import render_report
 
-    task = bar.add_task("  interleaved rounds", total=rounds) if bar is not None else None
+    shown.start_rounds(rounds)
     seen: dict[str, dict] = {}  # the rounds timed so far, from the events
     done = 0
 
@@ -378,14 +378,7 @@ def _interleave(records: list[dict], specs: list[StageSpec], config: WorkloadCon
         if event.get("event") == "round" and event.get("samples_ms"):
             done = add_round(seen, event["samples_ms"])
             save(seen, done)
-        if plain and event.get("event") == "round":
-            _line(console, f"interleaved round {event.get('i', 0) + 1}/{rounds} done")
-        if bar is None:
-            return
-        if event.get("event") == "round":
-            bar.advance(task)
-        elif event.get("event") == "build":
-            bar.update(task, description=f"  interleaved: building {event['stage']}")
+        shown.round_event(event)
 
     error = None
     try:
@@ -407,8 +400,7 @@ def _interleave(records: list[dict], specs: list[StageSpec], config: WorkloadCon
         error = f"out of memory with {len(chosen)} stages built at once"
     except Exception as exc:  # the stages' own records are already written; this phase only adds to them
         error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
-    if bar is not None:
-        bar.update(task, visible=False)
+    shown.end_rounds()
     if error:
         kept = (f"; the {done} of {rounds} rounds timed before it stopped are in the records" if done
                 else "; the stages' own timings stand")
@@ -629,61 +621,36 @@ def _run_claimed(claim: FolderClaim, recipe: str, plans: list[StagePlan], config
                       f"({', '.join(name for _, name in sorted(kept))})")
 
     records: list[dict] = []
-    plain = progress and not console.is_terminal   # a CI log: one line per stage as it starts and ends
     planned = {(spec.stage_index, spec.stage) for spec in specs}
 
     def finished_now() -> list[dict]:   # after Ctrl-C: the records on disk, else those this process holds
         return _finished_on_disk(records_dir, run_id, planned) or _finished(records, kept)
 
-    with _report_if_interrupted(finished_now, len(specs), out_dir), _progress(console, progress and not plain) as bar:
-        run_task = bar.add_task("stages", total=len(specs)) if bar is not None else None
+    with _report_if_interrupted(finished_now, len(specs), out_dir), \
+            LadderProgress(console, progress, len(specs)) as shown:
         reference = None
         for spec in specs:
-            step_task = bar.add_task(f"  {spec.stage}", total=warmup + steps) if bar is not None else None
-
-            def on_event(event, _task=step_task, _stage=spec.stage):
-                kind = event.get("event")
-                if plain and kind == "profile":
-                    _line(console, f"stage {_stage}: profiling")
-                if bar is None:
-                    return
-                if kind == "step":
-                    bar.advance(_task)
-                elif kind in ("reference", "gate", "profile"):
-                    bar.update(_task, description=f"  {_stage}: {kind}")
-                elif kind == "done":
-                    bar.update(_task, description=f"  {_stage}: {event.get('status')}")
-
-            if plain:
-                _line(console, f"stage {spec.stage_index + 1}/{len(specs)} {spec.stage}: started")
+            shown.start_stage(spec.stage_index, spec.stage, warmup + steps)
             if (spec.stage_index, spec.stage) in kept:
                 record = kept[(spec.stage_index, spec.stage)]
-                if bar is not None:
-                    bar.update(step_task, description=f"  {spec.stage}: kept from the earlier run")
+                shown.note("kept from the earlier run")
             elif isolate:
-                record = _run_isolated(spec, on_event)
+                record = _run_isolated(spec, shown.event)
             else:
                 if reference is None:
-                    if bar is not None:
-                        bar.update(step_task, description=f"  {spec.stage}: reference")
+                    shown.note("reference")
                     reference = compute_reference(config)
-                record = run_stage(spec, reference, on_event)
+                record = run_stage(spec, reference, shown.event)
             records.append(record)
-            if plain:
-                _line(console, f"stage {spec.stage_index + 1}/{len(specs)} {spec.stage}: {_outcome(record)}")
+            shown.end_stage(spec.stage_index, spec.stage, record)
             finished = _finished(records, kept)   # the report holds what has finished, should the run stop here
             render_report(finished, out_dir / "report.md",
                           note=_unfinished_note(len(finished), len(specs)) if len(finished) < len(specs) else None)
-            if bar is not None:
-                bar.update(step_task, visible=False)
-                bar.advance(run_task)
         if interleave:
             reference = None
             _free_device_memory()
-            if plain:
-                _line(console, f"timing the stages again in alternation: {interleave} rounds")
-            _interleave(records, specs, config, interleave, isolate, out_dir, console, bar, plain=plain,
-                        asked=asked_interleave)
+            shown.line(f"timing the stages again in alternation: {interleave} rounds")
+            _interleave(records, specs, config, interleave, isolate, out_dir, console, shown, asked=asked_interleave)
 
     report_path = render_report(records, out_dir / "report.md")
     render_speedup_table(records, console)
@@ -701,20 +668,6 @@ def _run_claimed(claim: FolderClaim, recipe: str, plans: list[StagePlan], config
         err.result = result   # for callers that want the records anyway
         raise err
     return result
-
-
-def _line(console, text: str) -> None:
-    """One plain progress line (no markup, no wrapping), for output that is not a terminal."""
-    console.print(text, markup=False, highlight=False, soft_wrap=True)
-
-
-def _outcome(record: dict) -> str:
-    """A finished stage in a few words: 'ok, 21.0 img/s, gate PASS' or 'error: ...'."""
-    if record.get("status") != "ok":
-        return f"{record.get('status')}" + (f": {record['error']}" if record.get("error") else "")
-    rate = record.get("img_per_s")
-    rate = f"{rate:,.1f} img/s" if isinstance(rate, (int, float)) else "not timed"
-    return f"ok, {rate}, gate {(record.get('gate') or {}).get('status', 'SKIP')}"
 
 
 def _finished(records: list[dict], kept: dict[tuple[int, str], dict]) -> list[dict]:
@@ -769,23 +722,6 @@ def _report_if_interrupted(finished_now: Callable[[], list[dict]], total: int, o
                               f"{out_dir / 'records'}, report {report}") from None
         raise Interrupted(f"interrupted after {len(finished)} of {total} stages: their records are in "
                           f"{out_dir / 'records'}, report {report} (--resume runs the rest)") from None
-
-
-class _NoProgress:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _progress(console, enabled: bool):
-    if not enabled:
-        return _NoProgress()
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=console, transient=False)
 
 
 if __name__ == "__main__":
