@@ -125,13 +125,13 @@ def test_traced_launches_pass_the_kernels_defaults():
     k = win._norm_partition_bwd_kernel
     given = {"PDL": True, "ROW_SUMS": True}
     filled = with_kernel_defaults(k, tuple(range(9)), given)
-    assert filled == {"PDL": True, "ROW_SUMS": True, "DIAG": 0, "SLOTS": 1, "PDL_EARLY": False}
+    assert filled == {"PDL": True, "ROW_SUMS": True, "SLOTS": 1, "PDL_EARLY": False}
     assert given == {"PDL": True, "ROW_SUMS": True}  # the caller's dict is left alone
     # a default passed positionally counts as given
     import inspect
     names = list(inspect.signature(k.fn).parameters)
-    n = names.index("DIAG") + 1
-    assert "DIAG" not in with_kernel_defaults(k, tuple(range(n)), {})
+    n = names.index("SLOTS") + 1
+    assert "SLOTS" not in with_kernel_defaults(k, tuple(range(n)), {})
 
 
 def test_traced_launches_leave_autotuned_arguments_to_the_autotuner():

@@ -119,8 +119,7 @@ def _triton_version() -> str | None:
     return getattr(triton, "__version__", None)
 
 
-# Whether eager launches go through the cached launcher in this process (benchmarks/bench_host.py sets it
-# to time both in one process).
+# Whether eager launches go through the cached launcher in this process.
 FAST_LAUNCH = fast_launch_default(debug_env("SWINBENCH_FAST_LAUNCH"), _triton_version())
 
 

@@ -244,7 +244,7 @@ def _norm_partition_bwd_kernel(
     H: tl.constexpr, W: tl.constexpr, n_win_h: tl.constexpr, n_win_w: tl.constexpr,
     shift_h: tl.constexpr, shift_w: tl.constexpr, WS: tl.constexpr, SOFT_RTNE: tl.constexpr, ATOMIC: tl.constexpr,
     HAS_DS: tl.constexpr, MERGE: tl.constexpr, STAGES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    PDL: tl.constexpr = False, DIAG: tl.constexpr = 0, ROW_SUMS: tl.constexpr = False, SLOTS: tl.constexpr = 1,
+    PDL: tl.constexpr = False, ROW_SUMS: tl.constexpr = False, SLOTS: tl.constexpr = 1,
     PDL_EARLY: tl.constexpr = False,
 ):
     """LayerNorm backward with the gradient gathered from window order (d of the partition), plus, with
@@ -269,9 +269,6 @@ def _norm_partition_bwd_kernel(
 
     PDL_EARLY: release the next kernel at the start instead of after the last store, where that kernel is
     the small one of _common.sum_partials (it waits for this grid to complete all the same).
-
-    DIAG (benchmarks/diag_norm_backward.py only; wrong results): 1 drops the column sums, 2 the dx stores,
-    3 the LayerNorm arithmetic (dx = g + x), to see what each costs.
     """
     pdl_enter(PDL)
     if PDL_EARLY:  # the next kernel is the small one that adds up these sums: let it get resident now
@@ -304,14 +301,10 @@ def _norm_partition_bwd_kernel(
         x = tl.load(x_ptr + x_off, mask=cur_mask, other=0.0).to(tl.float32)
         mean = tl.load(mean_ptr + s, mask=s_mask, other=0.0)
         rstd = tl.load(rstd_ptr + s, mask=s_mask, other=0.0)
-        if DIAG == 3:
-            dx, dw_t, db_t = g + x, g * mean[:, None], x * rstd[:, None]
-        else:
-            dx, dw_t, db_t = _norm_bwd_tile(g, x, w, mean, rstd, cur_mask, C)
+        dx, dw_t, db_t = _norm_bwd_tile(g, x, w, mean, rstd, cur_mask, C)
         if HAS_DS:
             dx += tl.load(ds_ptr + x_off, mask=cur_mask, other=0.0).to(tl.float32)
-        if DIAG != 2:
-            tl.store(dx_ptr + x_off, to_dtype(dx, dx_ptr.dtype.element_ty, SOFT_RTNE), mask=cur_mask)
+        tl.store(dx_ptr + x_off, to_dtype(dx, dx_ptr.dtype.element_ty, SOFT_RTNE), mask=cur_mask)
         if MERGE:
             tl.store(dwo_ptr + win_off, to_dtype(dx, dwo_ptr.dtype.element_ty, SOFT_RTNE), mask=cur_mask)
         if ROW_SUMS:
@@ -320,15 +313,14 @@ def _norm_partition_bwd_kernel(
         else:
             dw_acc += dw_t
             db_acc += db_t
-    if DIAG != 1:
-        if not ROW_SUMS:
-            dw_acc = tl.sum(dw_acc, axis=0)
-            db_acc = tl.sum(db_acc, axis=0)
-        slot_ptr = sums_ptr
-        if SLOTS > 1:  # atomic adds spread over SLOTS rows of sums: fewer queued on each address
-            slot_ptr += (pid % SLOTS) * 2 * C
-        emit_column_sum(slot_ptr, pid, 2 * C, c, dw_acc, c_mask, ATOMIC)
-        emit_column_sum(slot_ptr, pid, 2 * C, C + c, db_acc, c_mask, ATOMIC)
+    if not ROW_SUMS:
+        dw_acc = tl.sum(dw_acc, axis=0)
+        db_acc = tl.sum(db_acc, axis=0)
+    slot_ptr = sums_ptr
+    if SLOTS > 1:  # atomic adds spread over SLOTS rows of sums: fewer queued on each address
+        slot_ptr += (pid % SLOTS) * 2 * C
+    emit_column_sum(slot_ptr, pid, 2 * C, c, dw_acc, c_mask, ATOMIC)
+    emit_column_sum(slot_ptr, pid, 2 * C, C + c, db_acc, c_mask, ATOMIC)
     if not PDL_EARLY:
         pdl_exit(PDL)
 
