@@ -150,3 +150,13 @@ def test_an_output_folder_that_is_a_file_or_cannot_be_made(tmp_path):
         claim_run_folder(tmp_path / "file", command="test")
     with pytest.raises(UserError, match="cannot create the output folder"):
         claim_run_folder(tmp_path / "file" / "run", command="test")
+
+
+def test_an_empty_records_folder_is_not_a_run(tmp_path):
+    """A folder whose only run-like entry is an empty `records/` holds nothing measured: a run may use it."""
+    from workbench.run_folder import run_entries
+
+    (tmp_path / "records").mkdir()
+    assert run_entries(tmp_path) == []
+    (tmp_path / "records" / "00-baseline.json").write_text("{}")
+    assert run_entries(tmp_path) == [tmp_path / "records"]

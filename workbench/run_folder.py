@@ -45,15 +45,16 @@ RUN_ENTRY_PATTERNS = (
 
 def run_entries(folder: Path) -> list[Path]:
     """The entries of `folder` that a swinbench run wrote (RUN_ENTRY_PATTERNS), sorted; [] when the
-    folder does not exist."""
+    folder does not exist. An empty folder among them holds nothing measured and does not count."""
     try:
         names = sorted(os.listdir(folder))
     except (FileNotFoundError, NotADirectoryError):
         return []
     except OSError as exc:
         raise UserError(f"cannot read the output folder {folder}: {exc.strerror or exc}") from None
-    return [Path(folder) / n for n in names
-            if n != LOCK_NAME and any(fnmatch.fnmatchcase(n, p) for p in RUN_ENTRY_PATTERNS)]
+    entries = [Path(folder) / n for n in names
+               if n != LOCK_NAME and any(fnmatch.fnmatchcase(n, p) for p in RUN_ENTRY_PATTERNS)]
+    return [e for e in entries if not (e.is_dir() and not any(e.iterdir()))]
 
 
 def check_writable_folder(folder) -> None:
