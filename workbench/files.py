@@ -40,6 +40,24 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     return atomic_write_bytes(path, text.encode("utf-8"))
 
 
+def read_text_bounded(path: str | os.PathLike, what: str, max_bytes: int) -> str:
+    """The UTF-8 text of a file the user gave, read only up to `max_bytes`; UserError (one line naming
+    `what` and the file) when it cannot be read, is larger, or is not UTF-8."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(max_bytes + 1)
+    except OSError as exc:
+        raise UserError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    if len(data) > max_bytes:
+        size = f"{max_bytes >> 20} MiB" if max_bytes >= 1 << 20 else f"{max_bytes >> 10} KiB"
+        raise UserError(f"{what} {path} is larger than {size}; not read")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{what} {path} is not UTF-8 text (byte {exc.start})") from None
+
+
 MAX_YAML_BYTES = 1 << 20
 MAX_YAML_ALIASES = 100
 MAX_YAML_NODES = 100_000
@@ -55,17 +73,7 @@ def load_yaml_file(path: str | os.PathLike, what: str):
     from workbench.errors import yaml_error_text
 
     path = Path(path)
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read(MAX_YAML_BYTES + 1)
-    except OSError as exc:
-        raise UserError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
-    if len(data) > MAX_YAML_BYTES:
-        raise UserError(f"{what} {path} is larger than {MAX_YAML_BYTES // 1024} KiB; not read")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise UserError(f"{what} {path} is not UTF-8 text (byte {exc.start})") from None
+    text = read_text_bounded(path, what, MAX_YAML_BYTES)
 
     class _BoundedLoader(yaml.SafeLoader):
         aliases = 0

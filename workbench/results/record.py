@@ -70,7 +70,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from workbench.errors import UserError
-from workbench.files import atomic_write_text, short_repr
+from workbench.files import atomic_write_text, read_text_bounded, short_repr
 
 SCHEMA = "swinbench.stage/2"
 READABLE_SCHEMAS = ("swinbench.stage/1", SCHEMA)
@@ -933,17 +933,9 @@ def _record_files(paths) -> list[Path]:
 def read_record(path: Path) -> StageRecord:
     """One record file -> StageRecord; UserError (one line) for anything unreadable or invalid."""
     path = Path(path)
+    text = read_text_bounded(path, "record", MAX_RECORD_BYTES)
     try:
-        with open(path, "rb") as fh:
-            data = fh.read(MAX_RECORD_BYTES + 1)
-    except OSError as exc:
-        raise UserError(f"cannot read record {path}: {exc.strerror or exc}") from None
-    if len(data) > MAX_RECORD_BYTES:
-        raise UserError(f"record {path} is larger than {MAX_RECORD_BYTES >> 20} MiB; not read")
-    try:
-        parsed = json.loads(data.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise UserError(f"record {path} is not UTF-8 text (byte {exc.start})") from None
+        parsed = json.loads(text)
     except json.JSONDecodeError as exc:
         raise UserError(f"record {path} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
     except (ValueError, RecursionError) as exc:   # an integer of thousands of digits; nesting too deep
