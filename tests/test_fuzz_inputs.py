@@ -771,3 +771,17 @@ def test_timm_module_in_the_current_folder_is_not_run(fuzz_root):
         assert not marker.exists()
         record = json.loads((case.out / "records" / "00-baseline.json").read_text())
         assert record["status"] == "ok", record["error"]
+
+
+def test_blobs_that_are_not_text_in_kernel_columns(fuzz_root):
+    """Non-ASCII blobs where the kernel table holds ids (a case the property test found): the reader's fast
+    path cannot make an array of them and takes the careful one; the rows are dropped and counted."""
+    with sandbox(fuzz_root) as case:
+        rows = good_sqlite_rows(4)
+        rows["kernels"][0] = (-2**63, 2**63 - 1, 0, 7, 1, PID, "", b"c\xa9z:")
+        rows["kernels"][1] = (11000, 2.0241422323924524e16, b"\xd8.", 7, b"1I", -72104, b"\x00", b"")
+        rows["kernels"][2] = (12000, 12500, 0, 7, b"\xd2\xdf b\x9d-", PID, 1, 1)
+        path = write_sqlite(case.inputs / "t.sqlite", **rows)
+        outcome = run_cli(case, ["analyze", path, "--format", "json", "--out", case.out])
+        assert outcome.code == 0, outcome.output
+        assert_no_negative_times(case, outcome)

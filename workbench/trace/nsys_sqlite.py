@@ -87,8 +87,11 @@ class _Db:
         per column from Python objects.
         """
         rows = self.con.execute(build(False)).fetchall()
-        arr = np.array(rows) if rows else np.zeros((0, len(columns)), dtype="int64")
-        if arr.dtype == np.int64:
+        try:
+            arr = np.array(rows) if rows else np.zeros((0, len(columns)), dtype="int64")
+        except (ValueError, TypeError, OverflowError, UnicodeDecodeError):   # a blob numpy cannot decode
+            arr = None
+        if arr is not None and arr.dtype == np.int64:
             df = pd.DataFrame(arr.reshape(len(rows), len(columns)), columns=columns)
             df["time_code"] = TIME_OK
             return df
