@@ -147,7 +147,7 @@ def test_analyze_render_write(bf16, tmp_path):
     assert text.splitlines()[0].startswith("nsys 2025.3.2.0") and str(path) in text.splitlines()[0]
     assert "other (" in text and "backward" in text and "idle" in text
     files = write_analysis(analysis, tmp_path / "csv", "csv")
-    assert [f.name for f in files] == ["kernels.csv", "categories.csv", "ranges.csv", "busy.csv", "api.csv"]
+    assert [f.name for f in files] == ["kernels.csv", "categories.csv", "ranges.csv", "busy.csv", "api.csv", "findings.csv"]
     assert pd.read_csv(files[0])["total_ns"].sum() == analysis.kernels["total_ns"].sum()
     [js] = write_analysis(analysis, tmp_path / "js", "json")
     doc = json.loads(js.read_text())

@@ -206,7 +206,7 @@ def test_range_tables_carry_the_range_and_leave_the_whole_trace_tables(tmp_path)
     assert result.exit_code == 0, result.output
     ranged = sorted(p.name for p in out.glob("*.range-backward.csv"))
     assert ranged == ["api.range-backward.csv", "busy.range-backward.csv", "categories.range-backward.csv",
-                      "kernels.range-backward.csv", "ranges.range-backward.csv"]
+                      "findings.range-backward.csv", "kernels.range-backward.csv", "ranges.range-backward.csv"]
     for p in out.glob("*.range-backward.csv"):
         p.rename(tmp_path / p.name)
     assert folder_digest(out) == whole        # the whole-trace tables were not touched

@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from workbench.analysis import frames as A
+from workbench.analysis.findings import findings
 from workbench.errors import UserError
 from workbench.labels import DeviceWords, trace_words
 from workbench.files import atomic_write_text
@@ -214,6 +215,24 @@ def render_analysis(analysis: Analysis, console: Console, top: int = 15) -> None
     else:
         _render_tables(*frames, analysis.trace_meta, console, top, words)
     _render_api(analysis, console, top)
+    _render_findings(analysis, console)
+
+
+def _render_findings(analysis: Analysis, console: Console) -> None:
+    """The findings (workbench/analysis/findings.py), ranked by time per step, and how their time is split."""
+    table = findings(analysis)
+    if table.empty:
+        return
+    unit = analysis.trace_meta.get("api_unit") or "trace"
+    t = Table(title=f"findings, ranked by ms per {unit} (idle + categories = span; small "
+                    f"{trace_words(analysis.trace_meta).units} are inside the categories, marked *)", title_justify="left")
+    for col in ["#", *(["GPU"] if "device" in table else []), "ms", "% span", "finding", "remedy"]:
+        t.add_column(col, justify="left" if col in ("finding", "remedy") else "right")
+    for row in table.itertuples(index=False):
+        what = f"{row.kind}: {row.what}" + (f" ({row.note})" if row.note else "")
+        t.add_row(f"{row.rank}{'' if row.partition else '*'}", *([str(row.device)] if "device" in table else []),
+                  f"{row.ms_per_step:,.3f}", _pct(row.share_pct), what, str(row.remedy))
+    console.print(t)
 
 
 
@@ -386,7 +405,7 @@ class TableFiles:
         return [atomic_write_text(paths[name], df.assign(**ours).to_csv(index=False)) for name, df in frames.items()]
 
 
-ANALYSIS_TABLES = ["kernels", "categories", "ranges", "busy", "api"]
+ANALYSIS_TABLES = ["kernels", "categories", "ranges", "busy", "api", "findings"]
 
 
 def analysis_tables(out_dir, fmt: str, trace, range_name: str | None) -> TableFiles:
@@ -398,7 +417,7 @@ def analysis_tables(out_dir, fmt: str, trace, range_name: str | None) -> TableFi
 
 def write_analysis(analysis: Analysis, out_dir, fmt: str = "csv", *, trace=None, overwrite: bool = False,
                    on_note=None) -> list[Path]:
-    """csv: kernels.csv, categories.csv, ranges.csv, busy.csv, api.csv; json: one analysis.json with every
+    """csv: kernels.csv, categories.csv, ranges.csv, busy.csv, api.csv, findings.csv; json: one analysis.json with every
     frame as a list of records plus backend and meta. Tables of one range carry it in their names
     (kernels.range-backward.csv); every table names its trace (`trace`, relative to out_dir; default the
     path the analysis was read from) and range (`trace_range`, empty for the whole trace), and tables of
@@ -406,6 +425,7 @@ def write_analysis(analysis: Analysis, out_dir, fmt: str = "csv", *, trace=None,
     frames = {"kernels": analysis.kernels, "categories": analysis.categories, "ranges": analysis.ranges, "busy": analysis.busy}
     if analysis.api is not None:
         frames["api"] = analysis.api
+    frames["findings"] = findings(analysis)
     source = trace if trace is not None else analysis.trace_meta.get("path")
     tables = analysis_tables(out_dir, fmt, source, analysis.trace_meta.get("range_name"))
     return tables.write(frames, {"backend": analysis.backend, "meta": analysis.trace_meta}, overwrite=overwrite,
