@@ -197,8 +197,8 @@ def _header(analysis: Analysis) -> str:
 
 def render_analysis(analysis: Analysis, console: Console, top: int = 15) -> None:
     """Header line (backend, trace path, span, GPUs), warnings and notes, then the kernel, category, range
-    and busy tables (one block of them per GPU when there are several), then the host's CUDA calls; long
-    tails are folded into one 'other (k ...)' row with exact sums."""
+    and busy tables (one block of them per GPU when there are several), then the host's CUDA calls, then
+    the findings (workbench/analysis/findings.py); long tails are folded into one 'other (k ...)' row with exact sums."""
     console.print(_header(analysis))
     # A CPU-only Kineto trace is analyzed on its leaf CPU operators: say so in every title.
     words = trace_words(analysis.trace_meta)
