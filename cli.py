@@ -172,8 +172,7 @@ def diff(
     from workbench.analysis.diff import diff_analyses, diff_tables, render_diff, write_diff
 
     _check_name_style(name)
-    if top < 1:
-        raise _fail(UserError(f"--top must be at least 1, got {top}"), 2)
+    _check_top(top)
     if format is not None:
         _check_format(format)
         _call(diff_tables(out or after.parent, format, before, after, range).check, overwrite)

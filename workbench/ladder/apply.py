@@ -42,7 +42,7 @@ from typing import Callable
 import torch
 
 from workbench.env import device_label, environment_stamp
-from workbench.ladder.events import EVENT_PREFIX
+from workbench.ladder.events import EVENT_PREFIX, print_event
 from workbench.errors import Interrupted, UserError
 from workbench.optimize.gate import (GateOutputs, activation_dtypes, capture_parameters, compare, compute_reference, forward_backward,
                    weights_digest)
@@ -260,10 +260,7 @@ def _load_reference(path: Path) -> GateOutputs:
 def stage_main(spec_path: str) -> int:
     """Entry point of a stage subprocess: compute the reference if no stage has yet, run the stage."""
     spec = StageSpec(**json.loads(Path(spec_path).read_text()))
-
-    def emit(event: dict) -> None:
-        print(EVENT_PREFIX + json.dumps(event), flush=True)
-
+    emit = print_event
     ref_path = Path(spec.reference_path)
     if not ref_path.exists():
         emit({"event": "reference"})
