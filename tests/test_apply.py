@@ -58,7 +58,7 @@ def test_one_record_per_stage_written(run):
     names = sorted(p.name for p in result.records_dir.glob("*.json"))
     assert names == ["00-baseline.json", "01-sdpa.json", "02-wrong.json", "03-missing.json"]
     stored = json.loads((result.records_dir / "01-sdpa.json").read_text())
-    assert stored["schema"] == "swinbench.stage/2" and stored["precision"] == "fp32"
+    assert stored["schema"] == "swinbench.stage/3" and stored["precision"] == "fp32"
     assert stored["env"]["device_type"] == "cpu" and stored["peak_mem_bytes"] is None
     assert stored["timing"]["repeats"] == 2 and stored["img_per_s"] == pytest.approx(2 / (stored["step_ms"] / 1e3))
     assert [p["name"] for p in stored["passes"]] == ["sdpa_attention"]

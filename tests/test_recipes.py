@@ -7,7 +7,9 @@ from workbench.errors import UserError
 from workbench.optimize.recipes import (chain_passes, gate_tolerance, list_recipes, plan_stages, resolve_chain)
 
 CHAIN = ["baseline", "amp", "apex", "window", "fmha"]
-PEERS = ["torch-compile", "torch-compile-graphs", "fmha-compile", "fmha-compile-graphs", "fmha-graph"]
+PEERS = ["torch-compile", "torch-compile-graphs", "torch-sdpa", "fmha-compile", "fmha-compile-graphs", "fmha-graph"]
+# what `apply` adds by default: PyTorch-alone peers that are not graph forms, eager before compiled
+DEFAULT_PEERS = ["torch-sdpa", "torch-compile"]
 
 
 def write(tmp_path: Path, name: str, text: str) -> Path:
@@ -29,6 +31,16 @@ def test_list_recipes_main_chain_then_peers():
     assert [r.peer for r in recipes] == [False] * 7 + [True] * (len(PEERS) + 2)
 
 
+def test_pytorch_alone_and_graph_forms():
+    from workbench.optimize.recipes import RecipeBook, is_graph_form, is_pytorch_alone
+
+    book = RecipeBook()
+    alone = {name for name in book.builtins if is_pytorch_alone(book.chain(name))}
+    assert alone == {"baseline", "amp", "torch-sdpa", "torch-compile", "torch-compile-graphs"}
+    forms = {name for name, r in book.builtins.items() if is_graph_form(r)}
+    assert forms == {"fmha-graph", "dense-graph", "block-graph", "torch-compile-graphs", "fmha-compile-graphs"}
+
+
 def test_effective_passes_accumulate_in_chain_order():
     assert chain_passes("fmha") == [("amp", {"dtype": "bf16"}), ("fused_layernorm", {}), ("fused_adamw", {}), ("master_weights", {}),
                                     ("fused_window", {}), ("fused_attention", {})]
@@ -38,12 +50,12 @@ def test_effective_passes_accumulate_in_chain_order():
 
 def test_default_stages_peers_and_explicit_stages():
     assert [s.name for s in plan_stages("apex")] == ["baseline", "amp", "apex"]
-    assert [s.name for s in plan_stages("dense", peers=True)] == CHAIN + ["dense"] + PEERS + ["dense-graph"]
+    assert [s.name for s in plan_stages("dense", peers=True)] == CHAIN + ["dense"] + DEFAULT_PEERS
     assert [s.name for s in plan_stages("fmha-compile")] == CHAIN + ["fmha-compile"]
-    assert [s.name for s in plan_stages("fmha", peers=True)] == CHAIN + PEERS
-    # amp's chain only reaches amp: the torch-compile peers (extend amp) are its only peers
-    assert [s.name for s in plan_stages("amp", peers=True)] == ["baseline", "amp", "torch-compile",
-                                                                 "torch-compile-graphs"]
+    assert [s.name for s in plan_stages("fmha", peers=True)] == CHAIN + DEFAULT_PEERS
+    # amp's chain reaches amp, which the PyTorch-alone peers extend
+    assert [s.name for s in plan_stages("amp", peers=True)] == ["baseline", "amp"] + DEFAULT_PEERS
+    assert [s.name for s in plan_stages("baseline", peers=True)] == ["baseline"]
     plans = plan_stages("fmha", ["baseline", "torch-compile"])
     assert [s.name for s in plans] == ["baseline", "torch-compile"]
     assert plans[1].extends == "amp"

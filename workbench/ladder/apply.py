@@ -30,6 +30,7 @@ from __future__ import annotations
 import datetime as _dt
 import gc
 import json
+import os
 import subprocess
 import sys
 import time
@@ -49,16 +50,21 @@ from workbench.optimize.gate import (GateOutputs, activation_dtypes, capture_par
 from workbench.models import check_model_name, default_model_for
 from workbench.ladder.interleave import InterleaveSpec, add_round, apply_chain, interleaved_entries, run_interleaved_spec, spec_json
 from workbench.ladder.progress import LadderProgress
+from workbench.ladder.reuse import (RecordCache, compile_cache_counts, compile_cache_env, compile_cache_note,
+                                    reused_record)
 from workbench.files import atomic_write_text
 from workbench.results.record import SCHEMA, read_record, write_record
-from workbench.optimize.recipes import StagePlan, as_jsonable, effective_passes, gate_tolerance, plan_stages, resolve_chain
+from workbench.optimize.recipes import (StagePlan, as_jsonable, effective_passes, gate_tolerance, is_pytorch_alone,
+                                       plan_stages, resolve_chain)
 from workbench.run_folder import FolderClaim, claim_run_folder, newest_time_tag, previous_folder, run_entries
-from workbench.optimize.timing import time_steps
+from workbench.optimize.timing import gpu_kernel_ms, time_steps
 from workbench.optimize.workload import Workload, WorkloadConfig, pick_device, resolve_device
 
 # On the CPU, stages timed one after another drift with the machine's load far more than on a GPU, so
 # `apply` times them again in alternation by default there (a few rounds: the tiny Swin's steps are short).
 CPU_INTERLEAVE_ROUNDS = 3
+# Steps that torch.profiler reads the GPU kernel time of, after the timed steps.
+GPU_TIME_STEPS = 3
 
 @dataclass
 class ApplyResult:
@@ -111,6 +117,8 @@ def _base_record(spec: StageSpec, plan_chain) -> dict:
         "gate": {"status": "SKIP", "tolerance": {}, "metrics": {}, "reason": None},
         "passes": [], "stage_passes": [p.name for p in plan_chain[-1].passes] if plan_chain else [],
         "profile": None, "notes": [], "activation_dtypes": None,
+        "graph": None, "graph_note": None, "gpu_time": None,
+        "pytorch_alone": is_pytorch_alone(plan_chain) if plan_chain else None, "reused": None,
     }
 
 
@@ -139,6 +147,7 @@ def run_stage(spec: StageSpec, reference: GateOutputs, on_event: Callable[[dict]
     record = _base_record(spec, chain)
     config = WorkloadConfig(**spec.config)
     workload = None
+    cache_counts = compile_cache_counts()
     try:
         workload = Workload.build(config)
         digest = weights_digest(workload.model)
@@ -184,6 +193,13 @@ def run_stage(spec: StageSpec, reference: GateOutputs, on_event: Callable[[dict]
         record["img_per_s"] = config.batch / (timing.median_ms / 1e3)
         if device.type == "cuda":
             record["peak_mem_bytes"] = torch.cuda.max_memory_allocated(device)
+            kernel_ms = gpu_kernel_ms(workload.step, steps=GPU_TIME_STEPS, first=spec.warmup + spec.steps,
+                                      device=device)
+            if kernel_ms is not None:
+                record["gpu_time"] = {"kernel_ms": kernel_ms, "busy_pct": 100.0 * kernel_ms / timing.median_ms,
+                                      "steps": GPU_TIME_STEPS, "source": "torch.profiler (CUPTI)"}
+        # 3. the same step replayed as one CUDA graph: what the rung saves on the GPU, the host's cost removed
+        _time_graph(workload, spec, record, emit)
     except torch.cuda.OutOfMemoryError:
         record.update(status="error", error=f"out of memory at batch {config.batch}")
     except UserError as exc:
@@ -194,6 +210,10 @@ def run_stage(spec: StageSpec, reference: GateOutputs, on_event: Callable[[dict]
                                 traceback.format_exc())
         record["notes"].append(f"traceback in {log}")
     finally:
+        now = compile_cache_counts()
+        note = compile_cache_note({k: now[k] - cache_counts.get(k, 0) for k in now})
+        if note:
+            record["notes"].append(note)
         if workload is not None and workload.ctx.compile:
             torch._dynamo.reset()   # in-process runs: the next stage must not reuse these graphs
         workload = None
@@ -204,6 +224,42 @@ def run_stage(spec: StageSpec, reference: GateOutputs, on_event: Callable[[dict]
         emit({"event": "profile"})
         record["profile"] = _profile_stage(spec, config, record)
     return _finish(record, out_dir, emit)
+
+
+def _time_graph(workload: Workload, spec: StageSpec, record: dict, emit) -> None:
+    """Add the stage's graph-replayed timing (`graph`) or say why there is none (`graph_note`). The record
+    as measured so far is written first: a capture that takes the process down loses nothing else."""
+    own = workload.own_graphs()
+    if own:
+        record["graph"] = {"timing": record["timing"], "img_per_s": record["img_per_s"], "step_ms": record["step_ms"],
+                           "step_iqr_ms": record["step_iqr_ms"], "how": own}
+        return
+    blocker = workload.graph_blocker()
+    if blocker:
+        record["graph_note"] = blocker
+        return
+    record["graph_note"] = "the stage process ended while capturing the step as a CUDA graph"
+    path = write_record(record, Path(spec.out_dir) / "records")
+    emit({"event": "saved", "record": str(path)})
+    emit({"event": "graph"})
+    device = workload.ctx.device
+    try:
+        workload.ctx.cuda_graph = True
+        timing = time_steps(workload.step, warmup=spec.warmup, repeats=spec.steps, device=device,
+                            on_step=lambda i: emit({"event": "step", "i": i}))
+    except torch.cuda.OutOfMemoryError:
+        record["graph_note"] = "not captured: out of memory with the graph's own memory pool"
+        return
+    except Exception as exc:   # a step that cannot be captured (a host sync) is a finding, not a failed stage
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        record["graph_note"] = f"not captured: {type(exc).__name__}: {first}"
+        return
+    finally:
+        workload.ctx.cuda_graph = False
+    record["graph_note"] = None
+    record["graph"] = {"timing": timing.to_dict(), "img_per_s": spec.config["batch"] / (timing.median_ms / 1e3),
+                       "step_ms": timing.median_ms, "step_iqr_ms": timing.iqr_ms,
+                       "how": "the whole step captured once and replayed as one CUDA graph"}
 
 
 def _finish(record: dict, out_dir: Path, emit) -> dict:
@@ -279,13 +335,15 @@ def stage_main(spec_path: str) -> int:
     return 0
 
 
-def _stream(module: str, args: list[str], log_path: Path, on_event: Callable[[dict], None]) -> int:
+def _stream(module: str, args: list[str], log_path: Path, on_event: Callable[[dict], None],
+            extra_env: dict[str, str] | None = None) -> int:
     """Run a workbench module in a fresh interpreter that does not import from the current folder
     (`capture.python_module_command`); its stdout events go to on_event, the rest of its output to
     log_path -> its exit code."""
     from workbench.capture.backends import python_module_command
 
     cmd, env = python_module_command(module, *args)
+    env = {**(env or os.environ), **(extra_env or {})}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
         try:
@@ -311,7 +369,7 @@ def _end(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def _run_isolated(spec: StageSpec, on_event: Callable[[dict], None]) -> dict:
+def _run_isolated(spec: StageSpec, on_event: Callable[[dict], None], extra_env: dict[str, str] | None = None) -> dict:
     """Run a stage in a fresh interpreter; its stdout events drive progress, the rest goes to a log."""
     out_dir = Path(spec.out_dir)
     spec_path = atomic_write_text(out_dir / "logs" / f"{spec.stage_index:02d}-{spec.stage}.spec.json",
@@ -322,10 +380,10 @@ def _run_isolated(spec: StageSpec, on_event: Callable[[dict], None]) -> dict:
     def on_line(event):
         nonlocal record_path
         on_event(event)
-        if event.get("event") == "done":
+        if event.get("event") in ("done", "saved"):
             record_path = event["record"]
 
-    rc = _stream("workbench.ladder.apply", [str(spec_path)], log_path, on_line)
+    rc = _stream("workbench.ladder.apply", [str(spec_path)], log_path, on_line, extra_env)
     if record_path and Path(record_path).exists():
         record = read_record(Path(record_path)).to_dict()
         record["_path"] = record_path
@@ -512,7 +570,8 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
               out_dir: Path | None = None, profile: bool = False, stages: list[str] | None = None, seed: int = 0,
               progress: bool = True, console=None, isolate: bool | None = None,
               peers: bool | None = None, mode: str = "train", interleave: int | None = None,
-              resume: bool = False, overwrite: bool = False) -> ApplyResult:
+              resume: bool = False, overwrite: bool = False, cache_dir: Path | None = None,
+              fresh: bool = False) -> ApplyResult:
     """Run every stage of `recipe` (baseline first), write one record per stage and the report.
 
     recipe: a built-in name or a YAML path. stages: explicit stage names instead of the chain.
@@ -533,6 +592,9 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
     refused when that run's plan differs (stages at their places, recipe, model, mode, batch, seed,
     device kind, steps, warm-up, profiling). The kept records keep their run id, which the new ones take too.
     overwrite: move the earlier run's files aside to `<out_dir>.previous-<its run id>` first.
+    cache_dir: where measurements and compile caches are kept between runs (`reuse.py`); a GPU stage
+    whose measurement that cache already holds under the same conditions is reused, not run, and marked
+    so. None: no cache. fresh: measure every stage again (the new records replace the cached ones).
     Raises UserError (exit 2) after writing everything if a stage ended in an error (exit 1 is only for a
     regression that `swinbench check` measures), and Interrupted (a KeyboardInterrupt) on Ctrl-C or
     SIGTERM, after rewriting the report from the stages that finished.
@@ -567,7 +629,8 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
     with claim:
         return _run_claimed(claim, recipe, plans, config, run_id, records_dir, console=console, resume=resume,
                             steps=steps, warmup=warmup, profile=profile, isolate=isolate, on_gpu=on_gpu,
-                            interleave=interleave, asked_interleave=asked_interleave, progress=progress)
+                            interleave=interleave, asked_interleave=asked_interleave, progress=progress,
+                            cache=RecordCache(cache_dir, on_gpu=on_gpu, fresh=fresh) if cache_dir else None)
 
 
 def _earlier_run_id(records_dir: Path) -> str | None:
@@ -585,7 +648,7 @@ def _earlier_run_id(records_dir: Path) -> str | None:
 def _run_claimed(claim: FolderClaim, recipe: str, plans: list[StagePlan], config: WorkloadConfig, run_id: str,
                  records_dir: Path, *, console, resume: bool, steps: int, warmup: int, profile: bool,
                  isolate: bool, on_gpu: bool, interleave: int, asked_interleave: bool,
-                 progress: bool) -> ApplyResult:
+                 progress: bool, cache: RecordCache | None = None) -> ApplyResult:
     """run_apply's work once its folder is claimed: every stage, the interleaved rounds, the report."""
     from workbench.results.report import activation_dtype_changes, render_report, render_speedup_table
 
@@ -619,6 +682,10 @@ def _run_claimed(claim: FolderClaim, recipe: str, plans: list[StagePlan], config
 
     records: list[dict] = []
     planned = {(spec.stage_index, spec.stage) for spec in specs}
+    keys = [cache.key(as_jsonable(p.chain), asdict(config), steps=steps, warmup=warmup, profile=profile)
+            if cache is not None else None for p in plans]
+    extra_env = compile_cache_env(cache.folder) if cache is not None else None
+    reused = []
 
     def finished_now() -> list[dict]:   # after Ctrl-C: the records on disk, else those this process holds
         return _finished_on_disk(records_dir, run_id, planned) or _finished(records, kept)
@@ -628,17 +695,25 @@ def _run_claimed(claim: FolderClaim, recipe: str, plans: list[StagePlan], config
         reference = None
         for spec in specs:
             shown.start_stage(spec.stage_index, spec.stage, warmup + steps)
+            cached = cache.lookup(keys[spec.stage_index]) if cache is not None else None
             if (spec.stage_index, spec.stage) in kept:
                 record = kept[(spec.stage_index, spec.stage)]
                 shown.note("kept from the earlier run")
+            elif cached is not None:
+                record = reused_record(cached, run_id=run_id, recipe=str(recipe), stage_index=spec.stage_index)
+                record["_path"] = str(write_record(record, records_dir))
+                reused.append(f"{spec.stage} (run {record['reused']['run_id']})")
+                shown.note("reused")
             elif isolate:
-                record = _run_isolated(spec, shown.event)
+                record = _run_isolated(spec, shown.event, extra_env)
             else:
                 if reference is None:
                     shown.note("reference")
                     reference = compute_reference(config)
                 record = run_stage(spec, reference, shown.event)
             records.append(record)
+            if cache is not None and cached is None:
+                cache.store(keys[spec.stage_index], record)
             shown.end_stage(spec.stage_index, spec.stage, record)
             finished = _finished(records, kept)   # the report holds what has finished, should the run stop here
             render_report(finished, out_dir / "report.md",
@@ -653,6 +728,10 @@ def _run_claimed(claim: FolderClaim, recipe: str, plans: list[StagePlan], config
     render_speedup_table(records, console)
     for line in activation_dtype_changes(records):
         console.print(f"[yellow]note:[/] {line.replace('**', '')}")
+    if reused:
+        console.print(f"reused {len(reused)} stage measurement(s) from earlier runs under the same conditions "
+                      f"(GPU, driver, versions, swinbench code, steps): {', '.join(reused)}; --fresh measures "
+                      "them again", highlight=False)
     paths = [Path(r["_path"]) for r in records]
     failed = [r["stage"] for r in records if r["status"] == "error"]
     ok = sum(r["status"] == "ok" for r in records)

@@ -52,9 +52,13 @@ class LadderProgress:
         kind = event.get("event")
         if kind == "profile":
             self.line(f"stage {self._stage}: profiling")
+        if kind == "graph":
+            self.line(f"stage {self._stage}: timing the step replayed as one CUDA graph")
         if self._bar is None:
             return
-        if kind == "step":
+        if kind == "graph":
+            self._bar.reset(self._task, description=f"  {self._stage}: CUDA graph")
+        elif kind == "step":
             self._bar.advance(self._task)
         elif kind in ("reference", "gate", "profile"):
             self.note(kind)
@@ -90,9 +94,14 @@ class LadderProgress:
 
 
 def outcome(record: dict) -> str:
-    """A finished stage in a few words: 'ok, 21.0 img/s, gate PASS' or 'error: ...'."""
+    """A finished stage in a few words: 'ok, 21.0 img/s, gate PASS', with the graph-replayed rate when
+    there is one ('ok, 612.0 img/s, 2,410.3 img/s graph-replayed, gate PASS'), or 'error: ...'."""
     if record.get("status") != "ok":
         return f"{record.get('status')}" + (f": {record['error']}" if record.get("error") else "")
     rate = record.get("img_per_s")
     rate = f"{rate:,.1f} img/s" if isinstance(rate, (int, float)) else "not timed"
-    return f"ok, {rate}, gate {(record.get('gate') or {}).get('status', 'SKIP')}"
+    graph = record.get("graph") or {}
+    if isinstance(graph.get("img_per_s"), (int, float)) and graph.get("step_ms") != record.get("step_ms"):
+        rate += f", {graph['img_per_s']:,.1f} img/s graph-replayed"
+    reused = " (reused)" if record.get("reused") else ""
+    return f"ok{reused}, {rate}, gate {(record.get('gate') or {}).get('status', 'SKIP')}"

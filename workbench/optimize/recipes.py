@@ -26,7 +26,7 @@ from typing import Any
 from workbench import SOURCE_ROOT
 from workbench.errors import UserError
 from workbench.files import load_yaml_file, short_repr
-from workbench.optimize.passes import PASS_MODULES, get_pass
+from workbench.optimize.passes import PASS_MODULES, get_pass, uses_swinbench_kernels
 from workbench.precision import PRECISIONS
 
 RECIPE_DIR = SOURCE_ROOT / "recipes"
@@ -318,6 +318,18 @@ def chain_passes(name_or_path: str) -> list[tuple[str, dict]]:
     return [(p.name, dict(p.params)) for p in effective_passes(resolve_chain(name_or_path))]
 
 
+def is_pytorch_alone(chain: list[Recipe]) -> bool:
+    """Whether the chain runs none of swinbench's own kernels: what a user gets from PyTorch alone."""
+    return not any(uses_swinbench_kernels(p.name) for p in effective_passes(chain))
+
+
+def is_graph_form(recipe: Recipe) -> bool:
+    """Whether the recipe only replays the stage it extends as CUDA graphs (a cuda_graph pass, or compile
+    in mode reduce-overhead): `apply` measures that form of every stage in its graph column already."""
+    return any(p.name == "cuda_graph" or (p.name == "compile" and p.params.get("mode") == "reduce-overhead")
+               for p in recipe.passes)
+
+
 def gate_tolerance(chain: list[Recipe], precision: str) -> dict[str, float]:
     """The gate tolerances for a stage that runs in `precision`: each recipe's values over its parent's."""
     tol: dict[str, float] = {}
@@ -356,8 +368,9 @@ def plan_stages(recipe: str, stages: list[str] | None = None, peers: bool = Fals
     """The stages `swinbench apply` runs, in order.
 
     Default: the chain from the baseline to `recipe` (for a peer like fmha-compile, the whole chain to
-    it). `peers=True` adds every built-in peer that extends a stage of that chain (for fmha:
-    torch-compile and fmha-compile), after the chain. `stages` picks stages explicitly, by name (a
+    it). `peers=True` adds, after the chain, the built-in PyTorch-alone peers (no swinbench kernel) that
+    extend a stage of it, except graph forms (`is_graph_form`: each stage's graph-replayed form is
+    measured in its own graph column): for fmha, torch-sdpa and torch-compile. `stages` picks stages explicitly, by name (a
     built-in, a recipe of `recipe`'s file chain) or YAML path, in the order given.
     """
     book = RecipeBook()
@@ -374,8 +387,12 @@ def plan_stages(recipe: str, stages: list[str] | None = None, peers: bool = Fals
         plans = [StagePlan(r, main[: i + 1]) for i, r in enumerate(main)]
         if peers:
             in_chain = {r.name for r in main}
-            for peer in ordered([r for r in book.builtins.values() if r.peer], book):
-                if peer.name not in in_chain and peer.extends in in_chain:
+            candidates = ordered([r for r in book.builtins.values() if r.peer and not is_graph_form(r)], book)
+            # eager peers before compiled ones: the table climbs to the strongest
+            candidates.sort(key=lambda r: any(p.name == "compile" for p in effective_passes(book.chain(r.name))))
+            for peer in candidates:
+                if (peer.name not in in_chain and peer.extends in in_chain
+                        and is_pytorch_alone(book.chain(peer.name))):
                     plans.append(StagePlan(peer, book.chain(peer.name)))
     return plans
 

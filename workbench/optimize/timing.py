@@ -132,3 +132,20 @@ def per_call_us(fns: list[Callable[[], object]], *, loops: int = 5, calls: int =
         return times[0], times[0], times[0]
     q = statistics.quantiles(times, n=10, method="inclusive")
     return statistics.median(times), q[1], q[7]
+
+
+def gpu_kernel_ms(step: Callable[[int], object], *, steps: int, first: int, device: torch.device) -> float | None:
+    """GPU time per step of `step(i)` as written: the summed duration of every kernel, copy and memset
+    it runs on the device, read by torch.profiler (CUPTI) over `steps` steps numbered from `first`.
+    None when the profiler sees no GPU activity (no CUPTI here). Kernels of concurrent streams add up,
+    so on a step that overlaps streams this can exceed the step's wall time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            step(first + i)
+        torch.cuda.synchronize(device)
+    total_us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
+    return total_us / 1e3 / steps if total_us > 0 else None

@@ -143,8 +143,15 @@ class Workload:
         side stream, as CUDA graph capture requires; they train the model like any other step."""
         if self.optimizer is not None:
             for group in self.optimizer.param_groups:
-                if "capturable" in group:
+                if "capturable" in group and not group["capturable"]:
                     group["capturable"] = True
+                    # a for-each AdamW that stepped eagerly keeps its step counters on the host; a
+                    # capturable one reads them on the device
+                    for p in group["params"]:
+                        state = self.optimizer.state.get(p, {})
+                        step = state.get("step")
+                        if torch.is_tensor(step) and step.device != p.device:
+                            state["step"] = step.to(device=p.device, dtype=torch.float32)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -160,6 +167,23 @@ class Workload:
             # Gradients are allocated inside the graph's pool and overwritten by every replay.
             self._graph_loss = self._eager_step()
         self._graph = graph
+
+    def own_graphs(self) -> str | None:
+        """How this workload's step already replays CUDA graphs (None: it launches its kernels itself)."""
+        if self.ctx.cuda_graph:
+            return "the stage's step is one CUDA graph"
+        options = self.ctx.compile_options if self.ctx.compile else {}
+        if options.get("mode") == "reduce-overhead" or (options.get("options") or {}).get("triton.cudagraphs"):
+            return "the stage replays Inductor's CUDA graphs (reduce-overhead)"
+        return None
+
+    def graph_blocker(self) -> str | None:
+        """Why this workload's step cannot be captured as one CUDA graph (None: it can)."""
+        if self.ctx.device.type != "cuda":
+            return "no CUDA graphs on the CPU"
+        if self.ctx.grad_scaler:
+            return "fp16 GradScaler syncs with the host every step"
+        return None
 
     def step(self, i: int) -> torch.Tensor:
         """One training step (forward, backward, optimizer) or one inference forward, with ranges."""

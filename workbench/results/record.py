@@ -1,12 +1,12 @@
 """Stage records: one JSON object per recipe stage, written as soon as the stage finishes, and the one
 reader every command goes through (`read_records`), which refuses anything that is not a measurement.
 
-Schema `swinbench.stage/2`, written by `write_record`; `read_records` reads /2 and /1 (the same fields,
-where some of the optional ones could be absent instead of null). Every speed figure comes from the GPU
+Schema `swinbench.stage/3`, written by `write_record`; `read_records` reads /3, /2 and /1 (/2 lacks
+graph, graph_note, gpu_time, pytorch_alone and reused; /1 could leave optional fields out instead of null). Every speed figure comes from the GPU
 named in `env`, or from the CPU when `env.device_type` is 'cpu'. "> 0" below means a finite number
 greater than 0, ">= 0" a finite number not below 0; an int is a JSON integer (true/false are not).
 
-    schema          'swinbench.stage/2'
+    schema          'swinbench.stage/3'
     run_id          str (a name: at most 256 characters, no control characters)
     recipe          str: what the user asked for (a recipe name or a YAML path)
     stage           str: a name without '/' (it names the record's file)
@@ -56,6 +56,15 @@ greater than 0, ">= 0" a finite number not below 0; an int is a JSON integer (tr
                     with: [stage], step_ms: > 0, iqr_ms: >= 0, samples_ms: [> 0], round_median_ms: [> 0],
                     first_stage: str, x_first: ratio, previous_stage: str | null, x_previous: ratio | null},
                     ratio = {median, q1, q3: > 0, or all three null} | null
+    graph           {timing: timing, img_per_s: > 0, step_ms: > 0, step_iqr_ms: >= 0, how: str} | null: the
+                    stage's step replayed as one CUDA graph (the host's launch cost removed), timed like
+                    `timing`; null where it was not replayed, and graph_note says why
+    graph_note      str | null: why there is no graph timing, or how the stage's own step already replays one
+    gpu_time        {kernel_ms: > 0, busy_pct: >= 0, steps: int >= 1, source: str} | null: GPU kernel time
+                    per step as written (eager) and its share of the step time; null on the CPU
+    pytorch_alone   bool | null: the stage's chain uses no swinbench kernel (a PyTorch-alone peer)
+    reused          {run_id: str, path: str, date: str} | null: the measurement was not run again but taken
+                    from an earlier run's record under the same conditions (`apply` says so)
 
 When status is 'ok', timing, img_per_s, step_ms, step_iqr_ms and (on a GPU) peak_mem_bytes are required;
 a stage that is 'not available' or ended in an 'error' may leave them null. Nothing else may be null
@@ -72,8 +81,8 @@ from pathlib import Path
 from workbench.errors import UserError
 from workbench.files import atomic_write_text, read_text_bounded, short_repr
 
-SCHEMA = "swinbench.stage/2"
-READABLE_SCHEMAS = ("swinbench.stage/1", SCHEMA)
+SCHEMA = "swinbench.stage/3"
+READABLE_SCHEMAS = ("swinbench.stage/1", "swinbench.stage/2", SCHEMA)
 
 STATUSES = ("ok", "not available", "error")
 GATE_STATUSES = ("PASS", "FAIL", "SKIP", "REFERENCE")
@@ -278,6 +287,46 @@ class Interleaved:
 
 
 @dataclass(frozen=True)
+class GraphTiming:
+    """The stage's step replayed as one CUDA graph, timed as `timing` is; `how` says what was captured."""
+
+    timing: Timing
+    img_per_s: float
+    step_ms: float
+    step_iqr_ms: float
+    how: str
+
+    def to_dict(self) -> dict:
+        return {"timing": self.timing.to_dict(), "img_per_s": self.img_per_s, "step_ms": self.step_ms,
+                "step_iqr_ms": self.step_iqr_ms, "how": self.how}
+
+
+@dataclass(frozen=True)
+class GpuTime:
+    """GPU kernel time per step of the step as written, and its share of the step time (busy_pct)."""
+
+    kernel_ms: float
+    busy_pct: float
+    steps: int
+    source: str
+
+    def to_dict(self) -> dict:
+        return {"kernel_ms": self.kernel_ms, "busy_pct": self.busy_pct, "steps": self.steps, "source": self.source}
+
+
+@dataclass(frozen=True)
+class Reused:
+    """Where a reused measurement comes from: the run, the record file, the date it was measured."""
+
+    run_id: str
+    path: str
+    date: str
+
+    def to_dict(self) -> dict:
+        return {"run_id": self.run_id, "path": self.path, "date": self.date}
+
+
+@dataclass(frozen=True)
 class PassRecord:
     """What one pass did (passes.PassResult.to_dict)."""
 
@@ -403,6 +452,11 @@ class StageRecord:
     notes: tuple[str, ...] = ()
     activation_dtypes: dict[str, str] | None = None
     interleaved: Interleaved | None = None
+    graph: GraphTiming | None = None
+    graph_note: str | None = None
+    gpu_time: GpuTime | None = None
+    pytorch_alone: bool | None = None
+    reused: Reused | None = None
     source: str | None = field(default=None, compare=False)
 
     @property
@@ -428,7 +482,7 @@ class StageRecord:
         return [self.extends]
 
     def to_dict(self) -> dict:
-        """The record as `write_record` writes it (schema swinbench.stage/2, every field present)."""
+        """The record as `write_record` writes it (schema swinbench.stage/3, every field present)."""
         return {
             "schema": SCHEMA, "run_id": self.run_id, "recipe": self.recipe, "stage": self.stage,
             "stage_index": self.stage_index, "status": self.status, "error": self.error, "extends": self.extends,
@@ -442,11 +496,14 @@ class StageRecord:
             "profile": self.profile and self.profile.to_dict(), "notes": list(self.notes),
             "activation_dtypes": None if self.activation_dtypes is None else dict(self.activation_dtypes),
             "interleaved": self.interleaved and self.interleaved.to_dict(),
+            "graph": self.graph and self.graph.to_dict(), "graph_note": self.graph_note,
+            "gpu_time": self.gpu_time and self.gpu_time.to_dict(), "pytorch_alone": self.pytorch_alone,
+            "reused": self.reused and self.reused.to_dict(),
         }
 
     @classmethod
     def from_dict(cls, data, source: str | None = None) -> StageRecord:
-        """Validate a parsed record (schema /1 or /2) -> StageRecord. UserError (one line, naming `source`,
+        """Validate a parsed record (schema /1, /2 or /3) -> StageRecord. UserError (one line, naming `source`,
         the stage and the field) for anything that is not as the module docstring says. A `_path` key (what
         in-memory records carry) names the source when `source` is not given."""
         if isinstance(data, dict) and source is None and isinstance(data.get("_path"), str):
@@ -471,7 +528,8 @@ def _as_json(record: dict) -> dict:
 _TOP_KEYS = {"schema", "run_id", "recipe", "stage", "stage_index", "status", "error", "extends", "description",
              "recipe_source", "chain", "model", "mode", "batch", "precision", "device", "seed", "env", "timing",
              "img_per_s", "step_ms", "step_iqr_ms", "peak_mem_bytes", "compile_s", "first_step_s", "optimizer",
-             "gate", "passes", "stage_passes", "profile", "notes", "activation_dtypes", "interleaved", "_path"}
+             "gate", "passes", "stage_passes", "profile", "notes", "activation_dtypes", "interleaved", "graph",
+             "graph_note", "gpu_time", "pytorch_alone", "reused", "_path"}
 _REQUIRED = ("run_id", "recipe", "stage", "stage_index", "status", "model", "mode", "batch", "precision", "env",
              "gate")
 
@@ -694,6 +752,11 @@ class _Parser:
             notes=self.strings(_given(data.get("notes"), []), "notes"),
             activation_dtypes=self.activation_dtypes(data.get("activation_dtypes")),
             interleaved=self.interleaved(data.get("interleaved")),
+            graph=self.graph(data.get("graph")),
+            graph_note=self.string(data.get("graph_note"), "graph_note", optional=True),
+            gpu_time=self.gpu_time(data.get("gpu_time")),
+            pytorch_alone=self.boolean(data.get("pytorch_alone"), "pytorch_alone", optional=True),
+            reused=self.reused(data.get("reused")),
             source=None if self.source == "<record in memory>" else self.source,
         )
 
@@ -873,6 +936,43 @@ class _Parser:
             return PairedRatio(None, None, None)
         return PairedRatio(*(self.number(r.get(k), f"{name}.{k}") for k in ("median", "q1", "q3")))
 
+    def graph(self, value) -> GraphTiming | None:
+        g = self.mapping(value, "graph", optional=True)
+        if g is None:
+            return None
+        keys = ("timing", "img_per_s", "step_ms", "step_iqr_ms", "how")
+        self.known(g, set(keys), "graph")
+        for key in keys:
+            self.get(g, key, "graph.", required=True)
+        timing = self.timing(g["timing"], required=True)
+        return GraphTiming(timing=timing, img_per_s=self.number(g["img_per_s"], "graph.img_per_s"),
+                           step_ms=self.number(g["step_ms"], "graph.step_ms"),
+                           step_iqr_ms=self.number(g["step_iqr_ms"], "graph.step_iqr_ms", positive=False),
+                           how=self.string(g["how"], "graph.how"))
+
+    def gpu_time(self, value) -> GpuTime | None:
+        g = self.mapping(value, "gpu_time", optional=True)
+        if g is None:
+            return None
+        keys = ("kernel_ms", "busy_pct", "steps", "source")
+        self.known(g, set(keys), "gpu_time")
+        for key in keys:
+            self.get(g, key, "gpu_time.", required=True)
+        return GpuTime(kernel_ms=self.number(g["kernel_ms"], "gpu_time.kernel_ms"),
+                       busy_pct=self.number(g["busy_pct"], "gpu_time.busy_pct", positive=False),
+                       steps=self.integer(g["steps"], "gpu_time.steps", 1, MAX_COUNT),
+                       source=self.string(g["source"], "gpu_time.source"))
+
+    def reused(self, value) -> Reused | None:
+        r = self.mapping(value, "reused", optional=True)
+        if r is None:
+            return None
+        self.known(r, {"run_id", "path", "date"}, "reused")
+        for key in ("run_id", "path", "date"):
+            self.get(r, key, "reused.", required=True)
+        return Reused(run_id=self.string(r["run_id"], "reused.run_id", is_name=True),
+                      path=self.string(r["path"], "reused.path"), date=self.string(r["date"], "reused.date"))
+
     def interleaved(self, value) -> Interleaved | None:
         e = self.mapping(value, "interleaved", optional=True)
         if e is None:
@@ -904,7 +1004,7 @@ class _Parser:
 
 
 def write_record(record: StageRecord | dict, folder: Path) -> Path:
-    """Write `record` as `<folder>/<stage_index:02d>-<stage>.json`, schema swinbench.stage/2, atomically.
+    """Write `record` as `<folder>/<stage_index:02d>-<stage>.json`, schema swinbench.stage/3, atomically.
     A dict is first passed through JSON (values JSON cannot hold become strings) and `from_dict`, so that
     nothing is written that `read_records` would refuse: a record that does not validate raises UserError."""
     if not isinstance(record, StageRecord):

@@ -35,7 +35,15 @@ from workbench.results.significance import NS_MARK, NS_NOTE, paired_significant,
 
 COLUMNS = ["run_id", "stage", "extends", "status", "gate", "precision", "img_per_s", "step_ms", "step_iqr_ms",
            "x_baseline", "x_previous", "peak_mem_bytes", "compile_s", "counted", "x_baseline_cross_run",
-           "x_previous_cross_run", "previous_stage", "model", "device", "x_baseline_ns", "x_previous_ns"]
+           "x_previous_cross_run", "previous_stage", "model", "device", "x_baseline_ns", "x_previous_ns",
+           "graph_ms", "graph_iqr_ms", "graph_img_per_s", "x_baseline_graph", "x_previous_graph", "gpu_kernel_ms",
+           "gpu_busy_pct", "pytorch_alone", "reused"]
+# NVIDIA's Swin talk (Swin-L training): each rung's throughput over fp32, printed beside the ladder.
+TALK_LADDER = {"amp": 1.63, "apex": 2.11, "window": 2.19, "fmha": 2.85}
+TALK_NOTE = ("talk × fp32: the same rung in NVIDIA's Swin talk (Swin-L training, throughput over fp32), "
+             "for reference")
+# A rung whose GPU is busy less than this share of its eager step is bound by the host launching kernels.
+HOST_BOUND_BUSY_PCT = 90.0
 CROSS_RUN_MARK = "†"
 CROSS_RUN_NOTE = (f"{CROSS_RUN_MARK} against that stage in another run of the same model, batch and GPU (another "
                   "process, minutes apart): the run of this stage had no such stage of its own.")
@@ -55,9 +63,17 @@ def speedup_table(records) -> pd.DataFrame:
             "gate": rec.gate.status, "precision": rec.precision, "img_per_s": rec.img_per_s, "step_ms": rec.step_ms,
             "step_iqr_ms": rec.step_iqr_ms, "peak_mem_bytes": rec.peak_mem_bytes, "compile_s": rec.compile_s,
             "counted": _counted(rec), "model": rec.model, "device": rec.env.device_name,
+            "graph_ms": rec.graph.step_ms if rec.graph else math.nan,
+            "graph_iqr_ms": rec.graph.step_iqr_ms if rec.graph else math.nan,
+            "graph_img_per_s": rec.graph.img_per_s if rec.graph else math.nan,
+            "gpu_kernel_ms": rec.gpu_time.kernel_ms if rec.gpu_time else math.nan,
+            "gpu_busy_pct": rec.gpu_time.busy_pct if rec.gpu_time else math.nan,
+            "pytorch_alone": bool(rec.pytorch_alone), "reused": rec.reused is not None,
         })
-    derived = ("x_baseline", "x_previous", "previous_stage")   # the _ns flags start with these too
+    derived = ("x_baseline", "x_previous", "previous_stage")   # the _ns and _graph columns start with these too
     df = pd.DataFrame(rows, columns=[c for c in COLUMNS if not c.startswith(derived)])
+    df["x_baseline_graph"] = math.nan
+    df["x_previous_graph"] = math.nan
     df["x_baseline"] = math.nan
     df["x_previous"] = math.nan
     df["x_baseline_cross_run"] = False
@@ -100,7 +116,98 @@ def speedup_table(records) -> pd.DataFrame:
                 df.at[idx, "previous_stage"] = ancestor
                 df.at[idx, "x_previous_ns"] = not speedup_significant(*mine, *prev)
                 break
+    # the same speedups between the graph-replayed forms of the stages (same run only)
+    graph_ms = {(r.run_id, r.stage): r.graph_ms for r in df.itertuples() if r.counted and _isnum(r.graph_ms)}
+    for idx, r in df.iterrows():
+        if (r.run_id, r.stage) not in graph_ms:
+            continue
+        base = graph_ms.get((r.run_id, "baseline"))
+        if base:
+            df.at[idx, "x_baseline_graph"] = base / r.graph_ms
+        prev = graph_ms.get((r.run_id, r.previous_stage)) if r.previous_stage else None
+        if prev:
+            df.at[idx, "x_previous_graph"] = prev / r.graph_ms
     return df[COLUMNS]
+
+
+def has_graph_columns(df: pd.DataFrame) -> bool:
+    """Whether any stage was also timed with its step replayed as a CUDA graph (the two-column layout)."""
+    return bool(df["graph_ms"].notna().any())
+
+
+def host_bound_stages(records, df: pd.DataFrame) -> list[tuple[str, float]]:
+    """(stage, GPU busy %) of the counted stages whose eager step keeps the GPU busy less than
+    HOST_BOUND_BUSY_PCT of the time: bound by the host launching kernels."""
+    return [(r.stage, r.gpu_busy_pct) for r in df.itertuples()
+            if r.counted and _isnum(r.gpu_busy_pct) and r.gpu_busy_pct < HOST_BOUND_BUSY_PCT]
+
+
+def headline_text(records, df: pd.DataFrame) -> str | None:
+    """Which speedup columns are the headline and why (None without graph columns)."""
+    if not has_graph_columns(df):
+        return None
+    bound = host_bound_stages(records, df)
+    if bound:
+        listed = ", ".join(f"{stage} {busy:.0f}%" for stage, busy in bound)
+        return (f"Headline: the graph columns. As written, these stages keep the GPU busy less than "
+                f"{HOST_BOUND_BUSY_PCT:.0f}% of their step ({listed}): the host launching kernels bounds them, so a "
+                "rung that saves GPU time can show none there. Replaying each step as one CUDA graph takes the "
+                "host's launch cost out and shows what each rung saves on the GPU; GPU ms (the kernel time of "
+                "the step as written) agrees with it.")
+    return ("Headline: the eager columns: every stage keeps the GPU busy at least "
+            f"{HOST_BOUND_BUSY_PCT:.0f}% of its step as written, so its step time is the GPU's; the graph "
+            "columns show what replaying it as one CUDA graph adds.")
+
+
+def best_form(records, df: pd.DataFrame) -> dict | None:
+    """The fused stack in its best form: the fastest counted measurement (eager or graph-replayed) of the
+    last main-chain stage that runs swinbench kernels, or of a stage that extends it (a compiled form)
+    -> {stage, form, ms, x_baseline, peer, peer_form, peer_ms, x_peer}; peer: the fastest PyTorch-alone
+    stage in either form. None when there is no such stage or no graph columns."""
+    if not has_graph_columns(df):
+        return None
+    records = as_records(records)
+    counted = {r.stage: r for r in df.itertuples() if r.counted}
+    fused = [rec for rec in records if rec.stage in counted and not rec.pytorch_alone]
+    if not fused:
+        return None
+    main = [rec for rec in fused if not _is_peer(rec, records)]
+    top = (main or fused)[-1]
+    family = [rec for rec in fused if rec is top or rec.extends == top.stage]
+    forms = []
+    for rec in family:
+        r = counted[rec.stage]
+        forms.append((r.step_ms, rec.stage, "as written"))
+        if _isnum(r.graph_ms) and r.graph_ms != r.step_ms:
+            forms.append((r.graph_ms, rec.stage, "graph-replayed"))
+    ms, stage, form = min(forms)
+    base = counted.get("baseline")
+    base_ms = None
+    if base is not None:
+        base_ms = base.graph_ms if _isnum(base.graph_ms) else base.step_ms
+    out = {"stage": stage, "form": form, "ms": ms, "x_baseline": base_ms / ms if base_ms else None,
+           "peer": None, "peer_form": None, "peer_ms": None, "x_peer": None}
+    peers = []
+    for rec in records:
+        r = counted.get(rec.stage)
+        if r is None or not rec.pytorch_alone or rec.stage == "baseline" or not _is_peer(rec, records):
+            continue
+        peers.append((r.step_ms, rec.stage, "as written"))
+        if _isnum(r.graph_ms) and r.graph_ms != r.step_ms:
+            peers.append((r.graph_ms, rec.stage, "graph-replayed"))
+    if peers:
+        peer_ms, peer, peer_form = min(peers)
+        out.update(peer=peer, peer_form=peer_form, peer_ms=peer_ms, x_peer=peer_ms / ms)
+    return out
+
+
+def _is_peer(rec: StageRecord, records: list[StageRecord]) -> bool:
+    """Whether a stage sits beside the run's main chain rather than on it: the run's recipe chain is the
+    chain of the stage named like the recipe (or of the last stage), and a stage outside it is a peer."""
+    target = next((r for r in records if r.stage == r.recipe), None)
+    if target is None:
+        return False
+    return rec.stage not in {c.name for c in target.chain}
 
 
 def _spread(rec: StageRecord, row) -> tuple:
@@ -145,12 +252,62 @@ def _per_row_labels(df: pd.DataFrame) -> bool:
 
 
 def table_headers(df: pd.DataFrame) -> list[str]:
-    """HEADERS, with model and device after the stage when the table mixes them."""
-    return HEADERS[:1] + ["model", "device"] + HEADERS[1:] if _per_row_labels(df) else list(HEADERS)
+    """HEADERS (GRAPH_HEADERS when stages were also timed graph-replayed), with model and device after
+    the stage when the table mixes them."""
+    headers = GRAPH_HEADERS if has_graph_columns(df) else HEADERS
+    return headers[:1] + ["model", "device"] + headers[1:] if _per_row_labels(df) else list(headers)
 
 
-def display_rows(df: pd.DataFrame) -> list[list[str]]:
-    """The table as strings, as both the terminal and the Markdown show it (columns: table_headers(df))."""
+PEER_LABEL = " (PyTorch alone)"
+REUSED_MARK = "‡"
+REUSED_NOTE = (f"{REUSED_MARK} reused: measured by an earlier run under the same conditions (GPU, driver, "
+               "versions, swinbench code, steps), not run again; `apply --fresh` measures it again.")
+
+
+def _graph_display_rows(df: pd.DataFrame, records: list[StageRecord] | None) -> list[list[str]]:
+    """The two-column layout: each stage as written (eager) and with its step replayed as one CUDA
+    graph, its GPU kernel time, the talk's figure for its rung; the best form of the fused stack after
+    the main chain, and the PyTorch-alone peers after that, marked."""
+    multi = df["run_id"].nunique() > 1
+    labels = _per_row_labels(df)
+    out = []
+    best = best_form(records, df) if records is not None else None
+    main_names = set()
+    if records is not None:
+        main_names = {r.stage for r in records if not _is_peer(r, records)}
+    last_main = max((i for i, r in enumerate(df.itertuples()) if r.stage in main_names), default=None)
+    for i, (_, r) in enumerate(df.iterrows()):
+        stage = r["stage"] + (f" ({r['run_id']})" if multi else "")
+        if r["pytorch_alone"] and r["stage"] != "baseline" and r["stage"] not in main_names:
+            stage += PEER_LABEL
+        if r["reused"]:
+            stage += f" {REUSED_MARK}"
+        xp, gp = fmt_speedup(r["x_previous"]), fmt_speedup(r["x_previous_graph"])
+        xp += f" ({NS_MARK})" if _isnum(r["x_previous"]) and r["x_previous_ns"] else ""
+        if _isnum(r["x_previous"]) and r["previous_stage"] != r["extends"]:
+            xp += f" (vs {r['previous_stage']})"
+            gp += f" (vs {r['previous_stage']})" if _isnum(r["x_previous_graph"]) else ""
+        xb = fmt_speedup(r["x_baseline"]) + (f" ({NS_MARK})" if _isnum(r["x_baseline"]) and r["x_baseline_ns"] else "")
+        gpu = (f"{r['gpu_kernel_ms']:.1f} ({r['gpu_busy_pct']:.0f}%)" if _isnum(r["gpu_kernel_ms"]) else "-")
+        talk = fmt_speedup(TALK_LADDER.get(r["stage"]))
+        out.append([stage, *([r["model"], r["device"]] if labels else []), r["precision"] or "-",
+                    fmt_step(r["step_ms"], r["step_iqr_ms"]), xb, xp,
+                    fmt_step(r["graph_ms"], r["graph_iqr_ms"]), fmt_speedup(r["x_baseline_graph"]), gp,
+                    gpu, talk, fmt_bytes(r["peak_mem_bytes"]), gate_cell(r)])
+        if best is not None and i == last_main:
+            cells = ["-"] * 6
+            at = 0 if best["form"] == "as written" else 3
+            cells[at], cells[at + 1] = f"{best['ms']:.2f}", fmt_speedup(best["x_baseline"])
+            out.append([f"best form: {best['stage']}, {best['form']}", *(["", ""] if labels else []), "",
+                        *cells, "", "", "", ""])
+    return out
+
+
+def display_rows(df: pd.DataFrame, records=None) -> list[list[str]]:
+    """The table as strings, as both the terminal and the Markdown show it (columns: table_headers(df)).
+    records: the StageRecords of df, for the best-form row of the two-column layout."""
+    if has_graph_columns(df):
+        return _graph_display_rows(df, as_records(records) if records is not None else None)
     multi = df["run_id"].nunique() > 1
     labels = _per_row_labels(df)
     out = []
@@ -169,7 +326,11 @@ def display_rows(df: pd.DataFrame) -> list[list[str]]:
 
 
 HEADERS = ["stage", "precision", "img/s", "step ms (median ± IQR)", "× baseline", "× previous", "peak memory", "gate"]
-NUMERIC_HEADERS = {"img/s", "step ms (median ± IQR)", "× baseline", "× previous", "peak memory"}
+GRAPH_HEADERS = ["stage", "precision", "eager ms (median ± IQR)", "eager × baseline", "eager × previous",
+                 "graph ms (median ± IQR)", "graph × baseline", "graph × previous", "GPU ms (busy)", "talk × fp32",
+                 "peak memory", "gate"]
+NUMERIC_HEADERS = {"img/s", "step ms (median ± IQR)", "× baseline", "× previous", "peak memory",
+                   *GRAPH_HEADERS[2:-1]}
 
 
 def render_speedup_table(records, console) -> None:
@@ -181,10 +342,14 @@ def render_speedup_table(records, console) -> None:
     table = Table(title=_title(records), title_justify="left")
     for h in table_headers(df):
         table.add_column(h, justify="right" if h in NUMERIC_HEADERS else "left")
-    for row in display_rows(df):
+    for row in display_rows(df, records):
         style = {"FAIL": "red", "error": "red", "not available": "yellow"}.get(row[-1])
+        if row[0].startswith("best form"):
+            style = "bold"
         table.add_row(*row, style=style)
     console.print(table)
+    for line in _ladder_lines(records, df):
+        console.print(line.replace("**", ""), highlight=False)
     console.print("× previous: against the stage it extends (or, named, its nearest measured ancestor); "
                   "FAIL / not available / error stages are not in the speedups.")
     if (df["x_baseline_cross_run"] | df["x_previous_cross_run"]).any():
@@ -193,7 +358,7 @@ def render_speedup_table(records, console) -> None:
         console.print(NS_NOTE)
     timed = [r for r in records if r.interleaved is not None]
     spread = [r.stage for r in records if _spread_note(r)]
-    if spread and not timed:
+    if spread and not timed and not has_graph_columns(df):
         console.print(f"{', '.join(spread)}: step times spread widely (likely bound by the host); their ratios depend "
                       "on this machine's load: --interleave N times the stages again in alternation")
     if timed:
@@ -207,6 +372,34 @@ def render_speedup_table(records, console) -> None:
     for stage, parent, table in kernel_changes(records, rows=3):
         moved = ", ".join(f"{k[:48]} {d:+.2f}" for k, d in table[["kernel", "delta_ms"]].values)
         console.print(f"{stage} against {parent}, largest {what} changes (ms per step): {moved}")
+
+
+def _ladder_lines(records: list[StageRecord], df: pd.DataFrame) -> list[str]:
+    """What the two-column table needs said under it: which columns are the headline and why, the best
+    form of the fused stack against the strongest PyTorch-alone peer, the talk's ladder, reuse."""
+    lines = []
+    headline = headline_text(records, df)
+    if headline:
+        lines.append(headline)
+    best = best_form(records, df)
+    if best is not None:
+        batch = records[0].batch
+        line = (f"**Fused stack, best form: {best['stage']}, {best['form']}: {best['ms']:.2f} ms per step "
+                f"({batch / best['ms'] * 1e3:,.0f} img/s)"
+                + (f", {best['x_baseline']:.2f}x over fp32" if best["x_baseline"] else "") + "**")
+        if best["peer"]:
+            verdict = "faster" if best["x_peer"] > 1 else "slower: not a win"
+            line += (f"; the strongest PyTorch-alone peer, {best['peer']} {best['peer_form']}, takes "
+                     f"{best['peer_ms']:.2f} ms: the fused stack is {best['x_peer']:.2f}x {verdict}.")
+        lines.append(line)
+    if has_graph_columns(df) and any(s in TALK_LADDER for s in df["stage"]):
+        lines.append(TALK_NOTE + ".")
+    if df["reused"].any():
+        lines.append(REUSED_NOTE)
+    for rec in records:
+        if rec.graph is None and rec.graph_note and rec.ok and has_graph_columns(df):
+            lines.append(f"{rec.stage}: no graph timing: {rec.graph_note}")
+    return lines
 
 
 def _any_not_significant(records: list[StageRecord], df: pd.DataFrame) -> bool:
@@ -436,7 +629,7 @@ def _notes(records: list[StageRecord], df: pd.DataFrame) -> list[str]:
             else:
                 notes.append(f"**{rec.stage}** is slower than **{r.previous_stage}**, {how} "
                              f"({r.x_previous:.2f}x)" + _slower_why(rec, records, r.previous_stage))
-        spread = _spread_note(rec)
+        spread = _spread_note(rec) if rec.graph is None else None   # the graph columns show it already
         if spread:
             notes.append(spread)
         for n in rec.notes:
@@ -611,8 +804,12 @@ def render_report(records, out_path_md: Path, note: str | None = None) -> Path:
     elif any(not r.env.on_gpu for r in records):
         lines += ["> **Rows measured on the CPU (device column) are not GPU speed figures**, and speedups are "
                   "only taken between records of the same device.", ""]
-    lines += [_md_table(table_headers(df), display_rows(df)), "",
-              "img/s = batch / median step time. × previous compares a stage with the stage it extends or, where "
+    ladder = _ladder_lines(records, df)
+    lines += [_md_table(table_headers(df), display_rows(df, records)), ""] + (["\n".join(ladder), ""] if ladder else []) + [
+              ("eager: the step as a plain training script runs it (modules, autograd, optimizer, one launch per "
+               "kernel); graph: the same step captured once and replayed as one CUDA graph; speedups compare the "
+               "same column. " if has_graph_columns(df) else "img/s = batch / median step time. ")
+              + "× previous compares a stage with the stage it extends or, where "
               "that stage was not measured, with its nearest measured ancestor (named). "
               "Stages that fail the correctness gate, are not available or ended in an error are not in the speedups."
               + (" " + CROSS_RUN_NOTE if (df["x_baseline_cross_run"] | df["x_previous_cross_run"]).any() else "")

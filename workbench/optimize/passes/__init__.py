@@ -12,7 +12,8 @@ of the blocks' plans and binds them (block_plan.py; the forwards are block_forwa
 compose in any order.
 
 Adding a technique means adding one module here, its test and a YAML line; `PASS_MODULES`
-below is the only list to extend.
+below is the only list to extend. A pass that runs swinbench's own kernels sets
+`SWINBENCH_KERNELS = True`, so that reports can tell the fused stack from the PyTorch-alone peers.
 """
 from __future__ import annotations
 
@@ -114,6 +115,12 @@ def get_pass(name: str):
     if name not in PASS_MODULES:
         raise UserError(f"unknown pass {name!r}: known passes are {', '.join(sorted(PASS_MODULES))}")
     return importlib.import_module(f"{__name__}.{PASS_MODULES[name]}")
+
+
+def uses_swinbench_kernels(name: str) -> bool:
+    """Whether the pass runs swinbench's own kernels (its module sets SWINBENCH_KERNELS): a stage whose
+    chain has none of them is what a user gets from PyTorch alone."""
+    return bool(getattr(get_pass(name), "SWINBENCH_KERNELS", False))
 
 
 def apply_pass(name: str, model: torch.nn.Module, ctx: PassContext, params: dict | None = None):

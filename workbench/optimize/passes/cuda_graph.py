@@ -6,8 +6,8 @@ can cost the host more than the kernel takes on the GPU); once the GPU work per 
 host's launch time, the step is host-bound and fusion stops paying. Replaying a graph removes that cost. The workload
 captures lazily, at its first step (after the correctness gate has run the same model eagerly):
 three warm-up steps on a side stream (Triton autotuning happens there), then one captured step.
-Requirements it checks: a CUDA device, training or inference without torch.compile (compile has its
-own `reduce-overhead` mode), no GradScaler (its inf check syncs with the host). The optimizer is
+Requirements it checks: a CUDA device, no torch.compile mode that replays its own graphs
+(`reduce-overhead`; a default-mode compiled step is captured like an eager one), no GradScaler (its inf check syncs with the host). The optimizer is
 made capturable (its step counter lives on the GPU).
 """
 from __future__ import annotations
@@ -20,8 +20,9 @@ NAME = "cuda_graph"
 def apply(model, ctx: PassContext):
     if ctx.device.type != "cuda":
         raise PassUnavailable("CUDA graphs need a CUDA device")
-    if ctx.compile:
-        raise PassUnavailable("the step is compiled: use compile mode reduce-overhead for graphs under torch.compile")
+    options = ctx.compile_options if ctx.compile else {}
+    if options.get("mode") == "reduce-overhead" or (options.get("options") or {}).get("triton.cudagraphs"):
+        raise PassUnavailable("the compiled step replays Inductor's own CUDA graphs (reduce-overhead)")
     if ctx.grad_scaler:
         raise PassUnavailable("fp16 GradScaler syncs with the host every step; use bf16 for CUDA graphs")
     ctx.cuda_graph = True
