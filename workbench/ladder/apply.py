@@ -65,6 +65,8 @@ from workbench.optimize.workload import Workload, WorkloadConfig, pick_device, r
 CPU_INTERLEAVE_ROUNDS = 3
 # Steps that torch.profiler reads the GPU kernel time of, after the timed steps.
 GPU_TIME_STEPS = 3
+# Untimed replays before the graph-replayed steps are timed (after the capture's own warm-up steps).
+GRAPH_WARMUP = 2
 
 @dataclass
 class ApplyResult:
@@ -245,7 +247,8 @@ def _time_graph(workload: Workload, spec: StageSpec, record: dict, emit) -> None
     device = workload.ctx.device
     try:
         workload.ctx.cuda_graph = True
-        timing = time_steps(workload.step, warmup=spec.warmup, repeats=spec.steps, device=device,
+        # the capture itself runs three warm-up steps first; replays need no more than a couple
+        timing = time_steps(workload.step, warmup=min(spec.warmup, GRAPH_WARMUP), repeats=spec.steps, device=device,
                             on_step=lambda i: emit({"event": "step", "i": i}))
     except torch.cuda.OutOfMemoryError:
         record["graph_note"] = "not captured: out of memory with the graph's own memory pool"

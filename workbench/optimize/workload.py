@@ -6,6 +6,7 @@ so that every recipe stage computes the same function and the correctness gate c
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -89,8 +90,11 @@ class Workload:
         device = resolve_device(config.device)
         precision = resolve_precision(config.precision)
         torch.manual_seed(config.seed)
-        model = build_model(config.model, fused_attn=fused_attn, num_classes=config.num_classes,
-                            drop_path_rate=0.0)
+        # On a GPU the weights are created there: initializing Swin-B's 88M parameters on a slow host
+        # takes seconds per stage process; the seed makes them the same in every stage all the same.
+        with torch.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            model = build_model(config.model, fused_attn=fused_attn, num_classes=config.num_classes,
+                                drop_path_rate=0.0)
         model.to(device)
         model.train(config.mode == "train")
         num_classes = model.num_classes
