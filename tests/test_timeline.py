@@ -1,12 +1,16 @@
 """timeline.png (one step) and timeline.json (every step, for Perfetto) on the committed real traces:
-the right step, a picture of the right size in the category colours, and an export that holds exactly
-the kernels of the steps it covers, in time order."""
+the right step, a picture of the right size in the category colours, an export that holds exactly the
+kernels of the steps it covers, in time order, and the commands that write both files."""
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
+from typer.testing import CliRunner
+
+from cli import app
 from workbench.analysis import frames as A
 from workbench.analysis.categories import categorize
 from workbench.analysis.timeline import (
@@ -27,6 +31,7 @@ NSYS_TRACES = [BF16, FP32, EXAMPLE] + [
     pytest.param(SHARED / name, marks=pytest.mark.skipif(not (SHARED / name).exists(), reason="no shared fixtures"),
                  id=f"shared-{name}")
     for name in ("swin_tiny_train_bf16.sqlite.xz", "swin_tiny_train_fp32.sqlite.xz")]
+runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
@@ -201,3 +206,46 @@ def test_the_files_name_their_trace(traces, tmp_path):
     assert timeline_origin(png) == timeline_origin(js) == "../data/x.sqlite.xz"
     (tmp_path / "other.png").write_bytes(b"not a png")
     assert timeline_origin(tmp_path / "other.png") is None
+
+
+# ---------------------------------------------------------------- the commands
+
+
+def test_analyze_writes_the_timeline_beside_its_tables(tmp_path):
+    out = tmp_path / "tables"
+    result = runner.invoke(app, ["analyze", str(BF16), "--format", "csv", "--out", str(out), "--step", "step1"])
+    assert result.exit_code == 0, result.output
+    assert Image.open(out / "timeline.png").size == (1600, 900)
+    doc = json.loads((out / "timeline.json").read_text())
+    assert doc["otherData"]["steps"] == ["step0", "step1", "step2", "step3"]
+    # the same trace, one range: the tables of the range beside, the timeline rewritten
+    result = runner.invoke(app, ["analyze", str(BF16), "--range", "backward", "--format", "json", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    # another trace's timeline is in the way as its tables are; --no-timeline leaves it be
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.copy(out / "timeline.png", other)
+    result = runner.invoke(app, ["analyze", str(FP32), "--format", "csv", "--out", str(other)])
+    assert result.exit_code == 2 and "timeline.png holds the timeline of another trace" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    result = runner.invoke(app, ["analyze", str(FP32), "--format", "csv", "--out", str(other), "--no-timeline"])
+    assert result.exit_code == 0, result.output
+    assert not (other / "timeline.json").exists()
+    result = runner.invoke(app, ["analyze", str(FP32), "--format", "csv", "--out", str(other), "--overwrite"])
+    assert result.exit_code == 0, result.output
+    (aside,) = other.glob("previous-*")
+    assert sorted(p.name for p in aside.iterdir())[-1] == "timeline.png"
+    assert timeline_origin(other / "timeline.png").endswith("swin_tiny_train_fp32.sqlite.xz")
+
+
+@pytest.mark.parametrize("args, text", [
+    (["--format", "csv", "--step", "7"], "no range step7 in the trace"),
+    (["--format", "csv", "--step", "fwd"], "takes a step number"),
+    (["--step", "1"], "it needs --format"),
+    (["--format", "csv", "--no-timeline", "--step", "1"], "it needs --format"),
+])
+def test_analyze_step_mistakes_are_one_line(tmp_path, args, text):
+    result = runner.invoke(app, ["analyze", str(BF16), "--out", str(tmp_path), *args])
+    assert result.exit_code == 2 and text in result.output
+    assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
+    assert not list(tmp_path.iterdir())
