@@ -249,3 +249,36 @@ def test_analyze_step_mistakes_are_one_line(tmp_path, args, text):
     assert result.exit_code == 2 and text in result.output
     assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
     assert not list(tmp_path.iterdir())
+
+
+def test_apply_profile_keeps_each_stages_timeline_and_the_report_shows_it(tmp_path, monkeypatch):
+    """A profiled stage (its capture replaced by the committed trace) records where its timeline.png is,
+    relative to the run folder, and the report shows it."""
+    import workbench.capture.backends as backends
+    from workbench.ladder.apply import StageSpec, _profile_stage
+    from workbench.optimize.workload import WorkloadConfig
+    from workbench.results.record import write_record
+    from workbench.results.report import render_report_from_paths
+
+    from record_helpers import record
+
+    def captured(config, stage, source, folder, steps, warmup):
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        return Path(shutil.copy(BF16, Path(folder) / "trace.sqlite.xz")), "nsys"
+
+    monkeypatch.setattr(backends, "capture_workload", captured)
+    run = tmp_path / "run"
+    spec = StageSpec(run_id="r1", recipe="amp", stage="amp", stage_index=1, stage_ref="amp", recipe_source=None,
+                     config={}, steps=4, warmup=2, profile=True, out_dir=str(run))
+    config = WorkloadConfig(model="swin_tiny_patch4_window7_224", mode="train", batch=32, precision="bf16",
+                            device="cuda")
+    rec = record(1, "amp", "baseline", 50.0)
+    rec["profile"] = _profile_stage(spec, config, rec)
+    assert rec["profile"]["timeline"] == "profiles/01-amp/timeline.png" and not rec["notes"]
+    assert (run / "profiles" / "01-amp" / "timeline.json").exists()
+    write_record(rec, run / "records")
+    report = render_report_from_paths([run / "records"], tmp_path / "elsewhere" / "report.md").read_text()
+    assert "## One step of each profiled stage" in report
+    assert "![amp: one step](../run/profiles/01-amp/timeline.png)" in report
+    at_home = render_report_from_paths([run / "records"]).read_text()
+    assert "![amp: one step](profiles/01-amp/timeline.png)" in at_home
