@@ -43,6 +43,8 @@ def _call(fn, *args, **kwargs):
 
 Model = Annotated[Optional[str], typer.Option(help="timm Swin model name (default: swin_tiny_patch4_window7_224 on a GPU, the tiny 'swinbench_tiny_cpu' Swin on the CPU).")]
 Device = Annotated[str, typer.Option(help="auto (cuda if a GPU is visible, else cpu), cuda, cuda:N or cpu. CPU runs use the tiny Swin by default and are labelled CPU in every output.")]
+Timeline = Annotated[bool, typer.Option("--timeline/--no-timeline", help="Also write timeline.png (one step: NVTX ranges, GPU kernels by category, host CUDA calls per thread) and timeline.json (every step, for ui.perfetto.dev) beside the tables.")]
+Step = Annotated[Optional[str], typer.Option(help="The step timeline.png draws (3 or step3; default: the median-length step).")]
 Overwrite = Annotated[bool, typer.Option("--overwrite", help="If --out holds an earlier run (or tables of another trace), move it aside to a '.previous-' sibling first (nothing is deleted). Without it such a folder is refused.")]
 
 
@@ -61,6 +63,7 @@ def profile(
     recipe: Annotated[Optional[str], typer.Option(help="Profile the model as this recipe (name or YAML path) leaves it.")] = None,
     format: Annotated[str, typer.Option("--format", help="Machine-readable tables written beside the trace: csv | json.")] = "csv",
     top: Annotated[int, typer.Option(help="Rows per table before the tail is folded into 'other'.")] = 15,
+    timeline: Timeline = True,
     overwrite: Overwrite = False,
 ):
     """Run a Swin model under Nsight Systems (or torch.profiler) and show where its GPU time goes (on the CPU: its CPU operator time)."""
@@ -70,7 +73,7 @@ def profile(
     _check_top(top)
     _call(run_profile, model=model, mode=mode, batch=batch, precision=precision, steps=steps, warmup=warmup,
           device=device, backend=backend, out=out, nsys=nsys, recipe=recipe, fmt=format, top=top, console=console,
-          overwrite=overwrite)
+          overwrite=overwrite, timeline=timeline)
 
 
 def _note(text: str) -> None:
@@ -131,24 +134,33 @@ def analyze(
     format: Annotated[Optional[str], typer.Option("--format", help="Also write the tables as csv or json.")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Folder for --format output (default: beside the trace).")] = None,
     range: Annotated[Optional[str], typer.Option("--range", help="Only kernels launched inside this NVTX range (e.g. backward, stage2.block1); written tables carry it in their names (kernels.range-backward.csv).")] = None,
+    timeline: Timeline = True,
+    step: Step = None,
     overwrite: Overwrite = False,
 ):
     """Where one trace's GPU time goes (a CPU capture's: CPU operator time): per kernel, category and NVTX range.
 
     GPU time shares per kernel, category and NVTX range, GPU busy vs idle, and the host's CUDA API calls
-    per step (launches, synchronizing and allocating calls)."""
+    per step (launches, synchronizing and allocating calls). With --format, also timeline.png (one step)
+    and timeline.json (every step, for ui.perfetto.dev)."""
     from workbench.analysis.analyze import analysis_tables, analyze_trace, render_analysis, write_analysis
+    from workbench.analysis.timeline import pick_step
 
     _check_name_style(name)
     _check_top(top)
     folder = out or trace.parent
+    if step is not None and (format is None or not timeline):
+        raise _fail(UserError("--step picks the step timeline.png draws: it needs --format (and no --no-timeline)"), 2)
     if format is not None:
         _check_format(format)
-        _call(analysis_tables(folder, format, trace, range).check, overwrite)   # refuse before the work
+        _call(analysis_tables(folder, format, trace, range, timeline).check, overwrite)   # refuse before the work
     analysis = _call(analyze_trace, trace, name_style=name, range_name=range)
+    if step is not None:
+        _call(pick_step, analysis.trace, step)
     render_analysis(analysis, console, top=top)
     if format:
-        for f in _call(write_analysis, analysis, folder, format, trace=trace, overwrite=overwrite, on_note=_note):
+        for f in _call(write_analysis, analysis, folder, format, trace=trace, overwrite=overwrite, on_note=_note,
+                       timeline=timeline, step=step):
             console.print(f"wrote {f}")
 
 

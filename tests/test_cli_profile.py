@@ -19,6 +19,19 @@ def test_profile_on_cpu_writes_trace_tables_and_says_which_backend(tmp_path):
     assert run["backend"] == "torch" and run["env"]["device_type"] == "cpu"
     assert run["config"]["model"] == "swinbench_tiny_cpu"
     assert any(p.suffix == ".json" and p.name != "trace.json" and p.name != "run.json" for p in out.iterdir())
+    # the picture of the median step and the Perfetto export, beside the captured trace (not over it)
+    assert (out / "timeline.png").stat().st_size > 10_000
+    assert json.loads((out / "trace.json").read_text())["traceEvents"]
+    timeline = json.loads((out / "timeline.json").read_text())
+    assert timeline["otherData"]["steps"] == ["step1", "step2"] and timeline["trace"] == "trace.json"
+
+
+def test_profile_no_timeline_writes_none(tmp_path):
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["profile", "--device", "cpu", "--batch", "1", "--steps", "1", "--warmup", "0",
+                                 "--out", str(out), "--no-timeline"])
+    assert result.exit_code == 0, result.output
+    assert (out / "kernels.csv").exists() and not list(out.glob("timeline.*"))
 
 
 def test_profile_bad_input_is_one_line_and_exit_2(tmp_path):

@@ -38,7 +38,8 @@ LOCK_NAME = ".swinbench.lock"
 RUN_ENTRY_PATTERNS = (
     "records", "report.md", "report-categories.png", "logs", "profiles", "reference.pt", "reference.tmp",
     "run.json", "trace.*", "capture_spec.json", "nsys.log",
-    "kernels*.csv", "categories*.csv", "ranges*.csv", "busy*.csv", "api*.csv", "analysis*.json",
+    "kernels*.csv", "categories*.csv", "ranges*.csv", "busy*.csv", "api*.csv", "findings*.csv", "analysis*.json",
+    "timeline.png", "timeline.json",
     ".*.tmp",  # an atomic write cut short by a hard kill
 )
 

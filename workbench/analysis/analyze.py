@@ -1,8 +1,9 @@
 """`swinbench analyze`: one trace file -> kernel / category / range / busy tables, rendered or written.
 
 Layers: `load_trace` (parsing) -> the pure functions of workbench/analysis/frames.py -> `Analysis` (frames only)
--> `render_analysis` (rich) or `write_analysis` (csv / json). Nothing here reads a file except through
-load_trace, and the renderers never see the trace.
+-> `render_analysis` (rich) or `write_analysis` (csv / json, and timeline.png / timeline.json drawn by
+timeline.py from the parsed frames the Analysis keeps). Nothing here reads a file except through
+load_trace, and the renderers never see the trace file.
 
 A trace with kernels on several GPUs gets its kernel, category, range and busy tables per device: each
 frame has a leading `device` column and shares of that device's kernel time, and the renderer shows one
@@ -16,7 +17,7 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,7 @@ from rich.table import Table
 
 from workbench.analysis import frames as A
 from workbench.analysis.findings import findings
+from workbench.analysis.timeline import TIMELINE_FILES, pick_step, timeline_origin, timeline_title, write_timeline
 from workbench.errors import UserError
 from workbench.labels import DeviceWords, trace_words
 from workbench.files import atomic_write_text
@@ -43,7 +45,8 @@ class Analysis:
     trace_meta is the trace's meta (notes, warnings) plus name_style, range_name, devices (the GPUs the
     tables cover), kernel_count, kernel_total_ns (all devices), memops (count, ns), api_scope, api_steps and
     api_unit ('step' | 'range instance' | None: what api.per_step is per), and with several devices
-    device_steps ({device: unit instances in the processes that launched its kernels})."""
+    device_steps ({device: unit instances in the processes that launched its kernels}). trace: the parsed
+    trace the tables were built from (what timeline.py draws); never written."""
 
     trace_meta: dict
     kernels: pd.DataFrame
@@ -52,6 +55,7 @@ class Analysis:
     busy: pd.DataFrame
     backend: str
     api: pd.DataFrame = None
+    trace: Trace | None = field(default=None, repr=False)
 
     @property
     def devices(self) -> list[int]:
@@ -125,6 +129,7 @@ def analyze_trace(path, *, name_style: str = "demangled", range_name: str | None
         **frames,
         backend=BACKENDS.get(trace.meta.get("source"), str(trace.meta.get("source"))),
         api=api,
+        trace=trace,
     )
 
 
@@ -349,7 +354,9 @@ class TableFiles:
     'trace_range': range or None}; a diff has before_trace and after_trace) is written into every table:
     as its last CSV columns, as top-level JSON keys. Rewriting tables of the same origin is fine; tables
     of another origin, or naming none, are not replaced without `overwrite` (which moves them aside into
-    `<out>/previous-<their time>/`)."""
+    `<out>/previous-<their time>/`). timeline: timeline.png and timeline.json (timeline.py) come with the
+    tables; they are of the trace, not of a range, so a timeline of the same trace is rewritten whatever
+    the range, and one of another trace is in the way as tables are."""
 
     out: Path
     fmt: str
@@ -357,6 +364,7 @@ class TableFiles:
     origin: dict[str, str | None]
     csv_prefix: str = ""
     json_stem: str = "analysis"
+    timeline: bool = False
 
     def paths(self) -> dict[str, Path]:
         suffix = tables_suffix(self.origin.get("trace_range"))
@@ -364,8 +372,26 @@ class TableFiles:
             return {"*": self.out / f"{self.json_stem}{suffix}.json"}
         return {name: self.out / f"{self.csv_prefix}{name}{suffix}.csv" for name in self.names}
 
+    def timeline_paths(self) -> list[Path]:
+        return [self.out / name for name in TIMELINE_FILES] if self.timeline else []
+
     def _ours(self) -> dict[str, str]:
         return {k: "" if v is None else str(v) for k, v in self.origin.items()}
+
+    def _in_the_way(self) -> list[Path]:
+        """Existing files of another origin (or naming none) where these tables or their timeline go."""
+        ours = self._ours()
+        tables = [p for p in self.paths().values() if p.exists() and _origin_of(p, list(ours)) not in ({}, ours)]
+        return tables + [p for p in self.timeline_paths() if p.exists() and timeline_origin(p) != ours["trace"]]
+
+    def _what(self, path: Path) -> str:
+        """What the file in the way holds, in words."""
+        if path in self.timeline_paths():
+            theirs = timeline_origin(path)
+            return f"the timeline of another trace ({theirs!r})" if theirs else "a timeline that does not name its trace"
+        theirs = _origin_of(path, list(self._ours()))
+        return (f"tables of another trace or range ({', '.join(f'{k} {v!r}' for k, v in theirs.items() if v)})"
+                if theirs else "tables that do not name their trace")
 
     def check(self, overwrite: bool = False) -> list[Path]:
         """Before any work: UserError (one line) when the folder cannot take the tables, or tables of
@@ -375,14 +401,10 @@ class TableFiles:
         from workbench.run_folder import check_writable_folder
 
         check_writable_folder(self.out)
-        ours = self._ours()
-        others = [p for p in self.paths().values() if p.exists() and _origin_of(p, list(ours)) not in ({}, ours)]
+        others = self._in_the_way()
         if others and not overwrite:
-            theirs = _origin_of(others[0], list(ours))
-            what = (f"tables of another trace or range ({', '.join(f'{k} {v!r}' for k, v in theirs.items() if v)})"
-                    if theirs else "tables that do not name their trace")
-            raise UserError(f"{others[0]} holds {what}; nothing was written: --overwrite moves them aside, "
-                            "or choose another --out")
+            raise UserError(f"{others[0]} holds {self._what(others[0])}; nothing was written: --overwrite moves "
+                            "them aside, or choose another --out")
         return others
 
     def write(self, frames: dict[str, pd.DataFrame], meta: dict, *, overwrite: bool = False,
@@ -393,7 +415,7 @@ class TableFiles:
         if self.check(overwrite):
             from workbench.run_folder import move_aside, newest_time_tag
 
-            existing = [p for p in self.paths().values() if p.exists()]
+            existing = [p for p in [*self.paths().values(), *self.timeline_paths()] if p.exists()]
             dest = move_aside(existing, self.out / f"previous-{newest_time_tag(existing)}")
             if on_note:
                 on_note(f"moved the earlier tables aside to {dest}")
@@ -408,25 +430,35 @@ class TableFiles:
 ANALYSIS_TABLES = ["kernels", "categories", "ranges", "busy", "api", "findings"]
 
 
-def analysis_tables(out_dir, fmt: str, trace, range_name: str | None) -> TableFiles:
-    """Where write_analysis puts the tables of `trace` (scoped to range_name) in out_dir; `.check()` it
-    before analyzing, so a refusal comes before the work."""
+def analysis_tables(out_dir, fmt: str, trace, range_name: str | None, timeline: bool = False) -> TableFiles:
+    """Where write_analysis puts the tables of `trace` (scoped to range_name), and with `timeline` its
+    timeline files, in out_dir; `.check()` it before analyzing, so a refusal comes before the work."""
     origin = {"trace": trace_origin(trace, out_dir), "trace_range": range_name}
-    return TableFiles(Path(out_dir), fmt, ANALYSIS_TABLES, origin, json_stem="analysis")
+    return TableFiles(Path(out_dir), fmt, ANALYSIS_TABLES, origin, json_stem="analysis", timeline=timeline)
 
 
 def write_analysis(analysis: Analysis, out_dir, fmt: str = "csv", *, trace=None, overwrite: bool = False,
-                   on_note=None) -> list[Path]:
+                   on_note=None, timeline: bool = False, step: int | str | None = None,
+                   title: str | None = None) -> list[Path]:
     """csv: kernels.csv, categories.csv, ranges.csv, busy.csv, api.csv, findings.csv; json: one analysis.json with every
     frame as a list of records plus backend and meta. Tables of one range carry it in their names
     (kernels.range-backward.csv); every table names its trace (`trace`, relative to out_dir; default the
     path the analysis was read from) and range (`trace_range`, empty for the whole trace), and tables of
-    another trace are not replaced without `overwrite` (see TableFiles). Returns the paths written."""
+    another trace are not replaced without `overwrite` (see TableFiles). With `timeline`, also
+    timeline.png (the step `step`, default the median one, under `title`, default timeline_title) and
+    timeline.json (Perfetto) of the whole trace (timeline.write_timeline). Returns the paths written."""
     frames = {"kernels": analysis.kernels, "categories": analysis.categories, "ranges": analysis.ranges, "busy": analysis.busy}
     if analysis.api is not None:
         frames["api"] = analysis.api
     frames["findings"] = findings(analysis)
     source = trace if trace is not None else analysis.trace_meta.get("path")
-    tables = analysis_tables(out_dir, fmt, source, analysis.trace_meta.get("range_name"))
-    return tables.write(frames, {"backend": analysis.backend, "meta": analysis.trace_meta}, overwrite=overwrite,
-                        on_note=on_note)
+    draw = timeline and analysis.trace is not None
+    if draw:
+        pick_step(analysis.trace, step)   # a step the trace lacks is refused before anything is written
+    tables = analysis_tables(out_dir, fmt, source, analysis.trace_meta.get("range_name"), timeline=draw)
+    paths = tables.write(frames, {"backend": analysis.backend, "meta": analysis.trace_meta}, overwrite=overwrite,
+                         on_note=on_note)
+    if draw:
+        paths += write_timeline(analysis.trace, out_dir, title=title or timeline_title(source),
+                                origin=tables.origin["trace"], step=step, on_note=on_note)
+    return paths

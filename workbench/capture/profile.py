@@ -37,8 +37,9 @@ def default_run_name(config: WorkloadConfig, recipe: str | None) -> str:
 def run_profile(*, model: str | None, mode: str, batch: int, precision: str, steps: int, warmup: int,
                 device: str, backend: str, out: Path | None, nsys: str | None = None, recipe: str | None = None,
                 fmt: str = "csv", top: int = 15, console: Console | None = None,
-                overwrite: bool = False) -> ProfileResult:
-    """Capture `steps` steps after `warmup`, analyze the trace, print the tables and write them beside it.
+                overwrite: bool = False, timeline: bool = True) -> ProfileResult:
+    """Capture `steps` steps after `warmup`, analyze the trace, print the tables and write them beside it,
+    with `timeline` also timeline.png (the median step) and timeline.json (Perfetto).
 
     out: the folder (default profiles/<model-mode-precision-batch-time>/), locked while the capture
     writes it. A folder that holds an earlier profile or run is refused (UserError, nothing changed)
@@ -68,12 +69,12 @@ def run_profile(*, model: str | None, mode: str, batch: int, precision: str, ste
         for n in notes + claim.notes:
             console.print(f"[yellow]note:[/] {n}", highlight=False)
         return _capture_and_analyze(config, recipe, out_dir, chosen, nsys_path, steps=steps, warmup=warmup,
-                                    fmt=fmt, top=top, notes=notes, console=console)
+                                    fmt=fmt, top=top, notes=notes, console=console, timeline=timeline)
 
 
 def _capture_and_analyze(config: WorkloadConfig, recipe: str | None, out_dir: Path, chosen: str,
                          nsys_path: str | None, *, steps: int, warmup: int, fmt: str, top: int, notes: list[str],
-                         console: Console) -> ProfileResult:
+                         console: Console, timeline: bool) -> ProfileResult:
     """run_profile's work once its folder is claimed: the capture, the tables printed and written."""
     from workbench.analysis.analyze import analyze_trace, render_analysis, write_analysis
 
@@ -91,7 +92,9 @@ def _capture_and_analyze(config: WorkloadConfig, recipe: str | None, out_dir: Pa
     render_analysis(analysis, console, top=top)
     files = [p for p in (out_dir / "trace.nsys-rep", trace, out_dir / "run.json", out_dir / "capture.log",
                          out_dir / "nsys.log") if p.exists()]
-    files += write_analysis(analysis, out_dir, fmt, trace=trace)
+    title = f"{config.model} {mode} {precision} batch {batch}" + (f", recipe {recipe}" if recipe else "")
+    files += write_analysis(analysis, out_dir, fmt, trace=trace, timeline=timeline, title=title,
+                            on_note=lambda line: console.print(f"[yellow]note:[/] {line}", highlight=False))
     console.print(f"[bold]{label}[/] backend; files written:")
     for f in files:
         console.print(f"  {f}")

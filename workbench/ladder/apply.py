@@ -10,7 +10,7 @@ Per stage (all on the same seed, so the same initial weights and the same synthe
      compiles, reported as compile_s; then `warmup` steps, then `steps` timed steps (median, IQR);
      peak memory on CUDA;
   4. profile (--profile): `capture.capture_workload` in its own process (nsys), then the
-     category shares from `analyze`.
+     category shares from `analyze` and the stage's timeline.png / timeline.json beside its trace.
 The record is written to `<out>/records/` as soon as the stage ends, so an interrupted run keeps
 every finished stage. Then, with `interleave` rounds (by default CPU_INTERLEAVE_ROUNDS on the CPU, whose
 timings drift with the machine's load, and none on a GPU), the stages are timed again in alternation
@@ -273,7 +273,8 @@ def _finish(record: dict, out_dir: Path, emit) -> dict:
 
 
 def _profile_stage(spec: StageSpec, config: WorkloadConfig, record: dict) -> dict | None:
-    """Capture the stage (its own process under nsys) and keep its kernel-category shares, in percent."""
+    """Capture the stage (its own process under nsys), keep its kernel-category shares, in percent, and
+    draw its timeline (a timeline that cannot be drawn is a note, not a failed profile)."""
     try:
         from workbench.analysis.analyze import analyze_trace, category_shares
         from workbench.capture.backends import capture_workload
@@ -306,7 +307,24 @@ def _profile_stage(spec: StageSpec, config: WorkloadConfig, record: dict) -> dic
                     "per_step": round(float(n) / spec.steps, 3)}
                    for k, t, n in kernels[["kernel", "total_ns", "instances"]].values]
     return {"backend": backend, "trace": str(trace), "category_share_pct": shares, "top_kernels": top,
-            "kernel_ms_per_step": kernel_ms, "api_calls_per_step": per_step, "kernels_per_step": by_name}
+            "kernel_ms_per_step": kernel_ms, "api_calls_per_step": per_step, "kernels_per_step": by_name,
+            "timeline": _stage_timeline(spec, config, analysis, trace, folder, record)}
+
+
+def _stage_timeline(spec: StageSpec, config: WorkloadConfig, analysis, trace: Path, folder: Path,
+                    record: dict) -> str | None:
+    """Write the stage's timeline.png and timeline.json into its profile folder -> the PNG's path relative
+    to the run folder (what the report links), or None with a note when it could not be drawn."""
+    from workbench.analysis.analyze import trace_origin
+    from workbench.analysis.timeline import write_timeline
+
+    title = f"{spec.stage}: {config.model} {config.mode} {config.precision} batch {config.batch}"
+    try:
+        png, _ = write_timeline(analysis.trace, folder, title=title, origin=trace_origin(trace, folder))
+    except (UserError, OSError, ValueError) as exc:
+        record["notes"].append(f"timeline not drawn: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+        return None
+    return png.relative_to(Path(spec.out_dir)).as_posix()
 
 
 # ---------------------------------------------------------------- stage subprocess

@@ -48,7 +48,9 @@ greater than 0, ">= 0" a finite number not below 0; an int is a JSON integer (tr
     profile         {backend: str, trace: str | null, category_share_pct: {category: 0..100},
                     top_kernels: [{kernel: str, share_pct: 0..100, category: str (optional)}],
                     kernel_ms_per_step: > 0 | null, api_calls_per_step: {kind: >= 0} | null,
-                    kernels_per_step: [{kernel: str, ms_per_step: >= 0, per_step: >= 0}]} | null
+                    kernels_per_step: [{kernel: str, ms_per_step: >= 0, per_step: >= 0}],
+                    timeline: str | null (optional): the stage's timeline.png, a path relative to the run
+                    folder (the one that holds records/)} | null
     notes           [str]
     activation_dtypes {part: torch dtype name} | null: the output dtype of patch_embed, layers.N, norm and
                     head in one forward under the stage's precision; null where the gate did not run
@@ -229,6 +231,7 @@ class Profile:
     kernel_ms_per_step: float | None = None
     api_calls_per_step: dict[str, float] | None = None
     kernels_per_step: tuple[KernelTime, ...] = ()
+    timeline: str | None = None
 
     def kernels_frame(self):
         """kernels_per_step as a DataFrame (kernel, ms, n) per step, ready for diff.join_per_unit; None
@@ -245,7 +248,7 @@ class Profile:
         return {"backend": self.backend, "trace": self.trace, "category_share_pct": dict(self.category_share_pct),
                 "top_kernels": [k.to_dict() for k in self.top_kernels], "kernel_ms_per_step": self.kernel_ms_per_step,
                 "api_calls_per_step": None if self.api_calls_per_step is None else dict(self.api_calls_per_step),
-                "kernels_per_step": [k.to_dict() for k in self.kernels_per_step]}
+                "kernels_per_step": [k.to_dict() for k in self.kernels_per_step], "timeline": self.timeline}
 
 
 @dataclass(frozen=True)
@@ -886,7 +889,7 @@ class _Parser:
             return None
         p = self.mapping(value, "profile")
         self.known(p, {"backend", "trace", "category_share_pct", "top_kernels", "kernel_ms_per_step",
-                       "api_calls_per_step", "kernels_per_step"}, "profile")
+                       "api_calls_per_step", "kernels_per_step", "timeline"}, "profile")
         shares = self.mapping(_given(p.get("category_share_pct"), {}), "profile.category_share_pct")
         shares = {k: self.number(v, f"profile.category_share_pct.{k}", positive=False, high=100.0 + 1e-6)
                   for k, v in shares.items()}
@@ -918,7 +921,8 @@ class _Parser:
                        category_share_pct=shares, top_kernels=tuple(top),
                        kernel_ms_per_step=self.number(p.get("kernel_ms_per_step"), "profile.kernel_ms_per_step",
                                                       optional=True),
-                       api_calls_per_step=calls, kernels_per_step=tuple(kernels))
+                       api_calls_per_step=calls, kernels_per_step=tuple(kernels),
+                       timeline=self.string(p.get("timeline"), "profile.timeline", optional=True))
 
     def activation_dtypes(self, value) -> dict[str, str] | None:
         d = self.mapping(value, "activation_dtypes", optional=True)

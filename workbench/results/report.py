@@ -1,5 +1,6 @@
 """Reports from stored stage records only (never a model, never a trace): the speedup table (terminal
-and Markdown share `speedup_table`), and the Markdown report a reader wants on a pull request.
+and Markdown share `speedup_table`), and the Markdown report a reader wants on a pull request. A profiled
+stage's timeline.png is linked, not opened: the record says where its stage drew it.
 
 Every function takes stage records (`records.StageRecord`; dicts of records being built are validated
 into them first). `speedup_table(records)` columns (one row per record, in stage order):
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 from pathlib import Path
 
 import pandas as pd
@@ -687,6 +689,36 @@ def _backend_names(records: list[StageRecord]) -> str:
     return ", ".join(sorted(_BACKENDS.get(b, b) for b in found))
 
 
+def timeline_link(rec: StageRecord, report_md: Path) -> str | None:
+    """The stage's timeline.png as a link from the report `report_md`: profile.timeline is relative to the
+    run folder, which holds the record's folder `records/` (a record read from elsewhere: its own folder;
+    one held only in memory: the report's folder). None when the stage has no timeline."""
+    if rec.profile is None or not rec.profile.timeline:
+        return None
+    if rec.source is None:
+        return rec.profile.timeline
+    folder = Path(rec.source).parent
+    run = folder.parent if folder.name == "records" else folder
+    return Path(os.path.relpath(Path(os.path.abspath(run)) / rec.profile.timeline,
+                                Path(os.path.abspath(report_md)).parent)).as_posix()
+
+
+def _timeline_lines(records: list[StageRecord], report_md: Path) -> list[str]:
+    """A picture of one captured step per profiled stage that has one (profile.timeline)."""
+    shown = [(rec, link) for rec in records if (link := timeline_link(rec, report_md))]
+    if not shown:
+        return []
+    w = record_words(records)
+    lines = ["## One step of each profiled stage", "",
+             f"The median-length captured step of each stage's profile: NVTX ranges on top, {w.device} "
+             f"{w.units} coloured by category (each pixel column stacked by the share of it each category "
+             "covers, so white is idle time), the host's CUDA API calls per thread below. `timeline.json` "
+             "beside each picture holds every captured step; open it in https://ui.perfetto.dev.", ""]
+    for rec, link in shown:
+        lines += [f"**{rec.stage}**", "", f"![{rec.stage}: one step]({link})", ""]
+    return lines
+
+
 def _kernel_change_lines(records: list[StageRecord]) -> list[str]:
     changes = kernel_changes(records)
     if not changes:
@@ -843,6 +875,7 @@ def render_report(records, out_path_md: Path, note: str | None = None) -> Path:
     else:
         lines += [f"## {w.time} by category", "", "Not profiled (run `swinbench apply --profile`).", ""]
 
+    lines += _timeline_lines(records, out_path_md)
     lines += _kernel_change_lines(records)
     lines += ["## What each stage changed", ""]
     for rec in records:
