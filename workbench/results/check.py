@@ -70,9 +70,9 @@ STATUSES = ("improved", "unchanged", "noise", "REGRESSED", "only in baseline", "
 REGRESSION_STATUSES = ("REGRESSED", "FAIL gate")
 
 # metric -> +1 when higher is better, -1 when lower is better
-PCT_METRICS = {"img_per_s": +1, "step_ms": -1, "peak_mem_bytes": -1, "speedup": +1,
+PCT_METRICS = {"img_per_s": +1, "step_ms": -1, "graph_ms": -1, "peak_mem_bytes": -1, "speedup": +1,
                "launches_per_step": -1, "blocking_calls_per_step": -1, "paired_speedup": +1}
-TIMED_METRICS = ("img_per_s", "step_ms", "speedup")
+TIMED_METRICS = ("img_per_s", "step_ms", "graph_ms", "speedup")
 SHARE_PREFIX = "share:"
 BASELINE_STAGE = "baseline"
 
@@ -244,6 +244,10 @@ class _Stage:
         """The value of a PCT_METRICS metric, None when the record does not have it."""
         if name in ("img_per_s", "step_ms", "peak_mem_bytes"):
             return getattr(self.record, name)
+        if name == "graph_ms":
+            graph = self.record.graph
+            # a stage whose own step is a graph has the same figure as step_ms: compared once, there
+            return graph.step_ms if graph is not None and graph.timing != self.record.timing else None
         return getattr(self, name)
 
 
@@ -366,8 +370,12 @@ def _pct_row(stage: str, metric: str, b: _Stage, c: _Stage, th: Thresholds) -> d
                         limit, None, "not compared")
         band = th.noise_iqr_scale * 100.0 * (b.paired_rel_spread + c.paired_rel_spread)
     if metric in TIMED_METRICS:
-        spread = (b.speedup_rel_iqr + c.speedup_rel_iqr) if metric == "speedup" \
-            else (_relative_iqr(b.record) + _relative_iqr(c.record))
+        if metric == "speedup":
+            spread = b.speedup_rel_iqr + c.speedup_rel_iqr
+        elif metric == "graph_ms":
+            spread = sum(g.step_iqr_ms / g.step_ms for g in (b.record.graph, c.record.graph))
+        else:
+            spread = _relative_iqr(b.record) + _relative_iqr(c.record)
         band = th.noise_iqr_scale * 100.0 * spread
     if bv == 0:
         delta = 0.0 if cv == 0 else math.copysign(math.inf, cv)

@@ -21,11 +21,13 @@ from pathlib import Path
 from workbench.errors import UserError
 from workbench.files import atomic_write_text
 from workbench.results.record import StageRecord, as_records, read_records
-from workbench.results.report import CROSS_RUN_MARK, CROSS_RUN_NOTE, fmt_rate, fmt_speedup, fmt_step, speedup_table
+from workbench.results.report import (CROSS_RUN_MARK, CROSS_RUN_NOTE, PEER_LABEL, REUSED_MARK, REUSED_NOTE, _is_peer,
+                                      best_form, fmt_rate, fmt_speedup, fmt_step, speedup_table)
 
 BEGIN = "<!-- results:begin -->"
 END = "<!-- results:end -->"
-HEADERS = ["run", "stage", "precision", "step ms (median ± IQR)", "img/s", "× baseline", "× previous", "gate"]
+HEADERS = ["run", "stage", "precision", "eager ms (median ± IQR)", "eager × baseline", "eager × previous",
+           "graph ms (median ± IQR)", "graph img/s", "graph × baseline", "graph × previous", "gate"]
 _SIZES = {"tiny": "T", "small": "S", "base": "B", "large": "L"}
 
 
@@ -79,24 +81,54 @@ def results_table(records, command: str | None = None, sources: list[str] | None
     runs = list(dict.fromkeys(r.run_id for r in records))
     lines = ["| " + " | ".join(HEADERS) + " |", "|" + "|".join("---" for _ in HEADERS) + "|"]
     first_of_run: dict = {}
-    for idx, (rec, row) in enumerate(zip(records, df.itertuples())):
-        first = rec.run_id not in first_of_run
-        first_of_run.setdefault(rec.run_id, rec)
-        xb = fmt_speedup(row.x_baseline) + (CROSS_RUN_MARK if row.x_baseline_cross_run else "")
-        xp = fmt_speedup(row.x_previous) + (CROSS_RUN_MARK if row.x_previous_cross_run else "")
-        if not _nan(row.x_previous) and row.previous_stage != row.extends:
-            xp += f" (vs {row.previous_stage})"
-        gate = row.gate if row.status == "ok" else row.status
-        cells = [run_label(rec) if first else "", row.stage, row.precision or "-",
-                 fmt_step(row.step_ms, row.step_iqr_ms), fmt_rate(row.img_per_s), xb, xp, gate]
-        lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
+    best_lines = []
+    row_of = lambda cells: "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+    for run in runs:
+        mine = [(rec, row) for rec, row in zip(records, df.itertuples()) if rec.run_id == run]
+        run_records = [rec for rec, _ in mine]
+        best = best_form(run_records, speedup_table(run_records))
+        last_main = max((i for i, (rec, _) in enumerate(mine) if not _is_peer(rec, run_records)), default=None)
+        for i, (rec, row) in enumerate(mine):
+            first = rec.run_id not in first_of_run
+            first_of_run.setdefault(rec.run_id, rec)
+            xb = fmt_speedup(row.x_baseline) + (CROSS_RUN_MARK if row.x_baseline_cross_run else "")
+            xp = fmt_speedup(row.x_previous) + (CROSS_RUN_MARK if row.x_previous_cross_run else "")
+            gp = fmt_speedup(row.x_previous_graph)
+            if not _nan(row.x_previous) and row.previous_stage != row.extends:
+                xp += f" (vs {row.previous_stage})"
+                gp += f" (vs {row.previous_stage})" if not _nan(row.x_previous_graph) else ""
+            gate = row.gate if row.status == "ok" else row.status
+            stage = row.stage + (PEER_LABEL if rec.pytorch_alone and _is_peer(rec, run_records) else "")
+            stage += f" {REUSED_MARK}" if rec.reused is not None else ""
+            lines.append(row_of([run_label(rec) if first else "", stage, row.precision or "-",
+                                 fmt_step(row.step_ms, row.step_iqr_ms), xb, xp,
+                                 fmt_step(row.graph_ms, row.graph_iqr_ms), fmt_rate(row.graph_img_per_s),
+                                 fmt_speedup(row.x_baseline_graph), gp, gate]))
+            if best is not None and i == last_main:
+                graph = best["form"] != "as written"
+                ms, x = f"**{best['ms']:.2f}**", f"**{fmt_speedup(best['x_baseline'])}**"
+                rate = fmt_rate(rec.batch / best["ms"] * 1e3)
+                lines.append(row_of(["", f"**best form: {best['stage']}, {best['form']}**", "",
+                                     "-" if graph else ms, "-" if graph else x, "",
+                                     ms if graph else "-", rate if graph else "-", x if graph else "-", "", ""]))
+        if best is not None and best["peer"]:
+            best_lines.append(f"- **{run_label(run_records[0])}**: the fused stack's best form ({best['stage']}, "
+                              f"{best['form']}, {best['ms']:.2f} ms) against the strongest PyTorch-alone peer "
+                              f"({best['peer']}, {best['peer_form']}, {best['peer_ms']:.2f} ms): "
+                              f"**{best['x_peer']:.2f}x**")
     lines.append("")
+    lines += best_lines + ([""] if best_lines else [])
     for i, run in enumerate(runs):
         where = sources[i] if sources and i < len(sources) else None
         lines.append(f"- {_run_note(first_of_run[run], where)}")
     lines.append("")
-    lines.append("× previous: against the stage it extends (or the named ancestor). Stages that fail the "
-                 "correctness gate against the fp32 baseline, or are not available, have no speedups.")
+    lines.append("eager: the step as a plain training script runs it; graph: the same step captured once and "
+                 "replayed as one CUDA graph (no host launch cost). × previous: against the stage it extends (or "
+                 "the named ancestor), in the same column. Stages that fail the correctness gate against the fp32 "
+                 "baseline, or are not available, have no speedups. (PyTorch alone): a peer that runs none of "
+                 "swinbench's kernels.")
+    if df["reused"].any():
+        lines.append(REUSED_NOTE)
     if (df["x_baseline_cross_run"] | df["x_previous_cross_run"]).any():
         lines.append(CROSS_RUN_NOTE)
     if command:

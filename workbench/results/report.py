@@ -39,7 +39,7 @@ COLUMNS = ["run_id", "stage", "extends", "status", "gate", "precision", "img_per
            "x_baseline", "x_previous", "peak_mem_bytes", "compile_s", "counted", "x_baseline_cross_run",
            "x_previous_cross_run", "previous_stage", "model", "device", "x_baseline_ns", "x_previous_ns",
            "graph_ms", "graph_iqr_ms", "graph_img_per_s", "x_baseline_graph", "x_previous_graph", "gpu_kernel_ms",
-           "gpu_busy_pct", "pytorch_alone", "reused"]
+           "gpu_busy_pct", "pytorch_alone", "reused", "mode"]
 # NVIDIA's Swin talk (Swin-L training): each rung's throughput over fp32, printed beside the ladder.
 TALK_LADDER = {"amp": 1.63, "apex": 2.11, "window": 2.19, "fmha": 2.85}
 TALK_NOTE = ("talk × fp32: the same rung in NVIDIA's Swin talk (Swin-L training, throughput over fp32), "
@@ -64,7 +64,7 @@ def speedup_table(records) -> pd.DataFrame:
             "run_id": rec.run_id, "stage": rec.stage, "extends": rec.extends, "status": rec.status,
             "gate": rec.gate.status, "precision": rec.precision, "img_per_s": rec.img_per_s, "step_ms": rec.step_ms,
             "step_iqr_ms": rec.step_iqr_ms, "peak_mem_bytes": rec.peak_mem_bytes, "compile_s": rec.compile_s,
-            "counted": _counted(rec), "model": rec.model, "device": rec.env.device_name,
+            "counted": _counted(rec), "model": rec.model, "device": rec.env.device_name, "mode": rec.mode,
             "graph_ms": rec.graph.step_ms if rec.graph else math.nan,
             "graph_iqr_ms": rec.graph.step_iqr_ms if rec.graph else math.nan,
             "graph_img_per_s": rec.graph.img_per_s if rec.graph else math.nan,
@@ -291,7 +291,7 @@ def _graph_display_rows(df: pd.DataFrame, records: list[StageRecord] | None) -> 
             gp += f" (vs {r['previous_stage']})" if _isnum(r["x_previous_graph"]) else ""
         xb = fmt_speedup(r["x_baseline"]) + (f" ({NS_MARK})" if _isnum(r["x_baseline"]) and r["x_baseline_ns"] else "")
         gpu = (f"{r['gpu_kernel_ms']:.1f} ({r['gpu_busy_pct']:.0f}%)" if _isnum(r["gpu_kernel_ms"]) else "-")
-        talk = fmt_speedup(TALK_LADDER.get(r["stage"]))
+        talk = fmt_speedup(TALK_LADDER.get(r["stage"]) if _talk_applies(df) else None)
         out.append([stage, *([r["model"], r["device"]] if labels else []), r["precision"] or "-",
                     fmt_step(r["step_ms"], r["step_iqr_ms"]), xb, xp,
                     fmt_step(r["graph_ms"], r["graph_iqr_ms"]), fmt_speedup(r["x_baseline_graph"]), gp,
@@ -376,6 +376,11 @@ def render_speedup_table(records, console) -> None:
         console.print(f"{stage} against {parent}, largest {what} changes (ms per step): {moved}")
 
 
+def _talk_applies(df: pd.DataFrame) -> bool:
+    """The talk's ladder is of training steps: it is printed beside training runs only."""
+    return bool((df["mode"] == "train").all()) if "mode" in df else False
+
+
 def _ladder_lines(records: list[StageRecord], df: pd.DataFrame) -> list[str]:
     """What the two-column table needs said under it: which columns are the headline and why, the best
     form of the fused stack against the strongest PyTorch-alone peer, the talk's ladder, reuse."""
@@ -394,7 +399,7 @@ def _ladder_lines(records: list[StageRecord], df: pd.DataFrame) -> list[str]:
             line += (f"; the strongest PyTorch-alone peer, {best['peer']} {best['peer_form']}, takes "
                      f"{best['peer_ms']:.2f} ms: the fused stack is {best['x_peer']:.2f}x {verdict}.")
         lines.append(line)
-    if has_graph_columns(df) and any(s in TALK_LADDER for s in df["stage"]):
+    if has_graph_columns(df) and _talk_applies(df) and any(s in TALK_LADDER for s in df["stage"]):
         lines.append(TALK_NOTE + ".")
     if df["reused"].any():
         lines.append(REUSED_NOTE)
