@@ -15,6 +15,7 @@
 These names are the stable surface; everything else in `workbench` may change between versions.
 docs/training.md says what each call does and guarantees.
 """
-from workbench.optimize.trainer import GRAPH_WARMUP_STEPS, GraphFallbackWarning, OptimizedSwin, optimize_swin
+from workbench.optimize.trainer import (GRAPH_WARMUP_STEPS, GraphFallbackWarning, OptimizedSwin, RecipeUnavailable,
+                                       optimize_swin)
 
-__all__ = ["optimize_swin", "OptimizedSwin", "GraphFallbackWarning", "GRAPH_WARMUP_STEPS"]
+__all__ = ["optimize_swin", "OptimizedSwin", "GraphFallbackWarning", "RecipeUnavailable", "GRAPH_WARMUP_STEPS"]

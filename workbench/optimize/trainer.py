@@ -53,6 +53,16 @@ ADAMW_SETTINGS = ("lr", "betas", "eps", "weight_decay")
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+class RecipeUnavailable(UserError):
+    """A pass of the recipe cannot run here (no GPU for its kernels, no CUDA for graphs): `recipe` its name,
+    `reason` the pass and why."""
+
+    def __init__(self, recipe: str, reason: str):
+        super().__init__(f"recipe {recipe!r} cannot run here: pass {reason} (the model may be partly patched; "
+                         "build it again for another recipe)")
+        self.recipe, self.reason = recipe, reason
+
+
 class GraphFallbackWarning(UserWarning):
     """A call ran eagerly instead of replaying its CUDA graph, or captured it again; once per reason."""
 
@@ -490,7 +500,8 @@ def optimize_swin(model: torch.nn.Module, recipe: str = "fmha", *, optimizer=Non
     where the model's parameters are). allow_unavailable: go on without passes that cannot run here (no
     GPU for the Triton kernels, no CUDA for graphs) instead of raising; `notes` lists them.
 
-    A pass that cannot run here raises UserError (the model may then be partly patched: build it again).
+    A pass that cannot run here raises RecipeUnavailable, a UserError (the model may then be partly
+    patched: build it again).
     """
     if not isinstance(model, torch.nn.Module):
         raise UserError(f"model must be a torch.nn.Module (a timm Swin), got {short_repr(model)}")
@@ -524,8 +535,7 @@ def optimize_swin(model: torch.nn.Module, recipe: str = "fmha", *, optimizer=Non
     unavailable = [r for r in results if not r.available]
     if unavailable and not allow_unavailable:
         first = unavailable[0]
-        raise UserError(f"recipe {chain[-1].name!r} cannot run here: pass {first.name} {first.changed} (the "
-                        "model may be partly patched; build it again for another recipe)")
+        raise RecipeUnavailable(chain[-1].name, f"{first.name} {first.changed}")
     notes += [f"pass {r.name} left out: {r.changed}" for r in unavailable]
     if factory is not None and ctx.optimizer_factory is not factory:
         notes.append(f"the optimizer given is used, not the recipe's {ctx.optimizer_name}")
