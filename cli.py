@@ -256,6 +256,36 @@ def _check_inputs_before_apply(check_against, thresholds, max_regression) -> flo
 
 
 @app.command()
+def train(
+    recipe: Annotated[Optional[str], typer.Option(help="Recipe to train with (name or YAML file). Default: fmha-graph on a GPU, baseline on the CPU.")] = None,
+    compare: Annotated[Optional[str], typer.Option(help="Comma-separated recipes to train on the same data order and seeds (e.g. baseline,amp,fmha-graph); the baseline runs with --baseline-seeds seeds and every other recipe gets a parity verdict in report.md.")] = None,
+    baseline_seeds: Annotated[Optional[int], typer.Option(help="With --compare: seeds of the baseline, whose spread the parity rule measures (default 2, at least 2).")] = None,
+    model: Model = None,
+    data: Annotated[Optional[Path], typer.Option(help="An ImageFolder (class folders, or train/ and val/ of them). Default: the handwritten digits shipped with swinbench (1,797 images, 10 classes), upsampled to the model's input size.")] = None,
+    steps: Annotated[Optional[int], typer.Option(help="Optimizer steps per run (instead of --epochs).")] = None,
+    epochs: Annotated[Optional[int], typer.Option(help="Epochs per run (default 5 when --steps is not given).")] = None,
+    batch: Annotated[int, typer.Option(help="Images per step.")] = 64,
+    lr: Annotated[float, typer.Option(help="AdamW peak learning rate (linear warm-up over 5% of the steps, then cosine to 0).")] = 1e-3,
+    weight_decay: Annotated[float, typer.Option(help="AdamW weight decay.")] = 0.05,
+    label_smoothing: Annotated[float, typer.Option(help="Label smoothing of the cross-entropy loss.")] = 0.1,
+    clip_grad: Annotated[float, typer.Option(help="Clip the global gradient norm to this (0: off).")] = 5.0,
+    seed: Annotated[int, typer.Option(help="Seed of the weights, data order and augmentation (the baseline's extra seeds count up from it).")] = 0,
+    workers: Annotated[int, typer.Option(help="Data-loading processes for --data.")] = 4,
+    device: Device = "auto",
+    out: Annotated[Optional[Path], typer.Option(help="Output folder for records, report.md and curves.png (default reports/runs/train-<recipe>-<model>-<time>/).")] = None,
+    overwrite: Overwrite = False,
+):
+    """Train a Swin on real data with a recipe (or compare recipes) and report loss, accuracy, img/s and parity."""
+    from workbench.train.loop import TrainConfig, command_line, run_train
+
+    config = TrainConfig(model=model, recipe=recipe, compare=compare.split(",") if compare is not None else None,
+                         baseline_seeds=baseline_seeds, steps=steps, epochs=epochs, batch=batch, lr=lr,
+                         weight_decay=weight_decay, label_smoothing=label_smoothing, clip_grad=clip_grad, seed=seed,
+                         data=data, workers=workers, device=device, command=command_line())
+    _call(run_train, config, out_dir=out, overwrite=overwrite, console=console)
+
+
+@app.command()
 def recipes():
     """List the recipes and their passes."""
     from workbench.optimize.recipes import render_recipes

@@ -19,6 +19,8 @@ LAYERS = {
     "optimize": 5,
     "capture": 6,
     "ladder": 7,
+    "api": 8,        # workbench/api.py: the public Python API, re-exported from the layers below
+    "train": 9,      # `swinbench train`: a training loop on real data, built on the public API
 }
 
 

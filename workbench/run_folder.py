@@ -1,7 +1,7 @@
 """Claiming an output folder for one run, so that nothing measured is ever lost.
 
-`swinbench apply` and `swinbench profile` write a run into one folder. Before they write anything,
-`claim_run_folder` makes sure of two things:
+`swinbench apply`, `swinbench profile` and `swinbench train` write a run into one folder. Before they write
+anything, `claim_run_folder` makes sure of two things:
 
 - the folder holds no other run, unless the user chose what happens to it: `overwrite` moves the old
   run's files aside into a sibling folder `<folder>.previous-<its run id or time>` (nothing is deleted),
@@ -33,10 +33,10 @@ from workbench.files import atomic_write_text
 
 LOCK_NAME = ".swinbench.lock"
 
-# What apply and profile write into a run folder. An entry of one of these names means the folder
+# What apply, profile and train write into a run folder. An entry of one of these names means the folder
 # holds a run; `overwrite` moves exactly these aside and leaves anything else where it is.
 RUN_ENTRY_PATTERNS = (
-    "records", "report.md", "report-categories.png", "logs", "profiles", "reference.pt", "reference.tmp",
+    "records", "report.md", "report-categories.png", "curves.png", "logs", "profiles", "reference.pt", "reference.tmp",
     "run.json", "trace.*", "capture_spec.json", "nsys.log",
     "kernels*.csv", "categories*.csv", "ranges*.csv", "busy*.csv", "api*.csv", "findings*.csv", "analysis*.json",
     "timeline.png", "timeline.json",

@@ -54,13 +54,9 @@ class InterleaveSpec:
 def apply_chain(workload, chain) -> list:
     """Apply every pass of a resolved recipe chain to `workload` (its model replaced as each pass returns
     it) -> the passes' results, in order."""
-    from workbench.optimize.passes import apply_pass
-    from workbench.optimize.recipes import effective_passes
+    from workbench.optimize.recipes import apply_chain_passes
 
-    results = []
-    for p in effective_passes(chain):
-        workload.model, result = apply_pass(p.name, workload.model, workload.ctx, p.params)
-        results.append(result)
+    workload.model, results = apply_chain_passes(workload.model, workload.ctx, chain)
     return results
 
 

@@ -313,6 +313,19 @@ def effective_passes(chain: list[Recipe]) -> list[PassSpec]:
     return [p for r in chain for p in r.passes]
 
 
+def apply_chain_passes(model, ctx, chain: list[Recipe]) -> tuple[Any, list]:
+    """Apply every pass of a resolved recipe chain, the baseline's first, to `model` with `ctx` -> (the model
+    as the last pass returns it, the passes' PassResults in order). A pass that is not available here
+    leaves the model as it was and says so in its result (`passes.apply_pass`)."""
+    from workbench.optimize.passes import apply_pass
+
+    results = []
+    for p in effective_passes(chain):
+        model, result = apply_pass(p.name, model, ctx, p.params)
+        results.append(result)
+    return model, results
+
+
 def chain_passes(name_or_path: str) -> list[tuple[str, dict]]:
     """(pass name, params) for every pass from the baseline to this recipe; what capture_worker applies."""
     return [(p.name, dict(p.params)) for p in effective_passes(resolve_chain(name_or_path))]

@@ -40,6 +40,8 @@ class PassContext:
 
     device: where the model runs. precision: autocast/TF32 mode (the `amp` pass sets it).
     optimizer_factory: builds the optimizer (fused_adamw replaces it).
+    optimizer_settings: AdamW hyperparameters (lr, betas, eps, weight_decay) a user chose over the
+    baseline's (`default_optimizer_factory`); fused_adamw builds its optimizer with them.
     compile: whether the runner wraps the step in torch.compile (the `compile` pass sets it).
     grad_scaler: whether fp16 training uses a GradScaler.
     cuda_graph: whether the runner captures the step in a CUDA graph (the `cuda_graph` pass sets it).
@@ -52,6 +54,7 @@ class PassContext:
     precision: Precision
     optimizer_factory: OptimizerFactory = default_optimizer_factory
     optimizer_name: str = "torch.optim.AdamW(foreach=True)"
+    optimizer_settings: dict = field(default_factory=dict)
     compile: bool = False
     compile_options: dict = field(default_factory=dict)
     grad_scaler: bool = False

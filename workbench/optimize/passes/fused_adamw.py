@@ -3,7 +3,8 @@
 impl 'auto' (default): apex.optimizers.FusedAdam(adam_w_mode=True) when apex imports (what NVIDIA's
 Swin talk used), else torch.optim.AdamW(fused=True). On the CPU it stays torch's for-each AdamW
 (fused CPU AdamW is no GPU figure) and says so. Hyperparameters are read from the baseline optimizer
-so the stage computes the same update.
+so the stage computes the same update, with the ones a user chose (`ctx.optimizer_settings`, set by
+`workbench.api.optimize_swin`) over them.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def _apex_fused_adam():
 def apply(model, ctx: PassContext, impl: str = "auto"):
     if impl not in IMPLS:
         raise UserError(f"pass fused_adamw: impl must be one of {', '.join(IMPLS)}, got {impl!r}")
-    hp = baseline_hyperparameters()
+    hp = {**baseline_hyperparameters(), **ctx.optimizer_settings}
     if ctx.device.type != "cuda":
         if impl == "apex":
             raise PassUnavailable("apex FusedAdam needs a CUDA device")

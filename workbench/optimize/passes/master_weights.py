@@ -81,6 +81,27 @@ class MasterWeights:
         with torch.no_grad():
             self.flat.copy_(self.master)
 
+    def fp32_views(self) -> list[torch.Tensor]:
+        """Each parameter's fp32 value, shaped like it: views of the master (of the fp32 copy until the
+        master is made). What a checkpoint holds for these parameters."""
+        source = self.master.detach() if self.master is not None else self._fp32
+        if source is None:
+            raise RuntimeError("master weights were not kept (the pass ran for an inference workload)")
+        views, offset = [], 0
+        for p, n in zip(self.params, self.sizes):
+            views.append(source[offset:offset + n].view(p.shape))
+            offset += n
+        return views
+
+    def load_fp32(self, values: list[torch.Tensor]) -> None:
+        """Set each parameter's fp32 master from `values` (in `params` order, same shapes), and its
+        low-precision copy to the master rounded, as a step's scatter_params does. In place."""
+        with torch.no_grad():
+            views = self.fp32_views()
+            for view, value in zip(views, values):
+                view.copy_(value)
+            self.flat.copy_(self.master if self.master is not None else self._fp32)
+
     def optimizer(self, factory, params) -> "MasterWeightOptimizer":
         return MasterWeightOptimizer(self, factory, params)
 
@@ -105,8 +126,13 @@ class MasterWeightOptimizer:
     def state(self):
         return self.inner.state
 
-    def step(self) -> None:
+    def step(self, clip_grads=None) -> None:
+        """Gather the gradients, step, scatter. clip_grads(params), when given, runs between the gather and
+        the update on the inner optimizer's parameters (the fp32 master and the others), so that gradient
+        clipping sees fp32 gradients, as it does under autocast."""
         self.weights.gather_grads()
+        if clip_grads is not None:
+            clip_grads([p for group in self.inner.param_groups for p in group["params"]])
         self.inner.step()
         self.weights.scatter_params()
 

@@ -1,0 +1,272 @@
+"""The public training API (workbench.api) on the CPU with the tiny Swin; the Triton kernels run under
+TRITON_INTERPRET=1 (conftest sets it without a GPU).
+
+What a user relies on: an optimized recipe trains like the fp32 baseline step after step (within the
+recipe's gate tolerances), the baseline through the API is a plain PyTorch loop bit for bit (soft
+targets, label smoothing and clipping included), the harness's Workload steps the same numbers, a
+checkpoint moves between the API and a plain timm Swin bit for bit, optimizer state survives a save and
+load, LR schedulers reach the step, and accumulation equals one big batch.
+"""
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workbench.api import optimize_swin
+from workbench.errors import UserError
+from workbench.models import TINY_MODEL, build_model
+from workbench.optimize.gate import GateOutputs, capture_parameters, compare
+from workbench.optimize.recipes import gate_tolerance, resolve_chain
+
+BATCH = 2
+
+
+def tiny(seed: int = 0) -> torch.nn.Module:
+    """The tiny Swin with stochastic depth off, as the gate builds it: every recipe then computes the same
+    function, and two recipes' random draws cannot set them apart."""
+    torch.manual_seed(seed)
+    return build_model(TINY_MODEL, drop_path_rate=0.0)
+
+
+def batches(n: int, batch: int = BATCH, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 3, 56, 56, generator=g), torch.randint(0, 10, (batch,), generator=g)) for _ in range(n)]
+
+
+@pytest.fixture
+def master_recipe(tmp_path):
+    """bf16 GEMM weights with fp32 masters, without the interpreted kernels (fast on the CPU)."""
+    path = tmp_path / "amp-master.yaml"
+    path.write_text("name: amp-master\nextends: amp\npeer: true\ndescription: amp with master weights\n"
+                    "passes: [master_weights]\n")
+    return str(path)
+
+
+def weights(module) -> dict[str, torch.Tensor]:
+    """A copy of a module's (or an OptimizedSwin's) state_dict: state_dict tensors share the weights' memory."""
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def assert_bitwise(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.slow
+def test_fmha_trains_within_the_gate_of_the_baseline_step_after_step():
+    """Both models step on the same batches; at each step logits, loss and the gate's gradients of the
+    fused model stay within the fmha recipe's bf16 tolerances of the fp32 baseline's, and the loss falls."""
+    plain = optimize_swin(tiny(), "baseline", optimizer={"lr": 1e-3})
+    model = tiny()
+    gate_params = capture_parameters(model)            # taken before any pass, as the ladder's gate does
+    fused = optimize_swin(model, "fmha", optimizer={"lr": 1e-3})
+    assert [p.name for p in fused.passes][-1] == "fused_attention" and all(p.available for p in fused.passes)
+    tolerance = gate_tolerance(resolve_chain("fmha"), fused.ctx.precision.name)
+
+    def hook_grads(params):
+        grads = {}
+        for name, p in params.items():
+            p.register_hook(lambda g, n=name: grads.__setitem__(n, g.detach().float().clone()))
+        return grads
+
+    ref_grads = hook_grads(capture_parameters(plain.model))
+    grads = hook_grads(gate_params)
+    x, y = batches(1)[0]
+    losses = []
+    for step in range(3):
+        ref_loss = plain.train_step(x, y).item()
+        loss = fused.train_step(x, y).item()
+        ref = GateOutputs(plain.last_logits.float(), ref_loss, dict(ref_grads))
+        out = GateOutputs(fused.last_logits.float(), loss, dict(grads))
+        result = compare(out, ref, tolerance)
+        assert result.status == "PASS", (step, result.reason)
+        losses.append(loss)
+    assert losses[2] < losses[1] < losses[0]
+
+
+def test_baseline_is_a_plain_pytorch_loop_bit_for_bit():
+    """Soft targets (mixup-like), label smoothing in the user's loss, gradient clipping: the baseline recipe
+    through the API gives the weights a hand-written loop gives."""
+    data = batches(3, batch=4)
+    soft = [(x, 0.8 * F.one_hot(y, 10).float() + 0.02) for x, y in data]
+    loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
+
+    swin = optimize_swin(tiny(), "baseline", optimizer={"lr": 1e-3, "weight_decay": 0.02}, grad_clip=0.5,
+                         loss_fn=loss_fn)
+    for x, y in soft:
+        swin.train_step(x, y)
+
+    model = tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.02, foreach=True)
+    for x, y in soft:
+        loss = loss_fn(model(x).float(), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 0.5)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert_bitwise(swin.state_dict(), weights(model))
+
+
+def test_the_harness_workload_steps_what_the_api_steps():
+    """The ladder times Workload.step; a user runs train_step: the same recipe gives the same losses and
+    weights, bit for bit."""
+    from workbench.ladder.interleave import build_stage_workload
+    from workbench.optimize.workload import WorkloadConfig
+
+    workload, _ = build_stage_workload(WorkloadConfig(model=TINY_MODEL, batch=BATCH, precision="fp32",
+                                                      device="cpu"), "apex")
+    swin = optimize_swin(tiny(), "apex")
+    harness = [workload.step(i).item() for i in range(2)]
+    api = [swin.train_step(workload.x, workload.y).item() for _ in range(2)]
+    assert harness == api
+    mw = workload.ctx.master_weights
+    assert all(torch.equal(a, b) for a, b in zip(mw.fp32_views(), swin.ctx.master_weights.fp32_views()))
+
+
+def test_checkpoints_move_between_the_api_and_a_plain_timm_swin_bit_for_bit(master_recipe):
+    swin = optimize_swin(tiny(), master_recipe, optimizer={"lr": 1e-3})
+    assert swin.ctx.master_weights is not None
+    for x, y in batches(2):
+        swin.train_step(x, y)
+    saved = swin.state_dict()
+    assert {v.dtype for v in saved.values() if v.is_floating_point()} == {torch.float32}
+
+    # optimized -> plain: the fp32 masters are what a plain timm Swin loads
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    plain = tiny(seed=5)
+    plain.load_state_dict(torch.load(io.BytesIO(buffer.getvalue())))
+    assert_bitwise(weights(plain), saved)
+
+    # plain -> optimized: the masters become the plain weights, the bf16 copies those rounded
+    other = tiny(seed=7)
+    swin.load_state_dict(weights(other))
+    assert_bitwise(swin.state_dict(), weights(other))
+    by_name = dict(swin.model.named_parameters())
+    for name, value in weights(other).items():
+        if name in by_name and by_name[name].dtype == torch.bfloat16:
+            assert torch.equal(by_name[name].detach(), value.to(torch.bfloat16)), name
+
+
+def test_optimizer_state_survives_save_and_load(master_recipe):
+    data = batches(4)
+    swin = optimize_swin(tiny(), master_recipe, optimizer={"lr": 1e-3})
+    for x, y in data[:2]:
+        swin.train_step(x, y)
+    buffer = io.BytesIO()
+    torch.save({"model": swin.state_dict(), "optimizer": swin.optimizer_state_dict()}, buffer)
+    straight_on = [swin.train_step(x, y).item() for x, y in data[2:]]
+
+    resumed = optimize_swin(tiny(seed=3), master_recipe, optimizer={"lr": 1e-3})
+    checkpoint = torch.load(io.BytesIO(buffer.getvalue()))
+    resumed.load_state_dict(checkpoint["model"])
+    resumed.load_optimizer_state_dict(checkpoint["optimizer"])
+    assert [resumed.train_step(x, y).item() for x, y in data[2:]] == straight_on
+    assert_bitwise(resumed.state_dict(), swin.state_dict())
+
+
+@pytest.mark.parametrize("recipe", ["baseline", "master"])
+def test_an_lr_scheduler_reaches_the_step(recipe, master_recipe):
+    """LambdaLR on swin.optimizer: after the first step the lr is 0, and the next step leaves every weight
+    as it was (AdamW with lr 0 neither moves nor decays)."""
+    swin = optimize_swin(tiny(), master_recipe if recipe == "master" else "baseline", optimizer={"lr": 1e-3})
+    schedule = torch.optim.lr_scheduler.LambdaLR(swin.optimizer, lambda step: 1.0 if step == 0 else 0.0)
+    (x, y), (x2, y2) = batches(2)
+    before = weights(swin)
+    swin.train_step(x, y)
+    schedule.step()
+    after_first = weights(swin)
+    assert any(not torch.equal(before[k], after_first[k]) for k in before)
+    swin.train_step(x2, y2)
+    assert_bitwise(swin.state_dict(), after_first)
+
+
+def test_a_number_put_in_a_group_reaches_the_graphs_lr_tensor():
+    """The CUDA-graph path keeps each group's lr in a tensor the graph reads: schedulers fill it in place
+    (this torch keeps the tensor), and a plain number a user assigns is copied into it before the replay."""
+    from workbench.optimize.trainer import _TrainGraphs
+
+    swin = optimize_swin(tiny(), "baseline", optimizer={"lr": 1e-3})
+    group = swin.optimizer.param_groups[0]
+    lr = torch.tensor(1e-3)
+    group["lr"] = lr
+    swin._lr_tensors = [lr]
+    schedule = torch.optim.lr_scheduler.LambdaLR(swin.optimizer, lambda step: 0.5)
+    with pytest.warns(UserWarning, match="before `optimizer.step"):
+        schedule.step()
+    assert group["lr"] is lr and lr.item() == pytest.approx(5e-4)
+    swin._train_graphs = _TrainGraphs({}, None, None, None, True, swin._number_lrs())
+    group["lr"] = 0.25
+    swin._sync_lr()
+    assert group["lr"] is lr and lr.item() == 0.25
+
+
+def test_accumulation_equals_one_big_batch():
+    """Two micro-batches of 2 with accumulate=2 against batches of 4, clipped. SGD: an update linear in the
+    gradient, so the weights differ by the gradients' rounding only (AdamW's first steps divide each
+    gradient by its own size and would magnify that rounding where a gradient is near zero)."""
+    (x, y), (x2, y2) = batches(2, batch=4)
+    sgd = dict(optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1}, grad_clip=0.5)
+    big = optimize_swin(tiny(), "baseline", **sgd)
+    split = optimize_swin(tiny(), "baseline", accumulate=2, **sgd)
+    updated = []
+    for xs, ys in ((x, y), (x2, y2)):
+        big.train_step(xs, ys)
+        for half in (slice(0, 2), slice(2, 4)):
+            split.train_step(xs[half], ys[half])
+            updated.append(split.updated)
+    assert updated == [False, True, False, True] and split.optimizer_steps == 2 and split.micro_steps == 4
+    a, b = big.state_dict(), split.state_dict()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-7, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_predict_runs_in_eval_mode_and_puts_the_mode_back():
+    swin = optimize_swin(tiny(), "amp")
+    x, _ = batches(1)[0]
+    reference = copy.deepcopy(swin.model).eval()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = reference(x).float()
+    assert swin.model.training
+    assert torch.equal(swin.predict(x), expected)
+    assert swin.model.training
+    assert swin.eval() is swin and not swin.model.training
+    assert swin.train().model.training
+
+
+def test_the_users_own_optimizer_is_used_as_given():
+    swin = optimize_swin(tiny(), "baseline", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1, "momentum": 0.9})
+    assert type(swin.optimizer) is torch.optim.SGD and swin.optimizer.defaults["momentum"] == 0.9
+    x, y = batches(1)[0]
+    assert torch.isfinite(swin.train_step(x, y))
+    factory = lambda params: torch.optim.AdamW(params, lr=3e-4)  # noqa: E731
+    swin = optimize_swin(tiny(), "apex", optimizer=factory)
+    assert swin.optimizer.defaults["lr"] == 3e-4 and any("optimizer given is used" in n for n in swin.notes)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(accumulate=0), "accumulate"),
+    (dict(grad_clip=-1.0), "grad_clip"),
+    (dict(optimizer="sgd"), "optimizer must be"),
+    (dict(optimizer={"lr": 1e-3, "fused": True}), "unknown AdamW setting"),
+    (dict(optimizer=dict, optimizer_kwargs={}), "not a torch.optim.Optimizer"),
+    (dict(recipe="fmha-fast"), "unknown recipe"),
+    (dict(recipe="fmha-graph"), "cannot run here: pass cuda_graph"),
+])
+def test_mistakes_are_one_line_user_errors(kwargs, message):
+    if "fmha-graph" in str(kwargs) and torch.cuda.is_available():
+        pytest.skip("CUDA graphs run here")
+    recipe = kwargs.pop("recipe", "baseline")
+    with pytest.raises(UserError, match=message) as info:
+        optimize_swin(tiny(), recipe, **kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_allow_unavailable_goes_on_and_says_what_was_left_out():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA graphs run here")
+    swin = optimize_swin(tiny(), "fmha-graph", allow_unavailable=True)
+    assert not swin.graphed and any("cuda_graph left out" in n for n in swin.notes)

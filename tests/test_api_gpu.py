@@ -1,0 +1,117 @@
+"""The public training API's CUDA-graph path (recipe fmha-graph) against the same recipe run eagerly (fmha),
+on the tiny Swin on a GPU: warm-up, capture and replay train the same numbers; LR schedulers and plain
+numbers put into a group reach the captured step; a batch of another size, and predict, fall back and
+say so; accumulation and checkpoints work under the graph. Skipped without a GPU.
+
+    python -m pytest -q -m gpu tests/test_api_gpu.py
+"""
+import io
+
+import pytest
+import torch
+
+from workbench.api import GRAPH_WARMUP_STEPS, GraphFallbackWarning, optimize_swin
+from workbench.models import TINY_MODEL, build_model
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+STEPS = GRAPH_WARMUP_STEPS + 4     # warm-up, capture, replays
+
+
+def tiny(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return build_model(TINY_MODEL, drop_path_rate=0.0).cuda()
+
+
+def batches(n: int, batch: int = 8, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 3, 56, 56, generator=g), torch.randint(0, 10, (batch,), generator=g)) for _ in range(n)]
+
+
+def pair(**kwargs):
+    """(eager fmha, graphed fmha-graph) from the same weights."""
+    return optimize_swin(tiny(), "fmha", **kwargs), optimize_swin(tiny(), "fmha-graph", **kwargs)
+
+
+def assert_close_runs(a: list[float], b: list[float]) -> None:
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert abs(x - y) <= 1e-2 * max(1.0, abs(x)), (i, a, b)
+
+
+def test_the_graph_trains_what_the_eager_step_trains():
+    eager, graphed = pair(optimizer={"lr": 1e-3}, grad_clip=1.0)
+    assert graphed.graphed and not eager.graphed
+    data = batches(STEPS)
+    a = [eager.train_step(x, y).item() for x, y in data]
+    b = [graphed.train_step(x, y).item() for x, y in data]
+    assert graphed._train_graphs is not None and graphed.eager_fallbacks == 0
+    assert_close_runs(a, b)
+    assert b[-1] < b[0]
+
+
+def test_a_scheduler_and_a_plain_number_reach_the_captured_step():
+    graphed = optimize_swin(tiny(), "fmha-graph", optimizer={"lr": 1e-3})
+    schedule = torch.optim.lr_scheduler.LambdaLR(graphed.optimizer, lambda s: 1.0 if s < STEPS - 1 else 0.0)
+    data = batches(STEPS + 2)
+    for x, y in data[:STEPS]:
+        graphed.train_step(x, y)
+        schedule.step()
+    frozen = {k: v.clone() for k, v in graphed.state_dict().items()}
+    graphed.train_step(*data[STEPS])                      # replayed with lr 0: nothing moves
+    assert all(torch.equal(frozen[k], v) for k, v in graphed.state_dict().items())
+    for group in graphed.optimizer.param_groups:
+        group["lr"] = 1e-3                                # a plain number: copied into the graph's tensor
+    graphed.train_step(*data[STEPS + 1])
+    assert any(not torch.equal(frozen[k], v) for k, v in graphed.state_dict().items())
+    assert graphed._train_graphs is not None
+
+
+def test_a_batch_of_another_size_runs_eagerly_and_says_so_once():
+    eager, graphed = pair(optimizer={"lr": 1e-3})
+    data = batches(STEPS) + batches(2, batch=3, seed=2) + batches(1, seed=3)
+    a = [eager.train_step(x, y).item() for x, y in data]
+    with pytest.warns(GraphFallbackWarning, match="another|batch of"):
+        b = [graphed.train_step(x, y).item() for x, y in data]
+    assert graphed.eager_fallbacks == 2 and sum("train_step ran eagerly" in n for n in graphed.notes) == 1
+    assert_close_runs(a, b)
+
+
+def test_accumulation_under_the_graph():
+    eager, graphed = pair(optimizer={"lr": 1e-3}, accumulate=2)
+    data = batches(2 * STEPS, batch=4)
+    a = [eager.train_step(x, y).item() for x, y in data]
+    b = [graphed.train_step(x, y).item() for x, y in data]
+    assert set(graphed._train_graphs.graphs) == {"micro", "step"} and graphed.optimizer_steps == STEPS
+    assert_close_runs(a, b)
+
+
+def test_predict_replays_and_falls_back_for_another_size():
+    eager, graphed = pair()
+    (x, _), (small, _) = batches(1)[0], batches(1, batch=3)[0]
+    for _ in range(4):
+        assert torch.allclose(graphed.predict(x), eager.predict(x), rtol=1e-2, atol=1e-2)
+    assert graphed._predict_graph is not None
+    with pytest.warns(GraphFallbackWarning, match="predict ran eagerly"):
+        assert graphed.predict(small).shape == (3, 10)
+
+
+def test_checkpoint_and_optimizer_state_under_the_graph():
+    data = batches(STEPS + 3)
+    graphed = optimize_swin(tiny(), "fmha-graph", optimizer={"lr": 1e-3})
+    for x, y in data[:STEPS]:
+        graphed.train_step(x, y)
+    buffer = io.BytesIO()
+    torch.save({"model": graphed.state_dict(), "optimizer": graphed.optimizer_state_dict()}, buffer)
+    straight_on = [graphed.train_step(x, y).item() for x, y in data[STEPS:]]
+
+    plain = build_model(TINY_MODEL, drop_path_rate=0.0)
+    checkpoint = torch.load(io.BytesIO(buffer.getvalue()), map_location="cpu")
+    plain.load_state_dict(checkpoint["model"])
+    assert all(torch.equal(v.cpu(), checkpoint["model"][k]) for k, v in plain.state_dict().items())
+
+    resumed = optimize_swin(tiny(seed=3), "fmha-graph", optimizer={"lr": 1e-3})
+    resumed.train_step(*data[0])                          # state to replace
+    resumed.load_state_dict(checkpoint["model"])
+    resumed.load_optimizer_state_dict(checkpoint["optimizer"])
+    assert_close_runs([resumed.train_step(x, y).item() for x, y in data[STEPS:]], straight_on)

@@ -1,0 +1,185 @@
+"""`swinbench train`: the parity rule on made-up curves, the shipped digits and their fixed split and order,
+the command end to end on a few CPU steps (records, curves, report, parity verdicts), and its refusals."""
+import json
+import math
+import random
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from cli import app
+from workbench.train.data import DIGITS_TRAIN, DigitsData, load_digits
+from workbench.train.parity import ACCURACY_POINTS, baseline_spread, parity, smooth, smoothing_window
+from workbench.train.report import read_runs
+
+runner = CliRunner()
+
+
+# ---------------------------------------------------------------- the parity rule
+
+
+def noisy_curve(seed: int, steps: int = 200, offset: float = 0.0) -> list[float]:
+    """A falling loss with step-to-step noise of its own seed (sd 0.05)."""
+    rng = random.Random(seed)
+    return [2.3 * math.exp(-t / 60) + 0.2 + offset + rng.gauss(0, 0.05) for t in range(steps)]
+
+
+def test_smooth_is_a_trailing_mean():
+    assert smooth([1, 2, 3, 4, 5], 2) == [1, 1.5, 2.5, 3.5, 4.5]
+    assert smooth([1.0, math.nan, 3.0], 2)[1:] != smooth([1.0, 2.0, 3.0], 2)[1:]
+    assert all(math.isnan(v) for v in smooth([1.0, math.nan, 3.0], 2)[1:])
+    assert smoothing_window(300) == 15 and smoothing_window(20) == 5
+
+
+def test_a_run_of_the_same_process_passes_and_an_offset_one_fails():
+    base = baseline_spread([noisy_curve(1), noisy_curve(2)], [97.0, 97.4])
+    assert base.window == 10 and base.first == 9 and 0 < base.spread_mean < base.spread_max
+    same = parity(noisy_curve(3), 97.3, base, [noisy_curve(1), noisy_curve(2)])
+    assert same.loss_ok and same.accuracy_ok and same.verdict == "converges like the baseline"
+    assert 0 < same.inside_share < 1
+    off = parity(noisy_curve(3, offset=0.1), 97.2, base)
+    assert not off.loss_ok and off.verdict.startswith("differs: loss")
+
+
+def test_accuracy_must_be_within_half_a_point_of_the_baseline_mean():
+    base = baseline_spread([noisy_curve(1), noisy_curve(2)], [97.0, 97.4])
+    assert parity(noisy_curve(3), 97.2 + ACCURACY_POINTS, base).accuracy_ok
+    late = parity(noisy_curve(3), 97.2 - ACCURACY_POINTS - 0.01, base)
+    assert not late.accuracy_ok and "accuracy -0.51 points" in late.verdict
+
+
+@pytest.mark.parametrize("loss, why", [
+    (noisy_curve(3)[:100] + [math.nan] * 100, "not finite"),
+    (noisy_curve(3)[:150], "150 of 200 steps"),
+])
+def test_a_broken_or_short_loss_curve_fails(loss, why):
+    base = baseline_spread([noisy_curve(1), noisy_curve(2)], [97.0, 97.4])
+    result = parity(loss, 97.2, base)
+    assert not result.loss_ok and why in result.verdict
+
+
+def test_the_spread_needs_two_finite_seeds():
+    with pytest.raises(ValueError):
+        baseline_spread([noisy_curve(1)], [97.0])
+    with pytest.raises(ValueError):
+        baseline_spread([noisy_curve(1), [math.nan] * 200], [97.0, 97.0])
+
+
+# ---------------------------------------------------------------- the digits
+
+
+def test_digits_are_shipped_whole_with_a_fixed_split_and_order():
+    images, labels = load_digits()
+    assert images.shape == (1797, 8, 8) and images.max() == 16 and sorted(set(labels.tolist())) == list(range(10))
+    a, b = DigitsData.load((56, 56)), DigitsData.load((56, 56))
+    assert a.train_size == DIGITS_TRAIN and a.val_size == 1797 - DIGITS_TRAIN
+    assert torch.equal(a.val_y, b.val_y) and torch.equal(a.train_x, b.train_x)
+    first = [(x, y) for x, y in a.train_batches(0, 100, 0, "cpu")]
+    assert len(first) == DIGITS_TRAIN // 100 and first[0][0].shape == (100, 3, 56, 56)
+    again = next(b.train_batches(0, 100, 0, "cpu"))
+    assert torch.equal(first[0][0], again[0]) and torch.equal(first[0][1], again[1])
+    assert not torch.equal(next(a.train_batches(1, 100, 0, "cpu"))[1], first[0][1])   # another epoch
+    assert not torch.equal(next(a.train_batches(0, 100, 1, "cpu"))[1], first[0][1])   # another seed
+    val = list(a.val_batches(256, "cpu"))
+    assert [len(y) for _, y in val] == [256, 256, 85]
+
+
+# ---------------------------------------------------------------- the command
+
+
+def train(tmp_path, *args):
+    result = runner.invoke(app, ["train", "--device", "cpu", "--batch", "16", *args])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_train_writes_records_curves_and_report(tmp_path):
+    out = tmp_path / "run"
+    output = train(tmp_path, "--steps", "4", "--out", str(out))
+    files = sorted((out / "records").iterdir())
+    assert [f.name for f in files] == ["01-baseline-seed0.jsonl"]
+    records = lines(files[0])
+    assert [r["kind"] for r in records] == ["run"] + ["step"] * 4 + ["epoch", "end"]
+    assert records[0]["recipe"] == "baseline" and records[0]["env"]["device_type"] == "cpu"
+    assert all(set(r) >= {"step", "loss", "lr", "img_per_s"} for r in records[1:5])
+    assert 0 <= records[5]["val_acc"] <= 100 and records[-1]["status"] == "ok"
+    assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    report = (out / "report.md").read_text()
+    assert "| baseline | 0 |" in report and "Made by `swinbench" in report
+    assert "baseline" in output and "report" in output
+
+
+def test_compare_gives_each_recipe_a_parity_verdict_with_the_measured_spread(tmp_path):
+    out = tmp_path / "cmp"
+    output = train(tmp_path, "--compare", "baseline,amp,fmha-graph", "--baseline-seeds", "2", "--steps", "6",
+                   "--out", str(out))
+    runs = read_runs(out / "records")
+    assert [(r.recipe, r.seed, r.status) for r in runs] == [
+        ("baseline", 0, "ok"), ("baseline", 1, "ok"), ("amp", 0, "ok"), ("fmha-graph", 0, "not available")]
+    assert [s["step"] for s in runs[2].steps] == list(range(1, 7))
+    report = (out / "report.md").read_text()
+    assert "## Parity with the baseline" in report and "Measured on the baseline (2 seeds): spread" in report
+    amp_row = next(line for line in report.splitlines() if line.startswith("| amp |"))
+    assert "PASS" in amp_row or "FAIL" in amp_row
+    assert "| fmha-graph | 0 |" in report and "not available" in report
+    assert "amp" in output and "reference" in output
+
+
+def test_an_earlier_run_is_refused_then_moved_aside_with_overwrite(tmp_path):
+    out = tmp_path / "run"
+    train(tmp_path, "--steps", "2", "--out", str(out))
+    result = runner.invoke(app, ["train", "--device", "cpu", "--batch", "16", "--steps", "2", "--out", str(out)])
+    assert result.exit_code == 2 and "--overwrite" in result.output
+    train(tmp_path, "--steps", "2", "--out", str(out), "--overwrite")
+    assert len(list(tmp_path.glob("run.previous-*"))) == 1
+
+
+def test_an_image_folder_trains(tmp_path):
+    pytest.importorskip("torchvision")
+    from PIL import Image
+
+    for c, color in enumerate(((255, 0, 0), (0, 0, 255))):
+        folder = tmp_path / "images" / f"class{c}"
+        folder.mkdir(parents=True)
+        for i in range(10):
+            Image.new("RGB", (40 + i, 30), color).save(folder / f"{i}.png")
+    out = tmp_path / "run"
+    train(tmp_path, "--data", str(tmp_path / "images"), "--steps", "2", "--batch", "4", "--workers", "0",
+          "--out", str(out))
+    header = lines(next((out / "records").iterdir()))[0]
+    assert header["data"]["classes"] == 2 and header["data"]["train"] == 18 and header["data"]["val"] == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--data", "{tmp}/nothere"], "no such folder"),
+    (["--data", "{tmp}"], "not an ImageFolder"),
+    (["--recipe", "fmha-fast"], "unknown recipe"),
+    (["--compare", "baseline,nope"], "unknown recipe"),
+    (["--compare", "amp,amp"], "names 'amp' twice"),
+    (["--compare", "baseline,amp", "--baseline-seeds", "1"], "at least 2"),
+    (["--baseline-seeds", "3"], "goes with --compare"),
+    (["--steps", "0"], "--steps must be"),
+    (["--batch", "0"], "--batch must be"),
+    (["--batch", "5000"], "larger than the 1200 training images"),
+    (["--steps", "5", "--epochs", "2"], "not both"),
+    (["--lr", "-1"], "--lr must be"),
+    (["--lr", "nan"], "--lr must be"),
+    (["--label-smoothing", "1.5"], "below 1"),
+    (["--clip-grad", "-1"], "--clip-grad"),
+    (["--model", "resnet50"], "not a timm Swin"),
+])
+def test_mistakes_are_one_line_and_exit_2_before_anything_is_written(tmp_path, args, message):
+    if args[0] == "--data":
+        pytest.importorskip("torchvision")
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["train", "--device", "cpu", "--out", str(out),
+                                 *[a.replace("{tmp}", str(tmp_path)) for a in args]])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
+    assert not out.exists()

@@ -1,0 +1,21 @@
+"""swinbench's public Python API: take a recipe into your own training loop.
+
+    import timm, torch
+    from workbench.api import optimize_swin
+
+    model = timm.create_model("swin_tiny_patch4_window7_224", num_classes=100).cuda()
+    swin = optimize_swin(model, "fmha-graph", optimizer={"lr": 1e-3, "weight_decay": 0.05}, grad_clip=5.0)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(swin.optimizer, T_max=10_000)
+    for images, targets in loader:
+        loss = swin.train_step(images, targets)     # forward, backward, clip, fused step: one CUDA graph
+        schedule.step()
+    logits = swin.predict(val_images)
+    torch.save(swin.state_dict(), "swin.pt")        # loads into a plain timm Swin as it is
+
+These names are the stable surface; everything else in `workbench` may change between versions.
+docs/training.md says what each call does and guarantees.
+"""
+from workbench.optimize.trainer import (GRAPH_WARMUP_STEPS, GraphFallbackWarning, OptimizedSwin, RecipeUnavailable,
+                                       optimize_swin)
+
+__all__ = ["optimize_swin", "OptimizedSwin", "GraphFallbackWarning", "RecipeUnavailable", "GRAPH_WARMUP_STEPS"]

@@ -1,0 +1,544 @@
+"""A recipe in your own training loop: `optimize_swin` and the `OptimizedSwin` it returns.
+
+`optimize_swin(model, recipe)` applies a recipe's passes (`recipes.apply_chain_passes`, what the ladder
+applies) to a timm Swin the user built, in place, and builds the optimizer the recipe asks for. The
+`OptimizedSwin` then runs what a training loop needs, the way the recipe says:
+
+    train_step(images, targets, loss_fn)   autocast forward, the user's loss, backward, gradient clipping,
+                                           gradient accumulation, the optimizer step (fused, over fp32
+                                           master weights where the recipe says); with `cuda_graph`,
+                                           the whole step replayed as one CUDA graph
+    predict(images)                        logits in eval mode, without autograd (a CUDA graph too)
+    optimizer                              the torch Optimizer holding the param groups: LR schedulers
+    state_dict() / load_state_dict()       the weights as a plain timm Swin holds them (fp32 masters)
+    optimizer_state_dict() / load_...      the optimizer's state, to resume
+
+images: (N, 3, H, W) float at the model's input size, on any device (copied to the model's). targets:
+whatever `loss_fn(logits, targets)` takes: class indices (N,) int64, or soft targets (N, classes) float from
+mixup / cutmix. `loss_fn` defaults to F.cross_entropy (which takes both) and gets fp32 logits.
+
+CUDA graphs (recipes with the `cuda_graph` pass). The first GRAPH_WARMUP_STEPS optimizer steps run eagerly
+on a side stream (Triton autotuning, the optimizer's state); each is a real training step on the batch it
+was given. The next call captures the step (forward, backward, clipping, optimizer) into a graph whose
+inputs are static buffers, then every call copies its batch into them and replays. With accumulation a
+second graph holds the micro-step (forward, backward into persistent gradients). The graph's step reads
+the learning rate from a tensor: for torch's Adam and AdamW each group's lr becomes a 0-dim tensor on the
+device, which LR schedulers fill in place; a plain number put into a group is copied into that tensor
+before the next replay. For other optimizers the lr is a number frozen into the graph, so a changed lr
+makes the next call capture again (said once). A batch of another shape or dtype (the last, smaller
+batch of an epoch), another loss_fn or a model in eval mode runs that step eagerly instead, on the same
+weights, gradients and optimizer state, and says so once per reason (GraphFallbackWarning, `notes`,
+`eager_fallbacks`).
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from workbench.errors import UserError
+from workbench.files import short_repr
+from workbench.optimize.passes import PassContext, PassResult, default_optimizer_factory
+from workbench.optimize.recipes import Recipe, apply_chain_passes, resolve_chain
+from workbench.precision import resolve_precision
+
+GRAPH_WARMUP_STEPS = 3        # eager optimizer steps before the training step is captured
+PREDICT_WARMUP_CALLS = 2      # eager forwards (same batch) before the inference forward is captured
+ADAMW_SETTINGS = ("lr", "betas", "eps", "weight_decay")
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class RecipeUnavailable(UserError):
+    """A pass of the recipe cannot run here (no GPU for its kernels, no CUDA for graphs): `recipe` its name,
+    `reason` the pass and why."""
+
+    def __init__(self, recipe: str, reason: str):
+        super().__init__(f"recipe {recipe!r} cannot run here: pass {reason} (the model may be partly patched; "
+                         "build it again for another recipe)")
+        self.recipe, self.reason = recipe, reason
+
+
+class GraphFallbackWarning(UserWarning):
+    """A call ran eagerly instead of replaying its CUDA graph, or captured it again; once per reason."""
+
+
+def _adamw_settings(values: dict, where: str) -> dict:
+    if not isinstance(values, dict):
+        raise UserError(f"{where} must be a dict of AdamW settings ({', '.join(ADAMW_SETTINGS)}), got "
+                        f"{short_repr(values)}")
+    unknown = sorted(set(values) - set(ADAMW_SETTINGS))
+    if unknown:
+        raise UserError(f"{where}: unknown AdamW setting {short_repr(unknown[0])} (the recipe picks the "
+                        f"implementation; settings: {', '.join(ADAMW_SETTINGS)})")
+    return dict(values)
+
+
+def _optimizer_choice(optimizer, optimizer_kwargs) -> tuple[dict | None, Callable | None, str]:
+    """-> (AdamW settings, or None; a factory of the user's, or None; its name). AdamW (settings, the class,
+    or nothing) lets the recipe choose the implementation; anything else is the user's own optimizer."""
+    if optimizer is None or optimizer is torch.optim.AdamW:
+        return _adamw_settings(optimizer_kwargs or {}, "optimizer_kwargs"), None, "AdamW"
+    if optimizer_kwargs is not None and not isinstance(optimizer, type):
+        raise UserError("optimizer_kwargs go with an optimizer class (optimizer=torch.optim.SGD); a factory "
+                        "takes its settings itself")
+    if isinstance(optimizer, dict):
+        return _adamw_settings(optimizer, "optimizer"), None, "AdamW"
+    if isinstance(optimizer, type):
+        if not issubclass(optimizer, torch.optim.Optimizer):
+            raise UserError(f"optimizer {optimizer.__name__} is not a torch.optim.Optimizer class")
+        kwargs = dict(optimizer_kwargs or {})
+        return None, (lambda params: optimizer(params, **kwargs)), f"{optimizer.__module__}.{optimizer.__name__}"
+    if callable(optimizer):
+        return None, optimizer, getattr(optimizer, "__name__", type(optimizer).__name__)
+    raise UserError(f"optimizer must be None, a dict of AdamW settings, an optimizer class or a factory "
+                    f"params -> optimizer, got {short_repr(optimizer)}")
+
+
+def _tensor_lr_ok(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` takes a tensor lr in its capturable step (torch's Adam and AdamW do)."""
+    return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+
+
+def _capturable(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether replaying a captured step of `optimizer` updates like stepping it: it has a capturable
+    mode (its step count lives on the device), or keeps no step count on the host (SGD)."""
+    return all("capturable" in g for g in optimizer.param_groups) or isinstance(optimizer, torch.optim.SGD)
+
+
+@dataclass
+class _TrainGraphs:
+    """The captured training step: graphs by kind ('step': forward, backward, update; 'micro': forward and
+    backward of an accumulation step), each with its static (logits, loss); what it was captured for."""
+
+    graphs: dict[str, tuple[Any, torch.Tensor, torch.Tensor]]
+    x: torch.Tensor
+    y: torch.Tensor
+    loss_fn: Callable
+    training: bool
+    number_lrs: list            # the lr of each group that keeps it as a number (None where a tensor)
+
+
+@dataclass
+class _PredictGraph:
+    graph: Any
+    x: torch.Tensor
+    logits: torch.Tensor
+
+
+class OptimizedSwin:
+    """A timm Swin patched by a recipe, with the optimizer the recipe builds and the calls a training loop
+    needs (see the module's docstring). Build it with `optimize_swin`.
+
+    model: the patched model (the object given to optimize_swin). optimizer: the torch Optimizer whose
+    param_groups set the learning rate; step it through train_step only (under master weights it holds
+    the fp32 masters, and train_step gathers their gradients first). recipe: its name; passes: the
+    PassResult of every pass of its chain; notes: what the user should know (said once each).
+    optimizer_steps, micro_steps: counts; updated: whether the last train_step stepped the optimizer.
+    last_logits: the logits of the last train_step (overwritten by the next one).
+    """
+
+    def __init__(self, model: torch.nn.Module, ctx: PassContext, chain: list[Recipe], passes: list[PassResult],
+                 *, loss_fn: LossFn | None, grad_clip: float | None, accumulate: int, notes: list[str]):
+        self.model = model
+        self.ctx = ctx
+        self.chain = chain
+        self.recipe = chain[-1].name
+        self.passes = passes
+        self.loss_fn = loss_fn or F.cross_entropy
+        self.grad_clip = grad_clip
+        self.accumulate = accumulate
+        self.notes = list(notes)
+        self.device = ctx.device
+        self.micro_steps = 0
+        self.optimizer_steps = 0
+        self.updated = False
+        self.eager_fallbacks = 0
+        self.last_logits: torch.Tensor | None = None
+
+        ctx.precision.apply_matmul_mode()
+        self._master = ctx.master_weights
+        if self._master is not None:
+            self._stepper = self._master.optimizer(ctx.optimizer_factory, model.parameters())
+            self.optimizer = self._stepper.inner
+        else:
+            self._stepper = self.optimizer = ctx.optimizer_factory(model.parameters())
+        self.scaler = torch.amp.GradScaler("cuda") if ctx.grad_scaler and self.device.type == "cuda" else None
+        self._forward_loss = self._forward_loss_eager
+        self._predict_forward = self._predict_eager
+        if ctx.compile:
+            self._forward_loss = torch.compile(self._forward_loss_eager, **ctx.compile_options)
+            self._predict_forward = torch.compile(self._predict_eager, **ctx.compile_options)
+
+        self.graphed = bool(ctx.cuda_graph)
+        # accumulation under a graph adds into gradient buffers that live across steps
+        self._persistent_grads = self.graphed and accumulate > 1
+        self._lr_tensors: list[torch.Tensor | None] = [None] * len(self.optimizer.param_groups)
+        self._train_graphs: _TrainGraphs | None = None
+        self._predict_graph: _PredictGraph | None = None
+        self._predict_calls = 0
+        self._warm_micro_steps = 0
+        self._said: set[str] = set()
+        if self.graphed:
+            self._make_capturable()
+
+    # ------------------------------------------------------------------ building
+
+    def _make_capturable(self) -> None:
+        if not _capturable(self.optimizer):
+            raise UserError(f"recipe {self.recipe!r} captures the training step in a CUDA graph, and "
+                            f"{type(self.optimizer).__name__} has no capturable mode (its step count lives on "
+                            "the host): use AdamW, Adam, SGD, or a recipe without cuda_graph")
+        for i, group in enumerate(self.optimizer.param_groups):
+            if "capturable" in group:
+                group["capturable"] = True
+            if _tensor_lr_ok(self.optimizer):
+                self._lr_tensors[i] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=self.device)
+                group["lr"] = self._lr_tensors[i]
+
+    def describe(self) -> str:
+        """A few lines: the recipe, what each pass changed, the optimizer, the precision, the notes."""
+        lines = [f"recipe {self.recipe} ({' -> '.join(r.name for r in self.chain)}), precision "
+                 f"{self.ctx.precision.name}, optimizer {self.ctx.optimizer_name}"
+                 + (" on fp32 master weights" if self._master is not None else "")
+                 + (", CUDA graph" if self.graphed else "")]
+        lines += [f"  {p.name}: {p.changed}" for p in self.passes]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"OptimizedSwin(recipe={self.recipe!r}, precision={self.ctx.precision.name!r}, device={self.device})"
+
+    # ------------------------------------------------------------------ modes
+
+    def train(self, mode: bool = True) -> "OptimizedSwin":
+        self.model.train(mode)
+        return self
+
+    def eval(self) -> "OptimizedSwin":
+        return self.train(False)
+
+    # ------------------------------------------------------------------ training
+
+    def _forward_loss_eager(self, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable):
+        with self.ctx.precision.autocast(self.device.type):
+            logits = self.model(x)
+            loss = loss_fn(logits.float(), y)
+        return logits, loss
+
+    def _clip(self, params) -> None:
+        torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], self.grad_clip)
+
+    def _update(self) -> None:
+        """Clip (when asked) and step the optimizer, from the gradients in place."""
+        clip = self._clip if self.grad_clip is not None else None
+        if self.scaler is not None:
+            if clip is not None:
+                self.scaler.unscale_(self.optimizer)
+                clip(self.model.parameters())
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        elif self._master is not None:
+            self._stepper.step(clip_grads=clip)
+        else:
+            if clip is not None:
+                clip(self.model.parameters())
+            self._stepper.step()
+
+    def _eager_step(self, x, y, loss_fn, last: bool) -> torch.Tensor:
+        logits, loss = self._forward_loss(x, y, loss_fn)
+        backward = loss / self.accumulate if self.accumulate > 1 else loss
+        (self.scaler.scale(backward) if self.scaler is not None else backward).backward()
+        if last:
+            self._update()
+            self._stepper.zero_grad(set_to_none=not self._persistent_grads)
+        self.last_logits = logits.detach()
+        return loss.detach()
+
+    def train_step(self, images: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn | None = None) -> torch.Tensor:
+        """One micro-batch: forward under the recipe's autocast, loss_fn(fp32 logits, targets) (default: the
+        one given to optimize_swin, else F.cross_entropy), backward (of loss / accumulate), and on every
+        `accumulate`-th call gradient clipping and the optimizer step. -> the micro-batch's loss (0-dim fp32,
+        not divided by accumulate). `updated` says whether the optimizer stepped."""
+        loss_fn = loss_fn or self.loss_fn
+        last = (self.micro_steps + 1) % self.accumulate == 0
+        if self.graphed:
+            loss = self._graph_train_step(images, targets, loss_fn, last)
+        else:
+            loss = self._eager_step(self._on_device(images), self._on_device(targets), loss_fn, last)
+        self.micro_steps += 1
+        self.updated = last
+        self.optimizer_steps += int(last)
+        return loss
+
+    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device, non_blocking=True)
+
+    # ------------------------------------------------------------------ the CUDA graph of the training step
+
+    def _say(self, key: str, text: str) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            self.notes.append(text)
+            warnings.warn(text, GraphFallbackWarning, stacklevel=4)
+
+    def _graph_train_step(self, images, targets, loss_fn, last: bool) -> torch.Tensor:
+        if self._train_graphs is None and self._warm_micro_steps < GRAPH_WARMUP_STEPS * self.accumulate:
+            self._warm_micro_steps += 1
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                loss = self._eager_step(self._on_device(images), self._on_device(targets), loss_fn, last)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            return loss
+        if self._train_graphs is None:
+            self._capture_train(images, targets, loss_fn)
+        reason = self._train_mismatch(images, targets, loss_fn)
+        if reason is not None:
+            self.eager_fallbacks += 1
+            self._say(f"train:{reason[0]}", f"train_step ran eagerly: {reason[1]}")
+            if not self._persistent_grads:
+                # the gradients are the graph's buffers: start from none, as each replay does
+                self._stepper.zero_grad(set_to_none=True)
+            return self._eager_step(self._on_device(images), self._on_device(targets), loss_fn, last)
+        self._sync_lr()
+        tg = self._train_graphs
+        tg.x.copy_(images, non_blocking=True)
+        tg.y.copy_(targets, non_blocking=True)
+        graph, logits, loss = tg.graphs["step" if last else "micro"]
+        graph.replay()
+        self.last_logits = logits
+        return loss.clone()
+
+    def _train_mismatch(self, images, targets, loss_fn) -> tuple[str, str] | None:
+        tg = self._train_graphs
+        if images.shape != tg.x.shape or images.dtype != tg.x.dtype:
+            return "shape", (f"a batch of {tuple(images.shape)} {images.dtype} (the graph holds "
+                             f"{tuple(tg.x.shape)} {tg.x.dtype}): such batches run eagerly, on the same weights")
+        if targets.shape != tg.y.shape or targets.dtype != tg.y.dtype:
+            return "targets", (f"targets of {tuple(targets.shape)} {targets.dtype} (the graph holds "
+                               f"{tuple(tg.y.shape)} {tg.y.dtype})")
+        if loss_fn is not tg.loss_fn:
+            return "loss_fn", "a loss_fn other than the one the graph was captured with"
+        if self.model.training != tg.training:
+            return "mode", (f"the model is in {'train' if self.model.training else 'eval'} mode; the graph was "
+                            f"captured in {'train' if tg.training else 'eval'} mode")
+        return None
+
+    def _number_lrs(self) -> list:
+        return [None if t is not None else g["lr"] for g, t in zip(self.optimizer.param_groups, self._lr_tensors)]
+
+    def _sync_lr(self) -> None:
+        """Make the captured step see the groups' learning rates: a number put where the graph reads a
+        tensor is copied into that tensor; a changed number the graph holds frozen means capturing again."""
+        for group, t in zip(self.optimizer.param_groups, self._lr_tensors):
+            if t is not None and group["lr"] is not t:
+                t.fill_(group["lr"])
+                group["lr"] = t
+        tg = self._train_graphs
+        if self._number_lrs() != tg.number_lrs:
+            self._say("lr", f"the learning rate changed and {type(self.optimizer).__name__} keeps it as a number "
+                            "in the CUDA graph: the step is captured again at every change")
+            self._capture_train(tg.x, tg.y, tg.loss_fn)
+
+    def _capture_train(self, images, targets, loss_fn) -> None:
+        """Capture the training step (and with accumulation the micro-step) for batches like these."""
+        self._train_graphs = None
+        x = torch.empty_like(images, device=self.device).copy_(images)
+        y = torch.empty_like(targets, device=self.device).copy_(targets)
+        torch.cuda.synchronize(self.device)
+        if not self._persistent_grads:
+            # gradients are then allocated inside the graph's pool and written by every replay
+            self._stepper.zero_grad(set_to_none=True)
+        pool = torch.cuda.graph_pool_handle()
+        graphs = {}
+        for kind in (("micro", "step") if self.accumulate > 1 else ("step",)):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits, loss = self._forward_loss(x, y, loss_fn)
+                (loss / self.accumulate if self.accumulate > 1 else loss).backward()
+                if kind == "step":
+                    self._update()
+                    if self._persistent_grads:
+                        self._stepper.zero_grad(set_to_none=False)
+            graphs[kind] = (graph, logits.detach(), loss.detach())
+        self._train_graphs = _TrainGraphs(graphs, x, y, loss_fn, self.model.training, self._number_lrs())
+
+    # ------------------------------------------------------------------ inference
+
+    def _predict_eager(self, x: torch.Tensor) -> torch.Tensor:
+        with self.ctx.precision.autocast(self.device.type):
+            return self.model(x)
+
+    def predict(self, images: torch.Tensor) -> torch.Tensor:
+        """Logits (N, classes) fp32 of `images` with the model in eval mode (put back as it was after) under
+        the recipe's autocast and torch.inference_mode. With `cuda_graph`, replayed as a graph captured for
+        the first batch's shape; batches of another shape run eagerly (said once)."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.inference_mode():
+                if self.graphed:
+                    return self._graph_predict(images).float().clone()
+                return self._predict_forward(self._on_device(images)).float()
+        finally:
+            self.model.train(was_training)
+
+    def _graph_predict(self, images: torch.Tensor) -> torch.Tensor:
+        pg = self._predict_graph
+        if pg is None and self._predict_calls < PREDICT_WARMUP_CALLS:
+            self._predict_calls += 1
+            return self._predict_forward(self._on_device(images))
+        if pg is None:
+            x = torch.empty_like(images, device=self.device).copy_(images)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self._predict_forward(x)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                logits = self._predict_forward(x)
+            pg = self._predict_graph = _PredictGraph(graph, x, logits)
+        if images.shape != pg.x.shape or images.dtype != pg.x.dtype:
+            self.eager_fallbacks += 1
+            self._say("predict:shape", f"predict ran eagerly: a batch of {tuple(images.shape)} {images.dtype} "
+                                       f"(the graph holds {tuple(pg.x.shape)} {pg.x.dtype})")
+            return self._predict_forward(self._on_device(images))
+        pg.x.copy_(images, non_blocking=True)
+        pg.graph.replay()
+        return pg.logits
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _master_names(self) -> dict[str, int]:
+        """state_dict key -> index into the master weights' parameters."""
+        index = {id(p): i for i, p in enumerate(self._master.params)}
+        return {name: index[id(p)] for name, p in self.model.named_parameters(remove_duplicate=False)
+                if id(p) in index}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's weights under the keys, dtypes and values a plain timm Swin holds: under master
+        weights the fp32 masters (copies), not their bf16 copies. Loads into timm's model as it is."""
+        state = self.model.state_dict()
+        if self._master is not None:
+            views = self._master.fp32_views()
+            for name, i in self._master_names().items():
+                state[name] = views[i].detach().clone()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True):
+        """Load weights saved by `state_dict()` or by a plain timm Swin of the same architecture, in place
+        (a captured graph stays valid). Under master weights the fp32 values go to the masters, and the
+        bf16 weights become the masters rounded. -> torch's (missing_keys, unexpected_keys)."""
+        from torch.nn.modules.module import _IncompatibleKeys
+
+        if self._master is None:
+            return self.model.load_state_dict(state_dict, strict=strict)
+        expected = set(self.model.state_dict())
+        missing = sorted(expected - set(state_dict))
+        unexpected = sorted(set(state_dict) - expected)
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self.model).__name__}: missing keys "
+                               f"{missing[:5]}, unexpected keys {unexpected[:5]}")
+        masters = self._master_names()
+        rest = {k: v for k, v in state_dict.items() if k not in masters}
+        self.model.load_state_dict(rest, strict=False)
+        values = list(self._master.fp32_views())
+        for name, i in masters.items():
+            if name in state_dict:
+                value = state_dict[name]
+                if tuple(value.shape) != tuple(values[i].shape):
+                    raise RuntimeError(f"size mismatch for {name}: checkpoint {tuple(value.shape)}, model "
+                                       f"{tuple(values[i].shape)}")
+                values[i] = value
+        self._master.load_fp32(values)
+        return _IncompatibleKeys(missing, unexpected)
+
+    def optimizer_state_dict(self) -> dict:
+        """The optimizer's state_dict (under master weights: over the flat fp32 master, so it loads into
+        the same recipe's optimizer), with learning rates as numbers."""
+        state = self.optimizer.state_dict()
+        for group in state["param_groups"]:
+            if isinstance(group.get("lr"), torch.Tensor):
+                group["lr"] = float(group["lr"])
+        return state
+
+    def load_optimizer_state_dict(self, state_dict: dict) -> None:
+        """Load what `optimizer_state_dict()` gave (of the same recipe and model). A captured training step
+        is captured again at the next call: the optimizer's state tensors are new."""
+        if self.graphed:
+            groups = [{**g, "capturable": True} if "capturable" in g else dict(g) for g in state_dict["param_groups"]]
+            state_dict = {**state_dict, "param_groups": groups}
+        self.optimizer.load_state_dict(state_dict)
+        for group, t in zip(self.optimizer.param_groups, self._lr_tensors):
+            if t is not None:
+                t.fill_(group["lr"])
+                group["lr"] = t
+        if self._train_graphs is not None:
+            self._train_graphs = None
+            self._stepper.zero_grad(set_to_none=not self._persistent_grads)
+
+
+def optimize_swin(model: torch.nn.Module, recipe: str = "fmha", *, optimizer=None, optimizer_kwargs: dict | None = None,
+                  loss_fn: LossFn | None = None, grad_clip: float | None = None, accumulate: int = 1,
+                  device: str | torch.device | None = None, allow_unavailable: bool = False) -> OptimizedSwin:
+    """Patch a timm Swin for a recipe and build what trains it -> OptimizedSwin.
+
+    model: a timm Swin (SwinTransformer), in fp32, patched in place (use the returned `.model`).
+    recipe: a built-in recipe name (`swinbench recipes`) or a path to a recipe YAML.
+    optimizer: None (AdamW with the baseline's settings: lr 1e-4, weight decay 0.05), a dict of AdamW
+    settings (lr, betas, eps, weight_decay), or torch.optim.AdamW with `optimizer_kwargs`: the recipe picks
+    the implementation (for-each, fused, apex). Another optimizer class (with `optimizer_kwargs`) or a
+    factory `params -> Optimizer` is used as it is (the recipe's optimizer choice is then not applied).
+    loss_fn: loss_fn(fp32 logits, targets) -> scalar; default F.cross_entropy. grad_clip: max global
+    gradient norm, or None. accumulate: micro-batches per optimizer step. device: where to run (default:
+    where the model's parameters are). allow_unavailable: go on without passes that cannot run here (no
+    GPU for the Triton kernels, no CUDA for graphs) instead of raising; `notes` lists them.
+
+    A pass that cannot run here raises RecipeUnavailable, a UserError (the model may then be partly
+    patched: build it again).
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise UserError(f"model must be a torch.nn.Module (a timm Swin), got {short_repr(model)}")
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise UserError(f"accumulate must be an integer >= 1, got {short_repr(accumulate)}")
+    if grad_clip is not None and not (isinstance(grad_clip, (int, float)) and math.isfinite(grad_clip)
+                                      and grad_clip > 0):
+        raise UserError(f"grad_clip must be a number > 0 or None, got {short_repr(grad_clip)}")
+    settings, factory, name = _optimizer_choice(optimizer, optimizer_kwargs)
+    chain = resolve_chain(str(recipe))
+    if device is not None:
+        from workbench.optimize.workload import resolve_device
+
+        dev = resolve_device(str(device))
+        model.to(dev)
+    else:
+        dev = next(model.parameters()).device
+    ctx = PassContext(device=dev, precision=resolve_precision("fp32"), training=True)
+    if factory is not None:
+        ctx.optimizer_factory, ctx.optimizer_name = factory, f"{name} (given)"
+    elif settings:
+        from workbench.optimize.passes.fused_adamw import baseline_hyperparameters
+
+        hp = {**baseline_hyperparameters(), **settings}
+        ctx.optimizer_settings = settings
+        ctx.optimizer_factory = lambda params: torch.optim.AdamW(params, **hp, foreach=True)
+    else:
+        ctx.optimizer_factory = default_optimizer_factory
+    model, results = apply_chain_passes(model, ctx, chain)
+    notes = []
+    unavailable = [r for r in results if not r.available]
+    if unavailable and not allow_unavailable:
+        first = unavailable[0]
+        raise RecipeUnavailable(chain[-1].name, f"{first.name} {first.changed}")
+    notes += [f"pass {r.name} left out: {r.changed}" for r in unavailable]
+    if factory is not None and ctx.optimizer_factory is not factory:
+        notes.append(f"the optimizer given is used, not the recipe's {ctx.optimizer_name}")
+        ctx.optimizer_factory, ctx.optimizer_name = factory, f"{name} (given)"
+    return OptimizedSwin(model, ctx, chain, results, loss_fn=loss_fn, grad_clip=grad_clip, accumulate=accumulate,
+                         notes=notes)

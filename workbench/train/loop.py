@@ -1,0 +1,359 @@
+"""`swinbench train`: train a Swin on real data with one recipe, or several recipes side by side.
+
+Every run goes through the public API (`workbench.api.optimize_swin`): a timm Swin built with the run's
+seed, the recipe's passes, AdamW with a linear warm-up then a cosine decay (a LambdaLR on the API's
+`optimizer`), label smoothing in the loss, gradient clipping. One record file per run, JSON lines:
+
+    {"kind": "run", ...}       the setup: recipe, seed, model, data, schedule, passes, environment stamp
+    {"kind": "step", "step": 1, "epoch": 0, "loss": 2.31, "lr": 5e-05, "img_per_s": 812.4}
+    {"kind": "epoch", "epoch": 0, "step": 18, "val_acc": 41.2, "val_loss": 1.93}
+    {"kind": "end", "status": "ok", "img_per_s": ..., "final_val_acc": ..., "notes": [...]}
+
+`loss` is the training batch's (label-smoothed) loss; `img_per_s` the batch over the wall time of its
+train_step up to the loss on the host (`loss.item()` waits for the GPU), validation excluded. A run's
+img/s is the median over its steps after the first tenth (at least GRAPH_WARMUP_STEPS + 1 steps: warm-up,
+autotuning and graph capture). With `compare`, the baseline runs with `baseline_seeds` seeds (seed,
+seed + 1, ...) and every other recipe with `seed`, so each shares the first baseline seed's initial
+weights, data order and augmentation; the report then gives each recipe the parity verdict (parity.py).
+"""
+from __future__ import annotations
+
+import gc
+import json
+import math
+import shlex
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from workbench.api import GRAPH_WARMUP_STEPS, GraphFallbackWarning, RecipeUnavailable, optimize_swin
+from workbench.env import device_label, environment_stamp
+from workbench.errors import Interrupted, UserError
+from workbench.files import short_repr
+from workbench.models import build_model, check_model_name, default_model_for, input_size
+from workbench.optimize.recipes import resolve_chain
+from workbench.optimize.workload import pick_device, resolve_device
+from workbench.run_folder import claim_run_folder
+from workbench.train.data import load_data
+from workbench.train.progress import TrainProgress
+
+SCHEMA = "swinbench.train/1"
+DEFAULT_EPOCHS = 5
+WARMUP_SHARE = 0.05          # of the steps, linear warm-up of the learning rate
+
+
+@dataclass
+class TrainConfig:
+    """What `swinbench train` was asked, checked by `check()` before anything is built."""
+
+    model: str | None = None
+    recipe: str | None = None              # one recipe (default: fmha-graph on a GPU, baseline on the CPU)
+    compare: list[str] | None = None       # several recipes; the baseline joins them with baseline_seeds seeds
+    baseline_seeds: int | None = None      # with compare: default 2, at least 2
+    steps: int | None = None
+    epochs: int | None = None              # default DEFAULT_EPOCHS when steps is not given
+    batch: int = 64
+    lr: float = 1e-3
+    weight_decay: float = 0.05
+    label_smoothing: float = 0.1
+    clip_grad: float | None = 5.0          # 0 or None: off
+    seed: int = 0
+    data: Path | None = None
+    workers: int = 4
+    device: str = "auto"
+    command: str = ""                      # the command line, for the report
+
+    def check(self) -> None:
+        def positive_int(name, value):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise UserError(f"--{name} must be a whole number >= 1, got {short_repr(value)}")
+
+        positive_int("steps", self.steps)
+        positive_int("epochs", self.epochs)
+        positive_int("batch", self.batch)
+        if self.steps is not None and self.epochs is not None:
+            raise UserError("give --steps or --epochs, not both")
+        for name, value, low in (("lr", self.lr, 0.0), ("weight-decay", self.weight_decay, None),
+                                 ("label-smoothing", self.label_smoothing, None)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0 and
+                    (low is None or value > low)):
+                raise UserError(f"--{name} must be a finite number {'> 0' if low is not None else '>= 0'}, "
+                                f"got {short_repr(value)}")
+        if self.label_smoothing >= 1:
+            raise UserError(f"--label-smoothing must be below 1, got {self.label_smoothing}")
+        if self.clip_grad is not None and not (math.isfinite(self.clip_grad) and self.clip_grad >= 0):
+            raise UserError(f"--clip-grad must be a finite number >= 0 (0: off), got {short_repr(self.clip_grad)}")
+        if self.workers < 0:
+            raise UserError(f"--workers must be >= 0, got {self.workers}")
+        if self.compare is None:
+            if self.baseline_seeds is not None:
+                raise UserError("--baseline-seeds goes with --compare (the seeds that measure the baseline's spread)")
+        else:
+            if not self.compare:
+                raise UserError("--compare is empty: give recipe names separated by commas")
+            if self.recipe is not None:
+                raise UserError("give --recipe or --compare, not both")
+            dup = sorted({r for r in self.compare if self.compare.count(r) > 1})
+            if dup:
+                raise UserError(f"--compare names {short_repr(dup[0])} twice")
+            if self.baseline_seeds is None:
+                self.baseline_seeds = 2
+            if self.baseline_seeds < 2:
+                raise UserError(f"--baseline-seeds must be at least 2 (the spread of one seed is nothing), "
+                                f"got {self.baseline_seeds}")
+
+
+@dataclass
+class RunSummary:
+    """One finished run, as its end record says."""
+
+    recipe: str
+    seed: int
+    status: str
+    records: Path
+    reason: str | None = None
+    final_val_acc: float | None = None
+    img_per_s: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TrainResult:
+    out_dir: Path
+    report: Path
+    curves: Path
+    runs: list[RunSummary]
+    table: list[dict]                      # report.summary_rows
+
+
+def default_run_name(config: TrainConfig, model: str) -> str:
+    what = "compare" if config.compare else config.recipe
+    return f"train-{Path(what).stem}-{model}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _finite_or_none(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def warmup_cosine(total: int):
+    """The LR factor per optimizer step: linear from 1/warm-up to 1 over the first WARMUP_SHARE of the
+    steps (at least one), then a cosine to 0 at `total`."""
+    warmup = max(1, round(WARMUP_SHARE * total))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+
+    return factor
+
+
+def evaluate(swin, data, batch: int, device) -> tuple[float, float]:
+    """(accuracy %, mean cross-entropy) of `swin.predict` over the validation split."""
+    correct, loss, n = 0, 0.0, 0
+    for x, y in data.val_batches(batch, device):
+        logits = swin.predict(x)
+        correct += (logits.argmax(1) == y).sum().item()
+        loss += F.cross_entropy(logits, y, reduction="sum").item()
+        n += len(y)
+    return 100.0 * correct / n, loss / n
+
+
+class RecordFile:
+    """A run's records, one JSON object per line, each written and flushed as it is made."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._fh = open(path, "w", encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        self._fh.write(json.dumps(record) + "\n")
+        self._fh.flush()
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def train_run(config: TrainConfig, recipe: str, seed: int, data, model_name: str, device: torch.device,
+              records: RecordFile, progress: TrainProgress, index: int, *, skip_unavailable: bool) -> RunSummary:
+    """Train one recipe with one seed, writing its records -> its summary. A recipe that cannot run here
+    is a 'not available' run when `skip_unavailable`, else UserError."""
+    steps_per_epoch = data.train_size // config.batch
+    total = config.steps or config.epochs * steps_per_epoch
+    name = resolve_chain(recipe)[-1].name
+    torch.manual_seed(seed)
+    model = build_model(model_name, num_classes=data.classes)
+    loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
+    header = {"kind": "run", "schema": SCHEMA, "recipe": name, "recipe_ref": recipe, "seed": seed,
+              "model": model_name, "input_size": list(input_size(model)), "data": data.describe(),
+              "batch": config.batch, "steps": total, "steps_per_epoch": steps_per_epoch,
+              "optimizer": {"lr": config.lr, "weight_decay": config.weight_decay},
+              "schedule": f"linear warm-up over {max(1, round(WARMUP_SHARE * total))} steps, cosine to 0",
+              "label_smoothing": config.label_smoothing, "clip_grad": config.clip_grad or None,
+              "command": config.command, "env": environment_stamp(device)}
+    try:
+        swin = optimize_swin(model, recipe, optimizer={"lr": config.lr, "weight_decay": config.weight_decay},
+                             loss_fn=loss_fn, grad_clip=config.clip_grad or None, device=device)
+    except RecipeUnavailable as exc:
+        if not skip_unavailable:
+            raise
+        records.write({**header, "passes": []})
+        records.write({"kind": "end", "status": "not available", "reason": exc.reason})
+        progress.start_run(index, f"{name} seed {seed}", total)
+        progress.end_run(f"not available here: {exc.reason}")
+        return RunSummary(name, seed, "not available", records.path, reason=exc.reason,
+                          notes=[f"not available here: {exc.reason}"])
+    header.update(precision=swin.ctx.precision.name, optimizer_impl=swin.ctx.optimizer_name
+                  + (" on fp32 master weights" if swin.ctx.master_weights is not None else ""),
+                  graphed=swin.graphed, passes=[{"name": p.name, "changed": p.changed} for p in swin.passes])
+    records.write(header)
+    schedule = torch.optim.lr_scheduler.LambdaLR(swin.optimizer, warmup_cosine(total))
+    progress.start_run(index, f"{name} seed {seed}", total)
+    rates, step, epoch, status, reason = [], 0, 0, "ok", None
+    started = time.perf_counter()
+    val_acc = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GraphFallbackWarning)   # said once each in swin.notes, printed below
+        while step < total and status == "ok":
+            for x, y in data.train_batches(epoch, config.batch, seed, device):
+                lr = float(swin.optimizer.param_groups[0]["lr"])
+                t0 = time.perf_counter()
+                loss = swin.train_step(x, y).item()
+                seconds = time.perf_counter() - t0
+                schedule.step()
+                step += 1
+                rate = config.batch / seconds
+                rates.append(rate)
+                records.write({"kind": "step", "step": step, "epoch": epoch, "loss": _finite_or_none(loss),
+                               "lr": lr, "img_per_s": rate})
+                progress.step(step, loss, rate)
+                if not math.isfinite(loss):
+                    status, reason = "diverged", f"loss {loss} at step {step}"
+                    break
+                if step >= total:
+                    break
+            if status == "ok":
+                val_acc, val_loss = evaluate(swin, data, config.batch, device)
+                records.write({"kind": "epoch", "epoch": epoch, "step": step, "val_acc": val_acc,
+                               "val_loss": _finite_or_none(val_loss)})
+                progress.validation(epoch, val_acc)
+            epoch += 1
+    skip = min(len(rates) - 1, max(GRAPH_WARMUP_STEPS + 1, len(rates) // 10)) if rates else 0
+    img_per_s = statistics.median(rates[skip:]) if rates else None
+    end = {"kind": "end", "status": status, "reason": reason, "steps": step, "epochs": epoch,
+           "final_val_acc": val_acc, "img_per_s": img_per_s, "img_per_s_from_step": skip + 1,
+           "seconds": time.perf_counter() - started, "eager_fallbacks": swin.eager_fallbacks, "notes": swin.notes}
+    records.write(end)
+    text = (f"{'diverged: ' + reason if reason else 'done'}; val accuracy "
+            f"{'-' if val_acc is None else f'{val_acc:.2f}%'}, {img_per_s or 0:,.1f} img/s")
+    progress.end_run(text)
+    del swin, model, schedule
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return RunSummary(name, seed, status, records.path, reason, val_acc, img_per_s, list(end["notes"]))
+
+
+def plan_runs(config: TrainConfig, on_gpu: bool) -> tuple[list[tuple[str, int]], list[str]]:
+    """-> ([(recipe, seed)] in the order they train, notes). Every recipe is resolved first, so a typo
+    stops the command before anything trains."""
+    notes = []
+    if config.compare is None:
+        recipe = config.recipe or ("fmha-graph" if on_gpu else "baseline")
+        resolve_chain(recipe)
+        return [(recipe, config.seed)], notes
+    names = [resolve_chain(r)[-1].name for r in config.compare]
+    if "baseline" not in names:
+        notes.append("the baseline joins --compare: parity is measured against it")
+    others = [r for r, n in zip(config.compare, names) if n != "baseline"]
+    runs = [("baseline", config.seed + i) for i in range(config.baseline_seeds)]
+    return runs + [(r, config.seed) for r in others], notes
+
+
+def run_train(config: TrainConfig, *, out_dir: Path | None = None, overwrite: bool = False, console=None,
+              progress: bool = True) -> TrainResult:
+    """`swinbench train`: check the config, claim the output folder, train every run, write report.md and
+    curves.png after each run (so a run stopped part-way keeps what finished). Raises UserError (exit 2)
+    for a mistake in the config, the data or the folder, before anything trains."""
+    from rich.console import Console
+
+    from workbench.train.report import render_train_report, spread_line, summary_rows, write_curves
+
+    console = console or Console()
+    config.check()
+    device_name = pick_device(config.device)
+    device = resolve_device(device_name)
+    on_gpu = device.type == "cuda"
+    model_name = config.model or default_model_for(device_name)
+    check_model_name(model_name)
+    runs, notes = plan_runs(config, on_gpu)
+    size = input_size(build_model(model_name))[1:]
+    data = load_data(config.data, size, config.workers)
+    if data.train_size // config.batch < 1:
+        raise UserError(f"--batch {config.batch} is larger than the {data.train_size} training images")
+    if config.steps is None and config.epochs is None:
+        config.epochs = DEFAULT_EPOCHS
+    out_dir = Path(out_dir) if out_dir else Path("reports") / "runs" / default_run_name(config, model_name)
+    claim = claim_run_folder(out_dir, command="train", overwrite=overwrite)
+    with claim:
+        for note in claim.notes + notes:
+            console.print(f"[yellow]note:[/] {note}", highlight=False)
+        if not on_gpu:
+            console.print(f"[yellow]note:[/] {device_label(environment_stamp(device))}: the img/s figures show "
+                          "the workflow, not what the recipes do on a GPU", highlight=False)
+        summaries: list[RunSummary] = []
+        report, curves = out_dir / "report.md", out_dir / "curves.png"
+        try:
+            with TrainProgress(console, progress, len(runs)) as bar:
+                for i, (recipe, seed) in enumerate(runs):
+                    name = Path(recipe).stem if recipe.endswith((".yaml", ".yml")) else recipe
+                    records = RecordFile(out_dir / "records" / f"{i + 1:02d}-{name}-seed{seed}.jsonl")
+                    try:
+                        summaries.append(train_run(config, recipe, seed, data, model_name, device, records, bar, i,
+                                                   skip_unavailable=config.compare is not None))
+                    finally:
+                        records.close()
+                    render_train_report(out_dir / "records", report)
+                    write_curves(out_dir / "records", curves)
+        except KeyboardInterrupt:
+            raise Interrupted(f"interrupted: {len(summaries)} of {len(runs)} runs finished; their records and "
+                              f"report are in {out_dir}") from None
+        for s in summaries:
+            for n in s.notes:
+                console.print(f"[yellow]note:[/] {s.recipe} seed {s.seed}: {n}", highlight=False)
+        table = summary_rows(out_dir / "records")
+        _print_table(console, summary_rows(out_dir / "records", short=True))
+        spread = spread_line(out_dir / "records")
+        if spread:
+            console.print(spread, highlight=False)
+        console.print(f"records in {out_dir / 'records'}, report {report}, curves {curves}", highlight=False)
+        return TrainResult(out_dir, report, curves, summaries, table)
+
+
+def _print_table(console, rows: list[dict]) -> None:
+    from rich.table import Table
+
+    if not rows:
+        return
+    table = Table(title="swinbench train", title_justify="left")
+    for col in rows[0]:
+        table.add_column(col, justify="left" if col in ("recipe", "parity", "seeds") else "right", overflow="fold",
+                         min_width=max(len(str(r[col])) for r in rows) if col == "recipe" else None)
+    for row in rows:
+        table.add_row(*(str(v) for v in row.values()))
+    console.print(table)
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """The command as the user typed it, for the report: `swinbench train ...`."""
+    args = sys.argv[1:] if argv is None else argv
+    return "swinbench " + " ".join(shlex.quote(a) for a in args)
+
+

@@ -1,0 +1,330 @@
+"""The report of a `swinbench train` run, rendered from its record files alone (no model, no GPU):
+report.md (the summary table first, then the parity rule with the measured spread, then the setup) and
+curves.png (smoothed training loss and validation accuracy of every run, overlaid)."""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from workbench.env import device_label
+from workbench.errors import UserError
+from workbench.files import atomic_write_text
+from workbench.train.parity import ACCURACY_POINTS, BaselineSpread, Parity, baseline_spread, parity, smooth, smoothing_window
+
+
+@dataclass
+class RunRecords:
+    """One run's record file, parsed: its header ('run'), step and epoch records, and its 'end' (None while
+    it trains or when it was cut short)."""
+
+    path: Path
+    header: dict
+    steps: list[dict]
+    epochs: list[dict]
+    end: dict | None
+
+    @property
+    def recipe(self) -> str:
+        return self.header.get("recipe", "?")
+
+    @property
+    def seed(self) -> int:
+        return self.header.get("seed", 0)
+
+    @property
+    def status(self) -> str:
+        return (self.end or {}).get("status", "unfinished")
+
+    @property
+    def losses(self) -> list[float]:
+        return [math.nan if s.get("loss") is None else s["loss"] for s in self.steps]
+
+    @property
+    def final_accuracy(self) -> float | None:
+        return self.epochs[-1]["val_acc"] if self.epochs else None
+
+    @property
+    def img_per_s(self) -> float | None:
+        return (self.end or {}).get("img_per_s")
+
+
+def read_runs(records_dir: Path) -> list[RunRecords]:
+    """Every `*.jsonl` record file in records_dir, in file-name order. A line cut short by a killed run is
+    skipped; a file without a run header is a UserError."""
+    records_dir = Path(records_dir)
+    if not records_dir.is_dir():
+        raise UserError(f"no records folder {records_dir}")
+    runs = []
+    for path in sorted(records_dir.glob("*.jsonl")):
+        lines = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                lines.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        if not lines or lines[0].get("kind") != "run":
+            raise UserError(f"{path} is not a swinbench train record file (no run header)")
+        kinds = {"step": [], "epoch": [], "end": []}
+        for rec in lines[1:]:
+            kinds.get(rec.get("kind"), []).append(rec)
+        runs.append(RunRecords(path, lines[0], kinds["step"], kinds["epoch"], (kinds["end"] or [None])[-1]))
+    return runs
+
+
+@dataclass
+class Comparison:
+    """The baseline's spread (None without two finished baseline seeds) and each other run's parity."""
+
+    spread: BaselineSpread | None
+    baseline: list[RunRecords]
+    parity: dict[str, Parity]               # by record file name
+
+
+def compare_runs(runs: list[RunRecords]) -> Comparison:
+    base = [r for r in runs if r.recipe == "baseline" and r.status == "ok"]
+    spread = None
+    if len(base) >= 2:
+        try:
+            spread = baseline_spread([r.losses for r in base], [r.final_accuracy for r in base])
+        except ValueError:
+            spread = None
+    out = {}
+    if spread is not None:
+        for r in runs:
+            if r.recipe != "baseline" and r.status in ("ok", "diverged"):
+                out[r.path.name] = parity(r.losses, r.final_accuracy, spread, [b.losses for b in base])
+    return Comparison(spread, base, out)
+
+
+def _fmt(x, digits: int = 3) -> str:
+    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{digits}f}"
+
+
+def _final_loss(run: RunRecords, window: int) -> float | None:
+    losses = run.losses
+    return smooth(losses, window)[-1] if losses else None
+
+
+def _range(values: list[float], digits: int, short: bool = False) -> str:
+    """'mean (min-max)' over seeds; short: 'mean ±half the range'; one value as it is."""
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    if short:
+        return f"{statistics.mean(values):.{digits}f} ±{(max(values) - min(values)) / 2:.{digits}f}"
+    return f"{statistics.mean(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def summary_rows(records_dir: Path | None = None, runs: list[RunRecords] | None = None, *,
+                 short: bool = False) -> list[dict]:
+    """One row per recipe (the baseline's seeds in one row): seeds, final smoothed loss, final validation
+    accuracy (mean and range over seeds), median img/s, and the parity figures and verdict (`short`: the
+    verdict in a word or two, for a terminal)."""
+    runs = runs if runs is not None else read_runs(records_dir)
+    if not runs:
+        return []
+    comparison = compare_runs(runs)
+    steps = max((len(r.steps) for r in runs), default=1)
+    window = comparison.spread.window if comparison.spread else smoothing_window(steps)
+    rows = []
+    order = []
+    for r in runs:
+        if r.recipe not in order:
+            order.append(r.recipe)
+    for recipe in order:
+        group = [r for r in runs if r.recipe == recipe]
+        done = [r for r in group if r.status in ("ok", "diverged")]
+        row = {"recipe": recipe, "seeds": ", ".join(str(r.seed) for r in group),
+               "final loss": _range([_final_loss(r, window) for r in done], 3 if short else 4, short),
+               "val acc %": _range([r.final_accuracy for r in done], 1 if short else 2, short),
+               "img/s": _fmt(statistics.median([r.img_per_s for r in done if r.img_per_s]) if
+                             any(r.img_per_s for r in done) else None, 1),
+               "loss distance": "-", "baseline spread": "-", "val acc Δ": "-", "parity": ""}
+        not_done = [r for r in group if r.status not in ("ok", "diverged")]
+        if recipe == "baseline" and comparison.spread is not None:
+            s = comparison.spread
+            row["baseline spread"] = f"{s.spread_mean:.4f}" + ("" if short else f" (max {s.spread_max:.4f})")
+            row["parity"] = ("reference" if short else
+                             f"reference ({s.seeds} seeds; accuracy spread {s.accuracy_spread:.2f} points)")
+        elif recipe == "baseline":
+            row["parity"] = "reference" + (" (one seed: no spread)" if len(done) == 1 else "")
+        for r in done:
+            p = comparison.parity.get(r.path.name)
+            if p is not None:
+                row["loss distance"] = _fmt(p.distance_mean, 4)
+                row["baseline spread"] = _fmt(p.spread_mean, 4)
+                row["val acc Δ"] = "-" if p.accuracy_delta is None else f"{p.accuracy_delta:+.2f}"
+                failed = [what for what, ok in (("loss", p.loss_ok), ("accuracy", p.accuracy_ok)) if not ok]
+                row["parity"] = ("PASS" if not failed else f"FAIL ({', '.join(failed)})" if short else
+                                 "FAIL: " + p.verdict.removeprefix("differs: "))
+            elif r.status == "diverged":
+                row["parity"] = f"diverged: {(r.end or {}).get('reason')}"
+        if not_done and not done:
+            why = "" if short else (not_done[0].end or {}).get("reason") or ""
+            row["parity"] = f"{not_done[0].status}: {why}".rstrip(": ")
+        rows.append(row)
+    if len(order) == 1 and comparison.spread is None:   # one recipe: nothing to compare
+        for row in rows:
+            for col in ("loss distance", "baseline spread", "val acc Δ", "parity"):
+                del row[col]
+    if short:   # a terminal's width: the spread goes on a line of its own (spread_line)
+        names = {"final loss": "loss", "loss distance": "distance"}
+        rows = [{names.get(k, k): v for k, v in row.items() if k not in ("seeds", "baseline spread", "val acc Δ")}
+                for row in rows]
+    return rows
+
+
+def spread_line(records_dir: Path) -> str | None:
+    """The baseline's measured spread in one line (None without two finished seeds)."""
+    s = compare_runs(read_runs(records_dir)).spread
+    if s is None:
+        return None
+    return (f"baseline spread over {s.seeds} seeds: smoothed loss (trailing mean of {s.window} steps) "
+            f"{s.spread_mean:.4f} on average, {s.spread_max:.4f} at most; final val accuracy "
+            f"{', '.join(f'{a:.2f}' for a in s.accuracies)} % ({s.accuracy_spread:.2f} points apart)")
+
+
+def _markdown_table(rows: list[dict]) -> str:
+    cols = list(rows[0])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    lines += ["| " + " | ".join(str(r[c]).replace("|", "/") for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _setup_lines(runs: list[RunRecords]) -> list[str]:
+    h = runs[0].header
+    data = h.get("data", {})
+    env = h.get("env", {})
+    lines = [
+        f"- **model** `{h.get('model')}`, input {'x'.join(map(str, h.get('input_size', [])))}, trained from "
+        f"scratch (timm's default stochastic depth)",
+        f"- **data** {data.get('source')}: {data.get('train')} training images, {data.get('val')} validation "
+        f"images, {data.get('classes')} classes; augmentation: {data.get('augmentation')}",
+        f"- **training** batch {h.get('batch')}, {h.get('steps')} steps ({h.get('steps_per_epoch')} per epoch, "
+        f"validation after each epoch and at the end); AdamW lr {h['optimizer']['lr']:g}, weight decay "
+        f"{h['optimizer']['weight_decay']:g}; {h.get('schedule')}; label smoothing {h.get('label_smoothing')}; "
+        f"gradient clipping {h.get('clip_grad') or 'off'}",
+        "- **img/s**: the batch over the wall time of one train_step up to its loss on the host, median over "
+        "the steps after the first tenth of a run (warm-up, autotuning and graph capture excluded); "
+        "validation is not timed",
+        f"- **environment** {device_label(env)}; torch {env.get('torch')}, triton {env.get('triton')}, "
+        f"timm {env.get('timm')}; swinbench {env.get('swinbench')}; {env.get('date')}",
+        "", "Per recipe (what its passes changed, and what it said while training):", ""]
+    seen = set()
+    for r in runs:
+        if r.recipe in seen:
+            continue
+        seen.add(r.recipe)
+        hh = r.header
+        what = (f"{hh.get('precision', '?')}, {hh.get('optimizer_impl', '?')}"
+                + (", CUDA graph" if hh.get("graphed") else ""))
+        changed = "; ".join(f"{p['name']}: {p['changed']}" for p in hh.get("passes", [])) or "no passes"
+        lines.append(f"- `{r.recipe}` ({what}): {changed}")
+        for note in (r.end or {}).get("notes", []) or []:
+            lines.append(f"  - {note}")
+        if r.status not in ("ok",):
+            lines.append(f"  - {r.status}: {(r.end or {}).get('reason') or ''}")
+    return lines
+
+
+def render_train_report(records_dir: Path, out: Path | None = None) -> str:
+    """report.md of the runs in records_dir (written to `out` when given) -> the Markdown."""
+    runs = read_runs(records_dir)
+    if not runs:
+        raise UserError(f"no record files in {records_dir}")
+    comparison = compare_runs(runs)
+    h = runs[0].header
+    env = h.get("env", {})
+    cpu = env.get("device_type") == "cpu"
+    title = (f"# Training `{h.get('model')}` on {h.get('data', {}).get('name')}: {h.get('steps')} steps, batch "
+             f"{h.get('batch')}" + (" (CPU: the img/s are not GPU figures)" if cpu else f", {env.get('gpu')}"))
+    parts = [title, "", _markdown_table(summary_rows(runs=runs)), "", "![loss and validation accuracy](curves.png)", ""]
+    s = comparison.spread
+    if s is not None:
+        parts += [
+            "## Parity with the baseline", "",
+            f"A recipe converges like the baseline when its loss curve stays within the baseline's spread across "
+            f"seeds and its final validation accuracy is within {ACCURACY_POINTS} points of the baseline's mean "
+            f"(docs/training.md). Loss curves are smoothed with a trailing mean over {s.window} steps and compared "
+            f"from step {s.first + 1} to {s.steps}: at each step the spread is the range of the {s.seeds} baseline "
+            f"seeds' smoothed losses, and a recipe passes when its mean distance from the seeds' mean is at most the "
+            f"mean spread.", "",
+            f"Measured on the baseline ({s.seeds} seeds): spread of the smoothed loss {s.spread_mean:.4f} on average, "
+            f"{s.spread_max:.4f} at most; final validation accuracy "
+            f"{', '.join(f'{a:.2f}' for a in s.accuracies)} % (mean {s.accuracy_mean:.2f}, spread "
+            f"{s.accuracy_spread:.2f} points).", ""]
+        if s.accuracy_spread > 2 * ACCURACY_POINTS:
+            parts += [f"The baseline's own seeds differ by {s.accuracy_spread:.2f} points of accuracy, more than "
+                      f"twice the rule's {ACCURACY_POINTS}: on this validation set the accuracy half of the rule is "
+                      "finer than the run-to-run noise, so an accuracy FAIL alone says little here.", ""]
+        rows = []
+        for r in runs:
+            p = comparison.parity.get(r.path.name)
+            if p is not None:
+                rows.append({"recipe": r.recipe, "seed": r.seed, "mean distance": _fmt(p.distance_mean, 4),
+                             "max distance": _fmt(p.distance_max, 4), "mean spread": _fmt(p.spread_mean, 4),
+                             "steps inside the seeds' range": "-" if p.inside_share is None else f"{100 * p.inside_share:.0f}%",
+                             "val acc": _fmt(p.accuracy, 2), "Δ points": "-" if p.accuracy_delta is None
+                             else f"{p.accuracy_delta:+.2f}", "verdict": p.verdict})
+        if rows:
+            parts += [_markdown_table(rows), ""]
+    elif any(r.recipe != "baseline" for r in runs):
+        parts += ["No parity verdicts: they need at least two finished baseline seeds (--compare with "
+                  "--baseline-seeds 2 or more).", ""]
+    parts += ["## Setup", "", *_setup_lines(runs), "", f"Made by `{h.get('command') or 'swinbench train'}`.", ""]
+    text = "\n".join(parts)
+    if out is not None:
+        atomic_write_text(out, text)
+    return text
+
+
+def write_curves(records_dir: Path, out: Path) -> Path:
+    """curves.png: the smoothed training loss per step (the baseline's seeds as a shaded range) and the
+    validation accuracy at each epoch's end, every run overlaid."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in read_runs(records_dir) if r.steps]
+    comparison = compare_runs(runs)
+    steps = max((len(r.steps) for r in runs), default=1)
+    window = comparison.spread.window if comparison.spread else smoothing_window(steps)
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    others = [r for r in runs if r.recipe != "baseline"]
+    base = [r for r in runs if r.recipe == "baseline"]
+    if len(base) >= 2:
+        n = min(len(r.steps) for r in base)
+        curves = [smooth(r.losses[:n], window) for r in base]
+        x = list(range(1, n + 1))
+        ax_loss.fill_between(x, [min(v) for v in zip(*curves)], [max(v) for v in zip(*curves)], color="0.8",
+                             label=f"baseline, range of {len(base)} seeds")
+    for i, r in enumerate(base):
+        style = ("-", "--", ":", "-.")[i % 4]
+        ax_loss.plot(range(1, len(r.steps) + 1), smooth(r.losses, window), color="0.35", lw=0.8, ls=style,
+                     label=f"baseline seed {r.seed}")
+        ax_acc.plot([e["step"] for e in r.epochs], [e["val_acc"] for e in r.epochs], color="0.35", lw=0.8,
+                    ls=style, marker=".", label=f"baseline seed {r.seed}")
+    for i, r in enumerate(others):
+        c = colors[i % len(colors)]
+        ax_loss.plot(range(1, len(r.steps) + 1), smooth(r.losses, window), color=c, lw=1.3, label=f"{r.recipe} seed {r.seed}")
+        ax_acc.plot([e["step"] for e in r.epochs], [e["val_acc"] for e in r.epochs], color=c, lw=1.3, marker=".",
+                    label=f"{r.recipe} seed {r.seed}")
+    ax_loss.set(xlabel="step", ylabel=f"training loss (trailing mean of {window} steps)", title="training loss")
+    ax_acc.set(xlabel="step", ylabel="validation accuracy %", title="validation accuracy (each epoch's end)")
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.tmp")
+    fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)
+    tmp.replace(out)
+    return out
