@@ -115,3 +115,28 @@ def test_checkpoint_and_optimizer_state_under_the_graph():
     resumed.load_state_dict(checkpoint["model"])
     resumed.load_optimizer_state_dict(checkpoint["optimizer"])
     assert_close_runs([resumed.train_step(x, y).item() for x, y in data[STEPS:]], straight_on)
+
+
+def test_the_graph_trains_like_eager_through_validation_and_stochastic_depth():
+    """What `swinbench train` does and the tests above don't: stochastic depth on, clipping at 5, label
+    smoothing, and predict (graph captured in eval mode, a smaller last batch eager) between epochs. The
+    eager and graphed runs use the same kernels: their losses must stay together across the validations."""
+    def build():
+        torch.manual_seed(0)
+        return build_model(TINY_MODEL, drop_path_rate=0.1).cuda()
+
+    kwargs = dict(optimizer={"lr": 1e-3, "weight_decay": 0.05}, grad_clip=5.0,
+                  loss_fn=torch.nn.CrossEntropyLoss(label_smoothing=0.1))
+    eager, graphed = optimize_swin(build(), "fmha", **kwargs), optimize_swin(build(), "fmha-graph", **kwargs)
+    data = batches(6, seed=4)
+    val = batches(3, seed=5) + batches(1, batch=5, seed=6)
+    losses = ([], [])
+    for step in range(4 * len(data)):
+        for swin, out in zip((eager, graphed), losses):
+            torch.manual_seed(100 + step)            # the same stochastic-depth draws in both
+            out.append(swin.train_step(*data[step % len(data)]).item())
+        if step % len(data) == len(data) - 1:
+            for swin in (eager, graphed):
+                for x, _ in val:
+                    swin.predict(x)
+    assert_close_runs(*losses)

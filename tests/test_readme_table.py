@@ -37,9 +37,13 @@ def test_every_canonical_folder_in_reports_readme_exists_and_is_in_the_table():
               if line.startswith("| `") and line.split("`")[1].endswith("/")]
     assert listed
     block = table_block(README.read_text(encoding="utf-8"))
+    readme = README.read_text(encoding="utf-8")
     for folder in listed:
-        if (ROOT / "reports" / folder / "records").is_dir():
+        records = ROOT / "reports" / folder / "records"
+        if any(records.glob("*.json")):           # stage records: in the results table
             assert f"reports/{folder}records" in block, folder
+        elif any(records.glob("*.jsonl")):        # a training comparison: its report is linked
+            assert f"reports/{folder}report.md" in readme, folder
 
 
 def readme_with_markers(tmp_path, inside="old table"):
