@@ -194,3 +194,25 @@ def test_compile_cache_note():
     assert reuse.compile_cache_note({}) is None
     note = reuse.compile_cache_note({"fxgraph_cache_hit": 3, "fxgraph_cache_miss": 1, "autograd_cache_hit": 2})
     assert note == "compile caches: FX graphs 3 of 4 reused, AOTAutograd graphs 2 of 2 reused"
+
+
+def test_quick_and_fresh_reach_run_apply(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    import workbench.ladder.apply as apply_module
+    from cli import app
+
+    seen = {}
+
+    def fake_run_apply(recipe, **kwargs):
+        seen.update(kwargs, recipe=recipe)
+        raise UserError("stop here")
+
+    monkeypatch.setattr(apply_module, "run_apply", fake_run_apply)
+    result = CliRunner().invoke(app, ["apply", "--quick", "--fresh", "--cache", str(tmp_path), "--device", "cpu"])
+    assert result.exit_code == 2 and "stop here" in result.output
+    assert (seen["steps"], seen["warmup"], seen["peers"], seen["fresh"]) == (10, 3, False, True)
+    assert seen["cache_dir"] == tmp_path
+    result = CliRunner().invoke(app, ["apply", "--device", "cpu"])
+    assert (seen["steps"], seen["warmup"], seen["peers"], seen["fresh"]) == (20, 5, None, False)
+    assert seen["cache_dir"] == reuse.default_cache_dir()
