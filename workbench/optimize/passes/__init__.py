@@ -13,7 +13,7 @@ compose in any order.
 
 Adding a technique means adding one module here, its test and a YAML line; `PASS_MODULES`
 below is the only list to extend. A pass that runs swinbench's own kernels sets
-`SWINBENCH_KERNELS = True`, so that reports can tell the fused stack from the PyTorch-alone peers.
+`OWN_KERNELS = True`, so that reports can tell the fused stack from the PyTorch-alone peers.
 """
 from __future__ import annotations
 
@@ -121,9 +121,9 @@ def get_pass(name: str):
 
 
 def uses_swinbench_kernels(name: str) -> bool:
-    """Whether the pass runs swinbench's own kernels (its module sets SWINBENCH_KERNELS): a stage whose
+    """Whether the pass runs swinbench's own kernels (its module sets OWN_KERNELS): a stage whose
     chain has none of them is what a user gets from PyTorch alone."""
-    return bool(getattr(get_pass(name), "SWINBENCH_KERNELS", False))
+    return bool(getattr(get_pass(name), "OWN_KERNELS", False))
 
 
 def apply_pass(name: str, model: torch.nn.Module, ctx: PassContext, params: dict | None = None):

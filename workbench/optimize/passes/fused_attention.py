@@ -18,7 +18,7 @@ from workbench.optimize.passes._swin import swin_blocks
 from workbench.optimize.passes.block_plan import BIAS_MODES, block_plans
 
 NAME = "fused_attention"
-SWINBENCH_KERNELS = True   # runs swinbench kernels: a stage with it is not PyTorch alone
+OWN_KERNELS = True   # runs swinbench kernels: a stage with it is not PyTorch alone
 PARAMS = {"bias": (str, BIAS_MODES)}   # parameter -> (type, allowed values), checked when a recipe is loaded
 
 

@@ -36,7 +36,7 @@ from workbench.optimize.passes._swin import square, swin_blocks
 from workbench.optimize.passes.block_plan import block_plans
 
 NAME = "fused_block"
-SWINBENCH_KERNELS = True   # runs swinbench kernels: a stage with it is not PyTorch alone
+OWN_KERNELS = True   # runs swinbench kernels: a stage with it is not PyTorch alone
 
 
 def _why_not(blk) -> str | None:

@@ -46,7 +46,7 @@ from workbench.optimize.passes._swin import merging_norm_goes_to_linear, named_s
 from workbench.optimize.passes.block_plan import block_plans
 
 NAME = "fused_layernorm"
-SWINBENCH_KERNELS = True   # runs swinbench kernels: a stage with it is not PyTorch alone
+OWN_KERNELS = True   # runs swinbench kernels: a stage with it is not PyTorch alone
 IMPLS = ("auto", "triton", "torch", "apex")
 # parameter -> (type, allowed values); recipes.py checks a recipe against it when it is loaded
 PARAMS = {"impl": (str, IMPLS), "fuse_residual": (bool, None)}

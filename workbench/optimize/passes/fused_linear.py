@@ -22,7 +22,7 @@ from workbench.optimize.passes._swin import named_swin_blocks
 from workbench.optimize.passes.block_plan import block_plans
 
 NAME = "fused_linear"
-SWINBENCH_KERNELS = True   # runs swinbench kernels: a stage with it is not PyTorch alone
+OWN_KERNELS = True   # runs swinbench kernels: a stage with it is not PyTorch alone
 
 
 def _exact_gelu(act: torch.nn.Module) -> bool:

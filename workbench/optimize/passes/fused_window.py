@@ -47,7 +47,7 @@ from workbench.optimize.passes._swin import square, swin_blocks
 from workbench.optimize.passes.block_plan import block_plans
 
 NAME = "fused_window"
-SWINBENCH_KERNELS = True   # runs swinbench kernels: a stage with it is not PyTorch alone
+OWN_KERNELS = True   # runs swinbench kernels: a stage with it is not PyTorch alone
 
 
 def _norm1_fusable(norm) -> bool:
