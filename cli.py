@@ -45,6 +45,7 @@ Model = Annotated[Optional[str], typer.Option(help="timm Swin model name (defaul
 Device = Annotated[str, typer.Option(help="auto (cuda if a GPU is visible, else cpu), cuda, cuda:N or cpu. CPU runs use the tiny Swin by default and are labelled CPU in every output.")]
 Timeline = Annotated[bool, typer.Option("--timeline/--no-timeline", help="Also write timeline.png (one step: NVTX ranges, GPU kernels by category, host CUDA calls per thread) and timeline.json (every step, for ui.perfetto.dev) beside the tables.")]
 Step = Annotated[Optional[str], typer.Option(help="The step timeline.png draws (3 or step3; default: the median-length step).")]
+Records = Annotated[Optional[list[Path]], typer.Option("--records", help="Stage records (files or folders written by `swinbench apply`) to take the findings' measured gains from, matched by model, mode, batch and GPU; repeatable. Default: the canonical runs under reports/*/records.")]
 Overwrite = Annotated[bool, typer.Option("--overwrite", help="If --out holds an earlier run (or tables of another trace), move it aside to a '.previous-' sibling first (nothing is deleted). Without it such a folder is refused.")]
 
 
@@ -64,6 +65,7 @@ def profile(
     format: Annotated[str, typer.Option("--format", help="Machine-readable tables written beside the trace: csv | json.")] = "csv",
     top: Annotated[int, typer.Option(help="Rows per table before the tail is folded into 'other'.")] = 15,
     timeline: Timeline = True,
+    records: Records = None,
     overwrite: Overwrite = False,
 ):
     """Run a Swin model under Nsight Systems (or torch.profiler) and show where its GPU time goes (on the CPU: its CPU operator time)."""
@@ -73,7 +75,7 @@ def profile(
     _check_top(top)
     _call(run_profile, model=model, mode=mode, batch=batch, precision=precision, steps=steps, warmup=warmup,
           device=device, backend=backend, out=out, nsys=nsys, recipe=recipe, fmt=format, top=top, console=console,
-          overwrite=overwrite, timeline=timeline)
+          overwrite=overwrite, timeline=timeline, records=records)
 
 
 def _note(text: str) -> None:
@@ -136,6 +138,7 @@ def analyze(
     range: Annotated[Optional[str], typer.Option("--range", help="Only kernels launched inside this NVTX range (e.g. backward, stage2.block1); written tables carry it in their names (kernels.range-backward.csv).")] = None,
     timeline: Timeline = True,
     step: Step = None,
+    records: Records = None,
     overwrite: Overwrite = False,
 ):
     """Where one trace's GPU time goes (a CPU capture's: CPU operator time): per kernel, category and NVTX range.
@@ -145,6 +148,7 @@ def analyze(
     and timeline.json (every step, for ui.perfetto.dev)."""
     from workbench.analysis.analyze import analysis_tables, analyze_trace, render_analysis, write_analysis
     from workbench.analysis.timeline import pick_step
+    from workbench.capture.remedies import findings_gains, gain_records
 
     _check_name_style(name)
     _check_top(top)
@@ -154,13 +158,16 @@ def analyze(
     if format is not None:
         _check_format(format)
         _call(analysis_tables(folder, format, trace, range, timeline).check, overwrite)   # refuse before the work
+    stored = _call(gain_records, records)
     analysis = _call(analyze_trace, trace, name_style=name, range_name=range)
     if step is not None:
         _call(pick_step, analysis.trace, step)
-    render_analysis(analysis, console, top=top)
+    gains = findings_gains(stored, trace, analysis.trace_meta)
+    render_analysis(analysis, console, top=top, gains=gains.gains)
+    _note(gains.note)
     if format:
         for f in _call(write_analysis, analysis, folder, format, trace=trace, overwrite=overwrite, on_note=_note,
-                       timeline=timeline, step=step):
+                       timeline=timeline, step=step, gains=gains.gains):
             console.print(f"wrote {f}")
 
 
@@ -199,7 +206,7 @@ def diff(
 
 @app.command()
 def apply(
-    recipe: Annotated[str, typer.Option(help="Recipe name (see `swinbench recipes`) or a YAML file; runs every stage from baseline to it.")] = "fmha",
+    recipe: Annotated[str, typer.Option(help="Recipe name (see `swinbench recipes`) or a YAML file; runs every stage from baseline to it. auto: the whole ladder for this machine (on a GPU to block, with the PyTorch-alone peers; on the CPU to fmha), then the best configuration that passes the gate and the command that reproduces it.")] = "fmha",
     stages: Annotated[Optional[str], typer.Option(help="Comma-separated stages to run instead of the chain (e.g. baseline,amp,torch-compile).")] = None,
     model: Model = None,
     batch: Annotated[int, typer.Option(help="Images per step.")] = 64,

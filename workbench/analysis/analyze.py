@@ -200,10 +200,11 @@ def _header(analysis: Analysis) -> str:
     return " · ".join(parts)
 
 
-def render_analysis(analysis: Analysis, console: Console, top: int = 15) -> None:
+def render_analysis(analysis: Analysis, console: Console, top: int = 15, gains=None) -> None:
     """Header line (backend, trace path, span, GPUs), warnings and notes, then the kernel, category, range
     and busy tables (one block of them per GPU when there are several), then the host's CUDA calls, then
-    the findings (workbench/analysis/findings.py); long tails are folded into one 'other (k ...)' row with exact sums."""
+    the findings (workbench/analysis/findings.py, with the measured `gains` of their remedies); long
+    tails are folded into one 'other (k ...)' row with exact sums."""
     console.print(_header(analysis))
     # A CPU-only Kineto trace is analyzed on its leaf CPU operators: say so in every title.
     words = trace_words(analysis.trace_meta)
@@ -220,23 +221,23 @@ def render_analysis(analysis: Analysis, console: Console, top: int = 15) -> None
     else:
         _render_tables(*frames, analysis.trace_meta, console, top, words)
     _render_api(analysis, console, top)
-    _render_findings(analysis, console)
+    _render_findings(analysis, console, gains)
 
 
-def _render_findings(analysis: Analysis, console: Console) -> None:
+def _render_findings(analysis: Analysis, console: Console, gains=None) -> None:
     """The findings (workbench/analysis/findings.py), ranked by time per step, and how their time is split."""
-    table = findings(analysis)
+    table = findings(analysis, gains)
     if table.empty:
         return
     unit = analysis.trace_meta.get("api_unit") or "trace"
     t = Table(title=f"findings, ranked by ms per {unit} (idle + categories = span; small "
                     f"{trace_words(analysis.trace_meta).units} are inside the categories, marked *)", title_justify="left")
-    for col in ["#", *(["GPU"] if "device" in table else []), "ms", "% span", "finding", "remedy"]:
-        t.add_column(col, justify="left" if col in ("finding", "remedy") else "right")
+    for col in ["#", *(["GPU"] if "device" in table else []), "ms", "% span", "finding", "remedy", "measured gain"]:
+        t.add_column(col, justify="left" if col in ("finding", "remedy", "measured gain") else "right")
     for row in table.itertuples(index=False):
         what = f"{row.kind}: {row.what}" + (f" ({row.note})" if row.note else "")
         t.add_row(f"{row.rank}{'' if row.partition else '*'}", *([str(row.device)] if "device" in table else []),
-                  f"{row.ms_per_step:,.3f}", _pct(row.share_pct), what, str(row.remedy))
+                  f"{row.ms_per_step:,.3f}", _pct(row.share_pct), what, str(row.remedy), str(row.gain))
     console.print(t)
 
 
@@ -439,18 +440,19 @@ def analysis_tables(out_dir, fmt: str, trace, range_name: str | None, timeline: 
 
 def write_analysis(analysis: Analysis, out_dir, fmt: str = "csv", *, trace=None, overwrite: bool = False,
                    on_note=None, timeline: bool = False, step: int | str | None = None,
-                   title: str | None = None) -> list[Path]:
+                   title: str | None = None, gains=None) -> list[Path]:
     """csv: kernels.csv, categories.csv, ranges.csv, busy.csv, api.csv, findings.csv; json: one analysis.json with every
     frame as a list of records plus backend and meta. Tables of one range carry it in their names
     (kernels.range-backward.csv); every table names its trace (`trace`, relative to out_dir; default the
     path the analysis was read from) and range (`trace_range`, empty for the whole trace), and tables of
     another trace are not replaced without `overwrite` (see TableFiles). With `timeline`, also
     timeline.png (the step `step`, default the median one, under `title`, default timeline_title) and
-    timeline.json (Perfetto) of the whole trace (timeline.write_timeline). Returns the paths written."""
+    timeline.json (Perfetto) of the whole trace (timeline.write_timeline). gains: the measured gains of
+    the findings' remedies (findings.findings). Returns the paths written."""
     frames = {"kernels": analysis.kernels, "categories": analysis.categories, "ranges": analysis.ranges, "busy": analysis.busy}
     if analysis.api is not None:
         frames["api"] = analysis.api
-    frames["findings"] = findings(analysis)
+    frames["findings"] = findings(analysis, gains)
     source = trace if trace is not None else analysis.trace_meta.get("path")
     draw = timeline and analysis.trace is not None
     if draw:

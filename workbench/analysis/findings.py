@@ -36,7 +36,7 @@ from workbench.labels import trace_words
 SMALL_KERNEL_NS = 5_000  # kernels averaging under 5 µs cost about as much host time to launch as GPU time
 LAUNCH_BOUND_BUSY_PCT = 60.0  # below this GPU busy share, idle time is a finding worth a remedy
 
-COLUMNS = ["rank", "kind", "what", "ms_per_step", "share_pct", "remedy", "note", "partition"]
+COLUMNS = ["rank", "kind", "what", "ms_per_step", "share_pct", "remedy", "gain", "gain_x", "note", "partition"]
 
 # The recipes are accelerator stages: a CPU trace gets none, in CPU words only (workbench/labels.py).
 CPU_REMEDY = "none: a CPU run (the fused and graph stages are for the accelerator)"
@@ -57,6 +57,30 @@ CATEGORY_REMEDY: dict[str, tuple[str, str]] = {
                     "GELU backward fuses into dense; block leaves fewer residual and cast kernels"),
     "other": ("none", "kernels no rule names"),
 }
+
+# The measured forms of the remedies: a finding's remedy is measured as these keys of the gains mapping.
+# GRAPH_KEY: a stage replayed as one CUDA graph against the same stage as written; a stage name: that stage
+# against the stage it extends, in the same run.
+GRAPH_KEY = "cuda_graph"
+REMEDY_KEYS: dict[str, tuple[str, ...]] = {
+    "attention": ("fmha",), "softmax": ("fmha",), "normalization": ("apex",), "window gather/scatter": ("window",),
+    "copy/memory": ("window", "apex"), "optimizer": ("apex",), "reduction": ("dense",),
+    "elementwise": ("dense", "block"),
+}
+NOT_MEASURED = "not measured here"
+NO_REMEDY = "no remedy"
+
+
+def _gain(keys: tuple[str, ...], gains) -> tuple[str, float]:
+    """(gain text, headline speedup or NaN) of a finding whose remedy is measured as `keys`."""
+    if not keys:
+        return NO_REMEDY, float("nan")
+    measured = [(k, gains[k]) for k in keys if gains and k in gains]
+    if not measured:
+        return NOT_MEASURED, float("nan")
+    parts = [str(g["text"]) for _, g in measured]
+    parts += [f"{k}: {NOT_MEASURED}" for k in keys if not gains or k not in gains]
+    return "; ".join(parts), float(measured[0][1]["x"])
 
 
 def _count(x: float) -> str:
@@ -82,16 +106,18 @@ def _launches(api: pd.DataFrame | None, units: int, has_units: bool) -> float | 
 
 
 def _one_device(busy: pd.DataFrame, categories: pd.DataFrame, kernels: pd.DataFrame, api, meta: dict,
-                units: int, unit: str) -> list[dict]:
+                units: int, unit: str, gains=None) -> list[dict]:
     words = trace_words(meta)
     ns = dict(zip(busy["metric"], busy["ns"].astype("int64")))
     span, busy_ns, idle_ns, kernel_sum = (int(ns.get(k, 0)) for k in ("span", "busy", "idle", "kernel_sum"))
     if span <= 0:
         return []
 
-    def row(kind, what, total_ns, remedy, note, partition=True):
+    def row(kind, what, total_ns, remedy, note, partition=True, keys=()):
+        gain, gain_x = _gain(keys, gains)
         return {"kind": kind, "what": what, "ms_per_step": total_ns / units / 1e6,
-                "share_pct": total_ns * 100.0 / span, "remedy": remedy, "note": note, "partition": partition}
+                "share_pct": total_ns * 100.0 / span, "remedy": remedy, "gain": gain, "gain_x": gain_x,
+                "note": note, "partition": partition}
 
     rows = []
     idle_pct = idle_ns * 100.0 / span
@@ -108,22 +134,24 @@ def _one_device(busy: pd.DataFrame, categories: pd.DataFrame, kernels: pd.DataFr
         if explained:
             rows.append(row("launch-bound", f"the GPU idles {idle_pct:.1f}% of the span: {launches:,.0f} launches per "
                             f"{unit}, one every {every_us:,.1f} µs, while the average kernel runs {avg_kernel_us:,.1f} µs",
-                            idle_ns, GRAPH_REMEDY, "the host's launch rate, not the GPU, sets the step time"))
+                            idle_ns, GRAPH_REMEDY, "the host's launch rate, not the GPU, sets the step time",
+                            keys=(GRAPH_KEY,)))
         else:
             why = ("no launch calls recorded" if every_us is None else
                    f"launches (one every {every_us:,.1f} µs) do not explain it" if idle_pct > 100 - LAUNCH_BOUND_BUSY_PCT
                    else "the GPU is mostly busy")
+            graph = every_us is not None and idle_pct > 100 - LAUNCH_BOUND_BUSY_PCT
             rows.append(row("gpu-idle", f"the GPU idles {idle_pct:.1f}% of the span", idle_ns,
-                            GRAPH_REMEDY if every_us is not None and idle_pct > 100 - LAUNCH_BOUND_BUSY_PCT else "none",
-                            why))
+                            GRAPH_REMEDY if graph else "none", why, keys=(GRAPH_KEY,) if graph else ()))
     # Each kernel is in one category; scale to busy so overlapping streams do not count twice.
     scale = min(1.0, busy_ns / kernel_sum) if kernel_sum else 0.0
     for cat in categories.itertuples(index=False):
         remedy, note = CATEGORY_REMEDY.get(str(cat.category), ("none", ""))
+        keys = REMEDY_KEYS.get(str(cat.category), ())
         if words.is_cpu:
-            remedy, note = CPU_REMEDY, ""
+            remedy, note, keys = CPU_REMEDY, "", ()
         rows.append(row("category", f"{cat.category}: {_count(cat.instances / units)} {words.units} per {unit}, "
-                        f"{cat.share_pct:.1f}% of {words.time}", cat.total_ns * scale, remedy, note))
+                        f"{cat.share_pct:.1f}% of {words.time}", cat.total_ns * scale, remedy, note, keys=keys))
     small = kernels[kernels["avg_ns"] < SMALL_KERNEL_NS] if len(kernels) else kernels
     if len(small):
         count = float(small["instances"].sum()) / units
@@ -132,13 +160,15 @@ def _one_device(busy: pd.DataFrame, categories: pd.DataFrame, kernels: pd.DataFr
                         CPU_REMEDY if words.is_cpu else GRAPH_REMEDY,
                         "already counted in the categories" + ("" if words.is_cpu else
                                                                "; each costs a launch more than GPU time"),
-                        partition=False))
+                        partition=False, keys=() if words.is_cpu else (GRAPH_KEY,)))
     return rows
 
 
-def findings(analysis) -> pd.DataFrame:
+def findings(analysis, gains=None) -> pd.DataFrame:
     """Findings of an `Analysis` (workbench/analysis/analyze.py) as a frame with COLUMNS (see the module
-    docstring for what each row is and how the time is split), ranked by ms_per_step, largest first."""
+    docstring for what each row is and how the time is split), ranked by ms_per_step, largest first.
+    gains: {remedy key (GRAPH_KEY or a stage in REMEDY_KEYS): {"x": speedup, "text": words}}, the measured
+    gains of the remedies on this GPU and model, or None; a remedy missing from it is "not measured here"."""
     meta = analysis.trace_meta
     units, unit = _unit(meta)
     if "device" in analysis.categories:
@@ -147,9 +177,10 @@ def findings(analysis) -> pd.DataFrame:
             one = [f[f["device"] == device].drop(columns="device") for f in
                    (analysis.busy, analysis.categories, analysis.kernels)]
             steps = (meta.get("device_steps") or {}).get(device) or units
-            rows += [{"device": device, **r} for r in _one_device(*one, analysis.api, meta, steps, unit)]
+            rows += [{"device": device, **r} for r in _one_device(*one, analysis.api, meta, steps, unit, gains)]
     else:
-        rows = _one_device(analysis.busy, analysis.categories, analysis.kernels, analysis.api, meta, units, unit)
+        rows = _one_device(analysis.busy, analysis.categories, analysis.kernels, analysis.api, meta, units, unit,
+                           gains)
     cols = (["device"] if rows and "device" in rows[0] else []) + COLUMNS
     if not rows:
         return pd.DataFrame(columns=cols)

@@ -11,6 +11,7 @@ import torch
 from rich.console import Console
 
 from workbench.capture.backends import capture_nsys, capture_torch, resolve_backend
+from workbench.capture.remedies import findings_gains, gain_records
 from workbench.errors import UserError
 from workbench.run_folder import claim_run_folder
 from workbench.models import check_model_name, default_model_for
@@ -37,14 +38,15 @@ def default_run_name(config: WorkloadConfig, recipe: str | None) -> str:
 def run_profile(*, model: str | None, mode: str, batch: int, precision: str, steps: int, warmup: int,
                 device: str, backend: str, out: Path | None, nsys: str | None = None, recipe: str | None = None,
                 fmt: str = "csv", top: int = 15, console: Console | None = None,
-                overwrite: bool = False, timeline: bool = True) -> ProfileResult:
+                overwrite: bool = False, timeline: bool = True, records: list[Path] | None = None) -> ProfileResult:
     """Capture `steps` steps after `warmup`, analyze the trace, print the tables and write them beside it,
     with `timeline` also timeline.png (the median step) and timeline.json (Perfetto).
 
     out: the folder (default profiles/<model-mode-precision-batch-time>/), locked while the capture
     writes it. A folder that holds an earlier profile or run is refused (UserError, nothing changed)
     unless `overwrite`, which moves that run's files aside to `<out>.previous-<its time>` first
-    (`run_folder.claim_run_folder`)."""
+    (`run_folder.claim_run_folder`). records: stage records the findings' measured gains are taken from
+    (default: the canonical runs, `remedies.gain_records`), read before the capture."""
     console = console or Console()
     if steps < 1 or warmup < 0:
         raise UserError("--steps must be at least 1 and --warmup at least 0")
@@ -59,6 +61,7 @@ def run_profile(*, model: str | None, mode: str, batch: int, precision: str, ste
         from workbench.optimize.recipes import chain_passes
 
         chain_passes(recipe)  # validate the recipe before capturing
+    stored = gain_records(records)   # a bad --records path is refused before the capture
     if cpu_fallback:  # said once the arguments are known to be good: a user mistake gets one line only
         console.print(f"[yellow]note:[/] no CUDA GPU here: running {config.model} on the CPU "
                       "(timings and shares are CPU figures, not GPU ones)")
@@ -69,12 +72,13 @@ def run_profile(*, model: str | None, mode: str, batch: int, precision: str, ste
         for n in notes + claim.notes:
             console.print(f"[yellow]note:[/] {n}", highlight=False)
         return _capture_and_analyze(config, recipe, out_dir, chosen, nsys_path, steps=steps, warmup=warmup,
-                                    fmt=fmt, top=top, notes=notes, console=console, timeline=timeline)
+                                    fmt=fmt, top=top, notes=notes, console=console, timeline=timeline,
+                                    records=stored)
 
 
 def _capture_and_analyze(config: WorkloadConfig, recipe: str | None, out_dir: Path, chosen: str,
                          nsys_path: str | None, *, steps: int, warmup: int, fmt: str, top: int, notes: list[str],
-                         console: Console, timeline: bool) -> ProfileResult:
+                         console: Console, timeline: bool, records: list | None = None) -> ProfileResult:
     """run_profile's work once its folder is claimed: the capture, the tables printed and written."""
     from workbench.analysis.analyze import analyze_trace, render_analysis, write_analysis
 
@@ -89,11 +93,13 @@ def _capture_and_analyze(config: WorkloadConfig, recipe: str | None, out_dir: Pa
     _print_passes(out_dir / "run.json", recipe, console)
     with _phase(console, f"analyzing {trace}"):
         analysis = analyze_trace(trace)
-    render_analysis(analysis, console, top=top)
+    gains = findings_gains(records or [], trace, analysis.trace_meta)
+    render_analysis(analysis, console, top=top, gains=gains.gains)
+    console.print(f"[yellow]note:[/] {gains.note}", highlight=False)
     files = [p for p in (out_dir / "trace.nsys-rep", trace, out_dir / "run.json", out_dir / "capture.log",
                          out_dir / "nsys.log") if p.exists()]
     title = f"{config.model} {mode} {precision} batch {batch}" + (f", recipe {recipe}" if recipe else "")
-    files += write_analysis(analysis, out_dir, fmt, trace=trace, timeline=timeline, title=title,
+    files += write_analysis(analysis, out_dir, fmt, trace=trace, timeline=timeline, title=title, gains=gains.gains,
                             on_note=lambda line: console.print(f"[yellow]note:[/] {line}", highlight=False))
     console.print(f"[bold]{label}[/] backend; files written:")
     for f in files:

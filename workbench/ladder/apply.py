@@ -54,8 +54,8 @@ from workbench.ladder.reuse import (RecordCache, compile_cache_counts, compile_c
                                     reused_record)
 from workbench.files import atomic_write_text
 from workbench.results.record import SCHEMA, read_record, write_record
-from workbench.optimize.recipes import (StagePlan, as_jsonable, effective_passes, gate_tolerance, is_pytorch_alone,
-                                       plan_stages, resolve_chain)
+from workbench.optimize.recipes import (StagePlan, as_jsonable, effective_passes, gate_tolerance, graph_recipes,
+                                       is_pytorch_alone, plan_stages, resolve_chain)
 from workbench.run_folder import FolderClaim, claim_run_folder, newest_time_tag, previous_folder, run_entries
 from workbench.optimize.timing import gpu_kernel_ms, time_steps
 from workbench.optimize.workload import Workload, WorkloadConfig, pick_device, resolve_device
@@ -67,6 +67,10 @@ CPU_INTERLEAVE_ROUNDS = 3
 GPU_TIME_STEPS = 3
 # Untimed replays before the graph-replayed steps are timed (after the capture's own warm-up steps).
 GRAPH_WARMUP = 2
+# `apply --recipe auto`: the ladder it runs, by device type: on a GPU the longest chain (with the peers,
+# as any GPU run), on the CPU the default CPU ladder; then it recommends the best stage that passed.
+AUTO = "auto"
+AUTO_LADDER = {"cuda": "block", "cpu": "fmha"}
 
 @dataclass
 class ApplyResult:
@@ -79,6 +83,7 @@ class ApplyResult:
     record_paths: list[Path]
     report_path: Path | None
     failed: list[str] = field(default_factory=list)    # stages with status 'error'
+    auto: dict | None = None    # with --recipe auto: report.auto_choice of the run (None: nothing passed)
 
 
 @dataclass
@@ -595,7 +600,10 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
               fresh: bool = False) -> ApplyResult:
     """Run every stage of `recipe` (baseline first), write one record per stage and the report.
 
-    recipe: a built-in name or a YAML path. stages: explicit stage names instead of the chain.
+    recipe: a built-in name or a YAML path, or 'auto': the ladder of AUTO_LADDER for this device (with
+    `stages`, those stages), then the best configuration that passed the gate (report.auto_choice),
+    printed at the end, written in report.md and returned in ApplyResult.auto.
+    stages: explicit stage names instead of the chain.
     mode: 'train' (forward, backward, optimizer step; the gate compares logits, loss and gradients) or
     'infer' (forward only under inference_mode; the gate compares logits and loss).
     isolate: a fresh process per stage (default: on CUDA yes, on the CPU no).
@@ -632,12 +640,15 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
     on_gpu = dev.type == "cuda"
     model = model or default_model_for(device)
     check_model_name(model)
+    auto = str(recipe) == AUTO
+    if auto:
+        recipe = AUTO_LADDER[dev.type if dev.type in AUTO_LADDER else "cpu"]
     plans: list[StagePlan] = plan_stages(recipe, stages, peers=on_gpu if peers is None else peers)
     isolate = on_gpu if isolate is None else isolate
     asked_interleave = interleave is not None
     interleave = interleave if asked_interleave else (0 if on_gpu else CPU_INTERLEAVE_ROUNDS)
     config = WorkloadConfig(model=model, mode=mode, batch=batch, precision="fp32", device=device, seed=seed)
-    run_id = default_run_id(recipe, model, batch, mode)
+    run_id = default_run_id(AUTO if auto else recipe, model, batch, mode)
     if resume and out_dir is None:
         raise UserError("--resume needs --out: the folder of the run to resume")
     out_dir = Path(out_dir) if out_dir else Path("reports") / "runs" / run_id
@@ -651,7 +662,8 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
         return _run_claimed(claim, recipe, plans, config, run_id, records_dir, console=console, resume=resume,
                             steps=steps, warmup=warmup, profile=profile, isolate=isolate, on_gpu=on_gpu,
                             interleave=interleave, asked_interleave=asked_interleave, progress=progress,
-                            cache=RecordCache(cache_dir, on_gpu=on_gpu, fresh=fresh) if cache_dir else None)
+                            cache=RecordCache(cache_dir, on_gpu=on_gpu, fresh=fresh) if cache_dir else None,
+                            auto=auto)
 
 
 def _earlier_run_id(records_dir: Path) -> str | None:
@@ -669,9 +681,11 @@ def _earlier_run_id(records_dir: Path) -> str | None:
 def _run_claimed(claim: FolderClaim, recipe: str, plans: list[StagePlan], config: WorkloadConfig, run_id: str,
                  records_dir: Path, *, console, resume: bool, steps: int, warmup: int, profile: bool,
                  isolate: bool, on_gpu: bool, interleave: int, asked_interleave: bool,
-                 progress: bool, cache: RecordCache | None = None) -> ApplyResult:
-    """run_apply's work once its folder is claimed: every stage, the interleaved rounds, the report."""
-    from workbench.results.report import activation_dtype_changes, render_report, render_speedup_table
+                 progress: bool, cache: RecordCache | None = None, auto: bool = False) -> ApplyResult:
+    """run_apply's work once its folder is claimed: every stage, the interleaved rounds, the report (with
+    `auto`, the best configuration that passed the gate)."""
+    from workbench.results.report import (activation_dtype_changes, auto_choice, auto_choice_lines, render_report,
+                                          render_speedup_table)
 
     out_dir = claim.folder
     dev = resolve_device(config.device)
@@ -745,7 +759,8 @@ def _run_claimed(claim: FolderClaim, recipe: str, plans: list[StagePlan], config
             shown.line(f"timing the stages again in alternation: {interleave} rounds")
             _interleave(records, specs, config, interleave, isolate, out_dir, console, shown, asked=asked_interleave)
 
-    report_path = render_report(records, out_dir / "report.md")
+    choice = auto_choice(records, graph_recipes()) if auto else None
+    report_path = render_report(records, out_dir / "report.md", auto=choice)
     render_speedup_table(records, console)
     for line in activation_dtype_changes(records):
         console.print(f"[yellow]note:[/] {line.replace('**', '')}")
@@ -757,7 +772,11 @@ def _run_claimed(claim: FolderClaim, recipe: str, plans: list[StagePlan], config
     failed = [r["stage"] for r in records if r["status"] == "error"]
     ok = sum(r["status"] == "ok" for r in records)
     console.print(f"{ok}/{len(records)} stages measured; records in {records_dir}, report {report_path}")
-    result = ApplyResult(run_id, out_dir, records_dir, records, paths, report_path, failed)
+    if auto:
+        for line in auto_choice_lines(choice) if choice else [
+                "auto: no stage of the ladder was measured and passed the gate: nothing to recommend"]:
+            console.print(line.replace("**", "").replace("`", ""), highlight=False, soft_wrap=True)
+    result = ApplyResult(run_id, out_dir, records_dir, records, paths, report_path, failed, auto=choice)
     if failed:
         first = next(r for r in records if r["status"] == "error")
         err = UserError(f"{len(failed)} stage(s) failed ({first['stage']}: {first['error']}); "

@@ -343,6 +343,13 @@ def is_graph_form(recipe: Recipe) -> bool:
                for p in recipe.passes)
 
 
+def graph_recipes() -> dict[str, str]:
+    """{stage: the built-in recipe that only replays that stage's step as one CUDA graph}: fmha ->
+    fmha-graph, dense -> dense-graph, block -> block-graph (a compiled graph form is another stage)."""
+    return {r.extends: r.name for r in RecipeBook().builtins.values()
+            if r.extends and r.passes and all(p.name == "cuda_graph" for p in r.passes)}
+
+
 def gate_tolerance(chain: list[Recipe], precision: str) -> dict[str, float]:
     """The gate tolerances for a stage that runs in `precision`: each recipe's values over its parent's."""
     tol: dict[str, float] = {}

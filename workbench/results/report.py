@@ -161,26 +161,41 @@ def headline_text(records, df: pd.DataFrame) -> str | None:
             "columns show what replaying it as one CUDA graph adds.")
 
 
-def best_form(records, df: pd.DataFrame) -> dict | None:
-    """The fused stack in its best form: the fastest counted measurement (eager or graph-replayed) of the
-    last main-chain stage that runs swinbench kernels, or of a stage that extends it (a compiled form)
-    -> {stage, form, ms, x_baseline, peer, peer_form, peer_ms, x_peer}; peer: the fastest PyTorch-alone
-    stage in either form. None when there is no such stage or no graph columns."""
-    if not has_graph_columns(df):
+def best_form(records, df: pd.DataFrame, among: str = "last", graph_recipes: dict[str, str] | None = None
+              ) -> dict | None:
+    """The fastest counted measurement (eager or graph-replayed) of the stages `among` names, against the
+    strongest PyTorch-alone peer -> {stage, form, ms, x_baseline, peer, peer_form, peer_ms, x_peer}; peer:
+    the fastest PyTorch-alone peer stage in either form (None without one).
+
+    among='last': the fused stack in its best form: the last main-chain stage that runs swinbench kernels,
+    or a stage that extends it (a compiled form); None without graph columns. among='main': every stage of
+    the run's main chain that passed the gate (the baseline and PyTorch-alone rungs such as amp included,
+    peers not), with or without graph columns: the best configuration the ladder measured. graph_recipes
+    ({stage: recipe that replays it as one CUDA graph}): with it, a graph-replayed form counts only for the
+    stages it names (a form a recipe reproduces). None when no stage qualifies."""
+    if among not in ("last", "main"):
+        raise ValueError(f"among must be 'last' or 'main', got {among!r}")
+    if among == "last" and not has_graph_columns(df):
         return None
     records = as_records(records)
     counted = {r.stage: r for r in df.itertuples() if r.counted}
-    fused = [rec for rec in records if rec.stage in counted and not rec.pytorch_alone]
-    if not fused:
+    if among == "main":
+        family = [rec for rec in records if rec.stage in counted and not _is_peer(rec, records)]
+    else:
+        fused = [rec for rec in records if rec.stage in counted and not rec.pytorch_alone]
+        if not fused:
+            return None
+        main = [rec for rec in fused if not _is_peer(rec, records)]
+        top = (main or fused)[-1]
+        family = [rec for rec in fused if rec is top or rec.extends == top.stage]
+    if not family:
         return None
-    main = [rec for rec in fused if not _is_peer(rec, records)]
-    top = (main or fused)[-1]
-    family = [rec for rec in fused if rec is top or rec.extends == top.stage]
     forms = []
     for rec in family:
         r = counted[rec.stage]
         forms.append((r.step_ms, rec.stage, "as written"))
-        if _isnum(r.graph_ms) and r.graph_ms != r.step_ms:
+        replayable = graph_recipes is None or rec.stage in graph_recipes
+        if _isnum(r.graph_ms) and r.graph_ms != r.step_ms and replayable:
             forms.append((r.graph_ms, rec.stage, "graph-replayed"))
     ms, stage, form = min(forms)
     base = counted.get("baseline")
@@ -201,6 +216,60 @@ def best_form(records, df: pd.DataFrame) -> dict | None:
         peer_ms, peer, peer_form = min(peers)
         out.update(peer=peer, peer_form=peer_form, peer_ms=peer_ms, x_peer=peer_ms / ms)
     return out
+
+
+def auto_choice(records, graph_recipes: dict[str, str] | None = None) -> dict | None:
+    """What `apply --recipe auto` recommends: the best configuration of the run's main chain that passed
+    the gate (best_form among='main'), with the recipe and command that reproduce it. graph_recipes:
+    {stage: the recipe replaying that stage as one CUDA graph} (fmha -> fmha-graph); a graph-replayed form
+    counts only where one exists. -> best_form's keys plus recipe, command, api, model, mode, batch,
+    device (the GPU's name or 'CPU'), cpu (bool: the figures are CPU ones) and not_significant (bool: an
+    eager choice whose speedup over the baseline is within the spread, significance.py); None when no
+    stage of the main chain was measured and passed."""
+    records = as_records(records)
+    graph_recipes = dict(graph_recipes or {})
+    df = speedup_table(records)
+    best = best_form(records, df, among="main", graph_recipes=graph_recipes)
+    if best is None:
+        return None
+    rec = next(r for r in records if r.stage == best["stage"])
+    row = df[df["stage"] == rec.stage].iloc[0]
+    # as written, a speedup over the baseline within the spread of the step times may be noise
+    noisy = best["form"] == "as written" and rec.stage != "baseline" and bool(row["x_baseline_ns"])
+    recipe = graph_recipes[rec.stage] if best["form"] == "graph-replayed" else rec.stage
+    cpu = not rec.env.on_gpu
+    command = (f"swinbench apply --stages {recipe} --model {rec.model} --batch {rec.batch}"
+               + (" --mode infer" if rec.mode == "infer" else "") + (" --device cpu" if cpu else ""))
+    return {**best, "recipe": recipe, "command": command, "api": f'optimize_swin(model, "{recipe}")',
+            "model": rec.model, "mode": rec.mode, "batch": rec.batch, "device": rec.env.device_name, "cpu": cpu,
+            "not_significant": noisy}
+
+
+def auto_choice_lines(choice: dict) -> list[str]:
+    """The auto choice in words (Markdown bold marks the recipe), one item a line: what is best, how to
+    reproduce it, its margin over the strongest PyTorch-alone peer; on the CPU, that it is a CPU figure."""
+    c = choice
+    where = f"{c['model']} {c['mode']}, batch {c['batch']}, {c['device']}"
+    over = f", {c['x_baseline']:.2f}x over the baseline" if c["x_baseline"] else ""
+    form = c["form"] if c["recipe"] == c["stage"] else f"{c['stage']}, {c['form']}"
+    lines = [f"Best configuration that passes the gate ({where}): **{c['recipe']}** ({form}): "
+             f"{c['ms']:.2f} ms per step ({c['batch'] / c['ms'] * 1e3:,.1f} img/s){over}"
+             + (f" ({NS_MARK}: within the spread of the step times; more --steps would settle it)"
+                if c.get("not_significant") else "") + "."]
+    lines.append(f"Reproduce it: `{c['command']}`; in your own loop: `{c['api']}`.")
+    if c["peer"]:
+        if c["x_peer"] >= 1:
+            verdict = f"{c['x_peer']:.2f}x faster than"
+        else:
+            verdict = f"{1 / c['x_peer']:.2f}x slower than"
+        lines.append(f"Margin: {verdict} the strongest PyTorch-alone peer, {c['peer']} {c['peer_form']} "
+                     f"({c['peer_ms']:.2f} ms).")
+    else:
+        lines.append("Margin over PyTorch alone: no PyTorch-alone peer was measured in this run.")
+    if c["cpu"]:
+        lines.append("This is a CPU figure: it shows the workflow, not which recipe is fastest on a GPU; run "
+                     "`swinbench apply --recipe auto` on the GPU for that.")
+    return lines
 
 
 def _is_peer(rec: StageRecord, records: list[StageRecord]) -> bool:
@@ -824,10 +893,10 @@ def _config_rows(records: list[StageRecord]) -> list[tuple[str, object]]:
     ]
 
 
-def render_report(records, out_path_md: Path, note: str | None = None) -> Path:
+def render_report(records, out_path_md: Path, note: str | None = None, auto: dict | None = None) -> Path:
     """Write the Markdown report (and, if stages were profiled, `<name>-categories.png` beside it)
     from stage records alone -> the .md path. note: a line quoted under the title (a run that did not
-    finish says so)."""
+    finish says so). auto: the choice of `apply --recipe auto` (auto_choice), written under the table."""
     if not records:
         raise UserError("no stage records to report")
     records = as_records(records)
@@ -852,6 +921,9 @@ def render_report(records, out_path_md: Path, note: str | None = None) -> Path:
               + (" " + CROSS_RUN_NOTE if (df["x_baseline_cross_run"] | df["x_previous_cross_run"]).any() else "")
               + (" " + NS_NOTE if _any_not_significant(records, df) else ""),
               ""]
+    if auto is not None:
+        lines += ["## Best configuration (`--recipe auto`)", "", "\n".join(f"- {x}" for x in auto_choice_lines(auto)),
+                  ""]
     lines += _interleaved_lines(records)
     lines += ["## Configuration", "", _md_table(["", ""], [[k, v] for k, v in _config_rows(records)]), ""]
 
