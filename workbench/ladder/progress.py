@@ -3,21 +3,20 @@ as each stage starts and ends (and per interleaved round) when the output is not
 nothing when progress is off. The ladder calls the same methods in every case."""
 from __future__ import annotations
 
+from workbench.progress_lines import ProgressOutput
 
-class LadderProgress:
+
+class LadderProgress(ProgressOutput):
     """Context manager over a run of `total` stages. console: a rich Console; enabled: show anything."""
 
     def __init__(self, console, enabled: bool, total: int):
-        self.console = console
+        super().__init__(console, enabled)
         self.total = total
-        self.plain = enabled and not console.is_terminal
-        self._bars = enabled and not self.plain
-        self._bar = None
         self._run_task = self._task = None
         self._stage = ""
 
     def __enter__(self) -> "LadderProgress":
-        if self._bars:
+        if self.bars:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
             self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -25,14 +24,6 @@ class LadderProgress:
             self._bar.__enter__()
             self._run_task = self._bar.add_task("stages", total=self.total)
         return self
-
-    def __exit__(self, *exc) -> bool:
-        return bool(self._bar.__exit__(*exc)) if self._bar is not None else False
-
-    def line(self, text: str) -> None:
-        """One plain line (no markup, no wrapping), shown only when the output is not a terminal."""
-        if self.plain:
-            self.console.print(text, markup=False, highlight=False, soft_wrap=True)
 
     # ------------------------------------------------------------------ stages
 

@@ -3,36 +3,27 @@ throughput on a terminal; plain lines when the output is not a terminal (a CI lo
 each validation, each run's end; nothing when progress is off. The loop calls the same methods in every case."""
 from __future__ import annotations
 
+from workbench.progress_lines import ProgressOutput
 
-class TrainProgress:
+
+class TrainProgress(ProgressOutput):
     """Context manager over `runs` training runs. console: a rich Console; enabled: show anything."""
 
     def __init__(self, console, enabled: bool, runs: int):
-        self.console = console
+        super().__init__(console, enabled)
         self.runs = runs
-        self.plain = enabled and not console.is_terminal
-        self._bars = enabled and not self.plain
-        self._bar = None
         self._task = None
         self._name = self._desc = ""
         self._steps = 0
 
     def __enter__(self) -> "TrainProgress":
-        if self._bars:
+        if self.bars:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
             self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=self.console)
             self._bar.__enter__()
         return self
-
-    def __exit__(self, *exc) -> bool:
-        return bool(self._bar.__exit__(*exc)) if self._bar is not None else False
-
-    def line(self, text: str) -> None:
-        """One plain line (no markup, no wrapping), shown only when the output is not a terminal."""
-        if self.plain:
-            self.console.print(text, markup=False, highlight=False, soft_wrap=True)
 
     def start_run(self, index: int, name: str, steps: int) -> None:
         self._name, self._steps = name, steps
