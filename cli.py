@@ -164,7 +164,8 @@ def analyze(
         _call(pick_step, analysis.trace, step)
     gains = findings_gains(stored, trace, analysis.trace_meta)
     render_analysis(analysis, console, top=top, gains=gains.gains)
-    _note(gains.note)
+    if gains.note:
+        _note(gains.note)
     if format:
         for f in _call(write_analysis, analysis, folder, format, trace=trace, overwrite=overwrite, on_note=_note,
                        timeline=timeline, step=step, gains=gains.gains):

@@ -65,12 +65,16 @@ def test_another_batch_is_said_and_the_same_batch_preferred():
     (TraceWorkload("swin_base_patch4_window7_224", "train", 64, "NVIDIA H200"), "no stored records of swin_base"),
     (TraceWorkload(TINY, "train", 64, "NVIDIA A100-SXM4-80GB"), "on NVIDIA A100"),
     (TraceWorkload(TINY, "infer", 64, "NVIDIA H200"), "infer on NVIDIA H200"),
-    (TraceWorkload(TINY, "train", 64, None), "names no GPU"),
     (TraceWorkload(None, "train", 64, "NVIDIA H200"), "does not say which model"),
 ])
 def test_never_across_models_gpus_or_modes(workload, why):
     got = remedy_gains(ladder(), workload)
     assert got.gains == {} and why in got.note
+
+
+def test_a_cpu_trace_gets_no_gains_and_no_note():
+    got = remedy_gains(ladder(), TraceWorkload(TINY, "train", 64, None))
+    assert got.gains == {} and got.note == ""
 
 
 def test_a_stage_that_failed_the_gate_gives_no_gain():

@@ -95,7 +95,8 @@ def _capture_and_analyze(config: WorkloadConfig, recipe: str | None, out_dir: Pa
         analysis = analyze_trace(trace)
     gains = findings_gains(records or [], trace, analysis.trace_meta)
     render_analysis(analysis, console, top=top, gains=gains.gains)
-    console.print(f"[yellow]note:[/] {gains.note}", highlight=False)
+    if gains.note:
+        console.print(f"[yellow]note:[/] {gains.note}", highlight=False)
     files = [p for p in (out_dir / "trace.nsys-rep", trace, out_dir / "run.json", out_dir / "capture.log",
                          out_dir / "nsys.log") if p.exists()]
     title = f"{config.model} {mode} {precision} batch {batch}" + (f", recipe {recipe}" if recipe else "")

@@ -118,8 +118,8 @@ def remedy_gains(records, workload: TraceWorkload) -> RemedyGains:
     """The measured gains of the remedies for `workload` from stage records (StageRecord or dicts), with
     a note saying which records matched (see the module docstring for the rules)."""
     records = as_records(records)
-    if workload.gpu is None:
-        return RemedyGains(note="no measured gains: the remedies are GPU stages and this trace names no GPU")
+    if workload.gpu is None:   # a CPU trace: the remedies' gains are GPU figures, nothing to say
+        return RemedyGains()
     if workload.model is None:
         return RemedyGains(note="no measured gains: the trace does not say which model it is of (run.json "
                                 "beside it, written by `swinbench profile`, does)")
