@@ -316,7 +316,9 @@ def report(
         console.print(f"wrote {_call(update_readme, records, readme)}")
         if out is None:
             return
-    path = _call(render_report_from_paths, records, out)
+    from workbench.optimize.recipes import graph_recipes
+
+    path = _call(render_report_from_paths, records, out, graph_recipes())
     console.print(f"wrote {path}")
 
 

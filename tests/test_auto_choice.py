@@ -109,3 +109,9 @@ def test_apply_auto_end_to_end_on_the_cpu(tmp_path):
     assert result.auto is not None and result.auto["stage"] in ("baseline", "amp") and result.auto["cpu"]
     assert f"Reproduce it: swinbench apply --stages {result.auto['recipe']}" in out and "CPU figure" in out
     assert "## Best configuration (`--recipe auto`)" in result.report_path.read_text()
+    # `swinbench report` on the run's records writes the choice again
+    from workbench.optimize.recipes import graph_recipes
+    from workbench.results.report import render_report_from_paths
+
+    again = render_report_from_paths([result.records_dir], tmp_path / "again.md", graph_recipes())
+    assert "## Best configuration (`--recipe auto`)" in again.read_text()

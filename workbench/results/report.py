@@ -984,7 +984,14 @@ def default_report_path(paths: list[Path]) -> Path:
     return folder / "report.md"
 
 
-def render_report_from_paths(paths: list[Path], out: Path | None = None) -> Path:
-    """`swinbench report RECORDS...`: read stored records (files or folders) and write the report."""
+def render_report_from_paths(paths: list[Path], out: Path | None = None,
+                             graph_recipes: dict[str, str] | None = None) -> Path:
+    """`swinbench report RECORDS...`: read stored records (files or folders) and write the report. Records
+    of one `apply --recipe auto` run (run id 'auto-...') get its choice again (graph_recipes: which recipe
+    replays each stage as a graph, recipes.graph_recipes())."""
     records = read_records(paths)
-    return render_report(records, Path(out) if out else default_report_path(list(paths)))
+    runs = {r.run_id for r in records}
+    auto = None
+    if len(runs) == 1 and next(iter(runs)).startswith("auto-"):
+        auto = auto_choice(records, graph_recipes)
+    return render_report(records, Path(out) if out else default_report_path(list(paths)), auto=auto)
