@@ -537,11 +537,12 @@ def optimize_swin(model: torch.nn.Module, recipe: str = "fmha", *, optimizer=Non
         raise UserError(f"grad_clip must be a number > 0 or None, got {short_repr(grad_clip)}")
     settings, factory, name = _optimizer_choice(optimizer, optimizer_kwargs)
     chain = resolve_chain(str(recipe))
-    data_parallel = data_parallel_settings(distributed, accumulate)
-    if data_parallel is not None and any(is_graph_form(r) for r in chain):
+    wants_ddp = distributed is not None and distributed is not False or distributed is None and world_size() > 1
+    if wants_ddp and any(is_graph_form(r) for r in chain):
         raise UserError(f"recipe {chain[-1].name!r} replays CUDA graphs, which swinbench does not run under DDP yet "
                         "(the all-reduce inside a captured step is not built and checked): use the recipe it "
                         f"extends ({chain[-2].name if len(chain) > 1 else 'baseline'}) with several processes")
+    data_parallel = data_parallel_settings(distributed, accumulate)
     if device is not None:
         from workbench.optimize.workload import resolve_device
 
