@@ -274,6 +274,10 @@ def train(
     device: Device = "auto",
     out: Annotated[Optional[Path], typer.Option(help="Output folder for records, report.md and curves.png (default reports/runs/train-<recipe>-<model>-<time>/).")] = None,
     overwrite: Overwrite = False,
+    nproc: Annotated[Optional[int], typer.Option(help="Data parallel: this many processes on this machine under torchrun, one per GPU (gloo on the CPU), DDP; --batch is per process, the global batch N x --batch.")] = None,
+    nnodes: Annotated[int, typer.Option(help="With --nproc: machines in the run (torchrun's --nnodes); run the same command on each.")] = 1,
+    rdzv_endpoint: Annotated[Optional[str], typer.Option(help="With --nnodes > 1: HOST:PORT of the c10d rendezvous, the same on every machine.")] = None,
+    rdzv_id: Annotated[str, typer.Option(help="With --rdzv-endpoint: the job's name at the rendezvous.")] = "swinbench",
 ):
     """Train a Swin on real data with a recipe (or compare recipes) and report loss, accuracy, img/s and parity."""
     from workbench.train.loop import TrainConfig, command_line, run_train
@@ -281,7 +285,8 @@ def train(
     config = TrainConfig(model=model, recipe=recipe, compare=compare.split(",") if compare is not None else None,
                          baseline_seeds=baseline_seeds, steps=steps, epochs=epochs, batch=batch, lr=lr,
                          weight_decay=weight_decay, label_smoothing=label_smoothing, clip_grad=clip_grad, seed=seed,
-                         data=data, workers=workers, device=device, command=command_line())
+                         data=data, workers=workers, device=device, command=command_line(), nproc=nproc, nnodes=nnodes,
+                         rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
     _call(run_train, config, out_dir=out, overwrite=overwrite, console=console)
 
 

@@ -2,6 +2,9 @@
 takes the same step as one process over the global batch (loss, and gradients read from an SGD step of
 lr 1), every rank holds the same weights after it, and master weights get the averaged gradients; the
 refusals of settings that cannot work."""
+import json
+import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,10 +27,7 @@ GRAD_TOLERANCE = {"baseline": 1e-5, "apex": 2e-2}
 
 
 def torchrun(*args: str, timeout: int = 180) -> subprocess.CompletedProcess:
-    env = {"PYTHONPATH": str(HERE.parent), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
-    import os
-
-    env = {**os.environ, **env}
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent), "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                            str(WORLD), *args], capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -90,3 +90,73 @@ def test_static_graph_is_off_by_default_with_accumulation_and_refused_when_asked
 def test_graph_recipes_are_refused_under_ddp():
     with pytest.raises(UserError, match="replays CUDA graphs.*use the recipe it extends \\(fmha\\)"):
         optimize_swin(build_model(TINY_MODEL), "fmha-graph", distributed=True)
+
+
+# ---------------------------------------------------------------- swinbench train --nproc
+
+
+def test_digit_shards_are_the_one_process_global_batches_cut_in_rank_order():
+    from workbench.train.data import DigitsData
+
+    data = DigitsData.load((56, 56))
+    one = list(data.train_batches(1, 10, 3, "cpu"))
+    shards = [list(data.train_batches(1, 5, 3, "cpu", rank, 2)) for rank in range(2)]
+    assert len(one) == len(shards[0]) == len(shards[1]) == data.train_size // 10
+    for (x, y), (x0, y0), (x1, y1) in zip(one, *shards):
+        assert len(y0) == len(y1) == 5
+        assert torch.equal(torch.cat([x0, x1]), x) and torch.equal(torch.cat([y0, y1]), y)
+
+
+def test_torchrun_arguments_for_one_and_several_machines():
+    from workbench.train.launch import torchrun_arguments
+    from workbench.train.loop import TrainConfig
+
+    assert torchrun_arguments(TrainConfig(nproc=8)) == ["--standalone", "--nnodes", "1", "--nproc-per-node", "8"]
+    assert torchrun_arguments(TrainConfig(nproc=8, nnodes=2, rdzv_endpoint="node0:29500")) == [
+        "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0:29500", "--rdzv-id", "swinbench",
+        "--nproc-per-node", "8"]
+
+
+def test_train_nproc_2_writes_one_record_file_from_rank_0(tmp_path):
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["train", "--nproc", "2", "--device", "cpu", "--steps", "2", "--batch", "6",
+                                      "--out", str(out)])
+    assert result.exit_code == 0, result.output + (out / "torchrun.log").read_text()
+    assert "global batch 12" in result.output
+    files = list((out / "records").iterdir())
+    assert len(files) == 1
+    lines = [json.loads(line) for line in files[0].read_text().splitlines()]
+    kinds = [r["kind"] for r in lines]
+    assert kinds == ["run", "step", "step", "epoch", "end"]      # once, not once per rank
+    header, end = lines[0], lines[-1]
+    assert header["world_size"] == 2 and header["batch"] == 6 and header["global_batch"] == 12
+    assert header["steps_per_epoch"] == 1200 // 12
+    assert end["status"] == "ok" and any("DDP over 2 processes" in n for n in end["notes"])
+    assert all(math.isfinite(r["loss"]) and r["img_per_s"] > 0 for r in lines if r["kind"] == "step")
+    report = (out / "report.md").read_text()
+    assert "batch 6 per process x 2 processes (global 12)" in report and "its img/s the sum of theirs" in report
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nproc", "0"], "--nproc must be"),
+    (["--nnodes", "2"], "go with --nproc"),
+    (["--nproc", "2", "--nnodes", "2"], "needs --rdzv-endpoint"),
+    (["--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", "node0"], "takes HOST:PORT"),
+    (["--nproc", "2", "--recipe", "fmha-graph"], "replays CUDA graphs"),
+    (["--nproc", "2", "--batch", "700"], "x 2 processes is larger than the 1200 training images"),
+])
+def test_train_nproc_mistakes_are_one_line_and_exit_2(tmp_path, args, message):
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["train", "--device", "cpu", "--out", str(out), *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
+    assert not out.exists()
