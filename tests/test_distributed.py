@@ -160,3 +160,34 @@ def test_train_nproc_mistakes_are_one_line_and_exit_2(tmp_path, args, message):
     assert message in result.output and "Traceback" not in result.output
     assert len(result.output.strip().splitlines()) == 1, result.output
     assert not out.exists()
+
+
+def test_apply_nproc_says_it_is_not_built_yet(tmp_path):
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["apply", "--nproc", "2", "--device", "cpu", "--out", str(out)])
+    assert result.exit_code == 2 and "apply --nproc is not built yet" in result.output
+    assert "swinbench train --nproc N" in result.output and len(result.output.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_train_nproc_1_through_torchrun_matches_the_plain_run(tmp_path):
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    losses = {}
+    for name, extra in (("plain", []), ("torchrun", ["--nproc", "1"])):
+        out = tmp_path / name
+        result = CliRunner().invoke(app, ["train", "--device", "cpu", "--steps", "2", "--batch", "8", "--out", str(out),
+                                          *extra])
+        assert result.exit_code == 0, result.output
+        (records,) = (out / "records").iterdir()
+        lines = [json.loads(line) for line in records.read_text().splitlines()]
+        assert lines[0]["world_size"] == 1 and lines[0]["global_batch"] == 8
+        losses[name] = [r["loss"] for r in lines if r["kind"] == "step"]
+    assert losses["torchrun"] == pytest.approx(losses["plain"], rel=1e-5)

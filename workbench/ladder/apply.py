@@ -592,7 +592,7 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
               progress: bool = True, console=None, isolate: bool | None = None,
               peers: bool | None = None, mode: str = "train", interleave: int | None = None,
               resume: bool = False, overwrite: bool = False, cache_dir: Path | None = None,
-              fresh: bool = False) -> ApplyResult:
+              fresh: bool = False, nproc: int | None = None) -> ApplyResult:
     """Run every stage of `recipe` (baseline first), write one record per stage and the report.
 
     recipe: a built-in name or a YAML path. stages: explicit stage names instead of the chain.
@@ -619,10 +619,15 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
     Raises UserError (exit 2) after writing everything if a stage ended in an error (exit 1 is only for a
     regression that `swinbench check` measures), and Interrupted (a KeyboardInterrupt) on Ctrl-C or
     SIGTERM, after rewriting the report from the stages that finished.
+    nproc: data-parallel stages under torchrun; not built yet, so anything but None is a UserError.
     """
     from rich.console import Console
 
     console = console or Console()
+    if nproc is not None:
+        raise UserError("apply --nproc is not built yet (a scaling record per stage and the gate on every rank "
+                        "come next): for data-parallel img/s of a recipe, run `swinbench train --nproc N --recipe "
+                        "R --steps 100`")
     if steps < 1 or warmup < 0:
         raise UserError("--steps must be at least 1 and --warmup at least 0")
     if interleave is not None and interleave < 0:
