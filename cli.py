@@ -221,7 +221,7 @@ def apply(
     fresh: Annotated[bool, typer.Option("--fresh", help="Measure every stage again, even one whose measurement under the same conditions (GPU, driver, versions, swinbench code, steps) is cached from an earlier run.")] = False,
     cache: Annotated[Optional[Path], typer.Option(help="Where measurements and compile caches are kept between runs (default $XDG_CACHE_HOME/swinbench or ~/.cache/swinbench).")] = None,
     quick: Annotated[bool, typer.Option("--quick", help="A shorter ladder: the recipe's chain without the peers, 10 timed steps after 3 warm-up steps.")] = False,
-    nproc: Annotated[Optional[int], typer.Option(help="Not built yet (data-parallel stages under torchrun, a scaling record per stage); `swinbench train --nproc N` trains data parallel today.")] = None,
+    nproc: Annotated[Optional[int], typer.Option(help="After the stages, run each measured stage again under torchrun with this many processes (one GPU each; gloo on the CPU), DDP, --batch per process: img/s, efficiency against the one-process figure, and the gate on every rank against the baseline over the global batch.")] = None,
     interleave: Annotated[Optional[int], typer.Option(help="After the stages, build the measured ones side by side in one process and time them again in this many rounds, in alternation, for paired speedups that a drifting host cannot move (0: off; 10-30 is typical on a GPU). Needs every stage's memory at once. Default: 3 rounds on the CPU, off on a GPU.")] = None,
 ):
     """Apply a staged optimization recipe, measuring, checking and profiling every stage."""

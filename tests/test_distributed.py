@@ -162,16 +162,48 @@ def test_train_nproc_mistakes_are_one_line_and_exit_2(tmp_path, args, message):
     assert not out.exists()
 
 
-def test_apply_nproc_says_it_is_not_built_yet(tmp_path):
+# ---------------------------------------------------------------- swinbench apply --nproc
+
+
+@pytest.mark.slow
+def test_apply_nproc_2_adds_a_scaling_record_gated_on_every_rank(tmp_path):
+    from typer.testing import CliRunner
+
+    from cli import app
+    from workbench.results.record import read_records
+
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["apply", "--stages", "baseline", "--nproc", "2", "--device", "cpu", "--batch",
+                                      "4", "--steps", "2", "--warmup", "1", "--interleave", "0", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "baseline: data parallel, 2 processes under torchrun" in result.output
+    (record,) = read_records([out / "records"])
+    s = record.scaling
+    assert s.status == "ok" and s.world_size == 2 and s.batch_per_process == 4 and s.global_batch == 8
+    assert s.backend == "gloo" and len(s.step_ms_per_rank) == 2 and s.step_ms == max(s.step_ms_per_rank)
+    assert s.img_per_s == pytest.approx(8 / (s.step_ms / 1e3))
+    assert s.efficiency == pytest.approx(s.img_per_s / (2 * record.img_per_s))
+    # the baseline under DDP against one process over the global batch of 8: the same logits, loss, gradients
+    assert s.gate["ranks"] == ["REFERENCE", "REFERENCE"] and s.gate["metrics"]["weights_match"]
+    metrics = s.gate["metrics"]
+    assert metrics["logits"]["rel_l2"] <= 1e-6 and metrics["loss"]["abs_diff"] <= 1e-6
+    assert all(g["rel_l2"] <= 1e-6 for g in metrics["grads"].values())
+    assert "## Data parallel: 2 processes" in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nproc", "0"], "--nproc must be a whole number >= 1"),
+    (["--nproc", "2", "--mode", "infer"], "use --mode train"),
+])
+def test_apply_nproc_mistakes_are_one_line_and_exit_2(tmp_path, args, message):
     from typer.testing import CliRunner
 
     from cli import app
 
     out = tmp_path / "out"
-    result = CliRunner().invoke(app, ["apply", "--nproc", "2", "--device", "cpu", "--out", str(out)])
-    assert result.exit_code == 2 and "apply --nproc is not built yet" in result.output
-    assert "swinbench train --nproc N" in result.output and len(result.output.strip().splitlines()) == 1
-    assert not out.exists()
+    result = CliRunner().invoke(app, ["apply", "--device", "cpu", "--out", str(out), *args])
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1 and not out.exists()
 
 
 @pytest.mark.slow
@@ -191,3 +223,26 @@ def test_train_nproc_1_through_torchrun_matches_the_plain_run(tmp_path):
         assert lines[0]["world_size"] == 1 and lines[0]["global_batch"] == 8
         losses[name] = [r["loss"] for r in lines if r["kind"] == "step"]
     assert losses["torchrun"] == pytest.approx(losses["plain"], rel=1e-5)
+
+
+def test_scaling_is_an_optional_record_field_that_is_validated(tmp_path):
+    from record_helpers import record
+
+    from workbench.results.record import StageRecord
+    from workbench.results.report import render_report
+
+    plain = record(0, "fmha", None, 50.0)
+    assert "scaling" not in StageRecord.from_dict(plain).to_dict()      # old records read and write as before
+    scaled = {**plain, "scaling": {
+        "world_size": 8, "backend": "nccl", "batch_per_process": 64, "global_batch": 512, "status": "ok",
+        "reason": None, "img_per_s": 9000.0, "step_ms": 56.9, "step_ms_per_rank": [56.1] * 7 + [56.9],
+        "efficiency": 0.88, "gate": {"status": "PASS", "reason": None, "ranks": ["PASS"] * 8, "metrics": {}},
+        "ddp": {"bucket_cap_mb": 25.0}}}
+    again = StageRecord.from_dict(StageRecord.from_dict(scaled).to_dict())
+    assert again.scaling.efficiency == 0.88 and again.scaling.gate["ranks"] == ["PASS"] * 8
+    text = render_report([again], tmp_path / "report.md").read_text()
+    assert "## Data parallel: 8 processes" in text and "| 0.88 |" in text and "PASS on all 8 ranks" in text
+    for field, value in (("status", "maybe"), ("img_per_s", None), ("world_size", 0), ("extra", 1)):
+        bad = {**scaled, "scaling": {**scaled["scaling"], field: value}}
+        with pytest.raises(UserError, match="scaling"):
+            StageRecord.from_dict(bad)
