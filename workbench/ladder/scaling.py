@@ -23,6 +23,7 @@ scaling is then an 'error' naming the log.
 """
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -139,6 +140,9 @@ def _measure(spec, single_img_per_s: float | None, device: torch.device, rank: i
     ref = _over_ranks(forward_backward(reference, params), world, device, average_grads=True)
     ref.weights_digest = digest
     del reference, params
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
     workload = Workload.build(config)
     _shard(workload, rank, world)
@@ -181,13 +185,12 @@ def scaling_main(spec_path: str) -> int:
     spec = SimpleNamespace(**data["stage"])     # apply.StageSpec's fields (apply imports this module)
     device = init_process_group_from_env(torch.device(pick_device(spec.config["device"])).type)
     rank, world = dist.get_rank(), dist.get_world_size()
-    try:
-        result = _measure(spec, data.get("single_img_per_s"), device, rank, world)
-        if rank == 0:
-            atomic_write_text(Path(data["result"]), json.dumps(result, indent=1) + "\n")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    result = _measure(spec, data.get("single_img_per_s"), device, rank, world)
+    if rank == 0:
+        atomic_write_text(Path(data["result"]), json.dumps(result, indent=1) + "\n")
+    dist.barrier()
+    # only on success: a rank that raised exits without waiting on its peers, and torchrun stops them
+    dist.destroy_process_group()
     return 0
 
 

@@ -40,20 +40,19 @@ def rank_main(spec_path: Path) -> None:
     out_dir = Path(spec["out_dir"])
     device = init_process_group_from_env(spec["device_type"])
     rank, world = dist.get_rank(), dist.get_world_size()
-    try:
-        data = load_data(config.data, input_size(build_model(spec["model"]))[1:], config.workers)
-        console = Console(file=sys.stdout, force_terminal=False, soft_wrap=True)
-        runs = [(recipe, seed) for recipe, seed in spec["runs"]]
-        with TrainProgress(console, rank == 0, len(runs)) as bar:
-            for i, (recipe, seed) in enumerate(runs):
-                records = RecordFile(record_path(out_dir, i, recipe, seed)) if rank == 0 else _NoRecords()
-                try:
-                    train_run(config, recipe, seed, data, spec["model"], device, records, bar, i,
-                              skip_unavailable=config.compare is not None, rank=rank, world=world)
-                finally:
-                    records.close()
-    finally:
-        dist.destroy_process_group()
+    data = load_data(config.data, input_size(build_model(spec["model"]))[1:], config.workers)
+    console = Console(file=sys.stdout, force_terminal=False, soft_wrap=True)
+    runs = [(recipe, seed) for recipe, seed in spec["runs"]]
+    with TrainProgress(console, rank == 0, len(runs)) as bar:
+        for i, (recipe, seed) in enumerate(runs):
+            records = RecordFile(record_path(out_dir, i, recipe, seed)) if rank == 0 else _NoRecords()
+            try:
+                train_run(config, recipe, seed, data, spec["model"], device, records, bar, i,
+                          skip_unavailable=config.compare is not None, rank=rank, world=world)
+            finally:
+                records.close()
+    # only on success: a rank that raised exits without waiting on its peers, and torchrun stops them
+    dist.destroy_process_group()
 
 
 def main(argv: list[str]) -> int:
