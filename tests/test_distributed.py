@@ -246,3 +246,27 @@ def test_scaling_is_an_optional_record_field_that_is_validated(tmp_path):
         bad = {**scaled, "scaling": {**scaled["scaling"], field: value}}
         with pytest.raises(UserError, match="scaling"):
             StageRecord.from_dict(bad)
+
+
+def test_imagefolder_shards_are_equal_and_disjoint(tmp_path):
+    pytest.importorskip("torchvision")
+    from PIL import Image
+
+    from workbench.train.data import ImageFolderData
+
+    for c in range(2):
+        folder = tmp_path / "images" / f"class{c}"
+        folder.mkdir(parents=True)
+        for i in range(23):
+            Image.new("RGB", (12, 12), (100 * c, 10 * i, 0)).save(folder / f"{i}.png")
+    data = ImageFolderData(tmp_path / "images", (8, 8), 0)           # 42 training images, 4 held out
+    seen = []
+    for rank in range(2):
+        batches = list(data.train_batches(0, 5, 0, "cpu", rank, 2))
+        assert len(batches) == data.train_size // 2 // 5 and all(len(y) == 5 for _, y in batches)
+        seen.append(batches)
+    # each image is one flat colour, which crops and flips keep: its colour names it
+    names = [{tuple(torch.round(x[i, :, 0, 0] * 100).tolist()) for x, _ in batches
+              for i in range(len(x))} for batches in seen]
+    assert len(names[0]) == len(names[1]) == data.train_size // 2 // 5 * 5
+    assert not names[0] & names[1]                          # the ranks' shares are disjoint
