@@ -12,8 +12,8 @@ The gate holds on every rank, against the fp32 baseline over the global batch: e
 baseline's forward + backward on its own share and the ranks combine them (logits gathered in rank order,
 the mean of the losses, the mean of the gradients: what one process computes over the N x B images, up
 to the order of the sums). The stage's one forward + backward under DDP is combined the same way (DDP
-already averaged its gradients), and each rank compares it with the stage's tolerance; the record keeps
-every rank's verdict.
+already averaged its gradients), and each rank compares it with the stage's tolerance (the baseline's
+too: its reference here is one process over the global batch); the record keeps every rank's verdict.
 
 Timing: `warmup` + `steps` training steps per rank (`time_steps`); a step waits for the all-reduce, so the
 slowest rank's median is the step time, img/s = N x B / that, and efficiency = img/s / (N x the stage's
@@ -122,7 +122,7 @@ def _measure(spec, single_img_per_s: float | None, device: torch.device, rank: i
     from workbench.ladder.interleave import apply_chain
     from workbench.optimize.distributed import DataParallel, wrap_data_parallel
     from workbench.optimize.gate import capture_parameters, compare, forward_backward, weights_digest
-    from workbench.optimize.recipes import effective_passes, gate_tolerance, resolve_chain
+    from workbench.optimize.recipes import gate_tolerance, resolve_chain
     from workbench.optimize.timing import time_steps
     from workbench.optimize.workload import Workload, WorkloadConfig
 
@@ -159,7 +159,8 @@ def _measure(spec, single_img_per_s: float | None, device: torch.device, rank: i
 
     out = _over_ranks(forward_backward(workload, params), world, device, average_grads=False)
     out.weights_digest = digest
-    gate = compare(out, ref, gate_tolerance(chain, workload.ctx.precision.name), is_reference=not effective_passes(chain))
+    # under DDP even the baseline is gated: its reference is one process over the global batch, not itself
+    gate = compare(out, ref, gate_tolerance(chain, workload.ctx.precision.name))
     verdicts: list = [None] * world
     dist.all_gather_object(verdicts, gate.status)
 
