@@ -597,7 +597,7 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
               progress: bool = True, console=None, isolate: bool | None = None,
               peers: bool | None = None, mode: str = "train", interleave: int | None = None,
               resume: bool = False, overwrite: bool = False, cache_dir: Path | None = None,
-              fresh: bool = False) -> ApplyResult:
+              fresh: bool = False, nproc: int | None = None) -> ApplyResult:
     """Run every stage of `recipe` (baseline first), write one record per stage and the report.
 
     recipe: a built-in name or a YAML path, or 'auto': the ladder of AUTO_LADDER for this device (with
@@ -627,6 +627,9 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
     Raises UserError (exit 2) after writing everything if a stage ended in an error (exit 1 is only for a
     regression that `swinbench check` measures), and Interrupted (a KeyboardInterrupt) on Ctrl-C or
     SIGTERM, after rewriting the report from the stages that finished.
+    nproc: after the stages (and interleaved rounds), every measured stage again under torchrun with this
+    many processes, DDP, batch per process `batch` (`scaling.py`): its record gets `scaling` (img/s at
+    that world size, efficiency against the one-process img/s, the gate on every rank). Training only.
     """
     from rich.console import Console
 
@@ -638,6 +641,8 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
     device = pick_device(device)
     dev = resolve_device(device)
     on_gpu = dev.type == "cuda"
+    if nproc is not None:
+        _check_nproc(nproc, mode, dev)
     model = model or default_model_for(device)
     check_model_name(model)
     auto = str(recipe) == AUTO
@@ -663,7 +668,21 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
                             steps=steps, warmup=warmup, profile=profile, isolate=isolate, on_gpu=on_gpu,
                             interleave=interleave, asked_interleave=asked_interleave, progress=progress,
                             cache=RecordCache(cache_dir, on_gpu=on_gpu, fresh=fresh) if cache_dir else None,
-                            auto=auto)
+                            auto=auto, nproc=nproc)
+
+
+def _check_nproc(nproc, mode: str, dev: torch.device) -> None:
+    """UserError unless `apply --nproc` can run: a whole number >= 1, training, a GPU per process."""
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise UserError(f"--nproc must be a whole number >= 1, got {nproc!r}")
+    if mode != "train":
+        raise UserError("--nproc measures data-parallel training (DDP's gradient all-reduce): use --mode train")
+    if dev.type == "cuda":
+        if dev.index is not None:
+            raise UserError(f"--nproc gives each process its own GPU (cuda:0 to cuda:{nproc - 1}): use --device "
+                            f"cuda, not {dev}")
+        if nproc > torch.cuda.device_count():
+            raise UserError(f"--nproc {nproc} needs {nproc} GPUs on this machine; it has {torch.cuda.device_count()}")
 
 
 def _earlier_run_id(records_dir: Path) -> str | None:
@@ -681,9 +700,10 @@ def _earlier_run_id(records_dir: Path) -> str | None:
 def _run_claimed(claim: FolderClaim, recipe: str, plans: list[StagePlan], config: WorkloadConfig, run_id: str,
                  records_dir: Path, *, console, resume: bool, steps: int, warmup: int, profile: bool,
                  isolate: bool, on_gpu: bool, interleave: int, asked_interleave: bool,
-                 progress: bool, cache: RecordCache | None = None, auto: bool = False) -> ApplyResult:
-    """run_apply's work once its folder is claimed: every stage, the interleaved rounds, the report (with
-    `auto`, the best configuration that passed the gate)."""
+                 progress: bool, cache: RecordCache | None = None, auto: bool = False,
+                 nproc: int | None = None) -> ApplyResult:
+    """run_apply's work once its folder is claimed: every stage, the interleaved rounds, the scaling runs
+    (`nproc`), the report (with `auto`, the best configuration that passed the gate)."""
     from workbench.results.report import (activation_dtype_changes, auto_choice, auto_choice_lines, render_report,
                                           render_speedup_table)
 
@@ -758,6 +778,8 @@ def _run_claimed(claim: FolderClaim, recipe: str, plans: list[StagePlan], config
             _free_device_memory()
             shown.line(f"timing the stages again in alternation: {interleave} rounds")
             _interleave(records, specs, config, interleave, isolate, out_dir, console, shown, asked=asked_interleave)
+        if nproc is not None:
+            _scale(records, specs, nproc, shown, extra_env)
 
     choice = auto_choice(records, graph_recipes()) if auto else None
     report_path = render_report(records, out_dir / "report.md", auto=choice)
@@ -784,6 +806,31 @@ def _run_claimed(claim: FolderClaim, recipe: str, plans: list[StagePlan], config
         err.result = result   # for callers that want the records anyway
         raise err
     return result
+
+
+def _scale(records: list[dict], specs: list[StageSpec], nproc: int, shown, extra_env) -> None:
+    """Every measured stage again under torchrun with `nproc` processes (scaling.py), in place."""
+    from workbench.ladder.scaling import scale_stage
+
+    def say(text: str) -> None:   # on a terminal too: the bars show nothing while torchrun runs
+        shown.console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+    by_key = {(s.stage_index, s.stage): s for s in specs}
+    for i, record in enumerate(records):
+        spec = by_key.get((record["stage_index"], record["stage"]))
+        if record["status"] != "ok" or spec is None:
+            continue
+        say(f"{record['stage']}: data parallel, {nproc} processes under torchrun")
+        records[i] = record = scale_stage(record, spec, nproc, extra_env)
+        s = record["scaling"]
+        if s["status"] == "ok":
+            eff = f", efficiency {s['efficiency']:.2f}" if s.get("efficiency") else ""
+            ranks = s["gate"]["ranks"]
+            gate = (f"{s['gate']['status']} on every rank" if set(ranks) == {s["gate"]["status"]}
+                    else f"{s['gate']['status']} (by rank: {', '.join(ranks)})")
+            say(f"  {record['stage']}: {s['img_per_s']:,.1f} img/s at {nproc} processes{eff}, gate {gate}")
+        else:
+            say(f"  {record['stage']}: {s['status']}: {s['reason']}")
 
 
 def _finished(records: list[dict], kept: dict[tuple[int, str], dict]) -> list[dict]:

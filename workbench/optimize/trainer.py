@@ -32,6 +32,7 @@ weights, gradients and optimizer state, and says so once per reason (GraphFallba
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from dataclasses import dataclass
@@ -42,8 +43,9 @@ import torch.nn.functional as F
 
 from workbench.errors import UserError
 from workbench.files import short_repr
+from workbench.optimize.distributed import DataParallel, data_parallel_settings, wrap_data_parallel, world_size
 from workbench.optimize.passes import PassContext, PassResult, default_optimizer_factory
-from workbench.optimize.recipes import Recipe, apply_chain_passes, resolve_chain
+from workbench.optimize.recipes import Recipe, apply_chain_passes, is_graph_form, resolve_chain
 from workbench.precision import resolve_precision
 
 GRAPH_WARMUP_STEPS = 3        # eager optimizer steps before the training step is captured
@@ -143,7 +145,8 @@ class OptimizedSwin:
     """
 
     def __init__(self, model: torch.nn.Module, ctx: PassContext, chain: list[Recipe], passes: list[PassResult],
-                 *, loss_fn: LossFn | None, grad_clip: float | None, accumulate: int, notes: list[str]):
+                 *, loss_fn: LossFn | None, grad_clip: float | None, accumulate: int, notes: list[str],
+                 data_parallel: DataParallel | None = None):
         self.model = model
         self.ctx = ctx
         self.chain = chain
@@ -167,6 +170,17 @@ class OptimizedSwin:
             self.optimizer = self._stepper.inner
         else:
             self._stepper = self.optimizer = ctx.optimizer_factory(model.parameters())
+        self.data_parallel = data_parallel
+        self.world_size = world_size() if data_parallel is not None else 1
+        self.ddp = None
+        if data_parallel is not None:
+            self.ddp = wrap_data_parallel(model, self.device, data_parallel)
+            if self._master is not None:
+                # DDP broadcast rank 0's bf16 weights; the fp32 masters the optimizer steps must follow
+                import torch.distributed as dist
+
+                dist.broadcast(self._master.master.data, src=0)
+                self._master.scatter_params()
         self.scaler = torch.amp.GradScaler("cuda") if ctx.grad_scaler and self.device.type == "cuda" else None
         self._forward_loss = self._forward_loss_eager
         self._predict_forward = self._predict_eager
@@ -205,7 +219,8 @@ class OptimizedSwin:
         lines = [f"recipe {self.recipe} ({' -> '.join(r.name for r in self.chain)}), precision "
                  f"{self.ctx.precision.name}, optimizer {self.ctx.optimizer_name}"
                  + (" on fp32 master weights" if self._master is not None else "")
-                 + (", CUDA graph" if self.graphed else "")]
+                 + (", CUDA graph" if self.graphed else "")
+                 + (f", DDP over {self.world_size} processes ({self.data_parallel})" if self.ddp is not None else "")]
         lines += [f"  {p.name}: {p.changed}" for p in self.passes]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -226,7 +241,7 @@ class OptimizedSwin:
 
     def _forward_loss_eager(self, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable):
         with self.ctx.precision.autocast(self.device.type):
-            logits = self.model(x)
+            logits = (self.ddp if self.ddp is not None else self.model)(x)
             loss = loss_fn(logits.float(), y)
         return logits, loss
 
@@ -250,9 +265,11 @@ class OptimizedSwin:
             self._stepper.step()
 
     def _eager_step(self, x, y, loss_fn, last: bool) -> torch.Tensor:
-        logits, loss = self._forward_loss(x, y, loss_fn)
-        backward = loss / self.accumulate if self.accumulate > 1 else loss
-        (self.scaler.scale(backward) if self.scaler is not None else backward).backward()
+        # under DDP, an accumulation micro-step keeps its gradients local: one all-reduce per optimizer step
+        with (self.ddp.no_sync() if self.ddp is not None and not last else contextlib.nullcontext()):
+            logits, loss = self._forward_loss(x, y, loss_fn)
+            backward = loss / self.accumulate if self.accumulate > 1 else loss
+            (self.scaler.scale(backward) if self.scaler is not None else backward).backward()
         if last:
             self._update()
             self._stepper.zero_grad(set_to_none=not self._persistent_grads)
@@ -486,7 +503,8 @@ class OptimizedSwin:
 
 def optimize_swin(model: torch.nn.Module, recipe: str = "fmha", *, optimizer=None, optimizer_kwargs: dict | None = None,
                   loss_fn: LossFn | None = None, grad_clip: float | None = None, accumulate: int = 1,
-                  device: str | torch.device | None = None, allow_unavailable: bool = False) -> OptimizedSwin:
+                  device: str | torch.device | None = None, allow_unavailable: bool = False,
+                  distributed: bool | dict | DataParallel | None = None) -> OptimizedSwin:
     """Patch a timm Swin for a recipe and build what trains it -> OptimizedSwin.
 
     model: a timm Swin (SwinTransformer), in fp32, patched in place (use the returned `.model`).
@@ -499,6 +517,13 @@ def optimize_swin(model: torch.nn.Module, recipe: str = "fmha", *, optimizer=Non
     gradient norm, or None. accumulate: micro-batches per optimizer step. device: where to run (default:
     where the model's parameters are). allow_unavailable: go on without passes that cannot run here (no
     GPU for the Triton kernels, no CUDA for graphs) instead of raising; `notes` lists them.
+    distributed: data parallel over torch.distributed (the process group initialized by the caller, the
+    processes started by torchrun). None: the patched model is wrapped in DistributedDataParallel when
+    the group has more than one process; False: never; True, a dict of DataParallel settings
+    (bucket_cap_mb, gradient_as_bucket_view, static_graph, broadcast_buffers) or a DataParallel: always.
+    Each rank then passes its own shard of the global batch to train_step; gradients are averaged over
+    the ranks before clipping and the optimizer step. Recipes that replay CUDA graphs are refused under
+    DDP (UserError).
 
     A pass that cannot run here raises RecipeUnavailable, a UserError (the model may then be partly
     patched: build it again).
@@ -512,6 +537,12 @@ def optimize_swin(model: torch.nn.Module, recipe: str = "fmha", *, optimizer=Non
         raise UserError(f"grad_clip must be a number > 0 or None, got {short_repr(grad_clip)}")
     settings, factory, name = _optimizer_choice(optimizer, optimizer_kwargs)
     chain = resolve_chain(str(recipe))
+    wants_ddp = distributed is not None and distributed is not False or distributed is None and world_size() > 1
+    if wants_ddp and any(is_graph_form(r) for r in chain):
+        raise UserError(f"recipe {chain[-1].name!r} replays CUDA graphs, which swinbench does not run under DDP yet "
+                        "(the all-reduce inside a captured step is not built and checked): use the recipe it "
+                        f"extends ({chain[-2].name if len(chain) > 1 else 'baseline'}) with several processes")
+    data_parallel = data_parallel_settings(distributed, accumulate)
     if device is not None:
         from workbench.optimize.workload import resolve_device
 
@@ -540,5 +571,7 @@ def optimize_swin(model: torch.nn.Module, recipe: str = "fmha", *, optimizer=Non
     if factory is not None and ctx.optimizer_factory is not factory:
         notes.append(f"the optimizer given is used, not the recipe's {ctx.optimizer_name}")
         ctx.optimizer_factory, ctx.optimizer_name = factory, f"{name} (given)"
+    if data_parallel is not None:
+        notes.append(f"DDP over {world_size()} processes: gradients are averaged over the ranks before each step")
     return OptimizedSwin(model, ctx, chain, results, loss_fn=loss_fn, grad_clip=grad_clip, accumulate=accumulate,
-                         notes=notes)
+                         notes=notes, data_parallel=data_parallel)

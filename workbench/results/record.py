@@ -67,6 +67,14 @@ greater than 0, ">= 0" a finite number not below 0; an int is a JSON integer (tr
     pytorch_alone   bool | null: the stage's chain uses no swinbench kernel (a PyTorch-alone peer)
     reused          {run_id: str, path: str, date: str} | null: the measurement was not run again but taken
                     from an earlier run's record under the same conditions (`apply` says so)
+    scaling         (optional; `apply --nproc N`) the stage again under torchrun, data parallel (DDP):
+                    {world_size: int >= 1, backend: str, batch_per_process: int >= 1, global_batch: int >= 1,
+                    status: 'ok' | 'not run' | 'error', reason: str | null, img_per_s: > 0 | null (global
+                    batch / the slowest rank's median step), step_ms: > 0 | null (that median),
+                    step_ms_per_rank: [> 0], efficiency: > 0 | null (img_per_s / (world_size x this record's
+                    img_per_s)), gate: {status: 'PASS' | 'FAIL' | 'SKIP' | 'REFERENCE', reason: str | null,
+                    ranks: [status per rank], metrics: JSON}, ddp: {setting: JSON}}; records without it
+                    are read as before
 
 When status is 'ok', timing, img_per_s, step_ms, step_iqr_ms and (on a GPU) peak_mem_bytes are required;
 a stage that is 'not available' or ended in an 'error' may leave them null. Nothing else may be null
@@ -330,6 +338,30 @@ class Reused:
 
 
 @dataclass(frozen=True)
+class Scaling:
+    """The stage under torchrun with world_size processes (DDP): see the module docstring's `scaling`."""
+
+    world_size: int
+    backend: str
+    batch_per_process: int
+    global_batch: int
+    status: str
+    reason: str | None = None
+    img_per_s: float | None = None
+    step_ms: float | None = None
+    step_ms_per_rank: tuple[float, ...] = ()
+    efficiency: float | None = None
+    gate: dict = field(default_factory=dict)
+    ddp: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"world_size": self.world_size, "backend": self.backend, "batch_per_process": self.batch_per_process,
+                "global_batch": self.global_batch, "status": self.status, "reason": self.reason,
+                "img_per_s": self.img_per_s, "step_ms": self.step_ms, "step_ms_per_rank": list(self.step_ms_per_rank),
+                "efficiency": self.efficiency, "gate": dict(self.gate), "ddp": dict(self.ddp)}
+
+
+@dataclass(frozen=True)
 class PassRecord:
     """What one pass did (passes.PassResult.to_dict)."""
 
@@ -460,6 +492,7 @@ class StageRecord:
     gpu_time: GpuTime | None = None
     pytorch_alone: bool | None = None
     reused: Reused | None = None
+    scaling: Scaling | None = None
     source: str | None = field(default=None, compare=False)
 
     @property
@@ -502,6 +535,7 @@ class StageRecord:
             "graph": self.graph and self.graph.to_dict(), "graph_note": self.graph_note,
             "gpu_time": self.gpu_time and self.gpu_time.to_dict(), "pytorch_alone": self.pytorch_alone,
             "reused": self.reused and self.reused.to_dict(),
+            **({"scaling": self.scaling.to_dict()} if self.scaling is not None else {}),
         }
 
     @classmethod
@@ -532,7 +566,7 @@ _TOP_KEYS = {"schema", "run_id", "recipe", "stage", "stage_index", "status", "er
              "recipe_source", "chain", "model", "mode", "batch", "precision", "device", "seed", "env", "timing",
              "img_per_s", "step_ms", "step_iqr_ms", "peak_mem_bytes", "compile_s", "first_step_s", "optimizer",
              "gate", "passes", "stage_passes", "profile", "notes", "activation_dtypes", "interleaved", "graph",
-             "graph_note", "gpu_time", "pytorch_alone", "reused", "_path"}
+             "graph_note", "gpu_time", "pytorch_alone", "reused", "scaling", "_path"}
 _REQUIRED = ("run_id", "recipe", "stage", "stage_index", "status", "model", "mode", "batch", "precision", "env",
              "gate")
 
@@ -760,6 +794,7 @@ class _Parser:
             gpu_time=self.gpu_time(data.get("gpu_time")),
             pytorch_alone=self.boolean(data.get("pytorch_alone"), "pytorch_alone", optional=True),
             reused=self.reused(data.get("reused")),
+            scaling=self.scaling(data.get("scaling")),
             source=None if self.source == "<record in memory>" else self.source,
         )
 
@@ -966,6 +1001,37 @@ class _Parser:
                        busy_pct=self.number(g["busy_pct"], "gpu_time.busy_pct", positive=False),
                        steps=self.integer(g["steps"], "gpu_time.steps", 1, MAX_COUNT),
                        source=self.string(g["source"], "gpu_time.source"))
+
+    def scaling(self, value) -> Scaling | None:
+        g = self.mapping(value, "scaling", optional=True)
+        if g is None:
+            return None
+        keys = ("world_size", "backend", "batch_per_process", "global_batch", "status", "reason", "img_per_s",
+                "step_ms", "step_ms_per_rank", "efficiency", "gate", "ddp")
+        self.known(g, set(keys), "scaling")
+        for key in ("world_size", "backend", "batch_per_process", "global_batch", "status"):
+            self.get(g, key, "scaling.", required=True)
+        status = self.string(g["status"], "scaling.status", choices=("ok", "not run", "error"))
+        ok = status == "ok"
+        gate = self.mapping(_given(g.get("gate"), {}), "scaling.gate")
+        self.known(gate, {"status", "reason", "ranks", "metrics"}, "scaling.gate")
+        gate_status = self.string(_given(gate.get("status"), "SKIP"), "scaling.gate.status", choices=GATE_STATUSES)
+        return Scaling(
+            world_size=self.integer(g["world_size"], "scaling.world_size", 1, MAX_COUNT),
+            backend=self.string(g["backend"], "scaling.backend", is_name=True),
+            batch_per_process=self.integer(g["batch_per_process"], "scaling.batch_per_process", 1, MAX_COUNT),
+            global_batch=self.integer(g["global_batch"], "scaling.global_batch", 1, MAX_COUNT),
+            status=status, reason=self.string(g.get("reason"), "scaling.reason", optional=True),
+            img_per_s=self.number(g.get("img_per_s"), "scaling.img_per_s", optional=not ok),
+            step_ms=self.number(g.get("step_ms"), "scaling.step_ms", optional=not ok),
+            step_ms_per_rank=self.numbers(_given(g.get("step_ms_per_rank"), []), "scaling.step_ms_per_rank",
+                                          non_empty=ok),
+            efficiency=self.number(g.get("efficiency"), "scaling.efficiency", optional=True),
+            gate={"status": gate_status, "reason": self.string(gate.get("reason"), "scaling.gate.reason", optional=True),
+                  "ranks": [self.string(x, "scaling.gate.ranks[]", choices=GATE_STATUSES)
+                            for x in self.sequence(_given(gate.get("ranks"), []), "scaling.gate.ranks")],
+                  "metrics": self.json_object(gate.get("metrics"), "scaling.gate.metrics")},
+            ddp=self.json_object(g.get("ddp"), "scaling.ddp"))
 
     def reused(self, value) -> Reused | None:
         r = self.mapping(value, "reused", optional=True)

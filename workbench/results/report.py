@@ -832,6 +832,39 @@ def _rounds_text(entry: Interleaved) -> str:
     return f"{done} rounds" + (f" (stopped early: {planned} planned)" if done < planned else "")
 
 
+def _scaling_lines(records: list[StageRecord]) -> list[str]:
+    """The `apply --nproc` table: each stage under torchrun (DDP) against its one-process figure."""
+    scaled = [r for r in records if r.scaling is not None]
+    if not scaled:
+        return []
+    first = scaled[0].scaling
+    rows = []
+    for r in scaled:
+        s = r.scaling
+        if s.status != "ok":
+            rows.append([r.stage, _num(r.img_per_s), "-", "-", "-", f"{s.status}: {s.reason}"])
+            continue
+        ranks = s.gate.get("ranks") or []
+        gate = (f"{s.gate['status']} on all {len(ranks)} ranks" if set(ranks) == {s.gate["status"]}
+                else f"{s.gate['status']} (by rank: {', '.join(ranks)})")
+        rows.append([r.stage, _num(r.img_per_s), _num(s.img_per_s),
+                     "-" if s.efficiency is None else f"{s.efficiency:.2f}",
+                     " / ".join(f"{ms:.1f}" for ms in s.step_ms_per_rank), gate])
+    return [f"## Data parallel: {first.world_size} processes", "",
+            _md_table(["stage", "img/s, 1 process", f"img/s, {first.world_size} processes", "efficiency",
+                       "median step ms per rank", "gate over the global batch"], rows), "",
+            f"Each stage again under torchrun ({first.backend}, DDP: "
+            + ", ".join(f"{k} {v}" for k, v in (first.ddp or {}).items())
+            + f"), {first.batch_per_process} images per process, global batch {first.global_batch}. img/s = global "
+            "batch / the slowest rank's median step; efficiency = img/s / (processes x the one-process img/s at the "
+            "same batch per process). The gate compares the combined ranks (logits gathered, mean loss, DDP's "
+            "averaged gradients) with the fp32 baseline over the global batch, on every rank.", ""]
+
+
+def _num(x) -> str:
+    return "-" if x is None else f"{x:,.1f}"
+
+
 def _interleaved_lines(records: list[StageRecord]) -> list[str]:
     """The `--interleave` table: the stages timed again in alternation in one process, with their paired
     ratios (median and quartiles over the rounds)."""
@@ -925,6 +958,7 @@ def render_report(records, out_path_md: Path, note: str | None = None, auto: dic
         lines += ["## Best configuration (`--recipe auto`)", "", "\n".join(f"- {x}" for x in auto_choice_lines(auto)),
                   ""]
     lines += _interleaved_lines(records)
+    lines += _scaling_lines(records)
     lines += ["## Configuration", "", _md_table(["", ""], [[k, v] for k, v in _config_rows(records)]), ""]
 
     shares = category_share_frame(records)

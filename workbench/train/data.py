@@ -5,6 +5,11 @@ training batches shuffled and augmented from a generator seeded by (seed, epoch)
 partial batch, so that every recipe trained with the same seed sees the same images in the same order
 with the same augmentation; validation batches in a fixed order, unaugmented, the last one partial.
 
+Data parallel (`rank` of `world` processes, each with `batch` images a step): the digits cut each global
+batch of world x batch images of the one-process order into consecutive shares, rank 0's first, so the
+ranks together see exactly what one process sees with the global batch; an ImageFolder is sharded by
+torch's DistributedSampler (a disjoint, equal share of each epoch's permutation per rank).
+
 Digits (`workbench/data/digits.npz`, see its README): 1,797 8x8 grey images, 10 classes. A fixed split
 (a permutation drawn once with DIGITS_SPLIT_SEED) gives DIGITS_TRAIN training and 597 validation images,
 whatever --seed is. Augmentation: a random shift by up to one source pixel in each direction. Each batch
@@ -90,13 +95,14 @@ class DigitsData:
         x = F.interpolate(x, size=self.size, mode="bilinear", align_corners=False)
         return ((x - self.mean) / self.std).expand(-1, 3, -1, -1).contiguous()
 
-    def train_batches(self, epoch: int, batch: int, seed: int, device) -> Iterator[Batch]:
+    def train_batches(self, epoch: int, batch: int, seed: int, device, rank: int = 0, world: int = 1) -> Iterator[Batch]:
         g = epoch_generator(seed, epoch)
         order = torch.randperm(self.train_size, generator=g)
         shifts = torch.randint(0, 3, (self.train_size, 2), generator=g)
         padded = F.pad(self.train_x, (1, 1, 1, 1))
-        for start in range(0, self.train_size - batch + 1, batch):
-            idx = order[start:start + batch]
+        step = batch * world
+        for start in range(0, self.train_size - step + 1, step):
+            idx = order[start + rank * batch:start + (rank + 1) * batch]
             crops = torch.empty(len(idx), 8, 8)
             for dy in range(3):
                 for dx in range(3):
@@ -170,9 +176,19 @@ class ImageFolderData:
                                            generator=generator, num_workers=self.workers,
                                            pin_memory=torch.device(device).type == "cuda")
 
-    def train_batches(self, epoch: int, batch: int, seed: int, device) -> Iterator[Batch]:
-        # the loader draws its order and its workers' seeds from this generator: same per (seed, epoch)
-        yield from self._loader(self.train, batch, True, epoch_generator(seed, epoch), device)
+    def train_batches(self, epoch: int, batch: int, seed: int, device, rank: int = 0, world: int = 1) -> Iterator[Batch]:
+        if world == 1:
+            # the loader draws its order and its workers' seeds from this generator: same per (seed, epoch)
+            yield from self._loader(self.train, batch, True, epoch_generator(seed, epoch), device)
+            return
+        # DistributedSampler: each rank an equal, disjoint share of the epoch's permutation (the tail that
+        # does not divide is dropped); the workers' augmentation seeds differ per rank
+        sampler = torch.utils.data.DistributedSampler(self.train, num_replicas=world, rank=rank, shuffle=True,
+                                                      seed=seed * 100_003, drop_last=True)
+        sampler.set_epoch(epoch)
+        yield from torch.utils.data.DataLoader(
+            self.train, batch_size=batch, sampler=sampler, drop_last=True, num_workers=self.workers,
+            generator=epoch_generator(seed * world + rank, epoch), pin_memory=torch.device(device).type == "cuda")
 
     def val_batches(self, batch: int, device) -> Iterator[Batch]:
         yield from self._loader(self.val, batch, False, None, device)

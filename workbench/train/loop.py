@@ -37,7 +37,7 @@ from workbench.env import device_label, environment_stamp
 from workbench.errors import Interrupted, UserError
 from workbench.files import short_repr
 from workbench.models import build_model, check_model_name, default_model_for, input_size
-from workbench.optimize.recipes import resolve_chain
+from workbench.optimize.recipes import is_graph_form, resolve_chain
 from workbench.optimize.workload import pick_device, resolve_device
 from workbench.run_folder import claim_run_folder
 from workbench.train.data import load_data
@@ -68,6 +68,15 @@ class TrainConfig:
     workers: int = 4
     device: str = "auto"
     command: str = ""                      # the command line, for the report
+    nproc: int | None = None               # processes per machine under torchrun (data parallel); None: this one
+    nnodes: int = 1                        # machines, with nproc each (needs rdzv_endpoint when > 1)
+    rdzv_endpoint: str | None = None       # host:port of the c10d rendezvous every machine joins
+    rdzv_id: str = "swinbench"             # the job's name at the rendezvous
+
+    @property
+    def world(self) -> int:
+        """Processes in all: nproc x nnodes (1 without --nproc)."""
+        return (self.nproc or 1) * self.nnodes
 
     def check(self) -> None:
         def positive_int(name, value):
@@ -77,6 +86,15 @@ class TrainConfig:
         positive_int("steps", self.steps)
         positive_int("epochs", self.epochs)
         positive_int("batch", self.batch)
+        positive_int("nproc", self.nproc)
+        positive_int("nnodes", self.nnodes)
+        if self.nproc is None and (self.nnodes != 1 or self.rdzv_endpoint is not None):
+            raise UserError("--nnodes and --rdzv-endpoint go with --nproc (processes per machine)")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise UserError("--nnodes above 1 needs --rdzv-endpoint HOST:PORT, the same on every machine")
+        if self.rdzv_endpoint is not None and not (":" in self.rdzv_endpoint and
+                                                   self.rdzv_endpoint.rpartition(":")[2].isdigit()):
+            raise UserError(f"--rdzv-endpoint takes HOST:PORT, got {short_repr(self.rdzv_endpoint)}")
         if self.steps is not None and self.epochs is not None:
             raise UserError("give --steps or --epochs, not both")
         for name, value, low in (("lr", self.lr, 0.0), ("weight-decay", self.weight_decay, None),
@@ -182,18 +200,27 @@ class RecordFile:
 
 
 def train_run(config: TrainConfig, recipe: str, seed: int, data, model_name: str, device: torch.device,
-              records: RecordFile, progress: TrainProgress, index: int, *, skip_unavailable: bool) -> RunSummary:
+              records: RecordFile, progress: TrainProgress, index: int, *, skip_unavailable: bool,
+              rank: int = 0, world: int = 1) -> RunSummary:
     """Train one recipe with one seed, writing its records -> its summary. A recipe that cannot run here
-    is a 'not available' run when `skip_unavailable`, else UserError."""
-    steps_per_epoch = data.train_size // config.batch
+    is a 'not available' run when `skip_unavailable`, else UserError.
+
+    Data parallel (`rank` of `world` processes under torchrun, the process group initialized): each rank
+    trains on its share of every global batch of world x config.batch images, the model in DDP
+    (optimize_swin's default); a step's loss is the mean of the ranks' losses (the global batch's) and its
+    img/s the sum of theirs; only rank 0 validates, and only its `records` and `progress` should write."""
+    steps_per_epoch = data.train_size // (config.batch * world)
     total = config.steps or config.epochs * steps_per_epoch
     name = resolve_chain(recipe)[-1].name
     torch.manual_seed(seed)
     model = build_model(model_name, num_classes=data.classes)
+    if world > 1:
+        torch.manual_seed(seed * 1_000 + rank)   # every rank its own stochastic-depth draws
     loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
     header = {"kind": "run", "schema": SCHEMA, "recipe": name, "recipe_ref": recipe, "seed": seed,
               "model": model_name, "input_size": list(input_size(model)), "data": data.describe(),
-              "batch": config.batch, "steps": total, "steps_per_epoch": steps_per_epoch,
+              "batch": config.batch, "world_size": world, "global_batch": config.batch * world,
+              "steps": total, "steps_per_epoch": steps_per_epoch,
               "optimizer": {"lr": config.lr, "weight_decay": config.weight_decay},
               "schedule": f"linear warm-up over {max(1, round(WARMUP_SHARE * total))} steps, cosine to 0",
               "label_smoothing": config.label_smoothing, "clip_grad": config.clip_grad or None,
@@ -222,7 +249,7 @@ def train_run(config: TrainConfig, recipe: str, seed: int, data, model_name: str
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", GraphFallbackWarning)   # said once each in swin.notes, printed below
         while step < total and status == "ok":
-            for x, y in data.train_batches(epoch, config.batch, seed, device):
+            for x, y in data.train_batches(epoch, config.batch, seed, device, rank, world):
                 lr = float(swin.optimizer.param_groups[0]["lr"])
                 t0 = time.perf_counter()
                 loss = swin.train_step(x, y).item()
@@ -230,6 +257,8 @@ def train_run(config: TrainConfig, recipe: str, seed: int, data, model_name: str
                 schedule.step()
                 step += 1
                 rate = config.batch / seconds
+                if world > 1:
+                    loss, rate = _over_ranks(loss, rate, world, device)
                 rates.append(rate)
                 records.write({"kind": "step", "step": step, "epoch": epoch, "loss": _finite_or_none(loss),
                                "lr": lr, "img_per_s": rate})
@@ -239,11 +268,13 @@ def train_run(config: TrainConfig, recipe: str, seed: int, data, model_name: str
                     break
                 if step >= total:
                     break
-            if status == "ok":
+            if status == "ok" and rank == 0:
                 val_acc, val_loss = evaluate(swin, data, config.batch, device)
                 records.write({"kind": "epoch", "epoch": epoch, "step": step, "val_acc": val_acc,
                                "val_loss": _finite_or_none(val_loss)})
                 progress.validation(epoch, val_acc)
+            if status == "ok" and world > 1:
+                torch.distributed.barrier()      # the other ranks wait for rank 0's validation
             epoch += 1
     skip = min(len(rates) - 1, max(GRAPH_WARMUP_STEPS + 1, len(rates) // 10)) if rates else 0
     img_per_s = statistics.median(rates[skip:]) if rates else None
@@ -261,12 +292,32 @@ def train_run(config: TrainConfig, recipe: str, seed: int, data, model_name: str
     return RunSummary(name, seed, status, records.path, reason, val_acc, img_per_s, list(end["notes"]))
 
 
+def _over_ranks(loss: float, rate: float, world: int, device: torch.device) -> tuple[float, float]:
+    """(mean of the ranks' losses, sum of their img/s): one all-reduce, after the step was timed."""
+    both = torch.tensor([loss, rate], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(both)
+    return both[0].item() / world, both[1].item()
+
+
 def plan_runs(config: TrainConfig, on_gpu: bool) -> tuple[list[tuple[str, int]], list[str]]:
     """-> ([(recipe, seed)] in the order they train, notes). Every recipe is resolved first, so a typo
-    stops the command before anything trains."""
+    stops the command before anything trains; with several processes, a recipe that replays CUDA graphs
+    is refused (optimize_swin does not run those under DDP)."""
+    runs, notes = _plan_runs(config, on_gpu)
+    if config.world > 1:
+        for recipe, _ in runs:
+            chain = resolve_chain(recipe)
+            if any(is_graph_form(r) for r in chain):
+                raise UserError(f"recipe {chain[-1].name!r} replays CUDA graphs, which swinbench does not run under "
+                                f"DDP yet: with --nproc, train {chain[-2].name if len(chain) > 1 else 'baseline'} "
+                                "(the recipe it extends)")
+    return runs, notes
+
+
+def _plan_runs(config: TrainConfig, on_gpu: bool) -> tuple[list[tuple[str, int]], list[str]]:
     notes = []
     if config.compare is None:
-        recipe = config.recipe or ("fmha-graph" if on_gpu else "baseline")
+        recipe = config.recipe or ("fmha-graph" if on_gpu and config.world == 1 else "fmha" if on_gpu else "baseline")
         resolve_chain(recipe)
         return [(recipe, config.seed)], notes
     names = [resolve_chain(r)[-1].name for r in config.compare]
@@ -291,13 +342,18 @@ def run_train(config: TrainConfig, *, out_dir: Path | None = None, overwrite: bo
     device_name = pick_device(config.device)
     device = resolve_device(device_name)
     on_gpu = device.type == "cuda"
+    if config.nproc is not None:
+        from workbench.train.launch import check_devices
+
+        check_devices(config, device)
     model_name = config.model or default_model_for(device_name)
     check_model_name(model_name)
     runs, notes = plan_runs(config, on_gpu)
     size = input_size(build_model(model_name))[1:]
     data = load_data(config.data, size, config.workers)
-    if data.train_size // config.batch < 1:
-        raise UserError(f"--batch {config.batch} is larger than the {data.train_size} training images")
+    if data.train_size // (config.batch * config.world) < 1:
+        raise UserError(f"--batch {config.batch}" + (f" x {config.world} processes" if config.world > 1 else "")
+                        + f" is larger than the {data.train_size} training images")
     if config.steps is None and config.epochs is None:
         config.epochs = DEFAULT_EPOCHS
     out_dir = Path(out_dir) if out_dir else Path("reports") / "runs" / default_run_name(config, model_name)
@@ -310,21 +366,20 @@ def run_train(config: TrainConfig, *, out_dir: Path | None = None, overwrite: bo
                           "the workflow, not what the recipes do on a GPU", highlight=False)
         summaries: list[RunSummary] = []
         report, curves = out_dir / "report.md", out_dir / "curves.png"
-        try:
-            with TrainProgress(console, progress, len(runs)) as bar:
-                for i, (recipe, seed) in enumerate(runs):
-                    name = Path(recipe).stem if recipe.endswith((".yaml", ".yml")) else recipe
-                    records = RecordFile(out_dir / "records" / f"{i + 1:02d}-{name}-seed{seed}.jsonl")
-                    try:
-                        summaries.append(train_run(config, recipe, seed, data, model_name, device, records, bar, i,
-                                                   skip_unavailable=config.compare is not None))
-                    finally:
-                        records.close()
-                    render_train_report(out_dir / "records", report)
-                    write_curves(out_dir / "records", curves)
-        except KeyboardInterrupt:
-            raise Interrupted(f"interrupted: {len(summaries)} of {len(runs)} runs finished; their records and "
-                              f"report are in {out_dir}") from None
+        if config.nproc is not None:
+            from workbench.train.launch import launch_ranks
+
+            launch_ranks(config, runs, model_name, device, out_dir, console)
+            summaries = run_summaries(out_dir / "records")
+            if not summaries:   # a machine of a multi-node run that held no rank 0
+                console.print("this machine held no rank 0: the records and report are on the machine of global "
+                              "rank 0", highlight=False)
+                return TrainResult(out_dir, report, curves, [], [])
+            render_train_report(out_dir / "records", report)
+            write_curves(out_dir / "records", curves)
+        else:
+            summaries = _train_here(config, runs, data, model_name, device, out_dir, console, progress, report,
+                                    curves)
         for s in summaries:
             for n in s.notes:
                 console.print(f"[yellow]note:[/] {s.recipe} seed {s.seed}: {n}", highlight=False)
@@ -335,6 +390,44 @@ def run_train(config: TrainConfig, *, out_dir: Path | None = None, overwrite: bo
             console.print(spread, highlight=False)
         console.print(f"records in {out_dir / 'records'}, report {report}, curves {curves}", highlight=False)
         return TrainResult(out_dir, report, curves, summaries, table)
+
+
+def run_summaries(records_dir: Path) -> list:
+    """The RunSummary of each record file in records_dir ([] when there is none)."""
+    from workbench.train.report import read_runs
+
+    if not records_dir.is_dir() or not any(records_dir.glob("*.jsonl")):
+        return []
+    return [RunSummary(r.recipe, r.seed, r.status, r.path, (r.end or {}).get("reason"), r.final_accuracy,
+                       r.img_per_s, list((r.end or {}).get("notes") or [])) for r in read_runs(records_dir)]
+
+
+def record_path(out_dir: Path, index: int, recipe: str, seed: int) -> Path:
+    """records/NN-<recipe>-seed<S>.jsonl of the index-th run."""
+    name = Path(recipe).stem if recipe.endswith((".yaml", ".yml")) else recipe
+    return out_dir / "records" / f"{index + 1:02d}-{name}-seed{seed}.jsonl"
+
+
+def _train_here(config, runs, data, model_name, device, out_dir, console, progress, report, curves) -> list[RunSummary]:
+    """Every run in this process, the report and curves rewritten after each."""
+    from workbench.train.report import render_train_report, write_curves
+
+    summaries: list[RunSummary] = []
+    try:
+        with TrainProgress(console, progress, len(runs)) as bar:
+            for i, (recipe, seed) in enumerate(runs):
+                records = RecordFile(record_path(out_dir, i, recipe, seed))
+                try:
+                    summaries.append(train_run(config, recipe, seed, data, model_name, device, records, bar, i,
+                                               skip_unavailable=config.compare is not None))
+                finally:
+                    records.close()
+                render_train_report(out_dir / "records", report)
+                write_curves(out_dir / "records", curves)
+    except KeyboardInterrupt:
+        raise Interrupted(f"interrupted: {len(summaries)} of {len(runs)} runs finished; their records and "
+                          f"report are in {out_dir}") from None
+    return summaries
 
 
 def _print_table(console, rows: list[dict]) -> None:

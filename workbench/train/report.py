@@ -196,6 +196,14 @@ def _markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _batch_words(header: dict) -> str:
+    """'64', or '64 per process x 2 processes (global 128)' for a data-parallel run."""
+    world = header.get("world_size") or 1
+    if world == 1:
+        return str(header.get("batch"))
+    return f"{header.get('batch')} per process x {world} processes (global {header.get('global_batch')})"
+
+
 def _setup_lines(runs: list[RunRecords]) -> list[str]:
     h = runs[0].header
     data = h.get("data", {})
@@ -205,7 +213,10 @@ def _setup_lines(runs: list[RunRecords]) -> list[str]:
         f"scratch (timm's default stochastic depth)",
         f"- **data** {data.get('source')}: {data.get('train')} training images, {data.get('val')} validation "
         f"images, {data.get('classes')} classes; augmentation: {data.get('augmentation')}",
-        f"- **training** batch {h.get('batch')}, {h.get('steps')} steps ({h.get('steps_per_epoch')} per epoch, "
+        *([f"- **data parallel** {h['world_size']} processes (DDP, torchrun), {h.get('batch')} images each a step: "
+            f"global batch {h.get('global_batch')}; a step's loss is the mean over the processes (the global "
+            "batch's), its img/s the sum of theirs"] if (h.get("world_size") or 1) > 1 else []),
+        f"- **training** batch {_batch_words(h)}, {h.get('steps')} steps ({h.get('steps_per_epoch')} per epoch, "
         f"validation after each epoch and at the end); AdamW lr {h['optimizer']['lr']:g}, weight decay "
         f"{h['optimizer']['weight_decay']:g}; {h.get('schedule')}; label smoothing {h.get('label_smoothing')}; "
         f"gradient clipping {h.get('clip_grad') or 'off'}",
@@ -242,7 +253,7 @@ def render_train_report(records_dir: Path, out: Path | None = None) -> str:
     env = h.get("env", {})
     cpu = env.get("device_type") == "cpu"
     title = (f"# Training `{h.get('model')}` on {h.get('data', {}).get('name')}: {h.get('steps')} steps, batch "
-             f"{h.get('batch')}" + (" (CPU: the img/s are not GPU figures)" if cpu else f", {env.get('gpu')}"))
+             f"{_batch_words(h)}" + (" (CPU: the img/s are not GPU figures)" if cpu else f", {env.get('gpu')}"))
     parts = [title, "", _markdown_table(summary_rows(runs=runs)), "", "![loss and validation accuracy](curves.png)", ""]
     s = comparison.spread
     if s is not None:

@@ -1,0 +1,272 @@
+"""Data parallel through torchrun on the CPU (gloo, two processes, the tiny Swin): `optimize_swin` under DDP
+takes the same step as one process over the global batch (loss, and gradients read from an SGD step of
+lr 1), every rank holds the same weights after it, and master weights get the averaged gradients; the
+refusals of settings that cannot work."""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from workbench.api import DataParallel, optimize_swin
+from workbench.errors import UserError
+from workbench.models import TINY_MODEL, build_model
+from workbench.optimize.distributed import data_parallel_settings
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from ddp_worker import PER_RANK, global_batch, one_step  # noqa: E402
+
+WORLD = 2
+# gradient of one step, relative to its norm: fp32 sums in another order; bf16 GEMM weights reduce in bf16
+GRAD_TOLERANCE = {"baseline": 1e-5, "apex": 2e-2}
+
+
+def torchrun(*args: str, timeout: int = 180) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(WORLD), *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def ddp_steps(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp")
+    done = torchrun(str(HERE / "ddp_worker.py"), str(out), *GRAD_TOLERANCE)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {(recipe, r): torch.load(out / f"{recipe}-rank{r}.pt") for recipe in GRAD_TOLERANCE for r in range(WORLD)}
+
+
+@pytest.mark.parametrize("recipe", list(GRAD_TOLERANCE))
+def test_ddp_step_equals_one_process_over_the_global_batch(ddp_steps, recipe):
+    ranks = [ddp_steps[recipe, r] for r in range(WORLD)]
+    assert all(r["world"] == WORLD and r["shard"] == PER_RANK for r in ranks)
+    assert any("DDP over 2 processes" in n for n in ranks[0]["notes"])
+    x, y = global_batch(WORLD)
+    loss, before, after, notes = one_step(recipe, x, y, False)
+    assert not any("DDP" in n for n in notes)
+    # equal shards: the global batch's mean loss is the mean of the ranks' losses
+    assert sum(r["loss"] for r in ranks) / WORLD == pytest.approx(loss, rel=1e-5)
+    for name, w0 in before.items():
+        # every rank starts from and ends at the same weights
+        for r in ranks[1:]:
+            assert torch.equal(r["before"][name], ranks[0]["before"][name]), name
+            assert torch.equal(r["after"][name], ranks[0]["after"][name]), name
+        assert torch.equal(ranks[0]["before"][name], w0), name
+        if not w0.is_floating_point():
+            continue
+        grad_one = (w0 - after[name]).double()
+        grad_ddp = (ranks[0]["before"][name] - ranks[0]["after"][name]).double()
+        scale = grad_one.norm().clamp_min(1e-12)
+        assert (grad_ddp - grad_one).norm() / scale <= GRAD_TOLERANCE[recipe], name
+
+
+def test_without_a_process_group_ddp_is_off_or_refused():
+    assert data_parallel_settings(None) is None and data_parallel_settings(False) is None
+    with pytest.raises(UserError, match="not initialized: start the script with torchrun"):
+        data_parallel_settings(True)
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"bucket_mb": 10}, "unknown DDP setting 'bucket_mb'"),
+    ({"bucket_cap_mb": 0}, "bucket_cap_mb must be a number > 0"),
+    ({"static_graph": "yes"}, "static_graph must be True or False"),
+    ("ddp", "distributed must be None"),
+])
+def test_bad_ddp_settings_are_user_errors(value, message):
+    with pytest.raises(UserError, match=message):
+        data_parallel_settings(value)
+
+
+def test_static_graph_is_off_by_default_with_accumulation_and_refused_when_asked():
+    assert DataParallel().static_graph
+    with pytest.raises(UserError, match="static_graph does not go with accumulate > 1"):
+        data_parallel_settings({"static_graph": True}, accumulate=2)
+
+
+def test_graph_recipes_are_refused_under_ddp():
+    with pytest.raises(UserError, match="replays CUDA graphs.*use the recipe it extends \\(fmha\\)"):
+        optimize_swin(build_model(TINY_MODEL), "fmha-graph", distributed=True)
+
+
+# ---------------------------------------------------------------- swinbench train --nproc
+
+
+def test_digit_shards_are_the_one_process_global_batches_cut_in_rank_order():
+    from workbench.train.data import DigitsData
+
+    data = DigitsData.load((56, 56))
+    one = list(data.train_batches(1, 10, 3, "cpu"))
+    shards = [list(data.train_batches(1, 5, 3, "cpu", rank, 2)) for rank in range(2)]
+    assert len(one) == len(shards[0]) == len(shards[1]) == data.train_size // 10
+    for (x, y), (x0, y0), (x1, y1) in zip(one, *shards):
+        assert len(y0) == len(y1) == 5
+        assert torch.equal(torch.cat([x0, x1]), x) and torch.equal(torch.cat([y0, y1]), y)
+
+
+def test_torchrun_arguments_for_one_and_several_machines():
+    from workbench.train.launch import torchrun_arguments
+    from workbench.train.loop import TrainConfig
+
+    assert torchrun_arguments(TrainConfig(nproc=8)) == ["--standalone", "--nnodes", "1", "--nproc-per-node", "8"]
+    assert torchrun_arguments(TrainConfig(nproc=8, nnodes=2, rdzv_endpoint="node0:29500")) == [
+        "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0:29500", "--rdzv-id", "swinbench",
+        "--nproc-per-node", "8"]
+
+
+def test_train_nproc_2_writes_one_record_file_from_rank_0(tmp_path):
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["train", "--nproc", "2", "--device", "cpu", "--steps", "2", "--batch", "6",
+                                      "--out", str(out)])
+    assert result.exit_code == 0, result.output + (out / "torchrun.log").read_text()
+    assert "global batch 12" in result.output
+    files = list((out / "records").iterdir())
+    assert len(files) == 1
+    lines = [json.loads(line) for line in files[0].read_text().splitlines()]
+    kinds = [r["kind"] for r in lines]
+    assert kinds == ["run", "step", "step", "epoch", "end"]      # once, not once per rank
+    header, end = lines[0], lines[-1]
+    assert header["world_size"] == 2 and header["batch"] == 6 and header["global_batch"] == 12
+    assert header["steps_per_epoch"] == 1200 // 12
+    assert end["status"] == "ok" and any("DDP over 2 processes" in n for n in end["notes"])
+    assert all(math.isfinite(r["loss"]) and r["img_per_s"] > 0 for r in lines if r["kind"] == "step")
+    report = (out / "report.md").read_text()
+    assert "batch 6 per process x 2 processes (global 12)" in report and "its img/s the sum of theirs" in report
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nproc", "0"], "--nproc must be"),
+    (["--nnodes", "2"], "go with --nproc"),
+    (["--nproc", "2", "--nnodes", "2"], "needs --rdzv-endpoint"),
+    (["--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", "node0"], "takes HOST:PORT"),
+    (["--nproc", "2", "--recipe", "fmha-graph"], "replays CUDA graphs"),
+    (["--nproc", "2", "--batch", "700"], "x 2 processes is larger than the 1200 training images"),
+])
+def test_train_nproc_mistakes_are_one_line_and_exit_2(tmp_path, args, message):
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["train", "--device", "cpu", "--out", str(out), *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------- swinbench apply --nproc
+
+
+@pytest.mark.slow
+def test_apply_nproc_2_adds_a_scaling_record_gated_on_every_rank(tmp_path):
+    from typer.testing import CliRunner
+
+    from cli import app
+    from workbench.results.record import read_records
+
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["apply", "--stages", "baseline", "--nproc", "2", "--device", "cpu", "--batch",
+                                      "4", "--steps", "2", "--warmup", "1", "--interleave", "0", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "baseline: data parallel, 2 processes under torchrun" in result.output
+    (record,) = read_records([out / "records"])
+    s = record.scaling
+    assert s.status == "ok" and s.world_size == 2 and s.batch_per_process == 4 and s.global_batch == 8
+    assert s.backend == "gloo" and len(s.step_ms_per_rank) == 2 and s.step_ms == max(s.step_ms_per_rank)
+    assert s.img_per_s == pytest.approx(8 / (s.step_ms / 1e3))
+    assert s.efficiency == pytest.approx(s.img_per_s / (2 * record.img_per_s))
+    # the baseline under DDP against one process over the global batch of 8: the same logits, loss, gradients
+    assert s.gate["ranks"] == ["PASS", "PASS"] and s.gate["metrics"]["weights_match"]
+    metrics = s.gate["metrics"]
+    assert metrics["logits"]["rel_l2"] <= 1e-6 and metrics["loss"]["abs_diff"] <= 1e-6
+    assert all(g["rel_l2"] <= 1e-6 for g in metrics["grads"].values())
+    assert "## Data parallel: 2 processes" in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nproc", "0"], "--nproc must be a whole number >= 1"),
+    (["--nproc", "2", "--mode", "infer"], "use --mode train"),
+])
+def test_apply_nproc_mistakes_are_one_line_and_exit_2(tmp_path, args, message):
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["apply", "--device", "cpu", "--out", str(out), *args])
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1 and not out.exists()
+
+
+@pytest.mark.slow
+def test_train_nproc_1_through_torchrun_matches_the_plain_run(tmp_path):
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    losses = {}
+    for name, extra in (("plain", []), ("torchrun", ["--nproc", "1"])):
+        out = tmp_path / name
+        result = CliRunner().invoke(app, ["train", "--device", "cpu", "--steps", "2", "--batch", "8", "--out", str(out),
+                                          *extra])
+        assert result.exit_code == 0, result.output
+        (records,) = (out / "records").iterdir()
+        lines = [json.loads(line) for line in records.read_text().splitlines()]
+        assert lines[0]["world_size"] == 1 and lines[0]["global_batch"] == 8
+        losses[name] = [r["loss"] for r in lines if r["kind"] == "step"]
+    assert losses["torchrun"] == pytest.approx(losses["plain"], rel=1e-5)
+
+
+def test_scaling_is_an_optional_record_field_that_is_validated(tmp_path):
+    from record_helpers import record
+
+    from workbench.results.record import StageRecord
+    from workbench.results.report import render_report
+
+    plain = record(0, "fmha", None, 50.0)
+    assert "scaling" not in StageRecord.from_dict(plain).to_dict()      # old records read and write as before
+    scaled = {**plain, "scaling": {
+        "world_size": 8, "backend": "nccl", "batch_per_process": 64, "global_batch": 512, "status": "ok",
+        "reason": None, "img_per_s": 9000.0, "step_ms": 56.9, "step_ms_per_rank": [56.1] * 7 + [56.9],
+        "efficiency": 0.88, "gate": {"status": "PASS", "reason": None, "ranks": ["PASS"] * 8, "metrics": {}},
+        "ddp": {"bucket_cap_mb": 25.0}}}
+    again = StageRecord.from_dict(StageRecord.from_dict(scaled).to_dict())
+    assert again.scaling.efficiency == 0.88 and again.scaling.gate["ranks"] == ["PASS"] * 8
+    text = render_report([again], tmp_path / "report.md").read_text()
+    assert "## Data parallel: 8 processes" in text and "| 0.88 |" in text and "PASS on all 8 ranks" in text
+    for field, value in (("status", "maybe"), ("img_per_s", None), ("world_size", 0), ("extra", 1)):
+        bad = {**scaled, "scaling": {**scaled["scaling"], field: value}}
+        with pytest.raises(UserError, match="scaling"):
+            StageRecord.from_dict(bad)
+
+
+def test_imagefolder_shards_are_equal_and_disjoint(tmp_path):
+    pytest.importorskip("torchvision")
+    from PIL import Image
+
+    from workbench.train.data import ImageFolderData
+
+    for c in range(2):
+        folder = tmp_path / "images" / f"class{c}"
+        folder.mkdir(parents=True)
+        for i in range(23):
+            Image.new("RGB", (12, 12), (100 * c, 10 * i, 0)).save(folder / f"{i}.png")
+    data = ImageFolderData(tmp_path / "images", (8, 8), 0)           # 42 training images, 4 held out
+    seen = []
+    for rank in range(2):
+        batches = list(data.train_batches(0, 5, 0, "cpu", rank, 2))
+        assert len(batches) == data.train_size // 2 // 5 and all(len(y) == 5 for _, y in batches)
+        seen.append(batches)
+    # each image is one flat colour, which crops and flips keep: its colour names it
+    names = [{tuple(torch.round(x[i, :, 0, 0] * 100).tolist()) for x, _ in batches
+              for i in range(len(x))} for batches in seen]
+    assert len(names[0]) == len(names[1]) == data.train_size // 2 // 5 * 5
+    assert not names[0] & names[1]                          # the ranks' shares are disjoint

@@ -1,0 +1,199 @@
+"""`apply --nproc N`: every measured stage again under torchrun, data parallel, gated on every rank.
+
+After the ladder has measured a stage in one process, the parent starts
+
+    python -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node N -m workbench.ladder.scaling SPEC
+
+(fresh processes per stage, as `isolate` runs stages). Each rank builds the stage's workload with the
+run's per-process batch B, takes rank r's share of a global synthetic batch of N x B images (the same seed
+on every rank), applies the chain's passes and wraps the model in DDP (`optimize.distributed`).
+
+The gate holds on every rank, against the fp32 baseline over the global batch: every rank computes the
+baseline's forward + backward on its own share and the ranks combine them (logits gathered in rank order,
+the mean of the losses, the mean of the gradients: what one process computes over the N x B images, up
+to the order of the sums). The stage's one forward + backward under DDP is combined the same way (DDP
+already averaged its gradients), and each rank compares it with the stage's tolerance (the baseline's
+too: its reference here is one process over the global batch); the record keeps every rank's verdict.
+
+Timing: `warmup` + `steps` training steps per rank (`time_steps`); a step waits for the all-reduce, so the
+slowest rank's median is the step time, img/s = N x B / that, and efficiency = img/s / (N x the stage's
+one-process img/s at batch B). Stages that replay CUDA graphs, and passes not available here, are 'not
+run', with the reason. A rank that fails takes the group down (torchrun stops the others): the stage's
+scaling is then an 'error' naming the log.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import subprocess
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from workbench.files import atomic_write_text
+
+SCALING_DIR = "scaling"
+
+
+def torchrun_command(nproc: int, spec_path: Path) -> tuple[list[str], dict]:
+    from workbench.capture.backends import python_module_command
+
+    return python_module_command("torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node",
+                                 str(nproc), "-m", "workbench.ladder.scaling", str(spec_path))
+
+
+def scale_stage(record: dict, spec, nproc: int, extra_env: dict | None = None) -> dict:
+    """Run the stage of `spec` (a StageSpec) under torchrun with `nproc` processes and put the result in
+    `record["scaling"]` (written) -> the record. `record` is the stage's one-process record."""
+    from workbench.results.record import write_record
+
+    out_dir = Path(spec.out_dir)
+    folder = out_dir / SCALING_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    name = f"{spec.stage_index:02d}-{spec.stage}"
+    spec_path, result_path, log_path = (folder / f"{name}.spec.json", folder / f"{name}.json",
+                                        folder / f"{name}.log")
+    result_path.unlink(missing_ok=True)
+    atomic_write_text(spec_path, json.dumps({"stage": asdict(spec), "single_img_per_s": record.get("img_per_s"),
+                                             "result": str(result_path)}, indent=1) + "\n")
+    cmd, env = torchrun_command(nproc, spec_path)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env={**env, **(extra_env or {})})
+        try:
+            code = proc.wait()
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+    if code == 0 and result_path.exists():
+        scaling = json.loads(result_path.read_text())
+    else:
+        scaling = {"world_size": nproc, "backend": "nccl" if record.get("env", {}).get("device_type") == "cuda"
+                   else "gloo", "batch_per_process": spec.config["batch"], "global_batch": spec.config["batch"] * nproc,
+                   "status": "error", "reason": f"torchrun exited with {code}; its output is in {log_path}"}
+    record["scaling"] = scaling
+    record["_path"] = str(write_record(record, out_dir / "records"))
+    return record
+
+
+# ---------------------------------------------------------------- in each rank
+
+
+def _shard(workload, rank: int, world: int) -> None:
+    """Give `workload` rank's share of the global synthetic batch of world x its batch images."""
+    from workbench.optimize.workload import synthetic_batch
+
+    b = workload.config.batch
+    x, y = synthetic_batch(workload.model, b * world, workload.model.num_classes, workload.ctx.device,
+                           workload.config.seed)
+    workload.x, workload.y = x[rank * b:(rank + 1) * b].contiguous(), y[rank * b:(rank + 1) * b].contiguous()
+
+
+def _over_ranks(out, world: int, device: torch.device, *, average_grads: bool):
+    """One rank's GateOutputs -> those of the global batch: logits gathered in rank order, the mean loss, the
+    gradients averaged over the ranks when `average_grads` (DDP's are already)."""
+    import torch.distributed as dist
+
+    from workbench.optimize.gate import GateOutputs
+
+    logits: list = [None] * world
+    losses: list = [None] * world
+    dist.all_gather_object(logits, out.logits)
+    dist.all_gather_object(losses, out.loss)
+    grads = dict(out.grads)
+    if average_grads:
+        for name, g in grads.items():
+            if g is not None:
+                t = g.to(device)
+                dist.all_reduce(t)
+                grads[name] = (t / world).cpu()
+    return GateOutputs(torch.cat(logits), sum(losses) / world, grads)
+
+
+def _measure(spec, single_img_per_s: float | None, device: torch.device, rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from workbench.ladder.interleave import apply_chain
+    from workbench.optimize.distributed import DataParallel, wrap_data_parallel
+    from workbench.optimize.gate import capture_parameters, compare, forward_backward, weights_digest
+    from workbench.optimize.recipes import gate_tolerance, resolve_chain
+    from workbench.optimize.timing import time_steps
+    from workbench.optimize.workload import Workload, WorkloadConfig
+
+    config = replace(WorkloadConfig(**spec.config), device=str(device))
+    settings = DataParallel()
+    result = {"world_size": world, "backend": dist.get_backend(), "batch_per_process": config.batch,
+              "global_batch": config.batch * world, "status": "ok", "reason": None, "ddp": settings.to_dict()}
+    chain = resolve_chain(spec.stage_ref)
+
+    reference = Workload.build(replace(config, precision="fp32"))
+    _shard(reference, rank, world)
+    digest = weights_digest(reference.model)
+    params = capture_parameters(reference.model)
+    reference.prepare()
+    ref = _over_ranks(forward_backward(reference, params), world, device, average_grads=True)
+    ref.weights_digest = digest
+    del reference, params
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    workload = Workload.build(config)
+    _shard(workload, rank, world)
+    digest = weights_digest(workload.model)
+    params = capture_parameters(workload.model)
+    missing = [r for r in apply_chain(workload, chain) if not r.available]
+    if missing:
+        return {**result, "status": "not run", "reason": "; ".join(f"{r.name}: {r.changed}" for r in missing)}
+    if workload.own_graphs():
+        return {**result, "status": "not run", "reason": f"{workload.own_graphs()}: CUDA graphs are not run under "
+                                                         "DDP yet (the all-reduce inside a captured step)"}
+    workload.prepare()
+    workload.model = wrap_data_parallel(workload.model, device, settings)
+
+    out = _over_ranks(forward_backward(workload, params), world, device, average_grads=False)
+    out.weights_digest = digest
+    # under DDP even the baseline is gated: its reference is one process over the global batch, not itself
+    gate = compare(out, ref, gate_tolerance(chain, workload.ctx.precision.name))
+    verdicts: list = [None] * world
+    dist.all_gather_object(verdicts, gate.status)
+
+    timing = time_steps(workload.step, warmup=spec.warmup, repeats=spec.steps, device=device)
+    medians: list = [None] * world
+    dist.all_gather_object(medians, timing.median_ms)
+    step_ms = max(medians)
+    img_per_s = config.batch * world / (step_ms / 1e3)
+    return {**result, "img_per_s": img_per_s, "step_ms": step_ms, "step_ms_per_rank": medians,
+            "efficiency": img_per_s / (world * single_img_per_s) if single_img_per_s else None,
+            "gate": {"status": "FAIL" if "FAIL" in verdicts else gate.status, "reason": gate.reason,
+                     "ranks": verdicts, "metrics": json.loads(json.dumps(gate.metrics, default=str))}}
+
+
+def scaling_main(spec_path: str) -> int:
+    """One rank: measure the stage of the spec, rank 0 writes the result file."""
+    import torch.distributed as dist
+
+    from workbench.optimize.distributed import init_process_group_from_env
+    from workbench.optimize.workload import pick_device
+
+    data = json.loads(Path(spec_path).read_text())
+    spec = SimpleNamespace(**data["stage"])     # apply.StageSpec's fields (apply imports this module)
+    device = init_process_group_from_env(torch.device(pick_device(spec.config["device"])).type)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    result = _measure(spec, data.get("single_img_per_s"), device, rank, world)
+    if rank == 0:
+        atomic_write_text(Path(data["result"]), json.dumps(result, indent=1) + "\n")
+    dist.barrier()
+    # only on success: a rank that raised exits without waiting on its peers, and torchrun stops them
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(scaling_main(sys.argv[1]))
