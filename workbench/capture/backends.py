@@ -46,6 +46,19 @@ def python_module_command(module: str, *args: str) -> tuple[list[str], dict]:
     return [sys.executable, "-c", start, *args], env
 
 
+def stop_process(proc) -> None:
+    """Stop a child process (a subprocess.Popen) if it still runs: SIGTERM, then SIGKILL after 10 s. A
+    stage process or torchrun must not write on after the run that started it has stopped."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def resolve_backend(backend: str, device: torch.device, nsys: str | None) -> tuple[str, str | None, str | None]:
     """-> (backend, nsys path, note). 'auto' takes nsys on a GPU when nsys is found, else torch.profiler,
     and the note says why; an explicit 'nsys' that cannot run is a UserError."""

@@ -366,7 +366,7 @@ def _stream(module: str, args: list[str], log_path: Path, on_event: Callable[[di
     """Run a workbench module in a fresh interpreter that does not import from the current folder
     (`capture.python_module_command`); its stdout events go to on_event, the rest of its output to
     log_path -> its exit code."""
-    from workbench.capture.backends import python_module_command
+    from workbench.capture.backends import python_module_command, stop_process
 
     cmd, env = python_module_command(module, *args)
     env = {**(env or os.environ), **(extra_env or {})}
@@ -380,19 +380,8 @@ def _stream(module: str, args: list[str], log_path: Path, on_event: Callable[[di
                     log.write(line)
             return proc.wait()
         finally:
-            _end(proc)   # on Ctrl-C: the child must not write on after this run has released its folder
+            stop_process(proc)   # on Ctrl-C: the child must not write on after this run has released its folder
 
-
-def _end(proc: subprocess.Popen) -> None:
-    """Stop `proc` if it still runs: SIGTERM, then SIGKILL after 10 s."""
-    if proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def _run_isolated(spec: StageSpec, on_event: Callable[[dict], None], extra_env: dict[str, str] | None = None) -> dict:

@@ -68,7 +68,7 @@ def launch_ranks(config, runs: list[tuple[str, int]], model_name: str, device: t
                  console) -> None:
     """Run every planned run under torchrun (workbench.train.rank in each process), streaming rank 0's
     progress to `console`. A rank's UserError is raised here as it was said there."""
-    from workbench.capture.backends import python_module_command
+    from workbench.capture.backends import python_module_command, stop_process
 
     spec = write_spec(config, runs, model_name, device, out_dir)
     console.print(f"torchrun: {config.nproc} process{'es' if config.nproc > 1 else ''} per machine x "
@@ -87,21 +87,10 @@ def launch_ranks(config, runs: list[tuple[str, int]], model_name: str, device: t
         except KeyboardInterrupt:
             raise Interrupted(f"interrupted: what rank 0 finished is in {out_dir / 'records'}") from None
         finally:
-            _end(proc)
+            stop_process(proc)
     if code != 0:
         text = log_path.read_text(errors="replace")
         errors = [line[len(ERROR_PREFIX):] for line in text.splitlines() if line.startswith(ERROR_PREFIX)]
         if errors:
             raise UserError(errors[0])
         raise UserError(f"torchrun exited with {code}: a rank failed; its traceback is in {log_path}", exit_code=1)
-
-
-def _end(proc: subprocess.Popen) -> None:
-    """Stop torchrun if it still runs (it stops its ranks): SIGTERM, then SIGKILL after 10 s."""
-    if proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
