@@ -164,6 +164,10 @@ def test_a_stored_measurement_is_reused_under_the_same_conditions_only(cache, tm
     for other in (dict(steps=10, warmup=5, profile=False), dict(steps=20, warmup=5, profile=True)):
         assert cache.key(chain, config, **other) != key
     assert cache.key(chain, {**config, "batch": 32}, steps=20, warmup=5, profile=False) != key
+    for what, value in (("swinbench_source", "0" * 12), ("torch", "9.9"), ("gpu", ["NVIDIA H100", "580.1"])):
+        other = reuse.RecordCache(cache.folder, on_gpu=True, fresh=False)
+        other.machine = {**cache.machine, what: value}
+        assert other.key(chain, config, steps=20, warmup=5, profile=False) != key, what
     mine = reuse.reused_record(cached, run_id="r9", recipe="fmha", stage_index=7)
     path = write_record(mine, tmp_path / "records")
     (back,) = read_records([path])

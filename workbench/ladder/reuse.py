@@ -60,11 +60,18 @@ def gpu_identity() -> tuple[str, str] | None:
     return row if len(row) == 2 else None
 
 
-def stage_key(chain: list[dict], config: dict, *, steps: int, warmup: int, profile: bool,
-              gpu: tuple[str, str]) -> str:
-    """The cache key of one stage's measurement (see the module docstring)."""
+def machine_conditions(gpu: tuple[str, str]) -> dict:
+    """What every stage's key shares on this machine: the GPU and driver, the versions, swinbench's code
+    and its debug settings."""
     import torch
 
+    return {"gpu": list(gpu), "torch": torch.__version__, "triton": _version("triton"), "timm": _version("timm"),
+            "python": platform.python_version(), "swinbench_source": source_digest(),
+            "swinbench_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SWINBENCH_")}}
+
+
+def stage_key(chain: list[dict], config: dict, *, steps: int, warmup: int, profile: bool, machine: dict) -> str:
+    """The cache key of one stage's measurement (see the module docstring); machine: machine_conditions()."""
     user_files = {}
     for entry in chain:
         source = entry.get("source")
@@ -76,10 +83,7 @@ def stage_key(chain: list[dict], config: dict, *, steps: int, warmup: int, profi
     what = {
         "chain": chain, "user_files": user_files,
         "config": {k: config.get(k) for k in ("model", "mode", "batch", "precision", "seed", "num_classes")},
-        "steps": steps, "warmup": warmup, "profile": profile, "gpu": list(gpu),
-        "torch": torch.__version__, "triton": _version("triton"), "timm": _version("timm"),
-        "python": platform.python_version(), "swinbench_source": source_digest(),
-        "swinbench_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SWINBENCH_")},
+        "steps": steps, "warmup": warmup, "profile": profile, **machine,
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
@@ -93,9 +97,10 @@ class RecordCache:
         self.gpu = gpu_identity() if on_gpu else None
         self.usable = self.gpu is not None
         self.fresh = fresh
+        self.machine = machine_conditions(self.gpu) if self.usable else None
 
     def key(self, chain: list[dict], config: dict, **plan) -> str | None:
-        return stage_key(chain, config, gpu=self.gpu, **plan) if self.usable else None
+        return stage_key(chain, config, machine=self.machine, **plan) if self.usable else None
 
     def lookup(self, key: str | None) -> dict | None:
         """The cached record for key as a dict (None: none, --fresh, or it no longer reads as a record)."""
