@@ -266,7 +266,7 @@ def _check_inputs_before_apply(check_against, thresholds, max_regression) -> flo
 
 @app.command()
 def train(
-    recipe: Annotated[Optional[str], typer.Option(help="Recipe to train with (name or YAML file). Default: fmha-graph on a GPU, baseline on the CPU.")] = None,
+    recipe: Annotated[Optional[str], typer.Option(help="Recipe to train with (name or YAML file). Default: amp on a GPU (the recipe shown to train like the fp32 baseline), baseline on the CPU.")] = None,
     compare: Annotated[Optional[str], typer.Option(help="Comma-separated recipes to train on the same data order and seeds (e.g. baseline,amp,fmha-graph); the baseline runs with --baseline-seeds seeds and every other recipe gets a parity verdict in report.md.")] = None,
     baseline_seeds: Annotated[Optional[int], typer.Option(help="With --compare: seeds of the baseline, whose spread the parity rule measures (default 2, at least 2).")] = None,
     model: Model = None,
