@@ -471,3 +471,27 @@ def test_activation_dtypes_change_is_flagged_and_old_records_skip_it(current, tm
     assert r["current"] == "patch_embed:bf16 norm:bf16" and result.regressed
     assert any("patch_embed fp32 -> bf16" in n for n in result.notes)
     assert "fmha: activation_dtypes patch_embed:fp32 norm:fp32 -> patch_embed:bf16 norm:bf16" in result.summary
+
+
+def _graph(ms: float, iqr: float = 0.02):
+    def fn(rec):
+        rec["graph"] = {"timing": {"samples_ms": [ms] * 4, "warmup": 2, "clock": "cuda-events", "median_ms": ms,
+                                   "iqr_ms": iqr, "repeats": 4},
+                        "img_per_s": rec["batch"] / ms * 1e3, "step_ms": ms, "step_iqr_ms": iqr,
+                        "how": "the whole step captured once and replayed as one CUDA graph"}
+    return fn
+
+
+def test_graph_step_is_checked_with_its_own_spread(tmp_path, current):
+    base = tmp_path / "base"
+    shutil.copytree(BASELINE, base)
+    edit(base, "fmha", _graph(20.0))
+    edit(current, "fmha", _graph(22.0))          # graph-replayed 10% slower, eager unchanged
+    result = check_records(base, current)
+    graph = row(result, "fmha", "graph_ms")
+    assert graph["status"] == "REGRESSED" and graph["delta_pct"] == pytest.approx(10.0)
+    assert row(result, "fmha", "step_ms")["status"] == "unchanged" and result.exit_code == 1
+    edit(current, "fmha", _graph(20.1))
+    assert row(check_records(base, current), "fmha", "graph_ms")["status"] == "unchanged"
+    # a stage without graph timing on either side has no graph_ms row
+    assert (check_records(BASELINE, BASELINE).rows["metric"] != "graph_ms").all()
