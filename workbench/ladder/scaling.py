@@ -59,18 +59,15 @@ def scale_stage(record: dict, spec, nproc: int, extra_env: dict | None = None) -
     result_path.unlink(missing_ok=True)
     atomic_write_text(spec_path, json.dumps({"stage": asdict(spec), "single_img_per_s": record.get("img_per_s"),
                                              "result": str(result_path)}, indent=1) + "\n")
+    from workbench.capture.backends import stop_process
+
     cmd, env = torchrun_command(nproc, spec_path)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env={**env, **(extra_env or {})})
         try:
             code = proc.wait()
         finally:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            stop_process(proc)
     if code == 0 and result_path.exists():
         scaling = json.loads(result_path.read_text())
     else:
