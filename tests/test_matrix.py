@@ -126,6 +126,7 @@ def test_cpu_cells_without_graph_columns_use_eager_forms_and_say_cpu():
 def test_failed_gate_leaves_the_swinbench_side_empty():
     row = matrix_rows([("c", cell_records(fmha_gate="FAIL"))])[0]
     assert row["swinbench"] is None and row["x_peer"] is None and row["gate"] == "fmha FAIL"
+    assert (row["peer"], row["peer_form"], row["peer_ms"]) == ("torch-compile", "graph-replayed", 29.0)
     assert "No cell has both" in matrix_markdown([row])
 
 

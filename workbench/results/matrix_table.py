@@ -28,7 +28,7 @@ from workbench.errors import UserError
 from workbench.files import atomic_write_text
 from workbench.results.readme_table import short_model
 from workbench.results.record import StageRecord, as_records, read_records
-from workbench.results.report import _isnum, best_form, fmt_bytes, fmt_rate, fmt_speedup, speedup_table
+from workbench.results.report import _is_peer, _isnum, best_form, fmt_bytes, fmt_rate, fmt_speedup, speedup_table
 
 MATRIX_MD = "matrix.md"
 MATRIX_JSON = "matrix.json"
@@ -81,6 +81,13 @@ def cell_row(cell: str, records) -> dict:
     first = records[0]
     df = speedup_table(records)
     best = best_form(records, df, among="last", require_graph=False) or {}
+    if best.get("peer") is None:   # no fused stage counted: best_form names no peer then, the row still does
+        peers = [(*_stage_best(df, r.stage), r.stage) for r in records
+                 if r.pytorch_alone and r.stage != "baseline" and _is_peer(r, records)]
+        peers = [p for p in peers if p[0] is not None]
+        if peers:
+            ms, form, stage = min(peers)
+            best.update(peer=stage, peer_form=form, peer_ms=ms)
     amp_ms, amp_form = _stage_best(df, "amp")
     sw_ms, sw_stage, sw_form = best.get("ms"), best.get("stage"), best.get("form")
     iqr = peak = rate = None
