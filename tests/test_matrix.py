@@ -147,7 +147,7 @@ def test_write_matrix_orders_cells_and_skips_moved_aside_runs(tmp_path):
 
 
 class FakeApply:
-    """Stands in for run_apply: writes the cell's three records (a GPU's, with graph forms)."""
+    """Stands in for run_apply: writes the cell's three records, measured as asked (device, steps)."""
 
     def __init__(self, fail_on=None):
         self.calls = []
@@ -158,7 +158,9 @@ class FakeApply:
                                stages=stages, resume=resume, **kw))
         if self.fail_on == (model, mode, batch):
             raise KeyboardInterrupt
-        for rec in cell_records(model, mode, batch, run_id=Path(out_dir).name):
+        for rec in cell_records(model, mode, batch, run_id=Path(out_dir).name, cpu=kw["device"] == "cpu"):
+            timing = rec["timing"]
+            timing.update(repeats=kw["steps"], warmup=kw["warmup"], samples_ms=timing["samples_ms"][:1] * kw["steps"])
             write_record(rec, Path(out_dir) / "records")
 
 
@@ -190,10 +192,34 @@ def test_cell_with_a_failed_stage_is_continued_with_apply_resume(tmp_path):
     recs = cell_records(TINY_MODEL, batch=8)
     recs[1].update(status="error", error="boom")
     write_cell(out, name, recs)
-    assert not matrix.cell_finished(out / name, matrix.cell_stages("fmha"))
+    plan = dict(steps=4, warmup=5, on_gpu=True)   # what record_helpers' records were measured with
+    assert not matrix.cell_finished(out / name, matrix.cell_stages("fmha"), **plan)
+    recs[1].update(status="ok", error=None)
+    write_record(recs[1], out / name / "records")
+    assert matrix.cell_finished(out / name, matrix.cell_stages("fmha"), **plan)
+    assert not matrix.cell_finished(out / name, matrix.cell_stages("fmha"), **{**plan, "steps": 20})
+    assert not matrix.cell_finished(out / name, matrix.cell_stages("fmha"), **{**plan, "on_gpu": False})
+    recs[1].update(status="error", error="boom")
+    write_record(recs[1], out / name / "records")
     fake = FakeApply()
     matrix.run_matrix(models=[TINY_MODEL], modes=["train"], out_dir=out, device="cpu", run_apply=fake, resume=True)
     assert fake.calls[0]["resume"] is True
+
+
+def test_a_failed_stage_does_not_stop_the_other_cells(tmp_path):
+    class Failing(FakeApply):
+        def __call__(self, recipe, **kw):
+            super().__call__(recipe, **kw)
+            if kw["mode"] == "train":
+                err = UserError("1 stage(s) failed (fmha: boom)")
+                err.result = object()
+                raise err
+
+    fake = Failing()
+    with pytest.raises(UserError, match="1 matrix cell.*fmha: boom"):
+        matrix.run_matrix(models=[TINY_MODEL], out_dir=tmp_path / "m", device="cpu", run_apply=fake)
+    assert len(fake.calls) == 3
+    assert len(json.loads((tmp_path / "m" / "matrix.json").read_text())["cells"]) == 3
 
 
 # ---------------------------------------------------------------- the command

@@ -118,9 +118,10 @@ def cell_stages(fused: str) -> list[str]:
     return [AMP, fused, PEER]
 
 
-def cell_finished(folder: Path, stages: list[str]) -> bool:
+def cell_finished(folder: Path, stages: list[str], *, steps: int, warmup: int, on_gpu: bool) -> bool:
     """Whether folder's records hold every stage, each finished (ok or not available, as apply's resume
-    keeps them)."""
+    keeps them) under this plan: measured with these steps and warm-up on this device kind. A cell that
+    differs is not skipped: apply's resume then says, in one line, what differs."""
     records_dir = folder / "records"
     if not records_dir.is_dir() or not any(records_dir.glob("*.json")):
         return False
@@ -128,7 +129,13 @@ def cell_finished(folder: Path, stages: list[str]) -> bool:
         records = read_records([records_dir])
     except UserError:
         return False
-    done = {r.stage for r in records if r.status in ("ok", "not available")}
+    done = set()
+    for r in records:
+        if r.env.on_gpu != on_gpu or r.status not in ("ok", "not available"):
+            continue
+        if r.ok and r.timing is not None and (r.timing.repeats, r.timing.warmup) != (steps, warmup):
+            continue
+        done.add(r.stage)
     return all(s in done for s in stages)
 
 
@@ -192,7 +199,7 @@ def run_matrix(*, models: list[str] | None = None, modes: list[str] | None = Non
         for i, cell in enumerate(cells, 1):
             folder = out_dir / cell.name
             head = f"matrix cell {i}/{len(cells)}: {cell.model}, {cell.mode}, batch {cell.batch}"
-            if resume and cell_finished(folder, stages):
+            if resume and cell_finished(folder, stages, steps=steps, warmup=warmup, on_gpu=on_gpu):
                 skipped.append(cell.name)
                 console.print(f"{head}: finished in an earlier run, kept", highlight=False)
                 continue
