@@ -343,10 +343,18 @@ def matrix(
     fresh: Annotated[bool, typer.Option("--fresh", help="Measure every stage again instead of reusing a cached measurement.")] = False,
     cache: Annotated[Optional[Path], typer.Option(help="Where measurements and compile caches are kept between runs (default $XDG_CACHE_HOME/swinbench or ~/.cache/swinbench).")] = None,
     render_only: Annotated[Optional[Path], typer.Option(help="Run nothing: render matrix.md and matrix.json in this matrix folder from its cells' records.")] = None,
+    readme: Annotated[Optional[Path], typer.Option(help="With --render-only: instead, rewrite the table between <!-- matrix:begin --> and <!-- matrix:end --> in this Markdown file.")] = None,
 ):
     """Run the Swin family matrix (models x train/infer64/infer1 x amp, fused stage, torch-compile) and write one table."""
     from workbench.ladder.matrix import FAMILY, parse_list, run_matrix
 
+    if readme is not None and render_only is None:
+        raise _fail(UserError("--readme renders a matrix already run: give --render-only OUT too"), 2)
+    if readme is not None:
+        from workbench.results.matrix_table import update_readme_matrix
+
+        console.print(f"wrote {_call(update_readme_matrix, render_only, readme, FAMILY)}")
+        return
     if render_only is not None:
         from workbench.results.matrix_table import write_matrix
 

@@ -9,7 +9,8 @@ from record_helpers import ENV, record
 from workbench.errors import UserError
 from workbench.ladder import matrix
 from workbench.models import TINY_MODEL
-from workbench.results.matrix_table import SLOWER_MARK, matrix_markdown, matrix_rows, read_matrix, write_matrix
+from workbench.results.matrix_table import (README_BEGIN, README_END, SLOWER_MARK, matrix_markdown, matrix_rows, read_matrix,
+                                            readme_matrix_block, render_matrix_for_readme, write_matrix)
 from workbench.results.record import write_record
 
 CHAIN = ["baseline", "amp", "apex", "window", "fmha"]
@@ -247,3 +248,49 @@ def test_cli_render_only(tmp_path):
     res = CliRunner().invoke(app, ["matrix", "--render-only", str(tmp_path)])
     assert res.exit_code == 0, res.output
     assert "matrix.md" in res.output and (tmp_path / "matrix.json").is_file()
+
+
+# ---------------------------------------------------------------- the README's block
+
+
+def readme_command(block: str) -> list[str]:
+    line = next(line for line in block.splitlines() if line.startswith("Rendered by `"))
+    return line.split("`")[1].split()
+
+
+def test_readme_matrix_block_is_what_its_records_render():
+    """When README.md holds the matrix block, it is what its cells' committed records render."""
+    readme = Path(__file__).resolve().parent.parent / "README.md"
+    text = readme.read_text(encoding="utf-8")
+    if README_BEGIN not in text:
+        pytest.skip("README.md holds no matrix block yet (a GPU session renders it)")
+    block = readme_matrix_block(text)
+    argv = readme_command(block)
+    assert argv[:3] == ["swinbench", "matrix", "--render-only"] and argv[-2:] == ["--readme", "README.md"], argv
+    assert render_matrix_for_readme(readme.parent / argv[3], readme, matrix.FAMILY).strip("\n") == block, (
+        "README.md's matrix differs from its records: run " + " ".join(argv))
+
+
+def test_cli_rewrites_only_the_matrix_block(tmp_path):
+    from cli import app
+
+    out = tmp_path / "reports" / "m"
+    write_cell(out, "t-train", cell_records())
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# t\n\nbefore\n{README_BEGIN}\nstale table\n{README_END}\nafter ü\n", encoding="utf-8")
+    runner = CliRunner()
+    res = runner.invoke(app, ["matrix", "--render-only", str(out), "--readme", str(readme)])
+    assert res.exit_code == 0, res.output
+    text = readme.read_text(encoding="utf-8")
+    assert text.startswith(f"# t\n\nbefore\n{README_BEGIN}\n**swinbench matrix — NVIDIA H200**\n")
+    assert text.endswith(f"--readme README.md`. Do not edit by hand.\n{README_END}\nafter ü\n") and "stale table" not in text
+    block = readme_matrix_block(text)
+    assert readme_command(block) == ["swinbench", "matrix", "--render-only", "reports/m", "--readme", "README.md"]
+    assert render_matrix_for_readme(out, readme).strip("\n") == block
+    assert runner.invoke(app, ["matrix", "--render-only", str(out), "--readme", str(readme)]).exit_code == 0
+    assert readme.read_text(encoding="utf-8") == text
+    readme.write_text("no markers\n")
+    res = runner.invoke(app, ["matrix", "--render-only", str(out), "--readme", str(readme)])
+    assert res.exit_code == 2 and "matrix:begin" in res.output and len(res.output.strip().splitlines()) == 1
+    res = runner.invoke(app, ["matrix", "--readme", str(readme)])
+    assert res.exit_code == 2 and "--render-only" in res.output

@@ -26,13 +26,15 @@ from pathlib import Path
 
 from workbench.errors import UserError
 from workbench.files import atomic_write_text
-from workbench.results.readme_table import short_model
+from workbench.results.readme_table import display_path, replace_between_markers, short_model, table_block
 from workbench.results.record import StageRecord, as_records, read_records
 from workbench.results.report import _is_peer, _isnum, best_form, fmt_bytes, fmt_rate, fmt_speedup, speedup_table
 
 MATRIX_MD = "matrix.md"
 MATRIX_JSON = "matrix.json"
 MATRIX_SCHEMA = "swinbench.matrix/1"
+README_BEGIN = "<!-- matrix:begin -->"
+README_END = "<!-- matrix:end -->"
 SLOWER_MARK = "▼"
 SLOWER_NOTE = (f"{SLOWER_MARK} swinbench's best form is slower than the strongest PyTorch-alone peer in this cell: "
                "the fused stack loses here.")
@@ -154,11 +156,13 @@ def summary_line(rows: list[dict]) -> str:
             f"({SLOWER_MARK}); {weakest}.")
 
 
-def matrix_markdown(rows: list[dict], command: str | None = None) -> str:
-    """The matrix as Markdown: a title naming the device, the table, the summary and the notes."""
+def matrix_markdown(rows: list[dict], command: str | None = None, heading: bool = True) -> str:
+    """The matrix as Markdown: a title naming the device (a heading, or with heading=False a bold line
+    for the README's block), the table, the summary and the notes."""
     if not rows:
         raise UserError("the matrix has no finished cells to render")
-    lines = [f"# swinbench matrix — {_where(rows)}", "",
+    title = f"swinbench matrix — {_where(rows)}"
+    lines = [f"# {title}" if heading else f"**{title}**", "",
              "| " + " | ".join(HEADERS) + " |", "|" + "|".join("---" for _ in HEADERS) + "|"]
     lines += ["| " + " | ".join(display_row(r)) + " |" for r in rows]
     lines += ["", summary_line(rows), "",
@@ -216,3 +220,33 @@ def write_matrix(out_dir: Path, model_order: list[str] | None = None, command: s
     clean = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in rows]
     atomic_write_text(js, json.dumps({"schema": MATRIX_SCHEMA, "cells": clean}, indent=2) + "\n")
     return md, js
+
+
+# ---------------------------------------------------------------- the README's block
+
+
+def render_matrix_for_readme(out_dir: Path, readme: Path, model_order: list[str] | None = None) -> str:
+    """The block between README_BEGIN and README_END: the matrix of out_dir's cells, ending with the
+    command that renders it (paths relative to the README's folder), which tests/test_matrix.py reruns."""
+    readme = Path(readme)
+    command = (f"swinbench matrix --render-only {display_path(Path(out_dir), readme.parent)} "
+               f"--readme {readme.name}")
+    text = matrix_markdown(read_matrix(out_dir, model_order), command, heading=False)
+    return text.rstrip("\n") + " Do not edit by hand.\n"
+
+
+def readme_matrix_block(text: str) -> str:
+    """What a README holds between README_BEGIN and README_END (UserError unless each occurs once)."""
+    return table_block(text, README_BEGIN, README_END)
+
+
+def update_readme_matrix(out_dir: Path, readme: Path, model_order: list[str] | None = None) -> Path:
+    """`swinbench matrix --render-only OUT --readme README.md`: rewrite the block between the matrix
+    markers, atomically; nothing outside them changes."""
+    readme = Path(readme)
+    try:
+        text = readme.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read {readme}: {getattr(exc, 'strerror', None) or exc}") from None
+    block = render_matrix_for_readme(out_dir, readme, model_order)
+    return atomic_write_text(readme, replace_between_markers(text, block, str(readme), README_BEGIN, README_END))
