@@ -31,8 +31,9 @@ FAMILY = [
     "swin_large_patch4_window7_224",
     "swin_base_patch4_window12_384",
 ]
-# Training batch per model: what fits a bf16 training step on one 80-140 GiB GPU with room to spare and
-# keeps the GPU busy (the figures the README quotes). A model not named here takes train_batch_for's rule.
+# Training batch per model: the batches swinbench's training figures are quoted at (Swin-T 128, Swin-B
+# and -L 64), Swin-S as Swin-T, and half of Swin-B's at 384 px, where a step holds about three times the
+# tokens. A model not named here takes train_batch_for's rule.
 TRAIN_BATCH = {
     "swin_tiny_patch4_window7_224": 128,
     "swin_small_patch4_window7_224": 128,
