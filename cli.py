@@ -329,6 +329,52 @@ def report(
 
 
 @app.command()
+def matrix(
+    models: Annotated[Optional[str], typer.Option(help="Comma-separated timm Swin models (default: tiny, small, base and large at window 7 / 224 px and base at window 12 / 384 px on a GPU; the tiny CPU Swin on the CPU).")] = None,
+    modes: Annotated[str, typer.Option(help="Comma-separated cells per model: train (at the model's training batch), infer64, infer1.")] = "train,infer64,infer1",
+    train_batch: Annotated[Optional[int], typer.Option(help="Training batch for every model (default per model: workbench.ladder.matrix.TRAIN_BATCH, e.g. 128 for tiny/small, 64 for base/large, 32 at 384 px).")] = None,
+    fused: Annotated[str, typer.Option(help="The swinbench stage each cell runs beside amp and torch-compile.")] = "fmha",
+    steps: Annotated[int, typer.Option(help="Timed steps per stage.")] = 20,
+    warmup: Annotated[int, typer.Option(help="Untimed steps per stage first (compilation happens here).")] = 5,
+    device: Device = "auto",
+    out: Annotated[Optional[Path], typer.Option(help="Output folder: one folder per cell, matrix.md and matrix.json (default reports/runs/matrix-<time>/).")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the matrix in --out: skip its finished cells, continue a cell cut short.")] = False,
+    overwrite: Overwrite = False,
+    fresh: Annotated[bool, typer.Option("--fresh", help="Measure every stage again instead of reusing a cached measurement.")] = False,
+    cache: Annotated[Optional[Path], typer.Option(help="Where measurements and compile caches are kept between runs (default $XDG_CACHE_HOME/swinbench or ~/.cache/swinbench).")] = None,
+    render_only: Annotated[Optional[Path], typer.Option(help="Run nothing: render matrix.md and matrix.json in this matrix folder from its cells' records.")] = None,
+    readme: Annotated[Optional[Path], typer.Option(help="With --render-only: instead, rewrite the table between <!-- matrix:begin --> and <!-- matrix:end --> in this Markdown file.")] = None,
+):
+    """Run the Swin family matrix (models x train/infer64/infer1 x amp, fused stage, torch-compile) and write one table."""
+    from workbench.ladder.matrix import FAMILY, parse_list, run_matrix
+
+    if readme is not None and render_only is None:
+        raise _fail(UserError("--readme renders a matrix already run: give --render-only OUT too"), 2)
+    if readme is not None:
+        from workbench.results.matrix_table import update_readme_matrix
+
+        console.print(f"wrote {_call(update_readme_matrix, render_only, readme, FAMILY)}")
+        return
+    if render_only is not None:
+        from workbench.results.matrix_table import write_matrix
+
+        for path in _call(write_matrix, render_only, FAMILY, f"swinbench matrix --render-only {render_only}"):
+            console.print(f"wrote {path}")
+        return
+    from workbench.ladder.reuse import default_cache_dir
+
+    if out is None:
+        if resume:
+            raise _fail(UserError("--resume needs --out: the folder of the matrix to resume"), 2)
+        import datetime as _dt
+
+        out = Path("reports") / "runs" / f"matrix-{_dt.datetime.now():%Y%m%d-%H%M%S}"
+    _call(run_matrix, models=_call(parse_list, models, "models"), modes=_call(parse_list, modes, "modes"),
+          train_batch=train_batch, fused=fused, out_dir=out, steps=steps, warmup=warmup, device=device,
+          cache_dir=cache or default_cache_dir(), fresh=fresh, resume=resume, overwrite=overwrite, console=console)
+
+
+@app.command()
 def check(
     baseline: Annotated[list[Path], typer.Option(help="Baseline records (files or folders); repeatable.")],
     current: Annotated[list[Path], typer.Option(help="Current records (files or folders); repeatable.")],

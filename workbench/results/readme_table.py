@@ -136,25 +136,27 @@ def results_table(records, command: str | None = None, sources: list[str] | None
     return "\n".join(lines)
 
 
-def replace_between_markers(text: str, block: str, where: str = "the file") -> str:
-    """`text` with everything between BEGIN and END replaced by `block` (markers kept, each on its
-    own line). UserError unless each marker occurs exactly once, BEGIN first."""
-    nb, ne = text.count(BEGIN), text.count(END)
+def replace_between_markers(text: str, block: str, where: str = "the file", begin: str = BEGIN,
+                            end: str = END) -> str:
+    """`text` with everything between `begin` and `end` (default the results block's markers) replaced
+    by `block` (markers kept, each on its own line). UserError unless each marker occurs exactly once,
+    `begin` first."""
+    nb, ne = text.count(begin), text.count(end)
     if nb != 1 or ne != 1:
-        raise UserError(f"{where} must hold {BEGIN} and {END} once each (found {nb} and {ne})")
-    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
-    if end < start:
-        raise UserError(f"{where}: {END} comes before {BEGIN}")
-    return text[:start] + "\n" + block.strip("\n") + "\n" + text[end:]
+        raise UserError(f"{where} must hold {begin} and {end} once each (found {nb} and {ne})")
+    start, stop = text.index(begin) + len(begin), text.index(end)
+    if stop < start:
+        raise UserError(f"{where}: {end} comes before {begin}")
+    return text[:start] + "\n" + block.strip("\n") + "\n" + text[stop:]
 
 
-def table_block(text: str) -> str:
+def table_block(text: str, begin: str = BEGIN, end: str = END) -> str:
     """What `text` holds between the markers, without the surrounding newlines."""
-    replace_between_markers(text, "")  # validates the markers
-    return text[text.index(BEGIN) + len(BEGIN): text.index(END)].strip("\n")
+    replace_between_markers(text, "", begin=begin, end=end)  # validates the markers
+    return text[text.index(begin) + len(begin): text.index(end)].strip("\n")
 
 
-def _display_path(path: Path, base: Path) -> str:
+def display_path(path: Path, base: Path) -> str:
     try:
         return Path(os.path.relpath(Path(path).resolve(), base.resolve())).as_posix()
     except ValueError:  # another drive (Windows)
@@ -171,9 +173,9 @@ def render_for_readme(paths: list[Path], readme: Path) -> str:
         seen = {r.run_id for r in records}
         got = read_records([p])
         new_runs = dict.fromkeys(r.run_id for r in got if r.run_id not in seen)
-        sources += [_display_path(p, readme.parent)] * len(new_runs)
+        sources += [display_path(p, readme.parent)] * len(new_runs)
         records += got
-    command = "swinbench report " + " ".join(_display_path(p, readme.parent) for p in paths) + \
+    command = "swinbench report " + " ".join(display_path(p, readme.parent) for p in paths) + \
         f" --readme {readme.name}"
     return results_table(records, command, sources)
 

@@ -161,21 +161,22 @@ def headline_text(records, df: pd.DataFrame) -> str | None:
             "columns show what replaying it as one CUDA graph adds.")
 
 
-def best_form(records, df: pd.DataFrame, among: str = "last", graph_recipes: dict[str, str] | None = None
-              ) -> dict | None:
+def best_form(records, df: pd.DataFrame, among: str = "last", graph_recipes: dict[str, str] | None = None,
+              require_graph: bool = True) -> dict | None:
     """The fastest counted measurement (eager or graph-replayed) of the stages `among` names, against the
     strongest PyTorch-alone peer -> {stage, form, ms, x_baseline, peer, peer_form, peer_ms, x_peer}; peer:
     the fastest PyTorch-alone peer stage in either form (None without one).
 
     among='last': the fused stack in its best form: the last main-chain stage that runs swinbench kernels,
-    or a stage that extends it (a compiled form); None without graph columns. among='main': every stage of
+    or a stage that extends it (a compiled form); None without graph columns unless `require_graph` is False
+    (then the eager forms alone compete, as on the CPU). among='main': every stage of
     the run's main chain that passed the gate (the baseline and PyTorch-alone rungs such as amp included,
     peers not), with or without graph columns: the best configuration the ladder measured. graph_recipes
     ({stage: recipe that replays it as one CUDA graph}): with it, a graph-replayed form counts only for the
     stages it names (a form a recipe reproduces). None when no stage qualifies."""
     if among not in ("last", "main"):
         raise ValueError(f"among must be 'last' or 'main', got {among!r}")
-    if among == "last" and not has_graph_columns(df):
+    if among == "last" and require_graph and not has_graph_columns(df):
         return None
     records = as_records(records)
     counted = {r.stage: r for r in df.itertuples() if r.counted}

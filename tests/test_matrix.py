@@ -1,0 +1,296 @@
+"""`swinbench matrix`: planning cells, rendering the table from stored records, resuming, bad input."""
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from record_helpers import ENV, record
+from workbench.errors import UserError
+from workbench.ladder import matrix
+from workbench.models import TINY_MODEL
+from workbench.results.matrix_table import (README_BEGIN, README_END, SLOWER_MARK, matrix_markdown, matrix_rows, read_matrix,
+                                            readme_matrix_block, render_matrix_for_readme, write_matrix)
+from workbench.results.record import write_record
+
+CHAIN = ["baseline", "amp", "apex", "window", "fmha"]
+
+
+def cell_records(model="swin_tiny_patch4_window7_224", mode="train", batch=128, *, amp=(80.0, 66.0),
+                 fmha=(60.0, 24.0), peer=(34.0, 29.0), run_id="r1", cpu=False, fmha_gate="PASS"):
+    """The three stage records of one cell: (eager ms, graph ms or None) per stage, as apply writes them."""
+    out = []
+    for i, (stage, (eager, graph), alone) in enumerate([("amp", amp, True), ("fmha", fmha, False),
+                                                        ("torch-compile", peer, True)]):
+        rec = record(i, stage, {"amp": "baseline", "fmha": "window", "torch-compile": "amp"}[stage], eager,
+                     gate=fmha_gate if stage == "fmha" else "PASS")
+        rec.update(run_id=run_id, model=model, mode=mode, batch=batch, pytorch_alone=alone)
+        rec["chain"] = [{"name": n, "source": None, "passes": []} for n in
+                        (CHAIN[: CHAIN.index(stage) + 1] if stage in CHAIN else ["baseline", "amp", stage])]
+        if graph is not None:
+            rec["graph"] = {"timing": {"samples_ms": [graph] * 4, "warmup": 5, "clock": "cuda-events",
+                                       "median_ms": graph, "iqr_ms": 0.02, "repeats": 4},
+                            "img_per_s": batch / graph * 1e3, "step_ms": graph, "step_iqr_ms": 0.02,
+                            "how": "the whole step captured once and replayed as one CUDA graph"}
+        if cpu:
+            rec["env"] = {**ENV, "device_type": "cpu", "gpu": None, "driver": None, "cuda": None}
+            rec["device"] = "cpu"
+        out.append(rec)
+    return out
+
+
+def write_cell(out: Path, name: str, records) -> Path:
+    for rec in records:
+        write_record(rec, out / name / "records")
+    return out / name
+
+
+# ---------------------------------------------------------------- planning
+
+
+def test_plan_is_models_by_modes_with_per_model_training_batch():
+    cells = matrix.plan_cells(matrix.FAMILY, matrix.DEFAULT_MODES)
+    assert len(cells) == 15
+    assert [(c.mode, c.batch) for c in cells[:3]] == [("train", 128), ("infer", 64), ("infer", 1)]
+    train = {c.model: c.batch for c in cells if c.mode == "train"}
+    assert train == {m: matrix.TRAIN_BATCH[m] for m in matrix.FAMILY}
+    assert train["swin_base_patch4_window12_384"] == 32
+    assert cells[0].name == "swin_tiny_patch4_window7_224-train-b128"
+    assert cells[-1].name == "swin_base_patch4_window12_384-infer-b1"
+    assert len({c.name for c in cells}) == 15
+
+
+def test_train_batch_option_and_rule_for_unlisted_models():
+    cells = matrix.plan_cells(["swin_small_patch4_window7_224"], ["train", "infer1"], train_batch=16)
+    assert [(c.mode, c.batch) for c in cells] == [("train", 16), ("infer", 1)]
+    assert matrix.train_batch_for("swin_large_patch4_window12_384") == 32
+    assert matrix.train_batch_for("swin_base_patch4_window7_224_in22k") == 64
+    assert matrix.train_batch_for(TINY_MODEL) == 8
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(models=["swin_nope"], modes=["train"]), "unknown model 'swin_nope'"),
+    (dict(models=[TINY_MODEL], modes=["train", "infer32"]), "unknown mode 'infer32'"),
+    (dict(models=[TINY_MODEL], modes=["train"], train_batch=0), "--train-batch must be at least 1"),
+])
+def test_bad_plans_are_refused(kwargs, needle):
+    with pytest.raises(UserError, match=needle):
+        matrix.plan_cells(**kwargs)
+
+
+def test_parse_list_and_fused_check():
+    assert matrix.parse_list(" a, b ,", "models") == ["a", "b"]
+    with pytest.raises(UserError, match="empty"):
+        matrix.parse_list(" , ", "modes")
+    with pytest.raises(UserError, match="twice"):
+        matrix.parse_list("train,train", "modes")
+    with pytest.raises(UserError, match="runs PyTorch alone"):
+        matrix.check_fused("torch-compile")
+    matrix.check_fused("fmha")
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def test_row_takes_each_sides_best_form():
+    row = matrix_rows([("c", cell_records())])[0]
+    assert (row["swinbench"], row["swinbench_form"], row["swinbench_ms"]) == ("fmha", "graph-replayed", 24.0)
+    assert (row["peer"], row["peer_form"], row["peer_ms"]) == ("torch-compile", "graph-replayed", 29.0)
+    assert (row["amp_ms"], row["amp_form"]) == (66.0, "graph-replayed")
+    assert row["x_peer"] == pytest.approx(29 / 24) and row["x_amp"] == pytest.approx(66 / 24)
+    assert row["swinbench_img_per_s"] == pytest.approx(128 / 24e-3) and row["peak_mem_bytes"] == 3 * 2**30
+    assert row["gate"] == "PASS" and not row["slower"] and row["device"] == "NVIDIA H200"
+
+
+def test_slower_cell_is_marked_and_counted():
+    rows = matrix_rows([("fast", cell_records()),
+                        ("slow", cell_records("swin_base_patch4_window12_384", batch=32, fmha=(70.0, 48.0),
+                                              peer=(40.0, 29.0), run_id="r2"))])
+    assert [r["slower"] for r in rows] == [False, True]
+    text = matrix_markdown(rows, "swinbench matrix --render-only X")
+    slow_line = next(line for line in text.splitlines() if "window 12" in line)
+    assert f"**0.60x** {SLOWER_MARK}" in slow_line and "48.00 ± 0.02 (fmha, graph)" in slow_line
+    assert "slower than the strongest PyTorch-alone peer in 1 of 2 cells" in text
+    assert "lowest 0.60x (Swin-B 384 (window 12), train, batch 32)" in text
+    assert text.startswith("# swinbench matrix — NVIDIA H200") and text.rstrip().endswith("`swinbench matrix --render-only X`.")
+
+
+def test_cpu_cells_without_graph_columns_use_eager_forms_and_say_cpu():
+    rows = matrix_rows([("c", cell_records(TINY_MODEL, batch=8, amp=(9.0, None), fmha=(12.0, None),
+                                           peer=(10.0, None), cpu=True))])
+    row = rows[0]
+    assert (row["swinbench_ms"], row["swinbench_form"], row["peer_ms"], row["device"]) == (12.0, "as written", 10.0, "CPU")
+    assert row["slower"]
+    assert "CPU — not a GPU speed figure" in matrix_markdown(rows)
+
+
+def test_failed_gate_leaves_the_swinbench_side_empty():
+    row = matrix_rows([("c", cell_records(fmha_gate="FAIL"))])[0]
+    assert row["swinbench"] is None and row["x_peer"] is None and row["gate"] == "fmha FAIL"
+    assert (row["peer"], row["peer_form"], row["peer_ms"]) == ("torch-compile", "graph-replayed", 29.0)
+    assert "No cell has both" in matrix_markdown([row])
+
+
+def test_write_matrix_orders_cells_and_skips_moved_aside_runs(tmp_path):
+    write_cell(tmp_path, "b-infer", cell_records("swin_base_patch4_window7_224", "infer", 64, run_id="r3"))
+    write_cell(tmp_path, "t-infer", cell_records(mode="infer", batch=1, run_id="r2"))
+    write_cell(tmp_path, "t-train", cell_records(run_id="r1"))
+    write_cell(tmp_path, "t-train.previous-r0", cell_records(run_id="r0"))
+    md, js = write_matrix(tmp_path, matrix.FAMILY, "cmd")
+    cells = json.loads(js.read_text())["cells"]
+    assert [c["cell"] for c in cells] == ["t-train", "t-infer", "b-infer"]
+    assert md.read_text().count("| Swin-") == 3
+    with pytest.raises(UserError, match="no matrix cells"):
+        read_matrix(tmp_path / "t-train" / "records")
+
+
+# ---------------------------------------------------------------- running (run_apply mocked)
+
+
+class FakeApply:
+    """Stands in for run_apply: writes the cell's three records, measured as asked (device, steps)."""
+
+    def __init__(self, fail_on=None):
+        self.calls = []
+        self.fail_on = fail_on
+
+    def __call__(self, recipe, *, model, batch, mode, out_dir, stages, resume, **kw):
+        self.calls.append(dict(recipe=recipe, model=model, batch=batch, mode=mode, out_dir=Path(out_dir),
+                               stages=stages, resume=resume, **kw))
+        if self.fail_on == (model, mode, batch):
+            raise KeyboardInterrupt
+        for rec in cell_records(model, mode, batch, run_id=Path(out_dir).name, cpu=kw["device"] == "cpu"):
+            timing = rec["timing"]
+            timing.update(repeats=kw["steps"], warmup=kw["warmup"], samples_ms=timing["samples_ms"][:1] * kw["steps"])
+            write_record(rec, Path(out_dir) / "records")
+
+
+def test_run_matrix_runs_each_cell_into_its_folder_then_resume_skips_them(tmp_path):
+    fake = FakeApply(fail_on=(TINY_MODEL, "infer", 1))
+    out = tmp_path / "m"
+    with pytest.raises(KeyboardInterrupt):
+        matrix.run_matrix(models=[TINY_MODEL], out_dir=out, device="cpu", run_apply=fake, progress=False)
+    assert [c["out_dir"].name for c in fake.calls] == [f"{TINY_MODEL}-train-b8", f"{TINY_MODEL}-infer-b64",
+                                                       f"{TINY_MODEL}-infer-b1"]
+    assert fake.calls[0]["stages"] == ["amp", "fmha", "torch-compile"] and fake.calls[0]["recipe"] == "fmha"
+    assert fake.calls[0]["device"] == "cpu" and fake.calls[0]["steps"] == 20
+    assert len(json.loads((out / "matrix.json").read_text())["cells"]) == 2   # the finished cells, after Ctrl-C
+
+    with pytest.raises(UserError, match="holds an earlier matrix.*--resume continues it"):
+        matrix.run_matrix(models=[TINY_MODEL], out_dir=out, device="cpu", run_apply=FakeApply())
+    again = FakeApply()
+    result = matrix.run_matrix(models=[TINY_MODEL], out_dir=out, device="cpu", run_apply=again, resume=True,
+                               progress=False)
+    assert [c["out_dir"].name for c in again.calls] == [f"{TINY_MODEL}-infer-b1"]
+    assert again.calls[0]["resume"] is False   # nothing of that cell on disk: a plain run
+    assert result["skipped"] == [f"{TINY_MODEL}-train-b8", f"{TINY_MODEL}-infer-b64"]
+    assert len(json.loads((out / "matrix.json").read_text())["cells"]) == 3
+
+
+def test_cell_with_a_failed_stage_is_continued_with_apply_resume(tmp_path):
+    out = tmp_path / "m"
+    name = f"{TINY_MODEL}-train-b8"
+    recs = cell_records(TINY_MODEL, batch=8)
+    recs[1].update(status="error", error="boom")
+    write_cell(out, name, recs)
+    plan = dict(steps=4, warmup=5, on_gpu=True)   # what record_helpers' records were measured with
+    assert not matrix.cell_finished(out / name, matrix.cell_stages("fmha"), **plan)
+    recs[1].update(status="ok", error=None)
+    write_record(recs[1], out / name / "records")
+    assert matrix.cell_finished(out / name, matrix.cell_stages("fmha"), **plan)
+    assert not matrix.cell_finished(out / name, matrix.cell_stages("fmha"), **{**plan, "steps": 20})
+    assert not matrix.cell_finished(out / name, matrix.cell_stages("fmha"), **{**plan, "on_gpu": False})
+    recs[1].update(status="error", error="boom")
+    write_record(recs[1], out / name / "records")
+    fake = FakeApply()
+    matrix.run_matrix(models=[TINY_MODEL], modes=["train"], out_dir=out, device="cpu", run_apply=fake, resume=True)
+    assert fake.calls[0]["resume"] is True
+
+
+def test_a_failed_stage_does_not_stop_the_other_cells(tmp_path):
+    class Failing(FakeApply):
+        def __call__(self, recipe, **kw):
+            super().__call__(recipe, **kw)
+            if kw["mode"] == "train":
+                err = UserError("1 stage(s) failed (fmha: boom)")
+                err.result = object()
+                raise err
+
+    fake = Failing()
+    with pytest.raises(UserError, match="1 matrix cell.*fmha: boom"):
+        matrix.run_matrix(models=[TINY_MODEL], out_dir=tmp_path / "m", device="cpu", run_apply=fake)
+    assert len(fake.calls) == 3
+    assert len(json.loads((tmp_path / "m" / "matrix.json").read_text())["cells"]) == 3
+
+
+# ---------------------------------------------------------------- the command
+
+
+def test_cli_bad_input_is_one_line_exit_2(tmp_path):
+    from cli import app
+
+    runner = CliRunner()
+    for args, needle in ((["--models", "swin_nope"], "unknown model"), (["--modes", "train,warp"], "unknown mode"),
+                         (["--train-batch", "0"], "at least 1"), (["--modes", ","], "empty"),
+                         (["--fused", "amp"], "PyTorch alone"), (["--resume"], "--resume needs --out"),
+                         (["--render-only", str(tmp_path)], "no matrix cells")):
+        res = runner.invoke(app, ["matrix", "--device", "cpu", "--out", str(tmp_path / "o"), *args]
+                            if args[0] != "--resume" else ["matrix", "--device", "cpu", *args])
+        assert res.exit_code == 2, (args, res.output)
+        assert needle in res.output and len(res.output.strip().splitlines()) == 1, res.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_render_only(tmp_path):
+    from cli import app
+
+    write_cell(tmp_path, "t-train", cell_records())
+    res = CliRunner().invoke(app, ["matrix", "--render-only", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert "matrix.md" in res.output and (tmp_path / "matrix.json").is_file()
+
+
+# ---------------------------------------------------------------- the README's block
+
+
+def readme_command(block: str) -> list[str]:
+    line = next(line for line in block.splitlines() if line.startswith("Rendered by `"))
+    return line.split("`")[1].split()
+
+
+def test_readme_matrix_block_is_what_its_records_render():
+    """When README.md holds the matrix block, it is what its cells' committed records render."""
+    readme = Path(__file__).resolve().parent.parent / "README.md"
+    text = readme.read_text(encoding="utf-8")
+    if README_BEGIN not in text:
+        pytest.skip("README.md holds no matrix block yet (a GPU session renders it)")
+    block = readme_matrix_block(text)
+    argv = readme_command(block)
+    assert argv[:3] == ["swinbench", "matrix", "--render-only"] and argv[-2:] == ["--readme", "README.md"], argv
+    assert render_matrix_for_readme(readme.parent / argv[3], readme, matrix.FAMILY).strip("\n") == block, (
+        "README.md's matrix differs from its records: run " + " ".join(argv))
+
+
+def test_cli_rewrites_only_the_matrix_block(tmp_path):
+    from cli import app
+
+    out = tmp_path / "reports" / "m"
+    write_cell(out, "t-train", cell_records())
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# t\n\nbefore\n{README_BEGIN}\nstale table\n{README_END}\nafter ü\n", encoding="utf-8")
+    runner = CliRunner()
+    res = runner.invoke(app, ["matrix", "--render-only", str(out), "--readme", str(readme)])
+    assert res.exit_code == 0, res.output
+    text = readme.read_text(encoding="utf-8")
+    assert text.startswith(f"# t\n\nbefore\n{README_BEGIN}\n**swinbench matrix — NVIDIA H200**\n")
+    assert text.endswith(f"--readme README.md`. Do not edit by hand.\n{README_END}\nafter ü\n") and "stale table" not in text
+    block = readme_matrix_block(text)
+    assert readme_command(block) == ["swinbench", "matrix", "--render-only", "reports/m", "--readme", "README.md"]
+    assert render_matrix_for_readme(out, readme).strip("\n") == block
+    assert runner.invoke(app, ["matrix", "--render-only", str(out), "--readme", str(readme)]).exit_code == 0
+    assert readme.read_text(encoding="utf-8") == text
+    readme.write_text("no markers\n")
+    res = runner.invoke(app, ["matrix", "--render-only", str(out), "--readme", str(readme)])
+    assert res.exit_code == 2 and "matrix:begin" in res.output and len(res.output.strip().splitlines()) == 1
+    res = runner.invoke(app, ["matrix", "--readme", str(readme)])
+    assert res.exit_code == 2 and "--render-only" in res.output

@@ -1,0 +1,226 @@
+"""`swinbench matrix`: the Swin family, models x modes x {amp, the fused stage, the PyTorch-alone peer}.
+
+A cell is one model in one mode at one batch: training at the model's training batch
+(TRAIN_BATCH, or --train-batch), inference at 64 and at 1. Each cell is one `run_apply` call with the
+stages amp, the fused swinbench stage (fmha unless --fused names another) and torch-compile (the
+strongest PyTorch-alone peer; its graph-replayed form is the whole compiled step in one CUDA graph), into
+`<out>/<model>-<mode>-b<batch>/` with its own records and report.md. So a matrix cut short keeps every
+finished cell, `resume` continues it (a cell whose records are all finished is skipped; a cell cut short
+is continued with apply's own resume), and the measurement cache (`reuse.py`) makes a rerun cheap.
+After every cell, `<out>/matrix.md` and `<out>/matrix.json` are rendered again from the cells' stored
+records (`results/matrix_table.py`).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from workbench.errors import UserError
+from workbench.models import TINY_MODEL, check_model_name
+from workbench.results.matrix_table import MATRIX_JSON, MATRIX_MD, write_matrix
+from workbench.results.record import read_records
+from workbench.run_folder import run_entries
+
+# The family the matrix runs by default on a GPU (Swin v1: the four sizes at window 7 / 224 px and the
+# window-12 model at 384 px that fine-tuning uses most).
+FAMILY = [
+    "swin_tiny_patch4_window7_224",
+    "swin_small_patch4_window7_224",
+    "swin_base_patch4_window7_224",
+    "swin_large_patch4_window7_224",
+    "swin_base_patch4_window12_384",
+]
+# Training batch per model: the batches swinbench's training figures are quoted at (Swin-T 128, Swin-B
+# and -L 64), Swin-S as Swin-T, and half of Swin-B's at 384 px, where a step holds about three times the
+# tokens. A model not named here takes train_batch_for's rule.
+TRAIN_BATCH = {
+    "swin_tiny_patch4_window7_224": 128,
+    "swin_small_patch4_window7_224": 128,
+    "swin_base_patch4_window7_224": 64,
+    "swin_large_patch4_window7_224": 64,
+    "swin_base_patch4_window12_384": 32,
+    TINY_MODEL: 8,   # the CPU demo: a few images keep a CPU cell short
+}
+# mode name -> (apply's mode, batch; None: the model's training batch)
+MODES = {"train": ("train", None), "infer64": ("infer", 64), "infer1": ("infer", 1)}
+DEFAULT_MODES = ["train", "infer64", "infer1"]
+DEFAULT_FUSED = "fmha"
+PEER = "torch-compile"
+AMP = "amp"
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One apply run of the matrix: `mode` is apply's ('train' or 'infer'), `name` its folder's name."""
+
+    model: str
+    mode: str
+    batch: int
+    name: str
+
+
+def train_batch_for(model: str) -> int:
+    """TRAIN_BATCH's entry; otherwise 32 at 384 px, 64 for base and large, 128 for the rest."""
+    if model in TRAIN_BATCH:
+        return TRAIN_BATCH[model]
+    if model.endswith("_384"):
+        return 32
+    return 64 if re.search(r"_(base|large)_", model) else 128
+
+
+def cell_name(model: str, mode: str, batch: int) -> str:
+    return f"{model}-{mode}-b{batch}"
+
+
+def parse_list(text: str | list[str] | None, what: str) -> list[str] | None:
+    """'a,b' -> ['a', 'b']; None stays None; UserError for an empty list or a name given twice."""
+    if text is None:
+        return None
+    items = [s.strip() for s in (text.split(",") if isinstance(text, str) else text)]
+    items = [s for s in items if s]
+    if not items:
+        raise UserError(f"--{what} is empty: give names separated by commas")
+    dup = sorted({s for s in items if items.count(s) > 1})
+    if dup:
+        raise UserError(f"--{what} names {dup[0]!r} twice")
+    return items
+
+
+def plan_cells(models: list[str], modes: list[str], train_batch: int | None = None) -> list[Cell]:
+    """models x modes -> cells in that order. train_batch: every model's training batch instead of
+    train_batch_for. UserError (before anything runs) for an unknown model or mode or a batch < 1."""
+    if train_batch is not None and (isinstance(train_batch, bool) or train_batch < 1):
+        raise UserError(f"--train-batch must be at least 1, got {train_batch}")
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise UserError(f"unknown mode {bad[0]!r} in --modes: choose from {', '.join(MODES)}")
+    for model in models:
+        check_model_name(model)
+    cells = []
+    for model in models:
+        for name in modes:
+            mode, batch = MODES[name]
+            batch = batch or train_batch or train_batch_for(model)
+            cells.append(Cell(model, mode, batch, cell_name(model, mode, batch)))
+    return cells
+
+
+def check_fused(fused: str) -> None:
+    """UserError unless `fused` is a recipe that runs swinbench kernels (not amp, not a PyTorch-alone peer)."""
+    from workbench.optimize.recipes import RecipeBook, is_pytorch_alone
+
+    chain = RecipeBook().chain(fused)
+    if is_pytorch_alone(chain):
+        raise UserError(f"--fused {fused} runs PyTorch alone: name a swinbench stage (fmha, block, ...)")
+
+
+def cell_stages(fused: str) -> list[str]:
+    return [AMP, fused, PEER]
+
+
+def cell_finished(folder: Path, stages: list[str], *, steps: int, warmup: int, on_gpu: bool) -> bool:
+    """Whether folder's records hold every stage, each finished (ok or not available, as apply's resume
+    keeps them) under this plan: measured with these steps and warm-up on this device kind. A cell that
+    differs is not skipped: apply's resume then says, in one line, what differs."""
+    records_dir = folder / "records"
+    if not records_dir.is_dir() or not any(records_dir.glob("*.json")):
+        return False
+    try:
+        records = read_records([records_dir])
+    except UserError:
+        return False
+    done = set()
+    for r in records:
+        if r.env.on_gpu != on_gpu or r.status not in ("ok", "not available"):
+            continue
+        if r.ok and r.timing is not None and (r.timing.repeats, r.timing.warmup) != (steps, warmup):
+            continue
+        done.add(r.stage)
+    return all(s in done for s in stages)
+
+
+def _started(out_dir: Path) -> list[str]:
+    """The entries of out_dir that an earlier matrix wrote: its tables and cell folders holding a run."""
+    if not out_dir.is_dir():
+        return []
+    names = [p.name for p in sorted(out_dir.iterdir())
+             if p.name in (MATRIX_MD, MATRIX_JSON) or (p.is_dir() and run_entries(p))]
+    return names
+
+
+def run_matrix(*, models: list[str] | None = None, modes: list[str] | None = None, train_batch: int | None = None,
+               fused: str = DEFAULT_FUSED, out_dir: Path, steps: int = 20, warmup: int = 5, device: str = "auto",
+               cache_dir: Path | None = None, fresh: bool = False, resume: bool = False, overwrite: bool = False,
+               console=None, progress: bool = True, run_apply=None) -> dict:
+    """Run every cell (one `run_apply` each) and render matrix.md / matrix.json in out_dir.
+
+    models: default FAMILY on a GPU, the tiny CPU Swin on the CPU. modes: names of MODES (default
+    DEFAULT_MODES). A folder holding an earlier matrix is refused (one line) unless `resume` (skip the
+    finished cells, continue the others with apply's resume) or `overwrite` (each cell's earlier files
+    are moved aside by apply). A cell whose stage fails is reported and the others still run; the
+    failures raise UserError at the end, after the table is written. run_apply: for tests.
+    -> {"cells": [Cell], "ran": [names], "skipped": [names], "failed": {name: message}, "matrix": md path}."""
+    from rich.console import Console
+
+    from workbench.optimize.workload import pick_device, resolve_device
+
+    console = console or Console()
+    if run_apply is None:
+        from workbench.ladder.apply import run_apply
+    if steps < 1 or warmup < 0:
+        raise UserError("--steps must be at least 1 and --warmup at least 0")
+    if resume and overwrite:
+        raise UserError("--resume continues the matrix in --out and --overwrite moves it aside: give one")
+    device = pick_device(device)
+    on_gpu = resolve_device(device).type == "cuda"
+    models = models or (list(FAMILY) if on_gpu else [TINY_MODEL])
+    modes = modes or list(DEFAULT_MODES)
+    check_fused(fused)
+    cells = plan_cells(models, modes, train_batch)
+    stages = cell_stages(fused)
+    out_dir = Path(out_dir)
+    earlier = _started(out_dir)
+    if earlier and not (resume or overwrite):
+        listed = ", ".join(earlier[:3]) + (", ..." if len(earlier) > 3 else "")
+        raise UserError(f"{out_dir} holds an earlier matrix ({listed}); nothing was changed: --resume continues it, "
+                        "--overwrite moves each cell's files aside, or choose another --out")
+    if not on_gpu:
+        console.print("[yellow]note:[/] CPU matrix: the step times show the workflow, not what the stages do on a "
+                      "GPU (torch-compile compiles with Inductor on the CPU: slow)")
+    ran, skipped, failed = [], [], {}
+
+    def render() -> Path | None:
+        if not any((out_dir / c.name / "records").glob("*.json") for c in cells):
+            return None
+        return write_matrix(out_dir, model_order=models, command=f"swinbench matrix --render-only {out_dir}",
+                            names=[c.name for c in cells])[0]
+
+    try:
+        for i, cell in enumerate(cells, 1):
+            folder = out_dir / cell.name
+            head = f"matrix cell {i}/{len(cells)}: {cell.model}, {cell.mode}, batch {cell.batch}"
+            if resume and cell_finished(folder, stages, steps=steps, warmup=warmup, on_gpu=on_gpu):
+                skipped.append(cell.name)
+                console.print(f"{head}: finished in an earlier run, kept", highlight=False)
+                continue
+            console.print(f"{head} -> {folder}", highlight=False)
+            try:
+                run_apply(fused, model=cell.model, batch=cell.batch, steps=steps, warmup=warmup, device=device,
+                          out_dir=folder, stages=list(stages), mode=cell.mode, resume=resume and bool(run_entries(folder)),
+                          overwrite=overwrite, cache_dir=cache_dir, fresh=fresh, console=console, progress=progress)
+            except UserError as exc:
+                if getattr(exc, "result", None) is None:   # not a stage failure: the plan itself is wrong
+                    raise
+                failed[cell.name] = str(exc)
+            ran.append(cell.name)
+            render()
+    finally:
+        md = render()   # also after Ctrl-C or a refused cell: the table holds what finished
+        if md is not None:
+            console.print(f"matrix: {md} ({len(ran)} cell(s) run, {len(skipped)} kept)", highlight=False)
+    if failed:
+        name, message = next(iter(failed.items()))
+        raise UserError(f"{len(failed)} matrix cell(s) had a failed stage ({name}: {message}); the table {md} "
+                        "shows them")
+    return {"cells": cells, "ran": ran, "skipped": skipped, "failed": failed, "matrix": md}
