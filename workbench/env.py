@@ -12,7 +12,8 @@ import torch
 from workbench import SOURCE_ROOT
 
 
-def _version(module: str) -> str | None:
+def module_version(module: str) -> str | None:
+    """The installed version of `module` ('3.6.0'), None when it does not import or says none."""
     try:
         mod = __import__(module)
     except Exception:
@@ -64,6 +65,11 @@ def source_digest(root=SOURCE_ROOT) -> str:
     return h.hexdigest()[:12]
 
 
+def swinbench_settings() -> dict[str, str]:
+    """The SWINBENCH_* debug settings of this environment (docs/debugging.md), sorted by name."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("SWINBENCH_")}
+
+
 def _triton_launcher() -> str | None:
     """How eager code launches the Triton kernels (workbench.kernels._common.launcher_name), None without Triton."""
     try:
@@ -97,8 +103,8 @@ def environment_stamp(device: str | torch.device = "cuda") -> dict:
         "cuda": torch.version.cuda,
         "cpu": platform.processor() or platform.machine(),
         "torch": torch.__version__,
-        "triton": _version("triton"),
-        "timm": _version("timm"),
+        "triton": module_version("triton"),
+        "timm": module_version("timm"),
         "python": platform.python_version(),
         "host": socket.gethostname(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -106,7 +112,7 @@ def environment_stamp(device: str | torch.device = "cuda") -> dict:
         "swinbench_source": source_digest(),
         "triton_launcher": _triton_launcher(),
         "pdl": _pdl(),
-        "swinbench_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SWINBENCH_")},
+        "swinbench_env": swinbench_settings(),
     }
     if on_gpu:
         props = torch.cuda.get_device_properties(dev)

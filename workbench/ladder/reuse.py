@@ -27,7 +27,7 @@ import platform
 import subprocess
 from pathlib import Path
 
-from workbench.env import source_digest
+from workbench.env import module_version, source_digest, swinbench_settings
 from workbench.errors import UserError
 from workbench.files import atomic_write_text
 from workbench.results.record import read_record
@@ -36,13 +36,6 @@ from workbench.results.record import read_record
 def default_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "swinbench"
-
-
-def _version(module: str) -> str | None:
-    try:
-        return getattr(__import__(module), "__version__", None)
-    except Exception:
-        return None
 
 
 def gpu_identity() -> tuple[str, str] | None:
@@ -65,9 +58,9 @@ def machine_conditions(gpu: tuple[str, str]) -> dict:
     and its debug settings."""
     import torch
 
-    return {"gpu": list(gpu), "torch": torch.__version__, "triton": _version("triton"), "timm": _version("timm"),
-            "python": platform.python_version(), "swinbench_source": source_digest(),
-            "swinbench_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SWINBENCH_")}}
+    return {"gpu": list(gpu), "torch": torch.__version__, "triton": module_version("triton"),
+            "timm": module_version("timm"), "python": platform.python_version(), "swinbench_source": source_digest(),
+            "swinbench_env": swinbench_settings()}
 
 
 def stage_key(chain: list[dict], config: dict, *, steps: int, warmup: int, profile: bool, machine: dict) -> str:
