@@ -266,9 +266,11 @@ def _check_inputs_before_apply(check_against, thresholds, max_regression) -> flo
 
 @app.command()
 def train(
-    recipe: Annotated[Optional[str], typer.Option(help="Recipe to train with (name or YAML file). Default: amp on a GPU (the recipe shown to train like the fp32 baseline), baseline on the CPU.")] = None,
+    recipe: Annotated[Optional[str], typer.Option(help="Recipe to train with (name or YAML file). Default: amp on a GPU (PyTorch's own bf16 autocast), baseline on the CPU.")] = None,
     compare: Annotated[Optional[str], typer.Option(help="Comma-separated recipes to train on the same data order and seeds (e.g. baseline,amp,fmha-graph); the baseline runs with --baseline-seeds seeds and every other recipe gets a parity verdict in report.md.")] = None,
     baseline_seeds: Annotated[Optional[int], typer.Option(help="With --compare: seeds of the baseline, whose spread the parity rule measures (default 2, at least 2).")] = None,
+    seeds: Annotated[int, typer.Option(help="Seeds of each recipe (with --compare: of every recipe but the reference, whose seeds are --baseline-seeds or this, the larger); parity holds the mean over a recipe's seeds against the reference.")] = 1,
+    reference: Annotated[Optional[str], typer.Option(help="With --compare: the recipe the others are held against (default baseline, fp32); e.g. amp to see what swinbench's kernels change at the same precision.")] = None,
     model: Model = None,
     data: Annotated[Optional[Path], typer.Option(help="An ImageFolder (class folders, or train/ and val/ of them). Default: the handwritten digits shipped with swinbench (1,797 images, 10 classes), upsampled to the model's input size.")] = None,
     steps: Annotated[Optional[int], typer.Option(help="Optimizer steps per run (instead of --epochs).")] = None,
@@ -292,7 +294,7 @@ def train(
     from workbench.train.loop import TrainConfig, command_line, run_train
 
     config = TrainConfig(model=model, recipe=recipe, compare=compare.split(",") if compare is not None else None,
-                         baseline_seeds=baseline_seeds, steps=steps, epochs=epochs, batch=batch, lr=lr,
+                         baseline_seeds=baseline_seeds, seeds=seeds, reference=reference, steps=steps, epochs=epochs, batch=batch, lr=lr,
                          weight_decay=weight_decay, label_smoothing=label_smoothing, clip_grad=clip_grad, seed=seed,
                          data=data, workers=workers, device=device, command=command_line(), nproc=nproc, nnodes=nnodes,
                          rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)

@@ -3,6 +3,7 @@ the command end to end on a few CPU steps (records, curves, report, parity verdi
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from typer.testing import CliRunner
 from cli import app
 from workbench.train.data import DIGITS_TRAIN, DigitsData, load_digits
 from workbench.train.parity import ACCURACY_POINTS, baseline_spread, parity, smooth, smoothing_window
-from workbench.train.report import read_runs
+from workbench.train.report import RunRecords, read_runs
 
 runner = CliRunner()
 
@@ -130,6 +131,35 @@ def test_compare_gives_each_recipe_a_parity_verdict_with_the_measured_spread(tmp
     assert "amp" in output and "reference" in output
 
 
+def test_a_reference_other_than_the_baseline_and_several_seeds_per_recipe(tmp_path):
+    out = tmp_path / "ref"
+    output = train(tmp_path, "--compare", "baseline,amp", "--reference", "amp", "--baseline-seeds", "2", "--seeds", "2",
+                   "--steps", "5", "--out", str(out))
+    runs = read_runs(out / "records")
+    assert [(r.recipe, r.seed) for r in runs] == [("amp", 0), ("amp", 1), ("baseline", 0), ("baseline", 1)]
+    assert all(r.header["reference"] == "amp" for r in runs)
+    report = (out / "report.md").read_text()
+    assert "## Parity with `amp`" in report and "Measured on `amp` (2 seeds)" in report
+    assert "| baseline | 0, 1 |" in report and "reference spread" in report and "the baseline" not in report
+    assert "reference" in output
+
+
+def test_parity_holds_the_mean_of_a_recipes_seeds_against_the_reference(tmp_path):
+    """Two seeds of a recipe that sit on either side of the reference average out; one of them alone fails."""
+    from workbench.train.report import compare_runs
+
+    def run(recipe, seed, curve, acc):
+        return RunRecords(Path(f"{recipe}{seed}"), {"recipe": recipe, "seed": seed, "reference": "ref"},
+                          [{"loss": v} for v in curve], [{"val_acc": acc}], {"status": "ok"})
+
+    ref = [run("ref", s, noisy_curve(s), 90.0 + 0.1 * s) for s in range(3)]
+    lo, hi = (run("r", s, noisy_curve(10 + s, offset=d), 90.1 + d) for s, d in ((0, -0.4), (1, 0.4)))
+    both = compare_runs(ref + [lo, hi]).parity["r"]
+    alone = compare_runs(ref + [lo]).parity["r"]
+    assert both.loss_ok and both.accuracy_ok
+    assert not alone.loss_ok
+
+
 def test_an_earlier_run_is_refused_then_moved_aside_with_overwrite(tmp_path):
     out = tmp_path / "run"
     train(tmp_path, "--steps", "2", "--out", str(out))
@@ -163,6 +193,9 @@ def test_an_image_folder_trains(tmp_path):
     (["--compare", "amp,amp"], "names 'amp' twice"),
     (["--compare", "baseline,amp", "--baseline-seeds", "1"], "at least 2"),
     (["--baseline-seeds", "3"], "goes with --compare"),
+    (["--reference", "amp"], "goes with --compare"),
+    (["--compare", "amp", "--reference", "nope"], "unknown recipe"),
+    (["--seeds", "0"], "--seeds must be"),
     (["--steps", "0"], "--steps must be"),
     (["--batch", "0"], "--batch must be"),
     (["--batch", "5000"], "larger than the 1200 training images"),

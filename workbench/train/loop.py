@@ -45,6 +45,7 @@ from workbench.train.progress import TrainProgress
 
 SCHEMA = "swinbench.train/1"
 DEFAULT_EPOCHS = 5
+MAX_SEEDS = 100
 WARMUP_SHARE = 0.05          # of the steps, linear warm-up of the learning rate
 
 
@@ -55,7 +56,9 @@ class TrainConfig:
     model: str | None = None
     recipe: str | None = None              # one recipe (default: amp on a GPU, baseline on the CPU)
     compare: list[str] | None = None       # several recipes; the baseline joins them with baseline_seeds seeds
-    baseline_seeds: int | None = None      # with compare: default 2, at least 2
+    baseline_seeds: int | None = None      # with compare: the reference's seeds, default 2, at least 2
+    seeds: int = 1                         # seeds of every run (with compare: of each recipe but the reference)
+    reference: str | None = None           # with compare: the recipe whose seeds' spread parity measures
     steps: int | None = None
     epochs: int | None = None              # default DEFAULT_EPOCHS when steps is not given
     batch: int = 64
@@ -109,9 +112,13 @@ class TrainConfig:
             raise UserError(f"--clip-grad must be a finite number >= 0 (0: off), got {short_repr(self.clip_grad)}")
         if self.workers < 0:
             raise UserError(f"--workers must be >= 0, got {self.workers}")
+        if not (isinstance(self.seeds, int) and 1 <= self.seeds <= MAX_SEEDS):
+            raise UserError(f"--seeds must be between 1 and {MAX_SEEDS}, got {short_repr(self.seeds)}")
         if self.compare is None:
             if self.baseline_seeds is not None:
                 raise UserError("--baseline-seeds goes with --compare (the seeds that measure the baseline's spread)")
+            if self.reference is not None:
+                raise UserError("--reference goes with --compare (the recipe the others are held against)")
         else:
             if not self.compare:
                 raise UserError("--compare is empty: give recipe names separated by commas")
@@ -122,6 +129,8 @@ class TrainConfig:
                 raise UserError(f"--compare names {short_repr(dup[0])} twice")
             if self.baseline_seeds is None:
                 self.baseline_seeds = 2
+            if self.baseline_seeds > MAX_SEEDS:
+                raise UserError(f"--baseline-seeds must be at most {MAX_SEEDS}, got {self.baseline_seeds}")
             if self.baseline_seeds < 2:
                 raise UserError(f"--baseline-seeds must be at least 2 (the spread of one seed is nothing), "
                                 f"got {self.baseline_seeds}")
@@ -220,7 +229,7 @@ def train_run(config: TrainConfig, recipe: str, seed: int, data, model_name: str
     header = {"kind": "run", "schema": SCHEMA, "recipe": name, "recipe_ref": recipe, "seed": seed,
               "model": model_name, "input_size": list(input_size(model)), "data": data.describe(),
               "batch": config.batch, "world_size": world, "global_batch": config.batch * world,
-              "steps": total, "steps_per_epoch": steps_per_epoch,
+              "steps": total, "steps_per_epoch": steps_per_epoch, "reference": reference_name(config),
               "optimizer": {"lr": config.lr, "weight_decay": config.weight_decay},
               "schedule": f"linear warm-up over {max(1, round(WARMUP_SHARE * total))} steps, cosine to 0",
               "label_smoothing": config.label_smoothing, "clip_grad": config.clip_grad or None,
@@ -316,17 +325,25 @@ def plan_runs(config: TrainConfig, on_gpu: bool) -> tuple[list[tuple[str, int]],
 
 def _plan_runs(config: TrainConfig, on_gpu: bool) -> tuple[list[tuple[str, int]], list[str]]:
     notes = []
+    seeds = range(config.seed, config.seed + config.seeds)
     if config.compare is None:
-        # the default is the fastest recipe whose committed comparison shows it training like the baseline
+        # the default is PyTorch's own bf16 autocast: no swinbench kernel between the user and their loss
         recipe = config.recipe or ("amp" if on_gpu else "baseline")
         resolve_chain(recipe)
-        return [(recipe, config.seed)], notes
+        return [(recipe, s) for s in seeds], notes
+    reference = config.reference or "baseline"
+    ref_name = resolve_chain(reference)[-1].name
     names = [resolve_chain(r)[-1].name for r in config.compare]
-    if "baseline" not in names:
-        notes.append("the baseline joins --compare: parity is measured against it")
-    others = [r for r, n in zip(config.compare, names) if n != "baseline"]
-    runs = [("baseline", config.seed + i) for i in range(config.baseline_seeds)]
-    return runs + [(r, config.seed) for r in others], notes
+    if ref_name not in names:
+        notes.append(f"{ref_name} joins --compare: parity is measured against it")
+    others = [r for r, n in zip(config.compare, names) if n != ref_name]
+    runs = [(reference, config.seed + i) for i in range(max(config.baseline_seeds, config.seeds))]
+    return runs + [(r, s) for r in others for s in seeds], notes
+
+
+def reference_name(config: TrainConfig) -> str:
+    """The recipe name parity is measured against: --reference's, or the baseline."""
+    return resolve_chain(config.reference)[-1].name if config.reference else "baseline"
 
 
 def run_train(config: TrainConfig, *, out_dir: Path | None = None, overwrite: bool = False, console=None,

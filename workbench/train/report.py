@@ -76,15 +76,32 @@ def read_runs(records_dir: Path) -> list[RunRecords]:
 
 @dataclass
 class Comparison:
-    """The baseline's spread (None without two finished baseline seeds) and each other run's parity."""
+    """The reference's spread (None without two of its finished seeds) and each other recipe's parity: the
+    mean of its seeds' loss curves and final accuracies held against the reference."""
 
+    reference: str                          # the recipe name parity is measured against
     spread: BaselineSpread | None
-    baseline: list[RunRecords]
-    parity: dict[str, Parity]               # by record file name
+    baseline: list[RunRecords]              # the reference's finished seeds
+    parity: dict[str, Parity]               # by recipe name
+
+
+def reference_of(runs: list[RunRecords]) -> str:
+    """The recipe the runs were compared against (their headers say; records before --reference: baseline)."""
+    return runs[0].header.get("reference") or "baseline" if runs else "baseline"
+
+
+def reference_label(reference: str) -> str:
+    return "the baseline" if reference == "baseline" else f"`{reference}`"
+
+
+def _mean_curve(curves: list[list[float]]) -> list[float]:
+    n = min(len(c) for c in curves)
+    return [sum(c[i] for c in curves) / len(curves) for i in range(n)]
 
 
 def compare_runs(runs: list[RunRecords]) -> Comparison:
-    base = [r for r in runs if r.recipe == "baseline" and r.status == "ok"]
+    reference = reference_of(runs)
+    base = [r for r in runs if r.recipe == reference and r.status == "ok"]
     spread = None
     if len(base) >= 2:
         try:
@@ -93,10 +110,15 @@ def compare_runs(runs: list[RunRecords]) -> Comparison:
             spread = None
     out = {}
     if spread is not None:
-        for r in runs:
-            if r.recipe != "baseline" and r.status in ("ok", "diverged"):
-                out[r.path.name] = parity(r.losses, r.final_accuracy, spread, [b.losses for b in base])
-    return Comparison(spread, base, out)
+        for recipe in dict.fromkeys(r.recipe for r in runs if r.recipe != reference):
+            group = [r for r in runs if r.recipe == recipe and r.status in ("ok", "diverged")]
+            if not group:
+                continue
+            accuracies = [r.final_accuracy for r in group]
+            accuracy = (None if any(a is None for a in accuracies) or any(r.status != "ok" for r in group)
+                        else sum(accuracies) / len(accuracies))
+            out[recipe] = parity(_mean_curve([r.losses for r in group]), accuracy, spread, [b.losses for b in base])
+    return Comparison(reference, spread, base, out)
 
 
 def _fmt(x, digits: int = 3) -> str:
@@ -146,45 +168,51 @@ def summary_rows(records_dir: Path | None = None, runs: list[RunRecords] | None 
                              any(r.img_per_s for r in done) else None, 1),
                "loss distance": "-", "baseline spread": "-", "val acc Δ": "-", "parity": ""}
         not_done = [r for r in group if r.status not in ("ok", "diverged")]
-        if recipe == "baseline" and comparison.spread is not None:
+        if recipe == comparison.reference and comparison.spread is not None:
             s = comparison.spread
             row["baseline spread"] = f"{s.spread_mean:.4f}" + ("" if short else f" (max {s.spread_max:.4f})")
             row["parity"] = ("reference" if short else
                              f"reference ({s.seeds} seeds; accuracy spread {s.accuracy_spread:.2f} points)")
-        elif recipe == "baseline":
+        elif recipe == comparison.reference:
             row["parity"] = "reference" + (" (one seed: no spread)" if len(done) == 1 else "")
-        for r in done:
-            p = comparison.parity.get(r.path.name)
-            if p is not None:
-                row["loss distance"] = _fmt(p.distance_mean, 4)
-                row["baseline spread"] = _fmt(p.spread_mean, 4)
-                row["val acc Δ"] = "-" if p.accuracy_delta is None else f"{p.accuracy_delta:+.2f}"
-                failed = [what for what, ok in (("loss", p.loss_ok), ("accuracy", p.accuracy_ok)) if not ok]
-                row["parity"] = ("PASS" if not failed else f"FAIL ({', '.join(failed)})" if short else
-                                 "FAIL: " + p.verdict.removeprefix("differs: "))
-            elif r.status == "diverged":
-                row["parity"] = f"diverged: {(r.end or {}).get('reason')}"
+        p = comparison.parity.get(recipe)
+        diverged = [r for r in done if r.status == "diverged"]
+        if p is not None:
+            row["loss distance"] = _fmt(p.distance_mean, 4)
+            row["baseline spread"] = _fmt(p.spread_mean, 4)
+            row["val acc Δ"] = "-" if p.accuracy_delta is None else f"{p.accuracy_delta:+.2f}"
+            failed = [what for what, ok in (("loss", p.loss_ok), ("accuracy", p.accuracy_ok)) if not ok]
+            row["parity"] = ("PASS" if not failed else f"FAIL ({', '.join(failed)})" if short else
+                             "FAIL: " + p.verdict.removeprefix("differs: ").replace(
+                                 "the baseline", reference_label(comparison.reference)))
+        if diverged:
+            row["parity"] = f"diverged: {(diverged[0].end or {}).get('reason')}"
+        if done and not_done and row["parity"]:
+            row["parity"] += f" ({len(done)} of {len(group)} seeds finished)"
         if not_done and not done:
             why = "" if short else (not_done[0].end or {}).get("reason") or ""
             row["parity"] = f"{not_done[0].status}: {why}".rstrip(": ")
         rows.append(row)
-    if len(order) == 1 and comparison.spread is None:   # one recipe: nothing to compare
+    if len(order) == 1 and not comparison.parity:   # one recipe: nothing to compare
         for row in rows:
             for col in ("loss distance", "baseline spread", "val acc Δ", "parity"):
                 del row[col]
+    if comparison.reference != "baseline":
+        rows = [{("reference spread" if k == "baseline spread" else k): v for k, v in row.items()} for row in rows]
     if short:   # a terminal's width: the spread goes on a line of its own (spread_line)
         names = {"final loss": "loss", "loss distance": "distance"}
-        rows = [{names.get(k, k): v for k, v in row.items() if k not in ("seeds", "baseline spread", "val acc Δ")}
+        rows = [{names.get(k, k): v for k, v in row.items() if k not in ("seeds", "baseline spread", "reference spread", "val acc Δ")}
                 for row in rows]
     return rows
 
 
 def spread_line(records_dir: Path) -> str | None:
     """The baseline's measured spread in one line (None without two finished seeds)."""
-    s = compare_runs(read_runs(records_dir)).spread
+    comparison = compare_runs(read_runs(records_dir))
+    s = comparison.spread
     if s is None:
         return None
-    return (f"baseline spread over {s.seeds} seeds: smoothed loss (trailing mean of {s.window} steps) "
+    return (f"{comparison.reference} spread over {s.seeds} seeds: smoothed loss (trailing mean of {s.window} steps) "
             f"{s.spread_mean:.4f} on average, {s.spread_max:.4f} at most; final val accuracy "
             f"{', '.join(f'{a:.2f}' for a in s.accuracies)} % ({s.accuracy_spread:.2f} points apart)")
 
@@ -256,36 +284,38 @@ def render_train_report(records_dir: Path, out: Path | None = None) -> str:
              f"{_batch_words(h)}" + (" (CPU: the img/s are not GPU figures)" if cpu else f", {env.get('gpu')}"))
     parts = [title, "", _markdown_table(summary_rows(runs=runs)), "", "![loss and validation accuracy](curves.png)", ""]
     s = comparison.spread
+    ref = reference_label(comparison.reference)
     if s is not None:
         parts += [
-            "## Parity with the baseline", "",
-            f"A recipe converges like the baseline when its loss curve stays within the baseline's spread across "
-            f"seeds and its final validation accuracy is within {ACCURACY_POINTS} points of the baseline's mean "
-            f"(docs/training.md). Loss curves are smoothed with a trailing mean over {s.window} steps and compared "
-            f"from step {s.first + 1} to {s.steps}: at each step the spread is the range of the {s.seeds} baseline "
-            f"seeds' smoothed losses, and a recipe passes when its mean distance from the seeds' mean is at most the "
-            f"mean spread.", "",
-            f"Measured on the baseline ({s.seeds} seeds): spread of the smoothed loss {s.spread_mean:.4f} on average, "
+            f"## Parity with {ref}", "",
+            f"A recipe converges like {ref} when its loss curve stays within {ref}'s spread across seeds and its "
+            f"final validation accuracy is within {ACCURACY_POINTS} points of {ref}'s mean (docs/training.md). Loss "
+            f"curves are smoothed with a trailing mean over {s.window} steps and compared from step {s.first + 1} to "
+            f"{s.steps}: at each step the spread is the range of {ref}'s {s.seeds} seeds' smoothed losses, and a "
+            f"recipe passes when its mean distance from the seeds' mean is at most the mean spread. A recipe run "
+            f"with several seeds is held against it by the mean of its seeds' curves and accuracies.", "",
+            f"Measured on {ref} ({s.seeds} seeds): spread of the smoothed loss {s.spread_mean:.4f} on average, "
             f"{s.spread_max:.4f} at most; final validation accuracy "
             f"{', '.join(f'{a:.2f}' for a in s.accuracies)} % (mean {s.accuracy_mean:.2f}, spread "
             f"{s.accuracy_spread:.2f} points).", ""]
         if s.accuracy_spread > 2 * ACCURACY_POINTS:
-            parts += [f"The baseline's own seeds differ by {s.accuracy_spread:.2f} points of accuracy, more than "
-                      f"twice the rule's {ACCURACY_POINTS}: on this validation set the accuracy half of the rule is "
-                      "finer than the run-to-run noise, so an accuracy FAIL alone says little here.", ""]
+            parts += [f"{ref[0].upper() + ref[1:]}'s own seeds differ by {s.accuracy_spread:.2f} points of accuracy, "
+                      f"more than twice the rule's {ACCURACY_POINTS}: on this validation set the accuracy half of the "
+                      "rule is finer than the run-to-run noise, so an accuracy FAIL alone says little here.", ""]
         rows = []
-        for r in runs:
-            p = comparison.parity.get(r.path.name)
-            if p is not None:
-                rows.append({"recipe": r.recipe, "seed": r.seed, "mean distance": _fmt(p.distance_mean, 4),
-                             "max distance": _fmt(p.distance_max, 4), "mean spread": _fmt(p.spread_mean, 4),
-                             "steps inside the seeds' range": "-" if p.inside_share is None else f"{100 * p.inside_share:.0f}%",
-                             "val acc": _fmt(p.accuracy, 2), "Δ points": "-" if p.accuracy_delta is None
-                             else f"{p.accuracy_delta:+.2f}", "verdict": p.verdict})
+        for recipe, p in comparison.parity.items():
+            group = [r for r in runs if r.recipe == recipe and r.status in ("ok", "diverged")]
+            rows.append({"recipe": recipe, "seeds": ", ".join(str(r.seed) for r in group),
+                         "mean distance": _fmt(p.distance_mean, 4),
+                         "max distance": _fmt(p.distance_max, 4), "mean spread": _fmt(p.spread_mean, 4),
+                         "steps inside the seeds' range": "-" if p.inside_share is None else f"{100 * p.inside_share:.0f}%",
+                         "val acc": ", ".join(_fmt(r.final_accuracy, 2) for r in group),
+                         "Δ points (mean)": "-" if p.accuracy_delta is None else f"{p.accuracy_delta:+.2f}",
+                         "verdict": p.verdict.replace("the baseline", ref)})
         if rows:
             parts += [_markdown_table(rows), ""]
-    elif any(r.recipe != "baseline" for r in runs):
-        parts += ["No parity verdicts: they need at least two finished baseline seeds (--compare with "
+    elif any(r.recipe != comparison.reference for r in runs):
+        parts += [f"No parity verdicts: they need at least two finished seeds of {ref} (--compare with "
                   "--baseline-seeds 2 or more).", ""]
     parts += ["## Setup", "", *_setup_lines(runs), "", f"Made by `{h.get('command') or 'swinbench train'}`.", ""]
     text = "\n".join(parts)
@@ -308,22 +338,24 @@ def write_curves(records_dir: Path, out: Path) -> Path:
     window = comparison.spread.window if comparison.spread else smoothing_window(steps)
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(12, 4.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    others = [r for r in runs if r.recipe != "baseline"]
-    base = [r for r in runs if r.recipe == "baseline"]
+    reference = comparison.reference
+    others = [r for r in runs if r.recipe != reference]
+    base = [r for r in runs if r.recipe == reference]
     if len(base) >= 2:
         n = min(len(r.steps) for r in base)
         curves = [smooth(r.losses[:n], window) for r in base]
         x = list(range(1, n + 1))
         ax_loss.fill_between(x, [min(v) for v in zip(*curves)], [max(v) for v in zip(*curves)], color="0.8",
-                             label=f"baseline, range of {len(base)} seeds")
+                             label=f"{reference}, range of {len(base)} seeds")
     for i, r in enumerate(base):
         style = ("-", "--", ":", "-.")[i % 4]
         ax_loss.plot(range(1, len(r.steps) + 1), smooth(r.losses, window), color="0.35", lw=0.8, ls=style,
-                     label=f"baseline seed {r.seed}")
+                     label=f"{reference} seed {r.seed}")
         ax_acc.plot([e["step"] for e in r.epochs], [e["val_acc"] for e in r.epochs], color="0.35", lw=0.8,
-                    ls=style, marker=".", label=f"baseline seed {r.seed}")
-    for i, r in enumerate(others):
-        c = colors[i % len(colors)]
+                    ls=style, marker=".", label=f"{reference} seed {r.seed}")
+    recipes = list(dict.fromkeys(r.recipe for r in others))
+    for r in others:
+        c = colors[recipes.index(r.recipe) % len(colors)]
         ax_loss.plot(range(1, len(r.steps) + 1), smooth(r.losses, window), color=c, lw=1.3, label=f"{r.recipe} seed {r.seed}")
         ax_acc.plot([e["step"] for e in r.epochs], [e["val_acc"] for e in r.epochs], color=c, lw=1.3, marker=".",
                     label=f"{r.recipe} seed {r.seed}")
