@@ -313,3 +313,22 @@ def test_a_cpu_run_says_cpu_in_the_title_and_rows(tmp_path):
     assert text.splitlines()[0].endswith("CPU — not a GPU speed figure")
     assert "| device | CPU (x86_64) - no GPU, speed figures are not GPU figures |" in text
     assert "| GPU | none (CPU) |" in text
+
+
+def test_a_stage_whose_recipe_failed_training_parity_is_flagged(records, tmp_path):
+    from pathlib import Path
+
+    from workbench.train.verdicts import TrainingVerdict
+
+    stages = [r["stage"] if isinstance(r, dict) else r.stage for r in records]
+    failed = TrainingVerdict(stages[-1], "baseline", "swin_tiny_patch4_window7_224", 1000, 1, False,
+                             "differs: accuracy -3.35 points from the baseline's mean (rule: within 0.5)",
+                             Path(tmp_path / "cmp"))
+    passed = TrainingVerdict(stages[1], "amp", "swin_tiny_patch4_window7_224", 1000, 3, True,
+                             "converges like the baseline", Path(tmp_path / "cmp2"))
+    text = render_report(records, tmp_path / "r.md", verdicts=[failed, passed]).read_text()
+    section = text.split("## Training parity")[1].split("\n## ")[0]
+    assert f"**{stages[-1]}** failed the parity rule" in section
+    assert f"**{stages[-1]}** **fails parity** with the fp32 baseline" in section and "-3.35 points" in section
+    assert f"**{stages[1]}** trains like `amp`" in section and "3 seeds" in section
+    assert "## Training parity" not in render_report(records, tmp_path / "n.md", verdicts=[]).read_text()

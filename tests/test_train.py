@@ -129,6 +129,11 @@ def test_compare_gives_each_recipe_a_parity_verdict_with_the_measured_spread(tmp
     assert "PASS" in amp_row or "FAIL" in amp_row
     assert "| fmha-graph | 0 |" in report and "not available" in report
     assert "amp" in output and "reference" in output
+    from workbench.train.verdicts import find_verdicts
+
+    (verdict,) = find_verdicts([tmp_path])       # apply's report cites it (test_report)
+    assert verdict.recipe == "amp" and verdict.reference == "baseline" and verdict.source == out
+    assert verdict.passed == ("PASS" in amp_row) and verdict.steps == 6 and verdict.seeds == 1
 
 
 def test_a_reference_other_than_the_baseline_and_several_seeds_per_recipe(tmp_path):

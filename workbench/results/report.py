@@ -927,10 +927,30 @@ def _config_rows(records: list[StageRecord]) -> list[tuple[str, object]]:
     ]
 
 
-def render_report(records, out_path_md: Path, note: str | None = None, auto: dict | None = None) -> Path:
+def _parity_lines(records: list[StageRecord], verdicts) -> list[str]:
+    """'## Training parity': the verdicts of `swinbench train --compare` runs on the stages' recipes."""
+    from workbench.train.verdicts import find_verdicts, verdict_line
+
+    if all(r.mode == "infer" for r in records):
+        return []
+    stages = {r.stage for r in records}
+    found = [v for v in (find_verdicts() if verdicts is None else verdicts) if v.recipe in stages]
+    if not found:
+        return []
+    failed = sorted({v.recipe for v in found if not v.passed})
+    head = (f"{', '.join(f'**{s}**' for s in failed)} failed the parity rule in a training comparison below: "
+            "what such a stage's step time buys may not train like the reference. " if failed else "")
+    return ["## Training parity", "",
+            head + "From `swinbench train --compare` runs found under reports/ (docs/training.md has the rule).", "",
+            *[f"- {verdict_line(v)}" for v in found], ""]
+
+
+def render_report(records, out_path_md: Path, note: str | None = None, auto: dict | None = None,
+                  verdicts=None) -> Path:
     """Write the Markdown report (and, if stages were profiled, `<name>-categories.png` beside it)
     from stage records alone -> the .md path. note: a line quoted under the title (a run that did not
-    finish says so). auto: the choice of `apply --recipe auto` (auto_choice), written under the table."""
+    finish says so). auto: the choice of `apply --recipe auto` (auto_choice), written under the table.
+    verdicts: the training-parity verdicts to cite (default: those found under reports/, train.verdicts)."""
     if not records:
         raise UserError("no stage records to report")
     records = as_records(records)
@@ -958,6 +978,7 @@ def render_report(records, out_path_md: Path, note: str | None = None, auto: dic
     if auto is not None:
         lines += ["## Best configuration (`--recipe auto`)", "", "\n".join(f"- {x}" for x in auto_choice_lines(auto)),
                   ""]
+    lines += _parity_lines(records, verdicts)
     lines += _interleaved_lines(records)
     lines += _scaling_lines(records)
     lines += ["## Configuration", "", _md_table(["", ""], [[k, v] for k, v in _config_rows(records)]), ""]
