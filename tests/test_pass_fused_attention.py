@@ -185,3 +185,44 @@ def test_table_is_the_default_bias_mode_and_gather_is_recorded_as_a_choice():
     _, result = apply_pass("fused_attention", build_model(TINY_MODEL).to(DEVICE), pass_ctx(DEVICE), {"bias": "gather"})
     assert result.details["table_modules"] == 0 and result.params == {"bias": "gather"}
     assert "gathered before the kernel" in result.changed
+
+
+def test_windows_above_max_tokens_run_pytorch_sdpa_and_the_plan_says_why():
+    """Window 12 (144 tokens) is routed to timm's SDPA path by default; max_tokens moves the line; either
+    route trains the same numbers as timm."""
+    from timm.models.swin_transformer import SwinTransformer
+
+    def window12():
+        torch.manual_seed(0)
+        return SwinTransformer(img_size=96, patch_size=4, window_size=12, embed_dim=32, depths=(2, 2),
+                               num_heads=(2, 4), num_classes=10, drop_path_rate=0.0).to(DEVICE)
+
+    plain = window12()
+    routed, result = fused_attention.apply(window12(), pass_ctx(DEVICE))
+    assert result.details["sdpa_routed"] == 4 and result.details["patched_modules"] == 0
+    assert "4 with 144-token windows on PyTorch's SDPA (above max_tokens 64)" in result.changed
+    assert all(m.fused_attn for m in routed.modules() if type(m).__name__ == "WindowAttention")
+    from workbench.optimize.passes.block_plan import block_plans
+
+    plans = block_plans(routed)
+    described = [plans.plan(name).describe() for name in plans.plans]
+    assert len(described) == 4 and all("attention sdpa" in d and "pads the keys to 256" in d for d in described)
+
+    kernel, forced = fused_attention.apply(window12(), pass_ctx(DEVICE), max_tokens=144)
+    assert forced.details["patched_modules"] == 4 and forced.details["sdpa_routed"] == 0
+    assert forced.params == {"max_tokens": 144}
+
+    images, labels = tiny_batch(plain, 2, DEVICE)
+    plain_logits, plain_grads = train_step(plain, images, labels)
+    for model in (routed, kernel):
+        logits, grads = train_step(model, images, labels)
+        assert rel_err(logits, plain_logits) < 1e-4
+        for name in plain_grads:
+            assert rel_err(grads[name], plain_grads[name]) < 1e-4, name
+
+
+def test_max_tokens_must_be_a_whole_number():
+    from workbench.errors import UserError
+
+    with pytest.raises(UserError, match="max_tokens must be a whole number"):
+        fused_attention.apply(build_model(TINY_MODEL), pass_ctx(DEVICE), max_tokens=0)

@@ -7,6 +7,12 @@ relative-position bias is read from timm's table by the kernels (bias: table) or
 launch (bias: gather), its gradient summed back into the table by one deterministic Triton launch over the
 index's inverse. Blocks whose attention has a non-zero attn_drop keep timm's path (the kernel has no
 dropout) and are counted; the plan says why.
+
+Route per shape: the kernel holds a window's keys in one tile padded to a power of two, which wins at
+window 7 (49 tokens in 64) and loses to PyTorch's own SDPA at window 12 (144 tokens in 256: the
+backward alone took 57% of a Swin step's GPU time on an H200). Blocks whose windows hold more than
+`max_tokens` tokens (default 64) therefore run timm's F.scaled_dot_product_attention path instead, each
+plan says why, and the pass result counts them; `max_tokens` in a recipe moves the line.
 """
 from __future__ import annotations
 
@@ -19,7 +25,8 @@ from workbench.optimize.passes.block_plan import BIAS_MODES, block_plans
 
 NAME = "fused_attention"
 OWN_KERNELS = True   # runs swinbench kernels: a stage with it is not PyTorch alone
-PARAMS = {"bias": (str, BIAS_MODES)}   # parameter -> (type, allowed values), checked when a recipe is loaded
+PARAMS = {"bias": (str, BIAS_MODES), "max_tokens": (int, None)}   # parameter -> (type, allowed values)
+MAX_TOKENS = 64      # the largest window (tokens) the kernel takes by default: one 64-key tile
 
 
 def _reads_timm_table(attn: torch.nn.Module) -> bool:
@@ -32,20 +39,41 @@ def _reads_timm_table(attn: torch.nn.Module) -> bool:
             and type(attn)._get_rel_pos_bias is WindowAttention._get_rel_pos_bias)
 
 
-def apply(model: torch.nn.Module, ctx: PassContext, bias: str = "table") -> tuple[torch.nn.Module, PassResult]:
+def window_tokens(blk: torch.nn.Module) -> int:
+    """Tokens per attention window of a timm SwinTransformerBlock as built now."""
+    area = getattr(blk.attn, "window_area", None)
+    if area is None:
+        ws = blk.window_size if isinstance(blk.window_size, (tuple, list)) else (blk.window_size,) * 2
+        area = int(ws[0]) * int(ws[1])
+    return int(area)
+
+
+def apply(model: torch.nn.Module, ctx: PassContext, bias: str = "table",
+          max_tokens: int = MAX_TOKENS) -> tuple[torch.nn.Module, PassResult]:
     """Plan the fused attention for every timm SwinTransformerBlock in `model` and bind -> (model, PassResult).
 
     bias: 'table' (default) has the kernels read timm's relative-position table through its index
     themselves and the backward sum the bias gradient straight into the table (two launches fewer per
     block than 'gather'); 'gather' gathers the (nH, N, N) bias from the table in one launch before the
     kernel. A module with its own bias computation (a subclass overriding _get_rel_pos_bias) gets
-    'gather'."""
+    'gather'. max_tokens: blocks with larger windows run timm's SDPA path (the module docstring says why)."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise UserError(f"pass fused_attention: max_tokens must be a whole number >= 1, not {max_tokens!r}")
     if bias not in BIAS_MODES:
         raise UserError(f"pass fused_attention: bias must be one of {', '.join(sorted(BIAS_MODES))}, not {bias!r}")
     blocks = swin_blocks(model, ctx, "workbench.kernels.window_attention", "fused window attention kernel")
     plans = block_plans(model)
     patched, skipped_dropout, table_modules = 0, 0, 0
+    routed: dict[int, int] = {}        # window tokens -> blocks sent to SDPA
     for name, blk in blocks:
+        tokens = window_tokens(blk)
+        if tokens > max_tokens:
+            routed[tokens] = routed.get(tokens, 0) + 1
+            plans.update(name, sdpa=True)
+            plans.fall_back(name, "attention", f"{tokens} tokens per window, above max_tokens {max_tokens}: the "
+                                               f"kernel pads the keys to {1 << (tokens - 1).bit_length()} and loses to PyTorch's "
+                                               "SDPA there, which runs instead")
+            continue
         if blk.attn.attn_drop.p > 0:
             skipped_dropout += 1  # the kernel has no attention dropout: keep timm's path
             plans.fall_back(name, "attention", "attn_drop > 0: the kernel has no dropout")
@@ -60,6 +88,8 @@ def apply(model: torch.nn.Module, ctx: PassContext, bias: str = "table") -> tupl
     changed = f"{patched} WindowAttention -> fused Triton window attention (fwd+bwd)"
     if skipped_dropout:
         changed += f"; {skipped_dropout} left on timm's path (attn_drop > 0)"
+    for tokens, count in sorted(routed.items()):
+        changed += f"; {count} with {tokens}-token windows on PyTorch's SDPA (above max_tokens {max_tokens})"
     if bias == "table":
         changed += f", {table_modules} reading the bias table in-kernel"
     else:
@@ -67,9 +97,12 @@ def apply(model: torch.nn.Module, ctx: PassContext, bias: str = "table") -> tupl
     details = {
         "patched_modules": patched,
         "skipped_attn_dropout": skipped_dropout,
+        "sdpa_routed": sum(routed.values()),
+        "max_tokens": max_tokens,
         "bias": bias,
         "table_modules": table_modules,
         "implementation": ("workbench.kernels.window_attention.fused_window_attention_table (Triton)" if table_modules
                            else "workbench.kernels.window_attention.fused_window_attention_qkv (Triton)"),
     }
-    return model, PassResult(NAME, {"bias": bias} if bias != "table" else {}, changed, details)
+    params = {**({"bias": bias} if bias != "table" else {}), **({"max_tokens": max_tokens} if max_tokens != MAX_TOKENS else {})}
+    return model, PassResult(NAME, params, changed, details)
