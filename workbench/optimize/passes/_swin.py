@@ -47,8 +47,16 @@ def swin_blocks(model: torch.nn.Module, ctx: PassContext, kernels: str, what: st
     require_triton(ctx.device)
     blocks = named_swin_blocks(model)
     if not blocks:
-        raise PassUnavailable("no timm SwinTransformerBlock in this model")
+        raise PassUnavailable(no_blocks_reason(model))
     return blocks
+
+
+def no_blocks_reason(model: torch.nn.Module) -> str:
+    """Why a model has no block the v1 kernels take, in one line: SwinV2's blocks are named for what differs."""
+    if any(type(m).__name__ == "SwinTransformerV2Block" for m in model.modules()):
+        return ("SwinV2 blocks (post-norm, cosine attention with a learned logit scale, a continuous position "
+                "bias from an MLP): the window and attention kernels compute Swin v1's pre-norm blocks")
+    return "no timm SwinTransformerBlock in this model"
 
 
 def autocast_input_dtype(x: torch.Tensor) -> torch.dtype | None:
