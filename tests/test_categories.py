@@ -96,3 +96,17 @@ def test_categorize_is_vectorized_and_keeps_index():
 
 def test_rule_categories_are_listed():
     assert {c for c, _ in RULES} | {"other"} == set(CATEGORIES)
+
+
+@pytest.mark.parametrize("name", [
+    "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
+    "ncclKernel_AllGather_RING_LL_Sum_int8_t(ncclWork)", "c10d::allreduce_", "gloo:all_reduce",
+    "record_param_comms",
+])
+def test_collectives_are_communication(name):
+    assert categorize_one(name) == ("communication" if name != "record_param_comms" else "other")
+
+
+def test_ordinary_ops_with_collective_looking_words_are_not_communication():
+    assert categorize_one("aten::broadcast_tensors") != "communication"
+    assert categorize_one("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float>>") == "reduction"

@@ -8,6 +8,10 @@ Rule order matters because a demangled name carries its template arguments: `ele
 direct_copy_kernel_cuda ...>` names both "elementwise" and "copy", and `cutlass::Kernel2<...gemm...>` could
 look like a generic kernel. Specific rules come first:
 
+0. communication: collectives between processes: NCCL kernels (`ncclDevKernel_AllReduce_*`,
+   `ncclKernel_*`), and on the CPU gloo's and c10d's operators (`c10d::allreduce_`, `gloo:all_reduce`):
+   what data-parallel training spends on the gradient all-reduce. First: a collective's name can hold
+   "reduce" and "copy".
 1. attention: fused attention kernels (flash / fmha / cuDNN sdpa / PyTorch mem-efficient `AttentionKernel`,
    our Triton `_window_attention*`). First, because fmha kernels are often CUTLASS templates.
 2. optimizer: `multi_tensor_apply_kernel` (torch's foreach / fused AdamW), `fused_adam`, adam kernels.
@@ -41,11 +45,12 @@ import pandas as pd
 
 CATEGORIES = [
     "GEMM", "attention", "softmax", "elementwise", "reduction", "normalization", "copy/memory", "optimizer",
-    "window gather/scatter", "other",
+    "window gather/scatter", "communication", "other",
 ]
 
 # (category, pattern): evaluated in this order, first match wins. Case-insensitive.
 RULES: list[tuple[str, str]] = [
+    ("communication", r"nccl|gloo|c10d::|all_?reduce|reduce_?scatter|all_?gather|allgather"),
     ("attention", r"fmha|flash_?(?:fwd|bwd|attn)|flash::|attention|sdpa|\b_window_attention"),
     ("optimizer", r"multi_tensor_apply|fused_?adam|(?<![a-z])adamw?(?![a-z])|\b_adamw?_|sgd_kernel"),
     ("window gather/scatter", r"\broll_|\broll_cuda|\b_roll_partition|\b_merge_|window_(?:partition|reverse)"),

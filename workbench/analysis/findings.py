@@ -55,6 +55,8 @@ CATEGORY_REMEDY: dict[str, tuple[str, str]] = {
     "reduction": ("dense (fused_linear)", "Linear bias gradients (column sums) fused with the GELU backward"),
     "elementwise": ("dense (fused_linear); block (fused_block)",
                     "GELU backward fuses into dense; block leaves fewer residual and cast kernels"),
+    "communication": ("none: data parallel's collectives", "the gradient all-reduce; it costs the step only where "
+                      "it is not hidden behind the backward (the ranks table's exposed communication)"),
     "other": ("none", "kernels no rule names"),
 }
 

@@ -63,7 +63,7 @@ MAX_EVENTS = 300_000
 CATEGORY_COLORS = {
     "GEMM": "#1f77b4", "attention": "#9467bd", "softmax": "#e377c2", "elementwise": "#ff7f0e",
     "reduction": "#bcbd22", "normalization": "#2ca02c", "copy/memory": "#d62728", "optimizer": "#8c564b",
-    "window gather/scatter": "#17becf", "other": "#7f7f7f",
+    "window gather/scatter": "#17becf", "communication": "#f4a6a6", "other": "#7f7f7f",
 }
 API_KINDS = ("launch", "synchronize", "allocation", "copy/set", "other")
 # distinct from the category colours: the host rows have their own legend
