@@ -67,6 +67,7 @@ def profile(
     timeline: Timeline = True,
     records: Records = None,
     overwrite: Overwrite = False,
+    nproc: Annotated[Optional[int], typer.Option(help="Data parallel: this many processes under torchrun (one GPU each; gloo on the CPU), DDP, --batch per process; one capture per rank in <out>/rank<r>/ and a ranks table (step time, communication, how much of it compute hides, skew).")] = None,
 ):
     """Run a Swin model under Nsight Systems (or torch.profiler) and show where its GPU time goes (on the CPU: its CPU operator time)."""
     from workbench.capture.profile import run_profile
@@ -75,7 +76,7 @@ def profile(
     _check_top(top)
     _call(run_profile, model=model, mode=mode, batch=batch, precision=precision, steps=steps, warmup=warmup,
           device=device, backend=backend, out=out, nsys=nsys, recipe=recipe, fmt=format, top=top, console=console,
-          overwrite=overwrite, timeline=timeline, records=records)
+          overwrite=overwrite, timeline=timeline, records=records, nproc=nproc)
 
 
 def _note(text: str) -> None:
@@ -152,6 +153,8 @@ def analyze(
 
     _check_name_style(name)
     _check_top(top)
+    if trace.is_dir():
+        return _analyze_ranks(trace, name, top, format, out, timeline, overwrite)
     folder = out or trace.parent
     if step is not None and (format is None or not timeline):
         raise _fail(UserError("--step picks the step timeline.png draws: it needs --format (and no --no-timeline)"), 2)
@@ -170,6 +173,38 @@ def analyze(
         for f in _call(write_analysis, analysis, folder, format, trace=trace, overwrite=overwrite, on_note=_note,
                        timeline=timeline, step=step, gains=gains.gains):
             console.print(f"wrote {f}")
+
+
+def _analyze_ranks(folder: Path, name: str, top: int, format: Optional[str], out: Optional[Path], timeline: bool,
+                   overwrite: bool) -> None:
+    """analyze FOLDER: the rank<r>/ traces `profile --nproc` wrote, read together (analysis.ranks)."""
+    from workbench.analysis.analyze import analysis_tables, analyze_trace, render_analysis, write_analysis
+    from workbench.analysis.ranks import rank_table, rank_traces, render_rank_table, write_rank_table
+
+    traces = rank_traces(folder)
+    if not traces:
+        raise _fail(UserError(f"{folder} is a folder without rank0/, rank1/, ... traces: give a trace file, or the "
+                              "folder `swinbench profile --nproc` wrote"), 2)
+    out = out or folder
+    if format is not None:
+        _check_format(format)
+        for rank, trace in traces:
+            _call(analysis_tables(out / trace.parent.name, format, trace, None, timeline).check, overwrite)
+    cpu = False
+    for rank, trace in traces:
+        analysis = _call(analyze_trace, trace, name_style=name)
+        cpu = cpu or analysis.trace_meta.get("device") == "cpu"
+        if rank == traces[0][0]:
+            console.print(f"[bold]rank {rank} of {len(traces)}[/] (--format writes every rank's tables)")
+            render_analysis(analysis, console, top=top)
+        if format:
+            for f in _call(write_analysis, analysis, out / trace.parent.name, format, trace=trace, overwrite=overwrite,
+                           on_note=_note, timeline=timeline):
+                console.print(f"wrote {f}")
+    table = _call(rank_table, traces)
+    render_rank_table(table, console, cpu=cpu)
+    if format:
+        console.print(f"wrote {write_rank_table(table, out, format)}")
 
 
 @app.command()

@@ -134,6 +134,58 @@ def capture_nsys(config: WorkloadConfig, recipe: str | None, out_dir: Path, step
     return sqlite
 
 
+def capture_ranks(config: WorkloadConfig, recipe: str | None, out_dir: Path, steps: int, warmup: int,
+                  backend: str, nsys: str | None, nproc: int) -> list[Path]:
+    """`profile --nproc N`: the workload data parallel in N processes under torchrun, one capture per rank
+    into <out>/rank<r>/ (the same warm-up, capture range and NVTX ranges on every rank) -> the ranks'
+    traces in rank order (trace.sqlite under nsys, trace.json under torch.profiler)."""
+    from workbench.capture.worker import RANK_DIR
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    marker = "nvtx" if backend == "nsys" else "torch"
+    spec = out_dir / "capture_spec.json"
+    atomic_write_text(spec, json.dumps({"config": asdict(config), "recipe": recipe, "steps": steps, "warmup": warmup,
+                                        "marker": marker, "out_dir": str(out_dir), "nproc": nproc}, indent=2))
+    dirs = [out_dir / RANK_DIR.format(rank=r) for r in range(nproc)]
+    for d in dirs:
+        d.mkdir(exist_ok=True)
+        for stale in ("trace.nsys-rep", "trace.qdstrm", "trace.sqlite", "trace.json", "run.json"):
+            (d / stale).unlink(missing_ok=True)
+    launcher = ["torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc)]
+    log = out_dir / ("nsys.log" if backend == "nsys" else "capture.log")
+    log.write_text("")
+    if backend == "nsys":
+        worker, env = python_module_command("workbench.capture.worker", str(spec))
+        # torchrun starts nsys as each rank's program; nsys expands %q{RANK} from the rank's environment
+        cmd, env = python_module_command(*launcher, "--no-python", nsys, "profile", "-t", "cuda,nvtx", "-s", "none",
+                                         "--cpuctxsw=none", "--cuda-graph-trace=node",
+                                         "--capture-range=cudaProfilerApi", "--capture-range-end=stop",
+                                         "--force-overwrite", "true",
+                                         "-o", str(out_dir / RANK_DIR.format(rank="%q{RANK}") / "trace"), *worker)
+        _run(cmd, log, "torchrun + nsys profile", env)
+        traces = []
+        for d in dirs:
+            rep = d / "trace.nsys-rep"
+            if not rep.exists():
+                raise UserError(f"nsys wrote no report for {d.name} (see {log})")
+            sqlite, tmp = d / "trace.sqlite", d / ".trace.export.sqlite"
+            try:
+                _run([nsys, "export", "--type", "sqlite", "--force-overwrite", "true", "-o", str(tmp), str(rep)],
+                     log, "nsys export")
+                tmp.replace(sqlite)
+            finally:
+                tmp.unlink(missing_ok=True)
+            traces.append(sqlite)
+        return traces
+    cmd, env = python_module_command(*launcher, "-m", "workbench.capture.worker", str(spec))
+    _run(cmd, log, "torchrun", env)
+    traces = [d / "trace.json" for d in dirs]
+    missing = [t for t in traces if not t.exists()]
+    if missing:
+        raise UserError(f"no trace from {missing[0].parent.name} (see {log})")
+    return traces
+
+
 # A Python exception line ('RuntimeError: ...') or a warning ('x.py:12: UserWarning: ...'). Kineto's own
 # lines ('ERROR:2026-... DeviceProperties.cpp:56] ...', 'USDT:...') start with an upper-case tag instead.
 _PYTHON_LINE = re.compile(r"^(?:\S+\.py:\d+: )?(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Warning): ")

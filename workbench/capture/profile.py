@@ -38,7 +38,8 @@ def default_run_name(config: WorkloadConfig, recipe: str | None) -> str:
 def run_profile(*, model: str | None, mode: str, batch: int, precision: str, steps: int, warmup: int,
                 device: str, backend: str, out: Path | None, nsys: str | None = None, recipe: str | None = None,
                 fmt: str = "csv", top: int = 15, console: Console | None = None,
-                overwrite: bool = False, timeline: bool = True, records: list[Path] | None = None) -> ProfileResult:
+                overwrite: bool = False, timeline: bool = True, records: list[Path] | None = None,
+                nproc: int | None = None) -> ProfileResult:
     """Capture `steps` steps after `warmup`, analyze the trace, print the tables and write them beside it,
     with `timeline` also timeline.png (the median step) and timeline.json (Perfetto).
 
@@ -46,10 +47,14 @@ def run_profile(*, model: str | None, mode: str, batch: int, precision: str, ste
     writes it. A folder that holds an earlier profile or run is refused (UserError, nothing changed)
     unless `overwrite`, which moves that run's files aside to `<out>.previous-<its time>` first
     (`run_folder.claim_run_folder`). records: stage records the findings' measured gains are taken from
-    (default: the canonical runs, `remedies.gain_records`), read before the capture."""
+    (default: the canonical runs, `remedies.gain_records`), read before the capture. nproc: data parallel
+    in that many processes under torchrun (DDP), one capture per rank in <out>/rank<r>/ and the ranks
+    table (analysis.ranks) over them."""
     console = console or Console()
     if steps < 1 or warmup < 0:
         raise UserError("--steps must be at least 1 and --warmup at least 0")
+    if nproc is not None and (isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1):
+        raise UserError(f"--nproc must be a whole number >= 1, got {nproc!r}")
     cpu_fallback = device == "auto" and not torch.cuda.is_available()
     device = pick_device(device)
     dev = resolve_device(device)
@@ -65,15 +70,64 @@ def run_profile(*, model: str | None, mode: str, batch: int, precision: str, ste
     if cpu_fallback:  # said once the arguments are known to be good: a user mistake gets one line only
         console.print(f"[yellow]note:[/] no CUDA GPU here: running {config.model} on the CPU "
                       "(timings and shares are CPU figures, not GPU ones)")
+    if nproc is not None and dev.type == "cuda" and nproc > torch.cuda.device_count():
+        raise UserError(f"--nproc {nproc}: one process per GPU, and {torch.cuda.device_count()} GPU(s) are visible")
+    if nproc is not None and recipe:
+        from workbench.optimize.recipes import is_graph_form, resolve_chain
+
+        chain = resolve_chain(recipe)
+        if any(is_graph_form(r) for r in chain):
+            raise UserError(f"recipe {chain[-1].name!r} replays CUDA graphs, which swinbench does not run under DDP "
+                            f"yet: with --nproc, profile {chain[-2].name if len(chain) > 1 else 'baseline'}")
     chosen, nsys_path, note = resolve_backend(backend, dev, nsys)
     out_dir = Path(out) if out else Path("profiles") / default_run_name(config, recipe)
     with claim_run_folder(out_dir, command="profile", overwrite=overwrite) as claim:
         notes = [note] if note else []
         for n in notes + claim.notes:
             console.print(f"[yellow]note:[/] {n}", highlight=False)
+        if nproc is not None:
+            return _capture_ranks(config, recipe, out_dir, chosen, nsys_path, nproc, steps=steps, warmup=warmup,
+                                  fmt=fmt, top=top, notes=notes, console=console, timeline=timeline)
         return _capture_and_analyze(config, recipe, out_dir, chosen, nsys_path, steps=steps, warmup=warmup,
                                     fmt=fmt, top=top, notes=notes, console=console, timeline=timeline,
                                     records=stored)
+
+
+def _capture_ranks(config: WorkloadConfig, recipe: str | None, out_dir: Path, chosen: str, nsys_path: str | None,
+                   nproc: int, *, steps: int, warmup: int, fmt: str, top: int, notes: list[str], console: Console,
+                   timeline: bool) -> ProfileResult:
+    """run_profile with --nproc: every rank captured under torchrun, each rank's tables written in its
+    folder, rank 0's printed, then the ranks table (analysis.ranks) printed and written beside them."""
+    from workbench.analysis.analyze import analyze_trace, render_analysis, write_analysis
+    from workbench.analysis.ranks import rank_table, render_rank_table, write_rank_table
+
+    label = "Nsight Systems" if chosen == "nsys" else "torch.profiler"
+    with _phase(console, f"capturing {config.model} {config.mode} {config.precision} batch {config.batch} per "
+                         f"process in {nproc} processes (torchrun, DDP): {warmup} warm-up + {steps} captured steps "
+                         f"under {label} on every rank"):
+        from workbench.capture.backends import capture_ranks
+
+        traces = capture_ranks(config, recipe, out_dir, steps, warmup, chosen, nsys_path, nproc)
+    _print_passes(traces[0].parent / "run.json", recipe, console)
+    files = []
+    title = f"{config.model} {config.mode} {config.precision} batch {config.batch}" + (f", recipe {recipe}" if recipe else "")
+    for rank, trace in enumerate(traces):
+        with _phase(console, f"analyzing rank {rank}: {trace}"):
+            analysis = analyze_trace(trace)
+        if rank == 0:
+            console.print(f"[bold]rank 0 of {nproc}[/] (every rank's tables are in its folder)")
+            render_analysis(analysis, console, top=top)
+        files += [p for p in (trace, trace.parent / "run.json") if p.exists()]
+        files += write_analysis(analysis, trace.parent, fmt, trace=trace, timeline=timeline,
+                                title=f"{title}, rank {rank} of {nproc}",
+                                on_note=lambda line: console.print(f"[yellow]note:[/] {line}", highlight=False))
+    table = rank_table(list(enumerate(traces)))
+    render_rank_table(table, console, cpu=config.device == "cpu")
+    files.append(write_rank_table(table, out_dir, fmt))
+    console.print(f"[bold]{label}[/] backend, {nproc} ranks; files written:")
+    for f in files:
+        console.print(f"  {f}")
+    return ProfileResult(out_dir=out_dir, backend=chosen, trace=traces[0], files=files, notes=notes)
 
 
 def _capture_and_analyze(config: WorkloadConfig, recipe: str | None, out_dir: Path, chosen: str,

@@ -37,17 +37,34 @@ def apply_recipe(workload: Workload, recipe: str | None) -> list[dict]:
 
 
 def run_capture(config: WorkloadConfig, recipe: str | None, *, steps: int, warmup: int, marker: str,
-                out_dir: Path, torch_trace: Path | None = None) -> dict:
+                out_dir: Path, torch_trace: Path | None = None, rank: int | None = None,
+                world: int = 1) -> dict:
+    """Build, patch, warm up and capture. With `rank` (a process of `world` under torchrun, the process
+    group initialized): the workload takes rank's share of a global synthetic batch of world x batch
+    images and trains in DDP, and every rank starts its capture after the same barrier."""
     workload = Workload.build(config)
     passes = apply_recipe(workload, recipe)
+    if rank is not None:
+        from workbench.ladder.scaling import _shard
+
+        if workload.own_graphs():
+            raise UserError(f"{workload.own_graphs()}: CUDA graphs are not run under DDP yet (the all-reduce "
+                            "inside a captured step); profile the recipe it extends with --nproc")
+        _shard(workload, rank, world)
     workload.marker = RangeMarker(marker)
     annotate_modules(workload.model, workload.marker)
     workload.prepare()
     device = workload.ctx.device
+    if rank is not None:
+        from workbench.optimize.distributed import DataParallel, wrap_data_parallel
+
+        workload.model = wrap_data_parallel(workload.model, device, DataParallel())
     for i in range(warmup):
         workload.step(i)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    if rank is not None:
+        torch.distributed.barrier()     # the ranks' captures start together
     if marker == "torch":
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
@@ -61,7 +78,9 @@ def run_capture(config: WorkloadConfig, recipe: str | None, *, steps: int, warmu
         torch.cuda.profiler.stop()
     run = {"config": asdict(config), "recipe": recipe, "passes": passes, "warmup": warmup, "steps": steps,
            "backend": "nsys" if marker == "nvtx" else "torch", "env": environment_stamp(device),
-           "timing_under_profiler": timing.to_dict(), "marker_note": workload.marker.note}
+           "timing_under_profiler": timing.to_dict(), "marker_note": workload.marker.note,
+           **({"rank": rank, "world_size": world, "dist_backend": torch.distributed.get_backend()}
+              if rank is not None else {})}
     atomic_write_text(Path(out_dir) / "run.json", json.dumps(run, indent=2, default=str) + "\n")
     return run
 
@@ -78,11 +97,34 @@ def _export_chrome_trace(prof, path: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
+RANK_DIR = "rank{rank}"     # a rank's folder under the capture's folder (profile --nproc)
+
+
 def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[0]).read_text())
-    run_capture(WorkloadConfig(**spec["config"]), spec["recipe"], steps=spec["steps"], warmup=spec["warmup"],
-                marker=spec["marker"], out_dir=Path(spec["out_dir"]),
-                torch_trace=Path(spec["torch_trace"]) if spec.get("torch_trace") else None)
+    config = WorkloadConfig(**spec["config"])
+    if not spec.get("nproc"):
+        run_capture(config, spec["recipe"], steps=spec["steps"], warmup=spec["warmup"],
+                    marker=spec["marker"], out_dir=Path(spec["out_dir"]),
+                    torch_trace=Path(spec["torch_trace"]) if spec.get("torch_trace") else None)
+        return 0
+    # one rank of `profile --nproc N` under torchrun: its files go to <out>/rank<r>/
+    from dataclasses import replace
+
+    import torch.distributed as dist
+
+    from workbench.optimize.distributed import init_process_group_from_env
+    from workbench.optimize.workload import pick_device
+
+    device = init_process_group_from_env(torch.device(pick_device(config.device)).type)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rank_dir = Path(spec["out_dir"]) / RANK_DIR.format(rank=rank)
+    rank_dir.mkdir(parents=True, exist_ok=True)
+    run_capture(replace(config, device=str(device)), spec["recipe"], steps=spec["steps"], warmup=spec["warmup"],
+                marker=spec["marker"], out_dir=rank_dir,
+                torch_trace=rank_dir / "trace.json" if spec["marker"] == "torch" else None, rank=rank, world=world)
+    dist.barrier()
+    dist.destroy_process_group()
     return 0
 
 

@@ -1,0 +1,82 @@
+"""`profile --nproc N` and `analyze FOLDER`: one capture per rank under torchrun (gloo on the CPU, the tiny
+Swin in DDP), each rank's tables in its folder, and the ranks table read from the traces together;
+the interval arithmetic behind its overlap figures on hand-made kernels."""
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from cli import app
+from workbench.analysis.ranks import _intersection_ns, _merged, rank_row, rank_summary
+from workbench.trace import KERNEL_COLUMNS, RANGE_COLUMNS, Trace, finish_frame
+
+runner = CliRunner()
+
+
+def test_profile_nproc_2_captures_every_rank_and_reads_them_together(tmp_path):
+    out = tmp_path / "p"
+    result = runner.invoke(app, ["profile", "--device", "cpu", "--nproc", "2", "--batch", "2", "--steps", "2",
+                                 "--warmup", "1", "--out", str(out), "--no-timeline"])
+    assert result.exit_code == 0, result.output
+    for rank in (0, 1):
+        run = json.loads((out / f"rank{rank}" / "run.json").read_text())
+        assert run["rank"] == rank and run["world_size"] == 2 and run["dist_backend"] == "gloo"
+        assert (out / f"rank{rank}" / "trace.json").exists() and (out / f"rank{rank}" / "categories.csv").exists()
+    table = pd.read_csv(out / "ranks.csv")
+    assert list(table["rank"]) == [0, 1] and list(table["steps"]) == [2, 2]
+    assert (table["comm_ms"] > 0).all()            # the gradient all-reduce, on every rank
+    assert "rank 0 of 2" in result.output and "step-time skew" in result.output
+
+    again = runner.invoke(app, ["analyze", str(out), "--format", "json", "--out", str(tmp_path / "a"), "--no-timeline"])
+    assert again.exit_code == 0, again.output
+    data = json.loads((tmp_path / "a" / "ranks.json").read_text())
+    assert [r["rank"] for r in data["ranks"]] == [0, 1] and data["summary"]["ranks"] == 2
+    assert (tmp_path / "a" / "rank1" / "analysis.json").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nproc", "0"], "--nproc must be"),
+    (["--nproc", "2", "--recipe", "fmha-graph"], "replays CUDA graphs"),
+])
+def test_profile_nproc_mistakes_are_one_line(tmp_path, args, message):
+    result = runner.invoke(app, ["profile", "--device", "cpu", "--out", str(tmp_path / "o"), *args])
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+
+
+def test_analyze_a_folder_without_ranks_is_one_line(tmp_path):
+    result = runner.invoke(app, ["analyze", str(tmp_path)])
+    assert result.exit_code == 2 and "without rank0/" in result.output
+
+
+def test_intervals_merge_and_intersect():
+    merged = _merged(np.array([0, 5, 2, 20]), np.array([3, 8, 4, 25]))
+    assert merged[0].tolist() == [0, 5, 20] and merged[1].tolist() == [4, 8, 25]
+    # merged [0,4) [5,8) [20,25) against [3,7) [6,30) = [3,7) [6,30) merged to [3,30)
+    assert _intersection_ns(merged, _merged(np.array([3, 6]), np.array([7, 30]))) == 1 + 3 + 5
+
+
+def _trace(kernels, steps):
+    k = pd.DataFrame([{"start_ns": s, "end_ns": e, "duration_ns": e - s, "name": n, "short_name": n, "device_id": 0,
+                       "stream_id": 7 if "nccl" in n else 1, "correlation_id": i, "launch_ns": s, "launch_tid": 1,
+                       "pid": 1} for i, (s, e, n) in enumerate(kernels)])
+    r = pd.DataFrame([{"range_id": i, "name": f"step{i}", "domain": "", "start_ns": s, "end_ns": e, "tid": 1, "pid": 1,
+                       "depth": 0} for i, (s, e) in enumerate(steps)])
+    return Trace(finish_frame(k, KERNEL_COLUMNS), finish_frame(r, RANGE_COLUMNS), {"source": "nsys"})
+
+
+def test_a_rank_row_splits_communication_into_hidden_and_exposed():
+    """Two steps of 100 us: a 60 us GEMM each, an all-reduce of 30 us that runs 20 us beside the GEMM."""
+    ms = 1_000_000
+    kernels = [(0, 60_000, "sm90_xmma_gemm"), (40_000, 70_000, "ncclDevKernel_AllReduce_Sum_bf16_RING_LL"),
+               (100_000, 160_000, "sm90_xmma_gemm"), (140_000, 170_000, "ncclDevKernel_AllReduce_Sum_bf16_RING_LL")]
+    row = rank_row(3, _trace(kernels, [(0, 100_000), (100_000, 200_000)]))
+    assert row["rank"] == 3 and row["steps"] == 2 and row["step_ms"] == pytest.approx(0.1)
+    assert row["comm_ms"] == pytest.approx(30_000 / ms) and row["kernel_ms"] == pytest.approx(90_000 / ms)
+    assert row["overlap_pct"] == pytest.approx(100 * 20 / 30) and row["exposed_ms"] == pytest.approx(10_000 / ms)
+    assert row["busy_pct"] == pytest.approx(100 * 140_000 / 170_000)
+    table = pd.DataFrame([row, {**row, "rank": 4, "step_ms": 0.12}])
+    summary = rank_summary(table)
+    assert summary.slowest == 4 and summary.skew_pct == pytest.approx(100 * 0.02 / 0.11)
+    assert summary.comm_share_pct == pytest.approx(100 * 30 / 90)
