@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Multi-GPU scaling on one machine: for each model and each process count N, the amp stage, the fused
+# stage and the strongest PyTorch-alone peer under `swinbench apply --nproc N` (img/s, efficiency against
+# N x the one-GPU figure, the gate on every rank), and the fused stage under `swinbench profile --nproc N`
+# (every rank captured: exposed communication per step, slowest rank, skew).
+#
+#   NPROCS="1 2" benchmarks/scaling.sh                 # a 2-GPU machine (1: the same path at world size 1)
+#   NPROCS="1 2 4 8" benchmarks/scaling.sh             # an 8-GPU machine
+#   MODELS=swin_base_patch4_window7_224 NPROCS=1 benchmarks/scaling.sh   # a dry run on one GPU
+#
+# Output: reports/runs/scaling/<model>-n<N>/ (apply) and reports/runs/scaling/<model>-n<N>-profile/.
+set -euo pipefail
+NPROCS=${NPROCS:-"1 2"}
+MODELS=${MODELS:-"swin_base_patch4_window7_224 swin_large_patch4_window7_224"}
+BATCH=${BATCH:-64}          # per GPU: the batch of the one-GPU table
+FUSED=${FUSED:-fmha}        # the fused stage that runs under DDP (graph-replayed stages do not yet)
+OUT=${OUT:-reports/runs/scaling}
+have=$(python -c "import torch; print(torch.cuda.device_count())")
+for model in $MODELS; do
+  for n in $NPROCS; do
+    if [ "$n" -gt "$have" ]; then echo "skip N=$n: $have GPU(s) here"; continue; fi
+    swinbench apply --stages "baseline,amp,$FUSED,torch-compile" --model "$model" --batch "$BATCH" \
+      --nproc "$n" --out "$OUT/$model-n$n" --resume
+    swinbench profile --nproc "$n" --recipe "$FUSED" --model "$model" --batch "$BATCH" --steps 4 --warmup 5 \
+      --out "$OUT/$model-n$n-profile" --overwrite
+  done
+done
+echo "apply reports: $OUT/*-n*/report.md; ranks tables: $OUT/*-profile/ranks.csv"
