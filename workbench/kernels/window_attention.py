@@ -380,12 +380,14 @@ def _window_attention_bwd_dq_kernel(
     scale, B_PER_W, G: tl.constexpr, FILL_SLOTS,
     NW, NH, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, COMPUTE_DBIAS: tl.constexpr, TABLE: tl.constexpr,
+    UPCAST: tl.constexpr, COMPUTE_DBIAS: tl.constexpr, TABLE: tl.constexpr, BIAS_REGS: tl.constexpr,
 ):
     """Backward for 64 < N <= 256, part 1: dq and d_bias. Grid as the tiled forward's; program (w, g, h, m)
     owns query rows [m*BLOCK_M, (m+1)*BLOCK_M) of its G windows. The d_bias of its rows, summed over the G
     windows in registers (one accumulator per key block), is stored once into those rows of the program's
-    (N, N) slot partial[g, w, h]. With a packed gradient DQ is the packed buffer itself (dq at offset 0)."""
+    (N, N) slot partial[g, w, h]. BIAS_REGS: the bias/mask tiles stay in registers across the windows,
+    else they are loaded again per window (fewer registers beside the d_bias accumulators; a config value).
+    With a packed gradient DQ is the packed buffer itself (dq at offset 0)."""
     KB: tl.constexpr = 64
     NKB: tl.constexpr = (N + KB - 1) // KB
     pid = tl.program_id(0)
@@ -399,19 +401,23 @@ def _window_attention_bwd_dq_kernel(
     offs_k = tl.arange(0, KB)
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     qk_scale = scale * 1.4426950408889634
-    bias0 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, offs_k, N, NH, HAS_MASK, TABLE)
+    if BIAS_REGS:
+        bias0 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, offs_k, N, NH, HAS_MASK, TABLE)
     if COMPUTE_DBIAS:
         db0 = tl.zeros((BLOCK_M, KB), dtype=tl.float32)
     if NKB > 1:
-        bias1 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, KB + offs_k, N, NH, HAS_MASK, TABLE)
+        if BIAS_REGS:
+            bias1 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, KB + offs_k, N, NH, HAS_MASK, TABLE)
         if COMPUTE_DBIAS:
             db1 = tl.zeros((BLOCK_M, KB), dtype=tl.float32)
     if NKB > 2:
-        bias2 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, 2 * KB + offs_k, N, NH, HAS_MASK, TABLE)
+        if BIAS_REGS:
+            bias2 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, 2 * KB + offs_k, N, NH, HAS_MASK, TABLE)
         if COMPUTE_DBIAS:
             db2 = tl.zeros((BLOCK_M, KB), dtype=tl.float32)
     if NKB > 3:
-        bias3 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, 3 * KB + offs_k, N, NH, HAS_MASK, TABLE)
+        if BIAS_REGS:
+            bias3 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, 3 * KB + offs_k, N, NH, HAS_MASK, TABLE)
         if COMPUTE_DBIAS:
             db3 = tl.zeros((BLOCK_M, KB), dtype=tl.float32)
     for i in range(i_start, i_end):
@@ -422,21 +428,29 @@ def _window_attention_bwd_dq_kernel(
         lse = tl.load(LSE + (b * NH + h) * N + offs_m, mask=row_ok, other=0.0)
         delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
         dq = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+        if not BIAS_REGS:
+            bias0 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, offs_k, N, NH, HAS_MASK, TABLE)
         dq, ds = _bwd_dq_key_block(q, do, lse, delta, dq, bias0, K, V, b, h, sk_b, sk_h, sk_n, sk_d,
                                    sv_b, sv_h, sv_n, sv_d, 0, qk_scale, N, D, KB, PRECISION, UPCAST)
         if COMPUTE_DBIAS:
             db0 += ds
         if NKB > 1:
+            if not BIAS_REGS:
+                bias1 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, KB + offs_k, N, NH, HAS_MASK, TABLE)
             dq, ds = _bwd_dq_key_block(q, do, lse, delta, dq, bias1, K, V, b, h, sk_b, sk_h, sk_n, sk_d,
                                        sv_b, sv_h, sv_n, sv_d, KB, qk_scale, N, D, KB, PRECISION, UPCAST)
             if COMPUTE_DBIAS:
                 db1 += ds
         if NKB > 2:
+            if not BIAS_REGS:
+                bias2 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, 2 * KB + offs_k, N, NH, HAS_MASK, TABLE)
             dq, ds = _bwd_dq_key_block(q, do, lse, delta, dq, bias2, K, V, b, h, sk_b, sk_h, sk_n, sk_d,
                                        sv_b, sv_h, sv_n, sv_d, 2 * KB, qk_scale, N, D, KB, PRECISION, UPCAST)
             if COMPUTE_DBIAS:
                 db2 += ds
         if NKB > 3:
+            if not BIAS_REGS:
+                bias3 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, 3 * KB + offs_k, N, NH, HAS_MASK, TABLE)
             dq, ds = _bwd_dq_key_block(q, do, lse, delta, dq, bias3, K, V, b, h, sk_b, sk_h, sk_n, sk_d,
                                        sv_b, sv_h, sv_n, sv_d, 3 * KB, qk_scale, N, D, KB, PRECISION, UPCAST)
             if COMPUTE_DBIAS:
@@ -538,17 +552,23 @@ _BWD_SMALL_CONFIGS = ([triton.Config({"G": g, "BLOCK_M": 64}, num_warps=nw, num_
                        for nw, ns in ((4, 1), (8, 2)) for g in (8, 16)]
                       + [triton.Config({"G": g, "BLOCK_M": 32}, num_warps=8, num_stages=2) for g in (8, 16)])
 # Windows of more than 64 tokens (the key-tiled kernels): the query-tile height is a config value. The
-# forward and the dq/d_bias kernel hold one fp32 (BLOCK_M, 64) bias tile per key block (up to 4) in
-# registers, the latter as many d_bias accumulators too: 32-row tiles, or 64 rows at 8 warps. The dk/dv
-# kernel holds (64, d) accumulators and reloads the bias tile per (window, query tile).
+# forward holds one fp32 (BLOCK_M, 64) bias tile per key block (up to 4) in registers; the dq/d_bias
+# kernel as many d_bias accumulators, and the bias tiles too (BIAS_REGS) or loads them again per window:
+# compiled for sm_90 at N = 144, d = 32 it spills either way (Triton 3.8, `tests/aot_compile_kernels.py
+# --resources`: about 430-680 bytes of stack per thread with the bias in registers, 220-320 without),
+# so the autotuner times both. The dk/dv kernel holds (64, d) accumulators, loads the bias tile per
+# (window, query tile) and does not spill there.
 _FWD_TILED_CONFIGS = [triton.Config({"G": g, "BLOCK_M": bm}, num_warps=nw, num_stages=2)
                       for bm, nw in ((32, 4), (64, 8)) for g in (4, 8)]
-_BWD_DQ_CONFIGS = [triton.Config({"G": g, "BLOCK_M": bm}, num_warps=nw, num_stages=2)
-                   for bm, nw in ((32, 4), (32, 8), (64, 8)) for g in (8, 16)]
+_BWD_DQ_CONFIGS = ([triton.Config({"G": 8, "BLOCK_M": bm, "BIAS_REGS": br}, num_warps=nw, num_stages=2)
+                    for bm, nw in ((32, 4), (32, 8), (64, 8)) for br in (True, False)]
+                   + [triton.Config({"G": 16, "BLOCK_M": 64, "BIAS_REGS": br}, num_warps=8, num_stages=2)
+                      for br in (True, False)])
 _BWD_DKV_CONFIGS = [triton.Config({"G": g, "BLOCK_M": bm}, num_warps=nw, num_stages=2)
                     for bm, nw in ((32, 4), (64, 8)) for g in (4, 8)]
 _INTERPRET_CONFIG = {"G": 2, "num_warps": 4}
 _TILED_INTERPRET_CONFIG = {"G": 2, "BLOCK_M": 64, "num_warps": 4}
+_DQ_INTERPRET_CONFIG = {"BIAS_REGS": True}  # the dq/d_bias kernel's own config values
 _KEY_BLOCK = 64  # KB of the key-tiled kernels
 _AUTOTUNE_KEY = ["N", "D", "NH", "NW"]
 # The d_bias partial buffer has ceil(B_PER_W / G) slots per (w, h); sized for the smallest G of the
@@ -756,11 +776,12 @@ def _bwd_tiled(q, k, v, out, lse, dout, rel_bias, mask_arg, index_arg, grads, dk
     common = dict(NW=nw, NH=nh, N=n, D=d, HAS_MASK=has_mask, PRECISION=_precision(q.dtype),
                   UPCAST=_INTERPRET and q.dtype == torch.bfloat16, TABLE=table)
     extra = dict(_TILED_INTERPRET_CONFIG) if _INTERPRET else {}
+    extra_dq = dict(extra, **_DQ_INTERPRET_CONFIG) if _INTERPRET else {}
     grid = lambda meta: (nw * cdiv(b_per_w, meta["G"]), nh, cdiv(n, meta["BLOCK_M"]))  # noqa: E731
     launch(_bwd_dq)[grid](
         q, k, v, out, dout, lse, rel_bias, mask_arg, index_arg, dq, partial,
         *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(dout), *_strides(views[0]),
-        float(scale), b_per_w, FILL_SLOTS=fill_slots, COMPUTE_DBIAS=compute_dbias, **common, **extra,
+        float(scale), b_per_w, FILL_SLOTS=fill_slots, COMPUTE_DBIAS=compute_dbias, **common, **extra_dq,
     )
     grid = lambda meta: (nw * cdiv(b_per_w, meta["G"]), nh, cdiv(n, _KEY_BLOCK))  # noqa: E731
     launch(_bwd_dkv)[grid](
