@@ -332,10 +332,12 @@ def test_every_small_window_backward_config_matches_reference(cfg, monkeypatch):
 
 
 # Windows of more than 64 tokens run the key-tiled kernels (keys in blocks of 64, query tiles a grid axis,
-# backward split into dq/d_bias and dk/dv): N = 100 (10x10, two key blocks, the second 36 keys), 144 (12x12,
-# three, the last 16 keys), 256 (16x16, four full ones); with and without a mask, q/k/v separate, as timm's
-# strided views and packed. Small batches: the interpreter is slow.
+# backward split into dq/d_bias and dk/dv): N = 65 (a last key block and query tile of one), 100 (10x10,
+# two key blocks, the second 36 keys), 144 (12x12, three, the last 16 keys), 256 (16x16, four full ones);
+# with and without a mask, q/k/v separate, as timm's strided views and packed. Small batches: the
+# interpreter is slow.
 TILED_SHAPES = [
+    (2, 1, 65, 16, 2, "contiguous"),
     (3, 2, 100, 16, None, "contiguous"),
     (4, 2, 100, 32, 2, "timm_qkv"),
     (3, 2, 144, 16, None, "timm_qkv"),
