@@ -557,7 +557,10 @@ _BWD_SMALL_CONFIGS = ([triton.Config({"G": g, "BLOCK_M": 64}, num_warps=nw, num_
 # compiled for sm_90 at N = 144, d = 32 it spills either way (Triton 3.8, `tests/aot_compile_kernels.py
 # --resources`: about 430-680 bytes of stack per thread with the bias in registers, 220-320 without),
 # so the autotuner times both. The dk/dv kernel holds (64, d) accumulators, loads the bias tile per
-# (window, query tile) and does not spill there.
+# (window, query tile) and does not spill there. At d = 128 the 64-row forward and dq/d_bias configs ask
+# for more shared memory than an H200 has (their num_stages = 2 prefetch of every key block); Triton's
+# autotuner drops a config that cannot launch (OutOfResources), and the first config of each list, the
+# one SWINBENCH_AUTOTUNE=0 pins, fits.
 _FWD_TILED_CONFIGS = [triton.Config({"G": g, "BLOCK_M": bm}, num_warps=nw, num_stages=2)
                       for bm, nw in ((32, 4), (64, 8)) for g in (4, 8)]
 _BWD_DQ_CONFIGS = ([triton.Config({"G": 8, "BLOCK_M": bm, "BIAS_REGS": br}, num_warps=nw, num_stages=2)
@@ -613,8 +616,8 @@ def _bwd_kernel(block_n: int):
 
 def _block_sizes(n: int) -> tuple[int, int]:
     block_n = max(16, next_pow2(n))
-    # One query tile up to 64 keys; beyond that the key-tiled kernels take the tile height from their
-    # configs and only BLOCK_N > 64 (the choice of those kernels) is used.
+    # One query tile up to 64 keys. Beyond 64 keys only BLOCK_N is read (it picks the key-tiled kernels,
+    # which take their query-tile height from their configs).
     block_m = block_n if block_n <= 64 else 32
     return block_m, block_n
 
