@@ -99,6 +99,39 @@ def test_custom_op_passes_opcheck(name):
         torch.library.opcheck(op.op, args, test_utils=UTILS_TRACED)
 
 
+def key_tiled_attention_samples():
+    """The window-attention ops at N = 144 (12x12 windows), where the host functions launch the key-tiled
+    kernels: (name, op, args)."""
+    torch.manual_seed(1)
+    bnw, nh, n, d, n_table = 4, 2, 144, 16, 529
+    qkv = rand(bnw, n, 3, nh, d)
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    bias, mask, table = rand(nh, n, n), rand(2, n, n), rand(n_table, nh)
+    index = _rel_index(12).to(DEVICE)
+    inverse = wa.rel_pos_inverse(index, n_table)
+    out, lse = wa.window_attention_fwd(q, k, v, bias, mask, d ** -0.5)
+    dout = rand(bnw, nh, n, d)
+    return [
+        ("window_attention_fwd", wa._window_attention_fwd_op, (q, k, v, bias, mask, d ** -0.5)),
+        ("window_attention_bwd", wa._window_attention_bwd_op, (q, k, v, out, lse, dout, bias, mask, d ** -0.5, True)),
+        ("window_attention_qkv_bwd", wa._window_attention_qkv_bwd_op,
+         (qkv, out, lse, dout, bias, None, d ** -0.5, True)),
+        ("window_attention_table_fwd", wa._window_attention_table_fwd_op, (q, k, v, table, index, mask, d ** -0.5)),
+        ("window_attention_qkv_table_bwd", wa._window_attention_qkv_table_bwd_op,
+         (qkv, out, lse, dout, table, index, inverse, mask, d ** -0.5, True)),
+    ]
+
+
+@pytest.mark.parametrize("index", range(5), ids=["fwd", "bwd", "qkv_bwd", "table_fwd", "qkv_table_bwd"])
+def test_key_tiled_attention_ops_pass_opcheck(index):
+    """The window-attention ops at N = 144 (the key-tiled kernels): same schema, fake shapes and strides."""
+    name, op, args = key_tiled_attention_samples()[index]
+    assert op.op._qualname == f"swinbench::{name}"
+    torch.library.opcheck(op.opaque, args, test_utils=UTILS)
+    if op.traceable:
+        torch.library.opcheck(op.op, args, test_utils=UTILS_TRACED)
+
+
 def test_every_swinbench_op_is_sampled():
     ops = [o for m in (ln, win, wa, lin) for o in vars(m).values() if isinstance(o, KernelOp)]
     assert sorted(o.op._qualname.split("::")[1] for o in ops) == sorted(NAMES)

@@ -201,13 +201,15 @@ def test_d_rel_bias_is_deterministic():
     assert torch.equal(first, second)
 
 
+@pytest.mark.parametrize("bnw, n", [(18, 49), (6, 144)], ids=["N49", "N144"])
 @pytest.mark.parametrize("nw", [None, 3])
-def test_traced_backward_sums_every_slot(monkeypatch, nw):
+def test_traced_backward_sums_every_slot(monkeypatch, nw, bnw, n):
     """Traced by torch.compile (triton_op), the backward cannot know the G Inductor's autotuning will
     pick: it sums every slot of the d_bias partial buffer, and the kernel zeroes those its G leaves
-    unused. With the buffers NaN-poisoned, an unzeroed slot would show."""
+    unused. With the buffers NaN-poisoned, an unzeroed slot would show. N = 144: the key-tiled kernels,
+    whose query-tile programs each zero their own rows."""
     ops = importlib.import_module("workbench.kernels._common")
-    q, k, v, rel_bias, mask, _ = make_inputs(18, 2, 49, 16, nw, "separate", torch.float32)
+    q, k, v, rel_bias, mask, _ = make_inputs(bnw, 2, n, 16, nw, "separate", torch.float32)
     scale = 16 ** -0.5
     out, lse = wa.window_attention_fwd(q, k, v, rel_bias, mask, scale)
     dout = torch.randn_like(out)
@@ -254,6 +256,10 @@ def test_table_mode_matches_reference(shape, dtype, out_tol, grad_tol):
     """fused_window_attention_table: the kernels gather the bias from timm's table through the index and
     the backward sums its gradient into the table. Against the float64 formula on the gathered bias:
     output, dqkv and the table's gradient (the sum over every window and pair that reads a row)."""
+    check_table_against_reference(shape, dtype, out_tol, grad_tol)
+
+
+def check_table_against_reference(shape, dtype, out_tol, grad_tol):
     from timm.models.swin_transformer import get_relative_position_index
 
     bnw, nh, ws, d, nw = shape
@@ -280,24 +286,26 @@ def test_table_mode_matches_reference(shape, dtype, out_tol, grad_tol):
     assert grads[1].dtype == table.dtype
 
 
+@pytest.mark.parametrize("bnw, ws", [(18, 7), (6, 12)], ids=["N49", "N144"])
 @pytest.mark.parametrize("nw", [None, 3])
-def test_table_mode_traced_backward_sums_every_slot(monkeypatch, nw):
+def test_table_mode_traced_backward_sums_every_slot(monkeypatch, nw, bnw, ws):
     """As test_traced_backward_sums_every_slot, for the table's gradient: traced, every partial slot is
     summed (the unused ones zeroed by the kernel), and the result is the eager one."""
     from timm.models.swin_transformer import get_relative_position_index
 
     ops = importlib.import_module("workbench.kernels._common")
-    q, k, v, _, mask, _ = make_inputs(18, 2, 49, 16, nw, "separate", torch.float32)
-    table = torch.randn(169, 2, device=DEVICE)
-    index = get_relative_position_index(7, 7).to(DEVICE)
-    inverse = wa.rel_pos_inverse(index, 169)
+    n, n_table = ws * ws, (2 * ws - 1) ** 2
+    q, k, v, _, mask, _ = make_inputs(bnw, 2, n, 16, nw, "separate", torch.float32)
+    table = torch.randn(n_table, 2, device=DEVICE)
+    index = get_relative_position_index(ws, ws).to(DEVICE)
+    inverse = wa.rel_pos_inverse(index, n_table)
     scale = 16 ** -0.5
     out, lse = wa.window_attention_fwd(q, k, v, table, mask, scale, index=index)
     dout = torch.randn_like(out)
     *_, eager = wa.window_attention_bwd(q, k, v, out, lse, dout, table, mask, scale, index=index, inverse=inverse)
     monkeypatch.setattr(ops._STATE, "tracing", True, raising=False)
     *_, traced = wa.window_attention_bwd(q, k, v, out, lse, dout, table, mask, scale, index=index, inverse=inverse)
-    assert eager.shape == (169, 2) and torch.isfinite(traced).all()
+    assert eager.shape == (n_table, 2) and torch.isfinite(traced).all()
     torch.testing.assert_close(traced, eager, rtol=1e-5, atol=1e-6)
 
 
@@ -321,3 +329,94 @@ def test_every_small_window_backward_config_matches_reference(cfg, monkeypatch):
     check_against_reference((12, 3, 49, 16, 4, "packed"), torch.bfloat16, 1e-2, 2e-2, seed=cfg)
     if not wa._INTERPRET:
         assert wa._bwd_small.best_config is not None
+
+
+# Windows of more than 64 tokens run the key-tiled kernels (keys in blocks of 64, query tiles a grid axis,
+# backward split into dq/d_bias and dk/dv): N = 65 (a last key block and query tile of one), 100 (10x10,
+# two key blocks, the second 36 keys), 144 (12x12, three, the last 16 keys), 256 (16x16, four full ones);
+# with and without a mask, q/k/v separate, as timm's strided views and packed. Small batches: the
+# interpreter is slow.
+TILED_SHAPES = [
+    (2, 1, 65, 16, 2, "contiguous"),
+    (3, 2, 100, 16, None, "contiguous"),
+    (4, 2, 100, 32, 2, "timm_qkv"),
+    (3, 2, 144, 16, None, "timm_qkv"),
+    (4, 2, 144, 16, 2, "contiguous"),
+    (2, 2, 256, 16, 2, "packed"),
+    (2, 1, 256, 32, None, "contiguous"),
+]
+TILED_DTYPES = [DTYPE_TOLERANCES[0], DTYPE_TOLERANCES[2]]
+
+
+@pytest.mark.parametrize("dtype, out_tol, grad_tol", TILED_DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", TILED_SHAPES, ids=lambda s: "x".join(str(x) for x in s))
+def test_key_tiled_matches_reference(shape, dtype, out_tol, grad_tol):
+    check_against_reference(shape, dtype, out_tol, grad_tol, seed=shape[2])
+
+
+TILED_TABLE_SHAPES = [(3, 2, 10, 16, None), (4, 2, 12, 16, 2), (2, 2, 16, 16, 2), (4, 1, (9, 12), 16, 2)]
+
+
+@pytest.mark.parametrize("dtype, out_tol, grad_tol", TILED_DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", TILED_TABLE_SHAPES, ids=lambda s: "x".join(str(x) for x in s))
+def test_key_tiled_table_mode_matches_reference(shape, dtype, out_tol, grad_tol):
+    check_table_against_reference(shape, dtype, out_tol, grad_tol)
+
+
+@pytest.mark.parametrize("n, nw", [(100, None), (144, 2), (256, 2)])
+def test_key_tiled_lse_is_the_base2_logsumexp(n, nw):
+    """The forward's saved LSE means the same for every N: the fp32 base-2 logsumexp of each score row."""
+    q, k, v, rel_bias, mask, _ = make_inputs(4, 2, n, 16, nw, "contiguous", torch.float32, seed=n)
+    scale = 16 ** -0.5
+    _, lse = wa.window_attention_fwd(q, k, v, rel_bias, mask, scale)
+    scores = q.double() @ k.double().transpose(-2, -1) * scale + rel_bias.double()
+    if mask is not None:
+        scores = (scores.view(-1, nw, *scores.shape[1:]) + mask.double()[None, :, None]).view(scores.shape)
+    ref = torch.logsumexp(scores, -1) / torch.log(torch.tensor(2.0, dtype=torch.float64))
+    assert lse.dtype == torch.float32 and lse.shape == (4, 2, n)
+    torch.testing.assert_close(lse.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["bias", "table"])
+def test_key_tiled_32_row_tiles_and_odd_groups(mode, monkeypatch):
+    """The GPU configs also run 32-row query tiles, and the dq/d_bias kernel with its bias tiles loaded per
+    window (BIAS_REGS off); here with G = 3 windows per program, which leaves a last group of one window
+    (5 windows per position), against the float64 formula."""
+    monkeypatch.setattr(wa, "_TILED_INTERPRET_CONFIG", {"G": 3, "BLOCK_M": 32, "num_warps": 4})
+    monkeypatch.setattr(wa, "_DQ_INTERPRET_CONFIG", {"BIAS_REGS": False})
+    if mode == "table":
+        check_table_against_reference((10, 2, 12, 16, 2), torch.float32, 1e-4, 1e-4)
+    else:
+        check_against_reference((10, 2, 144, 16, 2, "packed"), torch.bfloat16, 1e-2, 2e-2, seed=3)
+
+
+def test_key_tiled_frozen_bias_skips_d_bias():
+    """Without a bias gradient the dq/d_bias kernel skips the d_bias work; dq, dk, dv are unchanged."""
+    q, k, v, rel_bias, mask, _ = make_inputs(4, 2, 144, 16, 2, "contiguous", torch.bfloat16, seed=5)
+    scale = 16 ** -0.5
+    out, lse = wa.window_attention_fwd(q, k, v, rel_bias, mask, scale)
+    dout = torch.randn_like(out)
+    with_bias = wa.window_attention_bwd(q, k, v, out, lse, dout, rel_bias, mask, scale, True)
+    frozen = wa.window_attention_bwd(q, k, v, out, lse, dout, rel_bias, mask, scale, False)
+    assert frozen[3] is None
+    for a, b in zip(frozen[:3], with_bias[:3]):
+        assert torch.equal(a, b)
+
+
+def test_key_tiled_d_rel_bias_is_deterministic():
+    """N = 144: the bias and table gradients are the same bits on every run (per-program partials, no
+    atomics). On a GPU at a size where many programs run at once."""
+    from timm.models.swin_transformer import get_relative_position_index
+
+    bnw, nw = (144, 36) if torch.cuda.is_available() else (4, 2)
+    q, k, v, rel_bias, mask, (qkv,) = make_inputs(bnw, 2, 144, 32, nw, "packed", torch.bfloat16, seed=7)
+    index = get_relative_position_index(12, 12).to(DEVICE)
+    table = (0.5 * torch.randn(529, 2)).to(DEVICE).requires_grad_()
+    inverse = wa.rel_pos_inverse(index, 529)
+    for bias, run in ((rel_bias, lambda: fused_window_attention_qkv(qkv, rel_bias, mask)),
+                      (table, lambda: wa.fused_window_attention_table(qkv, table, index, inverse, mask))):
+        out = run()
+        dout = torch.randn_like(out)
+        first = torch.autograd.grad(out, [bias], dout, retain_graph=True)[0]
+        second = torch.autograd.grad(out, [bias], dout)[0]
+        assert torch.isfinite(first).all() and torch.equal(first, second)

@@ -6,19 +6,34 @@ per batch-window b and head h, with q, k, v of shape (B*nW, nH, N, d): N is the 
 (49 for a 7x7 window, 144 for 12x12; any N <= 256), d a power of two in 16..128.
 
 Design (why it is shaped this way):
-  * A window is small (N <= 256), so one program owns whole windows: the N x N scores live in
-    registers only and are never written to global memory; neither is an expanded bias or mask.
-    N is padded inside the kernel to BLOCK_N = next_pow2(N) (49 -> 64); padded keys get -inf.
-  * Grid = (nW * n_groups, nH). Program (w, g, h) loops over the G batch-windows
-    b = i * nW + w, i in [g*G, (g+1)*G). All of them share rel_bias[h] and mask[w], so the
-    bias/mask tile is loaded once per program and kept in registers.
-  * Queries are processed in tiles of BLOCK_M rows. For N <= 64 there is one tile
-    (BLOCK_M = BLOCK_N); for larger N (144) BLOCK_M = 32 keeps the fp32 score tile in registers.
-    Keys are never tiled, so the softmax is exact (no online rescaling).
+  * A window is small (N <= 256): the N x N scores live in registers only and are never written to
+    global memory; neither is an expanded bias or mask. Padded keys get -inf.
+  * Programs loop over G batch-windows b = i * nW + w, i in [g*G, (g+1)*G), of one window position w
+    and head h. All of them share rel_bias[h] and mask[w], so a bias/mask tile is loaded once per
+    program (or per query tile) and kept in registers.
+  * Up to 64 keys (N <= 64): grid (nW * n_groups, nH), one program owns whole windows, N is padded to
+    BLOCK_N = next_pow2(N) (49 -> 64) and keys are never tiled: the softmax is exact (no online
+    rescaling). Queries run in tiles of BLOCK_M rows (one 64-row tile, or 32-row tiles; the backward's
+    autotuner picks).
+  * Beyond 64 keys (N in 65..256) padding every window to one next_pow2(N) tile wastes work (144 -> 256
+    keys) and makes a one-kernel backward hold (256, d) fp32 dk/dv accumulators per program and, with
+    several query tiles, read-modify-write its whole N x N fp32 d_bias slot for every window. So the
+    keys run in blocks of KB = 64 (at most 4, the last partial and -inf padded), and query tiles are a
+    grid axis:
+      - forward: grid (nW * n_groups, nH, cdiv(N, BLOCK_M)); per window an online softmax over the key
+        blocks (running max and sum in base 2), the bias/mask tile of each (query tile, key block)
+        loaded once per program.
+      - backward in two kernels, without atomics. dq + d_bias (same grid): per window and key block it
+        recomputes P from the LSE, ds = P * (dO V^T - rowsum(dO * O)), dq += ds K; the d_bias of its
+        rows is summed over the G windows in registers (one (BLOCK_M, KB) accumulator per key block) and
+        stored once into those rows of its slot. dk, dv (grid (nW * n_groups, nH, cdiv(N, KB))): a program
+        owns one key block and runs over every query tile of its windows: dv += P^T dO, dk += ds^T Q.
+    BLOCK_M (32 or 64) is a config value of these kernels.
   * Forward saves the row logsumexp (fp32, base-2, shape (B*nW, nH, N)); backward recomputes P.
   * d_bias without a float-atomic storm: every backward program sums dS over its G windows in
     registers (one query tile) or in its own slot of a partial buffer (several tiles), and writes
-    one fp32 slot of shape (N, N) into partial[g, w, h]. A torch .sum over (g, w) finishes it.
+    one fp32 slot of shape (N, N) into partial[g, w, h] (beyond 64 keys, the programs of the query
+    tiles each write their own rows of it). A torch .sum over (g, w) finishes it.
     Nothing is contended, and the result is deterministic (same order every run).
   * The output is allocated as (B*nW, N, nH, d) and returned as the (B*nW, nH, N, d) view, so
     timm's `x.transpose(1, 2).reshape(B_, N, C)` after attention is free (no copy).
@@ -32,9 +47,9 @@ Design (why it is shaped this way):
     traces into and launches itself; under Triton's CPU interpreter or with symbolic shapes each call is
     one opaque custom op.
 
-Autotuning (num_warps x num_stages x windows-per-program G) is keyed on (N, D, NH, NW). It is off under
-TRITON_INTERPRET=1, where a single config keeps CPU tests fast, and SWINBENCH_AUTOTUNE=0 pins the first
-config of each kernel on a GPU (docs/debugging.md).
+Autotuning (num_warps x num_stages x windows-per-program G, and BLOCK_M where a config sets it) is keyed
+on (N, D, NH, NW). It is off under TRITON_INTERPRET=1, where a single config keeps CPU tests fast, and
+SWINBENCH_AUTOTUNE=0 pins the first config of each kernel on a GPU (docs/debugging.md).
 """
 from __future__ import annotations
 
@@ -240,6 +255,282 @@ def _window_attention_bwd_kernel(
 
 
 # --------------------------------------------------------------------------------------------
+# Kernels for windows of more than 64 tokens: keys in blocks of KB = 64
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _load_rows(PTR, b, h, s_b, s_h, s_n, s_d, offs, N, D: tl.constexpr):
+    """(len(offs), D) rows offs of one (window, head) matrix; rows past N read as 0."""
+    offs_d = tl.arange(0, D)
+    return tl.load(PTR + b * s_b + h * s_h + offs[:, None] * s_n + offs_d[None, :] * s_d,
+                   mask=(offs < N)[:, None], other=0.0)
+
+
+@triton.jit
+def _store_rows(PTR, x, b, h, s_b, s_h, s_n, s_d, offs, N, D: tl.constexpr):
+    offs_d = tl.arange(0, D)
+    tl.store(PTR + b * s_b + h * s_h + offs[:, None] * s_n + offs_d[None, :] * s_d,
+             x.to(PTR.dtype.element_ty), mask=(offs < N)[:, None])
+
+
+@triton.jit
+def _store_dbias_tile(SLOT, x, offs_m, n0, N, KB: tl.constexpr):
+    """Rows offs_m, columns [n0, n0 + KB) of one (N, N) d_bias slot; outside N x N nothing."""
+    offs_n = n0 + tl.arange(0, KB)
+    ok = (offs_m < N)[:, None] & (offs_n < N)[None, :]
+    tl.store(SLOT + offs_m[:, None] * N + offs_n[None, :], x, mask=ok)
+
+
+@triton.jit
+def _fwd_key_block(q, acc, m_i, l_i, bias, K, V, b, h, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
+                   n0, qk_scale, N, D: tl.constexpr, KB: tl.constexpr, PRECISION: tl.constexpr,
+                   UPCAST: tl.constexpr):
+    """One online-softmax step over keys [n0, n0 + KB): (acc, running max, running sum), base 2."""
+    offs_n = n0 + tl.arange(0, KB)
+    k = _load_rows(K, b, h, sk_b, sk_h, sk_n, sk_d, offs_n, N, D)
+    v = _load_rows(V, b, h, sv_b, sv_h, sv_n, sv_d, offs_n, N, D)
+    s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale + bias  # padded keys: bias is -inf
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)  # 0 on the first block (m_i = -inf)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
+    return acc, m_new, l_i
+
+
+@triton.jit(do_not_specialize=["B_PER_W", "NW", "NH"])
+def _window_attention_fwd_tiled_kernel(
+    Q, K, V, BIAS, MASK, INDEX, O, LSE,
+    sq_b, sq_h, sq_n, sq_d,
+    sk_b, sk_h, sk_n, sk_d,
+    sv_b, sv_h, sv_n, sv_d,
+    so_b, so_h, so_n, so_d,
+    scale, B_PER_W, G: tl.constexpr,
+    NW, NH, N: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, TABLE: tl.constexpr,
+):
+    """Forward for 64 < N <= 256. Grid (nW * n_groups, nH, cdiv(N, BLOCK_M)): program (w, g, h, m) owns
+    query rows [m*BLOCK_M, (m+1)*BLOCK_M) of its G windows; keys in NKB <= 4 blocks of KB = 64 with an
+    online softmax. The bias/mask tile of each (query tile, key block) is loaded once per program."""
+    KB: tl.constexpr = 64
+    NKB: tl.constexpr = (N + KB - 1) // KB
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    w = pid % NW
+    g = pid // NW
+    i_start = g * G
+    i_end = tl.minimum(i_start + G, B_PER_W)
+    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, KB)
+    scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
+    qk_scale = scale * 1.4426950408889634
+    bias0 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, offs_k, N, NH, HAS_MASK, TABLE)
+    if NKB > 1:
+        bias1 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, KB + offs_k, N, NH, HAS_MASK, TABLE)
+    if NKB > 2:
+        bias2 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, 2 * KB + offs_k, N, NH, HAS_MASK, TABLE)
+    if NKB > 3:
+        bias3 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, 3 * KB + offs_k, N, NH, HAS_MASK, TABLE)
+    for i in range(i_start, i_end):
+        b = (i * NW + w).to(tl.int64)
+        q = _load_rows(Q, b, h, sq_b, sq_h, sq_n, sq_d, offs_m, N, D)
+        m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+        acc, m_i, l_i = _fwd_key_block(q, acc, m_i, l_i, bias0, K, V, b, h, sk_b, sk_h, sk_n, sk_d,
+                                       sv_b, sv_h, sv_n, sv_d, 0, qk_scale, N, D, KB, PRECISION, UPCAST)
+        if NKB > 1:
+            acc, m_i, l_i = _fwd_key_block(q, acc, m_i, l_i, bias1, K, V, b, h, sk_b, sk_h, sk_n, sk_d,
+                                           sv_b, sv_h, sv_n, sv_d, KB, qk_scale, N, D, KB, PRECISION, UPCAST)
+        if NKB > 2:
+            acc, m_i, l_i = _fwd_key_block(q, acc, m_i, l_i, bias2, K, V, b, h, sk_b, sk_h, sk_n, sk_d,
+                                           sv_b, sv_h, sv_n, sv_d, 2 * KB, qk_scale, N, D, KB, PRECISION, UPCAST)
+        if NKB > 3:
+            acc, m_i, l_i = _fwd_key_block(q, acc, m_i, l_i, bias3, K, V, b, h, sk_b, sk_h, sk_n, sk_d,
+                                           sv_b, sv_h, sv_n, sv_d, 3 * KB, qk_scale, N, D, KB, PRECISION, UPCAST)
+        _store_rows(O, acc / l_i[:, None], b, h, so_b, so_h, so_n, so_d, offs_m, N, D)
+        tl.store(LSE + (b * NH + h) * N + offs_m, m_i + tl.log2(l_i), mask=offs_m < N)
+
+
+@triton.jit
+def _bwd_dq_key_block(q, do, lse, delta, dq, bias, K, V, b, h, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
+                      n0, qk_scale, N, D: tl.constexpr, KB: tl.constexpr, PRECISION: tl.constexpr,
+                      UPCAST: tl.constexpr):
+    """Keys [n0, n0 + KB) of one query tile: (dq + ds @ k, ds), ds = d loss / d (scores + bias + mask)."""
+    offs_n = n0 + tl.arange(0, KB)
+    k = _load_rows(K, b, h, sk_b, sk_h, sk_n, sk_d, offs_n, N, D)
+    v = _load_rows(V, b, h, sv_b, sv_h, sv_n, sv_d, offs_n, N, D)
+    s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale + bias
+    p = tl.exp2(s - lse[:, None])  # padded keys: exp2(-inf) = 0; padded rows: do = 0
+    dp = _dot(do, tl.trans(v), PRECISION, UPCAST)
+    ds = p * (dp - delta[:, None])
+    dq += _dot(ds.to(k.dtype), k, PRECISION, UPCAST)
+    return dq, ds
+
+
+@triton.jit(do_not_specialize=["B_PER_W", "NW", "NH", "FILL_SLOTS"])
+def _window_attention_bwd_dq_kernel(
+    Q, K, V, O, DO, LSE, BIAS, MASK, INDEX, DQ, DBIAS_PARTIAL,
+    sq_b, sq_h, sq_n, sq_d,
+    sk_b, sk_h, sk_n, sk_d,
+    sv_b, sv_h, sv_n, sv_d,
+    so_b, so_h, so_n, so_d,
+    sdo_b, sdo_h, sdo_n, sdo_d,
+    sdq_b, sdq_h, sdq_n, sdq_d,
+    scale, B_PER_W, G: tl.constexpr, FILL_SLOTS,
+    NW, NH, N: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, COMPUTE_DBIAS: tl.constexpr, TABLE: tl.constexpr, BIAS_REGS: tl.constexpr,
+):
+    """Backward for 64 < N <= 256, part 1: dq and d_bias. Grid as the tiled forward's; program (w, g, h, m)
+    owns query rows [m*BLOCK_M, (m+1)*BLOCK_M) of its G windows. The d_bias of its rows, summed over the G
+    windows in registers (one accumulator per key block), is stored once into those rows of the program's
+    (N, N) slot partial[g, w, h]. BIAS_REGS: the bias/mask tiles stay in registers across the windows,
+    else they are loaded again per window (fewer registers beside the d_bias accumulators; a config value).
+    With a packed gradient DQ is the packed buffer itself (dq at offset 0)."""
+    KB: tl.constexpr = 64
+    NKB: tl.constexpr = (N + KB - 1) // KB
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    w = pid % NW
+    g = pid // NW
+    i_start = g * G
+    i_end = tl.minimum(i_start + G, B_PER_W)
+    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < N
+    offs_k = tl.arange(0, KB)
+    scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
+    qk_scale = scale * 1.4426950408889634
+    if BIAS_REGS:
+        bias0 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, offs_k, N, NH, HAS_MASK, TABLE)
+    if COMPUTE_DBIAS:
+        db0 = tl.zeros((BLOCK_M, KB), dtype=tl.float32)
+    if NKB > 1:
+        if BIAS_REGS:
+            bias1 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, KB + offs_k, N, NH, HAS_MASK, TABLE)
+        if COMPUTE_DBIAS:
+            db1 = tl.zeros((BLOCK_M, KB), dtype=tl.float32)
+    if NKB > 2:
+        if BIAS_REGS:
+            bias2 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, 2 * KB + offs_k, N, NH, HAS_MASK, TABLE)
+        if COMPUTE_DBIAS:
+            db2 = tl.zeros((BLOCK_M, KB), dtype=tl.float32)
+    if NKB > 3:
+        if BIAS_REGS:
+            bias3 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, 3 * KB + offs_k, N, NH, HAS_MASK, TABLE)
+        if COMPUTE_DBIAS:
+            db3 = tl.zeros((BLOCK_M, KB), dtype=tl.float32)
+    for i in range(i_start, i_end):
+        b = (i * NW + w).to(tl.int64)
+        q = _load_rows(Q, b, h, sq_b, sq_h, sq_n, sq_d, offs_m, N, D)
+        o = _load_rows(O, b, h, so_b, so_h, so_n, so_d, offs_m, N, D)
+        do = _load_rows(DO, b, h, sdo_b, sdo_h, sdo_n, sdo_d, offs_m, N, D)
+        lse = tl.load(LSE + (b * NH + h) * N + offs_m, mask=row_ok, other=0.0)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+        dq = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+        if not BIAS_REGS:
+            bias0 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, offs_k, N, NH, HAS_MASK, TABLE)
+        dq, ds = _bwd_dq_key_block(q, do, lse, delta, dq, bias0, K, V, b, h, sk_b, sk_h, sk_n, sk_d,
+                                   sv_b, sv_h, sv_n, sv_d, 0, qk_scale, N, D, KB, PRECISION, UPCAST)
+        if COMPUTE_DBIAS:
+            db0 += ds
+        if NKB > 1:
+            if not BIAS_REGS:
+                bias1 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, KB + offs_k, N, NH, HAS_MASK, TABLE)
+            dq, ds = _bwd_dq_key_block(q, do, lse, delta, dq, bias1, K, V, b, h, sk_b, sk_h, sk_n, sk_d,
+                                       sv_b, sv_h, sv_n, sv_d, KB, qk_scale, N, D, KB, PRECISION, UPCAST)
+            if COMPUTE_DBIAS:
+                db1 += ds
+        if NKB > 2:
+            if not BIAS_REGS:
+                bias2 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, 2 * KB + offs_k, N, NH, HAS_MASK, TABLE)
+            dq, ds = _bwd_dq_key_block(q, do, lse, delta, dq, bias2, K, V, b, h, sk_b, sk_h, sk_n, sk_d,
+                                       sv_b, sv_h, sv_n, sv_d, 2 * KB, qk_scale, N, D, KB, PRECISION, UPCAST)
+            if COMPUTE_DBIAS:
+                db2 += ds
+        if NKB > 3:
+            if not BIAS_REGS:
+                bias3 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, 3 * KB + offs_k, N, NH, HAS_MASK, TABLE)
+            dq, ds = _bwd_dq_key_block(q, do, lse, delta, dq, bias3, K, V, b, h, sk_b, sk_h, sk_n, sk_d,
+                                       sv_b, sv_h, sv_n, sv_d, 3 * KB, qk_scale, N, D, KB, PRECISION, UPCAST)
+            if COMPUTE_DBIAS:
+                db3 += ds
+        _store_rows(DQ, dq * scale, b, h, sdq_b, sdq_h, sdq_n, sdq_d, offs_m, N, D)
+    if COMPUTE_DBIAS:
+        slot = DBIAS_PARTIAL + ((g * NW + w) * NH + h).to(tl.int64) * N * N
+        _store_dbias_tile(slot, db0, offs_m, 0, N, KB)
+        if NKB > 1:
+            _store_dbias_tile(slot, db1, offs_m, KB, N, KB)
+        if NKB > 2:
+            _store_dbias_tile(slot, db2, offs_m, 2 * KB, N, KB)
+        if NKB > 3:
+            _store_dbias_tile(slot, db3, offs_m, 3 * KB, N, KB)
+        # Slots past this G's groups, up to FILL_SLOTS, are zeroed by the last group's programs (each its
+        # own rows), so that traced calls can sum FILL_SLOTS slots whatever G the autotuner chose.
+        n_groups = tl.cdiv(B_PER_W, G)
+        if g == n_groups - 1:
+            for s in range(n_groups, FILL_SLOTS):
+                slot = DBIAS_PARTIAL + ((s * NW + w) * NH + h).to(tl.int64) * N * N
+                for n0 in range(0, N, KB):
+                    _store_dbias_tile(slot, tl.zeros((BLOCK_M, KB), dtype=tl.float32), offs_m, n0, N, KB)
+
+
+@triton.jit(do_not_specialize=["B_PER_W", "NW", "NH"])
+def _window_attention_bwd_dkv_kernel(
+    Q, K, V, O, DO, LSE, BIAS, MASK, INDEX, DK, DV,
+    sq_b, sq_h, sq_n, sq_d,
+    sk_b, sk_h, sk_n, sk_d,
+    sv_b, sv_h, sv_n, sv_d,
+    so_b, so_h, so_n, so_d,
+    sdo_b, sdo_h, sdo_n, sdo_d,
+    sdk_b, sdk_h, sdk_n, sdk_d,
+    sdv_b, sdv_h, sdv_n, sdv_d,
+    scale, B_PER_W, G: tl.constexpr, dkv_off,
+    NW, NH, N: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PACKED: tl.constexpr, TABLE: tl.constexpr,
+):
+    """Backward for 64 < N <= 256, part 2: dk and dv. Grid (nW * n_groups, nH, cdiv(N, KB)): program
+    (w, g, h, j) owns keys [j*KB, (j+1)*KB) of its G windows and runs over every query tile of each.
+    PACKED: DK is the packed gradient buffer, dk at DK + dkv_off and dv at DK + 2 dkv_off (DV unused)."""
+    KB: tl.constexpr = 64
+    if PACKED:
+        DV = DK + 2 * dkv_off
+        DK = DK + dkv_off
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    w = pid % NW
+    g = pid // NW
+    i_start = g * G
+    i_end = tl.minimum(i_start + G, B_PER_W)
+    offs_n = tl.program_id(2) * KB + tl.arange(0, KB)
+    scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
+    qk_scale = scale * 1.4426950408889634
+    for i in range(i_start, i_end):
+        b = (i * NW + w).to(tl.int64)
+        k = _load_rows(K, b, h, sk_b, sk_h, sk_n, sk_d, offs_n, N, D)
+        v = _load_rows(V, b, h, sv_b, sv_h, sv_n, sv_d, offs_n, N, D)
+        dk = tl.zeros((KB, D), dtype=tl.float32)
+        dv = tl.zeros((KB, D), dtype=tl.float32)
+        for m0 in range(0, N, BLOCK_M):
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            bias = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, offs_n, N, NH, HAS_MASK, TABLE)
+            q = _load_rows(Q, b, h, sq_b, sq_h, sq_n, sq_d, offs_m, N, D)
+            o = _load_rows(O, b, h, so_b, so_h, so_n, so_d, offs_m, N, D)
+            do = _load_rows(DO, b, h, sdo_b, sdo_h, sdo_n, sdo_d, offs_m, N, D)
+            lse = tl.load(LSE + (b * NH + h) * N + offs_m, mask=offs_m < N, other=0.0)
+            delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+            s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale + bias
+            p = tl.exp2(s - lse[:, None])  # padded keys: exp2(-inf) = 0; padded rows: do = 0
+            dv += _dot(tl.trans(p.to(do.dtype)), do, PRECISION, UPCAST)
+            dp = _dot(do, tl.trans(v), PRECISION, UPCAST)
+            ds = p * (dp - delta[:, None])
+            dk += _dot(tl.trans(ds.to(q.dtype)), q, PRECISION, UPCAST)
+        _store_rows(DK, dk * scale, b, h, sdk_b, sdk_h, sdk_n, sdk_d, offs_n, N, D)
+        _store_rows(DV, dv, b, h, sdv_b, sdv_h, sdv_n, sdv_d, offs_n, N, D)
+
+
+# --------------------------------------------------------------------------------------------
 # Launch configuration
 # --------------------------------------------------------------------------------------------
 # nW, nH and B_PER_W are plain (non-specialized) ints, so one binary per (N, d, dtype, mask, G,
@@ -252,8 +543,6 @@ def _window_attention_bwd_kernel(
 # Kept small: every config costs a compile and a timed run at each new shape (a model's first step).
 _FWD_CONFIGS = [triton.Config({"G": g}, num_warps=nw, num_stages=ns)
                 for nw, ns in ((4, 2), (8, 2)) for g in (4, 8)]
-_BWD_CONFIGS = [triton.Config({"G": g}, num_warps=nw, num_stages=ns)
-                for nw, ns in ((4, 1), (8, 2)) for g in (8, 16)]
 # Windows of up to 64 tokens (Swin's 7x7) fit one 64-row query tile, whose fp32 d_bias accumulator stays
 # in registers across the program's windows; compiled for sm_90 that backward spills (Triton 3.8: 776
 # bytes of stack per thread at 4 warps, 312 at 8; `tests/aot_compile_kernels.py --resources`). 32-row
@@ -262,10 +551,32 @@ _BWD_CONFIGS = [triton.Config({"G": g}, num_warps=nw, num_stages=ns)
 _BWD_SMALL_CONFIGS = ([triton.Config({"G": g, "BLOCK_M": 64}, num_warps=nw, num_stages=ns)
                        for nw, ns in ((4, 1), (8, 2)) for g in (8, 16)]
                       + [triton.Config({"G": g, "BLOCK_M": 32}, num_warps=8, num_stages=2) for g in (8, 16)])
+# Windows of more than 64 tokens (the key-tiled kernels): the query-tile height is a config value. The
+# forward holds one fp32 (BLOCK_M, 64) bias tile per key block (up to 4) in registers; the dq/d_bias
+# kernel as many d_bias accumulators, and the bias tiles too (BIAS_REGS) or loads them again per window:
+# compiled for sm_90 at N = 144, d = 32 it spills either way (Triton 3.8, `tests/aot_compile_kernels.py
+# --resources`: about 430-680 bytes of stack per thread with the bias in registers, 220-320 without),
+# so the autotuner times both. The dk/dv kernel holds (64, d) accumulators, loads the bias tile per
+# (window, query tile) and does not spill there. At d = 128 the 64-row forward and dq/d_bias configs ask
+# for more shared memory than an H200 has (their num_stages = 2 prefetch of every key block); Triton's
+# autotuner drops a config that cannot launch (OutOfResources), and the first config of each list, the
+# one SWINBENCH_AUTOTUNE=0 pins, fits.
+_FWD_TILED_CONFIGS = [triton.Config({"G": g, "BLOCK_M": bm}, num_warps=nw, num_stages=2)
+                      for bm, nw in ((32, 4), (64, 8)) for g in (4, 8)]
+_BWD_DQ_CONFIGS = ([triton.Config({"G": 8, "BLOCK_M": bm, "BIAS_REGS": br}, num_warps=nw, num_stages=2)
+                    for bm, nw in ((32, 4), (32, 8), (64, 8)) for br in (True, False)]
+                   + [triton.Config({"G": 16, "BLOCK_M": 64, "BIAS_REGS": br}, num_warps=8, num_stages=2)
+                      for br in (True, False)])
+_BWD_DKV_CONFIGS = [triton.Config({"G": g, "BLOCK_M": bm}, num_warps=nw, num_stages=2)
+                    for bm, nw in ((32, 4), (64, 8)) for g in (4, 8)]
 _INTERPRET_CONFIG = {"G": 2, "num_warps": 4}
+_TILED_INTERPRET_CONFIG = {"G": 2, "BLOCK_M": 64, "num_warps": 4}
+_DQ_INTERPRET_CONFIG = {"BIAS_REGS": True}  # the dq/d_bias kernel's own config values
+_KEY_BLOCK = 64  # KB of the key-tiled kernels
 _AUTOTUNE_KEY = ["N", "D", "NH", "NW"]
-# The d_bias partial buffer has ceil(B_PER_W / G) slots per (w, h); sized for the smallest G.
-_BWD_MIN_G = min(c.kwargs["G"] for c in _BWD_CONFIGS + _BWD_SMALL_CONFIGS)
+# The d_bias partial buffer has ceil(B_PER_W / G) slots per (w, h); sized for the smallest G of the
+# kernels that write it.
+_BWD_MIN_G = min(c.kwargs["G"] for c in _BWD_SMALL_CONFIGS + _BWD_DQ_CONFIGS)
 
 
 def _quick_bench(fn, quantiles=None):
@@ -275,27 +586,38 @@ def _quick_bench(fn, quantiles=None):
 
 if _INTERPRET:
     _fwd = _window_attention_fwd_kernel
-    _bwd = _bwd_small = _window_attention_bwd_kernel
+    _bwd_small = _window_attention_bwd_kernel
+    _fwd_tiled = _window_attention_fwd_tiled_kernel
+    _bwd_dq = _window_attention_bwd_dq_kernel
+    _bwd_dkv = _window_attention_bwd_dkv_kernel
 elif not AUTOTUNE:
     _fwd = triton.autotune(_FWD_CONFIGS[:1], key=_AUTOTUNE_KEY)(_window_attention_fwd_kernel)
-    _bwd = triton.autotune(_BWD_CONFIGS[:1], key=_AUTOTUNE_KEY)(_window_attention_bwd_kernel)
     _bwd_small = triton.autotune(_BWD_SMALL_CONFIGS[:1], key=_AUTOTUNE_KEY)(_window_attention_bwd_kernel)
+    _fwd_tiled = triton.autotune(_FWD_TILED_CONFIGS[:1], key=_AUTOTUNE_KEY)(_window_attention_fwd_tiled_kernel)
+    _bwd_dq = triton.autotune(_BWD_DQ_CONFIGS[:1], key=_AUTOTUNE_KEY)(_window_attention_bwd_dq_kernel)
+    _bwd_dkv = triton.autotune(_BWD_DKV_CONFIGS[:1], key=_AUTOTUNE_KEY)(_window_attention_bwd_dkv_kernel)
 else:
     _fwd = triton.autotune(_FWD_CONFIGS, key=_AUTOTUNE_KEY, do_bench=_quick_bench)(_window_attention_fwd_kernel)
-    _bwd = triton.autotune(_BWD_CONFIGS, key=_AUTOTUNE_KEY, do_bench=_quick_bench)(_window_attention_bwd_kernel)
     _bwd_small = triton.autotune(_BWD_SMALL_CONFIGS, key=_AUTOTUNE_KEY, do_bench=_quick_bench)(
         _window_attention_bwd_kernel)
+    _fwd_tiled = triton.autotune(_FWD_TILED_CONFIGS, key=_AUTOTUNE_KEY, do_bench=_quick_bench)(
+        _window_attention_fwd_tiled_kernel)
+    _bwd_dq = triton.autotune(_BWD_DQ_CONFIGS, key=_AUTOTUNE_KEY, do_bench=_quick_bench)(
+        _window_attention_bwd_dq_kernel)
+    _bwd_dkv = triton.autotune(_BWD_DKV_CONFIGS, key=_AUTOTUNE_KEY, do_bench=_quick_bench)(
+        _window_attention_bwd_dkv_kernel)
 
 
 def _bwd_kernel(block_n: int):
-    """The backward launcher for windows whose keys fit BLOCK_N: the one whose configs also choose the
-    query-tile height (_BWD_SMALL_CONFIGS) up to 64 keys, else the one with the host's tile height."""
-    return _bwd_small if block_n <= 64 else _bwd
+    """The backward launcher that writes the d_bias partials: up to 64 keys the one-tile kernel, whose
+    configs also choose the query-tile height (_BWD_SMALL_CONFIGS), else the key-tiled dq/d_bias kernel."""
+    return _bwd_small if block_n <= _KEY_BLOCK else _bwd_dq
 
 
 def _block_sizes(n: int) -> tuple[int, int]:
     block_n = max(16, next_pow2(n))
-    # One query tile up to 64 keys; beyond that 32-row tiles keep the fp32 scores in registers.
+    # One query tile up to 64 keys. Beyond 64 keys only BLOCK_N is read (it picks the key-tiled kernels,
+    # which take their query-tile height from their configs).
     block_m = block_n if block_n <= 64 else 32
     return block_m, block_n
 
@@ -353,6 +675,17 @@ def window_attention_fwd(q, k, v, rel_bias, mask, scale, index=None):
     out = out_buf.permute(0, 2, 1, 3)
     lse = _new_buffer((bnw, nh, n), torch.float32, q.device)
     block_m, block_n = _block_sizes(n)
+    if block_n > _KEY_BLOCK:  # keys in blocks of 64, query tiles across the grid
+        extra = dict(_TILED_INTERPRET_CONFIG) if _INTERPRET else {}
+        grid = lambda meta: (nw * cdiv(b_per_w, meta["G"]), nh, cdiv(n, meta["BLOCK_M"]))  # noqa: E731
+        launch(_fwd_tiled)[grid](
+            q, k, v, rel_bias, mask_arg, index_arg, out_buf, lse,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(out),
+            float(scale), b_per_w, NW=nw, NH=nh, N=n, D=d,
+            HAS_MASK=mask is not None, PRECISION=_precision(q.dtype),
+            UPCAST=_INTERPRET and q.dtype == torch.bfloat16, TABLE=index is not None, **extra,
+        )
+        return out, lse
     extra = dict(_INTERPRET_CONFIG) if _INTERPRET else {}
     grid = lambda meta: (nw * cdiv(b_per_w, meta["G"]), nh)  # noqa: E731
     launch(_fwd)[grid](
@@ -393,31 +726,73 @@ def window_attention_bwd(q, k, v, out, lse, dout, rel_bias, mask, scale, compute
     traced = tracing()
     fill_slots = max_slots if traced and compute_dbias else 0
     block_m, block_n = _block_sizes(n)
-    kernel = _bwd_kernel(block_n)
-    extra = dict(_INTERPRET_CONFIG) if _INTERPRET else {}
-    if _INTERPRET or kernel is not _bwd_small:  # else the autotuner's config gives BLOCK_M
-        extra["BLOCK_M"] = block_m
-    grid = lambda meta: (nw * cdiv(b_per_w, meta["G"]), nh)  # noqa: E731
-    launch(kernel)[grid](
-        q, k, v, out, dout, lse, rel_bias, mask_arg, index_arg, *grads, partial,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(dout),
-        *_strides(dq), *_strides(dk), *_strides(dv),
-        float(scale), b_per_w, FILL_SLOTS=fill_slots, dkv_off=dkv_off, PACKED=dqkv is not None,
-        NW=nw, NH=nh, N=n, D=d, BLOCK_N=block_n,
-        HAS_MASK=mask is not None, PRECISION=_precision(q.dtype),
-        UPCAST=_INTERPRET and q.dtype == torch.bfloat16, COMPUTE_DBIAS=compute_dbias, TABLE=index is not None,
-        **extra,
-    )
+    kernel = _bwd_kernel(block_n)  # the one that writes the partials: its G sets their count
+    if block_n > _KEY_BLOCK:
+        _bwd_tiled(q, k, v, out, lse, dout, rel_bias, mask_arg, index_arg, grads, dkv_off, dqkv is not None,
+                   partial, fill_slots, scale, b_per_w, nw, mask is not None, compute_dbias, index is not None)
+        g_interpret = _TILED_INTERPRET_CONFIG["G"]
+    else:
+        g_interpret = _INTERPRET_CONFIG["G"]
+        _bwd_single(kernel, q, k, v, out, lse, dout, rel_bias, mask_arg, index_arg, grads, dq, dk, dv, dkv_off,
+                    dqkv is not None, partial, fill_slots, scale, b_per_w, nw, mask is not None, compute_dbias,
+                    index is not None, block_m, block_n)
     dbias = None
     if compute_dbias:
         if not traced:
-            g = _INTERPRET_CONFIG["G"] if _INTERPRET else kernel.best_config.kwargs["G"]
+            g = g_interpret if _INTERPRET else kernel.best_config.kwargs["G"]
             partial = partial[: cdiv(b_per_w, g)]
         if index is None:
             dbias = partial.sum(dim=(0, 1))
         else:  # slots and windows summed in the same launch as the table rows
             dbias = rel_pos_table_grad_host(partial.view(-1, nh, n * n), inverse, rel_bias.dtype)
     return dq, dk, dv, dbias
+
+
+def _bwd_single(kernel, q, k, v, out, lse, dout, rel_bias, mask_arg, index_arg, grads, dq, dk, dv, dkv_off,
+                packed, partial, fill_slots, scale, b_per_w, nw, has_mask, compute_dbias, table, block_m, block_n):
+    """Up to 64 keys: one backward kernel, the window's keys in one tile."""
+    bnw, nh, n, d = q.shape
+    extra = dict(_INTERPRET_CONFIG) if _INTERPRET else {}
+    if _INTERPRET:  # else the autotuner's config gives BLOCK_M
+        extra["BLOCK_M"] = block_m
+    grid = lambda meta: (nw * cdiv(b_per_w, meta["G"]), nh)  # noqa: E731
+    launch(kernel)[grid](
+        q, k, v, out, dout, lse, rel_bias, mask_arg, index_arg, *grads, partial,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(dout),
+        *_strides(dq), *_strides(dk), *_strides(dv),
+        float(scale), b_per_w, FILL_SLOTS=fill_slots, dkv_off=dkv_off, PACKED=packed,
+        NW=nw, NH=nh, N=n, D=d, BLOCK_N=block_n,
+        HAS_MASK=has_mask, PRECISION=_precision(q.dtype),
+        UPCAST=_INTERPRET and q.dtype == torch.bfloat16, COMPUTE_DBIAS=compute_dbias, TABLE=table,
+        **extra,
+    )
+
+
+def _bwd_tiled(q, k, v, out, lse, dout, rel_bias, mask_arg, index_arg, grads, dkv_off, packed, partial,
+               fill_slots, scale, b_per_w, nw, has_mask, compute_dbias, table):
+    """More than 64 keys: dq and the d_bias partials (_bwd_dq), then dk and dv (_bwd_dkv). grads: (dq, dk,
+    dv), or (the packed buffer, _, _) with dk and dv dkv_off and 2 dkv_off elements past dq."""
+    bnw, nh, n, d = q.shape
+    dq, dk, dv = grads
+    # Strides of the dq, dk, dv views: the packed buffer's come from its unbound views.
+    views = grads if not packed else grads[0].permute(2, 0, 3, 1, 4).unbind(0)
+    common = dict(NW=nw, NH=nh, N=n, D=d, HAS_MASK=has_mask, PRECISION=_precision(q.dtype),
+                  UPCAST=_INTERPRET and q.dtype == torch.bfloat16, TABLE=table)
+    extra = dict(_TILED_INTERPRET_CONFIG) if _INTERPRET else {}
+    extra_dq = dict(extra, **_DQ_INTERPRET_CONFIG) if _INTERPRET else {}
+    grid = lambda meta: (nw * cdiv(b_per_w, meta["G"]), nh, cdiv(n, meta["BLOCK_M"]))  # noqa: E731
+    launch(_bwd_dq)[grid](
+        q, k, v, out, dout, lse, rel_bias, mask_arg, index_arg, dq, partial,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(dout), *_strides(views[0]),
+        float(scale), b_per_w, FILL_SLOTS=fill_slots, COMPUTE_DBIAS=compute_dbias, **common, **extra_dq,
+    )
+    grid = lambda meta: (nw * cdiv(b_per_w, meta["G"]), nh, cdiv(n, _KEY_BLOCK))  # noqa: E731
+    launch(_bwd_dkv)[grid](
+        q, k, v, out, dout, lse, rel_bias, mask_arg, index_arg, dq if packed else dk, dv,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(dout),
+        *_strides(views[1]), *_strides(views[2]),
+        float(scale), b_per_w, dkv_off=dkv_off, PACKED=packed, **common, **extra,
+    )
 
 
 # One operator per host function (_common.kernel_op): traced into by torch.compile on a GPU (triton_op,
