@@ -206,7 +206,7 @@ def test_windows_above_max_tokens_run_pytorch_sdpa_and_the_plan_says_why():
 
     plans = block_plans(routed)
     described = [plans.plan(name).describe() for name in plans.plans]
-    assert len(described) == 4 and all("attention sdpa" in d and "pads the keys to 256" in d for d in described)
+    assert len(described) == 4 and all("attention sdpa" in d and "above max_tokens 64" in d for d in described)
 
     kernel, forced = fused_attention.apply(window12(), pass_ctx(DEVICE), max_tokens=144)
     assert forced.details["patched_modules"] == 4 and forced.details["sdpa_routed"] == 0

@@ -8,11 +8,13 @@ launch (bias: gather), its gradient summed back into the table by one determinis
 index's inverse. Blocks whose attention has a non-zero attn_drop keep timm's path (the kernel has no
 dropout) and are counted; the plan says why.
 
-Route per shape: the kernel holds a window's keys in one tile padded to a power of two, which wins at
-window 7 (49 tokens in 64) and loses to PyTorch's own SDPA at window 12 (144 tokens in 256: the
-backward alone took 57% of a Swin step's GPU time on an H200). Blocks whose windows hold more than
-`max_tokens` tokens (default 64) therefore run timm's F.scaled_dot_product_attention path instead, each
-plan says why, and the pass result counts them; `max_tokens` in a recipe moves the line.
+Route per shape: windows of up to 64 tokens (window 7: 49) run the kernel that holds a window's keys in
+one tile, which beats PyTorch's SDPA there. The one-tile kernel lost to SDPA at window 12 (144 tokens in a
+256-key tile: the backward alone took 57% of a Swin step's GPU time on an H200); larger windows now have
+a key-tiled kernel (keys in blocks of 64), which is not yet measured against SDPA. Until it is, blocks whose
+windows hold more than `max_tokens` tokens (default 64) run timm's F.scaled_dot_product_attention path,
+each plan says why, and the pass result counts them; `max_tokens: 256` in a recipe sends them to the
+kernel.
 """
 from __future__ import annotations
 
@@ -70,9 +72,9 @@ def apply(model: torch.nn.Module, ctx: PassContext, bias: str = "table",
         if tokens > max_tokens:
             routed[tokens] = routed.get(tokens, 0) + 1
             plans.update(name, sdpa=True)
-            plans.fall_back(name, "attention", f"{tokens} tokens per window, above max_tokens {max_tokens}: the "
-                                               f"kernel pads the keys to {1 << (tokens - 1).bit_length()} and loses to PyTorch's "
-                                               "SDPA there, which runs instead")
+            plans.fall_back(name, "attention", f"{tokens} tokens per window, above max_tokens {max_tokens}: "
+                                               "PyTorch's SDPA runs (the kernel's key-tiled path for such windows "
+                                               "is not measured faster yet)")
             continue
         if blk.attn.attn_drop.p > 0:
             skipped_dropout += 1  # the kernel has no attention dropout: keep timm's path
