@@ -153,7 +153,7 @@ def analyze(
 
     _check_name_style(name)
     _check_top(top)
-    if trace.is_dir():
+    if _is_folder(trace):
         return _analyze_ranks(trace, name, top, format, out, timeline, overwrite)
     folder = out or trace.parent
     if step is not None and (format is None or not timeline):
@@ -173,6 +173,15 @@ def analyze(
         for f in _call(write_analysis, analysis, folder, format, trace=trace, overwrite=overwrite, on_note=_note,
                        timeline=timeline, step=step, gains=gains.gains):
             console.print(f"wrote {f}")
+
+
+def _is_folder(path: Path) -> bool:
+    """Whether `path` is a folder; a path the system cannot even look up (a name too long) is not: the
+    trace loader says what is wrong with it."""
+    try:
+        return path.is_dir()
+    except OSError:
+        return False
 
 
 def _analyze_ranks(folder: Path, name: str, top: int, format: Optional[str], out: Optional[Path], timeline: bool,

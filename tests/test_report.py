@@ -318,7 +318,7 @@ def test_a_cpu_run_says_cpu_in_the_title_and_rows(tmp_path):
 def test_a_stage_whose_recipe_failed_training_parity_is_flagged(records, tmp_path):
     from pathlib import Path
 
-    from workbench.train.verdicts import TrainingVerdict
+    from workbench.results.verdicts import TrainingVerdict
 
     stages = [r["stage"] if isinstance(r, dict) else r.stage for r in records]
     failed = TrainingVerdict(stages[-1], "baseline", "swin_tiny_patch4_window7_224", 1000, 1, False,

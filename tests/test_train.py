@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 
 from cli import app
 from workbench.train.data import DIGITS_TRAIN, DigitsData, load_digits
-from workbench.train.parity import ACCURACY_POINTS, baseline_spread, parity, smooth, smoothing_window
-from workbench.train.report import RunRecords, read_runs
+from workbench.results.parity import ACCURACY_POINTS, baseline_spread, parity, smooth, smoothing_window
+from workbench.results.train_runs import RunRecords, read_runs
 
 runner = CliRunner()
 
@@ -129,7 +129,7 @@ def test_compare_gives_each_recipe_a_parity_verdict_with_the_measured_spread(tmp
     assert "PASS" in amp_row or "FAIL" in amp_row
     assert "| fmha-graph | 0 |" in report and "not available" in report
     assert "amp" in output and "reference" in output
-    from workbench.train.verdicts import find_verdicts
+    from workbench.results.verdicts import find_verdicts
 
     (verdict,) = find_verdicts([tmp_path])       # apply's report cites it (test_report)
     assert verdict.recipe == "amp" and verdict.reference == "baseline" and verdict.source == out
@@ -151,7 +151,7 @@ def test_a_reference_other_than_the_baseline_and_several_seeds_per_recipe(tmp_pa
 
 def test_parity_holds_the_mean_of_a_recipes_seeds_against_the_reference(tmp_path):
     """Two seeds of a recipe that sit on either side of the reference average out; one of them alone fails."""
-    from workbench.train.report import compare_runs
+    from workbench.results.train_runs import compare_runs
 
     def run(recipe, seed, curve, acc):
         return RunRecords(Path(f"{recipe}{seed}"), {"recipe": recipe, "seed": seed, "reference": "ref"},

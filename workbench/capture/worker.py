@@ -45,12 +45,12 @@ def run_capture(config: WorkloadConfig, recipe: str | None, *, steps: int, warmu
     workload = Workload.build(config)
     passes = apply_recipe(workload, recipe)
     if rank is not None:
-        from workbench.ladder.scaling import _shard
+        from workbench.optimize.distributed import shard_batch
 
         if workload.own_graphs():
             raise UserError(f"{workload.own_graphs()}: CUDA graphs are not run under DDP yet (the all-reduce "
                             "inside a captured step); profile the recipe it extends with --nproc")
-        _shard(workload, rank, world)
+        shard_batch(workload, rank, world)
     workload.marker = RangeMarker(marker)
     annotate_modules(workload.model, workload.marker)
     workload.prepare()

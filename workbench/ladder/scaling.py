@@ -82,16 +82,6 @@ def scale_stage(record: dict, spec, nproc: int, extra_env: dict | None = None) -
 # ---------------------------------------------------------------- in each rank
 
 
-def _shard(workload, rank: int, world: int) -> None:
-    """Give `workload` rank's share of the global synthetic batch of world x its batch images."""
-    from workbench.optimize.workload import synthetic_batch
-
-    b = workload.config.batch
-    x, y = synthetic_batch(workload.model, b * world, workload.model.num_classes, workload.ctx.device,
-                           workload.config.seed)
-    workload.x, workload.y = x[rank * b:(rank + 1) * b].contiguous(), y[rank * b:(rank + 1) * b].contiguous()
-
-
 def _over_ranks(out, world: int, device: torch.device, *, average_grads: bool):
     """One rank's GateOutputs -> those of the global batch: logits gathered in rank order, the mean loss, the
     gradients averaged over the ranks when `average_grads` (DDP's are already)."""
@@ -117,7 +107,7 @@ def _measure(spec, single_img_per_s: float | None, device: torch.device, rank: i
     import torch.distributed as dist
 
     from workbench.ladder.interleave import apply_chain
-    from workbench.optimize.distributed import DataParallel, wrap_data_parallel
+    from workbench.optimize.distributed import DataParallel, shard_batch, wrap_data_parallel
     from workbench.optimize.gate import capture_parameters, compare, forward_backward, weights_digest
     from workbench.optimize.recipes import gate_tolerance, resolve_chain
     from workbench.optimize.timing import time_steps
@@ -130,7 +120,7 @@ def _measure(spec, single_img_per_s: float | None, device: torch.device, rank: i
     chain = resolve_chain(spec.stage_ref)
 
     reference = Workload.build(replace(config, precision="fp32"))
-    _shard(reference, rank, world)
+    shard_batch(reference, rank, world)
     digest = weights_digest(reference.model)
     params = capture_parameters(reference.model)
     reference.prepare()
@@ -142,7 +132,7 @@ def _measure(spec, single_img_per_s: float | None, device: torch.device, rank: i
         torch.cuda.empty_cache()
 
     workload = Workload.build(config)
-    _shard(workload, rank, world)
+    shard_batch(workload, rank, world)
     digest = weights_digest(workload.model)
     params = capture_parameters(workload.model)
     missing = [r for r in apply_chain(workload, chain) if not r.available]

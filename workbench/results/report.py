@@ -929,7 +929,7 @@ def _config_rows(records: list[StageRecord]) -> list[tuple[str, object]]:
 
 def _parity_lines(records: list[StageRecord], verdicts) -> list[str]:
     """'## Training parity': the verdicts of `swinbench train --compare` runs on the stages' recipes."""
-    from workbench.train.verdicts import find_verdicts, verdict_line
+    from workbench.results.verdicts import find_verdicts, verdict_line
 
     if all(r.mode == "infer" for r in records):
         return []
@@ -950,7 +950,7 @@ def render_report(records, out_path_md: Path, note: str | None = None, auto: dic
     """Write the Markdown report (and, if stages were profiled, `<name>-categories.png` beside it)
     from stage records alone -> the .md path. note: a line quoted under the title (a run that did not
     finish says so). auto: the choice of `apply --recipe auto` (auto_choice), written under the table.
-    verdicts: the training-parity verdicts to cite (default: those found under reports/, train.verdicts)."""
+    verdicts: the training-parity verdicts to cite (default: those found under reports/, results.verdicts)."""
     if not records:
         raise UserError("no stage records to report")
     records = as_records(records)

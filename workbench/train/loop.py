@@ -14,7 +14,7 @@ train_step up to the loss on the host (`loss.item()` waits for the GPU), validat
 img/s is the median over its steps after the first tenth (at least GRAPH_WARMUP_STEPS + 1 steps: warm-up,
 autotuning and graph capture). With `compare`, the baseline runs with `baseline_seeds` seeds (seed,
 seed + 1, ...) and every other recipe with `seed`, so each shares the first baseline seed's initial
-weights, data order and augmentation; the report then gives each recipe the parity verdict (parity.py).
+weights, data order and augmentation; the report then gives each recipe the parity verdict (workbench.results.parity).
 """
 from __future__ import annotations
 
@@ -412,7 +412,7 @@ def run_train(config: TrainConfig, *, out_dir: Path | None = None, overwrite: bo
 
 def run_summaries(records_dir: Path) -> list:
     """The RunSummary of each record file in records_dir ([] when there is none)."""
-    from workbench.train.report import read_runs
+    from workbench.results.train_runs import read_runs
 
     if not records_dir.is_dir() or not any(records_dir.glob("*.jsonl")):
         return []

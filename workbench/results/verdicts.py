@@ -2,7 +2,7 @@
 
 `apply`'s report flags a stage whose recipe failed the parity rule in a comparison it can find: the
 committed comparisons under the source tree's `reports/` and the user's own under `./reports/`. A
-verdict is read from a comparison's records alone (workbench.train.report.compare_runs), so it is the
+verdict is read from a comparison's records alone (workbench.results.train_runs.compare_runs), so it is the
 one that comparison's report.md shows."""
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def find_verdicts(roots: list[Path] | None = None) -> list[TrainingVerdict]:
     """Every parity verdict of every comparison (a `records/` folder of train records) under `roots`
     (default_roots()). Folders that cannot be read are passed over: a report citing verdicts must not
     fail on an unrelated broken run."""
-    from workbench.train.report import compare_runs, read_runs
+    from workbench.results.train_runs import compare_runs, read_runs
 
     out = []
     for root in (default_roots() if roots is None else roots):
