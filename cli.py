@@ -329,6 +329,7 @@ def train(
     device: Device = "auto",
     out: Annotated[Optional[Path], typer.Option(help="Output folder for records, report.md and curves.png (default reports/runs/train-<recipe>-<model>-<time>/).")] = None,
     overwrite: Overwrite = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the comparison in --out: keep the runs that finished there with the same settings and train the rest (a long comparison in several sittings).")] = False,
     nproc: Annotated[Optional[int], typer.Option(help="Data parallel: this many processes on this machine under torchrun, one per GPU (gloo on the CPU), DDP; --batch is per process, the global batch N x --batch.")] = None,
     nnodes: Annotated[int, typer.Option(help="With --nproc: machines in the run (torchrun's --nnodes); run the same command on each.")] = 1,
     rdzv_endpoint: Annotated[Optional[str], typer.Option(help="With --nnodes > 1: HOST:PORT of the c10d rendezvous, the same on every machine.")] = None,
@@ -342,7 +343,7 @@ def train(
                          weight_decay=weight_decay, label_smoothing=label_smoothing, clip_grad=clip_grad, seed=seed,
                          data=data, workers=workers, device=device, command=command_line(), nproc=nproc, nnodes=nnodes,
                          rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
-    _call(run_train, config, out_dir=out, overwrite=overwrite, console=console)
+    _call(run_train, config, out_dir=out, overwrite=overwrite, console=console, resume=resume)
 
 
 @app.command()

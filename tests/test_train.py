@@ -201,6 +201,7 @@ def test_an_image_folder_trains(tmp_path):
     (["--reference", "amp"], "goes with --compare"),
     (["--compare", "amp", "--reference", "nope"], "unknown recipe"),
     (["--seeds", "0"], "--seeds must be"),
+    (["--resume"], "does not exist"),
     (["--steps", "0"], "--steps must be"),
     (["--batch", "0"], "--batch must be"),
     (["--batch", "5000"], "larger than the 1200 training images"),
@@ -221,3 +222,36 @@ def test_mistakes_are_one_line_and_exit_2_before_anything_is_written(tmp_path, a
     assert message in result.output and "Traceback" not in result.output
     assert len(result.output.strip().splitlines()) == 1, result.output
     assert not out.exists()
+
+
+def test_resume_keeps_finished_runs_and_trains_the_rest(tmp_path):
+    out = tmp_path / "cmp"
+    args = ["--compare", "baseline,amp", "--baseline-seeds", "2", "--steps", "3", "--out", str(out)]
+    train(tmp_path, *args)
+    first = {p.name: p.read_text() for p in (out / "records").iterdir()}
+    amp = out / "records" / "03-amp-seed0.jsonl"
+    amp.write_text("\n".join(amp.read_text().splitlines()[:3]) + "\n")     # cut short: no end record
+    output = train(tmp_path, *args, "--resume")
+    assert "2 of 3 runs finished before and are kept" in output and "did not finish" in output
+    now = {p.name: p.read_text() for p in (out / "records").iterdir()}
+    assert now["01-baseline-seed0.jsonl"] == first["01-baseline-seed0.jsonl"]
+    assert lines(amp)[-1]["kind"] == "end" and len([r for r in lines(amp) if r["kind"] == "step"]) == 3
+    assert "| amp | 0 |" in (out / "report.md").read_text()
+    output = train(tmp_path, *args, "--seeds", "2", "--resume")      # more seeds of the same plan: added
+    assert "3 of 4 runs finished before" in output and (out / "records" / "04-amp-seed1.jsonl").exists()
+
+
+@pytest.mark.parametrize("change, message", [
+    (["--steps", "4"], "trained with steps 3"),
+    (["--baseline-seeds", "3"], "not a run of this plan"),
+])
+def test_resume_refuses_another_setup_and_changes_nothing(tmp_path, change, message):
+    out = tmp_path / "cmp"
+    args = ["--compare", "baseline,amp", "--baseline-seeds", "2", "--steps", "3", "--out", str(out)]
+    train(tmp_path, *args)
+    before = {p.name: p.read_text() for p in (out / "records").iterdir()}
+    args = ["--compare", "baseline,amp", "--out", str(out)] + (["--steps", "3"] if change[0] != "--steps" else []) \
+        + (["--baseline-seeds", "2"] if change[0] != "--baseline-seeds" else [])
+    result = runner.invoke(app, ["train", "--device", "cpu", "--batch", "16", *args, *change, "--resume"])
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert {p.name: p.read_text() for p in (out / "records").iterdir()} == before

@@ -346,8 +346,46 @@ def reference_name(config: TrainConfig) -> str:
     return resolve_chain(config.reference)[-1].name if config.reference else "baseline"
 
 
+RESUME_KEYS = ("model", "data", "batch", "world_size", "steps", "optimizer", "label_smoothing", "clip_grad",
+               "reference")
+
+
+def kept_runs(out_dir: Path, runs: list[tuple[str, int]], expected: dict) -> tuple[set[int], list[str]]:
+    """With --resume: the indices of the planned `runs` whose record file in out_dir/records finished
+    (ok, diverged or not available) with this setup (`expected`: the RESUME_KEYS of the header a run
+    would write), and notes. UserError when the folder holds a record file this plan would not write, or
+    a finished one of another setup: those are kept as they are, never trained over."""
+    from workbench.results.train_runs import read_runs
+
+    records = out_dir / "records"
+    if not records.is_dir() or not any(records.glob("*.jsonl")):
+        if records.is_dir() and any(records.iterdir()):
+            raise UserError(f"--resume: {records} holds no swinbench train records (another command's run?): "
+                            "choose another --out")
+        return set(), []
+    planned = {record_path(out_dir, i, r, s).name: i for i, (r, s) in enumerate(runs)}
+    keep, notes = set(), []
+    for run in read_runs(records):
+        i = planned.get(run.path.name)
+        if i is None:
+            raise UserError(f"--resume: {run.path} is not a run of this plan (recipes, seeds and their order "
+                            "come from --recipe/--compare, --seed, --seeds, --baseline-seeds and --reference): "
+                            "give the command that made it, or another --out")
+        differs = [k for k in RESUME_KEYS if run.header.get(k) != expected.get(k)]
+        finished = run.status in ("ok", "diverged", "not available")
+        if differs and finished:
+            k = differs[0]
+            raise UserError(f"--resume: {run.path.name} was trained with {k} {run.header.get(k)!r}, this command "
+                            f"asks for {expected.get(k)!r}: give the same settings, or another --out")
+        if finished:
+            keep.add(i)
+        else:
+            notes.append(f"{run.recipe} seed {run.seed}: its record did not finish; trained again from the start")
+    return keep, notes
+
+
 def run_train(config: TrainConfig, *, out_dir: Path | None = None, overwrite: bool = False, console=None,
-              progress: bool = True) -> TrainResult:
+              progress: bool = True, resume: bool = False) -> TrainResult:
     """`swinbench train`: check the config, claim the output folder, train every run, write report.md and
     curves.png after each run (so a run stopped part-way keeps what finished). Raises UserError (exit 2)
     for a mistake in the config, the data or the folder, before anything trains."""
@@ -375,7 +413,22 @@ def run_train(config: TrainConfig, *, out_dir: Path | None = None, overwrite: bo
     if config.steps is None and config.epochs is None:
         config.epochs = DEFAULT_EPOCHS
     out_dir = Path(out_dir) if out_dir else Path("reports") / "runs" / default_run_name(config, model_name)
-    claim = claim_run_folder(out_dir, command="train", overwrite=overwrite)
+    if resume and config.nproc is not None:
+        raise UserError("--resume with --nproc is not built: run the data-parallel comparison in one go")
+    if resume and not out_dir.is_dir():
+        raise UserError(f"--resume continues the run in --out, and {out_dir} does not exist")
+    keep: set[int] = set()
+    if resume:
+        steps_per_epoch = data.train_size // (config.batch * config.world)
+        keep, resume_notes = kept_runs(out_dir, runs, {
+            "model": model_name, "data": data.describe(), "batch": config.batch, "world_size": config.world,
+            "steps": config.steps or config.epochs * steps_per_epoch,
+            "optimizer": {"lr": config.lr, "weight_decay": config.weight_decay},
+            "label_smoothing": config.label_smoothing, "clip_grad": config.clip_grad or None,
+            "reference": reference_name(config)})
+        notes = notes + resume_notes + ([f"--resume: {len(keep)} of {len(runs)} runs finished before and are kept"]
+                                        if keep else [])
+    claim = claim_run_folder(out_dir, command="train", overwrite=overwrite, keep=resume)
     with claim:
         for note in claim.notes + notes:
             console.print(f"[yellow]note:[/] {note}", highlight=False)
@@ -397,7 +450,10 @@ def run_train(config: TrainConfig, *, out_dir: Path | None = None, overwrite: bo
             write_curves(out_dir / "records", curves)
         else:
             summaries = _train_here(config, runs, data, model_name, device, out_dir, console, progress, report,
-                                    curves)
+                                    curves, keep)
+            if keep:    # the kept runs' report, also when nothing was left to train
+                render_train_report(out_dir / "records", report)
+                write_curves(out_dir / "records", curves)
         for s in summaries:
             for n in s.notes:
                 console.print(f"[yellow]note:[/] {s.recipe} seed {s.seed}: {n}", highlight=False)
@@ -426,14 +482,18 @@ def record_path(out_dir: Path, index: int, recipe: str, seed: int) -> Path:
     return out_dir / "records" / f"{index + 1:02d}-{name}-seed{seed}.jsonl"
 
 
-def _train_here(config, runs, data, model_name, device, out_dir, console, progress, report, curves) -> list[RunSummary]:
-    """Every run in this process, the report and curves rewritten after each."""
+def _train_here(config, runs, data, model_name, device, out_dir, console, progress, report, curves,
+                keep: set[int] = frozenset()) -> list[RunSummary]:
+    """Every run in this process but those in `keep` (finished before: --resume), the report and curves
+    rewritten after each."""
     from workbench.train.report import render_train_report, write_curves
 
     summaries: list[RunSummary] = []
     try:
         with TrainProgress(console, progress, len(runs)) as bar:
             for i, (recipe, seed) in enumerate(runs):
+                if i in keep:
+                    continue
                 records = RecordFile(record_path(out_dir, i, recipe, seed))
                 try:
                     summaries.append(train_run(config, recipe, seed, data, model_name, device, records, bar, i,
