@@ -114,17 +114,27 @@ def capture_nsys(config: WorkloadConfig, recipe: str | None, out_dir: Path, step
     log = out_dir / "nsys.log"
     log.write_text("")
     worker, env = python_module_command("workbench.capture.worker", str(spec))
-    cmd = [nsys, "profile", "-t", "cuda,nvtx", "-s", "none", "--cpuctxsw=none", "--cuda-graph-trace=node",
-           "--capture-range=cudaProfilerApi", "--capture-range-end=stop",
-           "--force-overwrite", "true", "-o", str(rep_base), *worker]
-    _run(cmd, log, "nsys profile", env)
-    rep = out_dir / "trace.nsys-rep"
+    _run(_nsys_profile(nsys, rep_base) + worker, log, "nsys profile", env)
+    return _export_sqlite(nsys, out_dir, log)
+
+
+def _nsys_profile(nsys: str, rep_base: Path | str) -> list[str]:
+    """`nsys profile` with the capture's settings (CUDA and NVTX, the cudaProfilerApi capture range), up
+    to the program it runs."""
+    return [nsys, "profile", "-t", "cuda,nvtx", "-s", "none", "--cpuctxsw=none", "--cuda-graph-trace=node",
+            "--capture-range=cudaProfilerApi", "--capture-range-end=stop", "--force-overwrite", "true",
+            "-o", str(rep_base)]
+
+
+def _export_sqlite(nsys: str, folder: Path, log: Path) -> Path:
+    """folder/trace.nsys-rep exported to folder/trace.sqlite (renamed once complete) -> its path."""
+    rep = folder / "trace.nsys-rep"
     if not rep.exists():
-        if (out_dir / "trace.qdstrm").exists():
+        if (folder / "trace.qdstrm").exists():
             raise UserError("nsys wrote only trace.qdstrm: its QdstrmImporter could not make a report "
                             "(on many images it lacks libdw/libelf; see docs/gpu-machine.md)")
-        raise UserError(f"nsys wrote no report (see {log})")
-    sqlite, tmp = out_dir / "trace.sqlite", out_dir / ".trace.export.sqlite"   # renamed once complete
+        raise UserError(f"nsys wrote no report in {folder} (see {log})")
+    sqlite, tmp = folder / "trace.sqlite", folder / ".trace.export.sqlite"
     try:
         _run([nsys, "export", "--type", "sqlite", "--force-overwrite", "true", "-o", str(tmp), str(rep)],
              log, "nsys export")
@@ -157,26 +167,10 @@ def capture_ranks(config: WorkloadConfig, recipe: str | None, out_dir: Path, ste
     if backend == "nsys":
         worker, env = python_module_command("workbench.capture.worker", str(spec))
         # torchrun starts nsys as each rank's program; nsys expands %q{RANK} from the rank's environment
-        cmd, env = python_module_command(*launcher, "--no-python", nsys, "profile", "-t", "cuda,nvtx", "-s", "none",
-                                         "--cpuctxsw=none", "--cuda-graph-trace=node",
-                                         "--capture-range=cudaProfilerApi", "--capture-range-end=stop",
-                                         "--force-overwrite", "true",
-                                         "-o", str(out_dir / RANK_DIR.format(rank="%q{RANK}") / "trace"), *worker)
+        rep_base = out_dir / RANK_DIR.format(rank="%q{RANK}") / "trace"
+        cmd, env = python_module_command(*launcher, "--no-python", *_nsys_profile(nsys, rep_base), *worker)
         _run(cmd, log, "torchrun + nsys profile", env)
-        traces = []
-        for d in dirs:
-            rep = d / "trace.nsys-rep"
-            if not rep.exists():
-                raise UserError(f"nsys wrote no report for {d.name} (see {log})")
-            sqlite, tmp = d / "trace.sqlite", d / ".trace.export.sqlite"
-            try:
-                _run([nsys, "export", "--type", "sqlite", "--force-overwrite", "true", "-o", str(tmp), str(rep)],
-                     log, "nsys export")
-                tmp.replace(sqlite)
-            finally:
-                tmp.unlink(missing_ok=True)
-            traces.append(sqlite)
-        return traces
+        return [_export_sqlite(nsys, d, log) for d in dirs]
     cmd, env = python_module_command(*launcher, "-m", "workbench.capture.worker", str(spec))
     _run(cmd, log, "torchrun", env)
     traces = [d / "trace.json" for d in dirs]
