@@ -188,7 +188,7 @@ def _analyze_ranks(folder: Path, name: str, top: int, format: Optional[str], out
                    overwrite: bool) -> None:
     """analyze FOLDER: the rank<r>/ traces `profile --nproc` wrote, read together (analysis.ranks)."""
     from workbench.analysis.analyze import analysis_tables, analyze_trace, render_analysis, write_analysis
-    from workbench.analysis.ranks import rank_table, rank_traces, render_rank_table, write_rank_table
+    from workbench.analysis.ranks import rank_frame, rank_row, rank_traces, render_rank_table, write_rank_table
 
     traces = rank_traces(folder)
     if not traces:
@@ -199,9 +199,10 @@ def _analyze_ranks(folder: Path, name: str, top: int, format: Optional[str], out
         _check_format(format)
         for rank, trace in traces:
             _call(analysis_tables(out / trace.parent.name, format, trace, None, timeline).check, overwrite)
-    cpu = False
+    cpu, rows = False, []
     for rank, trace in traces:
         analysis = _call(analyze_trace, trace, name_style=name)
+        rows.append(rank_row(rank, analysis.trace))
         cpu = cpu or analysis.trace_meta.get("device") == "cpu"
         if rank == traces[0][0]:
             console.print(f"[bold]rank {rank} of {len(traces)}[/] (--format writes every rank's tables)")
@@ -210,7 +211,7 @@ def _analyze_ranks(folder: Path, name: str, top: int, format: Optional[str], out
             for f in _call(write_analysis, analysis, out / trace.parent.name, format, trace=trace, overwrite=overwrite,
                            on_note=_note, timeline=timeline):
                 console.print(f"wrote {f}")
-    table = _call(rank_table, traces)
+    table = rank_frame(rows)
     render_rank_table(table, console, cpu=cpu)
     if format:
         console.print(f"wrote {write_rank_table(table, out, format)}")

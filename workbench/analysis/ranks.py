@@ -1,7 +1,7 @@
 """Several ranks' traces of one data-parallel run, read together: what each rank spends per step, how
 much of its communication hides behind its compute, and how far the ranks drift apart.
 
-One row per rank (`rank_table`):
+One row per rank (`rank_row`, gathered by `rank_frame`):
 
 - steps: the `step<i>` ranges of the capture (the ranks' steps are the same steps: a step waits for the
   all-reduce);
@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 
 from workbench.analysis.categories import categorize
-from workbench.analysis.frames import STEP_RANGE
+from workbench.analysis.frames import STEP_RANGE, _union_ns
 from workbench.errors import UserError
 
 COMM = "communication"
@@ -94,7 +94,6 @@ def rank_row(rank: int, trace) -> dict:
     start, end = kernels["start_ns"].to_numpy("int64"), kernels["end_ns"].to_numpy("int64")
     comm = _merged(start[is_comm], end[is_comm])
     compute = _merged(start[~is_comm], end[~is_comm])
-    every = _merged(start, end)
     span = int(end.max() - start.min()) if len(start) else 0
     comm_wall = _length(comm)
     overlap = _intersection_ns(comm, compute)
@@ -102,19 +101,18 @@ def rank_row(rank: int, trace) -> dict:
     return {"rank": rank, "steps": n,
             "step_ms": float(np.median(durations)) / 1e6 if n else float("nan"),
             "kernel_ms": float(kernels["duration_ns"].sum()) / 1e6 / per,
-            "busy_pct": 100.0 * _length(every) / span if span else float("nan"),
+            "busy_pct": 100.0 * _union_ns(start, end) / span if span else float("nan"),
             "comm_ms": float(kernels["duration_ns"].to_numpy("int64")[is_comm].sum()) / 1e6 / per,
             "overlap_pct": 100.0 * overlap / comm_wall if comm_wall else float("nan"),
             "exposed_ms": (comm_wall - overlap) / 1e6 / per}
 
 
-def rank_table(traces: list[tuple[int, Path]]) -> pd.DataFrame:
-    """The table of the module docstring for (rank, trace path) pairs."""
-    from workbench.trace import load_trace
-
-    if not traces:
+def rank_frame(rows: list[dict]) -> pd.DataFrame:
+    """The table of the module docstring from the ranks' rows (rank_row, made as each trace is analyzed,
+    so that no trace is parsed twice nor all held at once)."""
+    if not rows:
         raise UserError("no rank traces: give a folder with rank0/, rank1/, ... as `profile --nproc` writes it")
-    return pd.DataFrame([rank_row(r, load_trace(p)) for r, p in traces], columns=COLUMNS)
+    return pd.DataFrame(rows, columns=COLUMNS)
 
 
 @dataclass

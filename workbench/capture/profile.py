@@ -99,7 +99,7 @@ def _capture_ranks(config: WorkloadConfig, recipe: str | None, out_dir: Path, ch
     """run_profile with --nproc: every rank captured under torchrun, each rank's tables written in its
     folder, rank 0's printed, then the ranks table (analysis.ranks) printed and written beside them."""
     from workbench.analysis.analyze import analyze_trace, render_analysis, write_analysis
-    from workbench.analysis.ranks import rank_table, render_rank_table, write_rank_table
+    from workbench.analysis.ranks import rank_frame, rank_row, render_rank_table, write_rank_table
 
     label = "Nsight Systems" if chosen == "nsys" else "torch.profiler"
     with _phase(console, f"capturing {config.model} {config.mode} {config.precision} batch {config.batch} per "
@@ -109,11 +109,12 @@ def _capture_ranks(config: WorkloadConfig, recipe: str | None, out_dir: Path, ch
 
         traces = capture_ranks(config, recipe, out_dir, steps, warmup, chosen, nsys_path, nproc)
     _print_passes(traces[0].parent / "run.json", recipe, console)
-    files = []
+    files, rows = [], []
     title = f"{config.model} {config.mode} {config.precision} batch {config.batch}" + (f", recipe {recipe}" if recipe else "")
     for rank, trace in enumerate(traces):
         with _phase(console, f"analyzing rank {rank}: {trace}"):
             analysis = analyze_trace(trace)
+        rows.append(rank_row(rank, analysis.trace))
         if rank == 0:
             console.print(f"[bold]rank 0 of {nproc}[/] (every rank's tables are in its folder)")
             render_analysis(analysis, console, top=top)
@@ -121,7 +122,7 @@ def _capture_ranks(config: WorkloadConfig, recipe: str | None, out_dir: Path, ch
         files += write_analysis(analysis, trace.parent, fmt, trace=trace, timeline=timeline,
                                 title=f"{title}, rank {rank} of {nproc}",
                                 on_note=lambda line: console.print(f"[yellow]note:[/] {line}", highlight=False))
-    table = rank_table(list(enumerate(traces)))
+    table = rank_frame(rows)
     render_rank_table(table, console, cpu=config.device == "cpu")
     files.append(write_rank_table(table, out_dir, fmt))
     console.print(f"[bold]{label}[/] backend, {nproc} ranks; files written:")

@@ -208,6 +208,17 @@ class RecordFile:
         self._fh.close()
 
 
+def run_setup(config: TrainConfig, data, model_name: str, world: int) -> dict:
+    """What a run's header says of its setup (besides recipe, seed, schedule, command and environment):
+    the fields --resume compares (RESUME_KEYS) among them."""
+    steps_per_epoch = data.train_size // (config.batch * world)
+    return {"model": model_name, "data": data.describe(), "batch": config.batch, "world_size": world,
+            "global_batch": config.batch * world, "steps": config.steps or config.epochs * steps_per_epoch,
+            "steps_per_epoch": steps_per_epoch, "reference": reference_name(config),
+            "optimizer": {"lr": config.lr, "weight_decay": config.weight_decay},
+            "label_smoothing": config.label_smoothing, "clip_grad": config.clip_grad or None}
+
+
 def train_run(config: TrainConfig, recipe: str, seed: int, data, model_name: str, device: torch.device,
               records: RecordFile, progress: TrainProgress, index: int, *, skip_unavailable: bool,
               rank: int = 0, world: int = 1) -> RunSummary:
@@ -218,8 +229,8 @@ def train_run(config: TrainConfig, recipe: str, seed: int, data, model_name: str
     trains on its share of every global batch of world x config.batch images, the model in DDP
     (optimize_swin's default); a step's loss is the mean of the ranks' losses (the global batch's) and its
     img/s the sum of theirs; only rank 0 validates, and only its `records` and `progress` should write."""
-    steps_per_epoch = data.train_size // (config.batch * world)
-    total = config.steps or config.epochs * steps_per_epoch
+    setup = run_setup(config, data, model_name, world)
+    total = setup["steps"]
     name = resolve_chain(recipe)[-1].name
     torch.manual_seed(seed)
     model = build_model(model_name, num_classes=data.classes)
@@ -227,12 +238,8 @@ def train_run(config: TrainConfig, recipe: str, seed: int, data, model_name: str
         torch.manual_seed(seed * 1_000 + rank)   # every rank its own stochastic-depth draws
     loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
     header = {"kind": "run", "schema": SCHEMA, "recipe": name, "recipe_ref": recipe, "seed": seed,
-              "model": model_name, "input_size": list(input_size(model)), "data": data.describe(),
-              "batch": config.batch, "world_size": world, "global_batch": config.batch * world,
-              "steps": total, "steps_per_epoch": steps_per_epoch, "reference": reference_name(config),
-              "optimizer": {"lr": config.lr, "weight_decay": config.weight_decay},
+              "input_size": list(input_size(model)), **setup,
               "schedule": f"linear warm-up over {max(1, round(WARMUP_SHARE * total))} steps, cosine to 0",
-              "label_smoothing": config.label_smoothing, "clip_grad": config.clip_grad or None,
               "command": config.command, "env": environment_stamp(device)}
     try:
         swin = optimize_swin(model, recipe, optimizer={"lr": config.lr, "weight_decay": config.weight_decay},
@@ -352,8 +359,8 @@ RESUME_KEYS = ("model", "data", "batch", "world_size", "steps", "optimizer", "la
 
 def kept_runs(out_dir: Path, runs: list[tuple[str, int]], expected: dict) -> tuple[set[int], list[str]]:
     """With --resume: the indices of the planned `runs` whose record file in out_dir/records finished
-    (ok, diverged or not available) with this setup (`expected`: the RESUME_KEYS of the header a run
-    would write), and notes. UserError when the folder holds a record file this plan would not write, or
+    (ok, diverged or not available) with this setup (`expected`: run_setup, compared on RESUME_KEYS),
+    and notes. UserError when the folder holds a record file this plan would not write, or
     a finished one of another setup: those are kept as they are, never trained over."""
     from workbench.results.train_runs import read_runs
 
@@ -419,13 +426,7 @@ def run_train(config: TrainConfig, *, out_dir: Path | None = None, overwrite: bo
         raise UserError(f"--resume continues the run in --out, and {out_dir} does not exist")
     keep: set[int] = set()
     if resume:
-        steps_per_epoch = data.train_size // (config.batch * config.world)
-        keep, resume_notes = kept_runs(out_dir, runs, {
-            "model": model_name, "data": data.describe(), "batch": config.batch, "world_size": config.world,
-            "steps": config.steps or config.epochs * steps_per_epoch,
-            "optimizer": {"lr": config.lr, "weight_decay": config.weight_decay},
-            "label_smoothing": config.label_smoothing, "clip_grad": config.clip_grad or None,
-            "reference": reference_name(config)})
+        keep, resume_notes = kept_runs(out_dir, runs, run_setup(config, data, model_name, config.world))
         notes = notes + resume_notes + ([f"--resume: {len(keep)} of {len(runs)} runs finished before and are kept"]
                                         if keep else [])
     claim = claim_run_folder(out_dir, command="train", overwrite=overwrite, keep=resume)
