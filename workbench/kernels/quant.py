@@ -176,3 +176,71 @@ def int8_linear(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_s
     if bias is not None:
         out = out + bias.float()
     return out.to(torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------ the module
+
+ROUTES = ("scaled_mm", "int_mm", "simulate")
+
+
+class QuantLinear(torch.nn.Module):
+    """An inference-only nn.Linear with its weight quantized per output channel and its input quantized per
+    row (dynamic: `input_scale` None) or per tensor (static: a calibrated () scale), run by one route:
+
+        scaled_mm  FP8 e4m3 GEMM, torch._scaled_mm with rowwise scales (CUDA, capability >= 8.9)
+        int_mm     INT8 GEMM, torch._int_mm in int32, the scales applied after (CUDA)
+        simulate   the same quantize-dequantize math, then an fp32 F.linear (fake quantization, any device)
+
+    x (..., in_features) in any float dtype -> (..., out_features) in the autocast dtype where autocast is
+    on (what nn.Linear would give), else in x's dtype. The float weight is not kept (no `weight`
+    attribute: code that would read it fails instead of computing in bf16 behind the quantization)."""
+
+    def __init__(self, linear: torch.nn.Linear, fmt: str, route: str, input_scale: torch.Tensor | None = None):
+        super().__init__()
+        _check_format(fmt)
+        if route not in ROUTES:
+            raise ValueError(f"unknown route {route!r}: choose from {', '.join(ROUTES)}")
+        self.fmt, self.route = fmt, route
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        w = linear.weight.detach()
+        w_scale = absmax_scale(w, fmt, dim=-1)                          # (N, 1), refuses inf/NaN weights
+        w_q = quantize(w, w_scale, fmt).contiguous()
+        if route == "simulate":
+            self.register_buffer("weight_dq", dequantize(w_q, w_scale))   # fp32 (N, K)
+        else:
+            self.register_buffer("weight_q", w_q)
+        self.register_buffer("weight_scale", w_scale.reshape(1, -1).contiguous())   # (1, N)
+        bias = linear.bias.detach() if linear.bias is not None else None
+        # _scaled_mm adds a bf16 bias in its epilogue, int8 adds it in fp32; simulate rounds it as its
+        # format's GEMM route would
+        self.register_buffer("bias", None if bias is None else
+                             bias.to(torch.bfloat16 if fmt == "fp8" else torch.float32))
+        self.register_buffer("input_scale", None if input_scale is None else input_scale.detach().float().reshape(()))
+
+    def extra_repr(self) -> str:
+        acts = "dynamic per-row" if self.input_scale is None else "static per-tensor"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt}, route={self.route}, "
+                f"activations {acts}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        M = x2.shape[0]
+        x_scale = absmax_scale(x2, self.fmt, dim=-1, check=False) if self.input_scale is None else self.input_scale
+        device_type = x.device.type
+        out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        if self.route == "simulate":
+            with torch.autocast(device_type, enabled=False):
+                bias = None if self.bias is None else self.bias.float()
+                out = torch.nn.functional.linear(fake_quantize(x2, x_scale, self.fmt), self.weight_dq, bias)
+            # the GPU routes write bf16
+            out = out.to(torch.bfloat16)
+        else:
+            x_q = quantize(x2, x_scale, self.fmt)
+            if self.route == "scaled_mm":
+                # rowwise scaling takes an (M, 1) scale for the first operand: a static one is repeated
+                rows = x_scale if x_scale.dim() == 2 else x_scale.reshape(1, 1).expand(M, 1).contiguous()
+                out = fp8_linear(x_q, rows, self.weight_q, self.weight_scale, self.bias)
+            else:
+                out = int8_linear(x_q, x_scale, self.weight_q, self.weight_scale, self.bias)
+        return out.to(out_dtype).reshape(*lead, self.out_features)
