@@ -163,3 +163,34 @@ def test_gemm_routes_match_simulate(dtype, route, static):
     assert not hasattr(real, "weight")
     assert "route=" + route in repr(real)
 
+
+
+def test_apply_infer_runs_simulate_and_reports_fp8_not_available(tmp_path):
+    """`swinbench apply --mode infer` on the CPU: a simulate stage of one's own is gated at the fp8
+    recipe's tolerance and records the pass's routes; the built-in fp8 stage is not available, in one line."""
+    import io
+
+    from rich.console import Console
+
+    from workbench.ladder.apply import run_apply
+    from workbench.models import TINY_MODEL
+
+    sim = tmp_path / "fp8-sim.yaml"
+    sim.write_text("name: fp8-sim\nextends: amp\ndescription: fp8 fake quantization\n"
+                   "gate: {bf16: {logits_rel: 1.5e-1}}\npasses:\n"
+                   "  - name: quantize_linear\n    params: {dtype: fp8, keep: [head.fc], simulate: true}\n")
+    result = run_apply("baseline", model=TINY_MODEL, batch=8, steps=2, warmup=1, device="cpu", progress=False,
+                       interleave=0, mode="infer", out_dir=tmp_path / "run", stages=["baseline", str(sim), "fp8"],
+                       console=Console(file=io.StringIO(), width=160))
+    by_stage = {r["stage"]: r for r in result.records}
+    gate = by_stage["fp8-sim"]["gate"]
+    assert gate["status"] == "PASS", gate
+    assert 1e-3 < gate["metrics"]["logits"]["rel_l2"] < 0.15
+    assert 0 <= gate["metrics"]["top1_agreement"] <= 1
+    quant = next(p for p in by_stage["fp8-sim"]["passes"] if p["name"] == "quantize_linear")
+    assert quant["details"]["counts"] == {"simulate": 17, "kept": 1}
+    fp8 = by_stage["fp8"]
+    assert fp8["status"] == "not available"
+    quant = next(p for p in fp8["passes"] if p["name"] == "quantize_linear")
+    assert quant["changed"] == ("not available: fp8 GEMMs need a CUDA GPU (simulate: true runs the same math "
+                                "as fake quantization here)")
