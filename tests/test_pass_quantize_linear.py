@@ -159,7 +159,7 @@ def test_gemm_routes_match_simulate(dtype, route, static):
     assert a.dtype == b.dtype == torch.bfloat16 and b.shape == (2, 49, 288)
     # the same quantized operands: the sums' order may move a bf16 output by one step (2^-8 relative)
     assert (b.double() - a.double()).abs().max() <= 2 ** -7 * a.double().abs().max()
-    assert rel_err(b, a) < 4e-3
+    assert rel_err(b, a) < 6e-3   # the CPU _scaled_mm gives 0.0035
     assert not hasattr(real, "weight")
     assert "route=" + route in repr(real)
 
