@@ -139,6 +139,8 @@ def test_bad_parameters_are_user_errors():
         ql.apply(model, infer_ctx(), dtype="int4", simulate=True)
     with pytest.raises(UserError, match="keep must be a list"):
         ql.apply(model, infer_ctx(), keep=[3], simulate=True)
+    with pytest.raises(UserError, match="keep must be a list"):
+        ql.apply(model, infer_ctx(), keep="head.fc", simulate=True)
     with pytest.raises(UserError, match="percentile must be in"):
         ql.apply(model, infer_ctx(), percentile=0.0, simulate=True)
 

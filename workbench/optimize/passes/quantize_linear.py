@@ -40,7 +40,7 @@ NAME = "quantize_linear"
 
 
 def _check_keep(value) -> None:
-    if not all(isinstance(p, str) and p for p in value):
+    if not isinstance(value, (list, tuple)) or not all(isinstance(p, str) and p for p in value):
         raise UserError(f"pass {NAME!r}: keep must be a list of module-name patterns (strings), got {value!r}")
 
 
@@ -185,7 +185,7 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
     details = {"dtype": dtype, "route": route, "implementation": IMPLEMENTATION[route],
                "activations": "dynamic per-row" if activations == "dynamic" else "static per-tensor",
                "weights": "per output channel", "qmax": QMAX[dtype], "attention": "bf16 (not quantized)",
-               "layers": {**{n: r for n, r in routes.items()}, **{n: f"kept bf16: {why}" for n, why in kept.items()}},
+               "layers": {**routes, **{n: f"kept bf16: {why}" for n, why in kept.items()}},
                "counts": {route: len(routes), "kept": len(kept)}, "unmatched_keep": unmatched}
     input_scales = None
     if activations == "static" and routes:
