@@ -61,7 +61,7 @@ PARAMS = {
     "percentile": (float, _check_percentile),
     "calibration_batches": (int, _check_positive),
     "calibration_batch": (int, _check_positive),
-    "keep": (list, _check_keep),
+    "keep": ((list, type(None)), _check_keep),
     "simulate": (bool, None),
 }
 
@@ -162,10 +162,11 @@ def _fused_linear_blocks(model: torch.nn.Module) -> list[str]:
 
 def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activations: str = "dynamic",
           calibration: str = "percentile", percentile: float = 99.99, calibration_batches: int = 4,
-          calibration_batch: int = 8, keep: list | tuple = (), simulate: bool = False):
+          calibration_batch: int = 8, keep: list | None = None, simulate: bool = False):
     for key, value in (("dtype", dtype), ("activations", activations), ("calibration", calibration)):
         if value not in PARAMS[key][1]:
             raise UserError(f"pass {NAME!r}: {key} must be one of {', '.join(PARAMS[key][1])}, got {value!r}")
+    keep = [] if keep is None else keep
     _check_keep(keep)
     _check_percentile(percentile)
     _check_positive(calibration_batches)
