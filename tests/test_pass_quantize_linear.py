@@ -196,3 +196,38 @@ def test_apply_infer_runs_simulate_and_reports_fp8_not_available(tmp_path):
     quant = next(p for p in fp8["passes"] if p["name"] == "quantize_linear")
     assert quant["changed"] == ("not available: fp8 GEMMs need a CUDA GPU (simulate: true runs the same math "
                                 "as fake quantization here)")
+
+
+def test_nothing_left_to_quantize_is_not_available():
+    model, _ = model_pair("cpu", seed=0)
+    model.eval()
+    model, _ = ql.apply(model, infer_ctx(), dtype="fp8", simulate=True)
+    # again: only the head (N=10) is a plain nn.Linear now, and fp8 cannot take it
+    _, res = apply_pass("quantize_linear", model, infer_ctx(), {"dtype": "fp8", "simulate": True})
+    assert res.changed == ("not available: no Linear left to quantize: 1 kept (K=64, N=10: fp8 GEMMs need "
+                           "multiples of 16)")
+
+
+def test_simulate_over_the_fmha_chain():
+    """The recipes' composition: fmha's passes (fused LayerNorm, window and attention kernels under the
+    Triton interpreter, bf16 master weights), then quantize_linear: the fused forwards call the swapped
+    modules, and the logits stay within the fp8 recipe's tolerance of the fmha stage's."""
+    from workbench.models import TINY_MODEL
+    from workbench.optimize.recipes import apply_chain_passes, resolve_chain
+    from workbench.optimize.workload import Workload, WorkloadConfig
+
+    cfg = WorkloadConfig(model=TINY_MODEL, mode="infer", batch=4, precision="fp32", device="cpu", seed=0)
+    out = {}
+    for quantized in (False, True):
+        w = Workload.build(cfg)
+        w.model, results = apply_chain_passes(w.model, w.ctx, resolve_chain("fmha"))
+        assert all(r.available for r in results), [r.changed for r in results]
+        if quantized:
+            w.model, res = apply_pass("quantize_linear", w.model, w.ctx, {"dtype": "fp8", "keep": ["head.fc"],
+                                                                          "simulate": True})
+            assert res.details["counts"] == {"simulate": 17, "kept": 1}
+        w.prepare()
+        with torch.inference_mode():
+            logits, _ = w.forward_loss()
+        out[quantized] = logits.double()
+    assert 1e-3 < rel_err(out[True], out[False]) < LOGITS_REL["fp8"]

@@ -182,6 +182,8 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
     if not linears:
         raise PassUnavailable("no nn.Linear in this model")
     routes, kept = plan_routes(linears, dtype, route, keep)
+    if not routes:
+        raise PassUnavailable(f"no Linear left to quantize: {len(kept)} kept ({'; '.join(sorted(set(kept.values())))})")
     unmatched = [p for p in keep if not any(fnmatch.fnmatchcase(n, p) for n, _ in linears)]
     details = {"dtype": dtype, "route": route, "implementation": IMPLEMENTATION[route],
                "activations": "dynamic per-row" if activations == "dynamic" else "static per-tensor",
