@@ -209,14 +209,16 @@ def test_nothing_left_to_quantize_is_not_available():
 
 
 def test_simulate_over_the_fmha_chain():
-    """The recipes' composition: fmha's passes (fused LayerNorm, window and attention kernels under the
-    Triton interpreter, bf16 master weights), then quantize_linear: the fused forwards call the swapped
+    """The recipes' composition: fmha's passes (fused LayerNorm, window and attention kernels, under the
+    Triton interpreter on the CPU; bf16 master weights), then quantize_linear: the fused forwards call the swapped
     modules, and the logits stay within the fp8 recipe's tolerance of the fmha stage's."""
     from workbench.models import TINY_MODEL
     from workbench.optimize.recipes import apply_chain_passes, resolve_chain
     from workbench.optimize.workload import Workload, WorkloadConfig
 
-    cfg = WorkloadConfig(model=TINY_MODEL, mode="infer", batch=4, precision="fp32", device="cpu", seed=0)
+    # on a GPU machine the Triton kernels run there (conftest sets the interpreter only without one)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = WorkloadConfig(model=TINY_MODEL, mode="infer", batch=4, precision="fp32", device=device, seed=0)
     out = {}
     for quantized in (False, True):
         w = Workload.build(cfg)
