@@ -86,3 +86,16 @@ def test_nan_fails(reference):
     out.logits = out.logits.clone()
     out.logits[0, 0] = float("nan")
     assert compare(out, reference, gate_tolerance(resolve_chain("baseline"), prec)).status == "FAIL"
+
+
+def test_top1_agreement_is_recorded_not_gated(reference):
+    from workbench.optimize.gate import top1_agreement
+    import torch
+
+    out, prec = stage_outputs([])
+    result = compare(out, reference, gate_tolerance(resolve_chain("baseline"), prec), is_reference=True)
+    assert result.metrics["top1_agreement"] == 1.0
+    a = torch.tensor([[0.0, 1.0], [2.0, 0.0], [0.0, 3.0], [1.0, 0.0]])
+    b = torch.tensor([[0.0, 1.0], [0.0, 2.0], [0.0, 3.0], [1.0, 0.0]])
+    assert top1_agreement(a, b) == 0.75
+    assert top1_agreement(a, b[:3]) is None and top1_agreement(a[:, 0], b[:, 0]) is None

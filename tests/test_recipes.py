@@ -27,8 +27,8 @@ def test_builtin_chain_order():
 
 def test_list_recipes_main_chain_then_peers():
     recipes = list_recipes()
-    assert [r.name for r in recipes] == CHAIN + ["dense", "block"] + PEERS + ["dense-graph", "block-graph"]
-    assert [r.peer for r in recipes] == [False] * 7 + [True] * (len(PEERS) + 2)
+    assert [r.name for r in recipes] == CHAIN + ["dense", "fp8", "int8", "block"] + PEERS + ["dense-graph", "block-graph"]
+    assert [r.peer for r in recipes] == [False] * 9 + [True] * (len(PEERS) + 2)
 
 
 def test_pytorch_alone_and_graph_forms():
@@ -138,3 +138,25 @@ def test_missing_tolerance_for_precision_is_a_user_error(tmp_path):
     chain[0].gate = {}
     with pytest.raises(UserError, match="no gate tolerance"):
         gate_tolerance(chain, "bf16")
+
+
+
+@pytest.mark.parametrize("recipe,dtype,logits_rel", [("fp8", "fp8", 0.15), ("int8", "int8", 0.1)])
+def test_quantized_recipes_extend_fmha_with_their_own_tolerance(recipe, dtype, logits_rel):
+    chain = resolve_chain(recipe)
+    assert [r.name for r in chain] == CHAIN + [recipe]
+    assert chain_passes(recipe)[-1] == ("quantize_linear", {"dtype": dtype, "activations": "dynamic",
+                                                             "keep": ["head.fc"]})
+    tol = gate_tolerance(chain, "bf16")
+    assert tol["logits_rel"] == logits_rel and tol["loss_atol"] == gate_tolerance(resolve_chain("fmha"), "bf16")["loss_atol"]
+
+
+def test_quantize_linear_parameters_are_checked_when_loaded(tmp_path):
+    for params, msg in [("{dtype: int4}", "must be one of fp8, int8"), ("{keep: head.fc}", "must be a list"),
+                        ("{keep: [3]}", "keep must be a list of module-name patterns"),
+                        ("{percentile: 0}", "percentile must be in"), ("{calibration_batches: 0}", "at least 1"),
+                        ("{simulate: 1}", "must be true/false"), ("{bits: 4}", "takes no parameter 'bits'")]:
+        p = write(tmp_path, "q.yaml", "name: q\nextends: fmha\ndescription: q\npasses:\n"
+                                      f"  - name: quantize_linear\n    params: {params}\n")
+        with pytest.raises(UserError, match=msg):
+            resolve_chain(str(p))

@@ -6,6 +6,7 @@ Exports (usable without the CLI):
   fused_window_attention                                                 (window_attention.py)
   layer_norm, add_layer_norm                                             (layer_norm.py)
   linear, bias_grad                                                      (linear.py)
+  absmax_scale, quantize, dequantize, fake_quantize, QuantLinear         (quant.py: torch ops, no Triton)
 Kernels run on the GPU, and on the CPU under TRITON_INTERPRET=1 (slow: for tests).
 """
 from __future__ import annotations
@@ -38,3 +39,7 @@ try:
     __all__ += ["linear", "bias_grad"]
 except ImportError:  # pragma: no cover
     pass
+
+from workbench.kernels.quant import QuantLinear, absmax_scale, dequantize, fake_quantize, quantize  # noqa: E402
+
+__all__ += ["absmax_scale", "quantize", "dequantize", "fake_quantize", "QuantLinear"]

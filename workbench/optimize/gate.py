@@ -9,6 +9,8 @@ Tolerances come from the recipe, per precision (`recipes.gate_tolerance`):
 
     logits_rel: relative L2 error of the logits     loss_atol: |loss - loss_ref|
     grad_rel:   relative L2 error of each gradient  (max |a - b| is recorded, not gated)
+
+`top1_agreement` (the share of the batch whose top-1 class is the baseline's) is recorded, not gated.
 """
 from __future__ import annotations
 
@@ -152,6 +154,16 @@ def _tensor_metrics(a: torch.Tensor, ref: torch.Tensor) -> dict:
     return {"max_abs": diff.abs().max().item() if diff.numel() else 0.0, "rel_l2": rel}
 
 
+def top1_agreement(logits: torch.Tensor, ref: torch.Tensor) -> float | None:
+    """The share of rows of (N, classes) logits whose argmax is the reference's (None for other shapes).
+    Recorded, not gated: on the workload's random batch through an untrained model the classes are nearly
+    tied, so a correct low-precision stage can flip some rows; on a trained model it is the figure that
+    says what quantization costs."""
+    if logits.dim() != 2 or logits.shape != ref.shape or logits.shape[0] == 0:
+        return None
+    return (logits.argmax(-1) == ref.argmax(-1)).double().mean().item()
+
+
 def _exceeds(value, limit) -> bool:
     # NaN and a missing value both fail: `not value <= limit` is True for NaN.
     return value is None or not value <= limit
@@ -177,6 +189,9 @@ def compare(out: GateOutputs, ref: GateOutputs, tolerance: dict[str, float], *, 
     if not metrics["weights_match"]:
         failures.append("initial weights differ from the baseline's (same seed should give the same weights)")
     metrics["logits"] = _tensor_metrics(out.logits, ref.logits)
+    agreement = top1_agreement(out.logits, ref.logits)
+    if agreement is not None:
+        metrics["top1_agreement"] = agreement
     if _exceeds(metrics["logits"]["rel_l2"], tolerance["logits_rel"]):
         failures.append(f"logits rel L2 {_fmt(metrics['logits']['rel_l2'])} > {tolerance['logits_rel']:g}")
     loss_diff = abs(out.loss - ref.loss)

@@ -109,6 +109,7 @@ PASS_MODULES = {
     "fused_block": "fused_block",
     "compile": "compile",
     "cuda_graph": "cuda_graph",
+    "quantize_linear": "quantize_linear",
 }
 
 

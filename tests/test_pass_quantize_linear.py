@@ -1,0 +1,235 @@
+"""quantize_linear on the tiny CPU Swin: simulate mode against the bf16 model (logits and top-1 agreement),
+keep patterns, calibration, the refusals (training, no GPU, fused Linear forwards) as one line each, and
+QuantLinear's GPU routes run through the CPU's torch._scaled_mm / torch._int_mm against simulate mode.
+
+The recipes' gate checks logits and loss against the fp32 baseline; top-1 agreement with the bf16 model
+is not a gate metric, so it is measured here (`agreement`)."""
+import copy
+import pytest
+import torch
+
+from workbench.errors import UserError
+from workbench.kernels.quant import QuantLinear
+from workbench.optimize.passes import PassContext, apply_pass
+from workbench.optimize.passes import quantize_linear as ql
+from workbench.precision import resolve_precision
+from tests.pass_helpers import model_pair, rel_err
+
+# What the recipes allow (recipes/fp8.yaml, int8.yaml: gate.bf16.logits_rel against the fp32 baseline)
+# and what simulate mode must keep on the tiny Swin.
+LOGITS_REL = {"fp8": 0.1, "int8": 0.05}
+MIN_AGREEMENT = 0.95
+
+
+def infer_ctx(training: bool = False) -> PassContext:
+    return PassContext(device=torch.device("cpu"), precision=resolve_precision("bf16"), training=training)
+
+
+def agreement(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Top-1 agreement: the share of rows whose argmax is the same."""
+    return (a.argmax(-1) == b.argmax(-1)).double().mean().item()
+
+
+def images(n: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, 3, 56, 56, generator=torch.Generator().manual_seed(seed))
+
+
+def logits(model, x, bf16=True):
+    with torch.inference_mode(), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+        return model(x).double()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The tiny Swin (eval), a held-out batch, and its fp32 and bf16 logits."""
+    model, _ = model_pair("cpu", seed=0, drop_path_rate=0.0)
+    model.eval()
+    x = images(48, seed=7)
+    return model, x, logits(model, x, bf16=False), logits(model, x)
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "int8"])
+@pytest.mark.parametrize("activations", ["dynamic", "static"])
+def test_simulate_keeps_logits_and_top1(reference, dtype, activations):
+    model, x, fp32, bf16 = reference
+    q = copy.deepcopy(model)
+    q, res = ql.apply(q, infer_ctx(), dtype=dtype, activations=activations, keep=["head.fc"], simulate=True,
+                      calibration_batches=2, calibration_batch=4)
+    assert res.details["counts"] == {"simulate": 17, "kept": 1}
+    assert res.details["layers"]["head.fc"] == "kept bf16: keep pattern 'head.fc'"
+    assert sum(isinstance(m, QuantLinear) for m in q.modules()) == 17
+    out = logits(q, x)
+    assert out.shape == bf16.shape and torch.isfinite(out).all()
+    assert rel_err(out, fp32) < LOGITS_REL[dtype]
+    assert agreement(out, bf16) >= MIN_AGREEMENT
+    # quantization moves the logits: it is not the bf16 model
+    assert rel_err(out, bf16) > 1e-3
+    if activations == "static":
+        scales = res.details["calibration"]["scales"]
+        assert len(scales) == 17 and all(s > 0 for s in scales.values())
+
+
+def test_keep_patterns_and_shape_rules():
+    model, _ = model_pair("cpu", seed=1, drop_path_rate=0.0)
+    model.eval()
+    model, res = ql.apply(model, infer_ctx(), dtype="fp8", keep=["*.fc2", "layers.*.downsample.reduction", "nope.*"],
+                          simulate=True)
+    layers = res.details["layers"]
+    assert {n for n, r in layers.items() if r.startswith("kept")} == {
+        "layers.0.blocks.0.mlp.fc2", "layers.0.blocks.1.mlp.fc2", "layers.1.blocks.0.mlp.fc2",
+        "layers.1.blocks.1.mlp.fc2", "layers.1.downsample.reduction", "head.fc"}
+    # the head (K=64, N=10) is kept by the fp8 shape rule, not by a pattern
+    assert layers["head.fc"] == "kept bf16: K=64, N=10: fp8 GEMMs need multiples of 16"
+    assert type(model.layers[0].blocks[0].mlp.fc2) is torch.nn.Linear
+    assert isinstance(model.layers[0].blocks[0].mlp.fc1, QuantLinear)
+    assert res.details["unmatched_keep"] == ["nope.*"]
+    assert "matching nothing: nope.*" in res.changed
+
+
+def test_int8_shape_rule_is_multiples_of_8():
+    model, _ = model_pair("cpu", seed=1, drop_path_rate=0.0)
+    model.eval()
+    _, res = ql.apply(model, infer_ctx(), dtype="int8", simulate=True)
+    # N=10 classes: not a multiple of 8 either
+    assert res.details["layers"]["head.fc"].startswith("kept bf16: K=64, N=10")
+    assert res.details["counts"] == {"simulate": 17, "kept": 1}
+
+
+def test_training_is_refused_in_one_line():
+    model, _ = model_pair("cpu", seed=0)
+    model_out, res = apply_pass("quantize_linear", model, infer_ctx(training=True), {"simulate": True})
+    assert not res.available
+    assert res.changed == "not available: quantized GEMMs are inference only (no backward): run with --mode infer"
+    assert not any(isinstance(m, QuantLinear) for m in model_out.modules())
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "int8"])
+def test_not_available_on_the_cpu_in_one_line(dtype):
+    model, _ = model_pair("cpu", seed=0)
+    _, res = apply_pass("quantize_linear", model, infer_ctx(), {"dtype": dtype})
+    assert not res.available
+    assert "\n" not in res.changed
+    assert res.changed == (f"not available: {dtype} GEMMs need a CUDA GPU (simulate: true runs the same math "
+                           "as fake quantization here)")
+
+
+def test_fp8_needs_sm89(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ql.PassUnavailable, match="compute capability 8.9 or newer; this GPU is 8.0"):
+        ql.gpu_route("fp8", torch.device("cuda"))
+    assert ql.gpu_route("int8", torch.device("cuda")) == "int_mm"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert ql.gpu_route("fp8", torch.device("cuda")) == "scaled_mm"
+
+
+def test_refuses_blocks_that_read_linear_weights():
+    from workbench.optimize.passes.block_plan import block_plans
+    from workbench.optimize.passes._swin import named_swin_blocks
+
+    model, _ = model_pair("cpu", seed=0)
+    plans = block_plans(model)
+    plans.update(named_swin_blocks(model)[0][0], linear=True)
+    _, res = apply_pass("quantize_linear", model, infer_ctx(), {"simulate": True})
+    assert not res.available and "fused_linear/fused_block" in res.changed
+
+
+def test_bad_parameters_are_user_errors():
+    model, _ = model_pair("cpu", seed=0)
+    with pytest.raises(UserError, match="dtype must be one of fp8, int8"):
+        ql.apply(model, infer_ctx(), dtype="int4", simulate=True)
+    with pytest.raises(UserError, match="keep must be a list"):
+        ql.apply(model, infer_ctx(), keep=[3], simulate=True)
+    with pytest.raises(UserError, match="keep must be a list"):
+        ql.apply(model, infer_ctx(), keep="head.fc", simulate=True)
+    with pytest.raises(UserError, match="percentile must be in"):
+        ql.apply(model, infer_ctx(), percentile=0.0, simulate=True)
+
+
+@pytest.mark.parametrize("dtype,route", [("fp8", "scaled_mm"), ("int8", "int_mm")])
+@pytest.mark.parametrize("static", [False, True])
+def test_gemm_routes_match_simulate(dtype, route, static):
+    """QuantLinear's real routes (torch._scaled_mm / torch._int_mm run on the CPU too) against its simulate
+    route on the same weights and inputs: the same quantized operands, so only the sums' order and the
+    output rounding differ."""
+    torch.manual_seed(3)
+    lin = torch.nn.Linear(96, 288)
+    x = torch.randn(2, 49, 96)
+    scale = torch.tensor(x.abs().max().item() / (448 if dtype == "fp8" else 127)) if static else None
+    sim, real = QuantLinear(lin, dtype, "simulate", scale), QuantLinear(lin, dtype, route, scale)
+    with torch.inference_mode(), torch.autocast("cpu", torch.bfloat16):
+        a, b = sim(x), real(x)
+    assert a.dtype == b.dtype == torch.bfloat16 and b.shape == (2, 49, 288)
+    # the same quantized operands: the sums' order may move a bf16 output by one step (2^-8 relative)
+    assert (b.double() - a.double()).abs().max() <= 2 ** -7 * a.double().abs().max()
+    assert rel_err(b, a) < 6e-3   # the CPU _scaled_mm gives 0.0035
+    assert not hasattr(real, "weight")
+    assert "route=" + route in repr(real)
+
+
+
+def test_apply_infer_runs_simulate_and_reports_fp8_not_available(tmp_path):
+    """`swinbench apply --mode infer` on the CPU: a simulate stage of one's own is gated at the fp8
+    recipe's tolerance and records the pass's routes; the built-in fp8 stage is not available, in one line."""
+    import io
+
+    from rich.console import Console
+
+    from workbench.ladder.apply import run_apply
+    from workbench.models import TINY_MODEL
+
+    sim = tmp_path / "fp8-sim.yaml"
+    sim.write_text("name: fp8-sim\nextends: amp\ndescription: fp8 fake quantization\n"
+                   "gate: {bf16: {logits_rel: 1.5e-1}}\npasses:\n"
+                   "  - name: quantize_linear\n    params: {dtype: fp8, keep: [head.fc], simulate: true}\n")
+    result = run_apply("baseline", model=TINY_MODEL, batch=8, steps=2, warmup=1, device="cpu", progress=False,
+                       interleave=0, mode="infer", out_dir=tmp_path / "run", stages=["baseline", str(sim), "fp8"],
+                       console=Console(file=io.StringIO(), width=160))
+    by_stage = {r["stage"]: r for r in result.records}
+    gate = by_stage["fp8-sim"]["gate"]
+    assert gate["status"] == "PASS", gate
+    assert 1e-3 < gate["metrics"]["logits"]["rel_l2"] < 0.15
+    assert 0 <= gate["metrics"]["top1_agreement"] <= 1
+    quant = next(p for p in by_stage["fp8-sim"]["passes"] if p["name"] == "quantize_linear")
+    assert quant["details"]["counts"] == {"simulate": 17, "kept": 1}
+    fp8 = by_stage["fp8"]
+    assert fp8["status"] == "not available"
+    quant = next(p for p in fp8["passes"] if p["name"] == "quantize_linear")
+    assert quant["changed"] == ("not available: fp8 GEMMs need a CUDA GPU (simulate: true runs the same math "
+                                "as fake quantization here)")
+
+
+def test_nothing_left_to_quantize_is_not_available():
+    model, _ = model_pair("cpu", seed=0)
+    model.eval()
+    model, _ = ql.apply(model, infer_ctx(), dtype="fp8", simulate=True)
+    # again: only the head (N=10) is a plain nn.Linear now, and fp8 cannot take it
+    _, res = apply_pass("quantize_linear", model, infer_ctx(), {"dtype": "fp8", "simulate": True})
+    assert res.changed == ("not available: no Linear left to quantize: 1 kept (K=64, N=10: fp8 GEMMs need "
+                           "multiples of 16)")
+
+
+def test_simulate_over_the_fmha_chain():
+    """The recipes' composition: fmha's passes (fused LayerNorm, window and attention kernels, under the
+    Triton interpreter on the CPU; bf16 master weights), then quantize_linear: the fused forwards call the swapped
+    modules, and the logits stay within the fp8 recipe's tolerance of the fmha stage's."""
+    from workbench.models import TINY_MODEL
+    from workbench.optimize.recipes import apply_chain_passes, resolve_chain
+    from workbench.optimize.workload import Workload, WorkloadConfig
+
+    # on a GPU machine the Triton kernels run there (conftest sets the interpreter only without one)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = WorkloadConfig(model=TINY_MODEL, mode="infer", batch=4, precision="fp32", device=device, seed=0)
+    out = {}
+    for quantized in (False, True):
+        w = Workload.build(cfg)
+        w.model, results = apply_chain_passes(w.model, w.ctx, resolve_chain("fmha"))
+        assert all(r.available for r in results), [r.changed for r in results]
+        if quantized:
+            w.model, res = apply_pass("quantize_linear", w.model, w.ctx, {"dtype": "fp8", "keep": ["head.fc"],
+                                                                          "simulate": True})
+            assert res.details["counts"] == {"simulate": 17, "kept": 1}
+        w.prepare()
+        with torch.inference_mode():
+            logits, _ = w.forward_loss()
+        out[quantized] = logits.double()
+    assert 1e-3 < rel_err(out[True], out[False]) < LOGITS_REL["fp8"]

@@ -1,0 +1,211 @@
+"""Pass `quantize_linear`: the Swin's nn.Linear layers as FP8 or INT8 GEMMs, for inference.
+
+Each nn.Linear (attention qkv and proj, MLP fc1 and fc2, patch merging's reduction, the head) becomes a
+`kernels.quant.QuantLinear`: its weight quantized per output channel, once; its input quantized per row
+in each forward (activations: dynamic) or per tensor with a scale calibrated on a few batches before
+(activations: static; calibration max or percentile). The route each layer takes:
+
+    scaled_mm   dtype fp8 on CUDA with compute capability >= 8.9: torch._scaled_mm, e4m3 operands with
+                rowwise fp32 scales, bias and bf16 output in its epilogue. K and N must be multiples of 16.
+    int_mm      dtype int8 on CUDA: torch._int_mm (int32 accumulation), then both scales and the bias in
+                fp32, bf16 out. K and N must be multiples of 8 (fewer than 17 rows are padded to 17).
+    simulate    `simulate: true`, on any device: the same quantize-dequantize math with an fp32 matmul of
+                the dequantized operands (fake quantization). Both GEMMs accumulate exactly, so this
+                computes what they compute, up to the order of the sums: the accuracy a GPU route costs,
+                measured on the CPU. It applies the GPU routes' shape rules, so the same layers stay wide.
+    kept bf16   a layer whose name matches a `keep` pattern (fnmatch, e.g. "*.fc2",
+                "layers.*.downsample.reduction"), or whose shape the route cannot take: left as it is.
+
+Without simulate, a CPU (or an FP8 request on a GPU older than sm_89) raises PassUnavailable: the stage is
+reported not available, with one line. Training is refused the same way: the quantized GEMMs have no
+backward. The fused window attention stays bf16. PassResult.details records each layer's route (or why it
+was kept), the counts, the implementation and the calibration.
+
+Calibration batches are synthetic (random images from a fixed generator, like the workload's batch): the
+activation ranges of an untrained model on noise. For a trained model, calibrate on real images through
+`calibrate_input_scales(model, batches, ...)` and `quantize_model(..., input_scales=...)`.
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+
+import torch
+
+from workbench.errors import UserError
+from workbench.kernels.quant import QMAX, QuantLinear, make_observer
+from workbench.optimize.passes import PassContext, PassResult, PassUnavailable
+
+NAME = "quantize_linear"
+
+
+def _check_keep(value) -> None:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(p, str) and p for p in value):
+        raise UserError(f"pass {NAME!r}: keep must be a list of module-name patterns (strings), got {value!r}")
+
+
+def _check_percentile(value) -> None:
+    if not (isinstance(value, (int, float)) and 0 < value <= 100 and math.isfinite(value)):
+        raise UserError(f"pass {NAME!r}: percentile must be in (0, 100], got {value!r}")
+
+
+def _check_positive(value) -> None:
+    if value < 1:
+        raise UserError(f"pass {NAME!r}: calibration batch counts and sizes must be at least 1, got {value!r}")
+
+
+PARAMS = {
+    "dtype": (str, ("fp8", "int8")),
+    "activations": (str, ("dynamic", "static")),
+    "calibration": (str, ("max", "percentile")),
+    "percentile": (float, _check_percentile),
+    "calibration_batches": (int, _check_positive),
+    "calibration_batch": (int, _check_positive),
+    "keep": ((list, type(None)), _check_keep),
+    "simulate": (bool, None),
+}
+
+# the shape rule of each GEMM: K and N multiples of this
+ALIGNMENT = {"fp8": 16, "int8": 8}
+IMPLEMENTATION = {
+    "scaled_mm": "torch._scaled_mm (e4m3, rowwise fp32 scales, bf16 out)",
+    "int_mm": "torch._int_mm (int8 -> int32), scales and bias applied after in fp32",
+    "simulate": "fake quantization: quantize-dequantize, fp32 F.linear",
+}
+
+
+def gpu_route(dtype: str, device: torch.device) -> str:
+    """'scaled_mm' or 'int_mm' where that GEMM runs on `device`; PassUnavailable with the reason otherwise."""
+    if device.type != "cuda":
+        raise PassUnavailable(f"{dtype} GEMMs need a CUDA GPU (simulate: true runs the same math as fake "
+                              "quantization here)")
+    major, minor = torch.cuda.get_device_capability(device)
+    if dtype == "fp8" and (major, minor) < (8, 9):
+        raise PassUnavailable(f"FP8 GEMMs need compute capability 8.9 or newer; this GPU is {major}.{minor}")
+    if dtype == "int8" and (major, minor) < (7, 5):
+        raise PassUnavailable(f"INT8 GEMMs (torch._int_mm) need compute capability 7.5 or newer; this GPU is "
+                              f"{major}.{minor}")
+    return "scaled_mm" if dtype == "fp8" else "int_mm"
+
+
+def quantizable_linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:
+    """Every plain nn.Linear (not a subclass another pass swapped in) by qualified name, in model order."""
+    return [(n, m) for n, m in model.named_modules() if type(m) is torch.nn.Linear]
+
+
+def plan_routes(linears, dtype: str, route: str, keep) -> tuple[dict[str, str], dict[str, str]]:
+    """-> (route by layer name for the layers to quantize, reason by layer name for those kept wide)."""
+    routes, kept = {}, {}
+    align = ALIGNMENT[dtype]
+    for name, linear in linears:
+        pattern = next((p for p in keep if fnmatch.fnmatchcase(name, p)), None)
+        if pattern is not None:
+            kept[name] = f"keep pattern {pattern!r}"
+        elif linear.in_features % align or linear.out_features % align:
+            kept[name] = (f"K={linear.in_features}, N={linear.out_features}: {dtype} GEMMs need multiples of "
+                          f"{align}")
+        else:
+            routes[name] = route
+    return routes, kept
+
+
+def synthetic_calibration_batches(model: torch.nn.Module, count: int, batch: int, device: torch.device):
+    """`count` synthetic batches (batch, C, H, W) fp32 from a fixed generator (not the workload's own)."""
+    from workbench.models import input_size
+
+    gen = torch.Generator().manual_seed(20_27)
+    c, h, w = input_size(model)
+    return [torch.randn(batch, c, h, w, generator=gen).to(device) for _ in range(count)]
+
+
+def calibrate_input_scales(model: torch.nn.Module, names, batches, ctx: PassContext, dtype: str,
+                           method: str = "percentile", percentile: float = 99.99) -> dict[str, torch.Tensor]:
+    """The per-tensor input scale of each Linear in `names`, from the model's forward over `batches` under
+    the stage's precision (inference mode): -> {name: () fp32 scale}. ValueError for an inf/NaN input."""
+    modules = dict(model.named_modules())
+    observers = {n: make_observer(method, percentile) for n in names}
+    handles = [modules[n].register_forward_pre_hook(lambda m, args, obs=observers[n]: obs.observe(args[0]))
+               for n in names]
+    try:
+        with torch.inference_mode(), ctx.precision.autocast(ctx.device.type):
+            for x in batches:
+                model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return {n: obs.scale(dtype) for n, obs in observers.items()}
+
+
+def quantize_model(model: torch.nn.Module, routes: dict[str, str], dtype: str,
+                   input_scales: dict[str, torch.Tensor] | None = None) -> None:
+    """Replace each Linear named in `routes` by a QuantLinear on that route (in place); static input scales
+    by name where given, dynamic per-row scaling otherwise."""
+    for name, route in routes.items():
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        linear = getattr(parent, attr)
+        scale = None if input_scales is None else input_scales.get(name)
+        # QuantLinear keeps no float weight: the inference_mode tensors it builds need no autograd
+        with torch.no_grad():
+            setattr(parent, attr, QuantLinear(linear, dtype, route, scale))
+
+
+def _fused_linear_blocks(model: torch.nn.Module) -> list[str]:
+    """Blocks whose plan reads the Linear weights itself (fused_linear, fused_block)."""
+    from workbench.optimize.passes.block_plan import PLANS_ATTRIBUTE
+
+    plans = vars(model).get(PLANS_ATTRIBUTE)
+    if plans is None:
+        return []
+    return [n for n, p in plans.plans.items() if p.linear or p.mlp_gelu or p.whole_block]
+
+
+def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activations: str = "dynamic",
+          calibration: str = "percentile", percentile: float = 99.99, calibration_batches: int = 4,
+          calibration_batch: int = 8, keep: list | None = None, simulate: bool = False):
+    for key, value in (("dtype", dtype), ("activations", activations), ("calibration", calibration)):
+        if value not in PARAMS[key][1]:
+            raise UserError(f"pass {NAME!r}: {key} must be one of {', '.join(PARAMS[key][1])}, got {value!r}")
+    keep = [] if keep is None else keep
+    _check_keep(keep)
+    _check_percentile(percentile)
+    _check_positive(calibration_batches)
+    _check_positive(calibration_batch)
+    if ctx.training:
+        raise PassUnavailable("quantized GEMMs are inference only (no backward): run with --mode infer")
+    route = "simulate" if simulate else gpu_route(dtype, ctx.device)
+    fused = _fused_linear_blocks(model)
+    if fused:
+        raise PassUnavailable(f"{len(fused)} blocks run fused_linear/fused_block forwards that read the Linear "
+                              "weights themselves: quantize a stage without them (fmha)")
+    linears = quantizable_linears(model)
+    if not linears:
+        raise PassUnavailable("no nn.Linear in this model")
+    routes, kept = plan_routes(linears, dtype, route, keep)
+    if not routes:
+        raise PassUnavailable(f"no Linear left to quantize: {len(kept)} kept ({'; '.join(sorted(set(kept.values())))})")
+    unmatched = [p for p in keep if not any(fnmatch.fnmatchcase(n, p) for n, _ in linears)]
+    details = {"dtype": dtype, "route": route, "implementation": IMPLEMENTATION[route],
+               "activations": "dynamic per-row" if activations == "dynamic" else "static per-tensor",
+               "weights": "per output channel", "qmax": QMAX[dtype], "attention": "bf16 (not quantized)",
+               "layers": {**routes, **{n: f"kept bf16: {why}" for n, why in kept.items()}},
+               "counts": {route: len(routes), "kept": len(kept)}, "unmatched_keep": unmatched}
+    input_scales = None
+    if activations == "static" and routes:
+        batches = synthetic_calibration_batches(model, calibration_batches, calibration_batch, ctx.device)
+        input_scales = calibrate_input_scales(model, list(routes), batches, ctx, dtype, calibration, percentile)
+        details["calibration"] = {"method": calibration, "percentile": percentile if calibration == "percentile" else None,
+                                  "batches": calibration_batches, "batch": calibration_batch, "data": "synthetic",
+                                  "scales": {n: float(s) for n, s in input_scales.items()}}
+    quantize_model(model, routes, dtype, input_scales)
+    acts = "dynamic per-row" if activations == "dynamic" else f"static per-tensor ({calibration})"
+    changed = (f"{len(routes)} Linear layers {dtype} ({route}, {acts} activations, per-channel weights), "
+               f"{len(kept)} kept bf16")
+    if unmatched:
+        changed += f"; keep patterns matching nothing: {', '.join(unmatched)}"
+    params = {"dtype": dtype, "activations": activations, "keep": list(keep), "simulate": simulate}
+    if activations == "static":
+        params.update(calibration=calibration, calibration_batches=calibration_batches,
+                      calibration_batch=calibration_batch, **({"percentile": percentile} if calibration == "percentile" else {}))
+    return model, PassResult(NAME, params, changed, details)
+
