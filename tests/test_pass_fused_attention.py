@@ -187,9 +187,9 @@ def test_table_is_the_default_bias_mode_and_gather_is_recorded_as_a_choice():
     assert "gathered before the kernel" in result.changed
 
 
-def test_windows_above_max_tokens_run_pytorch_sdpa_and_the_plan_says_why():
-    """Window 12 (144 tokens) is routed to timm's SDPA path by default; max_tokens moves the line; either
-    route trains the same numbers as timm."""
+def test_window_12_runs_the_kernel_and_max_tokens_routes_it_to_sdpa_with_a_reason():
+    """Window 12 (144 tokens) runs the key-tiled kernel by default; max_tokens 64 routes it to timm's SDPA
+    path and each plan says why; either route trains the same numbers as timm."""
     from timm.models.swin_transformer import SwinTransformer
 
     def window12():
@@ -198,19 +198,20 @@ def test_windows_above_max_tokens_run_pytorch_sdpa_and_the_plan_says_why():
                                num_heads=(2, 4), num_classes=10, drop_path_rate=0.0).to(DEVICE)
 
     plain = window12()
-    routed, result = fused_attention.apply(window12(), pass_ctx(DEVICE))
-    assert result.details["sdpa_routed"] == 4 and result.details["patched_modules"] == 0
-    assert "4 with 144-token windows on PyTorch's SDPA (above max_tokens 64)" in result.changed
+    kernel, result = fused_attention.apply(window12(), pass_ctx(DEVICE))
+    assert result.details["patched_modules"] == 4 and result.details["sdpa_routed"] == 0
+    assert result.params == {} and result.details["max_tokens"] == 256
+
+    routed, forced = fused_attention.apply(window12(), pass_ctx(DEVICE), max_tokens=64)
+    assert forced.details["sdpa_routed"] == 4 and forced.details["patched_modules"] == 0
+    assert forced.params == {"max_tokens": 64}
+    assert "4 with 144-token windows on PyTorch's SDPA (above max_tokens 64)" in forced.changed
     assert all(m.fused_attn for m in routed.modules() if type(m).__name__ == "WindowAttention")
     from workbench.optimize.passes.block_plan import block_plans
 
     plans = block_plans(routed)
     described = [plans.plan(name).describe() for name in plans.plans]
-    assert len(described) == 4 and all("attention sdpa" in d and "above max_tokens 64" in d for d in described)
-
-    kernel, forced = fused_attention.apply(window12(), pass_ctx(DEVICE), max_tokens=144)
-    assert forced.details["patched_modules"] == 4 and forced.details["sdpa_routed"] == 0
-    assert forced.params == {"max_tokens": 144}
+    assert len(described) == 4 and all("attention sdpa" in d and "as the recipe asks" in d for d in described)
 
     images, labels = tiny_batch(plain, 2, DEVICE)
     plain_logits, plain_grads = train_step(plain, images, labels)
@@ -221,8 +222,24 @@ def test_windows_above_max_tokens_run_pytorch_sdpa_and_the_plan_says_why():
             assert rel_err(grads[name], plain_grads[name]) < 1e-4, name
 
 
+def test_windows_larger_than_the_kernels_take_run_sdpa_and_say_why():
+    """A window of 17 x 17 = 289 tokens is past the kernels' 256: SDPA, whatever the recipe asks."""
+    from timm.models.swin_transformer import SwinTransformer
+
+    torch.manual_seed(0)
+    model = SwinTransformer(img_size=68, patch_size=4, window_size=17, embed_dim=16, depths=(2,),
+                            num_heads=(2,), num_classes=10, drop_path_rate=0.0).to(DEVICE)
+    routed, result = fused_attention.apply(model, pass_ctx(DEVICE))
+    assert result.details["sdpa_routed"] == 2 and result.details["patched_modules"] == 0
+    from workbench.optimize.passes.block_plan import block_plans
+
+    plans = block_plans(routed)
+    assert all("the kernels take at most 256" in plans.plan(name).describe() for name in plans.plans)
+
+
 def test_max_tokens_must_be_a_whole_number():
     from workbench.errors import UserError
 
-    with pytest.raises(UserError, match="max_tokens must be a whole number"):
-        fused_attention.apply(build_model(TINY_MODEL), pass_ctx(DEVICE), max_tokens=0)
+    for bad in (0, 257, 2.5, True):
+        with pytest.raises(UserError, match="max_tokens must be a whole number from 1 to 256"):
+            fused_attention.apply(build_model(TINY_MODEL), pass_ctx(DEVICE), max_tokens=bad)

@@ -9,12 +9,11 @@ index's inverse. Blocks whose attention has a non-zero attn_drop keep timm's pat
 dropout) and are counted; the plan says why.
 
 Route per shape: windows of up to 64 tokens (window 7: 49) run the kernel that holds a window's keys in
-one tile, which beats PyTorch's SDPA there. The one-tile kernel lost to SDPA at window 12 (144 tokens in a
-256-key tile: the backward alone took 57% of a Swin step's GPU time on an H200); larger windows now have
-a key-tiled kernel (keys in blocks of 64), which is not yet measured against SDPA. Until it is, blocks whose
-windows hold more than `max_tokens` tokens (default 64) run timm's F.scaled_dot_product_attention path,
-each plan says why, and the pass result counts them; `max_tokens: 256` in a recipe sends them to the
-kernel.
+one tile; windows of 65 to 256 tokens (window 12: 144) run its key-tiled path (keys in blocks of 64).
+Both beat PyTorch's SDPA at their shapes on an H200 (docs/kernels.md has the figures). Windows above
+`max_tokens` tokens (default and largest: 256, what the kernels take; SwinV2's window 24 holds 576) run
+timm's F.scaled_dot_product_attention path instead, each plan says why, and the pass result counts them;
+a smaller `max_tokens` in a recipe moves the line (`max_tokens: 64` keeps window 12 on SDPA).
 """
 from __future__ import annotations
 
@@ -28,7 +27,8 @@ from workbench.optimize.passes.block_plan import BIAS_MODES, block_plans
 NAME = "fused_attention"
 OWN_KERNELS = True   # runs swinbench kernels: a stage with it is not PyTorch alone
 PARAMS = {"bias": (str, BIAS_MODES), "max_tokens": (int, None)}   # parameter -> (type, allowed values)
-MAX_TOKENS = 64      # the largest window (tokens) the kernel takes by default: one 64-key tile
+KERNEL_MAX_TOKENS = 256   # the largest window (tokens) the kernels take: four 64-key blocks
+MAX_TOKENS = KERNEL_MAX_TOKENS   # default: every window the kernels take runs on them
 
 
 def _reads_timm_table(attn: torch.nn.Module) -> bool:
@@ -59,8 +59,9 @@ def apply(model: torch.nn.Module, ctx: PassContext, bias: str = "table",
     block than 'gather'); 'gather' gathers the (nH, N, N) bias from the table in one launch before the
     kernel. A module with its own bias computation (a subclass overriding _get_rel_pos_bias) gets
     'gather'. max_tokens: blocks with larger windows run timm's SDPA path (the module docstring says why)."""
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise UserError(f"pass fused_attention: max_tokens must be a whole number >= 1, not {max_tokens!r}")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= KERNEL_MAX_TOKENS:
+        raise UserError(f"pass fused_attention: max_tokens must be a whole number from 1 to {KERNEL_MAX_TOKENS} "
+                        f"(the kernels' largest window), not {max_tokens!r}")
     if bias not in BIAS_MODES:
         raise UserError(f"pass fused_attention: bias must be one of {', '.join(sorted(BIAS_MODES))}, not {bias!r}")
     blocks = swin_blocks(model, ctx, "workbench.kernels.window_attention", "fused window attention kernel")
@@ -73,8 +74,9 @@ def apply(model: torch.nn.Module, ctx: PassContext, bias: str = "table",
             routed[tokens] = routed.get(tokens, 0) + 1
             plans.update(name, sdpa=True)
             plans.fall_back(name, "attention", f"{tokens} tokens per window, above max_tokens {max_tokens}: "
-                                               "PyTorch's SDPA runs (the kernel's key-tiled path for such windows "
-                                               "is not measured faster yet)")
+                                               + ("PyTorch's SDPA runs (the kernels take at most "
+                                                  f"{KERNEL_MAX_TOKENS})" if tokens > KERNEL_MAX_TOKENS
+                                                  else "PyTorch's SDPA runs, as the recipe asks"))
             continue
         if blk.attn.attn_drop.p > 0:
             skipped_dropout += 1  # the kernel has no attention dropout: keep timm's path
