@@ -44,6 +44,10 @@ def test_every_canonical_folder_in_reports_readme_exists_and_is_in_the_table():
             assert f"reports/{folder}records" in block, folder
         elif any(records.glob("*.jsonl")):        # a training comparison: its report is linked
             assert f"reports/{folder}report.md" in readme, folder
+        else:                                     # profiles: one folder per recipe, each with its findings
+            profiled = list((ROOT / "reports" / folder).glob("*/findings.csv"))
+            assert profiled, f"reports/{folder} holds neither records nor profiles"
+            assert f"reports/{folder.rstrip('/')}" in readme, folder
 
 
 def readme_with_markers(tmp_path, inside="old table"):
