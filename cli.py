@@ -219,34 +219,57 @@ def _analyze_ranks(folder: Path, name: str, top: int, format: Optional[str], out
 
 @app.command()
 def diff(
-    before: Annotated[Path, typer.Argument(help="The trace to compare against (.sqlite, .sqlite.xz, .nsys-rep or Kineto .json).")],
-    after: Annotated[Path, typer.Argument(help="The trace after the change.")],
+    before: Annotated[Path, typer.Argument(help="The trace to compare against (.sqlite, .sqlite.xz, .nsys-rep or Kineto .json), or a folder of rank<r>/ traces that `profile --nproc` wrote.")],
+    after: Annotated[Path, typer.Argument(help="The trace after the change, or a folder of rank<r>/ traces.")],
     name: Annotated[str, typer.Option(help=NAME_HELP)] = "short",
     top: Annotated[int, typer.Option(help="Kernel rows before the tail is folded into 'other'.")] = 15,
     format: Annotated[Optional[str], typer.Option("--format", help="Also write the tables as csv or json.")] = None,
-    out: Annotated[Optional[Path], typer.Option(help="Folder for --format output (default: beside AFTER).")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Folder for --format output (default: beside AFTER; for a rank folder, inside it).")] = None,
     range: Annotated[Optional[str], typer.Option("--range", help="Compare only kernels launched inside this NVTX range (e.g. backward), per instance of it; written tables carry it in their names.")] = None,
+    rank: Annotated[Optional[int], typer.Option(help="With rank folders: the rank whose kernels are compared (default: the slowest after the change). Also compares rank R of a folder with a single trace, or of two folders with different ranks.")] = None,
     overwrite: Overwrite = False,
 ):
-    """Compare two traces kernel by kernel, per step, largest change first.
+    """Compare two traces kernel by kernel, per step, largest change first (two rank folders: rank by rank).
 
     GPU ms and launches per step for every kernel and category on both sides and the change, and the
     step's kernel time, kernel count, host launches and GPU busy (for two CPU captures: CPU operators,
-    op time and CPU busy)."""
+    op time and CPU busy). Two folders of `profile --nproc` ranks: each rank's step time, kernel and
+    communication time and GPU busy, before and after, then the kernels of the slowest rank."""
     from workbench.analysis.analyze import analyze_trace
     from workbench.analysis.diff import diff_analyses, diff_tables, render_diff, write_diff
+    from workbench.analysis.rank_diff import diff_plan
 
     _check_name_style(name)
     _check_top(top)
     if format is not None:
         _check_format(format)
-        _call(diff_tables(out or after.parent, format, before, after, range).check, overwrite)
-    a = _call(analyze_trace, before, name_style=name, range_name=range)
-    b = _call(analyze_trace, after, name_style=name, range_name=range)
-    result = _call(diff_analyses, a, b, str(before), str(after))
+    plan = _call(diff_plan, before, after, rank)
+    if plan.ranks is not None:
+        return _diff_ranks(plan, before, after, name, top, format, out, range, overwrite)
+    if format is not None:
+        _call(diff_tables(out or after.parent, format, plan.before_trace, plan.after_trace, range).check, overwrite)
+    a = _call(analyze_trace, plan.before_trace, name_style=name, range_name=range)
+    b = _call(analyze_trace, plan.after_trace, name_style=name, range_name=range)
+    result = _call(diff_analyses, a, b, str(plan.before_trace), str(plan.after_trace))
+    result.notes[:0] = plan.notes
     render_diff(result, console, top=top)
     if format:
         for f in _call(write_diff, result, out or after.parent, format, overwrite=overwrite, on_note=_note):
+            console.print(f"wrote {f}")
+
+
+def _diff_ranks(plan, before: Path, after: Path, name: str, top: int, format: Optional[str], out: Optional[Path],
+                range: Optional[str], overwrite: bool) -> None:
+    """diff FOLDER FOLDER: two `profile --nproc` captures rank by rank (analysis.rank_diff)."""
+    from workbench.analysis.rank_diff import diff_ranks, rank_diff_tables, render_rank_diff, write_rank_diff
+
+    out = out or after
+    if format is not None:
+        _call(rank_diff_tables(out, format, before, after, range).check, overwrite)
+    result = _call(diff_ranks, plan, str(before), str(after), name_style=name, range_name=range)
+    render_rank_diff(result, console, top=top)
+    if format:
+        for f in _call(write_rank_diff, result, out, format, range_name=range, overwrite=overwrite, on_note=_note):
             console.print(f"wrote {f}")
 
 
