@@ -17,6 +17,11 @@ not a number, is refused there), matches stages by name and checks, per stage:
                              in alternation, so a host's drift between stages does not move it; noise band
                              from the ratio's quartiles; compared only against the same ancestor
     share:<category> kernel category share (profile.category_share_pct), drift in percentage points
+    dp_img_per_s     higher is better   `apply --nproc N` (record.scaling): the global batch over the
+                     slowest rank's median step, all N ranks together
+    dp_step_ms       lower is better    that slowest rank's median step
+    dp_efficiency    higher is better   dp_img_per_s / (N x the stage's one-process img/s)
+    dp_gate          the gate over the global batch on every rank; turning FAIL is a regression
     gate             correctness gate; turning FAIL (from PASS, SKIP or REFERENCE) is a regression
     activation_dtypes  the dtype each part of the model outputs under the stage's precision (records from
                      `apply`); any change is REGRESSED, as a different kernel mix is for the shares: a
@@ -71,7 +76,11 @@ REGRESSION_STATUSES = ("REGRESSED", "FAIL gate")
 
 # metric -> +1 when higher is better, -1 when lower is better
 PCT_METRICS = {"img_per_s": +1, "step_ms": -1, "graph_ms": -1, "peak_mem_bytes": -1, "speedup": +1,
-               "launches_per_step": -1, "blocking_calls_per_step": -1, "paired_speedup": +1}
+               "launches_per_step": -1, "blocking_calls_per_step": -1, "paired_speedup": +1,
+               "dp_img_per_s": +1, "dp_step_ms": -1, "dp_efficiency": +1}
+# the data-parallel figures of `apply --nproc N` (record.scaling), compared by _scaling_rows
+DP_PREFIX = "dp_"
+DP_METRICS = tuple(m for m in PCT_METRICS if m.startswith(DP_PREFIX))
 TIMED_METRICS = ("img_per_s", "step_ms", "graph_ms", "speedup")
 SHARE_PREFIX = "share:"
 BASELINE_STAGE = "baseline"
@@ -244,6 +253,10 @@ class _Stage:
         """The value of a PCT_METRICS metric, None when the record does not have it."""
         if name in ("img_per_s", "step_ms", "peak_mem_bytes"):
             return getattr(self.record, name)
+        if name.startswith(DP_PREFIX):
+            scaling = self.record.scaling
+            ok = scaling is not None and scaling.status == "ok"
+            return getattr(scaling, name[len(DP_PREFIX):]) if ok else None
         if name == "graph_ms":
             graph = self.record.graph
             # a stage whose own step is a graph has the same figure as step_ms: compared once, there
@@ -324,6 +337,7 @@ def _check_settings(base: dict, cur: dict, force: bool, notes: list[str]) -> Non
                                     f"(current); pass --force to compare anyway")
                 notes.append(f"compared across different {plural} with --force: {bv[0]} (baseline) vs "
                              f"{cv[0]} (current); deltas mix both changes")
+    _check_world_size(base, cur, force, notes)
     for stage in base.keys() & cur.keys():
         bp, cp = base[stage].record.precision, cur[stage].record.precision
         if bp != cp:
@@ -335,6 +349,41 @@ def _check_settings(base: dict, cur: dict, force: bool, notes: list[str]) -> Non
         bv, cv = _values(base.values(), key, True), _values(cur.values(), key, True)
         if set(map(str, bv)) != set(map(str, cv)):
             notes.append(f"{label} differs: {', '.join(map(str, bv))} (baseline) vs {', '.join(map(str, cv))} (current)")
+
+
+def _world_sizes(stages) -> list[int]:
+    """The distinct data-parallel world sizes of the records' `apply --nproc` results, in record order."""
+    out: list[int] = []
+    for entry in stages:
+        scaling = entry.record.scaling
+        if scaling is not None and scaling.world_size not in out:
+            out.append(scaling.world_size)
+    return out
+
+
+def _check_world_size(base: dict, cur: dict, force: bool, notes: list[str]) -> None:
+    """Data-parallel figures compare only at one world size, the same on both sides, unless `force`."""
+    bw, cw = _world_sizes(base.values()), _world_sizes(cur.values())
+    for side, sizes in (("baseline", bw), ("current", cw)):
+        if len(sizes) > 1:
+            problem = f"{side} records mix data-parallel world sizes: {', '.join(map(str, sizes))}"
+            if not force:
+                raise UserError(f"{problem}; pass --force to compare anyway")
+            notes.append(f"compared with --force although {problem}")
+    if bw and cw and set(bw) != set(cw):
+        both = f"{', '.join(map(str, bw))} ranks (baseline) vs {', '.join(map(str, cw))} (current)"
+        if not force:
+            raise UserError(f"baseline and current differ in data-parallel world size: {both}; pass --force to "
+                            "compare anyway")
+        notes.append(f"data-parallel figures compared across world sizes with --force: {both}; img/s and step "
+                     "times of different world sizes differ by design, efficiency is the comparable figure")
+    elif bw and cw:
+        notes.append(f"dp_* rows: the stages again data parallel over {bw[0]} ranks (`apply --nproc {bw[0]}`), "
+                     "on both sides")
+    elif bw or cw:
+        side, other = ("baseline", "current") if bw else ("current", "baseline")
+        notes.append(f"only the {side} records hold data-parallel results (`apply --nproc {(bw or cw)[0]}`): "
+                     f"the {other} ran without --nproc, so none are compared")
 
 
 # ---------------------------------------------------------------- comparison
@@ -448,7 +497,7 @@ def _stage_rows(stage: str, bs: _Stage | None, cs: _Stage | None, th: Thresholds
         return [_row(stage, "stage", b.status, c.status, None, None, None, status, unit="")]
     rows = []
     for metric in PCT_METRICS:
-        row = _pct_row(stage, metric, bs, cs, th)
+        row = None if metric in DP_METRICS else _pct_row(stage, metric, bs, cs, th)
         if row is not None:
             rows.append(row)
     rows += _share_rows(stage, b, c, th)
@@ -456,7 +505,41 @@ def _stage_rows(stage: str, bs: _Stage | None, cs: _Stage | None, th: Thresholds
     dtypes = _dtype_row(stage, b, c, notes)
     if dtypes is not None:
         rows.append(dtypes)
-    return rows
+    return rows + _scaling_rows(stage, bs, cs, th, notes)
+
+
+def _scaling_rows(stage: str, bs: _Stage, cs: _Stage, th: Thresholds, notes: list[str]) -> list[dict]:
+    """The stage's `apply --nproc` figures (DP_METRICS and the gate on every rank) when both records hold
+    them; one `dp` row when one side has none or either did not run ('error' after 'ok' is REGRESSED)."""
+    b, c = bs.record.scaling, cs.record.scaling
+    if b is None and c is None:
+        return []
+    if b is None or c is None:
+        return [_row(stage, "dp", b and f"{b.world_size} ranks", c and f"{c.world_size} ranks", None, None, None,
+                     "only in baseline" if c is None else "only in current", unit="")]
+    if b.status != "ok" or c.status != "ok":
+        for side, s in (("baseline", b), ("current", c)):
+            if s.status != "ok":
+                notes.append(f"stage '{stage}': data parallel '{s.status}' in {side}"
+                             + (f": {s.reason}" if s.reason else ""))
+        status = "REGRESSED" if (b.status == "ok" and c.status == "error") else "not compared"
+        return [_row(stage, "dp", b.status, c.status, None, None, None, status, unit="")]
+    rows = [row for row in (_pct_row(stage, m, bs, cs, th) for m in DP_METRICS) if row is not None]
+    if any(r["status"] == "REGRESSED" for r in rows):
+        def per_rank(s) -> str:
+            slowest = max(range(len(s.step_ms_per_rank)), key=s.step_ms_per_rank.__getitem__)
+            return f"{' / '.join(f'{ms:.2f}' for ms in s.step_ms_per_rank)} ms (slowest: rank {slowest})"
+
+        notes.append(f"stage '{stage}': median step per rank {per_rank(b)} (baseline) -> {per_rank(c)} (current)")
+    bg, cg = b.gate.get("status"), c.gate.get("status")
+    status = "FAIL gate" if cg == "FAIL" and bg != "FAIL" else ("improved" if bg == "FAIL" and cg != "FAIL"
+                                                                 else "unchanged")
+    if status == "FAIL gate":
+        ranks = c.gate.get("ranks") or []
+        notes.append(f"stage '{stage}': data-parallel gate {bg} -> FAIL"
+                     + (f" (by rank: {', '.join(ranks)})" if ranks else "")
+                     + (f" ({c.gate['reason']})" if c.gate.get("reason") else ""))
+    return rows + [_row(stage, "dp_gate", bg, cg, None, None, None, status, unit="")]
 
 
 def _summary(rows: pd.DataFrame, regressed: bool) -> str:
@@ -524,7 +607,9 @@ def _kernel_changes(frame: pd.DataFrame, base: dict, cur: dict) -> dict:
     from workbench.analysis.diff import join_per_unit
 
     out = {}
-    for stage in frame.loc[frame["status"].isin(REGRESSION_STATUSES), "stage"].unique():
+    # the records' profiles are of the one-process stage: data-parallel rows do not point at them
+    one_process = ~frame["metric"].str.startswith("dp")
+    for stage in frame.loc[frame["status"].isin(REGRESSION_STATUSES) & one_process, "stage"].unique():
         fb, fc = _kernels(base.get(stage)), _kernels(cur.get(stage))
         if fb is not None and fc is not None:
             out[str(stage)] = join_per_unit(fb, fc, "kernel").head(KERNEL_CHANGE_ROWS)
@@ -553,10 +638,12 @@ def _fmt_value(metric: str, value) -> str:
         return "—"
     if isinstance(value, str):
         return value
-    if metric == "img_per_s":
+    if metric in ("img_per_s", "dp_img_per_s"):
         return f"{value:,.1f}"
-    if metric == "step_ms":
+    if metric in ("step_ms", "dp_step_ms"):
         return f"{value:.2f} ms"
+    if metric == "dp_efficiency":
+        return f"{value:.3f}"
     if metric == "peak_mem_bytes":
         return f"{value / 2**30:.2f} GiB"
     if metric in ("speedup", "paired_speedup") or metric.startswith("paired_speedup"):
