@@ -7,6 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
@@ -18,9 +19,11 @@ BASELINE = Path(__file__).parent / "data" / "records" / "baseline"
 runner = CliRunner()
 
 
-def scaled(folder: Path, world: int = 2, slower: float = 1.0, *, rank_ms=None, gate="PASS", status="ok") -> Path:
+def scaled(folder: Path, world: int = 2, slower: float = 1.0, *, rank_ms=None, gate="PASS", status="ok",
+           iqr_rel: float | None = None) -> Path:
     """Give every record in `folder` the scaling result of `apply --nproc world`: each rank's median step is
-    the one-process step x 1.05 (x `slower`; `rank_ms` scales rank by rank), efficiency follows."""
+    the one-process step x 1.05 (x `slower`; `rank_ms` scales rank by rank), efficiency follows; iqr_rel:
+    each rank's IQR as a fraction of its median (None: no IQRs kept)."""
     for path in folder.glob("*.json"):
         rec = json.loads(path.read_text())
         factors = rank_ms or [1.0] * world
@@ -32,6 +35,8 @@ def scaled(folder: Path, world: int = 2, slower: float = 1.0, *, rank_ms=None, g
                           "reason": None if status == "ok" else "torchrun exited with 1",
                           "img_per_s": img if status == "ok" else None, "step_ms": step if status == "ok" else None,
                           "step_ms_per_rank": per_rank if status == "ok" else [],
+                          **({"step_iqr_ms_per_rank": [ms * iqr_rel for ms in per_rank]} if iqr_rel is not None
+                             else {}),
                           "efficiency": img / (world * rec["img_per_s"]) if status == "ok" else None,
                           "gate": {"status": gate, "reason": None, "ranks": [gate] * world, "metrics": {}},
                           "ddp": {"bucket_cap_mb": 25.0}}
@@ -71,6 +76,20 @@ def test_a_slower_rank_regresses_the_step_img_per_s_and_efficiency(tmp_path):
     assert row(result, "fmha", "step_ms")["status"] == "unchanged" and not result.kernel_changes
     assert "dp_step_ms +10.0%" in result.summary
     assert any("61.29 / 67.42 ms (slowest: rank 1) (current)" in n for n in result.notes)
+
+
+def test_the_slowest_ranks_iqr_makes_the_noise_band(tmp_path):
+    # both sides spread 10 %: band 0.5 x (10 + 10) = 10 %, so 8 % slower is noise
+    base = scaled(copy(tmp_path, "b"), iqr_rel=0.10)
+    cur = scaled(copy(tmp_path, "c"), slower=1.08, iqr_rel=0.10)
+    result = check_records(base, cur)
+    step = row(result, "fmha", "dp_step_ms")
+    assert step["noise_band_pct"] == pytest.approx(10.0) and step["status"] == "noise"
+    one_process = 2 * 0.3712 / 58.37   # the records' own IQR (0.3712 ms of 58.37) adds in for efficiency
+    assert row(result, "fmha", "dp_efficiency")["noise_band_pct"] == pytest.approx(10.0 + 50 * one_process)
+    assert result.exit_code == 0
+    # a record without per-rank IQRs gives no band
+    assert pd.isna(row(check_records(base, scaled(copy(tmp_path, "old"))), "fmha", "dp_step_ms")["noise_band_pct"])
 
 
 def test_thresholds_set_data_parallel_limits_per_stage(tmp_path):
@@ -128,3 +147,16 @@ def test_one_side_mixing_world_sizes_is_refused(tmp_path):
     path.write_text(json.dumps(rec))
     with pytest.raises(UserError, match="current records mix data-parallel world sizes"):
         check_records(base, [cur, scaled_one])
+
+
+def test_per_rank_iqrs_are_validated_and_kept(tmp_path):
+    from workbench.results.record import StageRecord
+
+    folder = scaled(copy(tmp_path, "b"), iqr_rel=0.01)
+    rec = json.loads(next(folder.glob("*.json")).read_text())
+    again = StageRecord.from_dict(StageRecord.from_dict(rec).to_dict())
+    assert len(again.scaling.step_iqr_ms_per_rank) == 2
+    for value, message in (([1.0], "holds 1 ranks"), ([-1.0, 1.0], "step_iqr_ms_per_rank")):
+        bad = {**rec, "scaling": {**rec["scaling"], "step_iqr_ms_per_rank": value}}
+        with pytest.raises(UserError, match=message):
+            StageRecord.from_dict(bad)

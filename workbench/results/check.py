@@ -21,6 +21,8 @@ not a number, is refused there), matches stages by name and checks, per stage:
                      slowest rank's median step, all N ranks together
     dp_step_ms       lower is better    that slowest rank's median step
     dp_efficiency    higher is better   dp_img_per_s / (N x the stage's one-process img/s)
+                     noise band of the three from the slowest rank's IQR (efficiency: plus the one-process
+                     IQR); none where a record kept no per-rank IQRs
     dp_gate          the gate over the global batch on every rank; turning FAIL is a regression
     gate             correctness gate; turning FAIL (from PASS, SKIP or REFERENCE) is a regression
     activation_dtypes  the dtype each part of the model outputs under the stage's precision (records from
@@ -273,6 +275,15 @@ def _relative_iqr(rec: StageRecord) -> float:
     return 0.0
 
 
+def _slowest_rank_rel_iqr(scaling) -> float | None:
+    """iqr / median of the slowest rank's step (the data-parallel step); None when the record kept no IQRs."""
+    if not scaling.step_iqr_ms_per_rank:
+        return None
+    medians = scaling.step_ms_per_rank
+    slowest = max(range(len(medians)), key=medians.__getitem__)
+    return scaling.step_iqr_ms_per_rank[slowest] / medians[slowest]
+
+
 def _derive(rec: StageRecord, base: StageRecord | None) -> _Stage:
     """`rec` with its speedup over `base` (its run's 'baseline' stage), host calls and paired speedup."""
     if not rec.ok:
@@ -426,6 +437,12 @@ def _pct_row(stage: str, metric: str, b: _Stage, c: _Stage, th: Thresholds) -> d
         else:
             spread = _relative_iqr(b.record) + _relative_iqr(c.record)
         band = th.noise_iqr_scale * 100.0 * spread
+    if metric in DP_METRICS:
+        spreads = [_slowest_rank_rel_iqr(side.record.scaling) for side in (b, c)]
+        if None not in spreads:
+            if metric == "dp_efficiency":   # over the one-process img/s: that spread adds in
+                spreads += [_relative_iqr(b.record), _relative_iqr(c.record)]
+            band = th.noise_iqr_scale * 100.0 * sum(spreads)
     if bv == 0:
         delta = 0.0 if cv == 0 else math.copysign(math.inf, cv)
     else:
