@@ -211,7 +211,7 @@ def render_rank_diff(diff: RankDiff, console: Console, top: int = 15) -> None:
     console.print(t)
     console.print(_summary_change(*diff.summaries, cpu=diff.cpu), highlight=False)
     why = {"slowest after": "the slowest rank after the change (longest median step): a DDP step waits for it, and "
-                            "a faster rank's NCCL kernels include its wait for that rank",
+                            "a faster rank's communication includes its wait for that rank",
            "asked": "chosen with --rank",
            "first": "the first rank (no step ranges to find the slowest)"}[diff.chosen]
     console.print(f"[bold]Kernel tables: rank {diff.rank}[/], {why}; --rank R shows another.", highlight=False)
