@@ -452,7 +452,7 @@ def check(
     max_regression: Annotated[str, typer.Option(help="Default allowed change per metric in percent, e.g. 5 or 5%.")] = "5",
     max_share_drift: Annotated[float, typer.Option(help="Allowed drift of a kernel category's share, in percentage points.")] = 2.0,
     thresholds: Annotated[Optional[Path], typer.Option(help="YAML with per-stage, per-metric limits (see docs/check.md).")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Compare records of different GPUs, versions, models or batches anyway (noted in the output).")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Compare records of different GPUs, versions, models, batches or data-parallel world sizes anyway (noted in the output).")] = False,
     format: Annotated[str, typer.Option("--format", help="md (Markdown table) | json.")] = "md",
     out: Annotated[Optional[Path], typer.Option("--out", "--output", help="Write the table to this file as well as stdout (--output is the same option).")] = None,
 ):

@@ -100,7 +100,7 @@ def diff_plan(before: Path, after: Path, rank: int | None = None) -> DiffPlan:
                     _pick(a, rank, "AFTER", after) if a is not None else after, rank=rank)
     if b is not None and a is not None:
         plan.notes.append(f"rank {rank} of each: BEFORE holds {_names(b)}, AFTER {_names(a)}; with another world "
-                          "size the communication (and the share of the global batch) differs")
+                          "size a rank's communication differs")
     else:
         plan.notes.append(f"the single trace against rank {rank} of the "
                           f"{'BEFORE' if b is not None else 'AFTER'} folder of {_names(b or a)}: a data-parallel "

@@ -48,8 +48,9 @@ different kernel mix means the baseline should be refreshed on purpose.
 
 Stages on one side only are listed ("only in baseline" / "only in current") and do not fail. Records
 whose status is not 'ok' are listed ("not compared"), except a stage that was 'ok' in the baseline
-and is 'error' now: that is REGRESSED (the stage no longer runs). Model, mode, batch, precision, GPU
-and torch/triton versions must match unless `force`; with `force` the difference becomes a note.
+and is 'error' now: that is REGRESSED (the stage no longer runs). Model, mode, batch, precision, GPU,
+torch/triton versions and the data-parallel world size must match unless `force`; with `force` the
+difference becomes a note.
 A stage held by several records on one side (several runs) is taken from the newest (env.date).
 
 Everything returns plain data: `check_records` -> `CheckResult` (a DataFrame of rows plus verdict),
