@@ -246,15 +246,16 @@ def diff(
     plan = _call(diff_plan, before, after, rank)
     if plan.ranks is not None:
         return _diff_ranks(plan, before, after, name, top, format, out, range, overwrite)
+    out = out or (after if _is_folder(after) else after.parent)
     if format is not None:
-        _call(diff_tables(out or after.parent, format, plan.before_trace, plan.after_trace, range).check, overwrite)
+        _call(diff_tables(out, format, plan.before_trace, plan.after_trace, range).check, overwrite)
     a = _call(analyze_trace, plan.before_trace, name_style=name, range_name=range)
     b = _call(analyze_trace, plan.after_trace, name_style=name, range_name=range)
     result = _call(diff_analyses, a, b, str(plan.before_trace), str(plan.after_trace))
     result.notes[:0] = plan.notes
     render_diff(result, console, top=top)
     if format:
-        for f in _call(write_diff, result, out or after.parent, format, overwrite=overwrite, on_note=_note):
+        for f in _call(write_diff, result, out, format, overwrite=overwrite, on_note=_note):
             console.print(f"wrote {f}")
 
 

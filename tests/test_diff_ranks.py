@@ -79,9 +79,11 @@ def test_a_single_trace_against_one_rank_needs_rank(runs):
     one = before / "rank0" / "trace.json"
     refused = runner.invoke(app, ["diff", str(one), str(after)])
     assert refused.exit_code == 2 and "--rank R compares the trace with rank R of AFTER" in refused.output
-    result = runner.invoke(app, ["diff", str(one), str(after), "--rank", "1"])
+    result = runner.invoke(app, ["diff", str(one), str(after), "--rank", "1", "--format", "json"])
     assert result.exit_code == 0, result.output
     assert "rank 1 of the AFTER folder of 2 ranks" in result.output and "rank1" in result.output
+    doc = json.loads((after / "diff.json").read_text())     # inside the AFTER folder, as for two folders
+    assert doc["after_trace"] == "rank1/trace.json" and "rank 1 of the AFTER folder" in doc["notes"][0]
 
 
 def test_different_world_sizes_are_refused_unless_one_rank_is_asked(runs, tmp_path):
