@@ -267,7 +267,9 @@ def _diff_ranks(plan, before: Path, after: Path, name: str, top: int, format: Op
     out = out or after
     if format is not None:
         _call(rank_diff_tables(out, format, before, after, range).check, overwrite)
-    result = _call(diff_ranks, plan, str(before), str(after), name_style=name, range_name=range)
+    with console.status("reading the ranks") as status:   # drawn on a terminal only
+        result = _call(diff_ranks, plan, str(before), str(after), name_style=name, range_name=range,
+                       on_rank=lambda i, n, r: status.update(f"reading rank {r} ({i + 1} of {n}), before and after"))
     render_rank_diff(result, console, top=top)
     if format:
         for f in _call(write_rank_diff, result, out, format, range_name=range, overwrite=overwrite, on_note=_note):

@@ -136,11 +136,14 @@ def rank_diff_frame(before: pd.DataFrame, after: pd.DataFrame) -> pd.DataFrame:
 
 
 def diff_ranks(plan: DiffPlan, before_label: str, after_label: str, *, name_style: str = "short",
-               range_name: str | None = None) -> RankDiff:
+               range_name: str | None = None, on_rank=None) -> RankDiff:
     """Every rank of `plan.ranks` analyzed on both sides (each trace parsed once; only the tables are kept),
-    the ranks table of each side compared rank by rank, and one rank's kernels (see the module doc)."""
+    the ranks table of each side compared rank by rank, and one rank's kernels (see the module doc).
+    on_rank(i, n, rank) hears that the i-th of n ranks is being read."""
     rows_b, rows_a, kept, cpu = [], [], {}, False
-    for rank, trace_b, trace_a in plan.ranks:
+    for i, (rank, trace_b, trace_a) in enumerate(plan.ranks):
+        if on_rank is not None:
+            on_rank(i, len(plan.ranks), rank)
         pair = []
         for trace, rows in ((trace_b, rows_b), (trace_a, rows_a)):
             analysis = analyze_trace(trace, name_style=name_style, range_name=range_name)
