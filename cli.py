@@ -308,7 +308,7 @@ def apply(
 
     from workbench.ladder.reuse import default_cache_dir
 
-    limit = _check_inputs_before_apply(check_against, thresholds, max_regression)
+    limit = _check_inputs_before_apply(check_against, thresholds, max_regression, nproc, force)
     if quick:
         steps, warmup, peers = min(steps, 10), min(warmup, 3), False if peers is None else peers
     result = _call(run_apply, recipe, model=model, batch=batch, steps=steps, warmup=warmup, device=device,
@@ -319,18 +319,17 @@ def apply(
         _run_check([check_against], [result.records_dir], limit, 2.0, thresholds, force, "md")
 
 
-def _check_inputs_before_apply(check_against, thresholds, max_regression) -> float:
+def _check_inputs_before_apply(check_against, thresholds, max_regression, nproc=None, force=False) -> float:
     """apply's --check-against, --thresholds and --max-regression, validated before any stage runs (a typo
-    there must not cost a run) -> the percentage."""
+    there, or a baseline of another --nproc, must not cost a run) -> the percentage."""
     limit = _percent(max_regression)
     if check_against is None:
         if thresholds is not None:
             raise _fail(UserError("--thresholds is read with --check-against; give both or neither"), 2)
         return limit
-    from workbench.results.check import load_thresholds
-    from workbench.results.record import read_records
+    from workbench.results.check import check_planned_world_size, load_thresholds
 
-    _call(read_records, [check_against])
+    _call(check_planned_world_size, [check_against], nproc, force)
     _call(load_thresholds, thresholds, max_regression_pct=limit)
     return limit
 

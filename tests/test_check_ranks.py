@@ -160,3 +160,16 @@ def test_per_rank_iqrs_are_validated_and_kept(tmp_path):
         bad = {**rec, "scaling": {**rec["scaling"], "step_iqr_ms_per_rank": value}}
         with pytest.raises(UserError, match=message):
             StageRecord.from_dict(bad)
+
+
+def test_apply_against_a_baseline_of_another_world_size_is_refused_before_it_runs(tmp_path, monkeypatch):
+    import workbench.ladder.apply as apply_module
+
+    ran = []
+    monkeypatch.setattr(apply_module, "run_apply", lambda *a, **k: ran.append(a))
+    base = scaled(copy(tmp_path, "b"), world=2)
+    args = ["apply", "--stages", "baseline", "--device", "cpu", "--out", str(tmp_path / "run"), "--check-against",
+            str(base), "--nproc"]
+    result = runner.invoke(app, [*args, "4"])
+    assert result.exit_code == 2 and "of 2 ranks and this run has --nproc 4" in result.output and not ran
+    assert len(result.output.strip().splitlines()) == 1

@@ -373,6 +373,17 @@ def _world_sizes(stages) -> list[int]:
     return out
 
 
+def check_planned_world_size(baseline_paths, nproc: int | None, force: bool = False) -> None:
+    """Before `apply --nproc N --check-against BASELINE` runs: UserError (one line) when the baseline's
+    data-parallel results are of another world size, which the check at the end would refuse, unless
+    `force`. Reads (and so validates) the baseline records."""
+    sizes = _world_sizes(_Stage(r) for r in read_records(baseline_paths))
+    if nproc and sizes and sizes != [nproc] and not force:
+        raise UserError(f"the baseline's data-parallel results are of {', '.join(map(str, sizes))} ranks and this "
+                        f"run has --nproc {nproc}: the check would refuse them; use --nproc {sizes[0]}, or pass "
+                        "--force to compare anyway")
+
+
 def _check_world_size(base: dict, cur: dict, force: bool, notes: list[str]) -> None:
     """Data-parallel figures compare only at one world size, the same on both sides, unless `force`."""
     bw, cw = _world_sizes(base.values()), _world_sizes(cur.values())
