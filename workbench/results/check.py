@@ -276,13 +276,18 @@ def _relative_iqr(rec: StageRecord) -> float:
     return 0.0
 
 
+def _slowest_rank(scaling) -> int:
+    """The rank with the longest median step: the one every data-parallel step waits for."""
+    medians = scaling.step_ms_per_rank
+    return max(range(len(medians)), key=medians.__getitem__)
+
+
 def _slowest_rank_rel_iqr(scaling) -> float | None:
     """iqr / median of the slowest rank's step (the data-parallel step); None when the record kept no IQRs."""
     if not scaling.step_iqr_ms_per_rank:
         return None
-    medians = scaling.step_ms_per_rank
-    slowest = max(range(len(medians)), key=medians.__getitem__)
-    return scaling.step_iqr_ms_per_rank[slowest] / medians[slowest]
+    slowest = _slowest_rank(scaling)
+    return scaling.step_iqr_ms_per_rank[slowest] / scaling.step_ms_per_rank[slowest]
 
 
 def _derive(rec: StageRecord, base: StageRecord | None) -> _Stage:
@@ -526,7 +531,7 @@ def _stage_rows(stage: str, bs: _Stage | None, cs: _Stage | None, th: Thresholds
         return [_row(stage, "stage", b.status, c.status, None, None, None, status, unit="")]
     rows = []
     for metric in PCT_METRICS:
-        row = None if metric in DP_METRICS else _pct_row(stage, metric, bs, cs, th)
+        row = _pct_row(stage, metric, bs, cs, th) if metric not in DP_METRICS else None
         if row is not None:
             rows.append(row)
     rows += _share_rows(stage, b, c, th)
@@ -556,8 +561,7 @@ def _scaling_rows(stage: str, bs: _Stage, cs: _Stage, th: Thresholds, notes: lis
     rows = [row for row in (_pct_row(stage, m, bs, cs, th) for m in DP_METRICS) if row is not None]
     if any(r["status"] == "REGRESSED" for r in rows):
         def per_rank(s) -> str:
-            slowest = max(range(len(s.step_ms_per_rank)), key=s.step_ms_per_rank.__getitem__)
-            return f"{' / '.join(f'{ms:.2f}' for ms in s.step_ms_per_rank)} ms (slowest: rank {slowest})"
+            return f"{' / '.join(f'{ms:.2f}' for ms in s.step_ms_per_rank)} ms (slowest: rank {_slowest_rank(s)})"
 
         notes.append(f"stage '{stage}': median step per rank {per_rank(b)} (baseline) -> {per_rank(c)} (current)")
     bg, cg = b.gate.get("status"), c.gate.get("status")
