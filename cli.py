@@ -219,34 +219,60 @@ def _analyze_ranks(folder: Path, name: str, top: int, format: Optional[str], out
 
 @app.command()
 def diff(
-    before: Annotated[Path, typer.Argument(help="The trace to compare against (.sqlite, .sqlite.xz, .nsys-rep or Kineto .json).")],
-    after: Annotated[Path, typer.Argument(help="The trace after the change.")],
+    before: Annotated[Path, typer.Argument(help="The trace to compare against (.sqlite, .sqlite.xz, .nsys-rep or Kineto .json), or a folder of rank<r>/ traces that `profile --nproc` wrote.")],
+    after: Annotated[Path, typer.Argument(help="The trace after the change, or a folder of rank<r>/ traces.")],
     name: Annotated[str, typer.Option(help=NAME_HELP)] = "short",
     top: Annotated[int, typer.Option(help="Kernel rows before the tail is folded into 'other'.")] = 15,
     format: Annotated[Optional[str], typer.Option("--format", help="Also write the tables as csv or json.")] = None,
-    out: Annotated[Optional[Path], typer.Option(help="Folder for --format output (default: beside AFTER).")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Folder for --format output (default: beside AFTER; for a rank folder, inside it).")] = None,
     range: Annotated[Optional[str], typer.Option("--range", help="Compare only kernels launched inside this NVTX range (e.g. backward), per instance of it; written tables carry it in their names.")] = None,
+    rank: Annotated[Optional[int], typer.Option(help="With rank folders: the rank whose kernels are compared (default: the slowest after the change). Also compares rank R of a folder with a single trace, or of two folders with different ranks.")] = None,
     overwrite: Overwrite = False,
 ):
-    """Compare two traces kernel by kernel, per step, largest change first.
+    """Compare two traces kernel by kernel, per step, largest change first (two rank folders: rank by rank).
 
     GPU ms and launches per step for every kernel and category on both sides and the change, and the
     step's kernel time, kernel count, host launches and GPU busy (for two CPU captures: CPU operators,
-    op time and CPU busy)."""
+    op time and CPU busy). Two folders of `profile --nproc` ranks: each rank's step time, kernel and
+    communication time and GPU busy, before and after, then the kernels of the slowest rank."""
     from workbench.analysis.analyze import analyze_trace
     from workbench.analysis.diff import diff_analyses, diff_tables, render_diff, write_diff
+    from workbench.analysis.rank_diff import diff_plan
 
     _check_name_style(name)
     _check_top(top)
     if format is not None:
         _check_format(format)
-        _call(diff_tables(out or after.parent, format, before, after, range).check, overwrite)
-    a = _call(analyze_trace, before, name_style=name, range_name=range)
-    b = _call(analyze_trace, after, name_style=name, range_name=range)
-    result = _call(diff_analyses, a, b, str(before), str(after))
+    plan = _call(diff_plan, before, after, rank)
+    if plan.ranks is not None:
+        return _diff_ranks(plan, before, after, name, top, format, out, range, overwrite)
+    out = out or (after if _is_folder(after) else after.parent)
+    if format is not None:
+        _call(diff_tables(out, format, plan.before_trace, plan.after_trace, range).check, overwrite)
+    a = _call(analyze_trace, plan.before_trace, name_style=name, range_name=range)
+    b = _call(analyze_trace, plan.after_trace, name_style=name, range_name=range)
+    result = _call(diff_analyses, a, b, str(plan.before_trace), str(plan.after_trace))
+    result.notes[:0] = plan.notes
     render_diff(result, console, top=top)
     if format:
-        for f in _call(write_diff, result, out or after.parent, format, overwrite=overwrite, on_note=_note):
+        for f in _call(write_diff, result, out, format, overwrite=overwrite, on_note=_note):
+            console.print(f"wrote {f}")
+
+
+def _diff_ranks(plan, before: Path, after: Path, name: str, top: int, format: Optional[str], out: Optional[Path],
+                range: Optional[str], overwrite: bool) -> None:
+    """diff FOLDER FOLDER: two `profile --nproc` captures rank by rank (analysis.rank_diff)."""
+    from workbench.analysis.rank_diff import diff_ranks, rank_diff_tables, render_rank_diff, write_rank_diff
+
+    out = out or after
+    if format is not None:
+        _call(rank_diff_tables(out, format, before, after, range).check, overwrite)
+    with console.status("reading the ranks") as status:   # drawn on a terminal only
+        result = _call(diff_ranks, plan, str(before), str(after), name_style=name, range_name=range,
+                       on_rank=lambda i, n, r: status.update(f"reading rank {r} ({i + 1} of {n}), before and after"))
+    render_rank_diff(result, console, top=top)
+    if format:
+        for f in _call(write_rank_diff, result, out, format, range_name=range, overwrite=overwrite, on_note=_note):
             console.print(f"wrote {f}")
 
 
@@ -282,7 +308,7 @@ def apply(
 
     from workbench.ladder.reuse import default_cache_dir
 
-    limit = _check_inputs_before_apply(check_against, thresholds, max_regression)
+    limit = _check_inputs_before_apply(check_against, thresholds, max_regression, nproc, force)
     if quick:
         steps, warmup, peers = min(steps, 10), min(warmup, 3), False if peers is None else peers
     result = _call(run_apply, recipe, model=model, batch=batch, steps=steps, warmup=warmup, device=device,
@@ -293,18 +319,17 @@ def apply(
         _run_check([check_against], [result.records_dir], limit, 2.0, thresholds, force, "md")
 
 
-def _check_inputs_before_apply(check_against, thresholds, max_regression) -> float:
+def _check_inputs_before_apply(check_against, thresholds, max_regression, nproc=None, force=False) -> float:
     """apply's --check-against, --thresholds and --max-regression, validated before any stage runs (a typo
-    there must not cost a run) -> the percentage."""
+    there, or a baseline of another --nproc, must not cost a run) -> the percentage."""
     limit = _percent(max_regression)
     if check_against is None:
         if thresholds is not None:
             raise _fail(UserError("--thresholds is read with --check-against; give both or neither"), 2)
         return limit
-    from workbench.results.check import load_thresholds
-    from workbench.results.record import read_records
+    from workbench.results.check import check_planned_world_size, load_thresholds
 
-    _call(read_records, [check_against])
+    _call(check_planned_world_size, [check_against], nproc, force)
     _call(load_thresholds, thresholds, max_regression_pct=limit)
     return limit
 
@@ -429,7 +454,7 @@ def check(
     max_regression: Annotated[str, typer.Option(help="Default allowed change per metric in percent, e.g. 5 or 5%.")] = "5",
     max_share_drift: Annotated[float, typer.Option(help="Allowed drift of a kernel category's share, in percentage points.")] = 2.0,
     thresholds: Annotated[Optional[Path], typer.Option(help="YAML with per-stage, per-metric limits (see docs/check.md).")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Compare records of different GPUs, versions, models or batches anyway (noted in the output).")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Compare records of different GPUs, versions, models, batches or data-parallel world sizes anyway (noted in the output).")] = False,
     format: Annotated[str, typer.Option("--format", help="md (Markdown table) | json.")] = "md",
     out: Annotated[Optional[Path], typer.Option("--out", "--output", help="Write the table to this file as well as stdout (--output is the same option).")] = None,
 ):

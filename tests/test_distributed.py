@@ -181,6 +181,7 @@ def test_apply_nproc_2_adds_a_scaling_record_gated_on_every_rank(tmp_path):
     s = record.scaling
     assert s.status == "ok" and s.world_size == 2 and s.batch_per_process == 4 and s.global_batch == 8
     assert s.backend == "gloo" and len(s.step_ms_per_rank) == 2 and s.step_ms == max(s.step_ms_per_rank)
+    assert len(s.step_iqr_ms_per_rank) == 2 and min(s.step_iqr_ms_per_rank) >= 0
     assert s.img_per_s == pytest.approx(8 / (s.step_ms / 1e3))
     assert s.efficiency == pytest.approx(s.img_per_s / (2 * record.img_per_s))
     # the baseline under DDP against one process over the global batch of 8: the same logits, loss, gradients
@@ -189,6 +190,9 @@ def test_apply_nproc_2_adds_a_scaling_record_gated_on_every_rank(tmp_path):
     assert metrics["logits"]["rel_l2"] <= 1e-6 and metrics["loss"]["abs_diff"] <= 1e-6
     assert all(g["rel_l2"] <= 1e-6 for g in metrics["grads"].values())
     assert "## Data parallel: 2 processes" in (out / "report.md").read_text()
+    # the run checked against itself: its data-parallel figures are compared too
+    check = CliRunner().invoke(app, ["check", "--baseline", str(out / "records"), "--current", str(out / "records")])
+    assert check.exit_code == 0 and "| baseline | dp_step_ms |" in check.output
 
 
 @pytest.mark.parametrize("args, message", [

@@ -55,3 +55,36 @@ def kineto_trace(path: Path, kernels, *, step=(0.5, 10.0)) -> Path:
                             "ts": 0.6 + 0.01 * i, "dur": 0.005, "args": {"correlation": i}}]
     path.write_text(json.dumps({"schemaVersion": 1, "traceEvents": events}))
     return path
+
+
+GEMM = "sm90_xmma_gemm_bf16_kernel"
+ALL_REDUCE = "ncclDevKernel_AllReduce_Sum_bf16_RING_LL"
+
+
+def rank_trace(path: Path, device: int, *, gemm_us: float, comm_us: float, hidden_us: float, step_us: float,
+               steps: int = 2) -> Path:
+    """One data-parallel rank's torch.profiler trace: `steps` ranges step0.. of `step_us` each, and in each a
+    GEMM of `gemm_us` from the step's start, then an all-reduce of `comm_us` that starts `hidden_us` before
+    the GEMM ends (so that much of it runs beside compute), both on GPU `device`, launched from thread 1."""
+    events = []
+    for s in range(steps):
+        t0 = 10.0 + s * step_us
+        events.append({"ph": "X", "cat": "user_annotation", "name": f"step{s}", "pid": 1, "tid": 1, "ts": t0,
+                       "dur": step_us})
+        for j, (name, ts, dur) in enumerate(((GEMM, t0 + 1, gemm_us), (ALL_REDUCE, t0 + 1 + gemm_us - hidden_us,
+                                                                        comm_us))):
+            corr = 2 * s + j
+            events += [{"ph": "X", "cat": "kernel", "name": name, "pid": device, "tid": 7 + j, "ts": ts, "dur": dur,
+                        "args": {"device": device, "stream": 7 + j, "correlation": corr}},
+                       {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1,
+                        "ts": t0 + 0.1 + 0.01 * j, "dur": 0.005, "args": {"correlation": corr}}]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"schemaVersion": 1, "traceEvents": events}))
+    return path
+
+
+def rank_folder(folder: Path, ranks: list[dict]) -> Path:
+    """A `profile --nproc` output folder: rank<r>/trace.json of rank_trace(**ranks[r]) on GPU r."""
+    for r, kwargs in enumerate(ranks):
+        rank_trace(folder / f"rank{r}" / "trace.json", r, **kwargs)
+    return folder

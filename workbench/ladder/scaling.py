@@ -15,11 +15,11 @@ to the order of the sums). The stage's one forward + backward under DDP is combi
 already averaged its gradients), and each rank compares it with the stage's tolerance (the baseline's
 too: its reference here is one process over the global batch); the record keeps every rank's verdict.
 
-Timing: `warmup` + `steps` training steps per rank (`time_steps`); a step waits for the all-reduce, so the
-slowest rank's median is the step time, img/s = N x B / that, and efficiency = img/s / (N x the stage's
-one-process img/s at batch B). Stages that replay CUDA graphs, and passes not available here, are 'not
-run', with the reason. A rank that fails takes the group down (torchrun stops the others): the stage's
-scaling is then an 'error' naming the log.
+Timing: `warmup` + `steps` training steps per rank (`time_steps`; each rank's median and IQR are kept); a
+step waits for the all-reduce, so the slowest rank's median is the step time, img/s = N x B / that, and
+efficiency = img/s / (N x the stage's one-process img/s at batch B). Stages that replay CUDA graphs, and
+passes not available here, are 'not run', with the reason. A rank that fails takes the group down
+(torchrun stops the others): the stage's scaling is then an 'error' naming the log.
 """
 from __future__ import annotations
 
@@ -154,9 +154,12 @@ def _measure(spec, single_img_per_s: float | None, device: torch.device, rank: i
     timing = time_steps(workload.step, warmup=spec.warmup, repeats=spec.steps, device=device)
     medians: list = [None] * world
     dist.all_gather_object(medians, timing.median_ms)
+    iqrs: list = [None] * world
+    dist.all_gather_object(iqrs, timing.iqr_ms)
     step_ms = max(medians)
     img_per_s = config.batch * world / (step_ms / 1e3)
     return {**result, "img_per_s": img_per_s, "step_ms": step_ms, "step_ms_per_rank": medians,
+            "step_iqr_ms_per_rank": iqrs,
             "efficiency": img_per_s / (world * single_img_per_s) if single_img_per_s else None,
             "gate": {"status": "FAIL" if "FAIL" in verdicts else gate.status, "reason": gate.reason,
                      "ranks": verdicts, "metrics": json.loads(json.dumps(gate.metrics, default=str))}}

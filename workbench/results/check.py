@@ -17,6 +17,13 @@ not a number, is refused there), matches stages by name and checks, per stage:
                              in alternation, so a host's drift between stages does not move it; noise band
                              from the ratio's quartiles; compared only against the same ancestor
     share:<category> kernel category share (profile.category_share_pct), drift in percentage points
+    dp_img_per_s     higher is better   `apply --nproc N` (record.scaling): the global batch over the
+                     slowest rank's median step, all N ranks together
+    dp_step_ms       lower is better    that slowest rank's median step
+    dp_efficiency    higher is better   dp_img_per_s / (N x the stage's one-process img/s)
+                     noise band of the three from the slowest rank's IQR (efficiency: plus the one-process
+                     IQR); none where a record kept no per-rank IQRs
+    dp_gate          the gate over the global batch on every rank; turning FAIL is a regression
     gate             correctness gate; turning FAIL (from PASS, SKIP or REFERENCE) is a regression
     activation_dtypes  the dtype each part of the model outputs under the stage's precision (records from
                      `apply`); any change is REGRESSED, as a different kernel mix is for the shares: a
@@ -41,8 +48,9 @@ different kernel mix means the baseline should be refreshed on purpose.
 
 Stages on one side only are listed ("only in baseline" / "only in current") and do not fail. Records
 whose status is not 'ok' are listed ("not compared"), except a stage that was 'ok' in the baseline
-and is 'error' now: that is REGRESSED (the stage no longer runs). Model, mode, batch, precision, GPU
-and torch/triton versions must match unless `force`; with `force` the difference becomes a note.
+and is 'error' now: that is REGRESSED (the stage no longer runs). Model, mode, batch, precision, GPU,
+torch/triton versions and the data-parallel world size must match unless `force`; with `force` the
+difference becomes a note.
 A stage held by several records on one side (several runs) is taken from the newest (env.date).
 
 Everything returns plain data: `check_records` -> `CheckResult` (a DataFrame of rows plus verdict),
@@ -71,7 +79,11 @@ REGRESSION_STATUSES = ("REGRESSED", "FAIL gate")
 
 # metric -> +1 when higher is better, -1 when lower is better
 PCT_METRICS = {"img_per_s": +1, "step_ms": -1, "graph_ms": -1, "peak_mem_bytes": -1, "speedup": +1,
-               "launches_per_step": -1, "blocking_calls_per_step": -1, "paired_speedup": +1}
+               "launches_per_step": -1, "blocking_calls_per_step": -1, "paired_speedup": +1,
+               "dp_img_per_s": +1, "dp_step_ms": -1, "dp_efficiency": +1}
+# the data-parallel figures of `apply --nproc N` (record.scaling), compared by _scaling_rows
+DP_PREFIX = "dp_"
+DP_METRICS = tuple(m for m in PCT_METRICS if m.startswith(DP_PREFIX))
 TIMED_METRICS = ("img_per_s", "step_ms", "graph_ms", "speedup")
 SHARE_PREFIX = "share:"
 BASELINE_STAGE = "baseline"
@@ -244,6 +256,10 @@ class _Stage:
         """The value of a PCT_METRICS metric, None when the record does not have it."""
         if name in ("img_per_s", "step_ms", "peak_mem_bytes"):
             return getattr(self.record, name)
+        if name.startswith(DP_PREFIX):
+            scaling = self.record.scaling
+            ok = scaling is not None and scaling.status == "ok"
+            return getattr(scaling, name[len(DP_PREFIX):]) if ok else None
         if name == "graph_ms":
             graph = self.record.graph
             # a stage whose own step is a graph has the same figure as step_ms: compared once, there
@@ -258,6 +274,20 @@ def _relative_iqr(rec: StageRecord) -> float:
     if rec.step_ms and rec.step_iqr_ms is not None:
         return rec.step_iqr_ms / rec.step_ms
     return 0.0
+
+
+def _slowest_rank(scaling) -> int:
+    """The rank with the longest median step: the one every data-parallel step waits for."""
+    medians = scaling.step_ms_per_rank
+    return max(range(len(medians)), key=medians.__getitem__)
+
+
+def _slowest_rank_rel_iqr(scaling) -> float | None:
+    """iqr / median of the slowest rank's step (the data-parallel step); None when the record kept no IQRs."""
+    if not scaling.step_iqr_ms_per_rank:
+        return None
+    slowest = _slowest_rank(scaling)
+    return scaling.step_iqr_ms_per_rank[slowest] / scaling.step_ms_per_rank[slowest]
 
 
 def _derive(rec: StageRecord, base: StageRecord | None) -> _Stage:
@@ -324,6 +354,7 @@ def _check_settings(base: dict, cur: dict, force: bool, notes: list[str]) -> Non
                                     f"(current); pass --force to compare anyway")
                 notes.append(f"compared across different {plural} with --force: {bv[0]} (baseline) vs "
                              f"{cv[0]} (current); deltas mix both changes")
+    _check_world_size(base, cur, force, notes)
     for stage in base.keys() & cur.keys():
         bp, cp = base[stage].record.precision, cur[stage].record.precision
         if bp != cp:
@@ -335,6 +366,52 @@ def _check_settings(base: dict, cur: dict, force: bool, notes: list[str]) -> Non
         bv, cv = _values(base.values(), key, True), _values(cur.values(), key, True)
         if set(map(str, bv)) != set(map(str, cv)):
             notes.append(f"{label} differs: {', '.join(map(str, bv))} (baseline) vs {', '.join(map(str, cv))} (current)")
+
+
+def _world_sizes(stages) -> list[int]:
+    """The distinct data-parallel world sizes of the records' `apply --nproc` results, in record order."""
+    out: list[int] = []
+    for entry in stages:
+        scaling = entry.record.scaling
+        if scaling is not None and scaling.world_size not in out:
+            out.append(scaling.world_size)
+    return out
+
+
+def check_planned_world_size(baseline_paths, nproc: int | None, force: bool = False) -> None:
+    """Before `apply --nproc N --check-against BASELINE` runs: UserError (one line) when the baseline's
+    data-parallel results are of another world size, which the check at the end would refuse, unless
+    `force`. Reads (and so validates) the baseline records."""
+    sizes = _world_sizes(_Stage(r) for r in read_records(baseline_paths))
+    if nproc and sizes and sizes != [nproc] and not force:
+        raise UserError(f"the baseline's data-parallel results are of {', '.join(map(str, sizes))} ranks and this "
+                        f"run has --nproc {nproc}: the check would refuse them; use --nproc {sizes[0]}, or pass "
+                        "--force to compare anyway")
+
+
+def _check_world_size(base: dict, cur: dict, force: bool, notes: list[str]) -> None:
+    """Data-parallel figures compare only at one world size, the same on both sides, unless `force`."""
+    bw, cw = _world_sizes(base.values()), _world_sizes(cur.values())
+    for side, sizes in (("baseline", bw), ("current", cw)):
+        if len(sizes) > 1:
+            problem = f"{side} records mix data-parallel world sizes: {', '.join(map(str, sizes))}"
+            if not force:
+                raise UserError(f"{problem}; pass --force to compare anyway")
+            notes.append(f"compared with --force although {problem}")
+    if bw and cw and set(bw) != set(cw):
+        both = f"{', '.join(map(str, bw))} ranks (baseline) vs {', '.join(map(str, cw))} (current)"
+        if not force:
+            raise UserError(f"baseline and current differ in data-parallel world size: {both}; pass --force to "
+                            "compare anyway")
+        notes.append(f"data-parallel figures compared across world sizes with --force: {both}; img/s and step "
+                     "times of different world sizes differ by design, efficiency is the comparable figure")
+    elif bw and cw:
+        notes.append(f"dp_* rows: the stages again data parallel over {bw[0]} ranks (`apply --nproc {bw[0]}`), "
+                     "on both sides")
+    elif bw or cw:
+        side, other = ("baseline", "current") if bw else ("current", "baseline")
+        notes.append(f"only the {side} records hold data-parallel results (`apply --nproc {(bw or cw)[0]}`): "
+                     f"the {other} ran without --nproc, so none are compared")
 
 
 # ---------------------------------------------------------------- comparison
@@ -377,6 +454,12 @@ def _pct_row(stage: str, metric: str, b: _Stage, c: _Stage, th: Thresholds) -> d
         else:
             spread = _relative_iqr(b.record) + _relative_iqr(c.record)
         band = th.noise_iqr_scale * 100.0 * spread
+    if metric in DP_METRICS:
+        spreads = [_slowest_rank_rel_iqr(side.record.scaling) for side in (b, c)]
+        if None not in spreads:
+            if metric == "dp_efficiency":   # over the one-process img/s: that spread adds in
+                spreads += [_relative_iqr(b.record), _relative_iqr(c.record)]
+            band = th.noise_iqr_scale * 100.0 * sum(spreads)
     if bv == 0:
         delta = 0.0 if cv == 0 else math.copysign(math.inf, cv)
     else:
@@ -448,7 +531,7 @@ def _stage_rows(stage: str, bs: _Stage | None, cs: _Stage | None, th: Thresholds
         return [_row(stage, "stage", b.status, c.status, None, None, None, status, unit="")]
     rows = []
     for metric in PCT_METRICS:
-        row = _pct_row(stage, metric, bs, cs, th)
+        row = _pct_row(stage, metric, bs, cs, th) if metric not in DP_METRICS else None
         if row is not None:
             rows.append(row)
     rows += _share_rows(stage, b, c, th)
@@ -456,7 +539,40 @@ def _stage_rows(stage: str, bs: _Stage | None, cs: _Stage | None, th: Thresholds
     dtypes = _dtype_row(stage, b, c, notes)
     if dtypes is not None:
         rows.append(dtypes)
-    return rows
+    return rows + _scaling_rows(stage, bs, cs, th, notes)
+
+
+def _scaling_rows(stage: str, bs: _Stage, cs: _Stage, th: Thresholds, notes: list[str]) -> list[dict]:
+    """The stage's `apply --nproc` figures (DP_METRICS and the gate on every rank) when both records hold
+    them; one `dp` row when one side has none or either did not run ('error' after 'ok' is REGRESSED)."""
+    b, c = bs.record.scaling, cs.record.scaling
+    if b is None and c is None:
+        return []
+    if b is None or c is None:
+        return [_row(stage, "dp", b and f"{b.world_size} ranks", c and f"{c.world_size} ranks", None, None, None,
+                     "only in baseline" if c is None else "only in current", unit="")]
+    if b.status != "ok" or c.status != "ok":
+        for side, s in (("baseline", b), ("current", c)):
+            if s.status != "ok":
+                notes.append(f"stage '{stage}': data parallel '{s.status}' in {side}"
+                             + (f": {s.reason}" if s.reason else ""))
+        status = "REGRESSED" if (b.status == "ok" and c.status == "error") else "not compared"
+        return [_row(stage, "dp", b.status, c.status, None, None, None, status, unit="")]
+    rows = [row for row in (_pct_row(stage, m, bs, cs, th) for m in DP_METRICS) if row is not None]
+    if any(r["status"] == "REGRESSED" for r in rows):
+        def per_rank(s) -> str:
+            return f"{' / '.join(f'{ms:.2f}' for ms in s.step_ms_per_rank)} ms (slowest: rank {_slowest_rank(s)})"
+
+        notes.append(f"stage '{stage}': median step per rank {per_rank(b)} (baseline) -> {per_rank(c)} (current)")
+    bg, cg = b.gate.get("status"), c.gate.get("status")
+    status = "FAIL gate" if cg == "FAIL" and bg != "FAIL" else ("improved" if bg == "FAIL" and cg != "FAIL"
+                                                                 else "unchanged")
+    if status == "FAIL gate":
+        ranks = c.gate.get("ranks") or []
+        notes.append(f"stage '{stage}': data-parallel gate {bg} -> FAIL"
+                     + (f" (by rank: {', '.join(ranks)})" if ranks else "")
+                     + (f" ({c.gate['reason']})" if c.gate.get("reason") else ""))
+    return rows + [_row(stage, "dp_gate", bg, cg, None, None, None, status, unit="")]
 
 
 def _summary(rows: pd.DataFrame, regressed: bool) -> str:
@@ -524,7 +640,9 @@ def _kernel_changes(frame: pd.DataFrame, base: dict, cur: dict) -> dict:
     from workbench.analysis.diff import join_per_unit
 
     out = {}
-    for stage in frame.loc[frame["status"].isin(REGRESSION_STATUSES), "stage"].unique():
+    # the records' profiles are of the one-process stage: data-parallel rows do not point at them
+    one_process = ~frame["metric"].str.startswith("dp")
+    for stage in frame.loc[frame["status"].isin(REGRESSION_STATUSES) & one_process, "stage"].unique():
         fb, fc = _kernels(base.get(stage)), _kernels(cur.get(stage))
         if fb is not None and fc is not None:
             out[str(stage)] = join_per_unit(fb, fc, "kernel").head(KERNEL_CHANGE_ROWS)
@@ -553,10 +671,12 @@ def _fmt_value(metric: str, value) -> str:
         return "—"
     if isinstance(value, str):
         return value
-    if metric == "img_per_s":
+    if metric in ("img_per_s", "dp_img_per_s"):
         return f"{value:,.1f}"
-    if metric == "step_ms":
+    if metric in ("step_ms", "dp_step_ms"):
         return f"{value:.2f} ms"
+    if metric == "dp_efficiency":
+        return f"{value:.3f}"
     if metric == "peak_mem_bytes":
         return f"{value / 2**30:.2f} GiB"
     if metric in ("speedup", "paired_speedup") or metric.startswith("paired_speedup"):

@@ -71,7 +71,8 @@ greater than 0, ">= 0" a finite number not below 0; an int is a JSON integer (tr
                     {world_size: int >= 1, backend: str, batch_per_process: int >= 1, global_batch: int >= 1,
                     status: 'ok' | 'not run' | 'error', reason: str | null, img_per_s: > 0 | null (global
                     batch / the slowest rank's median step), step_ms: > 0 | null (that median),
-                    step_ms_per_rank: [> 0], efficiency: > 0 | null (img_per_s / (world_size x this record's
+                    step_ms_per_rank: [> 0], step_iqr_ms_per_rank: [>= 0] (optional: each rank's
+                    interquartile range, in rank order as step_ms_per_rank), efficiency: > 0 | null (img_per_s / (world_size x this record's
                     img_per_s)), gate: {status: 'PASS' | 'FAIL' | 'SKIP' | 'REFERENCE', reason: str | null,
                     ranks: [status per rank], metrics: JSON}, ddp: {setting: JSON}}; records without it
                     are read as before
@@ -350,6 +351,7 @@ class Scaling:
     img_per_s: float | None = None
     step_ms: float | None = None
     step_ms_per_rank: tuple[float, ...] = ()
+    step_iqr_ms_per_rank: tuple[float, ...] = ()    # empty in records written before it was kept
     efficiency: float | None = None
     gate: dict = field(default_factory=dict)
     ddp: dict = field(default_factory=dict)
@@ -358,6 +360,7 @@ class Scaling:
         return {"world_size": self.world_size, "backend": self.backend, "batch_per_process": self.batch_per_process,
                 "global_batch": self.global_batch, "status": self.status, "reason": self.reason,
                 "img_per_s": self.img_per_s, "step_ms": self.step_ms, "step_ms_per_rank": list(self.step_ms_per_rank),
+                **({"step_iqr_ms_per_rank": list(self.step_iqr_ms_per_rank)} if self.step_iqr_ms_per_rank else {}),
                 "efficiency": self.efficiency, "gate": dict(self.gate), "ddp": dict(self.ddp)}
 
 
@@ -1007,7 +1010,7 @@ class _Parser:
         if g is None:
             return None
         keys = ("world_size", "backend", "batch_per_process", "global_batch", "status", "reason", "img_per_s",
-                "step_ms", "step_ms_per_rank", "efficiency", "gate", "ddp")
+                "step_ms", "step_ms_per_rank", "step_iqr_ms_per_rank", "efficiency", "gate", "ddp")
         self.known(g, set(keys), "scaling")
         for key in ("world_size", "backend", "batch_per_process", "global_batch", "status"):
             self.get(g, key, "scaling.", required=True)
@@ -1016,6 +1019,13 @@ class _Parser:
         gate = self.mapping(_given(g.get("gate"), {}), "scaling.gate")
         self.known(gate, {"status", "reason", "ranks", "metrics"}, "scaling.gate")
         gate_status = self.string(_given(gate.get("status"), "SKIP"), "scaling.gate.status", choices=GATE_STATUSES)
+        medians = self.numbers(_given(g.get("step_ms_per_rank"), []), "scaling.step_ms_per_rank", non_empty=ok)
+        iqrs = tuple(self.number(x, f"scaling.step_iqr_ms_per_rank[{i}]", positive=False)
+                     for i, x in enumerate(self.sequence(_given(g.get("step_iqr_ms_per_rank"), []),
+                                                         "scaling.step_iqr_ms_per_rank")))
+        if iqrs and len(iqrs) != len(medians):
+            raise self.fail(f"'scaling.step_iqr_ms_per_rank' holds {len(iqrs)} ranks and 'scaling.step_ms_per_rank' "
+                            f"{len(medians)}")
         return Scaling(
             world_size=self.integer(g["world_size"], "scaling.world_size", 1, MAX_COUNT),
             backend=self.string(g["backend"], "scaling.backend", is_name=True),
@@ -1024,8 +1034,7 @@ class _Parser:
             status=status, reason=self.string(g.get("reason"), "scaling.reason", optional=True),
             img_per_s=self.number(g.get("img_per_s"), "scaling.img_per_s", optional=not ok),
             step_ms=self.number(g.get("step_ms"), "scaling.step_ms", optional=not ok),
-            step_ms_per_rank=self.numbers(_given(g.get("step_ms_per_rank"), []), "scaling.step_ms_per_rank",
-                                          non_empty=ok),
+            step_ms_per_rank=medians, step_iqr_ms_per_rank=iqrs,
             efficiency=self.number(g.get("efficiency"), "scaling.efficiency", optional=True),
             gate={"status": gate_status, "reason": self.string(gate.get("reason"), "scaling.gate.reason", optional=True),
                   "ranks": [self.string(x, "scaling.gate.ranks[]", choices=GATE_STATUSES)
