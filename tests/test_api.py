@@ -96,18 +96,23 @@ def test_baseline_is_a_plain_pytorch_loop_bit_for_bit():
 
     swin = optimize_swin(tiny(), "baseline", optimizer={"lr": 1e-3, "weight_decay": 0.02}, grad_clip=0.5,
                          loss_fn=loss_fn)
+    assert swin.last_grad_norm is None
+    api_norms = []
     for x, y in soft:
         swin.train_step(x, y)
+        api_norms.append(swin.last_grad_norm.item())
 
     model = tiny()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.02, foreach=True)
+    norms = []
     for x, y in soft:
         loss = loss_fn(model(x).float(), y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 0.5)
+        norms.append(torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 0.5).item())
         opt.step()
         opt.zero_grad(set_to_none=True)
     assert_bitwise(swin.state_dict(), weights(model))
+    assert api_norms == norms          # the norm before clipping, as clip_grad_norm_ returns it
 
 
 def test_the_harness_workload_steps_what_the_api_steps():

@@ -43,10 +43,16 @@ def test_the_graph_trains_what_the_eager_step_trains():
     eager, graphed = pair(optimizer={"lr": 1e-3}, grad_clip=1.0)
     assert graphed.graphed and not eager.graphed
     data = batches(STEPS)
-    a = [eager.train_step(x, y).item() for x, y in data]
-    b = [graphed.train_step(x, y).item() for x, y in data]
+    a, b, norms_a, norms_b = [], [], [], []
+    for x, y in data:
+        a.append(eager.train_step(x, y).item())
+        norms_a.append(eager.last_grad_norm.item())
+    for x, y in data:
+        b.append(graphed.train_step(x, y).item())
+        norms_b.append(graphed.last_grad_norm.item())   # replays update the captured step's norm
     assert graphed._train_graphs is not None and graphed.eager_fallbacks == 0
     assert_close_runs(a, b)
+    assert_close_runs(norms_a, norms_b)
     assert b[-1] < b[0]
 
 

@@ -107,7 +107,8 @@ def test_train_writes_records_curves_and_report(tmp_path):
     records = lines(files[0])
     assert [r["kind"] for r in records] == ["run"] + ["step"] * 4 + ["epoch", "end"]
     assert records[0]["recipe"] == "baseline" and records[0]["env"]["device_type"] == "cpu"
-    assert all(set(r) >= {"step", "loss", "lr", "img_per_s"} for r in records[1:5])
+    assert all(set(r) >= {"step", "loss", "lr", "img_per_s", "grad_norm"} for r in records[1:5])
+    assert all(r["grad_norm"] > 0 for r in records[1:5])
     assert 0 <= records[5]["val_acc"] <= 100 and records[-1]["status"] == "ok"
     assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
     report = (out / "report.md").read_text()

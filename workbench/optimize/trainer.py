@@ -123,6 +123,7 @@ class _TrainGraphs:
     loss_fn: Callable
     training: bool
     number_lrs: list            # the lr of each group that keeps it as a number (None where a tensor)
+    grad_norm: torch.Tensor | None = None   # the step graph's gradient norm before clipping (with grad_clip)
 
 
 @dataclass
@@ -142,6 +143,9 @@ class OptimizedSwin:
     PassResult of every pass of its chain; notes: what the user should know (said once each).
     optimizer_steps, micro_steps: counts; updated: whether the last train_step stepped the optimizer.
     last_logits: the logits of the last train_step (overwritten by the next one).
+    last_grad_norm: with grad_clip, the global gradient norm before clipping of the last optimizer step (a
+    0-dim fp32 tensor on the device, read without a host sync; None before the first step or without
+    clipping): the figure to watch for loss spikes.
     """
 
     def __init__(self, model: torch.nn.Module, ctx: PassContext, chain: list[Recipe], passes: list[PassResult],
@@ -162,6 +166,7 @@ class OptimizedSwin:
         self.updated = False
         self.eager_fallbacks = 0
         self.last_logits: torch.Tensor | None = None
+        self.last_grad_norm: torch.Tensor | None = None
 
         ctx.precision.apply_matmul_mode()
         self._master = ctx.master_weights
@@ -246,7 +251,8 @@ class OptimizedSwin:
         return logits, loss
 
     def _clip(self, params) -> None:
-        torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], self.grad_clip)
+        self.last_grad_norm = torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None],
+                                                             self.grad_clip)
 
     def _update(self) -> None:
         """Clip (when asked) and step the optimizer, from the gradients in place."""
@@ -329,6 +335,8 @@ class OptimizedSwin:
         graph, logits, loss = tg.graphs["step" if last else "micro"]
         graph.replay()
         self.last_logits = logits
+        if last and tg.grad_norm is not None:
+            self.last_grad_norm = tg.grad_norm
         return loss.clone()
 
     def _train_mismatch(self, images, targets, loss_fn) -> tuple[str, str] | None:
@@ -372,7 +380,7 @@ class OptimizedSwin:
             # gradients are then allocated inside the graph's pool and written by every replay
             self._stepper.zero_grad(set_to_none=True)
         pool = torch.cuda.graph_pool_handle()
-        graphs = {}
+        graphs, norm = {}, None
         for kind in (("micro", "step") if self.accumulate > 1 else ("step",)):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
@@ -380,10 +388,11 @@ class OptimizedSwin:
                 (loss / self.accumulate if self.accumulate > 1 else loss).backward()
                 if kind == "step":
                     self._update()
+                    norm = self.last_grad_norm if self.grad_clip is not None else None
                     if self._persistent_grads:
                         self._stepper.zero_grad(set_to_none=False)
             graphs[kind] = (graph, logits.detach(), loss.detach())
-        self._train_graphs = _TrainGraphs(graphs, x, y, loss_fn, self.model.training, self._number_lrs())
+        self._train_graphs = _TrainGraphs(graphs, x, y, loss_fn, self.model.training, self._number_lrs(), norm)
 
     # ------------------------------------------------------------------ inference
 

@@ -5,12 +5,13 @@ seed, the recipe's passes, AdamW with a linear warm-up then a cosine decay (a La
 `optimizer`), label smoothing in the loss, gradient clipping. One record file per run, JSON lines:
 
     {"kind": "run", ...}       the setup: recipe, seed, model, data, schedule, passes, environment stamp
-    {"kind": "step", "step": 1, "epoch": 0, "loss": 2.31, "lr": 5e-05, "img_per_s": 812.4}
+    {"kind": "step", "step": 1, "epoch": 0, "loss": 2.31, "lr": 5e-05, "img_per_s": 812.4, "grad_norm": 3.7}
     {"kind": "epoch", "epoch": 0, "step": 18, "val_acc": 41.2, "val_loss": 1.93}
     {"kind": "end", "status": "ok", "img_per_s": ..., "final_val_acc": ..., "notes": [...]}
 
 `loss` is the training batch's (label-smoothed) loss; `img_per_s` the batch over the wall time of its
-train_step up to the loss on the host (`loss.item()` waits for the GPU), validation excluded. A run's
+train_step up to the loss on the host (`loss.item()` waits for the GPU), validation excluded. `grad_norm` (with gradient clipping on) is the
+global gradient norm before clipping, the figure that rises before a loss spike. A run's
 img/s is the median over its steps after the first tenth (at least GRAPH_WARMUP_STEPS + 1 steps: warm-up,
 autotuning and graph capture). With `compare`, the baseline runs with `baseline_seeds` seeds (seed,
 seed + 1, ...) and every other recipe with `seed`, so each shares the first baseline seed's initial
@@ -276,8 +277,11 @@ def train_run(config: TrainConfig, recipe: str, seed: int, data, model_name: str
                 if world > 1:
                     loss, rate = _over_ranks(loss, rate, world, device)
                 rates.append(rate)
+                # the same on every rank: the gradients were averaged before clipping
+                norm = swin.last_grad_norm
                 records.write({"kind": "step", "step": step, "epoch": epoch, "loss": _finite_or_none(loss),
-                               "lr": lr, "img_per_s": rate})
+                               "lr": lr, "img_per_s": rate,
+                               **({"grad_norm": _finite_or_none(float(norm))} if norm is not None else {})})
                 progress.step(step, loss, rate)
                 if not math.isfinite(loss):
                     status, reason = "diverged", f"loss {loss} at step {step}"
