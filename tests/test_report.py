@@ -332,3 +332,12 @@ def test_a_stage_whose_recipe_failed_training_parity_is_flagged(records, tmp_pat
     assert f"**{stages[-1]}** **fails parity** with the fp32 baseline" in section and "-3.35 points" in section
     assert f"**{stages[1]}** trains like `amp`" in section and "3 seeds" in section
     assert "## Training parity" not in render_report(records, tmp_path / "n.md", verdicts=[]).read_text()
+
+    undecided = TrainingVerdict(stages[1], "baseline", "swin_tiny_patch4_window7_224", 1000, 1, False,
+                                "not decided: accuracy -0.67 points from the baseline's mean (rule: within 0.5; "
+                                "this comparison's noise: ±1.02, ...): more seeds or a stabler run decide it",
+                                Path(tmp_path / "cmp3"), decided=False)
+    text = render_report(records, tmp_path / "u.md", verdicts=[undecided]).read_text()
+    section = text.split("## Training parity")[1].split("\n## ")[0]
+    assert "failed the parity rule" not in section and f"For **{stages[1]}** a comparison below could not decide" in section
+    assert f"**{stages[1]}** is **not decided** against the fp32 baseline" in section and "±1.02" in section

@@ -3,6 +3,7 @@ the command end to end on a few CPU steps (records, curves, report, parity verdi
 import json
 import math
 import random
+import statistics
 from pathlib import Path
 
 import pytest
@@ -44,10 +45,31 @@ def test_a_run_of_the_same_process_passes_and_an_offset_one_fails():
 
 
 def test_accuracy_must_be_within_half_a_point_of_the_baseline_mean():
-    base = baseline_spread([noisy_curve(1), noisy_curve(2)], [97.0, 97.4])
-    assert parity(noisy_curve(3), 97.2 + ACCURACY_POINTS, base).accuracy_ok
+    base = baseline_spread([noisy_curve(1), noisy_curve(2)], [97.1, 97.3])
+    assert parity(noisy_curve(3), 97.2 + ACCURACY_POINTS - 1e-9, base).accuracy_ok
     late = parity(noisy_curve(3), 97.2 - ACCURACY_POINTS - 0.01, base)
-    assert not late.accuracy_ok and "accuracy -0.51 points" in late.verdict
+    assert not late.accuracy_ok and late.decided and not late.passed
+    assert late.verdict.startswith("differs: accuracy -0.51 points")
+
+
+def test_an_accuracy_miss_inside_the_seeds_noise_is_not_decided():
+    """Seeds 1.3 points apart: a miss of 0.67 points is within 2 standard deviations of the difference of
+    the means, so the rule says it cannot tell; three seeds of the recipe narrow the noise; a miss past the
+    noise, or a loss off the spread, fails."""
+    accuracies = [97.82, 98.49, 97.65]
+    base = baseline_spread([noisy_curve(1), noisy_curve(2), noisy_curve(4)], accuracies)
+    s = statistics.stdev(accuracies)
+    assert base.accuracy_noise(1) == pytest.approx(2 * s * math.sqrt(1 + 1 / 3))
+    assert base.accuracy_noise(3) == pytest.approx(2 * s * math.sqrt(2 / 3))
+    mean = sum(accuracies) / 3
+    near = parity(noisy_curve(3), mean - 0.67, base)
+    assert not near.passed and not near.decided and near.accuracy_noise == pytest.approx(base.accuracy_noise(1))
+    assert near.verdict.startswith("not decided: accuracy -0.67 points") and "noise: ±" in near.verdict
+    far = parity(noisy_curve(3), mean - 0.67, base, seeds=20)      # 20 seeds: noise ±0.65
+    assert far.decided and far.verdict.startswith("differs: accuracy")
+    assert parity(noisy_curve(3), mean - 3.35, base).decided
+    off = parity(noisy_curve(3, offset=0.3), mean - 0.67, base)
+    assert off.decided and not off.loss_ok and off.verdict.startswith("differs: loss")
 
 
 @pytest.mark.parametrize("loss, why", [

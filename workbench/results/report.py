@@ -937,9 +937,12 @@ def _parity_lines(records: list[StageRecord], verdicts) -> list[str]:
     found = [v for v in (find_verdicts() if verdicts is None else verdicts) if v.recipe in stages]
     if not found:
         return []
-    failed = sorted({v.recipe for v in found if not v.passed})
+    failed = sorted({v.recipe for v in found if not v.passed and v.decided})
+    undecided = sorted({v.recipe for v in found if not v.passed and not v.decided} - set(failed))
     head = (f"{', '.join(f'**{s}**' for s in failed)} failed the parity rule in a training comparison below: "
             "what such a stage's step time buys may not train like the reference. " if failed else "")
+    head += (f"For {', '.join(f'**{s}**' for s in undecided)} a comparison below could not decide: its accuracy "
+             "missed the rule by less than the run-to-run noise. " if undecided else "")
     return ["## Training parity", "",
             head + "From `swinbench train --compare` runs found under reports/ (docs/training.md has the rule).", "",
             *[f"- {verdict_line(v)}" for v in found], ""]

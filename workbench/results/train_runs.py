@@ -114,5 +114,6 @@ def compare_runs(runs: list[RunRecords]) -> Comparison:
             accuracies = [r.final_accuracy for r in group]
             accuracy = (None if any(a is None for a in accuracies) or any(r.status != "ok" for r in group)
                         else sum(accuracies) / len(accuracies))
-            out[recipe] = parity(_mean_curve([r.losses for r in group]), accuracy, spread, [b.losses for b in base])
+            out[recipe] = parity(_mean_curve([r.losses for r in group]), accuracy, spread, [b.losses for b in base],
+                                 seeds=len(group))
     return Comparison(reference, spread, base, out)

@@ -24,8 +24,9 @@ class TrainingVerdict:
     steps: int | None
     seeds: int              # the recipe's finished seeds the verdict averages
     passed: bool
-    detail: str             # the rule's words: 'converges like the baseline' / 'differs: ...'
+    detail: str             # the rule's words: 'converges like the baseline' / 'differs: ...' / 'not decided: ...'
     source: Path            # the comparison's folder
+    decided: bool = True    # False: the accuracy missed the rule by less than the comparison's noise
 
     def where(self) -> str:
         """The comparison's folder as the user would type it: under the source tree or here, relative."""
@@ -79,8 +80,8 @@ def find_verdicts(roots: list[Path] | None = None) -> list[TrainingVerdict]:
                 group = [r for r in runs if r.recipe == recipe and r.status in ("ok", "diverged")]
                 header = group[0].header if group else runs[0].header
                 out.append(TrainingVerdict(recipe, comparison.reference, str(header.get("model")),
-                                           header.get("steps"), len(group), p.loss_ok and p.accuracy_ok,
-                                           p.verdict, folder.parent))
+                                           header.get("steps"), len(group), p.passed, p.verdict, folder.parent,
+                                           p.decided))
     return out
 
 
@@ -88,7 +89,7 @@ def verdict_line(v: TrainingVerdict) -> str:
     """One Markdown bullet: the recipe, pass or fail, against what, where, and the rule's figures."""
     against = "the fp32 baseline" if v.reference == "baseline" else f"`{v.reference}`"
     seeds = f"{v.seeds} seed{'s' if v.seeds != 1 else ''}"
-    head = ("trains like" if v.passed else "**fails parity** with")
-    detail = "" if v.passed else ": " + v.detail.removeprefix("differs: ")
+    head = ("trains like" if v.passed else "**fails parity** with" if v.decided else "is **not decided** against")
+    detail = "" if v.passed else ": " + v.detail.split(": ", 1)[-1]
     return (f"**{v.recipe}** {head} {against} in `{v.where()}` ({v.model}, {v.steps} steps, {seeds})"
             f"{detail}")
