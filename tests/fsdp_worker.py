@@ -1,0 +1,63 @@
+"""Run under torchrun by tests/test_fsdp.py: each rank trains the tiny Swin for STEPS SGD steps (gradient
+clipping on) under FSDP through `optimize_swin`, each step on its shard of a fixed global batch, and saves
+its losses, the state_dict() after, how much of the weights it holds, and the notes; then loads a plain
+model's weights into the sharded one (load_state_dict) and saves predict's logits on a batch.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/fsdp_worker.py OUT RECIPE:UNIT:RESHARD...
+"""
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from workbench.api import FullyShard, optimize_swin
+from workbench.models import TINY_MODEL, build_model
+from workbench.optimize.distributed import init_process_group_from_env
+
+PER_RANK = 3
+STEPS = 3
+LR = 0.5
+CLIP = 1.0
+
+
+def global_batches(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(PER_RANK * world, 3, 56, 56, generator=g), torch.randint(0, 10, (PER_RANK * world,), generator=g))
+            for _ in range(STEPS)]
+
+
+def predict_batch() -> torch.Tensor:
+    return torch.randn(4, 3, 56, 56, generator=torch.Generator().manual_seed(2))
+
+
+def train(recipe: str, batches, distributed):
+    """-> (OptimizedSwin, losses) after len(batches) SGD steps from the seed-0 tiny Swin."""
+    torch.manual_seed(0)
+    model = build_model(TINY_MODEL, drop_path_rate=0.0)
+    swin = optimize_swin(model, recipe, optimizer=torch.optim.SGD, optimizer_kwargs={"lr": LR}, grad_clip=CLIP,
+                         distributed=distributed)
+    return swin, [swin.train_step(x, y).item() for x, y in batches]
+
+
+def main(out: Path, configs: list[str]) -> None:
+    init_process_group_from_env("cpu")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    batches = [(x[shard], y[shard]) for x, y in global_batches(world)]
+    for config in configs:
+        recipe, unit, reshard = config.split(":")
+        swin, losses = train(recipe, batches, FullyShard(unit=unit, reshard_after_forward=reshard == "reshard"))
+        held = sum(p.to_local().numel() for p in swin.model.parameters())
+        state = swin.state_dict()
+        torch.manual_seed(5)
+        plain = build_model(TINY_MODEL, drop_path_rate=0.0)
+        swin.load_state_dict(plain.state_dict())
+        logits = swin.predict(predict_batch())
+        torch.save({"losses": losses, "state": state, "held": held, "notes": swin.notes, "world": world,
+                    "logits": logits, "describe": swin.describe()}, out / f"{config.replace(':', '_')}-rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2:])
