@@ -1,7 +1,9 @@
 """Run under torchrun by tests/test_fsdp.py: each rank trains the tiny Swin for STEPS SGD steps (gradient
 clipping on) under FSDP through `optimize_swin`, each step on its shard of a fixed global batch, and saves
 its losses, the state_dict() after, how much of the weights it holds, and the notes; then loads a plain
-model's weights into the sharded one (load_state_dict) and saves predict's logits on a batch.
+model's weights into the sharded one (load_state_dict) and saves predict's logits on a batch, in
+OUT/<i>-rank<r>.pt for the i-th config (RESHARD: reshard or keep). The config `scaling` measures the
+baseline stage as `apply --nproc --parallel fsdp` does (ladder.scaling) and saves its result.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/fsdp_worker.py OUT RECIPE:UNIT:RESHARD...
 """
@@ -40,12 +42,27 @@ def train(recipe: str, batches, distributed):
     return swin, [swin.train_step(x, y).item() for x, y in batches]
 
 
+def measure_scaling(rank: int, world: int) -> dict:
+    """The baseline stage of the tiny Swin, batch 4 per process, as `apply --nproc --parallel fsdp` measures it."""
+    from types import SimpleNamespace
+
+    from workbench.ladder.scaling import _measure
+
+    spec = SimpleNamespace(config={"model": TINY_MODEL, "mode": "train", "batch": 4, "precision": "fp32",
+                                   "device": "cpu", "seed": 0, "num_classes": None},
+                           stage_ref="baseline", warmup=1, steps=2)
+    return _measure(spec, None, torch.device("cpu"), rank, world, "fsdp")
+
+
 def main(out: Path, configs: list[str]) -> None:
     init_process_group_from_env("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
     shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
     batches = [(x[shard], y[shard]) for x, y in global_batches(world)]
-    for config in configs:
+    for i, config in enumerate(configs):
+        if config == "scaling":
+            torch.save(measure_scaling(rank, world), out / f"{i}-rank{rank}.pt")
+            continue
         recipe, unit, reshard = config.split(":")
         swin, losses = train(recipe, batches, FullyShard(unit=unit, reshard_after_forward=reshard == "reshard"))
         held = sum(p.to_local().numel() for p in swin.model.parameters())
@@ -55,7 +72,7 @@ def main(out: Path, configs: list[str]) -> None:
         swin.load_state_dict(plain.state_dict())
         logits = swin.predict(predict_batch())
         torch.save({"losses": losses, "state": state, "held": held, "notes": swin.notes, "world": world,
-                    "logits": logits, "describe": swin.describe()}, out / f"{config.replace(':', '_')}-rank{rank}.pt")
+                    "logits": logits, "describe": swin.describe()}, out / f"{i}-rank{rank}.pt")
     dist.destroy_process_group()
 
 
