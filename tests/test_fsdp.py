@@ -226,3 +226,18 @@ def test_apply_parallel_mistakes_are_one_line_and_exit_2(tmp_path):
         result = CliRunner().invoke(app, ["apply", "--device", "cpu", "--out", str(out), *args])
         assert result.exit_code == 2 and message in result.output, result.output
         assert len(result.output.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_the_report_names_the_strategy_of_a_scaling_record(tmp_path):
+    from record_helpers import record
+
+    from workbench.results.record import StageRecord
+    from workbench.results.report import render_report
+
+    scaled = {**record(0, "fmha", None, 50.0), "scaling": {
+        "world_size": 2, "backend": "gloo", "batch_per_process": 4, "global_batch": 8, "status": "ok",
+        "reason": None, "img_per_s": 90.0, "step_ms": 88.9, "step_ms_per_rank": [88.1, 88.9], "efficiency": 0.9,
+        "gate": {"status": "PASS", "reason": None, "ranks": ["PASS"] * 2, "metrics": {}},
+        "ddp": {"strategy": "fsdp", "unit": "block", "reshard_after_forward": True}}}
+    text = render_report([StageRecord.from_dict(scaled)], tmp_path / "report.md").read_text()
+    assert "(gloo, FSDP: unit block, reshard_after_forward True)" in text
