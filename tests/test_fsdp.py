@@ -241,3 +241,13 @@ def test_the_report_names_the_strategy_of_a_scaling_record(tmp_path):
         "ddp": {"strategy": "fsdp", "unit": "block", "reshard_after_forward": True}}}
     text = render_report([StageRecord.from_dict(scaled)], tmp_path / "report.md").read_text()
     assert "(gloo, FSDP: unit block, reshard_after_forward True)" in text
+
+
+def test_a_torch_without_fully_shard_is_a_user_error(monkeypatch):
+    import torch.distributed.fsdp as fsdp
+
+    from workbench.optimize.distributed import require_fully_shard
+
+    monkeypatch.delattr(fsdp, "fully_shard")
+    with pytest.raises(UserError, match="FSDP needs torch.distributed.fsdp.fully_shard \\(torch 2.6 or later\\)"):
+        require_fully_shard()

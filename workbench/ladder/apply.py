@@ -664,7 +664,7 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
 
 def _check_parallel(parallel, nproc) -> None:
     """UserError unless `apply --parallel` names a strategy and goes with --nproc."""
-    from workbench.optimize.distributed import STRATEGIES
+    from workbench.optimize.distributed import STRATEGIES, require_fully_shard
 
     if parallel is None:
         return
@@ -672,6 +672,8 @@ def _check_parallel(parallel, nproc) -> None:
         raise UserError(f"--parallel must be one of {', '.join(STRATEGIES)}, got {parallel!r}")
     if nproc is None:
         raise UserError("--parallel goes with --nproc (how the processes share the training)")
+    if parallel == "fsdp":
+        require_fully_shard()
 
 
 def _check_nproc(nproc, mode: str, dev: torch.device) -> None:

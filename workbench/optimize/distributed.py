@@ -92,6 +92,15 @@ class FullyShard:
 
 
 STRATEGIES = {"ddp": DataParallel, "fsdp": FullyShard}
+
+
+def require_fully_shard() -> None:
+    """UserError unless this torch has FSDP2 (torch.distributed.fsdp.fully_shard, torch 2.6 and later)."""
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: F401
+    except ImportError:
+        raise UserError(f"FSDP needs torch.distributed.fsdp.fully_shard (torch 2.6 or later); this is torch "
+                        f"{torch.__version__}: use DDP, or a newer torch") from None
 Parallel = DataParallel | FullyShard
 
 
@@ -147,6 +156,8 @@ def data_parallel_settings(value, accumulate: int = 1) -> Parallel | None:
         raise UserError(f"distributed must be None (DDP when torchrun started several processes), False, True, "
                         f"'ddp', 'fsdp', a dict of DDP or FSDP settings, a DataParallel or a FullyShard, got "
                         f"{short_repr(value)}")
+    if isinstance(settings, FullyShard):
+        require_fully_shard()
     if isinstance(settings, DataParallel) and settings.static_graph and accumulate > 1:
         raise UserError("distributed: static_graph does not go with accumulate > 1 (DDP cannot skip the all-reduce "
                         "of a micro-step under a static graph): set static_graph False")
