@@ -25,8 +25,8 @@ CLIP = 1.0
 
 def global_batches(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(PER_RANK * world, 3, 56, 56, generator=g), torch.randint(0, 10, (PER_RANK * world,), generator=g))
-            for _ in range(STEPS)]
+    n = PER_RANK * world
+    return [(torch.randn(n, 3, 56, 56, generator=g), torch.randint(0, 10, (n,), generator=g)) for _ in range(STEPS)]
 
 
 def predict_batch() -> torch.Tensor:

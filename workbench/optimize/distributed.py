@@ -92,6 +92,7 @@ class FullyShard:
 
 
 STRATEGIES = {"ddp": DataParallel, "fsdp": FullyShard}
+Parallel = DataParallel | FullyShard
 
 
 def require_fully_shard() -> None:
@@ -101,7 +102,6 @@ def require_fully_shard() -> None:
     except ImportError:
         raise UserError(f"FSDP needs torch.distributed.fsdp.fully_shard (torch 2.6 or later); this is torch "
                         f"{torch.__version__}: use DDP, or a newer torch") from None
-Parallel = DataParallel | FullyShard
 
 
 def world_size() -> int:

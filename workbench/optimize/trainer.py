@@ -139,12 +139,14 @@ class OptimizedSwin:
     """A timm Swin patched by a recipe, with the optimizer the recipe builds and the calls a training loop
     needs (see the module's docstring). Build it with `optimize_swin`.
 
-    model: the patched model (the object given to optimize_swin). optimizer: the torch Optimizer whose
-    param_groups set the learning rate; step it through train_step only (under master weights it holds
-    the fp32 masters, and train_step gathers their gradients first). recipe: its name; passes: the
-    PassResult of every pass of its chain; notes: what the user should know (said once each).
-    optimizer_steps, micro_steps: counts; updated: whether the last train_step stepped the optimizer.
-    last_logits: the logits of the last train_step (overwritten by the next one).
+    model: the patched model (the object given to optimize_swin; under FSDP sharded in place, its
+    parameters DTensor shards). optimizer: the torch Optimizer whose param_groups set the learning rate;
+    step it through train_step only (under master weights it holds the fp32 masters, and train_step
+    gathers their gradients first). recipe: its name; passes: the PassResult of every pass of its chain;
+    notes: what the user should know (said once each). optimizer_steps, micro_steps: counts; updated:
+    whether the last train_step stepped the optimizer. last_logits: the logits of the last train_step
+    (overwritten by the next one). data_parallel: the DataParallel or FullyShard settings, or None; ddp:
+    the DDP wrapper the training step runs, or None; sharded: whether FSDP2 shards the model.
     """
 
     def __init__(self, model: torch.nn.Module, ctx: PassContext, chain: list[Recipe], passes: list[PassResult],

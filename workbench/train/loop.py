@@ -223,7 +223,8 @@ def run_setup(config: TrainConfig, data, model_name: str, world: int) -> dict:
     the fields --resume compares (RESUME_KEYS) among them."""
     steps_per_epoch = data.train_size // (config.batch * world)
     return {"model": model_name, "data": data.describe(), "batch": config.batch, "world_size": world,
-            "global_batch": config.batch * world, "parallel": parallel_strategy(config, world), "steps": config.steps or config.epochs * steps_per_epoch,
+            "global_batch": config.batch * world, "parallel": parallel_strategy(config, world),
+            "steps": config.steps or config.epochs * steps_per_epoch,
             "steps_per_epoch": steps_per_epoch, "reference": reference_name(config),
             "optimizer": {"lr": config.lr, "weight_decay": config.weight_decay},
             "label_smoothing": config.label_smoothing, "clip_grad": config.clip_grad or None}
@@ -344,8 +345,8 @@ def plan_runs(config: TrainConfig, on_gpu: bool) -> tuple[list[tuple[str, int]],
             chain = resolve_chain(recipe)
             if any(is_graph_form(r) for r in chain):
                 raise UserError(f"recipe {chain[-1].name!r} replays CUDA graphs, which swinbench does not run under "
-                                f"{parallel_strategy(config, config.world).upper()} yet: with --nproc, train {chain[-2].name if len(chain) > 1 else 'baseline'} "
-                                "(the recipe it extends)")
+                                f"{parallel_strategy(config, config.world).upper()} yet: with --nproc, train "
+                                f"{chain[-2].name if len(chain) > 1 else 'baseline'} (the recipe it extends)")
     return runs, notes
 
 

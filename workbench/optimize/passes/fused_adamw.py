@@ -3,9 +3,9 @@
 impl 'auto' (default): apex.optimizers.FusedAdam(adam_w_mode=True) when apex imports (what NVIDIA's
 Swin talk used), else torch.optim.AdamW(fused=True). On the CPU it stays torch's for-each AdamW
 (fused CPU AdamW is no GPU figure) and says so. Under FSDP2 (`ctx.sharded`) 'auto' is torch's fused
-AdamW, which steps DTensor shards; apex's kernels take plain tensors only. Hyperparameters are read from the baseline optimizer
-so the stage computes the same update, with the ones a user chose (`ctx.optimizer_settings`, set by
-`workbench.api.optimize_swin`) over them.
+AdamW, which steps DTensor shards; apex's kernels take plain tensors only. Hyperparameters are read
+from the baseline optimizer so the stage computes the same update, with the ones a user chose
+(`ctx.optimizer_settings`, set by `workbench.api.optimize_swin`) over them.
 """
 from __future__ import annotations
 
