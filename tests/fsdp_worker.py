@@ -2,10 +2,11 @@
 clipping on) under FSDP through `optimize_swin`, each step on its shard of a fixed global batch, and saves
 its losses, the state_dict() after, how much of the weights it holds, and the notes; then loads a plain
 model's weights into the sharded one (load_state_dict) and saves predict's logits on a batch, in
-OUT/<i>-rank<r>.pt for the i-th config (RESHARD: reshard or keep). The config `scaling` measures the
+OUT/<i>-rank<r>.pt for the i-th config (RESHARD: reshard or keep; with :accN each step accumulates N
+micro-batches, the shard cut in N). The config `scaling` measures the
 baseline stage as `apply --nproc --parallel fsdp` does (ladder.scaling) and saves its result.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/fsdp_worker.py OUT RECIPE:UNIT:RESHARD...
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/fsdp_worker.py OUT RECIPE:UNIT:RESHARD[:accN]...
 """
 import sys
 from pathlib import Path
@@ -33,13 +34,18 @@ def predict_batch() -> torch.Tensor:
     return torch.randn(4, 3, 56, 56, generator=torch.Generator().manual_seed(2))
 
 
-def train(recipe: str, batches, distributed):
-    """-> (OptimizedSwin, losses) after len(batches) SGD steps from the seed-0 tiny Swin."""
+def train(recipe: str, batches, distributed, accumulate: int = 1):
+    """-> (OptimizedSwin, losses: the mean of each step's micro-batch losses) after len(batches) SGD steps
+    from the seed-0 tiny Swin, each batch cut in `accumulate` equal micro-batches."""
     torch.manual_seed(0)
     model = build_model(TINY_MODEL, drop_path_rate=0.0)
     swin = optimize_swin(model, recipe, optimizer=torch.optim.SGD, optimizer_kwargs={"lr": LR}, grad_clip=CLIP,
-                         distributed=distributed)
-    return swin, [swin.train_step(x, y).item() for x, y in batches]
+                         accumulate=accumulate, distributed=distributed)
+    losses = []
+    for x, y in batches:
+        micro = [swin.train_step(xm, ym).item() for xm, ym in zip(x.chunk(accumulate), y.chunk(accumulate))]
+        losses.append(sum(micro) / accumulate)
+    return swin, losses
 
 
 def measure_scaling(rank: int, world: int) -> dict:
@@ -63,8 +69,9 @@ def main(out: Path, configs: list[str]) -> None:
         if config == "scaling":
             torch.save(measure_scaling(rank, world), out / f"{i}-rank{rank}.pt")
             continue
-        recipe, unit, reshard = config.split(":")
-        swin, losses = train(recipe, batches, FullyShard(unit=unit, reshard_after_forward=reshard == "reshard"))
+        recipe, unit, reshard, *acc = config.split(":")
+        swin, losses = train(recipe, batches, FullyShard(unit=unit, reshard_after_forward=reshard == "reshard"),
+                             int(acc[0][3:]) if acc else 1)
         held = sum(p.to_local().numel() for p in swin.model.parameters())
         state = swin.state_dict()
         torch.manual_seed(5)

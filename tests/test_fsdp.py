@@ -1,5 +1,6 @@
 """FSDP2 through torchrun on the CPU (gloo, two processes, the tiny Swin): `optimize_swin(distributed=FullyShard)`
-trains as one process does over the global batch (losses, and the weights after three clipped SGD steps),
+trains as one process does over the global batch (losses, and the weights after three clipped SGD steps, with
+and without gradient accumulation),
 each rank holds half of the weights, state_dict() gives the whole weights of a plain timm Swin, and
 load_state_dict takes them back; master weights stand aside; the refusals of settings that cannot work."""
 import os
@@ -25,7 +26,7 @@ AMP_MASTER = str(HERE / "data" / "recipes" / "amp-master.yaml")     # amp + mast
 # weights' change over the steps relative to its norm: fp32 sums in another order; under bf16 FSDP
 # gathers bf16 weights where the one process steps master weights
 CONFIGS = {"baseline:block:reshard": ("baseline", 1e-5), "baseline:stage:keep": ("baseline", 1e-5),
-           f"{AMP_MASTER}:block:reshard": (AMP_MASTER, 5e-2)}
+           "baseline:block:reshard:acc3": ("baseline", 1e-5), f"{AMP_MASTER}:block:reshard": (AMP_MASTER, 5e-2)}
 LOSS_TOLERANCE = {"baseline": 1e-5, AMP_MASTER: 1e-2}
 
 
