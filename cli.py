@@ -301,6 +301,7 @@ def apply(
     cache: Annotated[Optional[Path], typer.Option(help="Where measurements and compile caches are kept between runs (default $XDG_CACHE_HOME/swinbench or ~/.cache/swinbench).")] = None,
     quick: Annotated[bool, typer.Option("--quick", help="A shorter ladder: the recipe's chain without the peers, 10 timed steps after 3 warm-up steps.")] = False,
     nproc: Annotated[Optional[int], typer.Option(help="After the stages, run each measured stage again under torchrun with this many processes (one GPU each; gloo on the CPU), DDP, --batch per process: img/s, efficiency against the one-process figure, and the gate on every rank against the baseline over the global batch.")] = None,
+    parallel: Annotated[Optional[str], typer.Option(help="With --nproc: ddp (every process holds the whole model; the default) or fsdp (FSDP2: each process holds 1/N of the weights, gradients and optimizer state).")] = None,
     interleave: Annotated[Optional[int], typer.Option(help="After the stages, build the measured ones side by side in one process and time them again in this many rounds, in alternation, for paired speedups that a drifting host cannot move (0: off; 10-30 is typical on a GPU). Needs every stage's memory at once. Default: 3 rounds on the CPU, off on a GPU.")] = None,
 ):
     """Apply a staged optimization recipe, measuring, checking and profiling every stage."""
@@ -314,7 +315,8 @@ def apply(
     result = _call(run_apply, recipe, model=model, batch=batch, steps=steps, warmup=warmup, device=device,
                    out_dir=out, profile=profile, stages=stages.split(",") if stages else None, seed=seed,
                    peers=peers, isolate=isolate, console=console, mode=mode, interleave=interleave, resume=resume,
-                   overwrite=overwrite, cache_dir=cache or default_cache_dir(), fresh=fresh, nproc=nproc)
+                   overwrite=overwrite, cache_dir=cache or default_cache_dir(), fresh=fresh, nproc=nproc,
+                   parallel=parallel)
     if check_against is not None:
         _run_check([check_against], [result.records_dir], limit, 2.0, thresholds, force, "md")
 
@@ -360,6 +362,7 @@ def train(
     nnodes: Annotated[int, typer.Option(help="With --nproc: machines in the run (torchrun's --nnodes); run the same command on each.")] = 1,
     rdzv_endpoint: Annotated[Optional[str], typer.Option(help="With --nnodes > 1: HOST:PORT of the c10d rendezvous, the same on every machine.")] = None,
     rdzv_id: Annotated[str, typer.Option(help="With --rdzv-endpoint: the job's name at the rendezvous.")] = "swinbench",
+    parallel: Annotated[Optional[str], typer.Option(help="With --nproc: ddp (every process holds the whole model; the default) or fsdp (FSDP2: each process holds 1/N of the weights, gradients and optimizer state, for models that do not fit otherwise).")] = None,
 ):
     """Train a Swin on real data with a recipe (or compare recipes) and report loss, accuracy, img/s and parity."""
     from workbench.train.loop import TrainConfig, command_line, run_train
@@ -368,7 +371,7 @@ def train(
                          baseline_seeds=baseline_seeds, seeds=seeds, reference=reference, steps=steps, epochs=epochs, batch=batch, lr=lr,
                          weight_decay=weight_decay, label_smoothing=label_smoothing, clip_grad=clip_grad, seed=seed,
                          data=data, workers=workers, device=device, command=command_line(), nproc=nproc, nnodes=nnodes,
-                         rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
+                         rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, parallel=parallel)
     _call(run_train, config, out_dir=out, overwrite=overwrite, console=console, resume=resume)
 
 

@@ -74,7 +74,7 @@ def test_without_a_process_group_ddp_is_off_or_refused():
     ({"bucket_mb": 10}, "unknown DDP setting 'bucket_mb'"),
     ({"bucket_cap_mb": 0}, "bucket_cap_mb must be a number > 0"),
     ({"static_graph": "yes"}, "static_graph must be True or False"),
-    ("ddp", "distributed must be None"),
+    ("zero3", "distributed must be None"),
 ])
 def test_bad_ddp_settings_are_user_errors(value, message):
     with pytest.raises(UserError, match=message):

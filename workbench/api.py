@@ -15,12 +15,14 @@
 Under torchrun (one process per GPU, the process group initialized), the same call wraps the patched
 model in DistributedDataParallel; `distributed={"bucket_cap_mb": 50}` or a `DataParallel` sets DDP's
 throughput settings, and each rank passes its own shard of the global batch to train_step.
+`distributed="fsdp"` or a `FullyShard` shards the model with FSDP2 instead (each rank holds 1/N of the
+weights, gradients and optimizer state); `state_dict()` still gives the whole weights.
 
 These names are the stable surface; everything else in `workbench` may change between versions.
 docs/training.md says what each call does and guarantees.
 """
-from workbench.optimize.distributed import DataParallel
+from workbench.optimize.distributed import DataParallel, FullyShard
 from workbench.optimize.trainer import (GRAPH_WARMUP_STEPS, GraphFallbackWarning, OptimizedSwin, RecipeUnavailable,
                                        optimize_swin)
 
-__all__ = ["optimize_swin", "OptimizedSwin", "DataParallel", "GraphFallbackWarning", "RecipeUnavailable", "GRAPH_WARMUP_STEPS"]
+__all__ = ["optimize_swin", "OptimizedSwin", "DataParallel", "FullyShard", "GraphFallbackWarning", "RecipeUnavailable", "GRAPH_WARMUP_STEPS"]

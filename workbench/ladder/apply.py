@@ -586,7 +586,7 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
               progress: bool = True, console=None, isolate: bool | None = None,
               peers: bool | None = None, mode: str = "train", interleave: int | None = None,
               resume: bool = False, overwrite: bool = False, cache_dir: Path | None = None,
-              fresh: bool = False, nproc: int | None = None) -> ApplyResult:
+              fresh: bool = False, nproc: int | None = None, parallel: str | None = None) -> ApplyResult:
     """Run every stage of `recipe` (baseline first), write one record per stage and the report.
 
     recipe: a built-in name or a YAML path, or 'auto': the ladder of AUTO_LADDER for this device (with
@@ -619,6 +619,7 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
     nproc: after the stages (and interleaved rounds), every measured stage again under torchrun with this
     many processes, DDP, batch per process `batch` (`scaling.py`): its record gets `scaling` (img/s at
     that world size, efficiency against the one-process img/s, the gate on every rank). Training only.
+    parallel: with nproc, "ddp" (the default) or "fsdp" (FSDP2: the model sharded over the processes).
     """
     from rich.console import Console
 
@@ -632,6 +633,7 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
     on_gpu = dev.type == "cuda"
     if nproc is not None:
         _check_nproc(nproc, mode, dev)
+    _check_parallel(parallel, nproc)
     model = model or default_model_for(device)
     check_model_name(model)
     auto = str(recipe) == AUTO
@@ -657,7 +659,21 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
                             steps=steps, warmup=warmup, profile=profile, isolate=isolate, on_gpu=on_gpu,
                             interleave=interleave, asked_interleave=asked_interleave, progress=progress,
                             cache=RecordCache(cache_dir, on_gpu=on_gpu, fresh=fresh) if cache_dir else None,
-                            auto=auto, nproc=nproc)
+                            auto=auto, nproc=nproc, parallel=parallel or "ddp")
+
+
+def _check_parallel(parallel, nproc) -> None:
+    """UserError unless `apply --parallel` names a strategy and goes with --nproc."""
+    from workbench.optimize.distributed import STRATEGIES, require_fully_shard
+
+    if parallel is None:
+        return
+    if parallel not in STRATEGIES:
+        raise UserError(f"--parallel must be one of {', '.join(STRATEGIES)}, got {parallel!r}")
+    if nproc is None:
+        raise UserError("--parallel goes with --nproc (how the processes share the training)")
+    if parallel == "fsdp":
+        require_fully_shard()
 
 
 def _check_nproc(nproc, mode: str, dev: torch.device) -> None:
@@ -690,7 +706,7 @@ def _run_claimed(claim: FolderClaim, recipe: str, plans: list[StagePlan], config
                  records_dir: Path, *, console, resume: bool, steps: int, warmup: int, profile: bool,
                  isolate: bool, on_gpu: bool, interleave: int, asked_interleave: bool,
                  progress: bool, cache: RecordCache | None = None, auto: bool = False,
-                 nproc: int | None = None) -> ApplyResult:
+                 nproc: int | None = None, parallel: str = "ddp") -> ApplyResult:
     """run_apply's work once its folder is claimed: every stage, the interleaved rounds, the scaling runs
     (`nproc`), the report (with `auto`, the best configuration that passed the gate)."""
     from workbench.results.report import (activation_dtype_changes, auto_choice, auto_choice_lines, render_report,
@@ -768,7 +784,7 @@ def _run_claimed(claim: FolderClaim, recipe: str, plans: list[StagePlan], config
             shown.line(f"timing the stages again in alternation: {interleave} rounds")
             _interleave(records, specs, config, interleave, isolate, out_dir, console, shown, asked=asked_interleave)
         if nproc is not None:
-            _scale(records, specs, nproc, shown, extra_env)
+            _scale(records, specs, nproc, parallel, shown, extra_env)
 
     choice = auto_choice(records, graph_recipes()) if auto else None
     report_path = render_report(records, out_dir / "report.md", auto=choice)
@@ -797,8 +813,9 @@ def _run_claimed(claim: FolderClaim, recipe: str, plans: list[StagePlan], config
     return result
 
 
-def _scale(records: list[dict], specs: list[StageSpec], nproc: int, shown, extra_env) -> None:
-    """Every measured stage again under torchrun with `nproc` processes (scaling.py), in place."""
+def _scale(records: list[dict], specs: list[StageSpec], nproc: int, parallel: str, shown, extra_env) -> None:
+    """Every measured stage again under torchrun with `nproc` processes, `parallel` ("ddp" or "fsdp")
+    (scaling.py), in place."""
     from workbench.ladder.scaling import scale_stage
 
     def say(text: str) -> None:   # on a terminal too: the bars show nothing while torchrun runs
@@ -809,8 +826,9 @@ def _scale(records: list[dict], specs: list[StageSpec], nproc: int, shown, extra
         spec = by_key.get((record["stage_index"], record["stage"]))
         if record["status"] != "ok" or spec is None:
             continue
-        say(f"{record['stage']}: data parallel, {nproc} processes under torchrun")
-        records[i] = record = scale_stage(record, spec, nproc, extra_env)
+        say(f"{record['stage']}: data parallel, {nproc} processes under torchrun"
+            + (", FSDP" if parallel == "fsdp" else ""))
+        records[i] = record = scale_stage(record, spec, nproc, extra_env, parallel)
         s = record["scaling"]
         if s["status"] == "ok":
             eff = f", efficiency {s['efficiency']:.2f}" if s.get("efficiency") else ""

@@ -6,14 +6,16 @@ After the ladder has measured a stage in one process, the parent starts
 
 (fresh processes per stage, as `isolate` runs stages). Each rank builds the stage's workload with the
 run's per-process batch B, takes rank r's share of a global synthetic batch of N x B images (the same seed
-on every rank), applies the chain's passes and wraps the model in DDP (`optimize.distributed`).
+on every rank), applies the chain's passes and wraps the model in DDP, or with `--parallel fsdp` shards it
+with FSDP2 and builds the optimizer over the shards (`optimize.distributed`).
 
 The gate holds on every rank, against the fp32 baseline over the global batch: every rank computes the
 baseline's forward + backward on its own share and the ranks combine them (logits gathered in rank order,
 the mean of the losses, the mean of the gradients: what one process computes over the N x B images, up
 to the order of the sums). The stage's one forward + backward under DDP is combined the same way (DDP
-already averaged its gradients), and each rank compares it with the stage's tolerance (the baseline's
-too: its reference here is one process over the global batch); the record keeps every rank's verdict.
+already averaged its gradients; FSDP's averaged shards are gathered whole), and each rank compares it with
+the stage's tolerance (the baseline's too: its reference here is one process over the global batch); the
+record keeps every rank's verdict, and in its `ddp` field the strategy and its settings.
 
 Timing: `warmup` + `steps` training steps per rank (`time_steps`; each rank's median and IQR are kept); a
 step waits for the all-reduce, so the slowest rank's median is the step time, img/s = N x B / that, and
@@ -45,9 +47,10 @@ def torchrun_command(nproc: int, spec_path: Path) -> tuple[list[str], dict]:
                                  str(nproc), "-m", "workbench.ladder.scaling", str(spec_path))
 
 
-def scale_stage(record: dict, spec, nproc: int, extra_env: dict | None = None) -> dict:
-    """Run the stage of `spec` (a StageSpec) under torchrun with `nproc` processes and put the result in
-    `record["scaling"]` (written) -> the record. `record` is the stage's one-process record."""
+def scale_stage(record: dict, spec, nproc: int, extra_env: dict | None = None, parallel: str = "ddp") -> dict:
+    """Run the stage of `spec` (a StageSpec) under torchrun with `nproc` processes, data parallel by
+    `parallel` ("ddp" or "fsdp"), and put the result in `record["scaling"]` (written) -> the record.
+    `record` is the stage's one-process record."""
     from workbench.results.record import write_record
 
     out_dir = Path(spec.out_dir)
@@ -58,7 +61,7 @@ def scale_stage(record: dict, spec, nproc: int, extra_env: dict | None = None) -
                                         folder / f"{name}.log")
     result_path.unlink(missing_ok=True)
     atomic_write_text(spec_path, json.dumps({"stage": asdict(spec), "single_img_per_s": record.get("img_per_s"),
-                                             "result": str(result_path)}, indent=1) + "\n")
+                                             "result": str(result_path), "parallel": parallel}, indent=1) + "\n")
     from workbench.capture.backends import stop_process
 
     cmd, env = torchrun_command(nproc, spec_path)
@@ -103,18 +106,19 @@ def _over_ranks(out, world: int, device: torch.device, *, average_grads: bool):
     return GateOutputs(torch.cat(logits), sum(losses) / world, grads)
 
 
-def _measure(spec, single_img_per_s: float | None, device: torch.device, rank: int, world: int) -> dict:
+def _measure(spec, single_img_per_s: float | None, device: torch.device, rank: int, world: int,
+             parallel: str = "ddp") -> dict:
     import torch.distributed as dist
 
     from workbench.ladder.interleave import apply_chain
-    from workbench.optimize.distributed import DataParallel, shard_batch, wrap_data_parallel
+    from workbench.optimize.distributed import STRATEGIES, fully_shard_model, shard_batch, wrap_data_parallel
     from workbench.optimize.gate import capture_parameters, compare, forward_backward, weights_digest
     from workbench.optimize.recipes import gate_tolerance, resolve_chain
     from workbench.optimize.timing import time_steps
     from workbench.optimize.workload import Workload, WorkloadConfig
 
     config = replace(WorkloadConfig(**spec.config), device=str(device))
-    settings = DataParallel()
+    settings = STRATEGIES[parallel]()
     result = {"world_size": world, "backend": dist.get_backend(), "batch_per_process": config.batch,
               "global_batch": config.batch * world, "status": "ok", "reason": None, "ddp": settings.to_dict()}
     chain = resolve_chain(spec.stage_ref)
@@ -135,18 +139,28 @@ def _measure(spec, single_img_per_s: float | None, device: torch.device, rank: i
     shard_batch(workload, rank, world)
     digest = weights_digest(workload.model)
     params = capture_parameters(workload.model)
+    workload.ctx.sharded = parallel == "fsdp"
     missing = [r for r in apply_chain(workload, chain) if not r.available]
     if missing:
         return {**result, "status": "not run", "reason": "; ".join(f"{r.name}: {r.changed}" for r in missing)}
     if workload.own_graphs():
         return {**result, "status": "not run", "reason": f"{workload.own_graphs()}: CUDA graphs are not run under "
-                                                         "DDP yet (the all-reduce inside a captured step)"}
-    workload.prepare()
-    workload.model = wrap_data_parallel(workload.model, device, settings)
+                                                         f"{parallel.upper()} yet (the collectives inside a "
+                                                         "captured step)"}
+    if workload.ctx.sharded:
+        if workload.ctx.grad_scaler and device.type == "cuda":
+            return {**result, "status": "not run", "reason": "fp16 with a GradScaler is not run under FSDP (its "
+                                                             "inf check would see one rank's shards): use bf16"}
+        bf16 = workload.ctx.precision.amp_dtype is torch.bfloat16
+        fully_shard_model(workload.model, settings, torch.bfloat16 if bf16 else None)
+        workload.prepare()      # the optimizer over the shards
+    else:
+        workload.prepare()
+        workload.model = wrap_data_parallel(workload.model, device, settings)
 
     out = _over_ranks(forward_backward(workload, params), world, device, average_grads=False)
     out.weights_digest = digest
-    # under DDP even the baseline is gated: its reference is one process over the global batch, not itself
+    # under DDP or FSDP even the baseline is gated: its reference is one process over the global batch, not itself
     gate = compare(out, ref, gate_tolerance(chain, workload.ctx.precision.name))
     verdicts: list = [None] * world
     dist.all_gather_object(verdicts, gate.status)
@@ -176,7 +190,7 @@ def scaling_main(spec_path: str) -> int:
     spec = SimpleNamespace(**data["stage"])     # apply.StageSpec's fields (apply imports this module)
     device = init_process_group_from_env(torch.device(pick_device(spec.config["device"])).type)
     rank, world = dist.get_rank(), dist.get_world_size()
-    result = _measure(spec, data.get("single_img_per_s"), device, rank, world)
+    result = _measure(spec, data.get("single_img_per_s"), device, rank, world, data.get("parallel", "ddp"))
     if rank == 0:
         atomic_write_text(Path(data["result"]), json.dumps(result, indent=1) + "\n")
     dist.barrier()

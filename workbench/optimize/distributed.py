@@ -1,17 +1,24 @@
-"""Data parallel over torch.distributed: the DDP settings a training run takes, and the wrapping.
+"""Data parallel over torch.distributed: the settings a training run takes (DDP's or FSDP2's), and the wrapping.
 
 swinbench does not launch processes itself: `torchrun` (torch.distributed.run) starts one process per
 GPU and sets RANK, LOCAL_RANK and WORLD_SIZE; the process group is initialized by the caller (or by
-`init_process_group_from_env`, what `swinbench train --nproc` runs in each rank). A patched Swin is then
-wrapped in DistributedDataParallel with `DataParallel`'s settings: every rank holds the same weights,
-runs its own shard of the global batch, and after backward every `p.grad` holds the mean over the ranks
-(DDP all-reduces the gradient buckets in place while backward runs).
+`init_process_group_from_env`, what `swinbench train --nproc` runs in each rank). A patched Swin then
+trains data parallel in one of two ways, each rank on its own shard of the global batch:
+
+    DataParallel   DistributedDataParallel: every rank holds all the weights, gradients and optimizer
+                   state; after backward every `p.grad` holds the mean over the ranks (DDP all-reduces
+                   the gradient buckets in place while backward runs).
+    FullyShard     FSDP2 (torch.distributed.fsdp.fully_shard): every rank holds 1/N of each parameter
+                   (a DTensor shard), of its gradient and of the optimizer state; each unit (a Swin
+                   block, or a stage) all-gathers its parameters before its forward and its backward, and
+                   reduce-scatters its gradients (their mean over the ranks) after its backward.
 """
 from __future__ import annotations
 
 import math
 import os
 from dataclasses import asdict, dataclass, fields
+from typing import ClassVar
 
 import torch
 
@@ -39,6 +46,7 @@ class DataParallel:
     gradient_as_bucket_view: bool = True
     static_graph: bool = True
     broadcast_buffers: bool = False
+    strategy: ClassVar[str] = "ddp"
 
     def __post_init__(self):
         if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, (int, float)) or \
@@ -49,7 +57,51 @@ class DataParallel:
                 raise UserError(f"{name} must be True or False, got {short_repr(getattr(self, name))}")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {"strategy": self.strategy, **asdict(self)}
+
+
+SHARD_UNITS = ("block", "stage")
+
+
+@dataclass(frozen=True)
+class FullyShard:
+    """FSDP2's settings (torch.distributed.fsdp.fully_shard), for models whose weights, gradients and
+    optimizer state should not be held whole by every rank.
+
+    unit: what one all-gather covers: "block" (each timm SwinTransformerBlock: the most units, the least
+    memory held gathered at once) or "stage" (each stage with its blocks and patch merging: fewer, larger
+    collectives). The root (patch embedding, the last norm, the head) is one more unit either way.
+    reshard_after_forward: free each unit's gathered parameters after its forward and gather them again
+    for its backward (the least memory); False keeps them gathered from forward to backward (one
+    all-gather fewer per unit per step, the whole model's parameters held between the two).
+    """
+
+    unit: str = "block"
+    reshard_after_forward: bool = True
+    strategy: ClassVar[str] = "fsdp"
+
+    def __post_init__(self):
+        if self.unit not in SHARD_UNITS:
+            raise UserError(f"unit must be one of {', '.join(SHARD_UNITS)}, got {short_repr(self.unit)}")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise UserError(f"reshard_after_forward must be True or False, got "
+                            f"{short_repr(self.reshard_after_forward)}")
+
+    def to_dict(self) -> dict:
+        return {"strategy": self.strategy, **asdict(self)}
+
+
+STRATEGIES = {"ddp": DataParallel, "fsdp": FullyShard}
+Parallel = DataParallel | FullyShard
+
+
+def require_fully_shard() -> None:
+    """UserError unless this torch has FSDP2 (torch.distributed.fsdp.fully_shard, torch 2.6 and later)."""
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: F401
+    except ImportError:
+        raise UserError(f"FSDP needs torch.distributed.fsdp.fully_shard (torch 2.6 or later); this is torch "
+                        f"{torch.__version__}: use DDP, or a newer torch") from None
 
 
 def world_size() -> int:
@@ -65,41 +117,73 @@ def rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def data_parallel_settings(value, accumulate: int = 1) -> DataParallel | None:
-    """optimize_swin's `distributed` -> the DDP settings, or None (no wrapping).
+def asked_strategy(value) -> str | None:
+    """The strategy optimize_swin's `distributed` asks for: "ddp", "fsdp", or None (one process), read
+    without checking the settings or the process group (data_parallel_settings checks both)."""
+    if value is None:
+        return "ddp" if world_size() > 1 else None
+    if value is False:
+        return None
+    if isinstance(value, FullyShard) or (isinstance(value, str) and value == "fsdp") or \
+            (isinstance(value, dict) and value.get("strategy") == "fsdp"):
+        return "fsdp"
+    return "ddp"
+
+
+def data_parallel_settings(value, accumulate: int = 1) -> Parallel | None:
+    """optimize_swin's `distributed` -> the data-parallel settings (DataParallel for DDP, FullyShard for
+    FSDP2), or None (one process's training).
 
     None: DDP with the default settings when torch.distributed is initialized with more than one process,
-    else none. False: none. True: DDP with the default settings. A dict of DataParallel's fields, or a
-    DataParallel: DDP with those. True, a dict or a DataParallel need an initialized process group.
-    The defaults are DataParallel's, with static_graph off when `accumulate` > 1."""
+    else none. False: none. True or "ddp": DDP with the default settings; "fsdp": FSDP2 with its defaults.
+    A dict: the settings of the strategy its "strategy" key names ("ddp" when it has none). A DataParallel
+    or a FullyShard: those. All but None and False need an initialized process group. DDP's defaults are
+    DataParallel's, with static_graph off when `accumulate` > 1."""
     default = DataParallel(static_graph=accumulate == 1)
     if value is None:
         return default if world_size() > 1 else None
     if value is False:
         return None
-    if value is True:
+    if value is True or isinstance(value, str) and value == "ddp":
         settings = default
-    elif isinstance(value, DataParallel):
+    elif isinstance(value, str) and value == "fsdp":
+        settings = FullyShard()
+    elif isinstance(value, (DataParallel, FullyShard)):
         settings = value
     elif isinstance(value, dict):
-        names = {f.name for f in fields(DataParallel)}
-        unknown = sorted(set(value) - names)
-        if unknown:
-            raise UserError(f"distributed: unknown DDP setting {short_repr(unknown[0])} (settings: "
-                            f"{', '.join(sorted(names))})")
-        settings = DataParallel(**{"static_graph": default.static_graph, **value})
+        settings = _settings_from_dict(value, default)
     else:
-        raise UserError(f"distributed must be None (DDP when torchrun started several processes), False, True, a "
-                        f"dict of DDP settings or a DataParallel, got {short_repr(value)}")
-    if settings.static_graph and accumulate > 1:
+        raise UserError(f"distributed must be None (DDP when torchrun started several processes), False, True, "
+                        f"'ddp', 'fsdp', a dict of DDP or FSDP settings, a DataParallel or a FullyShard, got "
+                        f"{short_repr(value)}")
+    if isinstance(settings, FullyShard):
+        require_fully_shard()
+    if isinstance(settings, DataParallel) and settings.static_graph and accumulate > 1:
         raise UserError("distributed: static_graph does not go with accumulate > 1 (DDP cannot skip the all-reduce "
                         "of a micro-step under a static graph): set static_graph False")
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        raise UserError("distributed asks for DDP, but torch.distributed is not initialized: start the script with "
-                        "torchrun and call torch.distributed.init_process_group() first")
+        raise UserError(f"distributed asks for {settings.strategy.upper()}, but torch.distributed is not "
+                        "initialized: start the script with torchrun and call torch.distributed.init_process_group() "
+                        "first")
     return settings
+
+
+def _settings_from_dict(value: dict, ddp_default: DataParallel) -> Parallel:
+    strategy = value.get("strategy", "ddp")
+    if strategy not in STRATEGIES:
+        raise UserError(f"distributed: strategy must be one of {', '.join(STRATEGIES)}, got {short_repr(strategy)}")
+    cls = STRATEGIES[strategy]
+    given = {k: v for k, v in value.items() if k != "strategy"}
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(given) - names, key=str)
+    if unknown:
+        raise UserError(f"distributed: unknown {strategy.upper()} setting {short_repr(unknown[0])} (settings: "
+                        f"{', '.join(sorted(names))})")
+    if cls is DataParallel:
+        given = {"static_graph": ddp_default.static_graph, **given}
+    return cls(**given)
 
 
 def wrap_data_parallel(model: torch.nn.Module, device: torch.device, settings: DataParallel):
@@ -116,6 +200,62 @@ def wrap_data_parallel(model: torch.nn.Module, device: torch.device, settings: D
                                    bucket_cap_mb=settings.bucket_cap_mb,
                                    gradient_as_bucket_view=settings.gradient_as_bucket_view,
                                    static_graph=settings.static_graph, **{buffers: settings.broadcast_buffers})
+
+
+def shard_units(model: torch.nn.Module, unit: str) -> list[torch.nn.Module]:
+    """The modules FullyShard's `unit` names in a timm Swin, in module order: its SwinTransformerBlocks
+    ("block") or its SwinTransformerStages ("stage")."""
+    from timm.models.swin_transformer import SwinTransformerBlock, SwinTransformerStage
+
+    kind = SwinTransformerBlock if unit == "block" else SwinTransformerStage
+    return [m for m in model.modules() if isinstance(m, kind)]
+
+
+def fully_shard_model(model: torch.nn.Module, settings: FullyShard,
+                      param_dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """Shard `model` (on its device, patched) in place with FSDP2 -> the same object, whose parameters are
+    now DTensor shards: build the optimizer over them after this. Rank 0's parameters and buffers are
+    broadcast to every rank first (as DDP does), then each of `shard_units(model, settings.unit)` and the
+    root go through fully_shard. With `param_dtype` (bf16 for a bf16 recipe) each unit's gathered
+    parameters are cast to it for forward and backward while the shards stay fp32 and the gradients are
+    reduce-scattered in fp32 (MixedPrecisionPolicy)."""
+    import warnings
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    units = shard_units(model, settings.unit)
+    if not units:
+        raise UserError(f"FSDP shards a timm Swin by {settings.unit}, and this {type(model).__name__} has no "
+                        f"Swin{'TransformerBlock' if settings.unit == 'block' else 'TransformerStage'}")
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(t.data, src=0)
+    # a timm Swin block returns a reshaped view of its output, which the next block and the stage read out
+    # of place; torch warns about in-place use of such views, which would skip FSDP's pre-backward hook
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    for module in units:
+        fully_shard(module, reshard_after_forward=settings.reshard_after_forward, mp_policy=policy)
+    fully_shard(model, reshard_after_forward=settings.reshard_after_forward, mp_policy=policy)
+    return model
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A model sharded by fully_shard_model -> its state_dict as one process holds it: every tensor whole,
+    a plain torch.Tensor on the model's device. A collective: every rank calls it (and gets it all)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+def load_full_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], strict: bool = True):
+    """Load a whole (unsharded) state_dict, such as full_state_dict's or a plain timm Swin's, into a model
+    sharded by fully_shard_model: each rank keeps its shards. A collective; every rank gives the same
+    state_dict. -> torch's (missing_keys, unexpected_keys)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    return set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, strict=strict))
 
 
 def backend_for(device: torch.device) -> str:

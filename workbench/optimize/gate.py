@@ -94,6 +94,8 @@ def forward_backward(workload: Workload, params: dict[str, torch.nn.Parameter]) 
     grads = {}
     for name, p in params.items():
         g = p.grad if p.grad is not None else getattr(by_name.get(name), "grad", None)
+        if hasattr(g, "full_tensor"):       # a DTensor shard (FSDP put a new parameter in p's place): whole
+            g = g.full_tensor()
         grads[name] = None if g is None else g.detach().float().cpu().clone()
     out = GateOutputs(logits.detach().float().cpu(), float(loss.detach().float().cpu()), grads)
     workload.model.zero_grad(set_to_none=True)

@@ -10,8 +10,9 @@ applies) to a timm Swin the user built, in place, and builds the optimizer the r
                                            the whole step replayed as one CUDA graph
     predict(images)                        logits in eval mode, without autograd (a CUDA graph too)
     optimizer                              the torch Optimizer holding the param groups: LR schedulers
-    state_dict() / load_state_dict()       the weights as a plain timm Swin holds them (fp32 masters)
-    optimizer_state_dict() / load_...      the optimizer's state, to resume
+    state_dict() / load_state_dict()       the weights as a plain timm Swin holds them (fp32 masters;
+                                           under FSDP gathered whole on every rank)
+    optimizer_state_dict() / load_...      the optimizer's state, to resume (under FSDP each rank's shard)
 
 images: (N, 3, H, W) float at the model's input size, on any device (copied to the model's). targets:
 whatever `loss_fn(logits, targets)` takes: class indices (N,) int64, or soft targets (N, classes) float from
@@ -43,7 +44,9 @@ import torch.nn.functional as F
 
 from workbench.errors import UserError
 from workbench.files import short_repr
-from workbench.optimize.distributed import DataParallel, data_parallel_settings, wrap_data_parallel, world_size
+from workbench.optimize.distributed import (DataParallel, FullyShard, Parallel, asked_strategy, data_parallel_settings,
+                                            full_state_dict, fully_shard_model, load_full_state_dict,
+                                            wrap_data_parallel, world_size)
 from workbench.optimize.passes import PassContext, PassResult, default_optimizer_factory
 from workbench.optimize.recipes import Recipe, apply_chain_passes, is_graph_form, resolve_chain
 from workbench.precision import resolve_precision
@@ -137,20 +140,22 @@ class OptimizedSwin:
     """A timm Swin patched by a recipe, with the optimizer the recipe builds and the calls a training loop
     needs (see the module's docstring). Build it with `optimize_swin`.
 
-    model: the patched model (the object given to optimize_swin). optimizer: the torch Optimizer whose
-    param_groups set the learning rate; step it through train_step only (under master weights it holds
-    the fp32 masters, and train_step gathers their gradients first). recipe: its name; passes: the
-    PassResult of every pass of its chain; notes: what the user should know (said once each).
-    optimizer_steps, micro_steps: counts; updated: whether the last train_step stepped the optimizer.
-    last_logits: the logits of the last train_step (overwritten by the next one).
-    last_grad_norm: with grad_clip, the global gradient norm before clipping of the last optimizer step (a
-    0-dim fp32 tensor on the device, read without a host sync; None before the first step or without
-    clipping): the figure to watch for loss spikes.
+    model: the patched model (the object given to optimize_swin; under FSDP sharded in place, its
+    parameters DTensor shards). optimizer: the torch Optimizer whose param_groups set the learning rate;
+    step it through train_step only (under master weights it holds the fp32 masters, and train_step
+    gathers their gradients first). recipe: its name; passes: the PassResult of every pass of its chain;
+    notes: what the user should know (said once each). optimizer_steps, micro_steps: counts; updated:
+    whether the last train_step stepped the optimizer. last_logits: the logits of the last train_step
+    (overwritten by the next one). last_grad_norm: with grad_clip, the global gradient norm before
+    clipping of the last optimizer step (a 0-dim fp32 tensor on the device, read without a host sync;
+    None before the first step or without clipping): the figure to watch for loss spikes.
+    data_parallel: the DataParallel or FullyShard settings, or None; ddp: the DDP wrapper the training
+    step runs, or None; sharded: whether FSDP2 shards the model.
     """
 
     def __init__(self, model: torch.nn.Module, ctx: PassContext, chain: list[Recipe], passes: list[PassResult],
                  *, loss_fn: LossFn | None, grad_clip: float | None, accumulate: int, notes: list[str],
-                 data_parallel: DataParallel | None = None):
+                 data_parallel: Parallel | None = None):
         self.model = model
         self.ctx = ctx
         self.chain = chain
@@ -169,16 +174,21 @@ class OptimizedSwin:
         self.last_grad_norm: torch.Tensor | None = None
 
         ctx.precision.apply_matmul_mode()
+        self.data_parallel = data_parallel
+        self.world_size = world_size() if data_parallel is not None else 1
+        self.ddp = None
+        self.sharded = isinstance(data_parallel, FullyShard)
+        if self.sharded:
+            # the optimizer steps the DTensor shards, so it is built after sharding
+            bf16 = ctx.precision.amp_dtype is torch.bfloat16
+            fully_shard_model(model, data_parallel, torch.bfloat16 if bf16 else None)
         self._master = ctx.master_weights
         if self._master is not None:
             self._stepper = self._master.optimizer(ctx.optimizer_factory, model.parameters())
             self.optimizer = self._stepper.inner
         else:
             self._stepper = self.optimizer = ctx.optimizer_factory(model.parameters())
-        self.data_parallel = data_parallel
-        self.world_size = world_size() if data_parallel is not None else 1
-        self.ddp = None
-        if data_parallel is not None:
+        if isinstance(data_parallel, DataParallel):
             self.ddp = wrap_data_parallel(model, self.device, data_parallel)
             if self._master is not None:
                 # DDP broadcast rank 0's bf16 weights; the fp32 masters the optimizer steps must follow
@@ -225,7 +235,8 @@ class OptimizedSwin:
                  f"{self.ctx.precision.name}, optimizer {self.ctx.optimizer_name}"
                  + (" on fp32 master weights" if self._master is not None else "")
                  + (", CUDA graph" if self.graphed else "")
-                 + (f", DDP over {self.world_size} processes ({self.data_parallel})" if self.ddp is not None else "")]
+                 + (f", {self.data_parallel.strategy.upper()} over {self.world_size} processes "
+                    f"({self.data_parallel})" if self.data_parallel is not None else "")]
         lines += [f"  {p.name}: {p.changed}" for p in self.passes]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -251,8 +262,9 @@ class OptimizedSwin:
         return logits, loss
 
     def _clip(self, params) -> None:
-        self.last_grad_norm = torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None],
-                                                             self.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], self.grad_clip)
+        # under FSDP the norm of sharded gradients is a DTensor: the plain tensor every rank agrees on
+        self.last_grad_norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def _update(self) -> None:
         """Clip (when asked) and step the optimizer, from the gradients in place."""
@@ -449,7 +461,10 @@ class OptimizedSwin:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's weights under the keys, dtypes and values a plain timm Swin holds: under master
-        weights the fp32 masters (copies), not their bf16 copies. Loads into timm's model as it is."""
+        weights the fp32 masters (copies), not their bf16 copies; under FSDP every tensor gathered whole
+        (a collective: every rank calls it, and every rank gets it all). Loads into timm's model as it is."""
+        if self.sharded:
+            return full_state_dict(self.model)
         state = self.model.state_dict()
         if self._master is not None:
             views = self._master.fp32_views()
@@ -460,9 +475,12 @@ class OptimizedSwin:
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True):
         """Load weights saved by `state_dict()` or by a plain timm Swin of the same architecture, in place
         (a captured graph stays valid). Under master weights the fp32 values go to the masters, and the
-        bf16 weights become the masters rounded. -> torch's (missing_keys, unexpected_keys)."""
+        bf16 weights become the masters rounded. Under FSDP every rank gives the whole state_dict and keeps
+        its shards. -> torch's (missing_keys, unexpected_keys)."""
         from torch.nn.modules.module import _IncompatibleKeys
 
+        if self.sharded:
+            return load_full_state_dict(self.model, state_dict, strict=strict)
         if self._master is None:
             return self.model.load_state_dict(state_dict, strict=strict)
         expected = set(self.model.state_dict())
@@ -487,7 +505,8 @@ class OptimizedSwin:
 
     def optimizer_state_dict(self) -> dict:
         """The optimizer's state_dict (under master weights: over the flat fp32 master, so it loads into
-        the same recipe's optimizer), with learning rates as numbers."""
+        the same recipe's optimizer; under FSDP this rank's shards, which load into the same recipe on the
+        same number of processes), with learning rates as numbers."""
         state = self.optimizer.state_dict()
         for group in state["param_groups"]:
             if isinstance(group.get("lr"), torch.Tensor):
@@ -513,7 +532,7 @@ class OptimizedSwin:
 def optimize_swin(model: torch.nn.Module, recipe: str = "fmha", *, optimizer=None, optimizer_kwargs: dict | None = None,
                   loss_fn: LossFn | None = None, grad_clip: float | None = None, accumulate: int = 1,
                   device: str | torch.device | None = None, allow_unavailable: bool = False,
-                  distributed: bool | dict | DataParallel | None = None) -> OptimizedSwin:
+                  distributed: bool | str | dict | DataParallel | FullyShard | None = None) -> OptimizedSwin:
     """Patch a timm Swin for a recipe and build what trains it -> OptimizedSwin.
 
     model: a timm Swin (SwinTransformer), in fp32, patched in place (use the returned `.model`).
@@ -528,11 +547,15 @@ def optimize_swin(model: torch.nn.Module, recipe: str = "fmha", *, optimizer=Non
     GPU for the Triton kernels, no CUDA for graphs) instead of raising; `notes` lists them.
     distributed: data parallel over torch.distributed (the process group initialized by the caller, the
     processes started by torchrun). None: the patched model is wrapped in DistributedDataParallel when
-    the group has more than one process; False: never; True, a dict of DataParallel settings
-    (bucket_cap_mb, gradient_as_bucket_view, static_graph, broadcast_buffers) or a DataParallel: always.
-    Each rank then passes its own shard of the global batch to train_step; gradients are averaged over
-    the ranks before clipping and the optimizer step. Recipes that replay CUDA graphs are refused under
-    DDP (UserError).
+    the group has more than one process; False: never; True, "ddp", a dict of DataParallel settings
+    (bucket_cap_mb, gradient_as_bucket_view, static_graph, broadcast_buffers) or a DataParallel: DDP.
+    "fsdp", a dict with "strategy": "fsdp" and FullyShard settings (unit, reshard_after_forward) or a
+    FullyShard: the patched model is sharded with FSDP2 (fully_shard per Swin block or stage, then the
+    root; bf16 recipes gather bf16 parameters and reduce fp32 gradients), the optimizer built over the
+    shards, and the master_weights pass stands aside. Each rank then passes its own shard of the global
+    batch to train_step; gradients are averaged over the ranks before clipping and the optimizer step.
+    Recipes that replay CUDA graphs are refused under DDP and FSDP (UserError), and so is fp16 with its
+    GradScaler under FSDP on a GPU.
 
     A pass that cannot run here raises RecipeUnavailable, a UserError (the model may then be partly
     patched: build it again).
@@ -546,9 +569,10 @@ def optimize_swin(model: torch.nn.Module, recipe: str = "fmha", *, optimizer=Non
         raise UserError(f"grad_clip must be a number > 0 or None, got {short_repr(grad_clip)}")
     settings, factory, name = _optimizer_choice(optimizer, optimizer_kwargs)
     chain = resolve_chain(str(recipe))
-    wants_ddp = distributed is not None and distributed is not False or distributed is None and world_size() > 1
-    if wants_ddp and any(is_graph_form(r) for r in chain):
-        raise UserError(f"recipe {chain[-1].name!r} replays CUDA graphs, which swinbench does not run under DDP yet "
+    strategy = asked_strategy(distributed)
+    if strategy is not None and any(is_graph_form(r) for r in chain):
+        raise UserError(f"recipe {chain[-1].name!r} replays CUDA graphs, which swinbench does not run under "
+                        f"{strategy.upper()} yet "
                         "(the all-reduce inside a captured step is not built and checked): use the recipe it "
                         f"extends ({chain[-2].name if len(chain) > 1 else 'baseline'}) with several processes")
     data_parallel = data_parallel_settings(distributed, accumulate)
@@ -559,7 +583,8 @@ def optimize_swin(model: torch.nn.Module, recipe: str = "fmha", *, optimizer=Non
         model.to(dev)
     else:
         dev = next(model.parameters()).device
-    ctx = PassContext(device=dev, precision=resolve_precision("fp32"), training=True)
+    ctx = PassContext(device=dev, precision=resolve_precision("fp32"), training=True,
+                      sharded=isinstance(data_parallel, FullyShard))
     if factory is not None:
         ctx.optimizer_factory, ctx.optimizer_name = factory, f"{name} (given)"
     elif settings:
@@ -577,10 +602,17 @@ def optimize_swin(model: torch.nn.Module, recipe: str = "fmha", *, optimizer=Non
         first = unavailable[0]
         raise RecipeUnavailable(chain[-1].name, f"{first.name} {first.changed}")
     notes += [f"pass {r.name} left out: {r.changed}" for r in unavailable]
+    notes += [f"pass {r.name} {r.changed}" for r in results if r.details.get("applied") is False]
+    if ctx.sharded and ctx.grad_scaler and dev.type == "cuda":
+        raise UserError(f"recipe {chain[-1].name!r} trains in fp16 with a GradScaler, which swinbench does not run "
+                        "under FSDP (its inf check would see one rank's shards): use bf16")
     if factory is not None and ctx.optimizer_factory is not factory:
         notes.append(f"the optimizer given is used, not the recipe's {ctx.optimizer_name}")
         ctx.optimizer_factory, ctx.optimizer_name = factory, f"{name} (given)"
-    if data_parallel is not None:
+    if isinstance(data_parallel, DataParallel):
         notes.append(f"DDP over {world_size()} processes: gradients are averaged over the ranks before each step")
+    elif data_parallel is not None:
+        notes.append(f"FSDP over {world_size()} processes: each rank holds 1/{world_size()} of the weights, gradients "
+                     "and optimizer state; gradients are averaged over the ranks before each step")
     return OptimizedSwin(model, ctx, chain, results, loss_fn=loss_fn, grad_clip=grad_clip, accumulate=accumulate,
                          notes=notes, data_parallel=data_parallel)

@@ -67,15 +67,16 @@ greater than 0, ">= 0" a finite number not below 0; an int is a JSON integer (tr
     pytorch_alone   bool | null: the stage's chain uses no swinbench kernel (a PyTorch-alone peer)
     reused          {run_id: str, path: str, date: str} | null: the measurement was not run again but taken
                     from an earlier run's record under the same conditions (`apply` says so)
-    scaling         (optional; `apply --nproc N`) the stage again under torchrun, data parallel (DDP):
+    scaling         (optional; `apply --nproc N`) the stage again under torchrun, data parallel (DDP or FSDP):
                     {world_size: int >= 1, backend: str, batch_per_process: int >= 1, global_batch: int >= 1,
                     status: 'ok' | 'not run' | 'error', reason: str | null, img_per_s: > 0 | null (global
                     batch / the slowest rank's median step), step_ms: > 0 | null (that median),
                     step_ms_per_rank: [> 0], step_iqr_ms_per_rank: [>= 0] (optional: each rank's
                     interquartile range, in rank order as step_ms_per_rank), efficiency: > 0 | null (img_per_s / (world_size x this record's
                     img_per_s)), gate: {status: 'PASS' | 'FAIL' | 'SKIP' | 'REFERENCE', reason: str | null,
-                    ranks: [status per rank], metrics: JSON}, ddp: {setting: JSON}}; records without it
-                    are read as before
+                    ranks: [status per rank], metrics: JSON}, ddp: {setting: JSON}: the data-parallel
+                    settings, with "strategy": "ddp" | "fsdp" (none said: DDP)}; records without it are read
+                    as before
 
 When status is 'ok', timing, img_per_s, step_ms, step_iqr_ms and (on a GPU) peak_mem_bytes are required;
 a stage that is 'not available' or ended in an 'error' may leave them null. Nothing else may be null

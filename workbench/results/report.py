@@ -834,11 +834,14 @@ def _rounds_text(entry: Interleaved) -> str:
 
 
 def _scaling_lines(records: list[StageRecord]) -> list[str]:
-    """The `apply --nproc` table: each stage under torchrun (DDP) against its one-process figure."""
+    """The `apply --nproc` table: each stage under torchrun (DDP or FSDP) against its one-process figure."""
     scaled = [r for r in records if r.scaling is not None]
     if not scaled:
         return []
     first = scaled[0].scaling
+    # the data-parallel settings: DDP's, or with "strategy": "fsdp" FSDP2's (records before FSDP name none)
+    settings = {k: v for k, v in (first.ddp or {}).items() if k != "strategy"}
+    strategy = (first.ddp or {}).get("strategy") or "ddp"
     rows = []
     for r in scaled:
         s = r.scaling
@@ -854,11 +857,11 @@ def _scaling_lines(records: list[StageRecord]) -> list[str]:
     return [f"## Data parallel: {first.world_size} processes", "",
             _md_table(["stage", "img/s, 1 process", f"img/s, {first.world_size} processes", "efficiency",
                        "median step ms per rank", "gate over the global batch"], rows), "",
-            f"Each stage again under torchrun ({first.backend}, DDP: "
-            + ", ".join(f"{k} {v}" for k, v in (first.ddp or {}).items())
+            f"Each stage again under torchrun ({first.backend}, {strategy.upper()}: "
+            + ", ".join(f"{k} {v}" for k, v in settings.items())
             + f"), {first.batch_per_process} images per process, global batch {first.global_batch}. img/s = global "
             "batch / the slowest rank's median step; efficiency = img/s / (processes x the one-process img/s at the "
-            "same batch per process). The gate compares the combined ranks (logits gathered, mean loss, DDP's "
+            "same batch per process). The gate compares the combined ranks (logits gathered, mean loss, the "
             "averaged gradients) with the fp32 baseline over the global batch, on every rank.", ""]
 
 

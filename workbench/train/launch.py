@@ -8,8 +8,9 @@ The command checks everything and claims its folder as it does for one process, 
 waits. SPEC (ranks.json in the run's folder) holds the checked config and the planned runs. Each rank
 initializes the process group (nccl on CUDA, cuda:LOCAL_RANK; gloo on the CPU), loads the data and trains
 every run through `loop.train_run` on its share of each global batch of N x --batch images, the model in
-DDP (optimize_swin's default under torchrun). Rank 0 alone writes the record files and prints progress;
-the command then renders report.md and curves.png from them as for one process. The ranks' stderr goes
+DDP (optimize_swin's default under torchrun) or, with --parallel fsdp, sharded by FSDP2. Rank 0 alone
+writes the record files and prints progress; the command then renders report.md and curves.png from them
+as for one process. The ranks' stderr goes
 to torchrun.log in the run's folder; a rank's UserError comes back as the command's one-line error.
 
 This module is the launching side; `rank.py` is what runs in each process.

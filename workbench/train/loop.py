@@ -38,6 +38,7 @@ from workbench.env import device_label, environment_stamp
 from workbench.errors import Interrupted, UserError
 from workbench.files import short_repr
 from workbench.models import build_model, check_model_name, default_model_for, input_size
+from workbench.optimize.distributed import STRATEGIES as PARALLEL_STRATEGIES, require_fully_shard
 from workbench.optimize.recipes import is_graph_form, resolve_chain
 from workbench.optimize.workload import pick_device, resolve_device
 from workbench.run_folder import claim_run_folder
@@ -76,6 +77,7 @@ class TrainConfig:
     nnodes: int = 1                        # machines, with nproc each (needs rdzv_endpoint when > 1)
     rdzv_endpoint: str | None = None       # host:port of the c10d rendezvous every machine joins
     rdzv_id: str = "swinbench"             # the job's name at the rendezvous
+    parallel: str | None = None            # with nproc: "ddp" (the default) or "fsdp" (FSDP2, sharded weights)
 
     @property
     def world(self) -> int:
@@ -94,6 +96,14 @@ class TrainConfig:
         positive_int("nnodes", self.nnodes)
         if self.nproc is None and (self.nnodes != 1 or self.rdzv_endpoint is not None):
             raise UserError("--nnodes and --rdzv-endpoint go with --nproc (processes per machine)")
+        if self.parallel is not None:
+            if self.parallel not in PARALLEL_STRATEGIES:
+                raise UserError(f"--parallel must be one of {', '.join(PARALLEL_STRATEGIES)}, got "
+                                f"{short_repr(self.parallel)}")
+            if self.nproc is None:
+                raise UserError("--parallel goes with --nproc (how the processes share the training)")
+            if self.parallel == "fsdp":
+                require_fully_shard()
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise UserError("--nnodes above 1 needs --rdzv-endpoint HOST:PORT, the same on every machine")
         if self.rdzv_endpoint is not None and not (":" in self.rdzv_endpoint and
@@ -214,10 +224,16 @@ def run_setup(config: TrainConfig, data, model_name: str, world: int) -> dict:
     the fields --resume compares (RESUME_KEYS) among them."""
     steps_per_epoch = data.train_size // (config.batch * world)
     return {"model": model_name, "data": data.describe(), "batch": config.batch, "world_size": world,
-            "global_batch": config.batch * world, "steps": config.steps or config.epochs * steps_per_epoch,
+            "global_batch": config.batch * world, "parallel": parallel_strategy(config, world),
+            "steps": config.steps or config.epochs * steps_per_epoch,
             "steps_per_epoch": steps_per_epoch, "reference": reference_name(config),
             "optimizer": {"lr": config.lr, "weight_decay": config.weight_decay},
             "label_smoothing": config.label_smoothing, "clip_grad": config.clip_grad or None}
+
+
+def parallel_strategy(config: TrainConfig, world: int) -> str | None:
+    """How `world` processes train: "ddp" or "fsdp" (--parallel, DDP by default); None for one process."""
+    return (config.parallel or "ddp") if world > 1 else None
 
 
 def train_run(config: TrainConfig, recipe: str, seed: int, data, model_name: str, device: torch.device,
@@ -228,8 +244,10 @@ def train_run(config: TrainConfig, recipe: str, seed: int, data, model_name: str
 
     Data parallel (`rank` of `world` processes under torchrun, the process group initialized): each rank
     trains on its share of every global batch of world x config.batch images, the model in DDP
-    (optimize_swin's default); a step's loss is the mean of the ranks' losses (the global batch's) and its
-    img/s the sum of theirs; only rank 0 validates, and only its `records` and `progress` should write."""
+    (optimize_swin's default) or sharded by FSDP2 (config.parallel "fsdp"); a step's loss is the mean of the
+    ranks' losses (the global batch's) and its img/s the sum of theirs; rank 0 validates (under FSDP every
+    rank runs the validation forwards with it, which gather the weights), and only its `records` and
+    `progress` should write."""
     setup = run_setup(config, data, model_name, world)
     total = setup["steps"]
     name = resolve_chain(recipe)[-1].name
@@ -244,7 +262,8 @@ def train_run(config: TrainConfig, recipe: str, seed: int, data, model_name: str
               "command": config.command, "env": environment_stamp(device)}
     try:
         swin = optimize_swin(model, recipe, optimizer={"lr": config.lr, "weight_decay": config.weight_decay},
-                             loss_fn=loss_fn, grad_clip=config.clip_grad or None, device=device)
+                             loss_fn=loss_fn, grad_clip=config.clip_grad or None, device=device,
+                             distributed=setup["parallel"])
     except RecipeUnavailable as exc:
         if not skip_unavailable:
             raise
@@ -288,8 +307,9 @@ def train_run(config: TrainConfig, recipe: str, seed: int, data, model_name: str
                     break
                 if step >= total:
                     break
-            if status == "ok" and rank == 0:
+            if status == "ok" and (rank == 0 or swin.sharded):
                 val_acc, val_loss = evaluate(swin, data, config.batch, device)
+            if status == "ok" and rank == 0:
                 records.write({"kind": "epoch", "epoch": epoch, "step": step, "val_acc": val_acc,
                                "val_loss": _finite_or_none(val_loss)})
                 progress.validation(epoch, val_acc)
@@ -322,15 +342,15 @@ def _over_ranks(loss: float, rate: float, world: int, device: torch.device) -> t
 def plan_runs(config: TrainConfig, on_gpu: bool) -> tuple[list[tuple[str, int]], list[str]]:
     """-> ([(recipe, seed)] in the order they train, notes). Every recipe is resolved first, so a typo
     stops the command before anything trains; with several processes, a recipe that replays CUDA graphs
-    is refused (optimize_swin does not run those under DDP)."""
+    is refused (optimize_swin does not run those under DDP or FSDP)."""
     runs, notes = _plan_runs(config, on_gpu)
     if config.world > 1:
         for recipe, _ in runs:
             chain = resolve_chain(recipe)
             if any(is_graph_form(r) for r in chain):
                 raise UserError(f"recipe {chain[-1].name!r} replays CUDA graphs, which swinbench does not run under "
-                                f"DDP yet: with --nproc, train {chain[-2].name if len(chain) > 1 else 'baseline'} "
-                                "(the recipe it extends)")
+                                f"{parallel_strategy(config, config.world).upper()} yet: with --nproc, train "
+                                f"{chain[-2].name if len(chain) > 1 else 'baseline'} (the recipe it extends)")
     return runs, notes
 
 

@@ -138,7 +138,8 @@ def _setup_lines(runs: list[RunRecords]) -> list[str]:
         f"scratch (timm's default stochastic depth)",
         f"- **data** {data.get('source')}: {data.get('train')} training images, {data.get('val')} validation "
         f"images, {data.get('classes')} classes; augmentation: {data.get('augmentation')}",
-        *([f"- **data parallel** {h['world_size']} processes (DDP, torchrun), {h.get('batch')} images each a step: "
+        *([f"- **data parallel** {h['world_size']} processes ({(h.get('parallel') or 'ddp').upper()}, torchrun), "
+           f"{h.get('batch')} images each a step: "
             f"global batch {h.get('global_batch')}; a step's loss is the mean over the processes (the global "
             "batch's), its img/s the sum of theirs"] if (h.get("world_size") or 1) > 1 else []),
         f"- **training** batch {_batch_words(h)}, {h.get('steps')} steps ({h.get('steps_per_epoch')} per epoch, "

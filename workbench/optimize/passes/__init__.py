@@ -48,6 +48,9 @@ class PassContext:
     master_weights: low-precision GEMM weights with fp32 masters (the `master_weights` pass sets it); the
     runner then builds the optimizer through it, around whatever `optimizer_factory` builds.
     training: whether the workload trains (passes may skip what only training needs).
+    sharded: whether the runner shards the parameters with FSDP2 after the passes (DTensor shards, FSDP's
+    own mixed precision): passes that store parameters their own way, or step them with kernels that take
+    plain tensors only, stand aside.
     """
 
     device: torch.device
@@ -61,6 +64,7 @@ class PassContext:
     cuda_graph: bool = False
     master_weights: Any = None
     training: bool = True
+    sharded: bool = False
 
 
 @dataclass

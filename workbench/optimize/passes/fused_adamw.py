@@ -2,9 +2,10 @@
 
 impl 'auto' (default): apex.optimizers.FusedAdam(adam_w_mode=True) when apex imports (what NVIDIA's
 Swin talk used), else torch.optim.AdamW(fused=True). On the CPU it stays torch's for-each AdamW
-(fused CPU AdamW is no GPU figure) and says so. Hyperparameters are read from the baseline optimizer
-so the stage computes the same update, with the ones a user chose (`ctx.optimizer_settings`, set by
-`workbench.api.optimize_swin`) over them.
+(fused CPU AdamW is no GPU figure) and says so. Under FSDP2 (`ctx.sharded`) 'auto' is torch's fused
+AdamW, which steps DTensor shards; apex's kernels take plain tensors only. Hyperparameters are read
+from the baseline optimizer so the stage computes the same update, with the ones a user chose
+(`ctx.optimizer_settings`, set by `workbench.api.optimize_swin`) over them.
 """
 from __future__ import annotations
 
@@ -42,7 +43,9 @@ def apply(model, ctx: PassContext, impl: str = "auto"):
         return model, PassResult(NAME, {"impl": impl}, "CPU: kept for-each AdamW (fused AdamW is a GPU kernel)",
                                  {"optimizer": ctx.optimizer_name, **hp})
     fused_adam = None
-    if impl in ("auto", "apex"):
+    if impl == "apex" and ctx.sharded:
+        raise PassUnavailable("apex FusedAdam steps plain tensors, not FSDP's DTensor shards: use impl torch")
+    if impl in ("auto", "apex") and not ctx.sharded:
         try:
             fused_adam = _apex_fused_adam()
         except ImportError as exc:

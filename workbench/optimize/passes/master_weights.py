@@ -13,7 +13,9 @@ bf16 (what autocast's cast gives), the gradients are the bf16 results of the sam
 (which autocast's cast-backward only widened), and the update runs on the fp32 master. LayerNorm
 weights, the relative-position tables and every other parameter stay fp32 and are stepped as before.
 
-bf16 only: fp16 would need the GradScaler to unscale low-precision gradients.
+bf16 only: fp16 would need the GradScaler to unscale low-precision gradients. Under FSDP2 the pass
+stands aside and leaves the model as it is: FSDP's mixed precision already keeps the parameters as fp32
+shards, the optimizer's masters, and gathers them in bf16 for the forward and backward.
 """
 from __future__ import annotations
 
@@ -152,6 +154,9 @@ def apply(model: torch.nn.Module, ctx: PassContext):
                               "fp16 would need the GradScaler to unscale low-precision gradients")
     if ctx.master_weights is not None:
         raise PassUnavailable("master weights are already in place")
+    if ctx.sharded:
+        return model, PassResult(NAME, {}, "not applied under FSDP: its mixed precision keeps fp32 sharded "
+                                           "parameters and gathers them in bf16", {"applied": False})
     params = gemm_parameters(model)
     if not params:
         raise PassUnavailable("no fp32 Linear or Conv2d parameters in this model")
