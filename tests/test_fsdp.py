@@ -179,6 +179,7 @@ def test_train_nproc_2_parallel_fsdp_trains_and_validates_on_every_rank(tmp_path
     assert header["parallel"] == "fsdp" and header["world_size"] == 2 and header["global_batch"] == 12
     assert end["status"] == "ok" and any("FSDP over 2 processes" in n for n in end["notes"])
     assert all(math.isfinite(r["loss"]) for r in lines if r["kind"] == "step")
+    assert all(r["grad_norm"] > 0 for r in lines if r["kind"] == "step")     # a plain number from the shards
     assert 0 <= lines[3]["val_acc"] <= 100
     assert "2 processes (FSDP, torchrun)" in (out / "report.md").read_text()
 
