@@ -24,6 +24,8 @@ def test_amp_bf16_sets_precision(workload):
     assert workload.ctx.precision.name == "bf16" and workload.ctx.precision.amp_dtype is torch.bfloat16
     assert workload.ctx.grad_scaler is False
     assert result.available and "bf16" in result.changed and "\n" not in result.changed
+    _, again = apply_pass("amp", workload.model, workload.ctx, {"dtype": "bf16"})   # a bf16 workload already
+    assert again.changed == "autocast bf16, as the workload already ran"
 
 
 def test_amp_fp16_turns_on_grad_scaler(workload):

@@ -21,7 +21,9 @@ def apply(model, ctx: PassContext, dtype: str = "bf16"):
     before = ctx.precision.name
     ctx.precision = precision
     ctx.grad_scaler = precision.needs_grad_scaler
-    changed = f"autocast {dtype} (was {before})" + (", GradScaler on" if ctx.grad_scaler else "")
+    changed = (f"autocast {dtype} (was {before})" if before != precision.name else
+               f"autocast {dtype}, as the workload already ran")
+    changed += ", GradScaler on" if ctx.grad_scaler else ""
     details = {"amp_dtype": str(precision.amp_dtype), "grad_scaler": ctx.grad_scaler}
     if ctx.device.type == "cpu" and dtype == "fp16":
         details["note"] = "CPU autocast runs fp16 as bf16 (see precision.Precision.autocast)"
