@@ -40,6 +40,14 @@ class RunRecords:
         return [math.nan if s.get("loss") is None else s["loss"] for s in self.steps]
 
     @property
+    def grad_norms(self) -> list[float] | None:
+        """The gradient norm before clipping of every step, or None when the run did not record it (no
+        clipping, or records older than the field)."""
+        if not self.steps or "grad_norm" not in self.steps[0]:
+            return None
+        return [math.nan if s.get("grad_norm") is None else s["grad_norm"] for s in self.steps]
+
+    @property
     def final_accuracy(self) -> float | None:
         return self.epochs[-1]["val_acc"] if self.epochs else None
 

@@ -224,8 +224,9 @@ def render_train_report(records_dir: Path, out: Path | None = None) -> str:
 
 
 def write_curves(records_dir: Path, out: Path) -> Path:
-    """curves.png: the smoothed training loss per step (the baseline's seeds as a shaded range) and the
-    validation accuracy at each epoch's end, every run overlaid."""
+    """curves.png: the smoothed training loss per step (the baseline's seeds as a shaded range), the
+    validation accuracy at each epoch's end and, where the runs recorded it, the gradient norm before
+    clipping (smoothed, log scale: a loss spike starts there), every run overlaid."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -235,7 +236,10 @@ def write_curves(records_dir: Path, out: Path) -> Path:
     comparison = compare_runs(runs)
     steps = max((len(r.steps) for r in runs), default=1)
     window = comparison.spread.window if comparison.spread else smoothing_window(steps)
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(12, 4.5))
+    with_norms = any(r.grad_norms for r in runs)
+    fig, axes = plt.subplots(1, 3 if with_norms else 2, figsize=(18 if with_norms else 12, 4.5))
+    ax_loss, ax_acc = axes[0], axes[1]
+    ax_norm = axes[2] if with_norms else None
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     reference = comparison.reference
     others = [r for r in runs if r.recipe != reference]
@@ -252,15 +256,24 @@ def write_curves(records_dir: Path, out: Path) -> Path:
                      label=f"{reference} seed {r.seed}")
         ax_acc.plot([e["step"] for e in r.epochs], [e["val_acc"] for e in r.epochs], color="0.35", lw=0.8,
                     ls=style, marker=".", label=f"{reference} seed {r.seed}")
+        if ax_norm is not None and r.grad_norms:
+            ax_norm.plot(range(1, len(r.steps) + 1), smooth(r.grad_norms, window), color="0.35", lw=0.8, ls=style,
+                         label=f"{reference} seed {r.seed}")
     recipes = list(dict.fromkeys(r.recipe for r in others))
     for r in others:
         c = colors[recipes.index(r.recipe) % len(colors)]
         ax_loss.plot(range(1, len(r.steps) + 1), smooth(r.losses, window), color=c, lw=1.3, label=f"{r.recipe} seed {r.seed}")
         ax_acc.plot([e["step"] for e in r.epochs], [e["val_acc"] for e in r.epochs], color=c, lw=1.3, marker=".",
                     label=f"{r.recipe} seed {r.seed}")
+        if ax_norm is not None and r.grad_norms:
+            ax_norm.plot(range(1, len(r.steps) + 1), smooth(r.grad_norms, window), color=c, lw=1.3,
+                         label=f"{r.recipe} seed {r.seed}")
     ax_loss.set(xlabel="step", ylabel=f"training loss (trailing mean of {window} steps)", title="training loss")
     ax_acc.set(xlabel="step", ylabel="validation accuracy %", title="validation accuracy (each epoch's end)")
-    for ax in (ax_loss, ax_acc):
+    if ax_norm is not None:
+        ax_norm.set(xlabel="step", ylabel=f"gradient norm before clipping (trailing mean of {window} steps)",
+                    title="gradient norm", yscale="log")
+    for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
