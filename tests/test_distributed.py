@@ -148,6 +148,9 @@ def test_train_nproc_2_writes_one_record_file_from_rank_0(tmp_path):
     (["--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", "node0"], "takes HOST:PORT"),
     (["--nproc", "2", "--recipe", "fmha-graph"], "replays CUDA graphs"),
     (["--nproc", "2", "--batch", "700"], "x 2 processes is larger than the 1200 training images"),
+    (["--nproc", "2", "--parallel", "zero3"], "--parallel must be one of ddp, fsdp, got 'zero3'"),
+    (["--parallel", "fsdp"], "--parallel goes with --nproc"),
+    (["--nproc", "2", "--parallel", "fsdp", "--recipe", "fmha-graph"], "does not run under FSDP"),
 ])
 def test_train_nproc_mistakes_are_one_line_and_exit_2(tmp_path, args, message):
     from typer.testing import CliRunner

@@ -184,24 +184,6 @@ def test_train_nproc_2_parallel_fsdp_trains_and_validates_on_every_rank(tmp_path
     assert "2 processes (FSDP, torchrun)" in (out / "report.md").read_text()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--nproc", "2", "--parallel", "zero3"], "--parallel must be one of ddp, fsdp, got 'zero3'"),
-    (["--parallel", "fsdp"], "--parallel goes with --nproc"),
-    (["--nproc", "2", "--parallel", "fsdp", "--recipe", "fmha-graph"], "does not run under FSDP"),
-])
-def test_train_parallel_mistakes_are_one_line_and_exit_2(tmp_path, args, message):
-    from typer.testing import CliRunner
-
-    from cli import app
-
-    out = tmp_path / "out"
-    result = CliRunner().invoke(app, ["train", "--device", "cpu", "--out", str(out), *args])
-    assert result.exit_code == 2, result.output
-    assert message in result.output and "Traceback" not in result.output
-    assert len(result.output.strip().splitlines()) == 1, result.output
-    assert not out.exists()
-
-
 # ---------------------------------------------------------------- swinbench apply --nproc --parallel fsdp
 
 
