@@ -68,6 +68,7 @@ def profile(
     records: Records = None,
     overwrite: Overwrite = False,
     nproc: Annotated[Optional[int], typer.Option(help="Data parallel: this many processes under torchrun (one GPU each; gloo on the CPU), DDP, --batch per process; one capture per rank in <out>/rank<r>/ and a ranks table (step time, communication, how much of it compute hides, skew).")] = None,
+    parallel: Annotated[Optional[str], typer.Option(help="With --nproc: ddp (every process holds the whole model; the default) or fsdp (FSDP2: each process holds 1/N of the weights, gradients and optimizer state; its all-gathers and reduce-scatters are in the trace).")] = None,
 ):
     """Run a Swin model under Nsight Systems (or torch.profiler) and show where its GPU time goes (on the CPU: its CPU operator time)."""
     from workbench.capture.profile import run_profile
@@ -76,7 +77,7 @@ def profile(
     _check_top(top)
     _call(run_profile, model=model, mode=mode, batch=batch, precision=precision, steps=steps, warmup=warmup,
           device=device, backend=backend, out=out, nsys=nsys, recipe=recipe, fmt=format, top=top, console=console,
-          overwrite=overwrite, timeline=timeline, records=records, nproc=nproc)
+          overwrite=overwrite, timeline=timeline, records=records, nproc=nproc, parallel=parallel)
 
 
 def _note(text: str) -> None:

@@ -36,8 +36,26 @@ def test_profile_nproc_2_captures_every_rank_and_reads_them_together(tmp_path):
     assert (tmp_path / "a" / "rank1" / "analysis.json").exists()
 
 
+def test_profile_nproc_2_parallel_fsdp_captures_the_shards_collectives(tmp_path):
+    """Under FSDP2 each rank's trace holds the parameter all-gathers and gradient reduce-scatters, and its
+    run.json names the strategy; master weights stand aside (the recipe's other passes run)."""
+    out = tmp_path / "p"
+    result = runner.invoke(app, ["profile", "--device", "cpu", "--nproc", "2", "--parallel", "fsdp", "--batch", "2",
+                                 "--steps", "2", "--warmup", "1", "--recipe", "amp", "--out", str(out),
+                                 "--no-timeline"])
+    assert result.exit_code == 0, result.output
+    for rank in (0, 1):
+        run = json.loads((out / f"rank{rank}" / "run.json").read_text())
+        assert run["parallel"] == "fsdp" and run["world_size"] == 2
+    table = pd.read_csv(out / "ranks.csv")
+    assert list(table["rank"]) == [0, 1] and (table["comm_ms"] > 0).all()
+    assert "(torchrun, FSDP)" in result.output
+
+
 @pytest.mark.parametrize("args, message", [
     (["--nproc", "0"], "--nproc must be"),
+    (["--parallel", "fsdp"], "--parallel goes with --nproc"),
+    (["--nproc", "2", "--parallel", "zero3"], "--parallel must be one of ddp, fsdp, got 'zero3'"),
     (["--nproc", "2", "--recipe", "fmha-graph"], "replays CUDA graphs"),
 ])
 def test_profile_nproc_mistakes_are_one_line(tmp_path, args, message):

@@ -57,6 +57,23 @@ def test_real_cpu_trace_falls_back_to_leaf_cpu_ops():
     assert A.range_table(trace).set_index("range").loc["backward", "gpu_ns"] > 0  # autograd thread, same pid
 
 
+def test_a_collective_is_one_cpu_leaf_with_its_whole_time(tmp_path):
+    """A c10d collective with operators inside it (FSDP's all-gather allocates and copies) counts as one
+    leaf over its whole time, the communication; an ordinary operator's children stay the leaves."""
+    def op(name, ts, dur, tid=1):
+        return {"ph": "X", "cat": "cpu_op", "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur}
+
+    path = tmp_path / "fsdp.json"
+    path.write_text(json.dumps({"schemaVersion": 1, "traceEvents": [
+        op("aten::linear", 0.0, 10.0), op("aten::addmm", 1.0, 8.0),
+        op("c10d::_allgather_base_", 20.0, 30.0), op("aten::empty", 21.0, 1.0), op("aten::copy_", 23.0, 5.0),
+        op("aten::copy_", 60.0, 2.0), op("c10d::_allgather_base_", 60.5, 1.0, tid=2)]}))
+    k = load_trace(path).kernels
+    assert sorted(zip(k["name"], k["duration_ns"])) == [
+        ("aten::addmm", 8000), ("aten::copy_", 2000), ("c10d::_allgather_base_", 1000),
+        ("c10d::_allgather_base_", 30000)]
+
+
 def test_kineto_without_kernels_or_ops_is_an_error(tmp_path):
     path = tmp_path / "empty.json"
     path.write_text(json.dumps({"schemaVersion": 1, "traceEvents": [

@@ -145,8 +145,9 @@ def _export_sqlite(nsys: str, folder: Path, log: Path) -> Path:
 
 
 def capture_ranks(config: WorkloadConfig, recipe: str | None, out_dir: Path, steps: int, warmup: int,
-                  backend: str, nsys: str | None, nproc: int) -> list[Path]:
-    """`profile --nproc N`: the workload data parallel in N processes under torchrun, one capture per rank
+                  backend: str, nsys: str | None, nproc: int, parallel: str = "ddp") -> list[Path]:
+    """`profile --nproc N`: the workload data parallel (`parallel`: ddp or fsdp) in N processes under
+    torchrun, one capture per rank
     into <out>/rank<r>/ (the same warm-up, capture range and NVTX ranges on every rank) -> the ranks'
     traces in rank order (trace.sqlite under nsys, trace.json under torch.profiler)."""
     from workbench.capture.worker import RANK_DIR
@@ -155,7 +156,8 @@ def capture_ranks(config: WorkloadConfig, recipe: str | None, out_dir: Path, ste
     marker = "nvtx" if backend == "nsys" else "torch"
     spec = out_dir / "capture_spec.json"
     atomic_write_text(spec, json.dumps({"config": asdict(config), "recipe": recipe, "steps": steps, "warmup": warmup,
-                                        "marker": marker, "out_dir": str(out_dir), "nproc": nproc}, indent=2))
+                                        "marker": marker, "out_dir": str(out_dir), "nproc": nproc,
+                                        "parallel": parallel}, indent=2))
     dirs = [out_dir / RANK_DIR.format(rank=r) for r in range(nproc)]
     for d in dirs:
         d.mkdir(exist_ok=True)

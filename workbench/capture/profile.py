@@ -39,7 +39,7 @@ def run_profile(*, model: str | None, mode: str, batch: int, precision: str, ste
                 device: str, backend: str, out: Path | None, nsys: str | None = None, recipe: str | None = None,
                 fmt: str = "csv", top: int = 15, console: Console | None = None,
                 overwrite: bool = False, timeline: bool = True, records: list[Path] | None = None,
-                nproc: int | None = None) -> ProfileResult:
+                nproc: int | None = None, parallel: str | None = None) -> ProfileResult:
     """Capture `steps` steps after `warmup`, analyze the trace, print the tables and write them beside it,
     with `timeline` also timeline.png (the median step) and timeline.json (Perfetto).
 
@@ -48,13 +48,16 @@ def run_profile(*, model: str | None, mode: str, batch: int, precision: str, ste
     unless `overwrite`, which moves that run's files aside to `<out>.previous-<its time>` first
     (`run_folder.claim_run_folder`). records: stage records the findings' measured gains are taken from
     (default: the canonical runs, `remedies.gain_records`), read before the capture. nproc: data parallel
-    in that many processes under torchrun (DDP), one capture per rank in <out>/rank<r>/ and the ranks
-    table (analysis.ranks) over them."""
+    in that many processes under torchrun (DDP, or FSDP2 with parallel 'fsdp'), one capture per rank in
+    <out>/rank<r>/ and the ranks table (analysis.ranks) over them."""
     console = console or Console()
     if steps < 1 or warmup < 0:
         raise UserError("--steps must be at least 1 and --warmup at least 0")
     if nproc is not None and (isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1):
         raise UserError(f"--nproc must be a whole number >= 1, got {nproc!r}")
+    from workbench.optimize.distributed import check_parallel
+
+    check_parallel(parallel, nproc)
     cpu_fallback = device == "auto" and not torch.cuda.is_available()
     device = pick_device(device)
     dev = resolve_device(device)
@@ -87,7 +90,8 @@ def run_profile(*, model: str | None, mode: str, batch: int, precision: str, ste
             console.print(f"[yellow]note:[/] {n}", highlight=False)
         if nproc is not None:
             return _capture_ranks(config, recipe, out_dir, chosen, nsys_path, nproc, steps=steps, warmup=warmup,
-                                  fmt=fmt, top=top, notes=notes, console=console, timeline=timeline)
+                                  fmt=fmt, top=top, notes=notes, console=console, timeline=timeline,
+                                  parallel=parallel or "ddp")
         return _capture_and_analyze(config, recipe, out_dir, chosen, nsys_path, steps=steps, warmup=warmup,
                                     fmt=fmt, top=top, notes=notes, console=console, timeline=timeline,
                                     records=stored)
@@ -95,7 +99,7 @@ def run_profile(*, model: str | None, mode: str, batch: int, precision: str, ste
 
 def _capture_ranks(config: WorkloadConfig, recipe: str | None, out_dir: Path, chosen: str, nsys_path: str | None,
                    nproc: int, *, steps: int, warmup: int, fmt: str, top: int, notes: list[str], console: Console,
-                   timeline: bool) -> ProfileResult:
+                   timeline: bool, parallel: str = "ddp") -> ProfileResult:
     """run_profile with --nproc: every rank captured under torchrun, each rank's tables written in its
     folder, rank 0's printed, then the ranks table (analysis.ranks) printed and written beside them."""
     from workbench.analysis.analyze import analyze_trace, render_analysis, write_analysis
@@ -103,11 +107,12 @@ def _capture_ranks(config: WorkloadConfig, recipe: str | None, out_dir: Path, ch
 
     label = "Nsight Systems" if chosen == "nsys" else "torch.profiler"
     with _phase(console, f"capturing {config.model} {config.mode} {config.precision} batch {config.batch} per "
-                         f"process in {nproc} processes (torchrun, DDP): {warmup} warm-up + {steps} captured steps "
+                         f"process in {nproc} processes (torchrun, {parallel.upper()}): {warmup} warm-up + {steps} "
+                         "captured steps "
                          f"under {label} on every rank"):
         from workbench.capture.backends import capture_ranks
 
-        traces = capture_ranks(config, recipe, out_dir, steps, warmup, chosen, nsys_path, nproc)
+        traces = capture_ranks(config, recipe, out_dir, steps, warmup, chosen, nsys_path, nproc, parallel)
     _print_passes(traces[0].parent / "run.json", recipe, console)
     files, rows = [], []
     title = f"{config.model} {config.mode} {config.precision} batch {config.batch}" + (f", recipe {recipe}" if recipe else "")

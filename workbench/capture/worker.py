@@ -38,11 +38,13 @@ def apply_recipe(workload: Workload, recipe: str | None) -> list[dict]:
 
 def run_capture(config: WorkloadConfig, recipe: str | None, *, steps: int, warmup: int, marker: str,
                 out_dir: Path, torch_trace: Path | None = None, rank: int | None = None,
-                world: int = 1) -> dict:
+                world: int = 1, parallel: str = "ddp") -> dict:
     """Build, patch, warm up and capture. With `rank` (a process of `world` under torchrun, the process
     group initialized): the workload takes rank's share of a global synthetic batch of world x batch
-    images and trains in DDP, and every rank starts its capture after the same barrier."""
+    images and trains in DDP (`parallel` 'fsdp': sharded by FSDP2, the optimizer over the shards), and
+    every rank starts its capture after the same barrier."""
     workload = Workload.build(config)
+    workload.ctx.sharded = rank is not None and parallel == "fsdp"     # master_weights stands aside
     passes = apply_recipe(workload, recipe)
     if rank is not None:
         from workbench.optimize.distributed import shard_batch
@@ -53,9 +55,18 @@ def run_capture(config: WorkloadConfig, recipe: str | None, *, steps: int, warmu
         shard_batch(workload, rank, world)
     workload.marker = RangeMarker(marker)
     annotate_modules(workload.model, workload.marker)
-    workload.prepare()
     device = workload.ctx.device
-    if rank is not None:
+    if workload.ctx.sharded:
+        from workbench.optimize.distributed import FullyShard, fully_shard_model
+
+        if workload.ctx.grad_scaler and device.type == "cuda":
+            raise UserError("fp16 with a GradScaler is not run under FSDP (its inf check would see one rank's "
+                            "shards): use bf16")
+
+        bf16 = workload.ctx.precision.amp_dtype is torch.bfloat16
+        fully_shard_model(workload.model, FullyShard(), torch.bfloat16 if bf16 else None)
+    workload.prepare()      # the optimizer over the shards when sharded
+    if rank is not None and not workload.ctx.sharded:
         from workbench.optimize.distributed import DataParallel, wrap_data_parallel
 
         workload.model = wrap_data_parallel(workload.model, device, DataParallel())
@@ -79,8 +90,8 @@ def run_capture(config: WorkloadConfig, recipe: str | None, *, steps: int, warmu
     run = {"config": asdict(config), "recipe": recipe, "passes": passes, "warmup": warmup, "steps": steps,
            "backend": "nsys" if marker == "nvtx" else "torch", "env": environment_stamp(device),
            "timing_under_profiler": timing.to_dict(), "marker_note": workload.marker.note,
-           **({"rank": rank, "world_size": world, "dist_backend": torch.distributed.get_backend()}
-              if rank is not None else {})}
+           **({"rank": rank, "world_size": world, "dist_backend": torch.distributed.get_backend(),
+               "parallel": parallel} if rank is not None else {})}
     atomic_write_text(Path(out_dir) / "run.json", json.dumps(run, indent=2, default=str) + "\n")
     return run
 
@@ -122,7 +133,8 @@ def main(argv: list[str]) -> int:
     rank_dir.mkdir(parents=True, exist_ok=True)
     run_capture(replace(config, device=str(device)), spec["recipe"], steps=spec["steps"], warmup=spec["warmup"],
                 marker=spec["marker"], out_dir=rank_dir,
-                torch_trace=rank_dir / "trace.json" if spec["marker"] == "torch" else None, rank=rank, world=world)
+                torch_trace=rank_dir / "trace.json" if spec["marker"] == "torch" else None, rank=rank, world=world,
+                parallel=spec.get("parallel", "ddp"))
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -53,6 +53,7 @@ from workbench.ladder.progress import LadderProgress
 from workbench.ladder.reuse import (RecordCache, compile_cache_counts, compile_cache_env, compile_cache_note,
                                     reused_record)
 from workbench.files import atomic_write_text
+from workbench.optimize.distributed import check_parallel
 from workbench.results.record import SCHEMA, read_record, write_record
 from workbench.optimize.recipes import (StagePlan, as_jsonable, effective_passes, gate_tolerance, graph_recipes,
                                        is_pytorch_alone, plan_stages, resolve_chain)
@@ -633,7 +634,7 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
     on_gpu = dev.type == "cuda"
     if nproc is not None:
         _check_nproc(nproc, mode, dev)
-    _check_parallel(parallel, nproc)
+    check_parallel(parallel, nproc)
     model = model or default_model_for(device)
     check_model_name(model)
     auto = str(recipe) == AUTO
@@ -660,20 +661,6 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
                             interleave=interleave, asked_interleave=asked_interleave, progress=progress,
                             cache=RecordCache(cache_dir, on_gpu=on_gpu, fresh=fresh) if cache_dir else None,
                             auto=auto, nproc=nproc, parallel=parallel or "ddp")
-
-
-def _check_parallel(parallel, nproc) -> None:
-    """UserError unless `apply --parallel` names a strategy and goes with --nproc."""
-    from workbench.optimize.distributed import STRATEGIES, require_fully_shard
-
-    if parallel is None:
-        return
-    if parallel not in STRATEGIES:
-        raise UserError(f"--parallel must be one of {', '.join(STRATEGIES)}, got {parallel!r}")
-    if nproc is None:
-        raise UserError("--parallel goes with --nproc (how the processes share the training)")
-    if parallel == "fsdp":
-        require_fully_shard()
 
 
 def _check_nproc(nproc, mode: str, dev: torch.device) -> None:

@@ -104,6 +104,19 @@ def require_fully_shard() -> None:
                         f"{torch.__version__}: use DDP, or a newer torch") from None
 
 
+def check_parallel(parallel: str | None, nproc: int | None) -> None:
+    """UserError unless a command's `--parallel` names a strategy and goes with --nproc (and FSDP's is
+    importable); None (not given) passes."""
+    if parallel is None:
+        return
+    if parallel not in STRATEGIES:
+        raise UserError(f"--parallel must be one of {', '.join(STRATEGIES)}, got {short_repr(parallel)}")
+    if nproc is None:
+        raise UserError("--parallel goes with --nproc (how the processes share the training)")
+    if parallel == "fsdp":
+        require_fully_shard()
+
+
 def world_size() -> int:
     """The process group's size, 1 when torch.distributed is not initialized."""
     import torch.distributed as dist

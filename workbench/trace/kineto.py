@@ -27,6 +27,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -213,10 +214,16 @@ def parse_kineto(data: dict, path: str = "") -> Trace:
                  api=_api(ev, warnings))
 
 
+# CPU operators that are process-group collectives (torch.distributed's c10d ops)
+_COLLECTIVE = re.compile(r"c10d::", re.IGNORECASE)
+
+
 def cpu_ops_as_kernels(ev_or_data, warnings: list[str] | None = None) -> pd.DataFrame:
     """Leaf `cpu_op` events (operators with no operator nested inside them on their thread) in the kernels
-    frame's columns, for CPU-only traces. Leaves never overlap on a thread, so their times add up without
-    double counting (the exclusive-time view). launch_ns = start, launch_tid = tid: range attribution works
+    frame's columns, for CPU-only traces. A process-group collective (`c10d::...`: FSDP's all-gather and
+    reduce-scatter, DDP's all-reduce) counts as a leaf with its whole time, and the operators inside it
+    (its buffers, copies, waits) are part of it: that time is communication. Leaves never overlap on a
+    thread, so their times add up without double counting (the exclusive-time view). launch_ns = start, launch_tid = tid: range attribution works
     unchanged. device_id / stream_id / correlation_id are -1. Operators with broken times are dropped, with
     a line in `warnings`."""
     ev = ev_or_data if isinstance(ev_or_data, pd.DataFrame) else _events(ev_or_data)
@@ -229,7 +236,12 @@ def cpu_ops_as_kernels(ev_or_data, warnings: list[str] | None = None) -> pd.Data
     tid, start, end = (ops[c].to_numpy("int64") for c in ("tid", "start_ns", "end_ns"))
     # sorted by (tid, start, end desc): an op has a child iff the next op on its thread starts before it ends
     has_child = np.r_[(tid[1:] == tid[:-1]) & (start[1:] < end[:-1]), False]
-    leaves = ops[~has_child].copy()
+    collective = ops["name"].fillna("").astype(str).str.match(_COLLECTIVE).to_numpy()
+    inside = np.zeros(len(ops), dtype=bool)
+    for i in np.flatnonzero(collective):      # a few per step: one mask each
+        inside |= (tid == tid[i]) & (start >= start[i]) & (end <= end[i])
+        inside[i] = False
+    leaves = ops[(~has_child | collective) & ~inside].copy()
     leaves["name"] = leaves["name"].fillna("").astype(str)
     leaves["short_name"] = leaves["name"]
     leaves["duration_ns"] = leaves["end_ns"] - leaves["start_ns"]

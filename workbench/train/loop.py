@@ -38,7 +38,7 @@ from workbench.env import device_label, environment_stamp
 from workbench.errors import Interrupted, UserError
 from workbench.files import short_repr
 from workbench.models import build_model, check_model_name, default_model_for, input_size
-from workbench.optimize.distributed import STRATEGIES as PARALLEL_STRATEGIES, require_fully_shard
+from workbench.optimize.distributed import check_parallel
 from workbench.optimize.recipes import is_graph_form, resolve_chain
 from workbench.optimize.workload import pick_device, resolve_device
 from workbench.run_folder import claim_run_folder
@@ -96,14 +96,7 @@ class TrainConfig:
         positive_int("nnodes", self.nnodes)
         if self.nproc is None and (self.nnodes != 1 or self.rdzv_endpoint is not None):
             raise UserError("--nnodes and --rdzv-endpoint go with --nproc (processes per machine)")
-        if self.parallel is not None:
-            if self.parallel not in PARALLEL_STRATEGIES:
-                raise UserError(f"--parallel must be one of {', '.join(PARALLEL_STRATEGIES)}, got "
-                                f"{short_repr(self.parallel)}")
-            if self.nproc is None:
-                raise UserError("--parallel goes with --nproc (how the processes share the training)")
-            if self.parallel == "fsdp":
-                require_fully_shard()
+        check_parallel(self.parallel, self.nproc)
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise UserError("--nnodes above 1 needs --rdzv-endpoint HOST:PORT, the same on every machine")
         if self.rdzv_endpoint is not None and not (":" in self.rdzv_endpoint and
