@@ -4,8 +4,6 @@ lr 1), every rank holds the same weights after it, and master weights get the av
 refusals of settings that cannot work."""
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,16 +18,10 @@ from workbench.optimize.distributed import data_parallel_settings
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from ddp_worker import PER_RANK, global_batch, one_step  # noqa: E402
+from cpu_torchrun import WORLD, torchrun  # noqa: E402
 
-WORLD = 2
 # gradient of one step, relative to its norm: fp32 sums in another order; bf16 GEMM weights reduce in bf16
 GRAD_TOLERANCE = {"baseline": 1e-5, "apex": 2e-2}
-
-
-def torchrun(*args: str, timeout: int = 180) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(WORLD), *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
 @pytest.fixture(scope="module")

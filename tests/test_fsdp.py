@@ -3,8 +3,6 @@ trains as one process does over the global batch (losses, and the weights after 
 and without gradient accumulation),
 each rank holds half of the weights, state_dict() gives the whole weights of a plain timm Swin, and
 load_state_dict takes them back; master weights stand aside; the refusals of settings that cannot work."""
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,8 +17,8 @@ from workbench.optimize.distributed import data_parallel_settings
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from fsdp_worker import global_batches, predict_batch, train  # noqa: E402
+from cpu_torchrun import WORLD, torchrun  # noqa: E402
 
-WORLD = 2
 AMP_MASTER = str(HERE / "data" / "recipes" / "amp-master.yaml")     # amp + master_weights, no Triton
 # recipe:unit:reshard under FSDP -> the one-process recipe it is held against, and the tolerance of the
 # weights' change over the steps relative to its norm: fp32 sums in another order; under bf16 FSDP
@@ -28,12 +26,6 @@ AMP_MASTER = str(HERE / "data" / "recipes" / "amp-master.yaml")     # amp + mast
 CONFIGS = {"baseline:block:reshard": ("baseline", 1e-5), "baseline:stage:keep": ("baseline", 1e-5),
            "baseline:block:reshard:acc3": ("baseline", 1e-5), f"{AMP_MASTER}:block:reshard": (AMP_MASTER, 5e-2)}
 LOSS_TOLERANCE = {"baseline": 1e-5, AMP_MASTER: 1e-2}
-
-
-def torchrun(*args: str, timeout: int = 180) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(WORLD), *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
 @pytest.fixture(scope="module")
