@@ -30,6 +30,8 @@ Design (why it is shaped this way):
         owns one key block and runs over every query tile of its windows: dv += P^T dO, dk += ds^T Q.
     BLOCK_M (32 or 64) is a config value of these kernels.
   * Forward saves the row logsumexp (fp32, base-2, shape (B*nW, nH, N)); backward recomputes P.
+    With every key in one tile (N <= 64) the backward takes rowsum(dO * O) as rowsum(P * dP) in fp32,
+    which needs no read of O and is exact against the unrounded output; the key-tiled kernels read O.
   * d_bias without a float-atomic storm: every backward program sums dS over its G windows in
     registers (one query tile) or in its own slot of a partial buffer (several tiles), and writes
     one fp32 slot of shape (N, N) into partial[g, w, h] (beyond 64 keys, the programs of the query
@@ -205,16 +207,16 @@ def _window_attention_bwd_kernel(
                 bias = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, offs_n, N, NH, HAS_MASK, TABLE)
             q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_n + offs_d[None, :] * sq_d,
                         mask=row_ok[:, None], other=0.0)
-            o = tl.load(O + b * so_b + h * so_h + offs_m[:, None] * so_n + offs_d[None, :] * so_d,
-                        mask=row_ok[:, None], other=0.0)
             do = tl.load(DO + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_n + offs_d[None, :] * sdo_d,
                          mask=row_ok[:, None], other=0.0)
             lse = tl.load(LSE + (b * NH + h) * N + offs_m, mask=row_ok, other=0.0)
             s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale + bias
             p = tl.exp2(s - lse[:, None])  # padded keys: exp2(-inf) = 0; padded rows: do = 0
-            delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
             dv += _dot(tl.trans(p.to(do.dtype)), do, PRECISION, UPCAST)
             dp = _dot(do, tl.trans(v), PRECISION, UPCAST)
+            # Every key of the row is in this tile, so rowsum(dO * O) is taken as rowsum(P * dP) in
+            # fp32: the same sum against the unrounded output, not the stored half-precision one.
+            delta = tl.sum(p * dp, 1)
             ds = p * (dp - delta[:, None])  # d loss / d (scores + bias + mask)
             dq = _dot(ds.to(k.dtype), k, PRECISION, UPCAST) * scale
             tl.store(DQ + b * sdq_b + h * sdq_h + offs_m[:, None] * sdq_n + offs_d[None, :] * sdq_d,
