@@ -334,15 +334,15 @@ def _over_ranks(loss: float, rate: float, world: int, device: torch.device) -> t
 
 def plan_runs(config: TrainConfig, on_gpu: bool) -> tuple[list[tuple[str, int]], list[str]]:
     """-> ([(recipe, seed)] in the order they train, notes). Every recipe is resolved first, so a typo
-    stops the command before anything trains; with several processes, a recipe that replays CUDA graphs
-    is refused (optimize_swin does not run those under DDP or FSDP)."""
+    stops the command before anything trains; under FSDP, a recipe that replays CUDA graphs is refused
+    (optimize_swin runs those under DDP only)."""
     runs, notes = _plan_runs(config, on_gpu)
-    if config.world > 1:
+    if config.world > 1 and parallel_strategy(config, config.world) == "fsdp":
         for recipe, _ in runs:
             chain = resolve_chain(recipe)
             if any(is_graph_form(r) for r in chain):
                 raise UserError(f"recipe {chain[-1].name!r} replays CUDA graphs, which swinbench does not run under "
-                                f"{parallel_strategy(config, config.world).upper()} yet: with --nproc, train "
+                                f"FSDP: train it under DDP (--parallel ddp), or train "
                                 f"{chain[-2].name if len(chain) > 1 else 'baseline'} (the recipe it extends)")
     return runs, notes
 
