@@ -14,8 +14,9 @@ trains data parallel in one of two ways, each rank on its own shard of the globa
                    reduce-scatters its gradients (their mean over the ranks) after its backward.
 
 A recipe that replays its training step as one CUDA graph runs under DDP with the all-reduce inside the
-graph (NCCL collectives are capturable): DDP is built on a side stream and DDP_GRAPH_WARMUP_STEPS eager
-steps run before the capture, as PyTorch's CUDA-graph notes ask. FSDP2 does not run inside a graph here.
+graph (NCCL collectives are capturable): DDP is built on the side stream that the eager warm-up steps,
+the capture and any eager fallback then run on, and DDP_GRAPH_WARMUP_STEPS eager steps run before the
+capture, as PyTorch's CUDA-graph notes ask. FSDP2 does not run inside a graph here.
 """
 from __future__ import annotations
 
@@ -209,10 +210,11 @@ def _settings_from_dict(value: dict, ddp_default: DataParallel) -> Parallel:
     return cls(**given)
 
 
-def wrap_data_parallel(model: torch.nn.Module, device: torch.device, settings: DataParallel):
+def wrap_data_parallel(model: torch.nn.Module, device: torch.device, settings: DataParallel,
+                       stream: "torch.cuda.Stream | None" = None):
     """`model` (on `device`, patched) in DistributedDataParallel with `settings`; rank 0's parameters and
-    buffers are broadcast to every rank here. On a GPU, DDP is built on a side stream, so that a training
-    step that uses it can later be captured in a CUDA graph (after DDP_GRAPH_WARMUP_STEPS eager steps)."""
+    buffers are broadcast to every rank here. `stream`: the side stream a CUDA-graph step will be
+    warmed up and captured on; DDP is built on it (its gradient hooks then belong to that stream)."""
     import contextlib
     import inspect
 
@@ -221,9 +223,8 @@ def wrap_data_parallel(model: torch.nn.Module, device: torch.device, settings: D
     # torch 2.14 renamed broadcast_buffers (the per-forward broadcast) to forward_sync_buffers
     buffers = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
                else "broadcast_buffers")
-    side = None
-    if device.type == "cuda":
-        side = torch.cuda.Stream(device)
+    side = stream if device.type == "cuda" else None
+    if side is not None:
         side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,

@@ -192,8 +192,11 @@ class OptimizedSwin:
             self.optimizer = self._stepper.inner
         else:
             self._stepper = self.optimizer = ctx.optimizer_factory(model.parameters())
+        self.graphed = bool(ctx.cuda_graph)
+        # the one side stream of a graph recipe: DDP is built, warmed up, captured and falls back on it
+        self._graph_stream = torch.cuda.Stream(self.device) if self.graphed and self.device.type == "cuda" else None
         if isinstance(data_parallel, DataParallel):
-            self.ddp = wrap_data_parallel(model, self.device, data_parallel)
+            self.ddp = wrap_data_parallel(model, self.device, data_parallel, stream=self._graph_stream)
             if self._master is not None:
                 # DDP broadcast rank 0's bf16 weights; the fp32 masters the optimizer steps must follow
                 import torch.distributed as dist
@@ -209,7 +212,6 @@ class OptimizedSwin:
             self._forward_loss = torch.compile(self._forward_loss_eager, **ctx.compile_options)
             self._predict_forward = torch.compile(self._predict_eager, **ctx.compile_options)
 
-        self.graphed = bool(ctx.cuda_graph)
         # accumulation under a graph adds into gradient buffers that live across steps
         self._persistent_grads = self.graphed and accumulate > 1
         self._lr_tensors: list[torch.Tensor | None] = [None] * len(self.optimizer.param_groups)
@@ -330,12 +332,8 @@ class OptimizedSwin:
     def _graph_train_step(self, images, targets, loss_fn, last: bool) -> torch.Tensor:
         if self._train_graphs is None and self._warm_micro_steps < self.graph_warmup_steps * self.accumulate:
             self._warm_micro_steps += 1
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                loss = self._eager_step(self._on_device(images), self._on_device(targets), loss_fn, last)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            return loss
+            with self._on_graph_stream():
+                return self._eager_step(self._on_device(images), self._on_device(targets), loss_fn, last)
         if self._train_graphs is None:
             self._capture_train(images, targets, loss_fn)
         reason = self._train_mismatch(images, targets, loss_fn)
@@ -345,7 +343,8 @@ class OptimizedSwin:
             if not self._persistent_grads:
                 # the gradients are the graph's buffers: start from none, as each replay does
                 self._stepper.zero_grad(set_to_none=True)
-            return self._eager_step(self._on_device(images), self._on_device(targets), loss_fn, last)
+            with self._on_graph_stream():
+                return self._eager_step(self._on_device(images), self._on_device(targets), loss_fn, last)
         self._sync_lr()
         tg = self._train_graphs
         tg.x.copy_(images, non_blocking=True)
@@ -356,6 +355,16 @@ class OptimizedSwin:
         if last and tg.grad_norm is not None:
             self.last_grad_norm = tg.grad_norm
         return loss.clone()
+
+    @contextlib.contextmanager
+    def _on_graph_stream(self):
+        """Run eager work of a graph recipe on its side stream (ordered after, and before, the current
+        stream's work): where capture requires warm-up to run, and where DDP's hooks were made."""
+        current = torch.cuda.current_stream(self.device)
+        self._graph_stream.wait_stream(current)
+        with torch.cuda.stream(self._graph_stream):
+            yield
+        current.wait_stream(self._graph_stream)
 
     def _train_mismatch(self, images, targets, loss_fn) -> tuple[str, str] | None:
         tg = self._train_graphs
@@ -403,7 +412,7 @@ class OptimizedSwin:
             graph = torch.cuda.CUDAGraph()
             # under DDP a micro-step keeps its gradients local: the step's graph holds the one all-reduce
             local = self.ddp.no_sync() if self.ddp is not None and kind == "micro" else contextlib.nullcontext()
-            with local, torch.cuda.graph(graph, pool=pool):
+            with local, torch.cuda.graph(graph, pool=pool, stream=self._graph_stream):
                 logits, loss = self._forward_loss(x, y, loss_fn)
                 (loss / self.accumulate if self.accumulate > 1 else loss).backward()
                 if kind == "step":

@@ -85,6 +85,7 @@ class Workload:
     _graph: object = None
     _graph_loss: object = None
     graph_warmup: int = 3        # eager steps before the step is captured (more under DDP)
+    graph_stream: object = None  # the side stream the step is warmed up and captured on (DDP is built on it)
 
     @classmethod
     def build(cls, config: WorkloadConfig, *, fused_attn: bool = False) -> "Workload":
@@ -149,7 +150,9 @@ class Workload:
         DDP_GRAPH_WARMUP_STEPS eager steps."""
         from workbench.optimize.distributed import DDP_GRAPH_WARMUP_STEPS, wrap_data_parallel
 
-        self.model = wrap_data_parallel(self.model, self.ctx.device, settings)
+        if self.ctx.cuda_graph and self.ctx.device.type == "cuda":
+            self.graph_stream = torch.cuda.Stream(self.ctx.device)
+        self.model = wrap_data_parallel(self.model, self.ctx.device, settings, stream=self.graph_stream)
         self.graph_warmup = max(self.graph_warmup, DDP_GRAPH_WARMUP_STEPS)
 
     def capture_graph(self, warmup: int | None = None) -> None:
@@ -168,7 +171,7 @@ class Workload:
                         step = state.get("step")
                         if torch.is_tensor(step) and step.device != p.device:
                             state["step"] = step.to(device=p.device, dtype=torch.float32)
-        side = torch.cuda.Stream()
+        side = self.graph_stream = self.graph_stream or torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(warmup):
@@ -179,7 +182,7 @@ class Workload:
         graph = torch.cuda.CUDAGraph()
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=side):
             # Gradients are allocated inside the graph's pool and overwritten by every replay.
             self._graph_loss = self._eager_step()
         self._graph = graph
