@@ -79,9 +79,12 @@ def test_static_graph_is_off_by_default_with_accumulation_and_refused_when_asked
         data_parallel_settings({"static_graph": True}, accumulate=2)
 
 
-def test_graph_recipes_are_refused_under_ddp():
-    with pytest.raises(UserError, match="replays CUDA graphs.*use the recipe it extends \\(fmha\\)"):
+def test_graph_recipes_are_refused_under_fsdp_only():
+    with pytest.raises(UserError, match="does not run under FSDP.*use DDP, or the recipe it extends \\(fmha\\)"):
+        optimize_swin(build_model(TINY_MODEL), "fmha-graph", distributed="fsdp")
+    with pytest.raises(UserError) as refused:     # under DDP the graph is not what stops it (no process group)
         optimize_swin(build_model(TINY_MODEL), "fmha-graph", distributed=True)
+    assert "CUDA graphs" not in str(refused.value)
 
 
 # ---------------------------------------------------------------- swinbench train --nproc
@@ -138,7 +141,6 @@ def test_train_nproc_2_writes_one_record_file_from_rank_0(tmp_path):
     (["--nnodes", "2"], "go with --nproc"),
     (["--nproc", "2", "--nnodes", "2"], "needs --rdzv-endpoint"),
     (["--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", "node0"], "takes HOST:PORT"),
-    (["--nproc", "2", "--recipe", "fmha-graph"], "replays CUDA graphs"),
     (["--nproc", "2", "--batch", "700"], "x 2 processes is larger than the 1200 training images"),
     (["--nproc", "2", "--parallel", "zero3"], "--parallel must be one of ddp, fsdp, got 'zero3'"),
     (["--parallel", "fsdp"], "--parallel goes with --nproc"),
@@ -269,3 +271,16 @@ def test_imagefolder_shards_are_equal_and_disjoint(tmp_path):
               for i in range(len(x))} for batches in seen]
     assert len(names[0]) == len(names[1]) == data.train_size // 2 // 5 * 5
     assert not names[0] & names[1]                          # the ranks' shares are disjoint
+
+
+def test_which_graphs_run_data_parallel():
+    from workbench.optimize.workload import Workload, WorkloadConfig
+
+    workload = Workload.build(WorkloadConfig(model=TINY_MODEL, batch=2, device="cpu"))
+    assert workload.parallel_blocker("ddp") is None and workload.parallel_blocker("fsdp") is None
+    workload.ctx.cuda_graph = True      # the stage's whole step as one graph: DDP's all-reduce goes inside it
+    assert workload.parallel_blocker("ddp") is None
+    assert "does not run it under FSDP" in workload.parallel_blocker("fsdp")
+    workload.ctx.cuda_graph = False
+    workload.ctx.compile, workload.ctx.compile_options = True, {"mode": "reduce-overhead"}
+    assert "Inductor's CUDA graphs" in workload.parallel_blocker("ddp")

@@ -75,13 +75,13 @@ def run_profile(*, model: str | None, mode: str, batch: int, precision: str, ste
                       "(timings and shares are CPU figures, not GPU ones)")
     if nproc is not None and dev.type == "cuda" and nproc > torch.cuda.device_count():
         raise UserError(f"--nproc {nproc}: one process per GPU, and {torch.cuda.device_count()} GPU(s) are visible")
-    if nproc is not None and recipe:
+    if nproc is not None and recipe and parallel == "fsdp":
         from workbench.optimize.recipes import is_graph_form, resolve_chain
 
         chain = resolve_chain(recipe)
         if any(is_graph_form(r) for r in chain):
-            raise UserError(f"recipe {chain[-1].name!r} replays CUDA graphs, which swinbench does not run under DDP "
-                            f"yet: with --nproc, profile {chain[-2].name if len(chain) > 1 else 'baseline'}")
+            raise UserError(f"recipe {chain[-1].name!r} replays CUDA graphs, which swinbench does not run under FSDP: "
+                            f"profile it under DDP, or profile {chain[-2].name if len(chain) > 1 else 'baseline'}")
     chosen, nsys_path, note = resolve_backend(backend, dev, nsys)
     out_dir = Path(out) if out else Path("profiles") / default_run_name(config, recipe)
     with claim_run_folder(out_dir, command="profile", overwrite=overwrite) as claim:

@@ -49,9 +49,9 @@ def run_capture(config: WorkloadConfig, recipe: str | None, *, steps: int, warmu
     if rank is not None:
         from workbench.optimize.distributed import shard_batch
 
-        if workload.own_graphs():
-            raise UserError(f"{workload.own_graphs()}: CUDA graphs are not run under DDP yet (the all-reduce "
-                            "inside a captured step); profile the recipe it extends with --nproc")
+        blocker = workload.parallel_blocker(parallel)
+        if blocker:
+            raise UserError(f"{blocker}; profile the recipe it extends with --nproc")
         shard_batch(workload, rank, world)
     workload.marker = RangeMarker(marker)
     annotate_modules(workload.model, workload.marker)
@@ -67,9 +67,9 @@ def run_capture(config: WorkloadConfig, recipe: str | None, *, steps: int, warmu
         fully_shard_model(workload.model, FullyShard(), torch.bfloat16 if bf16 else None)
     workload.prepare()      # the optimizer over the shards when sharded
     if rank is not None and not workload.ctx.sharded:
-        from workbench.optimize.distributed import DataParallel, wrap_data_parallel
+        from workbench.optimize.distributed import DataParallel
 
-        workload.model = wrap_data_parallel(workload.model, device, DataParallel())
+        workload.wrap_data_parallel(DataParallel())
     for i in range(warmup):
         workload.step(i)
     if device.type == "cuda":

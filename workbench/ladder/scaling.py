@@ -111,7 +111,7 @@ def _measure(spec, single_img_per_s: float | None, device: torch.device, rank: i
     import torch.distributed as dist
 
     from workbench.ladder.interleave import apply_chain
-    from workbench.optimize.distributed import STRATEGIES, fully_shard_model, shard_batch, wrap_data_parallel
+    from workbench.optimize.distributed import STRATEGIES, fully_shard_model, shard_batch
     from workbench.optimize.gate import capture_parameters, compare, forward_backward, weights_digest
     from workbench.optimize.recipes import gate_tolerance, resolve_chain
     from workbench.optimize.timing import time_steps
@@ -143,10 +143,9 @@ def _measure(spec, single_img_per_s: float | None, device: torch.device, rank: i
     missing = [r for r in apply_chain(workload, chain) if not r.available]
     if missing:
         return {**result, "status": "not run", "reason": "; ".join(f"{r.name}: {r.changed}" for r in missing)}
-    if workload.own_graphs():
-        return {**result, "status": "not run", "reason": f"{workload.own_graphs()}: CUDA graphs are not run under "
-                                                         f"{parallel.upper()} yet (the collectives inside a "
-                                                         "captured step)"}
+    blocker = workload.parallel_blocker(parallel)
+    if blocker:
+        return {**result, "status": "not run", "reason": blocker}
     if workload.ctx.sharded:
         if workload.ctx.grad_scaler and device.type == "cuda":
             return {**result, "status": "not run", "reason": "fp16 with a GradScaler is not run under FSDP (its "
@@ -156,7 +155,7 @@ def _measure(spec, single_img_per_s: float | None, device: torch.device, rank: i
         workload.prepare()      # the optimizer over the shards
     else:
         workload.prepare()
-        workload.model = wrap_data_parallel(workload.model, device, settings)
+        workload.wrap_data_parallel(settings)
 
     out = _over_ranks(forward_backward(workload, params), world, device, average_grads=False)
     out.weights_digest = digest

@@ -12,6 +12,11 @@ trains data parallel in one of two ways, each rank on its own shard of the globa
                    (a DTensor shard), of its gradient and of the optimizer state; each unit (a Swin
                    block, or a stage) all-gathers its parameters before its forward and its backward, and
                    reduce-scatters its gradients (their mean over the ranks) after its backward.
+
+A recipe that replays its training step as one CUDA graph runs under DDP with the all-reduce inside the
+graph (NCCL collectives are capturable): DDP is built on the side stream that the eager warm-up steps,
+the capture and any eager fallback then run on, and DDP_GRAPH_WARMUP_STEPS eager steps run before the
+capture, as PyTorch's CUDA-graph notes ask. FSDP2 does not run inside a graph here.
 """
 from __future__ import annotations
 
@@ -24,6 +29,12 @@ import torch
 
 from workbench.errors import UserError
 from workbench.files import short_repr
+
+
+# eager DDP steps before a training step that uses DDP is captured in a CUDA graph: DDP's reducer
+# rebuilds its buckets and settles its static-graph bookkeeping over its first iterations, and PyTorch's
+# CUDA-graph notes ask for 11 of them
+DDP_GRAPH_WARMUP_STEPS = 11
 
 
 @dataclass(frozen=True)
@@ -199,9 +210,12 @@ def _settings_from_dict(value: dict, ddp_default: DataParallel) -> Parallel:
     return cls(**given)
 
 
-def wrap_data_parallel(model: torch.nn.Module, device: torch.device, settings: DataParallel):
+def wrap_data_parallel(model: torch.nn.Module, device: torch.device, settings: DataParallel,
+                       stream: "torch.cuda.Stream | None" = None):
     """`model` (on `device`, patched) in DistributedDataParallel with `settings`; rank 0's parameters and
-    buffers are broadcast to every rank here."""
+    buffers are broadcast to every rank here. `stream`: the side stream a CUDA-graph step will be
+    warmed up and captured on; DDP is built on it (its gradient hooks then belong to that stream)."""
+    import contextlib
     import inspect
 
     from torch.nn.parallel import DistributedDataParallel
@@ -209,10 +223,17 @@ def wrap_data_parallel(model: torch.nn.Module, device: torch.device, settings: D
     # torch 2.14 renamed broadcast_buffers (the per-forward broadcast) to forward_sync_buffers
     buffers = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
                else "broadcast_buffers")
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                   bucket_cap_mb=settings.bucket_cap_mb,
-                                   gradient_as_bucket_view=settings.gradient_as_bucket_view,
-                                   static_graph=settings.static_graph, **{buffers: settings.broadcast_buffers})
+    side = stream if device.type == "cuda" else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                      bucket_cap_mb=settings.bucket_cap_mb,
+                                      gradient_as_bucket_view=settings.gradient_as_bucket_view,
+                                      static_graph=settings.static_graph, **{buffers: settings.broadcast_buffers})
+    if side is not None:
+        torch.cuda.current_stream(device).wait_stream(side)
+    return ddp
 
 
 def shard_units(model: torch.nn.Module, unit: str) -> list[torch.nn.Module]:

@@ -30,6 +30,9 @@ makes the next call capture again (said once). A batch of another shape or dtype
 batch of an epoch), another loss_fn or a model in eval mode runs that step eagerly instead, on the same
 weights, gradients and optimizer state, and says so once per reason (GraphFallbackWarning, `notes`,
 `eager_fallbacks`).
+Under DDP the all-reduce of the gradients is captured with the step: DDP is built on a side stream, the
+first DDP_GRAPH_WARMUP_STEPS optimizer steps run eagerly instead, and an accumulation micro-step's graph
+is captured under DDP's no_sync (one all-reduce per optimizer step, in the step's graph).
 """
 from __future__ import annotations
 
@@ -44,7 +47,8 @@ import torch.nn.functional as F
 
 from workbench.errors import UserError
 from workbench.files import short_repr
-from workbench.optimize.distributed import (DataParallel, FullyShard, Parallel, asked_strategy, data_parallel_settings,
+from workbench.optimize.distributed import (DDP_GRAPH_WARMUP_STEPS, DataParallel, FullyShard, Parallel, asked_strategy,
+                                            data_parallel_settings,
                                             full_state_dict, fully_shard_model, load_full_state_dict,
                                             wrap_data_parallel, world_size)
 from workbench.optimize.passes import PassContext, PassResult, default_optimizer_factory
@@ -188,8 +192,11 @@ class OptimizedSwin:
             self.optimizer = self._stepper.inner
         else:
             self._stepper = self.optimizer = ctx.optimizer_factory(model.parameters())
+        self.graphed = bool(ctx.cuda_graph)
+        # the one side stream of a graph recipe: DDP is built, warmed up, captured and falls back on it
+        self._graph_stream = torch.cuda.Stream(self.device) if self.graphed and self.device.type == "cuda" else None
         if isinstance(data_parallel, DataParallel):
-            self.ddp = wrap_data_parallel(model, self.device, data_parallel)
+            self.ddp = wrap_data_parallel(model, self.device, data_parallel, stream=self._graph_stream)
             if self._master is not None:
                 # DDP broadcast rank 0's bf16 weights; the fp32 masters the optimizer steps must follow
                 import torch.distributed as dist
@@ -197,13 +204,14 @@ class OptimizedSwin:
                 dist.broadcast(self._master.master.data, src=0)
                 self._master.scatter_params()
         self.scaler = torch.amp.GradScaler("cuda") if ctx.grad_scaler and self.device.type == "cuda" else None
+        # eager optimizer steps before a CUDA graph is captured (DDP's reducer needs more of them)
+        self.graph_warmup_steps = DDP_GRAPH_WARMUP_STEPS if self.ddp is not None else GRAPH_WARMUP_STEPS
         self._forward_loss = self._forward_loss_eager
         self._predict_forward = self._predict_eager
         if ctx.compile:
             self._forward_loss = torch.compile(self._forward_loss_eager, **ctx.compile_options)
             self._predict_forward = torch.compile(self._predict_eager, **ctx.compile_options)
 
-        self.graphed = bool(ctx.cuda_graph)
         # accumulation under a graph adds into gradient buffers that live across steps
         self._persistent_grads = self.graphed and accumulate > 1
         self._lr_tensors: list[torch.Tensor | None] = [None] * len(self.optimizer.param_groups)
@@ -322,14 +330,10 @@ class OptimizedSwin:
             warnings.warn(text, GraphFallbackWarning, stacklevel=4)
 
     def _graph_train_step(self, images, targets, loss_fn, last: bool) -> torch.Tensor:
-        if self._train_graphs is None and self._warm_micro_steps < GRAPH_WARMUP_STEPS * self.accumulate:
+        if self._train_graphs is None and self._warm_micro_steps < self.graph_warmup_steps * self.accumulate:
             self._warm_micro_steps += 1
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                loss = self._eager_step(self._on_device(images), self._on_device(targets), loss_fn, last)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            return loss
+            with self._on_graph_stream():
+                return self._eager_step(self._on_device(images), self._on_device(targets), loss_fn, last)
         if self._train_graphs is None:
             self._capture_train(images, targets, loss_fn)
         reason = self._train_mismatch(images, targets, loss_fn)
@@ -339,7 +343,8 @@ class OptimizedSwin:
             if not self._persistent_grads:
                 # the gradients are the graph's buffers: start from none, as each replay does
                 self._stepper.zero_grad(set_to_none=True)
-            return self._eager_step(self._on_device(images), self._on_device(targets), loss_fn, last)
+            with self._on_graph_stream():
+                return self._eager_step(self._on_device(images), self._on_device(targets), loss_fn, last)
         self._sync_lr()
         tg = self._train_graphs
         tg.x.copy_(images, non_blocking=True)
@@ -350,6 +355,16 @@ class OptimizedSwin:
         if last and tg.grad_norm is not None:
             self.last_grad_norm = tg.grad_norm
         return loss.clone()
+
+    @contextlib.contextmanager
+    def _on_graph_stream(self):
+        """Run eager work of a graph recipe on its side stream (ordered after, and before, the current
+        stream's work): where capture requires warm-up to run, and where DDP's hooks were made."""
+        current = torch.cuda.current_stream(self.device)
+        self._graph_stream.wait_stream(current)
+        with torch.cuda.stream(self._graph_stream):
+            yield
+        current.wait_stream(self._graph_stream)
 
     def _train_mismatch(self, images, targets, loss_fn) -> tuple[str, str] | None:
         tg = self._train_graphs
@@ -395,7 +410,9 @@ class OptimizedSwin:
         graphs, norm = {}, None
         for kind in (("micro", "step") if self.accumulate > 1 else ("step",)):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # under DDP a micro-step keeps its gradients local: the step's graph holds the one all-reduce
+            local = self.ddp.no_sync() if self.ddp is not None and kind == "micro" else contextlib.nullcontext()
+            with local, torch.cuda.graph(graph, pool=pool, stream=self._graph_stream):
                 logits, loss = self._forward_loss(x, y, loss_fn)
                 (loss / self.accumulate if self.accumulate > 1 else loss).backward()
                 if kind == "step":
@@ -554,8 +571,9 @@ def optimize_swin(model: torch.nn.Module, recipe: str = "fmha", *, optimizer=Non
     root; bf16 recipes gather bf16 parameters and reduce fp32 gradients), the optimizer built over the
     shards, and the master_weights pass stands aside. Each rank then passes its own shard of the global
     batch to train_step; gradients are averaged over the ranks before clipping and the optimizer step.
-    Recipes that replay CUDA graphs are refused under DDP and FSDP (UserError), and so is fp16 with its
-    GradScaler under FSDP on a GPU.
+    Under DDP a recipe that replays CUDA graphs captures the all-reduce inside its graph (after
+    DDP_GRAPH_WARMUP_STEPS eager steps); under FSDP such recipes are refused (UserError), and so is fp16
+    with its GradScaler on a GPU.
 
     A pass that cannot run here raises RecipeUnavailable, a UserError (the model may then be partly
     patched: build it again).
@@ -570,11 +588,10 @@ def optimize_swin(model: torch.nn.Module, recipe: str = "fmha", *, optimizer=Non
     settings, factory, name = _optimizer_choice(optimizer, optimizer_kwargs)
     chain = resolve_chain(str(recipe))
     strategy = asked_strategy(distributed)
-    if strategy is not None and any(is_graph_form(r) for r in chain):
-        raise UserError(f"recipe {chain[-1].name!r} replays CUDA graphs, which swinbench does not run under "
-                        f"{strategy.upper()} yet "
-                        "(the all-reduce inside a captured step is not built and checked): use the recipe it "
-                        f"extends ({chain[-2].name if len(chain) > 1 else 'baseline'}) with several processes")
+    if strategy == "fsdp" and any(is_graph_form(r) for r in chain):
+        raise UserError(f"recipe {chain[-1].name!r} replays CUDA graphs, which swinbench does not run under FSDP "
+                        "(its all-gathers and reduce-scatters inside a captured step are not built and checked): "
+                        f"use DDP, or the recipe it extends ({chain[-2].name if len(chain) > 1 else 'baseline'})")
     data_parallel = data_parallel_settings(distributed, accumulate)
     if device is not None:
         from workbench.optimize.workload import resolve_device

@@ -84,6 +84,8 @@ class Workload:
     _step_fn: object = None
     _graph: object = None
     _graph_loss: object = None
+    graph_warmup: int = 3        # eager steps before the step is captured (more under DDP)
+    graph_stream: object = None  # the side stream the step is warmed up and captured on (DDP is built on it)
 
     @classmethod
     def build(cls, config: WorkloadConfig, *, fused_attn: bool = False) -> "Workload":
@@ -142,9 +144,22 @@ class Workload:
         self.optimizer.step()
         return loss
 
-    def capture_graph(self, warmup: int = 3) -> None:
-        """Capture one whole step in a CUDA graph (see passes/cuda_graph.py). The warm-up steps run on a
-        side stream, as CUDA graph capture requires; they train the model like any other step."""
+    def wrap_data_parallel(self, settings) -> None:
+        """Train data parallel: the model in DistributedDataParallel with `settings` (a DataParallel), built
+        after prepare(). A graph-replayed stage then captures DDP's all-reduce in its graph, after
+        DDP_GRAPH_WARMUP_STEPS eager steps."""
+        from workbench.optimize.distributed import DDP_GRAPH_WARMUP_STEPS, wrap_data_parallel
+
+        if self.ctx.cuda_graph and self.ctx.device.type == "cuda":
+            self.graph_stream = torch.cuda.Stream(self.ctx.device)
+        self.model = wrap_data_parallel(self.model, self.ctx.device, settings, stream=self.graph_stream)
+        self.graph_warmup = max(self.graph_warmup, DDP_GRAPH_WARMUP_STEPS)
+
+    def capture_graph(self, warmup: int | None = None) -> None:
+        """Capture one whole step in a CUDA graph (see passes/cuda_graph.py). The warm-up steps (default
+        `graph_warmup`) run on a side stream, as CUDA graph capture requires; they train the model like
+        any other step."""
+        warmup = self.graph_warmup if warmup is None else warmup
         if self.optimizer is not None:
             for group in self.optimizer.param_groups:
                 if "capturable" in group and not group["capturable"]:
@@ -156,7 +171,7 @@ class Workload:
                         step = state.get("step")
                         if torch.is_tensor(step) and step.device != p.device:
                             state["step"] = step.to(device=p.device, dtype=torch.float32)
-        side = torch.cuda.Stream()
+        side = self.graph_stream = self.graph_stream or torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(warmup):
@@ -167,7 +182,7 @@ class Workload:
         graph = torch.cuda.CUDAGraph()
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=side):
             # Gradients are allocated inside the graph's pool and overwritten by every replay.
             self._graph_loss = self._eager_step()
         self._graph = graph
@@ -180,6 +195,16 @@ class Workload:
         if options.get("mode") == "reduce-overhead" or (options.get("options") or {}).get("triton.cudagraphs"):
             return "the stage replays Inductor's CUDA graphs (reduce-overhead)"
         return None
+
+    def parallel_blocker(self, strategy: str) -> str | None:
+        """Why this stage's step does not run data parallel under `strategy` ('ddp' or 'fsdp'), None: it
+        does. A step captured as one CUDA graph runs under DDP (its all-reduce captured with it), not under
+        FSDP; Inductor's own CUDA graphs (reduce-overhead) run under neither."""
+        graphs = self.own_graphs()
+        if graphs is None or (strategy == "ddp" and self.ctx.cuda_graph):
+            return None
+        return (f"{graphs}: swinbench does not run it under {strategy.upper()} (the collectives inside "
+                "captured graphs are built and checked for DDP and the stage's own whole-step graph only)")
 
     def graph_blocker(self) -> str | None:
         """Why this workload's step cannot be captured as one CUDA graph (None: it can)."""

@@ -12,10 +12,11 @@ seed, the recipe's passes, AdamW with a linear warm-up then a cosine decay (a La
 `loss` is the training batch's (label-smoothed) loss; `img_per_s` the batch over the wall time of its
 train_step up to the loss on the host (`loss.item()` waits for the GPU), validation excluded. `grad_norm` (with gradient clipping on) is the
 global gradient norm before clipping, the figure that rises before a loss spike. A run's
-img/s is the median over its steps after the first tenth (at least GRAPH_WARMUP_STEPS + 1 steps: warm-up,
-autotuning and graph capture). With `compare`, the baseline runs with `baseline_seeds` seeds (seed,
-seed + 1, ...) and every other recipe with `seed`, so each shares the first baseline seed's initial
-weights, data order and augmentation; the report then gives each recipe the parity verdict (workbench.results.parity).
+img/s is the median over its steps after the first tenth (and at least after the eager steps before a graph
+capture: GRAPH_WARMUP_STEPS, 11 under DDP; warm-up, autotuning and graph capture). With `compare`, the
+baseline runs with `baseline_seeds` seeds (seed, seed + 1, ...) and every other recipe with `seed`, so each
+shares the first baseline seed's initial weights, data order and augmentation; the report then gives each
+recipe the parity verdict (workbench.results.parity).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from workbench.api import GRAPH_WARMUP_STEPS, GraphFallbackWarning, RecipeUnavailable, optimize_swin
+from workbench.api import GraphFallbackWarning, RecipeUnavailable, optimize_swin
 from workbench.env import device_label, environment_stamp
 from workbench.errors import Interrupted, UserError
 from workbench.files import short_repr
@@ -309,7 +310,7 @@ def train_run(config: TrainConfig, recipe: str, seed: int, data, model_name: str
             if status == "ok" and world > 1:
                 torch.distributed.barrier()      # the other ranks wait for rank 0's validation
             epoch += 1
-    skip = min(len(rates) - 1, max(GRAPH_WARMUP_STEPS + 1, len(rates) // 10)) if rates else 0
+    skip = min(len(rates) - 1, max(swin.graph_warmup_steps + 1, len(rates) // 10)) if rates else 0
     img_per_s = statistics.median(rates[skip:]) if rates else None
     end = {"kind": "end", "status": status, "reason": reason, "steps": step, "epochs": epoch,
            "final_val_acc": val_acc, "img_per_s": img_per_s, "img_per_s_from_step": skip + 1,
@@ -334,15 +335,15 @@ def _over_ranks(loss: float, rate: float, world: int, device: torch.device) -> t
 
 def plan_runs(config: TrainConfig, on_gpu: bool) -> tuple[list[tuple[str, int]], list[str]]:
     """-> ([(recipe, seed)] in the order they train, notes). Every recipe is resolved first, so a typo
-    stops the command before anything trains; with several processes, a recipe that replays CUDA graphs
-    is refused (optimize_swin does not run those under DDP or FSDP)."""
+    stops the command before anything trains; under FSDP, a recipe that replays CUDA graphs is refused
+    (optimize_swin runs those under DDP only)."""
     runs, notes = _plan_runs(config, on_gpu)
-    if config.world > 1:
+    if config.world > 1 and parallel_strategy(config, config.world) == "fsdp":
         for recipe, _ in runs:
             chain = resolve_chain(recipe)
             if any(is_graph_form(r) for r in chain):
                 raise UserError(f"recipe {chain[-1].name!r} replays CUDA graphs, which swinbench does not run under "
-                                f"{parallel_strategy(config, config.world).upper()} yet: with --nproc, train "
+                                f"FSDP: train it under DDP (--parallel ddp), or train "
                                 f"{chain[-2].name if len(chain) > 1 else 'baseline'} (the recipe it extends)")
     return runs, notes
 
