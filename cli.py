@@ -349,7 +349,7 @@ def train(
     steps: Annotated[Optional[int], typer.Option(help="Optimizer steps per run (instead of --epochs).")] = None,
     epochs: Annotated[Optional[int], typer.Option(help="Epochs per run (default 5 when --steps is not given).")] = None,
     batch: Annotated[int, typer.Option(help="Images per step.")] = 64,
-    lr: Annotated[float, typer.Option(help="AdamW peak learning rate (linear warm-up over 5% of the steps, then cosine to 0).")] = 1e-3,
+    lr: Annotated[float, typer.Option(help="AdamW peak learning rate (linear warm-up over 5% of the steps, then cosine to 0).")] = 3e-4,
     weight_decay: Annotated[float, typer.Option(help="AdamW weight decay.")] = 0.05,
     label_smoothing: Annotated[float, typer.Option(help="Label smoothing of the cross-entropy loss.")] = 0.1,
     clip_grad: Annotated[float, typer.Option(help="Clip the global gradient norm to this (0: off).")] = 5.0,

@@ -149,7 +149,7 @@ def test_compare_gives_each_recipe_a_parity_verdict_with_the_measured_spread(tmp
     report = (out / "report.md").read_text()
     assert "## Parity with the baseline" in report and "Measured on the baseline (2 seeds): spread" in report
     amp_row = next(line for line in report.splitlines() if line.startswith("| amp |"))
-    assert "PASS" in amp_row or "FAIL" in amp_row
+    assert any(verdict in amp_row for verdict in ("PASS", "FAIL", "NOT DECIDED"))    # six steps decide little
     assert "| fmha-graph | 0 |" in report and "not available" in report
     assert "amp" in output and "reference" in output
     from workbench.results.verdicts import find_verdicts
