@@ -173,3 +173,20 @@ def test_the_fmha_chain_runs_on_swinv2():
     assert not [n for n in swin.notes if "left out" in n]
     loss = swin.train_step(*batch(32, 4))
     assert torch.isfinite(loss)
+
+
+# aot_eager on the CPU (the kernels are opaque custom ops there); on a GPU also Inductor, which traces into them.
+@pytest.mark.parametrize("backend", ["aot_eager"] + (["inductor"] if DEVICE.type == "cuda" else []))
+def test_compiled_fused_swinv2_matches_timm_in_fp32(backend):
+    torch._dynamo.reset()
+    plain = tiny_v2()
+    patched, _ = apply_pass("fused_attention", copy.deepcopy(plain), pass_ctx(DEVICE))
+    compiled = torch.compile(patched, backend=backend)
+    for seed in (1, 2):
+        images, labels = batch(32, seed)
+        plain_logits, plain_grads = train_step(plain, images, labels)
+        logits, grads = train_step(compiled, images, labels)
+        assert rel_err(logits, plain_logits) < 1e-5
+        assert grads.keys() == plain_grads.keys()
+        for name in plain_grads:
+            assert rel_err(grads[name], plain_grads[name]) < (6e-5 if name.endswith("logit_scale") else 2e-5), name
