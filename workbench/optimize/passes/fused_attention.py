@@ -11,9 +11,21 @@ dropout) and are counted; the plan says why.
 Route per shape: windows of up to 64 tokens (window 7: 49) run the kernel that holds a window's keys in
 one tile; windows of 65 to 256 tokens (window 12: 144) run its key-tiled path (keys in blocks of 64).
 Both beat PyTorch's SDPA at their shapes on an H200 (docs/kernels.md has the figures). Windows above
-`max_tokens` tokens (default and largest: 256, what the kernels take; SwinV2's window 24 holds 576) run
-timm's F.scaled_dot_product_attention path instead, each plan says why, and the pass result counts them;
+`max_tokens` tokens (default and largest: 256, what the kernels take) run timm's
+F.scaled_dot_product_attention path instead, each plan says why, and the pass result counts them;
 a smaller `max_tokens` in a recipe moves the line (`max_tokens: 64` keeps window 12 on SDPA).
+
+SwinV2 (timm's swin_transformer_v2): its WindowAttention computes cosine attention,
+normalize(q) @ normalize(k)^T * exp(min(logit_scale, log 100)), plus 16 * sigmoid of a bias table that
+cpb_mlp computes from the relative coordinates. Each such module of exactly timm's class gets, bound on the
+instance (no new parameters or buffers: state_dict is unchanged), v2_attention_forward: the same qkv (q/k/v
+biases), the per-head logit scale folded into the normalized q, the (nH, N, N) bias gathered in torch (its
+gradient reaches cpb_mlp through autograd) and the fused kernel with scale 1 for scores + bias + mask,
+softmax and @ v. `bias` has no effect there (there is no table for the kernels to read). Modules with
+attn_drop > 0, windows above `max_tokens` (window 24: 576 tokens), a head width the kernel does not take,
+a subclass or a forward replaced elsewhere keep timm's own attention (SwinV2 has no SDPA path), counted by
+reason in the result. The v1 block plans are not used: fused_window, fused_linear and fused_block stand aside
+on SwinV2 blocks (post-norm), each with its reason.
 """
 from __future__ import annotations
 
