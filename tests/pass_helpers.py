@@ -96,3 +96,15 @@ def assert_same_step(ref, fused, x, target, atol, rtol, autocast=None, rng_seed=
     assert grads.keys() == grads_ref.keys()
     for name, g_ref in grads_ref.items():
         torch.testing.assert_close(grads[name], g_ref, atol=atol, rtol=rtol, msg=lambda m, n=name: f"grad {n}: {m}")
+
+
+def assert_step_close(ref, model, x, target, logits_tol: float = 1e-5, grad_tol=1e-4) -> None:
+    """One train_step of each: the logits and every parameter gradient of `model` within a relative (norm)
+    error of `ref`'s. grad_tol: a number, or a function of the parameter name giving one."""
+    logits_ref, grads_ref = train_step(ref, x, target)
+    logits, grads = train_step(model, x, target)
+    assert rel_err(logits, logits_ref) < logits_tol
+    assert grads.keys() == grads_ref.keys()
+    for name, g_ref in grads_ref.items():
+        err, tol = rel_err(grads[name], g_ref), grad_tol(name) if callable(grad_tol) else grad_tol
+        assert err < tol, f"{name}: relative gradient error {err:.2e}"

@@ -277,15 +277,18 @@ def test_allow_unavailable_goes_on_and_says_what_was_left_out():
     assert not swin.graphed and any("cuda_graph left out" in n for n in swin.notes)
 
 
-def test_a_swinv2_takes_the_shared_passes_and_each_other_pass_says_why_not():
+def test_a_swinv2_takes_the_fused_attention_and_the_v1_window_pass_says_why_not():
     from timm.models.swin_transformer_v2 import SwinTransformerV2
 
     torch.manual_seed(0)
     model = SwinTransformerV2(img_size=32, patch_size=4, window_size=4, embed_dim=16, depths=(1, 1),
                               num_heads=(1, 2), num_classes=10)
     swin = optimize_swin(model, "fmha", device="cpu", allow_unavailable=True)
-    left_out = [n for n in swin.notes if "left out" in n]
-    assert len(left_out) == 2 and all("SwinV2 blocks (post-norm, cosine attention" in n for n in left_out)
-    assert {p.name for p in swin.passes if p.available} >= {"amp", "fused_layernorm", "master_weights"}
+    assert not [n for n in swin.notes if "left out" in n]
+    aside = [n for n in swin.notes if "not applied: SwinV2 blocks (post-norm, cosine attention" in n]
+    assert len(aside) == 1 and aside[0].startswith("pass fused_window ")
+    assert {p.name for p in swin.passes if p.available} >= {"amp", "fused_layernorm", "master_weights",
+                                                             "fused_window", "fused_attention"}
+    assert next(p for p in swin.passes if p.name == "fused_attention").details["swinv2_patched_modules"] == 2
     loss = swin.train_step(torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,)))
     assert torch.isfinite(loss)

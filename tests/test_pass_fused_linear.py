@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 
 from workbench.models import TINY_MODEL, build_model  # noqa: E402
 from workbench.optimize.passes import apply_pass  # noqa: E402
-from pass_helpers import model_pair, pass_ctx, rel_err, tiny_batch, train_step  # noqa: E402
+from pass_helpers import assert_step_close, model_pair, pass_ctx, rel_err, tiny_batch  # noqa: E402
 
 lin = importlib.import_module("workbench.kernels.linear")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -129,12 +129,7 @@ def test_fused_linear_pass_matches_timm_in_fp32():
     assert result.details["linears"] == 16 and result.details["mlps_fused"] == 4  # 4 blocks x qkv/proj/fc1/fc2
     assert patched.state_dict().keys() == plain.state_dict().keys()
 
-    images, labels = tiny_batch(plain, 2, DEVICE)
-    lp, gp = train_step(plain, images, labels)
-    lf, gf = train_step(patched, images, labels)
-    assert rel_err(lf, lp) < 1e-5
-    for n in gp:
-        assert rel_err(gf[n], gp[n]) < 1e-4, n
+    assert_step_close(plain, patched, *tiny_batch(plain, 2, DEVICE))
 
 
 def test_fused_linear_pass_leaves_other_mlps_on_timms_forward():

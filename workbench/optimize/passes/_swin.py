@@ -7,7 +7,7 @@ import importlib
 
 import torch
 
-from workbench.optimize.passes import PassContext, PassUnavailable, require_triton
+from workbench.optimize.passes import PassContext, PassResult, PassUnavailable, require_triton
 
 
 def square(pair) -> int | None:
@@ -37,7 +37,8 @@ def named_swin_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module
 
 def swin_blocks(model: torch.nn.Module, ctx: PassContext, kernels: str, what: str) -> list[tuple[str, torch.nn.Module]]:
     """named_swin_blocks(model), after checking that timm and the Triton kernel module `kernels` import
-    and that the device runs Triton; PassUnavailable (naming `what`) otherwise, or without blocks."""
+    and that the device runs Triton; PassUnavailable (naming `what`) otherwise, or without blocks of
+    either Swin. [] for a model of SwinV2 blocks only: a pass of v1 blocks stands aside (stand_aside_v2)."""
     try:
         import timm.models.swin_transformer  # noqa: F401
 
@@ -46,17 +47,20 @@ def swin_blocks(model: torch.nn.Module, ctx: PassContext, kernels: str, what: st
         raise PassUnavailable(f"{what} not importable: {exc}") from exc
     require_triton(ctx.device)
     blocks = named_swin_blocks(model)
-    if not blocks:
-        raise PassUnavailable(no_blocks_reason(model))
+    if not blocks and not has_v2_blocks(model):
+        raise PassUnavailable("no timm SwinTransformerBlock or SwinTransformerV2Block in this model")
     return blocks
 
 
-def no_blocks_reason(model: torch.nn.Module) -> str:
-    """Why a model has no block the v1 kernels take, in one line: SwinV2's blocks are named for what differs."""
-    if any(type(m).__name__ == "SwinTransformerV2Block" for m in model.modules()):
-        return ("SwinV2 blocks (post-norm, cosine attention with a learned logit scale, a continuous position "
-                "bias from an MLP): the window and attention kernels compute Swin v1's pre-norm blocks")
-    return "no timm SwinTransformerBlock in this model"
+def has_v2_blocks(model: torch.nn.Module) -> bool:
+    """Whether `model` holds a timm SwinTransformerV2Block."""
+    return any(type(m).__name__ == "SwinTransformerV2Block" for m in model.modules())
+
+
+def stand_aside_v2(model: torch.nn.Module, name: str, why: str) -> tuple[torch.nn.Module, PassResult]:
+    """(model unchanged, the result of pass `name` standing aside on SwinV2 blocks, `why` in one line)."""
+    changed = (f"not applied: SwinV2 blocks (post-norm, cosine attention, position bias from an MLP): {why}")
+    return model, PassResult(name, {}, changed, {"applied": False})
 
 
 def autocast_input_dtype(x: torch.Tensor) -> torch.dtype | None:

@@ -11,17 +11,33 @@ dropout) and are counted; the plan says why.
 Route per shape: windows of up to 64 tokens (window 7: 49) run the kernel that holds a window's keys in
 one tile; windows of 65 to 256 tokens (window 12: 144) run its key-tiled path (keys in blocks of 64).
 Both beat PyTorch's SDPA at their shapes on an H200 (docs/kernels.md has the figures). Windows above
-`max_tokens` tokens (default and largest: 256, what the kernels take; SwinV2's window 24 holds 576) run
-timm's F.scaled_dot_product_attention path instead, each plan says why, and the pass result counts them;
+`max_tokens` tokens (default and largest: 256, what the kernels take) run timm's
+F.scaled_dot_product_attention path instead, each plan says why, and the pass result counts them;
 a smaller `max_tokens` in a recipe moves the line (`max_tokens: 64` keeps window 12 on SDPA).
+
+SwinV2 (timm's swin_transformer_v2): its WindowAttention computes cosine attention,
+normalize(q) @ normalize(k)^T * exp(min(logit_scale, log 100)), plus 16 * sigmoid of a bias table that
+cpb_mlp computes from the relative coordinates. Each such module of exactly timm's class gets, bound on the
+instance (no new parameters or buffers: state_dict is unchanged), v2_attention_forward: the same qkv (q/k/v
+biases), the per-head logit scale folded into the normalized q, the (nH, N, N) bias gathered in torch (its
+gradient reaches cpb_mlp through autograd) and the fused kernel with scale 1 for scores + bias + mask,
+softmax and @ v. `bias` has no effect there (there is no table for the kernels to read). Modules with
+attn_drop > 0, windows above `max_tokens` (window 24: 576 tokens), a head width the kernel does not take,
+a subclass or a forward replaced elsewhere keep timm's own attention (SwinV2 has no SDPA path), counted by
+reason in the result. The v1 block plans are not used: fused_window, fused_linear and fused_block stand aside
+on SwinV2 blocks (post-norm), each with its reason.
 """
 from __future__ import annotations
 
+import math
+import types
+
 import torch
+import torch.nn.functional as F
 
 from workbench.errors import UserError
 from workbench.optimize.passes import PassContext, PassResult
-from workbench.optimize.passes._swin import swin_blocks
+from workbench.optimize.passes._swin import gather_rel_pos_bias, swin_blocks
 from workbench.optimize.passes.block_plan import BIAS_MODES, block_plans
 
 NAME = "fused_attention"
@@ -50,6 +66,69 @@ def window_tokens(blk: torch.nn.Module) -> int:
     return int(area)
 
 
+def v2_attention_forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """timm's SwinV2 WindowAttention.forward with the fused kernel for its core: the same qkv (q/k/v biases
+    concatenated, or added after the Linear with qkv_bias_separate), cosine scores with the per-head logit
+    scale folded into q, 16 * sigmoid of the cpb_mlp table gathered to (nH, N, N) in torch (autograd
+    carries its gradient to cpb_mlp), the (nW, N, N) mask, softmax, @ v in the kernel (scale 1), proj."""
+    from workbench.kernels.window_attention import fused_window_attention
+
+    b_, n, c = x.shape
+    if self.q_bias is None:
+        qkv = self.qkv(x)
+    else:
+        qkv_bias = torch.cat((self.q_bias, self.k_bias, self.v_bias))
+        qkv = self.qkv(x) + qkv_bias if self.qkv_bias_separate else F.linear(x, self.qkv.weight, qkv_bias)
+    q, k, v = qkv.reshape(b_, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+    logit_scale = torch.clamp(self.logit_scale, max=math.log(1. / 0.01)).exp()   # (nH, 1, 1)
+    q = (F.normalize(q, dim=-1) * logit_scale).to(v.dtype)
+    k = F.normalize(k, dim=-1).to(v.dtype)
+    table = self.cpb_mlp(self.relative_coords_table).view(-1, self.num_heads)
+    bias = 16 * torch.sigmoid(gather_rel_pos_bias(table, self.relative_position_index, n))
+    x = fused_window_attention(q, k, v, bias, mask, scale=1.0).transpose(1, 2).reshape(b_, n, c)
+    return self.proj_drop(self.proj(x))
+
+
+def _v2_why_not(attn: torch.nn.Module, max_tokens: int) -> str | None:
+    """None when the kernel can run this SwinV2 WindowAttention, else why it keeps timm's path."""
+    from timm.models.swin_transformer_v2 import WindowAttention
+
+    if type(attn) is not WindowAttention:
+        return "a subclass of timm's WindowAttention"
+    if "forward" in vars(attn):
+        return "its forward was replaced elsewhere"
+    tokens = int(attn.window_size[0]) * int(attn.window_size[1])
+    if tokens > max_tokens:
+        return f"{tokens}-token windows, above max_tokens {max_tokens}"
+    if attn.attn_drop.p > 0:
+        return "attn_drop > 0: the kernel has no dropout"
+    d = attn.dim // attn.num_heads
+    if not 16 <= d <= 128 or d & (d - 1):
+        return f"head width {d}: the kernel takes powers of two from 16 to 128"
+    return None
+
+
+def _apply_v2(model: torch.nn.Module, max_tokens: int) -> tuple[int, dict[str, int]]:
+    """Bind v2_attention_forward to every SwinV2 WindowAttention the kernel can run -> (patched, {reason:
+    modules left on timm's path}). A module this pass bound before counts as patched."""
+    from timm.models.swin_transformer_v2 import WindowAttention
+
+    patched, left = 0, {}
+    for m in model.modules():
+        if not isinstance(m, WindowAttention):
+            continue
+        if getattr(vars(m).get("forward"), "__func__", None) is v2_attention_forward:
+            patched += 1
+            continue
+        reason = _v2_why_not(m, max_tokens)
+        if reason is None:
+            m.forward = types.MethodType(v2_attention_forward, m)
+            patched += 1
+        else:
+            left[reason] = left.get(reason, 0) + 1
+    return patched, left
+
+
 def apply(model: torch.nn.Module, ctx: PassContext, bias: str = "table",
           max_tokens: int = MAX_TOKENS) -> tuple[torch.nn.Module, PassResult]:
     """Plan the fused attention for every timm SwinTransformerBlock in `model` and bind -> (model, PassResult).
@@ -65,6 +144,8 @@ def apply(model: torch.nn.Module, ctx: PassContext, bias: str = "table",
     if bias not in BIAS_MODES:
         raise UserError(f"pass fused_attention: bias must be one of {', '.join(sorted(BIAS_MODES))}, not {bias!r}")
     blocks = swin_blocks(model, ctx, "workbench.kernels.window_attention", "fused window attention kernel")
+    if not blocks:  # SwinV2 blocks only
+        return model, _v2_result(model, bias, max_tokens)
     plans = block_plans(model)
     patched, skipped_dropout, table_modules = 0, 0, 0
     routed: dict[int, int] = {}        # window tokens -> blocks sent to SDPA
@@ -108,5 +189,22 @@ def apply(model: torch.nn.Module, ctx: PassContext, bias: str = "table",
         "implementation": ("workbench.kernels.window_attention.fused_window_attention_table (Triton)" if table_modules
                            else "workbench.kernels.window_attention.fused_window_attention_qkv (Triton)"),
     }
-    params = {**({"bias": bias} if bias != "table" else {}), **({"max_tokens": max_tokens} if max_tokens != MAX_TOKENS else {})}
-    return model, PassResult(NAME, params, changed, details)
+    return model, PassResult(NAME, _params(bias, max_tokens), changed, details)
+
+
+def _params(bias: str, max_tokens: int) -> dict:
+    return {**({"bias": bias} if bias != "table" else {}), **({"max_tokens": max_tokens} if max_tokens != MAX_TOKENS else {})}
+
+
+def _v2_result(model: torch.nn.Module, bias: str, max_tokens: int) -> PassResult:
+    """Bind the fused forward to the SwinV2 WindowAttentions of `model` -> the pass's result. The bias is
+    cpb_mlp's output, gathered in torch whatever `bias` asks (there is no table for the kernels to read)."""
+    patched, left = _apply_v2(model, max_tokens)
+    changed = (f"{patched} SwinV2 WindowAttention -> fused Triton window attention (fwd+bwd; cosine scores, "
+               "logit scale folded into q, the MLP position bias gathered before the kernel)")
+    for reason, count in sorted(left.items()):
+        changed += f"; {count} left on timm's path ({reason})"
+    details = {"swinv2_patched_modules": patched, "swinv2_left_on_timm": left, "max_tokens": max_tokens,
+               "bias": "gather",
+               "implementation": "workbench.kernels.window_attention.fused_window_attention (Triton)"}
+    return PassResult(NAME, _params(bias, max_tokens), changed, details)

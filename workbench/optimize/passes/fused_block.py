@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from workbench.optimize.passes import PassContext, PassResult, PassUnavailable
-from workbench.optimize.passes._swin import square, swin_blocks
+from workbench.optimize.passes._swin import square, stand_aside_v2, swin_blocks
 from workbench.optimize.passes.block_plan import block_plans
 
 NAME = "fused_block"
@@ -65,6 +65,8 @@ def _why_not(blk) -> str | None:
 def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, PassResult]:
     """Plan `whole_block` for every plain timm SwinTransformerBlock in `model` and bind -> (model, PassResult)."""
     blocks = swin_blocks(model, ctx, "workbench.kernels.window_attention", "fused block kernels")
+    if not blocks:
+        return stand_aside_v2(model, NAME, "the whole-block Function computes Swin v1's pre-norm block")
     plans = block_plans(model)
     planned, reasons, already = [], {}, 0
     for name, blk in blocks:

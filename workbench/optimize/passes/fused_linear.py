@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from workbench.optimize.passes import PassContext, PassResult, PassUnavailable, require_triton
-from workbench.optimize.passes._swin import named_swin_blocks
+from workbench.optimize.passes._swin import has_v2_blocks, named_swin_blocks, stand_aside_v2
 from workbench.optimize.passes.block_plan import block_plans
 
 NAME = "fused_linear"
@@ -46,6 +46,9 @@ def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, Pa
 
     linears, fused_mlps, kept_mlps = 0, [], []
     blocks = named_swin_blocks(model)
+    if not blocks and has_v2_blocks(model):
+        return stand_aside_v2(model, NAME, "its Linears are planned in Swin v1 blocks (SwinV2's qkv runs as "
+                                           "F.linear on the weight with the q/v biases, past the module)")
     for name, block in blocks:
         for parent in (block.attn, block.mlp):
             for child_name, child in list(parent.named_children()):

@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 
 from workbench.optimize.passes import PassContext, PassResult, PassUnavailable
-from workbench.optimize.passes._swin import square, swin_blocks
+from workbench.optimize.passes._swin import square, stand_aside_v2, swin_blocks
 from workbench.optimize.passes.block_plan import block_plans
 
 NAME = "fused_window"
@@ -62,6 +62,9 @@ def _norm1_fusable(norm) -> bool:
 def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, PassResult]:
     """Plan `window` for every timm SwinTransformerBlock in `model` and bind the plans -> (model, PassResult)."""
     blocks = swin_blocks(model, ctx, "workbench.kernels.window", "fused window kernels")
+    if not blocks:
+        return stand_aside_v2(model, NAME, "the window kernels fold Swin v1's pre-norm norm1 into the window "
+                                           "partition")
     non_square = [n for n, b in blocks if square(b.window_size) is None or square(b.shift_size) is None]
     if non_square:
         raise PassUnavailable(f"{len(non_square)} block(s) with non-square window_size/shift_size: only square windows are fused")

@@ -1,0 +1,180 @@
+"""The fused_attention pass on a tiny SwinV2: the same logits and the same gradient for every parameter
+(logit_scale, cpb_mlp, q/v biases included) as the unpatched timm model, in fp32, with shifted and
+unshifted windows; modules the kernel cannot run keep timm's path with their reason; the passes that
+take only Swin v1 blocks stand aside with one line."""
+import copy
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from workbench.optimize.passes import PassUnavailable, apply_pass, get_pass  # noqa: E402
+from workbench.optimize.passes.fused_attention import v2_attention_forward  # noqa: E402
+from pass_helpers import assert_step_close, pass_ctx, rel_err, train_step  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+V2_REASON = "not applied: SwinV2 blocks (post-norm, cosine attention, position bias from an MLP): "
+
+
+def tiny_v2(img: int = 32, window: int = 4, depths=(2, 2), heads=(2, 4), seed: int = 0, log_scales=(1.6, 2.7)):
+    """A SwinV2 of embed_dim 32 (head width 16), no stochastic depth, with the norm weights, q/v biases
+    and logit scales drawn away from timm's init (zero res-post-norm weights would hide the attention
+    branch from the logits and leave its gradients near zero). log_scales: the range of logit_scale, by
+    default around timm's init log(10) (scales 5 to 15); the logit scale's gradient is a sum that cancels,
+    whose fp32 error grows with the scale (test_near_the_logit_scale_clamp_...)."""
+    from timm.models.swin_transformer_v2 import SwinTransformerV2
+
+    torch.manual_seed(seed)
+    model = SwinTransformerV2(img_size=img, patch_size=4, window_size=window, embed_dim=32, depths=depths,
+                              num_heads=heads, num_classes=10, drop_path_rate=0.0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.normal_(1.0, 0.2)
+            elif name.endswith(("q_bias", "v_bias")):
+                p.normal_(0.0, 0.1)
+            elif name.endswith("logit_scale"):
+                p.uniform_(*log_scales)
+    return model.to(DEVICE)
+
+
+def grad_tol(name: str) -> float:
+    """Relative gradient error allowed against timm in fp32. Seen: at most 4e-6, and 1.2e-5 for a logit
+    scale's gradient (a sum that cancels)."""
+    return 6e-5 if name.endswith("logit_scale") else 2e-5
+
+
+def v2_attentions(model):
+    from timm.models.swin_transformer_v2 import WindowAttention
+
+    return [m for m in model.modules() if isinstance(m, WindowAttention)]
+
+
+def batch(img: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((2, 3, img, img), generator=g).to(DEVICE), torch.randint(0, 10, (2,), generator=g).to(DEVICE)
+
+
+@pytest.mark.parametrize("img, window, separate", [(32, 4, False), (48, 6, True), (72, 9, False)],
+                         ids=["window4-16tokens", "window6-36tokens-qkv_bias_separate", "window9-81tokens"])
+def test_fused_swinv2_attention_matches_timm_in_fp32(img, window, separate):
+    """Stage 1 shifts its windows (a mask), stage 2 holds one window (no shift); 36 and 81 tokens are no
+    power of two, 81 runs the key-tiled kernel."""
+    plain = tiny_v2(img, window)
+    blocks = [m for m in plain.modules() if type(m).__name__ == "SwinTransformerV2Block"]
+    assert any(b.attn_mask is not None for b in blocks) and any(b.attn_mask is None for b in blocks)
+    if separate:
+        for attn in v2_attentions(plain)[::2]:
+            attn.qkv_bias_separate = True
+    patched = copy.deepcopy(plain)
+    patched, result = apply_pass("fused_attention", patched, pass_ctx(DEVICE))
+    assert result.available and result.details["swinv2_patched_modules"] == 4, result.changed
+    assert result.details["swinv2_left_on_timm"] == {}
+    assert all(getattr(m.forward, "__func__", None) is v2_attention_forward for m in v2_attentions(patched))
+    assert patched.state_dict().keys() == plain.state_dict().keys()
+
+    names = [n for n, _ in patched.named_parameters()]
+    assert any(n.endswith("logit_scale") for n in names) and any("cpb_mlp" in n for n in names)
+    for seed in (1, 2):  # fresh inputs each step
+        assert_step_close(plain, patched, *batch(img, seed), grad_tol=grad_tol)
+
+
+def test_near_the_logit_scale_clamp_the_fused_gradients_stay_near_fp64():
+    """Scales of 55 to 100 (timm clamps at 100): softmax rows near one-hot, and fp32 gradients of the logit
+    scale a few times 1e-4 off the fp64 truth on timm's path and on the kernel's (summed in another order,
+    base-2 exponentials). Both are held to the fp64 truth."""
+    plain = tiny_v2(log_scales=(4.0, 4.6))
+    patched, _ = apply_pass("fused_attention", copy.deepcopy(plain), pass_ctx(DEVICE))
+    truth = copy.deepcopy(plain).double()
+    images, labels = batch(32, 1)
+    truth_logits, truth_grads = train_step(truth, images.double(), labels)
+    for model in (plain, patched):
+        logits, grads = train_step(model, images, labels)
+        assert rel_err(logits, truth_logits) < 1e-5
+        for name, g in truth_grads.items():
+            assert rel_err(grads[name], g) < 2e-3, name
+
+
+def test_a_deep_copy_and_a_second_run_keep_the_fused_forward():
+    model, result = apply_pass("fused_attention", tiny_v2(), pass_ctx(DEVICE))
+    copied = copy.deepcopy(model)
+    assert all(m.forward.__self__ is m for m in v2_attentions(copied))
+    again, result = apply_pass("fused_attention", copied, pass_ctx(DEVICE))
+    assert result.details["swinv2_patched_modules"] == 4 and result.details["swinv2_left_on_timm"] == {}
+
+
+def test_attention_dropout_and_large_windows_keep_timms_path_with_their_reason():
+    model = tiny_v2()
+    first = v2_attentions(model)[0]
+    first.attn_drop.p = 0.1
+    model, result = apply_pass("fused_attention", model, pass_ctx(DEVICE))
+    assert result.details["swinv2_patched_modules"] == 3
+    assert result.details["swinv2_left_on_timm"] == {"attn_drop > 0: the kernel has no dropout": 1}
+    assert "1 left on timm's path (attn_drop > 0: the kernel has no dropout)" in result.changed
+    assert "forward" not in vars(first)
+
+    _, result = apply_pass("fused_attention", tiny_v2(), pass_ctx(DEVICE), {"max_tokens": 15})
+    assert result.details["swinv2_patched_modules"] == 0
+    assert result.details["swinv2_left_on_timm"] == {"16-token windows, above max_tokens 15": 4}
+
+    # window 24 (576 tokens, swinv2_*_window24 models): above what the kernels take. The pass only binds.
+    big = tiny_v2(img=96, window=24, depths=(1,), heads=(2,))
+    big, result = apply_pass("fused_attention", big, pass_ctx(DEVICE))
+    assert result.details["swinv2_left_on_timm"] == {"576-token windows, above max_tokens 256": 1}
+    assert "\n" not in result.changed
+
+
+@pytest.mark.parametrize("name, why", [
+    ("fused_window", "the window kernels fold Swin v1's pre-norm norm1 into the window partition"),
+    ("fused_block", "the whole-block Function computes Swin v1's pre-norm block"),
+    ("fused_linear", "its Linears are planned in Swin v1 blocks"),
+])
+def test_v1_block_passes_stand_aside_on_swinv2(name, why):
+    model = tiny_v2()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    kinds = [type(m) for m in model.modules()]
+    out, result = apply_pass(name, model, pass_ctx(DEVICE))
+    assert out is model and result.available and result.details == {"applied": False}
+    assert result.changed.startswith(V2_REASON + why) and "\n" not in result.changed
+    assert [type(m) for m in model.modules()] == kinds
+    assert not any("forward" in vars(m) for m in model.modules())
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("name", ["fused_window", "fused_block", "fused_linear", "fused_attention"])
+def test_a_model_without_swin_blocks_is_still_unavailable(name):
+    with pytest.raises(PassUnavailable):
+        get_pass(name).apply(torch.nn.Sequential(torch.nn.Linear(4, 4)), pass_ctx(DEVICE))
+
+
+def test_fused_layernorm_keeps_the_post_norm_math():
+    plain = tiny_v2()
+    patched, result = apply_pass("fused_layernorm", copy.deepcopy(plain), pass_ctx(DEVICE), {"impl": "triton"})
+    assert result.details["replaced"] == 11 and result.details["merging_norms_into_linear"] == 0
+    assert_step_close(plain, patched, *batch(32, 3))
+
+
+def test_the_fmha_chain_runs_on_swinv2():
+    from workbench.api import optimize_swin
+
+    swin = optimize_swin(tiny_v2(), "fmha", device=DEVICE, allow_unavailable=True)
+    results = {p.name: p for p in swin.passes}
+    assert results["fused_attention"].available and results["fused_attention"].details["swinv2_patched_modules"] == 4
+    assert results["fused_window"].details == {"applied": False}
+    assert not [n for n in swin.notes if "left out" in n]
+    loss = swin.train_step(*batch(32, 4))
+    assert torch.isfinite(loss)
+
+
+# aot_eager on the CPU (the kernels are opaque custom ops there); on a GPU also Inductor, which traces into them.
+@pytest.mark.parametrize("backend", ["aot_eager"] + (["inductor"] if DEVICE.type == "cuda" else []))
+def test_compiled_fused_swinv2_matches_timm_in_fp32(backend):
+    torch._dynamo.reset()
+    plain = tiny_v2()
+    patched, _ = apply_pass("fused_attention", copy.deepcopy(plain), pass_ctx(DEVICE))
+    compiled = torch.compile(patched, backend=backend)
+    for seed in (1, 2):
+        assert_step_close(plain, compiled, *batch(32, seed), grad_tol=grad_tol)
