@@ -48,7 +48,7 @@ from workbench.errors import Interrupted, UserError
 from workbench.optimize.gate import (GateOutputs, activation_dtypes, capture_parameters, compare, compute_reference, forward_backward,
                    weights_digest)
 from workbench.models import check_model_name, default_model_for
-from workbench.ladder.interleave import InterleaveSpec, add_round, apply_chain, interleaved_entries, run_interleaved_spec, spec_json
+from workbench.ladder.interleave import InterleaveSpec, add_round, interleaved_entries, run_interleaved_spec, spec_json
 from workbench.ladder.progress import LadderProgress
 from workbench.ladder.reuse import (RecordCache, compile_cache_counts, compile_cache_env, compile_cache_note,
                                     reused_record)
@@ -160,7 +160,7 @@ def run_stage(spec: StageSpec, reference: GateOutputs, on_event: Callable[[dict]
         workload = Workload.build(config)
         digest = weights_digest(workload.model)
         params = capture_parameters(workload.model)
-        record["passes"] = [result.to_dict() for result in apply_chain(workload, chain)]
+        record["passes"] = [result.to_dict() for result in workload.apply_chain(chain)]
         record["precision"] = workload.ctx.precision.name
         record["optimizer"] = None
         if config.mode == "train":
