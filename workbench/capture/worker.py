@@ -42,12 +42,10 @@ def run_capture(config: WorkloadConfig, recipe: str | None, *, steps: int, warmu
     workload.ctx.sharded = rank is not None and parallel == "fsdp"     # master_weights stands aside
     passes = apply_recipe(workload, recipe)
     if rank is not None:
-        from workbench.optimize.distributed import shard_batch
-
         blocker = workload.parallel_blocker(parallel)
         if blocker:
             raise UserError(f"{blocker}; profile the recipe it extends with --nproc")
-        shard_batch(workload, rank, world)
+        workload.take_shard(rank, world)
     workload.marker = RangeMarker(marker)
     annotate_modules(workload.model, workload.marker)
     device = workload.ctx.device
@@ -115,7 +113,7 @@ def main(argv: list[str]) -> int:
     import torch.distributed as dist
 
     from workbench.optimize.distributed import init_process_group_from_env
-    from workbench.optimize.workload import pick_device
+    from workbench.devices import pick_device
 
     device = init_process_group_from_env(torch.device(pick_device(config.device)).type)
     rank, world = dist.get_rank(), dist.get_world_size()

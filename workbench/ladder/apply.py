@@ -59,7 +59,8 @@ from workbench.optimize.recipes import (StagePlan, as_jsonable, effective_passes
                                        is_pytorch_alone, plan_stages, resolve_chain)
 from workbench.run_folder import FolderClaim, claim_run_folder, newest_time_tag, previous_folder, run_entries
 from workbench.optimize.timing import gpu_kernel_ms, time_steps
-from workbench.optimize.workload import Workload, WorkloadConfig, pick_device, resolve_device
+from workbench.optimize.workload import Workload, WorkloadConfig
+from workbench.devices import pick_device, resolve_device
 
 # On the CPU, stages timed one after another drift with the machine's load far more than on a GPU, so
 # `apply` times them again in alternation by default there (a few rounds: the tiny Swin's steps are short).

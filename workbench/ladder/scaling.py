@@ -110,7 +110,7 @@ def _measure(spec, single_img_per_s: float | None, device: torch.device, rank: i
              parallel: str = "ddp") -> dict:
     import torch.distributed as dist
 
-    from workbench.optimize.distributed import STRATEGIES, shard_batch
+    from workbench.optimize.distributed import STRATEGIES
     from workbench.optimize.gate import capture_parameters, compare, forward_backward, weights_digest
     from workbench.optimize.recipes import gate_tolerance, resolve_chain
     from workbench.optimize.timing import time_steps
@@ -123,7 +123,7 @@ def _measure(spec, single_img_per_s: float | None, device: torch.device, rank: i
     chain = resolve_chain(spec.stage_ref)
 
     reference = Workload.build(replace(config, precision="fp32"))
-    shard_batch(reference, rank, world)
+    reference.take_shard(rank, world)
     digest = weights_digest(reference.model)
     params = capture_parameters(reference.model)
     reference.prepare()
@@ -135,7 +135,7 @@ def _measure(spec, single_img_per_s: float | None, device: torch.device, rank: i
         torch.cuda.empty_cache()
 
     workload = Workload.build(config)
-    shard_batch(workload, rank, world)
+    workload.take_shard(rank, world)
     digest = weights_digest(workload.model)
     params = capture_parameters(workload.model)
     workload.ctx.sharded = parallel == "fsdp"
@@ -177,7 +177,7 @@ def scaling_main(spec_path: str) -> int:
     import torch.distributed as dist
 
     from workbench.optimize.distributed import init_process_group_from_env
-    from workbench.optimize.workload import pick_device
+    from workbench.devices import pick_device
 
     data = json.loads(Path(spec_path).read_text())
     spec = SimpleNamespace(**data["stage"])     # apply.StageSpec's fields (apply imports this module)

@@ -609,7 +609,7 @@ def optimize_swin(model: torch.nn.Module, recipe: str = "fmha", *, optimizer=Non
                         f"use DDP, or the recipe it extends ({chain[-2].name if len(chain) > 1 else 'baseline'})")
     data_parallel = data_parallel_settings(distributed, accumulate)
     if device is not None:
-        from workbench.optimize.workload import resolve_device
+        from workbench.devices import resolve_device
 
         dev = resolve_device(str(device))
         model.to(dev)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from workbench.devices import resolve_device
 from workbench.errors import UserError
 from workbench.models import build_model, input_size
 from workbench.optimize.passes import PassContext
@@ -37,30 +38,6 @@ class WorkloadConfig:
             raise UserError(f"unknown mode {self.mode!r}: choose train or infer")
         if self.batch < 1:
             raise UserError(f"--batch must be at least 1, got {self.batch}")
-
-
-def pick_device(name: str) -> str:
-    """'auto' -> 'cuda' when a GPU is visible, else 'cpu'; any other name is returned as it is."""
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return name
-
-
-def resolve_device(name: str) -> torch.device:
-    """'auto', 'cuda', 'cuda:1' or 'cpu' -> torch.device; a CUDA device that is not there is a UserError."""
-    name = pick_device(name)
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise UserError(f"unknown device {name!r}: use cuda, cuda:N or cpu") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UserError("no CUDA GPU is visible here: use --device cpu (a tiny Swin on the CPU)")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise UserError(f"device {name} is not there: {torch.cuda.device_count()} GPU(s) visible")
-    elif dev.type != "cpu":
-        raise UserError(f"unsupported device {name!r}: use cuda or cpu")
-    return dev
 
 
 def synthetic_batch(model: torch.nn.Module, batch: int, num_classes: int, device: torch.device, seed: int):
@@ -110,6 +87,13 @@ class Workload:
     @property
     def precision(self) -> Precision:
         return self.ctx.precision
+
+    def take_shard(self, rank: int, world: int) -> None:
+        """Keep rank's share of the global synthetic batch of world x this batch's images (the same seed on
+        every rank, so the ranks' shares together are one process's global batch)."""
+        b = self.config.batch
+        x, y = synthetic_batch(self.model, b * world, self.model.num_classes, self.ctx.device, self.config.seed)
+        self.x, self.y = x[rank * b:(rank + 1) * b].contiguous(), y[rank * b:(rank + 1) * b].contiguous()
 
     def apply_chain(self, chain: list) -> list:
         """Apply every pass of a resolved recipe chain (baseline first) -> the passes' PassResults, in order.
