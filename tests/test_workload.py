@@ -9,7 +9,8 @@ from workbench.models import TINY_MODEL, build_model, check_model_name, input_si
 from workbench.precision import resolve_precision
 from workbench.optimize.ranges import RangeMarker, annotate_modules
 from workbench.optimize.timing import StepTiming, time_steps
-from workbench.optimize.workload import Workload, WorkloadConfig, pick_device, resolve_device
+from workbench.optimize.workload import Workload, WorkloadConfig
+from workbench.devices import pick_device, resolve_device
 
 
 def tiny(**kw):

@@ -234,7 +234,7 @@ def capture_workload(config: WorkloadConfig, recipe_stage: str | None, recipe_so
                      nsys: str | None = None) -> tuple[Path, str]:
     """Capture `steps` steps of the workload (after `warmup`), as the recipe stage leaves the model.
     -> (trace path, backend used: 'nsys' | 'torch')."""
-    from workbench.optimize.workload import resolve_device
+    from workbench.devices import resolve_device
 
     device = resolve_device(config.device)
     chosen, nsys_path, _ = resolve_backend(backend, device, nsys)

@@ -49,7 +49,7 @@ def _module_row(name: str, without: str) -> tuple[str, str]:
 def environment_report(device: str = "auto") -> list[dict]:
     """Rows of {"what", "value", "note"}: the machine's capabilities and what swinbench does with them."""
     from workbench.optimize.passes import triton_runs_on
-    from workbench.optimize.workload import pick_device
+    from workbench.devices import pick_device
 
     device = pick_device(device)
     dev = torch.device(device)

@@ -16,7 +16,8 @@ from workbench.errors import UserError
 from workbench.run_folder import claim_run_folder
 from workbench.models import check_model_name, default_model_for
 from workbench.precision import resolve_precision
-from workbench.optimize.workload import WorkloadConfig, pick_device, resolve_device
+from workbench.optimize.workload import WorkloadConfig
+from workbench.devices import pick_device, resolve_device
 
 
 @dataclass

@@ -26,14 +26,9 @@ def apply_recipe(workload: Workload, recipe: str | None) -> list[dict]:
     """Apply every pass of `recipe`'s chain (baseline first) to the workload -> pass results as dicts."""
     if not recipe:
         return []
-    from workbench.optimize.passes import apply_pass
-    from workbench.optimize.recipes import chain_passes
+    from workbench.optimize.recipes import resolve_chain
 
-    results = []
-    for name, params in chain_passes(recipe):
-        workload.model, result = apply_pass(name, workload.model, workload.ctx, params)
-        results.append(result.to_dict())
-    return results
+    return [result.to_dict() for result in workload.apply_chain(resolve_chain(recipe))]
 
 
 def run_capture(config: WorkloadConfig, recipe: str | None, *, steps: int, warmup: int, marker: str,
@@ -47,29 +42,22 @@ def run_capture(config: WorkloadConfig, recipe: str | None, *, steps: int, warmu
     workload.ctx.sharded = rank is not None and parallel == "fsdp"     # master_weights stands aside
     passes = apply_recipe(workload, recipe)
     if rank is not None:
-        from workbench.optimize.distributed import shard_batch
-
         blocker = workload.parallel_blocker(parallel)
         if blocker:
             raise UserError(f"{blocker}; profile the recipe it extends with --nproc")
-        shard_batch(workload, rank, world)
+        workload.take_shard(rank, world)
     workload.marker = RangeMarker(marker)
     annotate_modules(workload.model, workload.marker)
     device = workload.ctx.device
-    if workload.ctx.sharded:
-        from workbench.optimize.distributed import FullyShard, fully_shard_model
+    data_parallel = None
+    if rank is not None:
+        from workbench.optimize.distributed import DataParallel, FullyShard
 
-        if workload.ctx.grad_scaler and device.type == "cuda":
+        if workload.ctx.sharded and workload.ctx.grad_scaler and device.type == "cuda":
             raise UserError("fp16 with a GradScaler is not run under FSDP (its inf check would see one rank's "
                             "shards): use bf16")
-
-        bf16 = workload.ctx.precision.amp_dtype is torch.bfloat16
-        fully_shard_model(workload.model, FullyShard(), torch.bfloat16 if bf16 else None)
-    workload.prepare()      # the optimizer over the shards when sharded
-    if rank is not None and not workload.ctx.sharded:
-        from workbench.optimize.distributed import DataParallel
-
-        workload.wrap_data_parallel(DataParallel())
+        data_parallel = FullyShard() if workload.ctx.sharded else DataParallel()
+    workload.prepare(data_parallel=data_parallel)      # DDP, or FSDP2 with the optimizer over the shards
     for i in range(warmup):
         workload.step(i)
     if device.type == "cuda":
@@ -125,7 +113,7 @@ def main(argv: list[str]) -> int:
     import torch.distributed as dist
 
     from workbench.optimize.distributed import init_process_group_from_env
-    from workbench.optimize.workload import pick_device
+    from workbench.devices import pick_device
 
     device = init_process_group_from_env(torch.device(pick_device(config.device)).type)
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -48,7 +48,7 @@ from workbench.errors import Interrupted, UserError
 from workbench.optimize.gate import (GateOutputs, activation_dtypes, capture_parameters, compare, compute_reference, forward_backward,
                    weights_digest)
 from workbench.models import check_model_name, default_model_for
-from workbench.ladder.interleave import InterleaveSpec, add_round, apply_chain, interleaved_entries, run_interleaved_spec, spec_json
+from workbench.ladder.interleave import InterleaveSpec, add_round, interleaved_entries, run_interleaved_spec, spec_json
 from workbench.ladder.progress import LadderProgress
 from workbench.ladder.reuse import (RecordCache, compile_cache_counts, compile_cache_env, compile_cache_note,
                                     reused_record)
@@ -59,7 +59,8 @@ from workbench.optimize.recipes import (StagePlan, as_jsonable, effective_passes
                                        is_pytorch_alone, plan_stages, resolve_chain)
 from workbench.run_folder import FolderClaim, claim_run_folder, newest_time_tag, previous_folder, run_entries
 from workbench.optimize.timing import gpu_kernel_ms, time_steps
-from workbench.optimize.workload import Workload, WorkloadConfig, pick_device, resolve_device
+from workbench.optimize.workload import Workload, WorkloadConfig
+from workbench.devices import pick_device, resolve_device
 
 # On the CPU, stages timed one after another drift with the machine's load far more than on a GPU, so
 # `apply` times them again in alternation by default there (a few rounds: the tiny Swin's steps are short).
@@ -160,7 +161,7 @@ def run_stage(spec: StageSpec, reference: GateOutputs, on_event: Callable[[dict]
         workload = Workload.build(config)
         digest = weights_digest(workload.model)
         params = capture_parameters(workload.model)
-        record["passes"] = [result.to_dict() for result in apply_chain(workload, chain)]
+        record["passes"] = [result.to_dict() for result in workload.apply_chain(chain)]
         record["precision"] = workload.ctx.precision.name
         record["optimizer"] = None
         if config.mode == "train":

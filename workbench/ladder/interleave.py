@@ -51,22 +51,13 @@ class InterleaveSpec:
     warmup: int = WARMUP_STEPS
 
 
-def apply_chain(workload, chain) -> list:
-    """Apply every pass of a resolved recipe chain to `workload` (its model replaced as each pass returns
-    it) -> the passes' results, in order."""
-    from workbench.optimize.recipes import apply_chain_passes
-
-    workload.model, results = apply_chain_passes(workload.model, workload.ctx, chain)
-    return results
-
-
 def build_stage_workload(config, stage_ref: str):
     """A prepared workload with every pass of `stage_ref`'s recipe chain applied -> (workload, pass results)."""
     from workbench.optimize.recipes import resolve_chain
     from workbench.optimize.workload import Workload
 
     workload = Workload.build(config)
-    results = apply_chain(workload, resolve_chain(stage_ref))
+    results = workload.apply_chain(resolve_chain(stage_ref))
     workload.prepare()
     return workload, results
 

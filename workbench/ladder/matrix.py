@@ -163,7 +163,7 @@ def run_matrix(*, models: list[str] | None = None, modes: list[str] | None = Non
     -> {"cells": [Cell], "ran": [names], "skipped": [names], "failed": {name: message}, "matrix": md path}."""
     from rich.console import Console
 
-    from workbench.optimize.workload import pick_device, resolve_device
+    from workbench.devices import pick_device, resolve_device
 
     console = console or Console()
     if run_apply is None:

@@ -110,8 +110,7 @@ def _measure(spec, single_img_per_s: float | None, device: torch.device, rank: i
              parallel: str = "ddp") -> dict:
     import torch.distributed as dist
 
-    from workbench.ladder.interleave import apply_chain
-    from workbench.optimize.distributed import STRATEGIES, fully_shard_model, shard_batch
+    from workbench.optimize.distributed import STRATEGIES
     from workbench.optimize.gate import capture_parameters, compare, forward_backward, weights_digest
     from workbench.optimize.recipes import gate_tolerance, resolve_chain
     from workbench.optimize.timing import time_steps
@@ -124,7 +123,7 @@ def _measure(spec, single_img_per_s: float | None, device: torch.device, rank: i
     chain = resolve_chain(spec.stage_ref)
 
     reference = Workload.build(replace(config, precision="fp32"))
-    shard_batch(reference, rank, world)
+    reference.take_shard(rank, world)
     digest = weights_digest(reference.model)
     params = capture_parameters(reference.model)
     reference.prepare()
@@ -136,11 +135,11 @@ def _measure(spec, single_img_per_s: float | None, device: torch.device, rank: i
         torch.cuda.empty_cache()
 
     workload = Workload.build(config)
-    shard_batch(workload, rank, world)
+    workload.take_shard(rank, world)
     digest = weights_digest(workload.model)
     params = capture_parameters(workload.model)
     workload.ctx.sharded = parallel == "fsdp"
-    missing = [r for r in apply_chain(workload, chain) if not r.available]
+    missing = [r for r in workload.apply_chain(chain) if not r.available]
     if missing:
         return {**result, "status": "not run", "reason": "; ".join(f"{r.name}: {r.changed}" for r in missing)}
     blocker = workload.parallel_blocker(parallel)
@@ -150,12 +149,7 @@ def _measure(spec, single_img_per_s: float | None, device: torch.device, rank: i
         if workload.ctx.grad_scaler and device.type == "cuda":
             return {**result, "status": "not run", "reason": "fp16 with a GradScaler is not run under FSDP (its "
                                                              "inf check would see one rank's shards): use bf16"}
-        bf16 = workload.ctx.precision.amp_dtype is torch.bfloat16
-        fully_shard_model(workload.model, settings, torch.bfloat16 if bf16 else None)
-        workload.prepare()      # the optimizer over the shards
-    else:
-        workload.prepare()
-        workload.wrap_data_parallel(settings)
+    workload.prepare(data_parallel=settings)      # DDP, or FSDP2 with the optimizer over the shards
 
     out = _over_ranks(forward_backward(workload, params), world, device, average_grads=False)
     out.weights_digest = digest
@@ -183,7 +177,7 @@ def scaling_main(spec_path: str) -> int:
     import torch.distributed as dist
 
     from workbench.optimize.distributed import init_process_group_from_env
-    from workbench.optimize.workload import pick_device
+    from workbench.devices import pick_device
 
     data = json.loads(Path(spec_path).read_text())
     spec = SimpleNamespace(**data["stage"])     # apply.StageSpec's fields (apply imports this module)

@@ -311,14 +311,3 @@ def init_process_group_from_env(device_type: str) -> torch.device:
     if not dist.is_initialized():
         dist.init_process_group(backend_for(device), device_id=device if device.type == "cuda" else None)
     return device
-
-
-def shard_batch(workload, rank: int, world: int) -> None:
-    """Give a Workload rank's share of the global synthetic batch of world x its batch images (the same
-    seed on every rank, so the ranks' shares together are one process's global batch)."""
-    from workbench.optimize.workload import synthetic_batch
-
-    b = workload.config.batch
-    x, y = synthetic_batch(workload.model, b * world, workload.model.num_classes, workload.ctx.device,
-                           workload.config.seed)
-    workload.x, workload.y = x[rank * b:(rank + 1) * b].contiguous(), y[rank * b:(rank + 1) * b].contiguous()

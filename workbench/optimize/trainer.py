@@ -163,7 +163,7 @@ class OptimizedSwin:
         self.model = model
         self.ctx = ctx
         self.chain = chain
-        self.recipe = chain[-1].name
+        self.recipe = chain[-1].name if chain else "baseline"
         self.passes = passes
         self.loss_fn = loss_fn or F.cross_entropy
         self.grad_clip = grad_clip
@@ -176,6 +176,9 @@ class OptimizedSwin:
         self.eager_fallbacks = 0
         self.last_logits: torch.Tensor | None = None
         self.last_grad_norm: torch.Tensor | None = None
+        # NVTX / torch.profiler ranges around forward, backward, optimizer and a graph's replay (the
+        # harness's RangeMarker while it profiles; None: no ranges)
+        self.marker = None
 
         ctx.precision.apply_matmul_mode()
         self.data_parallel = data_parallel
@@ -290,15 +293,21 @@ class OptimizedSwin:
                 clip(self.model.parameters())
             self._stepper.step()
 
+    def _range(self, name: str):
+        return self.marker.range(name) if self.marker is not None else contextlib.nullcontext()
+
     def _eager_step(self, x, y, loss_fn, last: bool) -> torch.Tensor:
         # under DDP, an accumulation micro-step keeps its gradients local: one all-reduce per optimizer step
         with (self.ddp.no_sync() if self.ddp is not None and not last else contextlib.nullcontext()):
-            logits, loss = self._forward_loss(x, y, loss_fn)
-            backward = loss / self.accumulate if self.accumulate > 1 else loss
-            (self.scaler.scale(backward) if self.scaler is not None else backward).backward()
+            with self._range("forward"):
+                logits, loss = self._forward_loss(x, y, loss_fn)
+            with self._range("backward"):
+                backward = loss / self.accumulate if self.accumulate > 1 else loss
+                (self.scaler.scale(backward) if self.scaler is not None else backward).backward()
         if last:
-            self._update()
-            self._stepper.zero_grad(set_to_none=not self._persistent_grads)
+            with self._range("optimizer"):
+                self._update()
+                self._stepper.zero_grad(set_to_none=not self._persistent_grads)
         self.last_logits = logits.detach()
         return loss.detach()
 
@@ -317,6 +326,11 @@ class OptimizedSwin:
         self.updated = last
         self.optimizer_steps += int(last)
         return loss
+
+    @property
+    def graph_captured(self) -> bool:
+        """Whether the training step has been captured as a CUDA graph (after the eager warm-up steps)."""
+        return self._train_graphs is not None
 
     def _on_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device, non_blocking=True)
@@ -350,7 +364,8 @@ class OptimizedSwin:
         tg.x.copy_(images, non_blocking=True)
         tg.y.copy_(targets, non_blocking=True)
         graph, logits, loss = tg.graphs["step" if last else "micro"]
-        graph.replay()
+        with self._range("graph"):
+            graph.replay()
         self.last_logits = logits
         if last and tg.grad_norm is not None:
             self.last_grad_norm = tg.grad_norm
@@ -594,7 +609,7 @@ def optimize_swin(model: torch.nn.Module, recipe: str = "fmha", *, optimizer=Non
                         f"use DDP, or the recipe it extends ({chain[-2].name if len(chain) > 1 else 'baseline'})")
     data_parallel = data_parallel_settings(distributed, accumulate)
     if device is not None:
-        from workbench.optimize.workload import resolve_device
+        from workbench.devices import resolve_device
 
         dev = resolve_device(str(device))
         model.to(dev)

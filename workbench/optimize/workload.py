@@ -1,8 +1,11 @@
 """The workload: a Swin model, its optimizer and one synthetic batch, stepped with named ranges.
 
 Everything that runs a model goes through `Workload`: `profile` captures its steps, `apply` times
-them and compares them with the baseline. Stochastic depth and dropout are off (drop_path_rate=0)
-so that every recipe stage computes the same function and the correctness gate can compare them.
+them and compares them with the baseline. A training step is the public API's: `prepare` builds the
+`OptimizedSwin` that `optimize_swin` would return for the recipe (its optimizer, master weights, DDP or
+FSDP, CUDA graph), and every step is its `train_step`, so what is measured is what a user's loop runs.
+Stochastic depth and dropout are off (drop_path_rate=0) so that every recipe stage computes the same
+function and the correctness gate can compare them.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from workbench.devices import resolve_device
 from workbench.errors import UserError
 from workbench.models import build_model, input_size
 from workbench.optimize.passes import PassContext
@@ -36,30 +40,6 @@ class WorkloadConfig:
             raise UserError(f"--batch must be at least 1, got {self.batch}")
 
 
-def pick_device(name: str) -> str:
-    """'auto' -> 'cuda' when a GPU is visible, else 'cpu'; any other name is returned as it is."""
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return name
-
-
-def resolve_device(name: str) -> torch.device:
-    """'auto', 'cuda', 'cuda:1' or 'cpu' -> torch.device; a CUDA device that is not there is a UserError."""
-    name = pick_device(name)
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise UserError(f"unknown device {name!r}: use cuda, cuda:N or cpu") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UserError("no CUDA GPU is visible here: use --device cpu (a tiny Swin on the CPU)")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise UserError(f"device {name} is not there: {torch.cuda.device_count()} GPU(s) visible")
-    elif dev.type != "cpu":
-        raise UserError(f"unsupported device {name!r}: use cuda or cpu")
-    return dev
-
-
 def synthetic_batch(model: torch.nn.Module, batch: int, num_classes: int, device: torch.device, seed: int):
     """Random images (N, 3, H, W) fp32 and labels, from their own generator so every stage gets the same."""
     gen = torch.Generator().manual_seed(seed + 1)
@@ -78,14 +58,14 @@ class Workload:
     ctx: PassContext
     x: torch.Tensor
     y: torch.Tensor
-    optimizer: torch.optim.Optimizer | None = None
-    scaler: object = None
+    optimizer: object = None     # training: what steps the weights (the session's optimizer, or master-weight stepper)
     marker: RangeMarker = field(default_factory=RangeMarker)
+    chain: list = field(default_factory=list)      # the recipe chain whose passes ran (apply_chain)
+    results: list = field(default_factory=list)    # their PassResults
+    session: object = None       # training: the API's OptimizedSwin that runs every step
     _step_fn: object = None
-    _graph: object = None
+    _graph: object = None        # inference: the captured forward
     _graph_loss: object = None
-    graph_warmup: int = 3        # eager steps before the step is captured (more under DDP)
-    graph_stream: object = None  # the side stream the step is warmed up and captured on (DDP is built on it)
 
     @classmethod
     def build(cls, config: WorkloadConfig, *, fused_attn: bool = False) -> "Workload":
@@ -108,26 +88,53 @@ class Workload:
     def precision(self) -> Precision:
         return self.ctx.precision
 
-    def prepare(self) -> None:
-        """Build the optimizer and step function from the (possibly pass-changed) model and context.
-        Call after every pass has run and before the first step."""
+    def take_shard(self, rank: int, world: int) -> None:
+        """Keep rank's share of the global synthetic batch of world x this batch's images (the same seed on
+        every rank, so the ranks' shares together are one process's global batch)."""
+        b = self.config.batch
+        x, y = synthetic_batch(self.model, b * world, self.model.num_classes, self.ctx.device, self.config.seed)
+        self.x, self.y = x[rank * b:(rank + 1) * b].contiguous(), y[rank * b:(rank + 1) * b].contiguous()
+
+    def apply_chain(self, chain: list) -> list:
+        """Apply every pass of a resolved recipe chain (baseline first) -> the passes' PassResults, in order.
+        The chain is kept: prepare() builds the training session of that recipe."""
+        from workbench.optimize.recipes import apply_chain_passes
+
+        self.chain = list(chain)
+        self.model, self.results = apply_chain_passes(self.model, self.ctx, self.chain)
+        return self.results
+
+    def prepare(self, data_parallel=None) -> None:
+        """Build what steps the (pass-changed) model. Call after every pass has run and before the first step.
+
+        Training: the public API's OptimizedSwin over this model, context and chain (the optimizer the
+        recipe builds, autocast, master weights, the CUDA graph of the whole step): what a user's
+        `optimize_swin(model, recipe).train_step(images, targets)` runs, with F.cross_entropy, no clipping.
+        `data_parallel` (a DataParallel or FullyShard, under torchrun): DDP or FSDP2, as the API runs them.
+        Inference: the forward under the recipe's autocast and inference_mode (compiled when the stage
+        compiles), replayed as a CUDA graph with cuda_graph."""
         self.ctx.precision.apply_matmul_mode()
         if self.config.mode == "train":
-            if self.ctx.master_weights is not None:
-                self.optimizer = self.ctx.master_weights.optimizer(self.ctx.optimizer_factory, self.model.parameters())
-            else:
-                self.optimizer = self.ctx.optimizer_factory(self.model.parameters())
-            if self.ctx.grad_scaler and self.ctx.device.type == "cuda":
-                self.scaler = torch.amp.GradScaler("cuda")
+            from workbench.optimize.trainer import OptimizedSwin
+
+            self.session = OptimizedSwin(self.model, self.ctx, self.chain, self.results, loss_fn=F.cross_entropy,
+                                         grad_clip=None, accumulate=1, notes=[], data_parallel=data_parallel)
+            self.optimizer = self.session._stepper
+            self._step_fn = self._session_forward_loss
+            return
         self._step_fn = self._forward_loss
         if self.ctx.compile:
             self._step_fn = torch.compile(self._forward_loss, **self.ctx.compile_options)
 
     def forward_loss(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits, loss) of the batch through the step's forward (compiled when the stage compiles)."""
+        """(logits, loss) of the batch through the step's forward (compiled when the stage compiles; under
+        DDP through its wrapper)."""
         if self._step_fn is None:
             self.prepare()
         return self._step_fn(self.x, self.y)
+
+    def _session_forward_loss(self, x, y):
+        return self.session._forward_loss(x, y, F.cross_entropy)
 
     def _forward_loss(self, x, y):
         with self.ctx.precision.autocast(self.ctx.device.type):
@@ -135,57 +142,31 @@ class Workload:
             loss = F.cross_entropy(logits.float(), y)
         return logits, loss
 
-    def _eager_step(self) -> torch.Tensor:
-        if self.config.mode == "infer":
-            with torch.inference_mode():
-                return self._step_fn(self.x, self.y)[1]
-        _, loss = self._step_fn(self.x, self.y)
-        loss.backward()
-        self.optimizer.step()
-        return loss
-
-    def wrap_data_parallel(self, settings) -> None:
-        """Train data parallel: the model in DistributedDataParallel with `settings` (a DataParallel), built
-        after prepare(). A graph-replayed stage then captures DDP's all-reduce in its graph, after
-        DDP_GRAPH_WARMUP_STEPS eager steps."""
-        from workbench.optimize.distributed import DDP_GRAPH_WARMUP_STEPS, wrap_data_parallel
-
-        if self.ctx.cuda_graph and self.ctx.device.type == "cuda":
-            self.graph_stream = torch.cuda.Stream(self.ctx.device)
-        self.model = wrap_data_parallel(self.model, self.ctx.device, settings, stream=self.graph_stream)
-        self.graph_warmup = max(self.graph_warmup, DDP_GRAPH_WARMUP_STEPS)
-
-    def capture_graph(self, warmup: int | None = None) -> None:
-        """Capture one whole step in a CUDA graph (see passes/cuda_graph.py). The warm-up steps (default
-        `graph_warmup`) run on a side stream, as CUDA graph capture requires; they train the model like
-        any other step."""
-        warmup = self.graph_warmup if warmup is None else warmup
-        if self.optimizer is not None:
-            for group in self.optimizer.param_groups:
-                if "capturable" in group and not group["capturable"]:
-                    group["capturable"] = True
-                    # a for-each AdamW that stepped eagerly keeps its step counters on the host; a
-                    # capturable one reads them on the device
-                    for p in group["params"]:
-                        state = self.optimizer.state.get(p, {})
-                        step = state.get("step")
-                        if torch.is_tensor(step) and step.device != p.device:
-                            state["step"] = step.to(device=p.device, dtype=torch.float32)
-        side = self.graph_stream = self.graph_stream or torch.cuda.Stream()
+    def capture_graph(self) -> None:
+        """Capture the step as one CUDA graph now (see passes/cuda_graph.py), after its eager warm-up steps
+        on a side stream, as capture requires; every warm-up step trains the model like any other step.
+        Training: the session's train_step until it has captured (GRAPH_WARMUP_STEPS eager steps, 11 under
+        DDP, then the capture and one replay). Inference: three forwards, then the capture."""
+        if self.config.mode == "train":
+            if not self.session.graphed:
+                raise UserError("this stage's recipe does not capture its step as a CUDA graph")
+            while not self.session.graph_captured:
+                self.session.train_step(self.x, self.y)
+            return
+        side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(warmup):
-                if self.optimizer is not None:
-                    self.optimizer.zero_grad(set_to_none=True)
-                self._eager_step()
+            for _ in range(3):
+                self._infer_step()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        if self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=True)
         with torch.cuda.graph(graph, stream=side):
-            # Gradients are allocated inside the graph's pool and overwritten by every replay.
-            self._graph_loss = self._eager_step()
+            self._graph_loss = self._infer_step()
         self._graph = graph
+
+    def _infer_step(self) -> torch.Tensor:
+        with torch.inference_mode():
+            return self._step_fn(self.x, self.y)[1]
 
     def own_graphs(self) -> str | None:
         """How this workload's step already replays CUDA graphs (None: it launches its kernels itself)."""
@@ -215,33 +196,26 @@ class Workload:
         return None
 
     def step(self, i: int) -> torch.Tensor:
-        """One training step (forward, backward, optimizer) or one inference forward, with ranges."""
+        """One training step (forward, backward, optimizer) or one inference forward, with ranges. A stage
+        that replays a CUDA graph warms up and captures it in its first step."""
         if self._step_fn is None:
             self.prepare()
         m = self.marker
+        if self.config.mode == "train":
+            session = self.session
+            session.marker = m if m.kind != "none" else None
+            if session.graphed and not session.graph_captured:
+                self.capture_graph()
+            with m.range(f"step{i}"):
+                return session.train_step(self.x, self.y)
         if self.ctx.cuda_graph:
             if self._graph is None:
                 self.capture_graph()
             with m.range(f"step{i}"), m.range("graph"):
                 self._graph.replay()
             return self._graph_loss
-        with m.range(f"step{i}"):
-            if self.config.mode == "infer":
-                with m.range("forward"), torch.inference_mode():
-                    logits, loss = self._step_fn(self.x, self.y)
-                return loss
-            with m.range("forward"):
-                logits, loss = self._step_fn(self.x, self.y)
-            with m.range("backward"):
-                (self.scaler.scale(loss) if self.scaler else loss).backward()
-            with m.range("optimizer"):
-                if self.scaler:
-                    self.scaler.step(self.optimizer)
-                    self.scaler.update()
-                else:
-                    self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-        return loss
+        with m.range(f"step{i}"), m.range("forward"), torch.inference_mode():
+            return self._step_fn(self.x, self.y)[1]
 
     def images_per_step(self) -> int:
         return self.config.batch

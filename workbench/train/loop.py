@@ -41,7 +41,7 @@ from workbench.files import short_repr
 from workbench.models import build_model, check_model_name, default_model_for, input_size
 from workbench.optimize.distributed import check_parallel
 from workbench.optimize.recipes import is_graph_form, resolve_chain
-from workbench.optimize.workload import pick_device, resolve_device
+from workbench.devices import pick_device, resolve_device
 from workbench.run_folder import claim_run_folder
 from workbench.train.data import load_data
 from workbench.train.progress import TrainProgress
