@@ -301,6 +301,21 @@ def _tile(n_cols: int) -> tuple[int, int, int]:
     return block_m, block_n, min(16, max(4, block_m * block_n // 512))
 
 
+def quantize_rows_torch(x2: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """What quantize_rows computes, in torch ops: (quantize(x2, s, fmt), s), s = absmax_scale per row."""
+    scale = absmax_scale(x2, fmt, dim=-1, check=False)
+    return quantize(x2, scale, fmt), scale
+
+
+def int8_dequant_torch(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    """What int8_dequant computes, in torch ops (full-size fp32 passes)."""
+    out = acc.float() * x_scale * w_scale
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(torch.bfloat16)
+
+
 @kernel_op("swinbench::quantize_rows")
 def quantize_rows(x2: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(x_q, x_scale) = quantize(x2, s, fmt), s = absmax_scale(x2, fmt, dim=-1, check=False), in one launch
@@ -379,10 +394,7 @@ def int8_linear(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_s
     acc = torch._int_mm(x_q, w_q.t())[:M]
     if kernels_run(acc.device):
         return int8_dequant(acc, x_scale, w_scale, bias)
-    out = acc.float() * x_scale * w_scale
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(torch.bfloat16)
+    return int8_dequant_torch(acc, x_scale, w_scale, bias)
 
 
 # ------------------------------------------------------------------------------ the module
