@@ -20,7 +20,6 @@ unmeasured: a smoke test of the check and the results files (written only with -
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -32,7 +31,7 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _results import add_out_dir_argument, markdown_table, out_dir_for, write_results  # noqa: E402
+from _results import batch_bench_parser, markdown_table, out_dir_for, write_results  # noqa: E402
 from workbench.env import device_label, environment_stamp  # noqa: E402
 from workbench.kernels.quant import (int8_dequant, int8_dequant_torch, quantize_rows,  # noqa: E402
                                      quantize_rows_torch)
@@ -75,12 +74,7 @@ def cases(stages: dict, batch: int):
 
 def main(argv=None) -> int:
     global DEV
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="compare with the torch ops bit for bit first; exit 1 on a mismatch")
-    add_out_dir_argument(ap)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--replays", type=int, default=20, help="graph replays timed per measurement")
-    args = ap.parse_args(argv)
+    args = batch_bench_parser(__doc__, "compare with the torch ops bit for bit first; exit 1 on a mismatch").parse_args(argv)
     gpu = torch.cuda.is_available()
     DEV = torch.device("cuda" if gpu else "cpu")
     batch = args.batch if gpu else 1
