@@ -142,3 +142,14 @@ def test_quantize_rows_takes_no_host_sync():
         q, s = quant.quantize_rows.opaque(x, "fp8")
         out = quant.int8_dequant.opaque(torch.empty(5, 8, dtype=torch.int32), torch.empty(5, 1), torch.empty(1, 8), None)
     assert q.dtype == torch.float8_e4m3fn and s.shape == (5, 1) and out.dtype == torch.bfloat16
+
+
+def test_quant_linear_compiles_whole():
+    """torch.compile takes both kernels as operators in one graph (fullgraph: no break), same bits."""
+    torch.manual_seed(5)
+    ql = QuantLinear(torch.nn.Linear(40, 24), "int8", "int_mm").to(DEVICE)
+    x = torch.randn(37, 40, device=DEVICE)
+    with torch.inference_mode():
+        eager = ql(x)
+        compiled = torch.compile(ql, backend="aot_eager", fullgraph=True)(x)
+    assert torch.equal(bits(eager), bits(compiled))
