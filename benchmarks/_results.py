@@ -25,6 +25,17 @@ def add_out_dir_argument(parser: argparse.ArgumentParser) -> None:
                              "without a GPU nothing is written unless this is given)")
 
 
+def batch_bench_parser(doc: str, check_help: str) -> argparse.ArgumentParser:
+    """The parser of a benchmark over Swin-B's shapes at one batch: --check (check_help), --out-dir,
+    --batch (64) and --replays (CUDA-graph replays timed per measurement); doc's first line describes it."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help=check_help)
+    add_out_dir_argument(parser)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--replays", type=int, default=20, help="graph replays timed per measurement")
+    return parser
+
+
 def out_dir_for(given: Path | None, on_gpu: bool) -> Path | None:
     """Where the results go: the folder given, else benchmarks/results/ on a GPU, else nowhere."""
     if given is not None:

@@ -18,7 +18,6 @@ check and the results files (written only with --out-dir).
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -32,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch.nn.functional as F  # noqa: E402
 
-from _results import add_out_dir_argument, markdown_table, out_dir_for, write_results  # noqa: E402
+from _results import batch_bench_parser, markdown_table, out_dir_for, write_results  # noqa: E402
 from workbench.env import device_label, environment_stamp  # noqa: E402
 from workbench.kernels.linear import bias_grad, linear  # noqa: E402
 from workbench.optimize.timing import cuda_graph_us  # noqa: E402
@@ -56,12 +55,7 @@ def markdown_rows(records: list[dict]) -> list[list[str]]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="compare with torch first; exit 1 on a mismatch")
-    add_out_dir_argument(ap)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--replays", type=int, default=20, help="graph replays timed per measurement")
-    args = ap.parse_args(argv)
+    args = batch_bench_parser(__doc__, "compare with torch first; exit 1 on a mismatch").parse_args(argv)
     gpu = torch.cuda.is_available()
     dev = torch.device("cuda" if gpu else "cpu")
     bf = torch.bfloat16

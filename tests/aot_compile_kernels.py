@@ -47,7 +47,7 @@ DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", 
           torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
 OPTION_KEYS = ("num_warps", "num_stages", "maxnreg", "num_ctas", "launch_pdl")
 
-MODULES = ("_common", "layer_norm", "window", "window_attention", "linear")
+MODULES = ("_common", "layer_norm", "window", "window_attention", "linear", "quant")
 RECORDED: list[tuple] = []
 
 
@@ -86,6 +86,7 @@ def _record_launches(quick: bool) -> None:
     win = importlib.import_module("workbench.kernels.window")
     wa = importlib.import_module("workbench.kernels.window_attention")
     lin = importlib.import_module("workbench.kernels.linear")
+    quant = importlib.import_module("workbench.kernels.quant")
     for fn in (getattr(win, "_norm_bwd_config", None), getattr(ln, "_bwd_grid", None)):
         if hasattr(fn, "cache_clear"):
             fn.cache_clear()
@@ -168,6 +169,17 @@ def _record_launches(quick: bool) -> None:
         for C in ((512,) if quick else (128, 512, 3072)):
             lin.bias_grad_host(r(256, C, dtype=dt), None, torch.float32)
             lin.bias_grad_host(r(256, C, dtype=dt), r(256, C, dtype=dt), torch.float32)
+    # the FP8 / INT8 routes' activation quantization (a bf16 input; fp32 where autocast hands a LayerNorm's
+    # fp32 output to the Linear) and INT8's epilogue (per-row or static scale, with and without bias)
+    for fmt in ("fp8", "int8"):
+        for dt in (torch.bfloat16, torch.float32):
+            for K in ((128, 4096) if quick else (128, 256, 512, 1024, 2048, 4096)):
+                quant.quantize_rows.fn(r(64, K, dtype=dt), fmt)
+    for N in ((512,) if quick else (128, 384, 512, 1000, 4096)):
+        acc = torch.zeros(64, N, dtype=torch.int32)
+        for x_scale in (torch.ones(64, 1), torch.ones(())):
+            for bias in (torch.zeros(N), None):
+                quant.int8_dequant.fn(acc, x_scale, torch.ones(1, N), bias)
 
 
 def _signature(fn, args, kwargs):

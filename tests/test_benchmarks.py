@@ -1,4 +1,4 @@
-"""Every benchmark imports and answers --help; two of them run a CPU smoke pass under the Triton
+"""Every benchmark imports and answers --help; three of them run a CPU smoke pass under the Triton
 interpreter and write their results files (JSON + Markdown, stamped) where they are told."""
 import importlib.util
 import json
@@ -21,7 +21,7 @@ def load(path: Path):
 
 def test_one_benchmark_per_kernel_family():
     assert {p.stem for p in SCRIPTS} == {"bench_layer_norm", "bench_window", "bench_window_attention",
-                                         "bench_linear", "bench_analyze"}
+                                         "bench_linear", "bench_analyze", "bench_quant"}
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
@@ -53,6 +53,12 @@ def test_linear_smoke_on_the_cpu(tmp_path):
     module = load(BENCH / "bench_linear.py")
     assert module.main(["--check", "--out-dir", str(tmp_path)]) == 0
     check_results(tmp_path, "linear")
+
+
+def test_quant_smoke_on_the_cpu(tmp_path):
+    module = load(BENCH / "bench_quant.py")
+    assert module.main(["--check", "--out-dir", str(tmp_path)]) == 0
+    check_results(tmp_path, "quant")
 
 
 def test_analyze_smoke(tmp_path):

@@ -6,7 +6,8 @@ Exports (usable without the CLI):
   fused_window_attention                                                 (window_attention.py)
   layer_norm, add_layer_norm                                             (layer_norm.py)
   linear, bias_grad                                                      (linear.py)
-  absmax_scale, quantize, dequantize, fake_quantize, QuantLinear         (quant.py: torch ops, no Triton)
+  absmax_scale, quantize, dequantize, fake_quantize, QuantLinear         (quant.py; quantize_rows and
+                                                                          int8_dequant in Triton)
 Kernels run on the GPU, and on the CPU under TRITON_INTERPRET=1 (slow: for tests).
 """
 from __future__ import annotations

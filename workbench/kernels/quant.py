@@ -9,6 +9,9 @@ the two quantized matmuls (FP8 through torch._scaled_mm, INT8 through torch._int
     AbsMaxObserver, PercentileObserver  -> per-tensor activation amax over calibration batches
     fp8_linear(x_q, x_scale, w_q, w_scale, bias)   (M, K) e4m3 @ (N, K)^T -> (M, N) bf16, torch._scaled_mm
     int8_linear(x_q, x_scale, w_q, w_scale, bias)  (M, K) int8 @ (N, K)^T -> (M, N) bf16, torch._int_mm
+    quantize_rows(x2, fmt)              -> (x_q, x_scale): absmax_scale(x2, fmt, dim=-1, check=False) and
+                                           quantize(x2, x_scale, fmt) in one Triton launch, bit for bit
+    int8_dequant(acc, x_scale, w_scale, bias)      int8_linear's fp32 epilogue in one Triton launch, bit for bit
 
 Formats (`fmt`): "fp8" is float8 e4m3fn (largest finite 448, no inf: a value past 448 would become NaN,
 so quantize saturates first); "int8" is symmetric int8, [-127, 127] (-128 unused so that the range is
@@ -25,10 +28,29 @@ applied after the GEMM. Activations are quantized per row (per token, dynamic: c
 or per tensor (static: calibrated once). Both GEMMs accumulate exactly (fp8 products in fp32, int8 in
 int32), so a matmul of the dequantized operands in fp32 computes what they compute, up to the order of
 the sums: that is the simulate mode's matmul (`fake_quantize` both operands, then F.linear).
+
+Triton (where kernels run: a CUDA tensor, or any tensor under TRITON_INTERPRET=1, `kernels_run`): the
+GEMM routes quantize dynamic activations with `quantize_rows`, one launch that reads x once and writes
+x_q and the (M, 1) scales, instead of the chain of full-size torch ops (abs, amax, cast to fp32, divide,
+round, clamp, cast); `int8_linear` applies its scales and bias with `int8_dequant`, one pass over the
+int32 accumulator instead of several fp32 ones. Both give the torch ops' bits: the same fp32 operations
+in the same order, each rounded once (on the GPU through libdevice's correctly rounded div_rn / mul_rn /
+add_rn, which ptxas never contracts into an FMA; torch's CUDA kernels divide an fp32 tensor by a Python
+scalar as a multiplication by its fp32 reciprocal, so the scale does the same there). The static
+per-tensor path and the simulate route keep the torch ops. Both host functions are torch.library
+operators (`_common.kernel_op`): no host sync, so they run under CUDA-graph capture and torch.compile.
 """
 from __future__ import annotations
 
+from typing import Optional
+
+import numpy as np
 import torch
+import triton
+import triton.language as tl
+
+from workbench.kernels import _common
+from workbench.kernels._common import _INTERPRET, SOFT_RTNE, cdiv, kernel_op, launch, next_pow2, to_dtype
 
 FORMATS = ("fp8", "int8")
 QMAX = {"fp8": 448.0, "int8": 127.0}
@@ -147,6 +169,203 @@ def make_observer(method: str, percentile: float = 99.99):
     raise ValueError(f"unknown calibration method {method!r}: choose max or percentile")
 
 
+# ------------------------------------------------------------------------------ Triton kernels
+
+# GPU arithmetic in the kernels: libdevice's correctly rounded operations (never contracted into FMAs)
+# on the GPU; under the interpreter numpy's fp32 operations, which are correctly rounded already.
+_GPU_MATH = tl.constexpr(not _INTERPRET)
+# Widest row quantize_rows holds in one block (Swin's widest Linear input: 4C = 6144 for Swin-L's last
+# stage); wider rows keep the torch ops.
+MAX_QUANT_COLS = 16384
+_TILE_ELEMS = 4096  # elements a program handles per tile (rows x columns)
+# 1.5 * 2^23: v + this - this rounds |v| <= 2^22 to an integer, half to even (fp32 round to nearest)
+_RINT_MAGIC = 12582912.0
+
+
+def kernels_run(device: torch.device) -> bool:
+    """Whether the Triton kernels run for tensors on `device`: a CUDA device, or any under TRITON_INTERPRET=1."""
+    return device.type == "cuda" or _INTERPRET
+
+
+@triton.jit
+def _rint(v):
+    """v rounded to an integer, half to even (torch.round). Under the interpreter by the magic-number
+    addition, exact for |v| <= 2^22 (the callers clamp to +-127 first)."""
+    if _GPU_MATH:
+        out = tl.extra.cuda.libdevice.rint(v)
+    else:
+        out = (v + _RINT_MAGIC) - _RINT_MAGIC
+    return out
+
+
+@triton.jit
+def _to_e4m3(q):
+    """q (fp32, |q| <= 448 or NaN) to float8 e4m3fn, rounded to nearest even. On the GPU the hardware cast;
+    under the interpreter by hand (its cast neither carries a rounded-up mantissa into the exponent nor
+    rounds subnormals): round to the step of q's binade (2^(e-3), at least 2^-9) in fp32, then pack the bits."""
+    if _GPU_MATH:
+        out = q.to(tl.float8e4nv)
+    else:
+        u = q.to(tl.uint32, bitcast=True)
+        sign = (u >> 31).to(tl.uint32) << 7
+        e = ((u >> 23) & 0xFF).to(tl.int32) - 127
+        step_exp = tl.maximum(e, -6) - 3
+        step = ((step_exp + 127) << 23).to(tl.float32, bitcast=True)
+        inv_step = ((127 - step_exp) << 23).to(tl.float32, bitcast=True)
+        r = tl.abs(_rint(q * inv_step) * step)          # exact: scaling by powers of two
+        ru = r.to(tl.uint32, bitcast=True)
+        re = ((ru >> 23) & 0xFF).to(tl.int32) - 127
+        normal = ((re + 7) << 3).to(tl.uint32) | ((ru >> 20) & 7)
+        sub = (r * 512.0).to(tl.uint32)                 # r < 2^-6: a multiple of 2^-9, 0..7
+        bits = tl.where(r >= 0.015625, normal, sub) | sign
+        bits = tl.where(q != q, sign | 0x7F, bits)
+        out = bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    return out
+
+
+@triton.jit
+def _quantize_rows_kernel(X, XQ, SCALE, n_rows, n_cols, qmax, inv_qmax, min_scale,
+                          INT8: tl.constexpr, RECIPROCAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr):
+    """BLOCK_M whole rows per program: amax(|x|) per row in fp32 (NaN where the row holds one, as torch's
+    amax), scale = amax / qmax (times the fp32 reciprocal where RECIPROCAL, as torch's CUDA division by a
+    scalar), at least min_scale, 1 where amax is 0; then x / scale correctly rounded, clamped to +-qmax
+    (NaN kept), rounded half to even (INT8) or cast to e4m3 (round to nearest even)."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < n_rows
+    mask = row_mask[:, None] & (cols < n_cols)[None, :]
+    offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
+    amax = tl.where(has_nan, float("nan"), amax)
+    if RECIPROCAL:
+        scale = amax * inv_qmax
+    elif _GPU_MATH:
+        scale = tl.math.div_rn(amax, tl.full([BLOCK_M], qmax, tl.float32))
+    else:
+        scale = amax / qmax
+    scale = tl.maximum(scale, min_scale, propagate_nan=tl.PropagateNan.ALL)
+    scale = tl.where(amax == 0, 1.0, scale)
+    div = tl.broadcast_to(scale[:, None], (BLOCK_M, BLOCK_N))
+    if _GPU_MATH:
+        q = tl.math.div_rn(x, div)
+    else:
+        q = x / div
+    q = tl.clamp(q, -qmax, qmax, propagate_nan=tl.PropagateNan.ALL)
+    if INT8:
+        xq = _rint(q).to(tl.int8)
+    else:
+        xq = _to_e4m3(q)
+    tl.store(XQ + offs, xq, mask=mask)
+    tl.store(SCALE + rows, scale, mask=row_mask)
+
+
+@triton.jit
+def _int8_dequant_kernel(ACC, XS, WS, B, OUT, n_rows, n_cols, ROW_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         SOFT_RTNE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """OUT = ((ACC as fp32) * xs) * ws (+ bias as fp32), each product and sum rounded once to fp32 (as
+    torch's separate ops), rounded to OUT's dtype. xs: XS[row] (ROW_SCALE) or XS[0]; ws: WS[col]."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < n_rows
+    col_mask = cols < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
+    offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
+    acc = tl.load(ACC + offs, mask=mask, other=0).to(tl.float32)
+    if ROW_SCALE:
+        xs = tl.load(XS + rows, mask=row_mask, other=1.0)
+    else:
+        xs = tl.load(XS + tl.zeros([BLOCK_M], dtype=tl.int32))
+    xs = tl.broadcast_to(xs[:, None], (BLOCK_M, BLOCK_N))
+    ws = tl.broadcast_to(tl.load(WS + cols, mask=col_mask, other=1.0)[None, :], (BLOCK_M, BLOCK_N))
+    if _GPU_MATH:
+        out = tl.extra.cuda.libdevice.mul_rn(tl.extra.cuda.libdevice.mul_rn(acc, xs), ws)
+    else:
+        out = acc * xs * ws
+    if HAS_BIAS:
+        b = tl.broadcast_to(tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :], (BLOCK_M, BLOCK_N))
+        if _GPU_MATH:
+            out = tl.extra.cuda.libdevice.add_rn(out, b)
+        else:
+            out = out + b
+    tl.store(OUT + offs, to_dtype(out, OUT.dtype.element_ty, SOFT_RTNE), mask=mask)
+
+
+def _tile(n_cols: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for whole rows of n_cols elements."""
+    block_n = next_pow2(max(1, n_cols))
+    block_m = max(1, min(64, _TILE_ELEMS // block_n))
+    return block_m, block_n, min(16, max(4, block_m * block_n // 512))
+
+
+def quantize_rows_torch(x2: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """What quantize_rows computes, in torch ops: (quantize(x2, s, fmt), s), s = absmax_scale per row."""
+    scale = absmax_scale(x2, fmt, dim=-1, check=False)
+    return quantize(x2, scale, fmt), scale
+
+
+def int8_dequant_torch(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    """What int8_dequant computes, in torch ops (full-size fp32 passes)."""
+    out = acc.float() * x_scale * w_scale
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(torch.bfloat16)
+
+
+@kernel_op("swinbench::quantize_rows")
+def quantize_rows(x2: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_q, x_scale) = quantize(x2, s, fmt), s = absmax_scale(x2, fmt, dim=-1, check=False), in one launch
+    and bit for bit: x2 (M, K) fp32/fp16/bf16 contiguous, K <= MAX_QUANT_COLS -> x_q (M, K) e4m3fn or
+    int8, x_scale (M, 1) fp32. No host sync."""
+    _check_format(fmt)
+    x2 = x2.contiguous()
+    n_rows, n_cols = x2.shape
+    if n_cols > MAX_QUANT_COLS:
+        raise ValueError(f"quantize_rows: K={n_cols} is wider than MAX_QUANT_COLS={MAX_QUANT_COLS}")
+    x_q = _common.new_output((n_rows, n_cols), QDTYPE[fmt], x2.device)
+    scale = _common.new_output((n_rows, 1), torch.float32, x2.device)
+    if n_rows > 0:
+        block_m, block_n, num_warps = _tile(n_cols)
+        qmax = QMAX[fmt]
+        launch(_quantize_rows_kernel)[(cdiv(n_rows, block_m),)](
+            x2, x_q, scale, n_rows, n_cols, qmax, float(np.float32(1.0) / np.float32(qmax)), MIN_SCALE,
+            # torch's CUDA kernels divide by a Python scalar as a multiplication by its fp32 reciprocal
+            INT8=fmt == "int8", RECIPROCAL=x2.device.type == "cuda" or not _INTERPRET,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    return x_q, scale
+
+
+@quantize_rows.register_fake
+def _(x2, fmt):
+    return x2.new_empty(x2.shape, dtype=QDTYPE[fmt]), x2.new_empty((x2.shape[0], 1), dtype=torch.float32)
+
+
+@kernel_op("swinbench::int8_dequant")
+def int8_dequant(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
+                 bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """(acc.float() * x_scale * w_scale [+ bias.float()]).to(bf16) in one launch and bit for bit: acc (M, N)
+    int32 contiguous, x_scale (M, 1) or () fp32, w_scale (1, N) fp32, bias (N,) or None."""
+    n_rows, n_cols = acc.shape
+    out = _common.new_output((n_rows, n_cols), torch.bfloat16, acc.device)
+    if n_rows > 0 and n_cols > 0:
+        block_n = min(256, next_pow2(n_cols))
+        block_m = max(1, min(64, _TILE_ELEMS // block_n))
+        launch(_int8_dequant_kernel)[(cdiv(n_rows, block_m), cdiv(n_cols, block_n))](
+            acc, x_scale, w_scale, bias if bias is not None else w_scale, out, n_rows, n_cols,
+            ROW_SCALE=x_scale.numel() != 1, HAS_BIAS=bias is not None,
+            SOFT_RTNE=SOFT_RTNE, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=8)
+    return out
+
+
+@int8_dequant.register_fake
+def _(acc, x_scale, w_scale, bias):
+    return acc.new_empty(acc.shape, dtype=torch.bfloat16)
+
+
 # ------------------------------------------------------------------------------ quantized GEMMs
 
 
@@ -167,15 +386,15 @@ def int8_linear(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_s
     """(x_q @ w_q^T) in int32 by torch._int_mm, then * x_scale * w_scale (+ bias) in fp32, bf16 out.
     x_q (M, K) int8; x_scale (M, 1) or () fp32; w_q (N, K) int8 contiguous (w_q.t() is the column-major
     second operand); w_scale (1, N) fp32; bias (N,) or None. On CUDA, K and N must be multiples of 8; a
-    batch of at most 16 rows is padded with zero rows to 17 (its extra outputs dropped)."""
+    batch of at most 16 rows is padded with zero rows to 17 (its extra outputs dropped). Where the kernels
+    run (`kernels_run`) the epilogue is one `int8_dequant` launch (the same bits)."""
     M = x_q.shape[0]
     if M < INT8_MIN_ROWS:
         x_q = torch.nn.functional.pad(x_q, (0, 0, 0, INT8_MIN_ROWS - M))
     acc = torch._int_mm(x_q, w_q.t())[:M]
-    out = acc.float() * x_scale * w_scale
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(torch.bfloat16)
+    if kernels_run(acc.device):
+        return int8_dequant(acc, x_scale, w_scale, bias)
+    return int8_dequant_torch(acc, x_scale, w_scale, bias)
 
 
 # ------------------------------------------------------------------------------ the module
@@ -193,7 +412,10 @@ class QuantLinear(torch.nn.Module):
 
     x (..., in_features) in any float dtype -> (..., out_features) in the autocast dtype where autocast is
     on (what nn.Linear would give), else in x's dtype. The float weight is not kept (no `weight`
-    attribute: code that would read it fails instead of computing in bf16 behind the quantization)."""
+    attribute: code that would read it fails instead of computing in bf16 behind the quantization).
+    Where the Triton kernels run (`kernels_run`), the GEMM routes quantize a dynamic input with one
+    `quantize_rows` launch and int_mm applies its scales with one `int8_dequant` launch (the torch ops'
+    bits); extra_repr says which implementation a module runs."""
 
     def __init__(self, linear: torch.nn.Linear, fmt: str, route: str, input_scale: torch.Tensor | None = None):
         super().__init__()
@@ -217,16 +439,37 @@ class QuantLinear(torch.nn.Module):
                              bias.to(torch.bfloat16 if fmt == "fp8" else torch.float32))
         self.register_buffer("input_scale", None if input_scale is None else input_scale.detach().float().reshape(()))
 
+    def fused_quantize(self, device: torch.device) -> bool:
+        """Whether a forward on `device` quantizes its input with `quantize_rows` (one Triton launch)
+        rather than torch ops: a GEMM route, dynamic activations, kernels running there, K in one block."""
+        return (self.route != "simulate" and self.input_scale is None and kernels_run(device)
+                and self.in_features <= MAX_QUANT_COLS)
+
     def extra_repr(self) -> str:
         acts = "dynamic per-row" if self.input_scale is None else "static per-tensor"
-        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt}, route={self.route}, "
+        device = self.weight_scale.device
+        how = "quantized by torch ops"
+        if self.fused_quantize(device):
+            how = "quantized by one Triton launch (quantize_rows)"
+        text = (f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt}, route={self.route}, "
                 f"activations {acts}")
+        if self.route != "simulate":
+            text += f", {how}"
+            if self.route == "int_mm" and kernels_run(device):
+                text += ", int8 epilogue by one Triton launch (int8_dequant)"
+        return text
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         M = x2.shape[0]
-        x_scale = absmax_scale(x2, self.fmt, dim=-1, check=False) if self.input_scale is None else self.input_scale
+        fused = self.fused_quantize(x2.device)
+        if fused:
+            x_q, x_scale = quantize_rows(x2, self.fmt)
+        elif self.input_scale is None:
+            x_scale = absmax_scale(x2, self.fmt, dim=-1, check=False)
+        else:
+            x_scale = self.input_scale
         device_type = x.device.type
         out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
         if self.route == "simulate":
@@ -236,7 +479,8 @@ class QuantLinear(torch.nn.Module):
             # the GPU routes write bf16
             out = out.to(torch.bfloat16)
         else:
-            x_q = quantize(x2, x_scale, self.fmt)
+            if not fused:
+                x_q = quantize(x2, x_scale, self.fmt)
             if self.route == "scaled_mm":
                 # rowwise scaling takes an (M, 1) scale for the first operand: a static one is repeated
                 rows = x_scale if x_scale.dim() == 2 else x_scale.reshape(1, 1).expand(M, 1).contiguous()

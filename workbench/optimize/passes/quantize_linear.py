@@ -19,7 +19,8 @@ in each forward (activations: dynamic) or per tensor with a scale calibrated on 
 Without simulate, a CPU (or an FP8 request on a GPU older than sm_89) raises PassUnavailable: the stage is
 reported not available, with one line. Training is refused the same way: the quantized GEMMs have no
 backward. The fused window attention stays bf16. PassResult.details records each layer's route (or why it
-was kept), the counts, the implementation and the calibration.
+was kept), the counts, the implementation (with how activations are quantized: one Triton launch per
+Linear on the GPU routes with dynamic activations, `kernels.quant.quantize_rows`) and the calibration.
 
 Calibration batches are synthetic (random images from a fixed generator, like the workload's batch): the
 activation ranges of an untrained model on noise. For a trained model, calibrate on real images through
@@ -33,7 +34,7 @@ import math
 import torch
 
 from workbench.errors import UserError
-from workbench.kernels.quant import QMAX, QuantLinear, make_observer
+from workbench.kernels.quant import QMAX, QuantLinear, kernels_run, make_observer
 from workbench.optimize.passes import PassContext, PassResult, PassUnavailable
 
 NAME = "quantize_linear"
@@ -69,7 +70,7 @@ PARAMS = {
 ALIGNMENT = {"fp8": 16, "int8": 8}
 IMPLEMENTATION = {
     "scaled_mm": "torch._scaled_mm (e4m3, rowwise fp32 scales, bf16 out)",
-    "int_mm": "torch._int_mm (int8 -> int32), scales and bias applied after in fp32",
+    "int_mm": "torch._int_mm (int8 -> int32), scales and bias applied after in fp32 (one Triton launch, int8_dequant)",
     "simulate": "fake quantization: quantize-dequantize, fp32 F.linear",
 }
 
@@ -86,6 +87,14 @@ def gpu_route(dtype: str, device: torch.device) -> str:
         raise PassUnavailable(f"INT8 GEMMs (torch._int_mm) need compute capability 7.5 or newer; this GPU is "
                               f"{major}.{minor}")
     return "scaled_mm" if dtype == "fp8" else "int_mm"
+
+
+def activation_quantization(route: str, activations: str, device: torch.device) -> str:
+    """How a forward quantizes its Linear inputs (PassResult.details): one Triton launch per Linear
+    (`quantize_rows`) on the GPU routes with dynamic activations, torch ops otherwise."""
+    if route != "simulate" and activations == "dynamic" and kernels_run(device):
+        return "one Triton launch per Linear (quantize_rows: amax, scale, round, cast)"
+    return "torch ops (abs, amax, divide, round, clamp, cast)"
 
 
 def quantizable_linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:
@@ -189,7 +198,8 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
                "activations": "dynamic per-row" if activations == "dynamic" else "static per-tensor",
                "weights": "per output channel", "qmax": QMAX[dtype], "attention": "bf16 (not quantized)",
                "layers": {**routes, **{n: f"kept bf16: {why}" for n, why in kept.items()}},
-               "counts": {route: len(routes), "kept": len(kept)}, "unmatched_keep": unmatched}
+               "counts": {route: len(routes), "kept": len(kept)}, "unmatched_keep": unmatched,
+               "activation_quantization": activation_quantization(route, activations, ctx.device)}
     input_scales = None
     if activations == "static" and routes:
         batches = synthetic_calibration_batches(model, calibration_batches, calibration_batch, ctx.device)

@@ -1,0 +1,128 @@
+"""The FP8 / INT8 routes' activation quantization and INT8 epilogue on Swin-B's Linear shapes at batch 64:
+the torch ops against workbench.kernels.quant's Triton kernels, bf16 in.
+
+    python benchmarks/bench_quant.py --check        # writes benchmarks/results/quant.{json,md}
+
+Per Swin-B stage (rows = 64 * H * W tokens, C = 128, 256, 512, 1024):
+  quantize fp8 / int8   a Linear's input (rows, K), K = C (qkv, fc1) and 4C (fc2's input, the MLP hidden
+                        width): torch: absmax_scale(x, fmt, dim=-1, check=False) + quantize(x, s, fmt)
+                        (quantize_rows_torch); triton: quantize_rows(x, fmt) -> (x_q, (rows, 1) scales)
+  dequant int8          int8_linear's epilogue on an (rows, N) int32 accumulator, N = C (proj, fc2),
+                        3C (qkv), 4C (fc1), per-row x scale, (1, N) w scale, fp32 bias, bf16 out:
+                        torch: int8_dequant_torch; triton: int8_dequant
+GPU time from CUDA-graph replay (16 calls per graph, median of --replays), calls rotating over enough
+input sets to span 3x the L2. GB/s: the bytes the op must move (quantize: read x, write x_q and the
+scales; dequant: read the int32 accumulator, write bf16) over its time.
+--check first compares the Triton results with the torch ops' bit for bit on every shape and exits 1 on
+a mismatch. Results: benchmarks/results/quant.json ({"environment", "settings", "records",
+"check_failures"}) and quant.md. Without a GPU the kernels run under Triton's interpreter on tiny shapes,
+unmeasured: a smoke test of the check and the results files (written only with --out-dir).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _results import batch_bench_parser, markdown_table, out_dir_for, write_results  # noqa: E402
+from workbench.env import device_label, environment_stamp  # noqa: E402
+from workbench.kernels.quant import (int8_dequant, int8_dequant_torch, quantize_rows,  # noqa: E402
+                                     quantize_rows_torch)
+from workbench.optimize.timing import cuda_graph_us  # noqa: E402
+
+STAGES = {"s1": (56, 128), "s2": (28, 256), "s3": (14, 512), "s4": (7, 1024)}
+QUANT_WIDTHS = (1, 4)          # K = C and 4C
+DEQUANT_WIDTHS = (1, 3, 4)     # N = C, 3C, 4C
+L2_BYTES = 60 * 2**20
+
+MD_HEADERS = ["op", "stage", "rows × cols", "torch µs", "Triton µs", "speedup", "torch GB/s", "Triton GB/s"]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def same_bits(a, b) -> bool:
+    return all(torch.equal(bits(x), bits(y)) for x, y in zip(a, b))
+
+
+def cases(stages: dict, batch: int):
+    """(op, stage, rows, cols, make_inputs(seed) -> args, torch fn, triton fn, bytes moved)."""
+    for sname, (hw, c) in stages.items():
+        rows = batch * hw * hw
+        for fmt in ("fp8", "int8"):
+            for k in (w * c for w in QUANT_WIDTHS):
+                def make(seed, rows=rows, k=k, fmt=fmt):
+                    g = torch.Generator(device=DEV).manual_seed(seed * 7919 + rows + k)
+                    return (torch.randn(rows, k, device=DEV, generator=g).to(torch.bfloat16), fmt)
+                yield f"quantize {fmt}", sname, rows, k, make, quantize_rows_torch, quantize_rows, rows * (k * 3 + 4)
+        for n in (w * c for w in DEQUANT_WIDTHS):
+            def make(seed, rows=rows, n=n):
+                g = torch.Generator(device=DEV).manual_seed(seed * 7919 + rows + n)
+                acc = torch.randint(-2 ** 22, 2 ** 22, (rows, n), device=DEV, dtype=torch.int32, generator=g)
+                return (acc, torch.rand(rows, 1, device=DEV, generator=g) / 127,
+                        torch.rand(1, n, device=DEV, generator=g) / 127, torch.randn(n, device=DEV, generator=g))
+            yield "dequant int8", sname, rows, n, make, int8_dequant_torch, int8_dequant, rows * n * 6
+
+
+def main(argv=None) -> int:
+    global DEV
+    args = batch_bench_parser(__doc__, "compare with the torch ops bit for bit first; exit 1 on a mismatch").parse_args(argv)
+    gpu = torch.cuda.is_available()
+    DEV = torch.device("cuda" if gpu else "cpu")
+    batch = args.batch if gpu else 1
+    stages = STAGES if gpu else {"s4": (7, 32)}
+    env = environment_stamp(DEV)
+    print(f"# bench_quant on {device_label(env)}; torch {env['torch']}, triton {env['triton']}, bf16, batch {batch}")
+    if not gpu:
+        print("# no GPU: Triton interpreter on tiny shapes - a smoke test, nothing is timed")
+    records, failures = [], []
+    for op, sname, rows, cols, make, torch_fn, triton_fn, nbytes in cases(stages, batch):
+        if args.check and not same_bits(torch_fn(*make(0)), triton_fn(*make(0))):
+            failures.append(f"{op} {sname} {rows}x{cols}")
+        rec = {"op": op, "stage": sname, "rows": rows, "cols": cols, "bytes": nbytes}
+        if gpu:
+            sets = [make(k) for k in range(max(1, min(8, -(-3 * L2_BYTES // nbytes))))]
+            for impl, fn in (("torch", torch_fn), ("triton", triton_fn)):
+                rec[f"{impl}_us"] = cuda_graph_us([lambda a=a: fn(*a) for a in sets], replays=args.replays)[0]
+                rec[f"{impl}_gbps"] = nbytes / rec[f"{impl}_us"] / 1e3
+            rec["input_sets"] = len(sets)
+            print(f"{op:13s} {sname} {rows:6d}x{cols:<5d} torch {rec['torch_us']:8.1f} µs ({rec['torch_gbps']:5.0f} GB/s)"
+                  f"  triton {rec['triton_us']:8.1f} µs ({rec['triton_gbps']:5.0f} GB/s)", flush=True)
+            del sets
+            torch.cuda.empty_cache()
+        records.append(rec)
+    if args.check:
+        print(f"# check: {len(records) - len(failures)}/{len(records)} bit-identical to the torch ops" +
+              (f"; MISMATCH: {', '.join(failures)}" if failures else ""))
+    f = lambda r, k, fmt="{:.1f}": fmt.format(r[k]) if k in r else "-"  # noqa: E731
+    rows = [[r["op"], r["stage"], f"{r['rows']}×{r['cols']}", f(r, "torch_us"), f(r, "triton_us"),
+             f"{r['torch_us'] / r['triton_us']:.2f}x" if "triton_us" in r else "-",
+             f(r, "torch_gbps", "{:.0f}"), f(r, "triton_gbps", "{:.0f}")] for r in records]
+    settings = {"batch": batch, "replays": args.replays, "dtype": "bf16", "graph_calls": 16}
+    written = write_results(
+        out_dir_for(args.out_dir, gpu), "quant",
+        title=f"FP8 / INT8 activation quantization and INT8 epilogue: torch ops against Triton (Swin-B, batch {batch})",
+        stamp=env, settings=settings, records=records, check_failures=failures,
+        table=markdown_table(MD_HEADERS, rows),
+        notes=["quantize: absmax_scale + quantize (torch) against quantize_rows (one launch); dequant: int8_linear's "
+               "fp32 epilogue (torch) against int8_dequant (one launch). GPU time from CUDA-graph replay (16 calls "
+               "per graph), median.",
+               "GB/s: the bytes the op must move (quantize: read bf16 x, write x_q and fp32 row scales; dequant: "
+               "read int32, write bf16) over its time."])
+    for path in written:
+        print(f"# wrote {path}")
+    return 1 if failures else 0
+
+
+DEV = torch.device("cpu")
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""kernels/quant.py's Triton kernels against the torch ops they replace, bit for bit: quantize_rows vs
+absmax_scale(x, fmt, dim=-1, check=False) + quantize(x, scale, fmt), int8_dequant vs int8_linear's fp32
+epilogue, and QuantLinear's GEMM routes with the kernels vs with the torch ops.
+
+Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported);
+the e4m3 cast and the int8 rounding then take the kernels' by-hand paths, the GPU's take the hardware's
+(tests/aot_compile_kernels.py compiles those for sm_90)."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from workbench.kernels import quant  # noqa: E402
+from workbench.kernels.quant import (QuantLinear, int8_dequant, int8_dequant_torch, quantize_rows,  # noqa: E402
+                                     quantize_rows_torch)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FORMATS = ("fp8", "int8")
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of t (an fp8 NaN or -0 compares by its encoding, not by value)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def assert_same(x2, fmt):
+    q, s = quantize_rows(x2, fmt)
+    rq, rs = quantize_rows_torch(x2, fmt)
+    assert q.dtype == rq.dtype and q.shape == rq.shape and s.shape == rs.shape == (x2.shape[0], 1)
+    assert torch.equal(bits(s), bits(rs))
+    assert torch.equal(bits(q), bits(rq))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("M", [1, 3, 37])
+@pytest.mark.parametrize("K", [8, 40, 136, 1000])
+def test_quantize_rows_is_bit_identical(fmt, dtype, M, K):
+    g = torch.Generator().manual_seed(M * 10007 + K * 31 + (fmt == "int8") + 2 * (dtype == torch.float32))
+    x = (torch.randn(M, K, generator=g) * torch.rand(M, 1, generator=g) * 10).to(dtype)
+    if M > 1:
+        x[1] = 0                                   # a row of zeros: scale 1, zeros out
+    x[0, K // 2] = 3e4                             # a huge value: the rest of its row rounds to (near) zero
+    x[-1, -1] = -x[-1].abs().max() * 1.5           # the row's amax negative
+    assert_same(x.to(DEVICE), fmt)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_rounding_boundary(fmt):
+    """A row whose scale is exactly 1 (amax = qmax) and whose other values sit on every midpoint between
+    neighbouring representable values (ties: to even) and just beside them, e4m3 subnormals included."""
+    if fmt == "fp8":
+        grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+        grid = grid[grid.isfinite()].unique()
+    else:
+        grid = torch.arange(-127, 128, dtype=torch.float32)
+    mids = (grid[1:] + grid[:-1]) / 2
+    vals = torch.cat([grid, mids, mids.nextafter(torch.tensor(float("inf"))),
+                      mids.nextafter(torch.tensor(-float("inf"))), torch.tensor([1e-40, -1e-40, -0.0])])
+    qmax = quant.QMAX[fmt]
+    x = torch.cat([torch.tensor([qmax]), vals.clamp(-qmax, qmax)]).reshape(1, -1)
+    assert_same(x.to(DEVICE), fmt)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_denormal_and_non_finite_rows(fmt):
+    x = torch.randn(4, 24)
+    x[0] = 1e-39                                 # a denormal amax: the scale floors at MIN_SCALE
+    x[1, 3] = float("inf")
+    x[2, 5] = float("nan")
+    q, s = quantize_rows(x.to(DEVICE), fmt)
+    rq, rs = quantize_rows_torch(x.to(DEVICE), fmt)
+    assert torch.equal(bits(s), bits(rs))       # inf and NaN scales where torch's amax gives them
+    if fmt == "fp8":                             # int8 from NaN is undefined in both
+        assert torch.equal(q.float().isnan(), rq.float().isnan())
+        torch.testing.assert_close(q.float().nan_to_num(), rq.float().nan_to_num(), rtol=0, atol=0)
+    assert torch.equal(bits(q[0]), bits(rq[0]))
+    assert torch.equal(bits(q[3]), bits(rq[3]))
+
+
+@pytest.mark.parametrize("row_scale", [True, False])
+@pytest.mark.parametrize("has_bias", [True, False])
+@pytest.mark.parametrize("M,N", [(1, 8), (37, 40), (3, 1000)])
+def test_int8_dequant_is_bit_identical(row_scale, has_bias, M, N):
+    g = torch.Generator().manual_seed(M * 101 + N + 2 * row_scale + has_bias)
+    acc = torch.randint(-2 ** 26, 2 ** 26, (M, N), generator=g, dtype=torch.int32)   # past 2^24: rounds to fp32
+    x_scale = torch.rand(M, 1, generator=g) / 127 if row_scale else torch.tensor(0.0123)
+    w_scale = torch.rand(1, N, generator=g) / 127
+    bias = torch.randn(N, generator=g) * 100 if has_bias else None
+    ref = acc.float() * x_scale * w_scale
+    ref = (ref if bias is None else ref + bias.float()).to(torch.bfloat16)   # int8_linear's torch epilogue
+    assert torch.equal(bits(int8_dequant_torch(acc, x_scale, w_scale, bias)), bits(ref))
+    args = [t.to(DEVICE) if t is not None else None for t in (acc, x_scale, w_scale, bias)]
+    out = int8_dequant(*args)
+    assert out.dtype == torch.bfloat16 and out.shape == (M, N)
+    assert torch.equal(bits(out.cpu()), bits(ref))
+
+
+def _torch_route(monkeypatch):
+    """QuantLinear and int8_linear on the torch ops (as where no kernels run)."""
+    monkeypatch.setattr(quant, "kernels_run", lambda device: False)
+
+
+@pytest.mark.parametrize("fmt,route", [("fp8", "scaled_mm"), ("int8", "int_mm")])
+@pytest.mark.parametrize("M", [3, 37])      # int_mm pads M <= 16 to 17 rows
+def test_quant_linear_kernels_match_torch_ops(monkeypatch, fmt, route, M):
+    """The same module, the same input: the Triton path and the torch path give the same bits (the GEMMs
+    themselves, torch._scaled_mm and torch._int_mm, run on the CPU too)."""
+    torch.manual_seed(M)
+    lin = torch.nn.Linear(40, 24)
+    x = torch.randn(M, 40)
+    x[0] *= 50
+    ql = QuantLinear(lin, fmt, route).to(DEVICE)
+    assert ql.fused_quantize(torch.device(DEVICE))
+    assert "Triton launch (quantize_rows)" in repr(ql)
+    with torch.inference_mode(), torch.autocast(DEVICE, torch.bfloat16):
+        fused = ql(x.to(DEVICE))
+        _torch_route(monkeypatch)
+        assert "quantized by torch ops" in repr(ql)
+        plain = ql(x.to(DEVICE))
+    assert fused.dtype == plain.dtype == torch.bfloat16
+    assert torch.equal(bits(fused), bits(plain))
+
+
+def test_static_scale_keeps_torch_quantize():
+    lin = torch.nn.Linear(16, 8)
+    ql = QuantLinear(lin, "int8", "int_mm", input_scale=torch.tensor(0.05))
+    assert not ql.fused_quantize(torch.device(DEVICE))
+    assert "quantized by torch ops" in repr(ql)
+
+
+def test_quantize_rows_takes_no_host_sync():
+    """A graph-capturable op: nothing reads tensor data on the host (a fake tensor would refuse)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(5, 24, dtype=torch.bfloat16)
+        q, s = quant.quantize_rows.opaque(x, "fp8")
+        out = quant.int8_dequant.opaque(torch.empty(5, 8, dtype=torch.int32), torch.empty(5, 1), torch.empty(1, 8), None)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (5, 1) and out.dtype == torch.bfloat16
+
+
+def test_quant_linear_compiles_whole():
+    """torch.compile takes both kernels as operators in one graph (fullgraph: no break), same bits."""
+    torch.manual_seed(5)
+    ql = QuantLinear(torch.nn.Linear(40, 24), "int8", "int_mm").to(DEVICE)
+    x = torch.randn(37, 40, device=DEVICE)
+    with torch.inference_mode():
+        eager = ql(x)
+        compiled = torch.compile(ql, backend="aot_eager", fullgraph=True)(x)
+    assert torch.equal(bits(eager), bits(compiled))
