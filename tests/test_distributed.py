@@ -284,3 +284,22 @@ def test_which_graphs_run_data_parallel():
     workload.ctx.cuda_graph = False
     workload.ctx.compile, workload.ctx.compile_options = True, {"mode": "reduce-overhead"}
     assert "Inductor's CUDA graphs" in workload.parallel_blocker("ddp")
+
+
+@pytest.mark.slow
+def test_apply_nproc_2_runs_a_compiled_stage_under_ddp(tmp_path):
+    """torch.compile under DDP (Dynamo's DDP optimizer splits the graph at bucket boundaries): the stage
+    runs under torchrun and passes its gate on every rank."""
+    from typer.testing import CliRunner
+
+    from cli import app
+    from workbench.results.record import read_records
+
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["apply", "--stages", "torch-compile", "--nproc", "2", "--device", "cpu",
+                                      "--batch", "4", "--steps", "2", "--warmup", "1", "--interleave", "0",
+                                      "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    (record,) = read_records([out / "records"])
+    s = record.scaling
+    assert s.status == "ok" and s.world_size == 2 and s.gate["ranks"] == ["PASS", "PASS"], (s.status, s.reason)
