@@ -50,14 +50,14 @@ def write_cell(out: Path, name: str, records) -> Path:
 
 def test_plan_is_models_by_modes_with_per_model_training_batch():
     cells = matrix.plan_cells(matrix.FAMILY, matrix.DEFAULT_MODES)
-    assert len(cells) == 15
+    assert len(cells) == 18
     assert [(c.mode, c.batch) for c in cells[:3]] == [("train", 128), ("infer", 64), ("infer", 1)]
     train = {c.model: c.batch for c in cells if c.mode == "train"}
     assert train == {m: matrix.TRAIN_BATCH[m] for m in matrix.FAMILY}
     assert train["swin_base_patch4_window12_384"] == 32
     assert cells[0].name == "swin_tiny_patch4_window7_224-train-b128"
-    assert cells[-1].name == "swin_base_patch4_window12_384-infer-b1"
-    assert len({c.name for c in cells}) == 15
+    assert cells[-1].name == "swinv2_tiny_window8_256-infer-b1"
+    assert len({c.name for c in cells}) == 18
 
 
 def test_train_batch_option_and_rule_for_unlisted_models():

@@ -23,23 +23,26 @@ from workbench.results.record import read_records
 from workbench.run_folder import run_entries
 
 # The family the matrix runs by default on a GPU (Swin v1: the four sizes at window 7 / 224 px and the
-# window-12 model at 384 px that fine-tuning uses most).
+# window-12 model at 384 px that fine-tuning uses most; SwinV2-T, window 8 at 256 px, whose attention runs
+# the fused kernel while the v1 block passes stand aside).
 FAMILY = [
     "swin_tiny_patch4_window7_224",
     "swin_small_patch4_window7_224",
     "swin_base_patch4_window7_224",
     "swin_large_patch4_window7_224",
     "swin_base_patch4_window12_384",
+    "swinv2_tiny_window8_256",
 ]
 # Training batch per model: the batches swinbench's training figures are quoted at (Swin-T 128, Swin-B
-# and -L 64), Swin-S as Swin-T, and half of Swin-B's at 384 px, where a step holds about three times the
-# tokens. A model not named here takes train_batch_for's rule.
+# and -L 64), Swin-S and SwinV2-T as Swin-T, and half of Swin-B's at 384 px, where a step holds about
+# three times the tokens. A model not named here takes train_batch_for's rule.
 TRAIN_BATCH = {
     "swin_tiny_patch4_window7_224": 128,
     "swin_small_patch4_window7_224": 128,
     "swin_base_patch4_window7_224": 64,
     "swin_large_patch4_window7_224": 64,
     "swin_base_patch4_window12_384": 32,
+    "swinv2_tiny_window8_256": 128,
     TINY_MODEL: 8,   # the CPU demo: a few images keep a CPU cell short
 }
 # mode name -> (apply's mode, batch; None: the model's training batch)
