@@ -186,7 +186,12 @@ def test_apply_nproc_2_adds_a_scaling_record_gated_on_every_rank(tmp_path):
     metrics = s.gate["metrics"]
     assert metrics["logits"]["rel_l2"] <= 1e-6 and metrics["loss"]["abs_diff"] <= 1e-6
     assert all(g["rel_l2"] <= 1e-6 for g in metrics["grads"].values())
-    assert "## Data parallel: 2 processes" in (out / "report.md").read_text()
+    # each rank's gloo all-reduces, from steps under torch.profiler: some time, no more of it exposed than there is
+    comm = s.comm
+    assert comm["steps"] == 3 and len(comm["comm_ms_per_rank"]) == len(comm["exposed_ms_per_rank"]) == 2
+    assert all(c > 0 and 0 <= e <= c + 1e-6 for c, e in zip(comm["comm_ms_per_rank"], comm["exposed_ms_per_rank"]))
+    report = (out / "report.md").read_text()
+    assert "## Data parallel: 2 processes" in report and "communication ms per step per rank (not overlapped)" in report
     # the run checked against itself: its data-parallel figures are compared too
     check = CliRunner().invoke(app, ["check", "--baseline", str(out / "records"), "--current", str(out / "records")])
     assert check.exit_code == 0 and "| baseline | dp_step_ms |" in check.output

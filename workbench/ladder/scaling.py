@@ -106,6 +106,39 @@ def _over_ranks(out, world: int, device: torch.device, *, average_grads: bool):
     return GateOutputs(torch.cat(logits), sum(losses) / world, grads)
 
 
+COMM_STEPS = 3     # steps each rank runs under torch.profiler, after the timing, for its communication figures
+
+
+def _communication(workload, device: torch.device, rank: int, steps: int = COMM_STEPS) -> dict:
+    """This rank's communication per step and the part of it that no compute kernel of the rank overlaps
+    (analysis.ranks.rank_row), from `steps` more steps under torch.profiler: GPU kernels on a GPU (NCCL's),
+    leaf operators on the CPU (gloo's c10d collectives). Measured apart from the timing, which it would
+    disturb."""
+    import tempfile
+
+    from workbench.analysis.ranks import rank_row
+    from workbench.optimize.ranges import RangeMarker
+    from workbench.trace import load_trace
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    marker, workload.marker = workload.marker, RangeMarker("torch")    # step<i> ranges: the steps counted
+    try:
+        with torch.profiler.profile(activities=activities) as prof:
+            for i in range(steps):
+                workload.step(i)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+    finally:
+        workload.marker = marker
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        row = rank_row(rank, load_trace(path))
+    return {"comm_ms": row["comm_ms"], "exposed_ms": row["exposed_ms"]}
+
+
 def _measure(spec, single_img_per_s: float | None, device: torch.device, rank: int, world: int,
              parallel: str = "ddp") -> dict:
     import torch.distributed as dist
@@ -163,13 +196,17 @@ def _measure(spec, single_img_per_s: float | None, device: torch.device, rank: i
     dist.all_gather_object(medians, timing.median_ms)
     iqrs: list = [None] * world
     dist.all_gather_object(iqrs, timing.iqr_ms)
+    comm: list = [None] * world
+    dist.all_gather_object(comm, _communication(workload, device, rank))
     step_ms = max(medians)
     img_per_s = config.batch * world / (step_ms / 1e3)
     return {**result, "img_per_s": img_per_s, "step_ms": step_ms, "step_ms_per_rank": medians,
             "step_iqr_ms_per_rank": iqrs,
             "efficiency": img_per_s / (world * single_img_per_s) if single_img_per_s else None,
             "gate": {"status": "FAIL" if "FAIL" in verdicts else gate.status, "reason": gate.reason,
-                     "ranks": verdicts, "metrics": json.loads(json.dumps(gate.metrics, default=str))}}
+                     "ranks": verdicts, "metrics": json.loads(json.dumps(gate.metrics, default=str))},
+            "comm": {"comm_ms_per_rank": [c["comm_ms"] for c in comm],
+                     "exposed_ms_per_rank": [c["exposed_ms"] for c in comm], "steps": COMM_STEPS}}
 
 
 def scaling_main(spec_path: str) -> int:

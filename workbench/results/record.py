@@ -75,7 +75,10 @@ greater than 0, ">= 0" a finite number not below 0; an int is a JSON integer (tr
                     interquartile range, in rank order as step_ms_per_rank), efficiency: > 0 | null (img_per_s / (world_size x this record's
                     img_per_s)), gate: {status: 'PASS' | 'FAIL' | 'SKIP' | 'REFERENCE', reason: str | null,
                     ranks: [status per rank], metrics: JSON}, ddp: {setting: JSON}: the data-parallel
-                    settings, with "strategy": "ddp" | "fsdp" (none said: DDP)}; records without it are read
+                    settings, with "strategy": "ddp" | "fsdp" (none said: DDP), comm: {comm_ms_per_rank: [>= 0],
+                    exposed_ms_per_rank: [>= 0], steps: int >= 1} (optional: each rank's communication per
+                    step and the part of it no compute kernel of the rank overlaps, from a few steps under
+                    torch.profiler after the timing, analysis.ranks.rank_row)}; records without it are read
                     as before
 
 When status is 'ok', timing, img_per_s, step_ms, step_iqr_ms and (on a GPU) peak_mem_bytes are required;
@@ -356,13 +359,15 @@ class Scaling:
     efficiency: float | None = None
     gate: dict = field(default_factory=dict)
     ddp: dict = field(default_factory=dict)
+    comm: dict = field(default_factory=dict)       # empty in records written before it was measured
 
     def to_dict(self) -> dict:
         return {"world_size": self.world_size, "backend": self.backend, "batch_per_process": self.batch_per_process,
                 "global_batch": self.global_batch, "status": self.status, "reason": self.reason,
                 "img_per_s": self.img_per_s, "step_ms": self.step_ms, "step_ms_per_rank": list(self.step_ms_per_rank),
                 **({"step_iqr_ms_per_rank": list(self.step_iqr_ms_per_rank)} if self.step_iqr_ms_per_rank else {}),
-                "efficiency": self.efficiency, "gate": dict(self.gate), "ddp": dict(self.ddp)}
+                "efficiency": self.efficiency, "gate": dict(self.gate), "ddp": dict(self.ddp),
+                **({"comm": dict(self.comm)} if self.comm else {})}
 
 
 @dataclass(frozen=True)
@@ -1011,7 +1016,7 @@ class _Parser:
         if g is None:
             return None
         keys = ("world_size", "backend", "batch_per_process", "global_batch", "status", "reason", "img_per_s",
-                "step_ms", "step_ms_per_rank", "step_iqr_ms_per_rank", "efficiency", "gate", "ddp")
+                "step_ms", "step_ms_per_rank", "step_iqr_ms_per_rank", "efficiency", "gate", "ddp", "comm")
         self.known(g, set(keys), "scaling")
         for key in ("world_size", "backend", "batch_per_process", "global_batch", "status"):
             self.get(g, key, "scaling.", required=True)
@@ -1041,7 +1046,24 @@ class _Parser:
                   "ranks": [self.string(x, "scaling.gate.ranks[]", choices=GATE_STATUSES)
                             for x in self.sequence(_given(gate.get("ranks"), []), "scaling.gate.ranks")],
                   "metrics": self.json_object(gate.get("metrics"), "scaling.gate.metrics")},
-            ddp=self.json_object(g.get("ddp"), "scaling.ddp"))
+            ddp=self.json_object(g.get("ddp"), "scaling.ddp"),
+            comm=self.scaling_comm(g.get("comm"), len(medians)))
+
+    def scaling_comm(self, value, ranks: int) -> dict:
+        c = self.mapping(value, "scaling.comm", optional=True)
+        if c is None:
+            return {}
+        self.known(c, {"comm_ms_per_rank", "exposed_ms_per_rank", "steps"}, "scaling.comm")
+        out = {"steps": self.integer(self.get(c, "steps", "scaling.comm.", required=True), "scaling.comm.steps", 1,
+                                     MAX_COUNT)}
+        for key in ("comm_ms_per_rank", "exposed_ms_per_rank"):
+            values = [self.number(x, f"scaling.comm.{key}[{i}]", positive=False)
+                      for i, x in enumerate(self.sequence(self.get(c, key, "scaling.comm.", required=True),
+                                                          f"scaling.comm.{key}"))]
+            if len(values) != ranks:
+                raise self.fail(f"'scaling.comm.{key}' holds {len(values)} ranks and 'scaling.step_ms_per_rank' {ranks}")
+            out[key] = values
+        return out
 
     def reused(self, value) -> Reused | None:
         r = self.mapping(value, "reused", optional=True)

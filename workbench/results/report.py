@@ -846,23 +846,29 @@ def _scaling_lines(records: list[StageRecord]) -> list[str]:
     for r in scaled:
         s = r.scaling
         if s.status != "ok":
-            rows.append([r.stage, _num(r.img_per_s), "-", "-", "-", f"{s.status}: {s.reason}"])
+            rows.append([r.stage, _num(r.img_per_s), "-", "-", "-", "-", f"{s.status}: {s.reason}"])
             continue
         ranks = s.gate.get("ranks") or []
         gate = (f"{s.gate['status']} on all {len(ranks)} ranks" if set(ranks) == {s.gate["status"]}
                 else f"{s.gate['status']} (by rank: {', '.join(ranks)})")
+        comm = ("-" if not s.comm else " / ".join(f"{c:.2f} ({e:.2f})" for c, e in
+                                                 zip(s.comm["comm_ms_per_rank"], s.comm["exposed_ms_per_rank"])))
         rows.append([r.stage, _num(r.img_per_s), _num(s.img_per_s),
                      "-" if s.efficiency is None else f"{s.efficiency:.2f}",
-                     " / ".join(f"{ms:.1f}" for ms in s.step_ms_per_rank), gate])
+                     " / ".join(f"{ms:.1f}" for ms in s.step_ms_per_rank), comm, gate])
     return [f"## Data parallel: {first.world_size} processes", "",
             _md_table(["stage", "img/s, 1 process", f"img/s, {first.world_size} processes", "efficiency",
-                       "median step ms per rank", "gate over the global batch"], rows), "",
+                       "median step ms per rank", "communication ms per step per rank (not overlapped)",
+                       "gate over the global batch"], rows), "",
             f"Each stage again under torchrun ({first.backend}, {strategy.upper()}: "
             + ", ".join(f"{k} {v}" for k, v in settings.items())
             + f"), {first.batch_per_process} images per process, global batch {first.global_batch}. img/s = global "
             "batch / the slowest rank's median step; efficiency = img/s / (processes x the one-process img/s at the "
             "same batch per process). The gate compares the combined ranks (logits gathered, mean loss, the "
-            "averaged gradients) with the fp32 baseline over the global batch, on every rank.", ""]
+            "averaged gradients) with the fp32 baseline over the global batch, on every rank. Communication: "
+            "each rank's collective kernels per step (NCCL; gloo's c10d operators on the CPU) and, in brackets, "
+            "the part of their time no compute kernel of the rank overlaps, the time a step waits on them; from "
+            "a few more steps under torch.profiler after the timing.", ""]
 
 
 def _num(x) -> str:
