@@ -109,3 +109,15 @@ def test_a_deep_copy_and_a_second_run_keep_the_bound_attn():
     assert all(b._attn.__self__ is b and bound(b) for b in v2_blocks(copied))
     _, result = apply_pass("fused_window", copied, pass_ctx(DEVICE))
     assert result.details["swinv2_patched_blocks"] == 4 and result.details["swinv2_left_on_timm"] == {}
+
+
+# aot_eager on the CPU (the kernels are opaque custom ops there); on a GPU also Inductor, which traces into them.
+@pytest.mark.parametrize("backend", ["aot_eager"] + (["inductor"] if DEVICE.type == "cuda" else []))
+def test_compiled_fused_window_and_attention_match_timm_in_fp32(backend):
+    torch._dynamo.reset()
+    plain = tiny_v2(IMG)
+    patched, _ = apply_pass("fused_window", copy.deepcopy(plain), pass_ctx(DEVICE))
+    patched, _ = apply_pass("fused_attention", patched, pass_ctx(DEVICE))
+    compiled = torch.compile(patched, backend=backend)
+    for seed in (1, 2):
+        assert_step_close(plain, compiled, *batch(IMG, seed), grad_tol=grad_tol)
