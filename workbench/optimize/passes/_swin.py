@@ -38,7 +38,8 @@ def named_swin_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module
 def swin_blocks(model: torch.nn.Module, ctx: PassContext, kernels: str, what: str) -> list[tuple[str, torch.nn.Module]]:
     """named_swin_blocks(model), after checking that timm and the Triton kernel module `kernels` import
     and that the device runs Triton; PassUnavailable (naming `what`) otherwise, or without blocks of
-    either Swin. [] for a model of SwinV2 blocks only: a pass of v1 blocks stands aside (stand_aside_v2)."""
+    either Swin. [] for a model of SwinV2 blocks only: a pass of v1 blocks stands aside (stand_aside_v2) or
+    binds its SwinV2 forms itself (fused_attention, fused_window)."""
     try:
         import timm.models.swin_transformer  # noqa: F401
 

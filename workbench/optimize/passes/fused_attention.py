@@ -24,8 +24,8 @@ gradient reaches cpb_mlp through autograd) and the fused kernel with scale 1 for
 softmax and @ v. `bias` has no effect there (there is no table for the kernels to read). Modules with
 attn_drop > 0, windows above `max_tokens` (window 24: 576 tokens), a head width the kernel does not take,
 a subclass or a forward replaced elsewhere keep timm's own attention (SwinV2 has no SDPA path), counted by
-reason in the result. The v1 block plans are not used: fused_window, fused_linear and fused_block stand aside
-on SwinV2 blocks (post-norm), each with its reason.
+reason in the result. The v1 block plans are not used: fused_linear and fused_block stand aside on SwinV2
+blocks (post-norm), each with its reason; fused_window binds the block's _attn, which calls this forward.
 """
 from __future__ import annotations
 

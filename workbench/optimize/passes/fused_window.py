@@ -37,13 +37,29 @@ Details the planned forward keeps from timm:
     and norm2.
 A block whose forward was replaced outside the plans is left alone and counted in
 details["blocks_forward_already_patched"].
+
+SwinV2 (timm's swin_transformer_v2, a model of SwinTransformerV2Blocks only): the block is post-norm,
+    x = x + drop_path1(norm1(_attn(x))),   _attn: roll(-shift) -> pad -> window_partition -> attn
+                                                  -> window_reverse -> crop -> roll(+shift)
+so there is no norm before the partition to fold, and the residual add comes after norm1. Each block of
+exactly timm's class with square window_size and shift_size gets, bound on the instance (no new parameters
+or buffers: state_dict is unchanged), v2_window_attn as its `_attn`:
+    windows = roll_partition(x, ws, shift)                # one kernel (roll + pad + partition)
+    attn    = self.attn(windows, mask=attn_mask)           # the attention module, timm's or fused_attention's
+    x       = merge_roll(attn, ws, shift, H, W)            # one kernel (reverse + crop + roll)
+with timm's mask: the block's attn_mask, or get_attn_mask over the padded shape with dynamic_mask. norm1,
+the residual add and the MLP half stay timm's. Blocks of a subclass, with an `_attn` or `forward` replaced
+elsewhere, or with a non-square window or shift keep timm's `_attn`, counted by reason in the result; a
+block made non-square after the pass (set_input_size) runs timm's `_attn` from then on.
 """
 from __future__ import annotations
+
+import types
 
 import torch
 
 from workbench.optimize.passes import PassContext, PassResult, PassUnavailable
-from workbench.optimize.passes._swin import square, stand_aside_v2, swin_blocks
+from workbench.optimize.passes._swin import square, swin_blocks
 from workbench.optimize.passes.block_plan import block_plans
 
 NAME = "fused_window"
@@ -62,9 +78,8 @@ def _norm1_fusable(norm) -> bool:
 def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, PassResult]:
     """Plan `window` for every timm SwinTransformerBlock in `model` and bind the plans -> (model, PassResult)."""
     blocks = swin_blocks(model, ctx, "workbench.kernels.window", "fused window kernels")
-    if not blocks:
-        return stand_aside_v2(model, NAME, "the window kernels fold Swin v1's pre-norm norm1 into the window "
-                                           "partition")
+    if not blocks:  # SwinV2 blocks only
+        return model, _v2_result(model)
     non_square = [n for n, b in blocks if square(b.window_size) is None or square(b.shift_size) is None]
     if non_square:
         raise PassUnavailable(f"{len(non_square)} block(s) with non-square window_size/shift_size: only square windows are fused")
@@ -109,3 +124,73 @@ def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, Pa
                    implementation="workbench.kernels.window (Triton): norm_shift_partition, merge_unshift_add, "
                                   "add_norm_shift_partition, merge_add_norm")
     return model, PassResult(NAME, {}, changed, details)
+
+
+def v2_window_attn(self, x: torch.Tensor) -> torch.Tensor:
+    """timm's SwinTransformerV2Block._attn with its data movement fused: roll(-shift) + pad + window_partition
+    as roll_partition, window_reverse + crop + roll(+shift) as merge_roll (one Triton kernel each way,
+    forward and backward), timm's mask and `self.attn` between them. A window or shift that is not square
+    (set after binding) runs timm's own _attn."""
+    from timm.models.swin_transformer_v2 import SwinTransformerV2Block
+
+    from workbench.kernels.window import merge_roll, roll_partition
+
+    ws, shift = square(self.window_size), square(self.shift_size)
+    if ws is None or shift is None:
+        return SwinTransformerV2Block._attn(self, x)
+    _, H, W, _ = x.shape
+    windows = roll_partition(x, ws, shift)
+    if getattr(self, "dynamic_mask", False):   # timm builds it from the padded x: its shape, dtype, device
+        attn_mask = self.get_attn_mask(x.new_empty((1, -(-H // ws) * ws, -(-W // ws) * ws, 0)))
+    else:
+        attn_mask = self.attn_mask
+    return merge_roll(self.attn(windows, mask=attn_mask), ws, shift, H, W)
+
+
+def _bound_here(blk: torch.nn.Module) -> bool:
+    """Whether this pass bound v2_window_attn as the block's _attn."""
+    return getattr(vars(blk).get("_attn"), "__func__", None) is v2_window_attn
+
+
+def _v2_why_not(blk: torch.nn.Module) -> str | None:
+    """None when v2_window_attn can replace this SwinV2 block's _attn, else why it keeps timm's."""
+    from timm.models.swin_transformer_v2 import SwinTransformerV2Block
+
+    if type(blk) is not SwinTransformerV2Block:
+        return "a subclass of timm's SwinTransformerV2Block"
+    if ("_attn" in vars(blk) and not _bound_here(blk)) or "forward" in vars(blk):
+        return "its _attn or forward was replaced elsewhere"
+    if square(blk.window_size) is None or square(blk.shift_size) is None:
+        return "non-square window_size/shift_size: the kernels take one window side and one shift"
+    return None
+
+
+def _v2_result(model: torch.nn.Module) -> PassResult:
+    """Bind v2_window_attn as `_attn` on every SwinV2 block that qualifies -> the pass's result. A block this
+    pass bound before counts as patched."""
+    from timm.models.swin_transformer_v2 import SwinTransformerV2Block
+
+    blocks = [m for m in model.modules() if isinstance(m, SwinTransformerV2Block)]
+    patched, shifted, padded, dynamic, left = 0, 0, 0, 0, {}
+    for blk in blocks:
+        reason = _v2_why_not(blk)
+        if reason is not None:
+            if _bound_here(blk):   # made non-square since: timm's _attn again
+                del blk._attn
+            left[reason] = left.get(reason, 0) + 1
+            continue
+        if not _bound_here(blk):
+            blk._attn = types.MethodType(v2_window_attn, blk)
+        ws, (h, w) = square(blk.window_size), blk.input_resolution
+        patched += 1
+        shifted += int(any(blk.shift_size))
+        padded += int(bool(h % ws or w % ws))
+        dynamic += int(bool(getattr(blk, "dynamic_mask", False)))
+    changed = (f"{patched}/{len(blocks)} SwinV2 block: roll+pad+partition -> roll_partition, reverse+crop+roll -> "
+               "merge_roll (Triton, fwd+bwd); post-norm: norm1, the residual add and the MLP stay timm's")
+    for reason, count in sorted(left.items()):
+        changed += f"; {count} left on timm's path ({reason})"
+    details = {"swinv2_patched_blocks": patched, "swinv2_blocks_shifted": shifted, "swinv2_blocks_padded": padded,
+               "swinv2_blocks_dynamic_mask": dynamic, "swinv2_left_on_timm": left, "blocks_total": len(blocks),
+               "implementation": "workbench.kernels.window (Triton): roll_partition, merge_roll"}
+    return PassResult(NAME, {}, changed, details)

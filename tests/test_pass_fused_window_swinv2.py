@@ -1,0 +1,123 @@
+"""The fused_window pass on a tiny SwinV2: each block's roll + pad + partition and reverse + crop + roll run
+as roll_partition / merge_roll, with the same logits and the same gradient for every parameter as the
+unpatched timm model in fp32 (shifted and unshifted blocks, windows padded at the map's edge), alone and
+with fused_attention on top; blocks the kernels cannot take keep timm's _attn with their reason."""
+import copy
+import os
+import types
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from workbench.optimize.passes import apply_pass  # noqa: E402
+from workbench.optimize.passes.fused_attention import v2_attention_forward  # noqa: E402
+from workbench.optimize.passes.fused_window import v2_window_attn  # noqa: E402
+from pass_helpers import assert_step_close, pass_ctx  # noqa: E402
+from test_pass_fused_attention_swinv2 import DEVICE, batch, grad_tol, tiny_v2, v2_attentions  # noqa: E402
+
+IMG = 40   # 10x10 then 5x5 tokens, window 4: both stages pad their maps to whole windows (12x12, 8x8)
+
+
+def v2_blocks(model):
+    from timm.models.swin_transformer_v2 import SwinTransformerV2Block
+
+    return [m for m in model.modules() if isinstance(m, SwinTransformerV2Block)]
+
+
+def bound(blk) -> bool:
+    return getattr(vars(blk).get("_attn"), "__func__", None) is v2_window_attn
+
+
+def test_the_tiny_model_pads_and_shifts():
+    blocks = v2_blocks(tiny_v2(IMG))
+    assert [b.input_resolution for b in blocks] == [(10, 10), (10, 10), (5, 5), (5, 5)]
+    assert [b.window_size for b in blocks] == [(4, 4)] * 4
+    assert [b.shift_size for b in blocks] == [(0, 0), (2, 2), (0, 0), (2, 2)]
+
+
+@pytest.mark.parametrize("with_attention", [False, True], ids=["fused_window", "fused_window+fused_attention"])
+def test_fused_window_matches_timm_in_fp32(with_attention):
+    plain = tiny_v2(IMG)
+    patched, result = apply_pass("fused_window", copy.deepcopy(plain), pass_ctx(DEVICE))
+    assert result.available and "applied" not in result.details
+    assert result.details["swinv2_patched_blocks"] == 4 and result.details["swinv2_left_on_timm"] == {}
+    assert result.details["swinv2_blocks_shifted"] == 2 and result.details["swinv2_blocks_padded"] == 4
+    assert all(bound(b) for b in v2_blocks(patched))
+    if with_attention:
+        patched, att = apply_pass("fused_attention", patched, pass_ctx(DEVICE))
+        assert att.details["swinv2_patched_modules"] == 4
+        assert all(getattr(m.forward, "__func__", None) is v2_attention_forward for m in v2_attentions(patched))
+        assert all(bound(b) for b in v2_blocks(patched))
+    assert patched.state_dict().keys() == plain.state_dict().keys()
+    assert [n for n, _ in patched.named_buffers()] == [n for n, _ in plain.named_buffers()]
+    for seed in (1, 2):  # fresh inputs each step
+        assert_step_close(plain, patched, *batch(IMG, seed), grad_tol=grad_tol if with_attention else 1e-5)
+
+
+def test_the_result_says_what_runs_and_what_stays_timms():
+    _, result = apply_pass("fused_window", tiny_v2(IMG), pass_ctx(DEVICE))
+    assert result.changed == ("4/4 SwinV2 block: roll+pad+partition -> roll_partition, reverse+crop+roll -> "
+                              "merge_roll (Triton, fwd+bwd); post-norm: norm1, the residual add and the MLP "
+                              "stay timm's")
+    assert result.details["blocks_total"] == 4 and result.details["swinv2_blocks_dynamic_mask"] == 0
+    assert result.params == {}
+
+
+def test_a_dynamic_mask_matches_timm():
+    plain = tiny_v2(IMG)
+    for blk in v2_blocks(plain):
+        blk.dynamic_mask = True
+        blk.attn_mask = None
+    patched, result = apply_pass("fused_window", copy.deepcopy(plain), pass_ctx(DEVICE))
+    assert result.details["swinv2_blocks_dynamic_mask"] == 4
+    assert_step_close(plain, patched, *batch(IMG, 3), grad_tol=1e-5)
+
+
+def test_blocks_the_kernels_cannot_take_keep_timms_attn_with_their_reason():
+    model = tiny_v2(IMG)
+    blocks = v2_blocks(model)
+    blocks[1].window_size, blocks[1].shift_size = (4, 5), (2, 2)   # timm builds square windows only here
+    blocks[2].shift_size = (0, 2)
+    blocks[3]._attn = types.MethodType(type(blocks[3])._attn, blocks[3])
+    model, result = apply_pass("fused_window", model, pass_ctx(DEVICE))
+    assert result.details["swinv2_patched_blocks"] == 1 and bound(blocks[0])
+    assert result.details["swinv2_left_on_timm"] == {
+        "non-square window_size/shift_size: the kernels take one window side and one shift": 2,
+        "its _attn or forward was replaced elsewhere": 1}
+    assert "; 2 left on timm's path (non-square window_size/shift_size: the kernels take one window side " \
+           "and one shift)" in result.changed and "\n" not in result.changed
+    assert not any(bound(b) for b in blocks[1:])
+
+
+def test_a_block_made_non_square_later_runs_timms_attn_and_a_second_run_unbinds_it():
+    plain = tiny_v2(IMG)
+    patched, _ = apply_pass("fused_window", copy.deepcopy(plain), pass_ctx(DEVICE))
+    blk = v2_blocks(patched)[1]
+    for b in (blk, v2_blocks(plain)[1]):   # both keep the mask built for (2, 2)
+        b.shift_size = (2, 0)
+    assert_step_close(plain, patched, *batch(IMG, 4), grad_tol=1e-5)
+    again, result = apply_pass("fused_window", patched, pass_ctx(DEVICE))
+    assert result.details["swinv2_patched_blocks"] == 3 and not bound(blk)
+
+
+def test_a_deep_copy_and_a_second_run_keep_the_bound_attn():
+    model, _ = apply_pass("fused_window", tiny_v2(IMG), pass_ctx(DEVICE))
+    copied = copy.deepcopy(model)
+    assert all(b._attn.__self__ is b and bound(b) for b in v2_blocks(copied))
+    _, result = apply_pass("fused_window", copied, pass_ctx(DEVICE))
+    assert result.details["swinv2_patched_blocks"] == 4 and result.details["swinv2_left_on_timm"] == {}
+
+
+# aot_eager on the CPU (the kernels are opaque custom ops there); on a GPU also Inductor, which traces into them.
+@pytest.mark.parametrize("backend", ["aot_eager"] + (["inductor"] if DEVICE.type == "cuda" else []))
+def test_compiled_fused_window_and_attention_match_timm_in_fp32(backend):
+    torch._dynamo.reset()
+    plain = tiny_v2(IMG)
+    patched, _ = apply_pass("fused_window", copy.deepcopy(plain), pass_ctx(DEVICE))
+    patched, _ = apply_pass("fused_attention", patched, pass_ctx(DEVICE))
+    compiled = torch.compile(patched, backend=backend)
+    for seed in (1, 2):
+        assert_step_close(plain, compiled, *batch(IMG, seed), grad_tol=grad_tol)
