@@ -131,6 +131,24 @@ def test_the_harness_workload_steps_what_the_api_steps():
     assert all(torch.equal(a, b) for a, b in zip(mw.fp32_views(), swin.ctx.master_weights.fp32_views()))
 
 
+def test_use_graph_turns_the_graph_form_on_and_off():
+    """apply times a stage's graph column on the stage's own workload: Workload.use_graph turns the API's
+    graph on (capturable optimizer, the learning rate as a device tensor, a fresh capture) and off."""
+    from workbench.ladder.interleave import build_stage_workload
+    from workbench.optimize.workload import WorkloadConfig
+
+    workload, _ = build_stage_workload(WorkloadConfig(model=TINY_MODEL, batch=BATCH, device="cpu"), "apex")
+    workload.step(0)
+    session = workload.session
+    assert not session.graphed
+    workload.use_graph(True)
+    assert workload.ctx.cuda_graph and session.graphed and not session.graph_captured
+    assert all(torch.is_tensor(g["lr"]) for g in session.optimizer.param_groups)
+    assert all(g["capturable"] for g in session.optimizer.param_groups if "capturable" in g)
+    workload.use_graph(False)
+    assert not workload.ctx.cuda_graph and not session.graphed
+
+
 def test_checkpoints_move_between_the_api_and_a_plain_timm_swin_bit_for_bit(master_recipe):
     swin = optimize_swin(tiny(), master_recipe, optimizer={"lr": 1e-3})
     assert swin.ctx.master_weights is not None

@@ -146,3 +146,20 @@ def test_the_graph_trains_like_eager_through_validation_and_stochastic_depth():
                 for x, _ in val:
                     swin.predict(x)
     assert_close_runs(*losses)
+
+
+def test_use_graph_replays_an_eager_recipe_on_its_own_state_and_back():
+    """What apply does for a stage's graph column: the same weights and optimizer state, stepped eagerly,
+    then warmed up, captured and replayed, then eagerly again, train as the eager steps throughout."""
+    eager = optimize_swin(tiny(), "fmha", optimizer={"lr": 1e-3})
+    toggled = optimize_swin(tiny(), "fmha", optimizer={"lr": 1e-3})
+    data = batches(2 + STEPS + 2)
+    a = [eager.train_step(x, y).item() for x, y in data]
+    b = [toggled.train_step(x, y).item() for x, y in data[:2]]
+    toggled.use_graph(True)
+    b += [toggled.train_step(x, y).item() for x, y in data[2:2 + STEPS]]
+    assert toggled.graph_captured and toggled.eager_fallbacks == 0
+    toggled.use_graph(False)
+    b += [toggled.train_step(x, y).item() for x, y in data[2 + STEPS:]]
+    assert not toggled.graphed
+    assert_close_runs(a, b)

@@ -253,7 +253,7 @@ def _time_graph(workload: Workload, spec: StageSpec, record: dict, emit) -> None
     emit({"event": "graph"})
     device = workload.ctx.device
     try:
-        workload.ctx.cuda_graph = True
+        workload.use_graph(True)
         # the capture itself runs three warm-up steps first; replays need no more than a couple
         timing = time_steps(workload.step, warmup=min(spec.warmup, GRAPH_WARMUP), repeats=spec.steps, device=device,
                             on_step=lambda i: emit({"event": "step", "i": i}))
@@ -265,7 +265,7 @@ def _time_graph(workload: Workload, spec: StageSpec, record: dict, emit) -> None
         record["graph_note"] = f"not captured: {type(exc).__name__}: {first}"
         return
     finally:
-        workload.ctx.cuda_graph = False
+        workload.use_graph(False)
     record["graph_note"] = None
     record["graph"] = {"timing": timing.to_dict(), "img_per_s": spec.config["batch"] / (timing.median_ms / 1e3),
                        "step_ms": timing.median_ms, "step_iqr_ms": timing.iqr_ms,

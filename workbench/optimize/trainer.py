@@ -236,9 +236,35 @@ class OptimizedSwin:
         for i, group in enumerate(self.optimizer.param_groups):
             if "capturable" in group:
                 group["capturable"] = True
+                # an optimizer that stepped eagerly (for-each AdamW) keeps its step counts on the host; a
+                # capturable one reads them on the device
+                for p in group["params"]:
+                    state = self.optimizer.state.get(p, {})
+                    step = state.get("step")
+                    if torch.is_tensor(step) and step.device != p.device:
+                        state["step"] = step.to(device=p.device, dtype=torch.float32)
             if _tensor_lr_ok(self.optimizer):
                 self._lr_tensors[i] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=self.device)
                 group["lr"] = self._lr_tensors[i]
+
+    def use_graph(self, on: bool = True) -> None:
+        """Replay the training step as one CUDA graph from the next train_step on (its eager warm-up steps,
+        then the capture), or (off) step eagerly again, on the same weights and optimizer state: a recipe
+        without cuda_graph timed in its graph-replayed form, as `apply` does. The optimizer stays in its
+        capturable mode once on."""
+        if on == self.graphed:
+            return
+        self.graphed = on
+        self._persistent_grads = on and self.accumulate > 1
+        self._train_graphs = None
+        self._warm_micro_steps = 0
+        if on:
+            if self._graph_stream is None and self.device.type == "cuda":
+                self._graph_stream = torch.cuda.Stream(self.device)
+            self._make_capturable()
+        else:
+            # the gradients were the graph's buffers: eager steps start from none
+            self._stepper.zero_grad(set_to_none=True)
 
     def describe(self) -> str:
         """A few lines: the recipe, what each pass changed, the optimizer, the precision, the notes."""

@@ -142,6 +142,13 @@ class Workload:
             loss = F.cross_entropy(logits.float(), y)
         return logits, loss
 
+    def use_graph(self, on: bool = True) -> None:
+        """Replay the step as one CUDA graph from the next step on (captured then, after its warm-up steps),
+        or (off) step eagerly again: how apply times a stage's graph-replayed form on its own workload."""
+        self.ctx.cuda_graph = on
+        if self.session is not None:
+            self.session.use_graph(on)
+
     def capture_graph(self) -> None:
         """Capture the step as one CUDA graph now (see passes/cuda_graph.py), after its eager warm-up steps
         on a side stream, as capture requires; every warm-up step trains the model like any other step.
