@@ -6,6 +6,7 @@ say so; accumulation and checkpoints work under the graph. Skipped without a GPU
     python -m pytest -q -m gpu tests/test_api_gpu.py
 """
 import io
+import math
 
 import pytest
 import torch
@@ -163,3 +164,18 @@ def test_use_graph_replays_an_eager_recipe_on_its_own_state_and_back():
     b += [toggled.train_step(x, y).item() for x, y in data[2 + STEPS:]]
     assert not toggled.graphed
     assert_close_runs(a, b)
+
+
+def test_apply_graph_column_captures_the_stage_session():
+    """apply's graph column on an eager stage: Workload.use_graph makes its next steps warm up, capture and
+    replay the stage's own OptimizedSwin (not eager steps under a graph label)."""
+    from workbench.ladder.interleave import build_stage_workload
+    from workbench.optimize.workload import WorkloadConfig
+
+    workload, _ = build_stage_workload(WorkloadConfig(model=TINY_MODEL, batch=8, device="cuda"), "fmha")
+    eager = [workload.step(i).item() for i in range(2)]
+    workload.use_graph(True)
+    graphed = [workload.step(i).item() for i in range(3)]
+    assert workload.session.graph_captured and workload.session.eager_fallbacks == 0
+    workload.use_graph(False)
+    assert not workload.session.graphed and all(math.isfinite(v) for v in eager + graphed + [workload.step(9).item()])
