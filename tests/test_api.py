@@ -145,6 +145,8 @@ def test_use_graph_turns_the_graph_form_on_and_off():
     assert workload.ctx.cuda_graph and session.graphed and not session.graph_captured
     assert all(torch.is_tensor(g["lr"]) for g in session.optimizer.param_groups)
     assert all(g["capturable"] for g in session.optimizer.param_groups if "capturable" in g)
+    with pytest.raises(UserError, match="needs a CUDA device"):     # no graph on the CPU: one line, not a crash
+        workload.step(1)
     workload.use_graph(False)
     assert not workload.ctx.cuda_graph and not session.graphed
 

@@ -401,6 +401,8 @@ class OptimizedSwin:
     def _on_graph_stream(self):
         """Run eager work of a graph recipe on its side stream (ordered after, and before, the current
         stream's work): where capture requires warm-up to run, and where DDP's hooks were made."""
+        if self._graph_stream is None:     # use_graph(True) off a GPU: say so rather than fail on None
+            raise UserError(f"a CUDA graph of the training step needs a CUDA device; this model is on {self.device}")
         current = torch.cuda.current_stream(self.device)
         self._graph_stream.wait_stream(current)
         with torch.cuda.stream(self._graph_stream):
