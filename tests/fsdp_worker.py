@@ -57,7 +57,7 @@ def measure_scaling(rank: int, world: int) -> dict:
     spec = SimpleNamespace(config={"model": TINY_MODEL, "mode": "train", "batch": 4, "precision": "fp32",
                                    "device": "cpu", "seed": 0, "num_classes": None},
                            stage_ref="baseline", warmup=1, steps=2)
-    return _measure(spec, None, torch.device("cpu"), rank, world, "fsdp")
+    return _measure(spec, None, torch.device("cpu"), rank, world, "fsdp")[0]
 
 
 def main(out: Path, configs: list[str]) -> None:

@@ -254,6 +254,40 @@ def test_scaling_is_an_optional_record_field_that_is_validated(tmp_path):
             StageRecord.from_dict(bad)
 
 
+def test_figures_written_before_a_crash_in_the_communication_profile_are_kept(tmp_path, monkeypatch):
+    """The ranks write the stage's figures before the communication profile; a profiler that takes the
+    processes down after that (an abort: torchrun exits non-zero) costs the `comm` figures only."""
+    import json
+    import sys
+    from types import SimpleNamespace
+
+    from record_helpers import record
+
+    from workbench.ladder import scaling
+    from workbench.results.record import StageRecord
+    from workbench.results.report import render_report
+
+    figures = {"world_size": 2, "backend": "gloo", "batch_per_process": 4, "global_batch": 8, "status": "ok",
+               "reason": None, "img_per_s": 80.0, "step_ms": 100.0, "step_ms_per_rank": [99.0, 100.0],
+               "efficiency": 0.9, "gate": {"status": "PASS", "reason": None, "ranks": ["PASS", "PASS"], "metrics": {}},
+               "ddp": {"strategy": "ddp"}}
+    fake_rank = ("import json, os, sys; spec = json.load(open(sys.argv[1])); "
+                 f"open(spec['result'], 'w').write(json.dumps({figures!r})); os.abort()")
+
+    def fake_torchrun(nproc, spec_path):
+        return [sys.executable, "-c", fake_rank, str(spec_path)], {}
+    monkeypatch.setattr(scaling, "torchrun_command", fake_torchrun)
+    spec = SimpleNamespace(out_dir=str(tmp_path), stage_index=0, stage="fmha", config={"batch": 4})
+    monkeypatch.setattr(scaling, "asdict", lambda s: vars(s))
+    out = scaling.scale_stage(record(0, "fmha", None, 50.0), spec, 2)
+    assert out["scaling"]["img_per_s"] == 80.0 and out["scaling"]["status"] == "ok"
+    assert "during the communication profile" in out["scaling"]["comm_error"]
+    stored = StageRecord.from_dict(json.loads(Path(out["_path"]).read_text()))
+    assert stored.scaling.img_per_s == 80.0 and not stored.scaling.comm
+    text = render_report([stored], tmp_path / "report.md").read_text()
+    assert "not measured: torchrun exited with" in text
+
+
 def test_imagefolder_shards_are_equal_and_disjoint(tmp_path):
     pytest.importorskip("torchvision")
     from PIL import Image

@@ -22,6 +22,10 @@ step waits for the all-reduce, so the slowest rank's median is the step time, im
 efficiency = img/s / (N x the stage's one-process img/s at batch B). Stages that replay CUDA graphs, and
 passes not available here, are 'not run', with the reason. A rank that fails takes the group down
 (torchrun stops the others): the stage's scaling is then an 'error' naming the log.
+
+Communication: after the timing, each rank runs a few more steps under torch.profiler (`_communication`).
+Rank 0 writes the stage's figures before that profile, so a profiler that takes the processes down costs
+the `comm` figures only: the record keeps the rest and says why in `comm_error`.
 """
 from __future__ import annotations
 
@@ -71,8 +75,11 @@ def scale_stage(record: dict, spec, nproc: int, extra_env: dict | None = None, p
             code = proc.wait()
         finally:
             stop_process(proc)
-    if code == 0 and result_path.exists():
+    if result_path.exists():
         scaling = json.loads(result_path.read_text())
+        if code != 0:    # the ranks wrote their figures, then went down in the communication profile
+            scaling["comm_error"] = (f"torchrun exited with {code} during the communication profile, after the "
+                                     f"stage's figures were written; its output is in {log_path}")
     else:
         scaling = {"world_size": nproc, "backend": "nccl" if record.get("env", {}).get("device_type") == "cuda"
                    else "gloo", "batch_per_process": spec.config["batch"], "global_batch": spec.config["batch"] * nproc,
@@ -140,7 +147,9 @@ def _communication(workload, device: torch.device, rank: int, steps: int = COMM_
 
 
 def _measure(spec, single_img_per_s: float | None, device: torch.device, rank: int, world: int,
-             parallel: str = "ddp") -> dict:
+             parallel: str = "ddp") -> tuple[dict, object]:
+    """This rank's gate and timing of the stage -> (the stage's scaling result, every rank's figures in it,
+    the stage's prepared workload, or None where the stage did not run)."""
     import torch.distributed as dist
 
     from workbench.optimize.distributed import STRATEGIES
@@ -174,14 +183,14 @@ def _measure(spec, single_img_per_s: float | None, device: torch.device, rank: i
     workload.ctx.sharded = parallel == "fsdp"
     missing = [r for r in workload.apply_chain(chain) if not r.available]
     if missing:
-        return {**result, "status": "not run", "reason": "; ".join(f"{r.name}: {r.changed}" for r in missing)}
+        return {**result, "status": "not run", "reason": "; ".join(f"{r.name}: {r.changed}" for r in missing)}, None
     blocker = workload.parallel_blocker(parallel)
     if blocker:
-        return {**result, "status": "not run", "reason": blocker}
+        return {**result, "status": "not run", "reason": blocker}, None
     if workload.ctx.sharded:
         if workload.ctx.grad_scaler and device.type == "cuda":
             return {**result, "status": "not run", "reason": "fp16 with a GradScaler is not run under FSDP (its "
-                                                             "inf check would see one rank's shards): use bf16"}
+                                                             "inf check would see one rank's shards): use bf16"}, None
     workload.prepare(data_parallel=settings)      # DDP, or FSDP2 with the optimizer over the shards
 
     out = _over_ranks(forward_backward(workload, params), world, device, average_grads=False)
@@ -196,23 +205,32 @@ def _measure(spec, single_img_per_s: float | None, device: torch.device, rank: i
     dist.all_gather_object(medians, timing.median_ms)
     iqrs: list = [None] * world
     dist.all_gather_object(iqrs, timing.iqr_ms)
-    try:
-        mine = _communication(workload, device, rank)
-    except Exception as exc:    # the timing and the gate stand without it; the stage log says why
-        print(f"rank {rank}: no communication figures: {type(exc).__name__}: {exc}", file=sys.stderr)
-        mine = None
-    comm: list = [None] * world
-    dist.all_gather_object(comm, mine)
     step_ms = max(medians)
     img_per_s = config.batch * world / (step_ms / 1e3)
     return {**result, "img_per_s": img_per_s, "step_ms": step_ms, "step_ms_per_rank": medians,
             "step_iqr_ms_per_rank": iqrs,
             "efficiency": img_per_s / (world * single_img_per_s) if single_img_per_s else None,
             "gate": {"status": "FAIL" if "FAIL" in verdicts else gate.status, "reason": gate.reason,
-                     "ranks": verdicts, "metrics": json.loads(json.dumps(gate.metrics, default=str))},
-            **({} if None in comm else
-               {"comm": {"comm_ms_per_rank": [c["comm_ms"] for c in comm],
-                         "exposed_ms_per_rank": [c["exposed_ms"] for c in comm], "steps": COMM_STEPS}})}
+                     "ranks": verdicts, "metrics": json.loads(json.dumps(gate.metrics, default=str))}}, workload
+
+
+def _add_communication(result: dict, workload, device: torch.device, rank: int, world: int,
+                       steps: int = COMM_STEPS) -> dict:
+    """`result` with its `comm` figures: every rank's communication per step from `steps` more steps under
+    torch.profiler (none where a rank's profile raised: the stage log says why)."""
+    import torch.distributed as dist
+
+    try:
+        mine = _communication(workload, device, rank, steps)
+    except Exception as exc:    # the timing and the gate stand without it; the stage log says why
+        print(f"rank {rank}: no communication figures: {type(exc).__name__}: {exc}", file=sys.stderr)
+        mine = None
+    comm: list = [None] * world
+    dist.all_gather_object(comm, mine)
+    if None in comm:
+        return result
+    return {**result, "comm": {"comm_ms_per_rank": [c["comm_ms"] for c in comm],
+                               "exposed_ms_per_rank": [c["exposed_ms"] for c in comm], "steps": steps}}
 
 
 def scaling_main(spec_path: str) -> int:
@@ -226,9 +244,14 @@ def scaling_main(spec_path: str) -> int:
     spec = SimpleNamespace(**data["stage"])     # apply.StageSpec's fields (apply imports this module)
     device = init_process_group_from_env(torch.device(pick_device(spec.config["device"])).type)
     rank, world = dist.get_rank(), dist.get_world_size()
-    result = _measure(spec, data.get("single_img_per_s"), device, rank, world, data.get("parallel", "ddp"))
+    result, workload = _measure(spec, data.get("single_img_per_s"), device, rank, world, data.get("parallel", "ddp"))
+    # the figures go to disk before the profile: a profiler that takes the processes down loses only `comm`
     if rank == 0:
         atomic_write_text(Path(data["result"]), json.dumps(result, indent=1) + "\n")
+    if workload is not None:
+        result = _add_communication(result, workload, device, rank, world)
+        if rank == 0 and "comm" in result:
+            atomic_write_text(Path(data["result"]), json.dumps(result, indent=1) + "\n")
     dist.barrier()
     # only on success: a rank that raised exits without waiting on its peers, and torchrun stops them
     dist.destroy_process_group()

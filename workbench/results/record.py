@@ -78,8 +78,9 @@ greater than 0, ">= 0" a finite number not below 0; an int is a JSON integer (tr
                     settings, with "strategy": "ddp" | "fsdp" (none said: DDP), comm: {comm_ms_per_rank: [>= 0],
                     exposed_ms_per_rank: [>= 0], steps: int >= 1} (optional: each rank's communication per
                     step and the part of it no compute kernel of the rank overlaps, from a few steps under
-                    torch.profiler after the timing, analysis.ranks.rank_row)}; records without it are read
-                    as before
+                    torch.profiler after the timing, analysis.ranks.rank_row), comm_error: str (optional:
+                    why comm is missing where that profile took the processes down after the figures were
+                    written)}; records without them are read as before
 
 When status is 'ok', timing, img_per_s, step_ms, step_iqr_ms and (on a GPU) peak_mem_bytes are required;
 a stage that is 'not available' or ended in an 'error' may leave them null. Nothing else may be null
@@ -360,6 +361,7 @@ class Scaling:
     gate: dict = field(default_factory=dict)
     ddp: dict = field(default_factory=dict)
     comm: dict = field(default_factory=dict)       # empty in records written before it was measured
+    comm_error: str | None = None                   # why `comm` is missing, where the profile ended the ranks
 
     def to_dict(self) -> dict:
         return {"world_size": self.world_size, "backend": self.backend, "batch_per_process": self.batch_per_process,
@@ -367,7 +369,8 @@ class Scaling:
                 "img_per_s": self.img_per_s, "step_ms": self.step_ms, "step_ms_per_rank": list(self.step_ms_per_rank),
                 **({"step_iqr_ms_per_rank": list(self.step_iqr_ms_per_rank)} if self.step_iqr_ms_per_rank else {}),
                 "efficiency": self.efficiency, "gate": dict(self.gate), "ddp": dict(self.ddp),
-                **({"comm": dict(self.comm)} if self.comm else {})}
+                **({"comm": dict(self.comm)} if self.comm else {}),
+                **({"comm_error": self.comm_error} if self.comm_error else {})}
 
 
 @dataclass(frozen=True)
@@ -1016,7 +1019,8 @@ class _Parser:
         if g is None:
             return None
         keys = ("world_size", "backend", "batch_per_process", "global_batch", "status", "reason", "img_per_s",
-                "step_ms", "step_ms_per_rank", "step_iqr_ms_per_rank", "efficiency", "gate", "ddp", "comm")
+                "step_ms", "step_ms_per_rank", "step_iqr_ms_per_rank", "efficiency", "gate", "ddp", "comm",
+                "comm_error")
         self.known(g, set(keys), "scaling")
         for key in ("world_size", "backend", "batch_per_process", "global_batch", "status"):
             self.get(g, key, "scaling.", required=True)
@@ -1047,7 +1051,8 @@ class _Parser:
                             for x in self.sequence(_given(gate.get("ranks"), []), "scaling.gate.ranks")],
                   "metrics": self.json_object(gate.get("metrics"), "scaling.gate.metrics")},
             ddp=self.json_object(g.get("ddp"), "scaling.ddp"),
-            comm=self.scaling_comm(g.get("comm"), len(medians)))
+            comm=self.scaling_comm(g.get("comm"), len(medians)),
+            comm_error=self.string(g.get("comm_error"), "scaling.comm_error", optional=True))
 
     def scaling_comm(self, value, ranks: int) -> dict:
         c = self.mapping(value, "scaling.comm", optional=True)

@@ -853,6 +853,8 @@ def _scaling_lines(records: list[StageRecord]) -> list[str]:
                 else f"{s.gate['status']} (by rank: {', '.join(ranks)})")
         comm = ("-" if not s.comm else " / ".join(f"{c:.2f} ({e:.2f})" for c, e in
                                                  zip(s.comm["comm_ms_per_rank"], s.comm["exposed_ms_per_rank"])))
+        if s.comm_error:
+            comm = f"not measured: {s.comm_error}"
         rows.append([r.stage, _num(r.img_per_s), _num(s.img_per_s),
                      "-" if s.efficiency is None else f"{s.efficiency:.2f}",
                      " / ".join(f"{ms:.1f}" for ms in s.step_ms_per_rank), comm, gate])
