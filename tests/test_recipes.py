@@ -7,7 +7,8 @@ from workbench.errors import UserError
 from workbench.optimize.recipes import (chain_passes, gate_tolerance, list_recipes, plan_stages, resolve_chain)
 
 CHAIN = ["baseline", "amp", "apex", "window", "fmha"]
-PEERS = ["torch-compile", "torch-compile-graphs", "torch-sdpa", "fmha-compile", "fmha-compile-graphs", "fmha-graph"]
+PEERS = ["torch-compile", "torch-compile-graphs", "torch-sdpa", "torchao-fp8", "torchao-int8", "fmha-compile",
+         "fmha-compile-graphs", "fmha-graph"]
 # what `apply` adds by default: PyTorch-alone peers that are not graph forms, eager before compiled
 DEFAULT_PEERS = ["torch-sdpa", "torch-compile"]
 
@@ -27,8 +28,9 @@ def test_builtin_chain_order():
 
 def test_list_recipes_main_chain_then_peers():
     recipes = list_recipes()
-    assert [r.name for r in recipes] == CHAIN + ["dense", "fp8", "int8", "block"] + PEERS + ["dense-graph", "block-graph"]
-    assert [r.peer for r in recipes] == [False] * 9 + [True] * (len(PEERS) + 2)
+    assert [r.name for r in recipes] == CHAIN + ["dense", "fp8", "int8", "block"] + PEERS + [
+        "dense-graph", "fp8-compile", "int8-compile", "block-graph"]
+    assert [r.peer for r in recipes] == [False] * 9 + [True] * (len(PEERS) + 4)
 
 
 def test_pytorch_alone_and_graph_forms():
@@ -36,7 +38,8 @@ def test_pytorch_alone_and_graph_forms():
 
     book = RecipeBook()
     alone = {name for name in book.builtins if is_pytorch_alone(book.chain(name))}
-    assert alone == {"baseline", "amp", "torch-sdpa", "torch-compile", "torch-compile-graphs"}
+    assert alone == {"baseline", "amp", "torch-sdpa", "torch-compile", "torch-compile-graphs", "torchao-fp8",
+                     "torchao-int8"}
     forms = {name for name, r in book.builtins.items() if is_graph_form(r)}
     assert forms == {"fmha-graph", "dense-graph", "block-graph", "torch-compile-graphs", "fmha-compile-graphs"}
 
@@ -56,6 +59,10 @@ def test_default_stages_peers_and_explicit_stages():
     # amp's chain reaches amp, which the PyTorch-alone peers extend
     assert [s.name for s in plan_stages("amp", peers=True)] == ["baseline", "amp"] + DEFAULT_PEERS
     assert [s.name for s in plan_stages("baseline", peers=True)] == ["baseline"]
+    # quantized peers join a chain that quantizes to their dtype, not a bf16 one
+    assert [s.name for s in plan_stages("fp8", peers=True)] == CHAIN + ["fp8", "torch-sdpa", "torch-compile",
+                                                                      "torchao-fp8"]
+    assert plan_stages("int8", peers=True)[-1].recipe.name == "torchao-int8"
     plans = plan_stages("fmha", ["baseline", "torch-compile"])
     assert [s.name for s in plans] == ["baseline", "torch-compile"]
     assert plans[1].extends == "amp"

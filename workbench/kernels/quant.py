@@ -392,7 +392,7 @@ def int8_linear(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_s
     if M < INT8_MIN_ROWS:
         x_q = torch.nn.functional.pad(x_q, (0, 0, 0, INT8_MIN_ROWS - M))
     acc = torch._int_mm(x_q, w_q.t())[:M]
-    if kernels_run(acc.device):
+    if kernels_run(acc.device) and not torch.compiler.is_compiling():
         return int8_dequant(acc, x_scale, w_scale, bias)
     return int8_dequant_torch(acc, x_scale, w_scale, bias)
 
@@ -415,7 +415,9 @@ class QuantLinear(torch.nn.Module):
     attribute: code that would read it fails instead of computing in bf16 behind the quantization).
     Where the Triton kernels run (`kernels_run`), the GEMM routes quantize a dynamic input with one
     `quantize_rows` launch and int_mm applies its scales with one `int8_dequant` launch (the torch ops'
-    bits); extra_repr says which implementation a module runs."""
+    bits); extra_repr says which implementation a module runs. Under torch.compile both are torch ops
+    instead, which Inductor fuses into the kernels that produce the input and consume the output (the
+    LayerNorm, the GELU, the residual add): one opaque launch would stop that fusion."""
 
     def __init__(self, linear: torch.nn.Linear, fmt: str, route: str, input_scale: torch.Tensor | None = None):
         super().__init__()
@@ -443,7 +445,7 @@ class QuantLinear(torch.nn.Module):
         """Whether a forward on `device` quantizes its input with `quantize_rows` (one Triton launch)
         rather than torch ops: a GEMM route, dynamic activations, kernels running there, K in one block."""
         return (self.route != "simulate" and self.input_scale is None and kernels_run(device)
-                and self.in_features <= MAX_QUANT_COLS)
+                and self.in_features <= MAX_QUANT_COLS and not torch.compiler.is_compiling())
 
     def extra_repr(self) -> str:
         acts = "dynamic per-row" if self.input_scale is None else "static per-tensor"

@@ -336,6 +336,16 @@ def is_pytorch_alone(chain: list[Recipe]) -> bool:
     return not any(uses_swinbench_kernels(p.name) for p in effective_passes(chain))
 
 
+# passes that quantize the GEMMs -> their dtype parameter's default
+QUANTIZING_PASSES = {"quantize_linear": "fp8", "torchao_quantize": "fp8"}
+
+
+def quantized_dtypes(chain: list[Recipe]) -> set[str]:
+    """The dtypes (fp8, int8) the chain quantizes its GEMMs to; empty for a chain that does not."""
+    return {p.params.get("dtype", QUANTIZING_PASSES[p.name]) for p in effective_passes(chain)
+            if p.name in QUANTIZING_PASSES}
+
+
 def is_graph_form(recipe: Recipe) -> bool:
     """Whether the recipe only replays the stage it extends as CUDA graphs (a cuda_graph pass, or compile
     in mode reduce-overhead): `apply` measures that form of every stage in its graph column already."""
@@ -390,7 +400,8 @@ def plan_stages(recipe: str, stages: list[str] | None = None, peers: bool = Fals
     Default: the chain from the baseline to `recipe` (for a peer like fmha-compile, the whole chain to
     it). `peers=True` adds, after the chain, the built-in PyTorch-alone peers (no swinbench kernel) that
     extend a stage of it, except graph forms (`is_graph_form`: each stage's graph-replayed form is
-    measured in its own graph column): for fmha, torch-sdpa and torch-compile. `stages` picks stages explicitly, by name (a
+    measured in its own graph column), and quantized peers only where the chain quantizes to the same
+    dtype: for fmha, torch-sdpa and torch-compile; for fp8, torchao-fp8 too. `stages` picks stages explicitly, by name (a
     built-in, a recipe of `recipe`'s file chain) or YAML path, in the order given.
     """
     book = RecipeBook()
@@ -410,9 +421,11 @@ def plan_stages(recipe: str, stages: list[str] | None = None, peers: bool = Fals
             candidates = ordered([r for r in book.builtins.values() if r.peer and not is_graph_form(r)], book)
             # eager peers before compiled ones: the table climbs to the strongest
             candidates.sort(key=lambda r: any(p.name == "compile" for p in effective_passes(book.chain(r.name))))
+            quantized = quantized_dtypes(main)
             for peer in candidates:
                 if (peer.name not in in_chain and peer.extends in in_chain
-                        and is_pytorch_alone(book.chain(peer.name))):
+                        and is_pytorch_alone(book.chain(peer.name))
+                        and quantized_dtypes(book.chain(peer.name)) <= quantized):
                     plans.append(StagePlan(peer, book.chain(peer.name)))
     return plans
 

@@ -114,6 +114,7 @@ PASS_MODULES = {
     "compile": "compile",
     "cuda_graph": "cuda_graph",
     "quantize_linear": "quantize_linear",
+    "torchao_quantize": "torchao_quantize",
 }
 
 

@@ -93,7 +93,8 @@ def activation_quantization(route: str, activations: str, device: torch.device) 
     """How a forward quantizes its Linear inputs (PassResult.details): one Triton launch per Linear
     (`quantize_rows`) on the GPU routes with dynamic activations, torch ops otherwise."""
     if route != "simulate" and activations == "dynamic" and kernels_run(device):
-        return "one Triton launch per Linear (quantize_rows: amax, scale, round, cast)"
+        return ("one Triton launch per Linear (quantize_rows: amax, scale, round, cast); under torch.compile, "
+                "torch ops that Inductor fuses into the producing kernel")
     return "torch ops (abs, amax, divide, round, clamp, cast)"
 
 
