@@ -304,6 +304,8 @@ def apply(
     nproc: Annotated[Optional[int], typer.Option(help="After the stages, run each measured stage again under torchrun with this many processes (one GPU each; gloo on the CPU), DDP, --batch per process: img/s, efficiency against the one-process figure, and the gate on every rank against the baseline over the global batch.")] = None,
     parallel: Annotated[Optional[str], typer.Option(help="With --nproc: ddp (every process holds the whole model; the default) or fsdp (FSDP2: each process holds 1/N of the weights, gradients and optimizer state).")] = None,
     interleave: Annotated[Optional[int], typer.Option(help="After the stages, build the measured ones side by side in one process and time them again in this many rounds, in alternation, for paired speedups that a drifting host cannot move (0: off; 10-30 is typical on a GPU). Needs every stage's memory at once. Default: 3 rounds on the CPU, off on a GPU.")] = None,
+    checkpoint: Annotated[Optional[Path], typer.Option(help="With --mode infer: trained weights for every stage (a `swinbench train --save-checkpoints` file, or a plain timm state_dict): each stage also runs the held-out images, and the gate holds its accuracy and top-1 agreement against the baseline's.")] = None,
+    data: Annotated[Optional[Path], typer.Option(help="With --checkpoint: the held-out images (an ImageFolder; its val/ when there is one). Default: what the checkpoint was trained on.")] = None,
 ):
     """Apply a staged optimization recipe, measuring, checking and profiling every stage."""
     from workbench.ladder.apply import run_apply
@@ -317,7 +319,7 @@ def apply(
                    out_dir=out, profile=profile, stages=stages.split(",") if stages else None, seed=seed,
                    peers=peers, isolate=isolate, console=console, mode=mode, interleave=interleave, resume=resume,
                    overwrite=overwrite, cache_dir=cache or default_cache_dir(), fresh=fresh, nproc=nproc,
-                   parallel=parallel)
+                   parallel=parallel, checkpoint=checkpoint, data=data)
     if check_against is not None:
         _run_check([check_against], [result.records_dir], limit, 2.0, thresholds, force, "md")
 
@@ -364,6 +366,7 @@ def train(
     rdzv_endpoint: Annotated[Optional[str], typer.Option(help="With --nnodes > 1: HOST:PORT of the c10d rendezvous, the same on every machine.")] = None,
     rdzv_id: Annotated[str, typer.Option(help="With --rdzv-endpoint: the job's name at the rendezvous.")] = "swinbench",
     parallel: Annotated[Optional[str], typer.Option(help="With --nproc: ddp (every process holds the whole model; the default) or fsdp (FSDP2: each process holds 1/N of the weights, gradients and optimizer state, for models that do not fit otherwise).")] = None,
+    save_checkpoints: Annotated[bool, typer.Option("--save-checkpoints", help="Save each finished run's weights (a plain timm state_dict with the model and data named) to checkpoints/ in --out, for `swinbench apply --mode infer --checkpoint`.")] = False,
 ):
     """Train a Swin on real data with a recipe (or compare recipes) and report loss, accuracy, img/s and parity."""
     from workbench.train.loop import TrainConfig, command_line, run_train
@@ -372,7 +375,8 @@ def train(
                          baseline_seeds=baseline_seeds, seeds=seeds, reference=reference, steps=steps, epochs=epochs, batch=batch, lr=lr,
                          weight_decay=weight_decay, label_smoothing=label_smoothing, clip_grad=clip_grad, seed=seed,
                          data=data, workers=workers, device=device, command=command_line(), nproc=nproc, nnodes=nnodes,
-                         rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, parallel=parallel)
+                         rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, parallel=parallel,
+                         save_checkpoints=save_checkpoints)
     _call(run_train, config, out_dir=out, overwrite=overwrite, console=console, resume=resume)
 
 

@@ -91,7 +91,7 @@ def test_graph_recipes_are_refused_under_fsdp_only():
 
 
 def test_digit_shards_are_the_one_process_global_batches_cut_in_rank_order():
-    from workbench.train.data import DigitsData
+    from workbench.datasets import DigitsData
 
     data = DigitsData.load((56, 56))
     one = list(data.train_batches(1, 10, 3, "cpu"))
@@ -292,7 +292,7 @@ def test_imagefolder_shards_are_equal_and_disjoint(tmp_path):
     pytest.importorskip("torchvision")
     from PIL import Image
 
-    from workbench.train.data import ImageFolderData
+    from workbench.datasets import ImageFolderData
 
     for c in range(2):
         folder = tmp_path / "images" / f"class{c}"

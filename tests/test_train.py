@@ -11,7 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 from cli import app
-from workbench.train.data import DIGITS_TRAIN, DigitsData, load_digits
+from workbench.datasets import DIGITS_TRAIN, DigitsData, load_digits
 from workbench.results.parity import ACCURACY_POINTS, baseline_spread, parity, smooth, smoothing_window
 from workbench.results.train_runs import RunRecords, read_runs
 

@@ -128,7 +128,19 @@ def _base_record(spec: StageSpec, plan_chain) -> dict:
         "profile": None, "notes": [], "activation_dtypes": None,
         "graph": None, "graph_note": None, "gpu_time": None,
         "pytorch_alone": is_pytorch_alone(plan_chain) if plan_chain else None, "reused": None,
+        **({"checkpoint": _checkpoint_entry(cfg)} if cfg.get("checkpoint") else {}),
     }
+
+
+def _checkpoint_entry(cfg: dict) -> dict:
+    """The record's `checkpoint`: the file, what it says of itself, and the held-out images measured on."""
+    from workbench.checkpoints import load_checkpoint
+
+    described = load_checkpoint(cfg["checkpoint"]).describe()
+    heldout = cfg.get("heldout") or described.get("data")
+    if heldout is None and described.get("format") != "state_dict":
+        heldout = "digits (the shipped validation split)"
+    return {**described, "heldout": heldout}
 
 
 def _sync(device: torch.device) -> None:
@@ -508,6 +520,9 @@ def _plan_differences(records: list[dict], plans: list[StagePlan], recipe: str, 
         there = (rec.get("env") or {}).get("device_type")
         if there != device_type:
             diffs.setdefault("device", f"device {there} there vs {device_type}")
+        weights = (rec.get("checkpoint") or {}).get("path")
+        if weights != config.checkpoint:
+            diffs.setdefault("checkpoint", f"checkpoint {weights or 'none'} there vs {config.checkpoint or 'none'}")
         timing = rec.get("timing") or {}
         if rec.get("status") == "ok" and (timing.get("repeats"), timing.get("warmup")) != (steps, warmup):
             diffs.setdefault("steps", f"steps/warm-up {timing.get('repeats')}/{timing.get('warmup')} there "
@@ -588,7 +603,8 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
               progress: bool = True, console=None, isolate: bool | None = None,
               peers: bool | None = None, mode: str = "train", interleave: int | None = None,
               resume: bool = False, overwrite: bool = False, cache_dir: Path | None = None,
-              fresh: bool = False, nproc: int | None = None, parallel: str | None = None) -> ApplyResult:
+              fresh: bool = False, nproc: int | None = None, parallel: str | None = None,
+              checkpoint: Path | None = None, data: Path | None = None) -> ApplyResult:
     """Run every stage of `recipe` (baseline first), write one record per stage and the report.
 
     recipe: a built-in name or a YAML path, or 'auto': the ladder of AUTO_LADDER for this device (with
@@ -622,6 +638,10 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
     many processes, DDP, batch per process `batch` (`scaling.py`): its record gets `scaling` (img/s at
     that world size, efficiency against the one-process img/s, the gate on every rank). Training only.
     parallel: with nproc, "ddp" (the default) or "fsdp" (FSDP2: the model sharded over the processes).
+    checkpoint: with mode 'infer', trained weights every stage loads (`checkpoints.load_checkpoint`; its
+    model is the default `model`): each stage also runs the held-out images (`data`, an ImageFolder, or
+    what the checkpoint was trained on) and the gate holds accuracy and top-1 agreement against the
+    baseline's where the recipe sets accuracy_drop / top1_agreement (gate.py).
     """
     from rich.console import Console
 
@@ -636,6 +656,23 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
     if nproc is not None:
         _check_nproc(nproc, mode, dev)
     check_parallel(parallel, nproc)
+    if checkpoint is not None:
+        from workbench.checkpoints import load_checkpoint
+
+        if mode != "infer":
+            raise UserError("--checkpoint goes with --mode infer: it measures the trained model's held-out accuracy")
+        weights = load_checkpoint(checkpoint)
+        if model and weights.model and model != weights.model:
+            raise UserError(f"--checkpoint {checkpoint} holds a {weights.model}, not --model {model}")
+        if weights.model is None and not model:
+            raise UserError(f"--checkpoint {checkpoint} is a plain state_dict, which does not name its model: "
+                            "give --model")
+        if weights.meta is None and data is None:
+            raise UserError(f"--checkpoint {checkpoint} is a plain state_dict, which does not say what it was "
+                            "trained on: give --data DIR (an ImageFolder) to measure it on")
+        model = model or weights.model
+    elif data is not None:
+        raise UserError("--data goes with --checkpoint: the held-out images a trained model is measured on")
     model = model or default_model_for(device)
     check_model_name(model)
     auto = str(recipe) == AUTO
@@ -645,7 +682,9 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
     isolate = on_gpu if isolate is None else isolate
     asked_interleave = interleave is not None
     interleave = interleave if asked_interleave else (0 if on_gpu else CPU_INTERLEAVE_ROUNDS)
-    config = WorkloadConfig(model=model, mode=mode, batch=batch, precision="fp32", device=device, seed=seed)
+    config = WorkloadConfig(model=model, mode=mode, batch=batch, precision="fp32", device=device, seed=seed,
+                            checkpoint=None if checkpoint is None else str(Path(checkpoint).resolve()),
+                            heldout=None if data is None else str(Path(data).resolve()))
     run_id = default_run_id(AUTO if auto else recipe, model, batch, mode)
     if resume and out_dir is None:
         raise UserError("--resume needs --out: the folder of the run to resume")

@@ -73,9 +73,19 @@ def stage_key(chain: list[dict], config: dict, *, steps: int, warmup: int, profi
                 user_files[source] = hashlib.sha256(Path(source).read_bytes()).hexdigest()
             except OSError:
                 user_files[source] = None
+    # trained weights and held-out images: the files themselves (size and time stamp) are the condition
+    for key in ("checkpoint", "heldout"):
+        where = config.get(key)
+        if where:
+            try:
+                st = Path(where).stat()
+                user_files[where] = [st.st_size, st.st_mtime_ns]
+            except OSError:
+                user_files[where] = None
     what = {
         "chain": chain, "user_files": user_files,
-        "config": {k: config.get(k) for k in ("model", "mode", "batch", "precision", "seed", "num_classes")},
+        "config": {**{k: config.get(k) for k in ("model", "mode", "batch", "precision", "seed", "num_classes")},
+                   **{k: config[k] for k in ("checkpoint", "heldout") if config.get(k)}},
         "steps": steps, "warmup": warmup, "profile": profile, **machine,
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:24]

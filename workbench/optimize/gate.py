@@ -11,6 +11,14 @@ Tolerances come from the recipe, per precision (`recipes.gate_tolerance`):
     grad_rel:   relative L2 error of each gradient  (max |a - b| is recorded, not gated)
 
 `top1_agreement` (the share of the batch whose top-1 class is the baseline's) is recorded, not gated.
+
+Trained weights (`apply --mode infer --checkpoint`): every stage and the baseline also run the held-out
+images (`Workload.heldout_outputs`), and `metrics.heldout` holds the stage's accuracy, the baseline's, the
+drop in points, the top-1 agreement with the baseline and the logits' relative L2 error over them. Two
+optional tolerances gate these where a recipe sets them:
+
+    accuracy_drop:  the most accuracy (in points) a stage may lose against the baseline
+    top1_agreement: the least share of held-out images whose top-1 class must be the baseline's
 """
 from __future__ import annotations
 
@@ -61,13 +69,17 @@ class GateOutputs:
     loss: float
     grads: dict[str, torch.Tensor | None]
     weights_digest: str = ""
+    heldout_logits: torch.Tensor | None = None    # a trained model's held-out images (N, classes), fp32 CPU
+    heldout_labels: torch.Tensor | None = None
 
     def to_state(self) -> dict:
-        return {"logits": self.logits, "loss": self.loss, "grads": self.grads, "weights_digest": self.weights_digest}
+        return {"logits": self.logits, "loss": self.loss, "grads": self.grads, "weights_digest": self.weights_digest,
+                "heldout_logits": self.heldout_logits, "heldout_labels": self.heldout_labels}
 
     @classmethod
     def from_state(cls, state: dict) -> "GateOutputs":
-        return cls(state["logits"], float(state["loss"]), dict(state["grads"]), state["weights_digest"])
+        return cls(state["logits"], float(state["loss"]), dict(state["grads"]), state["weights_digest"],
+                   state.get("heldout_logits"), state.get("heldout_labels"))
 
 
 def capture_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
@@ -84,7 +96,10 @@ def forward_backward(workload: Workload, params: dict[str, torch.nn.Parameter]) 
     if workload.config.mode == "infer":
         with torch.inference_mode():
             logits, loss = workload.forward_loss()
-        return GateOutputs(logits.detach().float().cpu(), float(loss.detach().float().cpu()), {})
+        out = GateOutputs(logits.detach().float().cpu(), float(loss.detach().float().cpu()), {})
+        if workload.has_heldout:
+            out.heldout_logits, out.heldout_labels = workload.heldout_outputs()
+        return out
     workload.model.zero_grad(set_to_none=True)
     # The forward the timed steps use (compiled when the stage compiles), so the gate checks
     # exactly what is measured.
@@ -211,9 +226,34 @@ def compare(out: GateOutputs, ref: GateOutputs, tolerance: dict[str, float], *, 
         metrics["grads"][name] = m
         if _exceeds(m["rel_l2"], tolerance["grad_rel"]):
             failures.append(f"grad {name} rel L2 {_fmt(m['rel_l2'])} > {tolerance['grad_rel']:g}")
+    if out.heldout_logits is not None and ref.heldout_logits is not None:
+        metrics["heldout"] = heldout_metrics(out.heldout_logits, ref.heldout_logits, ref.heldout_labels)
+        failures += heldout_failures(metrics["heldout"], tolerance)
     if is_reference:
         return GateResult("REFERENCE", tolerance, metrics, "; ".join(failures) or None)
     return GateResult("FAIL" if failures else "PASS", tolerance, metrics, "; ".join(failures) or None)
+
+
+def heldout_metrics(logits: torch.Tensor, ref: torch.Tensor, labels: torch.Tensor) -> dict:
+    """A stage's figures on the held-out images against the baseline's: accuracy (percent) of both, the
+    drop in points, top-1 agreement and the logits' relative L2 error."""
+    accuracy = 100.0 * (logits.argmax(-1) == labels).double().mean().item()
+    reference = 100.0 * (ref.argmax(-1) == labels).double().mean().item()
+    return {"images": int(labels.numel()), "accuracy_pct": accuracy, "reference_accuracy_pct": reference,
+            "accuracy_drop_pts": reference - accuracy, "top1_agreement": top1_agreement(logits, ref),
+            "logits_rel": _tensor_metrics(logits, ref)["rel_l2"]}
+
+
+def heldout_failures(m: dict, tolerance: dict) -> list[str]:
+    """Why the held-out figures fail the tolerances the recipe sets (accuracy_drop, top1_agreement)."""
+    failures = []
+    if "accuracy_drop" in tolerance and _exceeds(m["accuracy_drop_pts"], tolerance["accuracy_drop"]):
+        failures.append(f"held-out accuracy {m['accuracy_pct']:.2f}% is {m['accuracy_drop_pts']:.2f} points below "
+                        f"the baseline's {m['reference_accuracy_pct']:.2f}% (> {tolerance['accuracy_drop']:g})")
+    if "top1_agreement" in tolerance and (m["top1_agreement"] is None
+                                          or not m["top1_agreement"] >= tolerance["top1_agreement"]):
+        failures.append(f"held-out top-1 agreement {_fmt(m['top1_agreement'])} < {tolerance['top1_agreement']:g}")
+    return failures
 
 
 def _fmt(x) -> str:

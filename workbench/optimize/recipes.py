@@ -6,7 +6,8 @@
     description: one line
     peer: false                      # true: not on the main chain, shown next to it (torch-compile)
     gate: {bf16: {grad_rel: 0.2}}    # optional: correctness-gate tolerances per precision, merged over
-                                     # the ones it extends (keys: logits_rel, loss_atol, grad_rel)
+                                     # the ones it extends (keys: logits_rel, loss_atol, grad_rel; and
+                                     # accuracy_drop, top1_agreement for a checkpoint's held-out images)
     passes: [fused_layernorm, {name: fused_adamw, params: {impl: torch}}]
 
 A stage's effective passes are its chain's passes, baseline first. Everything a user can get wrong
@@ -31,6 +32,8 @@ from workbench.precision import PRECISIONS
 
 RECIPE_DIR = SOURCE_ROOT / "recipes"
 GATE_KEYS = ("logits_rel", "loss_atol", "grad_rel")
+# optional: gated only where a checkpoint's held-out images were run (apply --checkpoint; gate.py)
+HELDOUT_GATE_KEYS = ("accuracy_drop", "top1_agreement")
 _TOP_KEYS = {"name", "extends", "description", "peer", "gate", "passes"}
 # A stage's name goes into its record's, log's and profile folder's file names
 # (`<out>/logs/NN-<name>.traceback.txt`, a temporary `.NN-<name>.json.XXXXXXXX.tmp`): short enough for
@@ -190,10 +193,14 @@ def _parse_gate(raw, source: Path) -> dict[str, dict[str, float]]:
             raise _fail(source, f"gate: unknown precision {short_repr(prec)} (choose from {', '.join(PRECISIONS)})")
         if not isinstance(tol, dict):
             raise _fail(source, f"gate.{prec} must map {', '.join(GATE_KEYS)} to numbers, got {short_repr(tol)}")
-        bad = sorted(set(tol) - set(GATE_KEYS), key=str)
+        bad = sorted(set(tol) - set(GATE_KEYS) - set(HELDOUT_GATE_KEYS), key=str)
         if bad:
-            raise _fail(source, f"gate.{prec}: unknown key {short_repr(bad[0])} (keys: {', '.join(GATE_KEYS)})")
+            raise _fail(source, f"gate.{prec}: unknown key {short_repr(bad[0])} "
+                                f"(keys: {', '.join(GATE_KEYS + HELDOUT_GATE_KEYS)})")
         out[prec] = {k: _as_float(v, source, f"gate.{prec}.{k}") for k, v in tol.items()}
+        if out[prec].get("top1_agreement", 0.0) > 1:
+            raise _fail(source, f"gate.{prec}.top1_agreement must be a share from 0 to 1, got "
+                                f"{short_repr(tol['top1_agreement'])}")
     return out
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -32,12 +33,18 @@ class WorkloadConfig:
     device: str = "cuda"
     seed: int = 0
     num_classes: int | None = None
+    checkpoint: str | None = None    # trained weights to load (checkpoints.load_checkpoint), inference only
+    heldout: str | None = None       # the held-out images' ImageFolder; None: the checkpoint's own data
 
     def __post_init__(self):
         if self.mode not in ("train", "infer"):
             raise UserError(f"unknown mode {self.mode!r}: choose train or infer")
         if self.batch < 1:
             raise UserError(f"--batch must be at least 1, got {self.batch}")
+        if self.checkpoint is not None and self.mode != "infer":
+            raise UserError("--checkpoint goes with --mode infer: it measures the trained model's held-out accuracy")
+        if self.heldout is not None and self.checkpoint is None:
+            raise UserError("--data goes with --checkpoint: the held-out images a trained model is measured on")
 
 
 def synthetic_batch(model: torch.nn.Module, batch: int, num_classes: int, device: torch.device, seed: int):
@@ -66,6 +73,7 @@ class Workload:
     _step_fn: object = None
     _graph: object = None        # inference: the captured forward
     _graph_loss: object = None
+    _heldout_data: object = None
 
     @classmethod
     def build(cls, config: WorkloadConfig, *, fused_attn: bool = False) -> "Workload":
@@ -74,9 +82,20 @@ class Workload:
         torch.manual_seed(config.seed)
         # On a GPU the weights are created there: initializing Swin-B's 88M parameters on a slow host
         # takes seconds per stage process; the seed makes them the same in every stage all the same.
+        checkpoint = None
+        if config.checkpoint is not None:
+            from workbench.checkpoints import load_checkpoint
+
+            checkpoint = load_checkpoint(config.checkpoint)
+            if checkpoint.model is not None and checkpoint.model != config.model:
+                raise UserError(f"--checkpoint {config.checkpoint} holds a {checkpoint.model}, not --model {config.model}")
         with torch.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            model = build_model(config.model, fused_attn=fused_attn, num_classes=config.num_classes,
-                                drop_path_rate=0.0)
+            model = build_model(config.model, fused_attn=fused_attn, drop_path_rate=0.0,
+                                num_classes=checkpoint.num_classes if checkpoint else config.num_classes)
+        if checkpoint is not None:
+            from workbench.checkpoints import load_into
+
+            load_into(model, checkpoint)
         model.to(device)
         model.train(config.mode == "train")
         num_classes = model.num_classes
@@ -141,6 +160,49 @@ class Workload:
             logits = self.model(x)
             loss = F.cross_entropy(logits.float(), y)
         return logits, loss
+
+    @property
+    def has_heldout(self) -> bool:
+        """Whether this workload measures a trained model on held-out images (a checkpoint was given)."""
+        return self.config.checkpoint is not None
+
+    def heldout_data(self):
+        """The held-out images of the checkpoint: --data's ImageFolder, or the data the checkpoint was
+        trained on (its ImageFolder, or the shipped digits' fixed validation split)."""
+        if self._heldout_data is None:
+            from workbench.checkpoints import load_checkpoint
+            from workbench.datasets import load_data
+
+            path = self.config.heldout
+            if path is None:
+                checkpoint = load_checkpoint(self.config.checkpoint)
+                if checkpoint.meta is None:
+                    raise UserError(f"--checkpoint {self.config.checkpoint} is a plain state_dict, which does not say "
+                                    "what it was trained on: give --data DIR (an ImageFolder) to measure it on")
+                path = checkpoint.data
+            self._heldout_data = load_data(None if path is None else Path(path), input_size(self.model)[1:], 0)
+            if self._heldout_data.classes != self.model.num_classes:
+                raise UserError(f"the held-out data has {self._heldout_data.classes} classes and the checkpoint's "
+                                f"head {self.model.num_classes}")
+        return self._heldout_data
+
+    def heldout_outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits (N, classes) fp32 on the CPU, labels (N,)) of the held-out images through the stage's own
+        forward (compiled where the stage compiles), in batches of the workload's batch: the last one padded
+        to it with copies of its first image, so a compiled or captured forward sees one shape."""
+        data, b = self.heldout_data(), self.config.batch
+        if self._step_fn is None:
+            self.prepare()
+        logits, labels = [], []
+        with torch.inference_mode():
+            for x, y in data.val_batches(b, self.ctx.device):
+                n = len(y)
+                if n < b:
+                    x = torch.cat([x, x[:1].expand(b - n, *x.shape[1:])])
+                    y = torch.cat([y, y[:1].expand(b - n)])
+                logits.append(self._step_fn(x, y)[0][:n].float().cpu())
+                labels.append(y[:n].cpu())
+        return torch.cat(logits), torch.cat(labels)
 
     def use_graph(self, on: bool = True) -> None:
         """Replay the step as one CUDA graph from the next step on (captured then, after its warm-up steps),

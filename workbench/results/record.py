@@ -40,6 +40,8 @@ greater than 0, ">= 0" a finite number not below 0; an int is a JSON integer (tr
     gate            {status: 'PASS' | 'FAIL' | 'SKIP' | 'REFERENCE', tolerance: {name: >= 0}, metrics:
                     {weights_match: bool, weights_digest: str, logits: {max_abs, rel_l2},
                     loss: {value, reference, abs_diff}, grads: {parameter: {max_abs, rel_l2, missing}},
+                    heldout (optional: a checkpoint's held-out images): {images: int >= 1, accuracy_pct,
+                    reference_accuracy_pct, accuracy_drop_pts, top1_agreement, logits_rel},
                     further keys: number | str | bool | null}, reason: str | null}; a metric is a number
                     or null, and may be NaN or infinite only when the gate did not PASS
     passes          [{name: str, params: {...}, changed: str, details: {...}, available: bool}]: every pass
@@ -81,6 +83,10 @@ greater than 0, ">= 0" a finite number not below 0; an int is a JSON integer (tr
                     torch.profiler after the timing, analysis.ranks.rank_row), comm_error: str (optional:
                     why comm is missing where that profile took the processes down after the figures were
                     written)}; records without them are read as before
+
+    checkpoint      (optional; `apply --checkpoint`) the trained weights every stage loaded: {path: str, and
+                    what the checkpoint says of itself: model, num_classes, format, recipe, seed, steps,
+                    val_acc, input_size, data (JSON)}
 
 When status is 'ok', timing, img_per_s, step_ms, step_iqr_ms and (on a GPU) peak_mem_bytes are required;
 a stage that is 'not available' or ended in an 'error' may leave them null. Nothing else may be null
@@ -172,6 +178,10 @@ class LossStats:
         return {"value": self.value, "reference": self.reference, "abs_diff": self.abs_diff}
 
 
+HELDOUT_KEYS = ("images", "accuracy_pct", "reference_accuracy_pct", "accuracy_drop_pts", "top1_agreement",
+                "logits_rel")
+
+
 @dataclass(frozen=True)
 class GateMetrics:
     """What the correctness gate measured (gate.compare); `extra`: further scalar figures."""
@@ -182,6 +192,7 @@ class GateMetrics:
     loss: LossStats | None = None
     grads: dict[str, ErrorStats] = field(default_factory=dict)
     extra: dict[str, float | str | bool | None] = field(default_factory=dict)
+    heldout: dict | None = None     # a trained model's held-out images (gate.heldout_metrics)
 
     def to_dict(self) -> dict:
         out: dict = {}
@@ -195,6 +206,8 @@ class GateMetrics:
             out["loss"] = self.loss.to_dict()
         if self.grads or self.logits is not None:
             out["grads"] = {k: v.to_dict() for k, v in self.grads.items()}
+        if self.heldout is not None:
+            out["heldout"] = dict(self.heldout)
         out.update(self.extra)
         return out
 
@@ -505,6 +518,7 @@ class StageRecord:
     pytorch_alone: bool | None = None
     reused: Reused | None = None
     scaling: Scaling | None = None
+    checkpoint: dict | None = None      # the trained weights every stage loaded (apply --checkpoint)
     source: str | None = field(default=None, compare=False)
 
     @property
@@ -548,6 +562,7 @@ class StageRecord:
             "gpu_time": self.gpu_time and self.gpu_time.to_dict(), "pytorch_alone": self.pytorch_alone,
             "reused": self.reused and self.reused.to_dict(),
             **({"scaling": self.scaling.to_dict()} if self.scaling is not None else {}),
+            **({"checkpoint": dict(self.checkpoint)} if self.checkpoint is not None else {}),
         }
 
     @classmethod
@@ -578,7 +593,7 @@ _TOP_KEYS = {"schema", "run_id", "recipe", "stage", "stage_index", "status", "er
              "recipe_source", "chain", "model", "mode", "batch", "precision", "device", "seed", "env", "timing",
              "img_per_s", "step_ms", "step_iqr_ms", "peak_mem_bytes", "compile_s", "first_step_s", "optimizer",
              "gate", "passes", "stage_passes", "profile", "notes", "activation_dtypes", "interleaved", "graph",
-             "graph_note", "gpu_time", "pytorch_alone", "reused", "scaling", "_path"}
+             "graph_note", "gpu_time", "pytorch_alone", "reused", "scaling", "checkpoint", "_path"}
 _REQUIRED = ("run_id", "recipe", "stage", "stage_index", "status", "model", "mode", "batch", "precision", "env",
              "gate")
 
@@ -807,6 +822,7 @@ class _Parser:
             pytorch_alone=self.boolean(data.get("pytorch_alone"), "pytorch_alone", optional=True),
             reused=self.reused(data.get("reused")),
             scaling=self.scaling(data.get("scaling")),
+            checkpoint=self.checkpoint(data.get("checkpoint")),
             source=None if self.source == "<record in memory>" else self.source,
         )
 
@@ -884,7 +900,7 @@ class _Parser:
                  for k, v in self.mapping(_given(m.get("grads"), {}), "gate.metrics.grads").items()}
         extra = {}
         for key, item in m.items():
-            if key in ("weights_match", "weights_digest", "logits", "loss", "grads"):
+            if key in ("weights_match", "weights_digest", "logits", "loss", "grads", "heldout"):
                 continue
             if isinstance(item, (int, float)) and not isinstance(item, bool):
                 item = self.any_number(item, f"gate.metrics.{key}", finite=finite)
@@ -896,7 +912,25 @@ class _Parser:
             weights_match=self.boolean(m.get("weights_match"), "gate.metrics.weights_match", optional=True),
             weights_digest=self.string(m.get("weights_digest"), "gate.metrics.weights_digest", optional=True),
             logits=None if m.get("logits") is None else self.error_stats(m["logits"], "gate.metrics.logits", finite),
-            loss=loss, grads=grads, extra=extra)
+            loss=loss, grads=grads, extra=extra, heldout=self.heldout(m.get("heldout"), finite))
+
+    def heldout(self, value, finite: bool) -> dict | None:
+        h = self.mapping(value, "gate.metrics.heldout", optional=True)
+        if h is None:
+            return None
+        self.known(h, set(HELDOUT_KEYS), "gate.metrics.heldout")
+        out = {"images": self.integer(self.get(h, "images", "gate.metrics.heldout.", required=True),
+                                      "gate.metrics.heldout.images", 1, MAX_COUNT)}
+        for key in HELDOUT_KEYS[1:]:
+            out[key] = self.any_number(h.get(key), f"gate.metrics.heldout.{key}", finite=finite)
+        return out
+
+    def checkpoint(self, value) -> dict | None:
+        c = self.mapping(value, "checkpoint", optional=True)
+        if c is None:
+            return None
+        self.string(self.get(c, "path", "checkpoint.", required=True), "checkpoint.path", non_empty=True)
+        return self.json_object(c, "checkpoint")
 
     def chain(self, value) -> tuple[ChainEntry, ...]:
         out = []

@@ -938,6 +938,42 @@ def _config_rows(records: list[StageRecord]) -> list[tuple[str, object]]:
     ]
 
 
+def _heldout_lines(records: list[StageRecord]) -> list[str]:
+    """'## Trained model on held-out images': each stage's accuracy, agreement and gate verdict, where the
+    run loaded a checkpoint (apply --checkpoint)."""
+    rows, checkpoint = [], None
+    for rec in records:
+        h = rec.gate.metrics.heldout
+        checkpoint = checkpoint or rec.checkpoint
+        if h is None:
+            continue
+        tol = rec.gate.tolerance
+        limits = [f"drop <= {tol['accuracy_drop']:g}" if "accuracy_drop" in tol else None,
+                  f"agreement >= {tol['top1_agreement']:g}" if "top1_agreement" in tol else None]
+        rows.append([rec.stage, rec.precision, f"{h['accuracy_pct']:.2f}%",
+                     "-" if rec.gate.status == "REFERENCE" else f"{-h['accuracy_drop_pts']:+.2f}",
+                     f"{100 * h['top1_agreement']:.2f}%" if h["top1_agreement"] is not None else "-",
+                     _fmt_num(h["logits_rel"]), ", ".join(x for x in limits if x) or "-", rec.gate.status])
+    if not rows:
+        return []
+    c = checkpoint or {}
+    trained = ", ".join(x for x in (f"recipe {c['recipe']}" if c.get("recipe") else None,
+                                     f"{c['steps']} steps" if c.get("steps") else None,
+                                     f"val accuracy {c['val_acc']:.2f}% when saved" if c.get("val_acc") is not None
+                                     else None) if x)
+    images = next(rec.gate.metrics.heldout["images"] for rec in records if rec.gate.metrics.heldout)
+    return ["## Trained model on held-out images", "",
+            f"Every stage loaded `{c.get('path')}` ({c.get('model') or 'a plain state_dict'}"
+            + (f"; {trained}" if trained else "") + f") and ran {images:,} held-out images "
+            f"({c.get('heldout')}) through its own forward. Against the fp32 baseline on the same images:", "",
+            _md_table(["stage", "precision", "accuracy", "Δ points", "top-1 agreement", "logits rel L2",
+                       "gate limits", "gate"], rows), ""]
+
+
+def _fmt_num(x) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
 def _parity_lines(records: list[StageRecord], verdicts) -> list[str]:
     """'## Training parity': the verdicts of `swinbench train --compare` runs on the stages' recipes."""
     from workbench.results.verdicts import find_verdicts, verdict_line
@@ -993,6 +1029,7 @@ def render_report(records, out_path_md: Path, note: str | None = None, auto: dic
         lines += ["## Best configuration (`--recipe auto`)", "", "\n".join(f"- {x}" for x in auto_choice_lines(auto)),
                   ""]
     lines += _parity_lines(records, verdicts)
+    lines += _heldout_lines(records)
     lines += _interleaved_lines(records)
     lines += _scaling_lines(records)
     lines += ["## Configuration", "", _md_table(["", ""], [[k, v] for k, v in _config_rows(records)]), ""]

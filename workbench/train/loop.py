@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from workbench.api import GraphFallbackWarning, RecipeUnavailable, optimize_swin
+from workbench.checkpoints import save_checkpoint
 from workbench.env import device_label, environment_stamp
 from workbench.errors import Interrupted, UserError
 from workbench.files import short_repr
@@ -43,7 +44,7 @@ from workbench.optimize.distributed import check_parallel
 from workbench.optimize.recipes import is_graph_form, resolve_chain
 from workbench.devices import pick_device, resolve_device
 from workbench.run_folder import claim_run_folder
-from workbench.train.data import load_data
+from workbench.datasets import load_data
 from workbench.train.progress import TrainProgress
 
 SCHEMA = "swinbench.train/1"
@@ -79,6 +80,7 @@ class TrainConfig:
     rdzv_endpoint: str | None = None       # host:port of the c10d rendezvous every machine joins
     rdzv_id: str = "swinbench"             # the job's name at the rendezvous
     parallel: str | None = None            # with nproc: "ddp" (the default) or "fsdp" (FSDP2, sharded weights)
+    save_checkpoints: bool = False         # each finished run's weights to checkpoints/ (swinbench apply --checkpoint)
 
     @property
     def world(self) -> int:
@@ -153,6 +155,7 @@ class RunSummary:
     final_val_acc: float | None = None
     img_per_s: float | None = None
     notes: list[str] = field(default_factory=list)
+    checkpoint: Path | None = None
 
 
 @dataclass
@@ -232,7 +235,7 @@ def parallel_strategy(config: TrainConfig, world: int) -> str | None:
 
 def train_run(config: TrainConfig, recipe: str, seed: int, data, model_name: str, device: torch.device,
               records: RecordFile, progress: TrainProgress, index: int, *, skip_unavailable: bool,
-              rank: int = 0, world: int = 1) -> RunSummary:
+              rank: int = 0, world: int = 1, checkpoint: Path | None = None) -> RunSummary:
     """Train one recipe with one seed, writing its records -> its summary. A recipe that cannot run here
     is a 'not available' run when `skip_unavailable`, else UserError.
 
@@ -241,7 +244,8 @@ def train_run(config: TrainConfig, recipe: str, seed: int, data, model_name: str
     (optimize_swin's default) or sharded by FSDP2 (config.parallel "fsdp"); a step's loss is the mean of the
     ranks' losses (the global batch's) and its img/s the sum of theirs; rank 0 validates (under FSDP every
     rank runs the validation forwards with it, which gather the weights), and only its `records` and
-    `progress` should write."""
+    `progress` should write. `checkpoint`: where a run that ends well saves its weights (every rank takes
+    part in gathering them under FSDP; rank 0 writes; the end record names the file)."""
     setup = run_setup(config, data, model_name, world)
     total = setup["steps"]
     name = resolve_chain(recipe)[-1].name
@@ -315,6 +319,15 @@ def train_run(config: TrainConfig, recipe: str, seed: int, data, model_name: str
     end = {"kind": "end", "status": status, "reason": reason, "steps": step, "epochs": epoch,
            "final_val_acc": val_acc, "img_per_s": img_per_s, "img_per_s_from_step": skip + 1,
            "seconds": time.perf_counter() - started, "eager_fallbacks": swin.eager_fallbacks, "notes": swin.notes}
+    saved = None
+    if checkpoint is not None and status == "ok":
+        state = swin.state_dict()        # a plain timm state_dict; under FSDP every rank gathers it
+        if rank == 0:
+            saved = save_checkpoint(checkpoint, state, model=model_name, num_classes=data.classes,
+                                    input_size=input_size(model), data=config.data, recipe=name, seed=seed,
+                                    steps=step, val_acc=val_acc)
+            end["checkpoint"] = str(saved)
+        del state
     records.write(end)
     text = (f"{'diverged: ' + reason if reason else 'done'}; val accuracy "
             f"{'-' if val_acc is None else f'{val_acc:.2f}%'}, {img_per_s or 0:,.1f} img/s")
@@ -323,7 +336,7 @@ def train_run(config: TrainConfig, recipe: str, seed: int, data, model_name: str
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return RunSummary(name, seed, status, records.path, reason, val_acc, img_per_s, list(end["notes"]))
+    return RunSummary(name, seed, status, records.path, reason, val_acc, img_per_s, list(end["notes"]), saved)
 
 
 def _over_ranks(loss: float, rate: float, world: int, device: torch.device) -> tuple[float, float]:
@@ -482,6 +495,10 @@ def run_train(config: TrainConfig, *, out_dir: Path | None = None, overwrite: bo
         if spread:
             console.print(spread, highlight=False)
         console.print(f"records in {out_dir / 'records'}, report {report}, curves {curves}", highlight=False)
+        saved = [s.checkpoint for s in summaries if s.checkpoint is not None]
+        if saved:
+            console.print(f"checkpoints in {saved[0].parent}: measure one with `swinbench apply --mode infer "
+                          f"--checkpoint {saved[0]}`", highlight=False)
         return TrainResult(out_dir, report, curves, summaries, table)
 
 
@@ -492,13 +509,20 @@ def run_summaries(records_dir: Path) -> list:
     if not records_dir.is_dir() or not any(records_dir.glob("*.jsonl")):
         return []
     return [RunSummary(r.recipe, r.seed, r.status, r.path, (r.end or {}).get("reason"), r.final_accuracy,
-                       r.img_per_s, list((r.end or {}).get("notes") or [])) for r in read_runs(records_dir)]
+                       r.img_per_s, list((r.end or {}).get("notes") or []),
+                       Path(r.end["checkpoint"]) if (r.end or {}).get("checkpoint") else None)
+            for r in read_runs(records_dir)]
 
 
 def record_path(out_dir: Path, index: int, recipe: str, seed: int) -> Path:
     """records/NN-<recipe>-seed<S>.jsonl of the index-th run."""
     name = Path(recipe).stem if recipe.endswith((".yaml", ".yml")) else recipe
     return out_dir / "records" / f"{index + 1:02d}-{name}-seed{seed}.jsonl"
+
+
+def checkpoint_path(out_dir: Path, index: int, recipe: str, seed: int) -> Path:
+    """checkpoints/NN-<recipe>-seed<S>.pt of the index-th run (beside its records file)."""
+    return out_dir / "checkpoints" / record_path(out_dir, index, recipe, seed).with_suffix(".pt").name
 
 
 def _train_here(config, runs, data, model_name, device, out_dir, console, progress, report, curves,
@@ -516,7 +540,9 @@ def _train_here(config, runs, data, model_name, device, out_dir, console, progre
                 records = RecordFile(record_path(out_dir, i, recipe, seed))
                 try:
                     summaries.append(train_run(config, recipe, seed, data, model_name, device, records, bar, i,
-                                               skip_unavailable=config.compare is not None))
+                                               skip_unavailable=config.compare is not None,
+                                               checkpoint=checkpoint_path(out_dir, i, recipe, seed)
+                                               if config.save_checkpoints else None))
                 finally:
                     records.close()
                 render_train_report(out_dir / "records", report)

@@ -29,8 +29,8 @@ def rank_main(spec_path: Path) -> None:
 
     from workbench.models import build_model, input_size
     from workbench.optimize.distributed import init_process_group_from_env
-    from workbench.train.data import load_data
-    from workbench.train.loop import RecordFile, TrainConfig, record_path, train_run
+    from workbench.datasets import load_data
+    from workbench.train.loop import RecordFile, TrainConfig, checkpoint_path, record_path, train_run
     from workbench.train.progress import TrainProgress
 
     spec = json.loads(Path(spec_path).read_text())
@@ -48,7 +48,8 @@ def rank_main(spec_path: Path) -> None:
             records = RecordFile(record_path(out_dir, i, recipe, seed)) if rank == 0 else _NoRecords()
             try:
                 train_run(config, recipe, seed, data, spec["model"], device, records, bar, i,
-                          skip_unavailable=config.compare is not None, rank=rank, world=world)
+                          skip_unavailable=config.compare is not None, rank=rank, world=world,
+                          checkpoint=checkpoint_path(out_dir, i, recipe, seed) if config.save_checkpoints else None)
             finally:
                 records.close()
     # only on success: a rank that raised exits without waiting on its peers, and torchrun stops them

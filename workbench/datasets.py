@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from workbench.errors import UserError
 
-DIGITS_FILE = Path(__file__).resolve().parent.parent / "data" / "digits.npz"
+DIGITS_FILE = Path(__file__).resolve().parent / "data" / "digits.npz"
 DIGITS_SPLIT_SEED = 0
 DIGITS_TRAIN = 1200            # of 1,797; the other 597 validate (one image = 0.17 accuracy points)
 IMAGEFOLDER_VAL_FRACTION = 0.1
