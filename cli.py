@@ -43,6 +43,7 @@ def _call(fn, *args, **kwargs):
 
 Model = Annotated[Optional[str], typer.Option(help="timm Swin model name (default: swin_tiny_patch4_window7_224 on a GPU, the tiny 'swinbench_tiny_cpu' Swin on the CPU).")]
 Device = Annotated[str, typer.Option(help="auto (cuda if a GPU is visible, else cpu), cuda, cuda:N or cpu. CPU runs use the tiny Swin by default and are labelled CPU in every output.")]
+ImgSize = Annotated[Optional[str], typer.Option(help="Build the model at this resolution instead of its name's: 384, or HxW like 256x320 (timm pads feature maps that are not a multiple of the window inside the blocks; the fused kernels do the same).")]
 Timeline = Annotated[bool, typer.Option("--timeline/--no-timeline", help="Also write timeline.png (one step: NVTX ranges, GPU kernels by category, host CUDA calls per thread) and timeline.json (every step, for ui.perfetto.dev) beside the tables.")]
 Step = Annotated[Optional[str], typer.Option(help="The step timeline.png draws (3 or step3; default: the median-length step).")]
 Records = Annotated[Optional[list[Path]], typer.Option("--records", help="Stage records (files or folders written by `swinbench apply`) to take the findings' measured gains from, matched by model, mode, batch and GPU; repeatable. Default: the canonical runs under reports/*/records.")]
@@ -69,6 +70,7 @@ def profile(
     overwrite: Overwrite = False,
     nproc: Annotated[Optional[int], typer.Option(help="Data parallel: this many processes under torchrun (one GPU each; gloo on the CPU), DDP, --batch per process; one capture per rank in <out>/rank<r>/ and a ranks table (step time, communication, how much of it compute hides, skew).")] = None,
     parallel: Annotated[Optional[str], typer.Option(help="With --nproc: ddp (every process holds the whole model; the default) or fsdp (FSDP2: each process holds 1/N of the weights, gradients and optimizer state; its all-gathers and reduce-scatters are in the trace).")] = None,
+    img_size: ImgSize = None,
 ):
     """Run a Swin model under Nsight Systems (or torch.profiler) and show where its GPU time goes (on the CPU: its CPU operator time)."""
     from workbench.capture.profile import run_profile
@@ -77,7 +79,7 @@ def profile(
     _check_top(top)
     _call(run_profile, model=model, mode=mode, batch=batch, precision=precision, steps=steps, warmup=warmup,
           device=device, backend=backend, out=out, nsys=nsys, recipe=recipe, fmt=format, top=top, console=console,
-          overwrite=overwrite, timeline=timeline, records=records, nproc=nproc, parallel=parallel)
+          overwrite=overwrite, timeline=timeline, records=records, nproc=nproc, parallel=parallel, img_size=img_size)
 
 
 def _note(text: str) -> None:
@@ -306,6 +308,7 @@ def apply(
     interleave: Annotated[Optional[int], typer.Option(help="After the stages, build the measured ones side by side in one process and time them again in this many rounds, in alternation, for paired speedups that a drifting host cannot move (0: off; 10-30 is typical on a GPU). Needs every stage's memory at once. Default: 3 rounds on the CPU, off on a GPU.")] = None,
     checkpoint: Annotated[Optional[Path], typer.Option(help="With --mode infer: trained weights for every stage (a `swinbench train --save-checkpoints` file, or a plain timm state_dict): each stage also runs the held-out images, and the gate holds its accuracy and top-1 agreement against the baseline's.")] = None,
     data: Annotated[Optional[Path], typer.Option(help="With --checkpoint: the held-out images (an ImageFolder; its val/ when there is one). Default: what the checkpoint was trained on.")] = None,
+    img_size: ImgSize = None,
 ):
     """Apply a staged optimization recipe, measuring, checking and profiling every stage."""
     from workbench.ladder.apply import run_apply
@@ -319,7 +322,7 @@ def apply(
                    out_dir=out, profile=profile, stages=stages.split(",") if stages else None, seed=seed,
                    peers=peers, isolate=isolate, console=console, mode=mode, interleave=interleave, resume=resume,
                    overwrite=overwrite, cache_dir=cache or default_cache_dir(), fresh=fresh, nproc=nproc,
-                   parallel=parallel, checkpoint=checkpoint, data=data)
+                   parallel=parallel, checkpoint=checkpoint, data=data, img_size=img_size)
     if check_against is not None:
         _run_check([check_against], [result.records_dir], limit, 2.0, thresholds, force, "md")
 
@@ -366,6 +369,7 @@ def train(
     rdzv_endpoint: Annotated[Optional[str], typer.Option(help="With --nnodes > 1: HOST:PORT of the c10d rendezvous, the same on every machine.")] = None,
     rdzv_id: Annotated[str, typer.Option(help="With --rdzv-endpoint: the job's name at the rendezvous.")] = "swinbench",
     parallel: Annotated[Optional[str], typer.Option(help="With --nproc: ddp (every process holds the whole model; the default) or fsdp (FSDP2: each process holds 1/N of the weights, gradients and optimizer state, for models that do not fit otherwise).")] = None,
+    img_size: ImgSize = None,
     save_checkpoints: Annotated[bool, typer.Option("--save-checkpoints", help="Save each finished run's weights (a plain timm state_dict with the model and data named) to checkpoints/ in --out, for `swinbench apply --mode infer --checkpoint`.")] = False,
 ):
     """Train a Swin on real data with a recipe (or compare recipes) and report loss, accuracy, img/s and parity."""
@@ -376,7 +380,7 @@ def train(
                          weight_decay=weight_decay, label_smoothing=label_smoothing, clip_grad=clip_grad, seed=seed,
                          data=data, workers=workers, device=device, command=command_line(), nproc=nproc, nnodes=nnodes,
                          rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, parallel=parallel,
-                         save_checkpoints=save_checkpoints)
+                         save_checkpoints=save_checkpoints, img_size=img_size)
     _call(run_train, config, out_dir=out, overwrite=overwrite, console=console, resume=resume)
 
 

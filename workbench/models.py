@@ -39,10 +39,49 @@ def input_size(model: torch.nn.Module) -> tuple[int, int, int]:
     return (model.patch_embed.proj.in_channels, int(h), int(w))
 
 
+def parse_img_size(text) -> tuple[int, int] | None:
+    """--img-size: '384' (square) or '256x320' (H x W) -> (H, W); None stays None. UserError otherwise."""
+    if text is None:
+        return None
+    if isinstance(text, (list, tuple)) and len(text) == 2:
+        parts = [str(v) for v in text]
+    else:
+        parts = str(text).lower().replace(" ", "").split("x")
+        parts = parts * 2 if len(parts) == 1 else parts
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise UserError(f"--img-size takes a size in pixels, 384 or HxW like 256x320, not {text!r}")
+    h, w = (int(p) for p in parts)
+    if not (MIN_IMG <= h <= MAX_IMG and MIN_IMG <= w <= MAX_IMG):
+        raise UserError(f"--img-size {h}x{w}: each side must be from {MIN_IMG} to {MAX_IMG} pixels")
+    return h, w
+
+
+MIN_IMG, MAX_IMG = 16, 4096
+
+
+def default_img_size(name: str) -> tuple[int, int] | None:
+    """(H, W) a model is built at by its name (timm's pretrained config; the tiny Swin's 56); None unknown."""
+    if name == TINY_MODEL:
+        return TINY_KWARGS["img_size"], TINY_KWARGS["img_size"]
+    import timm
+
+    size = timm.models.get_pretrained_cfg_value(name, "input_size")
+    return (int(size[1]), int(size[2])) if size else None
+
+
+def own_img_size(name: str, img_size) -> tuple[int, int] | None:
+    """`img_size` (parsed), or None where it is the model's own resolution anyway (so records and run
+    names mention a resolution only where it differs)."""
+    size = parse_img_size(img_size)
+    return None if size is None or size == default_img_size(name) else size
+
+
 def build_model(name: str, *, fused_attn: bool = False, num_classes: int | None = None,
-                drop_path_rate: float | None = None) -> torch.nn.Module:
+                drop_path_rate: float | None = None, img_size: tuple[int, int] | None = None) -> torch.nn.Module:
     """A timm Swin on the CPU in fp32 (move it yourself). `fused_attn` turns on timm's SDPA path,
-    which timm reads when each block is built, so it is set here, before `create_model`."""
+    which timm reads when each block is built, so it is set here, before `create_model`. `img_size`
+    (H, W): the model at another resolution than its name's (timm pads feature maps that are not a
+    multiple of the window inside the blocks; the fused window kernels do the same)."""
     import timm
     from timm.layers import set_fused_attn
 
@@ -51,6 +90,8 @@ def build_model(name: str, *, fused_attn: bool = False, num_classes: int | None 
         extra["num_classes"] = num_classes
     if drop_path_rate is not None:
         extra["drop_path_rate"] = drop_path_rate
+    if img_size is not None:
+        extra["img_size"] = tuple(int(v) for v in img_size)
     set_fused_attn(fused_attn, experimental=fused_attn)
     try:
         if name == TINY_MODEL:

@@ -14,7 +14,7 @@ from workbench.capture.backends import capture_nsys, capture_torch, resolve_back
 from workbench.capture.remedies import findings_gains, gain_records
 from workbench.errors import UserError
 from workbench.run_folder import claim_run_folder
-from workbench.models import check_model_name, default_model_for
+from workbench.models import check_model_name, default_model_for, own_img_size
 from workbench.precision import resolve_precision
 from workbench.optimize.workload import WorkloadConfig
 from workbench.devices import pick_device, resolve_device
@@ -31,7 +31,8 @@ class ProfileResult:
 
 def default_run_name(config: WorkloadConfig, recipe: str | None) -> str:
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    parts = [config.model.replace("_patch4", "").replace("_window", "w"), config.mode, config.precision,
+    size = [f"{config.img_size[0]}x{config.img_size[1]}"] if config.img_size else []
+    parts = [config.model.replace("_patch4", "").replace("_window", "w"), *size, config.mode, config.precision,
              f"b{config.batch}"] + ([Path(recipe).stem] if recipe else []) + [stamp]
     return "-".join(parts)
 
@@ -40,7 +41,7 @@ def run_profile(*, model: str | None, mode: str, batch: int, precision: str, ste
                 device: str, backend: str, out: Path | None, nsys: str | None = None, recipe: str | None = None,
                 fmt: str = "csv", top: int = 15, console: Console | None = None,
                 overwrite: bool = False, timeline: bool = True, records: list[Path] | None = None,
-                nproc: int | None = None, parallel: str | None = None) -> ProfileResult:
+                nproc: int | None = None, parallel: str | None = None, img_size=None) -> ProfileResult:
     """Capture `steps` steps after `warmup`, analyze the trace, print the tables and write them beside it,
     with `timeline` also timeline.png (the median step) and timeline.json (Perfetto).
 
@@ -50,7 +51,8 @@ def run_profile(*, model: str | None, mode: str, batch: int, precision: str, ste
     (`run_folder.claim_run_folder`). records: stage records the findings' measured gains are taken from
     (default: the canonical runs, `remedies.gain_records`), read before the capture. nproc: data parallel
     in that many processes under torchrun (DDP, or FSDP2 with parallel 'fsdp'), one capture per rank in
-    <out>/rank<r>/ and the ranks table (analysis.ranks) over them."""
+    <out>/rank<r>/ and the ranks table (analysis.ranks) over them. img_size: '384', 'HxW' or (H, W), the
+    resolution the model is built at (default: its name's)."""
     console = console or Console()
     if steps < 1 or warmup < 0:
         raise UserError("--steps must be at least 1 and --warmup at least 0")
@@ -62,9 +64,11 @@ def run_profile(*, model: str | None, mode: str, batch: int, precision: str, ste
     cpu_fallback = device == "auto" and not torch.cuda.is_available()
     device = pick_device(device)
     dev = resolve_device(device)
-    config = WorkloadConfig(model=model or default_model_for(device), mode=mode, batch=batch,
-                            precision=precision, device=device)
-    check_model_name(config.model)  # fail fast, before any subprocess starts
+    model = model or default_model_for(device)
+    check_model_name(model)  # fail fast, before any subprocess starts
+    size = own_img_size(model, img_size)
+    config = WorkloadConfig(model=model, mode=mode, batch=batch, precision=precision, device=device,
+                            img_size=list(size) if size else None)
     resolve_precision(precision)
     if recipe:
         from workbench.optimize.recipes import chain_passes
@@ -116,7 +120,9 @@ def _capture_ranks(config: WorkloadConfig, recipe: str | None, out_dir: Path, ch
         traces = capture_ranks(config, recipe, out_dir, steps, warmup, chosen, nsys_path, nproc, parallel)
     _print_passes(traces[0].parent / "run.json", recipe, console)
     files, rows = [], []
-    title = f"{config.model} {config.mode} {config.precision} batch {config.batch}" + (f", recipe {recipe}" if recipe else "")
+    at = f" at {config.img_size[0]}x{config.img_size[1]} px" if config.img_size else ""
+    title = (f"{config.model}{at} {config.mode} {config.precision} batch {config.batch}"
+             + (f", recipe {recipe}" if recipe else ""))
     for rank, trace in enumerate(traces):
         with _phase(console, f"analyzing rank {rank}: {trace}"):
             analysis = analyze_trace(trace)
@@ -160,7 +166,8 @@ def _capture_and_analyze(config: WorkloadConfig, recipe: str | None, out_dir: Pa
         console.print(f"[yellow]note:[/] {gains.note}", highlight=False)
     files = [p for p in (out_dir / "trace.nsys-rep", trace, out_dir / "run.json", out_dir / "capture.log",
                          out_dir / "nsys.log") if p.exists()]
-    title = f"{config.model} {mode} {precision} batch {batch}" + (f", recipe {recipe}" if recipe else "")
+    at = f" at {config.img_size[0]}x{config.img_size[1]} px" if config.img_size else ""
+    title = f"{config.model}{at} {mode} {precision} batch {batch}" + (f", recipe {recipe}" if recipe else "")
     files += write_analysis(analysis, out_dir, fmt, trace=trace, timeline=timeline, title=title, gains=gains.gains,
                             on_note=lambda line: console.print(f"[yellow]note:[/] {line}", highlight=False))
     console.print(f"[bold]{label}[/] backend; files written:")

@@ -47,7 +47,7 @@ from workbench.ladder.events import EVENT_PREFIX, print_event
 from workbench.errors import Interrupted, UserError
 from workbench.optimize.gate import (GateOutputs, activation_dtypes, capture_parameters, compare, compute_reference, forward_backward,
                    weights_digest)
-from workbench.models import check_model_name, default_model_for
+from workbench.models import check_model_name, default_model_for, own_img_size, parse_img_size
 from workbench.ladder.interleave import InterleaveSpec, add_round, interleaved_entries, run_interleaved_spec, spec_json
 from workbench.ladder.progress import LadderProgress
 from workbench.ladder.reuse import (RecordCache, compile_cache_counts, compile_cache_env, compile_cache_note,
@@ -129,6 +129,7 @@ def _base_record(spec: StageSpec, plan_chain) -> dict:
         "graph": None, "graph_note": None, "gpu_time": None,
         "pytorch_alone": is_pytorch_alone(plan_chain) if plan_chain else None, "reused": None,
         **({"checkpoint": _checkpoint_entry(cfg)} if cfg.get("checkpoint") else {}),
+        **({"img_size": list(cfg["img_size"])} if cfg.get("img_size") else {}),
     }
 
 
@@ -520,6 +521,9 @@ def _plan_differences(records: list[dict], plans: list[StagePlan], recipe: str, 
         there = (rec.get("env") or {}).get("device_type")
         if there != device_type:
             diffs.setdefault("device", f"device {there} there vs {device_type}")
+        if rec.get("img_size") != config.img_size:
+            diffs.setdefault("img_size", f"image size {rec.get('img_size') or 'the model default'} there vs "
+                                         f"{config.img_size or 'the model default'}")
         weights = (rec.get("checkpoint") or {}).get("path")
         if weights != config.checkpoint:
             diffs.setdefault("checkpoint", f"checkpoint {weights or 'none'} there vs {config.checkpoint or 'none'}")
@@ -592,10 +596,11 @@ def _resumable(out_dir: Path, entries: list[Path], plans, recipe, config, **plan
 # ---------------------------------------------------------------- the run
 
 
-def default_run_id(recipe: str, model: str, batch: int, mode: str = "train") -> str:
+def default_run_id(recipe: str, model: str, batch: int, mode: str = "train", img_size=None) -> str:
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     short = model.replace("swin_", "").replace("_patch4", "").replace("_window", "w")
-    return f"{Path(recipe).stem}-{short}-b{batch}{'-infer' if mode == 'infer' else ''}-{stamp}"
+    size = f"-{img_size[0]}x{img_size[1]}" if img_size else ""
+    return f"{Path(recipe).stem}-{short}{size}-b{batch}{'-infer' if mode == 'infer' else ''}-{stamp}"
 
 
 def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup: int, device: str = "auto",
@@ -604,7 +609,8 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
               peers: bool | None = None, mode: str = "train", interleave: int | None = None,
               resume: bool = False, overwrite: bool = False, cache_dir: Path | None = None,
               fresh: bool = False, nproc: int | None = None, parallel: str | None = None,
-              checkpoint: Path | None = None, data: Path | None = None) -> ApplyResult:
+              checkpoint: Path | None = None, data: Path | None = None,
+              img_size=None) -> ApplyResult:
     """Run every stage of `recipe` (baseline first), write one record per stage and the report.
 
     recipe: a built-in name or a YAML path, or 'auto': the ladder of AUTO_LADDER for this device (with
@@ -642,6 +648,8 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
     model is the default `model`): each stage also runs the held-out images (`data`, an ImageFolder, or
     what the checkpoint was trained on) and the gate holds accuracy and top-1 agreement against the
     baseline's where the recipe sets accuracy_drop / top1_agreement (gate.py).
+    img_size: '384', '256x320' or (H, W): every stage builds the model at that resolution (default: the
+    model name's, or with a checkpoint the one it was trained at).
     """
     from rich.console import Console
 
@@ -656,6 +664,7 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
     if nproc is not None:
         _check_nproc(nproc, mode, dev)
     check_parallel(parallel, nproc)
+    img_size = parse_img_size(img_size)
     if checkpoint is not None:
         from workbench.checkpoints import load_checkpoint
 
@@ -671,10 +680,14 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
             raise UserError(f"--checkpoint {checkpoint} is a plain state_dict, which does not say what it was "
                             "trained on: give --data DIR (an ImageFolder) to measure it on")
         model = model or weights.model
+        trained_at = (weights.meta or {}).get("input_size")
+        if img_size is None and trained_at:
+            img_size = tuple(trained_at[1:])
     elif data is not None:
         raise UserError("--data goes with --checkpoint: the held-out images a trained model is measured on")
     model = model or default_model_for(device)
     check_model_name(model)
+    img_size = own_img_size(model, img_size)
     auto = str(recipe) == AUTO
     if auto:
         recipe = AUTO_LADDER[dev.type if dev.type in AUTO_LADDER else "cpu"]
@@ -684,8 +697,9 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
     interleave = interleave if asked_interleave else (0 if on_gpu else CPU_INTERLEAVE_ROUNDS)
     config = WorkloadConfig(model=model, mode=mode, batch=batch, precision="fp32", device=device, seed=seed,
                             checkpoint=None if checkpoint is None else str(Path(checkpoint).resolve()),
-                            heldout=None if data is None else str(Path(data).resolve()))
-    run_id = default_run_id(AUTO if auto else recipe, model, batch, mode)
+                            heldout=None if data is None else str(Path(data).resolve()),
+                            img_size=list(img_size) if img_size else None)
+    run_id = default_run_id(AUTO if auto else recipe, model, batch, mode, img_size)
     if resume and out_dir is None:
         raise UserError("--resume needs --out: the folder of the run to resume")
     out_dir = Path(out_dir) if out_dir else Path("reports") / "runs" / run_id

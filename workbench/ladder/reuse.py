@@ -85,7 +85,7 @@ def stage_key(chain: list[dict], config: dict, *, steps: int, warmup: int, profi
     what = {
         "chain": chain, "user_files": user_files,
         "config": {**{k: config.get(k) for k in ("model", "mode", "batch", "precision", "seed", "num_classes")},
-                   **{k: config[k] for k in ("checkpoint", "heldout") if config.get(k)}},
+                   **{k: config[k] for k in ("checkpoint", "heldout", "img_size") if config.get(k)}},
         "steps": steps, "warmup": warmup, "profile": profile, **machine,
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:24]

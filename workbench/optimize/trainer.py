@@ -354,6 +354,12 @@ class OptimizedSwin:
         return loss
 
     @property
+    def stepper(self):
+        """What steps the weights: `optimizer` itself, or with master weights the stepper that widens the
+        gradients, steps `optimizer` over the fp32 masters and narrows them back (its `step`/`zero_grad`)."""
+        return self._stepper
+
+    @property
     def graph_captured(self) -> bool:
         """Whether the training step has been captured as a CUDA graph (after the eager warm-up steps)."""
         return self._train_graphs is not None

@@ -35,6 +35,7 @@ class WorkloadConfig:
     num_classes: int | None = None
     checkpoint: str | None = None    # trained weights to load (checkpoints.load_checkpoint), inference only
     heldout: str | None = None       # the held-out images' ImageFolder; None: the checkpoint's own data
+    img_size: list[int] | None = None  # [H, W]: the model at this resolution; None: its name's
 
     def __post_init__(self):
         if self.mode not in ("train", "infer"):
@@ -91,7 +92,8 @@ class Workload:
                 raise UserError(f"--checkpoint {config.checkpoint} holds a {checkpoint.model}, not --model {config.model}")
         with torch.device(device) if device.type == "cuda" else contextlib.nullcontext():
             model = build_model(config.model, fused_attn=fused_attn, drop_path_rate=0.0,
-                                num_classes=checkpoint.num_classes if checkpoint else config.num_classes)
+                                num_classes=checkpoint.num_classes if checkpoint else config.num_classes,
+                                img_size=tuple(config.img_size) if config.img_size else None)
         if checkpoint is not None:
             from workbench.checkpoints import load_into
 
@@ -138,7 +140,7 @@ class Workload:
 
             self.session = OptimizedSwin(self.model, self.ctx, self.chain, self.results, loss_fn=F.cross_entropy,
                                          grad_clip=None, accumulate=1, notes=[], data_parallel=data_parallel)
-            self.optimizer = self.session._stepper
+            self.optimizer = self.session.stepper
             self._step_fn = self._session_forward_loss
             return
         self._step_fn = self._forward_loss

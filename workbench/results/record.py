@@ -84,6 +84,8 @@ greater than 0, ">= 0" a finite number not below 0; an int is a JSON integer (tr
                     why comm is missing where that profile took the processes down after the figures were
                     written)}; records without them are read as before
 
+    img_size        (optional; `--img-size`) [H, W]: the resolution the model was built at, where not its
+                    name's own
     checkpoint      (optional; `apply --checkpoint`) the trained weights every stage loaded: {path: str, and
                     what the checkpoint says of itself: model, num_classes, format, recipe, seed, steps,
                     val_acc, input_size, data (JSON)}
@@ -519,6 +521,7 @@ class StageRecord:
     reused: Reused | None = None
     scaling: Scaling | None = None
     checkpoint: dict | None = None      # the trained weights every stage loaded (apply --checkpoint)
+    img_size: tuple[int, int] | None = None     # (H, W) where not the model name's own (--img-size)
     source: str | None = field(default=None, compare=False)
 
     @property
@@ -563,6 +566,7 @@ class StageRecord:
             "reused": self.reused and self.reused.to_dict(),
             **({"scaling": self.scaling.to_dict()} if self.scaling is not None else {}),
             **({"checkpoint": dict(self.checkpoint)} if self.checkpoint is not None else {}),
+            **({"img_size": list(self.img_size)} if self.img_size is not None else {}),
         }
 
     @classmethod
@@ -593,7 +597,7 @@ _TOP_KEYS = {"schema", "run_id", "recipe", "stage", "stage_index", "status", "er
              "recipe_source", "chain", "model", "mode", "batch", "precision", "device", "seed", "env", "timing",
              "img_per_s", "step_ms", "step_iqr_ms", "peak_mem_bytes", "compile_s", "first_step_s", "optimizer",
              "gate", "passes", "stage_passes", "profile", "notes", "activation_dtypes", "interleaved", "graph",
-             "graph_note", "gpu_time", "pytorch_alone", "reused", "scaling", "checkpoint", "_path"}
+             "graph_note", "gpu_time", "pytorch_alone", "reused", "scaling", "checkpoint", "img_size", "_path"}
 _REQUIRED = ("run_id", "recipe", "stage", "stage_index", "status", "model", "mode", "batch", "precision", "env",
              "gate")
 
@@ -823,6 +827,7 @@ class _Parser:
             reused=self.reused(data.get("reused")),
             scaling=self.scaling(data.get("scaling")),
             checkpoint=self.checkpoint(data.get("checkpoint")),
+            img_size=self.img_size(data.get("img_size")),
             source=None if self.source == "<record in memory>" else self.source,
         )
 
@@ -924,6 +929,14 @@ class _Parser:
         for key in HELDOUT_KEYS[1:]:
             out[key] = self.any_number(h.get(key), f"gate.metrics.heldout.{key}", finite=finite)
         return out
+
+    def img_size(self, value) -> tuple[int, int] | None:
+        if value is None:
+            return None
+        sides = self.sequence(value, "img_size")
+        if len(sides) != 2:
+            raise self.fail(f"'img_size' must be [H, W], got {_shown(value)}")
+        return tuple(self.integer(v, f"img_size[{i}]", 1, MAX_COUNT) for i, v in enumerate(sides))
 
     def checkpoint(self, value) -> dict | None:
         c = self.mapping(value, "checkpoint", optional=True)

@@ -538,6 +538,9 @@ def _title(records: list[StageRecord]) -> str:
         where = f"mixed devices ({', '.join(devices)}; per row)" + (" — CPU rows are not GPU speed figures"
                                                                    if "CPU" in devices else "")
     model = models[0] if len(models) == 1 else "mixed models (per row)"
+    sizes = _distinct("x".join(map(str, r.img_size)) if r.img_size else "" for r in records)
+    if len(models) == 1 and len(sizes) == 1 and sizes[0]:
+        model += f" at {sizes[0]} px"
     mode = modes[0] if len(modes) == 1 else "mixed modes"
     batch = f"batch {batches[0]}" if len(batches) == 1 else f"batches {', '.join(map(str, batches))}"
     return f"swinbench apply: {run_label(records)} — {model}, {mode}, {batch}, {where}"

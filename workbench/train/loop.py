@@ -39,7 +39,7 @@ from workbench.checkpoints import save_checkpoint
 from workbench.env import device_label, environment_stamp
 from workbench.errors import Interrupted, UserError
 from workbench.files import short_repr
-from workbench.models import build_model, check_model_name, default_model_for, input_size
+from workbench.models import build_model, check_model_name, default_model_for, input_size, own_img_size
 from workbench.optimize.distributed import check_parallel
 from workbench.optimize.recipes import is_graph_form, resolve_chain
 from workbench.devices import pick_device, resolve_device
@@ -81,6 +81,7 @@ class TrainConfig:
     rdzv_id: str = "swinbench"             # the job's name at the rendezvous
     parallel: str | None = None            # with nproc: "ddp" (the default) or "fsdp" (FSDP2, sharded weights)
     save_checkpoints: bool = False         # each finished run's weights to checkpoints/ (swinbench apply --checkpoint)
+    img_size: list[int] | None = None      # [H, W]: the model at this resolution; None: its name's
 
     @property
     def world(self) -> int:
@@ -250,7 +251,7 @@ def train_run(config: TrainConfig, recipe: str, seed: int, data, model_name: str
     total = setup["steps"]
     name = resolve_chain(recipe)[-1].name
     torch.manual_seed(seed)
-    model = build_model(model_name, num_classes=data.classes)
+    model = build_model(model_name, num_classes=data.classes, img_size=config.img_size)
     if world > 1:
         torch.manual_seed(seed * 1_000 + rank)   # every rank its own stochastic-depth draws
     loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
@@ -442,8 +443,10 @@ def run_train(config: TrainConfig, *, out_dir: Path | None = None, overwrite: bo
         check_devices(config, device)
     model_name = config.model or default_model_for(device_name)
     check_model_name(model_name)
+    own = own_img_size(model_name, config.img_size)
+    config.img_size = list(own) if own else None
     runs, notes = plan_runs(config, on_gpu)
-    size = input_size(build_model(model_name))[1:]
+    size = input_size(build_model(model_name, img_size=config.img_size))[1:]
     data = load_data(config.data, size, config.workers)
     if data.train_size // (config.batch * config.world) < 1:
         raise UserError(f"--batch {config.batch}" + (f" x {config.world} processes" if config.world > 1 else "")

@@ -40,7 +40,7 @@ def rank_main(spec_path: Path) -> None:
     out_dir = Path(spec["out_dir"])
     device = init_process_group_from_env(spec["device_type"])
     rank, world = dist.get_rank(), dist.get_world_size()
-    data = load_data(config.data, input_size(build_model(spec["model"]))[1:], config.workers)
+    data = load_data(config.data, input_size(build_model(spec["model"], img_size=config.img_size))[1:], config.workers)
     console = Console(file=sys.stdout, force_terminal=False, soft_wrap=True)
     runs = [(recipe, seed) for recipe, seed in spec["runs"]]
     with TrainProgress(console, rank == 0, len(runs)) as bar:
