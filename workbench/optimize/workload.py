@@ -102,7 +102,7 @@ class Workload:
         model.train(config.mode == "train")
         num_classes = model.num_classes
         x, y = synthetic_batch(model, config.batch, num_classes, device, config.seed)
-        ctx = PassContext(device=device, precision=precision, training=config.mode == "train")
+        ctx = PassContext(device=device, precision=precision, training=config.mode == "train", batch=config.batch)
         return cls(config=config, model=model, ctx=ctx, x=x, y=y)
 
     @property

@@ -51,6 +51,8 @@ class PassContext:
     sharded: whether the runner shards the parameters with FSDP2 after the passes (DTensor shards, FSDP's
     own mixed precision): passes that store parameters their own way, or step them with kernels that take
     plain tensors only, stand aside.
+    batch: images per step where the runner knows it (the workload's batch); passes that time their
+    choices at the model's shapes (fused_attention's route) time them at it, else at a default.
     """
 
     device: torch.device
@@ -65,6 +67,7 @@ class PassContext:
     master_weights: Any = None
     training: bool = True
     sharded: bool = False
+    batch: int | None = None     # images per step, where the caller knows it (passes that time shapes use it)
 
 
 @dataclass

@@ -14,6 +14,11 @@ Both beat PyTorch's SDPA at their shapes on an H200 (docs/kernels.md has the fig
 `max_tokens` tokens (default and largest: 256, what the kernels take) run timm's
 F.scaled_dot_product_attention path instead, each plan says why, and the pass result counts them;
 a smaller `max_tokens` in a recipe moves the line (`max_tokens: 64` keeps window 12 on SDPA).
+Within that line the route is measured (`route: auto`, the default; `_route.py`): on a GPU each distinct
+window shape of the model is timed on a copy of its attention, the kernel against PyTorch's own path
+(SDPA for v1, timm's eager attention for SwinV2), at the stage's batch and precision, and a shape where
+PyTorch's path is faster by more than 3% stays on it, so the kernel is never used where it would lose.
+The result records every shape's times and route; `route: kernel` skips the timing.
 
 SwinV2 (timm's swin_transformer_v2): its WindowAttention computes cosine attention,
 normalize(q) @ normalize(k)^T * exp(min(logit_scale, log 100)), plus 16 * sigmoid of a bias table that
@@ -37,12 +42,15 @@ import torch.nn.functional as F
 
 from workbench.errors import UserError
 from workbench.optimize.passes import PassContext, PassResult
+from workbench.optimize.passes._route import block_shape, measure_routes, route_details
 from workbench.optimize.passes._swin import gather_rel_pos_bias, swin_blocks
 from workbench.optimize.passes.block_plan import BIAS_MODES, block_plans
 
 NAME = "fused_attention"
 OWN_KERNELS = True   # runs swinbench kernels: a stage with it is not PyTorch alone
-PARAMS = {"bias": (str, BIAS_MODES), "max_tokens": (int, None)}   # parameter -> (type, allowed values)
+ROUTES = ("auto", "kernel")
+# parameter -> (type, allowed values)
+PARAMS = {"bias": (str, BIAS_MODES), "max_tokens": (int, None), "route": (str, ROUTES)}
 KERNEL_MAX_TOKENS = 256   # the largest window (tokens) the kernels take: four 64-key blocks
 MAX_TOKENS = KERNEL_MAX_TOKENS   # default: every window the kernels take runs on them
 
@@ -108,9 +116,10 @@ def _v2_why_not(attn: torch.nn.Module, max_tokens: int) -> str | None:
     return None
 
 
-def _apply_v2(model: torch.nn.Module, max_tokens: int) -> tuple[int, dict[str, int]]:
+def _apply_v2(model: torch.nn.Module, max_tokens: int, faster: dict | None = None) -> tuple[int, dict[str, int]]:
     """Bind v2_attention_forward to every SwinV2 WindowAttention the kernel can run -> (patched, {reason:
-    modules left on timm's path}). A module this pass bound before counts as patched."""
+    modules left on timm's path}). A module this pass bound before counts as patched. faster: {id of a
+    module: why} for those whose shape runs faster on timm's path (measured), left there."""
     from timm.models.swin_transformer_v2 import WindowAttention
 
     patched, left = 0, {}
@@ -120,7 +129,7 @@ def _apply_v2(model: torch.nn.Module, max_tokens: int) -> tuple[int, dict[str, i
         if getattr(vars(m).get("forward"), "__func__", None) is v2_attention_forward:
             patched += 1
             continue
-        reason = _v2_why_not(m, max_tokens)
+        reason = _v2_why_not(m, max_tokens) or (faster or {}).get(id(m))
         if reason is None:
             m.forward = types.MethodType(v2_attention_forward, m)
             patched += 1
@@ -130,25 +139,32 @@ def _apply_v2(model: torch.nn.Module, max_tokens: int) -> tuple[int, dict[str, i
 
 
 def apply(model: torch.nn.Module, ctx: PassContext, bias: str = "table",
-          max_tokens: int = MAX_TOKENS) -> tuple[torch.nn.Module, PassResult]:
+          max_tokens: int = MAX_TOKENS, route: str = "auto") -> tuple[torch.nn.Module, PassResult]:
     """Plan the fused attention for every timm SwinTransformerBlock in `model` and bind -> (model, PassResult).
 
     bias: 'table' (default) has the kernels read timm's relative-position table through its index
     themselves and the backward sum the bias gradient straight into the table (two launches fewer per
     block than 'gather'); 'gather' gathers the (nH, N, N) bias from the table in one launch before the
     kernel. A module with its own bias computation (a subclass overriding _get_rel_pos_bias) gets
-    'gather'. max_tokens: blocks with larger windows run timm's SDPA path (the module docstring says why)."""
+    'gather'. max_tokens: blocks with larger windows run timm's SDPA path (the module docstring says why).
+    route: 'auto' (default) times the kernel against PyTorch's own attention at each of the model's window
+    shapes on the GPU and leaves a shape on PyTorch's path where that is faster (`_route.py`); 'kernel'
+    runs the kernel wherever it can without timing."""
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= KERNEL_MAX_TOKENS:
         raise UserError(f"pass fused_attention: max_tokens must be a whole number from 1 to {KERNEL_MAX_TOKENS} "
                         f"(the kernels' largest window), not {max_tokens!r}")
     if bias not in BIAS_MODES:
         raise UserError(f"pass fused_attention: bias must be one of {', '.join(sorted(BIAS_MODES))}, not {bias!r}")
+    if route not in ROUTES:
+        raise UserError(f"pass fused_attention: route must be one of {', '.join(ROUTES)}, not {route!r}")
     blocks = swin_blocks(model, ctx, "workbench.kernels.window_attention", "fused window attention kernel")
     if not blocks:  # SwinV2 blocks only
-        return model, _v2_result(model, bias, max_tokens)
+        return model, _v2_result(model, ctx, bias, max_tokens, route)
     plans = block_plans(model)
-    patched, skipped_dropout, table_modules = 0, 0, 0
+    patched, skipped_dropout, table_modules, measured_sdpa = 0, 0, 0, 0
     routed: dict[int, int] = {}        # window tokens -> blocks sent to SDPA
+    candidates = [(n, b) for n, b in blocks if window_tokens(b) <= max_tokens and b.attn.attn_drop.p == 0]
+    routes = measure_routes(candidates, ctx, ctx.batch, v2=False, table=bias == "table") if route == "auto" else {}
     for name, blk in blocks:
         tokens = window_tokens(blk)
         if tokens > max_tokens:
@@ -163,6 +179,13 @@ def apply(model: torch.nn.Module, ctx: PassContext, bias: str = "table",
             skipped_dropout += 1  # the kernel has no attention dropout: keep timm's path
             plans.fall_back(name, "attention", "attn_drop > 0: the kernel has no dropout")
             continue
+        timed = routes.get(block_shape(blk))
+        if timed is not None and timed["route"] == "pytorch":
+            measured_sdpa += 1
+            plans.update(name, sdpa=True)
+            plans.fall_back(name, "attention", f"measured on this GPU: PyTorch's SDPA {timed['pytorch_us']:.0f} us "
+                                               f"against the kernel's {timed['kernel_us']:.0f} us at this shape")
+            continue
         table = bias == "table" and _reads_timm_table(blk.attn)
         plans.update(name, attention="triton", attention_bias="table" if table else "gather")
         if bias == "table" and not table:
@@ -175,6 +198,8 @@ def apply(model: torch.nn.Module, ctx: PassContext, bias: str = "table",
         changed += f"; {skipped_dropout} left on timm's path (attn_drop > 0)"
     for tokens, count in sorted(routed.items()):
         changed += f"; {count} with {tokens}-token windows on PyTorch's SDPA (above max_tokens {max_tokens})"
+    if measured_sdpa:
+        changed += f"; {measured_sdpa} on PyTorch's SDPA, faster at their shapes on this GPU (measured)"
     if bias == "table":
         changed += f", {table_modules} reading the bias table in-kernel"
     else:
@@ -182,29 +207,45 @@ def apply(model: torch.nn.Module, ctx: PassContext, bias: str = "table",
     details = {
         "patched_modules": patched,
         "skipped_attn_dropout": skipped_dropout,
-        "sdpa_routed": sum(routed.values()),
+        "sdpa_routed": sum(routed.values()) + measured_sdpa,
+        "sdpa_measured_faster": measured_sdpa,
         "max_tokens": max_tokens,
         "bias": bias,
         "table_modules": table_modules,
         "implementation": ("workbench.kernels.window_attention.fused_window_attention_table (Triton)" if table_modules
                            else "workbench.kernels.window_attention.fused_window_attention_qkv (Triton)"),
+        **route_details(routes, ctx, ctx.batch, route),
     }
-    return model, PassResult(NAME, _params(bias, max_tokens), changed, details)
+    return model, PassResult(NAME, _params(bias, max_tokens, route), changed, details)
 
 
-def _params(bias: str, max_tokens: int) -> dict:
-    return {**({"bias": bias} if bias != "table" else {}), **({"max_tokens": max_tokens} if max_tokens != MAX_TOKENS else {})}
+def _params(bias: str, max_tokens: int, route: str = "auto") -> dict:
+    return {**({"bias": bias} if bias != "table" else {}), **({"max_tokens": max_tokens} if max_tokens != MAX_TOKENS else {}),
+            **({"route": route} if route != "auto" else {})}
 
 
-def _v2_result(model: torch.nn.Module, bias: str, max_tokens: int) -> PassResult:
+def _v2_result(model: torch.nn.Module, ctx: PassContext, bias: str, max_tokens: int, route: str) -> PassResult:
     """Bind the fused forward to the SwinV2 WindowAttentions of `model` -> the pass's result. The bias is
-    cpb_mlp's output, gathered in torch whatever `bias` asks (there is no table for the kernels to read)."""
-    patched, left = _apply_v2(model, max_tokens)
+    cpb_mlp's output, gathered in torch whatever `bias` asks (there is no table for the kernels to read).
+    With route 'auto' the shapes where timm's own attention is faster on this GPU stay on it."""
+    routes, faster = {}, {}
+    if route == "auto":
+        from timm.models.swin_transformer_v2 import SwinTransformerV2Block
+
+        v2_blocks = [(n, b) for n, b in model.named_modules() if type(b) is SwinTransformerV2Block
+                     and _v2_why_not(b.attn, max_tokens) is None]
+        routes = measure_routes(v2_blocks, ctx, ctx.batch, v2=True)
+        for _, b in v2_blocks:
+            timed = routes.get(block_shape(b))
+            if timed is not None and timed["route"] == "pytorch":
+                faster[id(b.attn)] = "measured: timm's attention is faster at this shape on this GPU"
+    patched, left = _apply_v2(model, max_tokens, faster)
     changed = (f"{patched} SwinV2 WindowAttention -> fused Triton window attention (fwd+bwd; cosine scores, "
                "logit scale folded into q, the MLP position bias gathered before the kernel)")
     for reason, count in sorted(left.items()):
         changed += f"; {count} left on timm's path ({reason})"
     details = {"swinv2_patched_modules": patched, "swinv2_left_on_timm": left, "max_tokens": max_tokens,
                "bias": "gather",
-               "implementation": "workbench.kernels.window_attention.fused_window_attention (Triton)"}
-    return PassResult(NAME, _params(bias, max_tokens), changed, details)
+               "implementation": "workbench.kernels.window_attention.fused_window_attention (Triton)",
+               **route_details(routes, ctx, ctx.batch, route)}
+    return PassResult(NAME, _params(bias, max_tokens, route), changed, details)

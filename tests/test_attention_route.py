@@ -1,0 +1,83 @@
+"""fused_attention's measured route: a window shape where PyTorch's own attention is faster on the GPU stays
+on it, the plan and the pass result say so with the times, the model still computes timm's function, and
+without a GPU nothing is timed and the record says so. On a GPU the measurement itself runs (timed copies
+of the model's attention shapes, the model untouched)."""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from workbench.optimize.passes import _route, apply_pass, fused_attention  # noqa: E402
+from workbench.optimize.passes.block_plan import block_plans  # noqa: E402
+from workbench.optimize.passes._swin import named_swin_blocks  # noqa: E402
+from pass_helpers import model_pair, pass_ctx, rel_err, tiny_batch, train_step  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_shapes_of_the_tiny_swin():
+    model, _ = model_pair("cpu", drop_path_rate=0.0)
+    shapes = [_route.block_shape(b) for _, b in named_swin_blocks(model)]
+    # stage 1: 14x14 tokens in 7x7 windows (4 per image), shifted every other block; stage 2: one window
+    assert shapes == [_route.Shape(49, 2, 16, 4, False), _route.Shape(49, 2, 16, 4, True),
+                      _route.Shape(49, 4, 16, 1, False), _route.Shape(49, 4, 16, 1, False)]
+
+
+def test_without_a_gpu_nothing_is_timed_and_the_record_says_so():
+    _, patched = model_pair("cpu", drop_path_rate=0.0)
+    _, result = apply_pass("fused_attention", patched, pass_ctx("cpu"))
+    assert result.details["route"] == "auto" and result.details["routes_measured"] is False
+    assert "not measured" in result.details["routes_note"] and result.details["patched_modules"] == 4
+    _, result = apply_pass("fused_attention", model_pair("cpu")[1], pass_ctx("cpu"), {"route": "kernel"})
+    assert result.params == {"route": "kernel"} and result.details["routes_measured"] is False
+
+
+def test_a_shape_measured_faster_on_pytorch_stays_there_and_the_model_is_unchanged(monkeypatch):
+    plain, patched = model_pair(DEVICE, drop_path_rate=0.0)
+    masked = _route.Shape(49, 2, 16, 4, True)
+
+    def measured(blocks, ctx, images, v2, table=True):
+        shapes = {_route.block_shape(b) for _, b in blocks}
+        return {s: {"kernel_us": 120.0, "pytorch_us": 80.0 if s == masked else 200.0,
+                    "route": "pytorch" if s == masked else "kernel", "blocks": 1} for s in shapes}
+    monkeypatch.setattr(fused_attention, "measure_routes", measured)
+    ctx = pass_ctx(DEVICE)
+    patched, result = apply_pass("fused_attention", patched, ctx)
+    assert result.details["sdpa_measured_faster"] == 1 and result.details["patched_modules"] == 3
+    assert "1 on PyTorch's SDPA, faster at their shapes on this GPU (measured)" in result.changed
+    plans = block_plans(patched).plans
+    assert plans["layers.0.blocks.1"].sdpa and plans["layers.0.blocks.1"].attention == "timm"
+    assert "PyTorch's SDPA 80 us against the kernel's 120 us" in dict(plans["layers.0.blocks.1"].fallbacks)["attention"]
+    images, labels = tiny_batch(plain, 2, DEVICE)
+    plain_logits, plain_grads = train_step(plain, images, labels)
+    fused_logits, fused_grads = train_step(patched, images, labels)
+    assert rel_err(fused_logits, plain_logits) < 1e-4
+    assert all(rel_err(fused_grads[n], plain_grads[n]) < 1e-4 for n in plain_grads)
+
+
+def test_the_margin_keeps_a_near_tie_on_the_kernel():
+    assert _route.choose(100.0, 100.0 * (1 - _route.ROUTE_MARGIN / 2)) == "kernel"
+    assert _route.choose(100.0, 100.0 * (1 - 2 * _route.ROUTE_MARGIN)) == "pytorch"
+    assert _route.choose(100.0, 150.0) == "kernel"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("training", [True, False])
+def test_the_routes_are_measured_on_the_gpu(training):
+    from workbench.models import build_model
+    from workbench.precision import resolve_precision
+    from workbench.optimize.passes import PassContext
+
+    model = build_model("swin_tiny_patch4_window7_224", drop_path_rate=0.0).cuda()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ctx = PassContext(device=torch.device("cuda"), precision=resolve_precision("bf16"), training=training, batch=8)
+    model, result = apply_pass("fused_attention", model, ctx)
+    routes = result.details["routes"]
+    assert result.details["routes_measured"] and len(routes) == 6    # 4 stages; stages 1-3 shifted and not
+    assert all(r["kernel_us"] > 0 and r["pytorch_us"] > 0 and r["route"] in ("kernel", "pytorch") for r in routes)
+    assert sum(r["blocks"] for r in routes) == 12
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

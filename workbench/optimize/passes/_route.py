@@ -1,0 +1,151 @@
+"""The attention route of each window shape, chosen by measurement: the fused kernel, or PyTorch's own path
+where that is faster on this GPU.
+
+`fused_attention` (route: auto, its default) asks `measure_routes` before it binds anything. For every
+distinct attention shape of the model (tokens per window, heads, head width, windows per image, masked
+or not) it builds one copy of a WindowAttention of that shape and times, on the GPU and at the stage's
+precision, the module's forward (and backward when training) two ways on the same random input:
+
+    kernel   the fused Triton kernel, as the pass would bind it (bias read from the table in-kernel; for
+             SwinV2 its cosine forward with the MLP bias gathered in torch)
+    pytorch  timm's own forward: F.scaled_dot_product_attention for Swin v1 (what the `sdpa_attention`
+             peer runs), timm's eager attention for SwinV2 (it has no SDPA path)
+
+Both time the same qkv and proj Linears around the core, so the difference is the attention's own. A
+shape runs PyTorch's path only when it is faster by more than ROUTE_MARGIN (so noise cannot flip a tie),
+and the pass records every shape's times and route. Copies and random inputs only: the model itself is
+not run. Without a GPU nothing is timed; every shape keeps the kernel and the record says it was not
+measured.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+import types
+from dataclasses import dataclass
+
+import torch
+
+ROUTE_MARGIN = 0.03            # PyTorch's path must be at least 3% faster to take a shape from the kernel
+DEFAULT_IMAGES = 32            # images per step the shapes are timed at when the caller does not say
+WARMUP, REPEATS = 3, 10        # untimed calls (Triton compiles and autotunes here), then timed ones
+
+
+@dataclass(frozen=True)
+class Shape:
+    tokens: int
+    heads: int
+    head_dim: int
+    windows: int               # windows per image (padded feature map / window)
+    masked: bool
+
+    def key(self) -> str:
+        return (f"{self.tokens} tokens x {self.heads} heads x {self.head_dim}, {self.windows} windows/image"
+                + (", masked" if self.masked else ""))
+
+
+def block_shape(blk: torch.nn.Module) -> Shape:
+    """The attention shape of a timm SwinTransformerBlock (v1 or v2) as built."""
+    attn = blk.attn
+    ws = blk.window_size if isinstance(blk.window_size, (tuple, list)) else (blk.window_size,) * 2
+    h, w = blk.input_resolution
+    windows = math.ceil(h / ws[0]) * math.ceil(w / ws[1])
+    shift = blk.shift_size if isinstance(blk.shift_size, (tuple, list)) else (blk.shift_size,) * 2
+    return Shape(int(ws[0] * ws[1]), int(attn.num_heads), int(attn.qkv.out_features // 3 // attn.num_heads),
+                 int(windows), any(int(s) > 0 for s in shift))
+
+
+def _mask(blk: torch.nn.Module, device, dtype) -> torch.Tensor | None:
+    mask = getattr(blk, "attn_mask", None)
+    if mask is None and hasattr(blk, "get_attn_mask") and any(
+            int(s) > 0 for s in (blk.shift_size if isinstance(blk.shift_size, (tuple, list)) else (blk.shift_size,))):
+        mask = blk.get_attn_mask(device=device, dtype=torch.float32)
+    return None if mask is None else mask.to(device)
+
+
+def _kernel_forward(attn: torch.nn.Module, v2: bool, table: bool):
+    """The forward the pass binds for this module, as a function of (x, mask)."""
+    if v2:
+        from workbench.optimize.passes.fused_attention import v2_attention_forward
+
+        return types.MethodType(v2_attention_forward, attn)
+    from workbench.optimize.passes._swin import add_rel_pos_inverse
+    from workbench.optimize.passes.block_forward import attention_forward
+
+    inverse = add_rel_pos_inverse(attn)
+    return types.MethodType(attention_forward(table and inverse, inverse), attn)
+
+
+def _pytorch_forward(attn: torch.nn.Module, v2: bool, table: bool):
+    """timm's own forward: SDPA for v1 (fused_attn on, as the sdpa_attention peer sets it), eager for v2."""
+    if not v2:
+        attn.fused_attn = True
+    return types.MethodType(type(attn).forward, attn)
+
+
+def _time(fn, x: torch.Tensor, mask, training: bool, autocast) -> float:
+    """Median microseconds of fn(x, mask) (+ backward of its sum when training), CUDA events."""
+    times = []
+    for i in range(WARMUP + REPEATS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        with autocast:
+            out = fn(x, mask)
+        if training:
+            out.float().sum().backward()
+        end.record()
+        end.synchronize()
+        if i >= WARMUP:
+            times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def measure_routes(blocks: list[tuple[str, torch.nn.Module]], ctx, images: int | None, v2: bool,
+                   table: bool = True) -> dict[Shape, dict]:
+    """{shape: {"kernel_us", "pytorch_us", "route": "kernel" | "pytorch", "blocks": count}} for the blocks'
+    distinct shapes, timed on ctx.device at ctx.precision (see the module docstring); {} off a GPU.
+    table: the kernel reads the bias table itself (the pass's bias 'table'), else the bias is gathered."""
+    if ctx.device.type != "cuda" or not blocks:
+        return {}
+    images = images or DEFAULT_IMAGES
+    by_shape: dict[Shape, list] = {}
+    for name, blk in blocks:
+        by_shape.setdefault(block_shape(blk), []).append(blk)
+    out = {}
+    for shape, members in by_shape.items():
+        blk = members[0]
+        x = torch.randn(images * shape.windows, shape.tokens, blk.attn.qkv.in_features, device=ctx.device,
+                        generator=torch.Generator(ctx.device).manual_seed(0), requires_grad=ctx.training)
+        mask = _mask(blk, ctx.device, x.dtype)
+        figures = {}
+        for route, build in (("kernel", _kernel_forward), ("pytorch", _pytorch_forward)):
+            attn = copy.deepcopy(blk.attn).to(ctx.device).train(ctx.training)
+            if not ctx.training:
+                attn.requires_grad_(False)
+            with torch.inference_mode(not ctx.training):
+                figures[f"{route}_us"] = _time(build(attn, v2, table), x if ctx.training else x.detach(), mask,
+                                               ctx.training, ctx.precision.autocast("cuda"))
+            del attn
+        out[shape] = {**figures, "route": choose(figures["kernel_us"], figures["pytorch_us"]), "blocks": len(members)}
+    torch.cuda.empty_cache()
+    return out
+
+
+def choose(kernel_us: float, pytorch_us: float) -> str:
+    """'pytorch' where PyTorch's path is faster than the kernel by more than ROUTE_MARGIN, else 'kernel'."""
+    return "pytorch" if pytorch_us < kernel_us * (1 - ROUTE_MARGIN) else "kernel"
+
+
+def route_details(routes: dict[Shape, dict], ctx, images: int | None, route: str) -> dict:
+    """What the pass result records of the routes: the rule and each shape's figures."""
+    if route != "auto":
+        return {"route": route, "routes_measured": False}
+    if not routes:
+        return {"route": "auto", "routes_measured": False,
+                "routes_note": "not measured: no GPU here; every shape runs the kernel"}
+    return {"route": "auto", "routes_measured": True, "route_margin": ROUTE_MARGIN,
+            "routes_timed_at": {"images": images or DEFAULT_IMAGES, "precision": ctx.precision.name,
+                                "what": "forward + backward" if ctx.training else "forward"},
+            "routes": [{"shape": s.key(), "tokens": s.tokens, "heads": s.heads, "head_dim": s.head_dim,
+                        "windows_per_image": s.windows, "masked": s.masked, **f} for s, f in routes.items()]}
