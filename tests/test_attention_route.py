@@ -58,6 +58,23 @@ def test_a_shape_measured_faster_on_pytorch_stays_there_and_the_model_is_unchang
     assert all(rel_err(fused_grads[n], plain_grads[n]) < 1e-4 for n in plain_grads)
 
 
+def test_the_whole_block_function_stands_aside_where_attention_runs_pytorch(monkeypatch):
+    plain, patched = model_pair(DEVICE, drop_path_rate=0.0)
+    masked = _route.Shape(49, 2, 16, 4, True)
+    monkeypatch.setattr(fused_attention, "measure_routes", lambda blocks, ctx, images, v2, table=True: {
+        masked: {"kernel_us": 120.0, "pytorch_us": 80.0, "route": "pytorch", "blocks": 1}})
+    ctx = pass_ctx(DEVICE)
+    for name in ("fused_window", "fused_attention", "fused_block"):
+        patched, result = apply_pass(name, patched, ctx)
+        assert result.available, result.changed
+    assert result.details["blocks_patched"] == 3
+    assert "fused_attention's route for this shape" in result.changed
+    images, labels = tiny_batch(plain, 2, DEVICE)
+    plain_logits, _ = train_step(plain, images, labels)
+    fused_logits, _ = train_step(patched, images, labels)
+    assert rel_err(fused_logits, plain_logits) < 1e-4
+
+
 def test_the_margin_keeps_a_near_tie_on_the_kernel():
     assert _route.choose(100.0, 100.0 * (1 - _route.ROUTE_MARGIN / 2)) == "kernel"
     assert _route.choose(100.0, 100.0 * (1 - 2 * _route.ROUTE_MARGIN)) == "pytorch"

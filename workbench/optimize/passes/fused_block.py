@@ -74,7 +74,8 @@ def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, Pa
             already += 1
             continue
         reason = ("the block's forward was replaced outside its plan" if plans.forward_replaced_elsewhere(name, blk)
-                  else _why_not(blk))
+                  else "its attention runs PyTorch's path (fused_attention's route for this shape)"
+                  if plans.plan(name).sdpa else _why_not(blk))
         if reason is None:
             planned.append(name)
         else:
