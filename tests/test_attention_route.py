@@ -39,7 +39,7 @@ def test_a_shape_measured_faster_on_pytorch_stays_there_and_the_model_is_unchang
     plain, patched = model_pair(DEVICE, drop_path_rate=0.0)
     masked = _route.Shape(49, 2, 16, 4, True)
 
-    def measured(blocks, ctx, images, v2, table=True):
+    def measured(blocks, ctx, images, v2, kernel_forward):
         shapes = {_route.block_shape(b) for _, b in blocks}
         return {s: {"kernel_us": 120.0, "pytorch_us": 80.0 if s == masked else 200.0,
                     "route": "pytorch" if s == masked else "kernel", "blocks": 1} for s in shapes}
@@ -61,14 +61,14 @@ def test_a_shape_measured_faster_on_pytorch_stays_there_and_the_model_is_unchang
 def test_the_whole_block_function_stands_aside_where_attention_runs_pytorch(monkeypatch):
     plain, patched = model_pair(DEVICE, drop_path_rate=0.0)
     masked = _route.Shape(49, 2, 16, 4, True)
-    monkeypatch.setattr(fused_attention, "measure_routes", lambda blocks, ctx, images, v2, table=True: {
+    monkeypatch.setattr(fused_attention, "measure_routes", lambda blocks, ctx, images, v2, kernel_forward: {
         masked: {"kernel_us": 120.0, "pytorch_us": 80.0, "route": "pytorch", "blocks": 1}})
     ctx = pass_ctx(DEVICE)
     for name in ("fused_window", "fused_attention", "fused_block"):
         patched, result = apply_pass(name, patched, ctx)
         assert result.available, result.changed
     assert result.details["blocks_patched"] == 3
-    assert "fused_attention's route for this shape" in result.changed
+    assert "its attention stays on PyTorch's path (measured on this GPU" in result.changed
     images, labels = tiny_batch(plain, 2, DEVICE)
     plain_logits, _ = train_step(plain, images, labels)
     fused_logits, _ = train_step(patched, images, labels)

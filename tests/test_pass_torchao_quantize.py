@@ -97,3 +97,23 @@ def test_apply_runs_the_torchao_int8_peer_and_gates_it(tmp_path):
     quant = next(p for p in peer.passes if p.name == "torchao_quantize")
     assert quant.details["counts"] == {"torchao": 17, "kept": 1}
     assert peer.pytorch_alone and "torchao-int8" in (tmp_path / "run" / "report.md").read_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a CUDA GPU with FP8 GEMMs (sm_89+)")
+@pytest.mark.parametrize("dtype, tolerance", [("fp8", 0.15), ("int8", 0.1)])
+def test_torchao_quantizes_swin_t_on_the_gpu(dtype, tolerance):
+    from workbench.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("swin_tiny_patch4_window7_224", drop_path_rate=0.0).cuda().eval()
+    x = torch.randn(16, 3, 224, 224, device="cuda")
+    ctx = PassContext(device=torch.device("cuda"), precision=resolve_precision("bf16"), training=False)
+    with torch.inference_mode(), torch.autocast("cuda", torch.bfloat16):
+        ref = model(x).double()
+    q, res = tq.apply(copy.deepcopy(model), ctx, dtype=dtype, keep=["head.fc"])
+    assert res.details["counts"]["torchao"] > 40
+    with torch.inference_mode(), torch.autocast("cuda", torch.bfloat16):
+        out = q(x).double()
+    assert torch.isfinite(out).all() and rel_err(out, ref) < tolerance

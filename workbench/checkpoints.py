@@ -13,6 +13,7 @@ from the head's weight. Anything else is one line of UserError.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,10 +68,17 @@ def _head_classes(state: dict, path: Path) -> int:
 
 def load_checkpoint(path: Path | str) -> Checkpoint:
     """Read a swinbench checkpoint or a plain state_dict file -> Checkpoint; UserError in one line for a
-    missing, unreadable or foreign file."""
+    missing, unreadable or foreign file. A file read before and unchanged since is not read again (a stage
+    asks for it more than once; its tensors are only ever copied from)."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"--checkpoint {path}: no such file")
+    st = path.stat()
+    return _load(path, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _load(path: Path, size: int, mtime_ns: int) -> Checkpoint:
     try:
         raw = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:   # pickle, zip or torch errors: one line, the file is the user's

@@ -664,27 +664,7 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
     if nproc is not None:
         _check_nproc(nproc, mode, dev)
     check_parallel(parallel, nproc)
-    img_size = parse_img_size(img_size)
-    if checkpoint is not None:
-        from workbench.checkpoints import load_checkpoint
-
-        if mode != "infer":
-            raise UserError("--checkpoint goes with --mode infer: it measures the trained model's held-out accuracy")
-        weights = load_checkpoint(checkpoint)
-        if model and weights.model and model != weights.model:
-            raise UserError(f"--checkpoint {checkpoint} holds a {weights.model}, not --model {model}")
-        if weights.model is None and not model:
-            raise UserError(f"--checkpoint {checkpoint} is a plain state_dict, which does not name its model: "
-                            "give --model")
-        if weights.meta is None and data is None:
-            raise UserError(f"--checkpoint {checkpoint} is a plain state_dict, which does not say what it was "
-                            "trained on: give --data DIR (an ImageFolder) to measure it on")
-        model = model or weights.model
-        trained_at = (weights.meta or {}).get("input_size")
-        if img_size is None and trained_at:
-            img_size = tuple(trained_at[1:])
-    elif data is not None:
-        raise UserError("--data goes with --checkpoint: the held-out images a trained model is measured on")
+    model, img_size = _with_checkpoint(checkpoint, data, model, mode, parse_img_size(img_size))
     model = model or default_model_for(device)
     check_model_name(model)
     img_size = own_img_size(model, img_size)
@@ -715,6 +695,32 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
                             interleave=interleave, asked_interleave=asked_interleave, progress=progress,
                             cache=RecordCache(cache_dir, on_gpu=on_gpu, fresh=fresh) if cache_dir else None,
                             auto=auto, nproc=nproc, parallel=parallel or "ddp")
+
+
+def _with_checkpoint(checkpoint: Path | None, data: Path | None, model: str | None, mode: str,
+                     img_size: tuple[int, int] | None) -> tuple[str | None, tuple[int, int] | None]:
+    """(model, img_size) as a checkpoint sets them where the user did not: the model it names and the
+    resolution it was trained at. UserError, before anything runs, for a checkpoint that cannot be
+    measured as asked (training mode, another model, a plain state_dict without --model or --data) and
+    for --data without one."""
+    if checkpoint is None:
+        if data is not None:
+            raise UserError("--data goes with --checkpoint: the held-out images a trained model is measured on")
+        return model, img_size
+    from workbench.checkpoints import load_checkpoint
+
+    if mode != "infer":
+        raise UserError("--checkpoint goes with --mode infer: it measures the trained model's held-out accuracy")
+    weights = load_checkpoint(checkpoint)
+    if model and weights.model and model != weights.model:
+        raise UserError(f"--checkpoint {checkpoint} holds a {weights.model}, not --model {model}")
+    if weights.model is None and not model:
+        raise UserError(f"--checkpoint {checkpoint} is a plain state_dict, which does not name its model: give --model")
+    if weights.meta is None and data is None:
+        raise UserError(f"--checkpoint {checkpoint} is a plain state_dict, which does not say what it was trained "
+                        "on: give --data DIR (an ImageFolder) to measure it on")
+    trained_at = (weights.meta or {}).get("input_size")
+    return model or weights.model, img_size or (tuple(trained_at[1:]) if trained_at else None)
 
 
 def _check_nproc(nproc, mode: str, dev: torch.device) -> None:

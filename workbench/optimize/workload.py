@@ -10,6 +10,7 @@ function and the correctness gate can compare them.
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -182,7 +183,9 @@ class Workload:
                     raise UserError(f"--checkpoint {self.config.checkpoint} is a plain state_dict, which does not say "
                                     "what it was trained on: give --data DIR (an ImageFolder) to measure it on")
                 path = checkpoint.data
-            self._heldout_data = load_data(None if path is None else Path(path), input_size(self.model)[1:], 0)
+            # an ImageFolder is decoded by worker processes, as training reads it
+            self._heldout_data = load_data(None if path is None else Path(path), input_size(self.model)[1:],
+                                           min(8, os.cpu_count() or 1))
             if self._heldout_data.classes != self.model.num_classes:
                 raise UserError(f"the held-out data has {self._heldout_data.classes} classes and the checkpoint's "
                                 f"head {self.model.num_classes}")

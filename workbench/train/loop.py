@@ -325,7 +325,8 @@ def train_run(config: TrainConfig, recipe: str, seed: int, data, model_name: str
         state = swin.state_dict()        # a plain timm state_dict; under FSDP every rank gathers it
         if rank == 0:
             saved = save_checkpoint(checkpoint, state, model=model_name, num_classes=data.classes,
-                                    input_size=input_size(model), data=config.data, recipe=name, seed=seed,
+                                    input_size=input_size(model), recipe=name, seed=seed,
+                                    data=None if config.data is None else Path(config.data).resolve(),
                                     steps=step, val_acc=val_acc)
             end["checkpoint"] = str(saved)
         del state

@@ -64,20 +64,7 @@ def _mask(blk: torch.nn.Module, device, dtype) -> torch.Tensor | None:
     return None if mask is None else mask.to(device)
 
 
-def _kernel_forward(attn: torch.nn.Module, v2: bool, table: bool):
-    """The forward the pass binds for this module, as a function of (x, mask)."""
-    if v2:
-        from workbench.optimize.passes.fused_attention import v2_attention_forward
-
-        return types.MethodType(v2_attention_forward, attn)
-    from workbench.optimize.passes._swin import add_rel_pos_inverse
-    from workbench.optimize.passes.block_forward import attention_forward
-
-    inverse = add_rel_pos_inverse(attn)
-    return types.MethodType(attention_forward(table and inverse, inverse), attn)
-
-
-def _pytorch_forward(attn: torch.nn.Module, v2: bool, table: bool):
+def pytorch_forward(attn: torch.nn.Module, v2: bool):
     """timm's own forward: SDPA for v1 (fused_attn on, as the sdpa_attention peer sets it), eager for v2."""
     if not v2:
         attn.fused_attn = True
@@ -102,10 +89,10 @@ def _time(fn, x: torch.Tensor, mask, training: bool, autocast) -> float:
 
 
 def measure_routes(blocks: list[tuple[str, torch.nn.Module]], ctx, images: int | None, v2: bool,
-                   table: bool = True) -> dict[Shape, dict]:
+                   kernel_forward) -> dict[Shape, dict]:
     """{shape: {"kernel_us", "pytorch_us", "route": "kernel" | "pytorch", "blocks": count}} for the blocks'
     distinct shapes, timed on ctx.device at ctx.precision (see the module docstring); {} off a GPU.
-    table: the kernel reads the bias table itself (the pass's bias 'table'), else the bias is gathered."""
+    kernel_forward(attn) -> attn's forward as the pass binds it (on a copy, which it may change)."""
     if ctx.device.type != "cuda" or not blocks:
         return {}
     images = images or DEFAULT_IMAGES
@@ -119,12 +106,12 @@ def measure_routes(blocks: list[tuple[str, torch.nn.Module]], ctx, images: int |
                         generator=torch.Generator(ctx.device).manual_seed(0), requires_grad=ctx.training)
         mask = _mask(blk, ctx.device, x.dtype)
         figures = {}
-        for route, build in (("kernel", _kernel_forward), ("pytorch", _pytorch_forward)):
+        for route, build in (("kernel", kernel_forward), ("pytorch", lambda a: pytorch_forward(a, v2))):
             attn = copy.deepcopy(blk.attn).to(ctx.device).train(ctx.training)
             if not ctx.training:
                 attn.requires_grad_(False)
             with torch.inference_mode(not ctx.training):
-                figures[f"{route}_us"] = _time(build(attn, v2, table), x if ctx.training else x.detach(), mask,
+                figures[f"{route}_us"] = _time(build(attn), x if ctx.training else x.detach(), mask,
                                                ctx.training, ctx.precision.autocast("cuda"))
             del attn
         out[shape] = {**figures, "route": choose(figures["kernel_us"], figures["pytorch_us"]), "blocks": len(members)}

@@ -97,6 +97,17 @@ def v2_attention_forward(self, x: torch.Tensor, mask: torch.Tensor | None = None
     return self.proj_drop(self.proj(x))
 
 
+def _v1_kernel(table: bool):
+    """attn -> its forward on the fused kernel, as binding the pass's plan gives it (for timing a copy)."""
+    from workbench.optimize.passes._swin import add_rel_pos_inverse
+    from workbench.optimize.passes.block_forward import attention_forward
+
+    def bind(attn: torch.nn.Module):
+        inverse = add_rel_pos_inverse(attn)
+        return types.MethodType(attention_forward(table and inverse and _reads_timm_table(attn), inverse), attn)
+    return bind
+
+
 def _v2_why_not(attn: torch.nn.Module, max_tokens: int) -> str | None:
     """None when the kernel can run this SwinV2 WindowAttention, else why it keeps timm's path."""
     from timm.models.swin_transformer_v2 import WindowAttention
@@ -164,7 +175,8 @@ def apply(model: torch.nn.Module, ctx: PassContext, bias: str = "table",
     patched, skipped_dropout, table_modules, measured_sdpa = 0, 0, 0, 0
     routed: dict[int, int] = {}        # window tokens -> blocks sent to SDPA
     candidates = [(n, b) for n, b in blocks if window_tokens(b) <= max_tokens and b.attn.attn_drop.p == 0]
-    routes = measure_routes(candidates, ctx, ctx.batch, v2=False, table=bias == "table") if route == "auto" else {}
+    routes = (measure_routes(candidates, ctx, ctx.batch, v2=False, kernel_forward=_v1_kernel(bias == "table"))
+              if route == "auto" else {})
     for name, blk in blocks:
         tokens = window_tokens(blk)
         if tokens > max_tokens:
@@ -234,7 +246,8 @@ def _v2_result(model: torch.nn.Module, ctx: PassContext, bias: str, max_tokens: 
 
         v2_blocks = [(n, b) for n, b in model.named_modules() if type(b) is SwinTransformerV2Block
                      and _v2_why_not(b.attn, max_tokens) is None]
-        routes = measure_routes(v2_blocks, ctx, ctx.batch, v2=True)
+        routes = measure_routes(v2_blocks, ctx, ctx.batch, v2=True,
+                                kernel_forward=lambda attn: types.MethodType(v2_attention_forward, attn))
         for _, b in v2_blocks:
             timed = routes.get(block_shape(b))
             if timed is not None and timed["route"] == "pytorch":

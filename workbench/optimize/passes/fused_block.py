@@ -62,6 +62,12 @@ def _why_not(blk) -> str | None:
     return None
 
 
+def _attention_fallback(plan) -> str | None:
+    """Why fused_attention left this block's attention off the kernel (measured faster on PyTorch's path,
+    above max_tokens, attention dropout), None where it did not: the whole-block Function runs the kernel."""
+    return None if plan.attention == "triton" else dict(plan.fallbacks).get("attention")
+
+
 def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, PassResult]:
     """Plan `whole_block` for every plain timm SwinTransformerBlock in `model` and bind -> (model, PassResult)."""
     blocks = swin_blocks(model, ctx, "workbench.kernels.window_attention", "fused block kernels")
@@ -74,8 +80,8 @@ def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, Pa
             already += 1
             continue
         reason = ("the block's forward was replaced outside its plan" if plans.forward_replaced_elsewhere(name, blk)
-                  else "its attention runs PyTorch's path (fused_attention's route for this shape)"
-                  if plans.plan(name).sdpa else _why_not(blk))
+                  else f"its attention stays on PyTorch's path ({_attention_fallback(plans.plan(name))})"
+                  if _attention_fallback(plans.plan(name)) else _why_not(blk))
         if reason is None:
             planned.append(name)
         else:
