@@ -30,7 +30,7 @@ def test_sizes_parse_and_the_model_default_is_no_size():
 
 
 def test_the_fused_stage_passes_its_gate_with_padding_inside_windows(tmp_path):
-    run_apply("fmha", model=TINY_MODEL, batch=2, steps=1, warmup=0, device="cpu", progress=False, interleave=0,
+    run_apply("fmha", model=TINY_MODEL, batch=1, steps=1, warmup=0, device="cpu", progress=False, interleave=0,
               stages=["baseline", "fmha"], out_dir=tmp_path / "run", console=Console(file=io.StringIO()),
               img_size="60x68")
     records = {r.stage: r for r in read_records(tmp_path / "run" / "records")}
