@@ -95,7 +95,17 @@ def measure_routes(blocks: list[tuple[str, torch.nn.Module]], ctx, images: int |
     kernel_forward(attn) -> attn's forward as the pass binds it (on a copy, which it may change)."""
     if ctx.device.type != "cuda" or not blocks:
         return {}
-    images = images or DEFAULT_IMAGES
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        # data parallel: every rank runs rank 0's routes, so the ranks compute the same function
+        shared = [_measure(blocks, ctx, images or DEFAULT_IMAGES, v2, kernel_forward) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(shared, src=0)
+        return shared[0]
+    return _measure(blocks, ctx, images or DEFAULT_IMAGES, v2, kernel_forward)
+
+
+def _measure(blocks, ctx, images: int, v2: bool, kernel_forward) -> dict[Shape, dict]:
     by_shape: dict[Shape, list] = {}
     for name, blk in blocks:
         by_shape.setdefault(block_shape(blk), []).append(blk)
