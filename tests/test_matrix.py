@@ -294,3 +294,11 @@ def test_cli_rewrites_only_the_matrix_block(tmp_path):
     assert res.exit_code == 2 and "matrix:begin" in res.output and len(res.output.strip().splitlines()) == 1
     res = runner.invoke(app, ["matrix", "--readme", str(readme)])
     assert res.exit_code == 2 and "--render-only" in res.output
+
+
+def test_a_quantized_fused_stage_brings_torchaos_peer_of_its_precision():
+    assert matrix.cell_stages("fmha") == ["amp", "fmha", "torch-compile"]
+    assert matrix.cell_stages("fp8-compile") == ["amp", "fp8-compile", "torch-compile", "torchao-fp8"]
+    assert matrix.cell_stages("int8") == ["amp", "int8", "torch-compile", "torchao-int8"]
+    cells = matrix.plan_cells(["swin_tiny_patch4_window7_224"], ["infer8"])
+    assert [(c.mode, c.batch) for c in cells] == [("infer", 8)]

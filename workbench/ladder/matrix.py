@@ -1,9 +1,10 @@
 """`swinbench matrix`: the Swin family, models x modes x {amp, the fused stage, the PyTorch-alone peer}.
 
 A cell is one model in one mode at one batch: training at the model's training batch
-(TRAIN_BATCH, or --train-batch), inference at 64 and at 1. Each cell is one `run_apply` call with the
+(TRAIN_BATCH, or --train-batch), inference at 64, 8 or 1. Each cell is one `run_apply` call with the
 stages amp, the fused swinbench stage (fmha unless --fused names another) and torch-compile (the
-strongest PyTorch-alone peer; its graph-replayed form is the whole compiled step in one CUDA graph), into
+strongest PyTorch-alone peer; its graph-replayed form is the whole compiled step in one CUDA graph; for a
+fused stage that quantizes, torchao's peer of the same precision too), into
 `<out>/<model>-<mode>-b<batch>/` with its own records and report.md. So a matrix cut short keeps every
 finished cell, `resume` continues it (a cell whose records are all finished is skipped; a cell cut short
 is continued with apply's own resume), and the measurement cache (`reuse.py`) makes a rerun cheap.
@@ -46,7 +47,7 @@ TRAIN_BATCH = {
     TINY_MODEL: 8,   # the CPU demo: a few images keep a CPU cell short
 }
 # mode name -> (apply's mode, batch; None: the model's training batch)
-MODES = {"train": ("train", None), "infer64": ("infer", 64), "infer1": ("infer", 1)}
+MODES = {"train": ("train", None), "infer64": ("infer", 64), "infer8": ("infer", 8), "infer1": ("infer", 1)}
 DEFAULT_MODES = ["train", "infer64", "infer1"]
 DEFAULT_FUSED = "fmha"
 PEER = "torch-compile"
@@ -119,7 +120,11 @@ def check_fused(fused: str) -> None:
 
 
 def cell_stages(fused: str) -> list[str]:
-    return [AMP, fused, PEER]
+    """amp, the fused stage and the PyTorch-alone peer; for a fused stage that quantizes its GEMMs (fp8,
+    int8-compile, ...), also torchao's peer of the same precision (the strongest PyTorch-alone path there)."""
+    from workbench.optimize.recipes import RecipeBook, quantized_dtypes
+
+    return [AMP, fused, PEER] + [f"torchao-{d}" for d in sorted(quantized_dtypes(RecipeBook().chain(fused)))]
 
 
 def cell_finished(folder: Path, stages: list[str], *, steps: int, warmup: int, on_gpu: bool) -> bool:
