@@ -47,7 +47,7 @@ DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", 
           torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
 OPTION_KEYS = ("num_warps", "num_stages", "maxnreg", "num_ctas", "launch_pdl")
 
-MODULES = ("_common", "layer_norm", "window", "window_attention", "linear", "quant")
+MODULES = ("_common", "layer_norm", "window", "window_attention", "linear", "quant", "cosine")
 RECORDED: list[tuple] = []
 
 
@@ -87,6 +87,7 @@ def _record_launches(quick: bool) -> None:
     wa = importlib.import_module("workbench.kernels.window_attention")
     lin = importlib.import_module("workbench.kernels.linear")
     quant = importlib.import_module("workbench.kernels.quant")
+    cosine = importlib.import_module("workbench.kernels.cosine")
     for fn in (getattr(win, "_norm_bwd_config", None), getattr(ln, "_bwd_grid", None)):
         if hasattr(fn, "cache_clear"):
             fn.cache_clear()
@@ -180,6 +181,14 @@ def _record_launches(quick: bool) -> None:
         for x_scale in (torch.ones(64, 1), torch.ones(())):
             for bias in (torch.zeros(N), None):
                 quant.int8_dequant.fn(acc, x_scale, torch.ones(1, N), bias)
+    # SwinV2's normalized q (scaled per head) and k, forward and backward, at its head width 32 (and 16,
+    # 64 where not quick), from the strided views of a packed qkv
+    for d in ((32,) if quick else (16, 32, 64)):
+        for dt in (torch.bfloat16, torch.float32):
+            x = r(2, 64, 3, 4, d, dtype=dt).permute(2, 0, 3, 1, 4)[0]
+            for scale in (torch.ones(4), None):
+                _, rnorm = cosine.cosine_rows_fwd.fn(x, scale, torch.bfloat16)
+                cosine.cosine_rows_bwd.fn(x, r(2, 4, 64, d), torch.ones(2 * 4 * 64), scale)
 
 
 def _signature(fn, args, kwargs):

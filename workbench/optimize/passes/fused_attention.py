@@ -77,8 +77,10 @@ def window_tokens(blk: torch.nn.Module) -> int:
 def v2_attention_forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """timm's SwinV2 WindowAttention.forward with the fused kernel for its core: the same qkv (q/k/v biases
     concatenated, or added after the Linear with qkv_bias_separate), cosine scores with the per-head logit
-    scale folded into q, 16 * sigmoid of the cpb_mlp table gathered to (nH, N, N) in torch (autograd
-    carries its gradient to cpb_mlp), the (nW, N, N) mask, softmax, @ v in the kernel (scale 1), proj."""
+    scale folded into q (each of q and k normalized in one Triton launch: kernels.cosine), 16 * sigmoid
+    of the cpb_mlp table gathered to (nH, N, N) in torch (autograd carries its gradient to cpb_mlp), the
+    (nW, N, N) mask, softmax, @ v in the kernel (scale 1), proj."""
+    from workbench.kernels.cosine import cosine_qk
     from workbench.kernels.window_attention import fused_window_attention
 
     b_, n, c = x.shape
@@ -89,8 +91,8 @@ def v2_attention_forward(self, x: torch.Tensor, mask: torch.Tensor | None = None
         qkv = self.qkv(x) + qkv_bias if self.qkv_bias_separate else F.linear(x, self.qkv.weight, qkv_bias)
     q, k, v = qkv.reshape(b_, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
     logit_scale = torch.clamp(self.logit_scale, max=math.log(1. / 0.01)).exp()   # (nH, 1, 1)
-    q = (F.normalize(q, dim=-1) * logit_scale).to(v.dtype)
-    k = F.normalize(k, dim=-1).to(v.dtype)
+    # normalize(q) * logit_scale and normalize(k), in v's dtype: one Triton launch per tensor each way
+    q, k = cosine_qk(q, k, logit_scale.reshape(-1), v.dtype)
     table = self.cpb_mlp(self.relative_coords_table).view(-1, self.num_heads)
     bias = 16 * torch.sigmoid(gather_rel_pos_bias(table, self.relative_position_index, n))
     x = fused_window_attention(q, k, v, bias, mask, scale=1.0).transpose(1, 2).reshape(b_, n, c)

@@ -1,0 +1,66 @@
+"""kernels.cosine (SwinV2's normalized q and k, q scaled per head) against torch's F.normalize arithmetic in
+float64: forward and backward (q, k and the scale), fresh random inputs, the strided views of a packed qkv,
+odd window sizes, every head width SwinV2 uses, a zero row (the clamped norm)."""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from workbench.kernels.cosine import EPS, cosine_qk, cosine_qk_torch  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def packed(windows, heads, tokens, d, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randn(windows, tokens, 3, heads, d, generator=gen) * 3
+    base[0, 1, 0, 0] = 0                 # a zero q row: the clamped norm
+    base[-1, -1, 1, -1] = 0              # and a zero k row
+    return base.to(DEVICE, dtype).requires_grad_(True)
+
+
+@pytest.mark.parametrize("windows, heads, tokens, d", [(3, 2, 9, 16), (4, 3, 36, 32), (2, 6, 49, 32),
+                                                       (2, 4, 64, 64), (1, 2, 25, 128)])
+def test_forward_and_backward_match_torch_in_float64(windows, heads, tokens, d):
+    qkv = packed(windows, heads, tokens, d, torch.float32, seed=windows * 100 + d)
+    q, k, _ = qkv.permute(2, 0, 3, 1, 4).unbind(0)          # strided views, as the attention takes them
+    log_scale = (torch.rand(heads, generator=torch.Generator().manual_seed(d)) * 4).to(DEVICE).requires_grad_(True)
+    qn, kn = cosine_qk(q, k, log_scale.exp(), torch.float32)
+    assert qn.is_contiguous() and qn.shape == (windows, heads, tokens, d)
+    gq, gk = torch.randn_like(qn), torch.randn_like(kn)
+    ((qn * gq).sum() + (kn * gk).sum()).backward()
+    got = qkv.grad.clone(), log_scale.grad.clone()
+
+    ref_qkv = qkv.detach().double().requires_grad_(True)
+    ref_scale = log_scale.detach().double().requires_grad_(True)
+    rq_, rk_, _ = ref_qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    rq, rk = cosine_qk_torch(rq_.double(), rk_.double(), ref_scale.exp(), torch.float64)
+    ((rq * gq.double()).sum() + (rk * gk.double()).sum()).backward()
+    assert rel(qn, rq) < 1e-6 and rel(kn, rk) < 1e-6
+    assert rel(got[0], ref_qkv.grad) < 1e-5 and rel(got[1], ref_scale.grad) < 1e-5
+    assert torch.all(qn[0, 0, 1] == 0) and torch.isfinite(got[0]).all()
+
+
+def test_bf16_rounds_once_from_fp32():
+    qkv = packed(2, 3, 49, 32, torch.bfloat16, seed=7)
+    q, k, _ = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    scale = torch.full((3,), 10.0, device=DEVICE)
+    qn, kn = cosine_qk(q, k, scale, torch.bfloat16)
+    rq, rk = cosine_qk_torch(q.detach().float(), k.detach().float(), scale, torch.float32)
+    assert qn.dtype == torch.bfloat16 and rel(qn, rq) < 4e-3 and rel(kn, rk) < 4e-3
+    assert torch.equal(qn, rq.to(torch.bfloat16)) or rel(qn, rq.to(torch.bfloat16)) < 1e-3
+
+
+def test_shapes_it_does_not_take_are_refused():
+    with pytest.raises(ValueError, match="head width 24"):
+        cosine_qk(torch.zeros(1, 1, 4, 24), torch.zeros(1, 1, 4, 24), torch.ones(1))
+    with pytest.raises(ValueError, match=r"\(B_, H, N, D\)"):
+        cosine_qk(torch.zeros(4, 32), torch.zeros(4, 32), torch.ones(1))
+    assert EPS == 1e-12
