@@ -98,3 +98,44 @@ def test_the_routes_are_measured_on_the_gpu(training):
     assert all(r["kernel_us"] > 0 and r["pytorch_us"] > 0 and r["route"] in ("kernel", "pytorch") for r in routes)
     assert sum(r["blocks"] for r in routes) == 12
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("v2", [False, True])
+def test_the_timed_forwards_run_on_copies_of_every_shape(monkeypatch, training, v2):
+    """_measure's copies, inputs, masks and both forwards, run once each on this device (the CUDA-event
+    clock replaced): v1's kernel against SDPA, SwinV2's against timm's eager attention."""
+    from workbench.optimize.passes.fused_attention import _v1_kernel, v2_attention_forward
+    import types
+
+    calls = []
+
+    def run_once(fn, x, mask, train, autocast):
+        out = fn(x, mask)
+        assert out.shape == x.shape and torch.isfinite(out).all()
+        if train:
+            out.float().sum().backward()
+        calls.append(fn.__func__.__name__)
+        return 100.0 if "fused" in fn.__func__.__name__ or "v2_attention" in fn.__func__.__name__ else 50.0
+    monkeypatch.setattr(_route, "_time", run_once)
+    if v2:
+        import timm
+        from timm.models.swin_transformer_v2 import SwinTransformerV2Block
+
+        torch.manual_seed(0)
+        model = timm.create_model("swinv2_tiny_window8_256", img_size=64, window_size=4, embed_dim=32,
+                                  depths=(2, 2), num_heads=(2, 4), num_classes=10).to(DEVICE)
+        blocks = [(n, b) for n, b in model.named_modules() if isinstance(b, SwinTransformerV2Block)]
+        kernel = lambda attn: types.MethodType(v2_attention_forward, attn)  # noqa: E731
+    else:
+        model, _ = model_pair(DEVICE, drop_path_rate=0.0)
+        blocks = named_swin_blocks(model)
+        kernel = _v1_kernel(True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ctx = pass_ctx(DEVICE)
+    ctx.training = training
+    routes = _route._measure(blocks, ctx, 2, v2, kernel)
+    assert sum(r["blocks"] for r in routes.values()) == len(blocks)
+    assert all(r["route"] == "pytorch" and r["kernel_us"] == 100.0 for r in routes.values())
+    assert len(calls) == 2 * len(routes)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())      # copies only
