@@ -953,16 +953,17 @@ def _heldout_lines(records: list[StageRecord]) -> list[str]:
         tol = rec.gate.tolerance
         limits = [f"drop <= {tol['accuracy_drop']:g}" if "accuracy_drop" in tol else None,
                   f"agreement >= {tol['top1_agreement']:g}" if "top1_agreement" in tol else None]
-        rows.append([rec.stage, rec.precision, f"{h['accuracy_pct']:.2f}%",
-                     "-" if rec.gate.status == "REFERENCE" else f"{-h['accuracy_drop_pts']:+.2f}",
-                     f"{100 * h['top1_agreement']:.2f}%" if h["top1_agreement"] is not None else "-",
+        drop = h["accuracy_drop_pts"]
+        rows.append([rec.stage, rec.precision, _fmt_pct(h["accuracy_pct"]),
+                     "-" if rec.gate.status == "REFERENCE" or not _isnum(drop) else f"{-drop:+.2f}",
+                     _fmt_pct(None if h["top1_agreement"] is None else 100 * h["top1_agreement"]),
                      _fmt_num(h["logits_rel"]), ", ".join(x for x in limits if x) or "-", rec.gate.status])
     if not rows:
         return []
     c = checkpoint or {}
     trained = ", ".join(x for x in (f"recipe {c['recipe']}" if c.get("recipe") else None,
                                      f"{c['steps']} steps" if c.get("steps") else None,
-                                     f"val accuracy {c['val_acc']:.2f}% when saved" if c.get("val_acc") is not None
+                                     f"val accuracy {c['val_acc']:.2f}% when saved" if _isnum(c.get("val_acc"))
                                      else None) if x)
     images = next(rec.gate.metrics.heldout["images"] for rec in records if rec.gate.metrics.heldout)
     return ["## Trained model on held-out images", "",
@@ -974,7 +975,11 @@ def _heldout_lines(records: list[StageRecord]) -> list[str]:
 
 
 def _fmt_num(x) -> str:
-    return "-" if x is None else f"{x:.3g}"
+    return f"{x:.3g}" if _isnum(x) else "-"
+
+
+def _fmt_pct(x) -> str:
+    return f"{x:.2f}%" if _isnum(x) else "-"
 
 
 def _parity_lines(records: list[StageRecord], verdicts) -> list[str]:
