@@ -227,3 +227,10 @@ def test_a_torch_without_fully_shard_is_a_user_error(monkeypatch):
     monkeypatch.delattr(fsdp, "fully_shard")
     with pytest.raises(UserError, match="FSDP needs torch.distributed.fsdp.fully_shard \\(torch 2.6 or later\\)"):
         require_fully_shard()
+
+
+def test_fp16_with_a_grad_scaler_is_refused_under_fsdp_by_one_rule():
+    from workbench.optimize.distributed import sharding_blocker
+
+    assert sharding_blocker(True, "cuda").startswith("fp16 with a GradScaler is not run under FSDP")
+    assert sharding_blocker(True, "cpu") is None and sharding_blocker(False, "cuda") is None

@@ -51,11 +51,11 @@ def run_capture(config: WorkloadConfig, recipe: str | None, *, steps: int, warmu
     device = workload.ctx.device
     data_parallel = None
     if rank is not None:
-        from workbench.optimize.distributed import DataParallel, FullyShard
+        from workbench.optimize.distributed import DataParallel, FullyShard, sharding_blocker
 
-        if workload.ctx.sharded and workload.ctx.grad_scaler and device.type == "cuda":
-            raise UserError("fp16 with a GradScaler is not run under FSDP (its inf check would see one rank's "
-                            "shards): use bf16")
+        blocker = sharding_blocker(workload.ctx.grad_scaler, device) if workload.ctx.sharded else None
+        if blocker:
+            raise UserError(blocker)
         data_parallel = FullyShard() if workload.ctx.sharded else DataParallel()
     workload.prepare(data_parallel=data_parallel)      # DDP, or FSDP2 with the optimizer over the shards
     for i in range(warmup):

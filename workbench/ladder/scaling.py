@@ -187,10 +187,6 @@ def _measure(spec, single_img_per_s: float | None, device: torch.device, rank: i
     blocker = workload.parallel_blocker(parallel)
     if blocker:
         return {**result, "status": "not run", "reason": blocker}, None
-    if workload.ctx.sharded:
-        if workload.ctx.grad_scaler and device.type == "cuda":
-            return {**result, "status": "not run", "reason": "fp16 with a GradScaler is not run under FSDP (its "
-                                                             "inf check would see one rank's shards): use bf16"}, None
     workload.prepare(data_parallel=settings)      # DDP, or FSDP2 with the optimizer over the shards
 
     out = _over_ranks(forward_backward(workload, params), world, device, average_grads=False)

@@ -311,3 +311,11 @@ def init_process_group_from_env(device_type: str) -> torch.device:
     if not dist.is_initialized():
         dist.init_process_group(backend_for(device), device_id=device if device.type == "cuda" else None)
     return device
+
+
+def sharding_blocker(grad_scaler: bool, device: torch.device | str) -> str | None:
+    """Why a stage cannot train under FSDP here (None: it can): fp16 with a GradScaler on a GPU, whose inf
+    check would see one rank's shards only."""
+    if grad_scaler and torch.device(device).type == "cuda":
+        return "fp16 with a GradScaler is not run under FSDP (its inf check would see one rank's shards): use bf16"
+    return None

@@ -48,9 +48,8 @@ import torch.nn.functional as F
 from workbench.errors import UserError
 from workbench.files import short_repr
 from workbench.optimize.distributed import (DDP_GRAPH_WARMUP_STEPS, DataParallel, FullyShard, Parallel, asked_strategy,
-                                            data_parallel_settings,
-                                            full_state_dict, fully_shard_model, load_full_state_dict,
-                                            wrap_data_parallel, world_size)
+                                            data_parallel_settings, full_state_dict, fully_shard_model,
+                                            load_full_state_dict, sharding_blocker, wrap_data_parallel, world_size)
 from workbench.optimize.passes import PassContext, PassResult, default_optimizer_factory
 from workbench.optimize.recipes import Recipe, apply_chain_passes, is_graph_form, resolve_chain
 from workbench.precision import resolve_precision
@@ -669,9 +668,9 @@ def optimize_swin(model: torch.nn.Module, recipe: str = "fmha", *, optimizer=Non
         raise RecipeUnavailable(chain[-1].name, f"{first.name} {first.changed}")
     notes += [f"pass {r.name} left out: {r.changed}" for r in unavailable]
     notes += [f"pass {r.name} {r.changed}" for r in results if r.details.get("applied") is False]
-    if ctx.sharded and ctx.grad_scaler and dev.type == "cuda":
-        raise UserError(f"recipe {chain[-1].name!r} trains in fp16 with a GradScaler, which swinbench does not run "
-                        "under FSDP (its inf check would see one rank's shards): use bf16")
+    blocker = sharding_blocker(ctx.grad_scaler, dev) if ctx.sharded else None
+    if blocker:
+        raise UserError(f"recipe {chain[-1].name!r}: {blocker}")
     if factory is not None and ctx.optimizer_factory is not factory:
         notes.append(f"the optimizer given is used, not the recipe's {ctx.optimizer_name}")
         ctx.optimizer_factory, ctx.optimizer_name = factory, f"{name} (given)"

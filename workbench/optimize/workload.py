@@ -255,6 +255,12 @@ class Workload:
         """Why this stage's step does not run data parallel under `strategy` ('ddp' or 'fsdp'), None: it
         does. A step captured as one CUDA graph runs under DDP (its all-reduce captured with it), not under
         FSDP; Inductor's own CUDA graphs (reduce-overhead) run under neither."""
+        if strategy == "fsdp":
+            from workbench.optimize.distributed import sharding_blocker
+
+            blocker = sharding_blocker(self.ctx.grad_scaler, self.ctx.device)
+            if blocker:
+                return blocker
         graphs = self.own_graphs()
         if graphs is None or (strategy == "ddp" and self.ctx.cuda_graph):
             return None
