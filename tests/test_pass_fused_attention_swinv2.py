@@ -177,3 +177,33 @@ def test_compiled_fused_swinv2_matches_timm_in_fp32(backend):
     compiled = torch.compile(patched, backend=backend)
     for seed in (1, 2):
         assert_step_close(plain, compiled, *batch(32, seed), grad_tol=grad_tol)
+
+
+def test_inference_keeps_the_weight_terms_until_a_weight_changes(monkeypatch):
+    """Without autograd the qkv bias, logit scale and position bias are computed once per weights: the
+    same logits as timm, cpb_mlp run once over two forwards, again after an in-place weight update, and
+    every time where autograd records."""
+    from workbench.optimize.passes import fused_attention
+
+    plain = tiny_v2()
+    patched, result = apply_pass("fused_attention", copy.deepcopy(plain), pass_ctx(DEVICE), {"route": "kernel"})
+    assert result.available, result.changed
+    plain.eval(), patched.eval()
+    computed = []
+    real = fused_attention._v2_terms
+    monkeypatch.setattr(fused_attention, "_v2_terms", lambda attn, n: computed.append(1) or real(attn, n))
+    blocks = len(v2_attentions(patched))
+    x = torch.randn(2, 3, 32, 32, device=DEVICE)
+    with torch.inference_mode():
+        want = plain(x)
+        first, second = patched(x), patched(x)
+    assert rel_err(first, want) < 1e-5 and torch.equal(first, second)
+    assert len(computed) == blocks
+    with torch.no_grad():
+        v2_attentions(patched)[0].cpb_mlp[0].weight.add_(0.1)
+        v2_attentions(plain)[0].cpb_mlp[0].weight.add_(0.1)
+    with torch.inference_mode():
+        assert rel_err(patched(x), plain(x)) < 1e-5
+    assert len(computed) == blocks + 1                    # only the changed module recomputed
+    patched(x).sum().backward()
+    assert len(computed) == 2 * blocks + 1

@@ -79,24 +79,55 @@ def v2_attention_forward(self, x: torch.Tensor, mask: torch.Tensor | None = None
     concatenated, or added after the Linear with qkv_bias_separate), cosine scores with the per-head logit
     scale folded into q (each of q and k normalized in one Triton launch: kernels.cosine), 16 * sigmoid
     of the cpb_mlp table gathered to (nH, N, N) in torch (autograd carries its gradient to cpb_mlp), the
-    (nW, N, N) mask, softmax, @ v in the kernel (scale 1), proj."""
+    (nW, N, N) mask, softmax, @ v in the kernel (scale 1), proj. Without autograd (inference) the terms
+    that depend on the weights alone (the qkv bias, the logit scale, the position bias) are computed once
+    and kept until a weight changes (`_v2_constants`)."""
     from workbench.kernels.cosine import cosine_qk
     from workbench.kernels.window_attention import fused_window_attention
 
     b_, n, c = x.shape
-    if self.q_bias is None:
+    qkv_bias, logit_scale, bias = _v2_constants(self, n)
+    if qkv_bias is None:
         qkv = self.qkv(x)
     else:
-        qkv_bias = torch.cat((self.q_bias, self.k_bias, self.v_bias))
         qkv = self.qkv(x) + qkv_bias if self.qkv_bias_separate else F.linear(x, self.qkv.weight, qkv_bias)
     q, k, v = qkv.reshape(b_, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
-    logit_scale = torch.clamp(self.logit_scale, max=math.log(1. / 0.01)).exp()   # (nH, 1, 1)
     # normalize(q) * logit_scale and normalize(k), in v's dtype: one Triton launch per tensor each way
-    q, k = cosine_qk(q, k, logit_scale.reshape(-1), v.dtype)
-    table = self.cpb_mlp(self.relative_coords_table).view(-1, self.num_heads)
-    bias = 16 * torch.sigmoid(gather_rel_pos_bias(table, self.relative_position_index, n))
+    q, k = cosine_qk(q, k, logit_scale, v.dtype)
     x = fused_window_attention(q, k, v, bias, mask, scale=1.0).transpose(1, 2).reshape(b_, n, c)
     return self.proj_drop(self.proj(x))
+
+
+_V2_CACHE = "_swinbench_constants"   # instance attribute (not a buffer: state_dict is unchanged)
+
+
+def _v2_terms(attn: torch.nn.Module, n: int):
+    """(qkv bias or None, logit scale (nH,), position bias (nH, N, N)) of a SwinV2 WindowAttention: timm's
+    arithmetic, from the weights alone."""
+    qkv_bias = None if attn.q_bias is None else torch.cat((attn.q_bias, attn.k_bias, attn.v_bias))
+    logit_scale = torch.clamp(attn.logit_scale, max=math.log(1. / 0.01)).exp().reshape(-1)
+    table = attn.cpb_mlp(attn.relative_coords_table).view(-1, attn.num_heads)
+    bias = 16 * torch.sigmoid(gather_rel_pos_bias(table, attn.relative_position_index, n))
+    return qkv_bias, logit_scale, bias
+
+
+def _v2_constants(attn: torch.nn.Module, n: int):
+    """_v2_terms, computed once per weights where no gradient is asked (inference): a forward at batch 1
+    otherwise spends most of its launches on them. Kept under a key of the weights' identities and
+    versions (an in-place update or a load_state_dict changes it), the device and the autocast dtype;
+    recomputed where autograd records, and while torch.compile traces (it handles them itself)."""
+    if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return _v2_terms(attn, n)
+    tensors = [attn.logit_scale, attn.relative_coords_table, attn.relative_position_index,
+               *attn.cpb_mlp.parameters(), *(() if attn.q_bias is None else (attn.q_bias, attn.v_bias))]
+    device = attn.logit_scale.device
+    key = (n, tuple((t.data_ptr(), t._version) for t in tensors), str(device),
+           torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None)
+    kept = vars(attn).get(_V2_CACHE)
+    if kept is None or kept[0] != key:
+        kept = (key, _v2_terms(attn, n))
+        attn.__dict__[_V2_CACHE] = kept
+    return kept[1]
 
 
 def _v1_kernel(table: bool):
