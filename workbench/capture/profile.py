@@ -111,7 +111,8 @@ def _capture_ranks(config: WorkloadConfig, recipe: str | None, out_dir: Path, ch
     from workbench.analysis.ranks import rank_frame, rank_row, render_rank_table, write_rank_table
 
     label = "Nsight Systems" if chosen == "nsys" else "torch.profiler"
-    with _phase(console, f"capturing {config.model} {config.mode} {config.precision} batch {config.batch} per "
+    at = f" at {config.img_size[0]}x{config.img_size[1]} px" if config.img_size else ""
+    with _phase(console, f"capturing {config.model}{at} {config.mode} {config.precision} batch {config.batch} per "
                          f"process in {nproc} processes (torchrun, {parallel.upper()}): {warmup} warm-up + {steps} "
                          "captured steps "
                          f"under {label} on every rank"):
@@ -151,7 +152,8 @@ def _capture_and_analyze(config: WorkloadConfig, recipe: str | None, out_dir: Pa
 
     mode, precision, batch = config.mode, config.precision, config.batch
     label = "Nsight Systems" if chosen == "nsys" else "torch.profiler"
-    with _phase(console, f"capturing {config.model} {mode} {precision} batch {batch}: "
+    at = f" at {config.img_size[0]}x{config.img_size[1]} px" if config.img_size else ""
+    with _phase(console, f"capturing {config.model}{at} {mode} {precision} batch {batch}: "
                          f"{warmup} warm-up + {steps} captured steps under {label}"):
         if chosen == "nsys":
             trace = capture_nsys(config, recipe, out_dir, steps, warmup, nsys_path)
@@ -166,7 +168,6 @@ def _capture_and_analyze(config: WorkloadConfig, recipe: str | None, out_dir: Pa
         console.print(f"[yellow]note:[/] {gains.note}", highlight=False)
     files = [p for p in (out_dir / "trace.nsys-rep", trace, out_dir / "run.json", out_dir / "capture.log",
                          out_dir / "nsys.log") if p.exists()]
-    at = f" at {config.img_size[0]}x{config.img_size[1]} px" if config.img_size else ""
     title = f"{config.model}{at} {mode} {precision} batch {batch}" + (f", recipe {recipe}" if recipe else "")
     files += write_analysis(analysis, out_dir, fmt, trace=trace, timeline=timeline, title=title, gains=gains.gains,
                             on_note=lambda line: console.print(f"[yellow]note:[/] {line}", highlight=False))
