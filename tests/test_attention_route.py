@@ -139,3 +139,17 @@ def test_the_timed_forwards_run_on_copies_of_every_shape(monkeypatch, training, 
     assert all(r["route"] == "pytorch" and r["kernel_us"] == 100.0 for r in routes.values())
     assert len(calls) == 2 * len(routes)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())      # copies only
+
+
+def test_the_api_passes_the_training_batch_to_the_route_timing(monkeypatch):
+    from workbench.api import optimize_swin
+    from workbench.errors import UserError
+
+    seen = []
+    monkeypatch.setattr(fused_attention, "measure_routes",
+                        lambda blocks, ctx, images, v2, kernel_forward: seen.append(images) or {})
+    model, _ = model_pair(DEVICE, drop_path_rate=0.0)
+    optimize_swin(model, "fmha", batch=48, device=DEVICE)
+    assert seen == [48]
+    with pytest.raises(UserError, match="batch must be an integer >= 1"):
+        optimize_swin(model_pair(DEVICE)[0], "fmha", batch=0, device=DEVICE)

@@ -597,7 +597,8 @@ class OptimizedSwin:
 def optimize_swin(model: torch.nn.Module, recipe: str = "fmha", *, optimizer=None, optimizer_kwargs: dict | None = None,
                   loss_fn: LossFn | None = None, grad_clip: float | None = None, accumulate: int = 1,
                   device: str | torch.device | None = None, allow_unavailable: bool = False,
-                  distributed: bool | str | dict | DataParallel | FullyShard | None = None) -> OptimizedSwin:
+                  distributed: bool | str | dict | DataParallel | FullyShard | None = None,
+                  batch: int | None = None) -> OptimizedSwin:
     """Patch a timm Swin for a recipe and build what trains it -> OptimizedSwin.
 
     model: a timm Swin (SwinTransformer), in fp32, patched in place (use the returned `.model`).
@@ -622,6 +623,8 @@ def optimize_swin(model: torch.nn.Module, recipe: str = "fmha", *, optimizer=Non
     Under DDP a recipe that replays CUDA graphs captures the all-reduce inside its graph (after
     DDP_GRAPH_WARMUP_STEPS eager steps); under FSDP such recipes are refused (UserError), and so is fp16
     with its GradScaler on a GPU.
+    batch: the images per train_step you will train with (per process), for the passes that time their
+    choices at the model's shapes (fused_attention's route per window shape, on a GPU); default 32.
 
     A pass that cannot run here raises RecipeUnavailable, a UserError (the model may then be partly
     patched: build it again).
@@ -633,6 +636,8 @@ def optimize_swin(model: torch.nn.Module, recipe: str = "fmha", *, optimizer=Non
     if grad_clip is not None and not (isinstance(grad_clip, (int, float)) and math.isfinite(grad_clip)
                                       and grad_clip > 0):
         raise UserError(f"grad_clip must be a number > 0 or None, got {short_repr(grad_clip)}")
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
+        raise UserError(f"batch must be an integer >= 1 or None, got {short_repr(batch)}")
     settings, factory, name = _optimizer_choice(optimizer, optimizer_kwargs)
     chain = resolve_chain(str(recipe))
     strategy = asked_strategy(distributed)
@@ -649,7 +654,7 @@ def optimize_swin(model: torch.nn.Module, recipe: str = "fmha", *, optimizer=Non
     else:
         dev = next(model.parameters()).device
     ctx = PassContext(device=dev, precision=resolve_precision("fp32"), training=True,
-                      sharded=isinstance(data_parallel, FullyShard))
+                      sharded=isinstance(data_parallel, FullyShard), batch=batch)
     if factory is not None:
         ctx.optimizer_factory, ctx.optimizer_name = factory, f"{name} (given)"
     elif settings:

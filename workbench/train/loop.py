@@ -262,7 +262,7 @@ def train_run(config: TrainConfig, recipe: str, seed: int, data, model_name: str
     try:
         swin = optimize_swin(model, recipe, optimizer={"lr": config.lr, "weight_decay": config.weight_decay},
                              loss_fn=loss_fn, grad_clip=config.clip_grad or None, device=device,
-                             distributed=setup["parallel"])
+                             distributed=setup["parallel"], batch=config.batch)
     except RecipeUnavailable as exc:
         if not skip_unavailable:
             raise
