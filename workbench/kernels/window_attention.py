@@ -886,6 +886,24 @@ def _(qkv, out, lse, dout, table, index, inverse, mask, scale, compute_dbias):
     return _qkv_bwd_outputs_like(qkv, table, compute_dbias)
 
 
+@kernel_op("swinbench::window_attention_table_bwd")
+def _window_attention_table_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                                   lse: torch.Tensor, dout: torch.Tensor, table: torch.Tensor, index: torch.Tensor,
+                                   inverse: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
+                                   compute_dbias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv, dtable = window_attention_bwd(q, k, v, out, lse, dout, table, mask, scale, compute_dbias,
+                                              index=index, inverse=inverse)
+    return dq, dk, dv, (dtable.to(table.dtype) if dtable is not None else table.new_zeros(0))
+
+
+@_window_attention_table_bwd_op.register_fake
+def _(q, k, v, out, lse, dout, table, index, inverse, mask, scale, compute_dbias):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(q, memory_format=torch.contiguous_format),
+            table.new_empty(table.shape if compute_dbias else (0,)))
+
+
 class WindowAttentionFunction(torch.autograd.Function):
     """Autograd for fused window attention: saves q, k, v, out, lse and calls the kernel ops."""
 
@@ -942,6 +960,35 @@ class WindowAttentionQKVFunction(torch.autograd.Function):
         return dqkv, (dbias if compute_dbias else None), None, None, None, None, None
 
 
+class WindowAttentionTableFunction(torch.autograd.Function):
+    """WindowAttentionFunction with the bias read from a relative-position table through its index inside
+    the kernels, and the table's gradient summed from the backward's partials in one launch (as
+    WindowAttentionQKVFunction does for packed qkv), for q, k, v given apart."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, table, index, inverse, mask, scale):
+        out, lse = _window_attention_table_fwd_op(q, k, v, table, index, mask, scale)
+        ctx.save_for_backward(q, k, v, out, lse, table, index, inverse, mask)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, table, index, inverse, mask = ctx.saved_tensors
+        compute_dbias = ctx.needs_input_grad[3]
+        dq, dk, dv, dtable = _window_attention_table_bwd_op(q, k, v, out, lse, dout, table, index, inverse, mask,
+                                                            ctx.scale, compute_dbias)
+        return dq, dk, dv, (dtable if compute_dbias else None), None, None, None, None
+
+
+def _check_table(table, index, inverse, n: int, nh: int) -> None:
+    if table.dim() != 2 or table.shape[1] != nh:
+        raise ValueError(f"table must be (n_table, nH={nh}), got {tuple(table.shape)}")
+    if tuple(index.shape) != (n, n) or inverse.dim() != 2 or inverse.shape[0] != table.shape[0]:
+        raise ValueError(f"index must be ({n}, {n}) and inverse ({table.shape[0]}, P), got "
+                         f"{tuple(index.shape)} and {tuple(inverse.shape)}")
+
+
 def _packed_qkv(qkv):
     if qkv.dim() != 5 or qkv.shape[2] != 3:
         raise ValueError(f"qkv must be (B*nW, N, 3, nH, d), got {tuple(qkv.shape)}")
@@ -971,14 +1018,21 @@ def fused_window_attention_table(qkv, table, index, inverse, mask=None, scale=No
     relative_position_index, values < n_table), inverse = rel_pos_inverse(index, n_table). The table
     gets the gradient; returns (B*nW, nH, N, d) in qkv.dtype (or rows, with `tokens`)."""
     q, k, v = _packed_qkv(qkv)
-    n, nh = q.shape[2], q.shape[1]
-    if table.dim() != 2 or table.shape[1] != nh:
-        raise ValueError(f"table must be (n_table, nH={nh}), got {tuple(table.shape)}")
-    if tuple(index.shape) != (n, n) or inverse.dim() != 2 or inverse.shape[0] != table.shape[0]:
-        raise ValueError(f"index must be ({n}, {n}) and inverse ({table.shape[0]}, P), got "
-                         f"{tuple(index.shape)} and {tuple(inverse.shape)}")
+    _check_table(table, index, inverse, q.shape[2], q.shape[1])
     _check_inputs(q, k, v, None, mask)
     return _apply_qkv(qkv, table, mask, scale, index, inverse, tokens)
+
+
+def fused_window_attention_from_table(q, k, v, table, index, inverse, mask=None, scale=None):
+    """fused_window_attention with the bias gathered from a relative-position table inside the kernels, q,
+    k, v given apart ((B*nW, nH, N, d), strided views are fine): table (n_table, nH) gets the gradient,
+    index (N, N), inverse = rel_pos_inverse(index, n_table). Returns (B*nW, nH, N, d) in q.dtype."""
+    _check_table(table, index, inverse, q.shape[2], q.shape[1])
+    _check_inputs(q, k, v, None, mask)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    return WindowAttentionTableFunction.apply(q, k, v, table, index, inverse,
+                                              None if mask is None else mask.detach(), float(scale))
 
 
 def fused_window_attention(q, k, v, rel_bias, mask=None, scale=None):

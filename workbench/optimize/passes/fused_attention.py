@@ -23,10 +23,12 @@ The result records every shape's times and route; `route: kernel` skips the timi
 SwinV2 (timm's swin_transformer_v2): its WindowAttention computes cosine attention,
 normalize(q) @ normalize(k)^T * exp(min(logit_scale, log 100)), plus 16 * sigmoid of a bias table that
 cpb_mlp computes from the relative coordinates. Each such module of exactly timm's class gets, bound on the
-instance (no new parameters or buffers: state_dict is unchanged), v2_attention_forward: the same qkv (q/k/v
-biases), the per-head logit scale folded into the normalized q, the (nH, N, N) bias gathered in torch (its
-gradient reaches cpb_mlp through autograd) and the fused kernel with scale 1 for scores + bias + mask,
-softmax and @ v. `bias` has no effect there (there is no table for the kernels to read). Modules with
+instance (no new parameters; the index's inverse as a non-persistent buffer: state_dict is unchanged),
+v2_attention_forward: the same qkv (q/k/v biases), q and k normalized and the per-head logit scale folded
+into q (kernels.cosine), 16 * sigmoid taken on cpb_mlp's ((2w-1)^2, nH) table, which the kernels read
+through the index as they read v1's table (its gradient summed in one launch, then through autograd to
+cpb_mlp), and the fused kernel with scale 1 for scores + bias + mask, softmax and @ v. `bias` has no
+effect there (the table is always read in-kernel). Modules with
 attn_drop > 0, windows above `max_tokens` (window 24: 576 tokens), a head width the kernel does not take,
 a subclass or a forward replaced elsewhere keep timm's own attention (SwinV2 has no SDPA path), counted by
 reason in the result. The v1 block plans are not used: fused_linear and fused_block stand aside on SwinV2
@@ -43,7 +45,7 @@ import torch.nn.functional as F
 from workbench.errors import UserError
 from workbench.optimize.passes import PassContext, PassResult
 from workbench.optimize.passes._route import block_shape, measure_routes, route_details
-from workbench.optimize.passes._swin import gather_rel_pos_bias, swin_blocks
+from workbench.optimize.passes._swin import INVERSE_BUFFER, swin_blocks
 from workbench.optimize.passes.block_plan import BIAS_MODES, block_plans
 
 NAME = "fused_attention"
@@ -78,15 +80,15 @@ def v2_attention_forward(self, x: torch.Tensor, mask: torch.Tensor | None = None
     """timm's SwinV2 WindowAttention.forward with the fused kernel for its core: the same qkv (q/k/v biases
     concatenated, or added after the Linear with qkv_bias_separate), cosine scores with the per-head logit
     scale folded into q (each of q and k normalized in one Triton launch: kernels.cosine), 16 * sigmoid
-    of the cpb_mlp table gathered to (nH, N, N) in torch (autograd carries its gradient to cpb_mlp), the
-    (nW, N, N) mask, softmax, @ v in the kernel (scale 1), proj. Without autograd (inference) the terms
+    of the cpb_mlp table, read by the kernels through the index (autograd carries its gradient to
+    cpb_mlp), the (nW, N, N) mask, softmax, @ v in the kernel (scale 1), proj. Without autograd (inference) the terms
     that depend on the weights alone (the qkv bias, the logit scale, the position bias) are computed once
     and kept until a weight changes (`_v2_constants`)."""
     from workbench.kernels.cosine import cosine_qk
-    from workbench.kernels.window_attention import fused_window_attention
+    from workbench.kernels.window_attention import fused_window_attention_from_table
 
     b_, n, c = x.shape
-    qkv_bias, logit_scale, bias = _v2_constants(self, n)
+    qkv_bias, logit_scale, table = _v2_constants(self)
     if qkv_bias is None:
         qkv = self.qkv(x)
     else:
@@ -94,38 +96,53 @@ def v2_attention_forward(self, x: torch.Tensor, mask: torch.Tensor | None = None
     q, k, v = qkv.reshape(b_, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
     # normalize(q) * logit_scale and normalize(k), in v's dtype: one Triton launch per tensor each way
     q, k = cosine_qk(q, k, logit_scale, v.dtype)
-    x = fused_window_attention(q, k, v, bias, mask, scale=1.0).transpose(1, 2).reshape(b_, n, c)
+    # the kernels read the bias from the (2w-1)^2 x nH table through the index: no (nH, N, N) gather,
+    # and the backward sums the table's gradient in one launch
+    x = fused_window_attention_from_table(q, k, v, table, self.relative_position_index, _v2_inverse(self, table),
+                                          mask, scale=1.0).transpose(1, 2).reshape(b_, n, c)
     return self.proj_drop(self.proj(x))
 
 
 _V2_CACHE = "_swinbench_constants"   # instance attribute (not a buffer: state_dict is unchanged)
 
 
-def _v2_terms(attn: torch.nn.Module, n: int):
-    """(qkv bias or None, logit scale (nH,), position bias (nH, N, N)) of a SwinV2 WindowAttention: timm's
-    arithmetic, from the weights alone."""
+def _v2_terms(attn: torch.nn.Module):
+    """(qkv bias or None, logit scale (nH,), position-bias table ((2w-1)^2, nH)) of a SwinV2 WindowAttention,
+    from the weights alone: timm's arithmetic, with 16 * sigmoid taken on the table before the gather
+    (an elementwise function commutes with it), which the kernels then read through the index."""
     qkv_bias = None if attn.q_bias is None else torch.cat((attn.q_bias, attn.k_bias, attn.v_bias))
     logit_scale = torch.clamp(attn.logit_scale, max=math.log(1. / 0.01)).exp().reshape(-1)
-    table = attn.cpb_mlp(attn.relative_coords_table).view(-1, attn.num_heads)
-    bias = 16 * torch.sigmoid(gather_rel_pos_bias(table, attn.relative_position_index, n))
-    return qkv_bias, logit_scale, bias
+    table = 16 * torch.sigmoid(attn.cpb_mlp(attn.relative_coords_table).view(-1, attn.num_heads))
+    return qkv_bias, logit_scale, table
 
 
-def _v2_constants(attn: torch.nn.Module, n: int):
+def _v2_inverse(attn: torch.nn.Module, table: torch.Tensor) -> torch.Tensor:
+    """The relative-position index's inverse (kernels.window_attention.rel_pos_inverse), kept as the
+    non-persistent buffer INVERSE_BUFFER (binding adds it; a copy timed for the route gets it here)."""
+    inverse = getattr(attn, INVERSE_BUFFER, None)
+    if inverse is None:
+        from workbench.kernels.window_attention import rel_pos_inverse
+
+        inverse = rel_pos_inverse(attn.relative_position_index, table.shape[0])
+        attn.register_buffer(INVERSE_BUFFER, inverse, persistent=False)
+    return inverse
+
+
+def _v2_constants(attn: torch.nn.Module):
     """_v2_terms, computed once per weights where no gradient is asked (inference): a forward at batch 1
     otherwise spends most of its launches on them. Kept under a key of the weights' identities and
     versions (an in-place update or a load_state_dict changes it), the device and the autocast dtype;
     recomputed where autograd records, and while torch.compile traces (it handles them itself)."""
     if torch.is_grad_enabled() or torch.compiler.is_compiling():
-        return _v2_terms(attn, n)
+        return _v2_terms(attn)
     tensors = [attn.logit_scale, attn.relative_coords_table, attn.relative_position_index,
                *attn.cpb_mlp.parameters(), *(() if attn.q_bias is None else (attn.q_bias, attn.v_bias))]
     device = attn.logit_scale.device
-    key = (n, tuple((t.data_ptr(), t._version) for t in tensors), str(device),
+    key = (tuple((t.data_ptr(), t._version) for t in tensors), str(device),
            torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None)
     kept = vars(attn).get(_V2_CACHE)
     if kept is None or kept[0] != key:
-        kept = (key, _v2_terms(attn, n))
+        kept = (key, _v2_terms(attn))
         attn.__dict__[_V2_CACHE] = kept
     return kept[1]
 
@@ -176,6 +193,13 @@ def _apply_v2(model: torch.nn.Module, max_tokens: int, faster: dict | None = Non
         reason = _v2_why_not(m, max_tokens) or (faster or {}).get(id(m))
         if reason is None:
             m.forward = types.MethodType(v2_attention_forward, m)
+            if getattr(m, INVERSE_BUFFER, None) is None:   # for the kernels' one-launch table gradient
+                from workbench.kernels.window_attention import rel_pos_inverse
+
+                coords = m.relative_coords_table
+                m.register_buffer(INVERSE_BUFFER, rel_pos_inverse(m.relative_position_index,
+                                                                  coords.shape[1] * coords.shape[2]),
+                                  persistent=False)
             patched += 1
         else:
             left[reason] = left.get(reason, 0) + 1
