@@ -33,16 +33,26 @@ _ROWS_PER_PROGRAM_ELEMS = 4096    # rows x D values a program holds
 
 
 @triton.jit
+def _rows(n_rows, N, H, BLOCK_R: tl.constexpr):
+    """This program's rows of the (B_, H, N) row space -> (rows, in range, b, h, n), b h n as int64."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    return rows, rows < n_rows, (rows // (N * H)).to(tl.int64), ((rows // N) % H).to(tl.int64), (rows % N).to(tl.int64)
+
+
+@triton.jit
+def _load_rows(X, b, h, n, ok, s_b, s_h, s_n, s_d, D: tl.constexpr):
+    """(BLOCK_R, D) fp32 rows of a strided (B_, H, N, D) tensor."""
+    cols = tl.arange(0, D)
+    return tl.load(X + (b * s_b + h * s_h + n * s_n)[:, None] + cols[None, :] * s_d, mask=ok[:, None],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _cosine_fwd_kernel(X, OUT, RNORM, SCALE, n_rows, N, H, sx_b, sx_h, sx_n, sx_d, eps,
                        HAS_SCALE: tl.constexpr, SOFT_RTNE: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    ok = rows < n_rows
-    n = rows % N
-    h = (rows // N) % H
-    b = rows // (N * H)
+    rows, ok, b, h, n = _rows(n_rows, N, H, BLOCK_R)
     cols = tl.arange(0, D)
-    src = b.to(tl.int64) * sx_b + h.to(tl.int64) * sx_h + n.to(tl.int64) * sx_n
-    x = tl.load(X + src[:, None] + cols[None, :] * sx_d, mask=ok[:, None], other=0.0).to(tl.float32)
+    x = _load_rows(X, b, h, n, ok, sx_b, sx_h, sx_n, sx_d, D)
     norm = tl.sqrt(tl.sum(x * x, 1))
     r = 1.0 / tl.maximum(norm, eps)
     y = x * r[:, None]
@@ -57,17 +67,10 @@ def _cosine_fwd_kernel(X, OUT, RNORM, SCALE, n_rows, N, H, sx_b, sx_h, sx_n, sx_
 def _cosine_bwd_kernel(X, DY, RNORM, SCALE, DX, ROWDOT, n_rows, N, H, sx_b, sx_h, sx_n, sx_d,
                        sd_b, sd_h, sd_n, sd_d, inv_eps, HAS_SCALE: tl.constexpr, SOFT_RTNE: tl.constexpr,
                        BLOCK_R: tl.constexpr, D: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    ok = rows < n_rows
-    n = rows % N
-    h = (rows // N) % H
-    b = rows // (N * H)
+    rows, ok, b, h, n = _rows(n_rows, N, H, BLOCK_R)
     cols = tl.arange(0, D)
-    b64, h64, n64 = b.to(tl.int64), h.to(tl.int64), n.to(tl.int64)
-    x = tl.load(X + (b64 * sx_b + h64 * sx_h + n64 * sx_n)[:, None] + cols[None, :] * sx_d,
-                mask=ok[:, None], other=0.0).to(tl.float32)
-    dy = tl.load(DY + (b64 * sd_b + h64 * sd_h + n64 * sd_n)[:, None] + cols[None, :] * sd_d,
-                 mask=ok[:, None], other=0.0).to(tl.float32)
+    x = _load_rows(X, b, h, n, ok, sx_b, sx_h, sx_n, sx_d, D)
+    dy = _load_rows(DY, b, h, n, ok, sd_b, sd_h, sd_n, sd_d, D)
     r = tl.load(RNORM + rows, mask=ok, other=1.0)
     x_hat = x * r[:, None]
     g = dy
