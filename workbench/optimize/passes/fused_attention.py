@@ -295,7 +295,7 @@ def _params(bias: str, max_tokens: int, route: str = "auto") -> dict:
 
 def _v2_result(model: torch.nn.Module, ctx: PassContext, bias: str, max_tokens: int, route: str) -> PassResult:
     """Bind the fused forward to the SwinV2 WindowAttentions of `model` -> the pass's result. The bias is
-    cpb_mlp's output, gathered in torch whatever `bias` asks (there is no table for the kernels to read).
+    cpb_mlp's table, which the kernels read in-kernel whatever `bias` asks.
     With route 'auto' the shapes where timm's own attention is faster on this GPU stay on it."""
     routes, faster = {}, {}
     if route == "auto":
@@ -311,11 +311,13 @@ def _v2_result(model: torch.nn.Module, ctx: PassContext, bias: str, max_tokens: 
                 faster[id(b.attn)] = "measured: timm's attention is faster at this shape on this GPU"
     patched, left = _apply_v2(model, max_tokens, faster)
     changed = (f"{patched} SwinV2 WindowAttention -> fused Triton window attention (fwd+bwd; cosine scores, "
-               "logit scale folded into q, the MLP position bias gathered before the kernel)")
+               "q and k normalized and the logit scale folded into q in one launch each, the MLP's position-bias "
+               "table read in-kernel)")
     for reason, count in sorted(left.items()):
         changed += f"; {count} left on timm's path ({reason})"
     details = {"swinv2_patched_modules": patched, "swinv2_left_on_timm": left, "max_tokens": max_tokens,
-               "bias": "gather",
-               "implementation": "workbench.kernels.window_attention.fused_window_attention (Triton)",
+               "bias": "table (cpb_mlp's, read in-kernel)",
+               "implementation": "workbench.kernels.cosine.cosine_qk + "
+                                 "workbench.kernels.window_attention.fused_window_attention_from_table (Triton)",
                **route_details(routes, ctx, ctx.batch, route)}
     return PassResult(NAME, _params(bias, max_tokens, route), changed, details)
