@@ -15,6 +15,7 @@ ln = importlib.import_module("workbench.kernels.layer_norm")  # noqa: E402
 win = importlib.import_module("workbench.kernels.window")  # noqa: E402
 wa = importlib.import_module("workbench.kernels.window_attention")  # noqa: E402
 lin = importlib.import_module("workbench.kernels.linear")  # noqa: E402
+cos = importlib.import_module("workbench.kernels.cosine")  # noqa: E402
 from workbench.kernels._common import KernelOp  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -62,6 +63,11 @@ def op_samples():
         ("window_attention_qkv_table_bwd", wa._window_attention_qkv_table_bwd_op,
          (qkv, out, lse, dout, rand(169, nh), _rel_index(7).to(DEVICE), wa.rel_pos_inverse(_rel_index(7).to(DEVICE), 169),
           None, d ** -0.5, True)),
+        ("window_attention_table_bwd", wa._window_attention_table_bwd_op,
+         (q, k, v, out, lse, dout, rand(169, nh), _rel_index(7).to(DEVICE),
+          wa.rel_pos_inverse(_rel_index(7).to(DEVICE), 169), mask, d ** -0.5, True)),
+        ("cosine_rows_fwd", cos.cosine_rows_fwd, (q, rand(nh), torch.bfloat16)),
+        ("cosine_rows_bwd", cos.cosine_rows_bwd, (q, dout, cos.cosine_rows_fwd(q, None, torch.float32)[1], rand(nh))),
     ]
 
 
@@ -85,7 +91,8 @@ def samples():
 NAMES = ["layer_norm_fwd", "add_layer_norm_fwd", "layer_norm_bwd", "roll_partition_fwd", "merge_roll_fwd",
          "norm_shift_partition_fwd", "norm_shift_partition_bwd", "window_attention_fwd", "window_attention_bwd",
          "window_attention_qkv_bwd", "bias_grad", "rel_pos_table_grad",
-         "window_attention_table_fwd", "window_attention_qkv_table_bwd"]
+         "window_attention_table_fwd", "window_attention_qkv_table_bwd", "window_attention_table_bwd",
+         "cosine_rows_fwd", "cosine_rows_bwd"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -119,10 +126,12 @@ def key_tiled_attention_samples():
         ("window_attention_table_fwd", wa._window_attention_table_fwd_op, (q, k, v, table, index, mask, d ** -0.5)),
         ("window_attention_qkv_table_bwd", wa._window_attention_qkv_table_bwd_op,
          (qkv, out, lse, dout, table, index, inverse, mask, d ** -0.5, True)),
+        ("window_attention_table_bwd", wa._window_attention_table_bwd_op,
+         (q, k, v, out, lse, dout, table, index, inverse, mask, d ** -0.5, True)),
     ]
 
 
-@pytest.mark.parametrize("index", range(5), ids=["fwd", "bwd", "qkv_bwd", "table_fwd", "qkv_table_bwd"])
+@pytest.mark.parametrize("index", range(6), ids=["fwd", "bwd", "qkv_bwd", "table_fwd", "qkv_table_bwd", "table_bwd"])
 def test_key_tiled_attention_ops_pass_opcheck(index):
     """The window-attention ops at N = 144 (the key-tiled kernels): same schema, fake shapes and strides."""
     name, op, args = key_tiled_attention_samples()[index]
@@ -133,7 +142,7 @@ def test_key_tiled_attention_ops_pass_opcheck(index):
 
 
 def test_every_swinbench_op_is_sampled():
-    ops = [o for m in (ln, win, wa, lin) for o in vars(m).values() if isinstance(o, KernelOp)]
+    ops = [o for m in (ln, win, wa, lin, cos) for o in vars(m).values() if isinstance(o, KernelOp)]
     assert sorted(o.op._qualname.split("::")[1] for o in ops) == sorted(NAMES)
 
 
