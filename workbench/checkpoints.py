@@ -36,10 +36,6 @@ class Checkpoint:
     data: str | None = None          # an ImageFolder path, or None: the shipped digits (swinbench checkpoints)
     meta: dict | None = None         # the rest of a swinbench checkpoint's header (recipe, seed, steps, val_acc)
 
-    @property
-    def trained_on_digits(self) -> bool:
-        return self.meta is not None and self.data is None
-
     def describe(self) -> dict:
         return {"path": str(self.path), "model": self.model, "num_classes": self.num_classes,
                 "format": FORMAT if self.meta is not None else "state_dict", "data": self.data, **(self.meta or {})}

@@ -7,7 +7,7 @@ or not) it builds one copy of a WindowAttention of that shape and times, on the 
 precision, the module's forward (and backward when training) two ways on the same random input:
 
     kernel   the fused Triton kernel, as the pass would bind it (bias read from the table in-kernel; for
-             SwinV2 its cosine forward with the MLP bias gathered in torch)
+             SwinV2 its cosine forward, q and k normalized by kernels.cosine)
     pytorch  timm's own forward: F.scaled_dot_product_attention for Swin v1 (what the `sdpa_attention`
              peer runs), timm's eager attention for SwinV2 (it has no SDPA path)
 
@@ -56,10 +56,10 @@ def block_shape(blk: torch.nn.Module) -> Shape:
                  int(windows), any(int(s) > 0 for s in shift))
 
 
-def _mask(blk: torch.nn.Module, device, dtype) -> torch.Tensor | None:
+def _mask(blk: torch.nn.Module, shape: Shape, device) -> torch.Tensor | None:
+    """The block's shift mask: its buffer, or for a shifted block that builds it per call, one built now."""
     mask = getattr(blk, "attn_mask", None)
-    if mask is None and hasattr(blk, "get_attn_mask") and any(
-            int(s) > 0 for s in (blk.shift_size if isinstance(blk.shift_size, (tuple, list)) else (blk.shift_size,))):
+    if mask is None and shape.masked and hasattr(blk, "get_attn_mask"):
         mask = blk.get_attn_mask(device=device, dtype=torch.float32)
     return None if mask is None else mask.to(device)
 
@@ -114,14 +114,14 @@ def _measure(blocks, ctx, images: int, v2: bool, kernel_forward) -> dict[Shape, 
         blk = members[0]
         x = torch.randn(images * shape.windows, shape.tokens, blk.attn.qkv.in_features, device=ctx.device,
                         generator=torch.Generator(ctx.device).manual_seed(0), requires_grad=ctx.training)
-        mask = _mask(blk, ctx.device, x.dtype)
+        mask = _mask(blk, shape, ctx.device)
         figures = {}
         for route, build in (("kernel", kernel_forward), ("pytorch", lambda a: pytorch_forward(a, v2))):
             attn = copy.deepcopy(blk.attn).to(ctx.device).train(ctx.training)
             if not ctx.training:
                 attn.requires_grad_(False)
             with torch.inference_mode(not ctx.training):
-                figures[f"{route}_us"] = _time(build(attn), x if ctx.training else x.detach(), mask,
+                figures[f"{route}_us"] = _time(build(attn), x, mask,
                                                ctx.training, ctx.precision.autocast("cuda"))
             del attn
         out[shape] = {**figures, "route": choose(figures["kernel_us"], figures["pytorch_us"]), "blocks": len(members)}
