@@ -26,6 +26,7 @@ def test_shapes_of_the_tiny_swin():
                       _route.Shape(49, 4, 16, 1, False), _route.Shape(49, 4, 16, 1, False)]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path; on a GPU machine the kernels want CUDA tensors")
 def test_without_a_gpu_nothing_is_timed_and_the_record_says_so():
     _, patched = model_pair("cpu", drop_path_rate=0.0)
     _, result = apply_pass("fused_attention", patched, pass_ctx("cpu"))
@@ -94,7 +95,8 @@ def test_the_routes_are_measured_on_the_gpu(training):
     ctx = PassContext(device=torch.device("cuda"), precision=resolve_precision("bf16"), training=training, batch=8)
     model, result = apply_pass("fused_attention", model, ctx)
     routes = result.details["routes"]
-    assert result.details["routes_measured"] and len(routes) == 6    # 4 stages; stages 1-3 shifted and not
+    # stages 1-3 shifted and not; stage 4 is one window per image, never shifted
+    assert result.details["routes_measured"] and len(routes) == 7
     assert all(r["kernel_us"] > 0 and r["pytorch_us"] > 0 and r["route"] in ("kernel", "pytorch") for r in routes)
     assert sum(r["blocks"] for r in routes) == 12
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

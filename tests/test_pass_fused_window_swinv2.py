@@ -18,7 +18,21 @@ from workbench.optimize.passes.fused_window import v2_window_attn  # noqa: E402
 from pass_helpers import assert_step_close, pass_ctx  # noqa: E402
 from test_pass_fused_attention_swinv2 import DEVICE, batch, grad_tol, tiny_v2, v2_attentions  # noqa: E402
 
-IMG = 40   # 10x10 then 5x5 tokens, window 4: both stages pad their maps to whole windows (12x12, 8x8)
+
+
+def _timm_pads_swinv2() -> bool:
+    """Whether this timm builds a SwinV2 whose map is not a multiple of the window (older releases cannot)."""
+    try:
+        tiny_v2(40)
+    except RuntimeError:
+        return False
+    return True
+
+
+TIMM_PADS = _timm_pads_swinv2()
+# 10x10 then 5x5 tokens, window 4: both stages pad their maps to whole windows (12x12, 8x8); a timm that
+# cannot pad gets 16x16 then 8x8 tokens, shifted in both stages, no padding
+IMG = 40 if TIMM_PADS else 64
 
 
 def v2_blocks(model):
@@ -31,6 +45,7 @@ def bound(blk) -> bool:
     return getattr(vars(blk).get("_attn"), "__func__", None) is v2_window_attn
 
 
+@pytest.mark.skipif(not TIMM_PADS, reason="this timm cannot build a SwinV2 that pads its windows")
 def test_the_tiny_model_pads_and_shifts():
     blocks = v2_blocks(tiny_v2(IMG))
     assert [b.input_resolution for b in blocks] == [(10, 10), (10, 10), (5, 5), (5, 5)]
@@ -44,7 +59,7 @@ def test_fused_window_matches_timm_in_fp32(with_attention):
     patched, result = apply_pass("fused_window", copy.deepcopy(plain), pass_ctx(DEVICE))
     assert result.available and "applied" not in result.details
     assert result.details["swinv2_patched_blocks"] == 4 and result.details["swinv2_left_on_timm"] == {}
-    assert result.details["swinv2_blocks_shifted"] == 2 and result.details["swinv2_blocks_padded"] == 4
+    assert result.details["swinv2_blocks_shifted"] == 2 and result.details["swinv2_blocks_padded"] == (4 if TIMM_PADS else 0)
     assert all(bound(b) for b in v2_blocks(patched))
     if with_attention:
         patched, att = apply_pass("fused_attention", patched, pass_ctx(DEVICE))

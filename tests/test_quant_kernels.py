@@ -111,8 +111,8 @@ def test_quant_linear_kernels_match_torch_ops(monkeypatch, fmt, route, M):
     """The same module, the same input: the Triton path and the torch path give the same bits (the GEMMs
     themselves, torch._scaled_mm and torch._int_mm, run on the CPU too)."""
     torch.manual_seed(M)
-    lin = torch.nn.Linear(40, 24)
-    x = torch.randn(M, 40)
+    lin = torch.nn.Linear(48, 32)     # torch._scaled_mm on a GPU takes K and N in multiples of 16
+    x = torch.randn(M, 48)
     x[0] *= 50
     ql = QuantLinear(lin, fmt, route).to(DEVICE)
     assert ql.fused_quantize(torch.device(DEVICE))
