@@ -248,6 +248,10 @@ def test_scaling_is_an_optional_record_field_that_is_validated(tmp_path):
     assert again.scaling.efficiency == 0.88 and again.scaling.gate["ranks"] == ["PASS"] * 8
     text = render_report([again], tmp_path / "report.md").read_text()
     assert "## Data parallel: 8 processes" in text and "| 0.88 |" in text and "PASS on all 8 ranks" in text
+    one = {**scaled, "scaling": {**scaled["scaling"], "world_size": 1, "global_batch": 64, "step_ms_per_rank": [56.9],
+                                 "gate": {**scaled["scaling"]["gate"], "ranks": ["PASS"]}}}
+    text = render_report([StageRecord.from_dict(one)], tmp_path / "one.md").read_text()
+    assert "## Data parallel: 1 process through torchrun" in text and "| img/s, plain | img/s, under torchrun |" in text
     for field, value in (("status", "maybe"), ("img_per_s", None), ("world_size", 0), ("extra", 1)):
         bad = {**scaled, "scaling": {**scaled["scaling"], field: value}}
         with pytest.raises(UserError, match="scaling"):

@@ -341,3 +341,20 @@ def test_a_stage_whose_recipe_failed_training_parity_is_flagged(records, tmp_pat
     section = text.split("## Training parity")[1].split("\n## ")[0]
     assert "failed the parity rule" not in section and f"For **{stages[1]}** a comparison below could not decide" in section
     assert f"**{stages[1]}** is **not decided** against the fp32 baseline" in section and "±1.02" in section
+
+
+def test_a_quantized_stage_shows_its_gemm_dtype_beside_the_precision(tmp_path):
+    from record_helpers import record
+
+    from workbench.results.record import StageRecord
+    from workbench.results.report import render_report
+
+    quant = {"name": "quantize_linear", "params": {"dtype": "fp8"}, "changed": "", "details": {}, "available": True}
+    fp8 = StageRecord.from_dict({**record(1, "fp8", "amp", 9.0), "passes": [quant]})
+    sim = StageRecord.from_dict({**record(2, "int8", "amp", 9.0),
+                                 "passes": [{**quant, "params": {"dtype": "int8", "simulate": True}}]})
+    off = StageRecord.from_dict({**record(3, "fp8x", "amp", 9.0), "passes": [{**quant, "available": False}]})
+    assert fp8.precision == "bf16" and fp8.precision_label == "bf16, fp8 GEMMs"
+    assert sim.precision_label == "bf16, int8 GEMMs simulated" and off.precision_label == "bf16"
+    text = render_report([StageRecord.from_dict(record(0, "amp", None, 10.0)), fp8], tmp_path / "r.md").read_text()
+    assert "| fp8 | bf16, fp8 GEMMs |" in text

@@ -100,7 +100,7 @@ def results_table(records, command: str | None = None, sources: list[str] | None
             gate = row.gate if row.status == "ok" else row.status
             stage = row.stage + (PEER_LABEL if rec.pytorch_alone and _is_peer(rec, run_records) else "")
             stage += f" {REUSED_MARK}" if rec.reused is not None else ""
-            lines.append(row_of([run_label(rec) if first else "", stage, row.precision or "-",
+            lines.append(row_of([run_label(rec) if first else "", stage, row.precision_label or "-",
                                  fmt_step(row.step_ms, row.step_iqr_ms), xb, xp,
                                  fmt_step(row.graph_ms, row.graph_iqr_ms), fmt_rate(row.graph_img_per_s),
                                  fmt_speedup(row.x_baseline_graph), gp, gate]))

@@ -388,6 +388,9 @@ class Scaling:
                 **({"comm_error": self.comm_error} if self.comm_error else {})}
 
 
+QUANTIZING_PASSES = ("quantize_linear", "torchao_quantize")   # passes that move Linear GEMMs past bf16
+
+
 @dataclass(frozen=True)
 class PassRecord:
     """What one pass did (passes.PassResult.to_dict)."""
@@ -531,6 +534,17 @@ class StageRecord:
     @property
     def gate_status(self) -> str:
         return self.gate.status
+
+    @property
+    def precision_label(self) -> str:
+        """The precision as a table shows it: with the GEMM dtype where a pass quantized the Linear layers
+        ('bf16, fp8 GEMMs'; 'simulated' where the quantization ran as fake-quant math)."""
+        quantized = [p for p in self.passes if p.name in QUANTIZING_PASSES and p.available]
+        if not quantized:
+            return self.precision
+        dtypes = "/".join(sorted({str(p.params.get("dtype", "fp8")) for p in quantized}))
+        simulated = " simulated" if any(p.params.get("simulate") for p in quantized) else ""
+        return f"{self.precision}, {dtypes} GEMMs{simulated}"
 
     @property
     def file_name(self) -> str:

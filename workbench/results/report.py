@@ -5,7 +5,8 @@ stage's timeline.png is linked, not opened: the record says where its stage drew
 Every function takes stage records (`records.StageRecord`; dicts of records being built are validated
 into them first). `speedup_table(records)` columns (one row per record, in stage order):
     run_id, stage, extends, status ('ok' | 'not available' | 'error'), gate ('PASS' | 'FAIL' |
-    'REFERENCE' | 'SKIP'), precision, img_per_s, step_ms, step_iqr_ms, x_baseline, x_previous,
+    'REFERENCE' | 'SKIP'), precision, precision_label (the precision with a quantized stage's GEMM dtype),
+    img_per_s, step_ms, step_iqr_ms, x_baseline, x_previous,
     peak_mem_bytes, compile_s, counted (bool: in the speedups), x_baseline_cross_run, x_previous_cross_run,
     previous_stage, model, device ('CPU' or the GPU's name), x_baseline_ns, x_previous_ns (bool: that speedup
     is not significant, see significance.py)
@@ -35,7 +36,7 @@ from workbench.labels import record_words
 from workbench.results.record import Interleaved, PairedRatio, StageRecord, as_records, read_records, short_dtype
 from workbench.results.significance import NS_MARK, NS_NOTE, paired_significant, speedup_significant
 
-COLUMNS = ["run_id", "stage", "extends", "status", "gate", "precision", "img_per_s", "step_ms", "step_iqr_ms",
+COLUMNS = ["run_id", "stage", "extends", "status", "gate", "precision", "precision_label", "img_per_s", "step_ms", "step_iqr_ms",
            "x_baseline", "x_previous", "peak_mem_bytes", "compile_s", "counted", "x_baseline_cross_run",
            "x_previous_cross_run", "previous_stage", "model", "device", "x_baseline_ns", "x_previous_ns",
            "graph_ms", "graph_iqr_ms", "graph_img_per_s", "x_baseline_graph", "x_previous_graph", "gpu_kernel_ms",
@@ -62,7 +63,8 @@ def speedup_table(records) -> pd.DataFrame:
     for rec in records:
         rows.append({
             "run_id": rec.run_id, "stage": rec.stage, "extends": rec.extends, "status": rec.status,
-            "gate": rec.gate.status, "precision": rec.precision, "img_per_s": rec.img_per_s, "step_ms": rec.step_ms,
+            "gate": rec.gate.status, "precision": rec.precision, "precision_label": rec.precision_label,
+            "img_per_s": rec.img_per_s, "step_ms": rec.step_ms,
             "step_iqr_ms": rec.step_iqr_ms, "peak_mem_bytes": rec.peak_mem_bytes, "compile_s": rec.compile_s,
             "counted": _counted(rec), "model": rec.model, "device": rec.env.device_name, "mode": rec.mode,
             "graph_ms": rec.graph.step_ms if rec.graph else math.nan,
@@ -362,7 +364,7 @@ def _graph_display_rows(df: pd.DataFrame, records: list[StageRecord] | None) -> 
         xb = fmt_speedup(r["x_baseline"]) + (f" ({NS_MARK})" if _isnum(r["x_baseline"]) and r["x_baseline_ns"] else "")
         gpu = (f"{r['gpu_kernel_ms']:.1f} ({r['gpu_busy_pct']:.0f}%)" if _isnum(r["gpu_kernel_ms"]) else "-")
         talk = fmt_speedup(TALK_LADDER.get(r["stage"]) if _talk_applies(df) else None)
-        out.append([stage, *([r["model"], r["device"]] if labels else []), r["precision"] or "-",
+        out.append([stage, *([r["model"], r["device"]] if labels else []), r["precision_label"] or "-",
                     fmt_step(r["step_ms"], r["step_iqr_ms"]), xb, xp,
                     fmt_step(r["graph_ms"], r["graph_iqr_ms"]), fmt_speedup(r["x_baseline_graph"]), gp,
                     gpu, talk, fmt_bytes(r["peak_mem_bytes"]), gate_cell(r)])
@@ -391,7 +393,7 @@ def display_rows(df: pd.DataFrame, records=None) -> list[list[str]]:
         xp += f" ({NS_MARK})" if _isnum(r["x_previous"]) and r["x_previous_ns"] else ""
         if _isnum(r["x_previous"]) and r["previous_stage"] != r["extends"]:
             xp += f" (vs {r['previous_stage']})"
-        out.append([stage, *([r["model"], r["device"]] if labels else []), r["precision"] or "-",
+        out.append([stage, *([r["model"], r["device"]] if labels else []), r["precision_label"] or "-",
                     fmt_rate(r["img_per_s"]), fmt_step(r["step_ms"], r["step_iqr_ms"]),
                     xb, xp, fmt_bytes(r["peak_mem_bytes"]), gate_cell(r)])
     return out
@@ -641,7 +643,7 @@ def _gate_rows(records: list[StageRecord]) -> list[list[str]]:
         f = lambda x: "-" if x is None else f"{x:.2e}"
         tol_txt = ", ".join(f"{k} {v:g}" for k, v in g.tolerance.items()) or "-"
         worst_txt = f"{f(worst[1])} ({worst[0]})" if worst[0] else "-"
-        rows.append([rec.stage, g.status, rec.precision or "-", f(logits), f(loss), worst_txt, tol_txt, g.reason or ""])
+        rows.append([rec.stage, g.status, rec.precision_label or "-", f(logits), f(loss), worst_txt, tol_txt, g.reason or ""])
     return rows
 
 
@@ -861,8 +863,11 @@ def _scaling_lines(records: list[StageRecord]) -> list[str]:
         rows.append([r.stage, _num(r.img_per_s), _num(s.img_per_s),
                      "-" if s.efficiency is None else f"{s.efficiency:.2f}",
                      " / ".join(f"{ms:.1f}" for ms in s.step_ms_per_rank), comm, gate])
-    return [f"## Data parallel: {first.world_size} processes", "",
-            _md_table(["stage", "img/s, 1 process", f"img/s, {first.world_size} processes", "efficiency",
+    n = first.world_size
+    title, plain, launched = ((f"{n} processes", "img/s, 1 process", f"img/s, {n} processes") if n > 1 else
+                              ("1 process through torchrun", "img/s, plain", "img/s, under torchrun"))
+    return [f"## Data parallel: {title}", "",
+            _md_table(["stage", plain, launched, "efficiency",
                        "median step ms per rank", "communication ms per step per rank (not overlapped)",
                        "gate over the global batch"], rows), "",
             f"Each stage again under torchrun ({first.backend}, {strategy.upper()}: "
@@ -954,7 +959,7 @@ def _heldout_lines(records: list[StageRecord]) -> list[str]:
         limits = [f"drop <= {tol['accuracy_drop']:g}" if "accuracy_drop" in tol else None,
                   f"agreement >= {tol['top1_agreement']:g}" if "top1_agreement" in tol else None]
         drop = h["accuracy_drop_pts"]
-        rows.append([rec.stage, rec.precision, _fmt_pct(h["accuracy_pct"]),
+        rows.append([rec.stage, rec.precision_label, _fmt_pct(h["accuracy_pct"]),
                      "-" if rec.gate.status == "REFERENCE" or not _isnum(drop) else f"{-drop:+.2f}",
                      _fmt_pct(None if h["top1_agreement"] is None else 100 * h["top1_agreement"]),
                      _fmt_num(h["logits_rel"]), ", ".join(x for x in limits if x) or "-", rec.gate.status])
