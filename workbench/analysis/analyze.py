@@ -27,6 +27,7 @@ from rich.table import Table
 
 from workbench.analysis import frames as A
 from workbench.analysis.findings import findings
+from workbench.analysis.floors import kernel_floors
 from workbench.analysis.timeline import TIMELINE_FILES, pick_step, timeline_origin, timeline_title, write_timeline
 from workbench.errors import UserError
 from workbench.labels import DeviceWords, trace_words
@@ -45,7 +46,8 @@ class Analysis:
     trace_meta is the trace's meta (notes, warnings) plus name_style, range_name, devices (the GPUs the
     tables cover), kernel_count, kernel_total_ns (all devices), memops (count, ns), api_scope, api_steps and
     api_unit ('step' | 'range instance' | None: what api.per_step is per), and with several devices
-    device_steps ({device: unit instances in the processes that launched its kernels}). trace: the parsed
+    device_steps ({device: unit instances in the processes that launched its kernels}), and floors (the
+    summary of floors.kernel_floors) where `floors` is set. trace: the parsed
     trace the tables were built from (what timeline.py draws); never written."""
 
     trace_meta: dict
@@ -56,6 +58,7 @@ class Analysis:
     backend: str
     api: pd.DataFrame = None
     trace: Trace | None = field(default=None, repr=False)
+    floors: pd.DataFrame | None = None      # floors.kernel_floors, where the capture logged its launches
 
     @property
     def devices(self) -> list[int]:
@@ -124,12 +127,16 @@ def analyze_trace(path, *, name_style: str = "demangled", range_name: str | None
     if len(devices) > 1:
         meta["device_steps"] = {int(d): int(windows["pid"].isin(k["pid"].unique()).sum())
                                 for d, k in kernels.groupby("device_id", sort=True)}
+    floors = None
+    if trace.launches is not None and range_name is None and len(devices) == 1:
+        floors, meta["floors"] = kernel_floors(kernels, trace.launches)
     return Analysis(
         trace_meta=meta,
         **frames,
         backend=BACKENDS.get(trace.meta.get("source"), str(trace.meta.get("source"))),
         api=api,
         trace=trace,
+        floors=floors,
     )
 
 
@@ -221,7 +228,32 @@ def render_analysis(analysis: Analysis, console: Console, top: int = 15, gains=N
     else:
         _render_tables(*frames, analysis.trace_meta, console, top, words)
     _render_api(analysis, console, top)
+    _render_floors(analysis, console, top)
     _render_findings(analysis, console, gains)
+
+
+def _render_floors(analysis: Analysis, console: Console, top: int) -> None:
+    """swinbench's kernels against their memory floor (floors.py), most time per step first."""
+    summary = analysis.trace_meta.get("floors")
+    if not summary:
+        return
+    if summary.get("note"):
+        console.print(f"[yellow]note:[/yellow] {summary['note']}")
+        return
+    t = Table(title=f"swinbench's kernels against their memory floor (argument bytes at {summary['peak_gbps']:,.0f} "
+                    f"GB/s, {summary['device_name']}): {summary['kernel_us_per_step'] / 1e3:,.3f} ms per step, "
+                    f"{summary['floor_us_per_step'] / 1e3:,.3f} ms at the floor", title_justify="left")
+    for col in ("kernel", "largest argument", "calls/step", "med µs", "floor µs", "% of floor", "GB/s", "µs/step"):
+        t.add_column(col, justify="left" if col in ("kernel", "largest argument") else "right")
+    for row in analysis.floors.head(top).itertuples(index=False):
+        t.add_row(str(row.kernel), str(row.largest_argument), f"{row.calls_per_step:,.0f}", f"{row.median_us:,.1f}",
+                  f"{row.floor_us:,.1f}", _pct(row.floor_pct), f"{row.achieved_gbps:,.0f}", f"{row.us_per_step:,.1f}")
+    console.print(t)
+    if len(analysis.floors) > top:
+        console.print(f"({len(analysis.floors) - top} more rows in floors.csv)")
+    if summary.get("unmatched"):
+        console.print("[yellow]note:[/yellow] no floor for " + "; ".join(
+            f"{k} ({v})" for k, v in summary["unmatched"].items()), highlight=False)
 
 
 def _render_findings(analysis: Analysis, console: Console, gains=None) -> None:
@@ -428,7 +460,7 @@ class TableFiles:
         return [atomic_write_text(paths[name], df.assign(**ours).to_csv(index=False)) for name, df in frames.items()]
 
 
-ANALYSIS_TABLES = ["kernels", "categories", "ranges", "busy", "api", "findings"]
+ANALYSIS_TABLES = ["kernels", "categories", "ranges", "busy", "api", "findings", "floors"]
 
 
 def analysis_tables(out_dir, fmt: str, trace, range_name: str | None, timeline: bool = False) -> TableFiles:
@@ -441,7 +473,8 @@ def analysis_tables(out_dir, fmt: str, trace, range_name: str | None, timeline: 
 def write_analysis(analysis: Analysis, out_dir, fmt: str = "csv", *, trace=None, overwrite: bool = False,
                    on_note=None, timeline: bool = False, step: int | str | None = None,
                    title: str | None = None, gains=None) -> list[Path]:
-    """csv: kernels.csv, categories.csv, ranges.csv, busy.csv, api.csv, findings.csv; json: one analysis.json with every
+    """csv: kernels.csv, categories.csv, ranges.csv, busy.csv, api.csv, findings.csv (and floors.csv where the
+    capture logged its launches); json: one analysis.json with every
     frame as a list of records plus backend and meta. Tables of one range carry it in their names
     (kernels.range-backward.csv); every table names its trace (`trace`, relative to out_dir; default the
     path the analysis was read from) and range (`trace_range`, empty for the whole trace), and tables of
@@ -453,6 +486,8 @@ def write_analysis(analysis: Analysis, out_dir, fmt: str = "csv", *, trace=None,
     if analysis.api is not None:
         frames["api"] = analysis.api
     frames["findings"] = findings(analysis, gains)
+    if analysis.floors is not None:
+        frames["floors"] = analysis.floors
     source = trace if trace is not None else analysis.trace_meta.get("path")
     draw = timeline and analysis.trace is not None
     if draw:

@@ -2,7 +2,9 @@
 
 `python -m workbench.capture.worker SPEC.json` (nsys re-runs swinbench through this). It writes
 `run.json` beside the trace: the configuration, the environment stamp and the captured steps' times
-(under a profiler, so only indicative; `swinbench apply` gives the clean figures).
+(under a profiler, so only indicative; `swinbench apply` gives the clean figures); and `launches.json`:
+the last warm-up step's eager Triton launches with their argument bytes, which the analysis holds the
+traced kernels against (workbench/analysis/floors.py).
 """
 from __future__ import annotations
 
@@ -12,14 +14,17 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from workbench.env import environment_stamp
+from workbench.kernels._common import launch_log
 from workbench.errors import UserError
 from workbench.files import atomic_write_text
 from workbench.optimize.ranges import RangeMarker, annotate_modules
 from workbench.optimize.timing import time_steps
 from workbench.optimize.workload import Workload, WorkloadConfig
+from workbench.trace import LAUNCHES_FILE, LAUNCHES_SCHEMA
 
 
 def apply_recipe(workload: Workload, recipe: str | None) -> list[dict]:
@@ -58,8 +63,12 @@ def run_capture(config: WorkloadConfig, recipe: str | None, *, steps: int, warmu
             raise UserError(blocker)
         data_parallel = FullyShard() if workload.ctx.sharded else DataParallel()
     workload.prepare(data_parallel=data_parallel)      # DDP, or FSDP2 with the optimizer over the shards
+    launches = None
     for i in range(warmup):
-        workload.step(i)
+        with launch_log() as log:
+            workload.step(i)
+        if log:     # the last warm-up step that launched kernels from Python (a graph replay launches none)
+            launches = {"step": i, "launches": [_launch_entry(e) for e in log]}
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     if rank is not None:
@@ -81,7 +90,17 @@ def run_capture(config: WorkloadConfig, recipe: str | None, *, steps: int, warmu
            **({"rank": rank, "world_size": world, "dist_backend": torch.distributed.get_backend(),
                "parallel": parallel} if rank is not None else {})}
     atomic_write_text(Path(out_dir) / "run.json", json.dumps(run, indent=2, default=str) + "\n")
+    if launches is not None:
+        doc = {"schema": LAUNCHES_SCHEMA, "device_name": run["env"].get("gpu"), **launches}
+        atomic_write_text(Path(out_dir) / LAUNCHES_FILE, json.dumps(doc, separators=(",", ":")) + "\n")
     return run
+
+
+def _launch_entry(entry: dict) -> dict:
+    """A logged launch as launches.json keeps it: the kernel, its argument bytes and its largest tensor."""
+    tensors = entry["tensors"]
+    largest = max(tensors, key=lambda t: int(np.prod(t[0], dtype=np.int64)), default=None)
+    return {"kernel": entry["kernel"], "bytes": int(entry["bytes"]), "largest": largest}
 
 
 def _export_chrome_trace(prof, path: Path) -> None:

@@ -35,6 +35,7 @@ is compiling and the op when Dynamo traces.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -132,12 +133,69 @@ def launcher_name() -> str:
 def launch(kernel):
     """`launch(kernel)[grid](...)`: the kernel itself, or its `wrap_triton` wrapper while traced (with the
     kernel's defaults filled in: _TracedLaunch), or a `CachedLauncher` around it where FAST_LAUNCH is on
-    (not under the interpreter)."""
+    (not under the interpreter). Inside `launch_log()` an eager launch is also written into the log."""
     if tracing():
         return _TracedLaunch(kernel)
-    if FAST_LAUNCH and not _INTERPRET:
-        return _cached_launcher(kernel)
-    return kernel
+    target = _cached_launcher(kernel) if FAST_LAUNCH and not _INTERPRET else kernel
+    return target if _LAUNCH_LOG is None else _LoggedLaunch(target, kernel, _LAUNCH_LOG)
+
+
+def kernel_name(kernel) -> str:
+    """The name a GPU trace gives the kernel: its Python function's name (through autotuners/heuristics)."""
+    fn = kernel
+    while not inspect.isfunction(fn) and hasattr(fn, "fn"):
+        fn = fn.fn
+    return getattr(fn, "__name__", type(kernel).__name__)
+
+
+def argument_bytes(args, kwargs) -> tuple[int, list]:
+    """(bytes of the distinct tensors among a launch's arguments, each counted once, [[shape], dtype] of
+    each): what a kernel that reads or writes every element of every argument once must move at least.
+    Views of one buffer count by their own extent; the same view passed twice counts once."""
+    seen, total, tensors = set(), 0, []
+    for value in (*args, *kwargs.values()):
+        if not isinstance(value, torch.Tensor):
+            continue
+        key = (value.data_ptr(), tuple(value.shape), tuple(value.stride()), value.dtype)
+        if key in seen:
+            continue
+        seen.add(key)
+        total += value.numel() * value.element_size()
+        tensors.append([list(value.shape), str(value.dtype).replace("torch.", "")])
+    return total, tensors
+
+
+class _LoggedLaunch:
+    """`target[grid](...)` that first appends {kernel, bytes, tensors} to the active launch log."""
+
+    def __init__(self, target, kernel, log: list):
+        self.target, self.kernel, self.log = target, kernel, log
+
+    def __getitem__(self, grid):
+        run = self.target[grid]
+
+        def logged(*args, **kwargs):
+            nbytes, tensors = argument_bytes(args, kwargs)
+            self.log.append({"kernel": kernel_name(self.kernel), "bytes": nbytes, "tensors": tensors})
+            return run(*args, **kwargs)
+        return logged
+
+
+_LAUNCH_LOG: list | None = None     # the active launch_log's list: every thread's launches (autograd's too)
+
+
+@contextlib.contextmanager
+def launch_log():
+    """Collect the eager Triton launches made inside the block, from any thread (a backward's launches come
+    from autograd's): yields the list it fills, one {kernel, bytes, tensors} per launch in launch order
+    (see argument_bytes). Launches Inductor makes from compiled code and the autotuner's trial runs are
+    not in it."""
+    global _LAUNCH_LOG
+    previous, _LAUNCH_LOG = _LAUNCH_LOG, []
+    try:
+        yield _LAUNCH_LOG
+    finally:
+        _LAUNCH_LOG = previous
 
 
 @functools.lru_cache(maxsize=None)

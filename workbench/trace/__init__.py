@@ -98,6 +98,8 @@ class Trace:
 
     meta keys: source ('nsys' | 'kineto'), path, schema_version, export_version, span_start_ns,
     span_end_ns (first kernel start, last kernel end), notes and warnings (lists of one-line str).
+    launches: the `launches.json` the capture wrote beside the trace (one step's eager Triton launches with
+    the bytes of their arguments, see LAUNCHES_FILE), or None.
     """
 
     kernels: pd.DataFrame
@@ -105,6 +107,7 @@ class Trace:
     meta: dict
     memops: pd.DataFrame = field(default_factory=lambda: empty_frame(MEMOP_COLUMNS))
     api: pd.DataFrame = field(default_factory=lambda: empty_frame(API_COLUMNS))
+    launches: dict | None = None
 
 
 def empty_frame(columns: list[str]) -> pd.DataFrame:
@@ -226,7 +229,35 @@ def load_trace(path) -> Trace:
     trace = _parse(path)
     trace.meta.setdefault("warnings", [])
     trace.meta["devices"] = sorted(int(d) for d in trace.kernels["device_id"].unique())
+    trace.launches = load_launches(Path(os.fspath(path)).parent / LAUNCHES_FILE, trace.meta["warnings"])
     return trace
+
+
+# Written by the capture beside its trace: {"schema": LAUNCHES_SCHEMA, "device_name": str | null,
+# "step": int, "launches": [{"kernel": str, "bytes": int, "largest": [[shape...], dtype]}]}: the eager
+# Triton launches of one warm-up step, in launch order (workbench.kernels._common.launch_log).
+LAUNCHES_FILE = "launches.json"
+LAUNCHES_SCHEMA = "swinbench.launches/1"
+
+
+def load_launches(path: Path, warnings: list[str]) -> dict | None:
+    """The launches file at `path`, or None when there is none; a file that is not one (another schema,
+    broken JSON, a wrong field) adds one line to `warnings` and is left out."""
+    import json
+
+    if not path.is_file():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+        ok = (isinstance(doc, dict) and doc.get("schema") == LAUNCHES_SCHEMA and isinstance(doc.get("launches"), list)
+              and all(isinstance(e, dict) and isinstance(e.get("kernel"), str) and isinstance(e.get("bytes"), int)
+                      and e["bytes"] >= 0 for e in doc["launches"]))
+    except (OSError, UnicodeDecodeError, ValueError):
+        ok = False
+    if not ok:
+        warnings.append(f"{path.name} beside the trace is not a {LAUNCHES_SCHEMA} file: kernel floors left out")
+        return None
+    return doc
 
 
 def _parse(path) -> Trace:

@@ -1,0 +1,152 @@
+"""Kernels against their memory floor: the launch log (every eager Triton launch with the bytes of its
+arguments), the match of a trace's instances to the logged launches, and the table `analyze` and
+`profile` show and write."""
+import json
+import os
+
+import pandas as pd
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from workbench.analysis.floors import COLUMNS, kernel_floors, peak_gbps  # noqa: E402
+from workbench.kernels._common import argument_bytes, launch_log  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_the_log_holds_every_launch_of_a_forward_and_its_backward_with_their_argument_bytes():
+    from workbench.kernels.layer_norm import layer_norm
+
+    x = torch.randn(37, 96, device=DEVICE, requires_grad=True)
+    w = torch.randn(96, device=DEVICE, requires_grad=True)
+    b = torch.randn(96, device=DEVICE, requires_grad=True)
+    with launch_log() as log:
+        layer_norm(x, w, b, 1e-5).sum().backward()      # the backward launches from autograd's thread
+    names = [e["kernel"] for e in log]
+    assert names[0] == "_layer_norm_fwd_kernel" and "_layer_norm_bwd_kernel" in names
+    fwd = log[0]
+    assert [37, 96] in [t[0] for t in fwd["tensors"]]
+    assert fwd["bytes"] >= 2 * 37 * 96 * 4 + 2 * 96 * 4       # reads x, w, b and writes y at least
+    with launch_log() as quiet:
+        pass
+    assert quiet == []
+    layer_norm(x, w, b, 1e-5)       # outside the block: nothing is logged anywhere
+    assert len(log) == len(names)
+
+
+def test_argument_bytes_counts_each_tensor_once_and_views_by_their_extent():
+    qkv = torch.zeros(4, 10, 3 * 8)
+    q, k, v = qkv.split(8, dim=-1)
+    total, tensors = argument_bytes((q, k, v, q, 3, 1.5), {"out": torch.zeros(2, dtype=torch.bfloat16)})
+    assert total == 3 * 4 * 10 * 8 * 4 + 2 * 2
+    assert tensors[-1] == [[2], "bfloat16"] and len(tensors) == 4
+
+
+@pytest.mark.parametrize("name, peak", [("NVIDIA H200", 4800.0), ("NVIDIA H100 PCIe", 2000.0),
+                                        ("NVIDIA H100 80GB HBM3", 3350.0), ("NVIDIA A100-SXM4-80GB", 2039.0),
+                                        ("NVIDIA A100-SXM4-40GB", 1555.0), ("Some Future GPU", None), (None, None)])
+def test_peak_bandwidth_by_gpu_name(name, peak):
+    assert peak_gbps(name) == peak
+
+
+def _kernels(rows):
+    """A kernels frame as the trace layer gives it: (name, start_ns, duration_ns) rows."""
+    return pd.DataFrame({"name": [r[0] for r in rows], "short_name": [r[0] for r in rows],
+                         "start_ns": [r[1] for r in rows], "duration_ns": [r[2] for r in rows]})
+
+
+def _launches(entries, device="NVIDIA H200"):
+    return {"schema": "swinbench.launches/1", "device_name": device, "step": 0,
+            "launches": [{"kernel": k, "bytes": b, "largest": [shape, "bfloat16"]} for k, b, shape in entries]}
+
+
+def test_instances_take_their_launch_bytes_in_order_step_after_step():
+    # a step launches attn twice (stage 1, then stage 2) and norm once; the trace holds two steps
+    launches = _launches([("attn", 4_800_000, [64, 49, 96]), ("norm", 9_600_000, [64, 3136]),
+                          ("attn", 2_400_000, [16, 49, 192])])
+    kernels = _kernels([("attn", 0, 4_000), ("norm", 10_000, 4_000), ("attn", 20_000, 1_000),
+                        ("attn", 100_000, 2_000), ("norm", 110_000, 2_000), ("attn", 120_000, 1_000),
+                        ("gemm", 130_000, 50_000)])
+    table, summary = kernel_floors(kernels, launches)
+    assert list(table.columns) == COLUMNS and summary["steps"] == [2] and summary["note"] is None
+    rows = {(r.kernel, r.largest_argument): r for r in table.itertuples()}
+    big = rows[("attn", "64x49x96 bfloat16")]
+    # 4.8 MB at 4,800 GB/s: 1 µs; measured 4 and 2 µs, median 3
+    assert big.calls_per_step == 1 and big.median_us == pytest.approx(3.0) and big.floor_us == pytest.approx(1.0)
+    assert big.floor_pct == pytest.approx(100 / 3) and big.achieved_gbps == pytest.approx(1600.0)
+    small = rows[("attn", "16x49x192 bfloat16")]
+    assert small.median_us == pytest.approx(1.0) and small.floor_pct == pytest.approx(50.0)
+    assert rows[("norm", "64x3136 bfloat16")].floor_us == pytest.approx(2.0)
+    assert table.iloc[0]["us_per_step"] == table["us_per_step"].max()       # most time per step first
+    assert summary["kernel_us_per_step"] == pytest.approx(3 + 1 + 3)
+    assert summary["floor_us_per_step"] == pytest.approx(1 + 0.5 + 2)
+    assert "gemm" not in set(table["kernel"])       # not ours: no floor, not reported as unmatched either
+
+
+def test_what_cannot_be_matched_is_named_and_left_out():
+    launches = _launches([("attn", 1000, [4]), ("attn", 1000, [4]), ("merge", 10, [1]), ("gone", 10, [1])])
+    kernels = _kernels([("attn", 0, 10), ("attn", 10, 10), ("attn", 20, 10), ("merge", 30, 5)])
+    table, summary = kernel_floors(kernels, launches)
+    assert set(table["kernel"]) == {"merge"}
+    assert summary["unmatched"] == {"attn": "3 instances in the trace, 2 launches per step", "gone": "not in the trace"}
+
+
+@pytest.mark.parametrize("device, says", [("Some Future GPU", "peak bandwidth of Some Future GPU is not known"),
+                                          (None, "ran on the CPU")])
+def test_no_floors_without_a_known_gpu(device, says):
+    table, summary = kernel_floors(_kernels([("attn", 0, 10)]), _launches([("attn", 10, [1])], device))
+    assert table.empty and says in summary["note"]
+
+
+def _kineto_trace(folder, kernels):
+    ev = []
+    for i, (name, ts, dur) in enumerate(kernels):
+        ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 2, "ts": ts - 1,
+                   "dur": 0.5, "args": {"correlation": i + 1}})
+        ev.append({"ph": "X", "cat": "kernel", "name": name, "pid": 1, "tid": 2, "ts": ts, "dur": dur,
+                   "args": {"device": 0, "stream": 7, "correlation": i + 1}})
+    path = folder / "trace.json"
+    path.write_text(json.dumps({"schemaVersion": 1, "traceEvents": ev}))
+    return path
+
+
+def test_analyze_shows_and_writes_the_floors_of_a_trace_with_its_launches_beside_it(tmp_path):
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    trace = _kineto_trace(tmp_path, [("_attn_kernel", 100.0, 4.0), ("gemm", 110.0, 20.0),
+                                     ("_attn_kernel", 200.0, 2.0), ("gemm", 210.0, 20.0)])
+    (tmp_path / "launches.json").write_text(json.dumps(_launches([("_attn_kernel", 9_600_000, [64, 49, 96])])))
+    out = tmp_path / "tables"
+    result = CliRunner().invoke(app, ["analyze", str(trace), "--format", "csv", "--out", str(out)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "against their memory floor" in result.output and "64x49x96 bfloat16" in result.output
+    floors = pd.read_csv(out / "floors.csv")
+    assert floors.loc[0, "kernel"] == "_attn_kernel" and floors.loc[0, "floor_pct"] == pytest.approx(200 / 3)
+    # a broken launches file: one warning line, the rest of the analysis as before
+    (tmp_path / "launches.json").write_text("{not json")
+    result = CliRunner().invoke(app, ["analyze", str(trace)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0 and "launches.json beside the trace is not a swinbench.launches/1 file" in result.output
+    assert "against their memory floor" not in result.output
+
+
+@pytest.mark.slow
+def test_profile_logs_the_warm_up_launches_beside_the_trace(tmp_path):
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["profile", "--device", "cpu", "--batch", "1", "--steps", "1", "--warmup", "1",
+                                      "--recipe", "fmha", "--out", str(out)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    doc = json.loads((out / "launches.json").read_text())
+    assert doc["schema"] == "swinbench.launches/1" and doc["device_name"] is None and doc["step"] == 0
+    kernels = {e["kernel"] for e in doc["launches"]}
+    assert {"_window_attention_fwd_kernel", "_window_attention_bwd_kernel"} <= kernels
+    assert all(e["bytes"] > 0 and len(e["largest"]) == 2 for e in doc["launches"])
+    assert "no memory floors: the kernels ran on the CPU" in result.output
