@@ -150,3 +150,27 @@ def test_profile_logs_the_warm_up_launches_beside_the_trace(tmp_path):
     assert {"_window_attention_fwd_kernel", "_window_attention_bwd_kernel"} <= kernels
     assert all(e["bytes"] > 0 and len(e["largest"]) == 2 for e in doc["launches"])
     assert "no memory floors: the kernels ran on the CPU" in result.output
+
+
+def test_a_profiled_stage_keeps_its_floors_in_the_record_and_the_report_shows_them(tmp_path):
+    from record_helpers import record
+
+    from workbench.results.record import StageRecord
+    from workbench.results.report import render_report
+    from workbench.errors import UserError
+
+    floor = {"kernel": "_window_attention_bwd_kernel", "largest_argument": "4096x49x384 bfloat16",
+             "calls_per_step": 2.0, "median_us": 71.3, "floor_us": 12.5, "floor_pct": 17.5}
+    profile = {"backend": "nsys", "category_share_pct": {"attention": 20.0}, "floors": [floor],
+               "floor_peak_gbps": 4800.0}
+    rec = StageRecord.from_dict({**record(0, "fmha", None, 25.0), "profile": profile})
+    assert rec.profile.floors[0].floor_pct == 17.5 and rec.profile.floor_peak_gbps == 4800.0
+    again = StageRecord.from_dict(rec.to_dict())
+    assert again.profile.floors == rec.profile.floors
+    plain = StageRecord.from_dict({**record(0, "amp", None, 25.0), "profile": {"backend": "nsys"}})
+    assert "floors" not in plain.to_dict()["profile"]      # a profile without floors writes as before
+    text = render_report([rec], tmp_path / "r.md").read_text()
+    assert "## swinbench's kernels against their memory floor" in text and "4,800 GB/s" in text
+    assert "| fmha | _window_attention_bwd_kernel | 4096x49x384 bfloat16 | 2 | 71.3 | 12.5 | 18% | 0.143 |" in text
+    with pytest.raises(UserError, match="profile.floors"):
+        StageRecord.from_dict({**record(0, "fmha", None, 25.0), "profile": {**profile, "floors": [{**floor, "x": 1}]}})

@@ -326,9 +326,22 @@ def _profile_stage(spec: StageSpec, config: WorkloadConfig, record: dict) -> dic
         by_name = [{"kernel": str(k), "ms_per_step": round(float(t) / 1e6 / spec.steps, 5),
                     "per_step": round(float(n) / spec.steps, 3)}
                    for k, t, n in kernels[["kernel", "total_ns", "instances"]].values]
-    return {"backend": backend, "trace": str(trace), "category_share_pct": shares, "top_kernels": top,
-            "kernel_ms_per_step": kernel_ms, "api_calls_per_step": per_step, "kernels_per_step": by_name,
-            "timeline": _stage_timeline(spec, config, analysis, trace, folder, record)}
+    profile = {"backend": backend, "trace": str(trace), "category_share_pct": shares, "top_kernels": top,
+               "kernel_ms_per_step": kernel_ms, "api_calls_per_step": per_step, "kernels_per_step": by_name,
+               "timeline": _stage_timeline(spec, config, analysis, trace, folder, record)}
+    floors, summary = analysis.floors, analysis.trace_meta.get("floors") or {}
+    if floors is not None and len(floors):
+        # swinbench's kernels against their memory floor (analysis/floors.py), the FLOOR_ROWS costliest
+        profile["floors"] = [{k: (str(r[k]) if k in ("kernel", "largest_argument") else round(float(r[k]), 4))
+                              for k in ("kernel", "largest_argument", "calls_per_step", "median_us", "floor_us",
+                                        "floor_pct")} for r in floors.head(FLOOR_ROWS).to_dict("records")]
+        profile["floor_peak_gbps"] = summary.get("peak_gbps")
+    elif summary.get("note") and summary.get("device_name"):     # a GPU whose bandwidth swinbench lacks
+        record["notes"].append(summary["note"])
+    return profile
+
+
+FLOOR_ROWS = 12     # the kernel rows against their memory floor a stage record keeps (most time per step first)
 
 
 def _stage_timeline(spec: StageSpec, config: WorkloadConfig, analysis, trace: Path, folder: Path,

@@ -252,6 +252,24 @@ class KernelTime:
 
 
 @dataclass(frozen=True)
+class KernelFloor:
+    """One of swinbench's kernels at one argument shape against its memory floor in the stage's capture
+    (workbench/analysis/floors.py): launches per step, median µs, the floor's µs, floor / median in %."""
+
+    kernel: str
+    largest_argument: str
+    calls_per_step: float
+    median_us: float
+    floor_us: float
+    floor_pct: float
+
+    def to_dict(self) -> dict:
+        return {"kernel": self.kernel, "largest_argument": self.largest_argument,
+                "calls_per_step": self.calls_per_step, "median_us": self.median_us, "floor_us": self.floor_us,
+                "floor_pct": self.floor_pct}
+
+
+@dataclass(frozen=True)
 class Profile:
     backend: str
     trace: str | None = None
@@ -261,6 +279,8 @@ class Profile:
     api_calls_per_step: dict[str, float] | None = None
     kernels_per_step: tuple[KernelTime, ...] = ()
     timeline: str | None = None
+    floors: tuple[KernelFloor, ...] = ()        # most time per step first
+    floor_peak_gbps: float | None = None        # the bandwidth the floors are at
 
     def kernels_frame(self):
         """kernels_per_step as a DataFrame (kernel, ms, n) per step, ready for diff.join_per_unit; None
@@ -277,7 +297,9 @@ class Profile:
         return {"backend": self.backend, "trace": self.trace, "category_share_pct": dict(self.category_share_pct),
                 "top_kernels": [k.to_dict() for k in self.top_kernels], "kernel_ms_per_step": self.kernel_ms_per_step,
                 "api_calls_per_step": None if self.api_calls_per_step is None else dict(self.api_calls_per_step),
-                "kernels_per_step": [k.to_dict() for k in self.kernels_per_step], "timeline": self.timeline}
+                "kernels_per_step": [k.to_dict() for k in self.kernels_per_step], "timeline": self.timeline,
+                **({"floors": [f.to_dict() for f in self.floors], "floor_peak_gbps": self.floor_peak_gbps}
+                   if self.floors else {})}
 
 
 @dataclass(frozen=True)
@@ -997,7 +1019,7 @@ class _Parser:
             return None
         p = self.mapping(value, "profile")
         self.known(p, {"backend", "trace", "category_share_pct", "top_kernels", "kernel_ms_per_step",
-                       "api_calls_per_step", "kernels_per_step", "timeline"}, "profile")
+                       "api_calls_per_step", "kernels_per_step", "timeline", "floors", "floor_peak_gbps"}, "profile")
         shares = self.mapping(_given(p.get("category_share_pct"), {}), "profile.category_share_pct")
         shares = {k: self.number(v, f"profile.category_share_pct.{k}", positive=False, high=100.0 + 1e-6)
                   for k, v in shares.items()}
@@ -1030,7 +1052,22 @@ class _Parser:
                        kernel_ms_per_step=self.number(p.get("kernel_ms_per_step"), "profile.kernel_ms_per_step",
                                                       optional=True),
                        api_calls_per_step=calls, kernels_per_step=tuple(kernels),
-                       timeline=self.string(p.get("timeline"), "profile.timeline", optional=True))
+                       timeline=self.string(p.get("timeline"), "profile.timeline", optional=True),
+                       floors=self.floors(p.get("floors")),
+                       floor_peak_gbps=self.number(p.get("floor_peak_gbps"), "profile.floor_peak_gbps", optional=True))
+
+    def floors(self, value) -> tuple[KernelFloor, ...]:
+        out = []
+        for i, item in enumerate(self.sequence(_given(value, []), "profile.floors")):
+            name = f"profile.floors[{i}]"
+            k = self.mapping(item, name)
+            self.known(k, {"kernel", "largest_argument", "calls_per_step", "median_us", "floor_us", "floor_pct"}, name)
+            text = {f: self.string(self.get(k, f, name + ".", required=True), f"{name}.{f}")
+                    for f in ("kernel", "largest_argument")}
+            nums = {f: self.number(self.get(k, f, name + ".", required=True), f"{name}.{f}")
+                    for f in ("calls_per_step", "median_us", "floor_us", "floor_pct")}
+            out.append(KernelFloor(**text, **nums))
+        return tuple(out)
 
     def activation_dtypes(self, value) -> dict[str, str] | None:
         d = self.mapping(value, "activation_dtypes", optional=True)

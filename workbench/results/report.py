@@ -881,6 +881,26 @@ def _scaling_lines(records: list[StageRecord]) -> list[str]:
             "a few more steps under torch.profiler after the timing.", ""]
 
 
+def _floor_lines(records) -> list[str]:
+    """Each profiled stage's own kernels against their memory floor (records' profile.floors)."""
+    staged = [r for r in records if r.profile is not None and r.profile.floors]
+    if not staged:
+        return []
+    rows = []
+    for r in staged:
+        for f in r.profile.floors:
+            rows.append([r.stage, f.kernel, f.largest_argument, f"{f.calls_per_step:,.0f}", f"{f.median_us:,.1f}",
+                         f"{f.floor_us:,.1f}", f"{f.floor_pct:.0f}%", f"{f.calls_per_step * f.median_us / 1e3:,.3f}"])
+    peaks = sorted({f"{r.profile.floor_peak_gbps:,.0f}" for r in staged if r.profile.floor_peak_gbps})
+    return ["## swinbench's kernels against their memory floor", "",
+            f"In each profiled stage, its costliest Triton kernels (by time per step) per argument shape: the median "
+            f"time in the capture, the floor (the bytes of the kernel's arguments at the GPU's peak bandwidth, "
+            f"{' / '.join(peaks)} GB/s) and floor / median. 100% runs at the memory limit; what a row is under "
+            "it is time a faster kernel could take off the step (docs/analysis.md).", "",
+            _md_table(["stage", "kernel", "largest argument", "calls/step", "median µs", "floor µs", "% of floor",
+                       "ms/step"], rows), ""]
+
+
 def _num(x) -> str:
     return "-" if x is None else f"{x:,.1f}"
 
@@ -1072,6 +1092,7 @@ def render_report(records, out_path_md: Path, note: str | None = None, auto: dic
     else:
         lines += [f"## {w.time} by category", "", "Not profiled (run `swinbench apply --profile`).", ""]
 
+    lines += _floor_lines(records)
     lines += _timeline_lines(records, out_path_md)
     lines += _kernel_change_lines(records)
     lines += ["## What each stage changed", ""]
