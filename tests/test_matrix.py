@@ -302,3 +302,28 @@ def test_a_quantized_fused_stage_brings_torchaos_peer_of_its_precision():
     assert matrix.cell_stages("int8") == ["amp", "int8", "torch-compile", "torchao-int8"]
     cells = matrix.plan_cells(["swin_tiny_patch4_window7_224"], ["infer8"])
     assert [(c.mode, c.batch) for c in cells] == [("infer", 8)]
+
+
+def test_profiled_cells_show_the_swinbench_stages_kernels_against_their_floor(tmp_path):
+    floors = [{"kernel": f"_k{i}", "largest_argument": "64x49x96 bfloat16", "calls_per_step": 2.0,
+               "median_us": 10.0 + i, "floor_us": 2.0, "floor_pct": 20.0} for i in range(6)]
+    recs = cell_records()
+    recs[1]["profile"] = {"backend": "nsys", "floors": floors, "floor_peak_gbps": 4800.0}    # the fmha stage
+    write_cell(tmp_path, "t-train", recs)
+    write_cell(tmp_path, "t-infer", cell_records(mode="infer", batch=1, run_id="r2"))        # not profiled
+    md, js = write_matrix(tmp_path, matrix.FAMILY, "cmd")
+    text = md.read_text()
+    assert "## swinbench's kernels against their memory floor" in text
+    assert "| Swin-T 224 | training | 128 | fmha | _k0 | 64x49x96 bfloat16 | 2 | 10.0 | 2.0 | 20% |" in text
+    assert "_k3" in text and "_k4" not in text      # FLOOR_ROWS per cell
+    cells = {c["cell"]: c for c in json.loads(js.read_text())["cells"]}
+    assert len(cells["t-train"]["floors"]) == 4 and cells["t-infer"]["floors"] == []
+    # the README's block keeps to the table
+    assert "memory floor" not in matrix_markdown(read_matrix(tmp_path), heading=False)
+
+
+def test_matrix_profile_asks_apply_to_profile_every_cell(tmp_path):
+    fake = FakeApply()
+    matrix.run_matrix(models=[TINY_MODEL], modes=["train"], out_dir=tmp_path / "m", device="cpu", run_apply=fake,
+                      progress=False, profile=True)
+    assert fake.calls[0]["profile"] is True

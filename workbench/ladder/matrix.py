@@ -160,14 +160,16 @@ def _started(out_dir: Path) -> list[str]:
 def run_matrix(*, models: list[str] | None = None, modes: list[str] | None = None, train_batch: int | None = None,
                fused: str = DEFAULT_FUSED, out_dir: Path, steps: int = 20, warmup: int = 5, device: str = "auto",
                cache_dir: Path | None = None, fresh: bool = False, resume: bool = False, overwrite: bool = False,
-               console=None, progress: bool = True, run_apply=None) -> dict:
+               console=None, progress: bool = True, run_apply=None, profile: bool = False) -> dict:
     """Run every cell (one `run_apply` each) and render matrix.md / matrix.json in out_dir.
 
     models: default FAMILY on a GPU, the tiny CPU Swin on the CPU. modes: names of MODES (default
     DEFAULT_MODES). A folder holding an earlier matrix is refused (one line) unless `resume` (skip the
     finished cells, continue the others with apply's resume) or `overwrite` (each cell's earlier files
     are moved aside by apply). A cell whose stage fails is reported and the others still run; the
-    failures raise UserError at the end, after the table is written. run_apply: for tests.
+    failures raise UserError at the end, after the table is written. profile: capture every stage too
+    (apply's --profile), which puts each cell's kernels against their memory floor into matrix.md.
+    run_apply: for tests.
     -> {"cells": [Cell], "ran": [names], "skipped": [names], "failed": {name: message}, "matrix": md path}."""
     from rich.console import Console
 
@@ -216,7 +218,8 @@ def run_matrix(*, models: list[str] | None = None, modes: list[str] | None = Non
             try:
                 run_apply(fused, model=cell.model, batch=cell.batch, steps=steps, warmup=warmup, device=device,
                           out_dir=folder, stages=list(stages), mode=cell.mode, resume=resume and bool(run_entries(folder)),
-                          overwrite=overwrite, cache_dir=cache_dir, fresh=fresh, console=console, progress=progress)
+                          overwrite=overwrite, cache_dir=cache_dir, fresh=fresh, console=console, progress=progress,
+                          **({"profile": True} if profile else {}))
             except UserError as exc:
                 if getattr(exc, "result", None) is None:   # not a stage failure: the plan itself is wrong
                     raise

@@ -15,7 +15,8 @@ matrix_rows(cells) -> one dict per cell, keys ROW_KEYS:
   amp_ms, amp_form, peer (stage), peer_form, peer_ms, swinbench (stage), swinbench_form, swinbench_ms,
   swinbench_iqr_ms, swinbench_img_per_s, x_peer (peer ms / swinbench ms), x_amp (amp ms / swinbench ms),
   peak_mem_bytes (of the swinbench stage), gate ('PASS', or each stage that did not pass and why),
-  slower (swinbench slower than the peer), run_id.
+  slower (swinbench slower than the peer), run_id, floors (the swinbench stage's kernels against their
+  memory floor where its run was profiled: profile.floors of its record, at most FLOOR_ROWS; else []).
 Times are milliseconds per step; None where a side was not measured or did not pass the gate.
 """
 from __future__ import annotations
@@ -40,7 +41,8 @@ SLOWER_NOTE = (f"{SLOWER_MARK} swinbench's best form is slower than the stronges
                "the fused stack loses here.")
 ROW_KEYS = ["cell", "model", "mode", "batch", "device", "amp_ms", "amp_form", "peer", "peer_form", "peer_ms",
             "swinbench", "swinbench_form", "swinbench_ms", "swinbench_iqr_ms", "swinbench_img_per_s", "x_peer",
-            "x_amp", "peak_mem_bytes", "gate", "slower", "run_id"]
+            "x_amp", "peak_mem_bytes", "gate", "slower", "run_id", "floors"]
+FLOOR_ROWS = 4      # per cell in matrix.md: the swinbench stage's costliest kernels against their floor
 HEADERS = ["model", "mode", "batch", "amp ms", "peer ms (form)", "swinbench ms ± IQR (form)", "swinbench img/s",
            "× peer", "× amp", "peak memory", "gate"]
 _MODE_ORDER = {"train": 0, "infer": 1}
@@ -100,6 +102,9 @@ def cell_row(cell: str, records) -> dict:
         rate = _num(r["graph_img_per_s"] if graph else r["img_per_s"])
         peak = _num(r["peak_mem_bytes"])
     x_peer = best.get("x_peer")
+    sw_rec = next((r for r in records if r.stage == sw_stage), None)
+    floors = ([f.to_dict() for f in sw_rec.profile.floors[:FLOOR_ROWS]]
+              if sw_rec is not None and sw_rec.profile is not None else [])
     return {
         "cell": cell, "model": first.model, "mode": first.mode, "batch": first.batch,
         "device": first.env.device_name, "amp_ms": amp_ms, "amp_form": amp_form, "peer": best.get("peer"),
@@ -107,6 +112,7 @@ def cell_row(cell: str, records) -> dict:
         "swinbench_form": sw_form, "swinbench_ms": _num(sw_ms), "swinbench_iqr_ms": iqr, "swinbench_img_per_s": rate,
         "x_peer": _num(x_peer), "x_amp": amp_ms / sw_ms if amp_ms and sw_ms else None, "peak_mem_bytes": peak,
         "gate": _gate(records), "slower": bool(_isnum(x_peer) and x_peer < 1.0), "run_id": first.run_id,
+        "floors": floors,
     }
 
 
@@ -174,6 +180,19 @@ def matrix_markdown(rows: list[dict], command: str | None = None, heading: bool 
               "Peak memory: the swinbench stage's."]
     if any(r["slower"] for r in rows):
         lines += ["", SLOWER_NOTE]
+    if heading and any(r.get("floors") for r in rows):
+        lines += ["", "## swinbench's kernels against their memory floor", "",
+                  f"Each profiled cell's swinbench stage: its {FLOOR_ROWS} costliest kernels per argument shape, the "
+                  "median time in the capture, the floor (argument bytes at the GPU's peak bandwidth) and floor / "
+                  "median (docs/analysis.md).", "",
+                  "| model | mode | batch | stage | kernel | largest argument | calls/step | median µs | floor µs "
+                  "| % of floor |", "|" + "|".join("---" for _ in range(10)) + "|"]
+        for r in rows:
+            for f in r.get("floors") or []:
+                lines.append(f"| {short_model(r['model'])} | {'training' if r['mode'] == 'train' else 'inference'} "
+                             f"| {r['batch']} | {r['swinbench']} | {f['kernel']} | {f['largest_argument']} "
+                             f"| {f['calls_per_step']:,.0f} | {f['median_us']:,.1f} | {f['floor_us']:,.1f} "
+                             f"| {f['floor_pct']:.0f}% |")
     if command:
         lines += ["", f"Rendered by `{command}`."]
     return "\n".join(lines) + "\n"
