@@ -233,3 +233,62 @@ def test_simulate_over_the_fmha_chain():
             logits, _ = w.forward_loss()
         out[quantized] = logits.double()
     assert 1e-3 < rel_err(out[True], out[False]) < LOGITS_REL["fp8"]
+
+
+def test_layer_rows_are_each_linears_tokens_per_image(reference):
+    model = reference[0]
+    rows = ql.layer_rows(model, ["layers.0.blocks.0.attn.qkv", "layers.0.blocks.0.mlp.fc2", "head.fc"], infer_ctx())
+    # the tiny Swin at 56 px: 14x14 tokens in stage 1, one row per image at the head
+    assert rows == {"layers.0.blocks.0.attn.qkv": 196, "layers.0.blocks.0.mlp.fc2": 196, "head.fc": 1}
+
+
+def test_measured_selection_times_each_shape_once_and_keeps_the_slower_ones_wide(reference, monkeypatch):
+    """select auto on a GPU route: every distinct (rows, K, N) timed bf16 against its QuantLinear (the CUDA
+    timer replaced: the QuantLinear is slower wherever K < 64), its choice applied to every layer of it."""
+    from workbench.optimize.passes import _route
+
+    model = copy.deepcopy(reference[0])
+    timed = []
+
+    def fake_median_us(call):
+        timed.append(call().shape)
+        return 10.0
+    monkeypatch.setattr(_route, "median_us", fake_median_us)
+    ctx = PassContext(device=torch.device("cpu"), precision=resolve_precision("bf16"), training=False, batch=4)
+    routes = {n: "int_mm" for n, _ in ql.quantizable_linears(model) if n != "head.fc"}
+    measured = ql.measure_layers(model, routes, "int8", ctx, static=False)
+    shapes = {(m, k, n) for (m, k, n) in measured}
+    assert (4 * 196, 32, 96) in shapes and (4 * 49, 64, 192) in shapes     # stage 1 qkv, stage 2 qkv
+    assert sum(len(r["layers"]) for r in measured.values()) == len(routes)
+    assert len(timed) == 2 * len(measured)                                  # bf16 and quantized, once per shape
+    assert all(r["choice"] == "bf16" for r in measured.values())            # a tie stays bf16 (3% margin)
+
+
+def test_select_auto_quantizes_only_the_shapes_measured_faster(reference, monkeypatch):
+    model = copy.deepcopy(reference[0])
+    monkeypatch.setattr(ql, "gpu_route", lambda dtype, device: "int_mm")
+
+    def measured(model, routes, dtype, ctx, static):
+        shapes = {}
+        for name in routes:
+            lin = model.get_submodule(name)
+            shapes.setdefault((196 * 8, lin.in_features, lin.out_features), []).append(name)
+        return {s: {"bf16_us": 10.0, "quant_us": 5.0 if s[1] >= 64 else 12.0,
+                    "choice": "quantize" if s[1] >= 64 else "bf16", "layers": names} for s, names in shapes.items()}
+    monkeypatch.setattr(ql, "measure_layers", measured)
+    q, res = ql.apply(model, infer_ctx(), dtype="int8", keep=["head.fc"])
+    wide = {n for n, r in res.details["layers"].items() if r.startswith("kept bf16: measured faster in bf16")}
+    quantized = {n for n, r in res.details["layers"].items() if r == "int_mm"}
+    assert wide and quantized and res.details["selected_by_measurement"] and res.params["select"] == "auto"
+    assert all(q.get_submodule(n).in_features < 64 for n in wide)
+    assert all(isinstance(q.get_submodule(n), QuantLinear) and q.get_submodule(n).in_features >= 64 for n in quantized)
+    assert f"({len(wide)} measured faster in bf16 on this GPU)" in res.changed
+    assert "12.0 us against 5.0" not in res.details["layers"][next(iter(wide))]
+    assert "10.0 us against 12.0 us for int8" in res.details["layers"][next(iter(wide))]
+    assert {s["choice"] for s in res.details["shapes"]} == {"quantize", "bf16"}
+    # select all: every layer the shape rules allow, nothing timed
+    monkeypatch.setattr(ql, "measure_layers", lambda *a: pytest.fail("select all must not measure"))
+    _, res = ql.apply(copy.deepcopy(reference[0]), infer_ctx(), dtype="int8", keep=["head.fc"], select="all")
+    assert res.details["counts"] == {"int_mm": 17, "kept": 1} and not res.details["selected_by_measurement"]
+    with pytest.raises(UserError, match="select must be one of auto, all"):
+        ql.apply(copy.deepcopy(reference[0]), infer_ctx(), dtype="int8", select="some")

@@ -71,21 +71,40 @@ def pytorch_forward(attn: torch.nn.Module, v2: bool):
     return types.MethodType(type(attn).forward, attn)
 
 
-def _time(fn, x: torch.Tensor, mask, training: bool, autocast) -> float:
-    """Median microseconds of fn(x, mask) (+ backward of its sum when training), CUDA events."""
+def median_us(call) -> float:
+    """Median microseconds of call() over REPEATS calls after WARMUP untimed ones, CUDA events."""
     times = []
     for i in range(WARMUP + REPEATS):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        with autocast:
-            out = fn(x, mask)
-        if training:
-            out.float().sum().backward()
+        call()
         end.record()
         end.synchronize()
         if i >= WARMUP:
             times.append(start.elapsed_time(end) * 1e3)
     return statistics.median(times)
+
+
+def _time(fn, x: torch.Tensor, mask, training: bool, autocast) -> float:
+    """Median microseconds of fn(x, mask) (+ backward of its sum when training), CUDA events."""
+    def call():
+        with autocast:
+            out = fn(x, mask)
+        if training:
+            out.float().sum().backward()
+    return median_us(call)
+
+
+def rank_zero_measures(measure):
+    """measure() on this process, or under torchrun on rank 0 only, its result broadcast to every rank (so
+    the ranks build the same model)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        shared = [measure() if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(shared, src=0)
+        return shared[0]
+    return measure()
 
 
 def measure_routes(blocks: list[tuple[str, torch.nn.Module]], ctx, images: int | None, v2: bool,
@@ -95,14 +114,8 @@ def measure_routes(blocks: list[tuple[str, torch.nn.Module]], ctx, images: int |
     kernel_forward(attn) -> attn's forward as the pass binds it (on a copy, which it may change)."""
     if ctx.device.type != "cuda" or not blocks:
         return {}
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        # data parallel: every rank runs rank 0's routes, so the ranks compute the same function
-        shared = [_measure(blocks, ctx, images or DEFAULT_IMAGES, v2, kernel_forward) if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(shared, src=0)
-        return shared[0]
-    return _measure(blocks, ctx, images or DEFAULT_IMAGES, v2, kernel_forward)
+    # data parallel: every rank runs rank 0's routes, so the ranks compute the same function
+    return rank_zero_measures(lambda: _measure(blocks, ctx, images or DEFAULT_IMAGES, v2, kernel_forward))
 
 
 def _measure(blocks, ctx, images: int, v2: bool, kernel_forward) -> dict[Shape, dict]:

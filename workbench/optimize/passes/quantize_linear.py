@@ -16,6 +16,15 @@ in each forward (activations: dynamic) or per tensor with a scale calibrated on 
     kept bf16   a layer whose name matches a `keep` pattern (fnmatch, e.g. "*.fc2",
                 "layers.*.downsample.reduction"), or whose shape the route cannot take: left as it is.
 
+Which layers a GPU route quantizes (`select`): `auto` (the default) measures. For every distinct GEMM
+shape among the layers left (rows at the stage's batch x K -> N), it times on the GPU the layer as the
+stage runs it (bf16 under autocast) against its QuantLinear (the input's quantization included), on the
+same random input, and quantizes a shape only where that is faster by more than SELECT_MARGIN: a GEMM
+of small K moves as many bytes as it computes, and the input's quantization can cost more than the
+narrower operands save. The rows of each layer come from one forward of one image. The record lists
+every shape's times and choice; a layer left wide says by how much. `all` quantizes every layer the shape
+rules allow. simulate, and the CPU, always take every layer (nothing to time).
+
 Without simulate, a CPU (or an FP8 request on a GPU older than sm_89) raises PassUnavailable: the stage is
 reported not available, with one line. Training is refused the same way: the quantized GEMMs have no
 backward. The fused window attention stays bf16. PassResult.details records each layer's route (or why it
@@ -64,7 +73,9 @@ PARAMS = {
     "calibration_batch": (int, _check_positive),
     "keep": ((list, type(None)), _check_keep),
     "simulate": (bool, None),
+    "select": (str, ("auto", "all")),
 }
+SELECT_MARGIN = 0.03    # a shape is quantized only where its QuantLinear is at least 3% faster than bf16
 
 # the shape rule of each GEMM: K and N multiples of this
 ALIGNMENT = {"fp8": 16, "int8": 8}
@@ -117,6 +128,69 @@ def plan_routes(linears, dtype: str, route: str, keep) -> tuple[dict[str, str], 
         else:
             routes[name] = route
     return routes, kept
+
+
+def layer_rows(model: torch.nn.Module, names: list[str], ctx: PassContext) -> dict[str, int]:
+    """{layer: rows of its input per image}: one forward of one random image on ctx.device, in inference."""
+    from workbench.models import input_size
+
+    modules, rows = dict(model.named_modules()), {}
+
+    def seen(name):
+        def hook(module, args):      # returns None: the input goes on unchanged
+            rows.setdefault(name, args[0].numel() // args[0].shape[-1])
+        return hook
+    handles = [modules[n].register_forward_pre_hook(seen(n)) for n in names]
+    try:
+        with torch.inference_mode(), ctx.precision.autocast(ctx.device.type):
+            model(torch.randn(1, *input_size(model), device=ctx.device))
+    finally:
+        for h in handles:
+            h.remove()
+    return rows
+
+
+def measure_layers(model: torch.nn.Module, routes: dict[str, str], dtype: str, ctx: PassContext,
+                   static: bool) -> dict[tuple, dict]:
+    """{(rows, K, N): {"bf16_us", "quant_us", "choice": "quantize" | "bf16", "layers": [names]}} for the
+    distinct GEMM shapes among `routes` at the stage's batch (see the module docstring)."""
+    from workbench.optimize.passes._route import DEFAULT_IMAGES, median_us
+
+    images = ctx.batch or DEFAULT_IMAGES
+    rows = layer_rows(model, list(routes), ctx)
+    shapes: dict[tuple, list[str]] = {}
+    for name in routes:
+        lin = model.get_submodule(name)
+        shapes.setdefault((rows.get(name, 1) * images, lin.in_features, lin.out_features), []).append(name)
+    out = {}
+    gen = torch.Generator(ctx.device).manual_seed(0)
+    for (m, k, n), names in shapes.items():
+        lin = model.get_submodule(names[0])
+        quant = QuantLinear(lin, dtype, routes[names[0]], torch.tensor(1.0) if static else None).to(ctx.device)
+        x = torch.randn(m, k, device=ctx.device, generator=gen)
+        with torch.inference_mode(), ctx.precision.autocast(ctx.device.type):
+            x = x.to(torch.bfloat16)
+            bf16_us = median_us(lambda: lin(x))
+            quant_us = median_us(lambda: quant(x))
+        del quant, x
+        choice = "quantize" if quant_us < bf16_us * (1 - SELECT_MARGIN) else "bf16"
+        out[(m, k, n)] = {"bf16_us": round(bf16_us, 2), "quant_us": round(quant_us, 2), "choice": choice,
+                          "layers": names}
+    torch.cuda.empty_cache()
+    return out
+
+
+def select_measured(routes: dict[str, str], kept: dict[str, str], measured: dict[tuple, dict], dtype: str) -> int:
+    """Move the layers of shapes measured faster in bf16 from routes to kept (in place) -> how many moved."""
+    moved = 0
+    for (m, k, n), f in measured.items():
+        if f["choice"] == "bf16":
+            for name in f["layers"]:
+                routes.pop(name, None)
+                kept[name] = (f"measured faster in bf16 at {m}x{k} -> {n}: {f['bf16_us']:.1f} us against "
+                              f"{f['quant_us']:.1f} us for {dtype}")
+                moved += 1
+    return moved
 
 
 def synthetic_calibration_batches(model: torch.nn.Module, count: int, batch: int, device: torch.device):
@@ -172,8 +246,9 @@ def _fused_linear_blocks(model: torch.nn.Module) -> list[str]:
 
 def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activations: str = "dynamic",
           calibration: str = "percentile", percentile: float = 99.99, calibration_batches: int = 4,
-          calibration_batch: int = 8, keep: list | None = None, simulate: bool = False):
-    for key, value in (("dtype", dtype), ("activations", activations), ("calibration", calibration)):
+          calibration_batch: int = 8, keep: list | None = None, simulate: bool = False, select: str = "auto"):
+    for key, value in (("dtype", dtype), ("activations", activations), ("calibration", calibration),
+                       ("select", select)):
         if value not in PARAMS[key][1]:
             raise UserError(f"pass {NAME!r}: {key} must be one of {', '.join(PARAMS[key][1])}, got {value!r}")
     keep = [] if keep is None else keep
@@ -192,6 +267,12 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
     if not linears:
         raise PassUnavailable("no nn.Linear in this model")
     routes, kept = plan_routes(linears, dtype, route, keep)
+    measured, moved = {}, 0
+    if select == "auto" and route != "simulate" and routes:
+        from workbench.optimize.passes._route import rank_zero_measures
+
+        measured = rank_zero_measures(lambda: measure_layers(model, routes, dtype, ctx, activations == "static"))
+        moved = select_measured(routes, kept, measured, dtype)
     if not routes:
         raise PassUnavailable(f"no Linear left to quantize: {len(kept)} kept ({'; '.join(sorted(set(kept.values())))})")
     unmatched = [p for p in keep if not any(fnmatch.fnmatchcase(n, p) for n, _ in linears)]
@@ -200,7 +281,10 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
                "weights": "per output channel", "qmax": QMAX[dtype], "attention": "bf16 (not quantized)",
                "layers": {**routes, **{n: f"kept bf16: {why}" for n, why in kept.items()}},
                "counts": {route: len(routes), "kept": len(kept)}, "unmatched_keep": unmatched,
-               "activation_quantization": activation_quantization(route, activations, ctx.device)}
+               "activation_quantization": activation_quantization(route, activations, ctx.device),
+               "select": select, "selected_by_measurement": bool(measured),
+               "shapes": [{"rows": m, "k": k, "n": n, **{f: v for f, v in r.items() if f != "layers"},
+                           "layers": len(r["layers"])} for (m, k, n), r in measured.items()]}
     input_scales = None
     if activations == "static" and routes:
         batches = synthetic_calibration_batches(model, calibration_batches, calibration_batch, ctx.device)
@@ -211,10 +295,10 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
     quantize_model(model, routes, dtype, input_scales)
     acts = "dynamic per-row" if activations == "dynamic" else f"static per-tensor ({calibration})"
     changed = (f"{len(routes)} Linear layers {dtype} ({route}, {acts} activations, per-channel weights), "
-               f"{len(kept)} kept bf16")
+               f"{len(kept)} kept bf16" + (f" ({moved} measured faster in bf16 on this GPU)" if moved else ""))
     if unmatched:
         changed += f"; keep patterns matching nothing: {', '.join(unmatched)}"
-    params = {"dtype": dtype, "activations": activations, "keep": list(keep), "simulate": simulate}
+    params = {"dtype": dtype, "activations": activations, "keep": list(keep), "simulate": simulate, "select": select}
     if activations == "static":
         params.update(calibration=calibration, calibration_batches=calibration_batches,
                       calibration_batch=calibration_batch, **({"percentile": percentile} if calibration == "percentile" else {}))
