@@ -57,3 +57,18 @@ def test_a_bad_size_is_one_line(tmp_path):
     result = runner.invoke(app, ["apply", "--device", "cpu", "--img-size", "huge", "--out", str(tmp_path / "r")])
     assert result.exit_code == 2 and "--img-size takes a size in pixels" in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("fused_attn", [False, True])
+def test_build_model_leaves_timms_attention_setting_as_it_found_it(fused_attn):
+    """timm reads its fused-attention switch when a block is built: build_model sets it for its own model,
+    then puts timm's back, so a model the user builds with timm afterwards keeps timm's default path."""
+    from timm.layers import config as timm_config
+    from timm.models.swin_transformer import SwinTransformer
+
+    before = timm_config._USE_FUSED_ATTN
+    model = build_model(TINY_MODEL, fused_attn=fused_attn)
+    assert model.layers[0].blocks[0].attn.fused_attn is fused_attn
+    assert timm_config._USE_FUSED_ATTN == before
+    theirs = SwinTransformer(img_size=56, window_size=7, embed_dim=32, depths=(1,), num_heads=(2,))
+    assert theirs.layers[0].blocks[0].attn.fused_attn == timm_config.use_fused_attn(experimental=True)

@@ -79,7 +79,8 @@ def own_img_size(name: str, img_size) -> tuple[int, int] | None:
 def build_model(name: str, *, fused_attn: bool = False, num_classes: int | None = None,
                 drop_path_rate: float | None = None, img_size: tuple[int, int] | None = None) -> torch.nn.Module:
     """A timm Swin on the CPU in fp32 (move it yourself). `fused_attn` turns on timm's SDPA path,
-    which timm reads when each block is built, so it is set here, before `create_model`. `img_size`
+    which timm reads when each block is built, so it is set here, before `create_model`, and timm's own
+    setting is put back after (models built later with timm keep their attention path). `img_size`
     (H, W): the model at another resolution than its name's (timm pads feature maps that are not a
     multiple of the window inside the blocks; the fused window kernels do the same)."""
     import timm
@@ -92,6 +93,9 @@ def build_model(name: str, *, fused_attn: bool = False, num_classes: int | None 
         extra["drop_path_rate"] = drop_path_rate
     if img_size is not None:
         extra["img_size"] = tuple(int(v) for v in img_size)
+    from timm.layers import config as timm_config
+
+    before = getattr(timm_config, "_USE_FUSED_ATTN", None)    # timm's own setting, restored after the build
     set_fused_attn(fused_attn, experimental=fused_attn)
     try:
         if name == TINY_MODEL:
@@ -103,7 +107,10 @@ def build_model(name: str, *, fused_attn: bool = False, num_classes: int | None 
         check_model_name(name)
         return timm.create_model(name, pretrained=False, **extra)
     finally:
-        set_fused_attn(False)
+        if before is None:
+            set_fused_attn(False)
+        else:
+            timm_config._USE_FUSED_ATTN = before
 
 
 def default_model_for(device: str) -> str:
