@@ -6,6 +6,8 @@ Launching (host side):
   launch           `launch(kernel)[grid](...)`: the kernel, its CachedLauncher in eager mode (FAST_LAUNCH),
                    or its wrap_triton wrapper while traced
   launch_options   maxnreg and programmatic dependent launch (pdl_launch, pdl_supported)
+  launch_log       every eager launch inside a `with` block, with its arguments' bytes (argument_bytes):
+                   what the profile's kernel floors are computed from
 Inside kernels (triton.jit): pdl_enter / pdl_exit, to_dtype (rounds to nearest even, by hand under the
 interpreter: SOFT_RTNE), zero_column_sums, emit_column_sum.
 Column sums, what a backward adds up over rows (LayerNorm dweight/dbias, a Linear's bias gradient):
