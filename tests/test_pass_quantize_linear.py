@@ -292,3 +292,36 @@ def test_select_auto_quantizes_only_the_shapes_measured_faster(reference, monkey
     assert res.details["counts"] == {"int_mm": 17, "kept": 1} and not res.details["selected_by_measurement"]
     with pytest.raises(UserError, match="select must be one of auto, all"):
         ql.apply(copy.deepcopy(reference[0]), infer_ctx(), dtype="int8", select="some")
+
+
+@pytest.mark.parametrize("dtype,route", [("fp8", "scaled_mm"), ("int8", "int_mm")])
+def test_mlps_run_gelu_and_fc2s_quantization_as_one_launch(reference, monkeypatch, dtype, route):
+    """Where the kernels run (here Triton's interpreter), each MLP whose fc2 quantizes per row runs GELU
+    and that quantization as one gelu_quantize_rows: the logits of the unfused path, layer for layer."""
+    from workbench.kernels import quant
+
+    model, x, _, _ = reference
+    monkeypatch.setattr(ql, "gpu_route", lambda d, device: route)
+    q, res = ql.apply(copy.deepcopy(model), infer_ctx(), dtype=dtype, keep=["head.fc"], select="all")
+    mlps = [m for m in q.modules() if type(m).__name__ == "Mlp"]
+    assert res.details["gelu_fused_mlps"] == len(mlps) == 4
+    assert all(vars(m)["forward"].__func__ is ql.gelu_quant_mlp_forward for m in mlps)
+    assert "in 4 MLPs GELU and fc2's input quantization run as one Triton launch" in res.changed
+    launches = []
+    real = quant.gelu_quantize_rows
+    monkeypatch.setattr(ql, "gelu_quantize_rows", lambda h, fmt: launches.append(h.shape) or real(h, fmt))
+    fused = logits(q, x[:4])
+    assert len(launches) == 4
+    for m in mlps:                     # timm's own forward on the same modules
+        del m.forward
+    plain = logits(q, x[:4])
+    assert rel_err(fused, plain) < 1e-2 and (fused.argmax(-1) == plain.argmax(-1)).all()
+    # a second run keeps what is bound; static activations, simulate and training bind nothing
+    again = copy.deepcopy(q)
+    assert ql.fuse_mlp_activations(again, torch.device("cpu")) == 4
+    assert ql.fuse_mlp_activations(again, torch.device("cpu")) == 0
+    _, res = ql.apply(copy.deepcopy(model), infer_ctx(), dtype=dtype, activations="static", keep=["head.fc"],
+                      select="all", calibration_batches=1, calibration_batch=2)
+    assert res.details["gelu_fused_mlps"] == 0
+    _, res = ql.apply(copy.deepcopy(model), infer_ctx(), dtype=dtype, keep=["head.fc"], simulate=True)
+    assert res.details["gelu_fused_mlps"] == 0

@@ -95,6 +95,7 @@ def test_tiny_swin_quantized_forward_in_a_cuda_graph(dtype, activations):
     model, res = ql.apply(model, ctx, dtype=dtype, activations=activations, keep=["head.fc"], select="all")
     route = "scaled_mm" if dtype == "fp8" else "int_mm"
     assert res.details["counts"] == {route: 17, "kept": 1}
+    assert res.details["gelu_fused_mlps"] == (4 if activations == "dynamic" else 0)
     with torch.inference_mode(), torch.autocast("cuda", torch.bfloat16):
         eager = model(x).float()
         assert rel_err(eager, bf16) < 0.1

@@ -153,3 +153,44 @@ def test_quant_linear_compiles_whole():
         eager = ql(x)
         compiled = torch.compile(ql, backend="aot_eager", fullgraph=True)(x)
     assert torch.equal(bits(eager), bits(compiled))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("M, K", [(1, 8), (37, 136), (3, 1000)])
+def test_gelu_quantize_rows_is_nn_gelu_then_quantize_rows(fmt, M, K):
+    """One launch for an MLP's GELU and fc2's input quantization: the bits of nn.GELU (in the input's dtype)
+    then quantize_rows on a GPU (erf from libdevice on both sides); under the interpreter erf is numpy's,
+    whose last bit can differ from torch's CPU erf, and 1 + erf(x/sqrt 2) cancels for x < -3, so a few
+    values may land one quantization step apart."""
+    from workbench.kernels.quant import gelu_quantize_rows, gelu_quantize_rows_torch
+
+    g = torch.Generator().manual_seed(M * 7 + K + (fmt == "int8"))
+    h = torch.randn(M, K, generator=g) * 4
+    h[0, 0] = 60.0                                  # GELU(x) = x out there: the row's amax
+    if M > 2:
+        h[1] = -8.0                                 # GELU ~ -0: a row of (signed) zeros, scale 1
+    exact = DEVICE == "cuda"
+    for dtype in (torch.bfloat16, torch.float32):
+        x = h.to(dtype).to(DEVICE)
+        q, s = gelu_quantize_rows(x, fmt)
+        rq, rs = gelu_quantize_rows_torch(x, fmt)
+        assert q.dtype == rq.dtype and s.shape == rs.shape == (M, 1)
+        if exact:
+            assert torch.equal(bits(s), bits(rs)) and torch.equal(bits(q), bits(rq))
+            continue
+        assert torch.allclose(s, rs, rtol=1e-6, atol=0)
+        differ = (q.float() != rq.float())
+        assert differ.sum().item() <= max(2, q.numel() // 200)
+        step = s.expand_as(q)[differ] * (1.0 if fmt == "int8" else 2.0 ** -6 * 448)
+        assert ((q.float() - rq.float()).abs()[differ] * s.expand_as(q)[differ] <= step + 1e-12).all()
+
+
+def test_gelu_quantize_rows_is_an_operator_without_host_sync():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, s = quant.gelu_quantize_rows.opaque(torch.empty(5, 24, dtype=torch.bfloat16), "int8")
+    assert q.dtype == torch.int8 and s.shape == (5, 1)
+    torch.library.opcheck(quant.gelu_quantize_rows.opaque,
+                          (torch.randn(7, 24, device=DEVICE, dtype=torch.bfloat16), "fp8"),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))

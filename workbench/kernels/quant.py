@@ -11,6 +11,8 @@ the two quantized matmuls (FP8 through torch._scaled_mm, INT8 through torch._int
     int8_linear(x_q, x_scale, w_q, w_scale, bias)  (M, K) int8 @ (N, K)^T -> (M, N) bf16, torch._int_mm
     quantize_rows(x2, fmt)              -> (x_q, x_scale): absmax_scale(x2, fmt, dim=-1, check=False) and
                                            quantize(x2, x_scale, fmt) in one Triton launch, bit for bit
+    gelu_quantize_rows(h2, fmt)         -> quantize_rows(GELU(h2), fmt) in one launch: an MLP's activation
+                                           and fc2's input quantization (QuantLinear.forward_quantized)
     int8_dequant(acc, x_scale, w_scale, bias)      int8_linear's fp32 epilogue in one Triton launch, bit for bit
 
 Formats (`fmt`): "fp8" is float8 e4m3fn (largest finite 448, no inf: a value past 448 would become NaN,
@@ -224,13 +226,20 @@ def _to_e4m3(q):
 
 
 @triton.jit
+def _gelu_erf(x):
+    """GELU with the exact erf, in fp32, as torch's CUDA kernel writes it: (0.5 x) (1 + erf(x / sqrt 2))."""
+    return (0.5 * x) * (1.0 + tl.math.erf(x * 0.7071067811865476))
+
+
+@triton.jit
 def _quantize_rows_kernel(X, XQ, SCALE, n_rows, n_cols, qmax, inv_qmax, min_scale,
                           INT8: tl.constexpr, RECIPROCAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr):
+                          BLOCK_N: tl.constexpr, GELU: tl.constexpr = False, SOFT_RTNE: tl.constexpr = False):
     """BLOCK_M whole rows per program: amax(|x|) per row in fp32 (NaN where the row holds one, as torch's
     amax), scale = amax / qmax (times the fp32 reciprocal where RECIPROCAL, as torch's CUDA division by a
     scalar), at least min_scale, 1 where amax is 0; then x / scale correctly rounded, clamped to +-qmax
-    (NaN kept), rounded half to even (INT8) or cast to e4m3 (round to nearest even)."""
+    (NaN kept), rounded half to even (INT8) or cast to e4m3 (round to nearest even). GELU: x is first
+    GELU(x) in fp32, rounded to X's dtype (what an nn.GELU in that dtype would have written)."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -238,6 +247,8 @@ def _quantize_rows_kernel(X, XQ, SCALE, n_rows, n_cols, qmax, inv_qmax, min_scal
     mask = row_mask[:, None] & (cols < n_cols)[None, :]
     offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
     x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    if GELU:
+        x = to_dtype(_gelu_erf(x), X.dtype.element_ty, SOFT_RTNE).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)
     has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
     amax = tl.where(has_nan, float("nan"), amax)
@@ -342,6 +353,40 @@ def quantize_rows(x2: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tenso
 @quantize_rows.register_fake
 def _(x2, fmt):
     return x2.new_empty(x2.shape, dtype=QDTYPE[fmt]), x2.new_empty((x2.shape[0], 1), dtype=torch.float32)
+
+
+def gelu_quantize_rows_torch(h2: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """What gelu_quantize_rows computes, in torch ops: quantize_rows_torch of GELU(h2) in h2's dtype."""
+    return quantize_rows_torch(torch.nn.functional.gelu(h2), fmt)
+
+
+@kernel_op("swinbench::gelu_quantize_rows")
+def gelu_quantize_rows(h2: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows(GELU(h2), fmt) in one launch, GELU (exact erf) written to h2's dtype first as an
+    nn.GELU would: the MLP's activation fused with fc2's input quantization. h2 (M, K) bf16/fp16/fp32
+    contiguous, K <= MAX_QUANT_COLS -> (x_q (M, K), x_scale (M, 1) fp32). No host sync. On a GPU the same
+    bits as nn.GELU then quantize_rows (erf from libdevice, as torch's); under the interpreter, GELU's erf
+    is numpy's, which can differ from torch's CPU erf in the last bit."""
+    _check_format(fmt)
+    h2 = h2.contiguous()
+    n_rows, n_cols = h2.shape
+    if n_cols > MAX_QUANT_COLS:
+        raise ValueError(f"gelu_quantize_rows: K={n_cols} is wider than MAX_QUANT_COLS={MAX_QUANT_COLS}")
+    x_q = _common.new_output((n_rows, n_cols), QDTYPE[fmt], h2.device)
+    scale = _common.new_output((n_rows, 1), torch.float32, h2.device)
+    if n_rows > 0:
+        block_m, block_n, num_warps = _tile(n_cols)
+        qmax = QMAX[fmt]
+        launch(_quantize_rows_kernel)[(cdiv(n_rows, block_m),)](
+            h2, x_q, scale, n_rows, n_cols, qmax, float(np.float32(1.0) / np.float32(qmax)), MIN_SCALE,
+            INT8=fmt == "int8", RECIPROCAL=h2.device.type == "cuda" or not _INTERPRET,
+            BLOCK_M=block_m, BLOCK_N=block_n, GELU=True, SOFT_RTNE=SOFT_RTNE, num_warps=num_warps)
+    return x_q, scale
+
+
+@gelu_quantize_rows.register_fake
+def _(h2, fmt):
+    return h2.new_empty(h2.shape, dtype=QDTYPE[fmt]), h2.new_empty((h2.shape[0], 1), dtype=torch.float32)
 
 
 @kernel_op("swinbench::int8_dequant")
@@ -464,16 +509,27 @@ class QuantLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        M = x2.shape[0]
         fused = self.fused_quantize(x2.device)
         if fused:
             x_q, x_scale = quantize_rows(x2, self.fmt)
         elif self.input_scale is None:
-            x_scale = absmax_scale(x2, self.fmt, dim=-1, check=False)
+            x_q, x_scale = None, absmax_scale(x2, self.fmt, dim=-1, check=False)
         else:
-            x_scale = self.input_scale
-        device_type = x.device.type
-        out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+            x_q, x_scale = None, self.input_scale
+        return self._matmul(x2, x_q, x_scale, lead, x.dtype, x.device.type)
+
+    def forward_quantized(self, x_q: torch.Tensor, x_scale: torch.Tensor, lead, like: torch.Tensor) -> torch.Tensor:
+        """The GEMM on an input already quantized per row (x_q (M, K), x_scale (M, 1), as quantize_rows
+        writes them; a GEMM route only): (*lead, out_features) in the dtype forward would give for `like`."""
+        if self.route == "simulate":
+            raise ValueError("forward_quantized: the simulate route takes the float input (forward)")
+        return self._matmul(None, x_q, x_scale, lead, like.dtype, like.device.type)
+
+    def _matmul(self, x2, x_q, x_scale, lead, in_dtype, device_type) -> torch.Tensor:
+        """The rest of forward: x2 (or x_q, quantized already) at x_scale through the route."""
+        M = (x2 if x2 is not None else x_q).shape[0]
+        out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else in_dtype
+        fused = x_q is not None
         if self.route == "simulate":
             with torch.autocast(device_type, enabled=False):
                 bias = None if self.bias is None else self.bias.float()

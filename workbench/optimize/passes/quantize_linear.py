@@ -31,6 +31,10 @@ backward. The fused window attention stays bf16. PassResult.details records each
 was kept), the counts, the implementation (with how activations are quantized: one Triton launch per
 Linear on the GPU routes with dynamic activations, `kernels.quant.quantize_rows`) and the calibration.
 
+Where the kernels run, an MLP whose fc2 quantizes its input per row also runs its GELU and that
+quantization as one launch (`kernels.quant.gelu_quantize_rows`: one read of fc1's output, the same bits
+as nn.GELU then quantize_rows) instead of a GELU kernel writing bf16 and a quantization kernel reading it.
+
 Calibration batches are synthetic (random images from a fixed generator, like the workload's batch): the
 activation ranges of an untrained model on noise. For a trained model, calibrate on real images through
 `calibrate_input_scales(model, batches, ...)` and `quantize_model(..., input_scales=...)`.
@@ -39,11 +43,12 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import types
 
 import torch
 
 from workbench.errors import UserError
-from workbench.kernels.quant import QMAX, QuantLinear, kernels_run, make_observer
+from workbench.kernels.quant import MAX_QUANT_COLS, QMAX, QuantLinear, gelu_quantize_rows, kernels_run, make_observer
 from workbench.optimize.passes import PassContext, PassResult, PassUnavailable
 
 NAME = "quantize_linear"
@@ -234,6 +239,37 @@ def quantize_model(model: torch.nn.Module, routes: dict[str, str], dtype: str,
             setattr(parent, attr, QuantLinear(linear, dtype, route, scale))
 
 
+def gelu_quant_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """A timm Mlp whose fc2 is a QuantLinear: fc1, then GELU and fc2's input quantization in one launch
+    (gelu_quantize_rows), then fc2's GEMM; timm's own order (act, drop1, norm, fc2) in training, under
+    torch.compile (whose torch-op quantization Inductor fuses into the GELU itself) and where the kernels
+    do not run."""
+    h = self.fc1(x)
+    fc2 = self.fc2
+    if self.training or not fc2.fused_quantize(h.device):
+        return self.drop2(fc2(self.norm(self.drop1(self.act(h)))))
+    x_q, x_scale = gelu_quantize_rows(h.reshape(-1, h.shape[-1]), fc2.fmt)
+    return self.drop2(fc2.forward_quantized(x_q, x_scale, h.shape[:-1], h))
+
+
+def fuse_mlp_activations(model: torch.nn.Module, device: torch.device) -> int:
+    """Bind gelu_quant_mlp_forward to every timm Mlp it computes exactly: fc2 a QuantLinear on a GEMM
+    route with dynamic activations that fit one block, act an exact-erf nn.GELU, norm an Identity, and
+    its forward timm's own -> how many. Nothing where the kernels do not run on `device`."""
+    if not kernels_run(device):
+        return 0
+    count = 0
+    for mlp in model.modules():
+        fc2, act = getattr(mlp, "fc2", None), getattr(mlp, "act", None)
+        if (type(mlp).__name__ == "Mlp" and "forward" not in vars(mlp) and isinstance(fc2, QuantLinear)
+                and fc2.route != "simulate" and fc2.input_scale is None and fc2.in_features <= MAX_QUANT_COLS
+                and type(act) is torch.nn.GELU and act.approximate == "none"
+                and isinstance(getattr(mlp, "norm", None), torch.nn.Identity)):
+            mlp.forward = types.MethodType(gelu_quant_mlp_forward, mlp)
+            count += 1
+    return count
+
+
 def _fused_linear_blocks(model: torch.nn.Module) -> list[str]:
     """Blocks whose plan reads the Linear weights itself (fused_linear, fused_block)."""
     from workbench.optimize.passes.block_plan import PLANS_ATTRIBUTE
@@ -293,9 +329,13 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
                                   "batches": calibration_batches, "batch": calibration_batch, "data": "synthetic",
                                   "scales": {n: float(s) for n, s in input_scales.items()}}
     quantize_model(model, routes, dtype, input_scales)
+    gelu_fused = fuse_mlp_activations(model, ctx.device)
+    details["gelu_fused_mlps"] = gelu_fused
     acts = "dynamic per-row" if activations == "dynamic" else f"static per-tensor ({calibration})"
     changed = (f"{len(routes)} Linear layers {dtype} ({route}, {acts} activations, per-channel weights), "
                f"{len(kept)} kept bf16" + (f" ({moved} measured faster in bf16 on this GPU)" if moved else ""))
+    if gelu_fused:
+        changed += f"; in {gelu_fused} MLPs GELU and fc2's input quantization run as one Triton launch"
     if unmatched:
         changed += f"; keep patterns matching nothing: {', '.join(unmatched)}"
     params = {"dtype": dtype, "activations": activations, "keep": list(keep), "simulate": simulate, "select": select}
