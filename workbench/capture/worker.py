@@ -93,6 +93,8 @@ def run_capture(config: WorkloadConfig, recipe: str | None, *, steps: int, warmu
     if launches is not None:
         doc = {"schema": LAUNCHES_SCHEMA, "device_name": run["env"].get("gpu"), **launches}
         atomic_write_text(Path(out_dir) / LAUNCHES_FILE, json.dumps(doc, separators=(",", ":")) + "\n")
+    else:       # no eager Triton launch in the warm-up: no file an earlier capture left may stand for this one
+        (Path(out_dir) / LAUNCHES_FILE).unlink(missing_ok=True)
     return run
 
 
