@@ -332,11 +332,17 @@ def quantize_rows(x2: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tenso
     """(x_q, x_scale) = quantize(x2, s, fmt), s = absmax_scale(x2, fmt, dim=-1, check=False), in one launch
     and bit for bit: x2 (M, K) fp32/fp16/bf16 contiguous, K <= MAX_QUANT_COLS -> x_q (M, K) e4m3fn or
     int8, x_scale (M, 1) fp32. No host sync."""
+    return _quantize_rows(x2, fmt, gelu=False)
+
+
+def _quantize_rows(x2: torch.Tensor, fmt: str, gelu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows (gelu False) and gelu_quantize_rows (True): one launch of _quantize_rows_kernel."""
     _check_format(fmt)
     x2 = x2.contiguous()
     n_rows, n_cols = x2.shape
     if n_cols > MAX_QUANT_COLS:
-        raise ValueError(f"quantize_rows: K={n_cols} is wider than MAX_QUANT_COLS={MAX_QUANT_COLS}")
+        raise ValueError(f"{'gelu_' if gelu else ''}quantize_rows: K={n_cols} is wider than "
+                         f"MAX_QUANT_COLS={MAX_QUANT_COLS}")
     x_q = _common.new_output((n_rows, n_cols), QDTYPE[fmt], x2.device)
     scale = _common.new_output((n_rows, 1), torch.float32, x2.device)
     if n_rows > 0:
@@ -346,7 +352,7 @@ def quantize_rows(x2: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tenso
             x2, x_q, scale, n_rows, n_cols, qmax, float(np.float32(1.0) / np.float32(qmax)), MIN_SCALE,
             # torch's CUDA kernels divide by a Python scalar as a multiplication by its fp32 reciprocal
             INT8=fmt == "int8", RECIPROCAL=x2.device.type == "cuda" or not _INTERPRET,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+            BLOCK_M=block_m, BLOCK_N=block_n, GELU=gelu, SOFT_RTNE=SOFT_RTNE, num_warps=num_warps)
     return x_q, scale
 
 
@@ -367,21 +373,7 @@ def gelu_quantize_rows(h2: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.
     contiguous, K <= MAX_QUANT_COLS -> (x_q (M, K), x_scale (M, 1) fp32). No host sync. On a GPU the same
     bits as nn.GELU then quantize_rows (erf from libdevice, as torch's); under the interpreter, GELU's erf
     is numpy's, which can differ from torch's CPU erf in the last bit."""
-    _check_format(fmt)
-    h2 = h2.contiguous()
-    n_rows, n_cols = h2.shape
-    if n_cols > MAX_QUANT_COLS:
-        raise ValueError(f"gelu_quantize_rows: K={n_cols} is wider than MAX_QUANT_COLS={MAX_QUANT_COLS}")
-    x_q = _common.new_output((n_rows, n_cols), QDTYPE[fmt], h2.device)
-    scale = _common.new_output((n_rows, 1), torch.float32, h2.device)
-    if n_rows > 0:
-        block_m, block_n, num_warps = _tile(n_cols)
-        qmax = QMAX[fmt]
-        launch(_quantize_rows_kernel)[(cdiv(n_rows, block_m),)](
-            h2, x_q, scale, n_rows, n_cols, qmax, float(np.float32(1.0) / np.float32(qmax)), MIN_SCALE,
-            INT8=fmt == "int8", RECIPROCAL=h2.device.type == "cuda" or not _INTERPRET,
-            BLOCK_M=block_m, BLOCK_N=block_n, GELU=True, SOFT_RTNE=SOFT_RTNE, num_warps=num_warps)
-    return x_q, scale
+    return _quantize_rows(h2, fmt, gelu=True)
 
 
 @gelu_quantize_rows.register_fake
