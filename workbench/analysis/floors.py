@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-# HBM bandwidth in GB/s as the vendor states it, by a substring of torch's device name (first match).
+# HBM bandwidth in GB/s as the vendor states it, by a substring of torch's device name (the longest one that matches).
 PEAK_GBPS = (
     ("H200", 4800.0), ("H100 NVL", 3900.0), ("H100 PCIe", 2000.0), ("H100", 3350.0), ("GH200", 4000.0),
     ("B200", 8000.0), ("A100-SXM4-80GB", 2039.0), ("A100 80GB PCIe", 1935.0), ("A100", 1555.0),
