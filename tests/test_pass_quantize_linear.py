@@ -257,8 +257,9 @@ def test_measured_selection_times_each_shape_once_and_keeps_the_slower_ones_wide
     ctx = PassContext(device=torch.device("cpu"), precision=resolve_precision("bf16"), training=False, batch=4)
     routes = {n: "int_mm" for n, _ in ql.quantizable_linears(model) if n != "head.fc"}
     measured = ql.measure_layers(model, routes, "int8", ctx, static=False)
-    shapes = {(m, k, n) for (m, k, n) in measured}
-    assert (4 * 196, 32, 96) in shapes and (4 * 49, 64, 192) in shapes     # stage 1 qkv, stage 2 qkv
+    shapes = set(measured)
+    assert (4 * 196, 32, 96, False) in shapes and (4 * 49, 64, 192, False) in shapes    # stage 1, 2 qkv
+    assert (4 * 196, 128, 32, True) in shapes            # stage 1 fc2, timed with its GELU (interpreter: kernels run)
     assert sum(len(r["layers"]) for r in measured.values()) == len(routes)
     assert len(timed) == 2 * len(measured)                                  # bf16 and quantized, once per shape
     assert all(r["choice"] == "bf16" for r in measured.values())            # a tie stays bf16 (3% margin)
@@ -272,7 +273,7 @@ def test_select_auto_quantizes_only_the_shapes_measured_faster(reference, monkey
         shapes = {}
         for name in routes:
             lin = model.get_submodule(name)
-            shapes.setdefault((196 * 8, lin.in_features, lin.out_features), []).append(name)
+            shapes.setdefault((196 * 8, lin.in_features, lin.out_features, False), []).append(name)
         return {s: {"bf16_us": 10.0, "quant_us": 5.0 if s[1] >= 64 else 12.0,
                     "choice": "quantize" if s[1] >= 64 else "bf16", "layers": names} for s, names in shapes.items()}
     monkeypatch.setattr(ql, "measure_layers", measured)

@@ -19,7 +19,8 @@ in each forward (activations: dynamic) or per tensor with a scale calibrated on 
 Which layers a GPU route quantizes (`select`): `auto` (the default) measures. For every distinct GEMM
 shape among the layers left (rows at the stage's batch x K -> N), it times on the GPU the layer as the
 stage runs it (bf16 under autocast) against its QuantLinear (the input's quantization included), on the
-same random input, and quantizes a shape only where that is faster by more than SELECT_MARGIN: a GEMM
+same random input (an MLP's fc2 with its GELU: nn.GELU then the layer, against the fused
+gelu_quantize_rows then the GEMM), and quantizes a shape only where that is faster by more than SELECT_MARGIN: a GEMM
 of small K moves as many bytes as it computes, and the input's quantization can cost more than the
 narrower operands save. The rows of each layer come from one forward of one image. The record lists
 every shape's times and choice; a layer left wide says by how much. `all` quantizes every layer the shape
@@ -166,21 +167,29 @@ def measure_layers(model: torch.nn.Module, routes: dict[str, str], dtype: str, c
     shapes: dict[tuple, list[str]] = {}
     for name in routes:
         lin = model.get_submodule(name)
-        shapes.setdefault((rows.get(name, 1) * images, lin.in_features, lin.out_features), []).append(name)
+        parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+        # an MLP's fc2 whose GELU fuse_mlp_activations would fold into its quantization: timed that way
+        gelu = (not static and name.endswith(".fc2") and _gelu_mlp(parent) and kernels_run(ctx.device)
+                and lin.in_features <= MAX_QUANT_COLS)
+        shapes.setdefault((rows.get(name, 1) * images, lin.in_features, lin.out_features, gelu), []).append(name)
     out = {}
     gen = torch.Generator(ctx.device).manual_seed(0)
-    for (m, k, n), names in shapes.items():
+    for (m, k, n, gelu), names in shapes.items():
         lin = model.get_submodule(names[0])
         quant = QuantLinear(lin, dtype, routes[names[0]], torch.tensor(1.0) if static else None).to(ctx.device)
         x = torch.randn(m, k, device=ctx.device, generator=gen)
         with torch.inference_mode(), ctx.precision.autocast(ctx.device.type):
             x = x.to(torch.bfloat16)
-            bf16_us = median_us(lambda: lin(x))
-            quant_us = median_us(lambda: quant(x))
+            if gelu:    # nn.GELU then fc2, against one gelu_quantize_rows then fc2's GEMM
+                bf16_us = median_us(lambda: lin(torch.nn.functional.gelu(x)))
+                quant_us = median_us(lambda: quant.forward_quantized(*gelu_quantize_rows(x, dtype), x.shape[:-1], x))
+            else:
+                bf16_us = median_us(lambda: lin(x))
+                quant_us = median_us(lambda: quant(x))
         del quant, x
         choice = "quantize" if quant_us < bf16_us * (1 - SELECT_MARGIN) else "bf16"
-        out[(m, k, n)] = {"bf16_us": round(bf16_us, 2), "quant_us": round(quant_us, 2), "choice": choice,
-                          "layers": names}
+        out[(m, k, n, gelu)] = {"bf16_us": round(bf16_us, 2), "quant_us": round(quant_us, 2), "choice": choice,
+                                "layers": names}
     torch.cuda.empty_cache()
     return out
 
@@ -188,12 +197,12 @@ def measure_layers(model: torch.nn.Module, routes: dict[str, str], dtype: str, c
 def select_measured(routes: dict[str, str], kept: dict[str, str], measured: dict[tuple, dict], dtype: str) -> int:
     """Move the layers of shapes measured faster in bf16 from routes to kept (in place) -> how many moved."""
     moved = 0
-    for (m, k, n), f in measured.items():
+    for (m, k, n, gelu), f in measured.items():
         if f["choice"] == "bf16":
             for name in f["layers"]:
                 routes.pop(name, None)
-                kept[name] = (f"measured faster in bf16 at {m}x{k} -> {n}: {f['bf16_us']:.1f} us against "
-                              f"{f['quant_us']:.1f} us for {dtype}")
+                kept[name] = (f"measured faster in bf16 at {m}x{k} -> {n}{' after its GELU' if gelu else ''}: "
+                              f"{f['bf16_us']:.1f} us against {f['quant_us']:.1f} us for {dtype}")
                 moved += 1
     return moved
 
@@ -260,14 +269,19 @@ def fuse_mlp_activations(model: torch.nn.Module, device: torch.device) -> int:
         return 0
     count = 0
     for mlp in model.modules():
-        fc2, act = getattr(mlp, "fc2", None), getattr(mlp, "act", None)
-        if (type(mlp).__name__ == "Mlp" and "forward" not in vars(mlp) and isinstance(fc2, QuantLinear)
-                and fc2.route != "simulate" and fc2.input_scale is None and fc2.in_features <= MAX_QUANT_COLS
-                and type(act) is torch.nn.GELU and act.approximate == "none"
-                and isinstance(getattr(mlp, "norm", None), torch.nn.Identity)):
+        fc2 = getattr(mlp, "fc2", None)
+        if (_gelu_mlp(mlp) and isinstance(fc2, QuantLinear) and fc2.route != "simulate"
+                and fc2.input_scale is None and fc2.in_features <= MAX_QUANT_COLS):
             mlp.forward = types.MethodType(gelu_quant_mlp_forward, mlp)
             count += 1
     return count
+
+
+def _gelu_mlp(mlp: torch.nn.Module) -> bool:
+    """A timm Mlp running timm's own forward with an exact-erf nn.GELU and no norm between act and fc2."""
+    act = getattr(mlp, "act", None)
+    return (type(mlp).__name__ == "Mlp" and "forward" not in vars(mlp) and type(act) is torch.nn.GELU
+            and act.approximate == "none" and isinstance(getattr(mlp, "norm", None), torch.nn.Identity))
 
 
 def _fused_linear_blocks(model: torch.nn.Module) -> list[str]:
@@ -319,8 +333,8 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
                "counts": {route: len(routes), "kept": len(kept)}, "unmatched_keep": unmatched,
                "activation_quantization": activation_quantization(route, activations, ctx.device),
                "select": select, "selected_by_measurement": bool(measured),
-               "shapes": [{"rows": m, "k": k, "n": n, **{f: v for f, v in r.items() if f != "layers"},
-                           "layers": len(r["layers"])} for (m, k, n), r in measured.items()]}
+               "shapes": [{"rows": m, "k": k, "n": n, "with_gelu": gelu, **{f: v for f, v in r.items() if f != "layers"},
+                           "layers": len(r["layers"])} for (m, k, n, gelu), r in measured.items()]}
     input_scales = None
     if activations == "static" and routes:
         batches = synthetic_calibration_batches(model, calibration_batches, calibration_batch, ctx.device)
