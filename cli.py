@@ -430,6 +430,7 @@ def matrix(
     render_only: Annotated[Optional[Path], typer.Option(help="Run nothing: render matrix.md and matrix.json in this matrix folder from its cells' records.")] = None,
     readme: Annotated[Optional[Path], typer.Option(help="With --render-only: instead, rewrite the table between <!-- matrix:begin --> and <!-- matrix:end --> in this Markdown file.")] = None,
     profile: Annotated[bool, typer.Option("--profile", help="Also capture every stage (nsys, as apply --profile): matrix.md then holds each cell's swinbench kernels against their memory floor.")] = False,
+    compiled: Annotated[bool, typer.Option("--compiled", help="Also run the fused stage under torch.compile (<fused>-compile) in every cell; the cell's swinbench side is the faster form.")] = False,
 ):
     """Run the Swin family matrix (models x train/infer64/infer1 x amp, fused stage, torch-compile) and write one table."""
     from workbench.ladder.matrix import FAMILY, parse_list, run_matrix
@@ -458,7 +459,7 @@ def matrix(
     _call(run_matrix, models=_call(parse_list, models, "models"), modes=_call(parse_list, modes, "modes"),
           train_batch=train_batch, fused=fused, out_dir=out, steps=steps, warmup=warmup, device=device,
           cache_dir=cache or default_cache_dir(), fresh=fresh, resume=resume, overwrite=overwrite, console=console,
-          profile=profile)
+          profile=profile, compiled=compiled)
 
 
 @app.command()

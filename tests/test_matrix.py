@@ -327,3 +327,22 @@ def test_matrix_profile_asks_apply_to_profile_every_cell(tmp_path):
     matrix.run_matrix(models=[TINY_MODEL], modes=["train"], out_dir=tmp_path / "m", device="cpu", run_apply=fake,
                       progress=False, profile=True)
     assert fake.calls[0]["profile"] is True
+
+
+def test_compiled_adds_the_fused_stages_compiled_form_and_the_row_takes_the_faster(tmp_path):
+    assert matrix.cell_stages("fmha", compiled=True) == ["amp", "fmha", "fmha-compile", "torch-compile"]
+    assert matrix.cell_stages("int8", compiled=True) == ["amp", "int8", "int8-compile", "torch-compile", "torchao-int8"]
+    with pytest.raises(UserError, match="no built-in block-compile that extends block; name a stage with one"):
+        matrix.cell_stages("block", compiled=True)
+    fake = FakeApply()
+    matrix.run_matrix(models=[TINY_MODEL], modes=["train"], out_dir=tmp_path / "m", device="cpu", run_apply=fake,
+                      progress=False, compiled=True)
+    assert fake.calls[0]["stages"] == ["amp", "fmha", "fmha-compile", "torch-compile"]
+    # a cell where the compiled form wins: the row names it
+    recs = cell_records()
+    compiled = dict(recs[1], stage="fmha-compile", stage_index=3, extends="fmha", timing={**recs[1]["timing"]})
+    compiled["chain"] = recs[1]["chain"] + [{"name": "fmha-compile", "source": None, "passes": []}]
+    compiled["graph"] = {**recs[1]["graph"], "step_ms": 20.0, "img_per_s": 128 / 20e-3,
+                         "timing": {**recs[1]["graph"]["timing"], "median_ms": 20.0, "samples_ms": [20.0] * 4}}
+    row = matrix_rows([("c", recs + [compiled])])[0]
+    assert row["swinbench"] == "fmha-compile" and row["swinbench_ms"] == 20.0

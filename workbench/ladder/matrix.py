@@ -119,12 +119,28 @@ def check_fused(fused: str) -> None:
         raise UserError(f"--fused {fused} runs PyTorch alone: name a swinbench stage (fmha, block, ...)")
 
 
-def cell_stages(fused: str) -> list[str]:
-    """amp, the fused stage and the PyTorch-alone peer; for a fused stage that quantizes its GEMMs (fp8,
-    int8-compile, ...), also torchao's peer of the same precision (the strongest PyTorch-alone path there)."""
+def cell_stages(fused: str, compiled: bool = False) -> list[str]:
+    """amp, the fused stage and the PyTorch-alone peer; with `compiled`, also the fused stage under
+    torch.compile (the built-in `<fused>-compile`, which extends it: the cell's swinbench side is then the
+    faster of the two forms); for a fused stage that quantizes its GEMMs (fp8, int8-compile, ...), also
+    torchao's peer of the same precision (the strongest PyTorch-alone path there)."""
     from workbench.optimize.recipes import RecipeBook, quantized_dtypes
 
-    return [AMP, fused, PEER] + [f"torchao-{d}" for d in sorted(quantized_dtypes(RecipeBook().chain(fused)))]
+    book = RecipeBook()
+    extra = []
+    if compiled:
+        name = f"{fused}-compile"
+        if name not in book.builtins or book.chain(name)[-2].name != fused:
+            raise UserError(f"--compiled: there is no built-in {name} that extends {fused}; name a stage with one "
+                            f"({', '.join(compiled_stages(book))})")
+        extra.append(name)
+    return [AMP, fused, *extra, PEER] + [f"torchao-{d}" for d in sorted(quantized_dtypes(book.chain(fused)))]
+
+
+def compiled_stages(book) -> list[str]:
+    """The built-in stages X with an `X-compile` that extends X."""
+    names = set(book.builtins)
+    return sorted(n for n in names if f"{n}-compile" in names and book.chain(f"{n}-compile")[-2].name == n)
 
 
 def cell_finished(folder: Path, stages: list[str], *, steps: int, warmup: int, on_gpu: bool) -> bool:
@@ -160,7 +176,8 @@ def _started(out_dir: Path) -> list[str]:
 def run_matrix(*, models: list[str] | None = None, modes: list[str] | None = None, train_batch: int | None = None,
                fused: str = DEFAULT_FUSED, out_dir: Path, steps: int = 20, warmup: int = 5, device: str = "auto",
                cache_dir: Path | None = None, fresh: bool = False, resume: bool = False, overwrite: bool = False,
-               console=None, progress: bool = True, run_apply=None, profile: bool = False) -> dict:
+               console=None, progress: bool = True, run_apply=None, profile: bool = False,
+               compiled: bool = False) -> dict:
     """Run every cell (one `run_apply` each) and render matrix.md / matrix.json in out_dir.
 
     models: default FAMILY on a GPU, the tiny CPU Swin on the CPU. modes: names of MODES (default
@@ -169,6 +186,7 @@ def run_matrix(*, models: list[str] | None = None, modes: list[str] | None = Non
     are moved aside by apply). A cell whose stage fails is reported and the others still run; the
     failures raise UserError at the end, after the table is written. profile: capture every stage too
     (apply's --profile), which puts each cell's kernels against their memory floor into matrix.md.
+    compiled: run the fused stage's compiled form in every cell too (cell_stages).
     run_apply: for tests.
     -> {"cells": [Cell], "ran": [names], "skipped": [names], "failed": {name: message}, "matrix": md path}."""
     from rich.console import Console
@@ -188,7 +206,7 @@ def run_matrix(*, models: list[str] | None = None, modes: list[str] | None = Non
     modes = modes or list(DEFAULT_MODES)
     check_fused(fused)
     cells = plan_cells(models, modes, train_batch)
-    stages = cell_stages(fused)
+    stages = cell_stages(fused, compiled)
     out_dir = Path(out_dir)
     earlier = _started(out_dir)
     if earlier and not (resume or overwrite):
