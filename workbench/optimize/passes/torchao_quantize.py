@@ -8,8 +8,9 @@ ecosystem alone, with no swinbench kernel.
     dtype int8  torchao.quantization.Int8DynamicActivationInt8WeightConfig(): int8 weights per output
                 channel, activations per row in each forward (any device; on CUDA through torch._int_mm).
 
-It chooses the layers as `quantize_linear` does (the same `keep` patterns and shape rules), so the peer
-and swinbench's recipe quantize the same GEMMs. torchao's tensor subclasses run their quantization as
+It chooses the layers by `quantize_linear`'s `keep` patterns and shape rules, as a user of torchao would
+quantize the model: every Linear they allow. (quantize_linear's default `select: auto` then keeps the
+GEMM shapes it measures faster in bf16 wide; with `select: all` the two quantize the same GEMMs.) torchao's tensor subclasses run their quantization as
 torch ops: under the `compile` pass Inductor fuses them into the producers, which is how torchao is meant
 to run. Training is refused (inference only), and so is a missing torchao or an FP8 request on a device
 without FP8 GEMMs: the stage is then not available, with one line.
