@@ -7,6 +7,8 @@ Per Swin-B stage (rows = 64 * H * W tokens, C = 128, 256, 512, 1024):
   quantize fp8 / int8   a Linear's input (rows, K), K = C (qkv, fc1) and 4C (fc2's input, the MLP hidden
                         width): torch: absmax_scale(x, fmt, dim=-1, check=False) + quantize(x, s, fmt)
                         (quantize_rows_torch); triton: quantize_rows(x, fmt) -> (x_q, (rows, 1) scales)
+  gelu+quantize         an MLP's fc1 output (rows, 4C) to fc2's quantized input: torch's GELU then quantize_rows
+                        (two launches, what runs without the fusion) against gelu_quantize_rows (one)
   dequant int8          int8_linear's epilogue on an (rows, N) int32 accumulator, N = C (proj, fc2),
                         3C (qkv), 4C (fc1), per-row x scale, (1, N) w scale, fp32 bias, bf16 out:
                         torch: int8_dequant_torch; triton: int8_dequant
@@ -33,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _results import batch_bench_parser, markdown_table, out_dir_for, write_results  # noqa: E402
 from workbench.env import device_label, environment_stamp  # noqa: E402
-from workbench.kernels.quant import (int8_dequant, int8_dequant_torch, quantize_rows,  # noqa: E402
-                                     quantize_rows_torch)
+from workbench.kernels.quant import (gelu_quantize_rows, int8_dequant, int8_dequant_torch,  # noqa: E402
+                                     quantize_rows, quantize_rows_torch)
 from workbench.optimize.timing import cuda_graph_us  # noqa: E402
 
 STAGES = {"s1": (56, 128), "s2": (28, 256), "s3": (14, 512), "s4": (7, 1024)}
@@ -53,6 +55,11 @@ def same_bits(a, b) -> bool:
     return all(torch.equal(bits(x), bits(y)) for x, y in zip(a, b))
 
 
+def gelu_then_quantize_rows(h, fmt):
+    """What an MLP runs without the fusion: torch's GELU (bf16 out), then quantize_rows."""
+    return quantize_rows(torch.nn.functional.gelu(h), fmt)
+
+
 def cases(stages: dict, batch: int):
     """(op, stage, rows, cols, make_inputs(seed) -> args, torch fn, triton fn, bytes moved)."""
     for sname, (hw, c) in stages.items():
@@ -63,6 +70,9 @@ def cases(stages: dict, batch: int):
                     g = torch.Generator(device=DEV).manual_seed(seed * 7919 + rows + k)
                     return (torch.randn(rows, k, device=DEV, generator=g).to(torch.bfloat16), fmt)
                 yield f"quantize {fmt}", sname, rows, k, make, quantize_rows_torch, quantize_rows, rows * (k * 3 + 4)
+                if k == 4 * c:      # fc2's input: the MLP's GELU before it
+                    yield (f"gelu+quant {fmt}", sname, rows, k, make, gelu_then_quantize_rows, gelu_quantize_rows,
+                           rows * (k * 3 + 4))
         for n in (w * c for w in DEQUANT_WIDTHS):
             def make(seed, rows=rows, n=n):
                 g = torch.Generator(device=DEV).manual_seed(seed * 7919 + rows + n)
@@ -112,9 +122,10 @@ def main(argv=None) -> int:
         title=f"FP8 / INT8 activation quantization and INT8 epilogue: torch ops against Triton (Swin-B, batch {batch})",
         stamp=env, settings=settings, records=records, check_failures=failures,
         table=markdown_table(MD_HEADERS, rows),
-        notes=["quantize: absmax_scale + quantize (torch) against quantize_rows (one launch); dequant: int8_linear's "
-               "fp32 epilogue (torch) against int8_dequant (one launch). GPU time from CUDA-graph replay (16 calls "
-               "per graph), median.",
+        notes=["quantize: absmax_scale + quantize (torch) against quantize_rows (one launch); gelu+quant: torch's "
+               "GELU then quantize_rows (the torch column) against gelu_quantize_rows (one launch); dequant: "
+               "int8_linear's fp32 epilogue (torch) against int8_dequant (one launch). GPU time from CUDA-graph "
+               "replay (16 calls per graph), median.",
                "GB/s: the bytes the op must move (quantize: read bf16 x, write x_q and fp32 row scales; dequant: "
                "read int32, write bf16) over its time."])
     for path in written:
