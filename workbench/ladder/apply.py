@@ -54,7 +54,7 @@ from workbench.ladder.reuse import (RecordCache, compile_cache_counts, compile_c
                                     reused_record)
 from workbench.files import atomic_write_text
 from workbench.optimize.distributed import check_parallel
-from workbench.results.record import SCHEMA, read_record, write_record
+from workbench.results.record import SCHEMA, KernelFloor, read_record, write_record
 from workbench.optimize.recipes import (StagePlan, as_jsonable, effective_passes, gate_tolerance, graph_recipes,
                                        is_pytorch_alone, plan_stages, resolve_chain)
 from workbench.run_folder import FolderClaim, claim_run_folder, newest_time_tag, previous_folder, run_entries
@@ -332,9 +332,9 @@ def _profile_stage(spec: StageSpec, config: WorkloadConfig, record: dict) -> dic
     floors, summary = analysis.floors, analysis.trace_meta.get("floors") or {}
     if floors is not None and len(floors):
         # swinbench's kernels against their memory floor (analysis/floors.py), the FLOOR_ROWS costliest
-        profile["floors"] = [{k: (str(r[k]) if k in ("kernel", "largest_argument") else round(float(r[k]), 4))
-                              for k in ("kernel", "largest_argument", "calls_per_step", "median_us", "floor_us",
-                                        "floor_pct")} for r in floors.head(FLOOR_ROWS).to_dict("records")]
+        profile["floors"] = [{**{k: str(r[k]) for k in KernelFloor.TEXT},
+                              **{k: round(float(r[k]), 4) for k in KernelFloor.NUMBERS}}
+                             for r in floors.head(FLOOR_ROWS).to_dict("records")]
         profile["floor_peak_gbps"] = summary.get("peak_gbps")
     elif summary.get("note") and summary.get("device_name"):     # a GPU whose bandwidth swinbench lacks
         record["notes"].append(summary["note"])

@@ -129,11 +129,11 @@ def cell_stages(fused: str, compiled: bool = False) -> list[str]:
     book = RecipeBook()
     extra = []
     if compiled:
-        name = f"{fused}-compile"
-        if name not in book.builtins or book.chain(name)[-2].name != fused:
-            raise UserError(f"--compiled: there is no built-in {name} that extends {fused}; name a stage with one "
-                            f"({', '.join(compiled_stages(book))})")
-        extra.append(name)
+        with_compiled = compiled_stages(book)
+        if fused not in with_compiled:
+            raise UserError(f"--compiled: there is no built-in {fused}-compile that extends {fused}; name a stage "
+                            f"with one ({', '.join(with_compiled)})")
+        extra.append(f"{fused}-compile")
     return [AMP, fused, *extra, PEER] + [f"torchao-{d}" for d in sorted(quantized_dtypes(book.chain(fused)))]
 
 

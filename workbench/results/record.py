@@ -263,10 +263,11 @@ class KernelFloor:
     floor_us: float
     floor_pct: float
 
+    TEXT = ("kernel", "largest_argument")                                  # the fields, text then numbers
+    NUMBERS = ("calls_per_step", "median_us", "floor_us", "floor_pct")
+
     def to_dict(self) -> dict:
-        return {"kernel": self.kernel, "largest_argument": self.largest_argument,
-                "calls_per_step": self.calls_per_step, "median_us": self.median_us, "floor_us": self.floor_us,
-                "floor_pct": self.floor_pct}
+        return {f: getattr(self, f) for f in (*self.TEXT, *self.NUMBERS)}
 
 
 @dataclass(frozen=True)
@@ -1061,11 +1062,10 @@ class _Parser:
         for i, item in enumerate(self.sequence(_given(value, []), "profile.floors")):
             name = f"profile.floors[{i}]"
             k = self.mapping(item, name)
-            self.known(k, {"kernel", "largest_argument", "calls_per_step", "median_us", "floor_us", "floor_pct"}, name)
-            text = {f: self.string(self.get(k, f, name + ".", required=True), f"{name}.{f}")
-                    for f in ("kernel", "largest_argument")}
+            self.known(k, {*KernelFloor.TEXT, *KernelFloor.NUMBERS}, name)
+            text = {f: self.string(self.get(k, f, name + ".", required=True), f"{name}.{f}") for f in KernelFloor.TEXT}
             nums = {f: self.number(self.get(k, f, name + ".", required=True), f"{name}.{f}")
-                    for f in ("calls_per_step", "median_us", "floor_us", "floor_pct")}
+                    for f in KernelFloor.NUMBERS}
             out.append(KernelFloor(**text, **nums))
         return tuple(out)
 
