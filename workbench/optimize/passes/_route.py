@@ -30,6 +30,7 @@ import torch
 ROUTE_MARGIN = 0.03            # PyTorch's path must be at least 3% faster to take a shape from the kernel
 DEFAULT_IMAGES = 32            # images per step the shapes are timed at when the caller does not say
 WARMUP, REPEATS = 3, 10        # untimed calls (Triton compiles and autotunes here), then timed ones
+GRAPH_CALLS = 8                # calls per captured graph, so one replay is long against its event pair
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,17 @@ def pytorch_forward(attn: torch.nn.Module, v2: bool):
 
 
 def median_us(call) -> float:
-    """Median microseconds of call() over REPEATS calls after WARMUP untimed ones, CUDA events."""
+    """Median GPU microseconds of call(), host launch cost excluded: WARMUP calls on a side stream, then
+    calls captured into one CUDA graph whose replays are timed with CUDA events (optimize.timing's
+    cuda_graph_us). The stages these routes serve run graph-replayed or compiled, so the host's cost of
+    launching each op eagerly (which on a slow host is larger than a small GEMM) must not decide a route.
+    A call that cannot be captured is timed eagerly instead: CUDA events around each call."""
+    from workbench.optimize.timing import cuda_graph_us
+
+    try:
+        return cuda_graph_us([call], replays=REPEATS, calls=GRAPH_CALLS)[0]
+    except Exception:                       # not capturable (a host sync inside): time it as written
+        torch.cuda.synchronize()
     times = []
     for i in range(WARMUP + REPEATS):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
