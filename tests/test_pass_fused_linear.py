@@ -1,6 +1,7 @@
 """The fused Linear backward: the bias-gradient (+ GELU backward) reduction against PyTorch on odd shapes
 and every dtype, poisoned outputs; the Function against F.linear forward and backward, with and without
 autocast; the fused_linear pass on the tiny Swin against the unpatched model, same seed."""
+import dataclasses
 import importlib
 import os
 
@@ -138,3 +139,60 @@ def test_fused_linear_pass_leaves_other_mlps_on_timms_forward():
     model, result = apply_pass("fused_linear", model, pass_ctx(DEVICE))
     assert result.details["mlps_fused"] == 3 and result.details["mlps_kept"] == 1
     assert "kept on timm's forward" in result.changed
+
+
+def test_gelu_epilogue_applies_only_to_gpu_inference_in_a_half_dtype():
+    """addmm_gelu (the GEMM-epilogue GELU, tanh form) runs only where nothing records a gradient, on a
+    GPU, in bf16/fp16, with a bias: training, fp32 and the CPU keep the exact erf GELU."""
+    x = torch.randn(5, 8)
+    w, b = torch.randn(16, 8), torch.randn(16)
+    assert not lin.epilogue_gelu_applies(x, w, b)                    # CPU
+    with torch.no_grad():
+        assert not lin.epilogue_gelu_applies(x, w, b)
+        y = lin.linear(x, w, b, gelu=True)                          # the exact GELU on the CPU
+    torch.testing.assert_close(y, torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b)))
+    if not torch.cuda.is_available():
+        return
+    xc, wc, bc = (t.cuda() for t in (x, w, b))
+    assert not lin.epilogue_gelu_applies(xc, wc, bc)                 # fp32 with grad mode on
+    with torch.no_grad():
+        assert not lin.epilogue_gelu_applies(xc, wc, bc)             # fp32
+        assert not lin.epilogue_gelu_applies(xc.bfloat16(), wc.bfloat16(), None)
+        assert lin.epilogue_gelu_applies(xc.bfloat16(), wc.bfloat16(), bc.bfloat16())
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            assert lin.epilogue_gelu_applies(xc, wc, bc)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GEMM-epilogue GELU runs on a GPU")
+@pytest.mark.parametrize("rows,k,n", [(1, 32, 64), (77, 48, 200), (3136, 128, 512)])
+def test_gelu_epilogue_is_the_gelu_within_half_precision(rows, k, n):
+    """Fresh random inputs, odd shapes: the epilogue GELU against the exact GELU of the fp64 GEMM is as
+    close as bf16's rounding of the separate path (the tanh form is within 5e-4 of erf)."""
+    torch.manual_seed(rows)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda") * k ** -0.5).bfloat16()
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    ref = torch.nn.functional.gelu(torch.nn.functional.linear(x.double(), w.double(), b.double()))
+    with torch.inference_mode():
+        got = lin.linear(x, w, b, gelu=True)
+        separate = torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b))
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    err, err_separate = (got.double() - ref).abs().max().item(), (separate.double() - ref).abs().max().item()
+    assert err <= 1.5 * err_separate + 1e-3, (err, err_separate)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GEMM-epilogue GELU runs on a GPU")
+def test_dense_and_block_inference_with_the_epilogue_match_the_training_forward():
+    """The dense and block stages' inference forward (GELU in fc1's epilogue) against the same model's
+    forward with gradients recorded (exact GELU), bf16 autocast, same weights and images."""
+    torch.manual_seed(0)
+    model = build_model(TINY_MODEL, drop_path_rate=0.0).cuda().eval()
+    x = torch.randn(2, 3, *model.patch_embed.img_size, device="cuda")
+    for name in ("fused_linear", "fused_block"):
+        model, result = apply_pass(name, model, dataclasses.replace(pass_ctx(DEVICE), training=False))
+        assert result.available, result.changed
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.inference_mode():
+                fast = model(x).float()
+            exact = model(x).float()
+        assert rel_err(fast, exact) < 2e-2, name

@@ -227,8 +227,14 @@ def _to_e4m3(q):
 
 @triton.jit
 def _gelu_erf(x):
-    """GELU with the exact erf, in fp32, as torch's CUDA kernel writes it: (0.5 x) (1 + erf(x / sqrt 2))."""
-    return (0.5 * x) * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    """GELU with the exact erf, in fp32, as torch's CUDA kernel writes it: (0.5 x) (1 + erf(x / sqrt 2)).
+    On the GPU erf is libdevice's erff, the one torch's kernel calls (tl.math.erf differs in the last bit
+    in the tail, x < -3)."""
+    if _GPU_MATH:
+        e = tl.extra.cuda.libdevice.erf(x * 0.7071067811865476)
+    else:
+        e = tl.math.erf(x * 0.7071067811865476)
+    return (0.5 * x) * (1.0 + e)
 
 
 @triton.jit

@@ -295,6 +295,7 @@ class SwinBlockFunction(torch.autograd.Function):
     def forward(ctx, x, mask, index, geom, n1w, n1b, qkv_w, qkv_b, table, proj_w, proj_b, n2w, n2b,
                 fc1_w, fc1_b, fc2_w, fc2_b):
         from workbench.kernels.layer_norm import layer_norm_fwd
+        from workbench.kernels.linear import EPILOGUE_DTYPES, addmm_gelu
         from workbench.kernels.window import merge_roll_fwd, norm_shift_partition_fwd
         from workbench.kernels.window_attention import window_attention_fwd
 
@@ -315,8 +316,14 @@ class SwinBlockFunction(torch.autograd.Function):
             branch = merge_roll_fwd(proj.view(bnw, n, C), ws, shift, H, W)
             s, h, mean2, rstd2 = layer_norm_fwd(x.view(-1, C), branch.view(-1, C), n2w, n2b, eps2,
                                                 torch.promote_types(x.dtype, dt), y_dtype=dt)
-            pre = torch.addmm(fc1_b.to(dt), h, w_fc1.t())
-            act = torch.nn.functional.gelu(pre)
+            # inference (no input needs a gradient; inside forward grad mode is always off): the GELU
+            # runs in fc1's GEMM epilogue and the pre-activation is never written
+            if not any(ctx.needs_input_grad) and h.is_cuda and dt in EPILOGUE_DTYPES:
+                pre = None
+                act = addmm_gelu(h, w_fc1, fc1_b.to(dt))
+            else:
+                pre = torch.addmm(fc1_b.to(dt), h, w_fc1.t())
+                act = torch.nn.functional.gelu(pre)
             out = s + torch.addmm(fc2_b.to(dt), act, w_fc2.t())
         ctx.save_for_backward(x, n1w, n1b, mean1, rstd1, win2, w_qkv, qkv, attn, lse, rel, o, w_proj, s,
                               n2w, n2b, mean2, rstd2, h, w_fc1, pre, act, w_fc2, mask, index, table)
