@@ -46,7 +46,7 @@ def test_pytorch_alone_and_graph_forms():
 
 def test_effective_passes_accumulate_in_chain_order():
     assert chain_passes("fmha") == [("amp", {"dtype": "bf16"}), ("fused_layernorm", {}), ("fused_adamw", {}), ("master_weights", {}),
-                                    ("fused_window", {}), ("fused_attention", {})]
+                                    ("fused_window", {}), ("patch_embed", {}), ("fused_attention", {})]
     assert chain_passes("baseline") == []
     assert [n for n, _ in chain_passes("torch-compile")] == ["amp", "sdpa_attention", "fused_adamw", "compile"]
 

@@ -111,6 +111,7 @@ PASS_MODULES = {
     "master_weights": "master_weights",
     "fused_layernorm": "fused_layernorm",
     "fused_window": "fused_window",
+    "patch_embed": "patch_embed",
     "fused_attention": "fused_attention",
     "fused_linear": "fused_linear",
     "fused_block": "fused_block",
