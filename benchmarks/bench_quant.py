@@ -16,7 +16,8 @@ GPU time from CUDA-graph replay (16 calls per graph, median of --replays), calls
 input sets to span 3x the L2. GB/s: the bytes the op must move (quantize: read x, write x_q and the
 scales; dequant: read the int32 accumulator, write bf16) over its time.
 --check first compares the Triton results with the torch ops' bit for bit on every shape and exits 1 on
-a mismatch. Results: benchmarks/results/quant.json ({"environment", "settings", "records",
+a mismatch; for gelu+quant, GELU's cancelling tail (x < -3, erf's last bit) may put a few values in a
+million one quantization step apart (kernels.quant.gelu_quantize_rows), which the check allows. Results: benchmarks/results/quant.json ({"environment", "settings", "records",
 "check_failures"}) and quant.md. Without a GPU the kernels run under Triton's interpreter on tiny shapes,
 unmeasured: a smoke test of the check and the results files (written only with --out-dir).
 """
@@ -53,6 +54,27 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 def same_bits(a, b) -> bool:
     return all(torch.equal(bits(x), bits(y)) for x, y in zip(a, b))
+
+
+TAIL_DIFF_RATE = 1e-5   # gelu+quant: values allowed one step apart (measured 2.5e-6 on an H200)
+
+
+def gelu_quant_close(a, b) -> bool:
+    """gelu+quant's check: the same scales; quantized values equal but for at most TAIL_DIFF_RATE of them,
+    each one quantization step apart (its row's e4m3 or int8 step)."""
+    (q, s), (rq, rs) = a, b
+    if not torch.equal(bits(s), bits(rs)):
+        return False
+    qf, rf = q.float(), rq.float()
+    differ = qf != rf
+    n = int(differ.sum())
+    if n == 0:
+        return True
+    if n > max(2, TAIL_DIFF_RATE * q.numel()):
+        return False
+    d, r = (qf - rf).abs()[differ], torch.maximum(qf.abs(), rf.abs())[differ]
+    step = torch.ones_like(r) if q.dtype == torch.int8 else torch.exp2(torch.floor(torch.log2(r.clamp_min(2.0 ** -6))) - 3)
+    return bool((d <= step * 1.0001).all())
 
 
 def gelu_then_quantize_rows(h, fmt):
@@ -95,7 +117,8 @@ def main(argv=None) -> int:
         print("# no GPU: Triton interpreter on tiny shapes - a smoke test, nothing is timed")
     records, failures = [], []
     for op, sname, rows, cols, make, torch_fn, triton_fn, nbytes in cases(stages, batch):
-        if args.check and not same_bits(torch_fn(*make(0)), triton_fn(*make(0))):
+        close = gelu_quant_close if op.startswith("gelu+quant") else same_bits
+        if args.check and not close(torch_fn(*make(0)), triton_fn(*make(0))):
             failures.append(f"{op} {sname} {rows}x{cols}")
         rec = {"op": op, "stage": sname, "rows": rows, "cols": cols, "bytes": nbytes}
         if gpu:

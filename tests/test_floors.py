@@ -135,6 +135,8 @@ def test_analyze_shows_and_writes_the_floors_of_a_trace_with_its_launches_beside
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU capture path: on a GPU machine the worker's "
+                    "kernels are compiled for the GPU, not interpreted for CPU tensors")
 def test_profile_logs_the_warm_up_launches_beside_the_trace(tmp_path):
     from typer.testing import CliRunner
 
@@ -143,7 +145,7 @@ def test_profile_logs_the_warm_up_launches_beside_the_trace(tmp_path):
     out = tmp_path / "run"
     result = CliRunner().invoke(app, ["profile", "--device", "cpu", "--batch", "1", "--steps", "1", "--warmup", "1",
                                       "--recipe", "fmha", "--out", str(out)],
-                                 env={"COLUMNS": "200", "TRITON_INTERPRET": "1"})  # CPU tensors on a GPU machine too
+                                 env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     doc = json.loads((out / "launches.json").read_text())
     assert doc["schema"] == "swinbench.launches/1" and doc["device_name"] is None and doc["step"] == 0

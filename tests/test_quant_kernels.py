@@ -159,8 +159,8 @@ def test_quant_linear_compiles_whole():
 @pytest.mark.parametrize("M, K", [(1, 8), (37, 136), (3, 1000)])
 def test_gelu_quantize_rows_is_nn_gelu_then_quantize_rows(fmt, M, K):
     """One launch for an MLP's GELU and fc2's input quantization: the bits of nn.GELU (in the input's dtype)
-    then quantize_rows on a GPU (erf from libdevice on both sides); under the interpreter erf is numpy's,
-    whose last bit can differ from torch's CPU erf, and 1 + erf(x/sqrt 2) cancels for x < -3, so a few
+    then quantize_rows, but 1 + erf(x/sqrt 2) cancels for x < -3, where erf's last bit (libdevice's against
+    the one torch's CUDA kernel calls; numpy's under the interpreter) decides GELU's rounding, so a few
     values may land one quantization step apart."""
     from workbench.kernels.quant import gelu_quantize_rows, gelu_quantize_rows_torch
 
@@ -169,15 +169,11 @@ def test_gelu_quantize_rows_is_nn_gelu_then_quantize_rows(fmt, M, K):
     h[0, 0] = 60.0                                  # GELU(x) = x out there: the row's amax
     if M > 2:
         h[1] = -8.0                                 # GELU ~ -0: a row of (signed) zeros, scale 1
-    exact = DEVICE == "cuda"
     for dtype in (torch.bfloat16, torch.float32):
         x = h.to(dtype).to(DEVICE)
         q, s = gelu_quantize_rows(x, fmt)
         rq, rs = gelu_quantize_rows_torch(x, fmt)
         assert q.dtype == rq.dtype and s.shape == rs.shape == (M, 1)
-        if exact:
-            assert torch.equal(bits(s), bits(rs)) and torch.equal(bits(q), bits(rq))
-            continue
         assert torch.allclose(s, rs, rtol=1e-6, atol=0)
         differ = (q.float() != rq.float())
         assert differ.sum().item() <= max(2, q.numel() // 200)

@@ -93,7 +93,9 @@ def test_diff_carries_each_sides_warnings(tmp_path):
     result = runner.invoke(app, ["diff", str(good), str(bad), "--format", "json", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
     line = f"warning: {bad}: dropped 1 of 5 kernel rows: an end before the start"
-    assert line in result.output.replace("\n", "")
+    # rich wraps the long line at a space or inside the path, as the tmp path's length falls: compare
+    # both without whitespace
+    assert "".join(line.split()) in "".join(result.output.split())
     assert json.loads((tmp_path / "diff.json").read_text())["warnings"] == [line[len("warning: "):]]
 
 

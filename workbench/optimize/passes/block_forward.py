@@ -178,8 +178,10 @@ def _whole_block_forward(fallback: Callable) -> Callable:
         B, H, W, C = x.shape
         mask = _attn_mask(self, x, H, W, ws)
         attn, mlp = self.attn, self.mlp
+        # infer: nothing records a gradient here (inside the Function's forward grad mode is always off,
+        # and needs_input_grad follows the parameters' requires_grad even under inference_mode)
         geom = (ws, shift, attn.num_heads, float(attn.scale), float(self.norm1.eps), float(self.norm2.eps),
-                compute_dtype(x, attn.qkv.weight))
+                compute_dtype(x, attn.qkv.weight), not torch.is_grad_enabled())
         return SwinBlockFunction.apply(
             x, mask.detach() if mask is not None else None, attn.relative_position_index, geom,
             self.norm1.weight, self.norm1.bias, attn.qkv.weight, attn.qkv.bias, attn.relative_position_bias_table,
@@ -283,8 +285,9 @@ class SwinBlockFunction(torch.autograd.Function):
 
     apply(x, mask, index, geom, n1w, n1b, qkv_w, qkv_b, table, proj_w, proj_b, n2w, n2b,
           fc1_w, fc1_b, fc2_w, fc2_b)
-    geom = (window, shift, heads, scale, eps1, eps2, compute dtype). mask: (nW, N, N) or None;
-    index: the relative-position index (N*N,) into table (rows, heads).
+    geom = (window, shift, heads, scale, eps1, eps2, compute dtype, infer); infer: no gradient is recorded
+    (fc1's GELU then runs in its GEMM's epilogue). mask: (nW, N, N) or None; index: the relative-position
+    index (N*N,) into table (rows, heads).
 
     Numerics are those of the dense stage under autocast: GEMMs in the compute dtype on weights cast once
     per call, LayerNorm statistics and the residual stream in fp32, the attention in the fused kernel,
@@ -299,7 +302,7 @@ class SwinBlockFunction(torch.autograd.Function):
         from workbench.kernels.window import merge_roll_fwd, norm_shift_partition_fwd
         from workbench.kernels.window_attention import window_attention_fwd
 
-        ws, shift, heads, scale, eps1, eps2, dt = geom
+        ws, shift, heads, scale, eps1, eps2, dt, infer = geom
         B, H, W, C = x.shape
         with torch.autocast(x.device.type, enabled=False):
             x = x.contiguous()
@@ -316,9 +319,8 @@ class SwinBlockFunction(torch.autograd.Function):
             branch = merge_roll_fwd(proj.view(bnw, n, C), ws, shift, H, W)
             s, h, mean2, rstd2 = layer_norm_fwd(x.view(-1, C), branch.view(-1, C), n2w, n2b, eps2,
                                                 torch.promote_types(x.dtype, dt), y_dtype=dt)
-            # inference (no input needs a gradient; inside forward grad mode is always off): the GELU
-            # runs in fc1's GEMM epilogue and the pre-activation is never written
-            if not any(ctx.needs_input_grad) and h.is_cuda and dt in EPILOGUE_DTYPES:
+            # inference: the GELU runs in fc1's GEMM epilogue and the pre-activation is never written
+            if infer and h.is_cuda and dt in EPILOGUE_DTYPES:
                 pre = None
                 act = addmm_gelu(h, w_fc1, fc1_b.to(dt))
             else:
@@ -341,7 +343,7 @@ class SwinBlockFunction(torch.autograd.Function):
 
         (x, n1w, n1b, mean1, rstd1, win2, w_qkv, qkv, attn, lse, rel, o, w_proj, s, n2w, n2b, mean2, rstd2,
          h, w_fc1, pre, act, w_fc2, mask, index, table) = ctx.saved_tensors
-        ws, shift, heads, scale, eps1, eps2, dt = ctx.geom
+        ws, shift, heads, scale, eps1, eps2, dt, _ = ctx.geom
         t_qkv_w, t_qkv_b, t_proj_w, t_proj_b, t_fc1_w, t_fc1_b, t_fc2_w, t_fc2_b = ctx.dtypes
         B, H, W, C = x.shape
         bnw, n = qkv.shape[:2]

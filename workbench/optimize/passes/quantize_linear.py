@@ -33,8 +33,8 @@ was kept), the counts, the implementation (with how activations are quantized: o
 Linear on the GPU routes with dynamic activations, `kernels.quant.quantize_rows`) and the calibration.
 
 Where the kernels run, an MLP whose fc2 quantizes its input per row also runs its GELU and that
-quantization as one launch (`kernels.quant.gelu_quantize_rows`: one read of fc1's output, the same bits
-as nn.GELU then quantize_rows) instead of a GELU kernel writing bf16 and a quantization kernel reading it.
+quantization as one launch (`kernels.quant.gelu_quantize_rows`: one read of fc1's output, the bits of
+nn.GELU then quantize_rows but for rare tail values one step apart) instead of a GELU kernel writing bf16 and a quantization kernel reading it.
 
 Calibration batches are synthetic (random images from a fixed generator, like the workload's batch): the
 activation ranges of an untrained model on noise. For a trained model, calibrate on real images through
