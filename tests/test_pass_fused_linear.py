@@ -146,21 +146,18 @@ def test_gelu_epilogue_applies_only_to_gpu_inference_in_a_half_dtype():
     GPU, in bf16/fp16, with a bias: training, fp32 and the CPU keep the exact erf GELU."""
     x = torch.randn(5, 8)
     w, b = torch.randn(16, 8), torch.randn(16)
-    assert not lin.epilogue_gelu_applies(x, w, b)                    # CPU
+    assert not lin.epilogue_gelu_applies(x, torch.bfloat16, b, True)               # CPU
     with torch.no_grad():
-        assert not lin.epilogue_gelu_applies(x, w, b)
-        y = lin.linear(x, w, b, gelu=True)                          # the exact GELU on the CPU
+        y = lin.linear(x, w, b, gelu=True)                                          # the exact GELU on the CPU
     torch.testing.assert_close(y, torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b)))
     if not torch.cuda.is_available():
         return
-    xc, wc, bc = (t.cuda() for t in (x, w, b))
-    assert not lin.epilogue_gelu_applies(xc, wc, bc)                 # fp32 with grad mode on
-    with torch.no_grad():
-        assert not lin.epilogue_gelu_applies(xc, wc, bc)             # fp32
-        assert not lin.epilogue_gelu_applies(xc.bfloat16(), wc.bfloat16(), None)
-        assert lin.epilogue_gelu_applies(xc.bfloat16(), wc.bfloat16(), bc.bfloat16())
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            assert lin.epilogue_gelu_applies(xc, wc, bc)
+    xc, bc = x.cuda(), b.cuda()
+    assert lin.epilogue_gelu_applies(xc, torch.bfloat16, bc, True)
+    assert lin.epilogue_gelu_applies(xc, torch.float16, bc, True)
+    assert not lin.epilogue_gelu_applies(xc, torch.bfloat16, bc, False)            # a gradient recorded
+    assert not lin.epilogue_gelu_applies(xc, torch.float32, bc, True)              # fp32
+    assert not lin.epilogue_gelu_applies(xc, torch.bfloat16, None, True)           # no bias
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GEMM-epilogue GELU runs on a GPU")

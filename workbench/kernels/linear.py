@@ -196,11 +196,10 @@ class LinearFunction(torch.autograd.Function):
 EPILOGUE_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def epilogue_gelu_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether `linear(..., gelu=True)` runs the bias and GELU in the GEMM's epilogue (addmm_gelu): no
-    gradient is being recorded (inference), a CUDA tensor, a half compute dtype and a bias."""
-    return (bias is not None and x.is_cuda and not torch.is_grad_enabled()
-            and compute_dtype(x, weight) in EPILOGUE_DTYPES)
+def epilogue_gelu_applies(x: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None, infer: bool) -> bool:
+    """Whether an MLP's fc1 + GELU runs the bias and GELU in the GEMM's epilogue (addmm_gelu): inference
+    (`infer`: no gradient is recorded), a CUDA input, a half compute dtype and a bias."""
+    return infer and bias is not None and x.is_cuda and dtype in EPILOGUE_DTYPES
 
 
 def addmm_gelu(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -217,11 +216,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     on a GPU (no gradient recorded, half dtype) the GELU runs in the GEMM's epilogue instead (addmm_gelu)."""
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"linear: x has {x.shape[-1]} features, weight expects {weight.shape[1]}")
-    if gelu and epilogue_gelu_applies(x, weight, bias):
+    if gelu and not torch.is_grad_enabled():      # inference: the training hot path skips this check
         dt = compute_dtype(x, weight)
-        with torch.autocast(x.device.type, enabled=False):
-            out = addmm_gelu(x.reshape(-1, x.shape[-1]).to(dt), weight.to(dt), bias.to(dt))
-        return out.view(*x.shape[:-1], weight.shape[0])
+        if epilogue_gelu_applies(x, dt, bias, True):
+            with torch.autocast(x.device.type, enabled=False):
+                out = addmm_gelu(x.reshape(-1, x.shape[-1]).to(dt), weight.to(dt), bias.to(dt))
+            return out.view(*x.shape[:-1], weight.shape[0])
     return LinearFunction.apply(x, weight, bias, bool(gelu))
 
 

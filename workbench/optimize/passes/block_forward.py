@@ -298,7 +298,7 @@ class SwinBlockFunction(torch.autograd.Function):
     def forward(ctx, x, mask, index, geom, n1w, n1b, qkv_w, qkv_b, table, proj_w, proj_b, n2w, n2b,
                 fc1_w, fc1_b, fc2_w, fc2_b):
         from workbench.kernels.layer_norm import layer_norm_fwd
-        from workbench.kernels.linear import EPILOGUE_DTYPES, addmm_gelu
+        from workbench.kernels.linear import addmm_gelu, epilogue_gelu_applies
         from workbench.kernels.window import merge_roll_fwd, norm_shift_partition_fwd
         from workbench.kernels.window_attention import window_attention_fwd
 
@@ -320,7 +320,7 @@ class SwinBlockFunction(torch.autograd.Function):
             s, h, mean2, rstd2 = layer_norm_fwd(x.view(-1, C), branch.view(-1, C), n2w, n2b, eps2,
                                                 torch.promote_types(x.dtype, dt), y_dtype=dt)
             # inference: the GELU runs in fc1's GEMM epilogue and the pre-activation is never written
-            if infer and h.is_cuda and dt in EPILOGUE_DTYPES:
+            if epilogue_gelu_applies(h, dt, fc1_b, infer):
                 pre = None
                 act = addmm_gelu(h, w_fc1, fc1_b.to(dt))
             else:

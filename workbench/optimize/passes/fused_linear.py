@@ -44,7 +44,7 @@ def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, Pa
     try:
         from timm.layers import Mlp
 
-        from workbench.kernels.linear import BiasGradLinear
+        from workbench.kernels.linear import EPILOGUE_DTYPES, BiasGradLinear
     except ImportError as exc:
         raise PassUnavailable(f"fused linear kernel not importable: {exc}") from exc
     require_triton(ctx.device)
@@ -80,7 +80,8 @@ def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, Pa
                f"{mlps_fused} MLP fc1+GELU backward fused")
     if mlps_kept:
         changed += f"; {mlps_kept} MLP kept on timm's forward (other activation, dropout or hidden norm)"
-    epilogue = not ctx.training and ctx.device.type == "cuda" and mlps_fused > 0
+    epilogue = (not ctx.training and ctx.device.type == "cuda" and mlps_fused > 0
+                and ctx.precision.amp_dtype in EPILOGUE_DTYPES)
     if epilogue:
         changed += "; inference: fc1's bias and GELU in its GEMM's epilogue (cuBLASLt, tanh GELU)"
     details = {"linears": linears, "mlps_fused": mlps_fused, "mlps_kept": mlps_kept,
