@@ -379,11 +379,11 @@ def test_key_tiled_lse_is_the_base2_logsumexp(n, nw):
 
 @pytest.mark.parametrize("mode", ["bias", "table"])
 def test_key_tiled_32_row_tiles_and_odd_groups(mode, monkeypatch):
-    """The GPU configs also run 32-row query tiles, and the dq/d_bias kernel with its bias tiles loaded per
-    window (BIAS_REGS off); here with G = 3 windows per program, which leaves a last group of one window
-    (5 windows per position), against the float64 formula."""
-    monkeypatch.setattr(wa, "_TILED_INTERPRET_CONFIG", {"G": 3, "BLOCK_M": 32, "num_warps": 4})
-    monkeypatch.setattr(wa, "_DQ_INTERPRET_CONFIG", {"BIAS_REGS": False})
+    """The GPU configs also run 32-row query tiles, and every key-tiled kernel with its bias tiles loaded per
+    window (BIAS_REGS off; the dk/dv kernel then loops over query tiles of BLOCK_M rows); here with G = 3
+    windows per program, which leaves a last group of one window (5 windows per position), against the
+    float64 formula."""
+    monkeypatch.setattr(wa, "_TILED_INTERPRET_CONFIG", {"G": 3, "BLOCK_M": 32, "BIAS_REGS": False, "num_warps": 4})
     if mode == "table":
         check_table_against_reference((10, 2, 12, 16, 2), torch.float32, 1e-4, 1e-4)
     else:

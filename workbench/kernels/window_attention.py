@@ -309,13 +309,16 @@ def _window_attention_fwd_tiled_kernel(
     scale, B_PER_W, G: tl.constexpr,
     NW, NH, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, TABLE: tl.constexpr,
+    UPCAST: tl.constexpr, TABLE: tl.constexpr, KT: tl.constexpr, BIAS_REGS: tl.constexpr,
 ):
     """Forward for 64 < N <= 256. Grid (nW * n_groups, nH, cdiv(N, BLOCK_M)): program (w, g, h, m) owns
-    query rows [m*BLOCK_M, (m+1)*BLOCK_M) of its G windows; keys in NKB <= 4 blocks of KB = 64 with an
-    online softmax. The bias/mask tile of each (query tile, key block) is loaded once per program."""
+    query rows [m*BLOCK_M, (m+1)*BLOCK_M) of its G windows; keys in NKB <= 4 blocks, 64 wide but the
+    last KT wide, with an online softmax. BIAS_REGS: the bias/mask tile of each (query tile, key block) is
+    loaded once per program and held in registers, else once per window (from cache)."""
     KB: tl.constexpr = 64
     NKB: tl.constexpr = (N + KB - 1) // KB
+    W1: tl.constexpr = KT if NKB == 2 else KB  # key block widths: block 0 is always full (N > 64)
+    W2: tl.constexpr = KT if NKB == 3 else KB
     pid = tl.program_id(0)
     h = tl.program_id(1)
     w = pid % NW
@@ -323,33 +326,43 @@ def _window_attention_fwd_tiled_kernel(
     i_start = g * G
     i_end = tl.minimum(i_start + G, B_PER_W)
     offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, KB)
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     qk_scale = scale * 1.4426950408889634
-    bias0 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, offs_k, N, NH, HAS_MASK, TABLE)
-    if NKB > 1:
-        bias1 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, KB + offs_k, N, NH, HAS_MASK, TABLE)
-    if NKB > 2:
-        bias2 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, 2 * KB + offs_k, N, NH, HAS_MASK, TABLE)
-    if NKB > 3:
-        bias3 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, 3 * KB + offs_k, N, NH, HAS_MASK, TABLE)
+    if BIAS_REGS:
+        bias0 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, tl.arange(0, KB), N, NH, HAS_MASK, TABLE)
+        bias1 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, KB + tl.arange(0, W1), N, NH, HAS_MASK, TABLE)
+        if NKB > 2:
+            bias2 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, 2 * KB + tl.arange(0, W2), N, NH, HAS_MASK,
+                                    TABLE)
+        if NKB > 3:
+            bias3 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, 3 * KB + tl.arange(0, KT), N, NH, HAS_MASK,
+                                    TABLE)
     for i in range(i_start, i_end):
         b = (i * NW + w).to(tl.int64)
         q = _load_rows(Q, b, h, sq_b, sq_h, sq_n, sq_d, offs_m, N, D)
         m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+        if not BIAS_REGS:
+            bias0 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, tl.arange(0, KB), N, NH, HAS_MASK, TABLE)
         acc, m_i, l_i = _fwd_key_block(q, acc, m_i, l_i, bias0, K, V, b, h, sk_b, sk_h, sk_n, sk_d,
                                        sv_b, sv_h, sv_n, sv_d, 0, qk_scale, N, D, KB, PRECISION, UPCAST)
-        if NKB > 1:
-            acc, m_i, l_i = _fwd_key_block(q, acc, m_i, l_i, bias1, K, V, b, h, sk_b, sk_h, sk_n, sk_d,
-                                           sv_b, sv_h, sv_n, sv_d, KB, qk_scale, N, D, KB, PRECISION, UPCAST)
+        if not BIAS_REGS:
+            bias1 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, KB + tl.arange(0, W1), N, NH, HAS_MASK, TABLE)
+        acc, m_i, l_i = _fwd_key_block(q, acc, m_i, l_i, bias1, K, V, b, h, sk_b, sk_h, sk_n, sk_d,
+                                       sv_b, sv_h, sv_n, sv_d, KB, qk_scale, N, D, W1, PRECISION, UPCAST)
         if NKB > 2:
+            if not BIAS_REGS:
+                bias2 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, 2 * KB + tl.arange(0, W2), N, NH, HAS_MASK,
+                                        TABLE)
             acc, m_i, l_i = _fwd_key_block(q, acc, m_i, l_i, bias2, K, V, b, h, sk_b, sk_h, sk_n, sk_d,
-                                           sv_b, sv_h, sv_n, sv_d, 2 * KB, qk_scale, N, D, KB, PRECISION, UPCAST)
+                                           sv_b, sv_h, sv_n, sv_d, 2 * KB, qk_scale, N, D, W2, PRECISION, UPCAST)
         if NKB > 3:
+            if not BIAS_REGS:
+                bias3 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, 3 * KB + tl.arange(0, KT), N, NH, HAS_MASK,
+                                        TABLE)
             acc, m_i, l_i = _fwd_key_block(q, acc, m_i, l_i, bias3, K, V, b, h, sk_b, sk_h, sk_n, sk_d,
-                                           sv_b, sv_h, sv_n, sv_d, 3 * KB, qk_scale, N, D, KB, PRECISION, UPCAST)
+                                           sv_b, sv_h, sv_n, sv_d, 3 * KB, qk_scale, N, D, KT, PRECISION, UPCAST)
         _store_rows(O, acc / l_i[:, None], b, h, so_b, so_h, so_n, so_d, offs_m, N, D)
         tl.store(LSE + (b * NH + h) * N + offs_m, m_i + tl.log2(l_i), mask=offs_m < N)
 
@@ -372,7 +385,7 @@ def _bwd_dq_key_block(q, do, lse, delta, dq, bias, K, V, b, h, sk_b, sk_h, sk_n,
 
 @triton.jit(do_not_specialize=["B_PER_W", "NW", "NH", "FILL_SLOTS"])
 def _window_attention_bwd_dq_kernel(
-    Q, K, V, O, DO, LSE, BIAS, MASK, INDEX, DQ, DBIAS_PARTIAL,
+    Q, K, V, O, DO, LSE, BIAS, MASK, INDEX, DQ, DBIAS_PARTIAL, DELTA,
     sq_b, sq_h, sq_n, sq_d,
     sk_b, sk_h, sk_n, sk_d,
     sv_b, sv_h, sv_n, sv_d,
@@ -383,15 +396,19 @@ def _window_attention_bwd_dq_kernel(
     NW, NH, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, COMPUTE_DBIAS: tl.constexpr, TABLE: tl.constexpr, BIAS_REGS: tl.constexpr,
+    KT: tl.constexpr,
 ):
-    """Backward for 64 < N <= 256, part 1: dq and d_bias. Grid as the tiled forward's; program (w, g, h, m)
-    owns query rows [m*BLOCK_M, (m+1)*BLOCK_M) of its G windows. The d_bias of its rows, summed over the G
-    windows in registers (one accumulator per key block), is stored once into those rows of the program's
-    (N, N) slot partial[g, w, h]. BIAS_REGS: the bias/mask tiles stay in registers across the windows,
-    else they are loaded again per window (fewer registers beside the d_bias accumulators; a config value).
+    """Backward for 64 < N <= 256, part 1: dq, d_bias and delta = rowsum(dO * O) (fp32, (B*nW, nH, N), for
+    the dk/dv kernel). Grid as the tiled forward's; program (w, g, h, m) owns query rows
+    [m*BLOCK_M, (m+1)*BLOCK_M) of its G windows. The d_bias of its rows, summed over the G windows in
+    registers (one accumulator per key block), is stored once into those rows of the program's (N, N) slot
+    partial[g, w, h]. BIAS_REGS: the bias/mask tiles stay in registers across the windows, else they are
+    loaded again per window (fewer registers beside the d_bias accumulators; a config value).
     With a packed gradient DQ is the packed buffer itself (dq at offset 0)."""
     KB: tl.constexpr = 64
     NKB: tl.constexpr = (N + KB - 1) // KB
+    W1: tl.constexpr = KT if NKB == 2 else KB  # key block widths: block 0 is always full (N > 64)
+    W2: tl.constexpr = KT if NKB == 3 else KB
     pid = tl.program_id(0)
     h = tl.program_id(1)
     w = pid % NW
@@ -400,28 +417,24 @@ def _window_attention_bwd_dq_kernel(
     i_end = tl.minimum(i_start + G, B_PER_W)
     offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < N
-    offs_k = tl.arange(0, KB)
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     qk_scale = scale * 1.4426950408889634
     if BIAS_REGS:
-        bias0 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, offs_k, N, NH, HAS_MASK, TABLE)
+        bias0 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, tl.arange(0, KB), N, NH, HAS_MASK, TABLE)
+        bias1 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, KB + tl.arange(0, W1), N, NH, HAS_MASK, TABLE)
+        if NKB > 2:
+            bias2 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, 2 * KB + tl.arange(0, W2), N, NH, HAS_MASK,
+                                    TABLE)
+        if NKB > 3:
+            bias3 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, 3 * KB + tl.arange(0, KT), N, NH, HAS_MASK,
+                                    TABLE)
     if COMPUTE_DBIAS:
         db0 = tl.zeros((BLOCK_M, KB), dtype=tl.float32)
-    if NKB > 1:
-        if BIAS_REGS:
-            bias1 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, KB + offs_k, N, NH, HAS_MASK, TABLE)
-        if COMPUTE_DBIAS:
-            db1 = tl.zeros((BLOCK_M, KB), dtype=tl.float32)
-    if NKB > 2:
-        if BIAS_REGS:
-            bias2 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, 2 * KB + offs_k, N, NH, HAS_MASK, TABLE)
-        if COMPUTE_DBIAS:
-            db2 = tl.zeros((BLOCK_M, KB), dtype=tl.float32)
-    if NKB > 3:
-        if BIAS_REGS:
-            bias3 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, 3 * KB + offs_k, N, NH, HAS_MASK, TABLE)
-        if COMPUTE_DBIAS:
-            db3 = tl.zeros((BLOCK_M, KB), dtype=tl.float32)
+        db1 = tl.zeros((BLOCK_M, W1), dtype=tl.float32)
+        if NKB > 2:
+            db2 = tl.zeros((BLOCK_M, W2), dtype=tl.float32)
+        if NKB > 3:
+            db3 = tl.zeros((BLOCK_M, KT), dtype=tl.float32)
     for i in range(i_start, i_end):
         b = (i * NW + w).to(tl.int64)
         q = _load_rows(Q, b, h, sq_b, sq_h, sq_n, sq_d, offs_m, N, D)
@@ -429,44 +442,45 @@ def _window_attention_bwd_dq_kernel(
         do = _load_rows(DO, b, h, sdo_b, sdo_h, sdo_n, sdo_d, offs_m, N, D)
         lse = tl.load(LSE + (b * NH + h) * N + offs_m, mask=row_ok, other=0.0)
         delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+        tl.store(DELTA + (b * NH + h) * N + offs_m, delta, mask=row_ok)
         dq = tl.zeros((BLOCK_M, D), dtype=tl.float32)
         if not BIAS_REGS:
-            bias0 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, offs_k, N, NH, HAS_MASK, TABLE)
+            bias0 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, tl.arange(0, KB), N, NH, HAS_MASK, TABLE)
         dq, ds = _bwd_dq_key_block(q, do, lse, delta, dq, bias0, K, V, b, h, sk_b, sk_h, sk_n, sk_d,
                                    sv_b, sv_h, sv_n, sv_d, 0, qk_scale, N, D, KB, PRECISION, UPCAST)
         if COMPUTE_DBIAS:
             db0 += ds
-        if NKB > 1:
-            if not BIAS_REGS:
-                bias1 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, KB + offs_k, N, NH, HAS_MASK, TABLE)
-            dq, ds = _bwd_dq_key_block(q, do, lse, delta, dq, bias1, K, V, b, h, sk_b, sk_h, sk_n, sk_d,
-                                       sv_b, sv_h, sv_n, sv_d, KB, qk_scale, N, D, KB, PRECISION, UPCAST)
-            if COMPUTE_DBIAS:
-                db1 += ds
+        if not BIAS_REGS:
+            bias1 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, KB + tl.arange(0, W1), N, NH, HAS_MASK, TABLE)
+        dq, ds = _bwd_dq_key_block(q, do, lse, delta, dq, bias1, K, V, b, h, sk_b, sk_h, sk_n, sk_d,
+                                   sv_b, sv_h, sv_n, sv_d, KB, qk_scale, N, D, W1, PRECISION, UPCAST)
+        if COMPUTE_DBIAS:
+            db1 += ds
         if NKB > 2:
             if not BIAS_REGS:
-                bias2 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, 2 * KB + offs_k, N, NH, HAS_MASK, TABLE)
+                bias2 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, 2 * KB + tl.arange(0, W2), N, NH, HAS_MASK,
+                                        TABLE)
             dq, ds = _bwd_dq_key_block(q, do, lse, delta, dq, bias2, K, V, b, h, sk_b, sk_h, sk_n, sk_d,
-                                       sv_b, sv_h, sv_n, sv_d, 2 * KB, qk_scale, N, D, KB, PRECISION, UPCAST)
+                                       sv_b, sv_h, sv_n, sv_d, 2 * KB, qk_scale, N, D, W2, PRECISION, UPCAST)
             if COMPUTE_DBIAS:
                 db2 += ds
         if NKB > 3:
             if not BIAS_REGS:
-                bias3 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, 3 * KB + offs_k, N, NH, HAS_MASK, TABLE)
+                bias3 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, 3 * KB + tl.arange(0, KT), N, NH, HAS_MASK,
+                                        TABLE)
             dq, ds = _bwd_dq_key_block(q, do, lse, delta, dq, bias3, K, V, b, h, sk_b, sk_h, sk_n, sk_d,
-                                       sv_b, sv_h, sv_n, sv_d, 3 * KB, qk_scale, N, D, KB, PRECISION, UPCAST)
+                                       sv_b, sv_h, sv_n, sv_d, 3 * KB, qk_scale, N, D, KT, PRECISION, UPCAST)
             if COMPUTE_DBIAS:
                 db3 += ds
         _store_rows(DQ, dq * scale, b, h, sdq_b, sdq_h, sdq_n, sdq_d, offs_m, N, D)
     if COMPUTE_DBIAS:
         slot = DBIAS_PARTIAL + ((g * NW + w) * NH + h).to(tl.int64) * N * N
         _store_dbias_tile(slot, db0, offs_m, 0, N, KB)
-        if NKB > 1:
-            _store_dbias_tile(slot, db1, offs_m, KB, N, KB)
+        _store_dbias_tile(slot, db1, offs_m, KB, N, W1)
         if NKB > 2:
-            _store_dbias_tile(slot, db2, offs_m, 2 * KB, N, KB)
+            _store_dbias_tile(slot, db2, offs_m, 2 * KB, N, W2)
         if NKB > 3:
-            _store_dbias_tile(slot, db3, offs_m, 3 * KB, N, KB)
+            _store_dbias_tile(slot, db3, offs_m, 3 * KB, N, KT)
         # Slots past this G's groups, up to FILL_SLOTS, are zeroed by the last group's programs (each its
         # own rows), so that traced calls can sum FILL_SLOTS slots whatever G the autotuner chose.
         n_groups = tl.cdiv(B_PER_W, G)
@@ -477,59 +491,130 @@ def _window_attention_bwd_dq_kernel(
                     _store_dbias_tile(slot, tl.zeros((BLOCK_M, KB), dtype=tl.float32), offs_m, n0, N, KB)
 
 
+@triton.jit
+def _dkv_query_block(k, v, dk, dv, bias, Q, DO, LSE, DELTA, b, h, sq_b, sq_h, sq_n, sq_d,
+                     sdo_b, sdo_h, sdo_n, sdo_d, m0, qk_scale, N, NH, D: tl.constexpr, QB: tl.constexpr,
+                     PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """Queries [m0, m0 + QB) against one key block: (dk + ds^T q, dv + p^T dO), unscaled."""
+    offs_m = m0 + tl.arange(0, QB)
+    row_ok = offs_m < N
+    q = _load_rows(Q, b, h, sq_b, sq_h, sq_n, sq_d, offs_m, N, D)
+    do = _load_rows(DO, b, h, sdo_b, sdo_h, sdo_n, sdo_d, offs_m, N, D)
+    lse = tl.load(LSE + (b * NH + h) * N + offs_m, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + (b * NH + h) * N + offs_m, mask=row_ok, other=0.0)
+    s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale + bias
+    p = tl.exp2(s - lse[:, None])  # padded keys: exp2(-inf) = 0; padded rows: do = 0
+    dv += _dot(tl.trans(p.to(do.dtype)), do, PRECISION, UPCAST)
+    dp = _dot(do, tl.trans(v), PRECISION, UPCAST)
+    ds = p * (dp - delta[:, None])
+    dk += _dot(tl.trans(ds.to(q.dtype)), q, PRECISION, UPCAST)
+    return dk, dv
+
+
+@triton.jit
+def _dkv_key_block(Q, K, V, DO, LSE, DELTA, BIAS, MASK, INDEX, DK, DV,
+                   sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
+                   sdo_b, sdo_h, sdo_n, sdo_d, sdk_b, sdk_h, sdk_n, sdk_d, sdv_b, sdv_h, sdv_n, sdv_d,
+                   w, h, i_start, i_end, n0, scale, qk_scale, NW, NH, N: tl.constexpr, D: tl.constexpr,
+                   KW: tl.constexpr, KT: tl.constexpr, BLOCK_M: tl.constexpr, HAS_MASK: tl.constexpr,
+                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, TABLE: tl.constexpr, BIAS_REGS: tl.constexpr):
+    """dk, dv of keys [n0, n0 + KW) of windows i_start..i_end-1. BIAS_REGS: queries in blocks of 64 (the
+    last KT high), the bias/mask tile of each held in registers across the windows; else queries in tiles
+    of BLOCK_M rows, each tile's bias/mask loaded per window (from cache)."""
+    QB: tl.constexpr = 64
+    NQB: tl.constexpr = (N + QB - 1) // QB
+    H1: tl.constexpr = KT if NQB == 2 else QB  # query block heights: block 0 is always full (N > 64)
+    H2: tl.constexpr = KT if NQB == 3 else QB
+    offs_n = n0 + tl.arange(0, KW)
+    if BIAS_REGS:
+        bias0 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, tl.arange(0, QB), offs_n, N, NH, HAS_MASK, TABLE)
+        bias1 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, QB + tl.arange(0, H1), offs_n, N, NH, HAS_MASK, TABLE)
+        if NQB > 2:
+            bias2 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, 2 * QB + tl.arange(0, H2), offs_n, N, NH, HAS_MASK,
+                                    TABLE)
+        if NQB > 3:
+            bias3 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, 3 * QB + tl.arange(0, KT), offs_n, N, NH, HAS_MASK,
+                                    TABLE)
+    for i in range(i_start, i_end):
+        b = (i * NW + w).to(tl.int64)
+        k = _load_rows(K, b, h, sk_b, sk_h, sk_n, sk_d, offs_n, N, D)
+        v = _load_rows(V, b, h, sv_b, sv_h, sv_n, sv_d, offs_n, N, D)
+        dk = tl.zeros((KW, D), dtype=tl.float32)
+        dv = tl.zeros((KW, D), dtype=tl.float32)
+        if BIAS_REGS:
+            dk, dv = _dkv_query_block(k, v, dk, dv, bias0, Q, DO, LSE, DELTA, b, h, sq_b, sq_h, sq_n, sq_d,
+                                      sdo_b, sdo_h, sdo_n, sdo_d, 0, qk_scale, N, NH, D, QB, PRECISION, UPCAST)
+            dk, dv = _dkv_query_block(k, v, dk, dv, bias1, Q, DO, LSE, DELTA, b, h, sq_b, sq_h, sq_n, sq_d,
+                                      sdo_b, sdo_h, sdo_n, sdo_d, QB, qk_scale, N, NH, D, H1, PRECISION, UPCAST)
+            if NQB > 2:
+                dk, dv = _dkv_query_block(k, v, dk, dv, bias2, Q, DO, LSE, DELTA, b, h, sq_b, sq_h, sq_n, sq_d,
+                                          sdo_b, sdo_h, sdo_n, sdo_d, 2 * QB, qk_scale, N, NH, D, H2, PRECISION,
+                                          UPCAST)
+            if NQB > 3:
+                dk, dv = _dkv_query_block(k, v, dk, dv, bias3, Q, DO, LSE, DELTA, b, h, sq_b, sq_h, sq_n, sq_d,
+                                          sdo_b, sdo_h, sdo_n, sdo_d, 3 * QB, qk_scale, N, NH, D, KT, PRECISION,
+                                          UPCAST)
+        else:
+            for m0 in range(0, N, BLOCK_M):
+                bias = _bias_mask_tile(BIAS, MASK, INDEX, h, w, m0 + tl.arange(0, BLOCK_M), offs_n, N, NH,
+                                       HAS_MASK, TABLE)
+                dk, dv = _dkv_query_block(k, v, dk, dv, bias, Q, DO, LSE, DELTA, b, h, sq_b, sq_h, sq_n, sq_d,
+                                          sdo_b, sdo_h, sdo_n, sdo_d, m0, qk_scale, N, NH, D, BLOCK_M, PRECISION,
+                                          UPCAST)
+        _store_rows(DK, dk * scale, b, h, sdk_b, sdk_h, sdk_n, sdk_d, offs_n, N, D)
+        _store_rows(DV, dv, b, h, sdv_b, sdv_h, sdv_n, sdv_d, offs_n, N, D)
+
+
 @triton.jit(do_not_specialize=["B_PER_W", "NW", "NH"])
 def _window_attention_bwd_dkv_kernel(
-    Q, K, V, O, DO, LSE, BIAS, MASK, INDEX, DK, DV,
+    Q, K, V, DO, LSE, DELTA, BIAS, MASK, INDEX, DK, DV,
     sq_b, sq_h, sq_n, sq_d,
     sk_b, sk_h, sk_n, sk_d,
     sv_b, sv_h, sv_n, sv_d,
-    so_b, so_h, so_n, so_d,
     sdo_b, sdo_h, sdo_n, sdo_d,
     sdk_b, sdk_h, sdk_n, sdk_d,
     sdv_b, sdv_h, sdv_n, sdv_d,
     scale, B_PER_W, G: tl.constexpr, dkv_off,
     NW, NH, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, PACKED: tl.constexpr, TABLE: tl.constexpr,
+    UPCAST: tl.constexpr, PACKED: tl.constexpr, TABLE: tl.constexpr, KT: tl.constexpr, BIAS_REGS: tl.constexpr,
 ):
-    """Backward for 64 < N <= 256, part 2: dk and dv. Grid (nW * n_groups, nH, cdiv(N, KB)): program
-    (w, g, h, j) owns keys [j*KB, (j+1)*KB) of its G windows and runs over every query tile of each.
+    """Backward for 64 < N <= 256, part 2: dk and dv, with delta = rowsum(dO * O) from the dq kernel (O is
+    not read). Grid (nW * n_groups, nH, cdiv(N, 64)): program (w, g, h, j) owns key block j of its G
+    windows (64 keys, the last block KT) and runs over every query of each.
     PACKED: DK is the packed gradient buffer, dk at DK + dkv_off and dv at DK + 2 dkv_off (DV unused)."""
     KB: tl.constexpr = 64
+    NKB: tl.constexpr = (N + KB - 1) // KB
     if PACKED:
         DV = DK + 2 * dkv_off
         DK = DK + dkv_off
     pid = tl.program_id(0)
     h = tl.program_id(1)
+    j = tl.program_id(2)
     w = pid % NW
     g = pid // NW
     i_start = g * G
     i_end = tl.minimum(i_start + G, B_PER_W)
-    offs_n = tl.program_id(2) * KB + tl.arange(0, KB)
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     qk_scale = scale * 1.4426950408889634
-    for i in range(i_start, i_end):
-        b = (i * NW + w).to(tl.int64)
-        k = _load_rows(K, b, h, sk_b, sk_h, sk_n, sk_d, offs_n, N, D)
-        v = _load_rows(V, b, h, sv_b, sv_h, sv_n, sv_d, offs_n, N, D)
-        dk = tl.zeros((KB, D), dtype=tl.float32)
-        dv = tl.zeros((KB, D), dtype=tl.float32)
-        for m0 in range(0, N, BLOCK_M):
-            offs_m = m0 + tl.arange(0, BLOCK_M)
-            bias = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, offs_n, N, NH, HAS_MASK, TABLE)
-            q = _load_rows(Q, b, h, sq_b, sq_h, sq_n, sq_d, offs_m, N, D)
-            o = _load_rows(O, b, h, so_b, so_h, so_n, so_d, offs_m, N, D)
-            do = _load_rows(DO, b, h, sdo_b, sdo_h, sdo_n, sdo_d, offs_m, N, D)
-            lse = tl.load(LSE + (b * NH + h) * N + offs_m, mask=offs_m < N, other=0.0)
-            delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
-            s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale + bias
-            p = tl.exp2(s - lse[:, None])  # padded keys: exp2(-inf) = 0; padded rows: do = 0
-            dv += _dot(tl.trans(p.to(do.dtype)), do, PRECISION, UPCAST)
-            dp = _dot(do, tl.trans(v), PRECISION, UPCAST)
-            ds = p * (dp - delta[:, None])
-            dk += _dot(tl.trans(ds.to(q.dtype)), q, PRECISION, UPCAST)
-        _store_rows(DK, dk * scale, b, h, sdk_b, sdk_h, sdk_n, sdk_d, offs_n, N, D)
-        _store_rows(DV, dv, b, h, sdv_b, sdv_h, sdv_n, sdv_d, offs_n, N, D)
+    if KT == KB:  # every block 64 keys wide
+        _dkv_key_block(Q, K, V, DO, LSE, DELTA, BIAS, MASK, INDEX, DK, DV,
+                       sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
+                       sdo_b, sdo_h, sdo_n, sdo_d, sdk_b, sdk_h, sdk_n, sdk_d, sdv_b, sdv_h, sdv_n, sdv_d,
+                       w, h, i_start, i_end, j * KB, scale, qk_scale, NW, NH, N, D, KB, KT, BLOCK_M, HAS_MASK,
+                       PRECISION, UPCAST, TABLE, BIAS_REGS)
+    elif j < NKB - 1:  # a full block
+        _dkv_key_block(Q, K, V, DO, LSE, DELTA, BIAS, MASK, INDEX, DK, DV,
+                       sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
+                       sdo_b, sdo_h, sdo_n, sdo_d, sdk_b, sdk_h, sdk_n, sdk_d, sdv_b, sdv_h, sdv_n, sdv_d,
+                       w, h, i_start, i_end, j * KB, scale, qk_scale, NW, NH, N, D, KB, KT, BLOCK_M, HAS_MASK,
+                       PRECISION, UPCAST, TABLE, BIAS_REGS)
+    else:  # the last, narrower block
+        _dkv_key_block(Q, K, V, DO, LSE, DELTA, BIAS, MASK, INDEX, DK, DV,
+                       sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
+                       sdo_b, sdo_h, sdo_n, sdo_d, sdk_b, sdk_h, sdk_n, sdk_d, sdv_b, sdv_h, sdv_n, sdv_d,
+                       w, h, i_start, i_end, (NKB - 1) * KB, scale, qk_scale, NW, NH, N, D, KT, KT, BLOCK_M,
+                       HAS_MASK, PRECISION, UPCAST, TABLE, BIAS_REGS)
 
 
 # --------------------------------------------------------------------------------------------
@@ -563,17 +648,20 @@ _BWD_SMALL_CONFIGS = ([triton.Config({"G": g, "BLOCK_M": 64}, num_warps=nw, num_
 # for more shared memory than an H200 has (their num_stages = 2 prefetch of every key block); Triton's
 # autotuner drops a config that cannot launch (OutOfResources), and the first config of each list, the
 # one SWINBENCH_AUTOTUNE=0 pins, fits.
-_FWD_TILED_CONFIGS = [triton.Config({"G": g, "BLOCK_M": bm}, num_warps=nw, num_stages=2)
+_FWD_TILED_CONFIGS = [triton.Config({"G": g, "BLOCK_M": bm, "BIAS_REGS": True}, num_warps=nw, num_stages=2)
                       for bm, nw in ((32, 4), (64, 8)) for g in (4, 8)]
 _BWD_DQ_CONFIGS = ([triton.Config({"G": 8, "BLOCK_M": bm, "BIAS_REGS": br}, num_warps=nw, num_stages=2)
                     for bm, nw in ((32, 4), (32, 8), (64, 8)) for br in (True, False)]
                    + [triton.Config({"G": 16, "BLOCK_M": 64, "BIAS_REGS": br}, num_warps=8, num_stages=2)
                       for br in (True, False)])
-_BWD_DKV_CONFIGS = [triton.Config({"G": g, "BLOCK_M": bm}, num_warps=nw, num_stages=2)
-                    for bm, nw in ((32, 4), (64, 8)) for g in (4, 8)]
+_BWD_DKV_CONFIGS = ([triton.Config({"G": g, "BLOCK_M": bm, "BIAS_REGS": False}, num_warps=nw, num_stages=2)
+                     for bm, nw in ((32, 4), (64, 8)) for g in (4, 8)]
+                    + [triton.Config({"G": g, "BLOCK_M": 64, "BIAS_REGS": True}, num_warps=8, num_stages=2)
+                       for g in (4, 8)])
 _INTERPRET_CONFIG = {"G": 2, "num_warps": 4}
-_TILED_INTERPRET_CONFIG = {"G": 2, "BLOCK_M": 64, "num_warps": 4}
-_DQ_INTERPRET_CONFIG = {"BIAS_REGS": True}  # the dq/d_bias kernel's own config values
+# The key-tiled kernels' config values under the interpreter (BIAS_REGS: every kernel's bias tiles held in
+# registers; tests switch it off, with 32-row tiles, to run the per-window paths).
+_TILED_INTERPRET_CONFIG = {"G": 2, "BLOCK_M": 64, "BIAS_REGS": True, "num_warps": 4}
 _KEY_BLOCK = 64  # KB of the key-tiled kernels
 _AUTOTUNE_KEY = ["N", "D", "NH", "NW"]
 # The d_bias partial buffer has ceil(B_PER_W / G) slots per (w, h); sized for the smallest G of the
@@ -685,7 +773,7 @@ def window_attention_fwd(q, k, v, rel_bias, mask, scale, index=None):
             *_strides(q), *_strides(k), *_strides(v), *_strides(out),
             float(scale), b_per_w, NW=nw, NH=nh, N=n, D=d,
             HAS_MASK=mask is not None, PRECISION=_precision(q.dtype),
-            UPCAST=_INTERPRET and q.dtype == torch.bfloat16, TABLE=index is not None, **extra,
+            UPCAST=_INTERPRET and q.dtype == torch.bfloat16, TABLE=index is not None, KT=_tail_width(n), **extra,
         )
         return out, lse
     extra = dict(_INTERPRET_CONFIG) if _INTERPRET else {}
@@ -770,28 +858,36 @@ def _bwd_single(kernel, q, k, v, out, lse, dout, rel_bias, mask_arg, index_arg, 
     )
 
 
+def _tail_width(n: int) -> int:
+    """KT of the key-tiled kernels: the width of the last 64-key block (and height of the last 64-row query
+    block where a kernel unrolls them), a power of two >= 16 (the smallest tensor-core operand): 144 tokens
+    run as 64 + 64 + 16, not padded to 192."""
+    return max(16, next_pow2(n - _KEY_BLOCK * (cdiv(n, _KEY_BLOCK) - 1)))
+
+
 def _bwd_tiled(q, k, v, out, lse, dout, rel_bias, mask_arg, index_arg, grads, dkv_off, packed, partial,
                fill_slots, scale, b_per_w, nw, has_mask, compute_dbias, table):
-    """More than 64 keys: dq and the d_bias partials (_bwd_dq), then dk and dv (_bwd_dkv). grads: (dq, dk,
-    dv), or (the packed buffer, _, _) with dk and dv dkv_off and 2 dkv_off elements past dq."""
+    """More than 64 keys: dq, the d_bias partials and delta = rowsum(dO * O) (_bwd_dq), then dk and dv from
+    delta (_bwd_dkv). grads: (dq, dk, dv), or (the packed buffer, _, _) with dk and dv dkv_off and 2 dkv_off
+    elements past dq."""
     bnw, nh, n, d = q.shape
     dq, dk, dv = grads
     # Strides of the dq, dk, dv views: the packed buffer's come from its unbound views.
     views = grads if not packed else grads[0].permute(2, 0, 3, 1, 4).unbind(0)
+    delta = _new_buffer((bnw, nh, n), torch.float32, q.device)
     common = dict(NW=nw, NH=nh, N=n, D=d, HAS_MASK=has_mask, PRECISION=_precision(q.dtype),
-                  UPCAST=_INTERPRET and q.dtype == torch.bfloat16, TABLE=table)
+                  UPCAST=_INTERPRET and q.dtype == torch.bfloat16, TABLE=table, KT=_tail_width(n))
     extra = dict(_TILED_INTERPRET_CONFIG) if _INTERPRET else {}
-    extra_dq = dict(extra, **_DQ_INTERPRET_CONFIG) if _INTERPRET else {}
     grid = lambda meta: (nw * cdiv(b_per_w, meta["G"]), nh, cdiv(n, meta["BLOCK_M"]))  # noqa: E731
     launch(_bwd_dq)[grid](
-        q, k, v, out, dout, lse, rel_bias, mask_arg, index_arg, dq, partial,
+        q, k, v, out, dout, lse, rel_bias, mask_arg, index_arg, dq, partial, delta,
         *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(dout), *_strides(views[0]),
-        float(scale), b_per_w, FILL_SLOTS=fill_slots, COMPUTE_DBIAS=compute_dbias, **common, **extra_dq,
+        float(scale), b_per_w, FILL_SLOTS=fill_slots, COMPUTE_DBIAS=compute_dbias, **common, **extra,
     )
     grid = lambda meta: (nw * cdiv(b_per_w, meta["G"]), nh, cdiv(n, _KEY_BLOCK))  # noqa: E731
     launch(_bwd_dkv)[grid](
-        q, k, v, out, dout, lse, rel_bias, mask_arg, index_arg, dq if packed else dk, dv,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(dout),
+        q, k, v, dout, lse, delta, rel_bias, mask_arg, index_arg, dq if packed else dk, dv,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(dout),
         *_strides(views[1]), *_strides(views[2]),
         float(scale), b_per_w, dkv_off=dkv_off, PACKED=packed, **common, **extra,
     )
