@@ -18,20 +18,22 @@ Design (why it is shaped this way):
   * Beyond 64 keys (N in 65..256) padding every window to one next_pow2(N) tile wastes work (144 -> 256
     keys) and makes a one-kernel backward hold (256, d) fp32 dk/dv accumulators per program and, with
     several query tiles, read-modify-write its whole N x N fp32 d_bias slot for every window. So the
-    keys run in blocks of KB = 64 (at most 4, the last partial and -inf padded), and query tiles are a
-    grid axis:
+    keys run in blocks of KB = 64 (at most 4), the last one KT = next_pow2 of what is left, at least 16
+    (144 = 64 + 64 + 16: nothing padded), and query tiles are a grid axis:
       - forward: grid (nW * n_groups, nH, cdiv(N, BLOCK_M)); per window an online softmax over the key
         blocks (running max and sum in base 2), the bias/mask tile of each (query tile, key block)
         loaded once per program.
       - backward in two kernels, without atomics. dq + d_bias (same grid): per window and key block it
-        recomputes P from the LSE, ds = P * (dO V^T - rowsum(dO * O)), dq += ds K; the d_bias of its
-        rows is summed over the G windows in registers (one (BLOCK_M, KB) accumulator per key block) and
-        stored once into those rows of its slot. dk, dv (grid (nW * n_groups, nH, cdiv(N, KB))): a program
-        owns one key block and runs over every query tile of its windows: dv += P^T dO, dk += ds^T Q.
-    BLOCK_M (32 or 64) is a config value of these kernels.
+        recomputes P from the LSE, ds = P * (dP - delta) with delta = rowsum(dO * O), which it also stores
+        (fp32, (B*nW, nH, N)), dq += ds K; the d_bias of its rows is summed over the G windows in registers
+        (one (BLOCK_M, KB) accumulator per key block) and stored once into those rows of its slot. dk, dv
+        (grid (nW * n_groups, nH, cdiv(N, 64))): a program owns one key block and runs over every query of
+        its windows, in 64-row blocks unrolled like the key blocks, their bias tiles held in registers
+        across the windows (or in BLOCK_M-row tiles loaded per window): dv += P^T dO, dk += ds^T Q.
+    BLOCK_M and where the bias tiles live (BIAS_REGS) are config values of these kernels.
   * Forward saves the row logsumexp (fp32, base-2, shape (B*nW, nH, N)); backward recomputes P.
     With every key in one tile (N <= 64) the backward takes rowsum(dO * O) as rowsum(P * dP) in fp32,
-    which needs no read of O and is exact against the unrounded output; the key-tiled kernels read O.
+    which needs no read of O and is exact against the unrounded output; the key-tiled dq kernel reads O.
   * d_bias without a float-atomic storm: every backward program sums dS over its G windows in
     registers (one query tile) or in its own slot of a partial buffer (several tiles), and writes
     one fp32 slot of shape (N, N) into partial[g, w, h] (beyond 64 keys, the programs of the query
@@ -638,26 +640,23 @@ _FWD_CONFIGS = [triton.Config({"G": g}, num_warps=nw, num_stages=ns)
 _BWD_SMALL_CONFIGS = ([triton.Config({"G": g, "BLOCK_M": 64}, num_warps=nw, num_stages=ns)
                        for nw, ns in ((4, 1), (8, 2)) for g in (8, 16)]
                       + [triton.Config({"G": g, "BLOCK_M": 32}, num_warps=8, num_stages=2) for g in (8, 16)])
-# Windows of more than 64 tokens (the key-tiled kernels): the query-tile height is a config value. The
-# forward holds one fp32 (BLOCK_M, 64) bias tile per key block (up to 4) in registers; the dq/d_bias
-# kernel as many d_bias accumulators, and the bias tiles too (BIAS_REGS) or loads them again per window:
-# compiled for sm_90 at N = 144, d = 32 it spills either way (Triton 3.8, `tests/aot_compile_kernels.py
-# --resources`: about 430-680 bytes of stack per thread with the bias in registers, 220-320 without),
-# so the autotuner times both. The dk/dv kernel holds (64, d) accumulators, loads the bias tile per
-# (window, query tile) and does not spill there. At d = 128 the 64-row forward and dq/d_bias configs ask
-# for more shared memory than an H200 has (their num_stages = 2 prefetch of every key block); Triton's
-# autotuner drops a config that cannot launch (OutOfResources), and the first config of each list, the
-# one SWINBENCH_AUTOTUNE=0 pins, fits.
+# Windows of more than 64 tokens (the key-tiled kernels): the query-tile height is a config value, and
+# BIAS_REGS whether a program holds its bias/mask tiles in registers across its windows (else it loads them
+# again per window, from cache). Timed on an H200 at Swin-B 384's window-12 shapes (N = 144, d = 32,
+# masked, table bias; Triton 3.6), the first config of each list was the fastest at every stage: the
+# forward's 64-row tiles at 4 warps, the dq/d_bias kernel's 16-row tiles (the only height that does not
+# spill there: 168 registers against 255 and a stack at 32 or 64 rows), and the dk/dv kernel with its
+# 64-row query blocks unrolled and their bias tiles held (5-7x the per-window loop with 32-row tiles).
+# num_stages = 1 lost everywhere. At d = 128 the 64-row configs ask for more shared memory than an H200
+# has (their num_stages = 2 prefetch of every key block); Triton's autotuner drops a config that cannot
+# launch (OutOfResources).
 _FWD_TILED_CONFIGS = [triton.Config({"G": g, "BLOCK_M": bm, "BIAS_REGS": True}, num_warps=nw, num_stages=2)
-                      for bm, nw in ((32, 4), (64, 8)) for g in (4, 8)]
-_BWD_DQ_CONFIGS = ([triton.Config({"G": 8, "BLOCK_M": bm, "BIAS_REGS": br}, num_warps=nw, num_stages=2)
-                    for bm, nw in ((32, 4), (32, 8), (64, 8)) for br in (True, False)]
-                   + [triton.Config({"G": 16, "BLOCK_M": 64, "BIAS_REGS": br}, num_warps=8, num_stages=2)
-                      for br in (True, False)])
-_BWD_DKV_CONFIGS = ([triton.Config({"G": g, "BLOCK_M": bm, "BIAS_REGS": False}, num_warps=nw, num_stages=2)
-                     for bm, nw in ((32, 4), (64, 8)) for g in (4, 8)]
-                    + [triton.Config({"G": g, "BLOCK_M": 64, "BIAS_REGS": True}, num_warps=8, num_stages=2)
-                       for g in (4, 8)])
+                      for bm, nw, g in ((64, 4, 4), (64, 4, 8), (32, 4, 8), (64, 8, 4))]
+_BWD_DQ_CONFIGS = [triton.Config({"G": g, "BLOCK_M": bm, "BIAS_REGS": br}, num_warps=nw, num_stages=2)
+                   for bm, nw, g, br in ((16, 4, 8, True), (16, 4, 16, True), (32, 4, 8, True), (64, 8, 16, True),
+                                         (16, 4, 8, False))]
+_BWD_DKV_CONFIGS = [triton.Config({"G": g, "BLOCK_M": bm, "BIAS_REGS": br}, num_warps=nw, num_stages=2)
+                    for bm, nw, g, br in ((64, 4, 8, True), (64, 4, 4, True), (64, 8, 8, True), (32, 4, 4, False))]
 _INTERPRET_CONFIG = {"G": 2, "num_warps": 4}
 # The key-tiled kernels' config values under the interpreter (BIAS_REGS: every kernel's bias tiles held in
 # registers; tests switch it off, with 32-row tiles, to run the per-window paths).
