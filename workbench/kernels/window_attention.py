@@ -643,20 +643,24 @@ _BWD_SMALL_CONFIGS = ([triton.Config({"G": g, "BLOCK_M": 64}, num_warps=nw, num_
 # Windows of more than 64 tokens (the key-tiled kernels): the query-tile height is a config value, and
 # BIAS_REGS whether a program holds its bias/mask tiles in registers across its windows (else it loads them
 # again per window, from cache). Timed on an H200 at Swin-B 384's window-12 shapes (N = 144, d = 32,
-# masked, table bias; Triton 3.6), the first config of each list was the fastest at every stage: the
-# forward's 64-row tiles at 4 warps, the dq/d_bias kernel's 16-row tiles (the only height that does not
-# spill there: 168 registers against 255 and a stack at 32 or 64 rows), and the dk/dv kernel with its
-# 64-row query blocks unrolled and their bias tiles held (5-7x the per-window loop with 32-row tiles).
-# num_stages = 1 lost everywhere. At d = 128 the 64-row configs ask for more shared memory than an H200
-# has (their num_stages = 2 prefetch of every key block); Triton's autotuner drops a config that cannot
-# launch (OutOfResources).
-_FWD_TILED_CONFIGS = [triton.Config({"G": g, "BLOCK_M": bm, "BIAS_REGS": True}, num_warps=nw, num_stages=2)
-                      for bm, nw, g in ((64, 4, 4), (64, 4, 8), (32, 4, 8), (64, 8, 4))]
-_BWD_DQ_CONFIGS = [triton.Config({"G": g, "BLOCK_M": bm, "BIAS_REGS": br}, num_warps=nw, num_stages=2)
-                   for bm, nw, g, br in ((16, 4, 8, True), (16, 4, 16, True), (32, 4, 8, True), (64, 8, 16, True),
-                                         (16, 4, 8, False))]
-_BWD_DKV_CONFIGS = [triton.Config({"G": g, "BLOCK_M": bm, "BIAS_REGS": br}, num_warps=nw, num_stages=2)
-                    for bm, nw, g, br in ((64, 4, 8, True), (64, 4, 4, True), (64, 8, 8, True), (32, 4, 4, False))]
+# masked, table bias; Triton 3.6), the first config of each list was the fastest at stages 1 and 3: the
+# forward's 64-row tiles at 4 warps with registers capped at 168 (3 programs per SM instead of 2; 1.2-1.5x
+# the uncapped one), the dq/d_bias kernel's 16-row tiles (the only height that does not spill there: 168
+# registers against 255 and a stack at 32 or 64 rows), and the dk/dv kernel with its 64-row query blocks
+# unrolled and their bias tiles held over 16 windows (7x the per-window loop with 32-row tiles).
+# num_stages = 1 lost everywhere. Inductor, which autotunes these kernels itself under torch.compile,
+# drops maxnreg (a capped config runs uncapped there). At d = 128 the 64-row configs ask for more shared
+# memory than an H200 has (their num_stages = 2 prefetch of every key block); Triton's autotuner drops a
+# config that cannot launch (OutOfResources).
+_FWD_TILED_CONFIGS = [triton.Config({"G": g, "BLOCK_M": bm, "BIAS_REGS": True}, num_warps=nw, num_stages=2, maxnreg=r)
+                      for bm, nw, g, r in ((64, 4, 8, 168), (64, 4, 8, None), (64, 4, 4, 168), (32, 4, 8, None),
+                                           (64, 8, 4, None))]
+_BWD_DQ_CONFIGS = [triton.Config({"G": g, "BLOCK_M": bm, "BIAS_REGS": br}, num_warps=nw, num_stages=2, maxnreg=r)
+                   for bm, nw, g, br, r in ((16, 4, 8, True, 128), (16, 4, 8, True, None), (16, 4, 16, True, None),
+                                            (32, 4, 8, True, None), (64, 8, 16, True, None), (16, 4, 8, False, None))]
+_BWD_DKV_CONFIGS = [triton.Config({"G": g, "BLOCK_M": bm, "BIAS_REGS": br}, num_warps=nw, num_stages=2, maxnreg=r)
+                    for bm, nw, g, br, r in ((64, 4, 16, True, None), (64, 4, 8, True, None), (64, 4, 16, True, 168),
+                                             (64, 8, 8, True, None), (32, 4, 4, False, None))]
 _INTERPRET_CONFIG = {"G": 2, "num_warps": 4}
 # The key-tiled kernels' config values under the interpreter (BIAS_REGS: every kernel's bias tiles held in
 # registers; tests switch it off, with 32-row tiles, to run the per-window paths).
