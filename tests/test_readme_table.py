@@ -44,6 +44,9 @@ def test_every_canonical_folder_in_reports_readme_exists_and_is_in_the_table():
             assert f"reports/{folder}records" in block, folder
         elif any(records.glob("*.jsonl")):        # a training comparison: its report is linked
             assert f"reports/{folder}report.md" in readme, folder
+        elif (ROOT / "reports" / folder / "matrix.json").exists():   # the family matrix: cells, and its README block
+            assert list((ROOT / "reports" / folder).glob("*/records/*.json")), folder
+            assert f"reports/{folder.rstrip('/')}" in readme, folder
         else:                                     # profiles: one folder per recipe, each with its findings
             profiled = list((ROOT / "reports" / folder).glob("*/findings.csv"))
             assert profiled, f"reports/{folder} holds neither records nor profiles"
