@@ -346,3 +346,15 @@ def test_compiled_adds_the_fused_stages_compiled_form_and_the_row_takes_the_fast
                          "timing": {**recs[1]["graph"]["timing"], "median_ms": 20.0, "samples_ms": [20.0] * 4}}
     row = matrix_rows([("c", recs + [compiled])])[0]
     assert row["swinbench"] == "fmha-compile" and row["swinbench_ms"] == 20.0
+
+
+def test_measured_line_names_each_machine_and_its_dates():
+    """Under the table: what measured the cells, each distinct GPU/driver/versions once, with the dates."""
+    from workbench.results.matrix_table import measured_line
+
+    h200 = "NVIDIA H200 (driver 580.159.04); torch 2.11.0+cu130, triton 3.6.0, timm 1.0.29"
+    rows = [{"measured_with": h200, "date": "2026-12-03"}, {"measured_with": h200, "date": "2026-12-05"},
+            {"measured_with": "CPU; torch 2.14.1", "date": "2026-12-04"}]
+    assert measured_line(rows) == (f"Measured with {h200}; measured 2026-12-03 to 2026-12-05; "
+                                   "and CPU; torch 2.14.1; measured 2026-12-04.")
+    assert measured_line(rows[:1]) == f"Measured with {h200}; measured 2026-12-03."

@@ -16,7 +16,8 @@ matrix_rows(cells) -> one dict per cell, keys ROW_KEYS:
   swinbench_iqr_ms, swinbench_img_per_s, x_peer (peer ms / swinbench ms), x_amp (amp ms / swinbench ms),
   peak_mem_bytes (of the swinbench stage), gate ('PASS', or each stage that did not pass and why),
   slower (swinbench slower than the peer), run_id, floors (the swinbench stage's kernels against their
-  memory floor where its run was profiled: profile.floors of its record, at most FLOOR_ROWS; else []).
+  memory floor where its run was profiled: profile.floors of its record, at most FLOOR_ROWS; else []),
+  measured_with (GPU and driver, or CPU; torch, triton and timm versions), date (of its first record).
 Times are milliseconds per step; None where a side was not measured or did not pass the gate.
 """
 from __future__ import annotations
@@ -41,7 +42,7 @@ SLOWER_NOTE = (f"{SLOWER_MARK} swinbench's best form is slower than the stronges
                "the fused stack loses here.")
 ROW_KEYS = ["cell", "model", "mode", "batch", "device", "amp_ms", "amp_form", "peer", "peer_form", "peer_ms",
             "swinbench", "swinbench_form", "swinbench_ms", "swinbench_iqr_ms", "swinbench_img_per_s", "x_peer",
-            "x_amp", "peak_mem_bytes", "gate", "slower", "run_id", "floors"]
+            "x_amp", "peak_mem_bytes", "gate", "slower", "run_id", "floors", "measured_with", "date"]
 FLOOR_ROWS = 4      # per cell in matrix.md: the swinbench stage's costliest kernels against their floor
 HEADERS = ["model", "mode", "batch", "amp ms", "peer ms (form)", "swinbench ms ± IQR (form)", "swinbench img/s",
            "× peer", "× amp", "peak memory", "gate"]
@@ -112,8 +113,28 @@ def cell_row(cell: str, records) -> dict:
         "swinbench_form": sw_form, "swinbench_ms": _num(sw_ms), "swinbench_iqr_ms": iqr, "swinbench_img_per_s": rate,
         "x_peer": _num(x_peer), "x_amp": amp_ms / sw_ms if amp_ms and sw_ms else None, "peak_mem_bytes": peak,
         "gate": _gate(records), "slower": bool(_isnum(x_peer) and x_peer < 1.0), "run_id": first.run_id,
-        "floors": floors,
+        "floors": floors, "measured_with": _measured_with(first), "date": str(first.env.date or "")[:10] or None,
     }
+
+
+def _measured_with(rec: StageRecord) -> str:
+    """'NVIDIA H200 (driver 580.x); torch 2.11, triton 3.6, timm 1.0' for the record's machine and versions."""
+    env = rec.env
+    device = f"{env.gpu or 'GPU'} (driver {env.driver or '?'})" if env.on_gpu else "CPU"
+    versions = ", ".join(f"{k} {getattr(env, k)}" for k in ("torch", "triton", "timm") if getattr(env, k))
+    return "; ".join(p for p in (device, versions) if p)
+
+
+def measured_line(rows: list[dict]) -> str:
+    """What measured the cells: each distinct machine and versions, with the dates its cells were measured."""
+    dates: dict[str, list[str]] = {}
+    for r in rows:
+        dates.setdefault(r["measured_with"], []).append(r["date"] or "?")
+    parts = []
+    for what, ds in dates.items():
+        first, last = min(ds), max(ds)
+        parts.append(f"{what}; measured {first}" + (f" to {last}" if last != first else ""))
+    return "Measured with " + "; and ".join(parts) + "."
 
 
 def matrix_rows(cells) -> list[dict]:
@@ -157,7 +178,8 @@ def summary_line(rows: list[dict]) -> str:
     low = min(compared, key=lambda r: r["x_peer"])
     weakest = f"lowest {low['x_peer']:.2f}x ({short_model(low['model'])}, {low['mode']}, batch {low['batch']})"
     if not slower:
-        return f"swinbench is at least as fast as the strongest PyTorch-alone peer in all {len(compared)} cells; {weakest}."
+        cells = "its one cell" if len(compared) == 1 else f"all {len(compared)} cells"
+        return f"swinbench is at least as fast as the strongest PyTorch-alone peer in {cells}; {weakest}."
     return (f"swinbench is slower than the strongest PyTorch-alone peer in {len(slower)} of {len(compared)} cells "
             f"({SLOWER_MARK}); {weakest}.")
 
@@ -171,7 +193,7 @@ def matrix_markdown(rows: list[dict], command: str | None = None, heading: bool 
     lines = [f"# {title}" if heading else f"**{title}**", "",
              "| " + " | ".join(HEADERS) + " |", "|" + "|".join("---" for _ in HEADERS) + "|"]
     lines += ["| " + " | ".join(display_row(r)) + " |" for r in rows]
-    lines += ["", summary_line(rows), "",
+    lines += ["", summary_line(rows), "", measured_line(rows), "",
               "Each cell is one `swinbench apply` run (its own records and report.md in the cell's folder): amp, "
               "the fused swinbench stage and the PyTorch-alone peer torch-compile, on the same seed. "
               "Per stage the faster of its step as written and its step replayed as one CUDA graph counts "
