@@ -28,7 +28,8 @@ from pathlib import Path
 
 from workbench.errors import UserError
 from workbench.files import atomic_write_text
-from workbench.results.readme_table import display_path, replace_between_markers, short_model, table_block
+from workbench.results.readme_table import (display_path, gpu_label, replace_between_markers, short_model,
+                                             table_block, versions_label)
 from workbench.results.record import StageRecord, as_records, read_records
 from workbench.results.report import _is_peer, _isnum, best_form, fmt_bytes, fmt_rate, fmt_speedup, speedup_table
 
@@ -120,9 +121,8 @@ def cell_row(cell: str, records) -> dict:
 def _measured_with(rec: StageRecord) -> str:
     """'NVIDIA H200 (driver 580.x); torch 2.11, triton 3.6, timm 1.0' for the record's machine and versions."""
     env = rec.env
-    device = f"{env.gpu or 'GPU'} (driver {env.driver or '?'})" if env.on_gpu else "CPU"
-    versions = ", ".join(f"{k} {getattr(env, k)}" for k in ("torch", "triton", "timm") if getattr(env, k))
-    return "; ".join(p for p in (device, versions) if p)
+    device = gpu_label(env) if env.on_gpu else "CPU"
+    return "; ".join(p for p in (device, versions_label(env)) if p)
 
 
 def measured_line(rows: list[dict]) -> str:

@@ -49,15 +49,25 @@ def run_label(rec: StageRecord) -> str:
     return f"{short_model(rec.model)}, {mode}, batch {rec.batch}, {rec.env.device_name.removeprefix('NVIDIA ')}"
 
 
+def gpu_label(env) -> str:
+    """'NVIDIA H200 (driver 580.x)' for a GPU record's environment."""
+    return f"{env.gpu or 'GPU'} (driver {env.driver or '?'})"
+
+
+def versions_label(env) -> str:
+    """'torch 2.11.0, triton 3.6.0, timm 1.0.29': the versions a record was measured with."""
+    return ", ".join(f"{k} {getattr(env, k)}" for k in ("torch", "triton", "timm") if getattr(env, k))
+
+
 def _run_note(rec: StageRecord, where: str | None) -> str:
     env = rec.env
     if env.on_gpu:
-        device = f"{env.gpu or 'GPU'} (driver {env.driver or '?'})"
+        device = gpu_label(env)
     else:
         device = "CPU, not a GPU speed figure"
         if env.triton_launcher == "interpreter":
             device += " (Triton kernels under the CPU interpreter: the stages run and pass the gate, slowly)"
-    versions = ", ".join(f"{k} {getattr(env, k)}" for k in ("torch", "triton", "timm") if getattr(env, k))
+    versions = versions_label(env)
     date = str(env.date or "")[:10]
     timing = rec.timing
     steps = (f"; median of {timing.repeats} steps after {timing.warmup} warm-up" if timing is not None else "")
