@@ -633,10 +633,11 @@ def _window_attention_bwd_dkv_kernel(
 _FWD_CONFIGS = [triton.Config({"G": g}, num_warps=nw, num_stages=ns)
                 for nw, ns in ((4, 2), (8, 2)) for g in (4, 8)]
 # Windows of up to 64 tokens (Swin's 7x7) fit one 64-row query tile, whose fp32 d_bias accumulator stays
-# in registers across the program's windows; compiled for sm_90 that backward spills (Triton 3.8: 776
-# bytes of stack per thread at 4 warps, 312 at 8; `tests/aot_compile_kernels.py --resources`). 32-row
-# tiles do not spill at 8 warps, but add the d_bias slot's read-modify-write per window. The autotuner
-# times both (the query-tile height is a config value there, not a host choice).
+# in registers across the program's windows, beside the bias tile; compiled for sm_90 that backward takes
+# 249-255 registers at 4 warps and 234 at 8, without spilling (Triton 3.8; `tests/aot_compile_kernels.py
+# --resources`): two programs per SM at 4 warps, one at 8. 32-row tiles take as many registers and add
+# the d_bias slot's read-modify-write per window. The autotuner times both (the query-tile height is a
+# config value there, not a host choice).
 _BWD_SMALL_CONFIGS = ([triton.Config({"G": g, "BLOCK_M": 64}, num_warps=nw, num_stages=ns)
                        for nw, ns in ((4, 1), (8, 2)) for g in (8, 16)]
                       + [triton.Config({"G": g, "BLOCK_M": 32}, num_warps=8, num_stages=2) for g in (8, 16)])
