@@ -285,6 +285,36 @@ def _store_dbias_tile(SLOT, x, offs_m, n0, N, KB: tl.constexpr):
 
 
 @triton.jit
+def _key_block_bias(BIAS, MASK, INDEX, h, w, offs_m, j: tl.constexpr, N, NH, HAS_MASK: tl.constexpr,
+                    TABLE: tl.constexpr, KT: tl.constexpr):
+    """The bias/mask tile of query rows offs_m against key block j of the key-tiled kernels: keys
+    [64 j, 64 j + 64), the last block (j = cdiv(N, 64) - 1) KT wide."""
+    KB: tl.constexpr = 64
+    LAST: tl.constexpr = (N + KB - 1) // KB - 1
+    WJ: tl.constexpr = KT if j == LAST else KB
+    return _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, j * KB + tl.arange(0, WJ), N, NH, HAS_MASK, TABLE)
+
+
+@triton.jit
+def _key_block_biases(BIAS, MASK, INDEX, h, w, offs_m, N, NH, HAS_MASK: tl.constexpr, TABLE: tl.constexpr,
+                      KT: tl.constexpr):
+    """The tiles of every key block (_key_block_bias), for a program that holds them across its windows;
+    blocks past the last are returned as block 0's tile (never used)."""
+    NKB: tl.constexpr = (N + 63) // 64
+    b0 = _key_block_bias(BIAS, MASK, INDEX, h, w, offs_m, 0, N, NH, HAS_MASK, TABLE, KT)
+    b1 = _key_block_bias(BIAS, MASK, INDEX, h, w, offs_m, 1, N, NH, HAS_MASK, TABLE, KT)
+    if NKB > 2:
+        b2 = _key_block_bias(BIAS, MASK, INDEX, h, w, offs_m, 2, N, NH, HAS_MASK, TABLE, KT)
+    else:
+        b2 = b0
+    if NKB > 3:
+        b3 = _key_block_bias(BIAS, MASK, INDEX, h, w, offs_m, 3, N, NH, HAS_MASK, TABLE, KT)
+    else:
+        b3 = b0
+    return b0, b1, b2, b3
+
+
+@triton.jit
 def _fwd_key_block(q, acc, m_i, l_i, bias, K, V, b, h, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
                    n0, qk_scale, N, D: tl.constexpr, KB: tl.constexpr, PRECISION: tl.constexpr,
                    UPCAST: tl.constexpr):
@@ -331,14 +361,7 @@ def _window_attention_fwd_tiled_kernel(
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     qk_scale = scale * 1.4426950408889634
     if BIAS_REGS:
-        bias0 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, tl.arange(0, KB), N, NH, HAS_MASK, TABLE)
-        bias1 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, KB + tl.arange(0, W1), N, NH, HAS_MASK, TABLE)
-        if NKB > 2:
-            bias2 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, 2 * KB + tl.arange(0, W2), N, NH, HAS_MASK,
-                                    TABLE)
-        if NKB > 3:
-            bias3 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, 3 * KB + tl.arange(0, KT), N, NH, HAS_MASK,
-                                    TABLE)
+        bias0, bias1, bias2, bias3 = _key_block_biases(BIAS, MASK, INDEX, h, w, offs_m, N, NH, HAS_MASK, TABLE, KT)
     for i in range(i_start, i_end):
         b = (i * NW + w).to(tl.int64)
         q = _load_rows(Q, b, h, sq_b, sq_h, sq_n, sq_d, offs_m, N, D)
@@ -346,23 +369,21 @@ def _window_attention_fwd_tiled_kernel(
         l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
         if not BIAS_REGS:
-            bias0 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, tl.arange(0, KB), N, NH, HAS_MASK, TABLE)
+            bias0 = _key_block_bias(BIAS, MASK, INDEX, h, w, offs_m, 0, N, NH, HAS_MASK, TABLE, KT)
         acc, m_i, l_i = _fwd_key_block(q, acc, m_i, l_i, bias0, K, V, b, h, sk_b, sk_h, sk_n, sk_d,
                                        sv_b, sv_h, sv_n, sv_d, 0, qk_scale, N, D, KB, PRECISION, UPCAST)
         if not BIAS_REGS:
-            bias1 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, KB + tl.arange(0, W1), N, NH, HAS_MASK, TABLE)
+            bias1 = _key_block_bias(BIAS, MASK, INDEX, h, w, offs_m, 1, N, NH, HAS_MASK, TABLE, KT)
         acc, m_i, l_i = _fwd_key_block(q, acc, m_i, l_i, bias1, K, V, b, h, sk_b, sk_h, sk_n, sk_d,
                                        sv_b, sv_h, sv_n, sv_d, KB, qk_scale, N, D, W1, PRECISION, UPCAST)
         if NKB > 2:
             if not BIAS_REGS:
-                bias2 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, 2 * KB + tl.arange(0, W2), N, NH, HAS_MASK,
-                                        TABLE)
+                bias2 = _key_block_bias(BIAS, MASK, INDEX, h, w, offs_m, 2, N, NH, HAS_MASK, TABLE, KT)
             acc, m_i, l_i = _fwd_key_block(q, acc, m_i, l_i, bias2, K, V, b, h, sk_b, sk_h, sk_n, sk_d,
                                            sv_b, sv_h, sv_n, sv_d, 2 * KB, qk_scale, N, D, W2, PRECISION, UPCAST)
         if NKB > 3:
             if not BIAS_REGS:
-                bias3 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, 3 * KB + tl.arange(0, KT), N, NH, HAS_MASK,
-                                        TABLE)
+                bias3 = _key_block_bias(BIAS, MASK, INDEX, h, w, offs_m, 3, N, NH, HAS_MASK, TABLE, KT)
             acc, m_i, l_i = _fwd_key_block(q, acc, m_i, l_i, bias3, K, V, b, h, sk_b, sk_h, sk_n, sk_d,
                                            sv_b, sv_h, sv_n, sv_d, 3 * KB, qk_scale, N, D, KT, PRECISION, UPCAST)
         _store_rows(O, acc / l_i[:, None], b, h, so_b, so_h, so_n, so_d, offs_m, N, D)
@@ -422,14 +443,7 @@ def _window_attention_bwd_dq_kernel(
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     qk_scale = scale * 1.4426950408889634
     if BIAS_REGS:
-        bias0 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, tl.arange(0, KB), N, NH, HAS_MASK, TABLE)
-        bias1 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, KB + tl.arange(0, W1), N, NH, HAS_MASK, TABLE)
-        if NKB > 2:
-            bias2 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, 2 * KB + tl.arange(0, W2), N, NH, HAS_MASK,
-                                    TABLE)
-        if NKB > 3:
-            bias3 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, 3 * KB + tl.arange(0, KT), N, NH, HAS_MASK,
-                                    TABLE)
+        bias0, bias1, bias2, bias3 = _key_block_biases(BIAS, MASK, INDEX, h, w, offs_m, N, NH, HAS_MASK, TABLE, KT)
     if COMPUTE_DBIAS:
         db0 = tl.zeros((BLOCK_M, KB), dtype=tl.float32)
         db1 = tl.zeros((BLOCK_M, W1), dtype=tl.float32)
@@ -447,29 +461,27 @@ def _window_attention_bwd_dq_kernel(
         tl.store(DELTA + (b * NH + h) * N + offs_m, delta, mask=row_ok)
         dq = tl.zeros((BLOCK_M, D), dtype=tl.float32)
         if not BIAS_REGS:
-            bias0 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, tl.arange(0, KB), N, NH, HAS_MASK, TABLE)
+            bias0 = _key_block_bias(BIAS, MASK, INDEX, h, w, offs_m, 0, N, NH, HAS_MASK, TABLE, KT)
         dq, ds = _bwd_dq_key_block(q, do, lse, delta, dq, bias0, K, V, b, h, sk_b, sk_h, sk_n, sk_d,
                                    sv_b, sv_h, sv_n, sv_d, 0, qk_scale, N, D, KB, PRECISION, UPCAST)
         if COMPUTE_DBIAS:
             db0 += ds
         if not BIAS_REGS:
-            bias1 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, KB + tl.arange(0, W1), N, NH, HAS_MASK, TABLE)
+            bias1 = _key_block_bias(BIAS, MASK, INDEX, h, w, offs_m, 1, N, NH, HAS_MASK, TABLE, KT)
         dq, ds = _bwd_dq_key_block(q, do, lse, delta, dq, bias1, K, V, b, h, sk_b, sk_h, sk_n, sk_d,
                                    sv_b, sv_h, sv_n, sv_d, KB, qk_scale, N, D, W1, PRECISION, UPCAST)
         if COMPUTE_DBIAS:
             db1 += ds
         if NKB > 2:
             if not BIAS_REGS:
-                bias2 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, 2 * KB + tl.arange(0, W2), N, NH, HAS_MASK,
-                                        TABLE)
+                bias2 = _key_block_bias(BIAS, MASK, INDEX, h, w, offs_m, 2, N, NH, HAS_MASK, TABLE, KT)
             dq, ds = _bwd_dq_key_block(q, do, lse, delta, dq, bias2, K, V, b, h, sk_b, sk_h, sk_n, sk_d,
                                        sv_b, sv_h, sv_n, sv_d, 2 * KB, qk_scale, N, D, W2, PRECISION, UPCAST)
             if COMPUTE_DBIAS:
                 db2 += ds
         if NKB > 3:
             if not BIAS_REGS:
-                bias3 = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, 3 * KB + tl.arange(0, KT), N, NH, HAS_MASK,
-                                        TABLE)
+                bias3 = _key_block_bias(BIAS, MASK, INDEX, h, w, offs_m, 3, N, NH, HAS_MASK, TABLE, KT)
             dq, ds = _bwd_dq_key_block(q, do, lse, delta, dq, bias3, K, V, b, h, sk_b, sk_h, sk_n, sk_d,
                                        sv_b, sv_h, sv_n, sv_d, 3 * KB, qk_scale, N, D, KT, PRECISION, UPCAST)
             if COMPUTE_DBIAS:
