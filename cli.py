@@ -418,7 +418,7 @@ def matrix(
     models: Annotated[Optional[str], typer.Option(help="Comma-separated timm Swin models (default: tiny, small, base and large at window 7 / 224 px and base at window 12 / 384 px on a GPU; the tiny CPU Swin on the CPU).")] = None,
     modes: Annotated[str, typer.Option(help="Comma-separated cells per model: train (at the model's training batch), infer64, infer8, infer1.")] = "train,infer64,infer1",
     train_batch: Annotated[Optional[int], typer.Option(help="Training batch for every model (default per model: workbench.ladder.matrix.TRAIN_BATCH, e.g. 128 for tiny/small, 64 for base/large, 32 at 384 px).")] = None,
-    fused: Annotated[str, typer.Option(help="The swinbench stage each cell runs beside amp and torch-compile.")] = "fmha",
+    fused: Annotated[Optional[str], typer.Option(help="The swinbench stage each cell runs beside amp and torch-compile: one for every cell, or per mode as train=STAGE,infer=STAGE (default train=fmha,infer=dense).")] = None,
     steps: Annotated[int, typer.Option(help="Timed steps per stage.")] = 20,
     warmup: Annotated[int, typer.Option(help="Untimed steps per stage first (compilation happens here).")] = 5,
     device: Device = "auto",
@@ -430,7 +430,7 @@ def matrix(
     render_only: Annotated[Optional[Path], typer.Option(help="Run nothing: render matrix.md and matrix.json in this matrix folder from its cells' records.")] = None,
     readme: Annotated[Optional[Path], typer.Option(help="With --render-only: instead, rewrite the table between <!-- matrix:begin --> and <!-- matrix:end --> in this Markdown file.")] = None,
     profile: Annotated[bool, typer.Option("--profile", help="Also capture every stage (nsys, as apply --profile): matrix.md then holds each cell's swinbench kernels against their memory floor.")] = False,
-    compiled: Annotated[bool, typer.Option("--compiled", help="Also run the fused stage under torch.compile (<fused>-compile) in every cell; the cell's swinbench side is the faster form.")] = False,
+    compiled: Annotated[bool, typer.Option("--compiled", help="Also run the fused stage under torch.compile (<fused>-compile) in every cell whose stage has a built-in compiled form; the cell's swinbench side is the faster form.")] = False,
 ):
     """Run the Swin family matrix (models x train/infer64/infer1 x amp, fused stage, torch-compile) and write one table."""
     from workbench.ladder.matrix import FAMILY, parse_list, run_matrix

@@ -3,6 +3,7 @@ import json
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 from typer.testing import CliRunner
 
 from record_helpers import ENV, record
@@ -87,6 +88,32 @@ def test_parse_list_and_fused_check():
     with pytest.raises(UserError, match="runs PyTorch alone"):
         matrix.check_fused("torch-compile")
     matrix.check_fused("fmha")
+    assert matrix.parse_fused(None) == {"train": "fmha", "infer": "dense"}
+    assert matrix.parse_fused("block") == {"train": "block", "infer": "block"}
+    assert matrix.parse_fused(" infer = fp8 ") == {"train": "fmha", "infer": "fp8"}
+    assert matrix.parse_fused("train=block,infer=dense") == {"train": "block", "infer": "dense"}
+    for bad, needle in (("warp=fmha", "MODE=STAGE pairs"), ("train=", "MODE=STAGE pairs"),
+                        ("train=fmha,train=block", "named twice"), (" ", "empty")):
+        with pytest.raises(UserError, match=needle):
+            matrix.parse_fused(bad)
+
+
+def test_each_mode_runs_its_own_fused_stage(tmp_path):
+    """Training cells run fmha, inference cells dense (by default); --compiled adds a compiled form only
+    where the stage has one, and says so for the others."""
+    fake = FakeApply()
+    console = Console(record=True, width=200)
+    matrix.run_matrix(models=[TINY_MODEL], modes=["train", "infer1"], out_dir=tmp_path / "m", device="cpu",
+                      run_apply=fake, progress=False, compiled=True, console=console)
+    assert [(c["recipe"], c["stages"]) for c in fake.calls] == [
+        ("fmha", ["amp", "fmha", "fmha-compile", "torch-compile"]), ("dense", ["amp", "dense", "torch-compile"])]
+    assert "dense has no built-in compiled form" in console.export_text()
+    with pytest.raises(UserError, match="no built-in block-compile"):
+        matrix.run_matrix(models=[TINY_MODEL], modes=["infer1"], out_dir=tmp_path / "n", device="cpu",
+                          run_apply=FakeApply(), progress=False, compiled=True, fused="block")
+    with pytest.raises(UserError, match="runs PyTorch alone"):
+        matrix.run_matrix(models=[TINY_MODEL], modes=["infer1"], out_dir=tmp_path / "o", device="cpu",
+                          run_apply=FakeApply(), progress=False, fused="train=fmha,infer=amp")
 
 
 # ---------------------------------------------------------------- rendering
@@ -160,6 +187,9 @@ class FakeApply:
         if self.fail_on == (model, mode, batch):
             raise KeyboardInterrupt
         for rec in cell_records(model, mode, batch, run_id=Path(out_dir).name, cpu=kw["device"] == "cpu"):
+            if rec["stage"] == "fmha":   # the fused stage the cell asked for
+                rec["stage"] = rec["recipe"] = recipe
+                rec["chain"][-1]["name"] = recipe
             timing = rec["timing"]
             timing.update(repeats=kw["steps"], warmup=kw["warmup"], samples_ms=timing["samples_ms"][:1] * kw["steps"])
             write_record(rec, Path(out_dir) / "records")

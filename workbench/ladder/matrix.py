@@ -2,7 +2,8 @@
 
 A cell is one model in one mode at one batch: training at the model's training batch
 (TRAIN_BATCH, or --train-batch), inference at 64, 8 or 1. Each cell is one `run_apply` call with the
-stages amp, the fused swinbench stage (fmha unless --fused names another) and torch-compile (the
+stages amp, the fused swinbench stage (fmha in training and dense in inference unless --fused names
+others) and torch-compile (the
 strongest PyTorch-alone peer; its graph-replayed form is the whole compiled step in one CUDA graph; for a
 fused stage that quantizes, torchao's peer of the same precision too), into
 `<out>/<model>-<mode>-b<batch>/` with its own records and report.md. So a matrix cut short keeps every
@@ -49,7 +50,9 @@ TRAIN_BATCH = {
 # mode name -> (apply's mode, batch; None: the model's training batch)
 MODES = {"train": ("train", None), "infer64": ("infer", 64), "infer8": ("infer", 8), "infer1": ("infer", 1)}
 DEFAULT_MODES = ["train", "infer64", "infer1"]
-DEFAULT_FUSED = "fmha"
+# The swinbench stage per mode: the fused stack that trains fastest, and for inference the one that also runs
+# fc1's bias and GELU in the GEMM epilogue (dense; in training its Linear backward is one more launch pair).
+DEFAULT_FUSED = {"train": "fmha", "infer": "dense"}
 PEER = "torch-compile"
 AMP = "amp"
 
@@ -110,6 +113,36 @@ def plan_cells(models: list[str], modes: list[str], train_batch: int | None = No
     return cells
 
 
+def parse_fused(text: str | dict | None) -> dict[str, str]:
+    """--fused: one stage for every cell ('block'), or a stage per mode ('train=fmha,infer=dense'; a mode left
+    out keeps its DEFAULT_FUSED stage) -> {apply mode: stage}."""
+    if text is None:
+        return dict(DEFAULT_FUSED)
+    if isinstance(text, dict):
+        out = dict(DEFAULT_FUSED)
+        out.update(text)
+        return out
+    text = text.strip()
+    if "=" not in text:
+        if not text:
+            raise UserError("--fused is empty: name a swinbench stage (fmha, dense, block, ...)")
+        return {mode: text for mode in DEFAULT_FUSED}
+    out = dict(DEFAULT_FUSED)
+    seen = set()
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        mode, _, stage = (x.strip() for x in item.partition("="))
+        if mode not in DEFAULT_FUSED or not stage:
+            raise UserError(f"--fused {text!r}: give a stage, or MODE=STAGE pairs with MODE train or infer "
+                            "(e.g. train=fmha,infer=dense)")
+        if mode in seen:
+            raise UserError(f"--fused {text!r}: {mode} is named twice")
+        seen.add(mode)
+        out[mode] = stage
+    return out
+
+
 def check_fused(fused: str) -> None:
     """UserError unless `fused` is a recipe that runs swinbench kernels (not amp, not a PyTorch-alone peer)."""
     from workbench.optimize.recipes import RecipeBook, is_pytorch_alone
@@ -135,6 +168,26 @@ def cell_stages(fused: str, compiled: bool = False) -> list[str]:
                             f"with one ({', '.join(with_compiled)})")
         extra.append(f"{fused}-compile")
     return [AMP, fused, *extra, PEER] + [f"torchao-{d}" for d in sorted(quantized_dtypes(book.chain(fused)))]
+
+
+def plan_stages(fused: dict[str, str], modes: set[str], compiled: bool = False, console=None) -> dict[str, list[str]]:
+    """{apply mode: cell_stages} for the modes the plan runs. With `compiled`, each mode's stage takes its
+    compiled form where it has a built-in one; a mode whose stage has none runs without it (said on the
+    console), and it is refused (cell_stages' line) when no mode's stage has one."""
+    from workbench.optimize.recipes import RecipeBook
+
+    for mode in sorted(modes):
+        check_fused(fused[mode])
+    with_compiled = set(compiled_stages(RecipeBook())) if compiled else set()
+    if compiled and not any(fused[m] in with_compiled for m in modes):
+        cell_stages(fused[sorted(modes)[-1]], compiled=True)   # raises: no mode's stage has a compiled form
+    plan = {}
+    for mode in sorted(modes):
+        plan[mode] = cell_stages(fused[mode], compiled and fused[mode] in with_compiled)
+        if compiled and fused[mode] not in with_compiled and console is not None:
+            console.print(f"[yellow]note:[/] --compiled: {fused[mode]} has no built-in compiled form; the {mode} "
+                          f"cells run {fused[mode]} as written and graph-replayed only", highlight=False)
+    return plan
 
 
 def compiled_stages(book) -> list[str]:
@@ -174,7 +227,7 @@ def _started(out_dir: Path) -> list[str]:
 
 
 def run_matrix(*, models: list[str] | None = None, modes: list[str] | None = None, train_batch: int | None = None,
-               fused: str = DEFAULT_FUSED, out_dir: Path, steps: int = 20, warmup: int = 5, device: str = "auto",
+               fused: str | dict | None = None, out_dir: Path, steps: int = 20, warmup: int = 5, device: str = "auto",
                cache_dir: Path | None = None, fresh: bool = False, resume: bool = False, overwrite: bool = False,
                console=None, progress: bool = True, run_apply=None, profile: bool = False,
                compiled: bool = False) -> dict:
@@ -186,7 +239,8 @@ def run_matrix(*, models: list[str] | None = None, modes: list[str] | None = Non
     are moved aside by apply). A cell whose stage fails is reported and the others still run; the
     failures raise UserError at the end, after the table is written. profile: capture every stage too
     (apply's --profile), which puts each cell's kernels against their memory floor into matrix.md.
-    compiled: run the fused stage's compiled form in every cell too (cell_stages).
+    fused: the swinbench stage, one for every cell or per mode (parse_fused; default DEFAULT_FUSED).
+    compiled: run the fused stage's compiled form in every cell too, where it has one (plan_stages).
     run_apply: for tests.
     -> {"cells": [Cell], "ran": [names], "skipped": [names], "failed": {name: message}, "matrix": md path}."""
     from rich.console import Console
@@ -204,9 +258,9 @@ def run_matrix(*, models: list[str] | None = None, modes: list[str] | None = Non
     on_gpu = resolve_device(device).type == "cuda"
     models = models or (list(FAMILY) if on_gpu else [TINY_MODEL])
     modes = modes or list(DEFAULT_MODES)
-    check_fused(fused)
+    fused = parse_fused(fused)
     cells = plan_cells(models, modes, train_batch)
-    stages = cell_stages(fused, compiled)
+    stages = plan_stages(fused, {c.mode for c in cells}, compiled, console)
     out_dir = Path(out_dir)
     earlier = _started(out_dir)
     if earlier and not (resume or overwrite):
@@ -228,14 +282,14 @@ def run_matrix(*, models: list[str] | None = None, modes: list[str] | None = Non
         for i, cell in enumerate(cells, 1):
             folder = out_dir / cell.name
             head = f"matrix cell {i}/{len(cells)}: {cell.model}, {cell.mode}, batch {cell.batch}"
-            if resume and cell_finished(folder, stages, steps=steps, warmup=warmup, on_gpu=on_gpu):
+            if resume and cell_finished(folder, stages[cell.mode], steps=steps, warmup=warmup, on_gpu=on_gpu):
                 skipped.append(cell.name)
                 console.print(f"{head}: finished in an earlier run, kept", highlight=False)
                 continue
             console.print(f"{head} -> {folder}", highlight=False)
             try:
-                run_apply(fused, model=cell.model, batch=cell.batch, steps=steps, warmup=warmup, device=device,
-                          out_dir=folder, stages=list(stages), mode=cell.mode, resume=resume and bool(run_entries(folder)),
+                run_apply(fused[cell.mode], model=cell.model, batch=cell.batch, steps=steps, warmup=warmup,
+                          device=device, out_dir=folder, stages=list(stages[cell.mode]), mode=cell.mode, resume=resume and bool(run_entries(folder)),
                           overwrite=overwrite, cache_dir=cache_dir, fresh=fresh, console=console, progress=progress,
                           **({"profile": True} if profile else {}))
             except UserError as exc:
