@@ -311,7 +311,8 @@ def test_table_mode_traced_backward_sums_every_slot(monkeypatch, nw, bnw, ws):
 
 @pytest.mark.parametrize("cfg", range(len(wa._BWD_SMALL_CONFIGS)),
                          ids=lambda i: "BLOCK_M{BLOCK_M}-G{G}".format(**wa._BWD_SMALL_CONFIGS[i].kwargs)
-                         + f"-w{wa._BWD_SMALL_CONFIGS[i].num_warps}")
+                         + f"-w{wa._BWD_SMALL_CONFIGS[i].num_warps}-s{wa._BWD_SMALL_CONFIGS[i].num_stages}"
+                         + f"-r{wa._BWD_SMALL_CONFIGS[i].maxnreg}")
 def test_every_small_window_backward_config_matches_reference(cfg, monkeypatch):
     """Up to 64 keys the backward's autotuner also picks the query-tile height: one 64-row tile with the
     d_bias accumulator in registers, or 32-row tiles that read-modify-write the d_bias slot. Each config
