@@ -289,8 +289,9 @@ def run_matrix(*, models: list[str] | None = None, modes: list[str] | None = Non
             console.print(f"{head} -> {folder}", highlight=False)
             try:
                 run_apply(fused[cell.mode], model=cell.model, batch=cell.batch, steps=steps, warmup=warmup,
-                          device=device, out_dir=folder, stages=list(stages[cell.mode]), mode=cell.mode, resume=resume and bool(run_entries(folder)),
-                          overwrite=overwrite, cache_dir=cache_dir, fresh=fresh, console=console, progress=progress,
+                          device=device, out_dir=folder, stages=list(stages[cell.mode]), mode=cell.mode,
+                          resume=resume and bool(run_entries(folder)), overwrite=overwrite, cache_dir=cache_dir,
+                          fresh=fresh, console=console, progress=progress,
                           **({"profile": True} if profile else {}))
             except UserError as exc:
                 if getattr(exc, "result", None) is None:   # not a stage failure: the plan itself is wrong
