@@ -29,8 +29,8 @@ def test_builtin_chain_order():
 def test_list_recipes_main_chain_then_peers():
     recipes = list_recipes()
     assert [r.name for r in recipes] == CHAIN + ["dense", "fp8", "int8", "block"] + PEERS + [
-        "dense-graph", "fp8-compile", "int8-compile", "block-graph"]
-    assert [r.peer for r in recipes] == [False] * 9 + [True] * (len(PEERS) + 4)
+        "dense-graph", "fmha-compile-graph", "fp8-compile", "int8-compile", "block-graph"]
+    assert [r.peer for r in recipes] == [False] * 9 + [True] * (len(PEERS) + 5)
 
 
 def test_pytorch_alone_and_graph_forms():
@@ -41,7 +41,8 @@ def test_pytorch_alone_and_graph_forms():
     assert alone == {"baseline", "amp", "torch-sdpa", "torch-compile", "torch-compile-graphs", "torchao-fp8",
                      "torchao-int8"}
     forms = {name for name, r in book.builtins.items() if is_graph_form(r)}
-    assert forms == {"fmha-graph", "dense-graph", "block-graph", "torch-compile-graphs", "fmha-compile-graphs"}
+    assert forms == {"fmha-graph", "dense-graph", "block-graph", "fmha-compile-graph", "torch-compile-graphs",
+                     "fmha-compile-graphs"}
 
 
 def test_effective_passes_accumulate_in_chain_order():
