@@ -47,7 +47,7 @@ DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", 
           torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
 OPTION_KEYS = ("num_warps", "num_stages", "maxnreg", "num_ctas", "launch_pdl")
 
-MODULES = ("_common", "layer_norm", "window", "window_attention", "linear", "quant", "cosine")
+MODULES = ("_common", "layer_norm", "window", "window_attention", "linear", "quant", "cosine", "drop_path")
 RECORDED: list[tuple] = []
 
 
@@ -88,6 +88,7 @@ def _record_launches(quick: bool) -> None:
     lin = importlib.import_module("workbench.kernels.linear")
     quant = importlib.import_module("workbench.kernels.quant")
     cosine = importlib.import_module("workbench.kernels.cosine")
+    drop = importlib.import_module("workbench.kernels.drop_path")
     for fn in (getattr(win, "_norm_bwd_config", None), getattr(ln, "_bwd_grid", None)):
         if hasattr(fn, "cache_clear"):
             fn.cache_clear()
@@ -189,6 +190,9 @@ def _record_launches(quick: bool) -> None:
             for scale in (torch.ones(4), None):
                 _, rnorm = cosine.cosine_rows_fwd.fn(x, scale, torch.bfloat16)
                 cosine.cosine_rows_bwd.fn(x, r(2, 4, 64, d), torch.ones(2 * 4 * 64), scale)
+    # stochastic depth's per-sample multiply (a branch of 56 x 56 tokens x 128 channels per sample)
+    for dt in (torch.bfloat16, torch.float32):
+        drop.scale_samples_host(r(2, 56 * 56 * 128, dtype=dt), torch.ones(2, dtype=dt))
 
 
 def _signature(fn, args, kwargs):

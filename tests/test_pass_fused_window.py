@@ -60,9 +60,16 @@ def test_patched_forward_calls_attn_module():
     assert len(calls) == N_BLOCKS
 
 
-def test_matches_unpatched_drop_path_and_dynamic_mask_train():
-    """Stochastic depth (training, unfused add) and timm's dynamic_mask: same RNG draws, same result."""
+def test_matches_unpatched_drop_path_and_dynamic_mask_train(monkeypatch):
+    """Stochastic depth (training, unfused add; the multiply in kernels.drop_path) and timm's dynamic_mask:
+    same RNG draws, same result."""
     from timm.models.swin_transformer import SwinTransformer
+
+    import workbench.kernels.drop_path as dp
+
+    launches = []
+    real = dp.scale_samples_host
+    monkeypatch.setattr(dp, "scale_samples_host", lambda *a: (launches.append(a[0].shape), real(*a))[1])
 
     ref, model = model_pair(DEVICE, build=lambda: SwinTransformer(**TINY_KWARGS, drop_path_rate=0.3))
     for m in (ref, model):
@@ -73,6 +80,7 @@ def test_matches_unpatched_drop_path_and_dynamic_mask_train():
     assert result.details["blocks_dynamic_mask"] == N_BLOCKS
     assert result.details["blocks_with_drop_path"] >= 1
     _assert_same_step(ref, model, atol=1e-5, rtol=1e-5, train=True, rng_seed=3)
+    assert launches   # the patched blocks' drop paths ran the kernel, forward and backward
 
 
 def test_matches_unpatched_under_bf16_autocast():

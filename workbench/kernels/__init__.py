@@ -6,6 +6,7 @@ Exports (usable without the CLI):
   fused_window_attention                                                 (window_attention.py)
   layer_norm, add_layer_norm                                             (layer_norm.py)
   linear, bias_grad                                                      (linear.py)
+  scale_samples (stochastic depth's per-sample multiply)                 (drop_path.py)
   absmax_scale, quantize, dequantize, fake_quantize, QuantLinear         (quant.py; quantize_rows and
                                                                           int8_dequant in Triton)
 Kernels run on the GPU, and on the CPU under TRITON_INTERPRET=1 (slow: for tests).
@@ -40,6 +41,10 @@ try:
     __all__ += ["linear", "bias_grad"]
 except ImportError:  # pragma: no cover
     pass
+
+from workbench.kernels.drop_path import scale_samples  # noqa: E402
+
+__all__ += ["scale_samples"]
 
 from workbench.kernels.quant import QuantLinear, absmax_scale, dequantize, fake_quantize, quantize  # noqa: E402
 

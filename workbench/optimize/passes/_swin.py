@@ -1,6 +1,6 @@
 """What the passes that plan timm's SwinTransformerBlocks share: finding the blocks, square windows,
-whether a dropout / stochastic-depth module is the identity right now, the dtype a fused norm writes, and
-the relative-position bias gathered from timm's table."""
+whether a dropout / stochastic-depth module is the identity right now, timm's stochastic depth with its
+multiply in Triton, the dtype a fused norm writes, and the relative-position bias gathered from timm's table."""
 from __future__ import annotations
 
 import importlib
@@ -26,6 +26,22 @@ def inactive(m: torch.nn.Module | None, training: bool) -> bool:
     if type(m).__name__ == "DropPath":
         return getattr(m, "drop_prob", 1.0) == 0.0 or not training
     return False
+
+
+def drop_path(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """m(x) for a block's drop path m. timm's DropPath, while active, draws its per-sample factors with
+    timm's own calls (the same random numbers: the same samples dropped for the same seed) and multiplies
+    in one Triton pass each way (kernels.drop_path: bit for bit torch's product) instead of torch's
+    broadcast multiply. Anything else, or an inactive DropPath, is called as it is."""
+    if type(m).__name__ != "DropPath" or inactive(m, m.training):
+        return m(x)
+    from workbench.kernels.drop_path import scale_samples
+
+    keep_prob = 1.0 - m.drop_prob
+    keep = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(keep_prob)
+    if keep_prob > 0.0 and getattr(m, "scale_by_keep", True):
+        keep.div_(keep_prob)
+    return scale_samples(x, keep.view(-1))
 
 
 def named_swin_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

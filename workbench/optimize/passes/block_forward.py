@@ -20,8 +20,8 @@ from typing import Callable
 
 import torch
 
-from workbench.optimize.passes._swin import (INVERSE_BUFFER, gather_rel_pos_bias, inactive, norm_output_dtype, rel_pos_bias,
-                    scatter_rel_pos_grad, square)
+from workbench.optimize.passes._swin import (INVERSE_BUFFER, drop_path, gather_rel_pos_bias, inactive,
+                                             norm_output_dtype, rel_pos_bias, scatter_rel_pos_grad, square)
 
 # ------------------------------------------------------------------------------------ the block
 
@@ -68,8 +68,8 @@ def _add_norm2_forward(mlp_to_linear: bool) -> Callable:
         """timm SwinTransformerBlock.forward with the add before norm2 fused into norm2 (add_layer_norm).
         drop_path1 applies to the attention branch before the add, drop_path2 to the MLP output, as in timm."""
         B, H, W, C = x.shape
-        x, h = add_norm2(self, x, self.drop_path1(self._attn(self.norm1(x))), mlp_to_linear)
-        x = x + self.drop_path2(self.mlp(h))
+        x, h = add_norm2(self, x, drop_path(self.drop_path1, self._attn(self.norm1(x))), mlp_to_linear)
+        x = x + drop_path(self.drop_path2, self.mlp(h))
         return x.reshape(B, H, W, C)
     return swin_block_forward_add_norm2
 
@@ -96,12 +96,13 @@ def _window_forward(add_norm2_fused: bool, attn_to_linear: bool, mlp_to_linear: 
             if inactive(self.drop_path1, self.training) and not torch.compiler.is_compiling():
                 x, h = _merge_add_norm2(self, attn_windows, x, ws, shift, mlp_to_linear)
             else:
-                x, h = add_norm2(self, x, self.drop_path1(merge_roll(attn_windows, ws, shift, H, W)), mlp_to_linear)
+                branch = drop_path(self.drop_path1, merge_roll(attn_windows, ws, shift, H, W))
+                x, h = add_norm2(self, x, branch, mlp_to_linear)
         else:
             if inactive(self.drop_path1, self.training):
                 x = merge_unshift_add(attn_windows, x, ws, shift, H, W)
             else:
-                x = x + self.drop_path1(merge_roll(attn_windows, ws, shift, H, W))
+                x = x + drop_path(self.drop_path1, merge_roll(attn_windows, ws, shift, H, W))
             x = x.reshape(B, -1, C)
             h = self.norm2(x)
         return _mlp_half(self, x, h, B, H, W, C, defer)
@@ -146,7 +147,7 @@ def _as_map(t: torch.Tensor, B: int, H: int, W: int, C: int) -> torch.Tensor:
 def _mlp_half(self, x, h, B, H, W, C, defer):
     """x + drop_path2(mlp(h)), or with `defer` (x, that branch) for the next block's norm to add. x and h
     may come as (B, H, W, C), (B, L, C) or token rows (B*L, C); the results are (B, H, W, C)."""
-    branch = _as_map(self.drop_path2(self.mlp(h)), B, H, W, C)
+    branch = _as_map(drop_path(self.drop_path2, self.mlp(h)), B, H, W, C)
     if defer:
         return _as_map(x, B, H, W, C), branch
     return _as_map(x, B, H, W, C) + branch
