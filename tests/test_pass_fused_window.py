@@ -110,15 +110,16 @@ def test_composes_with_fused_layernorm_add_norm2(monkeypatch):
     assert len(calls) == N_BLOCKS
 
 
-def test_add_norm2_blocks_with_stochastic_depth_merge_then_add_norm(monkeypatch):
-    """drop_path1 active (training): the attention branch is merged, dropped, then added by add_norm2,
-    as timm orders it; merge_add_norm only in the blocks whose drop_path1 is an Identity (the first:
-    timm's rates rise from 0). Same step with the same RNG draws."""
+def test_add_norm2_blocks_with_stochastic_depth_scale_inside_merge_add_norm(monkeypatch):
+    """drop_path1 active (training): every block still merges, multiplies by drop_path1's factors (drawn
+    with timm's calls), adds and normalizes in one merge_add_norm; the blocks whose drop_path1 is an
+    Identity (the first: timm's rates rise from 0) pass no factors. drop_path2 draws per sample although the
+    MLP runs on token rows. Same step with the same RNG draws."""
     import workbench.kernels.window as win
 
-    calls = []
+    keeps = []
     real = win.merge_add_norm
-    monkeypatch.setattr(win, "merge_add_norm", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    monkeypatch.setattr(win, "merge_add_norm", lambda *a, **k: (keeps.append(k.get("keep")), real(*a, **k))[1])
     from timm.models.swin_transformer import SwinTransformer
 
     ref, model = model_pair(DEVICE, build=lambda: SwinTransformer(**TINY_KWARGS, drop_path_rate=0.3))
@@ -126,7 +127,9 @@ def test_add_norm2_blocks_with_stochastic_depth_merge_then_add_norm(monkeypatch)
     fused_window.apply(model, pass_ctx(DEVICE))
     _assert_same_step(ref, model, atol=1e-5, rtol=1e-5, train=True, rng_seed=5)
     identity = sum(isinstance(b.drop_path1, torch.nn.Identity) for b in model.modules() if hasattr(b, "drop_path1"))
-    assert 0 < identity < N_BLOCKS and len(calls) == identity
+    assert 0 < identity < N_BLOCKS and len(keeps) == N_BLOCKS
+    assert sum(k is None for k in keeps) == identity
+    assert all(k.shape == (BATCH,) for k in keeps if k is not None)
 
 
 def test_non_square_window_is_unavailable():

@@ -289,6 +289,35 @@ def test_merge_add_norm(shape, dtypes):
     assert torch.equal(dwin0, eager_roll_partition(dsc0.to(win_dt), ws, shift))
 
 
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1], SHAPES[4]], ids=_ids)
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32, None), (torch.bfloat16, torch.float32, torch.bfloat16),
+                                    (torch.float16, torch.float16, None)], ids=["fp32", "bf16win+fp32stream->bf16", "fp16"])
+def test_merge_add_norm_with_stochastic_depth(shape, dtypes):
+    """keep (timm's DropPath factors, one per sample, 0 for a dropped one) multiplies the merged windows
+    before the add: s bit for bit torch's shortcut + merge_roll(windows) * keep, and the windows' gradient
+    torch's (the gradient of s in the windows' dtype, times keep, partitioned back), from the same
+    kernels each way."""
+    B, H, W, C, ws, shift = shape
+    B = max(B, 3)
+    win_dt, sc_dt, y_dt = dtypes
+    Hp, Wp = -(-H // ws) * ws, -(-W // ws) * ws
+    windows = _randn((B * (Hp // ws) * (Wp // ws), ws * ws, C), torch.float32, 51).to(win_dt).requires_grad_(True)
+    sc = _randn((B, H, W, C), torch.float32, 52).to(sc_dt).requires_grad_(True)
+    weight, bias = (1.0 + 0.5 * _randn((C,), torch.float32, 53)), 0.5 * _randn((C,), torch.float32, 54)
+    keep = torch.tensor([1 / 0.7, 0.0] + [1 / 0.7] * (B - 2), device=DEVICE).to(win_dt)
+    branch = eager_merge_roll(windows, ws, shift, H, W) * keep.view(-1, 1, 1, 1)
+    s_ref = sc + branch
+    s, y = merge_add_norm(windows, sc, weight, bias, 1e-5, ws, shift, y_dt, keep=keep)
+    assert torch.equal(s, s_ref)
+    ds, dy = _randn(s.shape, s.dtype, 55), _randn(y.shape, y.dtype, 56)
+    gwin, gsc = torch.autograd.grad((s, y), (windows, sc), (ds, dy))
+    (gb_ref,) = torch.autograd.grad(branch, windows, gsc.detach().to(win_dt))   # torch's multiply backward
+    assert torch.equal(gwin, gb_ref)
+    assert not gwin.view(B, -1, C)[1].any()   # the dropped sample's windows get no gradient
+    with pytest.raises(ValueError, match="factors for a batch"):
+        merge_add_norm_fwd(windows.detach(), sc.detach(), weight, bias, 1e-5, ws, shift, keep=keep[:2])
+
+
 def test_non_contiguous_input():
     B, H, W, C, ws, shift = 1, 9, 15, 33, 4, 2
     x = _randn((B, C, H, W), torch.float32, 11).permute(0, 2, 3, 1)  # (B, H, W, C), channels strided

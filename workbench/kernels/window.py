@@ -188,17 +188,19 @@ def _merge_fwd_kernel(
 
 @triton.jit
 def _merge_norm_fwd_kernel(
-    win_ptr, shortcut_ptr, s_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, sums_ptr,
+    win_ptr, shortcut_ptr, s_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, sums_ptr, keep_ptr,
     n_tokens, C, eps, n_sums,
     H: tl.constexpr, W: tl.constexpr, n_win_h: tl.constexpr, n_win_w: tl.constexpr,
     shift_h: tl.constexpr, shift_w: tl.constexpr, WS: tl.constexpr, ZERO_SUMS: tl.constexpr,
     SOFT_RTNE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, KEEP: tl.constexpr = False,
 ):
     """s = shortcut + windows merged back (window_reverse, crop, roll(+shift)), rounded to s_ptr's dtype
     as torch's add rounds it, then y = LayerNorm(s), for the image tokens of this program's block (whole
     rows: BLOCK_C covers C). Stores s, y, and fp32 mean/rstd per token. With ZERO_SUMS, the programs also
-    zero the backward's column-sum buffer (_common.zero_column_sums)."""
+    zero the backward's column-sum buffer (_common.zero_column_sums). With KEEP, the merged windows are
+    first multiplied by their sample's stochastic-depth factor keep_ptr[b] and rounded to the windows'
+    dtype, as timm's DropPath multiplies the branch before the add."""
     pdl_enter(PDL)
     pid = tl.program_id(0)
     zero_column_sums(sums_ptr, n_sums, pid, tl.num_programs(0), ZERO_SUMS, BLOCK_C)
@@ -210,6 +212,9 @@ def _merge_norm_fwd_kernel(
     mask = s_mask[:, None] & c_mask[None, :]
     off = s.to(tl.int64)[:, None] * C + c[None, :]
     win = tl.load(win_ptr + row.to(tl.int64)[:, None] * C + c[None, :], mask=mask, other=0.0)
+    if KEEP:
+        k = tl.load(keep_ptr + s // (H * W), mask=s_mask, other=0.0).to(tl.float32)
+        win = to_dtype(win.to(tl.float32) * k[:, None], win_ptr.dtype.element_ty, SOFT_RTNE)
     sc = tl.load(shortcut_ptr + off, mask=mask, other=0.0)
     x = to_dtype(sc.to(tl.float32) + win.to(tl.float32), s_ptr.dtype.element_ty, SOFT_RTNE)
     tl.store(s_ptr + off, x, mask=mask)
@@ -239,13 +244,13 @@ def _norm_bwd_tile(g, x, w, mean, rstd, mask, C):
 
 @triton.jit
 def _norm_partition_bwd_kernel(
-    dwin_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, ds_ptr, dx_ptr, dwo_ptr, sums_ptr,
+    dwin_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, ds_ptr, dx_ptr, dwo_ptr, sums_ptr, keep_ptr,
     n_tokens, tiles_per_prog, C,
     H: tl.constexpr, W: tl.constexpr, n_win_h: tl.constexpr, n_win_w: tl.constexpr,
     shift_h: tl.constexpr, shift_w: tl.constexpr, WS: tl.constexpr, SOFT_RTNE: tl.constexpr, ATOMIC: tl.constexpr,
     HAS_DS: tl.constexpr, MERGE: tl.constexpr, STAGES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
     PDL: tl.constexpr = False, ROW_SUMS: tl.constexpr = False, SLOTS: tl.constexpr = 1,
-    PDL_EARLY: tl.constexpr = False,
+    PDL_EARLY: tl.constexpr = False, KEEP: tl.constexpr = False,
 ):
     """LayerNorm backward with the gradient gathered from window order (d of the partition), plus, with
     HAS_DS, a gradient ds of x from elsewhere (the block's residual path) added into dx in the same pass.
@@ -253,7 +258,8 @@ def _norm_partition_bwd_kernel(
     With MERGE, the backward of merge_add_norm instead (the norm's input was s = shortcut + merge of the
     windows): the gradient dwin_ptr points at is in token order (d of the norm's output), and dx, the
     gradient of s and so of the shortcut, is also stored at the token's window row of dwo_ptr (d of the
-    windows, in that buffer's dtype).
+    windows, in that buffer's dtype); with KEEP, that value rounded to dwo's dtype is multiplied by the
+    token's sample factor keep_ptr[b] and rounded again (the backward of timm's DropPath multiply).
 
     Program p owns the contiguous band of token tiles [p * tiles_per_prog, (p + 1) * tiles_per_prog).
     dweight/dbias partials are summed over the band in registers and go to columns [0, C) / [C, 2C) of
@@ -306,7 +312,11 @@ def _norm_partition_bwd_kernel(
             dx += tl.load(ds_ptr + x_off, mask=cur_mask, other=0.0).to(tl.float32)
         tl.store(dx_ptr + x_off, to_dtype(dx, dx_ptr.dtype.element_ty, SOFT_RTNE), mask=cur_mask)
         if MERGE:
-            tl.store(dwo_ptr + win_off, to_dtype(dx, dwo_ptr.dtype.element_ty, SOFT_RTNE), mask=cur_mask)
+            dwo = to_dtype(dx, dwo_ptr.dtype.element_ty, SOFT_RTNE)
+            if KEEP:
+                k = tl.load(keep_ptr + s // (H * W), mask=s_mask, other=0.0).to(tl.float32)
+                dwo = to_dtype(dwo.to(tl.float32) * k[:, None], dwo_ptr.dtype.element_ty, SOFT_RTNE)
+            tl.store(dwo_ptr + win_off, dwo, mask=cur_mask)
         if ROW_SUMS:
             dw_acc += tl.sum(dw_t, axis=0)
             db_acc += tl.sum(db_t, axis=0)
@@ -406,6 +416,16 @@ def _pdl_args(maxnreg: int | None = None) -> dict:
 
 def _contig(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
+
+
+def _keep(keep: torch.Tensor | None, batch: int, stand_in: torch.Tensor) -> torch.Tensor:
+    """A kernel's keep_ptr: the (batch,) stochastic-depth factors, contiguous; without them `stand_in`, a
+    tensor of the launch the kernel never reads through keep_ptr (KEEP off)."""
+    if keep is None:
+        return stand_in
+    if keep.numel() != batch:
+        raise ValueError(f"keep holds {keep.numel()} factors for a batch of {batch}")
+    return keep.reshape(batch).contiguous()
 
 
 def _check_out(out, shape, dtype, device):
@@ -597,7 +617,7 @@ def _norm_grads(sums: torch.Tensor, weight, bias) -> tuple:
     return split_norm_grads(finish_column_sums(rows, True), weight, bias)
 
 
-def _norm_bwd(g, x, weight, mean, rstd, window_size, shift, ds, dx, dwo, sums_into, raw_sums=False):
+def _norm_bwd(g, x, weight, mean, rstd, window_size, shift, ds, dx, dwo, sums_into, raw_sums=False, keep=None):
     """The LayerNorm backward over x (B, H, W, C) of the window kernels: g is the gradient of the norm's
     output in window order, or with dwo (merge_add_norm_bwd) in token order, and dx then also goes to
     dwo's window rows. x, dx (B, H, W, C) contiguous. -> (dx, dwo, (2C,) fp32 column sums; with raw_sums,
@@ -617,20 +637,22 @@ def _norm_bwd(g, x, weight, mean, rstd, window_size, shift, ds, dx, dwo, sums_in
     followed = atomic and (sums.shape[0] > 1 or (raw_sums and half))
     launch(_norm_partition_bwd_kernel)[(nprog,)](
         g, x, _contig(weight), mean, rstd, ds if ds is not None else x, dx, dwo if dwo is not None else dx, sums,
-        n_tok, tiles_per_prog, C,
+        _keep(keep, B, mean), n_tok, tiles_per_prog, C,
         H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=int(window_size), SOFT_RTNE=_SOFT_RTNE,
         ATOMIC=atomic, HAS_DS=ds is not None, MERGE=dwo is not None, STAGES=stages, BLOCK_T=block_t,
         BLOCK_C=block_c, ROW_SUMS=row_sums, SLOTS=sums.shape[0] if atomic else 1, PDL_EARLY=followed and pdl_launch(),
-        num_warps=num_warps, **_pdl_args(maxnreg),
+        KEEP=keep is not None, num_warps=num_warps, **_pdl_args(maxnreg),
     )
     return dx, dwo, sums if raw_sums and atomic else finish_column_sums(sums, atomic)
 
 
 def merge_add_norm_fwd(
     windows: torch.Tensor, shortcut: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
-    window_size: int, shift: int, *, y_dtype=None, s_out=None, y_out=None, zero_sums=None,
+    window_size: int, shift: int, *, y_dtype=None, s_out=None, y_out=None, zero_sums=None, keep=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """s = shortcut + merge_roll(windows) and y = LayerNorm(s) in one pass -> (s, y, mean, rstd).
+    keep: (B,) stochastic-depth factors (timm's DropPath draw, in the windows' dtype) that multiply the
+    merged windows of each sample before the add, or None.
 
     windows (B*nW, ws*ws, C) or (B*nW, ws, ws, C); shortcut (B, H, W, C). s: (B, H, W, C) in the promoted
     dtype of both, rounded as torch's add rounds it; y: (B, H, W, C) in y_dtype (default s's dtype),
@@ -653,10 +675,11 @@ def merge_add_norm_fwd(
     if n_tok > 0:
         launch(_merge_norm_fwd_kernel)[(cdiv(n_tok, block_t),)](
             windows, shortcut, s, y, _contig(weight), _contig(bias), mean, rstd,
-            zero_sums if zero_sums is not None else mean, n_tok, C, float(eps),
+            zero_sums if zero_sums is not None else mean, _keep(keep, B, mean), n_tok, C, float(eps),
             zero_sums.numel() if zero_sums is not None else 0,
             H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, ZERO_SUMS=zero_sums is not None,
-            SOFT_RTNE=_SOFT_RTNE, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps, **_pdl_args(),
+            SOFT_RTNE=_SOFT_RTNE, BLOCK_T=block_t, BLOCK_C=block_c, KEEP=keep is not None, num_warps=num_warps,
+            **_pdl_args(),
         )
     elif zero_sums is not None:
         zero_sums.zero_()
@@ -666,14 +689,15 @@ def merge_add_norm_fwd(
 def merge_add_norm_bwd(
     dy: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
     window_size: int, shift: int, ds: torch.Tensor | None, windows_dtype: torch.dtype,
-    shortcut_dtype: torch.dtype | None = None, *, sums_into=None, raw_sums=False,
+    shortcut_dtype: torch.dtype | None = None, *, sums_into=None, raw_sums=False, keep=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of merge_add_norm_fwd -> (d shortcut (B, H, W, C) in shortcut_dtype (default s's),
     d windows (B*nW, ws*ws, C) in windows_dtype, (2C,) fp32 column sums: dweight then dbias). sums_into
     and raw_sums: as in norm_shift_partition_bwd.
     dy: gradient of y; ds: gradient that reached s directly (or None). The gradient of s (the norm's dx
     plus ds) is the shortcut's and, partitioned back into windows, the windows'; both are written from
-    one fp32 value in the same pass. Window rows that are padding get 0."""
+    one fp32 value in the same pass (the windows' times keep[b], as merge_add_norm_fwd's keep). Window rows
+    that are padding get 0."""
     s = _contig(s)
     B, H, W, C = s.shape
     Hp, Wp, nwh, nww, _, _ = _geometry(H, W, window_size, shift)
@@ -688,7 +712,7 @@ def merge_add_norm_bwd(
         dy = dy.reshape(B, H, W, C)
     if ds is not None and tuple(ds.shape) != (B, H, W, C):
         ds = ds.reshape(B, H, W, C)
-    return _norm_bwd(dy, s, weight, mean, rstd, window_size, shift, ds, dx, dwo, sums_into, raw_sums)
+    return _norm_bwd(dy, s, weight, mean, rstd, window_size, shift, ds, dx, dwo, sums_into, raw_sums, keep)
 
 
 # ------------------------------------------------------------------------------- operators
@@ -847,26 +871,26 @@ class MergeAddNormFunction(torch.autograd.Function):
     AddNormShiftPartitionFunction (the pass that uses it does not under torch.compile)."""
 
     @staticmethod
-    def forward(ctx, windows, shortcut, weight, bias, eps, window_size, shift, y_dtype, y_rows):
+    def forward(ctx, windows, shortcut, weight, bias, eps, window_size, shift, y_dtype, y_rows, keep=None):
         ctx.sums = eager_column_sums(2 * shortcut.shape[-1], shortcut.device, ctx, weight, bias,
                                      slots=_norm_bwd_slots(shortcut))
         s, y, mean, rstd = merge_add_norm_fwd(windows, shortcut, weight, bias, float(eps), int(window_size), int(shift),
-                                              y_dtype=y_dtype, zero_sums=ctx.sums)
-        ctx.save_for_backward(s, weight, bias, mean, rstd)
+                                              y_dtype=y_dtype, zero_sums=ctx.sums, keep=keep)
+        ctx.save_for_backward(s, weight, bias, mean, rstd, keep)
         ctx.geom = (int(window_size), int(shift))
         ctx.windows_shape, ctx.dtypes = windows.shape, (windows.dtype, shortcut.dtype)
         return s, (y.view(-1, y.shape[-1]) if y_rows else y)
 
     @staticmethod
     def backward(ctx, ds, dy):
-        s, weight, bias, mean, rstd = ctx.saved_tensors
+        s, weight, bias, mean, rstd, keep = ctx.saved_tensors
         ws, shift = ctx.geom
         into, ctx.sums = ctx.sums, None
         win_dtype, sc_dtype = ctx.dtypes
         dsc, dwin, sums = merge_add_norm_bwd(dy, s, weight, mean, rstd, ws, shift, ds, win_dtype, sc_dtype,
-                                             sums_into=into, raw_sums=True)
+                                             sums_into=into, raw_sums=True, keep=keep)
         dw, db = _norm_grads(sums, weight, bias)
-        return dwin.view(ctx.windows_shape), dsc, dw, db, None, None, None, None, None
+        return dwin.view(ctx.windows_shape), dsc, dw, db, None, None, None, None, None, None
 
 
 class MergeUnshiftAddFunction(torch.autograd.Function):
@@ -934,14 +958,17 @@ def merge_unshift_add(
 def merge_add_norm(
     windows: torch.Tensor, shortcut: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
     window_size: int, shift: int, y_dtype: torch.dtype | None = None, y_rows: bool = False,
+    keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, F.layer_norm(s, (C,), weight, bias, eps)) with s = shortcut + merge_roll(windows, ...), in one
     kernel each way: a block's attention merge, residual add and norm2 (eager mode). shortcut (B, H, W, C);
     s in the promoted dtype of windows and shortcut, y in y_dtype (default s's dtype, rounded once from
     fp32); both (B, H, W, C) and differentiable, or with y_rows y as (B*H*W, C) token rows (what a Linear
     takes without view nodes of its own). The backward writes the gradient of s once as the shortcut's
-    and once, partitioned, as the windows'."""
-    return MergeAddNormFunction.apply(windows, shortcut, weight, bias, eps, window_size, shift, y_dtype, bool(y_rows))
+    and once, partitioned, as the windows'. keep: (B,) stochastic-depth factors (timm's DropPath draw, in
+    the windows' dtype) multiplying the merged windows of each sample before the add, or None."""
+    return MergeAddNormFunction.apply(windows, shortcut, weight, bias, eps, window_size, shift, y_dtype, bool(y_rows),
+                                      keep)
 
 
 # ---------------------------------------------------------------------------------------------------------

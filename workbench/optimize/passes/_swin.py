@@ -28,20 +28,34 @@ def inactive(m: torch.nn.Module | None, training: bool) -> bool:
     return False
 
 
+def timm_drop_path(m: torch.nn.Module | None) -> bool:
+    """Whether m is timm's DropPath (whose draw drop_path_keep repeats)."""
+    return type(m).__name__ == "DropPath"
+
+
+def drop_path_keep(m: torch.nn.Module, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """The per-sample factors timm's DropPath m would multiply a branch of `shape` (in like's dtype and
+    device) by, drawn with timm's own calls (the same random numbers: the same samples dropped for the
+    same seed) -> (B,) 0 or 1/keep_prob, or None where m is not an active timm DropPath (nothing drawn)."""
+    if not timm_drop_path(m) or inactive(m, m.training):
+        return None
+    keep_prob = 1.0 - m.drop_prob
+    keep = like.new_empty((shape[0],) + (1,) * (len(shape) - 1)).bernoulli_(keep_prob)
+    if keep_prob > 0.0 and getattr(m, "scale_by_keep", True):
+        keep.div_(keep_prob)
+    return keep.view(-1)
+
+
 def drop_path(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """m(x) for a block's drop path m. timm's DropPath, while active, draws its per-sample factors with
-    timm's own calls (the same random numbers: the same samples dropped for the same seed) and multiplies
-    in one Triton pass each way (kernels.drop_path: bit for bit torch's product) instead of torch's
-    broadcast multiply. Anything else, or an inactive DropPath, is called as it is."""
-    if type(m).__name__ != "DropPath" or inactive(m, m.training):
+    """m(x) for a block's drop path m. timm's DropPath, while active, takes its factors from drop_path_keep
+    and multiplies in one Triton pass each way (kernels.drop_path: bit for bit torch's product) instead
+    of torch's broadcast multiply. Anything else, or an inactive DropPath, is called as it is."""
+    keep = drop_path_keep(m, x, tuple(x.shape))
+    if keep is None:
         return m(x)
     from workbench.kernels.drop_path import scale_samples
 
-    keep_prob = 1.0 - m.drop_prob
-    keep = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(keep_prob)
-    if keep_prob > 0.0 and getattr(m, "scale_by_keep", True):
-        keep.div_(keep_prob)
-    return scale_samples(x, keep.view(-1))
+    return scale_samples(x, keep)
 
 
 def named_swin_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

@@ -20,8 +20,9 @@ from typing import Callable
 
 import torch
 
-from workbench.optimize.passes._swin import (INVERSE_BUFFER, drop_path, gather_rel_pos_bias, inactive,
-                                             norm_output_dtype, rel_pos_bias, scatter_rel_pos_grad, square)
+from workbench.optimize.passes._swin import (INVERSE_BUFFER, drop_path, drop_path_keep, gather_rel_pos_bias, inactive,
+                                             norm_output_dtype, rel_pos_bias, scatter_rel_pos_grad, square,
+                                             timm_drop_path)
 
 # ------------------------------------------------------------------------------------ the block
 
@@ -79,8 +80,8 @@ def _window_forward(add_norm2_fused: bool, attn_to_linear: bool, mlp_to_linear: 
                                         defer: bool = False):
         """timm SwinTransformerBlock.forward with norm1 + roll + pad + partition as one kernel
         (norm_shift_partition) and the merge back, crop, roll and residual add as another
-        (merge_unshift_add), or, with add_norm2, merge, add and norm2 as one (merge_add_norm, eager and
-        without stochastic depth). The attention module is called as a module (its hooks run).
+        (merge_unshift_add), or, with add_norm2, merge, add and norm2 as one (merge_add_norm, eager; timm's
+        stochastic depth multiplies inside it). The attention module is called as a module (its hooks run).
         pending / defer: see stage_forward (called as blk(x) they are unused)."""
         from workbench.kernels.window import merge_roll, merge_unshift_add
 
@@ -93,8 +94,10 @@ def _window_forward(add_norm2_fused: bool, attn_to_linear: bool, mlp_to_linear: 
         attn_windows, ws, shift, x = out
         B, H, W, C = x.shape
         if add_norm2_fused:
-            if inactive(self.drop_path1, self.training) and not torch.compiler.is_compiling():
-                x, h = _merge_add_norm2(self, attn_windows, x, ws, shift, mlp_to_linear)
+            if not torch.compiler.is_compiling() and (inactive(self.drop_path1, self.training)
+                                                      or timm_drop_path(self.drop_path1)):
+                keep = drop_path_keep(self.drop_path1, attn_windows, (B, H, W, C))
+                x, h = _merge_add_norm2(self, attn_windows, x, ws, shift, mlp_to_linear, keep)
             else:
                 branch = drop_path(self.drop_path1, merge_roll(attn_windows, ws, shift, H, W))
                 x, h = add_norm2(self, x, branch, mlp_to_linear)
@@ -147,21 +150,23 @@ def _as_map(t: torch.Tensor, B: int, H: int, W: int, C: int) -> torch.Tensor:
 def _mlp_half(self, x, h, B, H, W, C, defer):
     """x + drop_path2(mlp(h)), or with `defer` (x, that branch) for the next block's norm to add. x and h
     may come as (B, H, W, C), (B, L, C) or token rows (B*L, C); the results are (B, H, W, C)."""
-    branch = _as_map(drop_path(self.drop_path2, self.mlp(h)), B, H, W, C)
+    # the drop path on the (B, H, W, C) map: its factors are per sample, whatever layout h came in
+    branch = drop_path(self.drop_path2, _as_map(self.mlp(h), B, H, W, C))
     if defer:
         return _as_map(x, B, H, W, C), branch
     return _as_map(x, B, H, W, C) + branch
 
 
-def _merge_add_norm2(blk, attn_windows: torch.Tensor, x: torch.Tensor, ws: int, shift: int, mlp_to_linear: bool):
-    """add_norm2(blk, x, merge_roll(attn_windows)) as one kernel each way (merge_add_norm) -> (sum (B, H, W, C),
-    normed (B*H*W, C) token rows: the MLP's Linears take them without view nodes of their own), the normed
-    output in the dtype add_norm2 would write."""
+def _merge_add_norm2(blk, attn_windows: torch.Tensor, x: torch.Tensor, ws: int, shift: int, mlp_to_linear: bool,
+                     keep: torch.Tensor | None = None):
+    """add_norm2(blk, x, merge_roll(attn_windows) * keep[b]) as one kernel each way (merge_add_norm) -> (sum
+    (B, H, W, C), normed (B*H*W, C) token rows: the MLP's Linears take them without view nodes of their own),
+    the normed output in the dtype add_norm2 would write. keep: drop_path1's factors, or None."""
     from workbench.kernels.window import merge_add_norm
 
     norm2 = blk.norm2
     return merge_add_norm(attn_windows, x, norm2.weight, norm2.bias, norm2.eps, ws, shift,
-                          _norm2_dtype(x, attn_windows.dtype, mlp_to_linear), y_rows=True)
+                          _norm2_dtype(x, attn_windows.dtype, mlp_to_linear), y_rows=True, keep=keep)
 
 
 def _whole_block_forward(fallback: Callable) -> Callable:
