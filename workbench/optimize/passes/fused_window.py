@@ -11,7 +11,9 @@ and the MLP half is timm's. `blk.attn(...)` is called as a module: whatever atte
 (timm's, SDPA, fused_attention's) runs there.
 
 Details the planned forward keeps from timm:
-  * drop_path1 active (stochastic depth, training): merge_roll, then x + drop_path1(...), unfused add.
+  * drop_path1 active (stochastic depth, training): timm's DropPath multiplies inside merge_add_norm
+    (with add_norm2) or in kernels.drop_path before the add (merge_roll, then x + branch); another module
+    there is called as it is.
   * dynamic_mask: the mask is built from the padded shape, as timm does (`get_attn_mask`).
   * window_size / shift_size are timm tuples; only square ones are fused. apply() raises
     PassUnavailable for a model with a non-square block; a block made non-square later
