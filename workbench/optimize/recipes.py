@@ -362,7 +362,8 @@ def is_graph_form(recipe: Recipe) -> bool:
 
 def graph_recipes() -> dict[str, str]:
     """{stage: the built-in recipe that only replays that stage's step as one CUDA graph}: fmha ->
-    fmha-graph, dense -> dense-graph, block -> block-graph (a compiled graph form is another stage)."""
+    fmha-graph, dense -> dense-graph, block -> block-graph, fmha-compile -> fmha-compile-graph (compiled
+    in default mode, captured like an eager step; Inductor's own graphs, reduce-overhead, are another stage)."""
     return {r.extends: r.name for r in RecipeBook().builtins.values()
             if r.extends and r.passes and all(p.name == "cuda_graph" for p in r.passes)}
 
