@@ -6,8 +6,8 @@ timm's DropPath multiplies a residual branch by a (B, 1, 1) tensor holding 0 or 
 torch runs that broadcast multiply in its generic elementwise kernel, which does not vectorize a
 broadcast operand, forward and again in the backward (the gradient times the same tensor): in a fused
 Swin training step with timm's default stochastic depth those multiplies are the largest kernels left
-besides the GEMMs and the bias gradients. Here each program covers one contiguous chunk of one sample: it loads the
-sample's factor once and streams the chunk through in wide loads and stores.
+besides the GEMMs and the bias gradients. Here each program covers one contiguous chunk of one sample:
+it loads the sample's factor once and streams the chunk through in wide loads and stores.
 
 Numerics: the product is computed in fp32 and rounded once to x's dtype, as torch computes a bf16 or
 fp16 multiply, and the product of two such values is exact in fp32, so the result equals torch's bit

@@ -16,6 +16,11 @@ def square(pair) -> int | None:
     return int(a) if a == b else None
 
 
+def timm_drop_path(m: torch.nn.Module | None) -> bool:
+    """Whether m is timm's DropPath (whose draw drop_path_keep repeats)."""
+    return type(m).__name__ == "DropPath"
+
+
 def inactive(m: torch.nn.Module | None, training: bool) -> bool:
     """m(x) is x now: None or nn.Identity, nn.Dropout with p == 0 or in eval, timm's DropPath with
     drop_prob 0 or in eval."""
@@ -23,14 +28,9 @@ def inactive(m: torch.nn.Module | None, training: bool) -> bool:
         return True
     if isinstance(m, torch.nn.Dropout):
         return m.p == 0 or not training
-    if type(m).__name__ == "DropPath":
+    if timm_drop_path(m):
         return getattr(m, "drop_prob", 1.0) == 0.0 or not training
     return False
-
-
-def timm_drop_path(m: torch.nn.Module | None) -> bool:
-    """Whether m is timm's DropPath (whose draw drop_path_keep repeats)."""
-    return type(m).__name__ == "DropPath"
 
 
 def drop_path_keep(m: torch.nn.Module, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
