@@ -104,4 +104,6 @@ def test_short_model_names():
     assert short_model("swin_base_patch4_window7_224") == "Swin-B 224"
     assert short_model("swin_large_patch4_window12_384") == "Swin-L 384 (window 12)"
     assert short_model("swinbench_tiny_cpu") == "tiny CPU Swin"
+    assert short_model("swinv2_tiny_window8_256") == "SwinV2-T 256 (window 8)"
+    assert short_model("swinv2_base_window12to24_192to384") == "SwinV2-B 384 (window 24)"
     assert short_model("swinv2_cr_tiny_ns_224") == "swinv2_cr_tiny_ns_224"

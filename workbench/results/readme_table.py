@@ -32,9 +32,14 @@ _SIZES = {"tiny": "T", "small": "S", "base": "B", "large": "L"}
 
 
 def short_model(name: str | None) -> str:
-    """'swin_base_patch4_window7_224' -> 'Swin-B 224'; the tiny CPU Swin -> 'tiny CPU Swin'; other names as is."""
+    """'swin_base_patch4_window7_224' -> 'Swin-B 224', 'swinv2_tiny_window8_256' -> 'SwinV2-T 256 (window 8)';
+    the tiny CPU Swin -> 'tiny CPU Swin'; other names as is."""
     if name == "swinbench_tiny_cpu":
         return "tiny CPU Swin"
+    v2 = re.fullmatch(r"swinv2_(tiny|small|base|large)_window(?:\d+to)?(\d+)_(?:\d+to)?(\d+)(.*)", name or "")
+    if v2:
+        size, window, img, rest = v2.groups()
+        return f"SwinV2-{_SIZES[size]} {img} (window {window})" + (f" {rest.lstrip('_')}" if rest else "")
     m = re.fullmatch(r"swin_(tiny|small|base|large)_patch4_window(\d+)_(\d+)(.*)", name or "")
     if not m:
         return str(name)
