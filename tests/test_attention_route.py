@@ -106,7 +106,7 @@ def test_the_routes_are_measured_on_the_gpu(training):
 @pytest.mark.parametrize("v2", [False, True])
 def test_the_timed_forwards_run_on_copies_of_every_shape(monkeypatch, training, v2):
     """_measure's copies, inputs, masks and both forwards, run once each on this device (the CUDA-event
-    clock replaced): v1's kernel against SDPA, SwinV2's against timm's eager attention."""
+    clock replaced): v1's kernel against SDPA, SwinV2's against its cosine attention on SDPA."""
     from workbench.optimize.passes.fused_attention import _v1_kernel, v2_attention_forward
     import types
 

@@ -8,8 +8,8 @@ precision, the module's forward (and backward when training) two ways on the sam
 
     kernel   the fused Triton kernel, as the pass would bind it (bias read from the table in-kernel; for
              SwinV2 its cosine forward, q and k normalized by kernels.cosine)
-    pytorch  timm's own forward: F.scaled_dot_product_attention for Swin v1 (what the `sdpa_attention`
-             peer runs), timm's eager attention for SwinV2 (it has no SDPA path)
+    pytorch  PyTorch's SDPA, as the `sdpa_attention` peer runs it: timm's own fused_attn path for Swin v1,
+             sdpa_attention.v2_sdpa_forward for SwinV2 (timm's eager cosine attention is slower)
 
 Both time the same qkv and proj Linears around the core, so the difference is the attention's own. A
 shape runs PyTorch's path only when it is faster by more than ROUTE_MARGIN (so noise cannot flip a tie),
@@ -66,9 +66,13 @@ def _mask(blk: torch.nn.Module, shape: Shape, device) -> torch.Tensor | None:
 
 
 def pytorch_forward(attn: torch.nn.Module, v2: bool):
-    """timm's own forward: SDPA for v1 (fused_attn on, as the sdpa_attention peer sets it), eager for v2."""
-    if not v2:
-        attn.fused_attn = True
+    """PyTorch's SDPA path as the sdpa_attention peer binds it: timm's forward with fused_attn on for v1,
+    sdpa_attention.v2_sdpa_forward for v2."""
+    if v2:
+        from workbench.optimize.passes.sdpa_attention import v2_sdpa_forward
+
+        return types.MethodType(v2_sdpa_forward, attn)
+    attn.fused_attn = True
     return types.MethodType(type(attn).forward, attn)
 
 

@@ -16,8 +16,9 @@ F.scaled_dot_product_attention path instead, each plan says why, and the pass re
 a smaller `max_tokens` in a recipe moves the line (`max_tokens: 64` keeps window 12 on SDPA).
 Within that line the route is measured (`route: auto`, the default; `_route.py`): on a GPU each distinct
 window shape of the model is timed on a copy of its attention, the kernel against PyTorch's own path
-(SDPA for v1, timm's eager attention for SwinV2), at the stage's batch and precision, and a shape where
-PyTorch's path is faster by more than 3% stays on it, so the kernel is never used where it would lose.
+(SDPA for v1, and for SwinV2 its cosine attention on SDPA as sdpa_attention writes it), at the stage's
+batch and precision, and a shape where PyTorch's path is faster by more than 3% runs it instead, so the
+kernel is never used where it would lose.
 The result records every shape's times and route; `route: kernel` skips the timing.
 
 SwinV2 (timm's swin_transformer_v2): its WindowAttention computes cosine attention,
@@ -28,11 +29,12 @@ v2_attention_forward: the same qkv (q/k/v biases), q and k normalized and the pe
 into q (kernels.cosine), 16 * sigmoid taken on cpb_mlp's ((2w-1)^2, nH) table, which the kernels read
 through the index as they read v1's table (its gradient summed in one launch, then through autograd to
 cpb_mlp), and the fused kernel with scale 1 for scores + bias + mask, softmax and @ v. `bias` has no
-effect there (the table is always read in-kernel). Modules with
-attn_drop > 0, windows above `max_tokens` (window 24: 576 tokens), a head width the kernel does not take,
-a subclass or a forward replaced elsewhere keep timm's own attention (SwinV2 has no SDPA path), counted by
-reason in the result. The v1 block plans are not used: fused_linear and fused_block stand aside on SwinV2
-blocks (post-norm), each with its reason; fused_window binds the block's _attn, which calls this forward.
+effect there (the table is always read in-kernel). Modules with attn_drop > 0, windows above `max_tokens`
+(window 24: 576 tokens), a head width the kernel does not take, a subclass or a forward replaced
+elsewhere keep timm's own attention, counted by reason in the result; a shape measured faster on
+PyTorch's path runs sdpa_attention's SwinV2 forward (SDPA). The v1 block plans are not used:
+fused_linear and fused_block stand aside on SwinV2 blocks (post-norm), each with its reason;
+fused_window binds the block's _attn, which calls this forward.
 """
 from __future__ import annotations
 
@@ -162,9 +164,11 @@ def _v2_why_not(attn: torch.nn.Module, max_tokens: int) -> str | None:
     """None when the kernel can run this SwinV2 WindowAttention, else why it keeps timm's path."""
     from timm.models.swin_transformer_v2 import WindowAttention
 
+    from workbench.optimize.passes.sdpa_attention import bound_here
+
     if type(attn) is not WindowAttention:
         return "a subclass of timm's WindowAttention"
-    if "forward" in vars(attn):
+    if "forward" in vars(attn) and not bound_here(attn):
         return "its forward was replaced elsewhere"
     tokens = int(attn.window_size[0]) * int(attn.window_size[1])
     if tokens > max_tokens:
@@ -179,9 +183,12 @@ def _v2_why_not(attn: torch.nn.Module, max_tokens: int) -> str | None:
 
 def _apply_v2(model: torch.nn.Module, max_tokens: int, faster: dict | None = None) -> tuple[int, dict[str, int]]:
     """Bind v2_attention_forward to every SwinV2 WindowAttention the kernel can run -> (patched, {reason:
-    modules left on timm's path}). A module this pass bound before counts as patched. faster: {id of a
-    module: why} for those whose shape runs faster on timm's path (measured), left there."""
+    modules left on timm's or PyTorch's path}). A module this pass bound before counts as patched. faster:
+    {id of a module: why} for those whose shape runs faster on PyTorch's SDPA (measured): they get
+    sdpa_attention's SwinV2 forward."""
     from timm.models.swin_transformer_v2 import WindowAttention
+
+    from workbench.optimize.passes.sdpa_attention import bind_v2
 
     patched, left = 0, {}
     for m in model.modules():
@@ -190,7 +197,10 @@ def _apply_v2(model: torch.nn.Module, max_tokens: int, faster: dict | None = Non
         if getattr(vars(m).get("forward"), "__func__", None) is v2_attention_forward:
             patched += 1
             continue
-        reason = _v2_why_not(m, max_tokens) or (faster or {}).get(id(m))
+        reason = _v2_why_not(m, max_tokens)
+        if reason is None and id(m) in (faster or {}):
+            bind_v2(m)
+            reason = faster[id(m)]
         if reason is None:
             m.forward = types.MethodType(v2_attention_forward, m)
             if getattr(m, INVERSE_BUFFER, None) is None:   # for the kernels' one-launch table gradient
@@ -308,14 +318,18 @@ def _v2_result(model: torch.nn.Module, ctx: PassContext, bias: str, max_tokens: 
         for _, b in v2_blocks:
             timed = routes.get(block_shape(b))
             if timed is not None and timed["route"] == "pytorch":
-                faster[id(b.attn)] = "measured: timm's attention is faster at this shape on this GPU"
+                faster[id(b.attn)] = "on PyTorch's SDPA: measured faster at this shape on this GPU"
     patched, left = _apply_v2(model, max_tokens, faster)
     changed = (f"{patched} SwinV2 WindowAttention -> fused Triton window attention (fwd+bwd; cosine scores, "
                "q and k normalized and the logit scale folded into q in one launch each, the MLP's position-bias "
                "table read in-kernel)")
     for reason, count in sorted(left.items()):
-        changed += f"; {count} left on timm's path ({reason})"
-    details = {"swinv2_patched_modules": patched, "swinv2_left_on_timm": left, "max_tokens": max_tokens,
+        changed += (f"; {count} {reason}" if reason.startswith("on PyTorch's SDPA")
+                    else f"; {count} left on timm's path ({reason})")
+    on_sdpa = sum(c for r, c in left.items() if r.startswith("on PyTorch's SDPA"))
+    details = {"swinv2_patched_modules": patched, "swinv2_sdpa_measured_faster": on_sdpa,
+               "swinv2_left_on_timm": {r: c for r, c in left.items() if not r.startswith("on PyTorch's SDPA")},
+               "max_tokens": max_tokens,
                "bias": "table (cpb_mlp's, read in-kernel)",
                "implementation": "workbench.kernels.cosine.cosine_qk + "
                                  "workbench.kernels.window_attention.fused_window_attention_from_table (Triton)",

@@ -1,17 +1,35 @@
-"""sdpa_attention: timm's own fused path for window attention, F.scaled_dot_product_attention.
+"""sdpa_attention: window attention on PyTorch's F.scaled_dot_product_attention, for Swin v1 and SwinV2.
 
-timm's WindowAttention reads `self.fused_attn` in every forward, so the blocks' plans (block_plan.py) get
-`sdpa` and binding sets it on the built instances (no rebuild, same weights). SDPA gets the relative
-position bias (plus the shift mask) as a float attn_mask, so PyTorch picks the memory-efficient or math
-kernel, not flash. Where fused_attention plans the Triton kernel for a block, that kernel runs instead.
+Swin v1: timm's WindowAttention reads `self.fused_attn` in every forward, so the blocks' plans
+(block_plan.py) get `sdpa` and binding sets it on the built instances (no rebuild, same weights). SDPA gets
+the relative position bias (plus the shift mask) as a float attn_mask, so PyTorch picks the
+memory-efficient or math kernel, not flash. Where fused_attention plans the Triton kernel for a block,
+that kernel runs instead.
+
+SwinV2: timm's WindowAttention computes its cosine attention eagerly (scores, scale, bias, mask and softmax
+as separate ops, the (B_, nH, N, N) scores written and read several times each way). Each module of exactly
+timm's class gets `v2_sdpa_forward` bound on the instance: the same function in PyTorch alone, written as
+timm's v1 path writes its own, which is what a user would write: q and k normalized, the per-head logit
+scale folded into q, 16 * sigmoid of cpb_mlp's table gathered to (nH, N, N) and added to the shift mask
+as SDPA's float attn_mask, and SDPA with scale 1. No parameter or buffer changes (state_dict is the
+same). Attention dropout runs as SDPA's dropout_p, as timm's v1 path runs it (another random stream than
+timm's eager dropout). Subclasses and modules whose forward was replaced elsewhere keep timm's path,
+counted by reason.
 """
 from __future__ import annotations
+
+import math
+import types
+
+import torch
+import torch.nn.functional as F
 
 from workbench.optimize.passes import PassContext, PassResult, PassUnavailable
 from workbench.optimize.passes._swin import named_swin_blocks
 from workbench.optimize.passes.block_plan import block_plans
 
 NAME = "sdpa_attention"
+LOGIT_SCALE_MAX = math.log(1. / 0.01)   # timm's clamp of SwinV2's logit scale (a scale of at most 100)
 
 
 def window_attention_modules(model):
@@ -21,14 +39,91 @@ def window_attention_modules(model):
     return [m for m in model.modules() if isinstance(m, WindowAttention)]
 
 
+def v2_sdpa_forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """timm's SwinV2 WindowAttention.forward with its core on F.scaled_dot_product_attention:
+    normalize(q) * exp(min(logit_scale, log 100)) against normalize(k) with scale 1, plus 16 * sigmoid
+    of cpb_mlp's bias table and the (nW, N, N) shift mask as attn_mask, attn_drop's p as dropout_p while
+    training, then proj. q, k and the mask are cast to v's dtype (SDPA takes one dtype)."""
+    b_, n, c = x.shape
+    if self.q_bias is None:
+        qkv = self.qkv(x)
+    else:
+        qkv_bias = torch.cat((self.q_bias, self.k_bias, self.v_bias))
+        qkv = self.qkv(x) + qkv_bias if self.qkv_bias_separate else F.linear(x, self.qkv.weight, qkv_bias)
+    q, k, v = qkv.reshape(b_, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+    logit_scale = torch.clamp(self.logit_scale, max=LOGIT_SCALE_MAX).exp()          # (nH, 1, 1)
+    q = (F.normalize(q, dim=-1) * logit_scale).to(v.dtype)
+    k = F.normalize(k, dim=-1).to(v.dtype)
+    table = self.cpb_mlp(self.relative_coords_table).view(-1, self.num_heads)
+    bias = table[self.relative_position_index.view(-1)].view(n, n, -1).permute(2, 0, 1)
+    bias = 16 * torch.sigmoid(bias)                                                 # (nH, N, N)
+    if mask is None:
+        attn_mask = bias.unsqueeze(0)
+    else:
+        num_win = mask.shape[0]
+        attn_mask = (bias.unsqueeze(0) + mask.unsqueeze(1)).unsqueeze(0)           # (1, nW, nH, N, N)
+        attn_mask = attn_mask.expand(b_ // num_win, -1, -1, -1, -1).reshape(b_, self.num_heads, n, n)
+    x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask.to(v.dtype),
+                                       dropout_p=self.attn_drop.p if self.training else 0.0, scale=1.0)
+    return self.proj_drop(self.proj(x.transpose(1, 2).reshape(b_, n, c)))
+
+
+def bound_here(attn: torch.nn.Module) -> bool:
+    """Whether attn's forward is v2_sdpa_forward, bound by this pass (or by fused_attention's route)."""
+    return getattr(vars(attn).get("forward"), "__func__", None) is v2_sdpa_forward
+
+
+def v2_why_not(attn: torch.nn.Module) -> str | None:
+    """None when v2_sdpa_forward computes this SwinV2 WindowAttention's function, else why it keeps timm's."""
+    from timm.models.swin_transformer_v2 import WindowAttention
+
+    if type(attn) is not WindowAttention:
+        return "a subclass of timm's WindowAttention"
+    if "forward" in vars(attn) and not bound_here(attn):
+        return "its forward was replaced elsewhere"
+    return None
+
+
+def bind_v2(attn: torch.nn.Module) -> None:
+    """Bind v2_sdpa_forward on this SwinV2 WindowAttention (v2_why_not is None for it)."""
+    attn.forward = types.MethodType(v2_sdpa_forward, attn)
+
+
+def _apply_v2(model) -> tuple[int, dict[str, int]]:
+    from timm.models.swin_transformer_v2 import WindowAttention
+
+    patched, left = 0, {}
+    for m in model.modules():
+        if not isinstance(m, WindowAttention):
+            continue
+        reason = v2_why_not(m)
+        if reason is None:
+            bind_v2(m)
+            patched += 1
+        else:
+            left[reason] = left.get(reason, 0) + 1
+    return patched, left
+
+
 def apply(model, ctx: PassContext):
     blocks = [(name, blk) for name, blk in named_swin_blocks(model) if hasattr(blk.attn, "fused_attn")]
-    if not blocks:
-        raise PassUnavailable("no timm WindowAttention in this model")
-    already = sum(bool(blk.attn.fused_attn) for _, blk in blocks)
-    plans = block_plans(model)
-    for name, _ in blocks:
-        plans.update(name, sdpa=True)
-    plans.bind(model)
-    changed = f"{len(blocks)} WindowAttention modules use F.scaled_dot_product_attention"
-    return model, PassResult(NAME, {}, changed, {"modules": len(blocks), "already_fused": already})
+    v2_patched, v2_left = _apply_v2(model)
+    if not blocks and not (v2_patched or v2_left):
+        raise PassUnavailable("no timm WindowAttention (Swin v1 or SwinV2) in this model")
+    parts, details = [], {}
+    if blocks:
+        already = sum(bool(blk.attn.fused_attn) for _, blk in blocks)
+        plans = block_plans(model)
+        for name, _ in blocks:
+            plans.update(name, sdpa=True)
+        plans.bind(model)
+        parts.append(f"{len(blocks)} WindowAttention modules use F.scaled_dot_product_attention")
+        details.update(modules=len(blocks), already_fused=already)
+    if v2_patched or v2_left:
+        text = (f"{v2_patched} SwinV2 WindowAttention modules run their cosine attention on "
+                "F.scaled_dot_product_attention (logit scale folded into q, position bias and mask as attn_mask)")
+        for reason, count in sorted(v2_left.items()):
+            text += f"; {count} left on timm's path ({reason})"
+        parts.append(text)
+        details.update(swinv2_modules=v2_patched, swinv2_left_on_timm=v2_left)
+    return model, PassResult(NAME, {}, "; ".join(parts), details)
