@@ -182,6 +182,14 @@ def _record_launches(quick: bool) -> None:
         for x_scale in (torch.ones(64, 1), torch.ones(())):
             for bias in (torch.zeros(N), None):
                 quant.int8_dequant.fn(acc, x_scale, torch.ones(1, N), bias)
+    # the quantized GEMM with its fused epilogue: both formats, per-row or static scale, with and without
+    # bias, K a multiple of the tile or not
+    for fmt, qdt in (("fp8", torch.float8_e4m3fn), ("int8", torch.int8)):
+        for K in ((512,) if quick else (128, 512, 2048, 264)):
+            x_q, w_q = torch.zeros(64, K, dtype=qdt), torch.zeros(256, K, dtype=qdt)
+            for x_scale in ((torch.ones(64, 1),) if quick else (torch.ones(64, 1), torch.ones(()))):
+                for bias in (torch.zeros(256, dtype=torch.bfloat16), None):
+                    quant.quant_matmul.fn(x_q, x_scale, w_q, torch.ones(1, 256), bias)
     # SwinV2's normalized q (scaled per head) and k, forward and backward, at its head width 32 (and 16,
     # 64 where not quick), from the strided views of a packed qkv
     for d in ((32,) if quick else (16, 32, 64)):

@@ -190,3 +190,89 @@ def test_gelu_quantize_rows_is_an_operator_without_host_sync():
     torch.library.opcheck(quant.gelu_quantize_rows.opaque,
                           (torch.randn(7, 24, device=DEVICE, dtype=torch.bfloat16), "fp8"),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def _operands(fmt: str, M: int, K: int, N: int, seed: int, row_scale: bool = True):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g)
+    x[0] *= 40
+    w = torch.randn(N, K, generator=g) * 0.1
+    x_q, x_scale = quant.quantize_rows_torch(x, fmt)
+    if not row_scale:
+        x_scale = torch.tensor(0.021)
+        x_q = quant.quantize(x, x_scale, fmt)
+    w_scale = quant.absmax_scale(w, fmt, dim=-1)
+    w_q = quant.quantize(w, w_scale, fmt).contiguous()
+    return x_q, x_scale, w_q, w_scale.reshape(1, -1).contiguous()
+
+
+@pytest.mark.parametrize("row_scale", [True, False])
+@pytest.mark.parametrize("has_bias", [True, False])
+@pytest.mark.parametrize("M,K,N", [(1, 8, 8), (37, 40, 24), (70, 136, 72), (5, 264, 40)])
+def test_quant_matmul_int8_is_int8_linear_bit_for_bit(row_scale, has_bias, M, K, N):
+    """The same exact int32 sums and the same fp32 epilogue: int8_linear's bits (K not a multiple of the
+    tile: the masked tail; M and N not multiples of it: the edge tiles)."""
+    x_q, x_scale, w_q, w_scale = _operands("int8", M, K, N, seed=M + K + N, row_scale=row_scale)
+    bias = torch.randn(N) * 3 if has_bias else None
+    ref = quant.int8_dequant_torch(torch._int_mm(torch.nn.functional.pad(x_q, (0, 0, 0, max(0, 17 - M))),
+                                                 w_q.t())[:M], x_scale, w_scale, bias)
+    args = [t.to(DEVICE) if t is not None else None for t in (x_q, x_scale, w_q, w_scale, bias)]
+    out = quant.quant_matmul(*args)
+    assert out.dtype == torch.bfloat16 and out.shape == (M, N)
+    assert torch.equal(bits(out.cpu()), bits(ref))
+
+
+@pytest.mark.parametrize("has_bias", [True, False])
+@pytest.mark.parametrize("M,K,N", [(1, 16, 16), (37, 48, 32), (70, 160, 80)])
+def test_quant_matmul_fp8_against_float64(has_bias, M, K, N):
+    """e4m3 products are exact in fp32 and the sums run in fp32: within a bf16 rounding of the float64
+    result of the same quantized operands, and of _scaled_mm's on a GPU."""
+    x_q, x_scale, w_q, w_scale = _operands("fp8", M, K, N, seed=M * 3 + K)
+    bias = (torch.randn(N) * 3).to(torch.bfloat16) if has_bias else None
+    ref = (x_q.double() @ w_q.double().t()) * x_scale.double() * w_scale.double()
+    if bias is not None:
+        ref = ref + bias.double()
+    args = [t.to(DEVICE) if t is not None else None for t in (x_q, x_scale, w_q, w_scale, bias)]
+    out = quant.quant_matmul(*args).cpu().double()
+    assert ((out - ref).abs() <= ref.abs() * 2.0 ** -8 + 1e-6 * ref.abs().max()).all()
+    if DEVICE == "cuda":
+        smm = quant.fp8_linear(*args).cpu().double()
+        assert ((out - smm).abs() <= smm.abs() * 2.0 ** -7 + 1e-5 * smm.abs().max()).all()
+
+
+@pytest.mark.parametrize("fmt,torch_route", [("fp8", "scaled_mm"), ("int8", "int_mm")])
+@pytest.mark.parametrize("static", [False, True])
+def test_quant_linear_on_the_triton_route(fmt, torch_route, static):
+    """QuantLinear(route='triton'): int8 gives the torch route's bits; e4m3 the float64 result of the same
+    operands rounded once to bf16 (the bias added in fp32 before the rounding), dynamic and static scales."""
+    torch.manual_seed(7)
+    lin = torch.nn.Linear(48, 32)
+    x = torch.randn(37, 48)
+    scale = torch.tensor(0.03) if static else None
+    tri = QuantLinear(lin, fmt, "triton", scale).to(DEVICE)
+    ref = QuantLinear(lin, fmt, torch_route, scale).to(DEVICE)
+    assert "one Triton launch (quant_matmul)" in repr(tri)
+    with torch.inference_mode(), torch.autocast(DEVICE, torch.bfloat16):
+        out, want = tri(x.to(DEVICE)), ref(x.to(DEVICE))
+    assert out.dtype == want.dtype == torch.bfloat16
+    if fmt == "int8":
+        assert torch.equal(bits(out), bits(want))
+    else:   # against float64 of the same operands: the bf16 rounding of the products' sum plus the bias
+        x_q, x_scale = (quant.quantize_rows_torch(x, fmt) if scale is None else (quant.quantize(x, scale, fmt), scale))
+        main = (x_q.double() @ tri.weight_q.cpu().double().t()) * x_scale.double() * tri.weight_scale.cpu().double()
+        bias = tri.bias.cpu().double()
+        err = (out.cpu().double() - (main + bias)).abs()
+        assert (err <= ((main + bias).abs() + 1e-30) * 2.0 ** -8 + 1e-6).all()
+
+
+def test_quant_matmul_is_an_operator_without_host_sync():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        out = quant.quant_matmul.opaque(torch.empty(5, 32, dtype=torch.int8), torch.empty(5, 1),
+                                        torch.empty(8, 32, dtype=torch.int8), torch.empty(1, 8), None)
+    assert out.shape == (5, 8) and out.dtype == torch.bfloat16
+    ql = QuantLinear(torch.nn.Linear(40, 24), "int8", "triton").to(DEVICE)
+    x = torch.randn(37, 40, device=DEVICE)
+    with torch.inference_mode():
+        assert torch.equal(bits(ql(x)), bits(torch.compile(ql, backend="aot_eager", fullgraph=True)(x)))

@@ -1,5 +1,6 @@
 """Symmetric quantization for inference GEMMs: scales, quantize / dequantize, calibration observers, and
-the two quantized matmuls (FP8 through torch._scaled_mm, INT8 through torch._int_mm).
+the quantized matmuls (FP8 through torch._scaled_mm, INT8 through torch._int_mm, either through
+quant_matmul's Triton GEMM with a fused epilogue).
 
     absmax_scale(x, fmt, dim=None)      -> fp32 scale: amax(|x|) / qmax, per tensor (dim None, shape ())
                                            or per row (dim=-1 over a 2-D x: shape (rows, 1))
@@ -14,6 +15,8 @@ the two quantized matmuls (FP8 through torch._scaled_mm, INT8 through torch._int
     gelu_quantize_rows(h2, fmt)         -> quantize_rows(GELU(h2), fmt) in one launch: an MLP's activation
                                            and fc2's input quantization (QuantLinear.forward_quantized)
     int8_dequant(acc, x_scale, w_scale, bias)      int8_linear's fp32 epilogue in one Triton launch, bit for bit
+    quant_matmul(x_q, x_scale, w_q, w_scale, bias) either format's GEMM in Triton with that epilogue fused:
+                                           (M, N) bf16 written once (int8: int8_linear's bits)
 
 Formats (`fmt`): "fp8" is float8 e4m3fn (largest finite 448, no inf: a value past 448 would become NaN,
 so quantize saturates first); "int8" is symmetric int8, [-127, 127] (-128 unused so that the range is
@@ -414,6 +417,133 @@ def _(acc, x_scale, w_scale, bias):
 # ------------------------------------------------------------------------------ quantized GEMMs
 
 
+@triton.jit
+def _epilogue(acc, rows, cols, row_mask, col_mask, XS, WS, B, ROW_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """((acc as fp32) * xs) * ws (+ bias as fp32), each product and sum rounded once to fp32: the math of
+    _int8_dequant_kernel (and of int8_dequant_torch's separate ops)."""
+    acc = acc.to(tl.float32)
+    if ROW_SCALE:
+        xs = tl.load(XS + rows, mask=row_mask, other=1.0)
+    else:
+        xs = tl.load(XS + tl.zeros([BLOCK_M], dtype=tl.int32))
+    xs = tl.broadcast_to(xs[:, None], (BLOCK_M, BLOCK_N))
+    ws = tl.broadcast_to(tl.load(WS + cols, mask=col_mask, other=1.0)[None, :], (BLOCK_M, BLOCK_N))
+    if _GPU_MATH:
+        out = tl.extra.cuda.libdevice.mul_rn(tl.extra.cuda.libdevice.mul_rn(acc, xs), ws)
+    else:
+        out = acc * xs * ws
+    if HAS_BIAS:
+        b = tl.broadcast_to(tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :], (BLOCK_M, BLOCK_N))
+        if _GPU_MATH:
+            out = tl.extra.cuda.libdevice.add_rn(out, b)
+        else:
+            out = out + b
+    return out
+
+
+@triton.jit
+def _quant_matmul_kernel(A, W, XS, WS, B, OUT, M, N, K, s_am, s_wn, ROW_SCALE: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, INT8: tl.constexpr, EVEN_K: tl.constexpr, SOFT_RTNE: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_M: tl.constexpr):
+    """OUT (M, N) = epilogue(A (M, K) @ W (N, K)^T): int8 operands accumulate exactly in int32, e4m3 ones
+    in fp32; the scales and the bias are applied to the accumulator in registers and OUT is written once,
+    in bf16. Programs walk the (M, N) tiles in groups of GROUP_M rows of tiles, so that the A rows and
+    W columns a group reads stay in L2."""
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * grid_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    # rows and columns past the edge read a valid one (their results are not stored): no load masks
+    a_ptr = A + (rows % M).to(tl.int64)[:, None] * s_am + ks[None, :]
+    w_ptr = W + (cols % N).to(tl.int64)[None, :] * s_wn + ks[:, None]
+    if INT8:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptr)
+            w = tl.load(w_ptr)
+        else:   # the K tail: zero bytes past K (0 in int8 and in e4m3)
+            a = tl.load(a_ptr, mask=ks[None, :] < K - k0, other=0)
+            w = tl.load(w_ptr, mask=ks[:, None] < K - k0, other=0)
+        if INT8:
+            acc = tl.dot(a, w, acc=acc, out_dtype=tl.int32)
+        else:   # e4m3 arrives as its bytes (uint8 views)
+            acc = tl.dot(a.to(tl.float8e4nv, bitcast=True), w.to(tl.float8e4nv, bitcast=True), acc=acc)
+        a_ptr += BLOCK_K
+        w_ptr += BLOCK_K
+    row_mask = rows < M
+    col_mask = cols < N
+    out = _epilogue(acc, rows, cols, row_mask, col_mask, XS, WS, B, ROW_SCALE, HAS_BIAS, BLOCK_M, BLOCK_N)
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    tl.store(OUT + offs, to_dtype(out, OUT.dtype.element_ty, SOFT_RTNE),
+             mask=row_mask[:, None] & col_mask[None, :])
+
+
+# Hopper tiles for 1-byte operands (BLOCK_K 128 in every config: one 128-byte row of each operand per
+# step, and the host knows whether K needs the masked tail); the autotuner picks per (M, N, K) in the
+# first calls (a stage's warm-up), before any graph capture.
+_QMM_BLOCK_K = 128
+_QMM_CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": _QMM_BLOCK_K, "GROUP_M": 8}, num_warps=nw,
+                              num_stages=ns)
+                for bm, bn, nw, ns in ((128, 256, 8, 3), (128, 128, 8, 4), (128, 128, 4, 4), (64, 128, 4, 4),
+                                       (128, 64, 4, 4), (64, 64, 4, 5), (256, 128, 8, 3))]
+_QMM_INTERPRET_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2}
+_QMM_KEY = ["M", "N", "K"]
+
+
+def _qmm_bench(fn, quantiles=None):
+    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
+
+
+if _INTERPRET:
+    _qmm = _quant_matmul_kernel
+elif not _common.AUTOTUNE:
+    _qmm = triton.autotune(_QMM_CONFIGS[:1], key=_QMM_KEY)(_quant_matmul_kernel)
+else:
+    _qmm = triton.autotune(_QMM_CONFIGS, key=_QMM_KEY, do_bench=_qmm_bench)(_quant_matmul_kernel)
+
+
+@kernel_op("swinbench::quant_matmul")
+def quant_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                 bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """(x_q @ w_q^T) * x_scale * w_scale (+ bias) in one Triton GEMM, bf16 out: the scales and the bias
+    applied to the accumulator before it leaves the registers, so the (M, N) result is written once, in
+    bf16 (int8_linear writes an int32 accumulator and reads it back; fp8_linear's _scaled_mm applies its
+    epilogue too). x_q (M, K) int8 or e4m3fn, rows contiguous; x_scale (M, 1) or () fp32; w_q (N, K) of
+    x_q's dtype, rows contiguous; w_scale (1, N) fp32; bias (N,) or None. int8 gives int8_linear's bits
+    (the same exact int32 sums, the same fp32 epilogue); e4m3 sums in fp32 in its own order. No host sync."""
+    n_rows, k = x_q.shape
+    n_cols = w_q.shape[0]
+    out = _common.new_output((n_rows, n_cols), torch.bfloat16, x_q.device)
+    if n_rows > 0 and n_cols > 0:
+        extra = dict(_QMM_INTERPRET_CONFIG) if _INTERPRET else {}
+        grid = lambda meta: (cdiv(n_rows, meta["BLOCK_M"]) * cdiv(n_cols, meta["BLOCK_N"]),)  # noqa: E731
+        int8 = x_q.dtype == torch.int8
+        launch(_qmm)[grid](
+            x_q if int8 else x_q.view(torch.uint8), w_q if int8 else w_q.view(torch.uint8), x_scale, w_scale, bias if bias is not None else w_scale, out, n_rows, n_cols, k,
+            x_q.stride(0), w_q.stride(0), ROW_SCALE=x_scale.numel() != 1, HAS_BIAS=bias is not None,
+            INT8=int8, EVEN_K=k % (extra["BLOCK_K"] if _INTERPRET else _QMM_BLOCK_K) == 0, SOFT_RTNE=SOFT_RTNE,
+            **extra)
+    return out
+
+
+@quant_matmul.register_fake
+def _(x_q, x_scale, w_q, w_scale, bias):
+    return x_q.new_empty((x_q.shape[0], w_q.shape[0]), dtype=torch.bfloat16)
+
+
+
 def fp8_linear(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                bias: torch.Tensor | None) -> torch.Tensor:
     """(x_q * x_scale) @ (w_q * w_scale)^T + bias in one torch._scaled_mm, bf16 out.
@@ -444,7 +574,7 @@ def int8_linear(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_s
 
 # ------------------------------------------------------------------------------ the module
 
-ROUTES = ("scaled_mm", "int_mm", "simulate")
+ROUTES = ("scaled_mm", "int_mm", "triton", "simulate")
 
 
 class QuantLinear(torch.nn.Module):
@@ -453,6 +583,8 @@ class QuantLinear(torch.nn.Module):
 
         scaled_mm  FP8 e4m3 GEMM, torch._scaled_mm with rowwise scales (CUDA, capability >= 8.9)
         int_mm     INT8 GEMM, torch._int_mm in int32, the scales applied after (CUDA)
+        triton     either format on quant_matmul: one Triton GEMM with the scales and the bias in its
+                   epilogue, bf16 written once (where the kernels run)
         simulate   the same quantize-dequantize math, then an fp32 F.linear (fake quantization, any device)
 
     x (..., in_features) in any float dtype -> (..., out_features) in the autocast dtype where autocast is
@@ -480,8 +612,8 @@ class QuantLinear(torch.nn.Module):
             self.register_buffer("weight_q", w_q)
         self.register_buffer("weight_scale", w_scale.reshape(1, -1).contiguous())   # (1, N)
         bias = linear.bias.detach() if linear.bias is not None else None
-        # _scaled_mm adds a bf16 bias in its epilogue, int8 adds it in fp32; simulate rounds it as its
-        # format's GEMM route would
+        # _scaled_mm adds a bf16 bias in its epilogue, int8 adds it in fp32 (quant_matmul takes either
+        # and adds it in fp32); simulate rounds it as its format's GEMM route would
         self.register_buffer("bias", None if bias is None else
                              bias.to(torch.bfloat16 if fmt == "fp8" else torch.float32))
         self.register_buffer("input_scale", None if input_scale is None else input_scale.detach().float().reshape(()))
@@ -504,6 +636,8 @@ class QuantLinear(torch.nn.Module):
             text += f", {how}"
             if self.route == "int_mm" and kernels_run(device):
                 text += ", int8 epilogue by one Triton launch (int8_dequant)"
+            if self.route == "triton":
+                text += ", GEMM and epilogue by one Triton launch (quant_matmul)"
         return text
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -539,7 +673,10 @@ class QuantLinear(torch.nn.Module):
         else:
             if not fused:
                 x_q = quantize(x2, x_scale, self.fmt)
-            if self.route == "scaled_mm":
+            if self.route == "triton":
+                scale = x_scale if x_scale.dim() == 2 else x_scale.reshape(())
+                out = quant_matmul(x_q, scale, self.weight_q, self.weight_scale, self.bias)
+            elif self.route == "scaled_mm":
                 # rowwise scaling takes an (M, 1) scale for the first operand: a static one is repeated
                 rows = x_scale if x_scale.dim() == 2 else x_scale.reshape(1, 1).expand(M, 1).contiguous()
                 out = fp8_linear(x_q, rows, self.weight_q, self.weight_scale, self.bias)
