@@ -269,20 +269,27 @@ def test_select_auto_quantizes_only_the_shapes_measured_faster(reference, monkey
     model = copy.deepcopy(reference[0])
     monkeypatch.setattr(ql, "gpu_route", lambda dtype, device: "int_mm")
 
-    def measured(model, routes, dtype, ctx, static):
+    def measured(model, routes, dtype, ctx, static, candidates):
+        assert candidates == ("int_mm", "triton")      # gemm auto: both GEMMs timed per shape
         shapes = {}
         for name in routes:
             lin = model.get_submodule(name)
             shapes.setdefault((196 * 8, lin.in_features, lin.out_features, False), []).append(name)
-        return {s: {"bf16_us": 10.0, "quant_us": 5.0 if s[1] >= 64 else 12.0,
+        # K >= 64 quantizes: on Triton's GEMM where N >= 128, on torch._int_mm otherwise
+        return {s: {"bf16_us": 10.0, "int_mm_us": 5.0 if s[1] >= 64 else 12.0, "triton_us": 4.0 if s[2] >= 128 else 6.0,
+                    "quant_us": 5.0 if s[1] >= 64 else 12.0, "route": "triton" if s[2] >= 128 else "int_mm",
                     "choice": "quantize" if s[1] >= 64 else "bf16", "layers": names} for s, names in shapes.items()}
     monkeypatch.setattr(ql, "measure_layers", measured)
     q, res = ql.apply(model, infer_ctx(), dtype="int8", keep=["head.fc"])
     wide = {n for n, r in res.details["layers"].items() if r.startswith("kept bf16: measured faster in bf16")}
-    quantized = {n for n, r in res.details["layers"].items() if r == "int_mm"}
+    quantized = {n for n, r in res.details["layers"].items() if r in ("int_mm", "triton")}
     assert wide and quantized and res.details["selected_by_measurement"] and res.params["select"] == "auto"
     assert all(q.get_submodule(n).in_features < 64 for n in wide)
     assert all(isinstance(q.get_submodule(n), QuantLinear) and q.get_submodule(n).in_features >= 64 for n in quantized)
+    assert all(q.get_submodule(n).route == ("triton" if q.get_submodule(n).out_features >= 128 else "int_mm")
+               for n in quantized)
+    assert set(res.details["counts"]) == {"int_mm", "triton", "kept"} and res.details["gemm"] == "auto"
+    assert f"{res.details['counts']['triton']} triton" in res.changed
     assert f"({len(wide)} measured faster in bf16 on this GPU)" in res.changed
     assert "12.0 us against 5.0" not in res.details["layers"][next(iter(wide))]
     assert "10.0 us against 12.0 us for int8" in res.details["layers"][next(iter(wide))]
@@ -293,6 +300,13 @@ def test_select_auto_quantizes_only_the_shapes_measured_faster(reference, monkey
     assert res.details["counts"] == {"int_mm": 17, "kept": 1} and not res.details["selected_by_measurement"]
     with pytest.raises(UserError, match="select must be one of auto, all"):
         ql.apply(copy.deepcopy(reference[0]), infer_ctx(), dtype="int8", select="some")
+    # gemm triton with select all: Triton's GEMM everywhere, nothing timed
+    q, res = ql.apply(copy.deepcopy(reference[0]), infer_ctx(), dtype="int8", keep=["head.fc"], select="all",
+                      gemm="triton")
+    assert res.details["counts"] == {"triton": 17, "kept": 1}
+    assert all(m.route == "triton" for m in q.modules() if isinstance(m, QuantLinear))
+    with pytest.raises(UserError, match="gemm must be one of auto, torch, triton"):
+        ql.apply(copy.deepcopy(reference[0]), infer_ctx(), dtype="int8", gemm="cublas")
 
 
 @pytest.mark.parametrize("dtype,route", [("fp8", "scaled_mm"), ("int8", "int_mm")])
@@ -326,3 +340,20 @@ def test_mlps_run_gelu_and_fc2s_quantization_as_one_launch(reference, monkeypatc
     assert res.details["gelu_fused_mlps"] == 0
     _, res = ql.apply(copy.deepcopy(model), infer_ctx(), dtype=dtype, keep=["head.fc"], simulate=True)
     assert res.details["gelu_fused_mlps"] == 0
+
+
+@pytest.mark.parametrize("dtype,route", [("fp8", "scaled_mm"), ("int8", "int_mm")])
+def test_the_triton_gemm_gives_the_torch_routes_logits(reference, monkeypatch, dtype, route):
+    """gemm triton against gemm torch on the whole tiny Swin (Triton's interpreter here): int8 the same
+    bits, e4m3 the same logits to bf16 rounding and the same top-1."""
+    model, x, _, _ = reference
+    monkeypatch.setattr(ql, "gpu_route", lambda d, device: route)
+    out = {}
+    for gemm in ("torch", "triton"):
+        q, res = ql.apply(copy.deepcopy(model), infer_ctx(), dtype=dtype, keep=["head.fc"], select="all", gemm=gemm)
+        assert set(res.details["counts"]) == {route if gemm == "torch" else "triton", "kept"}
+        out[gemm] = logits(q, x[:2])
+    if dtype == "int8":
+        assert torch.equal(out["triton"], out["torch"])
+    else:
+        assert rel_err(out["triton"], out["torch"]) < 2e-2 and agreement(out["triton"], out["torch"]) == 1.0

@@ -80,6 +80,7 @@ PARAMS = {
     "keep": ((list, type(None)), _check_keep),
     "simulate": (bool, None),
     "select": (str, ("auto", "all")),
+    "gemm": (str, ("auto", "torch", "triton")),
 }
 SELECT_MARGIN = 0.03    # a shape is quantized only where its QuantLinear is at least 3% faster than bf16
 
@@ -88,6 +89,8 @@ ALIGNMENT = {"fp8": 16, "int8": 8}
 IMPLEMENTATION = {
     "scaled_mm": "torch._scaled_mm (e4m3, rowwise fp32 scales, bf16 out)",
     "int_mm": "torch._int_mm (int8 -> int32), scales and bias applied after in fp32 (one Triton launch, int8_dequant)",
+    "triton": "kernels.quant.quant_matmul (Triton): the e4m3 or int8 GEMM with both scales and the bias in its "
+              "epilogue, bf16 written once",
     "simulate": "fake quantization: quantize-dequantize, fp32 F.linear",
 }
 
@@ -157,9 +160,11 @@ def layer_rows(model: torch.nn.Module, names: list[str], ctx: PassContext) -> di
 
 
 def measure_layers(model: torch.nn.Module, routes: dict[str, str], dtype: str, ctx: PassContext,
-                   static: bool) -> dict[tuple, dict]:
-    """{(rows, K, N): {"bf16_us", "quant_us", "choice": "quantize" | "bf16", "layers": [names]}} for the
-    distinct GEMM shapes among `routes` at the stage's batch (see the module docstring)."""
+                   static: bool, candidates: tuple[str, ...] | None = None) -> dict[tuple, dict]:
+    """{(rows, K, N, gelu): {"bf16_us", "<route>_us" for each candidate, "quant_us" (the fastest of them),
+    "route" (that one), "choice": "quantize" | "bf16", "layers": [names]}} for the distinct GEMM shapes
+    among `routes` at the stage's batch (see the module docstring). candidates: the GEMM routes timed
+    per shape (default: each layer's own route)."""
     from workbench.optimize.passes._route import DEFAULT_IMAGES, median_us
 
     images = ctx.batch or DEFAULT_IMAGES
@@ -176,28 +181,39 @@ def measure_layers(model: torch.nn.Module, routes: dict[str, str], dtype: str, c
     gen = torch.Generator(ctx.device).manual_seed(0)
     for (m, k, n, gelu), names in shapes.items():
         lin = model.get_submodule(names[0])
-        quant = QuantLinear(lin, dtype, routes[names[0]], torch.tensor(1.0) if static else None).to(ctx.device)
         x = torch.randn(m, k, device=ctx.device, generator=gen)
+        timed = {}
         with torch.inference_mode(), ctx.precision.autocast(ctx.device.type):
             x = x.to(torch.bfloat16)
             if gelu:    # nn.GELU then fc2, against one gelu_quantize_rows then fc2's GEMM
                 bf16_us = median_us(lambda: lin(torch.nn.functional.gelu(x)))
-                quant_us = median_us(lambda: quant.forward_quantized(*gelu_quantize_rows(x, dtype), x.shape[:-1], x))
             else:
                 bf16_us = median_us(lambda: lin(x))
-                quant_us = median_us(lambda: quant(x))
-        del quant, x
-        choice = "quantize" if quant_us < bf16_us * (1 - SELECT_MARGIN) else "bf16"
-        out[(m, k, n, gelu)] = {"bf16_us": round(bf16_us, 2), "quant_us": round(quant_us, 2), "choice": choice,
-                                "layers": names}
+            for route in candidates or (routes[names[0]],):
+                quant = QuantLinear(lin, dtype, route, torch.tensor(1.0) if static else None).to(ctx.device)
+                if gelu:
+                    timed[route] = median_us(lambda: quant.forward_quantized(*gelu_quantize_rows(x, dtype),
+                                                                             x.shape[:-1], x))
+                else:
+                    timed[route] = median_us(lambda: quant(x))
+                del quant
+        del x
+        best = min(timed, key=timed.get)
+        choice = "quantize" if timed[best] < bf16_us * (1 - SELECT_MARGIN) else "bf16"
+        out[(m, k, n, gelu)] = {"bf16_us": round(bf16_us, 2), **{f"{r}_us": round(t, 2) for r, t in timed.items()},
+                                "quant_us": round(timed[best], 2), "route": best, "choice": choice, "layers": names}
     torch.cuda.empty_cache()
     return out
 
 
 def select_measured(routes: dict[str, str], kept: dict[str, str], measured: dict[tuple, dict], dtype: str) -> int:
-    """Move the layers of shapes measured faster in bf16 from routes to kept (in place) -> how many moved."""
+    """Move the layers of shapes measured faster in bf16 from routes to kept, and give the others the GEMM
+    route measured fastest for their shape (in place) -> how many moved to bf16."""
     moved = 0
     for (m, k, n, gelu), f in measured.items():
+        if f["choice"] == "quantize" and "route" in f:
+            for name in f["layers"]:
+                routes[name] = f["route"]
         if f["choice"] == "bf16":
             for name in f["layers"]:
                 routes.pop(name, None)
@@ -296,9 +312,10 @@ def _fused_linear_blocks(model: torch.nn.Module) -> list[str]:
 
 def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activations: str = "dynamic",
           calibration: str = "percentile", percentile: float = 99.99, calibration_batches: int = 4,
-          calibration_batch: int = 8, keep: list | None = None, simulate: bool = False, select: str = "auto"):
+          calibration_batch: int = 8, keep: list | None = None, simulate: bool = False, select: str = "auto",
+          gemm: str = "auto"):
     for key, value in (("dtype", dtype), ("activations", activations), ("calibration", calibration),
-                       ("select", select)):
+                       ("select", select), ("gemm", gemm)):
         if value not in PARAMS[key][1]:
             raise UserError(f"pass {NAME!r}: {key} must be one of {', '.join(PARAMS[key][1])}, got {value!r}")
     keep = [] if keep is None else keep
@@ -309,6 +326,10 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
     if ctx.training:
         raise PassUnavailable("quantized GEMMs are inference only (no backward): run with --mode infer")
     route = "simulate" if simulate else gpu_route(dtype, ctx.device)
+    candidates = (route,)
+    if route != "simulate" and gemm != "torch":
+        candidates = ("triton",) if gemm == "triton" else (route, "triton")
+        route = candidates[0]
     fused = _fused_linear_blocks(model)
     if fused:
         raise PassUnavailable(f"{len(fused)} blocks run fused_linear/fused_block forwards that read the Linear "
@@ -321,16 +342,19 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
     if select == "auto" and route != "simulate" and routes:
         from workbench.optimize.passes._route import rank_zero_measures
 
-        measured = rank_zero_measures(lambda: measure_layers(model, routes, dtype, ctx, activations == "static"))
+        measured = rank_zero_measures(lambda: measure_layers(model, routes, dtype, ctx, activations == "static",
+                                                             candidates))
         moved = select_measured(routes, kept, measured, dtype)
     if not routes:
         raise PassUnavailable(f"no Linear left to quantize: {len(kept)} kept ({'; '.join(sorted(set(kept.values())))})")
     unmatched = [p for p in keep if not any(fnmatch.fnmatchcase(n, p) for n, _ in linears)]
-    details = {"dtype": dtype, "route": route, "implementation": IMPLEMENTATION[route],
+    counts = {r: sum(v == r for v in routes.values()) for r in sorted(set(routes.values()))}
+    details = {"dtype": dtype, "route": "/".join(counts), "implementation": {r: IMPLEMENTATION[r] for r in counts},
+               "gemm": gemm, "gemm_candidates": list(candidates),
                "activations": "dynamic per-row" if activations == "dynamic" else "static per-tensor",
                "weights": "per output channel", "qmax": QMAX[dtype], "attention": "bf16 (not quantized)",
                "layers": {**routes, **{n: f"kept bf16: {why}" for n, why in kept.items()}},
-               "counts": {route: len(routes), "kept": len(kept)}, "unmatched_keep": unmatched,
+               "counts": {**counts, "kept": len(kept)}, "unmatched_keep": unmatched,
                "activation_quantization": activation_quantization(route, activations, ctx.device),
                "select": select, "selected_by_measurement": bool(measured),
                "shapes": [{"rows": m, "k": k, "n": n, "with_gelu": gelu, **{f: v for f, v in r.items() if f != "layers"},
@@ -346,13 +370,15 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
     gelu_fused = fuse_mlp_activations(model, ctx.device)
     details["gelu_fused_mlps"] = gelu_fused
     acts = "dynamic per-row" if activations == "dynamic" else f"static per-tensor ({calibration})"
-    changed = (f"{len(routes)} Linear layers {dtype} ({route}, {acts} activations, per-channel weights), "
+    how = ", ".join(f"{c} {r}" for r, c in counts.items()) if len(counts) > 1 else next(iter(counts))
+    changed = (f"{len(routes)} Linear layers {dtype} ({how}, {acts} activations, per-channel weights), "
                f"{len(kept)} kept bf16" + (f" ({moved} measured faster in bf16 on this GPU)" if moved else ""))
     if gelu_fused:
         changed += f"; in {gelu_fused} MLPs GELU and fc2's input quantization run as one Triton launch"
     if unmatched:
         changed += f"; keep patterns matching nothing: {', '.join(unmatched)}"
-    params = {"dtype": dtype, "activations": activations, "keep": list(keep), "simulate": simulate, "select": select}
+    params = {"dtype": dtype, "activations": activations, "keep": list(keep), "simulate": simulate, "select": select,
+              "gemm": gemm}
     if activations == "static":
         params.update(calibration=calibration, calibration_batches=calibration_batches,
                       calibration_batch=calibration_batch, **({"percentile": percentile} if calibration == "percentile" else {}))
