@@ -12,11 +12,16 @@ Per Swin-B stage (rows = 64 * H * W tokens, C = 128, 256, 512, 1024):
   dequant int8          int8_linear's epilogue on an (rows, N) int32 accumulator, N = C (proj, fc2),
                         3C (qkv), 4C (fc1), per-row x scale, (1, N) w scale, fp32 bias, bf16 out:
                         torch: int8_dequant_torch; triton: int8_dequant
+  gemm fp8 / int8       a block's Linears on quantized operands, (rows, K) @ (N, K)^T + bias -> bf16 for
+                        K -> N = C -> 3C (qkv), C -> C (proj), C -> 4C (fc1), 4C -> C (fc2): torch:
+                        fp8_linear (_scaled_mm) / int8_linear (_int_mm + int8_dequant); triton:
+                        quant_matmul (one GEMM, epilogue fused); bf16_us: the bf16 F.linear of the same
+                        shape, for reference; TFLOPS over the Triton time
 GPU time from CUDA-graph replay (16 calls per graph, median of --replays), calls rotating over enough
 input sets to span 3x the L2. GB/s: the bytes the op must move (quantize: read x, write x_q and the
 scales; dequant: read the int32 accumulator, write bf16) over its time.
 --check first compares the Triton results with the torch ops' bit for bit on every shape and exits 1 on
-a mismatch; for gelu+quant, GELU's cancelling tail (x < -3, erf's last bit) may put a few values in a
+a mismatch (the e4m3 GEMMs, which sum in their own order, within 1% in norm); for gelu+quant, GELU's cancelling tail (x < -3, erf's last bit) may put a few values in a
 million one quantization step apart (kernels.quant.gelu_quantize_rows), which the check allows. Results: benchmarks/results/quant.json ({"environment", "settings", "records",
 "check_failures"}) and quant.md. Without a GPU the kernels run under Triton's interpreter on tiny shapes,
 unmeasured: a smoke test of the check and the results files (written only with --out-dir).
@@ -36,16 +41,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _results import batch_bench_parser, markdown_table, out_dir_for, write_results  # noqa: E402
 from workbench.env import device_label, environment_stamp  # noqa: E402
-from workbench.kernels.quant import (gelu_quantize_rows, int8_dequant, int8_dequant_torch,  # noqa: E402
-                                     quantize_rows, quantize_rows_torch)
+from workbench.kernels.quant import (absmax_scale, fp8_linear, gelu_quantize_rows, int8_dequant,  # noqa: E402
+                                     int8_dequant_torch, int8_linear, quant_matmul, quantize, quantize_rows,
+                                     quantize_rows_torch)
 from workbench.optimize.timing import cuda_graph_us  # noqa: E402
 
 STAGES = {"s1": (56, 128), "s2": (28, 256), "s3": (14, 512), "s4": (7, 1024)}
 QUANT_WIDTHS = (1, 4)          # K = C and 4C
+GEMM_WIDTHS = ((1, 3), (1, 1), (1, 4), (4, 1))   # (K, N) in units of C: qkv, proj, fc1, fc2
 DEQUANT_WIDTHS = (1, 3, 4)     # N = C, 3C, 4C
 L2_BYTES = 60 * 2**20
 
-MD_HEADERS = ["op", "stage", "rows × cols", "torch µs", "Triton µs", "speedup", "torch GB/s", "Triton GB/s"]
+MD_HEADERS = ["op", "stage", "rows × cols", "torch µs", "Triton µs", "speedup", "torch GB/s", "Triton GB/s", "bf16 µs",
+              "Triton TFLOPS"]
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -77,6 +85,13 @@ def gelu_quant_close(a, b) -> bool:
     return bool((d <= step * 1.0001).all())
 
 
+def gemm_close(a, b) -> bool:
+    """The e4m3 GEMMs' check: both sum exact products in fp32 in their own order, then round to bf16;
+    torch's CPU _scaled_mm also rounds before adding the bias. Within 1% in norm."""
+    a, b = a.double(), b.double()
+    return bool((a - b).norm() <= 1e-2 * b.norm())
+
+
 def gelu_then_quantize_rows(h, fmt):
     """What an MLP runs without the fusion: torch's GELU (bf16 out), then quantize_rows."""
     return quantize_rows(torch.nn.functional.gelu(h), fmt)
@@ -102,6 +117,20 @@ def cases(stages: dict, batch: int):
                 return (acc, torch.rand(rows, 1, device=DEV, generator=g) / 127,
                         torch.rand(1, n, device=DEV, generator=g) / 127, torch.randn(n, device=DEV, generator=g))
             yield "dequant int8", sname, rows, n, make, int8_dequant_torch, int8_dequant, rows * n * 6
+        for fmt in ("fp8", "int8"):
+            for kw, nw in GEMM_WIDTHS:
+                k, n = kw * c, nw * c
+
+                def make(seed, rows=rows, k=k, n=n, fmt=fmt):
+                    g = torch.Generator(device=DEV).manual_seed(seed * 7919 + rows + k + n)
+                    x_q, x_scale = quantize_rows(torch.randn(rows, k, device=DEV, generator=g).to(torch.bfloat16), fmt)
+                    w = torch.randn(n, k, device=DEV, generator=g) * k ** -0.5
+                    w_scale = absmax_scale(w, fmt, dim=-1)
+                    bias = torch.randn(n, device=DEV, generator=g)
+                    return (x_q, x_scale, quantize(w, w_scale, fmt).contiguous(), w_scale.reshape(1, -1).contiguous(),
+                            bias.to(torch.bfloat16) if fmt == "fp8" else bias)
+                torch_gemm = fp8_linear if fmt == "fp8" else int8_linear
+                yield f"gemm {fmt}", sname, rows, f"{k}->{n}", make, torch_gemm, quant_matmul, rows * (k + 2 * n) + n * k
 
 
 def main(argv=None) -> int:
@@ -117,7 +146,8 @@ def main(argv=None) -> int:
         print("# no GPU: Triton interpreter on tiny shapes - a smoke test, nothing is timed")
     records, failures = [], []
     for op, sname, rows, cols, make, torch_fn, triton_fn, nbytes in cases(stages, batch):
-        close = gelu_quant_close if op.startswith("gelu+quant") else same_bits
+        close = (gelu_quant_close if op.startswith("gelu+quant") else gemm_close if op == "gemm fp8"
+                 else (lambda a, b: same_bits([a], [b])) if op == "gemm int8" else same_bits)
         if args.check and not close(torch_fn(*make(0)), triton_fn(*make(0))):
             failures.append(f"{op} {sname} {rows}x{cols}")
         rec = {"op": op, "stage": sname, "rows": rows, "cols": cols, "bytes": nbytes}
@@ -127,30 +157,43 @@ def main(argv=None) -> int:
                 rec[f"{impl}_us"] = cuda_graph_us([lambda a=a: fn(*a) for a in sets], replays=args.replays)[0]
                 rec[f"{impl}_gbps"] = nbytes / rec[f"{impl}_us"] / 1e3
             rec["input_sets"] = len(sets)
-            print(f"{op:13s} {sname} {rows:6d}x{cols:<5d} torch {rec['torch_us']:8.1f} µs ({rec['torch_gbps']:5.0f} GB/s)"
+            if op.startswith("gemm"):
+                k, n = (int(v) for v in cols.split("->"))
+                xs = [torch.randn(rows, k, device=DEV, dtype=torch.bfloat16) for _ in range(min(2, len(sets)))]
+                w, b = torch.randn(n, k, device=DEV, dtype=torch.bfloat16), torch.randn(n, device=DEV, dtype=torch.bfloat16)
+                rec["bf16_us"] = cuda_graph_us([lambda x=x: torch.nn.functional.linear(x, w, b) for x in xs],
+                                               replays=args.replays)[0]
+                rec["triton_tflops"] = 2 * rows * k * n / rec["triton_us"] / 1e6
+                del xs, w, b
+            print(f"{op:13s} {sname} {rows:6d}x{cols!s:<9} torch {rec['torch_us']:8.1f} µs ({rec['torch_gbps']:5.0f} GB/s)"
                   f"  triton {rec['triton_us']:8.1f} µs ({rec['triton_gbps']:5.0f} GB/s)", flush=True)
             del sets
             torch.cuda.empty_cache()
         records.append(rec)
     if args.check:
-        print(f"# check: {len(records) - len(failures)}/{len(records)} bit-identical to the torch ops" +
+        print(f"# check: {len(records) - len(failures)}/{len(records)} agree with the torch ops (bit for bit; e4m3 "
+              "GEMMs within 1%, gelu+quant up to a few tail values one step apart)" +
               (f"; MISMATCH: {', '.join(failures)}" if failures else ""))
     f = lambda r, k, fmt="{:.1f}": fmt.format(r[k]) if k in r else "-"  # noqa: E731
     rows = [[r["op"], r["stage"], f"{r['rows']}×{r['cols']}", f(r, "torch_us"), f(r, "triton_us"),
              f"{r['torch_us'] / r['triton_us']:.2f}x" if "triton_us" in r else "-",
-             f(r, "torch_gbps", "{:.0f}"), f(r, "triton_gbps", "{:.0f}")] for r in records]
+             f(r, "torch_gbps", "{:.0f}"), f(r, "triton_gbps", "{:.0f}"), f(r, "bf16_us"),
+             f(r, "triton_tflops", "{:.0f}")] for r in records]
     settings = {"batch": batch, "replays": args.replays, "dtype": "bf16", "graph_calls": 16}
     written = write_results(
         out_dir_for(args.out_dir, gpu), "quant",
-        title=f"FP8 / INT8 activation quantization and INT8 epilogue: torch ops against Triton (Swin-B, batch {batch})",
+        title=(f"FP8 / INT8 activation quantization, INT8 epilogue and quantized GEMMs: torch against Triton "
+               f"(Swin-B, batch {batch})"),
         stamp=env, settings=settings, records=records, check_failures=failures,
         table=markdown_table(MD_HEADERS, rows),
         notes=["quantize: absmax_scale + quantize (torch) against quantize_rows (one launch); gelu+quant: torch's "
                "GELU then quantize_rows (the torch column) against gelu_quantize_rows (one launch); dequant: "
-               "int8_linear's fp32 epilogue (torch) against int8_dequant (one launch). GPU time from CUDA-graph "
+               "int8_linear's fp32 epilogue (torch) against int8_dequant (one launch); gemm: fp8_linear "
+               "(_scaled_mm) / int8_linear (_int_mm, then int8_dequant) against quant_matmul (one Triton GEMM, "
+               "epilogue fused), bf16 µs the bf16 F.linear of the same shape. GPU time from CUDA-graph "
                "replay (16 calls per graph), median.",
                "GB/s: the bytes the op must move (quantize: read bf16 x, write x_q and fp32 row scales; dequant: "
-               "read int32, write bf16) over its time."])
+               "read int32, write bf16; gemm: read both operands, write bf16) over its time."])
     for path in written:
         print(f"# wrote {path}")
     return 1 if failures else 0
