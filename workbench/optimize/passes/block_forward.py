@@ -171,12 +171,14 @@ def _merge_add_norm2(blk, attn_windows: torch.Tensor, x: torch.Tensor, ws: int, 
 
 def _whole_block_forward(fallback: Callable) -> Callable:
     def swin_block_forward_fused_block(self, x: torch.Tensor) -> torch.Tensor:
-        """timm SwinTransformerBlock.forward as one SwinBlockFunction. Falls back while torch.compile traces
-        (the Function is not traced; the fallback's kernels are custom ops there), while a dropout or
-        stochastic depth is active, and for a block made non-square after binding."""
+        """timm SwinTransformerBlock.forward as one SwinBlockFunction, timm's stochastic depth (DropPath)
+        included: its factors drawn with timm's calls in timm's order (drop_path1, then drop_path2), in the
+        compute dtype, as timm draws them on the branches. Falls back while torch.compile traces (the
+        Function is not traced; the fallback's kernels are custom ops there), while a dropout (or a drop
+        path other than timm's) is active, and for a block made non-square after binding."""
         from workbench.kernels.linear import compute_dtype
 
-        if torch.compiler.is_compiling() or not _dropouts_inactive(self):
+        if torch.compiler.is_compiling() or not _dropouts_supported(self):
             return fallback(self, x)
         ws, shift = square(self.window_size), square(self.shift_size)
         if ws is None or shift is None:
@@ -186,21 +188,27 @@ def _whole_block_forward(fallback: Callable) -> Callable:
         attn, mlp = self.attn, self.mlp
         # infer: nothing records a gradient here (inside the Function's forward grad mode is always off,
         # and needs_input_grad follows the parameters' requires_grad even under inference_mode)
+        dt = compute_dtype(x, attn.qkv.weight)
         geom = (ws, shift, attn.num_heads, float(attn.scale), float(self.norm1.eps), float(self.norm2.eps),
-                compute_dtype(x, attn.qkv.weight), not torch.is_grad_enabled())
+                dt, not torch.is_grad_enabled())
+        like = x.new_empty((), dtype=dt)
+        keep1 = drop_path_keep(self.drop_path1, like, (B, H, W, C))
+        keep2 = drop_path_keep(self.drop_path2, like, (B, H, W, C))
         return SwinBlockFunction.apply(
             x, mask.detach() if mask is not None else None, attn.relative_position_index, geom,
             self.norm1.weight, self.norm1.bias, attn.qkv.weight, attn.qkv.bias, attn.relative_position_bias_table,
             attn.proj.weight, attn.proj.bias, self.norm2.weight, self.norm2.bias,
-            mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias)
+            mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias, keep1, keep2)
     return swin_block_forward_fused_block
 
 
-def _dropouts_inactive(blk) -> bool:
+def _dropouts_supported(blk) -> bool:
+    """Whether the block Function computes blk's forward now: every dropout inactive, each drop path
+    inactive or timm's DropPath (whose factors the Function takes)."""
     training = blk.training
-    mods = (blk.drop_path1, blk.drop_path2, blk.attn.attn_drop, blk.attn.proj_drop,
-            getattr(blk.mlp, "drop1", None), getattr(blk.mlp, "drop2", None))
-    return all(inactive(m, training) for m in mods)
+    mods = (blk.attn.attn_drop, blk.attn.proj_drop, getattr(blk.mlp, "drop1", None), getattr(blk.mlp, "drop2", None))
+    return (all(inactive(m, training) for m in mods)
+            and all(inactive(m, training) or timm_drop_path(m) for m in (blk.drop_path1, blk.drop_path2)))
 
 
 # ----------------------------------------------------------------------------- the block's stage
@@ -290,10 +298,14 @@ class SwinBlockFunction(torch.autograd.Function):
     block's Python runs once per direction.
 
     apply(x, mask, index, geom, n1w, n1b, qkv_w, qkv_b, table, proj_w, proj_b, n2w, n2b,
-          fc1_w, fc1_b, fc2_w, fc2_b)
+          fc1_w, fc1_b, fc2_w, fc2_b, keep1, keep2)
     geom = (window, shift, heads, scale, eps1, eps2, compute dtype, infer); infer: no gradient is recorded
     (fc1's GELU then runs in its GEMM's epilogue). mask: (nW, N, N) or None; index: the relative-position
-    index (N*N,) into table (rows, heads).
+    index (N*N,) into table (rows, heads). keep1, keep2: stochastic depth's per-sample factors for the
+    attention and the MLP branch ((B,) in the compute dtype, as timm's DropPath draws them: 0 or 1/keep
+    probability), or None; each branch is multiplied by them in the compute dtype before its residual add
+    (the attention's in window order, before the merge: a permutation, so the same products), and its
+    gradient after the residual's, each by one Triton pass (kernels.drop_path).
 
     Numerics are those of the dense stage under autocast: GEMMs in the compute dtype on weights cast once
     per call, LayerNorm statistics and the residual stream in fp32, the attention in the fused kernel,
@@ -302,7 +314,8 @@ class SwinBlockFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, mask, index, geom, n1w, n1b, qkv_w, qkv_b, table, proj_w, proj_b, n2w, n2b,
-                fc1_w, fc1_b, fc2_w, fc2_b):
+                fc1_w, fc1_b, fc2_w, fc2_b, keep1=None, keep2=None):
+        from workbench.kernels.drop_path import scale_samples_host
         from workbench.kernels.layer_norm import layer_norm_fwd
         from workbench.kernels.linear import addmm_gelu, epilogue_gelu_applies
         from workbench.kernels.window import merge_roll_fwd, norm_shift_partition_fwd
@@ -322,6 +335,8 @@ class SwinBlockFunction(torch.autograd.Function):
             attn, lse = window_attention_fwd(q, k, v, rel, mask, scale)   # a (bnw, heads, n, d) view
             o = attn.transpose(1, 2).reshape(bnw * n, C)                  # of a (bnw, n, heads, d) buffer
             proj = torch.addmm(proj_b.to(dt), o, w_proj.t())
+            if keep1 is not None:   # windows are sample-major: B runs of bnw / B windows
+                proj = scale_samples_host(proj.view(B, -1), keep1)
             branch = merge_roll_fwd(proj.view(bnw, n, C), ws, shift, H, W)
             s, h, mean2, rstd2 = layer_norm_fwd(x.view(-1, C), branch.view(-1, C), n2w, n2b, eps2,
                                                 torch.promote_types(x.dtype, dt), y_dtype=dt)
@@ -332,9 +347,12 @@ class SwinBlockFunction(torch.autograd.Function):
             else:
                 pre = torch.addmm(fc1_b.to(dt), h, w_fc1.t())
                 act = torch.nn.functional.gelu(pre)
-            out = s + torch.addmm(fc2_b.to(dt), act, w_fc2.t())
+            mlp = torch.addmm(fc2_b.to(dt), act, w_fc2.t())
+            if keep2 is not None:   # token rows are sample-major too
+                mlp = scale_samples_host(mlp.view(B, -1), keep2).view(-1, C)
+            out = s + mlp
         ctx.save_for_backward(x, n1w, n1b, mean1, rstd1, win2, w_qkv, qkv, attn, lse, rel, o, w_proj, s,
-                              n2w, n2b, mean2, rstd2, h, w_fc1, pre, act, w_fc2, mask, index, table)
+                              n2w, n2b, mean2, rstd2, h, w_fc1, pre, act, w_fc2, mask, index, table, keep1, keep2)
         ctx.geom = geom
         ctx.dtypes = tuple(t.dtype for t in (qkv_w, qkv_b, proj_w, proj_b, fc1_w, fc1_b, fc2_w, fc2_b))
         return out.view(B, H, W, C)
@@ -342,13 +360,14 @@ class SwinBlockFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         from workbench.kernels._common import split_column_sums, split_norm_grads
+        from workbench.kernels.drop_path import scale_samples_host
         from workbench.kernels.layer_norm import layer_norm_bwd
         from workbench.kernels.linear import bias_grad_host
         from workbench.kernels.window import _norm_bwd_slots, norm_shift_partition_bwd, roll_partition_fwd
         from workbench.kernels.window_attention import window_attention_bwd
 
         (x, n1w, n1b, mean1, rstd1, win2, w_qkv, qkv, attn, lse, rel, o, w_proj, s, n2w, n2b, mean2, rstd2,
-         h, w_fc1, pre, act, w_fc2, mask, index, table) = ctx.saved_tensors
+         h, w_fc1, pre, act, w_fc2, mask, index, table, keep1, keep2) = ctx.saved_tensors
         ws, shift, heads, scale, eps1, eps2, dt, _ = ctx.geom
         t_qkv_w, t_qkv_b, t_proj_w, t_proj_b, t_fc1_w, t_fc1_b, t_fc2_w, t_fc2_b = ctx.dtypes
         B, H, W, C = x.shape
@@ -367,7 +386,9 @@ class SwinBlockFunction(torch.autograd.Function):
                 (C, 4 * C, C, 3 * C, 2 * C, n_n1, n_table))
             # MLP: fc2 (its bias gradient and dy = d in the compute dtype in one pass), GELU + fc1 bias (one
             # fused reduction), fc1
-            dy, _ = bias_grad_host(d, None, torch.float32, sums_into=s_fc2, out_dtype=dt)
+            # (under stochastic depth the MLP branch's gradient is d in the compute dtype times its factors)
+            d_mlp = d if keep2 is None else scale_samples_host(d.to(dt).view(B, -1), keep2).view(-1, C)
+            dy, _ = bias_grad_host(d_mlp, None, torch.float32, sums_into=s_fc2, out_dtype=dt)
             d_act = dy @ w_fc2
             d_fc2_w = (dy.t() @ act).to(t_fc2_w)
             d_pre, _ = bias_grad_host(d_act, pre, torch.float32, sums_into=s_fc1)
@@ -378,6 +399,8 @@ class SwinBlockFunction(torch.autograd.Function):
             d_n2w, d_n2b = split_norm_grads(sums2, n2w, n2b)
             # merge_roll's backward is roll_partition; then proj
             d_proj = roll_partition_fwd(d_s.view(B, H, W, C), ws, shift, out_dtype=dt).view(-1, C)
+            if keep1 is not None:
+                d_proj = scale_samples_host(d_proj.view(B, -1), keep1).view(-1, C)
             d_o = d_proj @ w_proj
             d_proj_w = (d_proj.t() @ o).to(t_proj_w)
             bias_grad_host(d_proj, None, torch.float32, sums_into=s_proj)
@@ -401,4 +424,4 @@ class SwinBlockFunction(torch.autograd.Function):
                                                  sums_into=s_n1, ds=d_s.view(B, H, W, C))
             d_n1w, d_n1b = split_norm_grads(sums1, n1w, n1b)
         return (dx, None, None, None, d_n1w, d_n1b, d_qkv_w, d_qkv_b, d_table, d_proj_w, d_proj_b,
-                d_n2w, d_n2b, d_fc1_w, d_fc1_b, d_fc2_w, d_fc2_b)
+                d_n2w, d_n2b, d_fc1_w, d_fc1_b, d_fc2_w, d_fc2_b, None, None)
