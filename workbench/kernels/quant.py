@@ -284,17 +284,11 @@ def _quantize_rows_kernel(X, XQ, SCALE, n_rows, n_cols, qmax, inv_qmax, min_scal
 
 
 @triton.jit
-def _int8_dequant_kernel(ACC, XS, WS, B, OUT, n_rows, n_cols, ROW_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         SOFT_RTNE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """OUT = ((ACC as fp32) * xs) * ws (+ bias as fp32), each product and sum rounded once to fp32 (as
-    torch's separate ops), rounded to OUT's dtype. xs: XS[row] (ROW_SCALE) or XS[0]; ws: WS[col]."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < n_rows
-    col_mask = cols < n_cols
-    mask = row_mask[:, None] & col_mask[None, :]
-    offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
-    acc = tl.load(ACC + offs, mask=mask, other=0).to(tl.float32)
+def _epilogue(acc, rows, cols, row_mask, col_mask, XS, WS, B, ROW_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """((acc as fp32) * xs) * ws (+ bias as fp32), each product and sum rounded once to fp32: the math of
+    _int8_dequant_kernel (and of int8_dequant_torch's separate ops)."""
+    acc = acc.to(tl.float32)
     if ROW_SCALE:
         xs = tl.load(XS + rows, mask=row_mask, other=1.0)
     else:
@@ -311,6 +305,22 @@ def _int8_dequant_kernel(ACC, XS, WS, B, OUT, n_rows, n_cols, ROW_SCALE: tl.cons
             out = tl.extra.cuda.libdevice.add_rn(out, b)
         else:
             out = out + b
+    return out
+
+
+@triton.jit
+def _int8_dequant_kernel(ACC, XS, WS, B, OUT, n_rows, n_cols, ROW_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         SOFT_RTNE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """OUT = ((ACC as fp32) * xs) * ws (+ bias as fp32), each product and sum rounded once to fp32 (as
+    torch's separate ops), rounded to OUT's dtype. xs: XS[row] (ROW_SCALE) or XS[0]; ws: WS[col]."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < n_rows
+    col_mask = cols < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
+    offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
+    acc = tl.load(ACC + offs, mask=mask, other=0)
+    out = _epilogue(acc, rows, cols, row_mask, col_mask, XS, WS, B, ROW_SCALE, HAS_BIAS, BLOCK_M, BLOCK_N)
     tl.store(OUT + offs, to_dtype(out, OUT.dtype.element_ty, SOFT_RTNE), mask=mask)
 
 
@@ -415,31 +425,6 @@ def _(acc, x_scale, w_scale, bias):
 
 
 # ------------------------------------------------------------------------------ quantized GEMMs
-
-
-@triton.jit
-def _epilogue(acc, rows, cols, row_mask, col_mask, XS, WS, B, ROW_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """((acc as fp32) * xs) * ws (+ bias as fp32), each product and sum rounded once to fp32: the math of
-    _int8_dequant_kernel (and of int8_dequant_torch's separate ops)."""
-    acc = acc.to(tl.float32)
-    if ROW_SCALE:
-        xs = tl.load(XS + rows, mask=row_mask, other=1.0)
-    else:
-        xs = tl.load(XS + tl.zeros([BLOCK_M], dtype=tl.int32))
-    xs = tl.broadcast_to(xs[:, None], (BLOCK_M, BLOCK_N))
-    ws = tl.broadcast_to(tl.load(WS + cols, mask=col_mask, other=1.0)[None, :], (BLOCK_M, BLOCK_N))
-    if _GPU_MATH:
-        out = tl.extra.cuda.libdevice.mul_rn(tl.extra.cuda.libdevice.mul_rn(acc, xs), ws)
-    else:
-        out = acc * xs * ws
-    if HAS_BIAS:
-        b = tl.broadcast_to(tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :], (BLOCK_M, BLOCK_N))
-        if _GPU_MATH:
-            out = tl.extra.cuda.libdevice.add_rn(out, b)
-        else:
-            out = out + b
-    return out
 
 
 @triton.jit
