@@ -122,6 +122,10 @@ def _record_launches(quick: bool) -> None:
             windows, mean, rstd = win.norm_shift_partition_fwd(x, w, b, 1e-5, 7, shift, out_dtype=torch.bfloat16,
                                                               zero_sums=torch.empty(2 * C))
             win.add_norm_shift_partition_fwd(x, r(B, H, W, C), w, b, 1e-5, 7, shift)
+            # the previous block's MLP branch (bf16) under stochastic depth, each way
+            win.add_norm_shift_partition_fwd(x, r(B, H, W, C), w, b, 1e-5, 7, shift, keep=torch.ones(B))
+            win._norm_bwd(windows, x, w, mean, rstd, 7, shift, x, torch.empty_like(x), r(B, H, W, C),
+                          torch.empty(2 * C), keep=torch.ones(B, dtype=torch.bfloat16), res_out=True)
             win.merge_roll_fwd(windows, 7, shift, H, W, x)
             win.merge_roll_fwd(windows, 7, shift, H, W)
             win.norm_shift_partition_bwd(windows, x, w, mean, rstd, 7, shift, ds=x)

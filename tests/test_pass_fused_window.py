@@ -114,12 +114,15 @@ def test_add_norm2_blocks_with_stochastic_depth_scale_inside_merge_add_norm(monk
     """drop_path1 active (training): every block still merges, multiplies by drop_path1's factors (drawn
     with timm's calls), adds and normalizes in one merge_add_norm; the blocks whose drop_path1 is an
     Identity (the first: timm's rates rise from 0) pass no factors. drop_path2 draws per sample although the
-    MLP runs on token rows. Same step with the same RNG draws."""
+    MLP runs on token rows, and its factors travel with the deferred branch into the next block's
+    add_norm_shift_partition. Same step with the same RNG draws."""
     import workbench.kernels.window as win
 
-    keeps = []
+    keeps, deferred = [], []
     real = win.merge_add_norm
     monkeypatch.setattr(win, "merge_add_norm", lambda *a, **k: (keeps.append(k.get("keep")), real(*a, **k))[1])
+    real_ansp = win.add_norm_shift_partition
+    monkeypatch.setattr(win, "add_norm_shift_partition", lambda *a: (deferred.append(a[-1]), real_ansp(*a))[1])
     from timm.models.swin_transformer import SwinTransformer
 
     ref, model = model_pair(DEVICE, build=lambda: SwinTransformer(**TINY_KWARGS, drop_path_rate=0.3))
@@ -130,6 +133,9 @@ def test_add_norm2_blocks_with_stochastic_depth_scale_inside_merge_add_norm(monk
     assert 0 < identity < N_BLOCKS and len(keeps) == N_BLOCKS
     assert sum(k is None for k in keeps) == identity
     assert all(k.shape == (BATCH,) for k in keeps if k is not None)
+    # a stage's first block hands its MLP branch and drop_path2's factors to the second block's norm
+    # kernel, which multiplies and adds them (the first stage's first block draws none: rate 0)
+    assert len(deferred) == 2 and deferred[0] is None and deferred[1].shape == (BATCH,)
 
 
 def test_non_square_window_is_unavailable():

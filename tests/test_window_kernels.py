@@ -318,6 +318,37 @@ def test_merge_add_norm_with_stochastic_depth(shape, dtypes):
         merge_add_norm_fwd(windows.detach(), sc.detach(), weight, bias, 1e-5, ws, shift, keep=keep[:2])
 
 
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[4]], ids=_ids)
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16)],
+                         ids=["fp32", "fp32stream+bf16branch"])
+def test_add_norm_shift_partition_with_stochastic_depth(shape, dtypes):
+    """keep (the previous block's drop_path2 factors) multiplies the residual branch before the add: s bit
+    for bit torch's x + r * keep, the windows those of s, x's gradient torch's and r's gradient torch's
+    multiply backward (the gradient of s in r's dtype, times keep) bit for bit, from the same kernels."""
+    B, H, W, C, ws, shift = shape
+    B = max(B, 3)
+    x_dt, r_dt = dtypes
+    x = _randn((B, H, W, C), torch.float32, 61).to(x_dt).requires_grad_(True)
+    r = _randn((B, H, W, C), torch.float32, 62).to(r_dt).requires_grad_(True)
+    weight, bias = (1.0 + 0.5 * _randn((C,), torch.float32, 63)), 0.5 * _randn((C,), torch.float32, 64)
+    keep = torch.tensor([1 / 0.7, 0.0] + [1 / 0.7] * (B - 2), device=DEVICE).to(r_dt)
+    branch = r * keep.view(-1, 1, 1, 1)
+    s_ref = x + branch
+    s, win = add_norm_shift_partition(x, r, weight, bias, 1e-5, ws, shift, keep=keep)
+    assert torch.equal(s, s_ref)
+    s0, win0 = add_norm_shift_partition(s_ref.detach(), torch.zeros_like(s_ref), weight, bias, 1e-5, ws, shift)
+    assert torch.equal(win, win0)
+    ds, dwin = _randn(s.shape, s.dtype, 65), _randn(win.shape, win.dtype, 66)
+    gx, gr = torch.autograd.grad((s, win), (x, r), (ds, dwin))
+    s1 = s_ref.detach().requires_grad_(True)
+    s1b, win1 = add_norm_shift_partition(s1, torch.zeros_like(s1), weight, bias, 1e-5, ws, shift)
+    (g_s,) = torch.autograd.grad((s1b, win1), (s1,), (ds, dwin))
+    assert torch.equal(gx, g_s.to(x_dt))
+    (gr_ref,) = torch.autograd.grad(branch, r, g_s.to(r_dt))     # torch's multiply backward
+    assert torch.equal(gr, gr_ref)
+    assert not gr[1].any()   # the dropped sample's branch gets no gradient
+
+
 def test_non_contiguous_input():
     B, H, W, C, ws, shift = 1, 9, 15, 33, 4, 2
     x = _randn((B, C, H, W), torch.float32, 11).permute(0, 2, 3, 1)  # (B, H, W, C), channels strided

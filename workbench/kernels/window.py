@@ -76,12 +76,12 @@ def _norm_rows(x, w_ptr, b_ptr, c, c_mask, C, eps):
 
 @triton.jit
 def _partition_fwd_kernel(
-    x_ptr, out_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, sums_ptr, r_ptr, s_ptr,
+    x_ptr, out_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, sums_ptr, r_ptr, s_ptr, keep_ptr,
     n_out_tokens, C, eps, n_sums,
     H: tl.constexpr, W: tl.constexpr, n_win_h: tl.constexpr, n_win_w: tl.constexpr,
     shift_h: tl.constexpr, shift_w: tl.constexpr, WS: tl.constexpr, NORM: tl.constexpr, SOFT_RTNE: tl.constexpr,
     ZERO_SUMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, KEEP: tl.constexpr = False,
 ):
     """Writes window tokens [pid0*BLOCK_T, +BLOCK_T) x channels [pid1*BLOCK_C, +BLOCK_C).
 
@@ -92,7 +92,9 @@ def _partition_fwd_kernel(
     token is read by exactly one window token). With ZERO_SUMS, the programs also zero the backward's
     column-sum buffer (_common.zero_column_sums). With HAS_RESIDUAL (NORM only), the
     token normalized is s = x + r, rounded to s_ptr's dtype as torch's add would round it, and s is
-    stored at the source token too (the residual stream after the add, written once).
+    stored at the source token too (the residual stream after the add, written once). With KEEP, r is
+    first multiplied by its sample's stochastic-depth factor keep_ptr[b] and rounded to r's dtype (timm's
+    DropPath on the branch r, then the add).
     """
     pdl_enter(PDL)
     pid_t = tl.program_id(0)
@@ -126,6 +128,9 @@ def _partition_fwd_kernel(
     x = tl.load(x_ptr + src_off, mask=ld_mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(r_ptr + src_off, mask=ld_mask, other=0.0)
+        if KEEP:
+            k = tl.load(keep_ptr + b, mask=valid, other=0.0).to(tl.float32)
+            r = to_dtype(r.to(tl.float32) * k[:, None], r_ptr.dtype.element_ty, SOFT_RTNE)
         x = to_dtype(x.to(tl.float32) + r.to(tl.float32), s_ptr.dtype.element_ty, SOFT_RTNE)
         tl.store(s_ptr + src_off, x, mask=ld_mask)
     if NORM:
@@ -250,10 +255,13 @@ def _norm_partition_bwd_kernel(
     shift_h: tl.constexpr, shift_w: tl.constexpr, WS: tl.constexpr, SOFT_RTNE: tl.constexpr, ATOMIC: tl.constexpr,
     HAS_DS: tl.constexpr, MERGE: tl.constexpr, STAGES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
     PDL: tl.constexpr = False, ROW_SUMS: tl.constexpr = False, SLOTS: tl.constexpr = 1,
-    PDL_EARLY: tl.constexpr = False, KEEP: tl.constexpr = False,
+    PDL_EARLY: tl.constexpr = False, KEEP: tl.constexpr = False, RES_OUT: tl.constexpr = False,
 ):
     """LayerNorm backward with the gradient gathered from window order (d of the partition), plus, with
     HAS_DS, a gradient ds of x from elsewhere (the block's residual path) added into dx in the same pass.
+    With RES_OUT (not MERGE), dx rounded to dwo's dtype, times keep_ptr[b] with KEEP and rounded again, is
+    also stored at the token's row of dwo_ptr: the gradient of a residual branch that the forward
+    multiplied by its stochastic-depth factors before the add (add_norm_shift_partition with keep).
 
     With MERGE, the backward of merge_add_norm instead (the norm's input was s = shortcut + merge of the
     windows): the gradient dwin_ptr points at is in token order (d of the norm's output), and dx, the
@@ -311,12 +319,15 @@ def _norm_partition_bwd_kernel(
         if HAS_DS:
             dx += tl.load(ds_ptr + x_off, mask=cur_mask, other=0.0).to(tl.float32)
         tl.store(dx_ptr + x_off, to_dtype(dx, dx_ptr.dtype.element_ty, SOFT_RTNE), mask=cur_mask)
-        if MERGE:
+        if MERGE or RES_OUT:
             dwo = to_dtype(dx, dwo_ptr.dtype.element_ty, SOFT_RTNE)
             if KEEP:
                 k = tl.load(keep_ptr + s // (H * W), mask=s_mask, other=0.0).to(tl.float32)
                 dwo = to_dtype(dwo.to(tl.float32) * k[:, None], dwo_ptr.dtype.element_ty, SOFT_RTNE)
-            tl.store(dwo_ptr + win_off, dwo, mask=cur_mask)
+            if MERGE:
+                tl.store(dwo_ptr + win_off, dwo, mask=cur_mask)
+            else:
+                tl.store(dwo_ptr + x_off, dwo, mask=cur_mask)
         if ROW_SUMS:
             dw_acc += tl.sum(dw_t, axis=0)
             db_acc += tl.sum(db_t, axis=0)
@@ -447,7 +458,7 @@ def roll_partition_fwd(x: torch.Tensor, window_size: int, shift: int, *, out_dty
     block_t, block_c, num_warps = _copy_blocks(C)
     grid = (cdiv(n_out, block_t), cdiv(C, block_c))
     launch(_partition_fwd_kernel)[grid](
-        x, out, x, x, x, x, out, x, x, n_out, C, 0.0, 0,
+        x, out, x, x, x, x, out, x, x, x, n_out, C, 0.0, 0,
         H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, NORM=False, SOFT_RTNE=_SOFT_RTNE,
         ZERO_SUMS=False, HAS_RESIDUAL=False, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps, **_pdl_args(),
     )
@@ -501,17 +512,20 @@ def norm_shift_partition_fwd(
 
 def add_norm_shift_partition_fwd(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
-    window_size: int, shift: int, *, out_dtype=None, out=None, s_out=None, zero_sums=None,
+    window_size: int, shift: int, *, out_dtype=None, out=None, s_out=None, zero_sums=None, keep=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """s = x + residual (both (B, H, W, C); s in their promoted dtype, rounded as torch's add rounds), then
     norm_shift_partition_fwd of s, in one pass -> (s, windows, mean, rstd). The backward is
-    norm_shift_partition_bwd on s, whose dx is the gradient of both x and residual."""
+    norm_shift_partition_bwd on s, whose dx is the gradient of both x and residual. keep: (B,)
+    stochastic-depth factors of the residual branch (timm's DropPath draw, in residual's dtype): s = x +
+    residual * keep[b], the product rounded to residual's dtype first, as timm's multiply then add."""
     if tuple(residual.shape) != tuple(x.shape):
         raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
-    return _norm_partition(x, residual, weight, bias, eps, window_size, shift, out_dtype, out, s_out, zero_sums)
+    return _norm_partition(x, residual, weight, bias, eps, window_size, shift, out_dtype, out, s_out, zero_sums, keep)
 
 
-def _norm_partition(x, residual, weight, bias, eps, window_size, shift, out_dtype, out, s_out, zero_sums):
+def _norm_partition(x, residual, weight, bias, eps, window_size, shift, out_dtype, out, s_out, zero_sums,
+                    keep=None):
     x = _contig(x)
     B, H, W, C = x.shape
     Hp, Wp, nwh, nww, sh, sw = _geometry(H, W, window_size, shift)
@@ -528,11 +542,11 @@ def _norm_partition(x, residual, weight, bias, eps, window_size, shift, out_dtyp
     if n_out > 0:
         launch(_partition_fwd_kernel)[(cdiv(n_out, block_t), 1)](
             x, out, _contig(weight), _contig(bias), mean, rstd, zero_sums if zero_sums is not None else mean,
-            residual if residual is not None else x, s if s is not None else x,
+            residual if residual is not None else x, s if s is not None else x, _keep(keep, B, mean),
             n_out, C, float(eps), zero_sums.numel() if zero_sums is not None else 0,
             H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, NORM=True, SOFT_RTNE=_SOFT_RTNE,
             ZERO_SUMS=zero_sums is not None, HAS_RESIDUAL=residual is not None, BLOCK_T=block_t, BLOCK_C=block_c,
-            num_warps=num_warps, **_pdl_args(),
+            KEEP=keep is not None, num_warps=num_warps, **_pdl_args(),
         )
     elif zero_sums is not None:
         zero_sums.zero_()
@@ -617,10 +631,12 @@ def _norm_grads(sums: torch.Tensor, weight, bias) -> tuple:
     return split_norm_grads(finish_column_sums(rows, True), weight, bias)
 
 
-def _norm_bwd(g, x, weight, mean, rstd, window_size, shift, ds, dx, dwo, sums_into, raw_sums=False, keep=None):
+def _norm_bwd(g, x, weight, mean, rstd, window_size, shift, ds, dx, dwo, sums_into, raw_sums=False, keep=None,
+              res_out=False):
     """The LayerNorm backward over x (B, H, W, C) of the window kernels: g is the gradient of the norm's
     output in window order, or with dwo (merge_add_norm_bwd) in token order, and dx then also goes to
-    dwo's window rows. x, dx (B, H, W, C) contiguous. -> (dx, dwo, (2C,) fp32 column sums; with raw_sums,
+    dwo's window rows; with res_out, g is in window order and dx also goes to dwo's token rows (times
+    keep[b] where keep is given: add_norm_shift_partition's scaled residual). x, dx (B, H, W, C) contiguous. -> (dx, dwo, (2C,) fp32 column sums; with raw_sums,
     the atomic (rows, 2C) buffer as the kernel left it)."""
     B, H, W, C = x.shape
     Hp, Wp, nwh, nww, sh, sw = _geometry(H, W, window_size, shift)
@@ -639,9 +655,9 @@ def _norm_bwd(g, x, weight, mean, rstd, window_size, shift, ds, dx, dwo, sums_in
         g, x, _contig(weight), mean, rstd, ds if ds is not None else x, dx, dwo if dwo is not None else dx, sums,
         _keep(keep, B, mean), n_tok, tiles_per_prog, C,
         H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=int(window_size), SOFT_RTNE=_SOFT_RTNE,
-        ATOMIC=atomic, HAS_DS=ds is not None, MERGE=dwo is not None, STAGES=stages, BLOCK_T=block_t,
+        ATOMIC=atomic, HAS_DS=ds is not None, MERGE=dwo is not None and not res_out, STAGES=stages, BLOCK_T=block_t,
         BLOCK_C=block_c, ROW_SUMS=row_sums, SLOTS=sums.shape[0] if atomic else 1, PDL_EARLY=followed and pdl_launch(),
-        KEEP=keep is not None, num_warps=num_warps, **_pdl_args(maxnreg),
+        KEEP=keep is not None, RES_OUT=res_out, num_warps=num_warps, **_pdl_args(maxnreg),
     )
     return dx, dwo, sums if raw_sums and atomic else finish_column_sums(sums, atomic)
 
@@ -838,32 +854,41 @@ class NormShiftPartitionFunction(torch.autograd.Function):
 
 
 class AddNormShiftPartitionFunction(torch.autograd.Function):
-    """(s, windows) = (x + residual, norm_shift_partition(x + residual)): eager only (no operator for
+    """(s, windows) = (x + residual [* keep[b]], norm_shift_partition(s)): eager only (no operator for
     torch.compile; the pass that uses it does not under compile)."""
 
     @staticmethod
-    def forward(ctx, x, residual, weight, bias, eps, window_size, shift, out_dtype):
+    def forward(ctx, x, residual, weight, bias, eps, window_size, shift, out_dtype, keep=None):
         ctx.sums = eager_column_sums(2 * x.shape[-1], x.device, ctx, weight, bias, slots=_norm_bwd_slots(x))
         s, windows, mean, rstd = add_norm_shift_partition_fwd(x, residual, weight, bias, float(eps), int(window_size),
-                                                              int(shift), out_dtype=out_dtype, zero_sums=ctx.sums)
-        ctx.save_for_backward(s, weight, bias, mean, rstd)
+                                                              int(shift), out_dtype=out_dtype, zero_sums=ctx.sums,
+                                                              keep=keep)
+        ctx.save_for_backward(s, weight, bias, mean, rstd, keep)
         ctx.geom = (int(window_size), int(shift))
         ctx.dtypes = (x.dtype, residual.dtype)
         return s, windows
 
     @staticmethod
     def backward(ctx, ds, dwindows):
-        s, weight, bias, mean, rstd = ctx.saved_tensors
+        s, weight, bias, mean, rstd, keep = ctx.saved_tensors
         ws, shift = ctx.geom
         into, ctx.sums = ctx.sums, None
+        x_dtype, r_dtype = ctx.dtypes
         if dwindows is None:
             dwindows = torch.zeros(_windows_shape(*s.shape, ws, shift), dtype=s.dtype, device=s.device)
         # the gradient arriving at s (the residual stream) joins the LayerNorm's dx in the same kernel
-        dx, sums = norm_shift_partition_bwd(dwindows, s, weight, mean, rstd, ws, shift, sums_into=into, ds=ds,
-                                            raw_sums=True)
+        if keep is None:
+            dx, sums = norm_shift_partition_bwd(dwindows, s, weight, mean, rstd, ws, shift, sums_into=into, ds=ds,
+                                                raw_sums=True)
+            dres = dx.to(r_dtype)
+        else:   # the residual's gradient, dx in its dtype times its factors, written by the same kernel
+            dx = torch.empty_like(s)
+            dres = torch.empty(s.shape, dtype=r_dtype, device=s.device)
+            dx, dres, sums = _norm_bwd(_contig(dwindows), s, weight, mean, rstd, ws, shift,
+                                       _contig(ds) if ds is not None else None, dx, dres, into, raw_sums=True,
+                                       keep=keep, res_out=True)
         dw, db = _norm_grads(sums, weight, bias)
-        x_dtype, r_dtype = ctx.dtypes
-        return dx.to(x_dtype), dx.to(r_dtype), dw, db, None, None, None, None
+        return dx.to(x_dtype), dres, dw, db, None, None, None, None, None
 
 
 class MergeAddNormFunction(torch.autograd.Function):
@@ -939,12 +964,14 @@ def norm_shift_partition(
 
 def add_norm_shift_partition(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
-    window_size: int, shift: int, out_dtype: torch.dtype | None = None,
+    window_size: int, shift: int, out_dtype: torch.dtype | None = None, keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, norm_shift_partition(s, ...)) with s = x + residual, in one kernel each way: a residual add
     folded into the next LayerNorm + shift + partition (eager mode). s: (B, H, W, C) in the promoted
-    dtype of x and residual; windows in out_dtype (default s's dtype); both differentiable."""
-    return AddNormShiftPartitionFunction.apply(x, residual, weight, bias, eps, window_size, shift, out_dtype)
+    dtype of x and residual; windows in out_dtype (default s's dtype); both differentiable. keep: the
+    residual branch's (B,) stochastic-depth factors (timm's DropPath draw, in residual's dtype), applied
+    in the same kernels each way: s = x + residual * keep[b]."""
+    return AddNormShiftPartitionFunction.apply(x, residual, weight, bias, eps, window_size, shift, out_dtype, keep)
 
 
 def merge_unshift_add(

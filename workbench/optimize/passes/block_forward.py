@@ -88,7 +88,7 @@ def _window_forward(add_norm2_fused: bool, attn_to_linear: bool, mlp_to_linear: 
         out = _window_attention_windows(self, x, pending, attn_to_linear)
         if out is None:  # made non-square after binding (set_input_size)
             if pending is not None:
-                x = x + pending
+                x = x + scaled_branch(pending)
             out = fallback(self, x)
             return (out, None) if defer else out
         attn_windows, ws, shift, x = out
@@ -114,8 +114,9 @@ def _window_forward(add_norm2_fused: bool, attn_to_linear: bool, mlp_to_linear: 
 
 def _window_attention_windows(self, x: torch.Tensor, pending: torch.Tensor | None, to_linear: bool):
     """-> (attn_windows (B*nW, ws*ws, C), ws, shift, x), or None when this block's window or shift is not
-    square now. pending: the previous block's MLP branch, not yet added to x (stage_forward): the add is
-    done by the norm's kernel, and the x returned is the sum (the residual stream). The windows are
+    square now. pending: the previous block's MLP branch and its stochastic-depth factors (or None), not
+    yet added to x (stage_forward): the multiply and the add are done by the norm's kernel, and the x
+    returned is the sum (the residual stream). The windows are
     written in the autocast dtype when they go straight into the qkv Linear (to_linear), which would cast
     them; else in the dtype torch's layer_norm gives under autocast."""
     from workbench.kernels.window import add_norm_shift_partition, norm_shift_partition
@@ -125,8 +126,10 @@ def _window_attention_windows(self, x: torch.Tensor, pending: torch.Tensor | Non
         return None
     B, H, W, C = x.shape
     if pending is not None:
-        x, windows = add_norm_shift_partition(x, pending, self.norm1.weight, self.norm1.bias, self.norm1.eps, ws, shift,
-                                              norm_output_dtype(x, to_linear, torch.promote_types(x.dtype, pending.dtype)))
+        branch, keep = pending
+        x, windows = add_norm_shift_partition(x, branch, self.norm1.weight, self.norm1.bias, self.norm1.eps, ws, shift,
+                                              norm_output_dtype(x, to_linear, torch.promote_types(x.dtype, branch.dtype)),
+                                              keep)
     else:
         windows = norm_shift_partition(x, self.norm1.weight, self.norm1.bias, self.norm1.eps, ws, shift,
                                        norm_output_dtype(x, to_linear))
@@ -148,13 +151,25 @@ def _as_map(t: torch.Tensor, B: int, H: int, W: int, C: int) -> torch.Tensor:
 
 
 def _mlp_half(self, x, h, B, H, W, C, defer):
-    """x + drop_path2(mlp(h)), or with `defer` (x, that branch) for the next block's norm to add. x and h
-    may come as (B, H, W, C), (B, L, C) or token rows (B*L, C); the results are (B, H, W, C)."""
+    """x + drop_path2(mlp(h)), or with `defer` (x, (mlp(h), drop_path2's factors or None)) for the next
+    block's norm kernel to scale and add (a drop path other than timm's is applied here, factors None).
+    x and h may come as (B, H, W, C), (B, L, C) or token rows (B*L, C); the results are (B, H, W, C)."""
     # the drop path on the (B, H, W, C) map: its factors are per sample, whatever layout h came in
-    branch = drop_path(self.drop_path2, _as_map(self.mlp(h), B, H, W, C))
+    mlp = _as_map(self.mlp(h), B, H, W, C)
     if defer:
-        return _as_map(x, B, H, W, C), branch
-    return _as_map(x, B, H, W, C) + branch
+        keep = drop_path_keep(self.drop_path2, mlp, (B, H, W, C))
+        return _as_map(x, B, H, W, C), (drop_path(self.drop_path2, mlp) if keep is None else mlp, keep)
+    return _as_map(x, B, H, W, C) + drop_path(self.drop_path2, mlp)
+
+
+def scaled_branch(pending: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+    """A deferred MLP branch (branch, factors or None) as the tensor to add: branch * factors[b]."""
+    branch, keep = pending
+    if keep is None:
+        return branch
+    from workbench.kernels.drop_path import scale_samples
+
+    return scale_samples(branch, keep)
 
 
 def _merge_add_norm2(blk, attn_windows: torch.Tensor, x: torch.Tensor, ws: int, shift: int, mlp_to_linear: bool,
@@ -218,7 +233,8 @@ def stage_forward(defers: tuple[bool, ...]) -> Callable:
     """The forward of a timm SwinTransformerStage whose blocks i with defers[i] run the window forward:
     each such block hands its MLP branch to the next one unadded, and the next block's norm kernel adds it
     (add_norm_shift_partition), so the residual add after every MLP but a stage's last runs inside a
-    kernel that reads those tensors anyway, and its backward joins the norm's. Blocks are still called as
+    kernel that reads those tensors anyway, and its backward joins the norm's; so does timm's stochastic
+    depth on that branch (its factors travel with it). Blocks are still called as
     modules (their hooks, NVTX ranges included, run); inside the loop a deferring block returns
     (x, branch). Under torch.compile, or with gradient checkpointing, the stage runs as timm's: Inductor
     fuses such adds itself."""
@@ -232,9 +248,9 @@ def stage_forward(defers: tuple[bool, ...]) -> Callable:
                 x, pending = blk(x, pending, True)
             else:
                 if pending is not None:
-                    x, pending = x + pending, None
+                    x, pending = x + scaled_branch(pending), None
                 x = blk(x)
-        return x if pending is None else x + pending
+        return x if pending is None else x + scaled_branch(pending)
     return swin_stage_forward_fused_window
 
 
