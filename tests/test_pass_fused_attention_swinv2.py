@@ -190,8 +190,8 @@ def test_inference_keeps_the_weight_terms_until_a_weight_changes(monkeypatch):
     assert result.available, result.changed
     plain.eval(), patched.eval()
     computed = []
-    real = fused_attention._v2_terms
-    monkeypatch.setattr(fused_attention, "_v2_terms", lambda attn: computed.append(1) or real(attn))
+    real = fused_attention.v2_terms
+    monkeypatch.setattr(fused_attention, "v2_terms", lambda attn: computed.append(1) or real(attn))
     blocks = len(v2_attentions(patched))
     x = torch.randn(2, 3, 32, 32, device=DEVICE)
     with torch.inference_mode():

@@ -4,6 +4,7 @@ multiply in Triton, the dtype a fused norm writes, and the relative-position bia
 from __future__ import annotations
 
 import importlib
+import math
 
 import torch
 
@@ -56,6 +57,26 @@ def drop_path(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     from workbench.kernels.drop_path import scale_samples
 
     return scale_samples(x, keep)
+
+
+def v2_terms(attn: torch.nn.Module):
+    """(qkv bias or None, logit scale (nH,), position-bias table ((2w-1)^2, nH)) of a timm SwinV2
+    WindowAttention, from the weights alone: timm's arithmetic, with 16 * sigmoid taken on the table before
+    the gather through the relative-position index (an elementwise function commutes with it)."""
+    qkv_bias = None if attn.q_bias is None else torch.cat((attn.q_bias, attn.k_bias, attn.v_bias))
+    logit_scale = torch.clamp(attn.logit_scale, max=math.log(1. / 0.01)).exp().reshape(-1)
+    table = 16 * torch.sigmoid(attn.cpb_mlp(attn.relative_coords_table).view(-1, attn.num_heads))
+    return qkv_bias, logit_scale, table
+
+
+def v2_qkv(attn: torch.nn.Module, x: torch.Tensor, qkv_bias: torch.Tensor | None) -> torch.Tensor:
+    """A timm SwinV2 WindowAttention's packed qkv of x as timm computes it: the q/k/v biases concatenated
+    (qkv_bias, from v2_terms) in the Linear, or added after it with qkv_bias_separate."""
+    if qkv_bias is None:
+        return attn.qkv(x)
+    if attn.qkv_bias_separate:
+        return attn.qkv(x) + qkv_bias
+    return torch.nn.functional.linear(x, attn.qkv.weight, qkv_bias)
 
 
 def named_swin_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

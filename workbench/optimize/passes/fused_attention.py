@@ -38,16 +38,14 @@ fused_window binds the block's _attn, which calls this forward.
 """
 from __future__ import annotations
 
-import math
 import types
 
 import torch
-import torch.nn.functional as F
 
 from workbench.errors import UserError
 from workbench.optimize.passes import PassContext, PassResult
 from workbench.optimize.passes._route import block_shape, measure_routes, route_details
-from workbench.optimize.passes._swin import INVERSE_BUFFER, swin_blocks
+from workbench.optimize.passes._swin import INVERSE_BUFFER, swin_blocks, v2_qkv, v2_terms
 from workbench.optimize.passes.block_plan import BIAS_MODES, block_plans
 
 NAME = "fused_attention"
@@ -91,11 +89,7 @@ def v2_attention_forward(self, x: torch.Tensor, mask: torch.Tensor | None = None
 
     b_, n, c = x.shape
     qkv_bias, logit_scale, table = _v2_constants(self)
-    if qkv_bias is None:
-        qkv = self.qkv(x)
-    else:
-        qkv = self.qkv(x) + qkv_bias if self.qkv_bias_separate else F.linear(x, self.qkv.weight, qkv_bias)
-    q, k, v = qkv.reshape(b_, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+    q, k, v = v2_qkv(self, x, qkv_bias).reshape(b_, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
     # normalize(q) * logit_scale and normalize(k), in v's dtype: one Triton launch per tensor each way
     q, k = cosine_qk(q, k, logit_scale, v.dtype)
     # the kernels read the bias from the (2w-1)^2 x nH table through the index: no (nH, N, N) gather,
@@ -106,16 +100,6 @@ def v2_attention_forward(self, x: torch.Tensor, mask: torch.Tensor | None = None
 
 
 _V2_CACHE = "_swinbench_constants"   # instance attribute (not a buffer: state_dict is unchanged)
-
-
-def _v2_terms(attn: torch.nn.Module):
-    """(qkv bias or None, logit scale (nH,), position-bias table ((2w-1)^2, nH)) of a SwinV2 WindowAttention,
-    from the weights alone: timm's arithmetic, with 16 * sigmoid taken on the table before the gather
-    (an elementwise function commutes with it), which the kernels then read through the index."""
-    qkv_bias = None if attn.q_bias is None else torch.cat((attn.q_bias, attn.k_bias, attn.v_bias))
-    logit_scale = torch.clamp(attn.logit_scale, max=math.log(1. / 0.01)).exp().reshape(-1)
-    table = 16 * torch.sigmoid(attn.cpb_mlp(attn.relative_coords_table).view(-1, attn.num_heads))
-    return qkv_bias, logit_scale, table
 
 
 def _v2_inverse(attn: torch.nn.Module, table: torch.Tensor) -> torch.Tensor:
@@ -131,12 +115,12 @@ def _v2_inverse(attn: torch.nn.Module, table: torch.Tensor) -> torch.Tensor:
 
 
 def _v2_constants(attn: torch.nn.Module):
-    """_v2_terms, computed once per weights where no gradient is asked (inference): a forward at batch 1
+    """v2_terms, computed once per weights where no gradient is asked (inference): a forward at batch 1
     otherwise spends most of its launches on them. Kept under a key of the weights' identities and
     versions (an in-place update or a load_state_dict changes it), the device and the autocast dtype;
     recomputed where autograd records, and while torch.compile traces (it handles them itself)."""
     if torch.is_grad_enabled() or torch.compiler.is_compiling():
-        return _v2_terms(attn)
+        return v2_terms(attn)
     tensors = [attn.logit_scale, attn.relative_coords_table, attn.relative_position_index,
                *attn.cpb_mlp.parameters(), *(() if attn.q_bias is None else (attn.q_bias, attn.v_bias))]
     device = attn.logit_scale.device
@@ -144,7 +128,7 @@ def _v2_constants(attn: torch.nn.Module):
            torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None)
     kept = vars(attn).get(_V2_CACHE)
     if kept is None or kept[0] != key:
-        kept = (key, _v2_terms(attn))
+        kept = (key, v2_terms(attn))
         attn.__dict__[_V2_CACHE] = kept
     return kept[1]
 

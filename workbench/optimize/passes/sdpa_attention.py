@@ -18,18 +18,16 @@ counted by reason.
 """
 from __future__ import annotations
 
-import math
 import types
 
 import torch
 import torch.nn.functional as F
 
 from workbench.optimize.passes import PassContext, PassResult, PassUnavailable
-from workbench.optimize.passes._swin import named_swin_blocks
+from workbench.optimize.passes._swin import named_swin_blocks, v2_qkv, v2_terms
 from workbench.optimize.passes.block_plan import block_plans
 
 NAME = "sdpa_attention"
-LOGIT_SCALE_MAX = math.log(1. / 0.01)   # timm's clamp of SwinV2's logit scale (a scale of at most 100)
 
 
 def window_attention_modules(model):
@@ -45,18 +43,11 @@ def v2_sdpa_forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> 
     of cpb_mlp's bias table and the (nW, N, N) shift mask as attn_mask, attn_drop's p as dropout_p while
     training, then proj. q, k and the mask are cast to v's dtype (SDPA takes one dtype)."""
     b_, n, c = x.shape
-    if self.q_bias is None:
-        qkv = self.qkv(x)
-    else:
-        qkv_bias = torch.cat((self.q_bias, self.k_bias, self.v_bias))
-        qkv = self.qkv(x) + qkv_bias if self.qkv_bias_separate else F.linear(x, self.qkv.weight, qkv_bias)
-    q, k, v = qkv.reshape(b_, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
-    logit_scale = torch.clamp(self.logit_scale, max=LOGIT_SCALE_MAX).exp()          # (nH, 1, 1)
-    q = (F.normalize(q, dim=-1) * logit_scale).to(v.dtype)
+    qkv_bias, logit_scale, table = v2_terms(self)
+    q, k, v = v2_qkv(self, x, qkv_bias).reshape(b_, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+    q = (F.normalize(q, dim=-1) * logit_scale.view(1, -1, 1, 1)).to(v.dtype)
     k = F.normalize(k, dim=-1).to(v.dtype)
-    table = self.cpb_mlp(self.relative_coords_table).view(-1, self.num_heads)
-    bias = table[self.relative_position_index.view(-1)].view(n, n, -1).permute(2, 0, 1)
-    bias = 16 * torch.sigmoid(bias)                                                 # (nH, N, N)
+    bias = table[self.relative_position_index.view(-1)].view(n, n, -1).permute(2, 0, 1)   # (nH, N, N)
     if mask is None:
         attn_mask = bias.unsqueeze(0)
     else:
