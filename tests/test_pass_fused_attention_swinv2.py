@@ -1,7 +1,7 @@
 """The fused_attention pass on a tiny SwinV2: the same logits and the same gradient for every parameter
 (logit_scale, cpb_mlp, q/v biases included) as the unpatched timm model, in fp32, with shifted and
 unshifted windows; modules the kernel cannot run keep timm's path with their reason; the passes that
-take only Swin v1 blocks (fused_block, fused_linear) stand aside with one line."""
+take only Swin v1 blocks (fused_block) stand aside with one line; fused_linear binds its SwinV2 form."""
 import copy
 import os
 
@@ -129,7 +129,6 @@ def test_attention_dropout_and_large_windows_keep_timms_path_with_their_reason()
 
 @pytest.mark.parametrize("name, why", [
     ("fused_block", "the whole-block Function computes Swin v1's pre-norm block"),
-    ("fused_linear", "its Linears are planned in Swin v1 blocks"),
 ])
 def test_v1_block_passes_stand_aside_on_swinv2(name, why):
     model = tiny_v2()
@@ -147,6 +146,29 @@ def test_v1_block_passes_stand_aside_on_swinv2(name, why):
 def test_a_model_without_swin_blocks_is_still_unavailable(name):
     with pytest.raises(PassUnavailable):
         get_pass(name).apply(torch.nn.Sequential(torch.nn.Linear(4, 4)), pass_ctx(DEVICE))
+
+
+def test_fused_linear_on_swinv2_matches_timm_in_fp32():
+    """proj, fc1 and fc2 become BiasGradLinear and each MLP runs fc1 + GELU as one Function: the same
+    logits and gradients as timm; without autograd the same logits too (on a GPU in a half dtype the
+    GELU moves into the GEMM's epilogue, tested in test_pass_fused_linear)."""
+    from workbench.kernels.linear import BiasGradLinear
+    from workbench.optimize.passes.fused_linear import v2_mlp_bound
+
+    plain = tiny_v2()
+    patched, result = apply_pass("fused_linear", copy.deepcopy(plain), pass_ctx(DEVICE))
+    assert result.details["linears"] == 12 and result.details["mlps_fused"] == 4 and result.details["swinv2"]
+    assert result.changed.startswith("12 SwinV2 Linear (proj, fc1, fc2)") and "\n" not in result.changed
+    blocks = [m for m in patched.modules() if type(m).__name__ == "SwinTransformerV2Block"]
+    assert all(type(b.mlp.fc1) is BiasGradLinear and type(b.attn.proj) is BiasGradLinear for b in blocks)
+    assert all(type(b.attn.qkv) is torch.nn.Linear for b in blocks)
+    assert all(v2_mlp_bound(b.mlp) for b in blocks)
+    assert patched.state_dict().keys() == plain.state_dict().keys()
+    for seed in (1, 2):
+        assert_step_close(plain, patched, *batch(32, seed))
+    x, _ = batch(32, 3)
+    with torch.no_grad():
+        torch.testing.assert_close(patched.eval()(x), plain.eval()(x), rtol=1e-5, atol=1e-5)
 
 
 def test_fused_layernorm_keeps_the_post_norm_math():

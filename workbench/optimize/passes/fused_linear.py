@@ -17,25 +17,95 @@ block stage (fused_block) does the same in its forward.
 Blocks whose Mlp has another activation, dropout or a hidden norm keep timm's Mlp forward (their
 Linears are still swapped) and are counted; the plan says why. See workbench/kernels/linear.py for the
 numerics.
+
+SwinV2 (a model of SwinTransformerV2Blocks only): the MLP is the same timm Mlp, so each block's attn.proj,
+mlp.fc1 and mlp.fc2 become BiasGradLinear and each qualifying MLP runs fc1 + GELU as one Function (in
+inference, one cuBLASLt GEMM), bound on the Mlp itself (there is no v1 block plan to carry it). The qkv
+Linear is left: SwinV2 computes it as F.linear on the weight with its q/v biases, past the module.
 """
 from __future__ import annotations
+
+import types
 
 import torch
 
 from workbench.optimize.passes import PassContext, PassResult, PassUnavailable, require_triton
-from workbench.optimize.passes._swin import has_v2_blocks, named_swin_blocks, stand_aside_v2
+from workbench.optimize.passes._swin import has_v2_blocks, named_swin_blocks
 from workbench.optimize.passes.block_plan import block_plans
 
 NAME = "fused_linear"
 OWN_KERNELS = True   # runs swinbench kernels: a stage with it is not PyTorch alone
 
 
-def _exact_gelu(act: torch.nn.Module) -> bool:
-    return isinstance(act, torch.nn.GELU) and act.approximate == "none"
+def exact_gelu(act: torch.nn.Module) -> bool:
+    """torch's exact (erf) nn.GELU, or timm's GELU module (F.gelu, exact), which SwinV2 builds."""
+    if type(act) is torch.nn.GELU:
+        return act.approximate == "none"
+    try:
+        from timm.layers.activations import GELU as TimmGELU
+    except ImportError:
+        return False
+    return type(act) is TimmGELU
 
 
 def _identity_or_no_drop(m: torch.nn.Module) -> bool:
     return isinstance(m, torch.nn.Identity) or (isinstance(m, torch.nn.Dropout) and m.p == 0.0)
+
+
+def _fusable_mlp(mlp: torch.nn.Module, Mlp) -> bool:
+    """A timm Mlp with exact GELU, no dropout and no hidden norm: fc1 and GELU can run as one Function."""
+    return (isinstance(mlp, Mlp) and exact_gelu(mlp.act) and _identity_or_no_drop(mlp.drop1)
+            and _identity_or_no_drop(mlp.drop2) and isinstance(mlp.norm, torch.nn.Identity))
+
+
+def _inference_epilogue(ctx: PassContext, mlps_fused: int, epilogue_dtypes) -> bool:
+    """Whether fused MLPs run fc1's bias and GELU in the GEMM's epilogue: inference on a GPU, half dtype."""
+    return (not ctx.training and ctx.device.type == "cuda" and mlps_fused > 0
+            and ctx.precision.amp_dtype in epilogue_dtypes)
+
+
+def v2_mlp_bound(mlp: torch.nn.Module) -> bool:
+    """Whether this pass bound the fused fc1 + GELU forward on a SwinV2 block's Mlp."""
+    from workbench.optimize.passes.block_forward import mlp_forward_fused
+
+    return getattr(vars(mlp).get("forward"), "__func__", None) is mlp_forward_fused
+
+
+def _v2_result(model: torch.nn.Module, ctx: PassContext, Mlp, BiasGradLinear, epilogue_dtypes) -> PassResult:
+    """Swap attn.proj, mlp.fc1 and mlp.fc2 of every SwinV2 block to BiasGradLinear and bind the fused
+    fc1 + GELU forward on each Mlp that qualifies -> the pass's result."""
+    from timm.models.swin_transformer_v2 import SwinTransformerV2Block
+
+    from workbench.optimize.passes.block_forward import mlp_forward_fused
+
+    linears, fused, kept = 0, 0, 0
+    for blk in (m for m in model.modules() if isinstance(m, SwinTransformerV2Block)):
+        for parent, names in ((blk.attn, ("proj",)), (blk.mlp, ("fc1", "fc2"))):
+            for child_name in names:
+                child = getattr(parent, child_name, None)
+                if type(child) is torch.nn.Linear:
+                    setattr(parent, child_name, BiasGradLinear.from_linear(child))
+                    linears += 1
+        mlp = blk.mlp
+        if _fusable_mlp(mlp, Mlp) and isinstance(mlp.fc1, BiasGradLinear) and "forward" not in vars(mlp):
+            mlp.forward = types.MethodType(mlp_forward_fused, mlp)
+            fused += 1
+        else:
+            kept += 1
+    if linears == 0:
+        raise PassUnavailable("no nn.Linear in this model's SwinV2 blocks")
+    changed = (f"{linears} SwinV2 Linear (proj, fc1, fc2) -> fused bias-gradient backward (Triton); "
+               f"{fused} MLP fc1+GELU fused; qkv left (SwinV2 runs it as F.linear with its q/v biases)")
+    if kept:
+        changed += f"; {kept} MLP kept on timm's forward (other activation, dropout or hidden norm)"
+    epilogue = _inference_epilogue(ctx, fused, epilogue_dtypes)
+    if epilogue:
+        changed += "; inference: fc1's bias and GELU in its GEMM's epilogue (cuBLASLt, tanh GELU)"
+    details = {"linears": linears, "mlps_fused": fused, "mlps_kept": kept, "swinv2": True,
+               "implementation": "workbench.kernels.linear (cuBLAS GEMMs + Triton bias/GELU reduction)",
+               "inference_gelu": ("fc1 + bias + GELU as one cuBLASLt GEMM (torch._addmm_activation, tanh GELU: "
+                                  "within 5e-4 of the exact erf GELU)") if epilogue else "separate (exact erf)"}
+    return PassResult(NAME, {}, changed, details)
 
 
 def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, PassResult]:
@@ -52,8 +122,7 @@ def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, Pa
     linears, fused_mlps, kept_mlps = 0, [], []
     blocks = named_swin_blocks(model)
     if not blocks and has_v2_blocks(model):
-        return stand_aside_v2(model, NAME, "its Linears are planned in Swin v1 blocks (SwinV2's qkv runs as "
-                                           "F.linear on the weight with the q/v biases, past the module)")
+        return model, _v2_result(model, ctx, Mlp, BiasGradLinear, EPILOGUE_DTYPES)
     for name, block in blocks:
         for parent in (block.attn, block.mlp):
             for child_name, child in list(parent.named_children()):
@@ -61,9 +130,7 @@ def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, Pa
                     setattr(parent, child_name, BiasGradLinear.from_linear(child))
                     linears += 1
         mlp = block.mlp
-        if (isinstance(mlp, Mlp) and _exact_gelu(mlp.act) and _identity_or_no_drop(mlp.drop1)
-                and _identity_or_no_drop(mlp.drop2) and isinstance(mlp.norm, torch.nn.Identity)
-                and isinstance(mlp.fc1, BiasGradLinear)):
+        if _fusable_mlp(mlp, Mlp) and isinstance(mlp.fc1, BiasGradLinear):
             fused_mlps.append(name)
         else:
             kept_mlps.append(name)
@@ -80,8 +147,7 @@ def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, Pa
                f"{mlps_fused} MLP fc1+GELU backward fused")
     if mlps_kept:
         changed += f"; {mlps_kept} MLP kept on timm's forward (other activation, dropout or hidden norm)"
-    epilogue = (not ctx.training and ctx.device.type == "cuda" and mlps_fused > 0
-                and ctx.precision.amp_dtype in EPILOGUE_DTYPES)
+    epilogue = _inference_epilogue(ctx, mlps_fused, EPILOGUE_DTYPES)
     if epilogue:
         changed += "; inference: fc1's bias and GELU in its GEMM's epilogue (cuBLASLt, tanh GELU)"
     details = {"linears": linears, "mlps_fused": mlps_fused, "mlps_kept": mlps_kept,

@@ -294,20 +294,24 @@ def fuse_mlp_activations(model: torch.nn.Module, device: torch.device) -> int:
 
 
 def _gelu_mlp(mlp: torch.nn.Module) -> bool:
-    """A timm Mlp running timm's own forward with an exact-erf nn.GELU and no norm between act and fc2."""
-    act = getattr(mlp, "act", None)
-    return (type(mlp).__name__ == "Mlp" and "forward" not in vars(mlp) and type(act) is torch.nn.GELU
-            and act.approximate == "none" and isinstance(getattr(mlp, "norm", None), torch.nn.Identity))
+    """A timm Mlp running timm's own forward with an exact-erf GELU (torch's or timm's, which SwinV2 builds)
+    and no norm between act and fc2."""
+    from workbench.optimize.passes.fused_linear import exact_gelu
+
+    return (type(mlp).__name__ == "Mlp" and "forward" not in vars(mlp) and exact_gelu(getattr(mlp, "act", None))
+            and isinstance(getattr(mlp, "norm", None), torch.nn.Identity))
 
 
 def _fused_linear_blocks(model: torch.nn.Module) -> list[str]:
-    """Blocks whose plan reads the Linear weights itself (fused_linear, fused_block)."""
+    """Blocks whose plan reads the Linear weights itself (fused_linear, fused_block), and SwinV2 MLPs whose
+    fused forward does (fused_linear)."""
     from workbench.optimize.passes.block_plan import PLANS_ATTRIBUTE
 
+    from workbench.optimize.passes.fused_linear import v2_mlp_bound
+
     plans = vars(model).get(PLANS_ATTRIBUTE)
-    if plans is None:
-        return []
-    return [n for n, p in plans.plans.items() if p.linear or p.mlp_gelu or p.whole_block]
+    planned = [] if plans is None else [n for n, p in plans.plans.items() if p.linear or p.mlp_gelu or p.whole_block]
+    return planned + [n for n, m in model.named_modules() if type(m).__name__ == "Mlp" and v2_mlp_bound(m)]
 
 
 def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activations: str = "dynamic",
