@@ -45,6 +45,7 @@ def op_samples():
     return [
         ("layer_norm_fwd", ln._layer_norm_fwd_op, (rows, w, b, 1e-5, torch.float32)),
         ("add_layer_norm_fwd", ln._add_layer_norm_fwd_op, (rows, rand(37, C), w, b, 1e-5, torch.bfloat16)),
+        ("post_add_layer_norm_fwd", ln._post_add_layer_norm_fwd_op, (rows, rand(37, C), w, b, 1e-5, torch.float32)),
         ("layer_norm_bwd", ln._layer_norm_bwd_op, (rand(37, C), rows, w, b, m, r, None)),
         ("roll_partition_fwd", win._roll_partition_op, (x, ws, shift, x.dtype)),
         ("merge_roll_fwd", win._merge_roll_op, (windows, ws, shift, H, W, x, x.dtype)),
@@ -88,7 +89,7 @@ def samples():
     return SAMPLES
 
 
-NAMES = ["layer_norm_fwd", "add_layer_norm_fwd", "layer_norm_bwd", "roll_partition_fwd", "merge_roll_fwd",
+NAMES = ["layer_norm_fwd", "add_layer_norm_fwd", "post_add_layer_norm_fwd", "layer_norm_bwd", "roll_partition_fwd", "merge_roll_fwd",
          "norm_shift_partition_fwd", "norm_shift_partition_bwd", "window_attention_fwd", "window_attention_bwd",
          "window_attention_qkv_bwd", "bias_grad", "rel_pos_table_grad",
          "window_attention_table_fwd", "window_attention_qkv_table_bwd", "window_attention_table_bwd",

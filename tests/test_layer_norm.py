@@ -1,4 +1,5 @@
-"""layer_norm and add_layer_norm vs plain PyTorch (F.layer_norm; x + r then F.layer_norm): output and every
+"""layer_norm, add_layer_norm and post_add_layer_norm vs plain PyTorch (F.layer_norm; x + r then F.layer_norm;
+r + F.layer_norm(x), the post-norm residual): output and every
 gradient (x, residual, weight, bias), on fresh random inputs, odd row counts and odd C.
 
 For fp16/bf16 the reference is the same PyTorch computation run in fp32 on the same (rounded) inputs,
@@ -21,7 +22,7 @@ import importlib  # noqa: E402
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from workbench.kernels.layer_norm import TritonLayerNorm, add_layer_norm, layer_norm  # noqa: E402
+from workbench.kernels.layer_norm import TritonLayerNorm, add_layer_norm, layer_norm, post_add_layer_norm  # noqa: E402
 
 # The module itself (workbench.kernels re-exports a function of the same name).
 layer_norm_module = importlib.import_module("workbench.kernels.layer_norm")
@@ -107,6 +108,58 @@ def test_add_layer_norm_matches_torch(shape, dtype, atol, rtol):
         _assert_close(a.grad, e.grad.to(dtype), atol, rtol, name)
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
+def test_post_add_layer_norm_matches_torch(shape, dtype, atol, rtol):
+    """r + LayerNorm(x), summed in fp32 and rounded once: against the fp32 computation on the same inputs."""
+    C = shape[-1]
+    x = _rand(shape, dtype, 31, scale=2.0, shift=0.5)
+    r = _rand(shape, dtype, 32, scale=3.0)
+    w, b = _params(C, dtype, seed=3)
+    dout = _rand(shape, dtype, 33)
+    ours = [_leaf(t) for t in (x, r, w, b)]
+    ref = [_leaf(t.float()) for t in (x, r, w, b)]
+    out = post_add_layer_norm(*ours, EPS)
+    out_ref = ref[1] + F.layer_norm(ref[0], (C,), ref[2], ref[3], EPS)
+    _assert_close(out, out_ref.to(dtype), atol, rtol, "out")
+    out.backward(dout)
+    out_ref.backward(dout.float())
+    for name, a, e in zip(("dx", "dresidual", "dweight", "dbias"), ours, ref):
+        _assert_close(a.grad, e.grad.to(dtype), atol, rtol, name)
+
+
+def test_post_add_layer_norm_like_autocast():
+    """SwinV2 under CUDA autocast: a bf16 branch (the proj or fc2 output), an fp32 residual stream, fp32
+    norm parameters: the sum is fp32, torch's result (its norm output is fp32 there), and the branch's
+    gradient comes back in bf16, the residual's in fp32."""
+    shape, C = (3, 7, 96), 96
+    x = _leaf(_rand(shape, torch.bfloat16, 34, scale=2.0))
+    r = _leaf(_rand(shape, torch.float32, 35))
+    w, b = (_leaf(p) for p in _params(C, torch.float32, seed=4))
+    xr, rr, wr, br = (_leaf(t) for t in (x, r, w, b))
+    out = post_add_layer_norm(x, r, w, b, EPS)
+    out_ref = rr + F.layer_norm(xr.float(), (C,), wr, br, EPS)
+    _assert_close(out, out_ref, 1e-5, 1e-5, "out")
+    dout = _rand(shape, torch.float32, 36)
+    out.backward(dout)
+    out_ref.backward(dout)
+    assert x.grad.dtype == torch.bfloat16 and r.grad.dtype == torch.float32
+    _assert_close(x.grad, xr.grad, 2e-2, 2e-2, "dx (bf16)")
+    _assert_close(r.grad, rr.grad, 0, 0, "dresidual")
+    _assert_close(w.grad, wr.grad, 1e-5, 1e-5, "dweight")
+    _assert_close(b.grad, br.grad, 1e-5, 1e-5, "dbias")
+
+
+def test_post_add_layer_norm_float64_truth():
+    """fp32 inputs against the same math in float64: the kernel's one rounding keeps it within fp32's."""
+    shape, C = (45, 133), 133
+    x, r = _rand(shape, torch.float32, 37, scale=4.0, shift=1.0), _rand(shape, torch.float32, 38)
+    w, b = _params(C, torch.float32, seed=6)
+    out = post_add_layer_norm(x, r, w, b, EPS)
+    truth = r.double() + F.layer_norm(x.double(), (C,), w.double(), b.double(), EPS)
+    assert (out.double() - truth).abs().max().item() <= 4e-6 * truth.abs().max().item()
+
+
 def test_add_layer_norm_only_normed_output_used():
     """When only the normed output feeds the loss, the gradient at the sum arrives as zeros."""
     shape, C = (11, 100), 100
@@ -190,7 +243,7 @@ def test_non_contiguous_input():
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
-@pytest.mark.parametrize("fn", ["layer_norm", "add_layer_norm"])
+@pytest.mark.parametrize("fn", ["layer_norm", "add_layer_norm", "post_add_layer_norm"])
 def test_kernels_write_every_element(monkeypatch, fn, deterministic):
     """Every buffer the kernels write (outputs, mean/rstd, dx, and in deterministic mode the per-program
     dweight/dbias rows) starts as NaN."""
@@ -208,6 +261,9 @@ def test_kernels_write_every_element(monkeypatch, fn, deterministic):
     if fn == "layer_norm":
         outs, refs = (layer_norm(x, w, b, EPS),), (F.layer_norm(xr, (C,), wr, br, EPS),)
         leaves = (("dx", x, xr), ("dweight", w, wr), ("dbias", b, br))
+    elif fn == "post_add_layer_norm":
+        outs, refs = (post_add_layer_norm(x, r, w, b, EPS),), (rr + F.layer_norm(xr, (C,), wr, br, EPS),)
+        leaves = (("dx", x, xr), ("dresidual", r, rr), ("dweight", w, wr), ("dbias", b, br))
     else:
         outs = add_layer_norm(x, r, w, b, EPS)
         s_ref = xr + rr

@@ -172,10 +172,48 @@ def test_fused_linear_on_swinv2_matches_timm_in_fp32():
 
 
 def test_fused_layernorm_keeps_the_post_norm_math():
+    """Each SwinV2 block's x + norm(branch) runs as one post_add_layer_norm: the same step as timm."""
+    from workbench.optimize.passes.block_forward import v2_block_forward
+
     plain = tiny_v2()
     patched, result = apply_pass("fused_layernorm", copy.deepcopy(plain), pass_ctx(DEVICE), {"impl": "triton"})
     assert result.details["replaced"] == 11 and result.details["merging_norms_into_linear"] == 0
+    assert result.details["swinv2_post_norm_blocks"] == 4 and result.details["swinv2_blocks_left"] == 0
+    assert "4 SwinV2 blocks' x + norm(branch) -> post_add_layer_norm" in result.changed
+    blocks = [m for m in patched.modules() if type(m).__name__ == "SwinTransformerV2Block"]
+    assert all(getattr(vars(b).get("forward"), "__func__", None) is v2_block_forward for b in blocks)
     assert_step_close(plain, patched, *batch(32, 3))
+    _, no_fuse = apply_pass("fused_layernorm", copy.deepcopy(plain), pass_ctx(DEVICE),
+                            {"impl": "triton", "fuse_residual": False})
+    assert "swinv2_post_norm_blocks" not in no_fuse.details
+
+
+def test_post_norm_adds_with_stochastic_depth_stay_timm_s_in_training(monkeypatch):
+    """An active drop path sits between the norm and the add: in training that add runs as timm's (the
+    same step, same drop-path draws); in eval the fused add runs."""
+    import importlib
+
+    ln = importlib.import_module("workbench.kernels.layer_norm")
+    torch.manual_seed(0)
+    plain = tiny_v2()
+    for blk in (m for m in plain.modules() if type(m).__name__ == "SwinTransformerV2Block"):
+        from timm.layers import DropPath
+
+        blk.drop_path1, blk.drop_path2 = DropPath(0.3), DropPath(0.3)
+    patched, _ = apply_pass("fused_layernorm", copy.deepcopy(plain), pass_ctx(DEVICE), {"impl": "triton"})
+    calls = []
+    real = ln.post_add_layer_norm
+    monkeypatch.setattr(ln, "post_add_layer_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x, target = batch(32, 5)
+    torch.manual_seed(7)
+    ref = torch.nn.functional.cross_entropy(plain.train()(x), target)
+    torch.manual_seed(7)
+    got = torch.nn.functional.cross_entropy(patched.train()(x), target)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert calls == []
+    with torch.no_grad():
+        torch.testing.assert_close(patched.eval()(x), plain.eval()(x), rtol=1e-5, atol=1e-5)
+    assert len(calls) == 8
 
 
 def test_the_fmha_chain_runs_on_swinv2():
@@ -191,11 +229,14 @@ def test_the_fmha_chain_runs_on_swinv2():
 
 
 # aot_eager on the CPU (the kernels are opaque custom ops there); on a GPU also Inductor, which traces into them.
+# The post-norm adds (fused_layernorm) and the fused MLP (fused_linear) compile with the attention.
 @pytest.mark.parametrize("backend", ["aot_eager"] + (["inductor"] if DEVICE.type == "cuda" else []))
 def test_compiled_fused_swinv2_matches_timm_in_fp32(backend):
     torch._dynamo.reset()
     plain = tiny_v2()
-    patched, _ = apply_pass("fused_attention", copy.deepcopy(plain), pass_ctx(DEVICE))
+    patched, _ = apply_pass("fused_layernorm", copy.deepcopy(plain), pass_ctx(DEVICE), {"impl": "triton"})
+    patched, _ = apply_pass("fused_linear", patched, pass_ctx(DEVICE))
+    patched, _ = apply_pass("fused_attention", patched, pass_ctx(DEVICE))
     compiled = torch.compile(patched, backend=backend)
     for seed in (1, 2):
         assert_step_close(plain, compiled, *batch(32, seed), grad_tol=grad_tol)

@@ -78,8 +78,8 @@ def test_fused_window_matches_timm_in_fp32(with_attention):
 def test_the_result_says_what_runs_and_what_stays_timms():
     _, result = apply_pass("fused_window", tiny_v2(IMG), pass_ctx(DEVICE))
     assert result.changed == ("4/4 SwinV2 block: roll+pad+partition -> roll_partition, reverse+crop+roll -> "
-                              "merge_roll (Triton, fwd+bwd); post-norm: norm1, the residual add and the MLP "
-                              "stay timm's")
+                              "merge_roll (Triton, fwd+bwd); post-norm: norm1 and the residual add are "
+                              "fused_layernorm's, the MLP fused_linear's")
     assert result.details["blocks_total"] == 4 and result.details["swinv2_blocks_dynamic_mask"] == 0
     assert result.params == {}
 

@@ -2,6 +2,7 @@
 
     layer_norm(x, weight, bias, eps)                     -> y          == F.layer_norm(x, (C,), weight, bias, eps)
     add_layer_norm(x, residual, weight, bias, eps)       -> (s, y)     == (x + residual, F.layer_norm(x + residual, ...))
+    post_add_layer_norm(x, residual, weight, bias, eps)  -> out        == residual + F.layer_norm(x, ...) (post-norm)
     TritonLayerNorm                                      an nn.LayerNorm whose forward calls layer_norm
 
 Shapes: x (and residual) are (..., C), any leading dims (rows = their product), contiguous or not (copied
@@ -61,11 +62,13 @@ def _layer_norm_fwd_kernel(
     X, R, S, Y, W, B, Mean, Rstd, SUMS,
     n_rows, n_cols, eps, n_sums,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_SUMS: tl.constexpr,
-    SOFT_RTNE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SOFT_RTNE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, POST_ADD: tl.constexpr = False,
 ):
     """BLOCK_M rows per program. With HAS_RESIDUAL, s = x + r is rounded to S's dtype (as torch's add
     would), stored, and normalized; otherwise x is normalized. Y gets the output, Mean/Rstd fp32 per row.
-    With ZERO_SUMS, the programs also zero SUMS, the backward's column-sum buffer (zero_column_sums)."""
+    With POST_ADD (a post-norm residual, SwinV2's x + norm(branch)), Y gets r + the normalized x instead,
+    summed in fp32 and rounded once. With ZERO_SUMS, the programs also zero SUMS, the backward's
+    column-sum buffer (zero_column_sums)."""
     pid = tl.program_id(0)
     zero_column_sums(SUMS, n_sums, pid, tl.num_programs(0), ZERO_SUMS, BLOCK_N)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -93,6 +96,8 @@ def _layer_norm_fwd_kernel(
     if HAS_BIAS:
         b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
         y = y + b[None, :]
+    if POST_ADD:
+        y = y + tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(Y + offs, to_dtype(y, Y.dtype.element_ty, SOFT_RTNE), mask=mask)
     tl.store(Mean + rows, mean, mask=row_mask)
     tl.store(Rstd + rows, rstd, mask=row_mask)
@@ -241,6 +246,30 @@ def layer_norm_fwd(x2, residual2, weight, bias, eps: float, out_dtype: torch.dty
     return s, y, mean, rstd
 
 
+def post_add_layer_norm_fwd(x2, residual2, weight, bias, eps: float, out_dtype: torch.dtype,
+                            zero_sums: torch.Tensor | None = None):
+    """x2, residual2: (M, C) contiguous -> (out, mean, rstd), out = residual2 + LayerNorm(x2) in out_dtype,
+    one pass (the normalized x is never written). zero_sums as in layer_norm_fwd."""
+    n_rows, n_cols = x2.shape
+    block_m, block_n, num_warps = _tile(n_cols)
+    device = x2.device
+    out = _common.new_output((n_rows, n_cols), out_dtype, device)
+    mean = _common.new_output((n_rows,), torch.float32, device)
+    rstd = _common.new_output((n_rows,), torch.float32, device)
+    if n_rows > 0:
+        launch(_layer_norm_fwd_kernel)[(cdiv(n_rows, block_m),)](
+            x2, residual2, out, out, weight if weight is not None else x2, bias if bias is not None else x2,
+            mean, rstd, zero_sums if zero_sums is not None else mean,
+            n_rows, n_cols, eps, zero_sums.numel() if zero_sums is not None else 0,
+            HAS_RESIDUAL=False, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+            ZERO_SUMS=zero_sums is not None, SOFT_RTNE=SOFT_RTNE, BLOCK_M=block_m, BLOCK_N=block_n,
+            POST_ADD=True, num_warps=num_warps,
+        )
+    elif zero_sums is not None:
+        zero_sums.zero_()
+    return out, mean, rstd
+
+
 def layer_norm_bwd(dy2, x2, weight, bias, mean, rstd, ds2, dx_dtype: torch.dtype, sums_into=None):
     """dy2, x2 (the normalized input: x, or s = x + r), ds2 (gradient at s, or None): (M, C) contiguous.
     -> (dx (M, C) in dx_dtype, (2C,) fp32 column sums: dweight then dbias; see split_norm_grads).
@@ -297,6 +326,20 @@ def _(x2, residual2, weight, bias, eps, y_dtype):
     out_dtype = torch.promote_types(x2.dtype, residual2.dtype)
     return (x2.new_empty(x2.shape, dtype=out_dtype), x2.new_empty(x2.shape, dtype=y_dtype),
             x2.new_empty((n_rows,), dtype=torch.float32), x2.new_empty((n_rows,), dtype=torch.float32))
+
+
+@kernel_op("swinbench::post_add_layer_norm_fwd")
+def _post_add_layer_norm_fwd_op(x2: torch.Tensor, residual2: torch.Tensor, weight: Optional[torch.Tensor],
+                                bias: Optional[torch.Tensor], eps: float, out_dtype: torch.dtype
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return post_add_layer_norm_fwd(x2, residual2, weight, bias, eps, out_dtype)
+
+
+@_post_add_layer_norm_fwd_op.register_fake
+def _(x2, residual2, weight, bias, eps, out_dtype):
+    n_rows = x2.shape[0]
+    return (x2.new_empty(x2.shape, dtype=out_dtype), x2.new_empty((n_rows,), dtype=torch.float32),
+            x2.new_empty((n_rows,), dtype=torch.float32))
 
 
 @kernel_op("swinbench::layer_norm_bwd")
@@ -371,6 +414,48 @@ class AddLayerNormFunction(torch.autograd.Function):
         x_dtype, r_dtype = ctx.dtypes
         # Like torch's add: the same gradient flows to both inputs (cast where autocast mixed dtypes).
         return dsum.to(x_dtype), dsum.to(r_dtype), dw, db, None, None
+
+
+class PostAddLayerNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, eps, out_dtype):
+        if x.shape != residual.shape:
+            raise ValueError(f"post_add_layer_norm: x {tuple(x.shape)} and residual {tuple(residual.shape)} differ")
+        n_cols = _check(x, weight, bias)
+        x2, r2 = _as_rows(x, n_cols), _as_rows(residual, n_cols)
+        ctx.sums = eager_column_sums(2 * n_cols, x.device, ctx, weight, bias)
+        if ctx.sums is None:
+            out, mean, rstd = _post_add_layer_norm_fwd_op(x2, r2, weight, bias, eps, out_dtype)
+        else:
+            out, mean, rstd = post_add_layer_norm_fwd(x2, r2, weight, bias, eps, out_dtype, zero_sums=ctx.sums)
+        ctx.save_for_backward(x2, weight, bias, mean, rstd)
+        ctx.x_shape = x.shape
+        ctx.r_dtype = residual.dtype
+        return out.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dout):
+        x2, weight, bias, mean, rstd = ctx.saved_tensors
+        dout2, into, ctx.sums = _as_rows(dout, x2.shape[1]), ctx.sums, None
+        if into is None:
+            dx, sums = _layer_norm_bwd_op(dout2, x2, weight, bias, mean, rstd, None)
+        else:
+            dx, sums = layer_norm_bwd(dout2, x2, weight, bias, mean, rstd, None, x2.dtype, sums_into=into)
+        dw, db = split_norm_grads(sums, weight, bias)
+        # the residual's gradient is the output's: no pass of its own (a cast only where dtypes differ)
+        return dx.view(ctx.x_shape), dout.to(ctx.r_dtype), dw, db, None, None
+
+
+def post_add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
+                        bias: torch.Tensor | None, eps: float = 1e-5, out_dtype: torch.dtype | None = None
+                        ) -> torch.Tensor:
+    """residual + F.layer_norm(x, (C,), weight, bias, eps), both (..., C), in one pass: a post-norm block's
+    residual add (SwinV2: x + norm1(attn(x))). The sum is taken in fp32 from the normalized x and the
+    residual and rounded once into out_dtype (default: the promoted dtype of x and residual), which is
+    torch's result wherever the norm's output is at least as wide as out_dtype (under CUDA autocast the
+    norm's output is fp32). dx comes back in x.dtype, the residual's gradient in its dtype."""
+    out_dtype = out_dtype or torch.promote_types(x.dtype, residual.dtype)
+    return PostAddLayerNormFunction.apply(x, residual, weight, bias, float(eps), out_dtype)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,

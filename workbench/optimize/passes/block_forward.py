@@ -441,3 +441,31 @@ class SwinBlockFunction(torch.autograd.Function):
             d_n1w, d_n1b = split_norm_grads(sums1, n1w, n1b)
         return (dx, None, None, None, d_n1w, d_n1b, d_qkv_w, d_qkv_b, d_table, d_proj_w, d_proj_b,
                 d_n2w, d_n2b, d_fc1_w, d_fc1_b, d_fc2_w, d_fc2_b, None, None)
+
+
+# ------------------------------------------------------------------ SwinV2's post-norm block
+
+
+def _post_norm_add(norm: torch.nn.Module, dp: torch.nn.Module, branch: torch.Tensor, x: torch.Tensor,
+                   training: bool) -> torch.Tensor:
+    """x + dp(norm(branch)), a post-norm residual, as one post_add_layer_norm where that gives torch's
+    result: the drop path inactive and the norm's output (fp32 under CUDA autocast) at least as wide as
+    the sum's dtype. Otherwise as timm computes it."""
+    from workbench.kernels.layer_norm import autocast_norm_dtype, post_add_layer_norm
+
+    norm_dtype = autocast_norm_dtype(branch) or branch.dtype
+    out_dtype = torch.promote_types(norm_dtype, x.dtype)
+    if inactive(dp, training) and out_dtype == norm_dtype:
+        return post_add_layer_norm(branch, x, norm.weight, norm.bias, norm.eps, out_dtype)
+    return x + drop_path(dp, norm(branch))
+
+
+def v2_block_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """timm's SwinTransformerV2Block.forward (x: (B, H, W, C)) with each post-norm residual add, x +
+    norm(branch), as one LayerNorm pass that writes the sum (fused_layernorm): the normalized branch is
+    never written and read back."""
+    B, H, W, C = x.shape
+    x = _post_norm_add(self.norm1, self.drop_path1, self._attn(x), x, self.training)
+    x = x.reshape(B, -1, C)
+    x = _post_norm_add(self.norm2, self.drop_path2, self.mlp(x), x, self.training)
+    return x.reshape(B, H, W, C)

@@ -27,6 +27,11 @@ details["blocks_forward_already_patched"]. The drop paths don't restrict the fus
 to the attention branch before the add and drop_path2 to the MLP output after the norm, both exactly as
 timm does.
 
+SwinV2's blocks are post-norm (`x = x + drop_path(norm(branch))`): with fuse_residual each block's two
+residual adds run in the LayerNorm pass that normalizes the branch (post_add_layer_norm, bound as the
+block's forward: block_forward.v2_block_forward), so the normalized branch is never written; where a drop
+path is active in training, or the norm's output is narrower than the sum, that add runs as timm's.
+
 Dtypes: under autocast, when h goes straight into the MLP's fc1 Linear, add_layer_norm writes h in the
 autocast dtype, the bits fc1's input cast would give (no cast launches). So does each PatchMerging's
 norm, whose output goes straight into the `reduction` Linear (the class's forward;
@@ -36,6 +41,8 @@ stream keeps AMP's precision (fp32 in stage 1, from the patch embedding's norm) 
 kernels, not precision.
 """
 from __future__ import annotations
+
+import types
 
 import torch
 from torch import nn
@@ -167,6 +174,24 @@ def _plan_blocks(model: nn.Module, norm_class: type, norm: str, fuse_residual: b
     return counts
 
 
+def _bind_v2_blocks(model: nn.Module, norm_class: type) -> dict[str, int]:
+    """Bind v2_block_forward on every SwinV2 block whose norm1 and norm2 are now `norm_class` and whose
+    forward is timm's -> counts (blocks bound, blocks left on timm's forward)."""
+    from workbench.optimize.passes.block_forward import v2_block_forward
+
+    counts = {"swinv2_post_norm_blocks": 0, "swinv2_blocks_left": 0}
+    for blk in model.modules():
+        if type(blk).__name__ != "SwinTransformerV2Block":
+            continue
+        if (isinstance(blk.norm1, norm_class) and isinstance(blk.norm2, norm_class)
+                and "forward" not in vars(blk) and type(blk).forward.__qualname__ == "SwinTransformerV2Block.forward"):
+            blk.forward = types.MethodType(v2_block_forward, blk)
+            counts["swinv2_post_norm_blocks"] += 1
+        else:
+            counts["swinv2_blocks_left"] += 1
+    return counts
+
+
 def apply(model: nn.Module, ctx: PassContext, impl: str = "auto", fuse_residual: bool = True,
           **unknown) -> tuple[nn.Module, PassResult]:
     params = {"impl": impl, "fuse_residual": fuse_residual}
@@ -203,6 +228,11 @@ def apply(model: nn.Module, ctx: PassContext, impl: str = "auto", fuse_residual:
     if fuse_residual:
         details.update(fused_residual_blocks=counts["blocks_fused"], **counts)
         changed += f", {counts['blocks_fused']} blocks add+norm2 -> add_layer_norm"
+        v2 = _bind_v2_blocks(model, TritonLayerNorm)
+        if v2["swinv2_post_norm_blocks"] or v2["swinv2_blocks_left"]:
+            details.update(v2)
+            changed += (f", {v2['swinv2_post_norm_blocks']} SwinV2 blocks' x + norm(branch) -> "
+                        "post_add_layer_norm")
     else:
         details["fused_residual_blocks"] = 0
     return model, PassResult(NAME, params, changed, details)

@@ -49,8 +49,8 @@ or buffers: state_dict is unchanged), v2_window_attn as its `_attn`:
     windows = roll_partition(x, ws, shift)                # one kernel (roll + pad + partition)
     attn    = self.attn(windows, mask=attn_mask)           # the attention module, timm's or fused_attention's
     x       = merge_roll(attn, ws, shift, H, W)            # one kernel (reverse + crop + roll)
-with timm's mask: the block's attn_mask, or get_attn_mask over the padded shape with dynamic_mask. norm1,
-the residual add and the MLP half stay timm's. Blocks of a subclass, with an `_attn` or `forward` replaced
+with timm's mask: the block's attn_mask, or get_attn_mask over the padded shape with dynamic_mask. norm1 and
+the residual add are fused_layernorm's (post_add_layer_norm), the MLP fused_linear's. Blocks of a subclass, with an `_attn` or `forward` replaced
 elsewhere, or with a non-square window or shift keep timm's `_attn`, counted by reason in the result; a
 block made non-square after the pass (set_input_size) runs timm's `_attn` from then on.
 """
@@ -160,7 +160,12 @@ def _v2_why_not(blk: torch.nn.Module) -> str | None:
 
     if type(blk) is not SwinTransformerV2Block:
         return "a subclass of timm's SwinTransformerV2Block"
-    if ("_attn" in vars(blk) and not _bound_here(blk)) or "forward" in vars(blk):
+    from workbench.optimize.passes.block_forward import v2_block_forward
+
+    forward = vars(blk).get("forward")
+    # fused_layernorm's post-norm forward calls self._attn: the two compose
+    if ("_attn" in vars(blk) and not _bound_here(blk)) or (
+            forward is not None and getattr(forward, "__func__", None) is not v2_block_forward):
         return "its _attn or forward was replaced elsewhere"
     if square(blk.window_size) is None or square(blk.shift_size) is None:
         return "non-square window_size/shift_size: the kernels take one window side and one shift"
@@ -189,7 +194,8 @@ def _v2_result(model: torch.nn.Module) -> PassResult:
         padded += int(bool(h % ws or w % ws))
         dynamic += int(bool(getattr(blk, "dynamic_mask", False)))
     changed = (f"{patched}/{len(blocks)} SwinV2 block: roll+pad+partition -> roll_partition, reverse+crop+roll -> "
-               "merge_roll (Triton, fwd+bwd); post-norm: norm1, the residual add and the MLP stay timm's")
+               "merge_roll (Triton, fwd+bwd); post-norm: norm1 and the residual add are fused_layernorm's, the MLP "
+               "fused_linear's")
     for reason, count in sorted(left.items()):
         changed += f"; {count} left on timm's path ({reason})"
     details = {"swinv2_patched_blocks": patched, "swinv2_blocks_shifted": shifted, "swinv2_blocks_padded": padded,
