@@ -139,3 +139,45 @@ def test_compiled_fused_window_and_attention_match_timm_in_fp32(backend):
     compiled = torch.compile(patched, backend=backend)
     for seed in (1, 2):
         assert_step_close(plain, compiled, *batch(IMG, seed), grad_tol=grad_tol)
+
+
+
+@pytest.mark.parametrize("attention", ["timm", "fused_attention"])
+def test_under_autocast_the_windows_come_in_the_qkv_linear_s_dtype(monkeypatch, attention):
+    """Under CUDA autocast the residual stream is fp32 and the qkv Linear casts its input: roll_partition
+    writes that dtype itself. A block's _attn on an fp32 stream under autocast gives, bit for bit, the
+    output and input gradient of timm's _attn around the same attention module; an attention whose forward was replaced elsewhere
+    gets the stream's dtype."""
+    import importlib
+
+    from timm.models.swin_transformer_v2 import SwinTransformerV2Block
+
+    from workbench.optimize.passes.fused_window import v2_attention_takes_linear_input
+
+    win = importlib.import_module("workbench.kernels.window")
+    seen = []
+    real = win.roll_partition
+    monkeypatch.setattr(win, "roll_partition",
+                        lambda x, ws, shift, out_dtype=None: seen.append(out_dtype) or real(x, ws, shift, out_dtype))
+    patched, _ = apply_pass("fused_window", tiny_v2(IMG), pass_ctx(DEVICE))
+    if attention == "fused_attention":
+        patched, _ = apply_pass("fused_attention", patched, pass_ctx(DEVICE))
+    half = torch.bfloat16
+    for blk in v2_blocks(patched):
+        assert v2_attention_takes_linear_input(blk.attn)
+        H, W = blk.input_resolution
+        g = torch.Generator().manual_seed(H * 7 + int(any(blk.shift_size)))
+        x = torch.randn((2, H, W, blk.attn.qkv.in_features), generator=g).to(DEVICE).requires_grad_(True)
+        seen.clear()
+        with torch.autocast(DEVICE.type, dtype=half):
+            out = blk._attn(x)
+            ref = SwinTransformerV2Block._attn(blk, x)    # timm's roll + pad + partition, the Linear's cast
+        assert seen == [half]
+        dout = torch.randn(out.shape, generator=g).to(DEVICE, out.dtype)
+        (dx,) = torch.autograd.grad(out, x, dout)
+        (dx_ref,) = torch.autograd.grad(ref, x, dout)
+        assert dx.dtype == torch.float32
+        assert torch.equal(out, ref) and torch.equal(dx, dx_ref)
+    blk = v2_blocks(patched)[0]
+    blk.attn.forward = lambda *a, **k: None
+    assert not v2_attention_takes_linear_input(blk.attn)

@@ -90,6 +90,22 @@ def _pad_rows(B, H, W, ws):
 # ------------------------------------------------------------------------------------- tests
 
 
+@pytest.mark.parametrize("shape", SHAPES[:3], ids=_ids)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_roll_partition_writes_the_linear_s_dtype(shape, out_dtype):
+    """fp32 x, windows in a half dtype: the bits of partition-then-cast, rounded once; the gradient back
+    in fp32, the cast's backward's bits."""
+    B, H, W, C, ws, shift = shape
+    x = _randn((B, H, W, C), torch.float32, 2).requires_grad_(True)
+    ref = eager_roll_partition(x, ws, shift).to(out_dtype)
+    out = roll_partition(x, ws, shift, out_dtype)
+    assert out.dtype == out_dtype and torch.equal(out, ref)
+    dout = _randn(ref.shape, out_dtype, 3)
+    (dx_ref,) = torch.autograd.grad(ref, x, dout)
+    (dx,) = torch.autograd.grad(out, x, dout)
+    assert dx.dtype == torch.float32 and torch.equal(dx, dx_ref)
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=_ids)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_roll_partition(shape, dtype):

@@ -801,14 +801,16 @@ def _(dwindows, x, weight, mean, rstd, window_size, shift):
 
 class RollPartitionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, window_size, shift):
+    def forward(ctx, x, window_size, shift, out_dtype):
         ctx.geom = (int(window_size), int(shift), x.shape[1], x.shape[2])
-        return _roll_partition_op(x, int(window_size), int(shift), x.dtype)
+        ctx.x_dtype = x.dtype
+        return _roll_partition_op(x, int(window_size), int(shift), out_dtype or x.dtype)
 
     @staticmethod
     def backward(ctx, dwindows):
         ws, shift, H, W = ctx.geom
-        return _merge_roll_op(dwindows, ws, shift, H, W, None, dwindows.dtype), None, None
+        # the gradient comes back in x's dtype, as a cast's backward gives it (exact: a widening)
+        return _merge_roll_op(dwindows, ws, shift, H, W, None, ctx.x_dtype), None, None, None
 
 
 class MergeRollFunction(torch.autograd.Function):
@@ -936,11 +938,13 @@ class MergeUnshiftAddFunction(torch.autograd.Function):
 # ---------------------------------------------------------------------------------- public API
 
 
-def roll_partition(x: torch.Tensor, window_size: int, shift: int) -> torch.Tensor:
+def roll_partition(x: torch.Tensor, window_size: int, shift: int, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """torch.roll(x, (-shift, -shift), (1, 2)), zero-pad H, W to multiples of ws, timm window_partition.
 
-    x: (B, H, W, C) fp32/fp16/bf16 -> (B*nW, ws*ws, C), same dtype."""
-    return RollPartitionFunction.apply(x, window_size, shift)
+    x: (B, H, W, C) fp32/fp16/bf16 -> (B*nW, ws*ws, C) in out_dtype (default x.dtype), rounded once: with
+    the autocast dtype of the Linear the windows go into, the bits its input cast would give, without the
+    cast's pass. The gradient comes back in x.dtype."""
+    return RollPartitionFunction.apply(x, window_size, shift, out_dtype)
 
 
 def merge_roll(windows: torch.Tensor, window_size: int, shift: int, H: int, W: int) -> torch.Tensor:

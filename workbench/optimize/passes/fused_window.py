@@ -49,7 +49,10 @@ or buffers: state_dict is unchanged), v2_window_attn as its `_attn`:
     windows = roll_partition(x, ws, shift)                # one kernel (roll + pad + partition)
     attn    = self.attn(windows, mask=attn_mask)           # the attention module, timm's or fused_attention's
     x       = merge_roll(attn, ws, shift, H, W)            # one kernel (reverse + crop + roll)
-with timm's mask: the block's attn_mask, or get_attn_mask over the padded shape with dynamic_mask. norm1 and
+with timm's mask: the block's attn_mask, or get_attn_mask over the padded shape with dynamic_mask. Where the
+attention's input goes straight into its qkv Linear (timm's forward, or the fused or SDPA one), the windows
+are written under autocast in the Linear's dtype (the bits its cast gives, without the cast's pass over
+the fp32 stream). norm1 and
 the residual add are fused_layernorm's (post_add_layer_norm), the MLP fused_linear's. Blocks of a subclass, with an `_attn` or `forward` replaced
 elsewhere, or with a non-square window or shift keep timm's `_attn`, counted by reason in the result; a
 block made non-square after the pass (set_input_size) runs timm's `_attn` from then on.
@@ -61,7 +64,7 @@ import types
 import torch
 
 from workbench.optimize.passes import PassContext, PassResult, PassUnavailable
-from workbench.optimize.passes._swin import square, swin_blocks
+from workbench.optimize.passes._swin import autocast_input_dtype, square, swin_blocks
 from workbench.optimize.passes.block_plan import block_plans
 
 NAME = "fused_window"
@@ -141,12 +144,29 @@ def v2_window_attn(self, x: torch.Tensor) -> torch.Tensor:
     if ws is None or shift is None:
         return SwinTransformerV2Block._attn(self, x)
     _, H, W, _ = x.shape
-    windows = roll_partition(x, ws, shift)
+    # the windows go straight into the attention's qkv Linear: under autocast they are written in its dtype
+    windows = roll_partition(x, ws, shift, autocast_input_dtype(x) if v2_attention_takes_linear_input(self.attn) else None)
     if getattr(self, "dynamic_mask", False):   # timm builds it from the padded x: its shape, dtype, device
         attn_mask = self.get_attn_mask(x.new_empty((1, -(-H // ws) * ws, -(-W // ws) * ws, 0)))
     else:
         attn_mask = self.attn_mask
     return merge_roll(self.attn(windows, mask=attn_mask), ws, shift, H, W)
+
+
+def v2_attention_takes_linear_input(attn: torch.nn.Module) -> bool:
+    """Whether a SwinV2 WindowAttention does nothing with its input but pass it to its qkv Linear (so that
+    the windows can come in the Linear's autocast dtype): timm's own forward, or the fused or SDPA forward
+    the attention passes bind (each starts with _swin.v2_qkv), over a plain or fused-backward Linear."""
+    from timm.models.swin_transformer_v2 import WindowAttention
+
+    from workbench.kernels.linear import BiasGradLinear
+    from workbench.optimize.passes.fused_attention import v2_attention_forward
+    from workbench.optimize.passes.sdpa_attention import v2_sdpa_forward
+
+    if type(attn) is not WindowAttention or type(getattr(attn, "qkv", None)) not in (torch.nn.Linear, BiasGradLinear):
+        return False
+    forward = vars(attn).get("forward")
+    return forward is None or getattr(forward, "__func__", None) in (v2_attention_forward, v2_sdpa_forward)
 
 
 def _bound_here(blk: torch.nn.Module) -> bool:
