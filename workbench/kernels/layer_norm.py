@@ -354,6 +354,27 @@ def _(dy2, x2, weight, bias, mean, rstd, ds2):
     return x2.new_empty(x2.shape), mean.new_empty((2 * x2.shape[1],))
 
 
+def _pair_rows(what: str, x: torch.Tensor, residual: torch.Tensor, weight, bias):
+    """(C, x as (M, C) rows, residual as rows) after checking the shapes of a norm with a residual."""
+    if x.shape != residual.shape:
+        raise ValueError(f"{what}: x {tuple(x.shape)} and residual {tuple(residual.shape)} differ")
+    n_cols = _check(x, weight, bias)
+    return n_cols, _as_rows(x, n_cols), _as_rows(residual, n_cols)
+
+
+def _norm_backward(ctx, dy: torch.Tensor):
+    """(dx, dweight, dbias) of a LayerNorm of the saved (x2, weight, bias, mean, rstd), for the gradient dy
+    at its output (LayerNormFunction's, and PostAddLayerNormFunction's, whose residual passes dy on)."""
+    x2, weight, bias, mean, rstd = ctx.saved_tensors
+    dy2, into, ctx.sums = _as_rows(dy, x2.shape[1]), ctx.sums, None
+    if into is None:
+        dx, sums = _layer_norm_bwd_op(dy2, x2, weight, bias, mean, rstd, None)
+    else:
+        dx, sums = layer_norm_bwd(dy2, x2, weight, bias, mean, rstd, None, x2.dtype, sums_into=into)
+    dw, db = split_norm_grads(sums, weight, bias)
+    return dx.view(ctx.x_shape), dw, db
+
+
 class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, out_dtype):
@@ -371,23 +392,13 @@ class LayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x2, weight, bias, mean, rstd = ctx.saved_tensors
-        dy2, into, ctx.sums = _as_rows(dy, x2.shape[1]), ctx.sums, None
-        if into is None:
-            dx, sums = _layer_norm_bwd_op(dy2, x2, weight, bias, mean, rstd, None)
-        else:
-            dx, sums = layer_norm_bwd(dy2, x2, weight, bias, mean, rstd, None, x2.dtype, sums_into=into)
-        dw, db = split_norm_grads(sums, weight, bias)
-        return dx.view(ctx.x_shape), dw, db, None, None
+        return (*_norm_backward(ctx, dy), None, None)
 
 
 class AddLayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, bias, eps, y_dtype):
-        if x.shape != residual.shape:
-            raise ValueError(f"add_layer_norm: x {tuple(x.shape)} and residual {tuple(residual.shape)} differ")
-        n_cols = _check(x, weight, bias)
-        x2, r2 = _as_rows(x, n_cols), _as_rows(residual, n_cols)
+        n_cols, x2, r2 = _pair_rows("add_layer_norm", x, residual, weight, bias)
         out_dtype = torch.promote_types(x.dtype, residual.dtype)
         y_dtype = y_dtype or out_dtype
         ctx.sums = eager_column_sums(2 * n_cols, x.device, ctx, weight, bias)
@@ -419,10 +430,7 @@ class AddLayerNormFunction(torch.autograd.Function):
 class PostAddLayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, bias, eps, out_dtype):
-        if x.shape != residual.shape:
-            raise ValueError(f"post_add_layer_norm: x {tuple(x.shape)} and residual {tuple(residual.shape)} differ")
-        n_cols = _check(x, weight, bias)
-        x2, r2 = _as_rows(x, n_cols), _as_rows(residual, n_cols)
+        n_cols, x2, r2 = _pair_rows("post_add_layer_norm", x, residual, weight, bias)
         ctx.sums = eager_column_sums(2 * n_cols, x.device, ctx, weight, bias)
         if ctx.sums is None:
             out, mean, rstd = _post_add_layer_norm_fwd_op(x2, r2, weight, bias, eps, out_dtype)
@@ -435,15 +443,9 @@ class PostAddLayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        x2, weight, bias, mean, rstd = ctx.saved_tensors
-        dout2, into, ctx.sums = _as_rows(dout, x2.shape[1]), ctx.sums, None
-        if into is None:
-            dx, sums = _layer_norm_bwd_op(dout2, x2, weight, bias, mean, rstd, None)
-        else:
-            dx, sums = layer_norm_bwd(dout2, x2, weight, bias, mean, rstd, None, x2.dtype, sums_into=into)
-        dw, db = split_norm_grads(sums, weight, bias)
+        dx, dw, db = _norm_backward(ctx, dout)
         # the residual's gradient is the output's: no pass of its own (a cast only where dtypes differ)
-        return dx.view(ctx.x_shape), dout.to(ctx.r_dtype), dw, db, None, None
+        return dx, dout.to(ctx.r_dtype), dw, db, None, None
 
 
 def post_add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,

@@ -94,14 +94,21 @@ def _v2_result(model: torch.nn.Module, ctx: PassContext, Mlp, BiasGradLinear, ep
             kept += 1
     if linears == 0:
         raise PassUnavailable("no nn.Linear in this model's SwinV2 blocks")
-    changed = (f"{linears} SwinV2 Linear (proj, fc1, fc2) -> fused bias-gradient backward (Triton); "
-               f"{fused} MLP fc1+GELU fused; qkv left (SwinV2 runs it as F.linear with its q/v biases)")
+    result = _result(ctx, epilogue_dtypes, linears, fused, kept,
+                     f"{linears} SwinV2 Linear (proj, fc1, fc2) -> fused bias-gradient backward (Triton); "
+                     f"{fused} MLP fc1+GELU fused; qkv left (SwinV2 runs it as F.linear with its q/v biases)")
+    result.details["swinv2"] = True
+    return result
+
+
+def _result(ctx: PassContext, epilogue_dtypes, linears: int, fused: int, kept: int, changed: str) -> PassResult:
+    """The pass's result from its counts: `changed` completed with the MLPs kept and the inference epilogue."""
     if kept:
         changed += f"; {kept} MLP kept on timm's forward (other activation, dropout or hidden norm)"
     epilogue = _inference_epilogue(ctx, fused, epilogue_dtypes)
     if epilogue:
         changed += "; inference: fc1's bias and GELU in its GEMM's epilogue (cuBLASLt, tanh GELU)"
-    details = {"linears": linears, "mlps_fused": fused, "mlps_kept": kept, "swinv2": True,
+    details = {"linears": linears, "mlps_fused": fused, "mlps_kept": kept,
                "implementation": "workbench.kernels.linear (cuBLAS GEMMs + Triton bias/GELU reduction)",
                "inference_gelu": ("fc1 + bias + GELU as one cuBLASLt GEMM (torch._addmm_activation, tanh GELU: "
                                   "within 5e-4 of the exact erf GELU)") if epilogue else "separate (exact erf)"}
@@ -142,16 +149,7 @@ def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, Pa
         if name in kept_mlps:
             plans.fall_back(name, "mlp_gelu", "an MLP with another activation, dropout or a hidden norm")
     plans.bind(model)
-    mlps_fused, mlps_kept = len(fused_mlps), len(kept_mlps)
-    changed = (f"{linears} Linear -> fused bias-gradient backward (Triton); "
-               f"{mlps_fused} MLP fc1+GELU backward fused")
-    if mlps_kept:
-        changed += f"; {mlps_kept} MLP kept on timm's forward (other activation, dropout or hidden norm)"
-    epilogue = _inference_epilogue(ctx, mlps_fused, EPILOGUE_DTYPES)
-    if epilogue:
-        changed += "; inference: fc1's bias and GELU in its GEMM's epilogue (cuBLASLt, tanh GELU)"
-    details = {"linears": linears, "mlps_fused": mlps_fused, "mlps_kept": mlps_kept,
-               "implementation": "workbench.kernels.linear (cuBLAS GEMMs + Triton bias/GELU reduction)",
-               "inference_gelu": ("fc1 + bias + GELU as one cuBLASLt GEMM (torch._addmm_activation, tanh GELU: "
-                                  "within 5e-4 of the exact erf GELU)") if epilogue else "separate (exact erf)"}
-    return model, PassResult(NAME, {}, changed, details)
+    mlps_fused = len(fused_mlps)
+    return model, _result(ctx, EPILOGUE_DTYPES, linears, mlps_fused, len(kept_mlps),
+                          f"{linears} Linear -> fused bias-gradient backward (Triton); "
+                          f"{mlps_fused} MLP fc1+GELU backward fused")
