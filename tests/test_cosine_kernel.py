@@ -64,3 +64,55 @@ def test_shapes_it_does_not_take_are_refused():
     with pytest.raises(ValueError, match=r"\(B_, H, N, D\)"):
         cosine_qk(torch.zeros(4, 32), torch.zeros(4, 32), torch.ones(1))
     assert EPS == 1e-12
+
+
+def _attention_float64(q, k, v, scale, table, index, mask):
+    """timm's SwinV2 attention core in float64: cosine scores times the logit scale, + the table's bias
+    (and the window's mask), softmax, @ v."""
+    import torch.nn.functional as F
+
+    qn = F.normalize(q.double(), dim=-1, eps=EPS) * scale.double().reshape(1, -1, 1, 1)
+    kn = F.normalize(k.double(), dim=-1, eps=EPS)
+    s = qn @ kn.transpose(-2, -1) + table.double()[index].permute(2, 0, 1).unsqueeze(0)
+    if mask is not None:
+        nw = mask.shape[0]
+        s = (s.view(-1, nw, *s.shape[1:]) + mask.double().unsqueeze(1).unsqueeze(0)).view_as(s)
+    return s.softmax(-1) @ v.double()
+
+
+@pytest.mark.parametrize("windows, heads, tokens, d, masked", [(4, 2, 9, 16, True), (4, 3, 36, 32, False),
+                                                               (2, 6, 49, 32, True), (2, 4, 64, 64, True),
+                                                               (2, 2, 81, 32, True), (2, 3, 144, 16, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cosine_window_attention_is_cosine_qk_then_the_kernel(windows, heads, tokens, d, masked, dtype):
+    """Inference's one kernel (q and k normalized as the attention kernel loads them) gives the bits of
+    cosine_qk followed by the table kernel at scale 1, and the float64 truth within the dtype's rounding:
+    fresh inputs, the packed qkv's strided views, zero rows, windows of 9 to 144 tokens."""
+    from workbench.kernels.window_attention import (cosine_window_attention, fused_window_attention_from_table,
+                                                    rel_pos_inverse)
+
+    qkv = packed(windows, heads, tokens, d, dtype, seed=tokens * 10 + d).detach()
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    gen = torch.Generator().manual_seed(tokens + heads)
+    n_table = 4 * tokens
+    table = (torch.randn(n_table, heads, generator=gen) * 2).to(DEVICE)
+    index = torch.randint(0, n_table, (tokens, tokens), generator=gen).to(DEVICE)
+    mask = (torch.where(torch.rand(2, tokens, tokens, generator=gen) > 0.7, -100.0, 0.0).to(DEVICE)
+            if masked else None)
+    scale = (torch.rand(heads, generator=gen) * 15 + 3).to(DEVICE)
+    out = cosine_window_attention(q, k, v, table, index, scale, mask)
+    qn, kn = cosine_qk(q, k, scale, dtype)
+    ref = fused_window_attention_from_table(qn, kn, v, table, index, rel_pos_inverse(index, n_table), mask, scale=1.0)
+    assert out.dtype == dtype and out.shape == (windows, heads, tokens, d)
+    assert torch.equal(out, ref)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert rel(out, _attention_float64(q, k, v, scale, table, index, mask)) < tol
+
+
+def test_cosine_window_attention_refuses_a_scale_per_other_heads():
+    from workbench.kernels.window_attention import cosine_window_attention
+
+    q = torch.zeros(1, 2, 16, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="nH=2"):
+        cosine_window_attention(q, q, q, torch.zeros(49, 2, device=DEVICE), torch.zeros(16, 16, dtype=torch.long, device=DEVICE),
+                                torch.ones(3, device=DEVICE))

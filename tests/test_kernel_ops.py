@@ -67,6 +67,8 @@ def op_samples():
         ("window_attention_table_bwd", wa._window_attention_table_bwd_op,
          (q, k, v, out, lse, dout, rand(169, nh), _rel_index(7).to(DEVICE),
           wa.rel_pos_inverse(_rel_index(7).to(DEVICE), 169), mask, d ** -0.5, True)),
+        ("window_attention_cosine_fwd", wa._window_attention_cosine_fwd_op,
+         (q, k, v, rand(169, nh), _rel_index(7).to(DEVICE), mask, rand(nh).abs() + 1)),
         ("cosine_rows_fwd", cos.cosine_rows_fwd, (q, rand(nh), torch.bfloat16)),
         ("cosine_rows_bwd", cos.cosine_rows_bwd, (q, dout, cos.cosine_rows_fwd(q, None, torch.float32)[1], rand(nh))),
     ]
@@ -93,6 +95,7 @@ NAMES = ["layer_norm_fwd", "add_layer_norm_fwd", "post_add_layer_norm_fwd", "lay
          "norm_shift_partition_fwd", "norm_shift_partition_bwd", "window_attention_fwd", "window_attention_bwd",
          "window_attention_qkv_bwd", "bias_grad", "rel_pos_table_grad",
          "window_attention_table_fwd", "window_attention_qkv_table_bwd", "window_attention_table_bwd",
+         "window_attention_cosine_fwd",
          "cosine_rows_fwd", "cosine_rows_bwd"]
 
 

@@ -270,3 +270,24 @@ def test_inference_keeps_the_weight_terms_until_a_weight_changes(monkeypatch):
     assert len(computed) == blocks + 1                    # only the changed module recomputed
     patched(x).sum().backward()
     assert len(computed) == 2 * blocks + 1
+
+
+def test_inference_normalizes_q_and_k_inside_the_attention_kernel(monkeypatch):
+    """Without autograd the fused SwinV2 attention runs cosine_window_attention (no cosine_qk launches):
+    the same logits, bit for bit, as the training path's cosine_qk + attention kernel, and timm's."""
+    import importlib
+
+    cos = importlib.import_module("workbench.kernels.cosine")
+    calls = []
+    real = cos.cosine_qk
+    monkeypatch.setattr(cos, "cosine_qk", lambda *a, **k: calls.append(1) or real(*a, **k))
+    plain = tiny_v2().eval()
+    patched, _ = apply_pass("fused_attention", copy.deepcopy(plain), pass_ctx(DEVICE))
+    x, _ = batch(32, 6)
+    with torch.no_grad():
+        fast = patched(x)
+    assert calls == []
+    with_grad = patched(x)
+    assert calls and torch.equal(fast, with_grad.detach())
+    with torch.no_grad():
+        torch.testing.assert_close(fast, plain(x), rtol=1e-5, atol=1e-5)

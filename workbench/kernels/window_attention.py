@@ -63,7 +63,8 @@ import torch
 import triton
 import triton.language as tl
 
-from workbench.kernels._common import _INTERPRET, AUTOTUNE, cdiv, kernel_op, launch, next_pow2, tracing
+from workbench.kernels._common import (_INTERPRET, AUTOTUNE, SOFT_RTNE, cdiv, kernel_op, launch, next_pow2, to_dtype,
+                                      tracing)
 
 # Test hook: when True, every buffer a kernel must fill is NaN-filled first, so an element the
 # kernel forgets to write fails the comparison instead of passing by luck.
@@ -108,7 +109,7 @@ def _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, offs_n, N, NH, HAS_MASK: tl
 
 @triton.jit(do_not_specialize=["B_PER_W", "NW", "NH"])
 def _window_attention_fwd_kernel(
-    Q, K, V, BIAS, MASK, INDEX, O, LSE,
+    Q, K, V, BIAS, MASK, INDEX, O, LSE, COS,
     sq_b, sq_h, sq_n, sq_d,
     sk_b, sk_h, sk_n, sk_d,
     sv_b, sv_h, sv_n, sv_d,
@@ -116,8 +117,9 @@ def _window_attention_fwd_kernel(
     scale, B_PER_W, G: tl.constexpr,
     NW, NH, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, TABLE: tl.constexpr,
+    UPCAST: tl.constexpr, TABLE: tl.constexpr, COSINE: tl.constexpr = False, SOFT_RTNE: tl.constexpr = False,
 ):
+    """COSINE: q and k come raw and are normalized here (_cosine; q times the logit scale COS[h])."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
     w = pid % NW
@@ -142,6 +144,9 @@ def _window_attention_fwd_kernel(
                         mask=key_ok[:, None], other=0.0)
             v = tl.load(V + b * sv_b + h * sv_h + offs_n[:, None] * sv_n + offs_d[None, :] * sv_d,
                         mask=key_ok[:, None], other=0.0)
+            if COSINE:
+                q = _cosine(q, COS, h, True, SOFT_RTNE)
+                k = _cosine(k, COS, h, False, SOFT_RTNE)
             s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale + bias  # base-2 logits
             m = tl.max(s, 1)
             p = tl.exp2(s - m[:, None])
@@ -277,6 +282,19 @@ def _store_rows(PTR, x, b, h, s_b, s_h, s_n, s_d, offs, N, D: tl.constexpr):
 
 
 @triton.jit
+def _cosine(x, COS, h, SCALED: tl.constexpr, SOFT_RTNE: tl.constexpr):
+    """SwinV2's cosine-attention input from raw rows x (R, D): x / max(||x||, 1e-12) (F.normalize's eps),
+    times the head's logit scale COS[h] when SCALED (q), in fp32 and rounded once to x's dtype: the bits
+    kernels.cosine's cosine_rows_fwd writes (same order of operations)."""
+    xf = x.to(tl.float32)
+    r = 1.0 / tl.maximum(tl.sqrt(tl.sum(xf * xf, 1)), 1e-12)
+    y = xf * r[:, None]
+    if SCALED:
+        y = y * tl.load(COS + h)
+    return to_dtype(y, x.dtype, SOFT_RTNE)
+
+
+@triton.jit
 def _store_dbias_tile(SLOT, x, offs_m, n0, N, KB: tl.constexpr):
     """Rows offs_m, columns [n0, n0 + KB) of one (N, N) d_bias slot; outside N x N nothing."""
     offs_n = n0 + tl.arange(0, KB)
@@ -317,10 +335,13 @@ def _key_block_biases(BIAS, MASK, INDEX, h, w, offs_m, N, NH, HAS_MASK: tl.const
 @triton.jit
 def _fwd_key_block(q, acc, m_i, l_i, bias, K, V, b, h, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
                    n0, qk_scale, N, D: tl.constexpr, KB: tl.constexpr, PRECISION: tl.constexpr,
-                   UPCAST: tl.constexpr):
-    """One online-softmax step over keys [n0, n0 + KB): (acc, running max, running sum), base 2."""
+                   UPCAST: tl.constexpr, COSINE: tl.constexpr, SOFT_RTNE: tl.constexpr):
+    """One online-softmax step over keys [n0, n0 + KB): (acc, running max, running sum), base 2.
+    COSINE: the keys come raw and are normalized here."""
     offs_n = n0 + tl.arange(0, KB)
     k = _load_rows(K, b, h, sk_b, sk_h, sk_n, sk_d, offs_n, N, D)
+    if COSINE:
+        k = _cosine(k, K, h, False, SOFT_RTNE)
     v = _load_rows(V, b, h, sv_b, sv_h, sv_n, sv_d, offs_n, N, D)
     s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale + bias  # padded keys: bias is -inf
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -333,7 +354,7 @@ def _fwd_key_block(q, acc, m_i, l_i, bias, K, V, b, h, sk_b, sk_h, sk_n, sk_d, s
 
 @triton.jit(do_not_specialize=["B_PER_W", "NW", "NH"])
 def _window_attention_fwd_tiled_kernel(
-    Q, K, V, BIAS, MASK, INDEX, O, LSE,
+    Q, K, V, BIAS, MASK, INDEX, O, LSE, COS,
     sq_b, sq_h, sq_n, sq_d,
     sk_b, sk_h, sk_n, sk_d,
     sv_b, sv_h, sv_n, sv_d,
@@ -342,6 +363,7 @@ def _window_attention_fwd_tiled_kernel(
     NW, NH, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, TABLE: tl.constexpr, KT: tl.constexpr, BIAS_REGS: tl.constexpr,
+    COSINE: tl.constexpr = False, SOFT_RTNE: tl.constexpr = False,
 ):
     """Forward for 64 < N <= 256. Grid (nW * n_groups, nH, cdiv(N, BLOCK_M)): program (w, g, h, m) owns
     query rows [m*BLOCK_M, (m+1)*BLOCK_M) of its G windows; keys in NKB <= 4 blocks, 64 wide but the
@@ -365,27 +387,33 @@ def _window_attention_fwd_tiled_kernel(
     for i in range(i_start, i_end):
         b = (i * NW + w).to(tl.int64)
         q = _load_rows(Q, b, h, sq_b, sq_h, sq_n, sq_d, offs_m, N, D)
+        if COSINE:
+            q = _cosine(q, COS, h, True, SOFT_RTNE)
         m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
         if not BIAS_REGS:
             bias0 = _key_block_bias(BIAS, MASK, INDEX, h, w, offs_m, 0, N, NH, HAS_MASK, TABLE, KT)
         acc, m_i, l_i = _fwd_key_block(q, acc, m_i, l_i, bias0, K, V, b, h, sk_b, sk_h, sk_n, sk_d,
-                                       sv_b, sv_h, sv_n, sv_d, 0, qk_scale, N, D, KB, PRECISION, UPCAST)
+                                       sv_b, sv_h, sv_n, sv_d, 0, qk_scale, N, D, KB, PRECISION, UPCAST,
+                                       COSINE, SOFT_RTNE)
         if not BIAS_REGS:
             bias1 = _key_block_bias(BIAS, MASK, INDEX, h, w, offs_m, 1, N, NH, HAS_MASK, TABLE, KT)
         acc, m_i, l_i = _fwd_key_block(q, acc, m_i, l_i, bias1, K, V, b, h, sk_b, sk_h, sk_n, sk_d,
-                                       sv_b, sv_h, sv_n, sv_d, KB, qk_scale, N, D, W1, PRECISION, UPCAST)
+                                       sv_b, sv_h, sv_n, sv_d, KB, qk_scale, N, D, W1, PRECISION, UPCAST,
+                                       COSINE, SOFT_RTNE)
         if NKB > 2:
             if not BIAS_REGS:
                 bias2 = _key_block_bias(BIAS, MASK, INDEX, h, w, offs_m, 2, N, NH, HAS_MASK, TABLE, KT)
             acc, m_i, l_i = _fwd_key_block(q, acc, m_i, l_i, bias2, K, V, b, h, sk_b, sk_h, sk_n, sk_d,
-                                           sv_b, sv_h, sv_n, sv_d, 2 * KB, qk_scale, N, D, W2, PRECISION, UPCAST)
+                                           sv_b, sv_h, sv_n, sv_d, 2 * KB, qk_scale, N, D, W2, PRECISION, UPCAST,
+                                           COSINE, SOFT_RTNE)
         if NKB > 3:
             if not BIAS_REGS:
                 bias3 = _key_block_bias(BIAS, MASK, INDEX, h, w, offs_m, 3, N, NH, HAS_MASK, TABLE, KT)
             acc, m_i, l_i = _fwd_key_block(q, acc, m_i, l_i, bias3, K, V, b, h, sk_b, sk_h, sk_n, sk_d,
-                                           sv_b, sv_h, sv_n, sv_d, 3 * KB, qk_scale, N, D, KT, PRECISION, UPCAST)
+                                           sv_b, sv_h, sv_n, sv_d, 3 * KB, qk_scale, N, D, KT, PRECISION, UPCAST,
+                                           COSINE, SOFT_RTNE)
         _store_rows(O, acc / l_i[:, None], b, h, so_b, so_h, so_n, so_d, offs_m, N, D)
         tl.store(LSE + (b * NH + h) * N + offs_m, m_i + tl.log2(l_i), mask=offs_m < N)
 
@@ -770,17 +798,21 @@ def _strides(t: torch.Tensor):
 # --------------------------------------------------------------------------------------------
 # Host functions
 # --------------------------------------------------------------------------------------------
-def window_attention_fwd(q, k, v, rel_bias, mask, scale, index=None):
+def window_attention_fwd(q, k, v, rel_bias, mask, scale, index=None, cosine=None):
     """q, k, v: (B*nW, nH, N, d) fp16/bf16/fp32, any strides. rel_bias: (nH, N, N), or with `index`
     (N, N) the relative-position table (n_table, nH) that the kernel gathers from (rel_bias[h, i, j] =
-    table[index[i, j], h]). mask: (nW, N, N) or None. -> (out (B*nW, nH, N, d) in q.dtype (a view of a
-    (B*nW, N, nH, d) buffer), lse (B*nW, nH, N) fp32 base-2 logsumexp)."""
+    table[index[i, j], h]). mask: (nW, N, N) or None. cosine: SwinV2's per-head logit scale (nH,) fp32, or
+    None: with it q and k come raw and the kernel normalizes them (q times the scale) as it loads them.
+    -> (out (B*nW, nH, N, d) in q.dtype (a view of a (B*nW, N, nH, d) buffer), lse (B*nW, nH, N) fp32
+    base-2 logsumexp)."""
     bnw, nh, n, d = q.shape
     nw = 1 if mask is None else mask.shape[0]
     b_per_w = bnw // nw
     rel_bias = rel_bias.contiguous()
     mask_arg = rel_bias if mask is None else mask.contiguous()  # dummy pointer when no mask
     index_arg = rel_bias if index is None else index.contiguous()  # dummy pointer without a table
+    cos_arg = rel_bias if cosine is None else cosine.contiguous()  # dummy pointer without cosine scores
+    cos_meta = dict(COSINE=cosine is not None, SOFT_RTNE=SOFT_RTNE)
     # The kernel writes the (B*nW, N, nH, d) buffer itself, through the strides of its permuted view:
     # a traced launch must mutate whole tensors, not views (Inductor copies views in and out).
     out_buf = _new_buffer((bnw, n, nh, d), q.dtype, q.device)
@@ -791,21 +823,22 @@ def window_attention_fwd(q, k, v, rel_bias, mask, scale, index=None):
         extra = dict(_TILED_INTERPRET_CONFIG) if _INTERPRET else {}
         grid = lambda meta: (nw * cdiv(b_per_w, meta["G"]), nh, cdiv(n, meta["BLOCK_M"]))  # noqa: E731
         launch(_fwd_tiled)[grid](
-            q, k, v, rel_bias, mask_arg, index_arg, out_buf, lse,
+            q, k, v, rel_bias, mask_arg, index_arg, out_buf, lse, cos_arg,
             *_strides(q), *_strides(k), *_strides(v), *_strides(out),
             float(scale), b_per_w, NW=nw, NH=nh, N=n, D=d,
             HAS_MASK=mask is not None, PRECISION=_precision(q.dtype),
-            UPCAST=_INTERPRET and q.dtype == torch.bfloat16, TABLE=index is not None, KT=_tail_width(n), **extra,
+            UPCAST=_INTERPRET and q.dtype == torch.bfloat16, TABLE=index is not None, KT=_tail_width(n), **cos_meta,
+            **extra,
         )
         return out, lse
     extra = dict(_INTERPRET_CONFIG) if _INTERPRET else {}
     grid = lambda meta: (nw * cdiv(b_per_w, meta["G"]), nh)  # noqa: E731
     launch(_fwd)[grid](
-        q, k, v, rel_bias, mask_arg, index_arg, out_buf, lse,
+        q, k, v, rel_bias, mask_arg, index_arg, out_buf, lse, cos_arg,
         *_strides(q), *_strides(k), *_strides(v), *_strides(out),
         float(scale), b_per_w, NW=nw, NH=nh, N=n, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_MASK=mask is not None, PRECISION=_precision(q.dtype),
-        UPCAST=_INTERPRET and q.dtype == torch.bfloat16, TABLE=index is not None, **extra,
+        UPCAST=_INTERPRET and q.dtype == torch.bfloat16, TABLE=index is not None, **cos_meta, **extra,
     )
     return out, lse
 
@@ -991,6 +1024,18 @@ def _(q, k, v, table, index, mask, scale):
     return _fwd_outputs_like(q)
 
 
+@kernel_op("swinbench::window_attention_cosine_fwd")
+def _window_attention_cosine_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
+                                    index: torch.Tensor, mask: Optional[torch.Tensor], logit_scale: torch.Tensor
+                                    ) -> torch.Tensor:
+    return window_attention_fwd(q, k, v, table, mask, 1.0, index=index, cosine=logit_scale)[0]
+
+
+@_window_attention_cosine_fwd_op.register_fake
+def _(q, k, v, table, index, mask, logit_scale):
+    return _fwd_outputs_like(q)[0]
+
+
 @kernel_op("swinbench::window_attention_qkv_table_bwd")
 def _window_attention_qkv_table_bwd_op(qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
                                        table: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor,
@@ -1151,6 +1196,26 @@ def fused_window_attention_from_table(q, k, v, table, index, inverse, mask=None,
         scale = q.shape[-1] ** -0.5
     return WindowAttentionTableFunction.apply(q, k, v, table, index, inverse,
                                               None if mask is None else mask.detach(), float(scale))
+
+
+def cosine_window_attention(q, k, v, table, index, logit_scale, mask=None):
+    """SwinV2's cosine window attention for inference, one kernel: softmax(normalize(q) * logit_scale[h]
+    @ normalize(k)^T + table[index] + mask) @ v, with q and k raw (the views of the packed qkv) and
+    normalized in the kernel as it loads them (the bits kernels.cosine's cosine_qk would write, so the
+    same output as cosine_qk followed by fused_window_attention_from_table at scale 1), no launch or pass
+    of their own. No backward: training keeps cosine_qk, whose backward carries the logit scale's
+    gradient. q, k, v (B*nW, nH, N, d) in one dtype; logit_scale (nH,) (exp of the clamped logit scale);
+    table (n_table, nH); index (N, N)."""
+    nh = q.shape[1]
+    if table.dim() != 2 or table.shape[1] != nh or tuple(index.shape) != (q.shape[2], q.shape[2]):
+        raise ValueError(f"table must be (n_table, nH={nh}) and index ({q.shape[2]}, {q.shape[2]}), got "
+                         f"{tuple(table.shape)} and {tuple(index.shape)}")
+    _check_inputs(q, k, v, None, mask)
+    scale = logit_scale.detach().reshape(-1).float()
+    if scale.numel() != nh:
+        raise ValueError(f"logit_scale must have nH={nh} values, got {scale.numel()}")
+    return _window_attention_cosine_fwd_op(q, k, v, table.detach(), index, None if mask is None else mask.detach(),
+                                           scale)
 
 
 def fused_window_attention(q, k, v, rel_bias, mask=None, scale=None):

@@ -79,17 +79,22 @@ def window_tokens(blk: torch.nn.Module) -> int:
 def v2_attention_forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """timm's SwinV2 WindowAttention.forward with the fused kernel for its core: the same qkv (q/k/v biases
     concatenated, or added after the Linear with qkv_bias_separate), cosine scores with the per-head logit
-    scale folded into q (each of q and k normalized in one Triton launch: kernels.cosine), 16 * sigmoid
+    scale folded into q (each of q and k normalized in one Triton launch: kernels.cosine; in inference
+    inside the attention kernel as it loads them: cosine_window_attention), 16 * sigmoid
     of the cpb_mlp table, read by the kernels through the index (autograd carries its gradient to
     cpb_mlp), the (nW, N, N) mask, softmax, @ v in the kernel (scale 1), proj. Without autograd (inference) the terms
     that depend on the weights alone (the qkv bias, the logit scale, the position bias) are computed once
     and kept until a weight changes (`_v2_constants`)."""
     from workbench.kernels.cosine import cosine_qk
-    from workbench.kernels.window_attention import fused_window_attention_from_table
+    from workbench.kernels.window_attention import cosine_window_attention, fused_window_attention_from_table
 
     b_, n, c = x.shape
     qkv_bias, logit_scale, table = _v2_constants(self)
     q, k, v = v2_qkv(self, x, qkv_bias).reshape(b_, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+    if not torch.is_grad_enabled():
+        # inference: q and k normalized inside the attention kernel as it loads them (the same bits)
+        x = cosine_window_attention(q, k, v, table, self.relative_position_index, logit_scale, mask)
+        return self.proj_drop(self.proj(x.transpose(1, 2).reshape(b_, n, c)))
     # normalize(q) * logit_scale and normalize(k), in v's dtype: one Triton launch per tensor each way
     q, k = cosine_qk(q, k, logit_scale, v.dtype)
     # the kernels read the bias from the (2w-1)^2 x nH table through the index: no (nH, N, N) gather,
