@@ -106,25 +106,32 @@ def test_a_deep_copy_and_a_second_run_keep_the_fused_forward():
     assert result.details["swinv2_patched_modules"] == 4 and result.details["swinv2_left_on_timm"] == {}
 
 
-def test_attention_dropout_and_large_windows_keep_timms_path_with_their_reason():
+def test_attention_dropout_and_large_windows_run_pytorch_s_sdpa_with_their_reason():
+    """What the kernel cannot take runs sdpa_attention's SwinV2 forward (what the PyTorch-alone peers
+    run), not timm's eager attention: the same logits and gradients as timm, the reason in the result."""
+    from workbench.optimize.passes.sdpa_attention import v2_sdpa_forward
+
     model = tiny_v2()
     first = v2_attentions(model)[0]
     first.attn_drop.p = 0.1
     model, result = apply_pass("fused_attention", model, pass_ctx(DEVICE))
-    assert result.details["swinv2_patched_modules"] == 3
-    assert result.details["swinv2_left_on_timm"] == {"attn_drop > 0: the kernel has no dropout": 1}
-    assert "1 left on timm's path (attn_drop > 0: the kernel has no dropout)" in result.changed
-    assert "forward" not in vars(first)
+    assert result.details["swinv2_patched_modules"] == 3 and result.details["swinv2_left_on_timm"] == {}
+    assert result.details["swinv2_sdpa_beyond_kernel"] == {"attn_drop > 0: the kernel has no dropout": 1}
+    assert "1 on PyTorch's SDPA, beyond the kernel (attn_drop > 0: the kernel has no dropout)" in result.changed
+    assert vars(first)["forward"].__func__ is v2_sdpa_forward
 
-    _, result = apply_pass("fused_attention", tiny_v2(), pass_ctx(DEVICE), {"max_tokens": 15})
+    plain = tiny_v2()
+    patched, result = apply_pass("fused_attention", copy.deepcopy(plain), pass_ctx(DEVICE), {"max_tokens": 15})
     assert result.details["swinv2_patched_modules"] == 0
-    assert result.details["swinv2_left_on_timm"] == {"16-token windows, above max_tokens 15": 4}
+    assert result.details["swinv2_sdpa_beyond_kernel"] == {"16-token windows, above max_tokens 15": 4}
+    assert all(vars(m)["forward"].__func__ is v2_sdpa_forward for m in v2_attentions(patched))
+    assert_step_close(plain, patched, *batch(32, 8), grad_tol=grad_tol)
 
     # window 24 (576 tokens, swinv2_*_window24 models): above what the kernels take. The pass only binds.
     big = tiny_v2(img=96, window=24, depths=(1,), heads=(2,))
     big, result = apply_pass("fused_attention", big, pass_ctx(DEVICE))
-    assert result.details["swinv2_left_on_timm"] == {"576-token windows, above max_tokens 256": 1}
-    assert "\n" not in result.changed
+    assert result.details["swinv2_sdpa_beyond_kernel"] == {"576-token windows, above max_tokens 256": 1}
+    assert result.details["swinv2_left_on_timm"] == {} and "\n" not in result.changed
 
 
 @pytest.mark.parametrize("name, why", [

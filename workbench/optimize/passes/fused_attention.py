@@ -30,11 +30,11 @@ into q (kernels.cosine), 16 * sigmoid taken on cpb_mlp's ((2w-1)^2, nH) table, w
 through the index as they read v1's table (its gradient summed in one launch, then through autograd to
 cpb_mlp), and the fused kernel with scale 1 for scores + bias + mask, softmax and @ v. `bias` has no
 effect there (the table is always read in-kernel). Modules with attn_drop > 0, windows above `max_tokens`
-(window 24: 576 tokens), a head width the kernel does not take, a subclass or a forward replaced
-elsewhere keep timm's own attention, counted by reason in the result; a shape measured faster on
-PyTorch's path runs sdpa_attention's SwinV2 forward (SDPA). The v1 block plans are not used:
-fused_linear and fused_block stand aside on SwinV2 blocks (post-norm), each with its reason;
-fused_window binds the block's _attn, which calls this forward.
+(window 24: 576 tokens) or a head width the kernel does not take run sdpa_attention's SwinV2 forward
+(PyTorch's SDPA, as the PyTorch-alone peers do), as does a shape measured faster on PyTorch's path; a
+subclass or a forward replaced elsewhere keeps timm's own attention; the result counts each by reason.
+The v1 block plans are not used: fused_block stands aside on SwinV2 blocks (post-norm); fused_window
+binds the block's _attn, which calls this forward.
 """
 from __future__ import annotations
 
@@ -170,14 +170,19 @@ def _v2_why_not(attn: torch.nn.Module, max_tokens: int) -> str | None:
     return None
 
 
+SDPA_FALLBACK = "on PyTorch's SDPA, beyond the kernel"
+SDPA_MEASURED = "on PyTorch's SDPA: measured faster at this shape on this GPU"
+
+
 def _apply_v2(model: torch.nn.Module, max_tokens: int, faster: dict | None = None) -> tuple[int, dict[str, int]]:
     """Bind v2_attention_forward to every SwinV2 WindowAttention the kernel can run -> (patched, {reason:
     modules left on timm's or PyTorch's path}). A module this pass bound before counts as patched. faster:
     {id of a module: why} for those whose shape runs faster on PyTorch's SDPA (measured): they get
-    sdpa_attention's SwinV2 forward."""
+    sdpa_attention's SwinV2 forward, as do the modules the kernel cannot take (window above max_tokens,
+    head width, attention dropout) where that forward computes their function."""
     from timm.models.swin_transformer_v2 import WindowAttention
 
-    from workbench.optimize.passes.sdpa_attention import bind_v2
+    from workbench.optimize.passes.sdpa_attention import bind_v2, v2_why_not
 
     patched, left = 0, {}
     for m in model.modules():
@@ -190,6 +195,11 @@ def _apply_v2(model: torch.nn.Module, max_tokens: int, faster: dict | None = Non
         if reason is None and id(m) in (faster or {}):
             bind_v2(m)
             reason = faster[id(m)]
+        elif reason is not None and v2_why_not(m) is None:
+            # the kernel cannot take it (window size, head width, dropout): PyTorch's SDPA form can, and
+            # is faster than timm's eager attention (never slower than the PyTorch-alone peers, which run it)
+            bind_v2(m)
+            reason = f"{SDPA_FALLBACK} ({reason})"
         if reason is None:
             m.forward = types.MethodType(v2_attention_forward, m)
             if getattr(m, INVERSE_BUFFER, None) is None:   # for the kernels' one-launch table gradient
@@ -307,7 +317,7 @@ def _v2_result(model: torch.nn.Module, ctx: PassContext, bias: str, max_tokens: 
         for _, b in v2_blocks:
             timed = routes.get(block_shape(b))
             if timed is not None and timed["route"] == "pytorch":
-                faster[id(b.attn)] = "on PyTorch's SDPA: measured faster at this shape on this GPU"
+                faster[id(b.attn)] = SDPA_MEASURED
     patched, left = _apply_v2(model, max_tokens, faster)
     changed = (f"{patched} SwinV2 WindowAttention -> fused Triton window attention (fwd+bwd; cosine scores, "
                "q and k normalized and the logit scale folded into q in one launch each, the MLP's position-bias "
@@ -315,8 +325,9 @@ def _v2_result(model: torch.nn.Module, ctx: PassContext, bias: str, max_tokens: 
     for reason, count in sorted(left.items()):
         changed += (f"; {count} {reason}" if reason.startswith("on PyTorch's SDPA")
                     else f"; {count} left on timm's path ({reason})")
-    on_sdpa = sum(c for r, c in left.items() if r.startswith("on PyTorch's SDPA"))
-    details = {"swinv2_patched_modules": patched, "swinv2_sdpa_measured_faster": on_sdpa,
+    details = {"swinv2_patched_modules": patched, "swinv2_sdpa_measured_faster": left.get(SDPA_MEASURED, 0),
+               "swinv2_sdpa_beyond_kernel": {r[len(SDPA_FALLBACK) + 2:-1]: c for r, c in left.items()
+                                             if r.startswith(SDPA_FALLBACK)},
                "swinv2_left_on_timm": {r: c for r, c in left.items() if not r.startswith("on PyTorch's SDPA")},
                "max_tokens": max_tokens,
                "bias": "table (cpb_mlp's, read in-kernel)",
