@@ -38,14 +38,17 @@ def test_fused_attention_pass_matches_timm_in_fp32(bias):
         assert err < 1e-4, f"{name}: relative gradient error {err:.2e}"
 
 
-def test_attention_dropout_is_left_on_timm_path():
+def test_attention_dropout_runs_timm_s_sdpa_path():
+    """The kernel has no attention dropout: such a module keeps timm's forward with its SDPA switch on
+    (F.scaled_dot_product_attention with dropout_p), not timm's eager attention."""
     model = build_model(TINY_MODEL)
     attn = next(m for m in model.modules() if type(m).__name__ == "WindowAttention")
     attn.attn_drop.p = 0.1
     ctx = pass_ctx(DEVICE)
     model, result = fused_attention.apply(model, ctx)
     assert result.details == {**result.details, "patched_modules": 3, "skipped_attn_dropout": 1}
-    assert "forward" not in vars(attn)
+    assert "1 on timm's SDPA path (attn_drop > 0: the kernel has no dropout)" in result.changed
+    assert "forward" not in vars(attn) and attn.fused_attn is True
 
 
 @pytest.mark.parametrize("name", ["fused_attention", "fused_window", "fused_linear"])

@@ -5,8 +5,8 @@ Linears as they are and swaps the attention core (q k^T * scale + bias + mask, s
 kernel (block_forward.attention_forward): the N x N scores never reach global memory, and the
 relative-position bias is read from timm's table by the kernels (bias: table) or gathered from it in one
 launch (bias: gather), its gradient summed back into the table by one deterministic Triton launch over the
-index's inverse. Blocks whose attention has a non-zero attn_drop keep timm's path (the kernel has no
-dropout) and are counted; the plan says why.
+index's inverse. Blocks whose attention has a non-zero attn_drop run timm's SDPA path instead (the kernel
+has no dropout; F.scaled_dot_product_attention has) and are counted; the plan says why.
 
 Route per shape: windows of up to 64 tokens (window 7: 49) run the kernel that holds a window's keys in
 one tile; windows of 65 to 256 tokens (window 12: 144) run its key-tiled path (keys in blocks of 64).
@@ -254,8 +254,9 @@ def apply(model: torch.nn.Module, ctx: PassContext, bias: str = "table",
                                                   else "PyTorch's SDPA runs, as the recipe asks"))
             continue
         if blk.attn.attn_drop.p > 0:
-            skipped_dropout += 1  # the kernel has no attention dropout: keep timm's path
-            plans.fall_back(name, "attention", "attn_drop > 0: the kernel has no dropout")
+            skipped_dropout += 1  # the kernel has no attention dropout: timm's SDPA path has
+            plans.update(name, sdpa=True)
+            plans.fall_back(name, "attention", "attn_drop > 0: the kernel has no dropout; PyTorch's SDPA runs")
             continue
         timed = routes.get(block_shape(blk))
         if timed is not None and timed["route"] == "pytorch":
@@ -273,7 +274,7 @@ def apply(model: torch.nn.Module, ctx: PassContext, bias: str = "table",
     plans.bind(model)
     changed = f"{patched} WindowAttention -> fused Triton window attention (fwd+bwd)"
     if skipped_dropout:
-        changed += f"; {skipped_dropout} left on timm's path (attn_drop > 0)"
+        changed += f"; {skipped_dropout} on timm's SDPA path (attn_drop > 0: the kernel has no dropout)"
     for tokens, count in sorted(routed.items()):
         changed += f"; {count} with {tokens}-token windows on PyTorch's SDPA (above max_tokens {max_tokens})"
     if measured_sdpa:
