@@ -415,7 +415,7 @@ def report(
 
 @app.command()
 def matrix(
-    models: Annotated[Optional[str], typer.Option(help="Comma-separated timm Swin models (default: tiny, small, base and large at window 7 / 224 px base at window 12 / 384 px and SwinV2-T at window 8 / 256 px on a GPU; the tiny CPU Swin on the CPU).")] = None,
+    models: Annotated[Optional[str], typer.Option(help="Comma-separated timm Swin models (default: tiny, small, base and large at window 7 / 224 px, base at window 12 / 384 px and SwinV2-T at window 8 / 256 px on a GPU; the tiny CPU Swin on the CPU).")] = None,
     modes: Annotated[str, typer.Option(help="Comma-separated cells per model: train (at the model's training batch), infer64, infer8, infer1.")] = "train,infer64,infer1",
     train_batch: Annotated[Optional[int], typer.Option(help="Training batch for every model (default per model: workbench.ladder.matrix.TRAIN_BATCH, e.g. 128 for tiny/small, 64 for base/large, 32 at 384 px).")] = None,
     fused: Annotated[Optional[str], typer.Option(help="The swinbench stage each cell runs beside amp and torch-compile: one for every cell, or per mode as train=STAGE,infer=STAGE (default train=fmha,infer=dense).")] = None,
