@@ -106,6 +106,8 @@ def _record_launches(quick: bool) -> None:
             ln.layer_norm_fwd(x, None, w, b, 1e-5, dt, torch.float32)
             ln.layer_norm_fwd(x, None, w, b, 1e-5, dt, torch.bfloat16, zero_sums=zero)
             ln.layer_norm_fwd(x, res, w, b, 1e-5, dt, torch.bfloat16, zero_sums=zero)
+            # SwinV2's post-norm residual: a bf16 (or fp32) branch normalized and added to the fp32 stream
+            ln.post_add_layer_norm_fwd(x, r(64, C, dtype=torch.float32), w, b, 1e-5, torch.float32, zero_sums=zero)
             for atomic_into in (zero, None):
                 ln.layer_norm_bwd(r(64, C, dtype=dt), x, w, b, torch.zeros(64), torch.ones(64), r(64, C, dtype=dt), dt,
                                   sums_into=atomic_into)
@@ -119,6 +121,7 @@ def _record_launches(quick: bool) -> None:
             w, b = r(C, dtype=torch.float32), r(C, dtype=torch.float32)
             shift = 3 if H > 7 else 0
             win.roll_partition_fwd(x, 7, shift)
+            win.roll_partition_fwd(x, 7, shift, out_dtype=torch.bfloat16)  # SwinV2: windows in qkv's dtype
             windows, mean, rstd = win.norm_shift_partition_fwd(x, w, b, 1e-5, 7, shift, out_dtype=torch.bfloat16,
                                                               zero_sums=torch.empty(2 * C))
             win.add_norm_shift_partition_fwd(x, r(B, H, W, C), w, b, 1e-5, 7, shift)
@@ -168,6 +171,8 @@ def _record_launches(quick: bool) -> None:
             inverse = wa.rel_pos_inverse(index, n_table)
             table = r(n_table, heads, dtype=torch.float32)
             out, lse = wa.window_attention_fwd(q, k, v, table, mask, d ** -0.5, index=index)
+            # SwinV2 inference: q and k normalized in the kernel, q times the head's logit scale
+            wa.window_attention_fwd(q, k, v, table, mask, 1.0, index=index, cosine=torch.ones(heads))
             wa.window_attention_bwd(q, k, v, out, lse, r(2 * nw, heads, n, d, dtype=dt), table, mask, d ** -0.5,
                                     index=index, inverse=inverse)
             wa.rel_pos_table_grad_host(r(1, heads, n * n, dtype=torch.float32), inverse, torch.float32)
