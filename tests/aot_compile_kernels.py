@@ -139,6 +139,9 @@ def _record_launches(quick: bool) -> None:
                                                       zero_sums=torch.empty(2 * C))
             win.merge_add_norm_bwd(r(B, H, W, C), s, w, mean, rstd, 7, shift, x, torch.bfloat16, dt,
                                    sums_into=torch.empty(2 * C))
+            # SwinV2's post-norm attention half: bf16 attention windows, norm1, added to the stream
+            out, mean, rstd = win.merge_norm_add_fwd(windows, x, w, b, 1e-5, 7, shift, dt, zero_sums=torch.empty(2 * C))
+            win.merge_norm_add_bwd(out, windows, w, mean, rstd, 7, shift, sums_into=torch.empty(2 * C))
             # programmatic dependent launch (on where supported)
             ops.PDL_LAUNCH, ops._PDL_SUPPORTED = True, True
             try:

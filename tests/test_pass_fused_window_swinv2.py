@@ -181,3 +181,33 @@ def test_under_autocast_the_windows_come_in_the_qkv_linear_s_dtype(monkeypatch, 
     blk = v2_blocks(patched)[0]
     blk.attn.forward = lambda *a, **k: None
     assert not v2_attention_takes_linear_input(blk.attn)
+
+
+def test_with_fused_layernorm_the_merge_norm1_and_add_are_one_kernel(monkeypatch):
+    """fused_layernorm's post-norm forward over fused_window's _attn: each block's merge of the attention
+    windows, norm1 and the residual add run as merge_norm_add (the merged branch never written), with
+    timm's logits and gradients (shifted and padded windows); under an active drop path in training the
+    add is timm's."""
+    import importlib
+
+    win = importlib.import_module("workbench.kernels.window")
+    calls = []
+    real = win.merge_norm_add
+    monkeypatch.setattr(win, "merge_norm_add", lambda *a, **k: calls.append(1) or real(*a, **k))
+    plain = tiny_v2(IMG)
+    patched, _ = apply_pass("fused_layernorm", copy.deepcopy(plain), pass_ctx(DEVICE), {"impl": "triton"})
+    patched, _ = apply_pass("fused_window", patched, pass_ctx(DEVICE))
+    patched, _ = apply_pass("fused_attention", patched, pass_ctx(DEVICE))
+    for seed in (1, 2):
+        assert_step_close(plain, patched, *batch(IMG, seed), grad_tol=grad_tol)
+    assert len(calls) == 2 * 4
+    from timm.layers import DropPath
+
+    for blk in v2_blocks(patched):
+        blk.drop_path1 = DropPath(0.2)
+    calls.clear()
+    patched.train()(batch(IMG, 3)[0])
+    assert calls == []
+    with torch.no_grad():
+        patched.eval()(batch(IMG, 3)[0])
+    assert len(calls) == 4

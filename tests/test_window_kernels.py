@@ -22,6 +22,9 @@ from workbench.kernels.window import (  # noqa: E402
     merge_add_norm,
     merge_add_norm_bwd,
     merge_add_norm_fwd,
+    merge_norm_add,
+    merge_norm_add_bwd,
+    merge_norm_add_fwd,
     merge_roll_reference,
     roll_partition_reference,
     merge_roll,
@@ -303,6 +306,41 @@ def test_merge_add_norm(shape, dtypes):
     dsc0, dwin0, _ = merge_add_norm_bwd(dy, s.detach(), weight.detach(), mean, rstd, ws, shift, None, win_dt, sc_dt)
     torch.testing.assert_close(dsc0.float(), g_ln, atol=2 * tol, rtol=tol)
     assert torch.equal(dwin0, eager_roll_partition(dsc0.to(win_dt), ws, shift))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=_ids)
+@pytest.mark.parametrize("win_dt", [torch.float32, torch.bfloat16], ids=["fp32", "bf16win+fp32stream"])
+def test_merge_norm_add(shape, win_dt):
+    """SwinV2's post-norm attention half in one kernel each way: out = shortcut + LayerNorm(merge_roll(
+    windows)) against the fp32 computation (the stream fp32, as under autocast), into a NaN-filled buffer;
+    the windows', weight's and bias's gradients against autograd through the eager ops, 0 on padding
+    rows; the shortcut's is the output's own."""
+    B, H, W, C, ws, shift = shape
+    eps, tol = 1e-5, (1e-5 if win_dt == torch.float32 else 2e-2)
+    Hp, Wp = -(-H // ws) * ws, -(-W // ws) * ws
+    windows = (_randn((B * (Hp // ws) * (Wp // ws), ws * ws, C), torch.float32, 51) * 3 + 1).to(win_dt).requires_grad_(True)
+    sc = _randn((B, H, W, C), torch.float32, 52).requires_grad_(True)
+    weight = (1.0 + 0.5 * _randn((C,), torch.float32, 53)).requires_grad_(True)
+    bias = (0.5 * _randn((C,), torch.float32, 54)).requires_grad_(True)
+    out = merge_norm_add(windows, sc, weight, bias, eps, ws, shift, torch.float32)
+    wr, scr, w32, b32 = (t.detach().float().requires_grad_(True) for t in (windows, sc, weight, bias))
+    ref = scr + F.layer_norm(eager_merge_roll(wr, ws, shift, H, W), (C,), w32, b32, eps)
+    assert out.dtype == torch.float32 and out.shape == (B, H, W, C)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    dout = _randn(out.shape, torch.float32, 55)
+    gwin, gsc, gw, gb = torch.autograd.grad(out, (windows, sc, weight, bias), dout)
+    gwin_ref, gw_ref, gb_ref = torch.autograd.grad(ref, (wr, w32, b32), dout)
+    assert torch.equal(gsc, dout) and gwin.dtype == win_dt and gwin.shape == windows.shape
+    torch.testing.assert_close(gwin.float(), gwin_ref, atol=tol * max(1.0, gwin_ref.abs().max().item()), rtol=tol)
+    assert not gwin[_pad_rows(B, H, W, ws)].any()
+    for g, g_ref in ((gw, gw_ref), (gb, gb_ref)):
+        torch.testing.assert_close(g, g_ref, atol=1e-4 * max(1.0, g_ref.abs().max().item()), rtol=1e-4)
+    # every element written: into a NaN-filled buffer; the host backward gives the Function's bits
+    out_p, mean, rstd = merge_norm_add_fwd(windows.detach(), sc.detach(), weight.detach(), bias.detach(), eps, ws,
+                                           shift, torch.float32, out=_nan_like(out.detach()))
+    assert torch.equal(out_p, out.detach())
+    dwin, sums = merge_norm_add_bwd(dout, windows.detach(), weight.detach(), mean, rstd, ws, shift)
+    assert torch.equal(dwin, gwin) and sums.shape == (2 * C,)
 
 
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1], SHAPES[4]], ids=_ids)

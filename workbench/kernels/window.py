@@ -198,11 +198,13 @@ def _merge_norm_fwd_kernel(
     H: tl.constexpr, W: tl.constexpr, n_win_h: tl.constexpr, n_win_w: tl.constexpr,
     shift_h: tl.constexpr, shift_w: tl.constexpr, WS: tl.constexpr, ZERO_SUMS: tl.constexpr,
     SOFT_RTNE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    PDL: tl.constexpr = False, KEEP: tl.constexpr = False,
+    PDL: tl.constexpr = False, KEEP: tl.constexpr = False, POST: tl.constexpr = False,
 ):
     """s = shortcut + windows merged back (window_reverse, crop, roll(+shift)), rounded to s_ptr's dtype
     as torch's add rounds it, then y = LayerNorm(s), for the image tokens of this program's block (whole
-    rows: BLOCK_C covers C). Stores s, y, and fp32 mean/rstd per token. With ZERO_SUMS, the programs also
+    rows: BLOCK_C covers C). Stores s, y, and fp32 mean/rstd per token. With POST (SwinV2's post-norm
+    block, merge_norm_add), the norm comes first: s = shortcut + LayerNorm(merged windows), summed in fp32
+    and rounded once, stored with the norm's mean/rstd (y_ptr is not written). With ZERO_SUMS, the programs also
     zero the backward's column-sum buffer (_common.zero_column_sums). With KEEP, the merged windows are
     first multiplied by their sample's stochastic-depth factor keep_ptr[b] and rounded to the windows'
     dtype, as timm's DropPath multiplies the branch before the add."""
@@ -221,10 +223,14 @@ def _merge_norm_fwd_kernel(
         k = tl.load(keep_ptr + s // (H * W), mask=s_mask, other=0.0).to(tl.float32)
         win = to_dtype(win.to(tl.float32) * k[:, None], win_ptr.dtype.element_ty, SOFT_RTNE)
     sc = tl.load(shortcut_ptr + off, mask=mask, other=0.0)
-    x = to_dtype(sc.to(tl.float32) + win.to(tl.float32), s_ptr.dtype.element_ty, SOFT_RTNE)
-    tl.store(s_ptr + off, x, mask=mask)
-    y, mean, rstd = _norm_rows(x, w_ptr, b_ptr, c, c_mask, C, eps)
-    tl.store(y_ptr + off, to_dtype(y, y_ptr.dtype.element_ty, SOFT_RTNE), mask=mask)
+    if POST:
+        y, mean, rstd = _norm_rows(win, w_ptr, b_ptr, c, c_mask, C, eps)
+        tl.store(s_ptr + off, to_dtype(sc.to(tl.float32) + y, s_ptr.dtype.element_ty, SOFT_RTNE), mask=mask)
+    else:
+        x = to_dtype(sc.to(tl.float32) + win.to(tl.float32), s_ptr.dtype.element_ty, SOFT_RTNE)
+        tl.store(s_ptr + off, x, mask=mask)
+        y, mean, rstd = _norm_rows(x, w_ptr, b_ptr, c, c_mask, C, eps)
+        tl.store(y_ptr + off, to_dtype(y, y_ptr.dtype.element_ty, SOFT_RTNE), mask=mask)
     tl.store(mean_ptr + s, mean, mask=s_mask)
     tl.store(rstd_ptr + s, rstd, mask=s_mask)
     pdl_exit(PDL)
@@ -256,6 +262,7 @@ def _norm_partition_bwd_kernel(
     HAS_DS: tl.constexpr, MERGE: tl.constexpr, STAGES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
     PDL: tl.constexpr = False, ROW_SUMS: tl.constexpr = False, SLOTS: tl.constexpr = 1,
     PDL_EARLY: tl.constexpr = False, KEEP: tl.constexpr = False, RES_OUT: tl.constexpr = False,
+    POST: tl.constexpr = False,
 ):
     """LayerNorm backward with the gradient gathered from window order (d of the partition), plus, with
     HAS_DS, a gradient ds of x from elsewhere (the block's residual path) added into dx in the same pass.
@@ -283,6 +290,10 @@ def _norm_partition_bwd_kernel(
 
     PDL_EARLY: release the next kernel at the start instead of after the last store, where that kernel is
     the small one of _common.sum_partials (it waits for this grid to complete all the same).
+
+    With POST (the backward of merge_norm_add, whose norm's input was the merged windows), the gradient
+    dwin_ptr points at is in token order (d of the output), the norm's input x_ptr is the windows (window
+    order), and dx goes to the token's window row of dx_ptr (d of the windows).
     """
     pdl_enter(PDL)
     if PDL_EARLY:  # the next kernel is the small one that adds up these sums: let it get resident now
@@ -308,17 +319,23 @@ def _norm_partition_bwd_kernel(
         row = _window_row_of_token(s, H, W, n_win_h, n_win_w, shift_h, shift_w, WS)
         x_off = s.to(tl.int64)[:, None] * C + c[None, :]
         win_off = row.to(tl.int64)[:, None] * C + c[None, :]
-        if MERGE:
+        if MERGE or POST:
             g = tl.load(dwin_ptr + x_off, mask=cur_mask, other=0.0).to(tl.float32)
         else:
             g = tl.load(dwin_ptr + win_off, mask=cur_mask, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + x_off, mask=cur_mask, other=0.0).to(tl.float32)
+        if POST:
+            x = tl.load(x_ptr + win_off, mask=cur_mask, other=0.0).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + x_off, mask=cur_mask, other=0.0).to(tl.float32)
         mean = tl.load(mean_ptr + s, mask=s_mask, other=0.0)
         rstd = tl.load(rstd_ptr + s, mask=s_mask, other=0.0)
         dx, dw_t, db_t = _norm_bwd_tile(g, x, w, mean, rstd, cur_mask, C)
         if HAS_DS:
             dx += tl.load(ds_ptr + x_off, mask=cur_mask, other=0.0).to(tl.float32)
-        tl.store(dx_ptr + x_off, to_dtype(dx, dx_ptr.dtype.element_ty, SOFT_RTNE), mask=cur_mask)
+        if POST:
+            tl.store(dx_ptr + win_off, to_dtype(dx, dx_ptr.dtype.element_ty, SOFT_RTNE), mask=cur_mask)
+        else:
+            tl.store(dx_ptr + x_off, to_dtype(dx, dx_ptr.dtype.element_ty, SOFT_RTNE), mask=cur_mask)
         if MERGE or RES_OUT:
             dwo = to_dtype(dx, dwo_ptr.dtype.element_ty, SOFT_RTNE)
             if KEEP:
@@ -632,13 +649,14 @@ def _norm_grads(sums: torch.Tensor, weight, bias) -> tuple:
 
 
 def _norm_bwd(g, x, weight, mean, rstd, window_size, shift, ds, dx, dwo, sums_into, raw_sums=False, keep=None,
-              res_out=False):
+              res_out=False, post=False):
     """The LayerNorm backward over x (B, H, W, C) of the window kernels: g is the gradient of the norm's
     output in window order, or with dwo (merge_add_norm_bwd) in token order, and dx then also goes to
     dwo's window rows; with res_out, g is in window order and dx also goes to dwo's token rows (times
     keep[b] where keep is given: add_norm_shift_partition's scaled residual). x, dx (B, H, W, C) contiguous. -> (dx, dwo, (2C,) fp32 column sums; with raw_sums,
-    the atomic (rows, 2C) buffer as the kernel left it)."""
-    B, H, W, C = x.shape
+    the atomic (rows, 2C) buffer as the kernel left it). With post (merge_norm_add_bwd), g (B, H, W, C) is
+    the gradient of the output in token order, x the windows the norm read and dx the windows' gradient."""
+    B, H, W, C = g.shape if post else x.shape
     Hp, Wp, nwh, nww, sh, sw = _geometry(H, W, window_size, shift)
     n_tok = B * H * W
     block_t, block_c, num_warps, nprog, tiles_per_prog, maxnreg, stages, row_sums, slots = _norm_bwd_config(
@@ -657,7 +675,7 @@ def _norm_bwd(g, x, weight, mean, rstd, window_size, shift, ds, dx, dwo, sums_in
         H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=int(window_size), SOFT_RTNE=_SOFT_RTNE,
         ATOMIC=atomic, HAS_DS=ds is not None, MERGE=dwo is not None and not res_out, STAGES=stages, BLOCK_T=block_t,
         BLOCK_C=block_c, ROW_SUMS=row_sums, SLOTS=sums.shape[0] if atomic else 1, PDL_EARLY=followed and pdl_launch(),
-        KEEP=keep is not None, RES_OUT=res_out, num_warps=num_warps, **_pdl_args(maxnreg),
+        KEEP=keep is not None, RES_OUT=res_out, POST=post, num_warps=num_warps, **_pdl_args(maxnreg),
     )
     return dx, dwo, sums if raw_sums and atomic else finish_column_sums(sums, atomic)
 
@@ -673,6 +691,14 @@ def merge_add_norm_fwd(
     windows (B*nW, ws*ws, C) or (B*nW, ws, ws, C); shortcut (B, H, W, C). s: (B, H, W, C) in the promoted
     dtype of both, rounded as torch's add rounds it; y: (B, H, W, C) in y_dtype (default s's dtype),
     rounded once from fp32; mean, rstd: (B*H*W,) fp32. zero_sums: as in norm_shift_partition_fwd."""
+    return _merge_norm(windows, shortcut, weight, bias, eps, window_size, shift, None, s_out, y_dtype, y_out,
+                       zero_sums, keep, post=False)
+
+
+def _merge_norm(windows, shortcut, weight, bias, eps, window_size, shift, s_dtype, s_out, y_dtype, y_out, zero_sums,
+                keep, post: bool):
+    """The launch of _merge_norm_fwd_kernel for merge_add_norm_fwd and (post) merge_norm_add_fwd, which
+    writes no y -> (s, y (s itself with post), mean, rstd)."""
     shortcut = _contig(shortcut)
     windows = _contig(windows)
     B, H, W, C = shortcut.shape
@@ -681,9 +707,9 @@ def merge_add_norm_fwd(
     if windows.shape[-1] != C or windows.numel() != B * Hp * Wp * C:
         raise ValueError(f"windows of shape {tuple(windows.shape)} do not tile the {B}x{H}x{W}x{C} shortcut "
                          f"with ws={ws}")
-    s_dtype = torch.promote_types(windows.dtype, shortcut.dtype)
+    s_dtype = s_dtype or torch.promote_types(windows.dtype, shortcut.dtype)
     s = _check_out(s_out, (B, H, W, C), s_dtype, shortcut.device)
-    y = _check_out(y_out, (B, H, W, C), y_dtype or s_dtype, shortcut.device)
+    y = s if post else _check_out(y_out, (B, H, W, C), y_dtype or s_dtype, shortcut.device)
     n_tok = B * H * W
     mean = torch.empty(n_tok, dtype=torch.float32, device=shortcut.device)
     rstd = torch.empty(n_tok, dtype=torch.float32, device=shortcut.device)
@@ -694,8 +720,8 @@ def merge_add_norm_fwd(
             zero_sums if zero_sums is not None else mean, _keep(keep, B, mean), n_tok, C, float(eps),
             zero_sums.numel() if zero_sums is not None else 0,
             H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, ZERO_SUMS=zero_sums is not None,
-            SOFT_RTNE=_SOFT_RTNE, BLOCK_T=block_t, BLOCK_C=block_c, KEEP=keep is not None, num_warps=num_warps,
-            **_pdl_args(),
+            SOFT_RTNE=_SOFT_RTNE, BLOCK_T=block_t, BLOCK_C=block_c, KEEP=keep is not None, POST=post,
+            num_warps=num_warps, **_pdl_args(),
         )
     elif zero_sums is not None:
         zero_sums.zero_()
@@ -729,6 +755,38 @@ def merge_add_norm_bwd(
     if ds is not None and tuple(ds.shape) != (B, H, W, C):
         ds = ds.reshape(B, H, W, C)
     return _norm_bwd(dy, s, weight, mean, rstd, window_size, shift, ds, dx, dwo, sums_into, raw_sums, keep)
+
+
+def merge_norm_add_fwd(
+    windows: torch.Tensor, shortcut: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+    window_size: int, shift: int, out_dtype: torch.dtype, *, zero_sums=None, out=None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """out = shortcut + LayerNorm(merge_roll(windows)) in one pass -> (out, mean, rstd): SwinV2's post-norm
+    attention half (x + norm1(attention merged back)). The sum is taken in fp32 and rounded once to
+    out_dtype; the merged windows are never written. windows (B*nW, ws*ws, C) or (B*nW, ws, ws, C);
+    shortcut (B, H, W, C); mean, rstd (B*H*W,) fp32, per token. zero_sums: as in norm_shift_partition_fwd;
+    out: a (B, H, W, C) buffer in out_dtype to write (default a new one)."""
+    out, _, mean, rstd = _merge_norm(windows, shortcut, weight, bias, eps, window_size, shift, out_dtype, out, None,
+                                     None, zero_sums, None, post=True)
+    return out, mean, rstd
+
+
+def merge_norm_add_bwd(
+    dout: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+    window_size: int, shift: int, *, sums_into=None, raw_sums=False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backward of merge_norm_add_fwd -> (d windows, in the windows' shape and dtype, (2C,) fp32 column sums:
+    dweight then dbias). The shortcut's gradient is dout itself. dout (B, H, W, C); window rows that are
+    padding get 0. sums_into and raw_sums: as in norm_shift_partition_bwd."""
+    dout = _contig(dout)
+    windows = _contig(windows)
+    B, H, W, C = dout.shape
+    Hp, Wp, _, _, _, _ = _geometry(H, W, window_size, shift)
+    # padded window rows are cropped by the merge: their gradient is 0, and the kernel writes only valid rows
+    dwin = torch.empty_like(windows) if (Hp, Wp) == (H, W) else torch.zeros_like(windows)
+    _, _, sums = _norm_bwd(dout, windows, weight, mean, rstd, window_size, shift, None, dwin, None, sums_into,
+                           raw_sums, post=True)
+    return dwin, sums
 
 
 # ------------------------------------------------------------------------------- operators
@@ -920,6 +978,31 @@ class MergeAddNormFunction(torch.autograd.Function):
         return dwin.view(ctx.windows_shape), dsc, dw, db, None, None, None, None, None, None
 
 
+class MergeNormAddFunction(torch.autograd.Function):
+    """out = shortcut + LayerNorm(merge_roll(windows)): eager only, like MergeAddNormFunction (the block
+    forward that uses it takes merge_roll and post_add_layer_norm under torch.compile)."""
+
+    @staticmethod
+    def forward(ctx, windows, shortcut, weight, bias, eps, window_size, shift, out_dtype):
+        ctx.sums = eager_column_sums(2 * shortcut.shape[-1], shortcut.device, ctx, weight, bias,
+                                     slots=_norm_bwd_slots(shortcut))
+        out, mean, rstd = merge_norm_add_fwd(windows, shortcut, weight, bias, float(eps), int(window_size), int(shift),
+                                             out_dtype, zero_sums=ctx.sums)
+        ctx.save_for_backward(windows, weight, bias, mean, rstd)
+        ctx.geom = (int(window_size), int(shift))
+        ctx.shortcut_dtype = shortcut.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        windows, weight, bias, mean, rstd = ctx.saved_tensors
+        ws, shift = ctx.geom
+        into, ctx.sums = ctx.sums, None
+        dwin, sums = merge_norm_add_bwd(dout, windows, weight, mean, rstd, ws, shift, sums_into=into, raw_sums=True)
+        dw, db = _norm_grads(sums, weight, bias)
+        return dwin, dout.to(ctx.shortcut_dtype), dw, db, None, None, None, None
+
+
 class MergeUnshiftAddFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, windows, shortcut, window_size, shift, H, W):
@@ -1000,6 +1083,19 @@ def merge_add_norm(
     the windows' dtype) multiplying the merged windows of each sample before the add, or None."""
     return MergeAddNormFunction.apply(windows, shortcut, weight, bias, eps, window_size, shift, y_dtype, bool(y_rows),
                                       keep)
+
+
+def merge_norm_add(
+    windows: torch.Tensor, shortcut: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+    window_size: int, shift: int, out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """shortcut + F.layer_norm(merge_roll(windows, ...), (C,), weight, bias, eps), in one kernel each way:
+    a SwinV2 (post-norm) block's attention merge, norm1 and residual add (eager mode). shortcut (B, H, W, C);
+    out (B, H, W, C) in out_dtype (default the promoted dtype of windows and shortcut), summed in fp32 and
+    rounded once. The backward writes the windows' gradient (the norm's, partitioned back) in one pass; the
+    shortcut's is the output's."""
+    out_dtype = out_dtype or torch.promote_types(windows.dtype, shortcut.dtype)
+    return MergeNormAddFunction.apply(windows, shortcut, weight, bias, eps, window_size, shift, out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -460,12 +460,35 @@ def _post_norm_add(norm: torch.nn.Module, dp: torch.nn.Module, branch: torch.Ten
     return x + drop_path(dp, norm(branch))
 
 
+def _v2_attention_half(blk: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """x + drop_path1(norm1(_attn(x))). Where fused_window bound the block's _attn, eagerly, with the drop
+    path inactive and the norm's output as wide as the sum: the merge of the attention's windows, norm1
+    and the add as one kernel (merge_norm_add); the merged branch is never written."""
+    from workbench.kernels.layer_norm import autocast_norm_dtype
+    from workbench.optimize.passes.fused_window import v2_attention_windows, v2_bound_here
+
+    if v2_bound_here(blk) and inactive(blk.drop_path1, blk.training) and not torch.compiler.is_compiling():
+        parts = v2_attention_windows(blk, x)
+        if parts is not None:
+            from workbench.kernels.window import merge_norm_add, merge_roll
+
+            windows, ws, shift = parts
+            norm_dtype = autocast_norm_dtype(windows) or windows.dtype
+            out_dtype = torch.promote_types(norm_dtype, x.dtype)
+            if out_dtype == norm_dtype:
+                return merge_norm_add(windows, x, blk.norm1.weight, blk.norm1.bias, blk.norm1.eps, ws, shift, out_dtype)
+            branch = merge_roll(windows, ws, shift, x.shape[1], x.shape[2])
+            return _post_norm_add(blk.norm1, blk.drop_path1, branch, x, blk.training)
+    return _post_norm_add(blk.norm1, blk.drop_path1, blk._attn(x), x, blk.training)
+
+
 def v2_block_forward(self, x: torch.Tensor) -> torch.Tensor:
     """timm's SwinTransformerV2Block.forward (x: (B, H, W, C)) with each post-norm residual add, x +
     norm(branch), as one LayerNorm pass that writes the sum (fused_layernorm): the normalized branch is
-    never written and read back."""
+    never written and read back; with fused_window's kernels the attention's windows are merged back in
+    that pass too (_v2_attention_half)."""
     B, H, W, C = x.shape
-    x = _post_norm_add(self.norm1, self.drop_path1, self._attn(x), x, self.training)
+    x = _v2_attention_half(self, x)
     x = x.reshape(B, -1, C)
     x = _post_norm_add(self.norm2, self.drop_path2, self.mlp(x), x, self.training)
     return x.reshape(B, H, W, C)

@@ -29,7 +29,8 @@ timm does.
 
 SwinV2's blocks are post-norm (`x = x + drop_path(norm(branch))`): with fuse_residual each block's two
 residual adds run in the LayerNorm pass that normalizes the branch (post_add_layer_norm, bound as the
-block's forward: block_forward.v2_block_forward), so the normalized branch is never written; where a drop
+block's forward: block_forward.v2_block_forward), so the normalized branch is never written (with
+fused_window's kernels, the attention's windows are merged back in the same pass: merge_norm_add); where a drop
 path is active in training, or the norm's output is narrower than the sum, that add runs as timm's.
 
 Dtypes: under autocast, when h goes straight into the MLP's fc1 Linear, add_layer_norm writes h in the

@@ -138,11 +138,24 @@ def v2_window_attn(self, x: torch.Tensor) -> torch.Tensor:
     (set after binding) runs timm's own _attn."""
     from timm.models.swin_transformer_v2 import SwinTransformerV2Block
 
-    from workbench.kernels.window import merge_roll, roll_partition
+    from workbench.kernels.window import merge_roll
+
+    parts = v2_attention_windows(self, x)
+    if parts is None:
+        return SwinTransformerV2Block._attn(self, x)
+    windows, ws, shift = parts
+    return merge_roll(windows, ws, shift, x.shape[1], x.shape[2])
+
+
+def v2_attention_windows(self, x: torch.Tensor):
+    """The first part of v2_window_attn: roll_partition, timm's mask and the attention -> (the attention's
+    output windows (B*nW, ws*ws, C), ws, shift), for the caller to merge back (merge_roll, or
+    merge_norm_add with the post-norm add); None where the window or shift is not square."""
+    from workbench.kernels.window import roll_partition
 
     ws, shift = square(self.window_size), square(self.shift_size)
     if ws is None or shift is None:
-        return SwinTransformerV2Block._attn(self, x)
+        return None
     _, H, W, _ = x.shape
     # the windows go straight into the attention's qkv Linear: under autocast they are written in its dtype
     windows = roll_partition(x, ws, shift, autocast_input_dtype(x) if v2_attention_takes_linear_input(self.attn) else None)
@@ -150,7 +163,7 @@ def v2_window_attn(self, x: torch.Tensor) -> torch.Tensor:
         attn_mask = self.get_attn_mask(x.new_empty((1, -(-H // ws) * ws, -(-W // ws) * ws, 0)))
     else:
         attn_mask = self.attn_mask
-    return merge_roll(self.attn(windows, mask=attn_mask), ws, shift, H, W)
+    return self.attn(windows, mask=attn_mask), ws, shift
 
 
 def v2_attention_takes_linear_input(attn: torch.nn.Module) -> bool:
@@ -167,6 +180,11 @@ def v2_attention_takes_linear_input(attn: torch.nn.Module) -> bool:
         return False
     forward = vars(attn).get("forward")
     return forward is None or getattr(forward, "__func__", None) in (v2_attention_forward, v2_sdpa_forward)
+
+
+def v2_bound_here(blk: torch.nn.Module) -> bool:
+    """Whether this pass bound v2_window_attn as the SwinV2 block's _attn."""
+    return _bound_here(blk)
 
 
 def _bound_here(blk: torch.nn.Module) -> bool:
