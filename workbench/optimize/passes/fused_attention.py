@@ -321,8 +321,8 @@ def _v2_result(model: torch.nn.Module, ctx: PassContext, bias: str, max_tokens: 
                 faster[id(b.attn)] = SDPA_MEASURED
     patched, left = _apply_v2(model, max_tokens, faster)
     changed = (f"{patched} SwinV2 WindowAttention -> fused Triton window attention (fwd+bwd; cosine scores, "
-               "q and k normalized and the logit scale folded into q in one launch each, the MLP's position-bias "
-               "table read in-kernel)")
+               "q and k normalized and the logit scale folded into q in one launch each, in inference inside the "
+               "kernel, the MLP's position-bias table read in-kernel)")
     for reason, count in sorted(left.items()):
         changed += (f"; {count} {reason}" if reason.startswith("on PyTorch's SDPA")
                     else f"; {count} left on timm's path ({reason})")
@@ -333,6 +333,7 @@ def _v2_result(model: torch.nn.Module, ctx: PassContext, bias: str, max_tokens: 
                "max_tokens": max_tokens,
                "bias": "table (cpb_mlp's, read in-kernel)",
                "implementation": "workbench.kernels.cosine.cosine_qk + "
-                                 "workbench.kernels.window_attention.fused_window_attention_from_table (Triton)",
+                                 "workbench.kernels.window_attention.fused_window_attention_from_table (Triton); "
+                                 "inference: workbench.kernels.window_attention.cosine_window_attention",
                **route_details(routes, ctx, ctx.batch, route)}
     return PassResult(NAME, _params(bias, max_tokens, route), changed, details)
