@@ -152,7 +152,7 @@ def test_under_autocast_the_windows_come_in_the_qkv_linear_s_dtype(monkeypatch, 
 
     from timm.models.swin_transformer_v2 import SwinTransformerV2Block
 
-    from workbench.optimize.passes.fused_window import v2_attention_takes_linear_input
+    from workbench.optimize.passes.block_forward import v2_attention_takes_linear_input
 
     win = importlib.import_module("workbench.kernels.window")
     seen = []

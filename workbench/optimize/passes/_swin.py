@@ -59,6 +59,22 @@ def drop_path(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return scale_samples(x, keep)
 
 
+_QKV_INPUT = "_swinbench_input_to_qkv"
+
+
+def passes_input_to_qkv(forward):
+    """Mark a SwinV2 WindowAttention forward that a pass binds as doing nothing with its input but pass it
+    to the module's qkv Linear (first, through v2_qkv), as timm's own forward does: the window kernels may
+    then write the windows in that Linear's autocast dtype (block_forward.v2_attention_takes_linear_input)."""
+    setattr(forward, _QKV_INPUT, True)
+    return forward
+
+
+def input_goes_to_qkv(forward) -> bool:
+    """Whether `forward` (a function, or None) was marked by passes_input_to_qkv."""
+    return bool(getattr(forward, _QKV_INPUT, False))
+
+
 def v2_terms(attn: torch.nn.Module):
     """(qkv bias or None, logit scale (nH,), position-bias table ((2w-1)^2, nH)) of a timm SwinV2
     WindowAttention, from the weights alone: timm's arithmetic, with 16 * sigmoid taken on the table before

@@ -20,9 +20,9 @@ from typing import Callable
 
 import torch
 
-from workbench.optimize.passes._swin import (INVERSE_BUFFER, drop_path, drop_path_keep, gather_rel_pos_bias, inactive,
-                                             norm_output_dtype, rel_pos_bias, scatter_rel_pos_grad, square,
-                                             timm_drop_path)
+from workbench.optimize.passes._swin import (INVERSE_BUFFER, autocast_input_dtype, drop_path, drop_path_keep,
+                                             gather_rel_pos_bias, inactive, input_goes_to_qkv, norm_output_dtype,
+                                             rel_pos_bias, scatter_rel_pos_grad, square, timm_drop_path)
 
 # ------------------------------------------------------------------------------------ the block
 
@@ -443,6 +443,64 @@ class SwinBlockFunction(torch.autograd.Function):
                 d_n2w, d_n2b, d_fc1_w, d_fc1_b, d_fc2_w, d_fc2_b, None, None)
 
 
+# ------------------------------------------------------------------ SwinV2's window attention
+
+
+def v2_window_attn(self, x: torch.Tensor) -> torch.Tensor:
+    """timm's SwinTransformerV2Block._attn with its data movement fused: roll(-shift) + pad + window_partition
+    as roll_partition, window_reverse + crop + roll(+shift) as merge_roll (one Triton kernel each way,
+    forward and backward), timm's mask and `self.attn` between them. A window or shift that is not square
+    (set after binding) runs timm's own _attn."""
+    from timm.models.swin_transformer_v2 import SwinTransformerV2Block
+
+    from workbench.kernels.window import merge_roll
+
+    parts = v2_attention_windows(self, x)
+    if parts is None:
+        return SwinTransformerV2Block._attn(self, x)
+    windows, ws, shift = parts
+    return merge_roll(windows, ws, shift, x.shape[1], x.shape[2])
+
+
+def v2_attention_windows(self, x: torch.Tensor):
+    """The first part of v2_window_attn: roll_partition, timm's mask and the attention -> (the attention's
+    output windows (B*nW, ws*ws, C), ws, shift), for the caller to merge back (merge_roll, or
+    merge_norm_add with the post-norm add); None where the window or shift is not square."""
+    from workbench.kernels.window import roll_partition
+
+    ws, shift = square(self.window_size), square(self.shift_size)
+    if ws is None or shift is None:
+        return None
+    _, H, W, _ = x.shape
+    # the windows go straight into the attention's qkv Linear: under autocast they are written in its dtype
+    windows = roll_partition(x, ws, shift, autocast_input_dtype(x) if v2_attention_takes_linear_input(self.attn) else None)
+    if getattr(self, "dynamic_mask", False):   # timm builds it from the padded x: its shape, dtype, device
+        attn_mask = self.get_attn_mask(x.new_empty((1, -(-H // ws) * ws, -(-W // ws) * ws, 0)))
+    else:
+        attn_mask = self.attn_mask
+    return self.attn(windows, mask=attn_mask), ws, shift
+
+
+def v2_attention_takes_linear_input(attn: torch.nn.Module) -> bool:
+    """Whether a SwinV2 WindowAttention does nothing with its input but pass it to its qkv Linear (so that
+    the windows can come in the Linear's autocast dtype): timm's own forward, or a forward the attention
+    passes bind that says so (_swin.passes_input_to_qkv: the fused and the SDPA one), over a plain or
+    fused-backward Linear."""
+    from timm.models.swin_transformer_v2 import WindowAttention
+
+    from workbench.kernels.linear import BiasGradLinear
+
+    if type(attn) is not WindowAttention or type(getattr(attn, "qkv", None)) not in (torch.nn.Linear, BiasGradLinear):
+        return False
+    forward = vars(attn).get("forward")
+    return forward is None or input_goes_to_qkv(getattr(forward, "__func__", None))
+
+
+def v2_window_attn_bound(blk: torch.nn.Module) -> bool:
+    """Whether fused_window bound v2_window_attn as this SwinV2 block's _attn."""
+    return getattr(vars(blk).get("_attn"), "__func__", None) is v2_window_attn
+
+
 # ------------------------------------------------------------------ SwinV2's post-norm block
 
 
@@ -465,9 +523,8 @@ def _v2_attention_half(blk: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     path inactive and the norm's output as wide as the sum: the merge of the attention's windows, norm1
     and the add as one kernel (merge_norm_add); the merged branch is never written."""
     from workbench.kernels.layer_norm import autocast_norm_dtype
-    from workbench.optimize.passes.fused_window import v2_attention_windows, v2_bound_here
 
-    if v2_bound_here(blk) and inactive(blk.drop_path1, blk.training) and not torch.compiler.is_compiling():
+    if v2_window_attn_bound(blk) and inactive(blk.drop_path1, blk.training) and not torch.compiler.is_compiling():
         parts = v2_attention_windows(blk, x)
         if parts is not None:
             from workbench.kernels.window import merge_norm_add, merge_roll

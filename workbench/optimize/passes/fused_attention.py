@@ -45,7 +45,7 @@ import torch
 from workbench.errors import UserError
 from workbench.optimize.passes import PassContext, PassResult
 from workbench.optimize.passes._route import block_shape, measure_routes, route_details
-from workbench.optimize.passes._swin import INVERSE_BUFFER, swin_blocks, v2_qkv, v2_terms
+from workbench.optimize.passes._swin import INVERSE_BUFFER, passes_input_to_qkv, swin_blocks, v2_qkv, v2_terms
 from workbench.optimize.passes.block_plan import BIAS_MODES, block_plans
 
 NAME = "fused_attention"
@@ -76,6 +76,7 @@ def window_tokens(blk: torch.nn.Module) -> int:
     return int(area)
 
 
+@passes_input_to_qkv
 def v2_attention_forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """timm's SwinV2 WindowAttention.forward with the fused kernel for its core: the same qkv (q/k/v biases
     concatenated, or added after the Linear with qkv_bias_separate), cosine scores with the per-head logit

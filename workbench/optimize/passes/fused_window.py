@@ -64,7 +64,8 @@ import types
 import torch
 
 from workbench.optimize.passes import PassContext, PassResult, PassUnavailable
-from workbench.optimize.passes._swin import autocast_input_dtype, square, swin_blocks
+from workbench.optimize.passes._swin import square, swin_blocks
+from workbench.optimize.passes.block_forward import v2_block_forward, v2_window_attn, v2_window_attn_bound
 from workbench.optimize.passes.block_plan import block_plans
 
 NAME = "fused_window"
@@ -131,78 +132,15 @@ def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, Pa
     return model, PassResult(NAME, {}, changed, details)
 
 
-def v2_window_attn(self, x: torch.Tensor) -> torch.Tensor:
-    """timm's SwinTransformerV2Block._attn with its data movement fused: roll(-shift) + pad + window_partition
-    as roll_partition, window_reverse + crop + roll(+shift) as merge_roll (one Triton kernel each way,
-    forward and backward), timm's mask and `self.attn` between them. A window or shift that is not square
-    (set after binding) runs timm's own _attn."""
-    from timm.models.swin_transformer_v2 import SwinTransformerV2Block
-
-    from workbench.kernels.window import merge_roll
-
-    parts = v2_attention_windows(self, x)
-    if parts is None:
-        return SwinTransformerV2Block._attn(self, x)
-    windows, ws, shift = parts
-    return merge_roll(windows, ws, shift, x.shape[1], x.shape[2])
-
-
-def v2_attention_windows(self, x: torch.Tensor):
-    """The first part of v2_window_attn: roll_partition, timm's mask and the attention -> (the attention's
-    output windows (B*nW, ws*ws, C), ws, shift), for the caller to merge back (merge_roll, or
-    merge_norm_add with the post-norm add); None where the window or shift is not square."""
-    from workbench.kernels.window import roll_partition
-
-    ws, shift = square(self.window_size), square(self.shift_size)
-    if ws is None or shift is None:
-        return None
-    _, H, W, _ = x.shape
-    # the windows go straight into the attention's qkv Linear: under autocast they are written in its dtype
-    windows = roll_partition(x, ws, shift, autocast_input_dtype(x) if v2_attention_takes_linear_input(self.attn) else None)
-    if getattr(self, "dynamic_mask", False):   # timm builds it from the padded x: its shape, dtype, device
-        attn_mask = self.get_attn_mask(x.new_empty((1, -(-H // ws) * ws, -(-W // ws) * ws, 0)))
-    else:
-        attn_mask = self.attn_mask
-    return self.attn(windows, mask=attn_mask), ws, shift
-
-
-def v2_attention_takes_linear_input(attn: torch.nn.Module) -> bool:
-    """Whether a SwinV2 WindowAttention does nothing with its input but pass it to its qkv Linear (so that
-    the windows can come in the Linear's autocast dtype): timm's own forward, or the fused or SDPA forward
-    the attention passes bind (each starts with _swin.v2_qkv), over a plain or fused-backward Linear."""
-    from timm.models.swin_transformer_v2 import WindowAttention
-
-    from workbench.kernels.linear import BiasGradLinear
-    from workbench.optimize.passes.fused_attention import v2_attention_forward
-    from workbench.optimize.passes.sdpa_attention import v2_sdpa_forward
-
-    if type(attn) is not WindowAttention or type(getattr(attn, "qkv", None)) not in (torch.nn.Linear, BiasGradLinear):
-        return False
-    forward = vars(attn).get("forward")
-    return forward is None or getattr(forward, "__func__", None) in (v2_attention_forward, v2_sdpa_forward)
-
-
-def v2_bound_here(blk: torch.nn.Module) -> bool:
-    """Whether this pass bound v2_window_attn as the SwinV2 block's _attn."""
-    return _bound_here(blk)
-
-
-def _bound_here(blk: torch.nn.Module) -> bool:
-    """Whether this pass bound v2_window_attn as the block's _attn."""
-    return getattr(vars(blk).get("_attn"), "__func__", None) is v2_window_attn
-
-
 def _v2_why_not(blk: torch.nn.Module) -> str | None:
     """None when v2_window_attn can replace this SwinV2 block's _attn, else why it keeps timm's."""
     from timm.models.swin_transformer_v2 import SwinTransformerV2Block
 
     if type(blk) is not SwinTransformerV2Block:
         return "a subclass of timm's SwinTransformerV2Block"
-    from workbench.optimize.passes.block_forward import v2_block_forward
-
     forward = vars(blk).get("forward")
     # fused_layernorm's post-norm forward calls self._attn: the two compose
-    if ("_attn" in vars(blk) and not _bound_here(blk)) or (
+    if ("_attn" in vars(blk) and not v2_window_attn_bound(blk)) or (
             forward is not None and getattr(forward, "__func__", None) is not v2_block_forward):
         return "its _attn or forward was replaced elsewhere"
     if square(blk.window_size) is None or square(blk.shift_size) is None:
@@ -220,11 +158,11 @@ def _v2_result(model: torch.nn.Module) -> PassResult:
     for blk in blocks:
         reason = _v2_why_not(blk)
         if reason is not None:
-            if _bound_here(blk):   # made non-square since: timm's _attn again
+            if v2_window_attn_bound(blk):   # made non-square since: timm's _attn again
                 del blk._attn
             left[reason] = left.get(reason, 0) + 1
             continue
-        if not _bound_here(blk):
+        if not v2_window_attn_bound(blk):
             blk._attn = types.MethodType(v2_window_attn, blk)
         ws, (h, w) = square(blk.window_size), blk.input_resolution
         patched += 1

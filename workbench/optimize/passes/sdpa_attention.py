@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from workbench.optimize.passes import PassContext, PassResult, PassUnavailable
-from workbench.optimize.passes._swin import named_swin_blocks, v2_qkv, v2_terms
+from workbench.optimize.passes._swin import named_swin_blocks, passes_input_to_qkv, v2_qkv, v2_terms
 from workbench.optimize.passes.block_plan import block_plans
 
 NAME = "sdpa_attention"
@@ -37,6 +37,7 @@ def window_attention_modules(model):
     return [m for m in model.modules() if isinstance(m, WindowAttention)]
 
 
+@passes_input_to_qkv
 def v2_sdpa_forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """timm's SwinV2 WindowAttention.forward with its core on F.scaled_dot_product_attention:
     normalize(q) * exp(min(logit_scale, log 100)) against normalize(k) with scale 1, plus 16 * sigmoid
