@@ -236,12 +236,14 @@ def test_the_fmha_chain_runs_on_swinv2():
 
 
 # aot_eager on the CPU (the kernels are opaque custom ops there); on a GPU also Inductor, which traces into them.
-# The post-norm adds (fused_layernorm) and the fused MLP (fused_linear) compile with the attention.
+# The post-norm adds (fused_layernorm), the window kernels (fused_window) and the fused MLP (fused_linear)
+# compile with the attention.
 @pytest.mark.parametrize("backend", ["aot_eager"] + (["inductor"] if DEVICE.type == "cuda" else []))
 def test_compiled_fused_swinv2_matches_timm_in_fp32(backend):
     torch._dynamo.reset()
     plain = tiny_v2()
     patched, _ = apply_pass("fused_layernorm", copy.deepcopy(plain), pass_ctx(DEVICE), {"impl": "triton"})
+    patched, _ = apply_pass("fused_window", patched, pass_ctx(DEVICE))
     patched, _ = apply_pass("fused_linear", patched, pass_ctx(DEVICE))
     patched, _ = apply_pass("fused_attention", patched, pass_ctx(DEVICE))
     compiled = torch.compile(patched, backend=backend)
