@@ -228,12 +228,16 @@ def apply(model: nn.Module, ctx: PassContext, impl: str = "auto", fuse_residual:
     counts = _plan_blocks(model, TritonLayerNorm, "triton", fuse_residual)
     if fuse_residual:
         details.update(fused_residual_blocks=counts["blocks_fused"], **counts)
-        changed += f", {counts['blocks_fused']} blocks add+norm2 -> add_layer_norm"
         v2 = _bind_v2_blocks(model, TritonLayerNorm)
+        if counts["blocks_fused"] or not (v2["swinv2_post_norm_blocks"] or v2["swinv2_blocks_left"]):
+            changed += f", {counts['blocks_fused']} blocks add+norm2 -> add_layer_norm"
         if v2["swinv2_post_norm_blocks"] or v2["swinv2_blocks_left"]:
             details.update(v2)
             changed += (f", {v2['swinv2_post_norm_blocks']} SwinV2 blocks' x + norm(branch) -> "
                         "post_add_layer_norm")
+            if v2["swinv2_blocks_left"]:
+                changed += (f" ({v2['swinv2_blocks_left']} kept on timm's forward: another norm, a subclass or "
+                            "a forward replaced elsewhere)")
     else:
         details["fused_residual_blocks"] = 0
     return model, PassResult(NAME, params, changed, details)
