@@ -172,7 +172,7 @@ def test_traced_launches_pass_the_kernels_defaults():
     given = {"PDL": True, "ROW_SUMS": True}
     filled = with_kernel_defaults(k, tuple(range(9)), given)
     assert filled == {"PDL": True, "ROW_SUMS": True, "SLOTS": 1, "PDL_EARLY": False, "KEEP": False,
-                      "RES_OUT": False}
+                      "RES_OUT": False, "POST": False}
     assert given == {"PDL": True, "ROW_SUMS": True}  # the caller's dict is left alone
     # a default passed positionally counts as given
     import inspect
