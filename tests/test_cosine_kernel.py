@@ -114,5 +114,5 @@ def test_cosine_window_attention_refuses_a_scale_per_other_heads():
 
     q = torch.zeros(1, 2, 16, 16, device=DEVICE)
     with pytest.raises(ValueError, match="nH=2"):
-        cosine_window_attention(q, q, q, torch.zeros(49, 2, device=DEVICE), torch.zeros(16, 16, dtype=torch.long, device=DEVICE),
-                                torch.ones(3, device=DEVICE))
+        cosine_window_attention(q, q, q, torch.zeros(49, 2, device=DEVICE),
+                                torch.zeros(16, 16, dtype=torch.long, device=DEVICE), torch.ones(3, device=DEVICE))

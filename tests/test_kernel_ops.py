@@ -91,12 +91,11 @@ def samples():
     return SAMPLES
 
 
-NAMES = ["layer_norm_fwd", "add_layer_norm_fwd", "post_add_layer_norm_fwd", "layer_norm_bwd", "roll_partition_fwd", "merge_roll_fwd",
-         "norm_shift_partition_fwd", "norm_shift_partition_bwd", "window_attention_fwd", "window_attention_bwd",
-         "window_attention_qkv_bwd", "bias_grad", "rel_pos_table_grad",
-         "window_attention_table_fwd", "window_attention_qkv_table_bwd", "window_attention_table_bwd",
-         "window_attention_cosine_fwd",
-         "cosine_rows_fwd", "cosine_rows_bwd"]
+NAMES = ["layer_norm_fwd", "add_layer_norm_fwd", "post_add_layer_norm_fwd", "layer_norm_bwd",
+         "roll_partition_fwd", "merge_roll_fwd", "norm_shift_partition_fwd", "norm_shift_partition_bwd",
+         "window_attention_fwd", "window_attention_bwd", "window_attention_qkv_bwd", "bias_grad",
+         "rel_pos_table_grad", "window_attention_table_fwd", "window_attention_qkv_table_bwd",
+         "window_attention_table_bwd", "window_attention_cosine_fwd", "cosine_rows_fwd", "cosine_rows_bwd"]
 
 
 @pytest.mark.parametrize("name", NAMES)

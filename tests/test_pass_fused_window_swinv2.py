@@ -146,8 +146,8 @@ def test_compiled_fused_window_and_attention_match_timm_in_fp32(backend):
 def test_under_autocast_the_windows_come_in_the_qkv_linear_s_dtype(monkeypatch, attention):
     """Under CUDA autocast the residual stream is fp32 and the qkv Linear casts its input: roll_partition
     writes that dtype itself. A block's _attn on an fp32 stream under autocast gives, bit for bit, the
-    output and input gradient of timm's _attn around the same attention module; an attention whose forward was replaced elsewhere
-    gets the stream's dtype."""
+    output and input gradient of timm's _attn around the same attention module; an attention whose
+    forward was replaced elsewhere gets the stream's dtype."""
     import importlib
 
     from timm.models.swin_transformer_v2 import SwinTransformerV2Block

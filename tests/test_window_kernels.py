@@ -318,7 +318,8 @@ def test_merge_norm_add(shape, win_dt):
     B, H, W, C, ws, shift = shape
     eps, tol = 1e-5, (1e-5 if win_dt == torch.float32 else 2e-2)
     Hp, Wp = -(-H // ws) * ws, -(-W // ws) * ws
-    windows = (_randn((B * (Hp // ws) * (Wp // ws), ws * ws, C), torch.float32, 51) * 3 + 1).to(win_dt).requires_grad_(True)
+    windows = _randn((B * (Hp // ws) * (Wp // ws), ws * ws, C), torch.float32, 51) * 3 + 1
+    windows = windows.to(win_dt).requires_grad_(True)
     sc = _randn((B, H, W, C), torch.float32, 52).requires_grad_(True)
     weight = (1.0 + 0.5 * _randn((C,), torch.float32, 53)).requires_grad_(True)
     bias = (0.5 * _randn((C,), torch.float32, 54)).requires_grad_(True)

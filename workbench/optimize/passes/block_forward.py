@@ -473,7 +473,8 @@ def v2_attention_windows(self, x: torch.Tensor):
         return None
     _, H, W, _ = x.shape
     # the windows go straight into the attention's qkv Linear: under autocast they are written in its dtype
-    windows = roll_partition(x, ws, shift, autocast_input_dtype(x) if v2_attention_takes_linear_input(self.attn) else None)
+    dtype = autocast_input_dtype(x) if v2_attention_takes_linear_input(self.attn) else None
+    windows = roll_partition(x, ws, shift, dtype)
     if getattr(self, "dynamic_mask", False):   # timm builds it from the padded x: its shape, dtype, device
         attn_mask = self.get_attn_mask(x.new_empty((1, -(-H // ws) * ws, -(-W // ws) * ws, 0)))
     else:
@@ -504,35 +505,41 @@ def v2_window_attn_bound(blk: torch.nn.Module) -> bool:
 # ------------------------------------------------------------------ SwinV2's post-norm block
 
 
-def _post_norm_add(norm: torch.nn.Module, dp: torch.nn.Module, branch: torch.Tensor, x: torch.Tensor,
-                   training: bool) -> torch.Tensor:
-    """x + dp(norm(branch)), a post-norm residual, as one post_add_layer_norm where that gives torch's
-    result: the drop path inactive and the norm's output (fp32 under CUDA autocast) at least as wide as
-    the sum's dtype. Otherwise as timm computes it."""
-    from workbench.kernels.layer_norm import autocast_norm_dtype, post_add_layer_norm
+def _post_add_dtype(dp: torch.nn.Module, branch: torch.Tensor, x: torch.Tensor, training: bool) -> torch.dtype | None:
+    """The dtype of a post-norm residual x + dp(norm(branch)) where one fused pass gives torch's result:
+    the drop path inactive and the norm's output (fp32 under CUDA autocast) at least as wide as the sum.
+    None otherwise (timm's ops then)."""
+    from workbench.kernels.layer_norm import autocast_norm_dtype
 
     norm_dtype = autocast_norm_dtype(branch) or branch.dtype
     out_dtype = torch.promote_types(norm_dtype, x.dtype)
-    if inactive(dp, training) and out_dtype == norm_dtype:
+    return out_dtype if inactive(dp, training) and out_dtype == norm_dtype else None
+
+
+def _post_norm_add(norm: torch.nn.Module, dp: torch.nn.Module, branch: torch.Tensor, x: torch.Tensor,
+                   training: bool) -> torch.Tensor:
+    """x + dp(norm(branch)), a post-norm residual, as one post_add_layer_norm where _post_add_dtype allows,
+    otherwise as timm computes it."""
+    from workbench.kernels.layer_norm import post_add_layer_norm
+
+    out_dtype = _post_add_dtype(dp, branch, x, training)
+    if out_dtype is not None:
         return post_add_layer_norm(branch, x, norm.weight, norm.bias, norm.eps, out_dtype)
     return x + drop_path(dp, norm(branch))
 
 
 def _v2_attention_half(blk: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """x + drop_path1(norm1(_attn(x))). Where fused_window bound the block's _attn, eagerly, with the drop
-    path inactive and the norm's output as wide as the sum: the merge of the attention's windows, norm1
-    and the add as one kernel (merge_norm_add); the merged branch is never written."""
-    from workbench.kernels.layer_norm import autocast_norm_dtype
-
-    if v2_window_attn_bound(blk) and inactive(blk.drop_path1, blk.training) and not torch.compiler.is_compiling():
+    """x + drop_path1(norm1(_attn(x))). Where fused_window bound the block's _attn (eagerly) and
+    _post_add_dtype allows: the merge of the attention's windows, norm1 and the add as one kernel
+    (merge_norm_add); the merged branch is never written."""
+    if v2_window_attn_bound(blk) and not torch.compiler.is_compiling():
         parts = v2_attention_windows(blk, x)
         if parts is not None:
             from workbench.kernels.window import merge_norm_add, merge_roll
 
             windows, ws, shift = parts
-            norm_dtype = autocast_norm_dtype(windows) or windows.dtype
-            out_dtype = torch.promote_types(norm_dtype, x.dtype)
-            if out_dtype == norm_dtype:
+            out_dtype = _post_add_dtype(blk.drop_path1, windows, x, blk.training)
+            if out_dtype is not None:
                 return merge_norm_add(windows, x, blk.norm1.weight, blk.norm1.bias, blk.norm1.eps, ws, shift, out_dtype)
             branch = merge_roll(windows, ws, shift, x.shape[1], x.shape[2])
             return _post_norm_add(blk.norm1, blk.drop_path1, branch, x, blk.training)

@@ -52,10 +52,11 @@ or buffers: state_dict is unchanged), v2_window_attn as its `_attn`:
 with timm's mask: the block's attn_mask, or get_attn_mask over the padded shape with dynamic_mask. Where the
 attention's input goes straight into its qkv Linear (timm's forward, or the fused or SDPA one), the windows
 are written under autocast in the Linear's dtype (the bits its cast gives, without the cast's pass over
-the fp32 stream). norm1 and
-the residual add are fused_layernorm's (post_add_layer_norm), the MLP fused_linear's. Blocks of a subclass, with an `_attn` or `forward` replaced
-elsewhere, or with a non-square window or shift keep timm's `_attn`, counted by reason in the result; a
-block made non-square after the pass (set_input_size) runs timm's `_attn` from then on.
+the fp32 stream). norm1 and the residual add are fused_layernorm's (post_add_layer_norm, or with these
+kernels merge_norm_add, the merge, norm1 and the add in one pass), the MLP fused_linear's. The forwards
+live in block_forward. Blocks of a subclass, with an `_attn` or `forward` replaced elsewhere, or with a
+non-square window or shift keep timm's `_attn`, counted by reason in the result; a block made non-square
+after the pass (set_input_size) runs timm's `_attn` from then on.
 """
 from __future__ import annotations
 
