@@ -1145,11 +1145,14 @@ class WindowAttentionTableFunction(torch.autograd.Function):
 
 
 def _check_table(table, index, inverse, n: int, nh: int) -> None:
+    """The table (n_table, nH), index (N, N) and, unless None (a forward without backward), inverse
+    (n_table, P) of a bias read from a relative-position table."""
     if table.dim() != 2 or table.shape[1] != nh:
         raise ValueError(f"table must be (n_table, nH={nh}), got {tuple(table.shape)}")
-    if tuple(index.shape) != (n, n) or inverse.dim() != 2 or inverse.shape[0] != table.shape[0]:
+    if tuple(index.shape) != (n, n) or (inverse is not None and (inverse.dim() != 2
+                                                                 or inverse.shape[0] != table.shape[0])):
         raise ValueError(f"index must be ({n}, {n}) and inverse ({table.shape[0]}, P), got "
-                         f"{tuple(index.shape)} and {tuple(inverse.shape)}")
+                         f"{tuple(index.shape)} and {None if inverse is None else tuple(inverse.shape)}")
 
 
 def _packed_qkv(qkv):
@@ -1207,9 +1210,7 @@ def cosine_window_attention(q, k, v, table, index, logit_scale, mask=None):
     gradient. q, k, v (B*nW, nH, N, d) in one dtype; logit_scale (nH,) (exp of the clamped logit scale);
     table (n_table, nH); index (N, N)."""
     nh = q.shape[1]
-    if table.dim() != 2 or table.shape[1] != nh or tuple(index.shape) != (q.shape[2], q.shape[2]):
-        raise ValueError(f"table must be (n_table, nH={nh}) and index ({q.shape[2]}, {q.shape[2]}), got "
-                         f"{tuple(table.shape)} and {tuple(index.shape)}")
+    _check_table(table, index, None, q.shape[2], nh)
     _check_inputs(q, k, v, None, mask)
     scale = logit_scale.detach().reshape(-1).float()
     if scale.numel() != nh:
