@@ -18,7 +18,7 @@ from workbench.optimize.distributed import data_parallel_settings
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from ddp_worker import PER_RANK, global_batch, one_step  # noqa: E402
-from cpu_torchrun import WORLD, torchrun  # noqa: E402
+from cpu_torchrun import WORLD, run_output, torchrun  # noqa: E402
 
 # gradient of one step, relative to its norm: fp32 sums in another order; bf16 GEMM weights reduce in bf16
 GRAD_TOLERANCE = {"baseline": 1e-5, "apex": 2e-2}
@@ -28,7 +28,7 @@ GRAD_TOLERANCE = {"baseline": 1e-5, "apex": 2e-2}
 def ddp_steps(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
     done = torchrun(str(HERE / "ddp_worker.py"), str(out), *GRAD_TOLERANCE)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, run_output(done)
     return {(recipe, r): torch.load(out / f"{recipe}-rank{r}.pt") for recipe in GRAD_TOLERANCE for r in range(WORLD)}
 
 

@@ -17,7 +17,7 @@ from workbench.optimize.distributed import data_parallel_settings
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from fsdp_worker import global_batches, predict_batch, train  # noqa: E402
-from cpu_torchrun import WORLD, torchrun  # noqa: E402
+from cpu_torchrun import WORLD, run_output, torchrun  # noqa: E402
 
 AMP_MASTER = str(HERE / "data" / "recipes" / "amp-master.yaml")     # amp + master_weights, no Triton
 # recipe:unit:reshard under FSDP -> the one-process recipe it is held against, and the tolerance of the
@@ -33,7 +33,7 @@ def fsdp_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
     configs = [*CONFIGS, "scaling"]
     done = torchrun(str(HERE / "fsdp_worker.py"), str(out), *configs)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, run_output(done)
     return {(config, r): torch.load(out / f"{i}-rank{r}.pt") for i, config in enumerate(configs)
             for r in range(WORLD)}
 
