@@ -171,14 +171,16 @@ def _v2_why_not(attn: torch.nn.Module, max_tokens: int) -> str | None:
     return None
 
 
-SDPA_FALLBACK = "on PyTorch's SDPA, beyond the kernel"
-SDPA_MEASURED = "on PyTorch's SDPA: measured faster at this shape on this GPU"
+# where a SwinV2 attention the kernel does not run goes
+SDPA_MEASURED, SDPA_FALLBACK, TIMM = "sdpa_measured_faster", "sdpa_beyond_kernel", "timm"
 
 
-def _apply_v2(model: torch.nn.Module, max_tokens: int, faster: dict | None = None) -> tuple[int, dict[str, int]]:
-    """Bind v2_attention_forward to every SwinV2 WindowAttention the kernel can run -> (patched, {reason:
-    modules left on timm's or PyTorch's path}). A module this pass bound before counts as patched. faster:
-    {id of a module: why} for those whose shape runs faster on PyTorch's SDPA (measured): they get
+def _apply_v2(model: torch.nn.Module, max_tokens: int, faster: set[int] = frozenset()
+              ) -> tuple[int, dict[tuple[str, str], int]]:
+    """Bind v2_attention_forward to every SwinV2 WindowAttention the kernel can run -> (patched, {(path,
+    reason): modules left off the kernel}), path one of SDPA_MEASURED, SDPA_FALLBACK and TIMM. A module this
+    pass bound before counts as patched. faster: the ids of the modules whose shape runs faster on PyTorch's
+    SDPA (measured): they get
     sdpa_attention's SwinV2 forward, as do the modules the kernel cannot take (window above max_tokens,
     head width, attention dropout) where that forward computes their function."""
     from timm.models.swin_transformer_v2 import WindowAttention
@@ -193,14 +195,15 @@ def _apply_v2(model: torch.nn.Module, max_tokens: int, faster: dict | None = Non
             patched += 1
             continue
         reason = _v2_why_not(m, max_tokens)
-        if reason is None and id(m) in (faster or {}):
+        path = TIMM
+        if reason is None and id(m) in faster:
             bind_v2(m)
-            reason = faster[id(m)]
+            path, reason = SDPA_MEASURED, "measured faster at this shape on this GPU"
         elif reason is not None and v2_why_not(m) is None:
             # the kernel cannot take it (window size, head width, dropout): PyTorch's SDPA form can, and
             # is faster than timm's eager attention (never slower than the PyTorch-alone peers, which run it)
             bind_v2(m)
-            reason = f"{SDPA_FALLBACK} ({reason})"
+            path = SDPA_FALLBACK
         if reason is None:
             m.forward = types.MethodType(v2_attention_forward, m)
             if getattr(m, INVERSE_BUFFER, None) is None:   # for the kernels' one-launch table gradient
@@ -212,7 +215,7 @@ def _apply_v2(model: torch.nn.Module, max_tokens: int, faster: dict | None = Non
                                   persistent=False)
             patched += 1
         else:
-            left[reason] = left.get(reason, 0) + 1
+            left[path, reason] = left.get((path, reason), 0) + 1
     return patched, left
 
 
@@ -300,7 +303,8 @@ def apply(model: torch.nn.Module, ctx: PassContext, bias: str = "table",
 
 
 def _params(bias: str, max_tokens: int, route: str = "auto") -> dict:
-    return {**({"bias": bias} if bias != "table" else {}), **({"max_tokens": max_tokens} if max_tokens != MAX_TOKENS else {}),
+    return {**({"bias": bias} if bias != "table" else {}),
+            **({"max_tokens": max_tokens} if max_tokens != MAX_TOKENS else {}),
             **({"route": route} if route != "auto" else {})}
 
 
@@ -308,7 +312,7 @@ def _v2_result(model: torch.nn.Module, ctx: PassContext, bias: str, max_tokens: 
     """Bind the fused forward to the SwinV2 WindowAttentions of `model` -> the pass's result. The bias is
     cpb_mlp's table, which the kernels read in-kernel whatever `bias` asks.
     With route 'auto' the shapes where timm's own attention is faster on this GPU stay on it."""
-    routes, faster = {}, {}
+    routes, faster = {}, set()
     if route == "auto":
         from timm.models.swin_transformer_v2 import SwinTransformerV2Block
 
@@ -319,18 +323,18 @@ def _v2_result(model: torch.nn.Module, ctx: PassContext, bias: str, max_tokens: 
         for _, b in v2_blocks:
             timed = routes.get(block_shape(b))
             if timed is not None and timed["route"] == "pytorch":
-                faster[id(b.attn)] = SDPA_MEASURED
+                faster.add(id(b.attn))
     patched, left = _apply_v2(model, max_tokens, faster)
     changed = (f"{patched} SwinV2 WindowAttention -> fused Triton window attention (fwd+bwd; cosine scores, "
                "q and k normalized and the logit scale folded into q in one launch each, in inference inside the "
                "kernel, the MLP's position-bias table read in-kernel)")
-    for reason, count in sorted(left.items()):
-        changed += (f"; {count} {reason}" if reason.startswith("on PyTorch's SDPA")
-                    else f"; {count} left on timm's path ({reason})")
-    details = {"swinv2_patched_modules": patched, "swinv2_sdpa_measured_faster": left.get(SDPA_MEASURED, 0),
-               "swinv2_sdpa_beyond_kernel": {r[len(SDPA_FALLBACK) + 2:-1]: c for r, c in left.items()
-                                             if r.startswith(SDPA_FALLBACK)},
-               "swinv2_left_on_timm": {r: c for r, c in left.items() if not r.startswith("on PyTorch's SDPA")},
+    said = {SDPA_MEASURED: "on PyTorch's SDPA: {}", SDPA_FALLBACK: "on PyTorch's SDPA, beyond the kernel ({})",
+            TIMM: "left on timm's path ({})"}
+    for (path, reason), count in sorted(left.items(), key=lambda item: said[item[0][0]].format(item[0][1])):
+        changed += f"; {count} " + said[path].format(reason)
+    by_path = {p: {r: c for (q, r), c in left.items() if q == p} for p in said}
+    details = {"swinv2_patched_modules": patched, "swinv2_sdpa_measured_faster": sum(by_path[SDPA_MEASURED].values()),
+               "swinv2_sdpa_beyond_kernel": by_path[SDPA_FALLBACK], "swinv2_left_on_timm": by_path[TIMM],
                "max_tokens": max_tokens,
                "bias": "table (cpb_mlp's, read in-kernel)",
                "implementation": "workbench.kernels.cosine.cosine_qk + "
