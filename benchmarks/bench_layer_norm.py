@@ -7,6 +7,9 @@ Variants (op / impl):
   layer_norm      triton  workbench.kernels.layer_norm(x)
   add_layer_norm  torch   s = x + r; F.layer_norm(s)                  (both s and the normed output are used)
   add_layer_norm  triton  workbench.kernels.add_layer_norm(x, r)
+  post_add_layer_norm  torch   x + F.layer_norm(r)                 (SwinV2's post-norm residual add; under amp
+                               the layer_norm runs in autocast, as SwinV2's does: fp32 out of a bf16 r)
+  post_add_layer_norm  triton  workbench.kernels.post_add_layer_norm(r, x)  (one pass; LN(r) never written)
 Modes: fwd (no autograd) and fwd+bwd (backward from random gradients on every output; x, r, weight and
 bias all need gradients). Dtypes: bf16 (x, r, weight, bias all bf16), fp32, and amp (what Swin sees under
 bf16 autocast: the residual stream x fp32, the branch r bf16, parameters fp32; add_layer_norm only, as
@@ -50,7 +53,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from _results import add_out_dir_argument, markdown_table, out_dir_for, write_results  # noqa: E402
 from workbench.env import device_label, environment_stamp  # noqa: E402
-from workbench.kernels.layer_norm import add_layer_norm, layer_norm  # noqa: E402
+from workbench.kernels.layer_norm import add_layer_norm, layer_norm, post_add_layer_norm  # noqa: E402
 from workbench.optimize.timing import cuda_graph_us, per_call_us  # noqa: E402
 
 BATCH = 64
@@ -64,7 +67,8 @@ DTYPES = {  # name -> (x dtype, residual dtype, parameter dtype)
     "fp32": (torch.float32, torch.float32, torch.float32),
     "amp": (torch.float32, torch.bfloat16, torch.float32),
 }
-OPS = ("layer_norm", "add_layer_norm")
+OPS = ("layer_norm", "add_layer_norm", "post_add_layer_norm")
+TWO_OUTPUTS = ("add_layer_norm",)   # outputs s and y; post_add_layer_norm's one output is the sum
 IMPLS = ("torch", "triton")
 MODES = ("fwd", "fwd+bwd")
 # --check: max |ours - ref| / max |ref| per output and gradient.
@@ -94,6 +98,16 @@ def forward_fn(op: str, impl: str):
         return lambda t: (F.layer_norm(t["x"], t["x"].shape[-1:], t["w"], t["b"], EPS),)
     if op == "layer_norm":
         return lambda t: (layer_norm(t["x"], t["w"], t["b"], EPS),)
+    if op == "post_add_layer_norm" and impl == "torch":
+        def torch_post_add_layer_norm(t):
+            # amp: the norm under autocast (fp32 out of a half r, as SwinV2's norm1/norm2 run in training)
+            amp = t["x"].dtype == torch.float32 and t["r"].dtype != torch.float32
+            with torch.autocast(t["r"].device.type, dtype=t["r"].dtype, enabled=amp):
+                y = F.layer_norm(t["r"], t["r"].shape[-1:], t["w"], t["b"], EPS)
+            return (t["x"] + y,)
+        return torch_post_add_layer_norm
+    if op == "post_add_layer_norm":
+        return lambda t: (post_add_layer_norm(t["r"], t["x"], t["w"], t["b"], EPS),)
     if impl == "torch":
         def torch_add_layer_norm(t):
             s = t["x"] + t["r"]
@@ -103,7 +117,7 @@ def forward_fn(op: str, impl: str):
 
 
 def leaves(op: str, t: dict) -> list[torch.Tensor]:
-    return [t["x"], t["w"], t["b"]] + ([t["r"]] if op == "add_layer_norm" else [])
+    return [t["x"], t["w"], t["b"]] + ([t["r"]] if op != "layer_norm" else [])
 
 
 def step_fn(op: str, impl: str, mode: str, t: dict):
@@ -113,7 +127,7 @@ def step_fn(op: str, impl: str, mode: str, t: dict):
             with torch.no_grad():
                 return fwd(t)
         return run_fwd
-    grads = (t["ds"], t["dy"]) if op == "add_layer_norm" else (t["dy"],)
+    grads = (t["ds"], t["dy"]) if op in TWO_OUTPUTS else (t["ds"],) if op == "post_add_layer_norm" else (t["dy"],)
     inputs = leaves(op, t)
 
     def run_fwd_bwd():  # autograd.grad: gradients returned, not accumulated into .grad
@@ -130,6 +144,9 @@ def bytes_moved(op: str, mode: str, rows: int, C: int, dtype_name: str) -> int:
     if op == "layer_norm":
         fwd = n * (ex + ex) + stats                     # read x, write y
         bwd = n * (ex + ex + ex) + stats                # read x, dy, write dx
+    elif op == "post_add_layer_norm":
+        fwd = n * (er + ex + es) + stats                # read r, x, write s = x + LN(r)
+        bwd = n * (es + er + er) + stats                # read ds, r, write dr (x's gradient is ds itself)
     else:
         fwd = n * (ex + er + es + es) + stats           # read x, r, write s, y
         dres = 0 if ex == er else n * er                # one gradient serves both inputs when dtypes match
@@ -176,10 +193,10 @@ def check(shapes, dtype_names, device) -> list[dict]:
     for dtype_name, rows, C, op in configs(shapes, dtype_names):
         t = make_inputs(rows, C, dtype_name, device, requires_grad=True)
         ref_t = {k: (v.detach().float().requires_grad_(v.requires_grad)) for k, v in t.items()}
-        names = ["x", "w", "b"] + (["r"] if op == "add_layer_norm" else [])
+        names = ["x", "w", "b"] + (["r"] if op != "layer_norm" else [])
         outs = forward_fn(op, "triton")(t)
         refs = forward_fn(op, "torch")(ref_t)
-        grads = (t["ds"], t["dy"]) if op == "add_layer_norm" else (t["dy"],)
+        grads = (t["ds"], t["dy"]) if op in TWO_OUTPUTS else (t["ds"],) if op == "post_add_layer_norm" else (t["dy"],)
         torch.autograd.backward(outs, grads)
         torch.autograd.backward(refs, tuple(g.float() for g in grads))
         pairs = [(f"out{i}", o, e) for i, (o, e) in enumerate(zip(outs, refs))]
@@ -245,14 +262,14 @@ def speedups(records: list[dict]) -> list[dict]:
 def format_table(records: list[dict], dtypes=("bf16", "amp")) -> str:
     """One line per (op, dtype, shape): fwd and fwd+bwd, GPU time from graph replay (us) and per plain call."""
     by = {(s["op"], s["dtype"], s["rows"], s["C"], s["mode"]): s for s in speedups(records)}
-    head = (f"{'op':<14} {'dtype':<5} {'rows x C':>12} | {'graph us fwd: torch':>19} {'triton':>6} {'x':>5} | "
+    head = (f"{'op':<19} {'dtype':<5} {'rows x C':>12} | {'graph us fwd: torch':>19} {'triton':>6} {'x':>5} | "
             f"{'fwd+bwd: torch':>14} {'triton':>6} {'x':>5} {'GB/s':>5} | {'per call fwd+bwd: torch':>23} {'triton':>6}")
     lines = [head]
     for (op, dtype, n, C, mode), f in by.items():
         if mode != "fwd" or dtype not in dtypes:
             continue
         b = by[(op, dtype, n, C, "fwd+bwd")]
-        lines.append(f"{op:<14} {dtype:<5} {n:>7}x{C:<4} | {f['torch_ms'] * 1e3:>19.1f} {f['triton_ms'] * 1e3:>6.1f} "
+        lines.append(f"{op:<19} {dtype:<5} {n:>7}x{C:<4} | {f['torch_ms'] * 1e3:>19.1f} {f['triton_ms'] * 1e3:>6.1f} "
                      f"{f['speedup']:>4.2f}x | {b['torch_ms'] * 1e3:>14.1f} {b['triton_ms'] * 1e3:>6.1f} {b['speedup']:>4.2f}x "
                      f"{b['triton_gbps']:>5.0f} | {b['torch_call_ms'] * 1e3:>23.1f} {b['triton_call_ms'] * 1e3:>6.1f}")
     return "\n".join(lines)

@@ -17,6 +17,11 @@ Ops (fused / eager it replaces), forward + backward:
   merge_add_norm        a block's attention merge, residual add and norm2: s = x + merge_roll(windows),
                         y = LayerNorm(s) (outputs s and y; the backward takes gradients at both and writes
                         the windows' and x's); eager: window_reverse + crop + roll + add + F.layer_norm
+  roll_partition_amp    roll_partition of an fp32 map writing the half dtype of the qkv Linear (out_dtype,
+                        SwinV2's fp32 stream going into its attention); eager: roll + pad + partition + cast
+  merge_norm_add_amp    SwinV2's post-norm attention half under autocast: out = x + LayerNorm(merge_roll(
+                        windows)), half windows, fp32 x, parameters and out (the merged branch never
+                        written); eager: window_reverse + crop + roll + F.layer_norm in fp32 + add
 Stages: 56x56x128, 28x28x256, 14x14x512, 7x7x1024; ws 7, shift 3 on every stage (timm uses no
 shift on the single-window 7x7 stage; the shifted case is the one that moves data); bf16 by default.
 
@@ -72,6 +77,9 @@ from workbench.kernels.window import (  # noqa: E402
     merge_roll_reference,
     roll_partition_reference,
     merge_roll,
+    merge_norm_add,
+    merge_norm_add_bwd,
+    merge_norm_add_fwd,
     merge_roll_fwd,
     merge_unshift_add,
     norm_shift_partition,
@@ -88,8 +96,9 @@ SWIN_B_STAGES = [("s1", BATCH, 56, 56, 128), ("s2", BATCH, 28, 28, 256), ("s3", 
                  ("s4", BATCH, 7, 7, 1024)]
 CPU_STAGES = [("s1", 1, 14, 14, 32), ("s4", 2, 7, 7, 64)]  # interpreter smoke test
 OPS = ("roll_partition", "merge_roll", "norm_shift_partition", "merge_unshift_add", "norm_shift_partition_amp",
-       "add_norm_shift_partition", "merge_add_norm")
-LN_OPS = ("norm_shift_partition", "norm_shift_partition_amp", "add_norm_shift_partition", "merge_add_norm")
+       "add_norm_shift_partition", "merge_add_norm", "roll_partition_amp", "merge_norm_add_amp")
+LN_OPS = ("norm_shift_partition", "norm_shift_partition_amp", "add_norm_shift_partition", "merge_add_norm",
+          "merge_norm_add_amp")
 TWO_OUTPUTS = ("add_norm_shift_partition", "merge_add_norm")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LN_TOL = {"bf16": 2e-2, "fp16": 2e-2, "fp32": 1e-4}
@@ -116,14 +125,15 @@ def make_inputs(B, H, W, C, dtype, device, seed=0) -> dict:
     t = {"x": rand((B, H, W, C), 2.0, 0.5), "r": rand((B, H, W, C)), "windows": rand((nw, WINDOW * WINDOW, C)),
          "w": rand((C,), 0.5, 1.0), "b": rand((C,), 0.5),
          "d_img": rand((B, H, W, C)), "d_win": rand((nw, WINDOW * WINDOW, C))}
-    # norm_shift_partition_amp: fp32 activation and parameters, as autocast training holds them
-    t.update(x32=t["x"].float(), w32=t["w"].float(), b32=t["b"].float())
+    # the _amp ops: fp32 activation, parameters and gradient at the fp32 stream, as autocast training holds them
+    t.update(x32=t["x"].float(), w32=t["w"].float(), b32=t["b"].float(), d_img32=t["d_img"].float())
     return t
 
 
 LEAVES = {"roll_partition": ("x",), "merge_roll": ("windows",), "norm_shift_partition": ("x", "w", "b"),
           "norm_shift_partition_amp": ("x32", "w32", "b32"), "add_norm_shift_partition": ("x", "r", "w", "b"),
-          "merge_add_norm": ("windows", "x", "w", "b"), "merge_unshift_add": ("windows", "x")}
+          "merge_add_norm": ("windows", "x", "w", "b"), "merge_unshift_add": ("windows", "x"),
+          "roll_partition_amp": ("x32",), "merge_norm_add_amp": ("windows", "x32", "w32", "b32")}
 
 
 def leaves(op: str, t: dict) -> list[torch.Tensor]:
@@ -134,6 +144,16 @@ def forward(op: str, impl: str, t: dict, H: int, W: int, shift: int) -> torch.Te
     ws = WINDOW
     if op == "roll_partition":
         return roll_partition(t["x"], ws, shift) if impl == "fused" else eager_roll_partition(t["x"], ws, shift)
+    if op == "roll_partition_amp":
+        half = t["d_win"].dtype
+        if impl == "fused":
+            return roll_partition(t["x32"], ws, shift, half)
+        return eager_roll_partition(t["x32"], ws, shift).to(half)
+    if op == "merge_norm_add_amp":
+        if impl == "fused":
+            return merge_norm_add(t["windows"], t["x32"], t["w32"], t["b32"], EPS, ws, shift)
+        merged = eager_merge_roll(t["windows"], ws, shift, H, W)
+        return t["x32"] + F.layer_norm(merged.float(), (merged.shape[-1],), t["w32"], t["b32"], EPS)
     if op == "merge_roll":
         return merge_roll(t["windows"], ws, shift, H, W) if impl == "fused" else eager_merge_roll(t["windows"], ws, shift, H, W)
     if op == "norm_shift_partition":
@@ -167,7 +187,9 @@ def upstream(op: str, t: dict):
         return t["d_img"], t["d_win"]
     if op == "merge_add_norm":
         return t["d_img"], t["r"]   # at s and at y
-    return t["d_win"] if op in ("roll_partition", *LN_OPS) else t["d_img"]
+    if op == "merge_norm_add_amp":
+        return t["d_img32"]
+    return t["d_win"] if op in ("roll_partition", "roll_partition_amp", *LN_OPS) else t["d_img"]
 
 
 def compiled_eager(op, H, W, shift, half: torch.dtype):
@@ -200,6 +222,15 @@ def kernel_fns(op, t, H, W, shift):
     ws, x, win, d_img, d_win = WINDOW, t["x"], t["windows"], t["d_img"], t["d_win"]
     if op == "roll_partition":
         return (lambda: roll_partition_fwd(x, ws, shift)), (lambda: merge_roll_fwd(d_win, ws, shift, H, W))
+    if op == "roll_partition_amp":
+        x32 = t["x32"]
+        return ((lambda: roll_partition_fwd(x32, ws, shift, out_dtype=d_win.dtype)),
+                (lambda: merge_roll_fwd(d_win, ws, shift, H, W, out_dtype=x32.dtype)))
+    if op == "merge_norm_add_amp":
+        x32, w32, b32 = t["x32"], t["w32"], t["b32"]
+        _, mean, rstd = merge_norm_add_fwd(win, x32, w32, b32, EPS, ws, shift, x32.dtype)
+        return ((lambda: merge_norm_add_fwd(win, x32, w32, b32, EPS, ws, shift, x32.dtype)),
+                (lambda: merge_norm_add_bwd(t["d_img32"], win, w32, mean, rstd, ws, shift)))
     if op == "merge_roll":
         return (lambda: merge_roll_fwd(win, ws, shift, H, W)), (lambda: roll_partition_fwd(d_img, ws, shift))
     if op == "merge_add_norm":
@@ -238,6 +269,11 @@ def bytes_moved(op: str, B, H, W, C, elt: int) -> int:
         "add_norm_shift_partition": (3 * n + n_pad) + (4 * n) + 2 * stats,
         # fwd: read windows, x, write s, y; bwd: read dy, s, ds, write dx, dwin
         "merge_add_norm": (n_pad + 3 * n) + (4 * n + n_pad) + 2 * stats,
+        # fwd: read x fp32, write windows in `elt`; bwd: read valid dwin, write dx fp32
+        "roll_partition_amp": (n32 + n_pad) + (n + n32),
+        # fwd: read valid windows, x fp32, write out fp32; bwd: read dout fp32, windows, write dwin (the
+        # shortcut's gradient is dout itself)
+        "merge_norm_add_amp": (n + 2 * n32) + (n32 + n + n_pad) + 2 * stats,
     }[op]
 
 

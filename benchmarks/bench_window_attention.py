@@ -3,6 +3,7 @@ on Swin-B stage shapes at batch 64 in bf16.
 
     python benchmarks/bench_window_attention.py --check      # writes benchmarks/results/window_attention.{json,md}
     python benchmarks/bench_window_attention.py --window 12 --img 384 --out-dir /tmp/wa384   # Swin-B 384 (N = 144)
+    python benchmarks/bench_window_attention.py --cosine --check   # SwinV2-T 256 inference: window_attention_cosine.*
 
 Every method starts where timm's WindowAttention does, from the packed qkv tensor
 (B*nW, N, 3, nH, d) bf16 and the fp32 relative_position_bias_table, and ends with the gradients of
@@ -30,6 +31,19 @@ Results: benchmarks/results/window_attention.json ({"environment", "settings", "
 "check"}) and window_attention.md.
 Without a GPU the kernel runs in Triton's interpreter on tiny shapes: a smoke test, not a measurement
 (nothing is written unless --out-dir is given).
+
+--cosine: SwinV2's cosine attention in inference (forward only, no autograd), SwinV2-T 256 shapes (window 8,
+heads 3/6/12/24, d 32) at batch 64, from the packed qkv's q, k, v views (bf16), the (n_table, nH) fp32
+position-bias table and the per-head logit scale:
+  eager_v2     timm's formula: normalize(q) @ normalize(k)^T * logit_scale + table[index] + mask, softmax,
+               @ v, under bf16 autocast
+  sdpa_v2      q and k normalized (logit scale folded into q), F.scaled_dot_product_attention with the
+               materialized bias + mask in bf16 (what the PyTorch-alone peers and the SDPA fallback run)
+  fused_2pass  kernels.cosine.cosine_qk (one launch for q, one for k) + fused_window_attention_from_table:
+               what training runs
+  fused_cosine cosine_window_attention: q and k normalized inside the attention kernel as it loads them
+Floor: q, k, v read once and out written once, bf16. --check: fused_cosine bit for bit fused_2pass, and
+both against eager_v2 computed in fp32 (relative Frobenius error < 2e-2).
 """
 from __future__ import annotations
 
@@ -238,11 +252,140 @@ def floor_bytes(shape: dict) -> int:
     return 8 * shape["bnw"] * shape["nh"] * shape["n"] * shape["d"] * 2
 
 
+SWINV2_T_HEADS = (3, 6, 12, 24)
+
+
+def cosine_inputs(shape: dict, device: str, seed: int = 0) -> dict:
+    """make_inputs, plus SwinV2's per-head logit scale (exp of a clamped log, 10 at init) and a table in
+    16 * sigmoid's range; q, k, v the views of the packed qkv, as the pass hands them over."""
+    t = make_inputs(shape, device, seed=seed)
+    g = torch.Generator(device=device).manual_seed(seed + 7)
+    nh = shape["nh"]
+    t["table"] = 16 * torch.sigmoid(torch.randn(t["table"].shape, generator=g, device=device))
+    t["logit_scale"] = (torch.log(torch.full((nh,), 10.0, device=device))
+                        + 0.3 * torch.randn(nh, generator=g, device=device)).exp()
+    t["q"], t["k"], t["v"] = unbind_qkv(t["qkv"].detach())
+    return t
+
+
+def _cosine_bias(t: dict) -> torch.Tensor:
+    n = t["index"].shape[0]
+    return t["table"][t["index"].view(-1)].view(n, n, -1).permute(2, 0, 1)
+
+
+def _cosine_masked(attn: torch.Tensor, t: dict) -> torch.Tensor:
+    if t["mask"] is None:
+        return attn
+    nw, nh, n = t["mask"].shape[0], attn.shape[1], attn.shape[2]
+    return (attn.view(-1, nw, nh, n, n) + t["mask"][None, :, None]).view(-1, nh, n, n)
+
+
+def cosine_eager(t: dict) -> torch.Tensor:
+    q, k, v = t["q"], t["k"], t["v"]
+    with torch.autocast(q.device.type, dtype=torch.bfloat16, enabled=q.dtype != torch.float32, cache_enabled=False):
+        attn = F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-2, -1)
+        attn = attn * t["logit_scale"].view(1, -1, 1, 1) + _cosine_bias(t)[None]
+        return _cosine_masked(attn, t).softmax(-1) @ v
+
+
+def cosine_sdpa(t: dict) -> torch.Tensor:
+    q, k, v = t["q"], t["k"], t["v"]
+    qn = (F.normalize(q.float(), dim=-1) * t["logit_scale"].view(1, -1, 1, 1)).to(q.dtype)
+    kn = F.normalize(k.float(), dim=-1).to(k.dtype)
+    bnw, nh, n, _ = q.shape
+    bias = _cosine_masked(_cosine_bias(t)[None].expand(bnw, nh, n, n), t).to(q.dtype)
+    return F.scaled_dot_product_attention(qn, kn, v, attn_mask=bias, scale=1.0)
+
+
+def cosine_fused_2pass(t: dict) -> torch.Tensor:
+    from workbench.kernels.cosine import cosine_qk
+
+    q, k = cosine_qk(t["q"], t["k"], t["logit_scale"], t["v"].dtype)
+    return wa.fused_window_attention_from_table(q, k, t["v"], t["table"], t["index"], t["inverse"], t["mask"],
+                                                scale=1.0)
+
+
+def cosine_fused(t: dict) -> torch.Tensor:
+    return wa.cosine_window_attention(t["q"], t["k"], t["v"], t["table"], t["index"], t["logit_scale"], t["mask"])
+
+
+COSINE_METHODS = {"eager_v2": cosine_eager, "sdpa_v2": cosine_sdpa, "fused_2pass": cosine_fused_2pass,
+                  "fused_cosine": cosine_fused}
+
+
+def cosine_main(args, device: str, batch: int) -> int:
+    """--cosine: SwinV2 inference attention (see the module docstring)."""
+    wanted = {int(s) for s in args.stages.split(",")}
+    shapes = [s for s in stage_shapes(batch, args.img, args.window, SWINV2_T_HEADS) if s["stage"] in wanted]
+    if device == "cpu":
+        shapes = [s for s in shapes if s["bnw"] * s["nh"] <= 96] or shapes[-1:]
+    stamp = environment_stamp(device)
+    print(f"# SwinV2 cosine window attention, inference, bf16, batch {batch}, img {args.img}, window "
+          f"{args.window} on {device_label(stamp)}", flush=True)
+    checks, records, rows = [], [], []
+    with torch.no_grad():
+        if args.check:
+            for shape in shapes:
+                t = cosine_inputs(shape, device, seed=1)
+                got, two = cosine_fused(t), cosine_fused_2pass(t)
+                ref = cosine_eager(dict(t, q=t["q"].float(), k=t["k"].float(), v=t["v"].float()))
+                err = ((got.float() - ref).norm() / ref.norm()).item()
+                c = dict(stage=shape["stage"], bit_exact_vs_2pass=bool(torch.equal(got, two)), rel_err_out=err,
+                         ok=bool(torch.equal(got, two)) and err < CHECK_TOL)
+                checks.append(c)
+                print(f"check stage {c['stage']}: fused_cosine == fused_2pass {c['bit_exact_vs_2pass']}, "
+                      f"against fp32 eager {err:.1e}  {'ok' if c['ok'] else 'MISMATCH'}", flush=True)
+            if not all(c["ok"] for c in checks):
+                print("error: the cosine kernel differs from the two-pass form or from eager", file=sys.stderr)
+                return 1
+        for shape in shapes:
+            t = cosine_inputs(shape, device)
+            floor = 4 * shape["bnw"] * shape["nh"] * shape["n"] * shape["d"] * 2
+            times = {}
+            for name, method in COSINE_METHODS.items():
+                t0 = time.perf_counter()
+                method(t)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                    med, p20, p80 = cuda_graph_us([lambda: method(t)], replays=20, calls=8)
+                else:
+                    med = p20 = p80 = (time.perf_counter() - t0) * 1e6
+                times[name] = med
+                records.append({**shape, "method": name, "dtype": "bf16", "mode": "fwd", "graph_us": med,
+                                "graph_p20_us": p20, "graph_p80_us": p80, "floor_bytes": floor})
+            best_other = min(times["eager_v2"], times["sdpa_v2"])
+            fused = times["fused_cosine"]
+            dims = f"{shape['bnw']}×{shape['nh']}×{shape['n']}×{shape['d']}" + ("" if shape["masked"] else " (no mask)")
+            rows.append([str(shape["stage"]), dims, *(f"{times[m]:.1f}" for m in COSINE_METHODS),
+                         f"{best_other / fused:.2f}x", f"{times['fused_2pass'] / fused:.2f}x",
+                         f"{floor / (fused * 1e-6) / 1e9:.0f}", f"{100 * floor / 4.8e12 * 1e6 / fused:.0f}%"])
+            del t
+    headers = ["stage", "windows × heads × N × d", *(f"{m} µs" for m in COSINE_METHODS),
+               "fused_cosine vs best PyTorch", "vs fused_2pass", "fused_cosine GB/s", "of floor at 4.8 TB/s"]
+    table_md = markdown_table(headers, rows)
+    print()
+    print(table_md)
+    settings = dict(batch=batch, img=args.img, window=args.window, heads=SWINV2_T_HEADS, dtype="bf16", mode="fwd",
+                    timer="CUDA-graph replay of 8 back-to-back calls, median of 20 replays")
+    written = write_results(
+        out_dir_for(args.out_dir, device == "cuda"), "window_attention_cosine",
+        title=f"SwinV2 cosine window attention, inference, bf16 (SwinV2-T {args.img}, window {args.window}, "
+              f"batch {batch})",
+        stamp=stamp, settings=settings, records=records, check=checks, table=table_md,
+        notes=["GPU µs: CUDA-graph replay (no host launch cost). Floor: q, k, v read once and out written once, "
+               "bf16, at 4.8 TB/s (H200's HBM)."])
+    for path in written:
+        print(f"wrote {path}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--img", type=int, default=224)
-    parser.add_argument("--window", type=int, default=7)
+    parser.add_argument("--img", type=int, default=None, help="default 224 (256 with --cosine)")
+    parser.add_argument("--window", type=int, default=None, help="default 7 (8 with --cosine)")
+    parser.add_argument("--cosine", action="store_true",
+                        help="SwinV2's cosine attention in inference (SwinV2-T shapes), forward only")
     parser.add_argument("--stages", default="1,2,3,4", help="comma-separated stage numbers")
     parser.add_argument("--methods", default=None, help="comma-separated subset of methods (default all)")
     parser.add_argument("--check", action="store_true", help="verify fused against eager (fp32) first")
@@ -253,6 +396,12 @@ def main(argv=None) -> int:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     batch = args.batch if device == "cuda" else 1
+    if args.img is None:
+        args.img = 256 if args.cosine else 224
+    if args.window is None:
+        args.window = 8 if args.cosine else 7
+    if args.cosine:
+        return cosine_main(args, device, batch)
     wanted = {int(s) for s in args.stages.split(",")}
     shapes = [s for s in stage_shapes(batch, args.img, args.window) if s["stage"] in wanted]
     if device == "cpu":  # interpreter smoke test: one batch, stages with few windows only

@@ -65,3 +65,14 @@ def test_analyze_smoke(tmp_path):
     module = load(BENCH / "bench_analyze.py")
     assert module.main(["--kernels", "2000", "--out-dir", str(tmp_path)]) == 0
     check_results(tmp_path, "analyze")
+
+
+def test_cosine_attention_smoke_on_the_cpu(tmp_path):
+    """SwinV2's inference attention: the in-kernel cosine form checked bit for bit against the two-launch
+    form and against eager in fp32, one stage."""
+    module = load(BENCH / "bench_window_attention.py")
+    assert module.main(["--cosine", "--check", "--stages", "4", "--out-dir", str(tmp_path)]) == 0
+    check_results(tmp_path, "window_attention_cosine")
+    data = json.loads((tmp_path / "window_attention_cosine.json").read_text())
+    assert all(c["bit_exact_vs_2pass"] for c in data["check"])
+    assert {r["method"] for r in data["records"]} == {"eager_v2", "sdpa_v2", "fused_2pass", "fused_cosine"}
