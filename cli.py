@@ -6,25 +6,65 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+import typer.core
 from rich.console import Console
+from typer.core import TyperGroup
 
 from workbench.errors import UserError
 
+console = Console()
+err_console = Console(stderr=True)
+
+
+# typer's own click: a vendored copy (typer._click) in newer typer, the click package in older ones
+_click = getattr(typer.core, "_click", None) or typer.core.click
+
+
+class _OneLineErrors(TyperGroup):
+    """The command line's own errors (an option's value that is no number, an unknown option or command, a
+    missing argument) as one line on stderr and exit 2, like every other mistake, not a box of usage."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except _click.exceptions.ClickException as exc:
+            if not standalone_mode:
+                raise
+            if type(exc).__name__ == "NoArgsIsHelpError":   # the help is printed already
+                sys.exit(exc.exit_code)
+            ctx = getattr(exc, "ctx", None)
+            hint = f" (see: {ctx.command_path} --help)" if isinstance(exc, _click.exceptions.UsageError) and ctx else ""
+            _print_error(f"{exc.format_message()}{hint}")
+            sys.exit(exc.exit_code)
+        except _click.exceptions.Abort:
+            if not standalone_mode:
+                raise
+            _print_error("aborted")
+            sys.exit(1)
+        if not standalone_mode:
+            return rv
+        # super() returns an Exit's code (--help, typer.Exit) or the command's own return value (None)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
 app = typer.Typer(
+    cls=_OneLineErrors,
     help="Where a Swin Transformer's GPU time goes, and how to make it faster stage by stage, with proof.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console()
-err_console = Console(stderr=True)
 
 
-def _fail(exc: Exception, code: int) -> typer.Exit:
+def _print_error(message: str) -> None:
     from rich.markup import escape
 
     # the message may quote a file's contents: '[/x]' there is text, not rich markup
-    err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+
+
+def _fail(exc: Exception, code: int) -> typer.Exit:
+    _print_error(str(exc))
     return typer.Exit(code)
 
 
@@ -41,6 +81,7 @@ def _call(fn, *args, **kwargs):
         raise _fail(Exception(str(exc) or "interrupted"), 130) from None
 
 
+MAX_REGRESSION = "5"   # percent: check's default allowed change per metric
 Model = Annotated[Optional[str], typer.Option(help="timm Swin model name (default: swin_tiny_patch4_window7_224 on a GPU, the tiny 'swinbench_tiny_cpu' Swin on the CPU).")]
 Device = Annotated[str, typer.Option(help="auto (cuda if a GPU is visible, else cpu), cuda, cuda:N or cpu. CPU runs use the tiny Swin by default and are labelled CPU in every output.")]
 ImgSize = Annotated[Optional[str], typer.Option(help="Build the model at this resolution instead of its name's: 384, or HxW like 256x320 (timm pads feature maps that are not a multiple of the window inside the blocks; the fused kernels do the same).")]
@@ -73,6 +114,7 @@ def profile(
     img_size: ImgSize = None,
 ):
     """Run a Swin model under Nsight Systems (or torch.profiler) and show where its GPU time goes (on the CPU: its CPU operator time)."""
+    _given(model=model, recipe=recipe, nsys=nsys, parallel=parallel, img_size=img_size)
     from workbench.capture.profile import run_profile
 
     _check_format(format)
@@ -80,6 +122,27 @@ def profile(
     _call(run_profile, model=model, mode=mode, batch=batch, precision=precision, steps=steps, warmup=warmup,
           device=device, backend=backend, out=out, nsys=nsys, recipe=recipe, fmt=format, top=top, console=console,
           overwrite=overwrite, timeline=timeline, records=records, nproc=nproc, parallel=parallel, img_size=img_size)
+
+
+def _given(**options) -> None:
+    """An option given as an empty string is a mistake, not a request for its default: one line, exit 2."""
+    for name, value in options.items():
+        if value is not None and not str(value).strip():
+            raise _fail(UserError(f"--{name.replace('_', '-')} is empty: give a value, or leave the option out "
+                                  "for its default"), 2)
+
+
+def _cache_folder(cache: Optional[Path]) -> Optional[Path]:
+    """--cache: a folder (made if missing), never a file that is there."""
+    if cache is not None and cache.exists() and not cache.is_dir():
+        raise _fail(UserError(f"--cache {cache} is a file: give a folder for the measurement cache"), 2)
+    return cache
+
+
+def _on_command_line(ctx: typer.Context, name: str) -> bool:
+    """Whether the user gave option `name` (by its parameter name), not its default."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
 
 
 def _note(text: str) -> None:
@@ -292,7 +355,7 @@ def apply(
     out: Annotated[Optional[Path], typer.Option(help="Output folder for records, report and traces (default reports/runs/<run>/).")] = None,
     profile: Annotated[bool, typer.Option("--profile", help="Also capture each stage (nsys) and report its kernel-category shares.")] = False,
     check_against: Annotated[Optional[Path], typer.Option(help="Baseline records to check this run against when it ends (exit 1 on a regression; see `swinbench check`).")] = None,
-    max_regression: Annotated[str, typer.Option(help="With --check-against: allowed change per metric in percent.")] = "5",
+    max_regression: Annotated[Optional[str], typer.Option(help=f"With --check-against: allowed change per metric in percent (default {MAX_REGRESSION}).")] = None,
     thresholds: Annotated[Optional[Path], typer.Option(help="With --check-against: YAML of per-stage limits.")] = None,
     force: Annotated[bool, typer.Option("--force", help="With --check-against: compare across GPUs or versions anyway.")] = False,
     seed: Annotated[int, typer.Option(help="Seed for weights and the synthetic batch (the same for every stage).")] = 0,
@@ -311,17 +374,20 @@ def apply(
     img_size: ImgSize = None,
 ):
     """Apply a staged optimization recipe, measuring, checking and profiling every stage."""
+    _given(model=model, stages=stages, max_regression=max_regression, parallel=parallel, img_size=img_size)
     from workbench.ladder.apply import run_apply
 
     from workbench.ladder.reuse import default_cache_dir
 
     limit = _check_inputs_before_apply(check_against, thresholds, max_regression, nproc, force)
+    if resume and out is not None and not (out / "records").is_dir():
+        _note(f"--resume: {out} holds no earlier run; starting a new one there")
     if quick:
         steps, warmup, peers = min(steps, 10), min(warmup, 3), False if peers is None else peers
     result = _call(run_apply, recipe, model=model, batch=batch, steps=steps, warmup=warmup, device=device,
-                   out_dir=out, profile=profile, stages=stages.split(",") if stages else None, seed=seed,
+                   out_dir=out, profile=profile, stages=stages.split(",") if stages is not None else None, seed=seed,
                    peers=peers, isolate=isolate, console=console, mode=mode, interleave=interleave, resume=resume,
-                   overwrite=overwrite, cache_dir=cache or default_cache_dir(), fresh=fresh, nproc=nproc,
+                   overwrite=overwrite, cache_dir=_cache_folder(cache) or default_cache_dir(), fresh=fresh, nproc=nproc,
                    parallel=parallel, checkpoint=checkpoint, data=data, img_size=img_size)
     if check_against is not None:
         _run_check([check_against], [result.records_dir], limit, 2.0, thresholds, force, "md")
@@ -330,10 +396,12 @@ def apply(
 def _check_inputs_before_apply(check_against, thresholds, max_regression, nproc=None, force=False) -> float:
     """apply's --check-against, --thresholds and --max-regression, validated before any stage runs (a typo
     there, or a baseline of another --nproc, must not cost a run) -> the percentage."""
-    limit = _percent(max_regression)
+    limit = _percent(MAX_REGRESSION if max_regression is None else max_regression)
     if check_against is None:
-        if thresholds is not None:
-            raise _fail(UserError("--thresholds is read with --check-against; give both or neither"), 2)
+        given = [name for name, value in (("--thresholds", thresholds is not None), ("--force", force),
+                                          ("--max-regression", max_regression is not None)) if value]
+        if given:
+            raise _fail(UserError(f"{given[0]} is read with --check-against; give both or neither"), 2)
         return limit
     from workbench.results.check import check_planned_world_size, load_thresholds
 
@@ -367,7 +435,7 @@ def train(
     nproc: Annotated[Optional[int], typer.Option(help="Data parallel: this many processes on this machine under torchrun, one per GPU (gloo on the CPU), DDP; --batch is per process, the global batch N x --batch.")] = None,
     nnodes: Annotated[int, typer.Option(help="With --nproc: machines in the run (torchrun's --nnodes); run the same command on each.")] = 1,
     rdzv_endpoint: Annotated[Optional[str], typer.Option(help="With --nnodes > 1: HOST:PORT of the c10d rendezvous, the same on every machine.")] = None,
-    rdzv_id: Annotated[str, typer.Option(help="With --rdzv-endpoint: the job's name at the rendezvous.")] = "swinbench",
+    rdzv_id: Annotated[Optional[str], typer.Option(help="With --rdzv-endpoint: the job's name at the rendezvous (default swinbench).")] = None,
     parallel: Annotated[Optional[str], typer.Option(help="With --nproc: ddp (every process holds the whole model; the default) or fsdp (FSDP2: each process holds 1/N of the weights, gradients and optimizer state, for models that do not fit otherwise).")] = None,
     img_size: ImgSize = None,
     save_checkpoints: Annotated[bool, typer.Option("--save-checkpoints", help="Save each finished run's weights (a plain timm state_dict with the model and data named) to checkpoints/ in --out, for `swinbench apply --mode infer --checkpoint`.")] = False,
@@ -375,6 +443,8 @@ def train(
     """Train a Swin on real data with a recipe (or compare recipes) and report loss, accuracy, img/s and parity."""
     from workbench.train.loop import TrainConfig, command_line, run_train
 
+    _given(recipe=recipe, compare=compare, reference=reference, model=model, rdzv_endpoint=rdzv_endpoint,
+           rdzv_id=rdzv_id, parallel=parallel, img_size=img_size)
     config = TrainConfig(model=model, recipe=recipe, compare=compare.split(",") if compare is not None else None,
                          baseline_seeds=baseline_seeds, seeds=seeds, reference=reference, steps=steps, epochs=epochs, batch=batch, lr=lr,
                          weight_decay=weight_decay, label_smoothing=label_smoothing, clip_grad=clip_grad, seed=seed,
@@ -415,6 +485,7 @@ def report(
 
 @app.command()
 def matrix(
+    ctx: typer.Context,
     models: Annotated[Optional[str], typer.Option(help="Comma-separated timm Swin models (default: tiny, small, base and large at window 7 / 224 px, base at window 12 / 384 px and SwinV2-T at window 8 / 256 px on a GPU; the tiny CPU Swin on the CPU).")] = None,
     modes: Annotated[str, typer.Option(help="Comma-separated cells per model: train (at the model's training batch), infer64, infer8, infer1.")] = "train,infer64,infer1",
     train_batch: Annotated[Optional[int], typer.Option(help="Training batch for every model (default per model: workbench.ladder.matrix.TRAIN_BATCH, e.g. 128 for tiny/small, 64 for base/large, 32 at 384 px).")] = None,
@@ -435,8 +506,15 @@ def matrix(
     """Run the Swin family matrix (models x train/infer64/infer1 x amp, fused stage, torch-compile) and write one table."""
     from workbench.ladder.matrix import FAMILY, parse_list, run_matrix
 
+    _given(models=models, modes=modes, fused=fused)
     if readme is not None and render_only is None:
         raise _fail(UserError("--readme renders a matrix already run: give --render-only OUT too"), 2)
+    if render_only is not None:
+        running = [f"--{name.replace('_', '-')}" for name in ctx.params if name not in ("render_only", "readme")
+                   and _on_command_line(ctx, name)]
+        if running:
+            raise _fail(UserError(f"--render-only runs nothing, so {running[0]} has nothing to do: leave it out, "
+                                  "or run the matrix without --render-only"), 2)
     if readme is not None:
         from workbench.results.matrix_table import update_readme_matrix
 
@@ -458,7 +536,7 @@ def matrix(
         out = Path("reports") / "runs" / f"matrix-{_dt.datetime.now():%Y%m%d-%H%M%S}"
     _call(run_matrix, models=_call(parse_list, models, "models"), modes=_call(parse_list, modes, "modes"),
           train_batch=train_batch, fused=fused, out_dir=out, steps=steps, warmup=warmup, device=device,
-          cache_dir=cache or default_cache_dir(), fresh=fresh, resume=resume, overwrite=overwrite, console=console,
+          cache_dir=_cache_folder(cache) or default_cache_dir(), fresh=fresh, resume=resume, overwrite=overwrite, console=console,
           profile=profile, compiled=compiled)
 
 
@@ -466,7 +544,7 @@ def matrix(
 def check(
     baseline: Annotated[list[Path], typer.Option(help="Baseline records (files or folders); repeatable.")],
     current: Annotated[list[Path], typer.Option(help="Current records (files or folders); repeatable.")],
-    max_regression: Annotated[str, typer.Option(help="Default allowed change per metric in percent, e.g. 5 or 5%.")] = "5",
+    max_regression: Annotated[str, typer.Option(help="Default allowed change per metric in percent, e.g. 5 or 5%.")] = MAX_REGRESSION,
     max_share_drift: Annotated[float, typer.Option(help="Allowed drift of a kernel category's share, in percentage points.")] = 2.0,
     thresholds: Annotated[Optional[Path], typer.Option(help="YAML with per-stage, per-metric limits (see docs/check.md).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Compare records of different GPUs, versions, models, batches or data-parallel world sizes anyway (noted in the output).")] = False,
@@ -494,12 +572,17 @@ def _percent(text: str) -> float:
 def _run_check(baseline, current, limit, drift, thresholds, force, fmt, output=None):
     import json
 
-    from workbench.results.check import check_records, render_markdown, to_json
+    from workbench.results.check import check_records, is_check_output, render_markdown, to_json
 
     if fmt == "markdown":
         fmt = "md"
     _check_format(fmt, ("md", "json"))
-    from workbench.files import atomic_write_text
+    from workbench.files import atomic_write_text, refuse_to_replace
+    from workbench.results.record import record_files
+
+    if output is not None:   # before the work: a check never writes over a record, a trace or a user's file
+        _call(refuse_to_replace, output, is_check_output, "a table swinbench check wrote",
+              inputs=_call(record_files, [*baseline, *current]))
 
     try:
         result = _call(check_records, baseline, current, max_regression_pct=limit, thresholds_file=thresholds,

@@ -1,4 +1,5 @@
 """Options that cannot work are refused before anything runs: exit 2, one line, no stage measured."""
+import shutil
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,114 @@ def test_apply_check_options_are_validated_before_any_stage(tmp_path, no_run, ex
 def test_error_quoting_rich_markup_is_printed_as_text(tmp_path):
     out = refused(["apply", "--recipe", str(tmp_path / "a[/x]b.yaml"), "--device", "cpu"])
     assert "a[/x]b.yaml" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["profile", "--batch", "abc"], "Invalid value for '--batch'"),
+    (["profile", "--batchsize", "2"], "No such option: --batchsize"),
+    (["nosuchcommand"], "No such command"),
+    (["diff", "a.json"], "Missing argument"),
+    (["check", "--baseline", "x"], "Missing option '--current'"),
+])
+def test_command_line_mistakes_are_one_line(args, message):
+    out = refused(args)
+    assert message in out and out.count("\n") == 1 and "Usage:" not in out and "╭" not in out
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:abc", ""])
+def test_env_refuses_an_unknown_device(device):
+    assert "unknown device" in refused(["env", "--device", device])
+
+
+@pytest.mark.parametrize("args", [
+    ["profile", "--model", ""], ["profile", "--recipe", " "], ["apply", "--model", ""], ["apply", "--stages", ""],
+    ["train", "--recipe", ""], ["matrix", "--models", ""],
+])
+def test_an_empty_option_is_refused_not_taken_for_its_default(args, tmp_path, no_run):
+    refused([*args, "--device", "cpu", "--out", str(tmp_path / "run")])
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["apply", "--force"], "--force is read with --check-against"),
+    (["apply", "--max-regression", "10"], "--max-regression is read with --check-against"),
+    (["train", "--rdzv-id", "job"], "--rdzv-id names the job"),
+])
+def test_options_that_need_another_are_refused_alone(args, message, tmp_path, no_run):
+    assert message in refused([*args, "--device", "cpu", "--out", str(tmp_path / "run")])
+    assert not (tmp_path / "run").exists()
+
+
+def test_matrix_render_only_refuses_options_of_a_run(tmp_path):
+    assert "--steps has nothing to do" in refused(["matrix", "--render-only", str(tmp_path), "--steps", "3"])
+
+
+def test_a_cache_that_is_a_file_is_refused(tmp_path, no_run):
+    (tmp_path / "cache").write_text("mine")
+    assert "is a file" in refused(["apply", "--cache", str(tmp_path / "cache"), "--device", "cpu",
+                                   "--out", str(tmp_path / "run")])
+    assert (tmp_path / "cache").read_text() == "mine"
+
+
+def test_matrix_refuses_a_folder_holding_another_run(tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(RECORDS, run / "records")
+    assert "holds a run of apply, profile or train" in refused(["matrix", "--device", "cpu", "--steps", "1",
+                                                                "--out", str(run)])
+    assert sorted(p.name for p in run.iterdir()) == ["records"]
+
+
+@pytest.fixture
+def run_folder(tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(RECORDS, run / "records")
+    return run
+
+
+def test_report_writes_over_its_own_report_only(run_folder):
+    record = run_folder / "records" / "00-baseline.json"
+    before = record.read_bytes()
+    assert "is one of the inputs" in refused(["report", str(run_folder / "records"), "--out", str(record)])
+    (run_folder / "mine.md").write_text("# my notes\n")
+    assert "is not a report swinbench wrote" in refused(["report", str(run_folder), "--out",
+                                                         str(run_folder / "mine.md")])
+    assert "is a folder" in refused(["report", str(run_folder), "--out", str(run_folder)])
+    assert record.read_bytes() == before and (run_folder / "mine.md").read_text() == "# my notes\n"
+    for _ in range(2):   # the run folder itself names its records; its report.md is rendered again
+        result = runner.invoke(app, ["report", str(run_folder)])
+        assert result.exit_code == 0, result.output
+    assert (run_folder / "report.md").read_text().startswith("# swinbench apply:")
+
+
+@pytest.mark.parametrize("fmt", ["md", "json"])
+def test_check_writes_over_its_own_table_only(run_folder, fmt):
+    args = ["check", "--baseline", str(run_folder), "--current", str(run_folder / "records"), "--format", fmt]
+    record = run_folder / "records" / "01-amp.json"
+    before = record.read_bytes()
+    assert "is one of the inputs" in refused([*args, "--out", str(record)])
+    (run_folder / "trace.json").write_text('{"traceEvents": []}')
+    assert "is not a table swinbench check wrote" in refused([*args, "--out", str(run_folder / "trace.json")])
+    assert record.read_bytes() == before and (run_folder / "trace.json").read_text() == '{"traceEvents": []}'
+    for _ in range(2):
+        result = runner.invoke(app, [*args, "--out", str(run_folder / f"check.{fmt}")])
+        assert result.exit_code == 0, result.output
+
+
+def test_an_unreadable_image_from_a_loader_process_is_one_line(tmp_path):
+    from workbench.datasets import ImageFolderData
+    from workbench.errors import UserError
+
+    data = ImageFolderData.__new__(ImageFolderData)
+    data.root = tmp_path
+
+    def loader():
+        yield "first batch"
+        raise OSError("Caught UnidentifiedImageError in DataLoader worker process 0.\nOriginal Traceback (most "
+                      "recent call last):\n  File \"x.py\", line 1\nPIL.UnidentifiedImageError: cannot identify "
+                      "image file 'a/2.jpg'\n")
+
+    batches = data._read(loader())
+    assert next(batches) == "first batch"
+    with pytest.raises(UserError) as info:
+        next(batches)
+    assert str(info.value) == f"--data {tmp_path}: cannot identify image file 'a/2.jpg'"

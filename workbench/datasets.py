@@ -22,6 +22,7 @@ crop (scale 0.35-1) and a horizontal flip; validation: resize and center crop, a
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -152,7 +153,8 @@ class ImageFolderData:
                 split = f"{IMAGEFOLDER_VAL_FRACTION:.0%} held out for validation (fixed)"
         except (FileNotFoundError, RuntimeError) as exc:   # no class folders, no images
             raise UserError(f"--data {root}: not an ImageFolder ({str(exc).splitlines()[0]})") from None
-        self.root, self.size, self.workers, self.split = root, size, workers, split
+        # no more loader processes than CPUs this process may use (torch's own advice; more only contend)
+        self.root, self.size, self.workers, self.split = root, size, min(workers, _usable_cpus()), split
         self.name = str(root)
         self.classes = len(self.train.classes)
         if self.classes < 2 or len(self.val) == 0:
@@ -172,9 +174,25 @@ class ImageFolderData:
                 "augmentation": "random resized crop (0.35-1), horizontal flip"}
 
     def _loader(self, dataset, batch: int, shuffle: bool, generator, device):
-        return torch.utils.data.DataLoader(dataset, batch_size=batch, shuffle=shuffle, drop_last=shuffle,
-                                           generator=generator, num_workers=self.workers,
-                                           pin_memory=torch.device(device).type == "cuda")
+        return self._read(torch.utils.data.DataLoader(dataset, batch_size=batch, shuffle=shuffle, drop_last=shuffle,
+                                                      generator=generator, num_workers=self.workers,
+                                                      pin_memory=torch.device(device).type == "cuda"))
+
+    def _read(self, loader) -> Iterator[Batch]:
+        """loader's batches; an image that cannot be read is one line naming it (a loader process re-raises
+        it with its whole traceback as the message: the last line of that is the error)."""
+        batches = iter(loader)
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            except OSError as exc:   # PIL's errors (unreadable, truncated, not an image) are OSErrors
+                lines = [line for line in str(exc).splitlines() if line.strip()]
+                last = lines[-1] if lines else type(exc).__name__
+                raise UserError(f"--data {self.root}: {last.split(': ', 1)[-1] if 'Traceback' in str(exc) else last}") \
+                    from None
+            yield batch
 
     def train_batches(self, epoch: int, batch: int, seed: int, device, rank: int = 0, world: int = 1) -> Iterator[Batch]:
         if world == 1:
@@ -186,12 +204,19 @@ class ImageFolderData:
         sampler = torch.utils.data.DistributedSampler(self.train, num_replicas=world, rank=rank, shuffle=True,
                                                       seed=seed * 100_003, drop_last=True)
         sampler.set_epoch(epoch)
-        yield from torch.utils.data.DataLoader(
+        yield from self._read(torch.utils.data.DataLoader(
             self.train, batch_size=batch, sampler=sampler, drop_last=True, num_workers=self.workers,
-            generator=epoch_generator(seed * world + rank, epoch), pin_memory=torch.device(device).type == "cuda")
+            generator=epoch_generator(seed * world + rank, epoch), pin_memory=torch.device(device).type == "cuda"))
 
     def val_batches(self, batch: int, device) -> Iterator[Batch]:
         yield from self._loader(self.val, batch, False, None, device)
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:   # not on Linux
+        return os.cpu_count() or 1
 
 
 def load_data(data: Path | None, size: tuple[int, int], workers: int = 0):

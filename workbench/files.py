@@ -40,6 +40,32 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     return atomic_write_bytes(path, text.encode("utf-8"))
 
 
+def refuse_to_replace(path: str | os.PathLike, is_ours, what: str, inputs=()) -> Path:
+    """Check that writing `path` loses nothing: a path that does not exist yet, or a file that `is_ours`
+    (given its first 4 KiB as text) says is `what`, the output this command wrote there before and writes
+    again. A folder, one of the command's own `inputs`, or any other file is a UserError (nothing written).
+    -> path"""
+    path = Path(path)
+    if str(path) in ("", "."):
+        raise UserError("--out names no file (empty, or the current folder): give the file to write")
+    if path.is_dir():
+        raise UserError(f"{path} is a folder: give --out the file to write")
+    if not path.exists():
+        return path
+    resolved = path.resolve()
+    if any(Path(i).resolve() == resolved for i in inputs):
+        raise UserError(f"{path} is one of the inputs: give --out another file (nothing was written)")
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(4096).decode("utf-8", errors="replace")
+    except OSError as exc:
+        raise UserError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if not is_ours(head):
+        raise UserError(f"{path} exists and is not {what}: give --out a new file, or move that one away "
+                        "(nothing was written)")
+    return path
+
+
 def read_text_bounded(path: str | os.PathLike, what: str, max_bytes: int) -> str:
     """The UTF-8 text of a file the user gave, read only up to `max_bytes`; UserError (one line naming
     `what` and the file) when it cannot be read, is larger, or is not UTF-8."""

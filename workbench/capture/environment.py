@@ -49,10 +49,9 @@ def _module_row(name: str, without: str) -> tuple[str, str]:
 def environment_report(device: str = "auto") -> list[dict]:
     """Rows of {"what", "value", "note"}: the machine's capabilities and what swinbench does with them."""
     from workbench.optimize.passes import triton_runs_on
-    from workbench.devices import pick_device
+    from workbench.devices import resolve_device
 
-    device = pick_device(device)
-    dev = torch.device(device)
+    dev = resolve_device(device)
     stamp = environment_stamp(dev)
     rows = []
 

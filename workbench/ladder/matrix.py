@@ -262,6 +262,11 @@ def run_matrix(*, models: list[str] | None = None, modes: list[str] | None = Non
     cells = plan_cells(models, modes, train_batch)
     stages = plan_stages(fused, {c.mode for c in cells}, compiled, console)
     out_dir = Path(out_dir)
+    other = run_entries(out_dir)
+    if other:   # a run of apply, profile or train, not a matrix: never mixed with the matrix's cells
+        listed = ", ".join(e.name for e in other[:3]) + (", ..." if len(other) > 3 else "")
+        raise UserError(f"{out_dir} holds a run of apply, profile or train ({listed}); nothing was changed: "
+                        "give the matrix its own --out")
     earlier = _started(out_dir)
     if earlier and not (resume or overwrite):
         listed = ", ".join(earlier[:3]) + (", ..." if len(earlier) > 3 else "")

@@ -710,15 +710,22 @@ def _folded_share_row(stage: str, shares: pd.DataFrame) -> list[str]:
             limit, "—", "unchanged"]
 
 
+MD_HEADER = "| stage | metric | baseline | current | Δ | limit | noise band | status |"
+CPU_NOTE = "**CPU records** (no GPU): times, shares and changes are CPU figures, not GPU ones."
+
+
+def is_check_output(head: str) -> bool:
+    """Whether a file's first characters are a table `swinbench check --out` wrote (Markdown or JSON)."""
+    return head.startswith((MD_HEADER, CPU_NOTE)) or '"schema": "swinbench.check/' in head[:200]
+
+
 def render_markdown(result: CheckResult) -> str:
     """A Markdown table (stage, metric, baseline, current, signed Δ, limit, noise band, status),
     then the notes, then the one-line summary. Unchanged category shares of a stage are folded
     into one row; every other row is shown."""
     w = result.words
-    lines = ["**CPU records** (no GPU): times, shares and changes are CPU figures, not GPU ones.", ""] \
-        if w.is_cpu else []
-    lines += ["| stage | metric | baseline | current | Δ | limit | noise band | status |",
-              "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    lines = [CPU_NOTE, ""] if w.is_cpu else []
+    lines += [MD_HEADER, "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     rows = result.rows
     quiet_share = rows["metric"].str.startswith(SHARE_PREFIX) & (rows["status"] == "unchanged")
     folded_done = set()

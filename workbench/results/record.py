@@ -1219,11 +1219,14 @@ def write_record(record: StageRecord | dict, folder: Path) -> Path:
     return path
 
 
-def _record_files(paths) -> list[Path]:
+def record_files(paths) -> list[Path]:
+    """The record files that `paths` name: files as given; of a folder, its *.json not starting with '_'
+    (of the folder `apply --out` wrote, those in its records/)."""
     files: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            files += sorted(q for q in p.glob("*.json") if not q.name.startswith("_") and q.is_file())
+            folder = p / "records" if (p / "records").is_dir() else p
+            files += sorted(q for q in folder.glob("*.json") if not q.name.startswith("_") and q.is_file())
         elif p.is_file():
             files.append(p)
         else:
@@ -1256,5 +1259,5 @@ def read_records(paths) -> list[StageRecord]:
     stage record, or any field that is not as the module docstring says."""
     if isinstance(paths, (str, Path)):
         paths = [paths]
-    records = [read_record(f) for f in _record_files(list(paths))]
+    records = [read_record(f) for f in record_files(list(paths))]
     return sorted(records, key=lambda r: (r.run_id, r.stage_index))

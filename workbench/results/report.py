@@ -525,6 +525,10 @@ def run_label(records) -> str:
     return ", ".join(stages)
 
 
+# the first line of every report.md: what `swinbench report --out` may write over
+REPORT_HEADING = "# swinbench apply:"
+
+
 def _title(records: list[StageRecord]) -> str:
     """What the table holds; a setting that differs between records is called mixed (the rows then name
     their model and device)."""
@@ -545,7 +549,7 @@ def _title(records: list[StageRecord]) -> str:
         model += f" at {sizes[0]} px"
     mode = modes[0] if len(modes) == 1 else "mixed modes"
     batch = f"batch {batches[0]}" if len(batches) == 1 else f"batches {', '.join(map(str, batches))}"
-    return f"swinbench apply: {run_label(records)} — {model}, {mode}, {batch}, {where}"
+    return f"{REPORT_HEADING[2:]} {run_label(records)} — {model}, {mode}, {batch}, {where}"
 
 
 # ---------------------------------------------------------------- the Markdown report
@@ -1130,9 +1134,15 @@ def render_report_from_paths(paths: list[Path], out: Path | None = None,
     """`swinbench report RECORDS...`: read stored records (files or folders) and write the report. Records
     of one `apply --recipe auto` run (run id 'auto-...') get its choice again (graph_recipes: which recipe
     replays each stage as a graph, recipes.graph_recipes())."""
+    from workbench.files import refuse_to_replace
+    from workbench.results.record import record_files
+
     records = read_records(paths)
+    target = refuse_to_replace(Path(out) if out is not None else default_report_path(list(paths)),
+                               lambda head: head.startswith(REPORT_HEADING), "a report swinbench wrote",
+                               inputs=record_files(list(paths)))
     runs = {r.run_id for r in records}
     auto = None
     if len(runs) == 1 and next(iter(runs)).startswith("auto-"):
         auto = auto_choice(records, graph_recipes)
-    return render_report(records, Path(out) if out else default_report_path(list(paths)), auto=auto)
+    return render_report(records, target, auto=auto)

@@ -50,7 +50,7 @@ def torchrun_arguments(config) -> list[str]:
         where = ["--standalone", "--nnodes", "1"]
     else:
         where = ["--nnodes", str(config.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", config.rdzv_endpoint,
-                 "--rdzv-id", config.rdzv_id]
+                 "--rdzv-id", config.rdzv_id or "swinbench"]
     return [*where, "--nproc-per-node", str(config.nproc)]
 
 

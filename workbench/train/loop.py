@@ -78,7 +78,7 @@ class TrainConfig:
     nproc: int | None = None               # processes per machine under torchrun (data parallel); None: this one
     nnodes: int = 1                        # machines, with nproc each (needs rdzv_endpoint when > 1)
     rdzv_endpoint: str | None = None       # host:port of the c10d rendezvous every machine joins
-    rdzv_id: str = "swinbench"             # the job's name at the rendezvous
+    rdzv_id: str | None = None             # the job's name at the rendezvous (None: "swinbench")
     parallel: str | None = None            # with nproc: "ddp" (the default) or "fsdp" (FSDP2, sharded weights)
     save_checkpoints: bool = False         # each finished run's weights to checkpoints/ (swinbench apply --checkpoint)
     img_size: list[int] | None = None      # [H, W]: the model at this resolution; None: its name's
@@ -100,6 +100,8 @@ class TrainConfig:
         positive_int("nnodes", self.nnodes)
         if self.nproc is None and (self.nnodes != 1 or self.rdzv_endpoint is not None):
             raise UserError("--nnodes and --rdzv-endpoint go with --nproc (processes per machine)")
+        if self.rdzv_id is not None and self.rdzv_endpoint is None:
+            raise UserError("--rdzv-id names the job at --rdzv-endpoint's rendezvous: give both, or neither")
         check_parallel(self.parallel, self.nproc)
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise UserError("--nnodes above 1 needs --rdzv-endpoint HOST:PORT, the same on every machine")
