@@ -107,6 +107,21 @@ def _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, offs_n, N, NH, HAS_MASK: tl
     return tl.where(key_ok[None, :], t, float("-inf"))
 
 
+@triton.jit
+def _load_rows(PTR, b, h, s_b, s_h, s_n, s_d, offs, N, D: tl.constexpr):
+    """(len(offs), D) rows offs of one (window, head) matrix; rows past N read as 0."""
+    offs_d = tl.arange(0, D)
+    return tl.load(PTR + b * s_b + h * s_h + offs[:, None] * s_n + offs_d[None, :] * s_d,
+                   mask=(offs < N)[:, None], other=0.0)
+
+
+@triton.jit
+def _store_rows(PTR, x, b, h, s_b, s_h, s_n, s_d, offs, N, D: tl.constexpr):
+    offs_d = tl.arange(0, D)
+    tl.store(PTR + b * s_b + h * s_h + offs[:, None] * s_n + offs_d[None, :] * s_d,
+             x.to(PTR.dtype.element_ty), mask=(offs < N)[:, None])
+
+
 @triton.jit(do_not_specialize=["B_PER_W", "NW", "NH"])
 def _window_attention_fwd_kernel(
     Q, K, V, BIAS, MASK, INDEX, O, LSE, COS,
@@ -127,8 +142,6 @@ def _window_attention_fwd_kernel(
     i_start = g * G
     i_end = tl.minimum(i_start + G, B_PER_W)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D)
-    key_ok = offs_n < N
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     qk_scale = scale * 1.4426950408889634
     # Query tiles outer, windows inner: the bias/mask tile is loaded once per tile per program.
@@ -138,12 +151,9 @@ def _window_attention_fwd_kernel(
         bias = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, offs_n, N, NH, HAS_MASK, TABLE)
         for i in range(i_start, i_end):
             b = (i * NW + w).to(tl.int64)
-            q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_n + offs_d[None, :] * sq_d,
-                        mask=row_ok[:, None], other=0.0)
-            k = tl.load(K + b * sk_b + h * sk_h + offs_n[:, None] * sk_n + offs_d[None, :] * sk_d,
-                        mask=key_ok[:, None], other=0.0)
-            v = tl.load(V + b * sv_b + h * sv_h + offs_n[:, None] * sv_n + offs_d[None, :] * sv_d,
-                        mask=key_ok[:, None], other=0.0)
+            q = _load_rows(Q, b, h, sq_b, sq_h, sq_n, sq_d, offs_m, N, D)
+            k = _load_rows(K, b, h, sk_b, sk_h, sk_n, sk_d, offs_n, N, D)
+            v = _load_rows(V, b, h, sv_b, sv_h, sv_n, sv_d, offs_n, N, D)
             if COSINE:
                 q = _cosine(q, COS, h, True, SOFT_RTNE)
                 k = _cosine(k, COS, h, False, SOFT_RTNE)
@@ -152,8 +162,7 @@ def _window_attention_fwd_kernel(
             p = tl.exp2(s - m[:, None])
             l = tl.sum(p, 1)
             o = _dot(p.to(v.dtype), v, PRECISION, UPCAST) / l[:, None]
-            tl.store(O + b * so_b + h * so_h + offs_m[:, None] * so_n + offs_d[None, :] * so_d,
-                     o.to(O.dtype.element_ty), mask=row_ok[:, None])
+            _store_rows(O, o, b, h, so_b, so_h, so_n, so_d, offs_m, N, D)
             tl.store(LSE + (b * NH + h) * N + offs_m, m + tl.log2(l), mask=row_ok)
 
 
@@ -186,7 +195,6 @@ def _window_attention_bwd_kernel(
     i_start = g * G
     i_end = tl.minimum(i_start + G, B_PER_W)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D)
     key_ok = offs_n < N
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     qk_scale = scale * 1.4426950408889634
@@ -199,10 +207,8 @@ def _window_attention_bwd_kernel(
         dbias_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in range(i_start, i_end):
         b = (i * NW + w).to(tl.int64)
-        k = tl.load(K + b * sk_b + h * sk_h + offs_n[:, None] * sk_n + offs_d[None, :] * sk_d,
-                    mask=key_ok[:, None], other=0.0)
-        v = tl.load(V + b * sv_b + h * sv_h + offs_n[:, None] * sv_n + offs_d[None, :] * sv_d,
-                    mask=key_ok[:, None], other=0.0)
+        k = _load_rows(K, b, h, sk_b, sk_h, sk_n, sk_d, offs_n, N, D)
+        v = _load_rows(V, b, h, sv_b, sv_h, sv_n, sv_d, offs_n, N, D)
         dk = tl.zeros((BLOCK_N, D), dtype=tl.float32)
         dv = tl.zeros((BLOCK_N, D), dtype=tl.float32)
         for m0 in range(0, N, BLOCK_M):
@@ -212,10 +218,8 @@ def _window_attention_bwd_kernel(
                 bias = bias0
             else:
                 bias = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, offs_n, N, NH, HAS_MASK, TABLE)
-            q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_n + offs_d[None, :] * sq_d,
-                        mask=row_ok[:, None], other=0.0)
-            do = tl.load(DO + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_n + offs_d[None, :] * sdo_d,
-                         mask=row_ok[:, None], other=0.0)
+            q = _load_rows(Q, b, h, sq_b, sq_h, sq_n, sq_d, offs_m, N, D)
+            do = _load_rows(DO, b, h, sdo_b, sdo_h, sdo_n, sdo_d, offs_m, N, D)
             lse = tl.load(LSE + (b * NH + h) * N + offs_m, mask=row_ok, other=0.0)
             s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale + bias
             p = tl.exp2(s - lse[:, None])  # padded keys: exp2(-inf) = 0; padded rows: do = 0
@@ -226,8 +230,7 @@ def _window_attention_bwd_kernel(
             delta = tl.sum(p * dp, 1)
             ds = p * (dp - delta[:, None])  # d loss / d (scores + bias + mask)
             dq = _dot(ds.to(k.dtype), k, PRECISION, UPCAST) * scale
-            tl.store(DQ + b * sdq_b + h * sdq_h + offs_m[:, None] * sdq_n + offs_d[None, :] * sdq_d,
-                     dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+            _store_rows(DQ, dq, b, h, sdq_b, sdq_h, sdq_n, sdq_d, offs_m, N, D)
             dk += _dot(tl.trans(ds.to(q.dtype)), q, PRECISION, UPCAST)
             if COMPUTE_DBIAS:
                 if SINGLE_TILE:
@@ -241,10 +244,8 @@ def _window_attention_bwd_kernel(
                     prev = tl.load(dbias_slot + ij, mask=ok & (i > i_start), other=0.0)
                     tl.store(dbias_slot + ij, prev + ds, mask=ok)
                     tl.debug_barrier()
-        tl.store(DK + b * sdk_b + h * sdk_h + offs_n[:, None] * sdk_n + offs_d[None, :] * sdk_d,
-                 (dk * scale).to(DK.dtype.element_ty), mask=key_ok[:, None])
-        tl.store(DV + b * sdv_b + h * sdv_h + offs_n[:, None] * sdv_n + offs_d[None, :] * sdv_d,
-                 dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
+        _store_rows(DK, dk * scale, b, h, sdk_b, sdk_h, sdk_n, sdk_d, offs_n, N, D)
+        _store_rows(DV, dv, b, h, sdv_b, sdv_h, sdv_n, sdv_d, offs_n, N, D)
     if COMPUTE_DBIAS:
         if SINGLE_TILE:
             ij = offs_m0[:, None] * N + offs_n[None, :]
@@ -266,21 +267,6 @@ def _window_attention_bwd_kernel(
 # --------------------------------------------------------------------------------------------
 # Kernels for windows of more than 64 tokens: keys in blocks of KB = 64
 # --------------------------------------------------------------------------------------------
-@triton.jit
-def _load_rows(PTR, b, h, s_b, s_h, s_n, s_d, offs, N, D: tl.constexpr):
-    """(len(offs), D) rows offs of one (window, head) matrix; rows past N read as 0."""
-    offs_d = tl.arange(0, D)
-    return tl.load(PTR + b * s_b + h * s_h + offs[:, None] * s_n + offs_d[None, :] * s_d,
-                   mask=(offs < N)[:, None], other=0.0)
-
-
-@triton.jit
-def _store_rows(PTR, x, b, h, s_b, s_h, s_n, s_d, offs, N, D: tl.constexpr):
-    offs_d = tl.arange(0, D)
-    tl.store(PTR + b * s_b + h * s_h + offs[:, None] * s_n + offs_d[None, :] * s_d,
-             x.to(PTR.dtype.element_ty), mask=(offs < N)[:, None])
-
-
 @triton.jit
 def _cosine(x, COS, h, SCALED: tl.constexpr, SOFT_RTNE: tl.constexpr):
     """SwinV2's cosine-attention input from raw rows x (R, D): x / max(||x||, 1e-12) (F.normalize's eps),
