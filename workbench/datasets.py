@@ -188,9 +188,10 @@ class ImageFolderData:
             except StopIteration:
                 return
             except OSError as exc:   # PIL's errors (unreadable, truncated, not an image) are OSErrors
-                lines = [line for line in str(exc).splitlines() if line.strip()]
-                last = lines[-1] if lines else type(exc).__name__
-                raise UserError(f"--data {self.root}: {last.split(': ', 1)[-1] if 'Traceback' in str(exc) else last}") \
+                text = str(exc).strip()
+                if "Original Traceback" in text:   # from a loader process: its last line is 'Type: message'
+                    text = text.splitlines()[-1].split(": ", 1)[-1]
+                raise UserError(f"--data {self.root}: {text.splitlines()[0] if text else type(exc).__name__}") \
                     from None
             yield batch
 
