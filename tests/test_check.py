@@ -495,3 +495,17 @@ def test_graph_step_is_checked_with_its_own_spread(tmp_path, current):
     assert row(check_records(base, current), "fmha", "graph_ms")["status"] == "unchanged"
     # a stage without graph timing on either side has no graph_ms row
     assert (check_records(BASELINE, BASELINE).rows["metric"] != "graph_ms").all()
+
+
+def test_cpu_records_against_gpu_ones_are_called_mixed_and_graph_times_read_as_ms():
+    from workbench.labels import MIXED_WORDS
+    from workbench.results.check import MIXED_NOTE
+
+    root = Path(__file__).resolve().parent.parent / "reports"
+    gpu = root / "h200-swin_base-b64-train" / "records"
+    result = check_records(gpu, root / "cpu-tiny-b8-train" / "records", force=True)
+    text = render_markdown(result)
+    assert result.words == MIXED_WORDS and text.startswith(MIXED_NOTE) and to_json(result)["device"] == "CPU/GPU"
+    assert "None" not in " ".join(result.notes)
+    graph_rows = [line for line in render_markdown(check_records(gpu, gpu)).splitlines() if "| graph_ms |" in line]
+    assert graph_rows and all(" ms |" in line for line in graph_rows)

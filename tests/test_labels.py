@@ -215,3 +215,11 @@ def test_interleaved_rounds_print_a_line_each_off_a_terminal(tmp_path):
         mp.setattr(apply_mod, "asdict", lambda c: {})
         _interleave(records, specs, None, 2, False, tmp_path, console, LadderProgress(console, True, 2), asked=False)
     assert console.file.getvalue().splitlines() == ["interleaved round 1/2 done", "interleaved round 2/2 done"]
+
+
+def test_records_of_the_cpu_and_a_gpu_together_get_mixed_words():
+    from workbench.labels import CPU_WORDS, GPU_WORDS, MIXED_WORDS, record_words
+
+    gpu, cpu = {"env": {"device_type": "cuda"}}, {"env": {"device_type": "cpu"}}
+    assert record_words([gpu, gpu]) == GPU_WORDS and record_words([cpu]) == CPU_WORDS
+    assert record_words([gpu, cpu]) == MIXED_WORDS and not MIXED_WORDS.is_cpu

@@ -2,6 +2,7 @@
 Markdown sections and the category-share chart, re-rendered from files without a model or a GPU."""
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -358,3 +359,18 @@ def test_a_quantized_stage_shows_its_gemm_dtype_beside_the_precision(tmp_path):
     assert sim.precision_label == "bf16, int8 GEMMs simulated" and off.precision_label == "bf16"
     text = render_report([StageRecord.from_dict(record(0, "amp", None, 10.0)), fp8], tmp_path / "r.md").read_text()
     assert "| fp8 | bf16, fp8 GEMMs |" in text
+
+
+def test_a_report_of_several_workloads_gives_each_its_own_best_form(tmp_path):
+    """The README's three canonical record folders (H200 training, H200 inference, the CPU ladder): each
+    workload's fused stack is set against its own peer, never a CPU figure against a GPU one."""
+    from workbench.results.report import render_report_from_paths
+
+    root = Path(__file__).resolve().parent.parent / "reports"
+    folders = [root / "h200-swin_base-b64-train" / "records", root / "h200-swin_base-b64-infer" / "records",
+               root / "cpu-tiny-b8-train" / "records"]
+    text = render_report_from_paths(folders, tmp_path / "mixed.md").read_text()
+    best = [line for line in text.splitlines() if "Fused stack, best form" in line]
+    assert len(best) == 2, best
+    assert "training, batch 64, NVIDIA H200: " in best[0] and "inference, batch 64, NVIDIA H200: " in best[1]
+    assert all("0.00x" not in line and "CPU" not in line for line in best)

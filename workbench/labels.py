@@ -54,7 +54,10 @@ def _device_type(record) -> str | None:
 
 
 def record_words(records) -> DeviceWords:
-    """The words for stage records (StageRecords, or dicts as apply holds them): CPU when any record's
-    env says it ran on another device than CUDA (`device_type: cpu`), else GPU."""
+    """The words for stage records (StageRecords, or dicts as apply holds them): CPU when every record's
+    env says it ran on another device than CUDA (`device_type: cpu`), MIXED_WORDS when some did and some
+    ran on CUDA, else GPU."""
     types = {_device_type(r) for r in records} - {None}
-    return CPU_WORDS if types - {"cuda"} else GPU_WORDS
+    if not types - {"cuda"}:
+        return GPU_WORDS
+    return MIXED_WORDS if "cuda" in types else CPU_WORDS

@@ -6,6 +6,8 @@ not a number, is refused there), matches stages by name and checks, per stage:
 
     img_per_s        higher is better   % change, limit in %      noise band from the step-time IQRs
     step_ms          lower is better    % change, limit in %      noise band from the step-time IQRs
+    graph_ms         lower is better    the step replayed as one CUDA graph (record.graph), where the stage's
+                     own step is no graph; % change, noise band from the two graph timings' IQRs
     peak_mem_bytes   lower is better    % change, limit in %      no noise band (memory is exact)
     speedup          higher is better   img_per_s / img_per_s of stage 'baseline' of the same run
     launches_per_step        lower is better  % change   host kernel launches per step in the stage's
@@ -69,7 +71,7 @@ import pandas as pd
 from workbench.analysis.frames import blocking_calls
 from workbench.errors import UserError
 from workbench.files import load_yaml_file, short_repr
-from workbench.labels import GPU_WORDS, DeviceWords, record_words
+from workbench.labels import GPU_WORDS, MIXED_WORDS, DeviceWords, record_words
 from workbench.results.record import StageRecord, read_records, short_dtype
 
 ROW_COLUMNS = ["stage", "metric", "baseline", "current", "delta_pct", "limit", "noise_band_pct", "status", "unit"]
@@ -96,7 +98,7 @@ DEFAULT_NOISE_IQR_SCALE = 0.5
 # (record key, label, plural label)
 # Precision is per stage (the amp pass changes it), so it is compared per matched stage instead.
 RUN_SETTINGS = (("model", "model", "models"), ("mode", "mode", "modes"), ("batch", "batch", "batch sizes"))
-ENV_SETTINGS = (("device_type", "device type", "device types"), ("gpu", "GPU", "GPUs"),
+ENV_SETTINGS = (("device_type", "device type", "device types"), ("device_name", "device", "devices"),
                 ("torch", "torch version", "torch versions"), ("triton", "triton version", "triton versions"))
 # Worth a note, not worth refusing.
 ENV_NOTES = (("driver", "driver version"), ("cuda", "CUDA version"), ("timm", "timm version"))
@@ -117,7 +119,7 @@ class CheckResult:
     # stage -> its largest per-kernel changes (diff.join_per_unit columns), for regressed stages whose
     # records both carry a profile's per-kernel table: where to look first
     kernel_changes: dict = field(default_factory=dict)
-    words: DeviceWords = GPU_WORDS   # CPU when the records ran on the CPU (labels.record_words)
+    words: DeviceWords = GPU_WORDS   # CPU (or CPU/GPU, mixed) when records ran on the CPU (labels.record_words)
 
     @property
     def exit_code(self) -> int:
@@ -364,8 +366,9 @@ def _check_settings(base: dict, cur: dict, force: bool, notes: list[str]) -> Non
             notes.append(f"stage '{stage}' compared across precisions with --force: {bp} (baseline) vs {cp} (current)")
     for key, label in ENV_NOTES:
         bv, cv = _values(base.values(), key, True), _values(cur.values(), key, True)
-        if set(map(str, bv)) != set(map(str, cv)):
-            notes.append(f"{label} differs: {', '.join(map(str, bv))} (baseline) vs {', '.join(map(str, cv))} (current)")
+        shown = lambda vals: ", ".join("none" if v is None else str(v) for v in vals)   # None: a CPU record's
+        if shown(bv) != shown(cv):
+            notes.append(f"{label} differs: {shown(bv)} (baseline) vs {shown(cv)} (current)")
 
 
 def _world_sizes(stages) -> list[int]:
@@ -673,7 +676,7 @@ def _fmt_value(metric: str, value) -> str:
         return value
     if metric in ("img_per_s", "dp_img_per_s"):
         return f"{value:,.1f}"
-    if metric in ("step_ms", "dp_step_ms"):
+    if metric in ("step_ms", "graph_ms", "dp_step_ms"):
         return f"{value:.2f} ms"
     if metric == "dp_efficiency":
         return f"{value:.3f}"
@@ -712,11 +715,13 @@ def _folded_share_row(stage: str, shares: pd.DataFrame) -> list[str]:
 
 MD_HEADER = "| stage | metric | baseline | current | Δ | limit | noise band | status |"
 CPU_NOTE = "**CPU records** (no GPU): times, shares and changes are CPU figures, not GPU ones."
+MIXED_NOTE = ("**CPU and GPU records** (compared with --force): one side's figures are CPU figures, the other's "
+              "GPU ones; a change between them is the device's, not the code's.")
 
 
 def is_check_output(head: str) -> bool:
     """Whether a file's first characters are a table `swinbench check --out` wrote (Markdown or JSON)."""
-    return head.startswith((MD_HEADER, CPU_NOTE)) or '"schema": "swinbench.check/' in head[:200]
+    return head.startswith((MD_HEADER, CPU_NOTE, MIXED_NOTE)) or '"schema": "swinbench.check/' in head[:200]
 
 
 def render_markdown(result: CheckResult) -> str:
@@ -724,7 +729,7 @@ def render_markdown(result: CheckResult) -> str:
     then the notes, then the one-line summary. Unchanged category shares of a stage are folded
     into one row; every other row is shown."""
     w = result.words
-    lines = [CPU_NOTE, ""] if w.is_cpu else []
+    lines = [CPU_NOTE, ""] if w.is_cpu else [MIXED_NOTE, ""] if w == MIXED_WORDS else []
     lines += [MD_HEADER, "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     rows = result.rows
     quiet_share = rows["metric"].str.startswith(SHARE_PREFIX) & (rows["status"] == "unchanged")
@@ -763,7 +768,7 @@ def _plain(value):
 
 
 def to_json(result: CheckResult) -> dict:
-    """{schema, regressed, exit_code, device ('CPU' | 'GPU'), summary, notes, rows: [{column: value}],
+    """{schema, regressed, exit_code, device ('CPU' | 'GPU' | 'CPU/GPU'), summary, notes, rows: [{column: value}],
     kernel_changes: {stage: [{kernel, before_ms, after_ms, delta_ms, before_n, after_n}]}}; NaN/inf become null."""
     rows = [{k: _plain(v) for k, v in row.items()} for row in result.rows.astype(object).to_dict(orient="records")]
     changes = {stage: [{k: _plain(v) for k, v in r.items()} for r in table.astype(object).to_dict(orient="records")]

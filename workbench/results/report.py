@@ -32,7 +32,7 @@ from workbench.analysis.frames import blocking_calls
 from workbench.env import device_label
 from workbench.errors import UserError
 from workbench.files import atomic_write_bytes, atomic_write_text
-from workbench.labels import record_words
+from workbench.labels import GPU_WORDS, record_words
 from workbench.results.record import Interleaved, PairedRatio, StageRecord, as_records, read_records, short_dtype
 from workbench.results.significance import NS_MARK, NS_NOTE, paired_significant, speedup_significant
 
@@ -442,8 +442,10 @@ def render_speedup_table(records, console) -> None:
                                   + (f", {_ratio_cell(r.interleaved.x_previous, r.interleaved.previous_stage, r.interleaved.rounds)}"
                                      if r.interleaved.x_previous is not None else "")
                                   for r in timed))
-    what = "CPU op" if _is_cpu(records) else "GPU kernel"
-    for stage, parent, table in kernel_changes(records, rows=3):
+    w = record_words(records)
+    what = f"{w.device} {w.op}"
+    for rec, parent_rec, table in kernel_changes(records, rows=3):
+        stage, parent = rec.stage, parent_rec.stage
         moved = ", ".join(f"{k[:48]} {d:+.2f}" for k, d in table[["kernel", "delta_ms"]].values)
         console.print(f"{stage} against {parent}, largest {what} changes (ms per step): {moved}")
 
@@ -460,10 +462,18 @@ def _ladder_lines(records: list[StageRecord], df: pd.DataFrame) -> list[str]:
     headline = headline_text(records, df)
     if headline:
         lines.append(headline)
-    best = best_form(records, df)
-    if best is not None:
-        batch = records[0].batch
-        line = (f"**Fused stack, best form: {best['stage']}, {best['form']}: {best['ms']:.2f} ms per step "
+    # one best form per workload: a form of one model, mode, batch and device is never set against another's
+    workloads = _distinct(_workload(r) for r in records)
+    for workload in workloads:
+        mine = [r for r in records if _workload(r) == workload]
+        best = best_form(mine, df[df["run_id"].isin({r.run_id for r in mine})])
+        if best is None:
+            continue
+        batch = mine[0].batch
+        model, mode, _, device = workload
+        whose = (f"{model}, {'inference' if mode == 'infer' else 'training'}, batch {batch}, {device}: "
+                 if len(workloads) > 1 else "")
+        line = (f"**{whose}Fused stack, best form: {best['stage']}, {best['form']}: {best['ms']:.2f} ms per step "
                 f"({batch / best['ms'] * 1e3:,.0f} img/s)"
                 + (f", {best['x_baseline']:.2f}x over fp32" if best["x_baseline"] else "") + "**")
         if best["peer"]:
@@ -503,6 +513,11 @@ _LAUNCHERS = {"cached": "cached launcher (workbench.kernels._common.CachedLaunch
 
 def _distinct(values) -> list:
     return list(dict.fromkeys(values))
+
+
+def _workload(rec: StageRecord) -> tuple:
+    """What a record measured: (model, mode, batch, device); speedups stay within one."""
+    return rec.model, rec.mode, rec.batch, rec.env.device_name
 
 
 def _is_cpu(records: list[StageRecord]) -> bool:
@@ -747,20 +762,24 @@ KERNEL_CHANGE_ROWS = 6  # kernels listed per stage in the report's stage-to-stag
 
 
 def kernel_changes(records, rows: int = KERNEL_CHANGE_ROWS) -> list[tuple[str, str, pd.DataFrame]]:
-    """(stage, compared_with, the `rows` kernels whose GPU ms per step changed most) for every profiled
-    stage whose nearest profiled ancestor in `records` (the stage it extends, then that one's chain) has a
-    per-kernel table too."""
+    """(record, the record it is compared with, the `rows` kernels whose GPU ms per step changed most) for
+    every profiled stage whose nearest profiled ancestor of the same workload in `records` (the stage it
+    extends, then that one's chain) has a per-kernel table too."""
     from workbench.analysis.diff import join_per_unit
 
     records = as_records(records)
-    frames = {r.stage: f for r in records if r.profile is not None and (f := r.profile.kernels_frame()) is not None}
+    # a stage is held against an ancestor of its own workload only (never a CPU capture against a GPU one)
+    profiled = {(_workload(r), r.stage): (r, f) for r in records
+                if r.profile is not None and (f := r.profile.kernels_frame()) is not None}
     out = []
     for rec in records:
-        if rec.stage not in frames:
+        mine = _workload(rec)
+        if (mine, rec.stage) not in profiled:
             continue
-        parent = next((a for a in rec.ancestors() if a in frames and a != rec.stage), None)
+        parent = next((a for a in rec.ancestors() if (mine, a) in profiled and a != rec.stage), None)
         if parent is not None:
-            out.append((rec.stage, parent, join_per_unit(frames[parent], frames[rec.stage], "kernel").head(rows)))
+            (parent_rec, before), (_, after) = profiled[mine, parent], profiled[mine, rec.stage]
+            out.append((rec, parent_rec, join_per_unit(before, after, "kernel").head(rows)))
     return out
 
 
@@ -807,17 +826,19 @@ def _kernel_change_lines(records: list[StageRecord]) -> list[str]:
     changes = kernel_changes(records)
     if not changes:
         return []
-    cpu = _is_cpu(records)
-    what, calls = ("CPU op", "calls") if cpu else ("GPU kernel", "launches")
+    w = record_words(records)
+    cpu = w.is_cpu
+    what, calls = ("CPU op", "calls") if cpu else ("GPU kernel", "launches") if w == GPU_WORDS \
+        else ("CPU/GPU op/kernel", "calls/launches")
     lines = [f"## What changed in the {what.split()[0]} profile from stage to stage", "",
              f"For each profiled stage, the {KERNEL_CHANGE_ROWS} {what}s whose time per step changed most "
              "against the stage it extends (or its nearest profiled ancestor), from the two stages' captures "
              f"({_backend_names(records)}; short names; `swinbench diff` on the two traces gives the full table).", ""]
     if cpu:
         lines += ["> CPU op times from torch.profiler, not GPU kernel times.", ""]
-    by_stage = {r.stage: r for r in records}
-    for stage, parent, table in changes:
-        mine, theirs = kernel_ms_per_step(by_stage[stage]), kernel_ms_per_step(by_stage[parent])
+    for rec, parent_rec, table in changes:
+        stage, parent = rec.stage, parent_rec.stage
+        mine, theirs = kernel_ms_per_step(rec), kernel_ms_per_step(parent_rec)
         total = (f": {what} time {theirs:.1f} → {mine:.1f} ms per step"
                  if mine is not None and theirs is not None else "")
         rows = [[f"`{k}`" if len(k) <= 70 else f"`{k[:67]}...`", f"{b:.3f}", f"{a:.3f}", f"{d:+.3f}", f"{bn:.0f}", f"{an:.0f}"]
