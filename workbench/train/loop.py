@@ -496,7 +496,7 @@ def run_train(config: TrainConfig, *, out_dir: Path | None = None, overwrite: bo
             for n in s.notes:
                 console.print(f"[yellow]note:[/] {s.recipe} seed {s.seed}: {n}", highlight=False)
         table = summary_rows(out_dir / "records")
-        _print_table(console, summary_rows(out_dir / "records", short=True))
+        _print_table(console, summary_rows(out_dir / "records", short=True), on_gpu)
         spread = spread_line(out_dir / "records")
         if spread:
             console.print(spread, highlight=False)
@@ -559,12 +559,13 @@ def _train_here(config, runs, data, model_name, device, out_dir, console, progre
     return summaries
 
 
-def _print_table(console, rows: list[dict]) -> None:
+def _print_table(console, rows: list[dict], on_gpu: bool) -> None:
     from rich.table import Table
 
     if not rows:
         return
-    table = Table(title="swinbench train", title_justify="left")
+    table = Table(title="swinbench train" + ("" if on_gpu else " — CPU, not a GPU speed figure"),
+                  title_justify="left")
     for col in rows[0]:
         table.add_column(col, justify="left" if col in ("recipe", "parity", "seeds") else "right", overflow="fold",
                          min_width=max(len(str(r[col])) for r in rows) if col == "recipe" else None)
