@@ -374,3 +374,13 @@ def test_a_report_of_several_workloads_gives_each_its_own_best_form(tmp_path):
     assert len(best) == 2, best
     assert "training, batch 64, NVIDIA H200: " in best[0] and "inference, batch 64, NVIDIA H200: " in best[1]
     assert all("0.00x" not in line and "CPU" not in line for line in best)
+
+
+def test_a_parity_verdict_names_the_device_that_trained():
+    from workbench.results.verdicts import TrainingVerdict, find_verdicts, verdict_line
+
+    v = TrainingVerdict("fmha", "baseline", "swin_tiny_patch4_window7_224", 1000, 2, True,
+                        "converges like the baseline", Path("reports/x"), device="NVIDIA H200")
+    assert "2 seeds, on NVIDIA H200)" in verdict_line(v)
+    committed = Path(__file__).resolve().parent.parent / "reports"
+    assert {x.device for x in find_verdicts([committed])} == {"NVIDIA H200"}

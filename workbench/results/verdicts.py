@@ -27,6 +27,7 @@ class TrainingVerdict:
     detail: str             # the rule's words: 'converges like the baseline' / 'differs: ...' / 'not decided: ...'
     source: Path            # the comparison's folder
     decided: bool = True    # False: the accuracy missed the rule by less than the comparison's noise
+    device: str | None = None   # what trained: 'NVIDIA H200', 'CPU' (the runs' env)
 
     def where(self) -> str:
         """The comparison's folder as the user would type it: under the source tree or here, relative."""
@@ -79,9 +80,12 @@ def find_verdicts(roots: list[Path] | None = None) -> list[TrainingVerdict]:
             for recipe, p in comparison.parity.items():
                 group = [r for r in runs if r.recipe == recipe and r.status in ("ok", "diverged")]
                 header = group[0].header if group else runs[0].header
+                env = header.get("env") if isinstance(header.get("env"), dict) else {}
+                device = (env.get("gpu") or "GPU") if env.get("device_type") == "cuda" else \
+                    "CPU" if env.get("device_type") else None
                 out.append(TrainingVerdict(recipe, comparison.reference, str(header.get("model")),
                                            header.get("steps"), len(group), p.passed, p.verdict, folder.parent,
-                                           p.decided))
+                                           p.decided, device))
     return out
 
 
@@ -91,5 +95,6 @@ def verdict_line(v: TrainingVerdict) -> str:
     seeds = f"{v.seeds} seed{'s' if v.seeds != 1 else ''}"
     head = ("trains like" if v.passed else "**fails parity** with" if v.decided else "is **not decided** against")
     detail = "" if v.passed else ": " + v.detail.split(": ", 1)[-1]
-    return (f"**{v.recipe}** {head} {against} in `{v.where()}` ({v.model}, {v.steps} steps, {seeds})"
+    on = f", on {v.device}" if v.device else ""
+    return (f"**{v.recipe}** {head} {against} in `{v.where()}` ({v.model}, {v.steps} steps, {seeds}{on})"
             f"{detail}")
