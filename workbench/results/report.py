@@ -87,7 +87,7 @@ def speedup_table(records) -> pd.DataFrame:
     df["x_previous_ns"] = False
     # Speedups compare stages of one run; a stage whose run lacks the baseline (or the stage it extends)
     # is compared with that stage of another run of the same workload on the same GPU, and marked.
-    workload = {rec.run_id: (rec.model, rec.batch, rec.mode, rec.env.device_name) for rec in records}
+    workload = {rec.run_id: _workload(rec) for rec in records}
     steps_by_run: dict = {}   # run -> stage -> (median ms, IQR ms, timed steps)
     for idx, r in enumerate(df.itertuples()):
         if r.counted:

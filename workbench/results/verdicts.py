@@ -65,6 +65,7 @@ def find_verdicts(roots: list[Path] | None = None) -> list[TrainingVerdict]:
     """Every parity verdict of every comparison (a `records/` folder of train records) under `roots`
     (default_roots()). Folders that cannot be read are passed over: a report citing verdicts must not
     fail on an unrelated broken run."""
+    from workbench.results.record import Env
     from workbench.results.train_runs import compare_runs, read_runs
 
     out = []
@@ -81,8 +82,7 @@ def find_verdicts(roots: list[Path] | None = None) -> list[TrainingVerdict]:
                 group = [r for r in runs if r.recipe == recipe and r.status in ("ok", "diverged")]
                 header = group[0].header if group else runs[0].header
                 env = header.get("env") if isinstance(header.get("env"), dict) else {}
-                device = (env.get("gpu") or "GPU") if env.get("device_type") == "cuda" else \
-                    "CPU" if env.get("device_type") else None
+                device = Env(env["device_type"], gpu=env.get("gpu")).device_name if env.get("device_type") else None
                 out.append(TrainingVerdict(recipe, comparison.reference, str(header.get("model")),
                                            header.get("steps"), len(group), p.passed, p.verdict, folder.parent,
                                            p.decided, device))

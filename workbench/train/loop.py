@@ -564,7 +564,7 @@ def _print_table(console, rows: list[dict], on_gpu: bool) -> None:
 
     if not rows:
         return
-    table = Table(title="swinbench train" + ("" if on_gpu else " — CPU, not a GPU speed figure"),
+    table = Table(title="swinbench train" + ("" if on_gpu else ", CPU — not a GPU speed figure"),
                   title_justify="left")
     for col in rows[0]:
         table.add_column(col, justify="left" if col in ("recipe", "parity", "seeds") else "right", overflow="fold",
