@@ -13,7 +13,8 @@ interpreter: SOFT_RTNE), zero_column_sums, emit_column_sum.
 Column sums, what a backward adds up over rows (LayerNorm dweight/dbias, a Linear's bias gradient):
   column_sums, eager_column_sums, finish_column_sums, sum_rows, sum_partials, split_column_sums,
   split_norm_grads.
-Buffers and sizes: new_output (every buffer a kernel writes), sm_count, cdiv, next_pow2.
+Buffers and sizes: new_output (every buffer a kernel writes), sm_count, cdiv, next_pow2; host_cache, the
+cache of the launch-configuration helpers.
 
 Operators. Each host function is registered as a `torch.library` operator so that torch.compile can put
 it in its graph. Two registrations:
@@ -594,7 +595,24 @@ def new_output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-@functools.lru_cache(maxsize=None)
+def host_cache(fn: Callable) -> Callable:
+    """functools.lru_cache for a launch-configuration helper (a pure function of sizes, dtypes and the
+    device), bypassed while torch.compile traces: Dynamo traces through an lru_cache anyway, and warns on
+    every compiled run that it does (the autograd Functions' forwards call these helpers), and a traced
+    size may be symbolic."""
+    cached = functools.lru_cache(maxsize=None)(fn)
+
+    @functools.wraps(fn)
+    def call(*args):
+        if torch.compiler.is_compiling():
+            return fn(*args)
+        return cached(*args)
+
+    call.cache_clear = cached.cache_clear
+    return call
+
+
+@host_cache
 def sm_count(device: torch.device) -> int:
     """Multiprocessors of a CUDA device (queried once per device, not per call); 2 under the CPU
     interpreter, so that a few programs each loop over several blocks there too."""

@@ -33,7 +33,6 @@ Kernels run on the GPU, and on the CPU with TRITON_INTERPRET=1 set before this m
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -41,7 +40,7 @@ import triton
 import triton.language as tl
 
 from workbench.kernels import _common
-from workbench.kernels._common import (SOFT_RTNE, cdiv, column_sums, eager_column_sums, emit_column_sum, finish_column_sums, kernel_op,
+from workbench.kernels._common import (SOFT_RTNE, cdiv, column_sums, eager_column_sums, emit_column_sum, finish_column_sums, host_cache, kernel_op,
                       launch, launch_options, next_pow2, sm_count, split_norm_grads, to_dtype, zero_column_sums)
 
 # Widest row one program holds in registers. Swin needs 1536 (-> 2048); wider rows would want a
@@ -174,7 +173,7 @@ def _layer_norm_bwd_kernel(
 # Host side: plain functions the autograd Functions call.
 
 
-@functools.lru_cache(maxsize=None)
+@host_cache
 def _tile(n_cols: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for rows of n_cols elements (cached: no per-call arithmetic)."""
     if n_cols > MAX_COLS:
@@ -194,7 +193,7 @@ def bwd_occupancy(elt: int) -> tuple[int, int | None]:
     return (3, 80) if elt <= 2 else (2, None)
 
 
-@functools.lru_cache(maxsize=None)
+@host_cache
 def _bwd_grid(n_rows: int, n_cols: int, elt: int, device: torch.device) -> tuple[int, int, int | None]:
     """(programs, rows_per_program) for the backward: a few programs per SM, each owning a contiguous
     band of whole blocks and at least _BWD_MIN_ROWS_PER_PROGRAM rows."""

@@ -24,7 +24,6 @@ Kernels run on the GPU, and on the CPU with TRITON_INTERPRET=1 set before this m
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -33,7 +32,7 @@ import triton.language as tl
 
 from workbench.kernels import _common
 from workbench.kernels._common import SOFT_RTNE as _SOFT_RTNE
-from workbench.kernels._common import (cdiv, column_sums, emit_column_sum, finish_column_sums, kernel_op, launch, next_pow2, sm_count,
+from workbench.kernels._common import (cdiv, column_sums, emit_column_sum, finish_column_sums, host_cache, kernel_op, launch, next_pow2, sm_count,
                       to_dtype)
 
 # Elements per (rows x cols) tile: 2048 over 4 warps is 16 fp32 accumulators per thread.
@@ -81,7 +80,7 @@ def _bias_grad_kernel(
     emit_column_sum(SUMS, pid_m, n_cols, cols, tl.sum(acc, axis=0), col_mask, ATOMIC)
 
 
-@functools.lru_cache(maxsize=None)
+@host_cache
 def _grid(n_rows: int, n_cols: int, device: torch.device) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, row programs, column blocks, rows per program)."""
     block_n = min(_MAX_BLOCK_N, next_pow2(n_cols))

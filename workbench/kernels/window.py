@@ -40,7 +40,6 @@ Linear, casts to the autocast dtype anyway, so the values it sees are identical.
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Optional
 
@@ -49,7 +48,7 @@ import triton
 import triton.language as tl
 
 from workbench.kernels._common import (_INTERPRET, SOFT_RTNE as _SOFT_RTNE, cdiv, column_sums, eager_column_sums, emit_column_sum,
-                      finish_column_sums, kernel_op, launch, launch_options, next_pow2, pdl_enter, pdl_exit, pdl_launch,
+                      finish_column_sums, host_cache, kernel_op, launch, launch_options, next_pow2, pdl_enter, pdl_exit, pdl_launch,
                       sm_count, split_norm_grads, sum_rows, to_dtype, zero_column_sums)
 
 # ----------------------------------------------------------------------------------- kernels
@@ -393,7 +392,7 @@ _NORM_BWD_PER_SLOT = 256
 _NORM_BWD_MAX_SLOTS = 16
 
 
-@functools.lru_cache(maxsize=None)
+@host_cache
 def _copy_blocks(C: int) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_C, num_warps) for the pure data-movement kernels.
 
@@ -407,7 +406,7 @@ def _copy_blocks(C: int) -> tuple[int, int, int]:
     return max(1, _COPY_TILE_ELEMS // block_c), block_c, 8
 
 
-@functools.lru_cache(maxsize=None)
+@host_cache
 def _norm_blocks(C: int) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_C, num_warps) for the LayerNorm backward tiles: whole rows, at least 2.
 
@@ -425,7 +424,7 @@ def _norm_blocks(C: int) -> tuple[int, int, int]:
     return block_t, block_c, _NORM_WARPS if block_t * block_c <= _NORM_TILE_ELEMS else 8
 
 
-@functools.lru_cache(maxsize=None)
+@host_cache
 def _geometry(H: int, W: int, window_size: int, shift: int):
     """(Hp, Wp, nWh, nWw, shift_h, shift_w): padded sizes, window counts, shifts reduced mod H, W."""
     ws = int(window_size)
@@ -570,7 +569,7 @@ def _norm_partition(x, residual, weight, bias, eps, window_size, shift, out_dtyp
     return s, out, mean, rstd
 
 
-@functools.lru_cache(maxsize=None)
+@host_cache
 def _norm_fwd_config(C: int) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_C, num_warps) of the LayerNorm + shift + partition forward: whole rows, ~4096
     elements (at least 2 rows) over 4 warps, the fastest tiles at Swin-B's stages 2-4 (2048-element
@@ -579,7 +578,7 @@ def _norm_fwd_config(C: int) -> tuple[int, int, int]:
     return max(2, _NORM_FWD_TILE_ELEMS // block_c), block_c, _NORM_WARPS
 
 
-@functools.lru_cache(maxsize=None)
+@host_cache
 def _norm_bwd_config(n_tok: int, C: int, elt: int, device: torch.device,
                      ) -> tuple[int, int, int, int, int, int | None, int, bool, int]:
     """(BLOCK_T, BLOCK_C, num_warps, programs, tiles_per_program, maxnreg, stages, row_sums, slots) of the
@@ -797,7 +796,7 @@ def merge_norm_add_bwd(
 
 
 def _windows_shape(B, H: int, W: int, C: int, window_size: int, shift: int):
-    """Shape of roll_partition's output for a (B, H, W, C) input. Plain arithmetic, not the lru_cache'd
+    """Shape of roll_partition's output for a (B, H, W, C) input. Plain arithmetic, not the cached
     _geometry: under dynamic shapes the sizes may be SymInts."""
     ws = int(window_size)
     return (B * (-(-H // ws)) * (-(-W // ws)), ws * ws, C)
