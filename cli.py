@@ -626,7 +626,17 @@ def models():
         typer.echo(name)
 
 
+def _quiet_cpu_build_notice() -> None:
+    """torch's C++ extension helper logs "No CUDA runtime is found, using CUDA_HOME=..." when torch.compile
+    builds on a machine without a GPU; every output already says the run is a CPU one."""
+    import logging
+
+    logging.getLogger("torch.utils.cpp_extension").addFilter(
+        lambda record: not str(record.msg).startswith("No CUDA runtime is found"))
+
+
 def main() -> None:
+    _quiet_cpu_build_notice()
     app()
 
 
