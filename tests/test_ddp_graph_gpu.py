@@ -76,6 +76,21 @@ def test_a_batch_of_another_size_runs_the_eager_ddp_step(nccl_group):
     assert graphed.eager_fallbacks == 1
 
 
+def test_the_compiled_graph_under_ddp_trains_what_the_eager_ddp_step_trains(nccl_group):
+    """The fused stack's fastest training form (fmha-compile-graph: torch.compile, the whole step in one
+    CUDA graph) under DDP: Dynamo's DDP optimizer splits the compiled graph at the buckets, and the
+    all-reduce they launch is captured with the step."""
+    kwargs = dict(optimizer={"lr": 1e-3}, grad_clip=1.0, distributed=True)
+    eager = optimize_swin(tiny(), "fmha", **kwargs)
+    graphed = optimize_swin(tiny(), "fmha-compile-graph", **kwargs)
+    assert graphed.ddp is not None and graphed.graph_warmup_steps == DDP_GRAPH_WARMUP_STEPS
+    data = batches(STEPS)
+    a = [eager.train_step(x, y).item() for x, y in data]
+    b = [graphed.train_step(x, y).item() for x, y in data]
+    assert graphed._train_graphs is not None and graphed.eager_fallbacks == 0
+    assert_close_runs(a, b)
+
+
 @pytest.mark.slow
 def test_apply_nproc_1_times_and_gates_a_graph_stage_under_ddp(tmp_path):
     from typer.testing import CliRunner
@@ -85,11 +100,13 @@ def test_apply_nproc_1_times_and_gates_a_graph_stage_under_ddp(tmp_path):
 
     os.environ.pop("RANK", None)
     out = tmp_path / "run"
-    result = CliRunner().invoke(app, ["apply", "--model", TINY_MODEL, "--stages", "fmha,fmha-graph", "--nproc", "1",
+    result = CliRunner().invoke(app, ["apply", "--model", TINY_MODEL, "--stages", "fmha,fmha-graph,fmha-compile-graph",
+                                      "--nproc", "1",
                                       "--batch", "8",
                                       "--steps", "5", "--warmup", "2", "--interleave", "0", "--out", str(out)])
     assert result.exit_code == 0, result.output
     records = {r.stage: r for r in read_records([out / "records"])}
-    s = records["fmha-graph"].scaling
-    assert s.status == "ok", (s.status, s.reason)
-    assert s.backend == "nccl" and s.gate["ranks"] == ["PASS"] and s.img_per_s > 0
+    for stage in ("fmha-graph", "fmha-compile-graph"):
+        s = records[stage].scaling
+        assert s.status == "ok", (stage, s.status, s.reason)
+        assert s.backend == "nccl" and s.gate["ranks"] == ["PASS"] and s.img_per_s > 0
