@@ -13,14 +13,15 @@ set -euo pipefail
 NPROCS=${NPROCS:-"1 2"}
 MODELS=${MODELS:-"swin_base_patch4_window7_224 swin_large_patch4_window7_224"}
 BATCH=${BATCH:-64}          # per GPU: the batch of the one-GPU table
-FUSED=${FUSED:-fmha-graph}  # the fused stage at its best: one CUDA graph, DDP's all-reduce captured in it
+FUSED=${FUSED:-fmha-compile-graph}   # the fused stack's fastest training form: one CUDA graph, DDP's all-reduce in it
+PEER=${PEER:-torch-compile-graph}     # the strongest PyTorch-alone step, captured the same way
 OUT=${OUT:-reports/runs/scaling}
 SWINBENCH=${SWINBENCH:-swinbench}   # e.g. "python3 cli.py" where the installed script is another interpreter's
 have=$(python -c "import torch; print(torch.cuda.device_count())")
 for model in $MODELS; do
   for n in $NPROCS; do
     if [ "$n" -gt "$have" ]; then echo "skip N=$n: $have GPU(s) here"; continue; fi
-    $SWINBENCH apply --stages "baseline,amp,$FUSED,torch-compile" --model "$model" --batch "$BATCH" \
+    $SWINBENCH apply --stages "baseline,amp,$FUSED,$PEER" --model "$model" --batch "$BATCH" \
       --nproc "$n" --out "$OUT/$model-n$n" --resume
     $SWINBENCH profile --nproc "$n" --recipe "$FUSED" --model "$model" --batch "$BATCH" --steps 4 --warmup 5 \
       --out "$OUT/$model-n$n-profile" --overwrite

@@ -100,13 +100,12 @@ def test_apply_nproc_1_times_and_gates_a_graph_stage_under_ddp(tmp_path):
 
     os.environ.pop("RANK", None)
     out = tmp_path / "run"
-    result = CliRunner().invoke(app, ["apply", "--model", TINY_MODEL, "--stages", "fmha,fmha-graph,fmha-compile-graph",
-                                      "--nproc", "1",
-                                      "--batch", "8",
+    stages = "fmha,fmha-graph,fmha-compile-graph,torch-compile-graph"
+    result = CliRunner().invoke(app, ["apply", "--model", TINY_MODEL, "--stages", stages, "--nproc", "1", "--batch", "8",
                                       "--steps", "5", "--warmup", "2", "--interleave", "0", "--out", str(out)])
     assert result.exit_code == 0, result.output
     records = {r.stage: r for r in read_records([out / "records"])}
-    for stage in ("fmha-graph", "fmha-compile-graph"):
+    for stage in ("fmha-graph", "fmha-compile-graph", "torch-compile-graph"):
         s = records[stage].scaling
         assert s.status == "ok", (stage, s.status, s.reason)
         assert s.backend == "nccl" and s.gate["ranks"] == ["PASS"] and s.img_per_s > 0

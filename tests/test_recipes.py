@@ -7,8 +7,8 @@ from workbench.errors import UserError
 from workbench.optimize.recipes import (chain_passes, gate_tolerance, list_recipes, plan_stages, resolve_chain)
 
 CHAIN = ["baseline", "amp", "apex", "window", "fmha"]
-PEERS = ["torch-compile", "torch-compile-graphs", "torch-sdpa", "torchao-fp8", "torchao-int8", "fmha-compile",
-         "fmha-compile-graphs", "fmha-graph"]
+PEERS = ["torch-compile", "torch-compile-graphs", "torch-sdpa", "torchao-fp8", "torchao-int8", "torch-compile-graph",
+         "fmha-compile", "fmha-compile-graphs", "fmha-graph"]
 # what `apply` adds by default: PyTorch-alone peers that are not graph forms, eager before compiled
 DEFAULT_PEERS = ["torch-sdpa", "torch-compile"]
 
@@ -38,11 +38,11 @@ def test_pytorch_alone_and_graph_forms():
 
     book = RecipeBook()
     alone = {name for name in book.builtins if is_pytorch_alone(book.chain(name))}
-    assert alone == {"baseline", "amp", "torch-sdpa", "torch-compile", "torch-compile-graphs", "torchao-fp8",
-                     "torchao-int8"}
+    assert alone == {"baseline", "amp", "torch-sdpa", "torch-compile", "torch-compile-graphs", "torch-compile-graph",
+                     "torchao-fp8", "torchao-int8"}
     forms = {name for name, r in book.builtins.items() if is_graph_form(r)}
     assert forms == {"fmha-graph", "dense-graph", "block-graph", "fmha-compile-graph", "torch-compile-graphs",
-                     "fmha-compile-graphs"}
+                     "fmha-compile-graphs", "torch-compile-graph"}
 
 
 def test_effective_passes_accumulate_in_chain_order():
