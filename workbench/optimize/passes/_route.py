@@ -47,10 +47,10 @@ class Shape:
 
 
 def block_shape(blk: torch.nn.Module) -> Shape:
-    """The attention shape of a timm SwinTransformerBlock (v1 or v2) as built."""
+    """The attention shape of a timm Swin block (v1, v2 or v2_cr, whose feature map is its feat_size) as built."""
     attn = blk.attn
     ws = blk.window_size if isinstance(blk.window_size, (tuple, list)) else (blk.window_size,) * 2
-    h, w = blk.input_resolution
+    h, w = getattr(blk, "input_resolution", None) or blk.feat_size
     windows = math.ceil(h / ws[0]) * math.ceil(w / ws[1])
     shift = blk.shift_size if isinstance(blk.shift_size, (tuple, list)) else (blk.shift_size,) * 2
     return Shape(int(ws[0] * ws[1]), int(attn.num_heads), int(attn.qkv.out_features // 3 // attn.num_heads),

@@ -75,19 +75,109 @@ def input_goes_to_qkv(forward) -> bool:
     return bool(getattr(forward, _QKV_INPUT, False))
 
 
+# timm builds SwinV2 two ways, and both score a window the same: normalize(q) . normalize(k) times a per-head
+# exp(min(logit_scale, log 100)), plus a position bias from a small MLP, plus the shift mask.
+#   swin_transformer_v2     WindowAttention: q and v biases beside the qkv Linear; cpb_mlp over a ((2w-1)^2, 2)
+#                           coordinate table, 16 * sigmoid, gathered through relative_position_index
+#   swin_transformer_v2_cr  WindowMultiHeadAttention: the qkv Linear's own bias; meta_mlp over the window's
+#                           N x N token pairs' log coordinates, in pair order (no sigmoid, no index: the
+#                           table of an identity index, which the fused kernels read like any other)
+# The helpers below give the passes one view of both.
+PAIR_INDEX_BUFFER = "relative_pair_index"   # the identity index a -CR module gets beside its buffers
+
+
+def v2_attention_classes() -> tuple[type, ...]:
+    """timm's two SwinV2 window-attention classes (swin_transformer_v2's, swin_transformer_v2_cr's)."""
+    from timm.models.swin_transformer_v2 import WindowAttention
+    from timm.models.swin_transformer_v2_cr import WindowMultiHeadAttention
+
+    return WindowAttention, WindowMultiHeadAttention
+
+
+def v2_block_classes() -> tuple[type, ...]:
+    """timm's two SwinV2 block classes, in the order of v2_attention_classes."""
+    from timm.models.swin_transformer_v2 import SwinTransformerV2Block
+    from timm.models.swin_transformer_v2_cr import SwinTransformerV2CrBlock
+
+    return SwinTransformerV2Block, SwinTransformerV2CrBlock
+
+
+def is_cr(attn: torch.nn.Module) -> bool:
+    """Whether attn is (a subclass of) timm's swin_transformer_v2_cr WindowMultiHeadAttention."""
+    return isinstance(attn, v2_attention_classes()[1])
+
+
+def v2_why_not_class(attn: torch.nn.Module) -> str | None:
+    """None for a module of exactly one of timm's SwinV2 attention classes, else why a pass leaves it."""
+    classes = v2_attention_classes()
+    if type(attn) in classes:
+        return None
+    return f"a subclass of timm's {next(c for c in classes if isinstance(attn, c)).__name__}"
+
+
 def v2_terms(attn: torch.nn.Module):
-    """(qkv bias or None, logit scale (nH,), position-bias table ((2w-1)^2, nH)) of a timm SwinV2
-    WindowAttention, from the weights alone: timm's arithmetic, with 16 * sigmoid taken on the table before
-    the gather through the relative-position index (an elementwise function commutes with it)."""
-    qkv_bias = None if attn.q_bias is None else torch.cat((attn.q_bias, attn.k_bias, attn.v_bias))
+    """(qkv bias or None, logit scale (nH,), position-bias table (rows, nH)) of a timm SwinV2 attention,
+    from the weights alone: timm's arithmetic. swin_transformer_v2: the q/k/v biases concatenated (None
+    without them) and 16 * sigmoid taken on cpb_mlp's ((2w-1)^2, nH) table before the gather through the
+    relative-position index (an elementwise function commutes with it). -CR: None (its qkv Linear holds
+    the bias) and meta_mlp's (N*N, nH) output, one row per token pair in order."""
     logit_scale = torch.clamp(attn.logit_scale, max=math.log(1. / 0.01)).exp().reshape(-1)
+    if is_cr(attn):
+        return None, logit_scale, attn.meta_mlp(attn.relative_coordinates_log)
+    qkv_bias = None if attn.q_bias is None else torch.cat((attn.q_bias, attn.k_bias, attn.v_bias))
     table = 16 * torch.sigmoid(attn.cpb_mlp(attn.relative_coords_table).view(-1, attn.num_heads))
     return qkv_bias, logit_scale, table
 
 
+def v2_term_tensors(attn: torch.nn.Module) -> list[torch.Tensor]:
+    """The parameters and buffers v2_terms reads."""
+    if is_cr(attn):
+        return [attn.logit_scale, attn.relative_coordinates_log, *attn.meta_mlp.parameters()]
+    return [attn.logit_scale, attn.relative_coords_table, attn.relative_position_index, *attn.cpb_mlp.parameters(),
+            *(() if attn.q_bias is None else (attn.q_bias, attn.v_bias))]
+
+
+def v2_terms_draw(attn: torch.nn.Module) -> bool:
+    """Whether v2_terms draws random numbers now: -CR's meta_mlp has a dropout, active in training."""
+    mlp = attn.meta_mlp if is_cr(attn) else attn.cpb_mlp
+    return any(isinstance(m, torch.nn.Dropout) and m.p > 0 and m.training for m in mlp.modules())
+
+
+def v2_index(attn: torch.nn.Module) -> torch.Tensor:
+    """(N, N) rows of v2_terms' table for each query-key pair: timm's relative_position_index, or for -CR
+    the identity (row i * N + j), kept as the non-persistent buffer PAIR_INDEX_BUFFER (state_dict does not
+    change; it follows the module across devices)."""
+    index = getattr(attn, "relative_position_index", None)
+    if index is not None:
+        return index
+    index = getattr(attn, PAIR_INDEX_BUFFER, None)
+    n = int(attn.window_size[0]) * int(attn.window_size[1])
+    if index is None or index.shape != (n, n):
+        index = torch.arange(n * n, device=attn.logit_scale.device).view(n, n)
+        attn.register_buffer(PAIR_INDEX_BUFFER, index, persistent=False)
+    return index
+
+
+def v2_table_rows(attn: torch.nn.Module) -> int:
+    """Rows of v2_terms' table: (2w-1)^2 coordinates for swin_transformer_v2, N*N pairs for -CR."""
+    if is_cr(attn):
+        return (int(attn.window_size[0]) * int(attn.window_size[1])) ** 2
+    coords = attn.relative_coords_table
+    return int(coords.shape[1] * coords.shape[2])
+
+
+def v2_bias(attn: torch.nn.Module, table: torch.Tensor, n: int) -> torch.Tensor:
+    """The (nH, n, n) position bias from v2_terms' table, as a PyTorch user writes it: timm's gather for
+    swin_transformer_v2, -CR's transpose and reshape."""
+    if is_cr(attn):
+        return table.t().reshape(-1, n, n)
+    return table[attn.relative_position_index.view(-1)].view(n, n, -1).permute(2, 0, 1)
+
+
 def v2_qkv(attn: torch.nn.Module, x: torch.Tensor, qkv_bias: torch.Tensor | None) -> torch.Tensor:
-    """A timm SwinV2 WindowAttention's packed qkv of x as timm computes it: the q/k/v biases concatenated
-    (qkv_bias, from v2_terms) in the Linear, or added after it with qkv_bias_separate."""
+    """A timm SwinV2 attention's packed qkv of x as timm computes it: the q/k/v biases concatenated
+    (qkv_bias, from v2_terms) in the Linear, or added after it with qkv_bias_separate; the Linear alone
+    where it holds the bias (qkv_bias None)."""
     if qkv_bias is None:
         return attn.qkv(x)
     if attn.qkv_bias_separate:
@@ -104,9 +194,10 @@ def named_swin_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module
 
 def swin_blocks(model: torch.nn.Module, ctx: PassContext, kernels: str, what: str) -> list[tuple[str, torch.nn.Module]]:
     """named_swin_blocks(model), after checking that timm and the Triton kernel module `kernels` import
-    and that the device runs Triton; PassUnavailable (naming `what`) otherwise, or without blocks of
-    either Swin. [] for a model of SwinV2 blocks only: a pass of v1 blocks stands aside (stand_aside_v2) or
-    binds its SwinV2 forms itself (fused_attention, fused_window)."""
+    and that the device runs Triton; PassUnavailable (naming `what`) otherwise, or without Swin blocks of
+    timm's three kinds. [] for a model of SwinV2 blocks only (swin_transformer_v2's or -CR's): a pass of
+    v1 blocks stands aside (stand_aside_v2, stand_aside_cr) or binds its SwinV2 forms itself
+    (fused_attention, fused_window)."""
     try:
         import timm.models.swin_transformer  # noqa: F401
 
@@ -115,20 +206,26 @@ def swin_blocks(model: torch.nn.Module, ctx: PassContext, kernels: str, what: st
         raise PassUnavailable(f"{what} not importable: {exc}") from exc
     require_triton(ctx.device)
     blocks = named_swin_blocks(model)
-    if not blocks and not has_v2_blocks(model):
+    if not blocks and not has_v2_blocks(model, cr=True):
         raise PassUnavailable("no timm SwinTransformerBlock or SwinTransformerV2Block in this model")
     return blocks
 
 
-def has_v2_blocks(model: torch.nn.Module) -> bool:
-    """Whether `model` holds a timm SwinTransformerV2Block."""
-    return any(type(m).__name__ == "SwinTransformerV2Block" for m in model.modules())
+def has_v2_blocks(model: torch.nn.Module, cr: bool = False) -> bool:
+    """Whether `model` holds a timm SwinTransformerV2Block (cr: or a swin_transformer_v2_cr block)."""
+    names = ("SwinTransformerV2Block", "SwinTransformerV2CrBlock") if cr else ("SwinTransformerV2Block",)
+    return any(type(m).__name__ in names for m in model.modules())
 
 
 def stand_aside_v2(model: torch.nn.Module, name: str, why: str) -> tuple[torch.nn.Module, PassResult]:
     """(model unchanged, the result of pass `name` standing aside on SwinV2 blocks, `why` in one line)."""
     changed = (f"not applied: SwinV2 blocks (post-norm, cosine attention, position bias from an MLP): {why}")
     return model, PassResult(name, {}, changed, {"applied": False})
+
+
+def stand_aside_cr(model: torch.nn.Module, name: str, why: str) -> tuple[torch.nn.Module, PassResult]:
+    """(model unchanged, the result of pass `name` standing aside on swin_transformer_v2_cr, `why` in one line)."""
+    return model, PassResult(name, {}, f"not applied: timm's swin_transformer_v2_cr model: {why}", {"applied": False})
 
 
 def autocast_input_dtype(x: torch.Tensor) -> torch.dtype | None:

@@ -33,6 +33,9 @@ effect there (the table is always read in-kernel). Modules with attn_drop > 0, w
 (window 24: 576 tokens) or a head width the kernel does not take run sdpa_attention's SwinV2 forward
 (PyTorch's SDPA, as the PyTorch-alone peers do), as does a shape measured faster on PyTorch's path; a
 subclass or a forward replaced elsewhere keeps timm's own attention; the result counts each by reason.
+timm's swin_transformer_v2_cr WindowMultiHeadAttention (swinv2_cr_* models) scores windows the same way
+and gets the same forward: its qkv Linear holds the bias, and meta_mlp's (N*N, nH) output over the token
+pairs is the table of an identity index (_swin.py's v2_* helpers give the passes one view of both).
 The v1 block plans are not used: fused_block stands aside on SwinV2 blocks (post-norm); fused_window
 binds the block's _attn, which calls this forward.
 """
@@ -45,7 +48,9 @@ import torch
 from workbench.errors import UserError
 from workbench.optimize.passes import PassContext, PassResult
 from workbench.optimize.passes._route import block_shape, measure_routes, route_details
-from workbench.optimize.passes._swin import INVERSE_BUFFER, passes_input_to_qkv, swin_blocks, v2_qkv, v2_terms
+from workbench.optimize.passes._swin import (INVERSE_BUFFER, passes_input_to_qkv, swin_blocks, v2_attention_classes,
+                                             v2_block_classes, v2_index, v2_qkv, v2_table_rows, v2_term_tensors,
+                                             v2_terms, v2_terms_draw, v2_why_not_class)
 from workbench.optimize.passes.block_plan import BIAS_MODES, block_plans
 
 NAME = "fused_attention"
@@ -94,28 +99,28 @@ def v2_attention_forward(self, x: torch.Tensor, mask: torch.Tensor | None = None
     q, k, v = v2_qkv(self, x, qkv_bias).reshape(b_, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
     if not torch.is_grad_enabled():
         # inference: q and k normalized inside the attention kernel as it loads them (the same bits)
-        x = cosine_window_attention(q, k, v, table, self.relative_position_index, logit_scale, mask)
+        x = cosine_window_attention(q, k, v, table, v2_index(self), logit_scale, mask)
         return self.proj_drop(self.proj(x.transpose(1, 2).reshape(b_, n, c)))
     # normalize(q) * logit_scale and normalize(k), in v's dtype: one Triton launch per tensor each way
     q, k = cosine_qk(q, k, logit_scale, v.dtype)
     # the kernels read the bias from the (2w-1)^2 x nH table through the index: no (nH, N, N) gather,
     # and the backward sums the table's gradient in one launch
-    x = fused_window_attention_from_table(q, k, v, table, self.relative_position_index, _v2_inverse(self, table),
-                                          mask, scale=1.0).transpose(1, 2).reshape(b_, n, c)
+    x = fused_window_attention_from_table(q, k, v, table, v2_index(self), _v2_inverse(self), mask,
+                                          scale=1.0).transpose(1, 2).reshape(b_, n, c)
     return self.proj_drop(self.proj(x))
 
 
 _V2_CACHE = "_swinbench_constants"   # instance attribute (not a buffer: state_dict is unchanged)
 
 
-def _v2_inverse(attn: torch.nn.Module, table: torch.Tensor) -> torch.Tensor:
-    """The relative-position index's inverse (kernels.window_attention.rel_pos_inverse), kept as the
+def _v2_inverse(attn: torch.nn.Module) -> torch.Tensor:
+    """The index's inverse (kernels.window_attention.rel_pos_inverse over _swin.v2_index), kept as the
     non-persistent buffer INVERSE_BUFFER (binding adds it; a copy timed for the route gets it here)."""
     inverse = getattr(attn, INVERSE_BUFFER, None)
     if inverse is None:
         from workbench.kernels.window_attention import rel_pos_inverse
 
-        inverse = rel_pos_inverse(attn.relative_position_index, table.shape[0])
+        inverse = rel_pos_inverse(v2_index(attn), v2_table_rows(attn))
         attn.register_buffer(INVERSE_BUFFER, inverse, persistent=False)
     return inverse
 
@@ -124,11 +129,11 @@ def _v2_constants(attn: torch.nn.Module):
     """v2_terms, computed once per weights where no gradient is asked (inference): a forward at batch 1
     otherwise spends most of its launches on them. Kept under a key of the weights' identities and
     versions (an in-place update or a load_state_dict changes it), the device and the autocast dtype;
-    recomputed where autograd records, and while torch.compile traces (it handles them itself)."""
-    if torch.is_grad_enabled() or torch.compiler.is_compiling():
+    recomputed where autograd records, while torch.compile traces (it handles them itself), and where they
+    draw random numbers (-CR's meta_mlp dropout in training mode)."""
+    if torch.is_grad_enabled() or torch.compiler.is_compiling() or v2_terms_draw(attn):
         return v2_terms(attn)
-    tensors = [attn.logit_scale, attn.relative_coords_table, attn.relative_position_index,
-               *attn.cpb_mlp.parameters(), *(() if attn.q_bias is None else (attn.q_bias, attn.v_bias))]
+    tensors = v2_term_tensors(attn)
     device = attn.logit_scale.device
     key = (tuple((t.data_ptr(), t._version) for t in tensors), str(device),
            torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None)
@@ -151,13 +156,12 @@ def _v1_kernel(table: bool):
 
 
 def _v2_why_not(attn: torch.nn.Module, max_tokens: int) -> str | None:
-    """None when the kernel can run this SwinV2 WindowAttention, else why it keeps timm's path."""
-    from timm.models.swin_transformer_v2 import WindowAttention
-
+    """None when the kernel can run this SwinV2 attention, else why it keeps timm's path."""
     from workbench.optimize.passes.sdpa_attention import bound_here
 
-    if type(attn) is not WindowAttention:
-        return "a subclass of timm's WindowAttention"
+    why = v2_why_not_class(attn)
+    if why:
+        return why
     if "forward" in vars(attn) and not bound_here(attn):
         return "its forward was replaced elsewhere"
     tokens = int(attn.window_size[0]) * int(attn.window_size[1])
@@ -165,7 +169,7 @@ def _v2_why_not(attn: torch.nn.Module, max_tokens: int) -> str | None:
         return f"{tokens}-token windows, above max_tokens {max_tokens}"
     if attn.attn_drop.p > 0:
         return "attn_drop > 0: the kernel has no dropout"
-    d = attn.dim // attn.num_heads
+    d = attn.qkv.in_features // attn.num_heads
     if not 16 <= d <= 128 or d & (d - 1):
         return f"head width {d}: the kernel takes powers of two from 16 to 128"
     return None
@@ -183,13 +187,12 @@ def _apply_v2(model: torch.nn.Module, max_tokens: int, faster: set[int] = frozen
     SDPA (measured): they get
     sdpa_attention's SwinV2 forward, as do the modules the kernel cannot take (window above max_tokens,
     head width, attention dropout) where that forward computes their function."""
-    from timm.models.swin_transformer_v2 import WindowAttention
-
     from workbench.optimize.passes.sdpa_attention import bind_v2, v2_why_not
 
+    classes = v2_attention_classes()
     patched, left = 0, {}
     for m in model.modules():
-        if not isinstance(m, WindowAttention):
+        if not isinstance(m, classes):
             continue
         if getattr(vars(m).get("forward"), "__func__", None) is v2_attention_forward:
             patched += 1
@@ -206,13 +209,7 @@ def _apply_v2(model: torch.nn.Module, max_tokens: int, faster: set[int] = frozen
             path = SDPA_FALLBACK
         if reason is None:
             m.forward = types.MethodType(v2_attention_forward, m)
-            if getattr(m, INVERSE_BUFFER, None) is None:   # for the kernels' one-launch table gradient
-                from workbench.kernels.window_attention import rel_pos_inverse
-
-                coords = m.relative_coords_table
-                m.register_buffer(INVERSE_BUFFER, rel_pos_inverse(m.relative_position_index,
-                                                                  coords.shape[1] * coords.shape[2]),
-                                  persistent=False)
+            _v2_inverse(m)      # the index's inverse, for the kernels' one-launch table gradient
             patched += 1
         else:
             left[path, reason] = left.get((path, reason), 0) + 1
@@ -314,9 +311,7 @@ def _v2_result(model: torch.nn.Module, ctx: PassContext, bias: str, max_tokens: 
     With route 'auto' the shapes where timm's own attention is faster on this GPU stay on it."""
     routes, faster = {}, set()
     if route == "auto":
-        from timm.models.swin_transformer_v2 import SwinTransformerV2Block
-
-        v2_blocks = [(n, b) for n, b in model.named_modules() if type(b) is SwinTransformerV2Block
+        v2_blocks = [(n, b) for n, b in model.named_modules() if type(b) in v2_block_classes()
                      and _v2_why_not(b.attn, max_tokens) is None]
         routes = measure_routes(v2_blocks, ctx, ctx.batch, v2=True,
                                 kernel_forward=lambda attn: types.MethodType(v2_attention_forward, attn))
@@ -325,7 +320,7 @@ def _v2_result(model: torch.nn.Module, ctx: PassContext, bias: str, max_tokens: 
             if timed is not None and timed["route"] == "pytorch":
                 faster.add(id(b.attn))
     patched, left = _apply_v2(model, max_tokens, faster)
-    changed = (f"{patched} SwinV2 WindowAttention -> fused Triton window attention (fwd+bwd; cosine scores, "
+    changed = (f"{patched} SwinV2 attention modules -> fused Triton window attention (fwd+bwd; cosine scores, "
                "q and k normalized and the logit scale folded into q in one launch each, in inference inside the "
                "kernel, the MLP's position-bias table read in-kernel)")
     said = {SDPA_MEASURED: "on PyTorch's SDPA: {}", SDPA_FALLBACK: "on PyTorch's SDPA, beyond the kernel ({})",

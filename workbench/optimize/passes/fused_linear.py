@@ -18,10 +18,11 @@ Blocks whose Mlp has another activation, dropout or a hidden norm keep timm's Ml
 Linears are still swapped) and are counted; the plan says why. See workbench/kernels/linear.py for the
 numerics.
 
-SwinV2 (a model of SwinTransformerV2Blocks only): the MLP is the same timm Mlp, so each block's attn.proj,
-mlp.fc1 and mlp.fc2 become BiasGradLinear and each qualifying MLP runs fc1 + GELU as one Function (in
-inference, one cuBLASLt GEMM), bound on the Mlp itself (there is no v1 block plan to carry it). The qkv
-Linear is left: SwinV2 computes it as F.linear on the weight with its q/v biases, past the module.
+SwinV2 (a model of SwinTransformerV2Blocks, or of swin_transformer_v2_cr's blocks, only): the MLP is the
+same timm Mlp, so each block's attn.proj, mlp.fc1 and mlp.fc2 become BiasGradLinear and each qualifying MLP
+runs fc1 + GELU as one Function (in inference, one cuBLASLt GEMM), bound on the Mlp itself (there is no v1
+block plan to carry it). swin_transformer_v2's qkv Linear is left: it computes it as F.linear on the
+weight with its q/v biases, past the module; -CR's qkv Linear holds its bias and is swapped too.
 """
 from __future__ import annotations
 
@@ -72,15 +73,16 @@ def v2_mlp_bound(mlp: torch.nn.Module) -> bool:
 
 
 def _v2_result(model: torch.nn.Module, ctx: PassContext, Mlp, BiasGradLinear, epilogue_dtypes) -> PassResult:
-    """Swap attn.proj, mlp.fc1 and mlp.fc2 of every SwinV2 block to BiasGradLinear and bind the fused
-    fc1 + GELU forward on each Mlp that qualifies -> the pass's result."""
-    from timm.models.swin_transformer_v2 import SwinTransformerV2Block
-
+    """Swap attn.proj, mlp.fc1 and mlp.fc2 of every SwinV2 block (and -CR's attn.qkv) to BiasGradLinear and
+    bind the fused fc1 + GELU forward on each Mlp that qualifies -> the pass's result."""
+    from workbench.optimize.passes._swin import is_cr, v2_block_classes
     from workbench.optimize.passes.block_forward import mlp_forward_fused
 
-    linears, fused, kept = 0, 0, 0
-    for blk in (m for m in model.modules() if isinstance(m, SwinTransformerV2Block)):
-        for parent, names in ((blk.attn, ("proj",)), (blk.mlp, ("fc1", "fc2"))):
+    linears, fused, kept, qkv_left = 0, 0, 0, 0
+    for blk in (m for m in model.modules() if isinstance(m, v2_block_classes())):
+        cr = is_cr(blk.attn)
+        qkv_left += not cr
+        for parent, names in ((blk.attn, ("qkv", "proj") if cr else ("proj",)), (blk.mlp, ("fc1", "fc2"))):
             for child_name in names:
                 child = getattr(parent, child_name, None)
                 if type(child) is torch.nn.Linear:
@@ -94,9 +96,11 @@ def _v2_result(model: torch.nn.Module, ctx: PassContext, Mlp, BiasGradLinear, ep
             kept += 1
     if linears == 0:
         raise PassUnavailable("no nn.Linear in this model's SwinV2 blocks")
-    result = _result(ctx, epilogue_dtypes, linears, fused, kept,
-                     f"{linears} SwinV2 Linear (proj, fc1, fc2) -> fused bias-gradient backward (Triton); "
-                     f"{fused} MLP fc1+GELU fused; qkv left (SwinV2 runs it as F.linear with its q/v biases)")
+    which = "proj, fc1, fc2" if qkv_left else "qkv, proj, fc1, fc2"
+    changed = f"{linears} SwinV2 Linear ({which}) -> fused bias-gradient backward (Triton); {fused} MLP fc1+GELU fused"
+    if qkv_left:
+        changed += "; qkv left (SwinV2 runs it as F.linear with its q/v biases)"
+    result = _result(ctx, epilogue_dtypes, linears, fused, kept, changed)
     result.details["swinv2"] = True
     return result
 
@@ -128,7 +132,7 @@ def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, Pa
 
     linears, fused_mlps, kept_mlps = 0, [], []
     blocks = named_swin_blocks(model)
-    if not blocks and has_v2_blocks(model):
+    if not blocks and has_v2_blocks(model, cr=True):
         return model, _v2_result(model, ctx, Mlp, BiasGradLinear, EPILOGUE_DTYPES)
     for name, block in blocks:
         for parent in (block.attn, block.mlp):

@@ -65,7 +65,7 @@ import types
 import torch
 
 from workbench.optimize.passes import PassContext, PassResult, PassUnavailable
-from workbench.optimize.passes._swin import square, swin_blocks
+from workbench.optimize.passes._swin import has_v2_blocks, square, stand_aside_cr, swin_blocks
 from workbench.optimize.passes.block_forward import v2_block_forward, v2_window_attn, v2_window_attn_bound
 from workbench.optimize.passes.block_plan import block_plans
 
@@ -85,6 +85,9 @@ def _norm1_fusable(norm) -> bool:
 def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, PassResult]:
     """Plan `window` for every timm SwinTransformerBlock in `model` and bind the plans -> (model, PassResult)."""
     blocks = swin_blocks(model, ctx, "workbench.kernels.window", "fused window kernels")
+    if not blocks and not has_v2_blocks(model):
+        return stand_aside_cr(model, NAME, "the window kernels bind timm's SwinTransformerBlock and "
+                                           "SwinTransformerV2Block; its attention runs fused_attention")
     if not blocks:  # SwinV2 blocks only
         return model, _v2_result(model)
     non_square = [n for n, b in blocks if square(b.window_size) is None or square(b.shift_size) is None]

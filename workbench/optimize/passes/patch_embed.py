@@ -78,6 +78,10 @@ def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, Pa
         raise PassUnavailable(f"timm's PatchEmbed not importable: {exc}") from exc
     embeds = [(n, m) for n, m in model.named_modules() if isinstance(m, PatchEmbed)]
     if not embeds:
+        from workbench.optimize.passes._swin import has_v2_blocks, stand_aside_cr
+
+        if has_v2_blocks(model, cr=True):
+            return stand_aside_cr(model, NAME, "its patch embedding is its own class, not timm's PatchEmbed")
         raise PassUnavailable("no timm PatchEmbed in this model")
     patched, kept = [], []
     for name, m in embeds:

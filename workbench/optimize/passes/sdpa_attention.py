@@ -6,13 +6,14 @@ the relative position bias (plus the shift mask) as a float attn_mask, so PyTorc
 memory-efficient or math kernel, not flash. Where fused_attention plans the Triton kernel for a block,
 that kernel runs instead.
 
-SwinV2: timm's WindowAttention computes its cosine attention eagerly (scores, scale, bias, mask and softmax
-as separate ops, the (B_, nH, N, N) scores written and read several times each way). Each module of exactly
-timm's class gets `v2_sdpa_forward` bound on the instance: the same function in PyTorch alone, written as
+SwinV2 (timm's swin_transformer_v2 WindowAttention and swin_transformer_v2_cr WindowMultiHeadAttention,
+_swin.py): timm computes the cosine attention eagerly (scores, scale, bias, mask and softmax as separate
+ops, the (B_, nH, N, N) scores written and read several times each way). Each module of exactly timm's
+classes gets `v2_sdpa_forward` bound on the instance: the same function in PyTorch alone, written as
 timm's v1 path writes its own, which is what a user would write: q and k normalized, the per-head logit
-scale folded into q, 16 * sigmoid of cpb_mlp's table gathered to (nH, N, N) and added to the shift mask
-as SDPA's float attn_mask, and SDPA with scale 1. No parameter or buffer changes (state_dict is the
-same). Attention dropout runs as SDPA's dropout_p, as timm's v1 path runs it (another random stream than
+scale folded into q, the position bias (16 * sigmoid of cpb_mlp's table gathered to (nH, N, N); -CR:
+meta_mlp's output reshaped) added to the shift mask as SDPA's float attn_mask, and SDPA with scale 1.
+No parameter or buffer changes (state_dict is the same). Attention dropout runs as SDPA's dropout_p, as timm's v1 path runs it (another random stream than
 timm's eager dropout). Subclasses and modules whose forward was replaced elsewhere keep timm's path,
 counted by reason.
 """
@@ -24,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from workbench.optimize.passes import PassContext, PassResult, PassUnavailable
-from workbench.optimize.passes._swin import named_swin_blocks, passes_input_to_qkv, v2_qkv, v2_terms
+from workbench.optimize.passes._swin import (named_swin_blocks, passes_input_to_qkv, v2_attention_classes, v2_bias,
+                                             v2_qkv, v2_terms, v2_why_not_class)
 from workbench.optimize.passes.block_plan import block_plans
 
 NAME = "sdpa_attention"
@@ -48,7 +50,7 @@ def v2_sdpa_forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> 
     q, k, v = v2_qkv(self, x, qkv_bias).reshape(b_, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
     q = (F.normalize(q, dim=-1) * logit_scale.view(1, -1, 1, 1)).to(v.dtype)
     k = F.normalize(k, dim=-1).to(v.dtype)
-    bias = table[self.relative_position_index.view(-1)].view(n, n, -1).permute(2, 0, 1)   # (nH, N, N)
+    bias = v2_bias(self, table, n)                                                 # (nH, N, N)
     if mask is None:
         attn_mask = bias.unsqueeze(0)
     else:
@@ -66,11 +68,10 @@ def bound_here(attn: torch.nn.Module) -> bool:
 
 
 def v2_why_not(attn: torch.nn.Module) -> str | None:
-    """None when v2_sdpa_forward computes this SwinV2 WindowAttention's function, else why it keeps timm's."""
-    from timm.models.swin_transformer_v2 import WindowAttention
-
-    if type(attn) is not WindowAttention:
-        return "a subclass of timm's WindowAttention"
+    """None when v2_sdpa_forward computes this SwinV2 attention's function, else why it keeps timm's."""
+    why = v2_why_not_class(attn)
+    if why:
+        return why
     if "forward" in vars(attn) and not bound_here(attn):
         return "its forward was replaced elsewhere"
     return None
@@ -82,11 +83,10 @@ def bind_v2(attn: torch.nn.Module) -> None:
 
 
 def _apply_v2(model) -> tuple[int, dict[str, int]]:
-    from timm.models.swin_transformer_v2 import WindowAttention
-
+    classes = v2_attention_classes()
     patched, left = 0, {}
     for m in model.modules():
-        if not isinstance(m, WindowAttention):
+        if not isinstance(m, classes):
             continue
         reason = v2_why_not(m)
         if reason is None:
@@ -112,7 +112,7 @@ def apply(model, ctx: PassContext):
         parts.append(f"{len(blocks)} WindowAttention modules use F.scaled_dot_product_attention")
         details.update(modules=len(blocks), already_fused=already)
     if v2_patched or v2_left:
-        text = (f"{v2_patched} SwinV2 WindowAttention modules run their cosine attention on "
+        text = (f"{v2_patched} SwinV2 attention modules run their cosine attention on "
                 "F.scaled_dot_product_attention (logit scale folded into q, position bias and mask as attn_mask)")
         for reason, count in sorted(v2_left.items()):
             text += f"; {count} left on timm's path ({reason})"
