@@ -2,8 +2,8 @@
 windows like swin_transformer_v2's (cosine, per-head logit scale, a position bias from an MLP, the shift
 mask), with the bias from meta_mlp over the N x N token pairs in order. fused_attention runs it on the
 fused kernels (the table of an identity index), sdpa_attention on PyTorch's SDPA, fused_linear swaps its
-Linears: each the same logits and gradients as timm in fp32, shifted and unshifted windows, in training and
-inference. The passes that bind timm's other blocks stand aside, saying why in one line, so the ladder's
+Linears, fused_window and fused_layernorm bind its blocks as they bind swin_transformer_v2's: each the same
+logits and gradients as timm in fp32, shifted and unshifted windows, in training and inference. The passes that bind timm's other blocks stand aside, saying why in one line, so the ladder's
 stages run on it."""
 import copy
 import os
@@ -126,8 +126,33 @@ def test_fused_linear_swaps_cr_linears():
     assert_same_step(plain, patched, *batch(32, 5))
 
 
+@pytest.mark.parametrize("img, window", [(32, 4), (40, 4)], ids=["fitting", "padded"])
+def test_window_kernels_and_post_norm_adds_run_cr_blocks_as_timm_does(img, window):
+    """fused_window binds each block's _shifted_window_attn (roll_partition, merge_roll), fused_layernorm
+    its forward (the post-norm adds in the LayerNorm's pass, the windows merged in it too): alone, together
+    and with fused_attention; 40 px leaves a 10 x 10 map, padded inside the windows."""
+    from workbench.optimize.passes.block_forward import v2_block_forward, v2_window_attn_bound
+
+    plain = tiny_cr(img, window)
+    stacks = [[("fused_window", None)], [("fused_layernorm", {"impl": "triton"})],
+              [("fused_layernorm", {"impl": "triton"}), ("fused_window", None), ("fused_attention", None)]]
+    for stack in stacks:
+        patched = copy.deepcopy(plain)
+        for name, params in stack:
+            patched, result = apply_pass(name, patched, pass_ctx(DEVICE), params)
+            assert result.available and "\n" not in result.changed, result.changed
+        blocks = [m for m in patched.modules() if type(m).__name__ == "SwinTransformerV2CrBlock"]
+        if any(n == "fused_window" for n, _ in stack):
+            assert all(v2_window_attn_bound(b) for b in blocks)
+        if any(n == "fused_layernorm" for n, _ in stack):
+            assert all(vars(b)["forward"].__func__ is v2_block_forward for b in blocks)
+        assert_same_step(plain, patched, *batch(img, 2))
+        x, _ = batch(img, 3)
+        with torch.no_grad():
+            assert rel_err(copy.deepcopy(patched).eval()(x), copy.deepcopy(plain).eval()(x)) < 1e-5
+
+
 @pytest.mark.parametrize("name, why", [
-    ("fused_window", "not applied: timm's swin_transformer_v2_cr model: the window kernels bind"),
     ("fused_block", "not applied: SwinV2 blocks (post-norm, cosine attention, position bias from an MLP)"),
     ("patch_embed", "not applied: timm's swin_transformer_v2_cr model: its patch embedding is its own class"),
 ])
@@ -146,7 +171,7 @@ def test_the_fmha_and_dense_chains_run_on_cr():
         swin = optimize_swin(tiny_cr(), recipe, device=DEVICE)
         results = {p.name: p for p in swin.passes}
         assert results["fused_attention"].details["swinv2_patched_modules"] == 4
-        assert results["fused_window"].details == {"applied": False}
+        assert results["fused_window"].details["swinv2_patched_blocks"] == 4
         assert torch.isfinite(swin.train_step(*batch(32, 6)))
 
 
@@ -157,3 +182,15 @@ def test_the_route_reads_a_cr_block_shape():
     assert {(s.tokens, s.heads, s.head_dim, s.windows, s.masked) for s in shapes} == {(16, 2, 16, 4, True),
                                                                                      (16, 2, 16, 4, False),
                                                                                      (16, 4, 16, 1, False)}
+
+
+# aot_eager on the CPU (the kernels are opaque custom ops there); on a GPU also Inductor, which traces into them.
+@pytest.mark.parametrize("backend", ["aot_eager"] + (["inductor"] if DEVICE.type == "cuda" else []))
+def test_the_compiled_fused_stack_runs_cr_as_timm_does(backend):
+    torch._dynamo.reset()
+    plain = tiny_cr()
+    patched = copy.deepcopy(plain)
+    for name, params in (("fused_layernorm", {"impl": "triton"}), ("fused_window", None), ("fused_linear", None),
+                         ("fused_attention", None)):
+        patched, _ = apply_pass(name, patched, pass_ctx(DEVICE), params)
+    assert_same_step(plain, torch.compile(patched, backend=backend), *batch(32, 1))

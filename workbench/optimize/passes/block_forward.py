@@ -22,7 +22,8 @@ import torch
 
 from workbench.optimize.passes._swin import (INVERSE_BUFFER, autocast_input_dtype, drop_path, drop_path_keep,
                                              gather_rel_pos_bias, inactive, input_goes_to_qkv, norm_output_dtype,
-                                             rel_pos_bias, scatter_rel_pos_grad, square, timm_drop_path)
+                                             rel_pos_bias, scatter_rel_pos_grad, square, timm_drop_path,
+                                             v2_attention_classes)
 
 # ------------------------------------------------------------------------------------ the block
 
@@ -446,18 +447,22 @@ class SwinBlockFunction(torch.autograd.Function):
 # ------------------------------------------------------------------ SwinV2's window attention
 
 
-def v2_window_attn(self, x: torch.Tensor) -> torch.Tensor:
-    """timm's SwinTransformerV2Block._attn with its data movement fused: roll(-shift) + pad + window_partition
-    as roll_partition, window_reverse + crop + roll(+shift) as merge_roll (one Triton kernel each way,
-    forward and backward), timm's mask and `self.attn` between them. A window or shift that is not square
-    (set after binding) runs timm's own _attn."""
-    from timm.models.swin_transformer_v2 import SwinTransformerV2Block
+def v2_attn_method(blk: torch.nn.Module) -> str:
+    """The method a timm SwinV2 block computes its shifted window attention in (x (B, H, W, C) -> the same):
+    swin_transformer_v2's `_attn`, -CR's `_shifted_window_attn` (the same steps)."""
+    return "_shifted_window_attn" if hasattr(type(blk), "_shifted_window_attn") else "_attn"
 
+
+def v2_window_attn(self, x: torch.Tensor) -> torch.Tensor:
+    """timm's SwinTransformerV2Block._attn (-CR's _shifted_window_attn) with its data movement fused:
+    roll(-shift) + pad + window_partition as roll_partition, window_reverse + crop + roll(+shift) as
+    merge_roll (one Triton kernel each way, forward and backward), timm's mask and `self.attn` between
+    them. A window or shift that is not square (set after binding) runs timm's own method."""
     from workbench.kernels.window import merge_roll
 
     parts = v2_attention_windows(self, x)
     if parts is None:
-        return SwinTransformerV2Block._attn(self, x)
+        return getattr(type(self), v2_attn_method(self))(self, x)
     windows, ws, shift = parts
     return merge_roll(windows, ws, shift, x.shape[1], x.shape[2])
 
@@ -487,19 +492,18 @@ def v2_attention_takes_linear_input(attn: torch.nn.Module) -> bool:
     the windows can come in the Linear's autocast dtype): timm's own forward, or a forward the attention
     passes bind that says so (_swin.passes_input_to_qkv: the fused and the SDPA one), over a plain or
     fused-backward Linear."""
-    from timm.models.swin_transformer_v2 import WindowAttention
-
     from workbench.kernels.linear import BiasGradLinear
 
-    if type(attn) is not WindowAttention or type(getattr(attn, "qkv", None)) not in (torch.nn.Linear, BiasGradLinear):
+    if (type(attn) not in v2_attention_classes()
+            or type(getattr(attn, "qkv", None)) not in (torch.nn.Linear, BiasGradLinear)):
         return False
     forward = vars(attn).get("forward")
     return forward is None or input_goes_to_qkv(getattr(forward, "__func__", None))
 
 
 def v2_window_attn_bound(blk: torch.nn.Module) -> bool:
-    """Whether fused_window bound v2_window_attn as this SwinV2 block's _attn."""
-    return getattr(vars(blk).get("_attn"), "__func__", None) is v2_window_attn
+    """Whether fused_window bound v2_window_attn as this SwinV2 block's _attn (-CR: _shifted_window_attn)."""
+    return getattr(vars(blk).get(v2_attn_method(blk)), "__func__", None) is v2_window_attn
 
 
 # ------------------------------------------------------------------ SwinV2's post-norm block
@@ -543,16 +547,20 @@ def _v2_attention_half(blk: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
                 return merge_norm_add(windows, x, blk.norm1.weight, blk.norm1.bias, blk.norm1.eps, ws, shift, out_dtype)
             branch = merge_roll(windows, ws, shift, x.shape[1], x.shape[2])
             return _post_norm_add(blk.norm1, blk.drop_path1, branch, x, blk.training)
-    return _post_norm_add(blk.norm1, blk.drop_path1, blk._attn(x), x, blk.training)
+    return _post_norm_add(blk.norm1, blk.drop_path1, getattr(blk, v2_attn_method(blk))(x), x, blk.training)
 
 
 def v2_block_forward(self, x: torch.Tensor) -> torch.Tensor:
     """timm's SwinTransformerV2Block.forward (x: (B, H, W, C)) with each post-norm residual add, x +
     norm(branch), as one LayerNorm pass that writes the sum (fused_layernorm): the normalized branch is
     never written and read back; with fused_window's kernels the attention's windows are merged back in
-    that pass too (_v2_attention_half)."""
+    that pass too (_v2_attention_half). -CR's block ends with its norm3 (an Identity but in some blocks of
+    the largest models)."""
     B, H, W, C = x.shape
     x = _v2_attention_half(self, x)
     x = x.reshape(B, -1, C)
     x = _post_norm_add(self.norm2, self.drop_path2, self.mlp(x), x, self.training)
+    norm3 = getattr(self, "norm3", None)
+    if norm3 is not None:
+        x = norm3(x)
     return x.reshape(B, H, W, C)

@@ -182,10 +182,11 @@ def _bind_v2_blocks(model: nn.Module, norm_class: type) -> dict[str, int]:
 
     counts = {"swinv2_post_norm_blocks": 0, "swinv2_blocks_left": 0}
     for blk in model.modules():
-        if type(blk).__name__ != "SwinTransformerV2Block":
+        kind = type(blk).__name__
+        if kind not in ("SwinTransformerV2Block", "SwinTransformerV2CrBlock"):
             continue
         if (isinstance(blk.norm1, norm_class) and isinstance(blk.norm2, norm_class)
-                and "forward" not in vars(blk) and type(blk).forward.__qualname__ == "SwinTransformerV2Block.forward"):
+                and "forward" not in vars(blk) and type(blk).forward.__qualname__ == f"{kind}.forward"):
             blk.forward = types.MethodType(v2_block_forward, blk)
             counts["swinv2_post_norm_blocks"] += 1
         else:

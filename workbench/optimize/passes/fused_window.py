@@ -40,7 +40,8 @@ Details the planned forward keeps from timm:
 A block whose forward was replaced outside the plans is left alone and counted in
 details["blocks_forward_already_patched"].
 
-SwinV2 (timm's swin_transformer_v2, a model of SwinTransformerV2Blocks only): the block is post-norm,
+SwinV2 (a model of timm's SwinTransformerV2Blocks only, or of swin_transformer_v2_cr's blocks, whose
+`_shifted_window_attn` is the same method under another name): the block is post-norm,
     x = x + drop_path1(norm1(_attn(x))),   _attn: roll(-shift) -> pad -> window_partition -> attn
                                                   -> window_reverse -> crop -> roll(+shift)
 so there is no norm before the partition to fold, and the residual add comes after norm1. Each block of
@@ -65,8 +66,8 @@ import types
 import torch
 
 from workbench.optimize.passes import PassContext, PassResult, PassUnavailable
-from workbench.optimize.passes._swin import has_v2_blocks, square, stand_aside_cr, swin_blocks
-from workbench.optimize.passes.block_forward import v2_block_forward, v2_window_attn, v2_window_attn_bound
+from workbench.optimize.passes._swin import square, swin_blocks, v2_block_classes
+from workbench.optimize.passes.block_forward import v2_attn_method, v2_block_forward, v2_window_attn, v2_window_attn_bound
 from workbench.optimize.passes.block_plan import block_plans
 
 NAME = "fused_window"
@@ -85,10 +86,7 @@ def _norm1_fusable(norm) -> bool:
 def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, PassResult]:
     """Plan `window` for every timm SwinTransformerBlock in `model` and bind the plans -> (model, PassResult)."""
     blocks = swin_blocks(model, ctx, "workbench.kernels.window", "fused window kernels")
-    if not blocks and not has_v2_blocks(model):
-        return stand_aside_cr(model, NAME, "the window kernels bind timm's SwinTransformerBlock and "
-                                           "SwinTransformerV2Block; its attention runs fused_attention")
-    if not blocks:  # SwinV2 blocks only
+    if not blocks:  # SwinV2 blocks only (swin_transformer_v2's or -CR's)
         return model, _v2_result(model)
     non_square = [n for n, b in blocks if square(b.window_size) is None or square(b.shift_size) is None]
     if non_square:
@@ -137,14 +135,14 @@ def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, Pa
 
 
 def _v2_why_not(blk: torch.nn.Module) -> str | None:
-    """None when v2_window_attn can replace this SwinV2 block's _attn, else why it keeps timm's."""
-    from timm.models.swin_transformer_v2 import SwinTransformerV2Block
-
-    if type(blk) is not SwinTransformerV2Block:
-        return "a subclass of timm's SwinTransformerV2Block"
+    """None when v2_window_attn can replace this SwinV2 block's _attn (-CR: _shifted_window_attn), else why
+    it keeps timm's."""
+    classes = v2_block_classes()
+    if type(blk) not in classes:
+        return f"a subclass of timm's {next(c for c in classes if isinstance(blk, c)).__name__}"
     forward = vars(blk).get("forward")
     # fused_layernorm's post-norm forward calls self._attn: the two compose
-    if ("_attn" in vars(blk) and not v2_window_attn_bound(blk)) or (
+    if (v2_attn_method(blk) in vars(blk) and not v2_window_attn_bound(blk)) or (
             forward is not None and getattr(forward, "__func__", None) is not v2_block_forward):
         return "its _attn or forward was replaced elsewhere"
     if square(blk.window_size) is None or square(blk.shift_size) is None:
@@ -153,22 +151,20 @@ def _v2_why_not(blk: torch.nn.Module) -> str | None:
 
 
 def _v2_result(model: torch.nn.Module) -> PassResult:
-    """Bind v2_window_attn as `_attn` on every SwinV2 block that qualifies -> the pass's result. A block this
-    pass bound before counts as patched."""
-    from timm.models.swin_transformer_v2 import SwinTransformerV2Block
-
-    blocks = [m for m in model.modules() if isinstance(m, SwinTransformerV2Block)]
+    """Bind v2_window_attn as `_attn` (-CR: `_shifted_window_attn`) on every SwinV2 block that qualifies ->
+    the pass's result. A block this pass bound before counts as patched."""
+    blocks = [m for m in model.modules() if isinstance(m, v2_block_classes())]
     patched, shifted, padded, dynamic, left = 0, 0, 0, 0, {}
     for blk in blocks:
         reason = _v2_why_not(blk)
         if reason is not None:
             if v2_window_attn_bound(blk):   # made non-square since: timm's _attn again
-                del blk._attn
+                delattr(blk, v2_attn_method(blk))
             left[reason] = left.get(reason, 0) + 1
             continue
         if not v2_window_attn_bound(blk):
-            blk._attn = types.MethodType(v2_window_attn, blk)
-        ws, (h, w) = square(blk.window_size), blk.input_resolution
+            setattr(blk, v2_attn_method(blk), types.MethodType(v2_window_attn, blk))
+        ws, (h, w) = square(blk.window_size), getattr(blk, "input_resolution", None) or blk.feat_size
         patched += 1
         shifted += int(any(blk.shift_size))
         padded += int(bool(h % ws or w % ws))
