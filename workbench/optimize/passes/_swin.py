@@ -196,8 +196,7 @@ def swin_blocks(model: torch.nn.Module, ctx: PassContext, kernels: str, what: st
     """named_swin_blocks(model), after checking that timm and the Triton kernel module `kernels` import
     and that the device runs Triton; PassUnavailable (naming `what`) otherwise, or without Swin blocks of
     timm's three kinds. [] for a model of SwinV2 blocks only (swin_transformer_v2's or -CR's): a pass of
-    v1 blocks stands aside (stand_aside_v2, stand_aside_cr) or binds its SwinV2 forms itself
-    (fused_attention, fused_window)."""
+    v1 blocks stands aside (stand_aside_v2) or binds its SwinV2 forms itself (fused_attention, fused_window)."""
     try:
         import timm.models.swin_transformer  # noqa: F401
 
