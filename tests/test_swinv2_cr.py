@@ -154,9 +154,8 @@ def test_window_kernels_and_post_norm_adds_run_cr_blocks_as_timm_does(img, windo
 
 @pytest.mark.parametrize("name, why", [
     ("fused_block", "not applied: SwinV2 blocks (post-norm, cosine attention, position bias from an MLP)"),
-    ("patch_embed", "not applied: timm's swin_transformer_v2_cr model: its patch embedding is its own class"),
 ])
-def test_passes_for_other_blocks_stand_aside_in_one_line(name, why):
+def test_fused_block_stands_aside_in_one_line(name, why):
     model = tiny_cr()
     out, result = apply_pass(name, model, pass_ctx(DEVICE))
     assert out is model and result.available and result.details == {"applied": False}
@@ -173,6 +172,17 @@ def test_the_fmha_and_dense_chains_run_on_cr():
         assert results["fused_attention"].details["swinv2_patched_modules"] == 4
         assert results["fused_window"].details["swinv2_patched_blocks"] == 4
         assert torch.isfinite(swin.train_step(*batch(32, 6)))
+
+
+def test_patch_embed_runs_cr_s_patch_embedding_as_one_gemm():
+    from workbench.optimize.passes.patch_embed import cr_patch_gemm_forward
+
+    plain = tiny_cr()
+    patched, result = apply_pass("patch_embed", copy.deepcopy(plain), pass_ctx(DEVICE))
+    assert result.details["patched"] == 1 and vars(patched.patch_embed)["forward"].__func__ is cr_patch_gemm_forward
+    assert_same_step(plain, patched, *batch(32, 7))
+    with pytest.raises(AssertionError, match="doesn't match model"):
+        patched.patch_embed(torch.randn(1, 3, 36, 32, device=DEVICE))
 
 
 def test_the_route_reads_a_cr_block_shape():

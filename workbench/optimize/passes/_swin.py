@@ -222,11 +222,6 @@ def stand_aside_v2(model: torch.nn.Module, name: str, why: str) -> tuple[torch.n
     return model, PassResult(name, {}, changed, {"applied": False})
 
 
-def stand_aside_cr(model: torch.nn.Module, name: str, why: str) -> tuple[torch.nn.Module, PassResult]:
-    """(model unchanged, the result of pass `name` standing aside on swin_transformer_v2_cr, `why` in one line)."""
-    return model, PassResult(name, {}, f"not applied: timm's swin_transformer_v2_cr model: {why}", {"applied": False})
-
-
 def autocast_input_dtype(x: torch.Tensor) -> torch.dtype | None:
     """`kernels.layer_norm.autocast_linear_input_dtype`: the dtype an autocast nn.Linear casts an fp32 x to
     (None: no cast). Every fused norm of the passes looks it up here, through norm_output_dtype."""

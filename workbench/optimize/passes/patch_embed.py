@@ -16,7 +16,9 @@ Exact up to the order of the sums: the same products, accumulated in fp32 by the
 convolution. Autograd differentiates it as written (the weight's gradient is one GEMM). Images whose
 size is not a multiple of the patch are cropped as the strided convolution crops them (or padded first
 where the module pads: dynamic_img_pad). A PatchEmbed whose projection is not such a convolution (kernel
-other than stride, padding, dilation, groups) keeps timm's forward and is counted.
+other than stride, padding, dilation, groups) keeps timm's forward and is counted. swin_transformer_v2_cr's
+own PatchEmbed (the convolution, its norm over channels last, NCHW out) gets the same gather and GEMM, its
+norm on the NHWC result and the NCHW output a view of it (cr_patch_gemm_forward).
 """
 from __future__ import annotations
 
@@ -36,6 +38,25 @@ def _is_patch_conv(conv) -> bool:
             and conv.padding_mode == "zeros")
 
 
+def _patch_gemm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The kernel-equals-stride convolution `module.proj` of the image x (B, C, H, W), cropped to whole
+    patches, as one gather and one GEMM -> (B, H/p, W/p, embed_dim), NHWC."""
+    B, C, H, W = x.shape
+    ph, pw = module.patch_size
+    hp, wp = H // ph, W // pw
+    weight = module.proj.weight
+    dev = x.device.type
+    dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else torch.promote_types(x.dtype, weight.dtype)
+    with torch.autocast(dev, enabled=False):
+        patches = torch.empty((B, hp, wp, C, ph, pw), dtype=dt, device=x.device)
+        patches.copy_(x[:, :, :hp * ph, :wp * pw].reshape(B, C, hp, ph, wp, pw).permute(0, 2, 4, 1, 3, 5))
+        rows = patches.view(B * hp * wp, C * ph * pw)
+        w2 = weight.reshape(weight.shape[0], -1).to(dt)
+        bias = module.proj.bias
+        out = torch.addmm(bias.to(dt), rows, w2.t()) if bias is not None else rows @ w2.t()
+    return out.view(B, hp, wp, -1)
+
+
 def patch_gemm_forward(self, x: torch.Tensor) -> torch.Tensor:
     """timm PatchEmbed.forward with the convolution as gather + GEMM (same size checks and layouts)."""
     import torch.nn.functional as F
@@ -47,19 +68,8 @@ def patch_gemm_forward(self, x: torch.Tensor) -> torch.Tensor:
         raise AssertionError(f"Input size ({H}x{W}) doesn't match model ({self.img_size[0]}x{self.img_size[1]}).")
     if self.dynamic_img_pad:
         x = F.pad(x, (0, (pw - W % pw) % pw, 0, (ph - H % ph) % ph))
-        H, W = x.shape[-2:]
-    hp, wp = H // ph, W // pw
-    weight = self.proj.weight
-    dev = x.device.type
-    dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else torch.promote_types(x.dtype, weight.dtype)
-    with torch.autocast(dev, enabled=False):
-        patches = torch.empty((B, hp, wp, C, ph, pw), dtype=dt, device=x.device)
-        patches.copy_(x[:, :, :hp * ph, :wp * pw].reshape(B, C, hp, ph, wp, pw).permute(0, 2, 4, 1, 3, 5))
-        rows = patches.view(B * hp * wp, C * ph * pw)
-        w2 = weight.reshape(weight.shape[0], -1).to(dt)
-        bias = self.proj.bias
-        out = torch.addmm(bias.to(dt), rows, w2.t()) if bias is not None else rows @ w2.t()
-    out = out.view(B, hp, wp, -1)                                     # NHWC
+    out = _patch_gemm(self, x)                                        # NHWC
+    hp, wp = out.shape[1:3]
     if self.flatten:
         out = out.view(B, hp * wp, -1)                                # NLC
     elif self.output_fmt == Format.NCHW:
@@ -71,24 +81,44 @@ def patch_gemm_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.norm(out)
 
 
+def cr_patch_gemm_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """swin_transformer_v2_cr's PatchEmbed.forward (the convolution, its norm over channels last, NCHW
+    out) with the convolution as gather + GEMM: the norm runs on the GEMM's NHWC output and the NCHW
+    result is a view of it, which the first stage's permute to NHWC makes contiguous again for free."""
+    _, _, H, W = x.shape
+    if self.strict_img_size and (H, W) != tuple(self.img_size):
+        raise AssertionError(f"Input size ({H}x{W}) doesn't match model ({self.img_size[0]}x{self.img_size[1]}).")
+    return self.norm(_patch_gemm(self, x)).permute(0, 3, 1, 2)
+
+
+def _embeddings(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, object]]:
+    """(name, module, the forward to bind) of every patch embedding the pass knows: timm's PatchEmbed and
+    swin_transformer_v2_cr's own."""
+    from timm.layers import PatchEmbed
+    from timm.models.swin_transformer_v2_cr import PatchEmbed as CrPatchEmbed
+
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, PatchEmbed):
+            out.append((name, m, patch_gemm_forward))
+        elif type(m) is CrPatchEmbed:
+            out.append((name, m, cr_patch_gemm_forward))
+    return out
+
+
 def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, PassResult]:
     try:
-        from timm.layers import PatchEmbed
+        embeds = _embeddings(model)
     except ImportError as exc:
         raise PassUnavailable(f"timm's PatchEmbed not importable: {exc}") from exc
-    embeds = [(n, m) for n, m in model.named_modules() if isinstance(m, PatchEmbed)]
     if not embeds:
-        from workbench.optimize.passes._swin import has_v2_blocks, stand_aside_cr
-
-        if has_v2_blocks(model, cr=True):
-            return stand_aside_cr(model, NAME, "its patch embedding is its own class, not timm's PatchEmbed")
         raise PassUnavailable("no timm PatchEmbed in this model")
     patched, kept = [], []
-    for name, m in embeds:
+    for name, m, forward in embeds:
         if getattr(m, FORWARD_ATTR, False):
             patched.append(name)
         elif _is_patch_conv(m.proj):
-            m.forward = types.MethodType(patch_gemm_forward, m)
+            m.forward = types.MethodType(forward, m)
             setattr(m, FORWARD_ATTR, True)
             patched.append(name)
         else:
