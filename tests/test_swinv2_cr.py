@@ -204,3 +204,24 @@ def test_the_compiled_fused_stack_runs_cr_as_timm_does(backend):
                          ("fused_attention", None)):
         patched, _ = apply_pass(name, patched, pass_ctx(DEVICE), params)
     assert_same_step(plain, torch.compile(patched, backend=backend), *batch(32, 1))
+
+
+def test_profiles_and_gates_see_cr_stages():
+    """The profile's ranges name -CR's stages and blocks (its `stages`, where timm's other Swins have
+    `layers`), and the gate's activation dtypes list each stage."""
+    from workbench.optimize.gate import activation_dtypes
+    from workbench.optimize.ranges import RangeMarker, annotate_modules
+    from workbench.optimize.workload import Workload, WorkloadConfig
+
+    model = tiny_cr()
+    marker = RangeMarker("torch")
+    handles = annotate_modules(model, marker)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(batch(32, 0)[0])
+    names = {e.name for e in prof.events()}
+    assert {"patch_embed", "stage0.block1", "stage1.downsample", "attention", "mlp", "head"} <= names
+    for h in handles:
+        h.remove()
+    workload = Workload(WorkloadConfig(model="swinv2_cr_tiny_224", batch=2, device=str(DEVICE)), model,
+                        pass_ctx(DEVICE), *batch(32, 0))
+    assert {"patch_embed", "stages.0", "stages.1", "head"} <= set(activation_dtypes(workload))

@@ -126,8 +126,8 @@ def activation_dtypes(workload: Workload) -> dict[str, str]:
     model = workload.model
     parts = []
     for name, child in model.named_children():
-        if name == "layers" and isinstance(child, torch.nn.Sequential):
-            parts += [(f"layers.{i}", m) for i, m in enumerate(child)]
+        if name in ("layers", "stages") and isinstance(child, torch.nn.Sequential):   # -CR: stages
+            parts += [(f"{name}.{i}", m) for i, m in enumerate(child)]
         elif name in ("patch_embed", "norm", "head"):
             parts.append((name, child))
     seen: dict[str, str] = {}
