@@ -106,4 +106,5 @@ def test_short_model_names():
     assert short_model("swinbench_tiny_cpu") == "tiny CPU Swin"
     assert short_model("swinv2_tiny_window8_256") == "SwinV2-T 256 (window 8)"
     assert short_model("swinv2_base_window12to24_192to384") == "SwinV2-B 384 (window 24)"
-    assert short_model("swinv2_cr_tiny_ns_224") == "swinv2_cr_tiny_ns_224"
+    assert short_model("swinv2_cr_tiny_ns_224") == "SwinV2-CR-T 224 ns"
+    assert short_model("swinv2_cr_giant_384") == "SwinV2-CR-G 384"

@@ -28,14 +28,18 @@ BEGIN = "<!-- results:begin -->"
 END = "<!-- results:end -->"
 HEADERS = ["run", "stage", "precision", "eager ms (median ± IQR)", "eager × baseline", "eager × previous",
            "graph ms (median ± IQR)", "graph img/s", "graph × baseline", "graph × previous", "gate"]
-_SIZES = {"tiny": "T", "small": "S", "base": "B", "large": "L"}
+_SIZES = {"tiny": "T", "small": "S", "base": "B", "large": "L", "huge": "H", "giant": "G"}
 
 
 def short_model(name: str | None) -> str:
-    """'swin_base_patch4_window7_224' -> 'Swin-B 224', 'swinv2_tiny_window8_256' -> 'SwinV2-T 256 (window 8)';
-    the tiny CPU Swin -> 'tiny CPU Swin'; other names as is."""
+    """'swin_base_patch4_window7_224' -> 'Swin-B 224', 'swinv2_tiny_window8_256' -> 'SwinV2-T 256 (window 8)',
+    'swinv2_cr_small_ns_224' -> 'SwinV2-CR-S 224 ns'; the tiny CPU Swin -> 'tiny CPU Swin'; other names as is."""
     if name == "swinbench_tiny_cpu":
         return "tiny CPU Swin"
+    cr = re.fullmatch(r"swinv2_cr_(tiny|small|base|large|huge|giant)(_ns)?_(\d+)", name or "")
+    if cr:
+        size, ns, img = cr.groups()
+        return f"SwinV2-CR-{_SIZES[size]} {img}" + (" ns" if ns else "")
     v2 = re.fullmatch(r"swinv2_(tiny|small|base|large)_window(?:\d+to)?(\d+)_(?:\d+to)?(\d+)(.*)", name or "")
     if v2:
         size, window, img, rest = v2.groups()
