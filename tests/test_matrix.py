@@ -67,6 +67,8 @@ def test_train_batch_option_and_rule_for_unlisted_models():
     assert matrix.train_batch_for("swin_large_patch4_window12_384") == 32
     assert matrix.train_batch_for("swin_base_patch4_window7_224_in22k") == 64
     assert matrix.train_batch_for(TINY_MODEL) == 8
+    assert matrix.train_batch_for("swinv2_cr_small_ns_224") == 128
+    assert matrix.train_batch_for("swinv2_cr_base_224") == 64 and matrix.train_batch_for("swinv2_cr_huge_224") == 32
 
 
 @pytest.mark.parametrize("kwargs, needle", [

@@ -68,10 +68,11 @@ class Cell:
 
 
 def train_batch_for(model: str) -> int:
-    """TRAIN_BATCH's entry; otherwise 32 at 384 px, 64 for base and large, 128 for the rest."""
+    """TRAIN_BATCH's entry; otherwise 32 at 384 px and for SwinV2-CR's huge and giant, 64 for base and
+    large, 128 for the rest."""
     if model in TRAIN_BATCH:
         return TRAIN_BATCH[model]
-    if model.endswith("_384"):
+    if model.endswith("_384") or re.search(r"_(huge|giant)_", model):
         return 32
     return 64 if re.search(r"_(base|large)_", model) else 128
 
