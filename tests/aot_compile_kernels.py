@@ -114,6 +114,10 @@ def _record_launches(quick: bool) -> None:
             for dy_dt in {dt, torch.bfloat16}:  # a plain norm's backward (no residual); dy bf16 where it wrote bf16
                 ln.layer_norm_bwd(r(64, C, dtype=dy_dt), x, w, b, torch.zeros(64), torch.ones(64), None, dt, sums_into=zero)
         ops.sum_partials(torch.randn(5, 256))
+        # inference's PatchMerging: pad + 2x2 gather + norm from the (B, H, W, C) map, into the reduction's bf16
+        for (H, C) in (((56, 128), (7, 96)) if quick else ((56, 128), (28, 256), (14, 512), (7, 96))):
+            ln.merging_layer_norm(r(2, H, H, C, dtype=dt), r(4 * C, dtype=torch.float32), r(4 * C, dtype=torch.float32),
+                                  1e-5, torch.bfloat16)
     for dt in (torch.float32, torch.bfloat16):
         shapes = ((2, 56, 56, 128), (2, 28, 28, 256), (2, 14, 14, 512), (2, 7, 7, 1024), (1, 9, 15, 33))
         for (B, H, W, C) in (shapes[2:3] + shapes[4:] if quick else shapes):

@@ -391,3 +391,36 @@ def test_float64_check_on_cpu_shape():
     """The float64 comparison itself, on a small shape (runs without a GPU too)."""
     for op in ("add_layer_norm", "layer_norm"):
         _check_against_float64(op, (37, 100), torch.float32, 1e-5)
+
+
+def _timm_merging_gather(x: torch.Tensor) -> torch.Tensor:
+    """timm PatchMerging's zero pad to even sides and 2x2 gather, (B, H, W, C) -> (B, H/2, W/2, 4C)."""
+    B, H, W, C = x.shape
+    x = F.pad(x, (0, 0, 0, W % 2, 0, H % 2))
+    return x.reshape(B, (H + H % 2) // 2, 2, (W + W % 2) // 2, 2, C).permute(0, 1, 3, 4, 2, 5).flatten(3)
+
+
+@pytest.mark.parametrize("shape", [(2, 8, 8, 16), (1, 7, 9, 24), (3, 5, 5, 8), (2, 14, 14, 96)],
+                         ids=["even", "odd-h-and-w", "odd-square", "swin-t-stage-3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_merging_layer_norm_is_timm_s_pad_gather_and_norm(shape, dtype):
+    """merging_layer_norm against float64 torch over timm's own pad and gather, padded rows' zeros counted in
+    the statistics; in every dtype bit for bit what layer_norm writes for the gathered rows, fp32 and
+    bf16 out of a bf16 input too."""
+    from workbench.kernels.layer_norm import merging_layer_norm
+
+    torch.manual_seed(sum(shape))
+    C = shape[-1]
+    x = (torch.randn(shape) * 2 + 0.5).to(dtype).to(DEVICE)
+    w, b = (torch.randn(4 * C).to(DEVICE) for _ in range(2))
+    gathered = _timm_merging_gather(x)
+    truth = F.layer_norm(gathered.double(), (4 * C,), w.double(), b.double(), EPS)
+    y = merging_layer_norm(x, w, b, EPS)
+    assert y.shape == gathered.shape and y.dtype == dtype
+    tol = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}[dtype]
+    torch.testing.assert_close(y.double(), truth, atol=tol, rtol=tol)
+    for out in (None, torch.float32, torch.bfloat16):
+        assert torch.equal(merging_layer_norm(x, w, b, EPS, out), layer_norm(gathered.contiguous(), w, b, EPS, out))
+    assert torch.equal(merging_layer_norm(x, None, None, EPS), layer_norm(gathered.contiguous(), None, None, EPS))
+    with pytest.raises(ValueError, match="expected"):
+        merging_layer_norm(x, w[:C], b, EPS)

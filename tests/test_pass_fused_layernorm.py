@@ -233,3 +233,30 @@ def test_patch_merging_norm_writes_the_reduction_linear_s_dtype(monkeypatch):
     with torch.no_grad():  # no autocast: the input's dtype, as torch's LayerNorm
         y = mergings[0].norm(torch.randn(2, 3, 3, mergings[0].norm.normalized_shape[0], device=DEVICE))
     assert y.dtype == torch.float32
+
+
+@pytest.mark.parametrize("img", [56, (60, 68)], ids=["even-maps", "odd-maps-padded"])
+def test_patch_merging_gathers_inside_its_norm_in_inference(img):
+    """Without autograd each PatchMerging runs pad + 2x2 gather + norm as one Triton pass (merging_layer_norm):
+    the same logits as timm; with autograd, and for a second application of the pass, its forward stays
+    bound and trains as timm's."""
+    from workbench.kernels._common import launch_log
+    from workbench.optimize.passes.block_forward import merging_forward
+
+    size = (img, img) if isinstance(img, int) else img
+    torch.manual_seed(3)
+    ref = build_model(TINY_MODEL, img_size=size, drop_path_rate=0.0).to(DEVICE).eval()
+    model = copy.deepcopy(ref)
+    model, result = apply_pass("fused_layernorm", model, pass_ctx(DEVICE), {"impl": "triton"})
+    model, result = apply_pass("fused_layernorm", model, pass_ctx(DEVICE), {"impl": "triton"})  # again: no change
+    mergings = [m for m in model.modules() if type(m).__name__ == "PatchMerging"]
+    assert mergings and all(vars(m)["forward"].__func__ is merging_forward for m in mergings)
+    assert result.details["merging_norms_into_linear"] == len(mergings)
+    x = torch.randn(2, 3, *size, device=DEVICE)
+    with torch.no_grad(), launch_log() as log:
+        got = model(x)
+    assert sum(e["kernel"] == "_merging_norm_fwd_kernel" for e in log) == len(mergings)
+    with torch.no_grad():
+        torch.testing.assert_close(got, ref(x), rtol=1e-5, atol=1e-5)
+    model.train(), ref.train()
+    assert_same_step(ref, model, x, torch.randint(0, 10, (2,), device=DEVICE), 1e-5, 1e-5)

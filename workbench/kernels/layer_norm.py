@@ -103,6 +103,45 @@ def _layer_norm_fwd_kernel(
 
 
 @triton.jit
+def _merging_norm_fwd_kernel(
+    X, Y, W, B, n_rows, H, Wd, Ho, Wo, C, eps,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, SOFT_RTNE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """timm PatchMerging's gather and norm: BLOCK_M rows (b, i, j) of the merged (B, Ho, Wo, 4C) map per
+    program, row = x[b, 2i + dh, 2j + dw, :] for the channel blocks (dh, dw) = (0, 0), (1, 0), (0, 1),
+    (1, 1) of the contiguous (B, H, Wd, C) x, zero past H or Wd (timm's zero pad to even sides, counted in
+    the statistics), normalized over its 4C values as _layer_norm_fwd_kernel normalizes a row."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    n_cols = 4 * C
+    row_mask = rows < n_rows
+    col_mask = cols < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
+    j = rows % Wo
+    i = (rows // Wo) % Ho
+    b = (rows // (Wo * Ho)).to(tl.int64)
+    k = cols // C
+    h = 2 * i[:, None] + (k % 2)[None, :]
+    w = 2 * j[:, None] + (k // 2)[None, :]
+    src = ((b[:, None] * H + h) * Wd + w) * C + (cols % C)[None, :]
+    x = tl.load(X + src, mask=mask & (h < H) & (w < Wd), other=0.0).to(tl.float32)
+
+    mean = tl.sum(x, axis=1) / n_cols
+    xc = tl.where(mask, x - mean[:, None], 0.0)
+    var = tl.sum(xc * xc, axis=1) / n_cols
+    rstd = 1.0 / tl.sqrt(var + tl.cast(eps, tl.float32))
+    y = xc * rstd[:, None]
+    if HAS_WEIGHT:
+        y = y * tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        y = y + tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
+    tl.store(Y + offs, to_dtype(y, Y.dtype.element_ty, SOFT_RTNE), mask=mask)
+
+
+@triton.jit
 def _layer_norm_bwd_kernel(
     DY, X, W, Mean, Rstd, DS, DX, SUMS,
     n_rows, n_cols, rows_per_program,
@@ -210,8 +249,9 @@ def _as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def _check(x: torch.Tensor, weight, bias) -> int:
-    n_cols = x.shape[-1]
+def _check(x: torch.Tensor, weight, bias, n_cols: int | None = None) -> int:
+    """The row width (x's last dim, or n_cols), after checking that weight and bias are that wide."""
+    n_cols = x.shape[-1] if n_cols is None else n_cols
     for name, p in (("weight", weight), ("bias", bias)):
         if p is not None and tuple(p.shape) != (n_cols,):
             raise ValueError(f"layer_norm: {name} has shape {tuple(p.shape)}, expected ({n_cols},)")
@@ -243,6 +283,29 @@ def layer_norm_fwd(x2, residual2, weight, bias, eps: float, out_dtype: torch.dty
     elif zero_sums is not None:
         zero_sums.zero_()
     return s, y, mean, rstd
+
+
+def merging_layer_norm(x: torch.Tensor, weight, bias, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """timm PatchMerging up to its reduction, in one pass and without autograd (inference): x (B, H, W, C)
+    padded with zeros to even H and W, gathered 2x2 into (B, ceil(H/2), ceil(W/2), 4C) (channel blocks
+    (dh, dw) = (0, 0), (1, 0), (0, 1), (1, 1), timm's order) and normalized over the 4C, weight and bias
+    of 4C; output in out_dtype (default x.dtype), rounded once from fp32. Where timm copies x twice (the
+    pad, the gather) before its norm reads it, this reads x once."""
+    B, H, Wd, C = x.shape
+    n_cols = _check(x, weight, bias, 4 * C)
+    x = x.contiguous()
+    ho, wo = -(-H // 2), -(-Wd // 2)
+    n_rows = B * ho * wo
+    block_m, block_n, num_warps = _tile(n_cols)
+    y = _common.new_output((B, ho, wo, n_cols), out_dtype or x.dtype, x.device)
+    if n_rows > 0:
+        launch(_merging_norm_fwd_kernel)[(cdiv(n_rows, block_m),)](
+            x, y, weight if weight is not None else x, bias if bias is not None else x,
+            n_rows, H, Wd, ho, wo, C, eps,
+            HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, SOFT_RTNE=SOFT_RTNE,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        )
+    return y
 
 
 def post_add_layer_norm_fwd(x2, residual2, weight, bias, eps: float, out_dtype: torch.dtype,

@@ -242,13 +242,25 @@ def norm_output_dtype(x: torch.Tensor, to_linear: bool, dtype: torch.dtype | Non
     return autocast_norm_dtype(x, dtype)
 
 
+_MERGING_FORWARD = "_swinbench_merging_forward"
+
+
+def merging_forward_of_the_pass(forward):
+    """Mark a PatchMerging forward a pass binds as computing the class's (pad, 2x2 gather, norm, reduction)."""
+    setattr(forward, _MERGING_FORWARD, True)
+    return forward
+
+
 def merging_norm_goes_to_linear(merging: torch.nn.Module) -> bool:
     """Whether a timm PatchMerging hands its norm's output straight to its `reduction` Linear: its forward
-    is the class's (pad, 2x2 gather, norm, reduction), not replaced on the instance."""
+    is the class's (pad, 2x2 gather, norm, reduction), or one a pass bound that computes the same
+    (merging_forward_of_the_pass), not replaced elsewhere on the instance."""
     from timm.models.swin_transformer import PatchMerging
 
+    bound = vars(merging).get("forward")
     return (isinstance(merging, PatchMerging) and isinstance(getattr(merging, "reduction", None), torch.nn.Linear)
-            and "forward" not in vars(merging) and type(merging).forward is PatchMerging.forward)
+            and type(merging).forward is PatchMerging.forward
+            and (bound is None or getattr(getattr(bound, "__func__", None), _MERGING_FORWARD, False)))
 
 
 def gather_rel_pos_bias(table: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:

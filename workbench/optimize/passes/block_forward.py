@@ -21,7 +21,8 @@ from typing import Callable
 import torch
 
 from workbench.optimize.passes._swin import (INVERSE_BUFFER, autocast_input_dtype, drop_path, drop_path_keep,
-                                             gather_rel_pos_bias, inactive, input_goes_to_qkv, norm_output_dtype,
+                                             gather_rel_pos_bias, inactive, input_goes_to_qkv,
+                                             merging_forward_of_the_pass, norm_output_dtype,
                                              rel_pos_bias, scatter_rel_pos_grad, square, timm_drop_path,
                                              v2_attention_classes)
 
@@ -304,6 +305,24 @@ def mlp_forward_fused(self, x: torch.Tensor) -> torch.Tensor:
     from workbench.kernels.linear import linear
 
     return self.fc2(linear(x, self.fc1.weight, self.fc1.bias, gelu=True))
+
+
+@merging_forward_of_the_pass
+def merging_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """timm PatchMerging.forward whose norm is a TritonLayerNorm. Without autograd (inference, eager or
+    captured in a graph) the zero pad, the 2x2 gather and the norm are one Triton pass over x
+    (kernels.layer_norm.merging_layer_norm; timm copies x twice before its norm reads it), written in the
+    dtype the norm writes for the reduction Linear; with autograd, or while torch.compile traces (Inductor
+    fuses the copies itself), timm's forward."""
+    from timm.models.swin_transformer import PatchMerging
+
+    if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return PatchMerging.forward(self, x)
+    from workbench.kernels.layer_norm import merging_layer_norm
+
+    norm = self.norm
+    dtype = autocast_input_dtype(x) if norm.into_linear else None
+    return self.reduction(merging_layer_norm(x, norm.weight, norm.bias, norm.eps, dtype))
 
 
 # ------------------------------------------------------------------ the block as one Function

@@ -10,7 +10,8 @@ params:
       auto   - apex if importable and the device is a GPU; else AUTO_GPU_IMPL on a GPU; else triton when
                TRITON_INTERPRET=1; else torch.
   fuse_residual: bool (default true) - with the triton implementation, each timm SwinTransformerBlock's
-      residual add before norm2 and norm2 also run as one add_layer_norm (the plan's add_norm2).
+      residual add before norm2 and norm2 also run as one add_layer_norm (the plan's add_norm2), and in
+      inference each PatchMerging's pad and gather run in its norm's pass (below).
 
 Which modules: those whose class is torch's nn.LayerNorm or timm's LayerNorm (a subclass with the same
 math) over one trailing dim. Other nn.LayerNorm subclasses (timm's LayerNorm2d normalizes dim 1,
@@ -36,7 +37,9 @@ path is active in training, or the norm's output is narrower than the sum, that 
 Dtypes: under autocast, when h goes straight into the MLP's fc1 Linear, add_layer_norm writes h in the
 autocast dtype, the bits fc1's input cast would give (no cast launches). So does each PatchMerging's
 norm, whose output goes straight into the `reduction` Linear (the class's forward;
-`TritonLayerNorm.into_linear`). Otherwise every output has the dtype torch's LayerNorm would give it under
+`TritonLayerNorm.into_linear`). Without autograd (inference) each such PatchMerging runs its zero pad, 2x2
+gather and norm as one Triton pass over its input (block_forward.merging_forward), where timm copies the
+input twice before the norm reads it. Otherwise every output has the dtype torch's LayerNorm would give it under
 autocast: fp32 under CUDA autocast (`kernels.layer_norm.autocast_norm_dtype`), so the model's residual
 stream keeps AMP's precision (fp32 in stage 1, from the patch embedding's norm) and this pass changes
 kernels, not precision.
@@ -51,6 +54,7 @@ from torch import nn
 from workbench.errors import UserError
 from workbench.optimize.passes import PassContext, PassResult, PassUnavailable, triton_runs_on
 from workbench.optimize.passes._swin import merging_norm_goes_to_linear, named_swin_blocks
+from workbench.optimize.passes.block_forward import merging_forward
 from workbench.optimize.passes.block_plan import block_plans
 
 NAME = "fused_layernorm"
@@ -223,6 +227,8 @@ def apply(model: nn.Module, ctx: PassContext, impl: str = "auto", fuse_residual:
     for module in model.modules():  # PatchMerging: norm -> reduction Linear, the norm writes its dtype
         if isinstance(getattr(module, "norm", None), TritonLayerNorm) and merging_norm_goes_to_linear(module):
             module.norm.into_linear = True
+            if fuse_residual:     # in inference, its pad and gather in the norm's pass
+                module.forward = types.MethodType(merging_forward, module)
             merging += 1
     details.update(replaced=n, replaced_by_class=replaced, skipped=skipped, merging_norms_into_linear=merging)
     changed = f"{n} LayerNorm -> Triton LayerNorm"
