@@ -15,7 +15,10 @@ attribute `block_plans`, by each block's qualified name. A deep copy of the mode
 
     plan field     set by           what it says
     norm           fused_layernorm  norm1/norm2 modules: torch | triton (TritonLayerNorm) | apex
-    add_norm2      fused_layernorm  the residual add before norm2 runs in norm2's kernel (add_layer_norm)
+    add_norm2      fused_layernorm  the residual add before norm2 runs in norm2's kernel (add_layer_norm); in
+                                    inference the stage's PatchMerging runs its pad and gather in its norm's
+                                    pass (block_forward.merging_forward; its norm a TritonLayerNorm into
+                                    the reduction Linear)
     window         fused_window     norm1 + shift + partition and the merge back run as fused kernels;
                                     with add_norm2, the merge, add and norm2 as one (merge_add_norm)
     sdpa           sdpa_attention   timm's F.scaled_dot_product_attention path (its fused_attn switch)
@@ -37,8 +40,10 @@ from dataclasses import dataclass
 
 import torch
 
-from workbench.optimize.passes._swin import INVERSE_BUFFER, add_rel_pos_inverse, named_swin_blocks
-from workbench.optimize.passes.block_forward import attention_forward, block_forward, mlp_forward_fused, stage_forward
+from workbench.optimize.passes._swin import (INVERSE_BUFFER, add_rel_pos_inverse, merging_norm_goes_to_linear,
+                                             named_swin_blocks)
+from workbench.optimize.passes.block_forward import (attention_forward, block_forward, merging_forward, mlp_forward_fused,
+                                                     stage_forward)
 
 NORMS = ("torch", "triton", "apex")
 ATTENTIONS = ("timm", "triton")
@@ -153,7 +158,8 @@ class BlockPlans:
         from timm.models.swin_transformer import SwinTransformerStage, WindowAttention
 
         self.unbind(model)
-        counts = {"block_forwards": 0, "attention_forwards": 0, "mlp_forwards": 0, "deferring_stages": 0}
+        counts = {"block_forwards": 0, "attention_forwards": 0, "mlp_forwards": 0, "deferring_stages": 0,
+                  "merging_forwards": 0}
         defers: dict[str, bool] = {}
         for name, blk in named_swin_blocks(model):
             plan = self.plans.get(name)
@@ -181,9 +187,18 @@ class BlockPlans:
                 counts["block_forwards"] += 1
                 defers[name] = plan.defers_mlp_add
         for name, stage in model.named_modules():
-            if not isinstance(stage, SwinTransformerStage) or "forward" in vars(stage):
+            if not isinstance(stage, SwinTransformerStage):
                 continue
             prefix = f"{name}.blocks." if name else "blocks."
+            merging = stage.downsample
+            if (any(self.plan(f"{prefix}{i}").add_norm2 for i in range(len(stage.blocks)))
+                    and getattr(getattr(merging, "norm", None), "into_linear", False)
+                    and merging_norm_goes_to_linear(merging)):
+                self._set(f"{name}.downsample" if name else "downsample", merging, "forward",
+                          types.MethodType(merging_forward, merging))
+                counts["merging_forwards"] += 1
+            if "forward" in vars(stage):
+                continue
             stage_defers = tuple(defers.get(f"{prefix}{i}", False) for i in range(len(stage.blocks)))
             if sum(stage_defers) >= 2:
                 self._set(name, stage, "forward", types.MethodType(stage_forward(stage_defers), stage))

@@ -37,9 +37,9 @@ path is active in training, or the norm's output is narrower than the sum, that 
 Dtypes: under autocast, when h goes straight into the MLP's fc1 Linear, add_layer_norm writes h in the
 autocast dtype, the bits fc1's input cast would give (no cast launches). So does each PatchMerging's
 norm, whose output goes straight into the `reduction` Linear (the class's forward;
-`TritonLayerNorm.into_linear`). Without autograd (inference) each such PatchMerging runs its zero pad, 2x2
-gather and norm as one Triton pass over its input (block_forward.merging_forward), where timm copies the
-input twice before the norm reads it. Otherwise every output has the dtype torch's LayerNorm would give it under
+`TritonLayerNorm.into_linear`). With fuse_residual, without autograd (inference), each such PatchMerging
+runs its zero pad, 2x2 gather and norm as one Triton pass over its input (the stage's plan binds
+block_forward.merging_forward), where timm copies the input twice before the norm reads it. Otherwise every output has the dtype torch's LayerNorm would give it under
 autocast: fp32 under CUDA autocast (`kernels.layer_norm.autocast_norm_dtype`), so the model's residual
 stream keeps AMP's precision (fp32 in stage 1, from the patch embedding's norm) and this pass changes
 kernels, not precision.
@@ -54,7 +54,6 @@ from torch import nn
 from workbench.errors import UserError
 from workbench.optimize.passes import PassContext, PassResult, PassUnavailable, triton_runs_on
 from workbench.optimize.passes._swin import merging_norm_goes_to_linear, named_swin_blocks
-from workbench.optimize.passes.block_forward import merging_forward
 from workbench.optimize.passes.block_plan import block_plans
 
 NAME = "fused_layernorm"
@@ -227,8 +226,6 @@ def apply(model: nn.Module, ctx: PassContext, impl: str = "auto", fuse_residual:
     for module in model.modules():  # PatchMerging: norm -> reduction Linear, the norm writes its dtype
         if isinstance(getattr(module, "norm", None), TritonLayerNorm) and merging_norm_goes_to_linear(module):
             module.norm.into_linear = True
-            if fuse_residual:     # in inference, its pad and gather in the norm's pass
-                module.forward = types.MethodType(merging_forward, module)
             merging += 1
     details.update(replaced=n, replaced_by_class=replaced, skipped=skipped, merging_norms_into_linear=merging)
     changed = f"{n} LayerNorm -> Triton LayerNorm"
