@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from workbench.optimize.passes._swin import feature_map
+
 ROUTE_MARGIN = 0.03            # PyTorch's path must be at least 3% faster to take a shape from the kernel
 DEFAULT_IMAGES = 32            # images per step the shapes are timed at when the caller does not say
 WARMUP, REPEATS = 3, 10        # untimed calls (Triton compiles and autotunes here), then timed ones
@@ -50,7 +52,7 @@ def block_shape(blk: torch.nn.Module) -> Shape:
     """The attention shape of a timm Swin block (v1, v2 or v2_cr, whose feature map is its feat_size) as built."""
     attn = blk.attn
     ws = blk.window_size if isinstance(blk.window_size, (tuple, list)) else (blk.window_size,) * 2
-    h, w = getattr(blk, "input_resolution", None) or blk.feat_size
+    h, w = feature_map(blk)
     windows = math.ceil(h / ws[0]) * math.ceil(w / ws[1])
     shift = blk.shift_size if isinstance(blk.shift_size, (tuple, list)) else (blk.shift_size,) * 2
     return Shape(int(ws[0] * ws[1]), int(attn.num_heads), int(attn.qkv.out_features // 3 // attn.num_heads),

@@ -86,6 +86,11 @@ def input_goes_to_qkv(forward) -> bool:
 PAIR_INDEX_BUFFER = "relative_pair_index"   # the identity index a -CR module gets beside its buffers
 
 
+def feature_map(blk: torch.nn.Module) -> tuple[int, int]:
+    """(H, W) of the map a timm Swin block is built for: `input_resolution` (v1, v2), `feat_size` (-CR)."""
+    return tuple(getattr(blk, "input_resolution", None) or blk.feat_size)
+
+
 def v2_attention_classes() -> tuple[type, ...]:
     """timm's two SwinV2 window-attention classes (swin_transformer_v2's, swin_transformer_v2_cr's)."""
     from timm.models.swin_transformer_v2 import WindowAttention

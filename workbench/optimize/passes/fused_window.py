@@ -66,7 +66,7 @@ import types
 import torch
 
 from workbench.optimize.passes import PassContext, PassResult, PassUnavailable
-from workbench.optimize.passes._swin import square, swin_blocks, v2_block_classes
+from workbench.optimize.passes._swin import feature_map, square, swin_blocks, v2_block_classes
 from workbench.optimize.passes.block_forward import v2_attn_method, v2_block_forward, v2_window_attn, v2_window_attn_bound
 from workbench.optimize.passes.block_plan import block_plans
 
@@ -164,7 +164,7 @@ def _v2_result(model: torch.nn.Module) -> PassResult:
             continue
         if not v2_window_attn_bound(blk):
             setattr(blk, v2_attn_method(blk), types.MethodType(v2_window_attn, blk))
-        ws, (h, w) = square(blk.window_size), getattr(blk, "input_resolution", None) or blk.feat_size
+        ws, (h, w) = square(blk.window_size), feature_map(blk)
         patched += 1
         shifted += int(any(blk.shift_size))
         padded += int(bool(h % ws or w % ws))
