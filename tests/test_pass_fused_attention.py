@@ -246,3 +246,30 @@ def test_max_tokens_must_be_a_whole_number():
     for bad in (0, 257, 2.5, True):
         with pytest.raises(UserError, match="max_tokens must be a whole number from 1 to 256"):
             fused_attention.apply(build_model(TINY_MODEL), pass_ctx(DEVICE), max_tokens=bad)
+
+
+@pytest.mark.parametrize("bias, block", [("gather", False), ("table", False), ("table", True)],
+                         ids=["gather", "table", "whole-block"])
+def test_a_model_resized_after_the_passes_runs_at_its_new_window(bias, block):
+    """timm's set_input_size after the passes bound the model (a new resolution and window, as for fine-tuning
+    at another size): the window kernels and the attention run the new window, whose index's inverse the
+    attention registers again, with timm's logits and gradients; before, the stale inverse stopped it."""
+    plain, patched = model_pair(DEVICE, drop_path_rate=0.0)
+    ctx = pass_ctx(DEVICE)
+    patched, _ = apply_pass("fused_layernorm", patched, ctx, {"impl": "triton"})
+    passes = [("fused_window", {}), ("fused_attention", {"bias": bias}), ("fused_linear", {})]
+    for name, params in passes + [("fused_block", {})] * block:
+        patched, result = apply_pass(name, patched, ctx, params)
+        assert result.available, result.changed
+    for model in (plain, patched):
+        model.set_input_size(img_size=(64, 64), window_size=4)
+    assert patched.layers[0].blocks[0].attn.relative_position_inverse.shape[0] == 13 ** 2  # the old window's
+    images, labels = tiny_batch(plain, 2, DEVICE)
+    assert images.shape[-1] == 64
+    plain_logits, plain_grads = train_step(plain, images, labels)
+    fused_logits, fused_grads = train_step(patched, images, labels)
+    if not block:  # the whole-block Function sums the table's gradient through the index itself
+        assert patched.layers[0].blocks[0].attn.relative_position_inverse.shape[0] == 7 ** 2
+    assert rel_err(fused_logits, plain_logits) < 1e-4
+    for name in plain_grads:
+        assert rel_err(fused_grads[name], plain_grads[name]) < 1e-4, name

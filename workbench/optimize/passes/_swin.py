@@ -317,14 +317,25 @@ def add_rel_pos_inverse(attn: torch.nn.Module) -> bool:
     non-persistent buffer INVERSE_BUFFER (it follows the module across devices; state_dict does not
     change), for the fused attention's one-launch table gradient. False when the module has no standard
     table and index."""
-    from workbench.kernels.window_attention import rel_pos_inverse
-
     table, index = getattr(attn, "relative_position_bias_table", None), getattr(attn, "relative_position_index", None)
     if table is None or index is None or table.dim() != 2:
         return False
-    if getattr(attn, INVERSE_BUFFER, None) is None:
-        attn.register_buffer(INVERSE_BUFFER, rel_pos_inverse(index, table.shape[0]), persistent=False)
+    rel_pos_inverse_of(attn, index, table.shape[0])
     return True
+
+
+def rel_pos_inverse_of(attn: torch.nn.Module, index: torch.Tensor, rows: int) -> torch.Tensor:
+    """attn's INVERSE_BUFFER: the inverse of `index` into a table of `rows` rows, registered on first use
+    and again when the window has changed since. timm's set_window_size (which set_input_size calls)
+    rebuilds the table and the index for the new window but knows nothing of the inverse; a square
+    window's table rows, (2w-1)^2 (-CR: N^2), name its size, so the row count tells a stale inverse."""
+    inverse = getattr(attn, INVERSE_BUFFER, None)
+    if inverse is None or inverse.shape[0] != rows:
+        from workbench.kernels.window_attention import rel_pos_inverse
+
+        inverse = rel_pos_inverse(index, rows)
+        attn.register_buffer(INVERSE_BUFFER, inverse, persistent=False)
+    return inverse
 
 
 def rel_pos_bias(attn: torch.nn.Module, inverse: torch.Tensor | None = None) -> torch.Tensor:

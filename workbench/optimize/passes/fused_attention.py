@@ -48,9 +48,9 @@ import torch
 from workbench.errors import UserError
 from workbench.optimize.passes import PassContext, PassResult
 from workbench.optimize.passes._route import block_shape, measure_routes, route_details
-from workbench.optimize.passes._swin import (INVERSE_BUFFER, passes_input_to_qkv, swin_blocks, v2_attention_classes,
-                                             v2_block_classes, v2_index, v2_qkv, v2_table_rows, v2_term_tensors,
-                                             v2_terms, v2_terms_draw, v2_why_not_class)
+from workbench.optimize.passes._swin import (passes_input_to_qkv, rel_pos_inverse_of, swin_blocks,
+                                             v2_attention_classes, v2_block_classes, v2_index, v2_qkv, v2_table_rows,
+                                             v2_term_tensors, v2_terms, v2_terms_draw, v2_why_not_class)
 from workbench.optimize.passes.block_plan import BIAS_MODES, block_plans
 
 NAME = "fused_attention"
@@ -116,13 +116,7 @@ _V2_CACHE = "_swinbench_constants"   # instance attribute (not a buffer: state_d
 def _v2_inverse(attn: torch.nn.Module) -> torch.Tensor:
     """The index's inverse (kernels.window_attention.rel_pos_inverse over _swin.v2_index), kept as the
     non-persistent buffer INVERSE_BUFFER (binding adds it; a copy timed for the route gets it here)."""
-    inverse = getattr(attn, INVERSE_BUFFER, None)
-    if inverse is None:
-        from workbench.kernels.window_attention import rel_pos_inverse
-
-        inverse = rel_pos_inverse(v2_index(attn), v2_table_rows(attn))
-        attn.register_buffer(INVERSE_BUFFER, inverse, persistent=False)
-    return inverse
+    return rel_pos_inverse_of(attn, v2_index(attn), v2_table_rows(attn))
 
 
 def _v2_constants(attn: torch.nn.Module):
