@@ -18,11 +18,19 @@ throughput settings, and each rank passes its own shard of the global batch to t
 `distributed="fsdp"` or a `FullyShard` shards the model with FSDP2 instead (each rank holds 1/N of the
 weights, gradients and optimizer state); `state_dict()` still gives the whole weights.
 
+A Swin inside a model of your own (a detection backbone, a features_only model, a framework's loop):
+
+    backbone = timm.create_model("swin_base_patch4_window7_224", features_only=True).cuda()
+    patch = patch_swin(backbone, "fmha")            # the recipe's kernels, in place; weights untouched
+    print(patch.describe())                          # what it applied, and what your loop adds (autocast, ...)
+
 These names are the stable surface; everything else in `workbench` may change between versions.
 docs/training.md says what each call does and guarantees.
 """
 from workbench.optimize.distributed import DataParallel, FullyShard
+from workbench.optimize.patching import SwinPatch, patch_swin
 from workbench.optimize.trainer import (GRAPH_WARMUP_STEPS, GraphFallbackWarning, OptimizedSwin, RecipeUnavailable,
                                        optimize_swin)
 
-__all__ = ["optimize_swin", "OptimizedSwin", "DataParallel", "FullyShard", "GraphFallbackWarning", "RecipeUnavailable", "GRAPH_WARMUP_STEPS"]
+__all__ = ["optimize_swin", "OptimizedSwin", "patch_swin", "SwinPatch", "DataParallel", "FullyShard",
+           "GraphFallbackWarning", "RecipeUnavailable", "GRAPH_WARMUP_STEPS"]

@@ -5,7 +5,12 @@
 
 `apply` returns the changed model (the same object when patched in place) and a short record
 of what it changed. Passes that change how the model is *run* rather than the model itself
-(precision, optimizer, compile) change `ctx` and say so in their result.
+(precision, optimizer, compile) change `ctx` and say so in their result. Such a step pass also has
+
+    def in_your_loop(params: dict, ctx: PassContext) -> str   # what a loop of your own writes to get it
+
+which `patch_swin` (optimize/patching.py) gives a user in place of the pass: it applies a recipe's model
+passes only.
 
 Passes that change how a timm Swin block runs do not replace forwards themselves: each sets its fields
 of the blocks' plans and binds them (block_plan.py; the forwards are block_forward.py's), so they

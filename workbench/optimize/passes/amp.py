@@ -14,6 +14,13 @@ NAME = "amp"
 PARAMS = {"dtype": (str, ("bf16", "fp16"))}
 
 
+def in_your_loop(params: dict, ctx: PassContext) -> str:
+    """What a loop of your own writes to get this pass (workbench.optimize.patching.patch_swin): autocast at
+    the dtype the patch was planned for."""
+    line = f"run the forward and the loss under torch.autocast(device_type, dtype={ctx.precision.amp_dtype})"
+    return line + (", and scale the loss with torch.amp.GradScaler" if ctx.precision.needs_grad_scaler else "")
+
+
 def apply(model, ctx: PassContext, dtype: str = "bf16"):
     precision = resolve_precision(dtype)
     if precision.amp_dtype is None:

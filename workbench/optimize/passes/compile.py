@@ -32,6 +32,14 @@ def _check_inductor_options(inductor) -> dict:
     return dict(inductor)
 
 
+def in_your_loop(params: dict, ctx: PassContext) -> str:
+    """What a loop of your own writes to get this pass (workbench.optimize.patching.patch_swin): the
+    recipe's torch.compile settings, around the model or the step."""
+    shown = ", ".join(f"{k}={v!r}" for k, v in params.items() if k != "inductor")
+    return (f"wrap the model or your step in torch.compile({shown}) (the fused kernels trace as custom ops)"
+            if shown else "wrap the model or your step in torch.compile (the fused kernels trace as custom ops)")
+
+
 def apply(model, ctx: PassContext, mode: str = "default", fullgraph: bool = False, dynamic: bool | None = False,
           backend: str = "inductor", inductor: dict | None = None):
     """inductor: Inductor config settings for this compile (torch.compile's `options`), e.g.

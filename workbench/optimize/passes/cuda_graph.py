@@ -17,6 +17,12 @@ from workbench.optimize.passes import PassContext, PassResult, PassUnavailable
 NAME = "cuda_graph"
 
 
+def in_your_loop(params: dict, ctx: PassContext) -> str:
+    """What a loop of your own writes to get this pass (workbench.optimize.patching.patch_swin)."""
+    return ("capture your whole step (forward, backward, optimizer) in a CUDA graph with torch.cuda.graph "
+            "after a few warm-up steps, with static input buffers and a capturable optimizer")
+
+
 def apply(model, ctx: PassContext):
     if ctx.device.type != "cuda":
         raise PassUnavailable("CUDA graphs need a CUDA device")

@@ -31,6 +31,12 @@ def _apex_fused_adam():
     return FusedAdam
 
 
+def in_your_loop(params: dict, ctx: PassContext) -> str:
+    """What a loop of your own writes to get this pass (workbench.optimize.patching.patch_swin)."""
+    return ("step with a fused optimizer: torch.optim.AdamW(params, ..., fused=True) (or apex's FusedAdam "
+            "with adam_w_mode=True)")
+
+
 def apply(model, ctx: PassContext, impl: str = "auto"):
     if impl not in IMPLS:
         raise UserError(f"pass fused_adamw: impl must be one of {', '.join(IMPLS)}, got {impl!r}")

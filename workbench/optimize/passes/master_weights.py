@@ -147,6 +147,13 @@ class MasterWeightOptimizer:
                 p.grad.zero_()
 
 
+def in_your_loop(params: dict, ctx: PassContext) -> str:
+    """What a loop of your own gets instead of this pass (workbench.optimize.patching.patch_swin): its bf16
+    weights need optimize_swin's optimizer over the fp32 masters, so they stay fp32 here."""
+    return ("not applied: the weights stay fp32 and autocast casts them per GEMM (bf16 weights with fp32 "
+            "masters come with optimize_swin's step)")
+
+
 def apply(model: torch.nn.Module, ctx: PassContext):
     dtype = ctx.precision.amp_dtype
     if dtype is not torch.bfloat16:

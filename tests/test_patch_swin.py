@@ -1,0 +1,143 @@
+"""patch_swin: a recipe's model passes on a Swin inside a model of the user's own (a features_only backbone,
+a detector's backbone), in place: timm's features and gradients, the weights and state_dict untouched, and
+the recipe's step passes (autocast, fused optimizer, master weights, compile, CUDA graphs) left to the
+user's loop with one line each."""
+import copy
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from workbench.api import RecipeUnavailable, SwinPatch, patch_swin  # noqa: E402
+from workbench.errors import UserError  # noqa: E402
+from pass_helpers import rel_err  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def tiny_backbone(seed: int = 0):
+    """timm's features_only Swin (a FeatureListNet) at 64 px, window 4, two stages: stage 1 shifted and
+    padded to no remainder, stage 2 one window."""
+    import timm
+
+    torch.manual_seed(seed)
+    return timm.create_model("swin_tiny_patch4_window7_224", features_only=True, img_size=64, window_size=4,
+                             embed_dim=32, depths=(2, 2), num_heads=(2, 4), out_indices=(0, 1),
+                             drop_path_rate=0.0).to(DEVICE)
+
+
+class TinyDetector(torch.nn.Module):
+    """A backbone and one 1x1 head per feature level: what a detection model's forward looks like to the
+    passes (the Swin blocks sit two modules down)."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = tiny_backbone()
+        self.heads = torch.nn.ModuleList(torch.nn.Linear(c, 5) for c in (32, 64)).to(DEVICE)
+
+    def forward(self, x):
+        return [head(f) for head, f in zip(self.heads, self.backbone(x))]
+
+
+def step(model, images, autocast=None):
+    """Forward, a loss over every level's output, backward -> (outputs fp32, {name: grad fp32})."""
+    model.zero_grad(set_to_none=True)
+    with torch.autocast(DEVICE.type, dtype=autocast, enabled=autocast is not None):
+        outs = model(images)
+        loss = sum(o.float().pow(2).mean() for o in outs)
+    loss.backward()
+    return [o.detach().float() for o in outs], {n: p.grad.float() for n, p in model.named_parameters()}
+
+
+def images(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((2, 3, 64, 64), generator=g).to(DEVICE)
+
+
+def test_a_detector_s_backbone_runs_the_kernels_with_timm_s_numbers():
+    plain = TinyDetector()
+    model = copy.deepcopy(plain)
+    patch = patch_swin(model, "dense", dtype="fp32")
+    assert isinstance(patch, SwinPatch) and patch.model is model and patch.notes == []
+    applied = [r.name for r in patch.applied]
+    for name in ("fused_layernorm", "fused_window", "fused_attention", "fused_linear", "patch_embed"):
+        assert name in applied, patch.describe()
+    assert model.state_dict().keys() == plain.state_dict().keys()
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    x = images()
+    outs_ref, grads_ref = step(plain, x)
+    outs, grads = step(model, x)
+    for o, o_ref in zip(outs, outs_ref):
+        assert rel_err(o, o_ref) < 1e-5
+    for name, g in grads_ref.items():
+        assert rel_err(grads[name], g) < 1e-4, name
+
+
+def test_under_the_user_s_autocast_the_patched_backbone_tracks_timm():
+    """The loop the patch asks for (bf16 autocast around the forward and the loss): features and gradients
+    as close to timm's under the same autocast as bf16 rounding allows."""
+    plain = tiny_backbone()
+    model = copy.deepcopy(plain)
+    patch = patch_swin(model, "fmha")
+    assert patch.dtype == "bf16"
+    x = images(2)
+    outs_ref, grads_ref = step(plain, x, torch.bfloat16)
+    outs, grads = step(model, x, torch.bfloat16)
+    for o, o_ref in zip(outs, outs_ref):
+        assert rel_err(o, o_ref) < 2e-2
+    for name, g in grads_ref.items():
+        assert rel_err(grads[name], g) < 5e-2, name
+
+
+@pytest.mark.parametrize("recipe, loop", [
+    ("fmha", ["amp", "fused_adamw", "master_weights"]),
+    ("fmha-compile", ["amp", "fused_adamw", "master_weights", "compile"]),
+    ("fmha-graph", ["amp", "fused_adamw", "master_weights", "cuda_graph"]),
+])
+def test_the_step_passes_are_left_to_your_loop_with_a_line_each(recipe, loop):
+    patch = patch_swin(tiny_backbone(), recipe)
+    assert [name for name, _ in patch.in_your_loop] == loop
+    lines = dict(patch.in_your_loop)
+    assert "torch.autocast(device_type, dtype=torch.bfloat16)" in lines["amp"]
+    assert "fused=True" in lines["fused_adamw"] and "stay fp32" in lines["master_weights"]
+    if "compile" in lines:
+        assert "torch.compile(mode='default')" in lines["compile"]
+    text = patch.describe()
+    assert text.startswith(f"recipe {recipe} (bf16)") and "left to your loop:" in text
+    assert all(p.dtype == torch.float32 for p in patch.model.parameters())
+
+
+def test_fp32_leaves_out_autocast_and_fp16_asks_for_a_grad_scaler():
+    assert "amp" not in dict(patch_swin(tiny_backbone(), "fmha", dtype="fp32").in_your_loop)
+    assert "GradScaler" in dict(patch_swin(tiny_backbone(), "fmha", dtype="fp16").in_your_loop)["amp"]
+
+
+def test_bad_input_is_one_user_error():
+    with pytest.raises(UserError, match="torch.nn.Module"):
+        patch_swin("swin_tiny", "fmha")
+    with pytest.raises(UserError, match="dtype must be"):
+        patch_swin(tiny_backbone(), "fmha", dtype="int4")
+    with pytest.raises(UserError, match="batch must be"):
+        patch_swin(tiny_backbone(), "fmha", batch=0)
+    with pytest.raises(UserError, match="recipe"):
+        patch_swin(tiny_backbone(), "no-such-recipe")
+
+
+def test_a_model_without_swin_blocks_is_refused():
+    with pytest.raises(UserError, match="Linear holds no timm Swin block"):
+        patch_swin(torch.nn.Linear(4, 4).to(DEVICE), "fmha")
+
+
+def test_passes_that_cannot_run_here_are_refused_or_noted(monkeypatch):
+    """Without the Triton kernels (no GPU, no interpreter) the recipe is unavailable, or with allow_unavailable
+    the passes that need them are noted and the rest apply."""
+    import workbench.optimize.passes as passes
+
+    monkeypatch.setattr(passes, "triton_runs_on", lambda device: False)
+    with pytest.raises(RecipeUnavailable, match="fused_window not available: the Triton kernels need"):
+        patch_swin(tiny_backbone(), "fmha")
+    patch = patch_swin(tiny_backbone(), "fmha", allow_unavailable=True)
+    assert any(n.startswith("pass fused_attention left out") for n in patch.notes), patch.notes
