@@ -19,8 +19,10 @@ record keeps every rank's verdict, and in its `ddp` field the strategy and its s
 
 Timing: `warmup` + `steps` training steps per rank (`time_steps`; each rank's median and IQR are kept); a
 step waits for the all-reduce, so the slowest rank's median is the step time, img/s = N x B / that, and
-efficiency = img/s / (N x the stage's one-process img/s at batch B). Stages that replay CUDA graphs, and
-passes not available here, are 'not run', with the reason. A rank that fails takes the group down
+efficiency = img/s / (N x the stage's one-process img/s at batch B). A stage whose whole step is one CUDA
+graph (cuda_graph) runs with DDP's all-reduce captured in it; stages that replay Inductor's own graphs
+(reduce-overhead), graph stages under FSDP, and passes not available here are 'not run', with the
+reason (Workload.parallel_blocker). A rank that fails takes the group down
 (torchrun stops the others): the stage's scaling is then an 'error' naming the log.
 
 Communication: after the timing, each rank runs a few more steps under torch.profiler (`_communication`).
