@@ -36,11 +36,11 @@ class _OneLineErrors(TyperGroup):
             hint = f" (see: {ctx.command_path} --help)" if isinstance(exc, _click.exceptions.UsageError) and ctx else ""
             _print_error(f"{exc.format_message()}{hint}")
             sys.exit(exc.exit_code)
-        except _click.exceptions.Abort:
+        except _click.exceptions.Abort:   # click's form of Ctrl-C outside a command's own work
             if not standalone_mode:
                 raise
-            _print_error("aborted")
-            sys.exit(1)
+            _print_error("interrupted")
+            sys.exit(130)
         if not standalone_mode:
             return rv
         # super() returns an Exit's code (--help, typer.Exit) or the command's own return value (None)
@@ -359,7 +359,7 @@ def apply(
     thresholds: Annotated[Optional[Path], typer.Option(help="With --check-against: YAML of per-stage limits.")] = None,
     force: Annotated[bool, typer.Option("--force", help="With --check-against: compare across GPUs or versions anyway.")] = False,
     seed: Annotated[int, typer.Option(help="Seed for weights and the synthetic batch (the same for every stage).")] = 0,
-    peers: Annotated[Optional[bool], typer.Option("--peers/--no-peers", help="Also run the peer stages that extend the chain (torch-compile, fmha-compile). Default: on a GPU yes, on the CPU no.")] = None,
+    peers: Annotated[Optional[bool], typer.Option("--peers/--no-peers", help="Also run the PyTorch-alone peer stages of the chain (torch-sdpa, torch-compile; torchao's for a chain that quantizes). Default: on a GPU yes, on the CPU no.")] = None,
     isolate: Annotated[Optional[bool], typer.Option("--isolate/--no-isolate", help="Run each stage in its own process so allocator and compile caches don't leak between stages. Default: on a GPU yes.")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out: keep its finished stages (same stages, recipe, model, batch, steps and settings) and run the rest.")] = False,
     overwrite: Overwrite = False,

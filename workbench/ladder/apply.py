@@ -9,7 +9,8 @@ Per stage (all on the same seed, so the same initial weights and the same synthe
   3. timing: the first forward + backward (the gate's) is timed on its own and, when the stage
      compiles, reported as compile_s; then `warmup` steps, then `steps` timed steps (median, IQR);
      peak memory on CUDA;
-  4. profile (--profile): `capture.capture_workload` in its own process (nsys), then the
+  4. profile (--profile): `capture.backends.capture_workload`, in its own process under nsys (else
+     torch.profiler in the stage's process), then the
      category shares from `analyze` and the stage's timeline.png / timeline.json beside its trace.
 The record is written to `<out>/records/` as soon as the stage ends, so an interrupted run keeps
 every finished stage. Then, with `interleave` rounds (by default CPU_INTERLEAVE_ROUNDS on the CPU, whose
@@ -392,7 +393,7 @@ def stage_main(spec_path: str) -> int:
 def _stream(module: str, args: list[str], log_path: Path, on_event: Callable[[dict], None],
             extra_env: dict[str, str] | None = None) -> int:
     """Run a workbench module in a fresh interpreter that does not import from the current folder
-    (`capture.python_module_command`); its stdout events go to on_event, the rest of its output to
+    (`capture.backends.python_module_command`); its stdout events go to on_event, the rest of its output to
     log_path -> its exit code."""
     from workbench.capture.backends import python_module_command, stop_process
 
@@ -633,7 +634,8 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
     mode: 'train' (forward, backward, optimizer step; the gate compares logits, loss and gradients) or
     'infer' (forward only under inference_mode; the gate compares logits and loss).
     isolate: a fresh process per stage (default: on CUDA yes, on the CPU no).
-    peers: also run the built-in peers of the chain (torch-compile, fmha-compile); default on CUDA yes,
+    peers: also run the built-in PyTorch-alone peers of the chain (torch-sdpa, torch-compile; torchao's
+    for a chain that quantizes); default on CUDA yes,
     on the CPU no (Inductor on the CPU is slow to compile and says nothing about the GPU). Ignored with `stages`.
     interleave: after the stages, time those measured and passing the gate again in this many rounds,
     in alternation in one process (`interleave.py`); 0: off; None: CPU_INTERLEAVE_ROUNDS on the CPU, off

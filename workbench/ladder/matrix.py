@@ -26,7 +26,7 @@ from workbench.run_folder import run_entries
 
 # The family the matrix runs by default on a GPU (Swin v1: the four sizes at window 7 / 224 px and the
 # window-12 model at 384 px that fine-tuning uses most; SwinV2-T, window 8 at 256 px, whose attention runs
-# the fused kernel between the window kernels while fused_block and fused_linear stand aside).
+# the fused kernel between the window kernels, fused_linear its SwinV2 form, while fused_block stands aside).
 FAMILY = [
     "swin_tiny_patch4_window7_224",
     "swin_small_patch4_window7_224",

@@ -92,7 +92,7 @@ def stage_key(chain: list[dict], config: dict, *, steps: int, warmup: int, profi
 
 
 class RecordCache:
-    """The records part of the cache. `enabled` is False (lookups miss, stores do nothing) on the CPU,
+    """The records part of the cache. `usable` is False (lookups miss, stores do nothing) on the CPU,
     without a GPU identity, or with --fresh for lookups (stores still happen)."""
 
     def __init__(self, folder: Path, *, on_gpu: bool, fresh: bool):

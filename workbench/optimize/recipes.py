@@ -334,7 +334,8 @@ def apply_chain_passes(model, ctx, chain: list[Recipe]) -> tuple[Any, list]:
 
 
 def chain_passes(name_or_path: str) -> list[tuple[str, dict]]:
-    """(pass name, params) for every pass from the baseline to this recipe; what capture_worker applies."""
+    """(pass name, params) for every pass from the baseline to this recipe (`swinbench profile` resolves a
+    recipe with it before capturing)."""
     return [(p.name, dict(p.params)) for p in effective_passes(resolve_chain(name_or_path))]
 
 
@@ -362,8 +363,9 @@ def is_graph_form(recipe: Recipe) -> bool:
 
 def graph_recipes() -> dict[str, str]:
     """{stage: the built-in recipe that only replays that stage's step as one CUDA graph}: fmha ->
-    fmha-graph, dense -> dense-graph, block -> block-graph, fmha-compile -> fmha-compile-graph (compiled
-    in default mode, captured like an eager step; Inductor's own graphs, reduce-overhead, are another stage)."""
+    fmha-graph, dense -> dense-graph, block -> block-graph, fmha-compile -> fmha-compile-graph and
+    torch-compile -> torch-compile-graph (compiled in default mode, captured like an eager step; Inductor's
+    own graphs, reduce-overhead, are another stage)."""
     return {r.extends: r.name for r in RecipeBook().builtins.values()
             if r.extends and r.passes and all(p.name == "cuda_graph" for p in r.passes)}
 

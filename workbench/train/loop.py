@@ -14,9 +14,10 @@ train_step up to the loss on the host (`loss.item()` waits for the GPU), validat
 global gradient norm before clipping, the figure that rises before a loss spike. A run's
 img/s is the median over its steps after the first tenth (and at least after the eager steps before a graph
 capture: GRAPH_WARMUP_STEPS, 11 under DDP; warm-up, autotuning and graph capture). With `compare`, the
-baseline runs with `baseline_seeds` seeds (seed, seed + 1, ...) and every other recipe with `seed`, so each
-shares the first baseline seed's initial weights, data order and augmentation; the report then gives each
-recipe the parity verdict (workbench.results.parity).
+reference recipe (`reference`, default the baseline) runs max(baseline_seeds, seeds) seeds (seed, seed + 1,
+...) and every other recipe `seeds` seeds from `seed`, so each shares the reference's initial weights,
+data order and augmentation seed for seed; the report then gives each recipe the parity verdict against
+the reference's spread (workbench.results.parity).
 """
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ def _range(values: list[float], digits: int, short: bool = False) -> str:
 
 def summary_rows(records_dir: Path | None = None, runs: list[RunRecords] | None = None, *,
                  short: bool = False) -> list[dict]:
-    """One row per recipe (the baseline's seeds in one row): seeds, final smoothed loss, final validation
+    """One row per recipe (each recipe's seeds in one row): seeds, final smoothed loss, final validation
     accuracy (mean and range over seeds), median img/s, and the parity figures and verdict (`short`: the
     verdict in a word or two, for a terminal)."""
     runs = runs if runs is not None else read_runs(records_dir)
@@ -104,7 +104,8 @@ def summary_rows(records_dir: Path | None = None, runs: list[RunRecords] | None 
 
 
 def spread_line(records_dir: Path) -> str | None:
-    """The baseline's measured spread in one line (None without two finished seeds)."""
+    """The reference recipe's measured spread (the baseline's unless --reference) in one line (None without
+    two finished seeds)."""
     comparison = compare_runs(read_runs(records_dir))
     s = comparison.spread
     if s is None:
@@ -224,7 +225,7 @@ def render_train_report(records_dir: Path, out: Path | None = None) -> str:
 
 
 def write_curves(records_dir: Path, out: Path) -> Path:
-    """curves.png: the smoothed training loss per step (the baseline's seeds as a shaded range), the
+    """curves.png: the smoothed training loss per step (the reference recipe's seeds as a shaded range), the
     validation accuracy at each epoch's end and, where the runs recorded it, the gradient norm before
     clipping (smoothed, log scale: a loss spike starts there), every run overlaid."""
     import matplotlib

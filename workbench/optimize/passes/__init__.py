@@ -12,9 +12,11 @@ of what it changed. Passes that change how the model is *run* rather than the mo
 which `patch_swin` (optimize/patching.py) gives a user in place of the pass: it applies a recipe's model
 passes only.
 
-Passes that change how a timm Swin block runs do not replace forwards themselves: each sets its fields
-of the blocks' plans and binds them (block_plan.py; the forwards are block_forward.py's), so they
-compose in any order.
+Passes that change how a timm Swin v1 block runs do not replace its forwards themselves: each sets its
+fields of the blocks' plans and binds them (block_plan.py; the forwards are block_forward.py's), so they
+compose in any order. The SwinV2 forms (swin_transformer_v2's and -CR's blocks) are bound on the
+instances by the passes themselves, and so is quantize_linear's MLP forward; quantize_linear refuses a
+model whose Linears fused_linear or fused_block already took.
 
 Adding a technique means adding one module here, its test and a YAML line; `PASS_MODULES`
 below is the only list to extend. A pass that runs swinbench's own kernels sets

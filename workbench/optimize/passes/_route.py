@@ -79,7 +79,7 @@ def pytorch_forward(attn: torch.nn.Module, v2: bool):
 
 
 def median_us(call) -> float:
-    """Median GPU microseconds of call(), host launch cost excluded: WARMUP calls on a side stream, then
+    """Median GPU microseconds of call(), host launch cost excluded: warm-up calls on a side stream, then
     calls captured into one CUDA graph whose replays are timed with CUDA events (optimize.timing's
     cuda_graph_us). The stages these routes serve run graph-replayed or compiled, so the host's cost of
     launching each op eagerly (which on a slow host is larger than a small GEMM) must not decide a route.

@@ -6,9 +6,9 @@ fused_block, sdpa_attention) never replace a forward themselves. Each swaps the 
 (LayerNorm -> TritonLayerNorm, Linear -> BiasGradLinear), sets its own fields of the blocks' plans, and
 calls `bind`, which replaces every forward the plans call for (the block's, its attention's, its MLP's,
 its stage's) with one built from the plan's fields (block_forward.py), keeping what it replaced in its
-own record so that it can put it back. Each field belongs to one pass and a forward depends on nothing
-but the plan (and the module types the passes leave), so the order the passes run in does not matter:
-the same set of passes gives the same plans and the same forwards.
+own record so that it can put it back. Each field is set by the passes the table names, and a forward
+depends on nothing but the plan (and the module types the passes leave), so the order the passes run in
+does not matter: the same set of passes gives the same plans and the same forwards.
 
 A model's plans live in one place: the BlockPlans that `block_plans(model)` keeps on the model, as its
 attribute `block_plans`, by each block's qualified name. A deep copy of the model copies them with it.
@@ -21,7 +21,9 @@ attribute `block_plans`, by each block's qualified name. A deep copy of the mode
                                     the reduction Linear)
     window         fused_window     norm1 + shift + partition and the merge back run as fused kernels;
                                     with add_norm2, the merge, add and norm2 as one (merge_add_norm)
-    sdpa           sdpa_attention   timm's F.scaled_dot_product_attention path (its fused_attn switch)
+    sdpa           sdpa_attention,  timm's F.scaled_dot_product_attention path (its fused_attn switch);
+                   fused_attention  fused_attention sets it for the blocks it leaves off the kernel
+                                    (measured faster, above max_tokens, attention dropout)
     attention      fused_attention  timm (timm's module forward, eager or sdpa) | triton (the fused kernel)
     attention_bias fused_attention  the fused kernel's bias: table (read in-kernel) | gather (gathered first)
     linear         fused_linear     the block's Linears compute their bias gradient in one reduction

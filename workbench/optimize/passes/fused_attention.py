@@ -302,7 +302,8 @@ def _params(bias: str, max_tokens: int, route: str = "auto") -> dict:
 def _v2_result(model: torch.nn.Module, ctx: PassContext, bias: str, max_tokens: int, route: str) -> PassResult:
     """Bind the fused forward to the SwinV2 WindowAttentions of `model` -> the pass's result. The bias is
     cpb_mlp's table, which the kernels read in-kernel whatever `bias` asks.
-    With route 'auto' the shapes where timm's own attention is faster on this GPU stay on it."""
+    With route 'auto' the shapes where PyTorch's SDPA form (sdpa_attention's SwinV2 forward) is faster on
+    this GPU run it instead."""
     routes, faster = {}, set()
     if route == "auto":
         v2_blocks = [(n, b) for n, b in model.named_modules() if type(b) in v2_block_classes()

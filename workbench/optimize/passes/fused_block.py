@@ -20,12 +20,13 @@ weights cast once per step, LayerNorm statistics and the residual stream in fp32
 fused kernel, bias gradients summed in fp32. The LayerNorms write their outputs straight in the GEMMs'
 dtype (one rounding, as autocast's cast would do).
 
-A block is planned so when it is timm's plain configuration: square window and shift, LayerNorms with
-weight and bias, qkv/proj/fc biases, timm's Mlp with exact GELU and no hidden norm. Others keep the
-forward their plan had (counted in the details; the plan says why). At run time the block falls back to
-the forward of the rest of its plan while torch.compile traces (the Function is not traced; the kernels
-are custom ops there), while a dropout (or a drop path other than timm's DropPath) is active, or when its
-window is made non-square. timm's stochastic depth runs inside the Function: the per-sample factors are
+A block is planned so when it is timm's plain configuration (square window and shift, LayerNorms with
+weight and bias, qkv/proj/fc biases, timm's Mlp with exact GELU and no hidden norm) and fused_attention
+has not left its attention on PyTorch's path (measured faster, above max_tokens, attention dropout).
+Others keep the forward their plan had (counted in the details; the plan says why). At run time the
+block falls back to the forward of the rest of its plan while torch.compile traces (the Function is not
+traced; the kernels are custom ops there), while a dropout (or a drop path other than timm's DropPath)
+is active, or when its window is made non-square. timm's stochastic depth runs inside the Function: the per-sample factors are
 drawn with timm's calls in timm's order, so a seed drops the same samples, and each branch and its
 gradient are multiplied by them in one Triton pass (kernels.drop_path).
 """

@@ -34,9 +34,9 @@ Details the planned forward keeps from timm:
     windows back, adds them into x and runs norm2 in one kernel, whose backward writes the gradient of
     the sum once in token order (the residual's) and once in window order (the attention output's). That
     saves, per block, the merged branch's write and read forward, and the cast and re-partition of its
-    gradient backward: three launches and one autograd node. Under torch.compile (or with drop_path1
-    active) the branch is merged with merge_roll and `add_layer_norm(x, branch, norm2...)` does the add
-    and norm2.
+    gradient backward: three launches and one autograd node. Under torch.compile (or with an active
+    drop_path1 other than timm's DropPath) the branch is merged with merge_roll and
+    `add_layer_norm(x, branch, norm2...)` does the add and norm2.
 A block whose forward was replaced outside the plans is left alone and counted in
 details["blocks_forward_already_patched"].
 

@@ -9,6 +9,10 @@ in each forward (activations: dynamic) or per tensor with a scale calibrated on 
                 rowwise fp32 scales, bias and bf16 output in its epilogue. K and N must be multiples of 16.
     int_mm      dtype int8 on CUDA: torch._int_mm (int32 accumulation), then both scales and the bias in
                 fp32, bf16 out. K and N must be multiples of 8 (fewer than 17 rows are padded to 17).
+    triton      either dtype on CUDA: kernels.quant.quant_matmul, the e4m3 or int8 GEMM with both scales
+                and the bias in its epilogue, bf16 written once. `gemm: auto` (the default) times it
+                against the torch GEMM above per shape and keeps the faster; `gemm: triton` forces it,
+                `gemm: torch` leaves it out.
     simulate    `simulate: true`, on any device: the same quantize-dequantize math with an fp32 matmul of
                 the dequantized operands (fake quantization). Both GEMMs accumulate exactly, so this
                 computes what they compute, up to the order of the sums: the accuracy a GPU route costs,
@@ -52,6 +56,7 @@ from workbench.errors import UserError
 from workbench.kernels.quant import MAX_QUANT_COLS, QMAX, QuantLinear, gelu_quantize_rows, kernels_run, make_observer
 from workbench.optimize.passes import PassContext, PassResult, PassUnavailable
 
+OWN_KERNELS = True   # its Triton quantize and GEMM kernels: a stage with it is not PyTorch alone
 NAME = "quantize_linear"
 
 
