@@ -83,11 +83,16 @@ def test_fused_swinv2_attention_matches_timm_in_fp32(img, window, separate):
 
 
 
-def test_a_model_resized_after_the_pass_runs_at_its_new_window():
-    """timm's set_input_size after binding (window 4 -> 6): the kernels read the new index through its
+def test_a_model_resized_after_the_passes_runs_at_its_new_window():
+    """timm's set_input_size after binding the fused stack (window 4 -> 6): the window kernels take the new
+    window, the attention kernels read the new index through its
     inverse, registered again for the new window, and the cached inference terms follow the new coordinates."""
     plain = tiny_v2(32, 4)
-    patched, _ = apply_pass("fused_attention", copy.deepcopy(plain), pass_ctx(DEVICE))
+    patched = copy.deepcopy(plain)
+    for name, params in (("fused_layernorm", {"impl": "triton"}), ("fused_window", {}), ("fused_attention", {}),
+                         ("fused_linear", {})):
+        patched, result = apply_pass(name, patched, pass_ctx(DEVICE), params)
+        assert result.available, result.changed
     for model in (plain, patched):
         model.set_input_size(img_size=(48, 48), window_size=6)
     images, labels = batch(48, 1)

@@ -357,3 +357,35 @@ def test_the_triton_gemm_gives_the_torch_routes_logits(reference, monkeypatch, d
         assert torch.equal(out["triton"], out["torch"])
     else:
         assert rel_err(out["triton"], out["torch"]) < 2e-2 and agreement(out["triton"], out["torch"]) == 1.0
+
+
+@pytest.mark.parametrize("activations", ["dynamic", "static"])
+def test_swinv2_qkv_quantizes_under_the_fused_attention(activations):
+    """timm's SwinV2 attention passes its q/v biases to F.linear with qkv.weight, which a QuantLinear does
+    not hold: the pass switches those modules to timm's qkv_bias_separate (the Linear called as a module,
+    the biases added after), so the fused SwinV2 forward, timm's own and the calibration hooks all see the
+    quantized layer; the logits stay within the int8 recipe's tolerance."""
+    from timm.models.swin_transformer_v2 import SwinTransformerV2, WindowAttention
+
+    torch.manual_seed(0)
+    plain = SwinTransformerV2(img_size=32, patch_size=4, window_size=4, embed_dim=32, depths=(2, 2),
+                              num_heads=(2, 4), num_classes=10, drop_path_rate=0.0).eval()
+    with torch.no_grad():
+        for name, p in plain.named_parameters():
+            if name.endswith(("q_bias", "v_bias")):
+                p.normal_(0.0, 0.1)
+    x = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    ref = logits(plain, x, bf16=False)
+    for fused in (False, True):
+        model = copy.deepcopy(plain)
+        if fused:
+            model, _ = apply_pass("fused_attention", model, infer_ctx())
+        model, res = ql.apply(model, infer_ctx(), dtype="int8", activations=activations, keep=["head.fc"],
+                              simulate=True, calibration_batches=1, calibration_batch=2)
+        attns = [m for m in model.modules() if isinstance(m, WindowAttention)]
+        assert res.details["swinv2_qkv_bias_after_gemm"] == len(attns) == 4
+        assert all(isinstance(m.qkv, QuantLinear) and m.qkv_bias_separate for m in attns)
+        if activations == "static":
+            assert all(f"{n}.qkv" in res.details["calibration"]["scales"] for n, m in model.named_modules()
+                       if isinstance(m, WindowAttention))
+        assert rel_err(logits(model, x), ref) < LOGITS_REL["int8"]

@@ -141,3 +141,34 @@ def test_passes_that_cannot_run_here_are_refused_or_noted(monkeypatch):
         patch_swin(tiny_backbone(), "fmha")
     patch = patch_swin(tiny_backbone(), "fmha", allow_unavailable=True)
     assert any(n.startswith("pass fused_attention left out") for n in patch.notes), patch.notes
+
+
+def test_a_swinv2_backbone_and_an_inference_recipe():
+    """A features_only SwinV2 takes the fused stack in fp32 with timm's features; with training=False a
+    quantizing recipe (fake quantization, which runs anywhere) swaps its Linears and leaves the head-less
+    backbone's features within the recipe's error."""
+    import timm
+
+    def backbone():
+        torch.manual_seed(0)
+        return timm.create_model("swinv2_tiny_window8_256", features_only=True, img_size=32, window_size=4,
+                                 embed_dim=32, depths=(2, 2), num_heads=(2, 4), out_indices=(0, 1),
+                                 drop_path_rate=0.0).to(DEVICE).eval()
+
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    plain = backbone()
+    with torch.no_grad():
+        ref = plain(x)
+    patch = patch_swin(backbone(), "fmha", dtype="fp32", training=False)
+    assert "fused_attention" in [r.name for r in patch.applied]
+    with torch.no_grad():
+        for got, want in zip(patch.model(x), ref):
+            assert rel_err(got, want) < 1e-5
+    recipe = "tests/data/recipes/int8-sim.yaml"
+    with pytest.raises(RecipeUnavailable, match="inference only"):
+        patch_swin(backbone(), recipe)
+    patch = patch_swin(backbone(), recipe, training=False)
+    assert [r.name for r in patch.applied] == ["quantize_linear"] and patch.dtype == "bf16"
+    with torch.no_grad(), torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        for got, want in zip(patch.model(x), ref):
+            assert rel_err(got.float(), want) < 0.1

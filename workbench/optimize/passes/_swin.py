@@ -185,8 +185,10 @@ def v2_qkv(attn: torch.nn.Module, x: torch.Tensor, qkv_bias: torch.Tensor | None
     where it holds the bias (qkv_bias None)."""
     if qkv_bias is None:
         return attn.qkv(x)
-    if attn.qkv_bias_separate:
-        return attn.qkv(x) + qkv_bias
+    if attn.qkv_bias_separate:   # timm's in-place add: in fp32, rounded back to the Linear's output dtype
+        qkv = attn.qkv(x)
+        qkv += qkv_bias
+        return qkv
     return torch.nn.functional.linear(x, attn.qkv.weight, qkv_bias)
 
 

@@ -255,6 +255,25 @@ def calibrate_input_scales(model: torch.nn.Module, names, batches, ctx: PassCont
     return {n: obs.scale(dtype) for n, obs in observers.items()}
 
 
+def call_v2_qkv_as_a_module(model: torch.nn.Module, names) -> int:
+    """Make each timm SwinV2 attention whose qkv Linear is among `names` and which adds its q/v biases inside
+    F.linear(x, qkv.weight, bias) (timm's default) add them after the Linear instead (timm's own switch,
+    qkv_bias_separate): a QuantLinear holds no float weight, and the Linear's forward hooks (calibration)
+    see its input only when it is called as a module. The same function, the biases added in fp32 and
+    rounded once, as in the GEMM's epilogue -> how many."""
+    from timm.models.swin_transformer_v2 import WindowAttention
+
+    count = 0
+    for name in names:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if (attr == "qkv" and isinstance(parent, WindowAttention) and parent.q_bias is not None
+                and not parent.qkv_bias_separate):
+            parent.qkv_bias_separate = True
+            count += 1
+    return count
+
+
 def quantize_model(model: torch.nn.Module, routes: dict[str, str], dtype: str,
                    input_scales: dict[str, torch.Tensor] | None = None) -> None:
     """Replace each Linear named in `routes` by a QuantLinear on that route (in place); static input scales
@@ -368,6 +387,7 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
                "select": select, "selected_by_measurement": bool(measured),
                "shapes": [{"rows": m, "k": k, "n": n, "with_gelu": gelu, **{f: v for f, v in r.items() if f != "layers"},
                            "layers": len(r["layers"])} for (m, k, n, gelu), r in measured.items()]}
+    details["swinv2_qkv_bias_after_gemm"] = call_v2_qkv_as_a_module(model, routes)
     input_scales = None
     if activations == "static" and routes:
         batches = synthetic_calibration_batches(model, calibration_batches, calibration_batch, ctx.device)
@@ -384,6 +404,9 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
                f"{len(kept)} kept bf16" + (f" ({moved} measured faster in bf16 on this GPU)" if moved else ""))
     if gelu_fused:
         changed += f"; in {gelu_fused} MLPs GELU and fc2's input quantization run as one Triton launch"
+    if details["swinv2_qkv_bias_after_gemm"]:
+        changed += (f"; {details['swinv2_qkv_bias_after_gemm']} SwinV2 qkv layers add their q/v biases after the "
+                    "quantized GEMM")
     if unmatched:
         changed += f"; keep patterns matching nothing: {', '.join(unmatched)}"
     params = {"dtype": dtype, "activations": activations, "keep": list(keep), "simulate": simulate, "select": select,
