@@ -2,7 +2,8 @@
 windows), SwinV2, swinv2_cr and swin_s3 (a window per stage), each with stochastic depth on, patched by
 patch_swin with the fused stacks (fmha, dense, block), the PyTorch-alone SDPA form and INT8 fake
 quantization: timm's loss and gradients in training and timm's logits in inference, in fp32 (the
-quantized layers within the INT8 recipe's error, in bf16)."""
+quantized layers within the INT8 recipe's error, in bf16); and each family resized after the passes bound
+it (timm's set_input_size: another resolution and window) still computes timm's function."""
 import copy
 import os
 
@@ -93,3 +94,36 @@ def test_each_family_quantizes_for_inference(family):
         with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
             got = model.eval()(images).float()
     assert 1e-4 < rel_err(got, ref) < 0.05
+
+
+# (family, the new resolution, the new window) for set_input_size after the passes
+RESIZES = {"v1-padded": ((68, 68), 6), "v2": ((48, 48), 6), "v2-cr": ((48, 48), 6), "s3": ((96, 96), 6)}
+
+
+def table_rows(attn) -> int:
+    from workbench.optimize.passes._swin import v2_attention_classes, v2_table_rows
+
+    return v2_table_rows(attn) if isinstance(attn, v2_attention_classes()) else attn.relative_position_bias_table.shape[0]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_each_family_resized_after_the_passes_runs_at_its_new_window(family):
+    """The window kernels take the new window, the attention reads the new index through its inverse (made
+    again for the new window), SwinV2's cached inference terms follow the new coordinates."""
+    plain, model, _, labels = pair(family)
+    patch_swin(model, "dense", dtype="fp32")
+    img, window = RESIZES[family]
+    for m in (plain, model):
+        m.set_input_size(img_size=img, window_size=window)
+    images = torch.randn((2, 3, *img), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    loss_ref, grads_ref = loss_and_grads(plain.train(), images, labels)
+    loss, grads = loss_and_grads(model.train(), images, labels)
+    assert loss == pytest.approx(loss_ref, rel=1e-5)
+    for name, g in grads_ref.items():
+        if g.norm() > 0:
+            assert rel_err(grads[name], g) < 1e-4, name
+    with torch.no_grad():
+        assert rel_err(model.eval()(images), plain.eval()(images)) < 1e-5
+    inverses = [(m.relative_position_inverse.shape[0], table_rows(m)) for m in model.modules()
+                if "relative_position_inverse" in m._buffers]
+    assert inverses and all(have == want for have, want in inverses), inverses

@@ -226,21 +226,3 @@ def test_profiles_and_gates_see_cr_stages():
                         pass_ctx(DEVICE), *batch(32, 0))
     assert {"patch_embed", "stages.0", "stages.1", "head"} <= set(activation_dtypes(workload))
 
-
-def test_a_model_resized_after_the_passes_runs_at_its_new_window():
-    """timm's set_input_size after binding (window 4 -> 6): the identity index and its inverse are made
-    again for the 36-token window; timm's logits and gradients in inference and training."""
-    plain = tiny_cr()
-    patched = copy.deepcopy(plain)
-    for name in ("fused_window", "fused_attention"):
-        patched, result = apply_pass(name, patched, pass_ctx(DEVICE))
-        assert result.available, result.changed
-    for model in (plain, patched):
-        model.set_input_size(img_size=(48, 48), window_size=6)
-    images, labels = batch(48, 1)
-    with torch.no_grad():
-        plain.eval(), patched.eval()
-        assert rel_err(patched(images), plain(images)) < 1e-5
-    plain.train(), patched.train()
-    assert_same_step(plain, patched, images, labels)
-    assert all(m.relative_position_inverse.shape[0] == 36 ** 2 for m in attentions(patched))
