@@ -35,8 +35,6 @@ def _nvidia_driver() -> str | None:
 def _git_revision() -> str | None:
     """The swinbench checkout's commit ('abc1234', '+dirty' when it has uncommitted changes), or None
     outside a git checkout (an installed package, a copied tree)."""
-    from pathlib import Path
-
     root = SOURCE_ROOT
     try:
         rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],

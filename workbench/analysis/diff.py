@@ -86,16 +86,6 @@ def join_per_unit(before: pd.DataFrame, after: pd.DataFrame, key: str) -> pd.Dat
     return joined.iloc[order].reset_index(drop=True)[[key, "before_ms", "after_ms", "delta_ms", "before_n", "after_n"]]
 
 
-def record_kernels(rec: dict | None) -> pd.DataFrame | None:
-    """A profiled stage record's per-kernel table (profile.kernels_per_step) as (kernel, ms, n) per step,
-    ready for join_per_unit; None when the record has none."""
-    rows = ((rec or {}).get("profile") or {}).get("kernels_per_step")
-    if not rows:
-        return None
-    return pd.DataFrame({"kernel": [str(r["kernel"]) for r in rows],
-                         "ms": [float(r["ms_per_step"]) for r in rows], "n": [float(r["per_step"]) for r in rows]})
-
-
 def _joined(before: pd.DataFrame, after: pd.DataFrame, key: str, per: tuple[int, int]) -> pd.DataFrame:
     return join_per_unit(per_unit(before, key, per[0]), per_unit(after, key, per[1]), key)
 

@@ -455,10 +455,6 @@ def render_recipes(console) -> None:
     console.print("Run one: swinbench apply --recipe NAME (or a path to your own YAML that extends one of these).")
 
 
-def describe_passes(specs: list[PassSpec]) -> str:
-    return ", ".join(p.name for p in specs) or "-"
-
-
 def as_jsonable(chain: list[Recipe]) -> list[dict[str, Any]]:
     """The chain as plain dicts for records: name, source, own passes."""
     return [{"name": r.name, "source": None if r.builtin else str(r.source),

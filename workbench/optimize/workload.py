@@ -296,6 +296,3 @@ class Workload:
             return self._graph_loss
         with m.range(f"step{i}"), m.range("forward"), torch.inference_mode():
             return self._step_fn(self.x, self.y)[1]
-
-    def images_per_step(self) -> int:
-        return self.config.batch

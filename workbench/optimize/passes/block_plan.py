@@ -103,11 +103,6 @@ class BlockPlan:
         return "triton bias gradient" + (" + GELU" if self.mlp_gelu else "")
 
     @property
-    def replaces_block_forward(self) -> bool:
-        """Whether the block's own forward is one built from this plan (else timm's runs)."""
-        return self.add_norm2 or self.window or self.whole_block
-
-    @property
     def defers_mlp_add(self) -> bool:
         """Whether the block, in a stage of such blocks, hands its MLP branch to the next one unadded."""
         return self.window and not self.whole_block
