@@ -106,6 +106,7 @@ def table_rows(attn) -> int:
     return v2_table_rows(attn) if isinstance(attn, v2_attention_classes()) else attn.relative_position_bias_table.shape[0]
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning:timm.layers.interpolate")   # timm's table resize, not ours
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_each_family_resized_after_the_passes_runs_at_its_new_window(family):
     """The window kernels take the new window, the attention reads the new index through its inverse (made

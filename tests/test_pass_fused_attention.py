@@ -248,6 +248,7 @@ def test_max_tokens_must_be_a_whole_number():
             fused_attention.apply(build_model(TINY_MODEL), pass_ctx(DEVICE), max_tokens=bad)
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning:timm.layers.interpolate")   # timm's table resize, not ours
 @pytest.mark.parametrize("bias, block", [("gather", False), ("table", False), ("table", True)],
                          ids=["gather", "table", "whole-block"])
 def test_a_model_resized_after_the_passes_runs_at_its_new_window(bias, block):
