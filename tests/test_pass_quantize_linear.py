@@ -359,21 +359,52 @@ def test_the_triton_gemm_gives_the_torch_routes_logits(reference, monkeypatch, d
         assert rel_err(out["triton"], out["torch"]) < 2e-2 and agreement(out["triton"], out["torch"]) == 1.0
 
 
+def tiny_swinv2():
+    """A SwinV2 of embed_dim 32 at 32 px (window 4: 8x8 tokens in stage 1), its q/v biases drawn."""
+    from timm.models.swin_transformer_v2 import SwinTransformerV2
+
+    torch.manual_seed(0)
+    model = SwinTransformerV2(img_size=32, patch_size=4, window_size=4, embed_dim=32, depths=(2, 2),
+                              num_heads=(2, 4), num_classes=10, drop_path_rate=0.0).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_bias", "v_bias")):
+                p.normal_(0.0, 0.1)
+    return model
+
+
+def test_swinv2_qkv_is_timed_at_its_rows_and_a_wide_one_keeps_timm_s_linear(monkeypatch):
+    """The measured selection sees SwinV2's qkv called as a module (its real rows per image, not 1); a qkv
+    measured faster wide goes back to timm's F.linear with its biases inside."""
+    from timm.models.swin_transformer_v2 import WindowAttention
+
+    model = tiny_swinv2()
+    monkeypatch.setattr(ql, "gpu_route", lambda dtype, device: "int_mm")
+    seen = {}
+
+    def measured(model, routes, dtype, ctx, static, candidates):
+        rows = ql.layer_rows(model, list(routes), ctx)
+        seen.update(rows)
+        return {(rows[n], i, 1, False): {"bf16_us": 10.0, "int_mm_us": 5.0, "quant_us": 5.0 if "mlp" in n else 12.0,
+                                         "route": "int_mm", "choice": "quantize" if "mlp" in n else "bf16",
+                                         "layers": [n]} for i, n in enumerate(routes)}
+    monkeypatch.setattr(ql, "measure_layers", measured)
+    q, res = ql.apply(model, infer_ctx(), dtype="int8", keep=["head.fc"])
+    assert seen["layers.0.blocks.0.attn.qkv"] == 64 and seen["layers.1.blocks.0.attn.qkv"] == 16
+    attns = [m for m in q.modules() if isinstance(m, WindowAttention)]
+    assert all(type(m.qkv) is torch.nn.Linear and not m.qkv_bias_separate for m in attns)
+    assert res.details["swinv2_qkv_bias_after_gemm"] == 0
+
+
 @pytest.mark.parametrize("activations", ["dynamic", "static"])
 def test_swinv2_qkv_quantizes_under_the_fused_attention(activations):
     """timm's SwinV2 attention passes its q/v biases to F.linear with qkv.weight, which a QuantLinear does
     not hold: the pass switches those modules to timm's qkv_bias_separate (the Linear called as a module,
     the biases added after), so the fused SwinV2 forward, timm's own and the calibration hooks all see the
     quantized layer; the logits stay within the int8 recipe's tolerance."""
-    from timm.models.swin_transformer_v2 import SwinTransformerV2, WindowAttention
+    from timm.models.swin_transformer_v2 import WindowAttention
 
-    torch.manual_seed(0)
-    plain = SwinTransformerV2(img_size=32, patch_size=4, window_size=4, embed_dim=32, depths=(2, 2),
-                              num_heads=(2, 4), num_classes=10, drop_path_rate=0.0).eval()
-    with torch.no_grad():
-        for name, p in plain.named_parameters():
-            if name.endswith(("q_bias", "v_bias")):
-                p.normal_(0.0, 0.1)
+    plain = tiny_swinv2()
     x = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     ref = logits(plain, x, bf16=False)
     for fused in (False, True):

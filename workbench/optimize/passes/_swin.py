@@ -322,8 +322,14 @@ def add_rel_pos_inverse(attn: torch.nn.Module) -> bool:
     table, index = getattr(attn, "relative_position_bias_table", None), getattr(attn, "relative_position_index", None)
     if table is None or index is None or table.dim() != 2:
         return False
-    rel_pos_inverse_of(attn, index, table.shape[0])
+    rel_pos_inverse_buffer(attn)
     return True
+
+
+def rel_pos_inverse_buffer(attn: torch.nn.Module) -> torch.Tensor:
+    """A timm WindowAttention's index inverse (rel_pos_inverse_of over its relative_position_index and
+    table): what add_rel_pos_inverse registers and the fused forwards read."""
+    return rel_pos_inverse_of(attn, attn.relative_position_index, attn.relative_position_bias_table.shape[0])
 
 
 def rel_pos_inverse_of(attn: torch.nn.Module, index: torch.Tensor, rows: int) -> torch.Tensor:

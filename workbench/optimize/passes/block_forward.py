@@ -23,7 +23,7 @@ import torch
 from workbench.optimize.passes._swin import (autocast_input_dtype, drop_path, drop_path_keep,
                                              gather_rel_pos_bias, inactive, input_goes_to_qkv,
                                              merging_forward_of_the_pass, norm_output_dtype, rel_pos_bias,
-                                             rel_pos_inverse_of, scatter_rel_pos_grad, square, timm_drop_path,
+                                             rel_pos_inverse_buffer, scatter_rel_pos_grad, square, timm_drop_path,
                                              v2_attention_classes)
 
 # ------------------------------------------------------------------------------------ the block
@@ -283,17 +283,11 @@ def attention_forward(table: bool, has_inverse: bool) -> Callable:
     def fused_window_attention_forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         from workbench.kernels.window_attention import fused_window_attention_qkv
 
-        inverse = _inverse(self) if has_inverse else None
+        inverse = rel_pos_inverse_buffer(self) if has_inverse else None
         # the kernel's output comes as token rows, the layout it writes (no copy)
         return _around_the_core(self, x, lambda qkv: fused_window_attention_qkv(qkv, rel_pos_bias(self, inverse), mask,
                                                                                  self.scale, tokens=True))
     return fused_window_attention_forward
-
-
-def _inverse(attn: torch.nn.Module) -> torch.Tensor:
-    """The inverse of a timm WindowAttention's relative-position index (binding registers it; refreshed
-    where set_window_size has changed the window since)."""
-    return rel_pos_inverse_of(attn, attn.relative_position_index, attn.relative_position_bias_table.shape[0])
 
 
 def fused_window_attention_forward_table(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -302,7 +296,7 @@ def fused_window_attention_forward_table(self, x: torch.Tensor, mask: torch.Tens
     from workbench.kernels.window_attention import fused_window_attention_table
 
     return _around_the_core(self, x, lambda qkv: fused_window_attention_table(
-        qkv, self.relative_position_bias_table, self.relative_position_index, _inverse(self), mask,
+        qkv, self.relative_position_bias_table, self.relative_position_index, rel_pos_inverse_buffer(self), mask,
         self.scale, tokens=True))
 
 

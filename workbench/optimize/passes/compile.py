@@ -35,7 +35,7 @@ def _check_inductor_options(inductor) -> dict:
 def in_your_loop(params: dict, ctx: PassContext) -> str:
     """What a loop of your own writes to get this pass (workbench.optimize.patching.patch_swin): the
     recipe's torch.compile settings, around the model or the step."""
-    shown = ", ".join(f"{k}={v!r}" for k, v in params.items() if k != "inductor")
+    shown = ", ".join(f"{'options' if k == 'inductor' else k}={v!r}" for k, v in params.items() if v is not None)
     return (f"wrap the model or your step in torch.compile({shown}) (the fused kernels trace as custom ops)"
             if shown else "wrap the model or your step in torch.compile (the fused kernels trace as custom ops)")
 

@@ -255,23 +255,24 @@ def calibrate_input_scales(model: torch.nn.Module, names, batches, ctx: PassCont
     return {n: obs.scale(dtype) for n, obs in observers.items()}
 
 
-def call_v2_qkv_as_a_module(model: torch.nn.Module, names) -> int:
+def call_v2_qkv_as_a_module(model: torch.nn.Module, names) -> dict[str, torch.nn.Module]:
     """Make each timm SwinV2 attention whose qkv Linear is among `names` and which adds its q/v biases inside
     F.linear(x, qkv.weight, bias) (timm's default) add them after the Linear instead (timm's own switch,
-    qkv_bias_separate): a QuantLinear holds no float weight, and the Linear's forward hooks (calibration)
-    see its input only when it is called as a module. The same function, the biases added in fp32 and
-    rounded once, as in the GEMM's epilogue -> how many."""
+    qkv_bias_separate): a QuantLinear holds no float weight, and the Linear's forward hooks (its rows for
+    the measured selection, calibration) see its input only when it is called as a module. The same
+    function, the biases added in fp32 and rounded once, as in the GEMM's epilogue -> {qkv name: its
+    attention} for those switched (set qkv_bias_separate back on those whose qkv stays wide)."""
     from timm.models.swin_transformer_v2 import WindowAttention
 
-    count = 0
+    switched = {}
     for name in names:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         if (attr == "qkv" and isinstance(parent, WindowAttention) and parent.q_bias is not None
                 and not parent.qkv_bias_separate):
             parent.qkv_bias_separate = True
-            count += 1
-    return count
+            switched[name] = parent
+    return switched
 
 
 def quantize_model(model: torch.nn.Module, routes: dict[str, str], dtype: str,
@@ -366,6 +367,7 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
     if not linears:
         raise PassUnavailable("no nn.Linear in this model")
     routes, kept = plan_routes(linears, dtype, route, keep)
+    switched = call_v2_qkv_as_a_module(model, routes)
     measured, moved = {}, 0
     if select == "auto" and route != "simulate" and routes:
         from workbench.optimize.passes._route import rank_zero_measures
@@ -373,6 +375,9 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
         measured = rank_zero_measures(lambda: measure_layers(model, routes, dtype, ctx, activations == "static",
                                                              candidates))
         moved = select_measured(routes, kept, measured, dtype)
+    for name, attn in switched.items():
+        if name not in routes:          # measured faster wide: timm's own F.linear again
+            attn.qkv_bias_separate = False
     if not routes:
         raise PassUnavailable(f"no Linear left to quantize: {len(kept)} kept ({'; '.join(sorted(set(kept.values())))})")
     unmatched = [p for p in keep if not any(fnmatch.fnmatchcase(n, p) for n, _ in linears)]
@@ -387,7 +392,7 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
                "select": select, "selected_by_measurement": bool(measured),
                "shapes": [{"rows": m, "k": k, "n": n, "with_gelu": gelu, **{f: v for f, v in r.items() if f != "layers"},
                            "layers": len(r["layers"])} for (m, k, n, gelu), r in measured.items()]}
-    details["swinv2_qkv_bias_after_gemm"] = call_v2_qkv_as_a_module(model, routes)
+    details["swinv2_qkv_bias_after_gemm"] = sum(name in routes for name in switched)
     input_scales = None
     if activations == "static" and routes:
         batches = synthetic_calibration_batches(model, calibration_batches, calibration_batch, ctx.device)
