@@ -72,7 +72,10 @@ def loss_and_grads(model, images, labels):
 def test_each_family_trains_and_infers_as_timm(family, recipe):
     plain, model, images, labels = pair(family)
     patch = patch_swin(model, recipe, dtype="fp32")
-    assert patch.applied and patch.notes == [], patch.describe()
+    assert patch.applied, patch.describe()
+    # fused_block stands aside on SwinV2's post-norm blocks, in one line
+    assert [n.split(":")[0] for n in patch.notes] == (["pass fused_block not applied"]
+                                                      if recipe == "block" and family.startswith("v2") else [])
     loss_ref, grads_ref = loss_and_grads(plain.train(), images, labels)
     loss, grads = loss_and_grads(model.train(), images, labels)
     assert loss == pytest.approx(loss_ref, rel=1e-5)

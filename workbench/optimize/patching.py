@@ -33,7 +33,7 @@ class SwinPatch:
 
     applied: the model passes' results, in the recipe's order. in_your_loop: (pass, what to write in your
     own loop to get it) for each of the recipe's step passes, which patch_swin leaves to you. notes: the
-    passes that could not run here (with allow_unavailable) and why. dtype: the autocast dtype the
+    passes that could not run here (with allow_unavailable) or stood aside on this model, and why. dtype: the autocast dtype the
     patched forwards were planned for (the recipe's, or the one asked)."""
 
     model: torch.nn.Module
@@ -100,15 +100,18 @@ def patch_swin(model: torch.nn.Module, recipe: str = "fmha", *, dtype: str | Non
         module = get_pass(spec.name)
         in_your_loop = getattr(module, "in_your_loop", None)
         if in_your_loop is not None:
-            if spec.name != "amp" or dtype != "fp32":
-                patch.in_your_loop.append((spec.name, in_your_loop(dict(spec.params), ctx)))
+            line = in_your_loop(dict(spec.params), ctx)
+            if line:
+                patch.in_your_loop.append((spec.name, line))
             continue
         model, result = apply_pass(spec.name, model, ctx, spec.params)
-        if result.available:
-            patch.applied.append(result)
-        elif not allow_unavailable:
+        if not result.available and not allow_unavailable:
             raise RecipeUnavailable(patch.recipe, f"{result.name} {result.changed}")
-        else:
+        if not result.available:
             patch.notes.append(f"pass {result.name} left out: {result.changed}")
+        elif result.details.get("applied") is False:     # stood aside, saying why (fused_block on SwinV2)
+            patch.notes.append(f"pass {result.name} {result.changed}")
+        else:
+            patch.applied.append(result)
     patch.model = model
     return patch

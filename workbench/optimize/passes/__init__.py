@@ -7,7 +7,7 @@
 of what it changed. Passes that change how the model is *run* rather than the model itself
 (precision, optimizer, compile) change `ctx` and say so in their result. Such a step pass also has
 
-    def in_your_loop(params: dict, ctx: PassContext) -> str   # what a loop of your own writes to get it
+    def in_your_loop(params: dict, ctx: PassContext) -> str | None   # what a loop of your own writes to get it
 
 which `patch_swin` (optimize/patching.py) gives a user in place of the pass: it applies a recipe's model
 passes only.

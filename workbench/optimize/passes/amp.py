@@ -14,9 +14,11 @@ NAME = "amp"
 PARAMS = {"dtype": (str, ("bf16", "fp16"))}
 
 
-def in_your_loop(params: dict, ctx: PassContext) -> str:
+def in_your_loop(params: dict, ctx: PassContext) -> str | None:
     """What a loop of your own writes to get this pass (workbench.optimize.patching.patch_swin): autocast at
-    the dtype the patch was planned for."""
+    the dtype the patch was planned for; None for a patch planned for fp32."""
+    if ctx.precision.amp_dtype is None:
+        return None
     line = f"run the forward and the loss under torch.autocast(device_type, dtype={ctx.precision.amp_dtype})"
     return line + (", and scale the loss with torch.amp.GradScaler" if ctx.precision.needs_grad_scaler else "")
 
