@@ -123,11 +123,14 @@ def activation_dtypes(workload: Workload) -> dict[str, str]:
     wrapper: what precision the activations are kept in. A pass that swaps in a kernel can also change
     that (a fused LayerNorm returning bf16 where autocast's returns fp32 keeps stage 1's residual stream
     in bf16), which the gate's tolerance may not catch; the report shows where stages differ."""
+    from workbench.optimize.passes._swin import swin_stages
+
     model = workload.model
+    stages_attr, stages = swin_stages(model)
     parts = []
     for name, child in model.named_children():
-        if name in ("layers", "stages") and isinstance(child, torch.nn.Sequential):   # -CR: stages
-            parts += [(f"{name}.{i}", m) for i, m in enumerate(child)]
+        if name == stages_attr:
+            parts += [(f"{name}.{i}", m) for i, m in enumerate(stages)]
         elif name in ("patch_embed", "norm", "head"):
             parts.append((name, child))
     seen: dict[str, str] = {}

@@ -82,14 +82,6 @@ def _hook_pair(marker: RangeMarker, label: str):
     return pre, post
 
 
-def _stages(model: torch.nn.Module):
-    """A timm Swin's stages: `layers` (v1, v2), `stages` (swin_transformer_v2_cr); none for anything else."""
-    stages = getattr(model, "layers", None)
-    if stages is None:
-        stages = getattr(model, "stages", None)
-    return stages if isinstance(stages, torch.nn.Sequential) else []
-
-
 def annotate_modules(model: torch.nn.Module, marker: RangeMarker) -> list:
     """Register forward hooks that push a range around each stage's blocks and their parts.
     Returns the hook handles (call .remove() on each to undo)."""
@@ -104,7 +96,9 @@ def annotate_modules(model: torch.nn.Module, marker: RangeMarker) -> list:
 
     if hasattr(model, "patch_embed"):
         add(model.patch_embed, "patch_embed")
-    for s, stage in enumerate(_stages(model)):
+    from workbench.optimize.passes._swin import swin_stages
+
+    for s, stage in enumerate(swin_stages(model)[1]):
         if getattr(stage, "downsample", None) is not None and not isinstance(stage.downsample, torch.nn.Identity):
             add(stage.downsample, f"stage{s}.downsample")
         for b, blk in enumerate(getattr(stage, "blocks", [])):

@@ -86,6 +86,16 @@ def input_goes_to_qkv(forward) -> bool:
 PAIR_INDEX_BUFFER = "relative_pair_index"   # the identity index a -CR module gets beside its buffers
 
 
+def swin_stages(model: torch.nn.Module) -> tuple[str, list[torch.nn.Module]]:
+    """(attribute, stages) of a timm Swin's stage Sequential: `layers` (v1, v2), `stages` (-CR); ("", [])
+    for a model without one."""
+    for attr in ("layers", "stages"):
+        stages = getattr(model, attr, None)
+        if isinstance(stages, torch.nn.Sequential):
+            return attr, list(stages)
+    return "", []
+
+
 def feature_map(blk: torch.nn.Module) -> tuple[int, int]:
     """(H, W) of the map a timm Swin block is built for: `input_resolution` (v1, v2), `feat_size` (-CR)."""
     return tuple(getattr(blk, "input_resolution", None) or blk.feat_size)
