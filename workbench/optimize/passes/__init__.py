@@ -101,7 +101,12 @@ def triton_runs_on(device: torch.device | str) -> bool:
 
 
 class PassUnavailable(Exception):
-    """Raised by a pass whose implementation is missing here (a kernel not built yet, no GPU for it)."""
+    """Raised by a pass whose implementation is missing here (a kernel not built yet, no GPU for it), or
+    that finds nothing to do; `details` (what it measured on the way) go into the stage's record."""
+
+    def __init__(self, message: str, details: dict[str, Any] | None = None):
+        super().__init__(message)
+        self.details = details or {}
 
 
 def require_triton(device: torch.device | str) -> None:
@@ -153,4 +158,5 @@ def apply_pass(name: str, model: torch.nn.Module, ctx: PassContext, params: dict
     except (ImportError, PassUnavailable) as exc:
         if isinstance(exc, ImportError) and name not in PASS_MODULES:
             raise
-        return model, PassResult(name, params, f"not available: {exc}", available=False)
+        details = getattr(exc, "details", {})
+        return model, PassResult(name, params, f"not available: {exc}", details=details, available=False)

@@ -144,6 +144,23 @@ def plan_routes(linears, dtype: str, route: str, keep) -> tuple[dict[str, str], 
     return routes, kept
 
 
+def nothing_left(kept: dict[str, str]) -> str:
+    """The one line for a model with no Linear left to quantize: how many were kept, by kind of reason (the
+    reason of each layer stays in the pass's details where one is recorded)."""
+    kinds: dict[str, int] = {}
+    for why in kept.values():
+        if why.startswith("measured faster in bf16"):
+            why = "measured faster in bf16 on this GPU"
+        elif "GEMMs need multiples of" in why:
+            dtype, align = why.split(": ", 1)[1].split(" GEMMs need multiples of ")
+            why = f"with K or N not a multiple of {align} ({dtype})"
+        elif why.startswith("keep pattern"):
+            why = f"by {why}"
+        kinds[why] = kinds.get(why, 0) + 1
+    return (f"no Linear left to quantize: {len(kept)} kept ("
+            + "; ".join(f"{c} {why}" for why, c in sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0]))) + ")")
+
+
 def layer_rows(model: torch.nn.Module, names: list[str], ctx: PassContext) -> dict[str, int]:
     """{layer: rows of its input per image}: one forward of one random image on ctx.device, in inference."""
     from workbench.models import input_size
@@ -379,7 +396,8 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
         if name not in routes:          # measured faster wide: timm's own F.linear again
             attn.qkv_bias_separate = False
     if not routes:
-        raise PassUnavailable(f"no Linear left to quantize: {len(kept)} kept ({'; '.join(sorted(set(kept.values())))})")
+        raise PassUnavailable(nothing_left(kept), {"layers": {n: f"kept bf16: {why}" for n, why in kept.items()},
+                                                   "select": select, "selected_by_measurement": bool(measured)})
     unmatched = [p for p in keep if not any(fnmatch.fnmatchcase(n, p) for n, _ in linears)]
     counts = {r: sum(v == r for v in routes.values()) for r in sorted(set(routes.values()))}
     details = {"dtype": dtype, "route": "/".join(counts), "implementation": {r: IMPLEMENTATION[r] for r in counts},

@@ -23,7 +23,7 @@ import torch
 
 from workbench.errors import UserError
 from workbench.optimize.passes import PassContext, PassResult, PassUnavailable
-from workbench.optimize.passes.quantize_linear import _check_keep, plan_routes, quantizable_linears
+from workbench.optimize.passes.quantize_linear import _check_keep, nothing_left, plan_routes, quantizable_linears
 
 NAME = "torchao_quantize"
 OWN_KERNELS = False
@@ -72,7 +72,7 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", keep: li
         raise PassUnavailable("no nn.Linear in this model")
     routes, kept = plan_routes(linears, dtype, "torchao", keep)
     if not routes:
-        raise PassUnavailable(f"no Linear left to quantize: {len(kept)} kept ({'; '.join(sorted(set(kept.values())))})")
+        raise PassUnavailable(nothing_left(kept))
     chosen = {id(m) for n, m in linears if n in routes}
     # torchao quantizes the weight in its dtype: the GEMM weights go to the autocast dtype first, as a
     # user of torchao does (model.to(bfloat16)); their biases follow
