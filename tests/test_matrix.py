@@ -219,6 +219,16 @@ def test_run_matrix_runs_each_cell_into_its_folder_then_resume_skips_them(tmp_pa
     assert len(json.loads((out / "matrix.json").read_text())["cells"]) == 3
 
 
+def test_a_run_of_one_mode_keeps_the_folders_other_cells_in_the_table(tmp_path):
+    out = tmp_path / "m"
+    matrix.run_matrix(models=[TINY_MODEL], out_dir=out, device="cpu", run_apply=FakeApply(), progress=False)
+    buf = Console(file=__import__("io").StringIO(), width=200)
+    matrix.run_matrix(models=[TINY_MODEL], modes=["infer1"], out_dir=out, device="cpu", run_apply=FakeApply(),
+                      resume=True, progress=False, console=buf)
+    assert len(json.loads((out / "matrix.json").read_text())["cells"]) == 3
+    assert "(0 cell(s) run, 1 kept, 2 other cell(s) of the folder)" in buf.file.getvalue()
+
+
 def test_cell_with_a_failed_stage_is_continued_with_apply_resume(tmp_path):
     out = tmp_path / "m"
     name = f"{TINY_MODEL}-train-b8"

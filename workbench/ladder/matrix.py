@@ -20,7 +20,7 @@ from pathlib import Path
 
 from workbench.errors import UserError
 from workbench.models import TINY_MODEL, check_model_name
-from workbench.results.matrix_table import MATRIX_JSON, MATRIX_MD, write_matrix
+from workbench.results.matrix_table import MATRIX_JSON, MATRIX_MD, cell_folders, write_matrix
 from workbench.results.record import read_records
 from workbench.run_folder import run_entries
 
@@ -236,7 +236,8 @@ def run_matrix(*, models: list[str] | None = None, modes: list[str] | None = Non
 
     models: default FAMILY on a GPU, the tiny CPU Swin on the CPU. modes: names of MODES (default
     DEFAULT_MODES). A folder holding an earlier matrix is refused (one line) unless `resume` (skip the
-    finished cells, continue the others with apply's resume) or `overwrite` (each cell's earlier files
+    finished cells, continue the others with apply's resume; the cells of other models or modes in the
+    folder stay, and the table shows every cell in it) or `overwrite` (each cell's earlier files
     are moved aside by apply). A cell whose stage fails is reported and the others still run; the
     failures raise UserError at the end, after the table is written. profile: capture every stage too
     (apply's --profile), which puts each cell's kernels against their memory floor into matrix.md.
@@ -279,10 +280,11 @@ def run_matrix(*, models: list[str] | None = None, modes: list[str] | None = Non
     ran, skipped, failed = [], [], {}
 
     def render() -> Path | None:
+        # every cell in the folder, not only this run's: a run of some models into a matrix folder adds
+        # to its table and never drops the other cells from it
         if not any((out_dir / c.name / "records").glob("*.json") for c in cells):
             return None
-        return write_matrix(out_dir, model_order=models, command=f"swinbench matrix --render-only {out_dir}",
-                            names=[c.name for c in cells])[0]
+        return write_matrix(out_dir, model_order=models, command=f"swinbench matrix --render-only {out_dir}")[0]
 
     try:
         for i, cell in enumerate(cells, 1):
@@ -308,7 +310,9 @@ def run_matrix(*, models: list[str] | None = None, modes: list[str] | None = Non
     finally:
         md = render()   # also after Ctrl-C or a refused cell: the table holds what finished
         if md is not None:
-            console.print(f"matrix: {md} ({len(ran)} cell(s) run, {len(skipped)} kept)", highlight=False)
+            others = len(cell_folders(out_dir)) - len(ran) - len(skipped)
+            console.print(f"matrix: {md} ({len(ran)} cell(s) run, {len(skipped)} kept"
+                          + (f", {others} other cell(s) of the folder" if others > 0 else "") + ")", highlight=False)
     if failed:
         name, message = next(iter(failed.items()))
         raise UserError(f"{len(failed)} matrix cell(s) had a failed stage ({name}: {message}); the table {md} "
