@@ -93,6 +93,27 @@ def test_accumulation_under_the_graph():
     assert_close_runs(a, b)
 
 
+def test_the_graph_moves_the_weights_average_as_the_eager_step_does():
+    """ema inside the captured step: after the same steps, the graph's average is the eager one's (within
+    the runs' bf16 noise), and predict(ema=True) replays the inference graph on the averaged weights."""
+    eager, graphed = pair(optimizer={"lr": 1e-3}, ema=0.9)
+    for x, y in batches(STEPS):
+        eager.train_step(x, y)
+        graphed.train_step(x, y)
+    assert graphed._train_graphs is not None and graphed.eager_fallbacks == 0
+    a, b = eager.ema_state_dict(), graphed.ema_state_dict()
+    start = tiny().state_dict()
+    da = torch.cat([(a[k] - start[k]).flatten() for k in start if start[k].is_floating_point()])
+    db = torch.cat([(b[k] - start[k]).flatten() for k in start if start[k].is_floating_point()])
+    assert torch.nn.functional.cosine_similarity(da, db, dim=0).item() > 0.95
+    x = batches(1, seed=5)[0][0]
+    for _ in range(4):
+        trained = graphed.predict(x)
+        assert torch.allclose(graphed.predict(x, ema=True), eager.predict(x, ema=True), rtol=2e-2, atol=2e-2)
+        assert torch.equal(graphed.predict(x), trained)
+    assert graphed._predict_graph is not None
+
+
 def test_predict_replays_and_falls_back_for_another_size():
     eager, graphed = pair()
     (x, _), (small, _) = batches(1)[0], batches(1, batch=3)[0]

@@ -13,6 +13,9 @@ applies) to a timm Swin the user built, in place, and builds the optimizer the r
     state_dict() / load_state_dict()       the weights as a plain timm Swin holds them (fp32 masters;
                                            under FSDP gathered whole on every rank)
     optimizer_state_dict() / load_...      the optimizer's state, to resume (under FSDP each rank's shard)
+    ema_state_dict() / predict(ema=True)   with `ema`: an exponential moving average of the fp32 weights
+                                           (the masters under master weights), updated after every
+                                           optimizer step (inside the CUDA graph of a graph recipe)
 
 images: (N, 3, H, W) float at the model's input size, on any device (copied to the model's). targets:
 whatever `loss_fn(logits, targets)` takes: class indices (N,) int64, or soft targets (N, classes) float from
@@ -158,7 +161,7 @@ class OptimizedSwin:
 
     def __init__(self, model: torch.nn.Module, ctx: PassContext, chain: list[Recipe], passes: list[PassResult],
                  *, loss_fn: LossFn | None, grad_clip: float | None, accumulate: int, notes: list[str],
-                 data_parallel: Parallel | None = None):
+                 data_parallel: Parallel | None = None, ema: float | None = None):
         self.model = model
         self.ctx = ctx
         self.chain = chain
@@ -206,6 +209,12 @@ class OptimizedSwin:
                 dist.broadcast(self._master.master.data, src=0)
                 self._master.scatter_params()
         self.scaler = torch.amp.GradScaler("cuda") if ctx.grad_scaler and self.device.type == "cuda" else None
+        self.ema_decay = ema
+        self._ema: list[torch.Tensor] = []          # the averages, in the order of _ema_sources
+        self._ema_sources: list[torch.Tensor] = []  # the fp32 weights they follow (the flat master first)
+        self._ema_names: dict[str, int] = {}        # state_dict key -> index, for parameters outside the master
+        if ema is not None:
+            self._build_ema()
         # eager optimizer steps before a CUDA graph is captured (DDP's reducer needs more of them)
         self.graph_warmup_steps = DDP_GRAPH_WARMUP_STEPS if self.ddp is not None else GRAPH_WARMUP_STEPS
         self._forward_loss = self._forward_loss_eager
@@ -271,6 +280,7 @@ class OptimizedSwin:
                  f"{self.ctx.precision.name}, optimizer {self.ctx.optimizer_name}"
                  + (" on fp32 master weights" if self._master is not None else "")
                  + (", CUDA graph" if self.graphed else "")
+                 + (f", EMA of the weights (decay {self.ema_decay})" if self._ema else "")
                  + (f", {self.data_parallel.strategy.upper()} over {self.world_size} processes "
                     f"({self.data_parallel})" if self.data_parallel is not None else "")]
         lines += [f"  {p.name}: {p.changed}" for p in self.passes]
@@ -303,7 +313,7 @@ class OptimizedSwin:
         self.last_grad_norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def _update(self) -> None:
-        """Clip (when asked) and step the optimizer, from the gradients in place."""
+        """Clip (when asked) and step the optimizer, from the gradients in place; then move the EMA."""
         clip = self._clip if self.grad_clip is not None else None
         if self.scaler is not None:
             if clip is not None:
@@ -317,6 +327,85 @@ class OptimizedSwin:
             if clip is not None:
                 clip(self.model.parameters())
             self._stepper.step()
+        if self._ema:
+            with torch.no_grad():
+                torch._foreach_lerp_(self._ema, self._ema_sources, 1.0 - self.ema_decay)
+
+    # ------------------------------------------------------------------ the EMA of the weights
+
+    def _build_ema(self) -> None:
+        """The averages start at the weights as they are now: fp32 copies of the flat master (under master
+        weights) and of every other floating parameter."""
+        lowp = set()
+        if self._master is not None:
+            self._ema_sources.append(self._master.master.detach())
+            lowp = {id(p) for p in self._master.params}
+        for name, p in self.model.named_parameters():
+            if id(p) in lowp or not p.is_floating_point():
+                continue
+            if p.dtype != torch.float32:
+                raise UserError(f"ema: parameter {name} is {p.dtype}; the average is kept of fp32 weights (give "
+                                "optimize_swin the model in fp32)")
+            self._ema_names[name] = len(self._ema_sources)
+            self._ema_sources.append(p.detach())
+        self._ema = [t.clone() for t in self._ema_sources]
+
+    def _require_ema(self, what: str) -> None:
+        if not self._ema:
+            raise UserError(f"{what}: this OptimizedSwin keeps no EMA of its weights (give optimize_swin ema=DECAY)")
+
+    def _ema_values(self) -> dict[str, torch.Tensor]:
+        """state_dict key -> the average of that parameter (views of the averages)."""
+        values = {name: self._ema[i] for name, i in self._ema_names.items()}
+        if self._master is not None:
+            views = self._master.views_of(self._ema[0])
+            values.update({name: views[i] for name, i in self._master_names().items()})
+        return values
+
+    def ema_state_dict(self) -> dict[str, torch.Tensor]:
+        """The averaged weights as a plain timm Swin holds them (its keys, fp32; buffers as the model's
+        now): save it beside state_dict(), or load it into timm's model to evaluate the average."""
+        self._require_ema("ema_state_dict")
+        state = self.model.state_dict()
+        state.update({name: value.detach().clone() for name, value in self._ema_values().items()})
+        return state
+
+    def load_ema_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Set the averages from what ema_state_dict() gave (or any state_dict of the same Swin), to resume
+        a run with its EMA. In place: a captured graph stays valid."""
+        self._require_ema("load_ema_state_dict")
+        values = self._ema_values()
+        missing = sorted(set(values) - set(state_dict))
+        if missing:
+            raise UserError(f"load_ema_state_dict: the state_dict lacks {len(missing)} parameter(s), e.g. {missing[0]}")
+        with torch.no_grad():
+            for name, value in values.items():
+                given = state_dict[name]
+                if tuple(given.shape) != tuple(value.shape):
+                    raise UserError(f"load_ema_state_dict: {name} is {tuple(given.shape)}, the model's "
+                                    f"{tuple(value.shape)}")
+                value.copy_(given)
+
+    @contextlib.contextmanager
+    def _averaged_weights(self):
+        """The model computes with the averages inside the block (rounded to bf16 where the weights are bf16
+        copies of masters), and with its own weights again after: in place, so graphs stay valid."""
+        with torch.no_grad():
+            saved_flat = self._master.flat.clone() if self._master is not None else None
+            by_name = dict(self.model.named_parameters())
+            saved = {name: by_name[name].detach().clone() for name in self._ema_names}
+            if self._master is not None:
+                self._master.flat.copy_(self._ema[0])
+            for name, i in self._ema_names.items():
+                by_name[name].detach().copy_(self._ema[i])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                if saved_flat is not None:
+                    self._master.flat.copy_(saved_flat)
+                for name, value in saved.items():
+                    by_name[name].detach().copy_(value)
 
     def _range(self, name: str):
         return self.marker.range(name) if self.marker is not None else contextlib.nullcontext()
@@ -477,14 +566,17 @@ class OptimizedSwin:
         with self.ctx.precision.autocast(self.device.type):
             return self.model(x)
 
-    def predict(self, images: torch.Tensor) -> torch.Tensor:
+    def predict(self, images: torch.Tensor, ema: bool = False) -> torch.Tensor:
         """Logits (N, classes) fp32 of `images` with the model in eval mode (put back as it was after) under
         the recipe's autocast and torch.inference_mode. With `cuda_graph`, replayed as a graph captured for
-        the first batch's shape; batches of another shape run eagerly (said once)."""
+        the first batch's shape; batches of another shape run eagerly (said once). ema: with the averaged
+        weights (optimize_swin's `ema`), put in place for the call and the trained ones back after it."""
+        if ema:
+            self._require_ema("predict(ema=True)")
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.inference_mode():
+            with self._averaged_weights() if ema else contextlib.nullcontext(), torch.inference_mode():
                 if self.graphed:
                     return self._graph_predict(images).float().clone()
                 return self._predict_forward(self._on_device(images)).float()
@@ -598,7 +690,7 @@ def optimize_swin(model: torch.nn.Module, recipe: str = "fmha", *, optimizer=Non
                   loss_fn: LossFn | None = None, grad_clip: float | None = None, accumulate: int = 1,
                   device: str | torch.device | None = None, allow_unavailable: bool = False,
                   distributed: bool | str | dict | DataParallel | FullyShard | None = None,
-                  batch: int | None = None) -> OptimizedSwin:
+                  batch: int | None = None, ema: float | None = None) -> OptimizedSwin:
     """Patch a timm Swin for a recipe and build what trains it -> OptimizedSwin.
 
     model: a timm Swin (SwinTransformer), in fp32, patched in place (use the returned `.model`).
@@ -625,6 +717,10 @@ def optimize_swin(model: torch.nn.Module, recipe: str = "fmha", *, optimizer=Non
     with its GradScaler on a GPU.
     batch: the images per train_step you will train with (per process), for the passes that time their
     choices at the model's shapes (fused_attention's route per window shape, on a GPU); default 32.
+    ema: keep an exponential moving average of the weights with this decay (0 < ema < 1, e.g. 0.9998):
+    after every optimizer step average = ema * average + (1 - ema) * weights, over the fp32 weights (the
+    masters under master weights, whose bf16 copies are too coarse to average), starting from the weights
+    as given. `ema_state_dict()` and `predict(images, ema=True)` read it. Not under FSDP.
 
     A pass that cannot run here raises RecipeUnavailable, a UserError (the model may then be partly
     patched: build it again).
@@ -638,6 +734,8 @@ def optimize_swin(model: torch.nn.Module, recipe: str = "fmha", *, optimizer=Non
         raise UserError(f"grad_clip must be a number > 0 or None, got {short_repr(grad_clip)}")
     if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
         raise UserError(f"batch must be an integer >= 1 or None, got {short_repr(batch)}")
+    if ema is not None and (isinstance(ema, bool) or not isinstance(ema, (int, float)) or not 0 < ema < 1):
+        raise UserError(f"ema must be a decay between 0 and 1 (e.g. 0.9998) or None, got {short_repr(ema)}")
     settings, factory, name = _optimizer_choice(optimizer, optimizer_kwargs)
     chain = resolve_chain(str(recipe))
     strategy = asked_strategy(distributed)
@@ -645,6 +743,9 @@ def optimize_swin(model: torch.nn.Module, recipe: str = "fmha", *, optimizer=Non
         raise UserError(f"recipe {chain[-1].name!r} replays CUDA graphs, which swinbench does not run under FSDP "
                         "(its all-gathers and reduce-scatters inside a captured step are not built and checked): "
                         f"use DDP, or the recipe it extends ({chain[-2].name if len(chain) > 1 else 'baseline'})")
+    if strategy == "fsdp" and ema is not None:
+        raise UserError("ema: an average of FSDP's sharded weights is not built here; use DDP (distributed='ddp') "
+                        "or train without ema")
     data_parallel = data_parallel_settings(distributed, accumulate)
     if device is not None:
         from workbench.devices import resolve_device
@@ -685,4 +786,4 @@ def optimize_swin(model: torch.nn.Module, recipe: str = "fmha", *, optimizer=Non
         notes.append(f"FSDP over {world_size()} processes: each rank holds 1/{world_size()} of the weights, gradients "
                      "and optimizer state; gradients are averaged over the ranks before each step")
     return OptimizedSwin(model, ctx, chain, results, loss_fn=loss_fn, grad_clip=grad_clip, accumulate=accumulate,
-                         notes=notes, data_parallel=data_parallel)
+                         notes=notes, data_parallel=data_parallel, ema=None if ema is None else float(ema))

@@ -89,9 +89,14 @@ class MasterWeights:
         source = self.master.detach() if self.master is not None else self._fp32
         if source is None:
             raise RuntimeError("master weights were not kept (the pass ran for an inference workload)")
+        return self.views_of(source)
+
+    def views_of(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's slice of a flat tensor laid out as the master (an average of it, say), shaped
+        like the parameter."""
         views, offset = [], 0
         for p, n in zip(self.params, self.sizes):
-            views.append(source[offset:offset + n].view(p.shape))
+            views.append(flat[offset:offset + n].view(p.shape))
             offset += n
         return views
 
