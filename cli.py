@@ -439,6 +439,7 @@ def train(
     parallel: Annotated[Optional[str], typer.Option(help="With --nproc: ddp (every process holds the whole model; the default) or fsdp (FSDP2: each process holds 1/N of the weights, gradients and optimizer state, for models that do not fit otherwise).")] = None,
     img_size: ImgSize = None,
     save_checkpoints: Annotated[bool, typer.Option("--save-checkpoints", help="Save each finished run's weights (a plain timm state_dict with the model and data named) to checkpoints/ in --out, for `swinbench apply --mode infer --checkpoint`.")] = False,
+    ema: Annotated[Optional[float], typer.Option(help="Keep an exponential moving average of the weights with this decay (e.g. 0.999) and validate it every epoch beside them (with --save-checkpoints it is saved too, as <run>-ema.pt). Not with --parallel fsdp.")] = None,
 ):
     """Train a Swin on real data with a recipe (or compare recipes) and report loss, accuracy, img/s and parity."""
     from workbench.train.loop import TrainConfig, command_line, run_train
@@ -450,7 +451,7 @@ def train(
                          weight_decay=weight_decay, label_smoothing=label_smoothing, clip_grad=clip_grad, seed=seed,
                          data=data, workers=workers, device=device, command=command_line(), nproc=nproc, nnodes=nnodes,
                          rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, parallel=parallel,
-                         save_checkpoints=save_checkpoints, img_size=img_size)
+                         save_checkpoints=save_checkpoints, img_size=img_size, ema=ema)
     _call(run_train, config, out_dir=out, overwrite=overwrite, console=console, resume=resume)
 
 

@@ -138,6 +138,22 @@ def test_train_writes_records_curves_and_report(tmp_path):
     assert "baseline" in output and "report" in output
 
 
+def test_ema_is_validated_beside_the_weights_and_saved_beside_them(tmp_path):
+    out = tmp_path / "run"
+    output = train(tmp_path, "--steps", "4", "--ema", "0.5", "--save-checkpoints", "--out", str(out))
+    records = lines(next((out / "records").iterdir()))
+    assert records[0]["ema"] == 0.5
+    epoch, end = records[5], records[-1]
+    assert 0 <= epoch["val_acc_ema"] <= 100 and end["final_val_acc_ema"] == epoch["val_acc_ema"]
+    averaged = torch.load(end["checkpoint_ema"], weights_only=False)["state_dict"]
+    weights = torch.load(end["checkpoint"], weights_only=False)["state_dict"]
+    assert averaged.keys() == weights.keys() and Path(end["checkpoint_ema"]).name == "01-baseline-seed0-ema.pt"
+    assert not torch.equal(averaged["head.fc.weight"], weights["head.fc.weight"])
+    report = (out / "report.md").read_text()
+    assert "EMA val acc %" in report and "an EMA of the fp32 weights, decay 0.5" in report
+    assert "EMA" in output
+
+
 def test_compare_gives_each_recipe_a_parity_verdict_with_the_measured_spread(tmp_path):
     out = tmp_path / "cmp"
     output = train(tmp_path, "--compare", "baseline,amp,fmha-graph", "--baseline-seeds", "2", "--steps", "6",
@@ -233,6 +249,8 @@ def test_an_image_folder_trains(tmp_path):
     (["--lr", "nan"], "--lr must be"),
     (["--label-smoothing", "1.5"], "below 1"),
     (["--clip-grad", "-1"], "--clip-grad"),
+    (["--ema", "1"], "--ema must be a decay between 0 and 1"),
+    (["--ema", "0.99", "--nproc", "2", "--parallel", "fsdp"], "--ema is not kept under --parallel fsdp"),
     (["--model", "resnet50"], "not a timm Swin"),
 ])
 def test_mistakes_are_one_line_and_exit_2_before_anything_is_written(tmp_path, args, message):

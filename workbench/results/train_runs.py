@@ -52,6 +52,11 @@ class RunRecords:
         return self.epochs[-1]["val_acc"] if self.epochs else None
 
     @property
+    def final_accuracy_ema(self) -> float | None:
+        """The last validation accuracy of the run's EMA of the weights (train --ema), or None."""
+        return self.epochs[-1].get("val_acc_ema") if self.epochs else None
+
+    @property
     def img_per_s(self) -> float | None:
         return (self.end or {}).get("img_per_s")
 

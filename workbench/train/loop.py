@@ -9,6 +9,10 @@ seed, the recipe's passes, AdamW with a linear warm-up then a cosine decay (a La
     {"kind": "epoch", "epoch": 0, "step": 18, "val_acc": 41.2, "val_loss": 1.93}
     {"kind": "end", "status": "ok", "img_per_s": ..., "final_val_acc": ..., "notes": [...]}
 
+With `ema` (a decay), optimize_swin keeps an exponential moving average of the weights, and every epoch
+also validates it: "val_acc_ema" and "val_loss_ema" in the epoch record, "final_val_acc_ema" in the end's
+(and with save_checkpoints the average is saved beside the weights, as <run>-ema.pt).
+
 `loss` is the training batch's (label-smoothed) loss; `img_per_s` the batch over the wall time of its
 train_step up to the loss on the host (`loss.item()` waits for the GPU), validation excluded. `grad_norm` (with gradient clipping on) is the
 global gradient norm before clipping, the figure that rises before a loss spike. A run's
@@ -83,6 +87,7 @@ class TrainConfig:
     parallel: str | None = None            # with nproc: "ddp" (the default) or "fsdp" (FSDP2, sharded weights)
     save_checkpoints: bool = False         # each finished run's weights to checkpoints/ (swinbench apply --checkpoint)
     img_size: list[int] | None = None      # [H, W]: the model at this resolution; None: its name's
+    ema: float | None = None               # decay of an EMA of the weights, validated beside them; None: off
 
     @property
     def world(self) -> int:
@@ -123,6 +128,11 @@ class TrainConfig:
             raise UserError(f"--clip-grad must be a finite number >= 0 (0: off), got {short_repr(self.clip_grad)}")
         if self.workers < 0:
             raise UserError(f"--workers must be >= 0, got {self.workers}")
+        if self.ema is not None:
+            if not (isinstance(self.ema, (int, float)) and not isinstance(self.ema, bool) and 0 < self.ema < 1):
+                raise UserError(f"--ema must be a decay between 0 and 1 (e.g. 0.999), got {short_repr(self.ema)}")
+            if self.parallel == "fsdp":
+                raise UserError("--ema is not kept under --parallel fsdp (an average of sharded weights): use ddp")
         if not (isinstance(self.seeds, int) and 1 <= self.seeds <= MAX_SEEDS):
             raise UserError(f"--seeds must be between 1 and {MAX_SEEDS}, got {short_repr(self.seeds)}")
         if self.compare is None:
@@ -193,11 +203,12 @@ def warmup_cosine(total: int):
     return factor
 
 
-def evaluate(swin, data, batch: int, device) -> tuple[float, float]:
-    """(accuracy %, mean cross-entropy) of `swin.predict` over the validation split."""
+def evaluate(swin, data, batch: int, device, ema: bool = False) -> tuple[float, float]:
+    """(accuracy %, mean cross-entropy) of `swin.predict` over the validation split (ema: of the averaged
+    weights)."""
     correct, loss, n = 0, 0.0, 0
     for x, y in data.val_batches(batch, device):
-        logits = swin.predict(x)
+        logits = swin.predict(x, ema=True) if ema else swin.predict(x)
         correct += (logits.argmax(1) == y).sum().item()
         loss += F.cross_entropy(logits, y, reduction="sum").item()
         n += len(y)
@@ -229,7 +240,7 @@ def run_setup(config: TrainConfig, data, model_name: str, world: int) -> dict:
             "steps": config.steps or config.epochs * steps_per_epoch,
             "steps_per_epoch": steps_per_epoch, "reference": reference_name(config),
             "optimizer": {"lr": config.lr, "weight_decay": config.weight_decay},
-            "label_smoothing": config.label_smoothing, "clip_grad": config.clip_grad or None}
+            "label_smoothing": config.label_smoothing, "clip_grad": config.clip_grad or None, "ema": config.ema}
 
 
 def parallel_strategy(config: TrainConfig, world: int) -> str | None:
@@ -265,7 +276,7 @@ def train_run(config: TrainConfig, recipe: str, seed: int, data, model_name: str
     try:
         swin = optimize_swin(model, recipe, optimizer={"lr": config.lr, "weight_decay": config.weight_decay},
                              loss_fn=loss_fn, grad_clip=config.clip_grad or None, device=device,
-                             distributed=setup["parallel"], batch=config.batch)
+                             distributed=setup["parallel"], batch=config.batch, ema=config.ema)
     except RecipeUnavailable as exc:
         if not skip_unavailable:
             raise
@@ -283,7 +294,7 @@ def train_run(config: TrainConfig, recipe: str, seed: int, data, model_name: str
     progress.start_run(index, f"{name} seed {seed}", total)
     rates, step, epoch, status, reason = [], 0, 0, "ok", None
     started = time.perf_counter()
-    val_acc = None
+    val_acc = val_acc_ema = None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", GraphFallbackWarning)   # said once each in swin.notes, printed below
         while step < total and status == "ok":
@@ -309,19 +320,24 @@ def train_run(config: TrainConfig, recipe: str, seed: int, data, model_name: str
                     break
                 if step >= total:
                     break
+            averaged = {}
             if status == "ok" and (rank == 0 or swin.sharded):
                 val_acc, val_loss = evaluate(swin, data, config.batch, device)
+                if config.ema is not None:
+                    val_acc_ema, val_loss_ema = evaluate(swin, data, config.batch, device, ema=True)
+                    averaged = {"val_acc_ema": val_acc_ema, "val_loss_ema": _finite_or_none(val_loss_ema)}
             if status == "ok" and rank == 0:
                 records.write({"kind": "epoch", "epoch": epoch, "step": step, "val_acc": val_acc,
-                               "val_loss": _finite_or_none(val_loss)})
-                progress.validation(epoch, val_acc)
+                               "val_loss": _finite_or_none(val_loss), **averaged})
+                progress.validation(epoch, val_acc, val_acc_ema)
             if status == "ok" and world > 1:
                 torch.distributed.barrier()      # the other ranks wait for rank 0's validation
             epoch += 1
     skip = min(len(rates) - 1, max(swin.graph_warmup_steps + 1, len(rates) // 10)) if rates else 0
     img_per_s = statistics.median(rates[skip:]) if rates else None
     end = {"kind": "end", "status": status, "reason": reason, "steps": step, "epochs": epoch,
-           "final_val_acc": val_acc, "img_per_s": img_per_s, "img_per_s_from_step": skip + 1,
+           "final_val_acc": val_acc, **({"final_val_acc_ema": val_acc_ema} if config.ema is not None else {}),
+           "img_per_s": img_per_s, "img_per_s_from_step": skip + 1,
            "seconds": time.perf_counter() - started, "eager_fallbacks": swin.eager_fallbacks, "notes": swin.notes}
     saved = None
     if checkpoint is not None and status == "ok":
@@ -332,10 +348,18 @@ def train_run(config: TrainConfig, recipe: str, seed: int, data, model_name: str
                                     data=None if config.data is None else Path(config.data).resolve(),
                                     steps=step, val_acc=val_acc)
             end["checkpoint"] = str(saved)
+        if config.ema is not None and rank == 0:
+            averaged_path = checkpoint.with_name(f"{checkpoint.stem}-ema{checkpoint.suffix}")
+            end["checkpoint_ema"] = str(save_checkpoint(
+                averaged_path, swin.ema_state_dict(), model=model_name, num_classes=data.classes,
+                input_size=input_size(model), recipe=name, seed=seed,
+                data=None if config.data is None else Path(config.data).resolve(), steps=step, val_acc=val_acc_ema))
         del state
     records.write(end)
     text = (f"{'diverged: ' + reason if reason else 'done'}; val accuracy "
-            f"{'-' if val_acc is None else f'{val_acc:.2f}%'}, {img_per_s or 0:,.1f} img/s")
+            f"{'-' if val_acc is None else f'{val_acc:.2f}%'}"
+            + (f" (EMA {val_acc_ema:.2f}%)" if val_acc_ema is not None else "")
+            + f", {img_per_s or 0:,.1f} img/s")
     progress.end_run(text)
     del swin, model, schedule
     gc.collect()
@@ -390,7 +414,7 @@ def reference_name(config: TrainConfig) -> str:
 
 
 RESUME_KEYS = ("model", "data", "batch", "world_size", "steps", "optimizer", "label_smoothing", "clip_grad",
-               "reference")
+               "reference", "ema")
 
 
 def kept_runs(out_dir: Path, runs: list[tuple[str, int]], expected: dict) -> tuple[set[int], list[str]]:

@@ -38,10 +38,12 @@ class TrainProgress(ProgressOutput):
         elif step == self._steps or step % max(1, self._steps // 10) == 0:
             self.line(f"  {self._name} step {step}/{self._steps}: loss {loss:.4f}, {img_per_s:,.1f} img/s")
 
-    def validation(self, epoch: int, accuracy: float) -> None:
+    def validation(self, epoch: int, accuracy: float, averaged: float | None = None) -> None:
+        """An epoch's validation accuracy (averaged: the EMA weights', with --ema)."""
         if self._bar is not None:
             self._bar.update(self._task, description=f"{self._desc} | epoch {epoch + 1} val {accuracy:.1f}%")
-        self.line(f"  {self._name} epoch {epoch + 1}: val accuracy {accuracy:.2f}%")
+        self.line(f"  {self._name} epoch {epoch + 1}: val accuracy {accuracy:.2f}%"
+                  + (f", EMA {averaged:.2f}%" if averaged is not None else ""))
 
     def end_run(self, text: str) -> None:
         self.line(f"  {self._name}: {text}")

@@ -57,6 +57,8 @@ def summary_rows(records_dir: Path | None = None, runs: list[RunRecords] | None 
         row = {"recipe": recipe, "seeds": ", ".join(str(r.seed) for r in group),
                "final loss": _range([_final_loss(r, window) for r in done], 3 if short else 4, short),
                "val acc %": _range([r.final_accuracy for r in done], 1 if short else 2, short),
+               **({"EMA val acc %": _range([r.final_accuracy_ema for r in done], 1 if short else 2, short)}
+                  if any(r.header.get("ema") for r in runs) else {}),
                "img/s": _fmt(statistics.median([r.img_per_s for r in done if r.img_per_s]) if
                              any(r.img_per_s for r in done) else None, 1),
                "loss distance": "-", "baseline spread": "-", "val acc Δ": "-", "parity": ""}
@@ -146,7 +148,8 @@ def _setup_lines(runs: list[RunRecords]) -> list[str]:
         f"- **training** batch {_batch_words(h)}, {h.get('steps')} steps ({h.get('steps_per_epoch')} per epoch, "
         f"validation after each epoch and at the end); AdamW lr {h['optimizer']['lr']:g}, weight decay "
         f"{h['optimizer']['weight_decay']:g}; {h.get('schedule')}; label smoothing {h.get('label_smoothing')}; "
-        f"gradient clipping {h.get('clip_grad') or 'off'}",
+        f"gradient clipping {h.get('clip_grad') or 'off'}"
+        + (f"; an EMA of the fp32 weights, decay {h['ema']:g}, validated beside them" if h.get("ema") else ""),
         "- **img/s**: the batch over the wall time of one train_step up to its loss on the host, median over "
         "the steps after the first tenth of a run (warm-up, autotuning and graph capture excluded); "
         "validation is not timed",
