@@ -172,3 +172,40 @@ def test_a_swinv2_backbone_and_an_inference_recipe():
     with torch.no_grad(), torch.autocast(DEVICE.type, dtype=torch.bfloat16):
         for got, want in zip(patch.model(x), ref):
             assert rel_err(got.float(), want) < 0.1
+
+
+def test_a_quantizing_recipe_quantizes_the_swin_only_and_calibrates_through_it(tmp_path):
+    """Static calibration on a detector: random images go through the backbone (in eval mode), not the
+    detector's forward; the detector's own heads stay nn.Linear; the Swin's Linears are quantized."""
+    recipe = tmp_path / "int8-static.yaml"
+    recipe.write_text("name: int8-static\nextends: amp\ndescription: static INT8 fake quantization\n"
+                      "passes:\n  - name: quantize_linear\n    params: {dtype: int8, simulate: true, "
+                      "activations: static, calibration_batches: 1, calibration_batch: 2}\n")
+    detector = TinyDetector()
+    detector.train()
+    patch = patch_swin(detector, str(recipe), training=False)
+    assert all(type(h) is torch.nn.Linear for h in detector.heads)
+    assert detector.backbone.training and detector.training          # the modes are put back
+    quantized = [n for n, m in detector.named_modules() if type(m).__name__ == "QuantLinear"]
+    assert quantized and all(n.startswith("backbone.") for n in quantized)
+    assert "static per-tensor" in patch.applied[0].changed
+
+
+def test_a_failing_selection_leaves_the_swinv2_attentions_as_timm_built_them(monkeypatch):
+    """The SwinV2 qkv switch comes before the measured selection; when that fails (here: no GPU behind a
+    faked GPU route) every attention is timm's own again."""
+    import timm
+
+    import workbench.optimize.passes.quantize_linear as ql
+
+    torch.manual_seed(0)
+    backbone = timm.create_model("swinv2_tiny_window8_256", features_only=True, img_size=32, window_size=4,
+                                 embed_dim=32, depths=(2, 2), num_heads=(2, 4), out_indices=(0, 1)).to(DEVICE)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("no GPU to time on")
+    monkeypatch.setattr(ql, "gpu_route", lambda dtype, device: "int_mm")
+    monkeypatch.setattr(ql, "measure_layers", fail)
+    with pytest.raises(RuntimeError, match="no GPU to time on"):
+        patch_swin(backbone, "int8", training=False)
+    assert not any(m.qkv_bias_separate for m in backbone.modules() if type(m).__name__ == "WindowAttention")

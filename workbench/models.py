@@ -39,6 +39,17 @@ def input_size(model: torch.nn.Module) -> tuple[int, int, int]:
     return (model.patch_embed.proj.in_channels, int(h), int(w))
 
 
+def swin_root(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The outermost module of `model` (itself first) whose `patch_embed` knows its image size: the Swin
+    (a classifier, or timm's features_only wrapper of one) whose forward takes images of input_size. None
+    when there is none (the Swin's blocks alone, say)."""
+    for module in model.modules():
+        embed = getattr(module, "patch_embed", None)
+        if getattr(embed, "img_size", None) is not None and hasattr(embed, "proj"):
+            return module
+    return None
+
+
 def parse_img_size(text) -> tuple[int, int] | None:
     """--img-size: '384' (square) or '256x320' (H x W) -> (H, W); None stays None. UserError otherwise."""
     if text is None:

@@ -5,7 +5,9 @@ classifier, images and targets. A Swin inside something else (a detection or seg
 `features_only` model, a training framework's own loop) wants the kernels alone: `patch_swin` applies
 the recipe's passes that change how the model's Swin blocks compute (fused LayerNorm, window kernels,
 fused attention, fused Linear backward, patch embedding, the whole-block Function, quantized Linears),
-in place, and leaves the weights, the parameters and the state_dict as they were. The passes that
+in place. The weights, parameters and state_dict stay as they were, except under a quantizing recipe
+(inference), whose Linears hold their quantized weights instead; it quantizes the Linears of the Swin
+blocks and patch merging layers only, never the heads or necks of a model of yours. The passes that
 belong to the step rather than the model (a pass module with `in_your_loop`: autocast, the optimizer,
 master weights, torch.compile, CUDA graphs) are not applied; for each, the result says in one line what
 to write in your own loop to get it.
@@ -94,7 +96,8 @@ def patch_swin(model: torch.nn.Module, recipe: str = "fmha", *, dtype: str | Non
         raise UserError(f"dtype must be bf16, fp16 or fp32, got {short_repr(dtype)}")
     param = next(iter(model.parameters()), None)
     device = param.device if param is not None else torch.device("cpu")
-    ctx = PassContext(device=device, precision=resolve_precision(dtype), training=bool(training), batch=batch)
+    ctx = PassContext(device=device, precision=resolve_precision(dtype), training=bool(training), batch=batch,
+                      swin_only=True)
     patch = SwinPatch(model, chain[-1].name, dtype)
     for spec in specs:
         module = get_pass(spec.name)

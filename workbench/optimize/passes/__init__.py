@@ -60,6 +60,8 @@ class PassContext:
     plain tensors only, stand aside.
     batch: images per step where the runner knows it (the workload's batch); passes that time their
     choices at the model's shapes (fused_attention's route) time them at it, else at a default.
+    swin_only: the model is the user's own, holding a Swin (patch_swin): passes that change modules by
+    type (the quantized Linears) change those of the Swin blocks and patch merging layers only.
     """
 
     device: torch.device
@@ -75,6 +77,7 @@ class PassContext:
     training: bool = True
     sharded: bool = False
     batch: int | None = None     # images per step, where the caller knows it (passes that time shapes use it)
+    swin_only: bool = False      # change only the Swin's own modules (patch_swin on a model of the user's)
 
 
 @dataclass

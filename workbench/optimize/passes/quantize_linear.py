@@ -46,6 +46,8 @@ activation ranges of an untrained model on noise. For a trained model, calibrate
 """
 from __future__ import annotations
 
+import contextlib
+
 import fnmatch
 import math
 import types
@@ -123,9 +125,35 @@ def activation_quantization(route: str, activations: str, device: torch.device) 
     return "torch ops (abs, amax, divide, round, clamp, cast)"
 
 
-def quantizable_linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:
-    """Every plain nn.Linear (not a subclass another pass swapped in) by qualified name, in model order."""
-    return [(n, m) for n, m in model.named_modules() if type(m) is torch.nn.Linear]
+def quantizable_linears(model: torch.nn.Module, swin_only: bool = False) -> list[tuple[str, torch.nn.Linear]]:
+    """Every plain nn.Linear (not a subclass another pass swapped in) by qualified name, in model order.
+    swin_only: those inside a timm Swin block or patch merging layer only (a model of the user's that holds
+    a Swin: its own heads and necks stay as they are)."""
+    linears = [(n, m) for n, m in model.named_modules() if type(m) is torch.nn.Linear]
+    if not swin_only:
+        return linears
+    kinds = ("SwinTransformerBlock", "SwinTransformerV2Block", "SwinTransformerV2CrBlock", "PatchMerging")
+    owners = [n for n, m in model.named_modules() if type(m).__name__ in kinds]
+    return [(n, m) for n, m in linears if any(n.startswith(o + ".") for o in owners)]
+
+
+@contextlib.contextmanager
+def _images_through(model: torch.nn.Module, what: str):
+    """-> a function running images of the Swin's input size through the Swin inside `model` (swin_root),
+    in eval mode (put back after), so that a model of the user's with other inputs, or BatchNorm in train
+    mode, is neither called nor changed. PassUnavailable in one line when no Swin there knows its input."""
+    from workbench.models import input_size, swin_root
+
+    root = swin_root(model)
+    if root is None:
+        raise PassUnavailable(f"{what} runs images through the Swin, and no timm patch embedding with an image "
+                              "size is in this model")
+    was_training = root.training
+    root.eval()
+    try:
+        yield root, input_size(root)
+    finally:
+        root.train(was_training)
 
 
 def plan_routes(linears, dtype: str, route: str, keep) -> tuple[dict[str, str], dict[str, str]]:
@@ -163,8 +191,6 @@ def nothing_left(kept: dict[str, str]) -> str:
 
 def layer_rows(model: torch.nn.Module, names: list[str], ctx: PassContext) -> dict[str, int]:
     """{layer: rows of its input per image}: one forward of one random image on ctx.device, in inference."""
-    from workbench.models import input_size
-
     modules, rows = dict(model.named_modules()), {}
 
     def seen(name):
@@ -173,8 +199,9 @@ def layer_rows(model: torch.nn.Module, names: list[str], ctx: PassContext) -> di
         return hook
     handles = [modules[n].register_forward_pre_hook(seen(n)) for n in names]
     try:
-        with torch.inference_mode(), ctx.precision.autocast(ctx.device.type):
-            model(torch.randn(1, *input_size(model), device=ctx.device))
+        with _images_through(model, "the measured selection") as (root, size), torch.inference_mode(), \
+                ctx.precision.autocast(ctx.device.type):
+            root(torch.randn(1, *size, device=ctx.device))
     finally:
         for h in handles:
             h.remove()
@@ -246,11 +273,11 @@ def select_measured(routes: dict[str, str], kept: dict[str, str], measured: dict
 
 
 def synthetic_calibration_batches(model: torch.nn.Module, count: int, batch: int, device: torch.device):
-    """`count` synthetic batches (batch, C, H, W) fp32 from a fixed generator (not the workload's own)."""
-    from workbench.models import input_size
-
+    """`count` synthetic batches (batch, C, H, W) fp32 from a fixed generator (not the workload's own), of the
+    input size of the Swin inside `model`."""
     gen = torch.Generator().manual_seed(20_27)
-    c, h, w = input_size(model)
+    with _images_through(model, "static calibration") as (_, (c, h, w)):
+        pass
     return [torch.randn(batch, c, h, w, generator=gen).to(device) for _ in range(count)]
 
 
@@ -263,9 +290,10 @@ def calibrate_input_scales(model: torch.nn.Module, names, batches, ctx: PassCont
     handles = [modules[n].register_forward_pre_hook(lambda m, args, obs=observers[n]: obs.observe(args[0]))
                for n in names]
     try:
-        with torch.inference_mode(), ctx.precision.autocast(ctx.device.type):
+        with _images_through(model, "static calibration") as (root, _), torch.inference_mode(), \
+                ctx.precision.autocast(ctx.device.type):
             for x in batches:
-                model(x)
+                root(x)
     finally:
         for h in handles:
             h.remove()
@@ -380,18 +408,27 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
     if fused:
         raise PassUnavailable(f"{len(fused)} blocks run fused_linear/fused_block forwards that read the Linear "
                               "weights themselves: quantize a stage without them (fmha)")
-    linears = quantizable_linears(model)
+    linears = quantizable_linears(model, ctx.swin_only)
     if not linears:
-        raise PassUnavailable("no nn.Linear in this model")
+        raise PassUnavailable("no nn.Linear in this model" + (" 's Swin blocks" if ctx.swin_only else ""))
     routes, kept = plan_routes(linears, dtype, route, keep)
     switched = call_v2_qkv_as_a_module(model, routes)
-    measured, moved = {}, 0
-    if select == "auto" and route != "simulate" and routes:
-        from workbench.optimize.passes._route import rank_zero_measures
+    try:
+        measured, moved = {}, 0
+        if select == "auto" and route != "simulate" and routes:
+            from workbench.optimize.passes._route import rank_zero_measures
 
-        measured = rank_zero_measures(lambda: measure_layers(model, routes, dtype, ctx, activations == "static",
-                                                             candidates))
-        moved = select_measured(routes, kept, measured, dtype)
+            measured = rank_zero_measures(lambda: measure_layers(model, routes, dtype, ctx, activations == "static",
+                                                                 candidates))
+            moved = select_measured(routes, kept, measured, dtype)
+        input_scales = None
+        if activations == "static" and routes:
+            batches = synthetic_calibration_batches(model, calibration_batches, calibration_batch, ctx.device)
+            input_scales = calibrate_input_scales(model, list(routes), batches, ctx, dtype, calibration, percentile)
+    except BaseException:
+        for attn in switched.values():  # the model as it was: timm's own F.linear again
+            attn.qkv_bias_separate = False
+        raise
     for name, attn in switched.items():
         if name not in routes:          # measured faster wide: timm's own F.linear again
             attn.qkv_bias_separate = False
@@ -411,10 +448,7 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
                "shapes": [{"rows": m, "k": k, "n": n, "with_gelu": gelu, **{f: v for f, v in r.items() if f != "layers"},
                            "layers": len(r["layers"])} for (m, k, n, gelu), r in measured.items()]}
     details["swinv2_qkv_bias_after_gemm"] = sum(name in routes for name in switched)
-    input_scales = None
-    if activations == "static" and routes:
-        batches = synthetic_calibration_batches(model, calibration_batches, calibration_batch, ctx.device)
-        input_scales = calibrate_input_scales(model, list(routes), batches, ctx, dtype, calibration, percentile)
+    if input_scales is not None:
         details["calibration"] = {"method": calibration, "percentile": percentile if calibration == "percentile" else None,
                                   "batches": calibration_batches, "batch": calibration_batch, "data": "synthetic",
                                   "scales": {n: float(s) for n, s in input_scales.items()}}

@@ -67,7 +67,7 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", keep: li
     except ImportError:
         raise PassUnavailable("torchao is not installed (pip install torchao)") from None
     _check_device(dtype, ctx.device)
-    linears = quantizable_linears(model)
+    linears = quantizable_linears(model, ctx.swin_only)
     if not linears:
         raise PassUnavailable("no nn.Linear in this model")
     routes, kept = plan_routes(linears, dtype, "torchao", keep)
