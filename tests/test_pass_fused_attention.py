@@ -274,3 +274,32 @@ def test_a_model_resized_after_the_passes_runs_at_its_new_window(bias, block):
     assert rel_err(fused_logits, plain_logits) < 1e-4
     for name in plain_grads:
         assert rel_err(fused_grads[name], plain_grads[name]) < 1e-4, name
+
+
+def test_a_resized_window_of_as_many_table_rows_and_a_first_forward_in_inference_mode():
+    """A (4, 8) window resized to (8, 4): the table has as many rows and the index is another, so the
+    inverse is rebuilt by the window it was built for, not its row count; that first forward runs under
+    torch.inference_mode (a validation pass), and the training step after it still saves the inverse."""
+    from timm.models.swin_transformer import SwinTransformer
+
+    def build():
+        torch.manual_seed(0)
+        return SwinTransformer(img_size=(32, 64), patch_size=4, window_size=(4, 8), embed_dim=32, depths=(2,),
+                               num_heads=(2,), num_classes=10, drop_path_rate=0.0).to(DEVICE)
+
+    plain, patched = build(), build()
+    ctx = pass_ctx(DEVICE)
+    patched, result = apply_pass("fused_attention", patched, ctx, {"bias": "table"})   # (fused_window: square only)
+    assert result.available, result.changed
+    for model in (plain, patched):
+        model.set_input_size(img_size=(64, 32), window_size=(8, 4))
+    images = torch.randn(2, 3, 64, 32, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    labels = torch.tensor([1, 7], device=DEVICE)
+    with torch.inference_mode():
+        patched.eval()(images)
+    patched.train()
+    plain_logits, plain_grads = train_step(plain, images, labels)
+    fused_logits, fused_grads = train_step(patched, images, labels)
+    assert rel_err(fused_logits, plain_logits) < 1e-4
+    for name in plain_grads:
+        assert rel_err(fused_grads[name], plain_grads[name]) < 1e-4, name

@@ -167,8 +167,9 @@ def v2_index(attn: torch.nn.Module) -> torch.Tensor:
         return index
     index = getattr(attn, PAIR_INDEX_BUFFER, None)
     n = int(attn.window_size[0]) * int(attn.window_size[1])
-    if index is None or index.shape != (n, n):
-        index = torch.arange(n * n, device=attn.logit_scale.device).view(n, n)
+    if index is None or index.shape != (n, n) or _made_in_inference(index):
+        with torch.inference_mode(False):    # built in a validation forward, it must serve training too
+            index = torch.arange(n * n, device=attn.logit_scale.device).view(n, n)
         attn.register_buffer(PAIR_INDEX_BUFFER, index, persistent=False)
     return index
 
@@ -342,17 +343,32 @@ def rel_pos_inverse_buffer(attn: torch.nn.Module) -> torch.Tensor:
     return rel_pos_inverse_of(attn, attn.relative_position_index, attn.relative_position_bias_table.shape[0])
 
 
+def _made_in_inference(t: torch.Tensor) -> bool:
+    """Whether a buffer was made under torch.inference_mode (a training step cannot save it for backward).
+    Not asked while Dynamo traces (it does not take is_inference); the eager forwards before rebuild it."""
+    return not torch.compiler.is_compiling() and t.is_inference()
+
+
+# The window (and table rows) attn's INVERSE_BUFFER was built for, a plain attribute beside it.
+INVERSE_KEY = "_swinbench_inverse_of"
+
+
 def rel_pos_inverse_of(attn: torch.nn.Module, index: torch.Tensor, rows: int) -> torch.Tensor:
     """attn's INVERSE_BUFFER: the inverse of `index` into a table of `rows` rows, registered on first use
     and again when the window has changed since. timm's set_window_size (which set_input_size calls)
-    rebuilds the table and the index for the new window but knows nothing of the inverse; a square
-    window's table rows, (2w-1)^2 (-CR: N^2), name its size, so the row count tells a stale inverse."""
+    rebuilds the table and the index for the new window but knows nothing of the inverse, so the inverse
+    is kept with the window and row count it was built for (a (4, 8) and an (8, 4) window have as many
+    rows, and other indices). Built outside inference mode: a first forward in a validation pass under
+    torch.inference_mode must not leave an inference tensor that a later training step saves."""
     inverse = getattr(attn, INVERSE_BUFFER, None)
-    if inverse is None or inverse.shape[0] != rows:
+    key = (tuple(int(v) for v in attn.window_size), int(rows))
+    if inverse is None or getattr(attn, INVERSE_KEY, None) != key or _made_in_inference(inverse):
         from workbench.kernels.window_attention import rel_pos_inverse
 
-        inverse = rel_pos_inverse(index, rows)
+        with torch.inference_mode(False):
+            inverse = rel_pos_inverse(index, rows)
         attn.register_buffer(INVERSE_BUFFER, inverse, persistent=False)
+        setattr(attn, INVERSE_KEY, key)
     return inverse
 
 
