@@ -310,7 +310,8 @@ def run_matrix(*, models: list[str] | None = None, modes: list[str] | None = Non
     finally:
         md = render()   # also after Ctrl-C or a refused cell: the table holds what finished
         if md is not None:
-            others = len(cell_folders(out_dir)) - len(ran) - len(skipped)
+            planned = {c.name for c in cells}
+            others = sum(f.name not in planned for f in cell_folders(out_dir))
             console.print(f"matrix: {md} ({len(ran)} cell(s) run, {len(skipped)} kept"
                           + (f", {others} other cell(s) of the folder" if others > 0 else "") + ")", highlight=False)
     if failed:
