@@ -111,8 +111,15 @@ def test_the_step_passes_are_left_to_your_loop_with_a_line_each(recipe, loop):
 
 
 def test_fp32_leaves_out_autocast_and_fp16_asks_for_a_grad_scaler():
-    assert "amp" not in dict(patch_swin(tiny_backbone(), "fmha", dtype="fp32").in_your_loop)
+    fp32 = dict(patch_swin(tiny_backbone(), "fmha", dtype="fp32").in_your_loop)
+    assert "amp" not in fp32 and "master_weights" not in fp32     # no autocast, so nothing of its casts
     assert "GradScaler" in dict(patch_swin(tiny_backbone(), "fmha", dtype="fp16").in_your_loop)["amp"]
+
+
+def test_a_patch_for_inference_leaves_the_optimizer_out_of_its_lines():
+    lines = dict(patch_swin(tiny_backbone(), "fmha-graph", dtype="fp16", training=False).in_your_loop)
+    assert list(lines) == ["amp", "cuda_graph"]
+    assert "GradScaler" not in lines["amp"] and "capture your forward" in lines["cuda_graph"]
 
 
 def test_bad_input_is_one_user_error():

@@ -20,7 +20,8 @@ def in_your_loop(params: dict, ctx: PassContext) -> str | None:
     if ctx.precision.amp_dtype is None:
         return None
     line = f"run the forward and the loss under torch.autocast(device_type, dtype={ctx.precision.amp_dtype})"
-    return line + (", and scale the loss with torch.amp.GradScaler" if ctx.precision.needs_grad_scaler else "")
+    scaler = ctx.precision.needs_grad_scaler and ctx.training    # fp16 training: the gradients underflow
+    return line + (", and scale the loss with torch.amp.GradScaler" if scaler else "")
 
 
 def apply(model, ctx: PassContext, dtype: str = "bf16"):

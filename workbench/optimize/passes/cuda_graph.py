@@ -18,7 +18,11 @@ NAME = "cuda_graph"
 
 
 def in_your_loop(params: dict, ctx: PassContext) -> str:
-    """What a loop of your own writes to get this pass (workbench.optimize.patching.patch_swin)."""
+    """What a loop of your own writes to get this pass (workbench.optimize.patching.patch_swin): the whole
+    training step, or for a patch planned for inference the forward, in a graph."""
+    if not ctx.training:
+        return ("capture your forward in a CUDA graph with torch.cuda.graph after a few warm-up calls, with a "
+                "static input buffer")
     return ("capture your whole step (forward, backward, optimizer) in a CUDA graph with torch.cuda.graph "
             "after a few warm-up steps, with static input buffers and a capturable optimizer")
 

@@ -31,8 +31,11 @@ def _apex_fused_adam():
     return FusedAdam
 
 
-def in_your_loop(params: dict, ctx: PassContext) -> str:
-    """What a loop of your own writes to get this pass (workbench.optimize.patching.patch_swin)."""
+def in_your_loop(params: dict, ctx: PassContext) -> str | None:
+    """What a loop of your own writes to get this pass (workbench.optimize.patching.patch_swin); None for a
+    patch planned for inference (no optimizer)."""
+    if not ctx.training:
+        return None
     return ("step with a fused optimizer: torch.optim.AdamW(params, ..., fused=True) (or apex's FusedAdam "
             "with adam_w_mode=True)")
 

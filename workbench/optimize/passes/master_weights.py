@@ -152,9 +152,12 @@ class MasterWeightOptimizer:
                 p.grad.zero_()
 
 
-def in_your_loop(params: dict, ctx: PassContext) -> str:
+def in_your_loop(params: dict, ctx: PassContext) -> str | None:
     """What a loop of your own gets instead of this pass (workbench.optimize.patching.patch_swin): its bf16
-    weights need optimize_swin's optimizer over the fp32 masters, so they stay fp32 here."""
+    weights need optimize_swin's optimizer over the fp32 masters, so they stay fp32 here. None for a patch
+    planned for inference, or for fp32 (no autocast: nothing to say about its casts)."""
+    if not ctx.training or ctx.precision.amp_dtype is None:
+        return None
     return ("not applied: the weights stay fp32 and autocast casts them per GEMM (bf16 weights with fp32 "
             "masters come with optimize_swin's step)")
 
