@@ -312,3 +312,12 @@ def test_a_swinv2_takes_the_fused_window_and_attention_passes():
     assert next(p for p in swin.passes if p.name == "fused_window").details["swinv2_patched_blocks"] == 2
     loss = swin.train_step(torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,)))
     assert torch.isfinite(loss)
+
+
+def test_a_quantizing_recipe_is_refused_before_any_pass_changes_the_model():
+    from workbench.api import RecipeUnavailable
+
+    model = tiny()
+    with pytest.raises(RecipeUnavailable, match="inference only.*the model is unchanged"):
+        optimize_swin(model, "tests/data/recipes/int8-sim.yaml")
+    assert all(type(m).__name__ not in ("TritonLayerNorm", "QuantLinear") for m in model.modules())

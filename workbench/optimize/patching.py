@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from workbench.errors import UserError
-from workbench.optimize.passes import PassContext, PassResult, apply_pass, get_pass
+from workbench.optimize.passes import PassContext, PassResult, apply_pass, get_pass, inference_only
 from workbench.optimize.passes._swin import has_v2_blocks, named_swin_blocks
 from workbench.optimize.recipes import effective_passes, resolve_chain
 from workbench.precision import resolve_precision
@@ -99,6 +99,11 @@ def patch_swin(model: torch.nn.Module, recipe: str = "fmha", *, dtype: str | Non
     ctx = PassContext(device=device, precision=resolve_precision(dtype), training=bool(training), batch=batch,
                       swin_only=True)
     patch = SwinPatch(model, chain[-1].name, dtype)
+    if training:
+        only = next((s.name for s in specs if inference_only(s.name)), None)
+        if only is not None:    # said before any pass changes the model
+            raise RecipeUnavailable(patch.recipe, f"{only} runs inference only (no backward): patch with "
+                                                  "training=False, or choose a recipe without it", patched=False)
     for spec in specs:
         module = get_pass(spec.name)
         in_your_loop = getattr(module, "in_your_loop", None)

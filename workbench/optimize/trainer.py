@@ -53,8 +53,8 @@ from workbench.files import short_repr
 from workbench.optimize.distributed import (DDP_GRAPH_WARMUP_STEPS, DataParallel, FullyShard, Parallel, asked_strategy,
                                             data_parallel_settings, full_state_dict, fully_shard_model,
                                             load_full_state_dict, sharding_blocker, wrap_data_parallel, world_size)
-from workbench.optimize.passes import PassContext, PassResult, default_optimizer_factory
-from workbench.optimize.recipes import Recipe, apply_chain_passes, is_graph_form, resolve_chain
+from workbench.optimize.passes import PassContext, PassResult, default_optimizer_factory, inference_only
+from workbench.optimize.recipes import Recipe, apply_chain_passes, effective_passes, is_graph_form, resolve_chain
 from workbench.precision import resolve_precision
 
 GRAPH_WARMUP_STEPS = 3        # eager optimizer steps before the training step is captured
@@ -68,9 +68,10 @@ class RecipeUnavailable(UserError):
     """A pass of the recipe cannot run here (no GPU for its kernels, no CUDA for graphs): `recipe` its name,
     `reason` the pass and why."""
 
-    def __init__(self, recipe: str, reason: str):
-        super().__init__(f"recipe {recipe!r} cannot run here: pass {reason} (the model may be partly patched; "
-                         "build it again for another recipe)")
+    def __init__(self, recipe: str, reason: str, patched: bool = True):
+        super().__init__(f"recipe {recipe!r} cannot run here: pass {reason}"
+                         + (" (the model may be partly patched; build it again for another recipe)" if patched
+                            else " (the model is unchanged)"))
         self.recipe, self.reason = recipe, reason
 
 
@@ -738,6 +739,11 @@ def optimize_swin(model: torch.nn.Module, recipe: str = "fmha", *, optimizer=Non
         raise UserError(f"ema must be a decay between 0 and 1 (e.g. 0.9998) or None, got {short_repr(ema)}")
     settings, factory, name = _optimizer_choice(optimizer, optimizer_kwargs)
     chain = resolve_chain(str(recipe))
+    only = next((s.name for s in effective_passes(chain) if inference_only(s.name)), None)
+    if only is not None:    # said before any pass changes the model
+        raise RecipeUnavailable(chain[-1].name, f"{only} runs inference only (no backward): optimize_swin "
+                                                "trains; measure the recipe with `swinbench apply --mode infer`",
+                                patched=False)
     strategy = asked_strategy(distributed)
     if strategy == "fsdp" and any(is_graph_form(r) for r in chain):
         raise UserError(f"recipe {chain[-1].name!r} replays CUDA graphs, which swinbench does not run under FSDP "

@@ -145,6 +145,12 @@ def get_pass(name: str):
     return importlib.import_module(f"{__name__}.{PASS_MODULES[name]}")
 
 
+def inference_only(name: str) -> bool:
+    """Whether the pass refuses training (its module sets INFERENCE_ONLY): callers that patch a user's model
+    in place ask first, so that a training run is refused before any pass has changed the model."""
+    return bool(getattr(get_pass(name), "INFERENCE_ONLY", False))
+
+
 def uses_swinbench_kernels(name: str) -> bool:
     """Whether the pass runs swinbench's own kernels (its module sets OWN_KERNELS): a stage whose
     chain has none of them is what a user gets from PyTorch alone."""

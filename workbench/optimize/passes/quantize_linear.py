@@ -59,6 +59,7 @@ from workbench.kernels.quant import MAX_QUANT_COLS, QMAX, QuantLinear, gelu_quan
 from workbench.optimize.passes import PassContext, PassResult, PassUnavailable
 
 OWN_KERNELS = True   # its Triton quantize and GEMM kernels: a stage with it is not PyTorch alone
+INFERENCE_ONLY = True  # no backward: a training run is refused before any pass of the recipe changes the model
 NAME = "quantize_linear"
 
 

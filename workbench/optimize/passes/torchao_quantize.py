@@ -27,6 +27,7 @@ from workbench.optimize.passes.quantize_linear import _check_keep, nothing_left,
 
 NAME = "torchao_quantize"
 OWN_KERNELS = False
+INFERENCE_ONLY = True
 PARAMS = {
     "dtype": (str, ("fp8", "int8")),
     "keep": ((list, type(None)), _check_keep),
