@@ -429,3 +429,15 @@ def test_swinv2_qkv_quantizes_under_the_fused_attention(activations):
             assert all(f"{n}.qkv" in res.details["calibration"]["scales"] for n, m in model.named_modules()
                        if isinstance(m, WindowAttention))
         assert rel_err(logits(model, x), ref) < LOGITS_REL["int8"]
+
+
+def test_swinv2_position_bias_mlps_stay_wide():
+    """cpb_mlp maps the window's coordinate table, not the tokens: never a candidate, even where its
+    output width (the heads) would fit the GEMM's alignment (8 heads, int8)."""
+    from timm.models.swin_transformer_v2 import SwinTransformerV2
+
+    model = SwinTransformerV2(img_size=32, patch_size=4, window_size=4, embed_dim=64, depths=(2,), num_heads=(8,),
+                              num_classes=16)
+    names = [n for n, _ in ql.quantizable_linears(model)]
+    assert names and not any("cpb_mlp" in n for n in names)
+    assert any(n.endswith("attn.qkv") for n in names)

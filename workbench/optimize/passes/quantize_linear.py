@@ -127,10 +127,13 @@ def activation_quantization(route: str, activations: str, device: torch.device) 
 
 
 def quantizable_linears(model: torch.nn.Module, swin_only: bool = False) -> list[tuple[str, torch.nn.Linear]]:
-    """Every plain nn.Linear (not a subclass another pass swapped in) by qualified name, in model order.
-    swin_only: those inside a timm Swin block or patch merging layer only (a model of the user's that holds
+    """Every plain nn.Linear (not a subclass another pass swapped in) by qualified name, in model order, but
+    SwinV2's position-bias MLPs. swin_only: those inside a timm Swin block or patch merging layer only (a model of the user's that holds
     a Swin: its own heads and necks stay as they are)."""
-    linears = [(n, m) for n, m in model.named_modules() if type(m) is torch.nn.Linear]
+    # SwinV2's position-bias MLPs (cpb_mlp, -CR's meta_mlp) map a small coordinate table, not the tokens:
+    # nothing to gain in their GEMMs (inference computes the bias once), and its values would lose bits
+    linears = [(n, m) for n, m in model.named_modules() if type(m) is torch.nn.Linear
+               and not any(part in ("cpb_mlp", "meta_mlp") for part in n.split("."))]
     if not swin_only:
         return linears
     kinds = ("SwinTransformerBlock", "SwinTransformerV2Block", "SwinTransformerV2CrBlock", "PatchMerging")
