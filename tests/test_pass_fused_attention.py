@@ -303,3 +303,34 @@ def test_a_resized_window_of_as_many_table_rows_and_a_first_forward_in_inference
     assert rel_err(fused_logits, plain_logits) < 1e-4
     for name in plain_grads:
         assert rel_err(fused_grads[name], plain_grads[name]) < 1e-4, name
+
+
+@pytest.mark.parametrize("family", ["v1", "v1-whole-block", "v2"])
+def test_a_window_resized_past_the_kernels_runs_timms_attention(family):
+    """Windows of more than 256 tokens go to PyTorch's path when the pass binds; one resized to 17 x 17 after
+    binding runs timm's own attention forward there, not the kernel (which would refuse it)."""
+    from timm.models.swin_transformer import SwinTransformer
+    from timm.models.swin_transformer_v2 import SwinTransformerV2
+
+    from workbench.kernels.window_attention import MAX_WINDOW_TOKENS
+    from workbench.optimize.passes.fused_attention import KERNEL_MAX_TOKENS
+
+    assert KERNEL_MAX_TOKENS == MAX_WINDOW_TOKENS
+
+    def build():
+        torch.manual_seed(0)
+        cls = SwinTransformerV2 if family == "v2" else SwinTransformer
+        return cls(img_size=32, patch_size=4, window_size=4, embed_dim=32, depths=(2,), num_heads=(2,),
+                   num_classes=10, drop_path_rate=0.0).to(DEVICE)
+
+    plain, patched = build(), build()
+    ctx = pass_ctx(DEVICE)
+    passes = [("fused_attention", {})] + [("fused_window", {}), ("fused_block", {})] * (family == "v1-whole-block")
+    for name, params in passes:
+        patched, result = apply_pass(name, patched, ctx, params)
+        assert result.available, result.changed
+    for model in (plain, patched):
+        model.set_input_size(img_size=(68, 68), window_size=17)
+    images = torch.randn(1, 3, 68, 68, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    with torch.no_grad():
+        assert rel_err(patched.eval()(images), plain.eval()(images)) < 1e-5

@@ -168,6 +168,13 @@ def test_rejects_bad_shapes():
         fused_window_attention(q, q, q, torch.zeros(2, 48, 48))
     with pytest.raises(ValueError, match="mask"):
         fused_window_attention(q, q, q, torch.zeros(2, 49, 49), mask=torch.zeros(3, 49, 49))
+    # more keys than four 64-key blocks: refused by the entry points the whole-block Function calls too,
+    # which would otherwise run the tiled kernels without the fifth block
+    q = torch.randn(1, 2, 289, 16)
+    with pytest.raises(ValueError, match="window area N must be <= 256, got 289"):
+        wa.window_attention_fwd(q, q, q, torch.zeros(2, 289, 289), None, 0.25)
+    with pytest.raises(ValueError, match="window area N must be <= 256, got 289"):
+        wa.window_attention_bwd(q, q, q, q, torch.zeros(1, 2, 289), q, torch.zeros(2, 289, 289), None, 0.25)
 
 
 # Swin-B stage shapes (at batch 2 to keep it short) and a 12x12 window; GPU only.

@@ -759,6 +759,9 @@ def _new_buffer(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+MAX_WINDOW_TOKENS = 256   # the largest window (tokens) the kernels take: four 64-key blocks
+
+
 def _check_inputs(q, k, v, rel_bias, mask):
     if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
         raise ValueError(f"q, k, v must share one (B*nW, nH, N, d) shape, got {tuple(q.shape)}, "
@@ -768,8 +771,8 @@ def _check_inputs(q, k, v, rel_bias, mask):
         raise ValueError("q, k and v must share one dtype")
     if d < 16 or d > 128 or d & (d - 1):
         raise ValueError(f"head width d must be a power of two in 16..128, got {d}")
-    if n > 256:
-        raise ValueError(f"window area N must be <= 256, got {n}")
+    if n > MAX_WINDOW_TOKENS:
+        raise ValueError(f"window area N must be <= {MAX_WINDOW_TOKENS}, got {n}")
     if rel_bias is not None and tuple(rel_bias.shape) != (nh, n, n):
         raise ValueError(f"rel_bias must be (nH, N, N) = {(nh, n, n)}, got {tuple(rel_bias.shape)}")
     if mask is not None:
@@ -792,6 +795,8 @@ def window_attention_fwd(q, k, v, rel_bias, mask, scale, index=None, cosine=None
     -> (out (B*nW, nH, N, d) in q.dtype (a view of a (B*nW, N, nH, d) buffer), lse (B*nW, nH, N) fp32
     base-2 logsumexp)."""
     bnw, nh, n, d = q.shape
+    if n > MAX_WINDOW_TOKENS:   # the kernels hold at most four 64-key blocks: refuse, never drop keys
+        raise ValueError(f"window area N must be <= {MAX_WINDOW_TOKENS}, got {n}")
     nw = 1 if mask is None else mask.shape[0]
     b_per_w = bnw // nw
     rel_bias = rel_bias.contiguous()
@@ -839,6 +844,8 @@ def window_attention_bwd(q, k, v, out, lse, dout, rel_bias, mask, scale, compute
     -> (dq, dk, dv in q.dtype, d_rel_bias (nH, N, N) fp32, or with a table (n_table, nH) in its dtype;
     None without compute_dbias)."""
     bnw, nh, n, d = q.shape
+    if n > MAX_WINDOW_TOKENS:   # the kernels hold at most four 64-key blocks: refuse, never drop keys
+        raise ValueError(f"window area N must be <= {MAX_WINDOW_TOKENS}, got {n}")
     nw = 1 if mask is None else mask.shape[0]
     b_per_w = bnw // nw
     rel_bias = rel_bias.contiguous()

@@ -192,13 +192,16 @@ def _whole_block_forward(fallback: Callable) -> Callable:
         included: its factors drawn with timm's calls in timm's order (drop_path1, then drop_path2), in the
         compute dtype, as timm draws them on the branches. Falls back while torch.compile traces (the
         Function is not traced; the fallback's kernels are custom ops there), while a dropout (or a drop
-        path other than timm's) is active, and for a block made non-square after binding."""
+        path other than timm's) is active, and for a block made non-square, or of a window larger than the
+        attention kernel takes, after binding."""
         from workbench.kernels.linear import compute_dtype
 
         if torch.compiler.is_compiling() or not _dropouts_supported(self):
             return fallback(self, x)
+        from workbench.kernels.window_attention import MAX_WINDOW_TOKENS
+
         ws, shift = square(self.window_size), square(self.shift_size)
-        if ws is None or shift is None:
+        if ws is None or shift is None or ws * ws > MAX_WINDOW_TOKENS:
             return fallback(self, x)
         B, H, W, C = x.shape
         mask = _attn_mask(self, x, H, W, ws)
@@ -281,8 +284,10 @@ def attention_forward(table: bool, has_inverse: bool) -> Callable:
         return fused_window_attention_forward_table
 
     def fused_window_attention_forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        from workbench.kernels.window_attention import fused_window_attention_qkv
+        from workbench.kernels.window_attention import MAX_WINDOW_TOKENS, fused_window_attention_qkv
 
+        if x.shape[1] > MAX_WINDOW_TOKENS:      # a window resized past the kernels after binding: timm's own
+            return type(self).forward(self, x, mask)
         inverse = rel_pos_inverse_buffer(self) if has_inverse else None
         # the kernel's output comes as token rows, the layout it writes (no copy)
         return _around_the_core(self, x, lambda qkv: fused_window_attention_qkv(qkv, rel_pos_bias(self, inverse), mask,
@@ -293,8 +298,10 @@ def attention_forward(table: bool, has_inverse: bool) -> Callable:
 def fused_window_attention_forward_table(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """timm WindowAttention.forward with the bias gathered from the table inside the kernels
     (attention_forward with table)."""
-    from workbench.kernels.window_attention import fused_window_attention_table
+    from workbench.kernels.window_attention import MAX_WINDOW_TOKENS, fused_window_attention_table
 
+    if x.shape[1] > MAX_WINDOW_TOKENS:          # a window resized past the kernels after binding: timm's own
+        return type(self).forward(self, x, mask)
     return _around_the_core(self, x, lambda qkv: fused_window_attention_table(
         qkv, self.relative_position_bias_table, self.relative_position_index, rel_pos_inverse_buffer(self), mask,
         self.scale, tokens=True))

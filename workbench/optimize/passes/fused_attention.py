@@ -58,7 +58,7 @@ OWN_KERNELS = True   # runs swinbench kernels: a stage with it is not PyTorch al
 ROUTES = ("auto", "kernel")
 # parameter -> (type, allowed values)
 PARAMS = {"bias": (str, BIAS_MODES), "max_tokens": (int, None), "route": (str, ROUTES)}
-KERNEL_MAX_TOKENS = 256   # the largest window (tokens) the kernels take: four 64-key blocks
+KERNEL_MAX_TOKENS = 256   # the largest window (tokens) the kernels take (kernels.window_attention.MAX_WINDOW_TOKENS)
 MAX_TOKENS = KERNEL_MAX_TOKENS   # default: every window the kernels take runs on them
 
 
@@ -95,6 +95,8 @@ def v2_attention_forward(self, x: torch.Tensor, mask: torch.Tensor | None = None
     from workbench.kernels.window_attention import cosine_window_attention, fused_window_attention_from_table
 
     b_, n, c = x.shape
+    if n > KERNEL_MAX_TOKENS:                   # a window resized past the kernels after binding: timm's own
+        return type(self).forward(self, x, mask)
     qkv_bias, logit_scale, table = _v2_constants(self)
     q, k, v = v2_qkv(self, x, qkv_bias).reshape(b_, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
     if not torch.is_grad_enabled():
