@@ -120,3 +120,33 @@ def test_reading_an_average_that_was_not_kept_and_fsdp_are_one_line():
     kept = optimize_swin(tiny(), "baseline", ema=0.9)
     with pytest.raises(UserError, match="lacks 1 parameter"):
         kept.load_ema_state_dict({k: v for k, v in kept.ema_state_dict().items() if k != "head.fc.weight"})
+
+
+def test_a_tied_parameter_has_one_average_under_both_names_and_loading_weights_reseeds_it():
+    model = tiny()
+    model.layers[0].blocks[1].norm1.weight = model.layers[0].blocks[0].norm1.weight
+    swin = optimize_swin(model, "baseline", optimizer={"lr": 1e-1}, ema=0.5)
+    for x, y in batches(3):
+        swin.train_step(x, y)
+    averaged = swin.ema_state_dict()
+    assert torch.equal(averaged["layers.0.blocks.1.norm1.weight"], averaged["layers.0.blocks.0.norm1.weight"])
+    assert not torch.equal(averaged["layers.0.blocks.0.norm1.weight"],
+                           swin.state_dict()["layers.0.blocks.0.norm1.weight"])
+    pretrained = weights(tiny(seed=9))
+    swin.load_state_dict(pretrained)        # e.g. pretrained weights loaded after optimize_swin
+    assert_close(swin.ema_state_dict(), floating(pretrained), atol=0)
+
+
+def test_frozen_gemm_weights_stay_as_they_are_under_master_weights(master_recipe):
+    """A frozen patch embedding (requires_grad False) is not put among the masters: AdamW's weight decay
+    must not shrink it (nor the average follow it)."""
+    model = tiny()
+    model.patch_embed.proj.weight.requires_grad_(False)
+    frozen = model.patch_embed.proj.weight.detach().clone()
+    swin = optimize_swin(model, master_recipe, optimizer={"lr": 1e-2}, ema=0.5)
+    assert swin.ctx.master_weights is not None
+    assert all(p is not model.patch_embed.proj.weight for p in swin.ctx.master_weights.params)
+    for x, y in batches(3):
+        swin.train_step(x, y)
+    assert torch.equal(swin.state_dict()["patch_embed.proj.weight"], frozen)
+    assert torch.equal(swin.ema_state_dict()["patch_embed.proj.weight"], frozen)

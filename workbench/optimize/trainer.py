@@ -351,13 +351,24 @@ class OptimizedSwin:
             self._ema_sources.append(p.detach())
         self._ema = [t.clone() for t in self._ema_sources]
 
+    def _reseed_ema(self) -> None:
+        """The averages start again at the weights as they are now (after load_state_dict: pretrained or
+        resumed weights; a resumed run then loads its average with load_ema_state_dict)."""
+        if self._ema:
+            with torch.no_grad():
+                torch._foreach_copy_(self._ema, self._ema_sources)
+
     def _require_ema(self, what: str) -> None:
         if not self._ema:
             raise UserError(f"{what}: this OptimizedSwin keeps no EMA of its weights (give optimize_swin ema=DECAY)")
 
     def _ema_values(self) -> dict[str, torch.Tensor]:
-        """state_dict key -> the average of that parameter (views of the averages)."""
-        values = {name: self._ema[i] for name, i in self._ema_names.items()}
+        """state_dict key -> the average of that parameter (views of the averages); every name of a tied
+        parameter maps to its one average."""
+        params = dict(self.model.named_parameters())
+        index = {id(params[name]): i for name, i in self._ema_names.items()}
+        values = {name: self._ema[index[id(p)]] for name, p in self.model.named_parameters(remove_duplicate=False)
+                  if id(p) in index}
         if self._master is not None:
             views = self._master.views_of(self._ema[0])
             values.update({name: views[i] for name, i in self._master_names().items()})
@@ -634,13 +645,16 @@ class OptimizedSwin:
         """Load weights saved by `state_dict()` or by a plain timm Swin of the same architecture, in place
         (a captured graph stays valid). Under master weights the fp32 values go to the masters, and the
         bf16 weights become the masters rounded. Under FSDP every rank gives the whole state_dict and keeps
-        its shards. -> torch's (missing_keys, unexpected_keys)."""
+        its shards. With `ema`, the average starts again at the loaded weights (load_ema_state_dict after
+        this to resume one). -> torch's (missing_keys, unexpected_keys)."""
         from torch.nn.modules.module import _IncompatibleKeys
 
         if self.sharded:
             return load_full_state_dict(self.model, state_dict, strict=strict)
         if self._master is None:
-            return self.model.load_state_dict(state_dict, strict=strict)
+            result = self.model.load_state_dict(state_dict, strict=strict)
+            self._reseed_ema()
+            return result
         expected = set(self.model.state_dict())
         missing = sorted(expected - set(state_dict))
         unexpected = sorted(set(state_dict) - expected)
@@ -659,6 +673,7 @@ class OptimizedSwin:
                                        f"{tuple(values[i].shape)}")
                 values[i] = value
         self._master.load_fp32(values)
+        self._reseed_ema()
         return _IncompatibleKeys(missing, unexpected)
 
     def optimizer_state_dict(self) -> dict:
@@ -721,7 +736,7 @@ def optimize_swin(model: torch.nn.Module, recipe: str = "fmha", *, optimizer=Non
     ema: keep an exponential moving average of the weights with this decay (0 < ema < 1, e.g. 0.9998):
     after every optimizer step average = ema * average + (1 - ema) * weights, over the fp32 weights (the
     masters under master weights, whose bf16 copies are too coarse to average), starting from the weights
-    as given. `ema_state_dict()` and `predict(images, ema=True)` read it. Not under FSDP.
+    as given or as load_state_dict loads them later. `ema_state_dict()` and `predict(images, ema=True)` read it. Not under FSDP.
 
     A pass that cannot run here raises RecipeUnavailable, a UserError (the model may then be partly
     patched: build it again).

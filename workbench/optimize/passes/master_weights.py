@@ -27,12 +27,13 @@ NAME = "master_weights"
 
 
 def gemm_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """The weights and biases of every nn.Linear and nn.Conv2d (autocast's casting ops), each once."""
+    """The weights and biases of every nn.Linear and nn.Conv2d (autocast's casting ops), each once; not the
+    frozen ones (requires_grad False), which the optimizer must leave as they are: they stay fp32."""
     seen, params = set(), []
     for module in model.modules():
         if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)):
             for p in (module.weight, module.bias):
-                if p is not None and p.dtype == torch.float32 and id(p) not in seen:
+                if p is not None and p.dtype == torch.float32 and p.requires_grad and id(p) not in seen:
                     seen.add(id(p))
                     params.append(p)
     return params
