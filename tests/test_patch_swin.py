@@ -192,9 +192,10 @@ def test_a_quantizing_recipe_quantizes_the_swin_only_and_calibrates_through_it(t
                       "activations: static, calibration_batches: 1, calibration_batch: 2}\n")
     detector = TinyDetector()
     detector.train()
+    detector.backbone.layers_0.eval()        # a user's own choice inside: each module's mode is put back
     patch = patch_swin(detector, str(recipe), training=False)
     assert all(type(h) is torch.nn.Linear for h in detector.heads)
-    assert detector.backbone.training and detector.training          # the modes are put back
+    assert detector.backbone.training and detector.training and not detector.backbone.layers_0.training
     quantized = [n for n, m in detector.named_modules() if type(m).__name__ == "QuantLinear"]
     assert quantized and all(n.startswith("backbone.") for n in quantized)
     assert "static per-tensor" in patch.applied[0].changed
@@ -218,3 +219,36 @@ def test_a_failing_selection_leaves_the_swinv2_attentions_as_timm_built_them(mon
     with pytest.raises(RuntimeError, match="no GPU to time on"):
         patch_swin(backbone, "int8", training=False)
     assert not any(m.qkv_bias_separate for m in backbone.modules() if type(m).__name__ == "WindowAttention")
+
+
+def test_every_swin_of_a_model_is_calibrated_and_nothing_else_is_quantized(tmp_path):
+    """Two backbones (a Swin and a ViT, then two Swins): the Linears of each Swin are quantized, each
+    calibrated through its own forward; the ViT's stay as they are. A classifier's keep pattern head.fc is
+    not reported as matching nothing."""
+    import timm
+
+    recipe = tmp_path / "int8-static.yaml"
+    recipe.write_text("name: int8-static\nextends: amp\ndescription: static INT8 fake quantization\n"
+                      "passes:\n  - name: quantize_linear\n    params: {dtype: int8, simulate: true, keep: [head.fc], "
+                      "activations: static, calibration_batches: 1, calibration_batch: 2}\n")
+
+    class Two(torch.nn.Module):
+        def __init__(self, first):
+            super().__init__()
+            self.first, self.second = first, tiny_backbone(seed=1)
+
+    vit = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2,
+                            num_classes=0).to(DEVICE)
+    for first, quantized_first in ((vit, False), (tiny_backbone(), True)):
+        model = Two(first)
+        patch_swin(model, str(recipe), training=False)
+        kinds = {n.split(".")[0]: set() for n, _ in model.named_children()}
+        for name, module in model.named_modules():
+            if type(module).__name__ in ("Linear", "QuantLinear") and "." in name:
+                kinds[name.split(".")[0]].add(type(module).__name__)
+        assert kinds["second"] == {"QuantLinear"}
+        assert ("QuantLinear" in kinds["first"]) == quantized_first
+    classifier = timm.create_model("swin_tiny_patch4_window7_224", img_size=64, window_size=4, embed_dim=32,
+                                   depths=(2, 2), num_heads=(2, 4), num_classes=10).to(DEVICE)
+    changed = patch_swin(classifier, str(recipe), training=False).applied[0].changed
+    assert "matching nothing" not in changed and type(classifier.head.fc) is torch.nn.Linear

@@ -39,15 +39,25 @@ def input_size(model: torch.nn.Module) -> tuple[int, int, int]:
     return (model.patch_embed.proj.in_channels, int(h), int(w))
 
 
-def swin_root(model: torch.nn.Module) -> torch.nn.Module | None:
-    """The outermost module of `model` (itself first) whose `patch_embed` knows its image size: the Swin
-    (a classifier, or timm's features_only wrapper of one) whose forward takes images of input_size. None
-    when there is none (the Swin's blocks alone, say)."""
+SWIN_BLOCK_CLASSES = ("SwinTransformerBlock", "SwinTransformerV2Block", "SwinTransformerV2CrBlock")
+
+
+def swin_roots(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The Swins inside `model` whose forward takes images of their input_size: each outermost module
+    (`model` itself first) whose `patch_embed` knows its image size and that holds timm Swin blocks (a
+    classifier, or timm's features_only wrapper of one), in module order; not a ViT's embedding, nor a
+    module inside another one found. [] when there is none (the Swin's blocks alone, say)."""
+    roots: list[torch.nn.Module] = []
+    inside: set[int] = set()
     for module in model.modules():
+        if id(module) in inside:
+            continue
         embed = getattr(module, "patch_embed", None)
-        if getattr(embed, "img_size", None) is not None and hasattr(embed, "proj"):
-            return module
-    return None
+        if (getattr(embed, "img_size", None) is not None and hasattr(embed, "proj")
+                and any(type(m).__name__ in SWIN_BLOCK_CLASSES for m in module.modules())):
+            roots.append(module)
+            inside.update(id(m) for m in module.modules())
+    return roots
 
 
 def parse_img_size(text) -> tuple[int, int] | None:

@@ -42,7 +42,7 @@ nn.GELU then quantize_rows but for rare tail values one step apart) instead of a
 
 Calibration batches are synthetic (random images from a fixed generator, like the workload's batch): the
 activation ranges of an untrained model on noise. For a trained model, calibrate on real images through
-`calibrate_input_scales(model, batches, ...)` and `quantize_model(..., input_scales=...)`.
+`calibrate_input_scales(model, names, batches, ...)` and `quantize_model(..., input_scales=...)`.
 """
 from __future__ import annotations
 
@@ -141,23 +141,40 @@ def quantizable_linears(model: torch.nn.Module, swin_only: bool = False) -> list
     return [(n, m) for n, m in linears if any(n.startswith(o + ".") for o in owners)]
 
 
-@contextlib.contextmanager
-def _images_through(model: torch.nn.Module, what: str):
-    """-> a function running images of the Swin's input size through the Swin inside `model` (swin_root),
-    in eval mode (put back after), so that a model of the user's with other inputs, or BatchNorm in train
-    mode, is neither called nor changed. PassUnavailable in one line when no Swin there knows its input."""
-    from workbench.models import input_size, swin_root
+def unmatched_patterns(model: torch.nn.Module, keep) -> list[str]:
+    """The keep patterns that match no Linear of the model by its full qualified name (a pattern for one
+    the pass never quantizes, such as a classifier's head.fc under patch_swin, matches all the same)."""
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    return [p for p in keep if not any(fnmatch.fnmatchcase(n, p) for n in names)]
 
-    root = swin_root(model)
-    if root is None:
-        raise PassUnavailable(f"{what} runs images through the Swin, and no timm patch embedding with an image "
-                              "size is in this model")
-    was_training = root.training
-    root.eval()
+
+@contextlib.contextmanager
+def _swins_of(model: torch.nn.Module, what: str):
+    """-> [(swin, its input size (C, H, W))] for each Swin inside `model` (models.swin_roots), in eval mode
+    for the block (each module's own mode put back after): random images go through them, so that a model
+    of the user's with other inputs, or BatchNorm in train mode, is neither called nor changed.
+    PassUnavailable in one line when no Swin there knows its input."""
+    from workbench.models import input_size, swin_roots
+
+    roots = swin_roots(model)
+    if not roots:
+        raise PassUnavailable(f"{what} runs images through the Swin, and no timm Swin with a patch embedding "
+                              "that knows its image size is in this model")
+    modes = {m: m.training for root in roots for m in root.modules()}
+    for root in roots:
+        root.eval()
     try:
-        yield root, input_size(root)
+        yield [(root, input_size(root)) for root in roots]
     finally:
-        root.train(was_training)
+        for module, training in modes.items():
+            module.training = training
+
+
+def _all_seen(names, seen, what: str) -> None:
+    missing = [n for n in names if n not in seen]
+    if missing:
+        raise PassUnavailable(f"{what}: {len(missing)} Linear layer(s) saw no input when images ran through the "
+                              f"Swin(s) of this model (e.g. {missing[0]})")
 
 
 def plan_routes(linears, dtype: str, route: str, keep) -> tuple[dict[str, str], dict[str, str]]:
@@ -203,12 +220,14 @@ def layer_rows(model: torch.nn.Module, names: list[str], ctx: PassContext) -> di
         return hook
     handles = [modules[n].register_forward_pre_hook(seen(n)) for n in names]
     try:
-        with _images_through(model, "the measured selection") as (root, size), torch.inference_mode(), \
+        with _swins_of(model, "the measured selection") as swins, torch.inference_mode(), \
                 ctx.precision.autocast(ctx.device.type):
-            root(torch.randn(1, *size, device=ctx.device))
+            for root, size in swins:
+                root(torch.randn(1, *size, device=ctx.device))
     finally:
         for h in handles:
             h.remove()
+    _all_seen(names, rows, "the measured selection")
     return rows
 
 
@@ -277,30 +296,38 @@ def select_measured(routes: dict[str, str], kept: dict[str, str], measured: dict
 
 
 def synthetic_calibration_batches(model: torch.nn.Module, count: int, batch: int, device: torch.device):
-    """`count` synthetic batches (batch, C, H, W) fp32 from a fixed generator (not the workload's own), of the
-    input size of the Swin inside `model`."""
+    """For each Swin inside `model` (models.swin_roots), `count` synthetic batches (batch, C, H, W) fp32 of its
+    input size, from a fixed generator (not the workload's own) -> one list per Swin."""
     gen = torch.Generator().manual_seed(20_27)
-    with _images_through(model, "static calibration") as (_, (c, h, w)):
-        pass
-    return [torch.randn(batch, c, h, w, generator=gen).to(device) for _ in range(count)]
+    with _swins_of(model, "static calibration") as swins:
+        return [[torch.randn(batch, *size, generator=gen).to(device) for _ in range(count)] for _, size in swins]
 
 
 def calibrate_input_scales(model: torch.nn.Module, names, batches, ctx: PassContext, dtype: str,
                            method: str = "percentile", percentile: float = 99.99) -> dict[str, torch.Tensor]:
-    """The per-tensor input scale of each Linear in `names`, from the model's forward over `batches` under
-    the stage's precision (inference mode): -> {name: () fp32 scale}. ValueError for an inf/NaN input."""
+    """The per-tensor input scale of each Linear in `names`, from the forwards of the Swins inside `model` over
+    `batches` (synthetic_calibration_batches: one list per Swin) under the stage's precision (inference
+    mode): -> {name: () fp32 scale}. ValueError for an inf/NaN input."""
     modules = dict(model.named_modules())
     observers = {n: make_observer(method, percentile) for n in names}
-    handles = [modules[n].register_forward_pre_hook(lambda m, args, obs=observers[n]: obs.observe(args[0]))
-               for n in names]
+    seen: set[str] = set()
+
+    def observe(name):
+        def hook(module, args):
+            seen.add(name)
+            observers[name].observe(args[0])
+        return hook
+    handles = [modules[n].register_forward_pre_hook(observe(n)) for n in names]
     try:
-        with _images_through(model, "static calibration") as (root, _), torch.inference_mode(), \
+        with _swins_of(model, "static calibration") as swins, torch.inference_mode(), \
                 ctx.precision.autocast(ctx.device.type):
-            for x in batches:
-                root(x)
+            for (root, _), xs in zip(swins, batches):
+                for x in xs:
+                    root(x)
     finally:
         for h in handles:
             h.remove()
+    _all_seen(names, seen, "static calibration")
     return {n: obs.scale(dtype) for n, obs in observers.items()}
 
 
@@ -439,7 +466,7 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
     if not routes:
         raise PassUnavailable(nothing_left(kept), {"layers": {n: f"kept bf16: {why}" for n, why in kept.items()},
                                                    "select": select, "selected_by_measurement": bool(measured)})
-    unmatched = [p for p in keep if not any(fnmatch.fnmatchcase(n, p) for n, _ in linears)]
+    unmatched = unmatched_patterns(model, keep)
     counts = {r: sum(v == r for v in routes.values()) for r in sorted(set(routes.values()))}
     details = {"dtype": dtype, "route": "/".join(counts), "implementation": {r: IMPLEMENTATION[r] for r in counts},
                "gemm": gemm, "gemm_candidates": list(candidates),

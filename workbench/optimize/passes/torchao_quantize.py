@@ -17,13 +17,12 @@ without FP8 GEMMs: the stage is then not available, with one line.
 """
 from __future__ import annotations
 
-import fnmatch
 
 import torch
 
 from workbench.errors import UserError
 from workbench.optimize.passes import PassContext, PassResult, PassUnavailable
-from workbench.optimize.passes.quantize_linear import _check_keep, nothing_left, plan_routes, quantizable_linears
+from workbench.optimize.passes.quantize_linear import _check_keep, nothing_left, plan_routes, quantizable_linears, unmatched_patterns
 
 NAME = "torchao_quantize"
 OWN_KERNELS = False
@@ -83,7 +82,7 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", keep: li
             if name in routes:
                 linear.to(low)
     quantize_(model, _config(dtype), filter_fn=lambda module, fqn: id(module) in chosen)
-    unmatched = [p for p in keep if not any(fnmatch.fnmatchcase(n, p) for n, _ in linears)]
+    unmatched = unmatched_patterns(model, keep)
     details = {"dtype": dtype, "implementation": f"torchao {torchao.__version__}: quantize_({CONFIGS[dtype]})",
                "library": "torchao", "library_version": torchao.__version__, "weights_dtype_before": str(low),
                "layers": {**{n: "torchao" for n in routes}, **{n: f"kept: {why}" for n, why in kept.items()}},
