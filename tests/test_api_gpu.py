@@ -200,3 +200,36 @@ def test_apply_graph_column_captures_the_stage_session():
     assert workload.session.graph_captured and workload.session.eager_fallbacks == 0
     workload.use_graph(False)
     assert not workload.session.graphed and all(math.isfinite(v) for v in eager + graphed + [workload.step(9).item()])
+
+
+def test_a_swinv2_predict_graph_follows_the_weights_as_they_change():
+    """SwinV2's weight terms (position bias, logit scale) are cached between eager inference calls; the
+    predict graph of a graph recipe computes them in the graph, so a replay after the weights changed in
+    place (training steps, the EMA, load_state_dict) gives timm's logits for the new weights, not the terms
+    of the capture."""
+    from timm.models.swin_transformer_v2 import SwinTransformerV2
+
+    def v2():
+        torch.manual_seed(0)
+        return SwinTransformerV2(img_size=32, patch_size=4, window_size=4, embed_dim=32, depths=(2, 2),
+                                 num_heads=(2, 4), num_classes=10, drop_path_rate=0.0).cuda()
+
+    graphed = optimize_swin(v2(), "fmha-graph", optimizer={"lr": 1e-3})
+    x = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(4))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(STEPS):
+        graphed.train_step(torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g))
+    for _ in range(4):
+        graphed.predict(x)
+    assert graphed._predict_graph is not None
+    state = graphed.state_dict()
+    for key in state:
+        if "cpb_mlp" in key or "logit_scale" in key:
+            state[key] = state[key] * 2 + 0.5      # far from the terms the graph was captured with
+    graphed.load_state_dict(state)
+    plain = v2()
+    plain.load_state_dict(state)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        want = plain.eval()(x.cuda()).float()
+    got = graphed.predict(x)
+    assert (got - want).norm() / want.norm() < 3e-2

@@ -280,6 +280,10 @@ def test_inference_keeps_the_weight_terms_until_a_weight_changes(monkeypatch):
     assert len(computed) == blocks + 1                    # only the changed module recomputed
     patched(x).sum().backward()
     assert len(computed) == 2 * blocks + 1
+    # inside terms_in_every_call (a CUDA graph replayed while the weights change) nothing is kept
+    with fused_attention.terms_in_every_call(), torch.inference_mode():
+        patched(x), patched(x)
+    assert len(computed) == 4 * blocks + 1
 
 
 def test_inference_normalizes_q_and_k_inside_the_attention_kernel(monkeypatch):

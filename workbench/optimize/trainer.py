@@ -607,8 +607,12 @@ class OptimizedSwin:
             with torch.cuda.stream(side):
                 self._predict_forward(x)
             torch.cuda.current_stream(self.device).wait_stream(side)
+            from workbench.optimize.passes.fused_attention import terms_in_every_call
+
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            # the weights change between replays (training, the EMA): SwinV2's weight terms are computed in
+            # the graph, not read from what the eager calls cached
+            with terms_in_every_call(), torch.cuda.graph(graph):
                 logits = self._predict_forward(x)
             pg = self._predict_graph = _PredictGraph(graph, x, logits)
         if images.shape != pg.x.shape or images.dtype != pg.x.dtype:

@@ -41,6 +41,7 @@ binds the block's _attn, which calls this forward.
 """
 from __future__ import annotations
 
+import contextlib
 import types
 
 import torch
@@ -121,13 +122,28 @@ def _v2_inverse(attn: torch.nn.Module) -> torch.Tensor:
     return rel_pos_inverse_of(attn, v2_index(attn), v2_table_rows(attn))
 
 
+_UNCACHED = [0]   # > 0 inside terms_in_every_call()
+
+
+@contextlib.contextmanager
+def terms_in_every_call():
+    """Inside the block, SwinV2's weight terms are computed in every forward, not taken from the cache: for a
+    CUDA graph captured once and replayed while the weights change (OptimizedSwin.predict during training),
+    which must compute them in the graph rather than bake in the values of its capture."""
+    _UNCACHED[0] += 1
+    try:
+        yield
+    finally:
+        _UNCACHED[0] -= 1
+
+
 def _v2_constants(attn: torch.nn.Module):
     """v2_terms, computed once per weights where no gradient is asked (inference): a forward at batch 1
     otherwise spends most of its launches on them. Kept under a key of the weights' identities and
     versions (an in-place update or a load_state_dict changes it), the device and the autocast dtype;
     recomputed where autograd records, while torch.compile traces (it handles them itself), and where they
-    draw random numbers (-CR's meta_mlp dropout in training mode)."""
-    if torch.is_grad_enabled() or torch.compiler.is_compiling() or v2_terms_draw(attn):
+    draw random numbers (-CR's meta_mlp dropout in training mode), and inside terms_in_every_call()."""
+    if torch.is_grad_enabled() or torch.compiler.is_compiling() or _UNCACHED[0] or v2_terms_draw(attn):
         return v2_terms(attn)
     tensors = v2_term_tensors(attn)
     device = attn.logit_scale.device
