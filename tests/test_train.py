@@ -206,11 +206,13 @@ def test_parity_holds_the_mean_of_a_recipes_seeds_against_the_reference(tmp_path
 
 def test_an_earlier_run_is_refused_then_moved_aside_with_overwrite(tmp_path):
     out = tmp_path / "run"
-    train(tmp_path, "--steps", "2", "--out", str(out))
+    train(tmp_path, "--steps", "2", "--save-checkpoints", "--out", str(out))
     result = runner.invoke(app, ["train", "--device", "cpu", "--batch", "16", "--steps", "2", "--out", str(out)])
     assert result.exit_code == 2 and "--overwrite" in result.output
     train(tmp_path, "--steps", "2", "--out", str(out), "--overwrite")
-    assert len(list(tmp_path.glob("run.previous-*"))) == 1
+    previous = list(tmp_path.glob("run.previous-*"))
+    assert len(previous) == 1 and (previous[0] / "checkpoints").is_dir()   # the checkpoints go with their run
+    assert not (out / "checkpoints").exists()
 
 
 def test_an_image_folder_trains(tmp_path):
