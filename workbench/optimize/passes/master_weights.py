@@ -26,14 +26,16 @@ from workbench.optimize.passes import PassContext, PassResult, PassUnavailable
 NAME = "master_weights"
 
 
-def gemm_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """The weights and biases of every nn.Linear and nn.Conv2d (autocast's casting ops), each once; not the
-    frozen ones (requires_grad False), which the optimizer must leave as they are: they stay fp32."""
+def gemm_parameters(model: torch.nn.Module, training: bool = True) -> list[torch.nn.Parameter]:
+    """The weights and biases of every nn.Linear and nn.Conv2d (autocast's casting ops), each once; for
+    training not the frozen ones (requires_grad False), which the optimizer must leave as they are: they
+    stay fp32."""
     seen, params = set(), []
     for module in model.modules():
         if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)):
             for p in (module.weight, module.bias):
-                if p is not None and p.dtype == torch.float32 and p.requires_grad and id(p) not in seen:
+                if (p is not None and p.dtype == torch.float32 and (p.requires_grad or not training)
+                        and id(p) not in seen):
                     seen.add(id(p))
                     params.append(p)
     return params
@@ -173,7 +175,7 @@ def apply(model: torch.nn.Module, ctx: PassContext):
     if ctx.sharded:
         return model, PassResult(NAME, {}, "not applied under FSDP: its mixed precision keeps fp32 sharded "
                                            "parameters and gathers them in bf16", {"applied": False})
-    params = gemm_parameters(model)
+    params = gemm_parameters(model, ctx.training)
     if not params:
         raise PassUnavailable("no fp32 Linear or Conv2d parameters in this model")
     ctx.master_weights = MasterWeights(params, dtype, keep_master=ctx.training)

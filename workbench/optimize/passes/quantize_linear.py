@@ -47,7 +47,6 @@ activation ranges of an untrained model on noise. For a trained model, calibrate
 from __future__ import annotations
 
 import contextlib
-
 import fnmatch
 import math
 import types
@@ -128,16 +127,17 @@ def activation_quantization(route: str, activations: str, device: torch.device) 
 
 def quantizable_linears(model: torch.nn.Module, swin_only: bool = False) -> list[tuple[str, torch.nn.Linear]]:
     """Every plain nn.Linear (not a subclass another pass swapped in) by qualified name, in model order, but
-    SwinV2's position-bias MLPs. swin_only: those inside a timm Swin block or patch merging layer only (a model of the user's that holds
-    a Swin: its own heads and necks stay as they are)."""
+    SwinV2's position-bias MLPs. swin_only: those inside a timm Swin block or patch merging layer only (a
+    model of the user's that holds a Swin: its own heads and necks stay as they are)."""
     # SwinV2's position-bias MLPs (cpb_mlp, -CR's meta_mlp) map a small coordinate table, not the tokens:
     # nothing to gain in their GEMMs (inference computes the bias once), and its values would lose bits
     linears = [(n, m) for n, m in model.named_modules() if type(m) is torch.nn.Linear
                and not any(part in ("cpb_mlp", "meta_mlp") for part in n.split("."))]
     if not swin_only:
         return linears
-    kinds = ("SwinTransformerBlock", "SwinTransformerV2Block", "SwinTransformerV2CrBlock", "PatchMerging")
-    owners = [n for n, m in model.named_modules() if type(m).__name__ in kinds]
+    from workbench.models import SWIN_BLOCK_CLASSES
+
+    owners = [n for n, m in model.named_modules() if type(m).__name__ in (*SWIN_BLOCK_CLASSES, "PatchMerging")]
     return [(n, m) for n, m in linears if any(n.startswith(o + ".") for o in owners)]
 
 
@@ -441,7 +441,7 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
                               "weights themselves: quantize a stage without them (fmha)")
     linears = quantizable_linears(model, ctx.swin_only)
     if not linears:
-        raise PassUnavailable("no nn.Linear in this model" + (" 's Swin blocks" if ctx.swin_only else ""))
+        raise PassUnavailable("no nn.Linear in this model" + ("'s Swin blocks" if ctx.swin_only else ""))
     routes, kept = plan_routes(linears, dtype, route, keep)
     switched = call_v2_qkv_as_a_module(model, routes)
     try:
