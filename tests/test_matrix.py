@@ -401,3 +401,12 @@ def test_measured_line_names_each_machine_and_its_dates():
     assert measured_line(rows) == (f"Measured with {h200}; measured 2026-12-03 to 2026-12-05; "
                                    "and CPU; torch 2.14.1; measured 2026-12-04.")
     assert measured_line(rows[:1]) == f"Measured with {h200}; measured 2026-12-03."
+
+
+def test_a_first_cell_stopped_before_any_record_keeps_its_own_error(tmp_path):
+    """Ctrl-C (or a refused folder) in the first cell, before any stage wrote a record: the error that
+    stopped it comes out, not 'holds no matrix cells' from rendering an empty table."""
+    def stop(*args, **kwargs):
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        matrix.run_matrix(models=[TINY_MODEL], out_dir=tmp_path / "m", device="cpu", run_apply=stop, progress=False)

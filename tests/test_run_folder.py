@@ -160,3 +160,22 @@ def test_an_empty_records_folder_is_not_a_run(tmp_path):
     assert run_entries(tmp_path) == []
     (tmp_path / "records" / "00-baseline.json").write_text("{}")
     assert run_entries(tmp_path) == [tmp_path / "records"]
+
+
+def test_what_profile_nproc_and_apply_nproc_write_counts_as_the_run():
+    """A multi-rank profile's per-rank folders, its ranks tables and capture log, and apply --nproc's
+    scaling folder are the run's: --overwrite moves them aside with it, never leaves them to be written over."""
+    names = ["rank0", "rank1", "ranks.csv", "ranks.json", "capture.log", "scaling", "checkpoints"]
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        for name in names:
+            path = folder / name
+            if "." in name:
+                path.write_text("x")
+            else:
+                path.mkdir()
+                (path / "f").write_text("x")
+        (folder / "notes.txt").write_text("mine")
+        assert sorted(e.name for e in run_entries(folder)) == sorted(names)

@@ -37,7 +37,7 @@ LOCK_NAME = ".swinbench.lock"
 # holds a run; `overwrite` moves exactly these aside and leaves anything else where it is.
 RUN_ENTRY_PATTERNS = (
     "records", "report.md", "report-categories.png", "curves.png", "logs", "profiles", "reference.pt", "reference.tmp",
-    "checkpoints",
+    "checkpoints", "scaling", "rank[0-9]*", "ranks.*", "capture.log",
     "run.json", "launches.json", "trace.*", "capture_spec.json", "nsys.log",
     "kernels*.csv", "categories*.csv", "ranges*.csv", "busy*.csv", "api*.csv", "findings*.csv", "floors*.csv", "analysis*.json",
     "timeline.png", "timeline.json",

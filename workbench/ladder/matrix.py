@@ -282,7 +282,7 @@ def run_matrix(*, models: list[str] | None = None, modes: list[str] | None = Non
     def render() -> Path | None:
         # every cell in the folder, not only this run's: a run of some models into a matrix folder adds
         # to its table and never drops the other cells from it
-        if not any((out_dir / c.name / "records").glob("*.json") for c in cells):
+        if not any(any((out_dir / c.name / "records").glob("*.json")) for c in cells):
             return None
         return write_matrix(out_dir, model_order=models, command=f"swinbench matrix --render-only {out_dir}")[0]
 
