@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 import typer.core
+import typer.exceptions
 from rich.console import Console
 from typer.core import TyperGroup
 
@@ -18,6 +19,8 @@ err_console = Console(stderr=True)
 
 # typer's own click: a vendored copy (typer._click) in newer typer, the click package in older ones
 _click = getattr(typer.core, "_click", None) or typer.core.click
+# click's Ctrl-C outside a command's work: in the click package, or in typer's own exceptions beside its copy
+_Abort = getattr(_click.exceptions, "Abort", None) or typer.exceptions.Abort
 
 
 class _OneLineErrors(TyperGroup):
@@ -36,7 +39,7 @@ class _OneLineErrors(TyperGroup):
             hint = f" (see: {ctx.command_path} --help)" if isinstance(exc, _click.exceptions.UsageError) and ctx else ""
             _print_error(f"{exc.format_message()}{hint}")
             sys.exit(exc.exit_code)
-        except _click.exceptions.Abort:   # click's form of Ctrl-C outside a command's own work
+        except _Abort:   # click's form of Ctrl-C outside a command's own work
             if not standalone_mode:
                 raise
             _print_error("interrupted")

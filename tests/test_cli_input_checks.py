@@ -68,6 +68,8 @@ def test_error_quoting_rich_markup_is_printed_as_text(tmp_path):
     (["nosuchcommand"], "No such command"),
     (["diff", "a.json"], "Missing argument"),
     (["check", "--baseline", "x"], "Missing option '--current'"),
+    (["apply", "--device", "cpu", "--seed", "-1"], "--seed must be a whole number from 0"),
+    (["apply", "--device", "cpu", "--seed", "18446744073709551616"], "--seed must be a whole number from 0"),
 ])
 def test_command_line_mistakes_are_one_line(args, message):
     out = refused(args)

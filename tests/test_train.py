@@ -252,6 +252,7 @@ def test_an_image_folder_trains(tmp_path):
     (["--label-smoothing", "1.5"], "below 1"),
     (["--clip-grad", "-1"], "--clip-grad"),
     (["--ema", "1"], "--ema must be a decay between 0 and 1"),
+    (["--seed", "-1"], "--seed must be a whole number"),
     (["--ema", "0.99", "--nproc", "2", "--parallel", "fsdp"], "--ema is not kept under --parallel fsdp"),
     (["--model", "resnet50"], "not a timm Swin"),
 ])

@@ -25,6 +25,9 @@ from workbench.precision import Precision, resolve_precision
 from workbench.optimize.ranges import RangeMarker
 
 
+MAX_SEED = 2 ** 62     # seeds and the generators' seed + offsets stay inside torch's 64-bit seeds
+
+
 @dataclass
 class WorkloadConfig:
     model: str
@@ -43,6 +46,8 @@ class WorkloadConfig:
             raise UserError(f"unknown mode {self.mode!r}: choose train or infer")
         if self.batch < 1:
             raise UserError(f"--batch must be at least 1, got {self.batch}")
+        if not 0 <= self.seed < MAX_SEED:
+            raise UserError(f"--seed must be a whole number from 0 to {MAX_SEED - 1}, got {self.seed}")
         if self.checkpoint is not None and self.mode != "infer":
             raise UserError("--checkpoint goes with --mode infer: it measures the trained model's held-out accuracy")
         if self.heldout is not None and self.checkpoint is None:

@@ -55,6 +55,7 @@ from workbench.train.progress import TrainProgress
 SCHEMA = "swinbench.train/1"
 DEFAULT_EPOCHS = 5
 MAX_SEEDS = 100
+MAX_TRAIN_SEED = 2 ** 50     # seed * 1,000 + rank (each rank's stochastic depth) stays a 64-bit seed
 WARMUP_SHARE = 0.05          # of the steps, linear warm-up of the learning rate
 
 
@@ -133,6 +134,8 @@ class TrainConfig:
                 raise UserError(f"--ema must be a decay between 0 and 1 (e.g. 0.999), got {short_repr(self.ema)}")
             if self.parallel == "fsdp":
                 raise UserError("--ema is not kept under --parallel fsdp (an average of sharded weights): use ddp")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < MAX_TRAIN_SEED:
+            raise UserError(f"--seed must be a whole number from 0 to {MAX_TRAIN_SEED - 1}, got {short_repr(self.seed)}")
         if not (isinstance(self.seeds, int) and 1 <= self.seeds <= MAX_SEEDS):
             raise UserError(f"--seeds must be between 1 and {MAX_SEEDS}, got {short_repr(self.seeds)}")
         if self.compare is None:
