@@ -384,3 +384,13 @@ def test_a_parity_verdict_names_the_device_that_trained():
     assert "2 seeds, on NVIDIA H200)" in verdict_line(v)
     committed = Path(__file__).resolve().parent.parent / "reports"
     assert {x.device for x in find_verdicts([committed])} == {"NVIDIA H200"}
+
+
+def test_the_category_chart_beside_a_report_never_writes_over_a_file_of_the_user_s(records, tmp_path):
+    mine = tmp_path / "notes-categories.png"
+    mine.write_text("my notes")
+    with pytest.raises(UserError, match="exists and is not a category chart swinbench drew"):
+        render_report(records, tmp_path / "notes.md")
+    assert mine.read_text() == "my notes" and not (tmp_path / "notes.md").exists()
+    render_report(records, tmp_path / "report.md")
+    render_report(records, tmp_path / "report.md")        # its own chart, drawn again

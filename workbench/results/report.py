@@ -1095,7 +1095,13 @@ def render_report(records, out_path_md: Path, note: str | None = None, auto: dic
     shares = category_share_frame(records)
     w = record_words(records)
     if not shares.empty:
-        png = plot_category_shares(shares, out_path_md.with_name(out_path_md.stem + "-categories.png"), w.time)
+        from workbench.files import refuse_to_replace
+
+        # beside the report, a picture this command drew before (matplotlib's PNG), or a new file: never a
+        # file of the user's that happens to have the name
+        png_path = refuse_to_replace(out_path_md.with_name(out_path_md.stem + "-categories.png"),
+                                     lambda head: "Matplotlib" in head, "a category chart swinbench drew")
+        png = plot_category_shares(shares, png_path, w.time)
         by_stage = {r.stage: r for r in records}
         rows = [[stage, _fmt_ms(kernel_ms_per_step(by_stage[stage])), _busy(by_stage[stage]),
                  _api_calls(by_stage[stage], lambda c: float(c.get("launch", 0.0))),
