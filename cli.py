@@ -381,9 +381,10 @@ def apply(
     from workbench.ladder.apply import run_apply
 
     from workbench.ladder.reuse import default_cache_dir
+    from workbench.run_folder import run_entries
 
     limit = _check_inputs_before_apply(check_against, thresholds, max_regression, nproc, force)
-    if resume and out is not None and not (out / "records").is_dir():
+    if resume and out is not None and (not out.exists() or (out.is_dir() and not run_entries(out))):
         _note(f"--resume: {out} holds no earlier run; starting a new one there")
     if quick:
         steps, warmup, peers = min(steps, 10), min(warmup, 3), False if peers is None else peers

@@ -173,3 +173,10 @@ def test_an_unreadable_image_from_a_loader_process_is_one_line(tmp_path):
     with pytest.raises(UserError) as info:
         next(batches)
     assert str(info.value) == f"--data {tmp_path}: cannot identify image file 'a/2.jpg'"
+
+
+def test_resume_into_a_file_is_one_line_without_a_note_that_contradicts_it(tmp_path):
+    target = tmp_path / "afile"
+    target.write_text("x")
+    out = refused(["apply", "--device", "cpu", "--resume", "--out", str(target)])
+    assert out.count("\n") == 1 and "is a file" in out and "starting a new one" not in out
