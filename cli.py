@@ -104,7 +104,7 @@ def profile(
     warmup: Annotated[int, typer.Option(help="Steps run before the capture starts (not captured).")] = 3,
     device: Device = "auto",
     backend: Annotated[str, typer.Option(help="auto (nsys on a GPU if found, else torch.profiler) | nsys | torch.")] = "auto",
-    out: Annotated[Optional[Path], typer.Option(help="Output folder (default profiles/<run-name>/).")] = None,
+    out: Annotated[Optional[Path], typer.Option(parser=_out_path, help="Output folder (default profiles/<run-name>/).")] = None,
     nsys: Annotated[Optional[str], typer.Option(help="Path to nsys (else $SWINBENCH_NSYS, PATH, usual install folders).")] = None,
     recipe: Annotated[Optional[str], typer.Option(help="Profile the model as this recipe (name or YAML path) leaves it.")] = None,
     format: Annotated[str, typer.Option("--format", help="Machine-readable tables written beside the trace: csv | json.")] = "csv",
@@ -133,6 +133,14 @@ def _given(**options) -> None:
         if value is not None and not str(value).strip():
             raise _fail(UserError(f"--{name.replace('_', '-')} is empty: give a value, or leave the option out "
                                   "for its default"), 2)
+
+
+def _out_path(value: str) -> Path:
+    """--out's value as a path; an empty one is refused (Path("") would be the current folder, which a run
+    would then claim, and with --overwrite move its entries aside)."""
+    if not str(value).strip():
+        raise typer.BadParameter("empty: give the folder or file to write, or leave the option out for its default")
+    return Path(value)
 
 
 def _cache_folder(cache: Optional[Path]) -> Optional[Path]:
@@ -204,7 +212,7 @@ def analyze(
     name: Annotated[str, typer.Option(help=NAME_HELP)] = "short",
     top: Annotated[int, typer.Option(help="Rows per table before the tail is folded into 'other'.")] = 15,
     format: Annotated[Optional[str], typer.Option("--format", help="Also write the tables as csv or json.")] = None,
-    out: Annotated[Optional[Path], typer.Option(help="Folder for --format output (default: beside the trace).")] = None,
+    out: Annotated[Optional[Path], typer.Option(parser=_out_path, help="Folder for --format output (default: beside the trace).")] = None,
     range: Annotated[Optional[str], typer.Option("--range", help="Only kernels launched inside this NVTX range (e.g. backward, stage2.block1); written tables carry it in their names (kernels.range-backward.csv).")] = None,
     timeline: Timeline = True,
     step: Step = None,
@@ -293,7 +301,7 @@ def diff(
     name: Annotated[str, typer.Option(help=NAME_HELP)] = "short",
     top: Annotated[int, typer.Option(help="Kernel rows before the tail is folded into 'other'.")] = 15,
     format: Annotated[Optional[str], typer.Option("--format", help="Also write the tables as csv or json.")] = None,
-    out: Annotated[Optional[Path], typer.Option(help="Folder for --format output (default: beside AFTER; for a rank folder, inside it).")] = None,
+    out: Annotated[Optional[Path], typer.Option(parser=_out_path, help="Folder for --format output (default: beside AFTER; for a rank folder, inside it).")] = None,
     range: Annotated[Optional[str], typer.Option("--range", help="Compare only kernels launched inside this NVTX range (e.g. backward), per instance of it; written tables carry it in their names.")] = None,
     rank: Annotated[Optional[int], typer.Option(help="With rank folders: the rank whose kernels are compared (default: the slowest after the change). Also compares rank R of a folder with a single trace, or of two folders with different ranks.")] = None,
     overwrite: Overwrite = False,
@@ -355,7 +363,7 @@ def apply(
     steps: Annotated[int, typer.Option(help="Timed steps per stage (median and IQR over these).")] = 20,
     warmup: Annotated[int, typer.Option(help="Untimed steps per stage first (compilation happens here).")] = 5,
     device: Device = "auto",
-    out: Annotated[Optional[Path], typer.Option(help="Output folder for records, report and traces (default reports/runs/<run>/).")] = None,
+    out: Annotated[Optional[Path], typer.Option(parser=_out_path, help="Output folder for records, report and traces (default reports/runs/<run>/).")] = None,
     profile: Annotated[bool, typer.Option("--profile", help="Also capture each stage (nsys) and report its kernel-category shares.")] = False,
     check_against: Annotated[Optional[Path], typer.Option(help="Baseline records to check this run against when it ends (exit 1 on a regression; see `swinbench check`).")] = None,
     max_regression: Annotated[Optional[str], typer.Option(help=f"With --check-against: allowed change per metric in percent (default {MAX_REGRESSION}).")] = None,
@@ -433,7 +441,7 @@ def train(
     seed: Annotated[int, typer.Option(help="Seed of the weights, data order and augmentation (the baseline's extra seeds count up from it).")] = 0,
     workers: Annotated[int, typer.Option(help="Data-loading processes for --data.")] = 4,
     device: Device = "auto",
-    out: Annotated[Optional[Path], typer.Option(help="Output folder for records, report.md and curves.png (default reports/runs/train-<recipe>-<model>-<time>/).")] = None,
+    out: Annotated[Optional[Path], typer.Option(parser=_out_path, help="Output folder for records, report.md and curves.png (default reports/runs/train-<recipe>-<model>-<time>/).")] = None,
     overwrite: Overwrite = False,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the comparison in --out: keep the runs that finished there with the same settings and train the rest (a long comparison in several sittings).")] = False,
     nproc: Annotated[Optional[int], typer.Option(help="Data parallel: this many processes on this machine under torchrun, one per GPU (gloo on the CPU), DDP; --batch is per process, the global batch N x --batch.")] = None,
@@ -470,7 +478,7 @@ def recipes():
 @app.command()
 def report(
     records: Annotated[list[Path], typer.Argument(help="Stage records (JSON files or folders) written by `swinbench apply`.")],
-    out: Annotated[Optional[Path], typer.Option(help="Markdown file to write (default: report.md beside the records).")] = None,
+    out: Annotated[Optional[Path], typer.Option(parser=_out_path, help="Markdown file to write (default: report.md beside the records).")] = None,
     readme: Annotated[Optional[Path], typer.Option(help="Instead, rewrite the results table between <!-- results:begin --> and <!-- results:end --> in this Markdown file (one table for all the records given; with --out, the report too).")] = None,
 ):
     """Re-render the Markdown report from stored records (no GPU needed)."""
@@ -498,7 +506,7 @@ def matrix(
     steps: Annotated[int, typer.Option(help="Timed steps per stage.")] = 20,
     warmup: Annotated[int, typer.Option(help="Untimed steps per stage first (compilation happens here).")] = 5,
     device: Device = "auto",
-    out: Annotated[Optional[Path], typer.Option(help="Output folder: one folder per cell, matrix.md and matrix.json (default reports/runs/matrix-<time>/).")] = None,
+    out: Annotated[Optional[Path], typer.Option(parser=_out_path, help="Output folder: one folder per cell, matrix.md and matrix.json (default reports/runs/matrix-<time>/).")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the matrix in --out: skip its finished cells, continue a cell cut short.")] = False,
     overwrite: Overwrite = False,
     fresh: Annotated[bool, typer.Option("--fresh", help="Measure every stage again instead of reusing a cached measurement.")] = False,
@@ -554,7 +562,7 @@ def check(
     thresholds: Annotated[Optional[Path], typer.Option(help="YAML with per-stage, per-metric limits (see docs/check.md).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Compare records of different GPUs, versions, models, batches or data-parallel world sizes anyway (noted in the output).")] = False,
     format: Annotated[str, typer.Option("--format", help="md (Markdown table) | json.")] = "md",
-    out: Annotated[Optional[Path], typer.Option("--out", "--output", help="Write the table to this file as well as stdout (--output is the same option).")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "--output", parser=_out_path, help="Write the table to this file as well as stdout (--output is the same option).")] = None,
 ):
     """Compare stored results with a baseline: exit 0 if nothing regressed, 1 if something did, 2 on bad input."""
     _run_check(baseline, current, _percent(max_regression), max_share_drift, thresholds, force, format, out)

@@ -180,3 +180,10 @@ def test_resume_into_a_file_is_one_line_without_a_note_that_contradicts_it(tmp_p
     target.write_text("x")
     out = refused(["apply", "--device", "cpu", "--resume", "--out", str(target)])
     assert out.count("\n") == 1 and "is a file" in out and "starting a new one" not in out
+
+
+@pytest.mark.parametrize("command", [["profile"], ["apply"], ["matrix"], ["train"], ["report", "x"],
+                                     ["check", "--baseline", "x", "--current", "y"], ["analyze", "t.sqlite"]])
+def test_an_empty_out_is_refused_not_taken_for_the_current_folder(command):
+    out = refused([*command, "--out", ""])
+    assert "Invalid value for '--out'" in out and "empty" in out and out.count("\n") == 1
