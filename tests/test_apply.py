@@ -207,3 +207,21 @@ def test_resume_refuses_a_different_experiment(tmp_path):
                   console=Console(file=io.StringIO()), resume=True)
     with pytest.raises(UserError, match="--resume needs --out"):
         run_apply("baseline", **RUN, resume=True, console=Console(file=io.StringIO()))
+
+
+def test_resume_keeps_complete_interleaved_rounds_and_says_when_it_replaces_them(tmp_path):
+    """Every stage kept with its full interleaved rounds: nothing is timed again. A stage run anew: the kept
+    stages' rounds are timed again with it, and the run says so."""
+    out = tmp_path / "run"
+    args = {**RUN, "steps": 1, "warmup": 0, "interleave": 2}
+    run_apply("baseline", **args, out_dir=out, stages=["baseline", "amp"], console=Console(file=io.StringIO()))
+    kept_text = (out / "records" / "01-amp.json").read_text()
+    console = Console(file=io.StringIO(), width=200)
+    run_apply("baseline", **args, out_dir=out, stages=["baseline", "amp"], console=console, resume=True)
+    assert "hold their 2 interleaved rounds: kept" in console.file.getvalue()
+    assert (out / "records" / "01-amp.json").read_text() == kept_text
+    (out / "records" / "01-amp.json").unlink()
+    console = Console(file=io.StringIO(), width=200)
+    again = run_apply("baseline", **args, out_dir=out, stages=["baseline", "amp"], console=console, resume=True)
+    assert "the interleaved rounds of 1 kept stage(s) are replaced" in console.file.getvalue()
+    assert all(r["interleaved"]["rounds"] == 2 for r in again.records)

@@ -444,6 +444,15 @@ def _run_isolated(spec: StageSpec, on_event: Callable[[dict], None], extra_env: 
     return _finish(record, out_dir, on_event)
 
 
+def _complete_rounds(with_rounds: list[dict], rounds: int) -> bool:
+    """Whether the records (all kept from the earlier run) already hold interleaved rounds as asked: each
+    stage timed `rounds` rounds, all with the same stages."""
+    if len(with_rounds) < 2:
+        return False
+    entries = [r["interleaved"] for r in with_rounds]
+    return all(e.get("rounds") == rounds and e.get("with") == entries[0].get("with") for e in entries)
+
+
 def _interleave(records: list[dict], specs: list[StageSpec], config: WorkloadConfig, rounds: int, isolate: bool,
                 out_dir: Path, console, shown: LadderProgress, *, asked: bool = True) -> None:
     """Time every measured stage that passed its gate again, in alternation in one process
@@ -840,9 +849,16 @@ def _run_claimed(claim: FolderClaim, recipe: str, plans: list[StagePlan], config
             finished = _finished(records, kept)   # the report holds what has finished, should the run stop here
             render_report(finished, out_dir / "report.md",
                           note=_unfinished_note(len(finished), len(specs)) if len(finished) < len(specs) else None)
-        if interleave:
+        earlier_rounds = [r for r in records if (r.get("interleaved") or {}).get("rounds")]
+        if interleave and kept and len(kept) == len(specs) and _complete_rounds(earlier_rounds, interleave):
+            console.print(f"[yellow]note:[/] the kept stages hold their {interleave} interleaved rounds: kept, not "
+                          "timed again", highlight=False)
+        elif interleave:
             reference = None
             _free_device_memory()
+            if earlier_rounds:   # paired timings need every stage in one process: the kept ones are timed again
+                console.print(f"[yellow]note:[/] the interleaved rounds of {len(earlier_rounds)} kept stage(s) are "
+                              "replaced: every stage is timed again in alternation with the others", highlight=False)
             shown.line(f"timing the stages again in alternation: {interleave} rounds")
             _interleave(records, specs, config, interleave, isolate, out_dir, console, shown, asked=asked_interleave)
         if nproc is not None:
