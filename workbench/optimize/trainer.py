@@ -740,7 +740,8 @@ def optimize_swin(model: torch.nn.Module, recipe: str = "fmha", *, optimizer=Non
     ema: keep an exponential moving average of the weights with this decay (0 < ema < 1, e.g. 0.9998):
     after every optimizer step average = ema * average + (1 - ema) * weights, over the fp32 weights (the
     masters under master weights, whose bf16 copies are too coarse to average), starting from the weights
-    as given or as load_state_dict loads them later. `ema_state_dict()` and `predict(images, ema=True)` read it. Not under FSDP.
+    as given or as load_state_dict loads them later. `ema_state_dict()` and `predict(images, ema=True)`
+    read it. Not under FSDP.
 
     A pass that cannot run here raises RecipeUnavailable, a UserError (the model may then be partly
     patched: build it again).

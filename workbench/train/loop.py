@@ -211,7 +211,7 @@ def evaluate(swin, data, batch: int, device, ema: bool = False) -> tuple[float, 
     weights)."""
     correct, loss, n = 0, 0.0, 0
     for x, y in data.val_batches(batch, device):
-        logits = swin.predict(x, ema=True) if ema else swin.predict(x)
+        logits = swin.predict(x, ema=ema)
         correct += (logits.argmax(1) == y).sum().item()
         loss += F.cross_entropy(logits, y, reduction="sum").item()
         n += len(y)
@@ -345,18 +345,15 @@ def train_run(config: TrainConfig, recipe: str, seed: int, data, model_name: str
     saved = None
     if checkpoint is not None and status == "ok":
         state = swin.state_dict()        # a plain timm state_dict; under FSDP every rank gathers it
+        meta = dict(model=model_name, num_classes=data.classes, input_size=input_size(model), recipe=name, seed=seed,
+                    data=None if config.data is None else Path(config.data).resolve(), steps=step)
         if rank == 0:
-            saved = save_checkpoint(checkpoint, state, model=model_name, num_classes=data.classes,
-                                    input_size=input_size(model), recipe=name, seed=seed,
-                                    data=None if config.data is None else Path(config.data).resolve(),
-                                    steps=step, val_acc=val_acc)
+            saved = save_checkpoint(checkpoint, state, **meta, val_acc=val_acc)
             end["checkpoint"] = str(saved)
         if config.ema is not None and rank == 0:
             averaged_path = checkpoint.with_name(f"{checkpoint.stem}-ema{checkpoint.suffix}")
-            end["checkpoint_ema"] = str(save_checkpoint(
-                averaged_path, swin.ema_state_dict(), model=model_name, num_classes=data.classes,
-                input_size=input_size(model), recipe=name, seed=seed,
-                data=None if config.data is None else Path(config.data).resolve(), steps=step, val_acc=val_acc_ema))
+            end["checkpoint_ema"] = str(save_checkpoint(averaged_path, swin.ema_state_dict(), **meta,
+                                                        val_acc=val_acc_ema))
         del state
     records.write(end)
     text = (f"{'diverged: ' + reason if reason else 'done'}; val accuracy "
