@@ -2,6 +2,7 @@
 weights), moved after every optimizer step, read by ema_state_dict() and predict(ema=True). On the CPU
 with the tiny Swin (the CUDA-graph form is in test_api_gpu.py)."""
 import io
+import re
 import sys
 from pathlib import Path
 
@@ -81,6 +82,51 @@ def test_predict_with_the_average_is_timm_with_the_averaged_weights(recipe, mast
     tol = 1e-5 if recipe == "baseline" else 2e-2              # bf16 GEMMs: the same rounding of the same weights
     assert torch.allclose(averaged, expected, rtol=tol, atol=tol)
     assert not torch.allclose(averaged, before, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("recipe", ["baseline", "master"])
+def test_averaged_weights_holds_the_averages_for_a_whole_evaluation(recipe, master_recipe):
+    swin = optimize_swin(tiny(), master_recipe if recipe == "master" else "baseline", optimizer={"lr": 1e-2},
+                         ema=0.5)
+    for x, y in batches(3):
+        swin.train_step(x, y)
+    trained = weights(swin.model)
+    state = floating(swin.state_dict())
+    images = [x for x, _ in batches(2, seed=9)]
+    one_by_one = [swin.predict(x, ema=True) for x in images]
+    with swin.averaged_weights() as same:
+        assert same is swin
+        assert not all(torch.equal(v, trained[k]) for k, v in weights(swin.model).items())
+        held = [swin.predict(x) for x in images]
+        assert torch.equal(swin.predict(images[0], ema=True), held[0])     # already in place: not swapped twice
+        for call, what in ((lambda: swin.train_step(*batches(1)[0]), "train_step"),
+                           (swin.state_dict, "state_dict()"),
+                           (lambda: swin.load_state_dict(state), "load_state_dict"),
+                           (lambda: swin.load_ema_state_dict(state), "load_ema_state_dict")):
+            with pytest.raises(UserError, match=re.escape(f"{what} inside averaged_weights")):
+                call()
+        with pytest.raises(UserError, match="already inside"):
+            with swin.averaged_weights():
+                pass
+        assert swin.ema_state_dict().keys() == state.keys()
+    assert all(torch.equal(a, b) for a, b in zip(held, one_by_one))
+    assert all(torch.equal(v, trained[k]) for k, v in weights(swin.model).items())   # back, bit for bit
+    assert_close(floating(swin.state_dict()), state, atol=0)
+    swin.train_step(*batches(1)[0])                                    # and training goes on after it
+
+
+def test_averaged_weights_puts_the_trained_weights_back_when_the_block_raises():
+    swin = optimize_swin(tiny(), "baseline", optimizer={"lr": 1e-2}, ema=0.5)
+    for x, y in batches(2):
+        swin.train_step(x, y)
+    trained = weights(swin.model)
+    with pytest.raises(KeyError):
+        with swin.averaged_weights():
+            raise KeyError("the user's evaluation failed")
+    assert all(torch.equal(v, trained[k]) for k, v in weights(swin.model).items())
+    with pytest.raises(UserError, match="keeps no EMA"):
+        with optimize_swin(tiny(), "baseline").averaged_weights():
+            pass
 
 
 def test_the_average_saves_and_loads_to_resume(master_recipe):

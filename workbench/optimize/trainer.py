@@ -14,8 +14,9 @@ applies) to a timm Swin the user built, in place, and builds the optimizer the r
                                            under FSDP gathered whole on every rank)
     optimizer_state_dict() / load_...      the optimizer's state, to resume (under FSDP each rank's shard)
     ema_state_dict() / predict(ema=True)   with `ema`: an exponential moving average of the fp32 weights
-                                           (the masters under master weights), updated after every
-                                           optimizer step (inside the CUDA graph of a graph recipe)
+    averaged_weights()                     (the masters under master weights), updated after every
+                                           optimizer step (inside the CUDA graph of a graph recipe); the
+                                           block puts the averages in place for a whole evaluation
 
 images: (N, 3, H, W) float at the model's input size, on any device (copied to the model's). targets:
 whatever `loss_fn(logits, targets)` takes: class indices (N,) int64, or soft targets (N, classes) float from
@@ -213,7 +214,8 @@ class OptimizedSwin:
         self.ema_decay = ema
         self._ema: list[torch.Tensor] = []          # the averages, in the order of _ema_sources
         self._ema_sources: list[torch.Tensor] = []  # the fp32 weights they follow (the flat master first)
-        self._ema_names: dict[str, int] = {}        # state_dict key -> index, for parameters outside the master
+        self._ema_params: list[torch.nn.Parameter] = []  # the parameters outside the master, after it in _ema
+        self._averaged = False                      # inside averaged_weights(): the model holds the averages
         if ema is not None:
             self._build_ema()
         # eager optimizer steps before a CUDA graph is captured (DDP's reducer needs more of them)
@@ -347,7 +349,7 @@ class OptimizedSwin:
             if p.dtype != torch.float32:
                 raise UserError(f"ema: parameter {name} is {p.dtype}; the average is kept of fp32 weights (give "
                                 "optimize_swin the model in fp32)")
-            self._ema_names[name] = len(self._ema_sources)
+            self._ema_params.append(p)
             self._ema_sources.append(p.detach())
         self._ema = [t.clone() for t in self._ema_sources]
 
@@ -365,8 +367,8 @@ class OptimizedSwin:
     def _ema_values(self) -> dict[str, torch.Tensor]:
         """state_dict key -> the average of that parameter (views of the averages); every name of a tied
         parameter maps to its one average."""
-        params = dict(self.model.named_parameters())
-        index = {id(params[name]): i for name, i in self._ema_names.items()}
+        first = 1 if self._master is not None else 0
+        index = {id(p): first + i for i, p in enumerate(self._ema_params)}
         values = {name: self._ema[index[id(p)]] for name, p in self.model.named_parameters(remove_duplicate=False)
                   if id(p) in index}
         if self._master is not None:
@@ -386,6 +388,7 @@ class OptimizedSwin:
         """Set the averages from what ema_state_dict() gave (or any state_dict of the same Swin), to resume
         a run with its EMA. In place: a captured graph stays valid."""
         self._require_ema("load_ema_state_dict")
+        self._refuse_while_averaged("load_ema_state_dict")
         values = self._ema_values()
         missing = sorted(set(values) - set(state_dict))
         if missing:
@@ -399,25 +402,43 @@ class OptimizedSwin:
                 value.copy_(given)
 
     @contextlib.contextmanager
-    def _averaged_weights(self):
-        """The model computes with the averages inside the block (rounded to bf16 where the weights are bf16
-        copies of masters), and with its own weights again after: in place, so graphs stay valid."""
+    def averaged_weights(self):
+        """The model computes with the averaged weights inside the block (rounded to bf16 where it computes
+        with bf16 copies of fp32 masters) and with its trained weights again after it, bit for bit: in
+        place, so captured graphs stay valid. Put them in place once around a whole evaluation:
+
+            with swin.averaged_weights():
+                for images, targets in val_loader:
+                    logits = swin.predict(images)
+
+        Inside it predict() computes with the averages; train_step, state_dict and the loads are refused
+        (ema_state_dict() gives the averaged weights)."""
+        self._require_ema("averaged_weights()")
+        if self._averaged:
+            raise UserError("averaged_weights(): already inside an averaged_weights() block")
+        first = 1 if self._master is not None else 0
         with torch.no_grad():
             saved_flat = self._master.flat.clone() if self._master is not None else None
-            by_name = dict(self.model.named_parameters())
-            saved = {name: by_name[name].detach().clone() for name in self._ema_names}
+            saved = [p.detach().clone() for p in self._ema_params]
             if self._master is not None:
                 self._master.flat.copy_(self._ema[0])
-            for name, i in self._ema_names.items():
-                by_name[name].detach().copy_(self._ema[i])
+            for i, p in enumerate(self._ema_params):
+                p.detach().copy_(self._ema[first + i])
+        self._averaged = True
         try:
-            yield
+            yield self
         finally:
+            self._averaged = False
             with torch.no_grad():
                 if saved_flat is not None:
                     self._master.flat.copy_(saved_flat)
-                for name, value in saved.items():
-                    by_name[name].detach().copy_(value)
+                for p, value in zip(self._ema_params, saved):
+                    p.detach().copy_(value)
+
+    def _refuse_while_averaged(self, what: str) -> None:
+        if self._averaged:
+            raise UserError(f"{what} inside averaged_weights(): the model holds the averaged weights there; "
+                            "call it after the block")
 
     def _range(self, name: str):
         return self.marker.range(name) if self.marker is not None else contextlib.nullcontext()
@@ -442,6 +463,7 @@ class OptimizedSwin:
         one given to optimize_swin, else F.cross_entropy), backward (of loss / accumulate), and on every
         `accumulate`-th call gradient clipping and the optimizer step. -> the micro-batch's loss (0-dim fp32,
         not divided by accumulate). `updated` says whether the optimizer stepped."""
+        self._refuse_while_averaged("train_step")
         loss_fn = loss_fn or self.loss_fn
         last = (self.micro_steps + 1) % self.accumulate == 0
         if self.graphed:
@@ -582,13 +604,15 @@ class OptimizedSwin:
         """Logits (N, classes) fp32 of `images` with the model in eval mode (put back as it was after) under
         the recipe's autocast and torch.inference_mode. With `cuda_graph`, replayed as a graph captured for
         the first batch's shape; batches of another shape run eagerly (said once). ema: with the averaged
-        weights (optimize_swin's `ema`), put in place for the call and the trained ones back after it."""
+        weights (optimize_swin's `ema`), put in place for the call and the trained ones back after it (inside
+        averaged_weights() every call computes with them, and they stay in place)."""
         if ema:
             self._require_ema("predict(ema=True)")
         was_training = self.model.training
         self.model.eval()
         try:
-            with self._averaged_weights() if ema else contextlib.nullcontext(), torch.inference_mode():
+            averaged = self.averaged_weights() if ema and not self._averaged else contextlib.nullcontext()
+            with averaged, torch.inference_mode():
                 if self.graphed:
                     return self._graph_predict(images).float().clone()
                 return self._predict_forward(self._on_device(images)).float()
@@ -636,6 +660,7 @@ class OptimizedSwin:
         """The model's weights under the keys, dtypes and values a plain timm Swin holds: under master
         weights the fp32 masters (copies), not their bf16 copies; under FSDP every tensor gathered whole
         (a collective: every rank calls it, and every rank gets it all). Loads into timm's model as it is."""
+        self._refuse_while_averaged("state_dict()")
         if self.sharded:
             return full_state_dict(self.model)
         state = self.model.state_dict()
@@ -651,6 +676,7 @@ class OptimizedSwin:
         bf16 weights become the masters rounded. Under FSDP every rank gives the whole state_dict and keeps
         its shards. With `ema`, the average starts again at the loaded weights (load_ema_state_dict after
         this to resume one). -> torch's (missing_keys, unexpected_keys)."""
+        self._refuse_while_averaged("load_state_dict")
         from torch.nn.modules.module import _IncompatibleKeys
 
         if self.sharded:

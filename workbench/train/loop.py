@@ -25,6 +25,7 @@ the reference's spread (workbench.results.parity).
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import math
@@ -208,13 +209,14 @@ def warmup_cosine(total: int):
 
 def evaluate(swin, data, batch: int, device, ema: bool = False) -> tuple[float, float]:
     """(accuracy %, mean cross-entropy) of `swin.predict` over the validation split (ema: of the averaged
-    weights)."""
+    weights, put in place once for the whole split)."""
     correct, loss, n = 0, 0.0, 0
-    for x, y in data.val_batches(batch, device):
-        logits = swin.predict(x, ema=ema)
-        correct += (logits.argmax(1) == y).sum().item()
-        loss += F.cross_entropy(logits, y, reduction="sum").item()
-        n += len(y)
+    with swin.averaged_weights() if ema else contextlib.nullcontext():
+        for x, y in data.val_batches(batch, device):
+            logits = swin.predict(x)
+            correct += (logits.argmax(1) == y).sum().item()
+            loss += F.cross_entropy(logits, y, reduction="sum").item()
+            n += len(y)
     return 100.0 * correct / n, loss / n
 
 
