@@ -585,7 +585,7 @@ def _percent(text: str) -> float:
 def _run_check(baseline, current, limit, drift, thresholds, force, fmt, output=None):
     import json
 
-    from workbench.results.check import check_records, is_check_output, render_markdown, to_json
+    from workbench.results.check import check_records, is_check_output, refuse_among_records, render_markdown, to_json
 
     if fmt == "markdown":
         fmt = "md"
@@ -596,6 +596,7 @@ def _run_check(baseline, current, limit, drift, thresholds, force, fmt, output=N
     if output is not None:   # before the work: a check never writes over a record, a trace or a user's file
         _call(refuse_to_replace, output, is_check_output, "a table swinbench check wrote",
               inputs=_call(record_files, [*baseline, *current]))
+        _call(refuse_among_records, output)
 
     try:
         result = _call(check_records, baseline, current, max_regression_pct=limit, thresholds_file=thresholds,

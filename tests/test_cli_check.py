@@ -131,3 +131,19 @@ def test_an_unexpected_failure_is_exit_2_not_a_regression(monkeypatch):
     monkeypatch.setattr(workbench.results.check, "check_records", broken)
     result = runner.invoke(app, ["check", "--baseline", str(SAMPLE), "--current", str(SAMPLE)])
     _one_line_exit_2(result, "not a regression", "KeyError")
+
+
+def test_a_json_table_among_stage_records_is_refused_before_it_is_written(tmp_path):
+    records = tmp_path / "run" / "records"
+    shutil.copytree(SAMPLE, records)
+    before = sorted(p.name for p in records.iterdir())
+    result = runner.invoke(app, ["check", "--baseline", str(SAMPLE), "--current", str(records), "--format", "json",
+                                 "--output", str(records / "check.json")])
+    _one_line_exit_2(result, "as a stage record")
+    assert sorted(p.name for p in records.iterdir()) == before
+    # beside the records/ folder, or under a name report and check skip, it is written
+    for out in (tmp_path / "run" / "check.json", records / "_check.json"):
+        result = runner.invoke(app, ["check", "--baseline", str(SAMPLE), "--current", str(records), "--format",
+                                     "json", "--output", str(out)])
+        assert result.exit_code == 0 and out.is_file(), result.output
+    assert runner.invoke(app, ["check", "--baseline", str(SAMPLE), "--current", str(records)]).exit_code == 0

@@ -179,3 +179,25 @@ def test_what_profile_nproc_and_apply_nproc_write_counts_as_the_run():
                 (path / "f").write_text("x")
         (folder / "notes.txt").write_text("mine")
         assert sorted(e.name for e in run_entries(folder)) == sorted(names)
+
+
+def test_a_matrix_folder_or_a_part_of_another_run_is_refused(tmp_path):
+    matrix = tmp_path / "matrix"
+    matrix.mkdir()
+    (matrix / "matrix.json").write_text("{}\n")
+    with pytest.raises(UserError, match="holds a swinbench matrix"):
+        claim_run_folder(matrix, command="apply", overwrite=True)
+    run = earlier_run(tmp_path / "run")
+    (run / "profiles").mkdir()
+    (run / "profiles" / "01-amp").mkdir()
+    (run / "profiles" / "01-amp" / "trace.sqlite").write_text("")
+    digest = folder_digest(run)
+    for part in ("records", "profiles"):
+        with pytest.raises(UserError, match=f"is part of the run in .*its {part}"):
+            claim_run_folder(run / part, command="apply", overwrite=True)
+    assert folder_digest(run) == digest
+    # a folder that merely shares a name with a run entry, beside no run, is a run folder like any other
+    with claim_run_folder(tmp_path / "elsewhere" / "profiles", command="profile"):
+        pass
+    with claim_run_folder(matrix / "cell", command="apply"):
+        pass

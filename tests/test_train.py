@@ -299,3 +299,13 @@ def test_resume_refuses_another_setup_and_changes_nothing(tmp_path, change, mess
     result = runner.invoke(app, ["train", "--device", "cpu", "--batch", "16", *args, *change, "--resume"])
     assert result.exit_code == 2 and message in result.output, result.output
     assert {p.name: p.read_text() for p in (out / "records").iterdir()} == before
+
+
+def test_resume_into_another_commands_run_is_refused(tmp_path):
+    out = tmp_path / "profile-run"
+    out.mkdir()
+    (out / "trace.sqlite").write_text("")
+    (out / "kernels.csv").write_text("kernel,ms\n")
+    result = runner.invoke(app, ["train", "--device", "cpu", "--steps", "2", "--out", str(out), "--resume"])
+    assert result.exit_code == 2 and "holds another command's run" in result.output, result.output
+    assert sorted(p.name for p in out.iterdir()) == ["kernels.csv", "trace.sqlite"]

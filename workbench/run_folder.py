@@ -45,6 +45,11 @@ RUN_ENTRY_PATTERNS = (
 )
 
 
+# The tables of `swinbench matrix`: a folder holding them is a matrix, whose cells (its subfolders) are runs
+MATRIX_MD = "matrix.md"
+MATRIX_JSON = "matrix.json"
+
+
 def run_entries(folder: Path) -> list[Path]:
     """The entries of `folder` that a swinbench run wrote (RUN_ENTRY_PATTERNS), sorted; [] when the
     folder does not exist. An empty folder among them holds nothing measured and does not count."""
@@ -289,6 +294,23 @@ class FolderClaim:
         return False
 
 
+def refuse_part_of_another(folder: Path) -> None:
+    """UserError (one line) when `folder` is no place for a run of its own: a matrix folder (its cells are
+    its subfolders), or a part of another run (its records/, profiles/, ...), where the run's files would
+    mix with what report, check and resume read as that run's."""
+    folder = Path(folder)
+    held = [n for n in (MATRIX_JSON, MATRIX_MD) if (folder / n).is_file()]
+    if held:
+        raise UserError(f"{folder} holds a swinbench matrix ({held[0]}); its cells are its subfolders: choose "
+                        "another --out")
+    parent = Path(os.path.abspath(folder)).parent
+    if parent != Path(os.path.abspath(folder)):
+        entries = run_entries(parent)
+        names = [e.name for e in entries]
+        if folder.name in names and len(names) > 1:
+            raise UserError(f"{folder} is part of the run in {parent} (its {folder.name}): choose another --out")
+
+
 def claim_run_folder(folder, *, command: str, overwrite: bool = False, keep: bool = False,
                      refusal: Callable[[list[Path], Path], str] | None = None,
                      previous_tag: Callable[[list[Path]], str] | None = None) -> FolderClaim:
@@ -316,6 +338,7 @@ def claim_run_folder(folder, *, command: str, overwrite: bool = False, keep: boo
                             f"{', ...' if len(entries) > 4 else ''}); nothing was changed: --overwrite moves "
                             f"it aside to {dest}, or choose another --out")
 
+    refuse_part_of_another(folder)
     check_unlocked(folder)                 # reads only: a refusal leaves the folder as it was
     refuse_if_held(run_entries(folder))
     lock = FolderLock(folder, command).take()

@@ -32,9 +32,8 @@ from workbench.results.readme_table import (display_path, gpu_label, replace_bet
                                              table_block, versions_label)
 from workbench.results.record import StageRecord, as_records, read_records
 from workbench.results.report import _is_peer, _isnum, best_form, fmt_bytes, fmt_rate, fmt_speedup, speedup_table
+from workbench.run_folder import MATRIX_JSON, MATRIX_MD  # the names that mark a matrix folder
 
-MATRIX_MD = "matrix.md"
-MATRIX_JSON = "matrix.json"
 MATRIX_SCHEMA = "swinbench.matrix/1"
 README_BEGIN = "<!-- matrix:begin -->"
 README_END = "<!-- matrix:end -->"

@@ -49,7 +49,7 @@ from workbench.models import build_model, check_model_name, default_model_for, i
 from workbench.optimize.distributed import check_parallel
 from workbench.optimize.recipes import is_graph_form, resolve_chain
 from workbench.devices import pick_device, resolve_device
-from workbench.run_folder import claim_run_folder
+from workbench.run_folder import claim_run_folder, run_entries
 from workbench.datasets import load_data
 from workbench.train.progress import TrainProgress
 
@@ -431,6 +431,10 @@ def kept_runs(out_dir: Path, runs: list[tuple[str, int]], expected: dict) -> tup
         if records.is_dir() and any(records.iterdir()):
             raise UserError(f"--resume: {records} holds no swinbench train records (another command's run?): "
                             "choose another --out")
+        others = run_entries(out_dir)
+        if others:
+            raise UserError(f"--resume: {out_dir} holds another command's run ({', '.join(e.name for e in others[:3])}"
+                            f"{', ...' if len(others) > 3 else ''}) and no swinbench train records: choose another --out")
         return set(), []
     planned = {record_path(out_dir, i, r, s).name: i for i, (r, s) in enumerate(runs)}
     keep, notes = set(), []
