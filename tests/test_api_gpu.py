@@ -111,7 +111,7 @@ def test_the_graph_moves_the_weights_average_as_the_eager_step_does():
         trained = graphed.predict(x)
         assert torch.allclose(graphed.predict(x, ema=True), eager.predict(x, ema=True), rtol=2e-2, atol=2e-2)
         assert torch.equal(graphed.predict(x), trained)
-    assert graphed._predict_graph is not None
+    assert graphed._predict_graphs.graphs
 
 
 def test_predict_replays_and_falls_back_for_another_size():
@@ -119,7 +119,7 @@ def test_predict_replays_and_falls_back_for_another_size():
     (x, _), (small, _) = batches(1)[0], batches(1, batch=3)[0]
     for _ in range(4):
         assert torch.allclose(graphed.predict(x), eager.predict(x), rtol=1e-2, atol=1e-2)
-    assert graphed._predict_graph is not None
+    assert graphed._predict_graphs.graphs
     with pytest.warns(GraphFallbackWarning, match="predict ran eagerly"):
         assert graphed.predict(small).shape == (3, 10)
 
@@ -221,7 +221,7 @@ def test_a_swinv2_predict_graph_follows_the_weights_as_they_change():
         graphed.train_step(torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g))
     for _ in range(4):
         graphed.predict(x)
-    assert graphed._predict_graph is not None
+    assert graphed._predict_graphs.graphs
     state = graphed.state_dict()
     for key in state:
         if "cpb_mlp" in key or "logit_scale" in key:
@@ -233,3 +233,30 @@ def test_a_swinv2_predict_graph_follows_the_weights_as_they_change():
         want = plain.eval()(x.cuda()).float()
     got = graphed.predict(x)
     assert (got - want).norm() / want.norm() < 3e-2
+
+
+def test_inference_replays_a_graph_per_batch_shape_with_the_eager_logits():
+    """optimize_swin_inference on a GPU: each batch shape warms up, is captured and replayed, giving the
+    logits its eager forward gives; past MAX_INFERENCE_GRAPHS shapes a batch runs eagerly, said once."""
+    import warnings
+
+    from workbench.api import optimize_swin_inference
+    from workbench.optimize.inference import MAX_INFERENCE_GRAPHS
+
+    graphed = optimize_swin_inference(tiny(), "dense")
+    eager = optimize_swin_inference(tiny(), "dense", graph=False)
+    assert graphed.graphed and not eager.graphed
+    sizes = [8, 3, 5, 1, 2][:MAX_INFERENCE_GRAPHS + 1]
+    for n in sizes[:-1]:
+        x = batches(1, batch=n, seed=n)[0][0]
+        for _ in range(4):
+            assert torch.allclose(graphed(x), eager(x), rtol=1e-2, atol=1e-2)
+    assert len(graphed.graphs) == MAX_INFERENCE_GRAPHS and graphed.eager_fallbacks == 0
+    x = batches(1, batch=8, seed=11)[0][0]
+    assert torch.allclose(graphed(x), eager(x), rtol=1e-2, atol=1e-2)      # a replay reads the new batch
+    with pytest.warns(GraphFallbackWarning, match="predict ran eagerly"):
+        graphed(batches(1, batch=sizes[-1])[0][0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        graphed(batches(1, batch=sizes[-1])[0][0])                          # said once
+    assert graphed.eager_fallbacks == 2

@@ -18,6 +18,12 @@ throughput settings, and each rank passes its own shard of the global batch to t
 `distributed="fsdp"` or a `FullyShard` shards the model with FSDP2 instead (each rank holds 1/N of the
 weights, gradients and optimizer state); `state_dict()` still gives the whole weights.
 
+For inference, the recipe's inference form (bf16 weights, fc1's GELU in its GEMM, fp8/int8 Linears),
+each batch shape replayed as a CUDA graph on a GPU:
+
+    swin = optimize_swin_inference(model, "dense")
+    logits = swin(images)
+
 A Swin inside a model of your own (a detection backbone, a features_only model, a framework's loop):
 
     backbone = timm.create_model("swin_base_patch4_window7_224", features_only=True).cuda()
@@ -28,9 +34,9 @@ These names are the stable surface; everything else in `workbench` may change be
 docs/training.md says what each call does and guarantees.
 """
 from workbench.optimize.distributed import DataParallel, FullyShard
+from workbench.optimize.inference import GraphFallbackWarning, InferenceSwin, optimize_swin_inference
 from workbench.optimize.patching import SwinPatch, patch_swin
-from workbench.optimize.trainer import (GRAPH_WARMUP_STEPS, GraphFallbackWarning, OptimizedSwin, RecipeUnavailable,
-                                       optimize_swin)
+from workbench.optimize.trainer import GRAPH_WARMUP_STEPS, OptimizedSwin, RecipeUnavailable, optimize_swin
 
-__all__ = ["optimize_swin", "OptimizedSwin", "patch_swin", "SwinPatch", "DataParallel", "FullyShard",
-           "GraphFallbackWarning", "RecipeUnavailable", "GRAPH_WARMUP_STEPS"]
+__all__ = ["optimize_swin", "OptimizedSwin", "optimize_swin_inference", "InferenceSwin", "patch_swin", "SwinPatch",
+           "DataParallel", "FullyShard", "GraphFallbackWarning", "RecipeUnavailable", "GRAPH_WARMUP_STEPS"]

@@ -54,12 +54,12 @@ from workbench.files import short_repr
 from workbench.optimize.distributed import (DDP_GRAPH_WARMUP_STEPS, DataParallel, FullyShard, Parallel, asked_strategy,
                                             data_parallel_settings, full_state_dict, fully_shard_model,
                                             load_full_state_dict, sharding_blocker, wrap_data_parallel, world_size)
+from workbench.optimize.inference import GraphFallbackWarning, PredictGraphs
 from workbench.optimize.passes import PassContext, PassResult, default_optimizer_factory, inference_only
 from workbench.optimize.recipes import Recipe, apply_chain_passes, effective_passes, is_graph_form, resolve_chain
 from workbench.precision import resolve_precision
 
 GRAPH_WARMUP_STEPS = 3        # eager optimizer steps before the training step is captured
-PREDICT_WARMUP_CALLS = 2      # eager forwards (same batch) before the inference forward is captured
 ADAMW_SETTINGS = ("lr", "betas", "eps", "weight_decay")
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -74,10 +74,6 @@ class RecipeUnavailable(UserError):
                          + (" (the model may be partly patched; build it again for another recipe)" if patched
                             else " (the model is unchanged)"))
         self.recipe, self.reason = recipe, reason
-
-
-class GraphFallbackWarning(UserWarning):
-    """A call ran eagerly instead of replaying its CUDA graph, or captured it again; once per reason."""
 
 
 def _adamw_settings(values: dict, where: str) -> dict:
@@ -135,13 +131,6 @@ class _TrainGraphs:
     training: bool
     number_lrs: list            # the lr of each group that keeps it as a number (None where a tensor)
     grad_norm: torch.Tensor | None = None   # the step graph's gradient norm before clipping (with grad_clip)
-
-
-@dataclass
-class _PredictGraph:
-    graph: Any
-    x: torch.Tensor
-    logits: torch.Tensor
 
 
 class OptimizedSwin:
@@ -230,8 +219,11 @@ class OptimizedSwin:
         self._persistent_grads = self.graphed and accumulate > 1
         self._lr_tensors: list[torch.Tensor | None] = [None] * len(self.optimizer.param_groups)
         self._train_graphs: _TrainGraphs | None = None
-        self._predict_graph: _PredictGraph | None = None
-        self._predict_calls = 0
+        # predict's graph: one batch shape (a validation's last, smaller batch runs eagerly); the weights
+        # change between replays, so SwinV2's weight terms are computed in the graph
+        self._predict_graphs = (PredictGraphs(lambda x: self._predict_forward(x), self.device,
+                                              on_eager=self._predict_fell_back, terms_every_call=True)
+                                if self.device.type == "cuda" else None)
         self._warm_micro_steps = 0
         self._said: set[str] = set()
         if self.graphed:
@@ -613,40 +605,15 @@ class OptimizedSwin:
         try:
             averaged = self.averaged_weights() if ema and not self._averaged else contextlib.nullcontext()
             with averaged, torch.inference_mode():
-                if self.graphed:
-                    return self._graph_predict(images).float().clone()
+                if self.graphed and self._predict_graphs is not None:
+                    return self._predict_graphs(images).float().clone()
                 return self._predict_forward(self._on_device(images)).float()
         finally:
             self.model.train(was_training)
 
-    def _graph_predict(self, images: torch.Tensor) -> torch.Tensor:
-        pg = self._predict_graph
-        if pg is None and self._predict_calls < PREDICT_WARMUP_CALLS:
-            self._predict_calls += 1
-            return self._predict_forward(self._on_device(images))
-        if pg is None:
-            x = torch.empty_like(images, device=self.device).copy_(images)
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                self._predict_forward(x)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            from workbench.optimize.passes.fused_attention import terms_in_every_call
-
-            graph = torch.cuda.CUDAGraph()
-            # the weights change between replays (training, the EMA): SwinV2's weight terms are computed in
-            # the graph, not read from what the eager calls cached
-            with terms_in_every_call(), torch.cuda.graph(graph):
-                logits = self._predict_forward(x)
-            pg = self._predict_graph = _PredictGraph(graph, x, logits)
-        if images.shape != pg.x.shape or images.dtype != pg.x.dtype:
-            self.eager_fallbacks += 1
-            self._say("predict:shape", f"predict ran eagerly: a batch of {tuple(images.shape)} {images.dtype} "
-                                       f"(the graph holds {tuple(pg.x.shape)} {pg.x.dtype})")
-            return self._predict_forward(self._on_device(images))
-        pg.x.copy_(images, non_blocking=True)
-        pg.graph.replay()
-        return pg.logits
+    def _predict_fell_back(self, key: str, text: str) -> None:
+        self.eager_fallbacks += 1
+        self._say(key, text)
 
     # ------------------------------------------------------------------ checkpoints
 

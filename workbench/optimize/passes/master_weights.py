@@ -181,5 +181,6 @@ def apply(model: torch.nn.Module, ctx: PassContext):
     ctx.master_weights = MasterWeights(params, dtype, keep_master=ctx.training)
     n = sum(p.numel() for p in params)
     changed = (f"{len(params)} Linear/Conv2d weights and biases ({n / 1e6:.1f}M values) stored in bf16 "
-               f"(no autocast casts), fp32 masters stepped by the optimizer")
+               + ("(no autocast casts), fp32 masters stepped by the optimizer" if ctx.training else
+                  "(no autocast casts); inference keeps no fp32 copy"))
     return model, PassResult(NAME, {}, changed, {"parameters": len(params), "values": n, "dtype": "bfloat16"})

@@ -1,0 +1,143 @@
+"""optimize_swin_inference: a recipe's inference form in one call. On the CPU with the tiny Swin (the Triton
+kernels under TRITON_INTERPRET=1, conftest sets it without a GPU); the CUDA graphs per batch shape in
+test_api_gpu.py, their bookkeeping here with a stand-in for the capture.
+
+What a user relies on: the logits are timm's function of the same weights under the recipe's autocast,
+what `swinbench apply --mode infer` measures for the recipe is what the call runs, the passes are
+planned for inference (bf16 weights without fp32 copies; the quantizing recipes allowed), and mistakes
+are one line."""
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from workbench.api import InferenceSwin, RecipeUnavailable, optimize_swin, optimize_swin_inference
+from workbench.errors import UserError
+from workbench.optimize.inference import PredictGraphs
+from workbench.optimize.workload import Workload, WorkloadConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_api import tiny  # noqa: E402
+
+
+def timm_logits(model, x, autocast: bool) -> torch.Tensor:
+    model = copy.deepcopy(model).eval()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        return model(x).float()
+
+
+@pytest.mark.parametrize("recipe, tol", [("baseline", 0), ("amp", 0), ("apex", 0), ("fmha", 1e-2)])
+def test_the_logits_are_timms_under_the_recipes_autocast(recipe, tol):
+    model = tiny()
+    x = torch.randn(3, 3, 56, 56, generator=torch.Generator().manual_seed(2))
+    want = timm_logits(model, x, autocast=recipe != "baseline")
+    swin = optimize_swin_inference(model, recipe)
+    assert isinstance(swin, InferenceSwin) and swin.model is model and not model.training
+    got = swin(x)
+    assert got.dtype == torch.float32 and got.shape == (3, 10)
+    assert ((got - want).norm() / want.norm()).item() <= tol
+    assert torch.equal(swin.predict(x), got)
+    assert not swin.graphed and "no CUDA graphs on the CPU" in swin.describe()
+
+
+def test_inference_keeps_bf16_weights_without_fp32_copies():
+    model = tiny()
+    swin = optimize_swin_inference(model, "apex")
+    master = swin.ctx.master_weights
+    assert master is not None and master._fp32 is None and master.master is None
+    assert all(p.dtype == torch.bfloat16 for p in master.params)
+    assert "inference keeps no fp32 copy" in swin.describe()
+
+
+def test_what_apply_measures_in_inference_is_what_the_call_runs():
+    """The ladder's inference workload for a recipe and the API on the same weights give the same logits."""
+    config = WorkloadConfig(model="swinbench_tiny_cpu", mode="infer", batch=2, device="cpu", precision="bf16")
+    workload = Workload.build(config)
+    from workbench.optimize.recipes import resolve_chain
+
+    model = copy.deepcopy(workload.model)
+    workload.apply_chain(resolve_chain("fmha"))
+    with torch.inference_mode():
+        measured = workload.forward_loss()[0].float()
+    assert torch.equal(optimize_swin_inference(model, "fmha")(workload.x), measured)
+
+
+def test_an_inference_only_recipe_is_refused_for_training_and_taken_for_inference(tmp_path):
+    simulated = tmp_path / "int8-sim.yaml"
+    simulated.write_text("name: int8-sim\nextends: amp\ndescription: int8 simulated\n"
+                         "passes:\n  - name: quantize_linear\n    params: {dtype: int8, simulate: true, keep: [head.fc]}\n")
+    with pytest.raises(RecipeUnavailable, match="runs inference only"):
+        optimize_swin(tiny(), str(simulated))
+    model = tiny()
+    x = torch.randn(2, 3, 56, 56, generator=torch.Generator().manual_seed(3))
+    want = timm_logits(model, x, autocast=True)
+    swin = optimize_swin_inference(model, str(simulated))
+    got = swin(x)
+    assert 0 < ((got - want).norm() / want.norm()).item() < 0.1     # int8's rounding, not a wrong scale
+    with pytest.raises(RecipeUnavailable, match="int8 GEMMs need a CUDA GPU"):
+        optimize_swin_inference(tiny(), "int8")
+    noted = optimize_swin_inference(tiny(), "int8", allow_unavailable=True)
+    assert any("quantize_linear left out" in n for n in noted.notes)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"graph": "yes"}, "graph must be True or False"),
+    ({"batch": 0}, "batch must be an integer"),
+    ({"recipe": "nope"}, "unknown recipe"),
+])
+def test_mistakes_are_one_line(kwargs, message):
+    with pytest.raises(UserError, match=message):
+        optimize_swin_inference(tiny(), **kwargs)
+
+
+def test_a_call_on_something_that_is_not_a_batch_of_images_is_one_line():
+    swin = optimize_swin_inference(tiny(), "amp")
+    for bad in ([1, 2], torch.zeros(3, 56, 56), torch.zeros(1, 3, 56, 56, dtype=torch.int64)):
+        with pytest.raises(UserError, match="images must be a float tensor"):
+            swin(bad)
+    with pytest.raises(UserError, match="must be a torch.nn.Module"):
+        optimize_swin_inference("swin_tiny_patch4_window7_224")
+
+
+class _FakeGraph:
+    """Stands in for a captured CUDA graph: a replay runs the forward on the static input."""
+
+    def __init__(self, forward, x):
+        self.forward, self.x = forward, x
+        self.logits = forward(x)
+
+    def replay(self):
+        self.logits.copy_(self.forward(self.x))
+
+
+def test_graphs_per_batch_shape_warm_up_capture_replay_and_stop_at_the_limit(monkeypatch):
+    calls, said = [], []
+
+    def forward(x):
+        calls.append(tuple(x.shape))
+        return x.sum(dim=(1, 2, 3))[:, None] * torch.ones(1, 4)
+
+    graphs = PredictGraphs(forward, torch.device("cpu"), on_eager=lambda k, t: said.append((k, t)),
+                           terms_every_call=False, warmup=2, limit=2)
+
+    def capture(images):
+        from workbench.optimize.inference import _Graph
+
+        g = _FakeGraph(forward, images.clone())
+        return _Graph(g, g.x, g.logits)
+
+    monkeypatch.setattr(graphs, "_capture", capture)
+    a, b, c = (torch.randn(n, 3, 4, 4) for n in (2, 3, 5))
+    for _ in range(4):
+        assert torch.allclose(graphs(a), forward(a))
+    assert list(graphs.graphs) == [((2, 3, 4, 4), torch.float32)]
+    fresh = torch.randn(2, 3, 4, 4)
+    assert torch.allclose(graphs(fresh), forward(fresh))        # the replay reads the new batch
+    for _ in range(3):
+        graphs(b)
+    assert len(graphs.graphs) == 2 and not said
+    assert torch.allclose(graphs(c), forward(c))                # past the limit: eager, said
+    assert len(graphs.graphs) == 2 and said and said[0][0] == "predict:shape"
+    assert "predict ran eagerly: a batch of (5, 3, 4, 4)" in said[0][1]

@@ -1,0 +1,224 @@
+"""A recipe for inference: `optimize_swin_inference` and the `InferenceSwin` it returns; and the CUDA graphs
+per batch shape that it and `OptimizedSwin.predict` replay.
+
+    swin = optimize_swin_inference(model, "dense")    # a timm Swin, patched in place for inference
+    logits = swin(images)                             # fp32 logits; on a GPU one CUDA graph per batch shape
+
+The recipe's passes are planned for inference, as `swinbench apply --mode infer` runs the same recipe:
+master weights keep the GEMM weights in bf16 and drop their fp32 values (no autocast casts, no optimizer),
+`fused_linear` runs fc1's GELU in its GEMM's epilogue, and the quantizing recipes (`fp8`, `int8`) are
+allowed. The forward runs under the recipe's autocast and torch.inference_mode, through torch.compile
+where the recipe compiles. On a GPU each batch shape's first PREDICT_WARMUP_CALLS calls run eagerly
+(Triton autotuning, compilation) and the next captures the forward as a CUDA graph, which later calls of
+that shape replay; the recipe's `cuda_graph` pass is not needed for that. Past MAX_INFERENCE_GRAPHS shapes
+a batch runs eagerly, said once.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from workbench.errors import UserError
+from workbench.files import short_repr
+from workbench.optimize.passes import PassContext, PassResult
+from workbench.optimize.recipes import Recipe, apply_chain_passes, resolve_chain
+from workbench.precision import resolve_precision
+
+PREDICT_WARMUP_CALLS = 2      # eager forwards of a batch shape before its forward is captured
+MAX_INFERENCE_GRAPHS = 4      # batch shapes an InferenceSwin keeps a CUDA graph for
+
+
+class GraphFallbackWarning(UserWarning):
+    """A call that a CUDA-graph recipe ran eagerly instead of replaying its graph (said once per reason)."""
+
+
+@dataclass
+class _Graph:
+    graph: Any
+    x: torch.Tensor
+    logits: torch.Tensor
+
+
+class PredictGraphs:
+    """An inference forward `forward(x) -> logits` replayed as CUDA graphs on `device`, one per batch shape
+    and dtype, at most `limit` of them: each shape's first `warmup` calls run eagerly, the next captures
+    it (each graph in its own memory pool), and later calls copy their batch into the graph's input and
+    replay it. A batch of a shape past the limit runs eagerly and `on_eager(key, text)` is told.
+    terms_every_call: SwinV2's weight terms (position bias, logit scale) are computed inside the graph,
+    for weights that change between replays (training); otherwise the graph reads the terms cached by the
+    eager calls before it. Call under torch.inference_mode; the logits returned by a replay are the graph's
+    own buffer, overwritten by its next replay."""
+
+    def __init__(self, forward: Callable[[torch.Tensor], torch.Tensor], device: torch.device, *,
+                 on_eager: Callable[[str, str], None], terms_every_call: bool, warmup: int = PREDICT_WARMUP_CALLS,
+                 limit: int = 1):
+        self.forward = forward
+        self.device = device
+        self.on_eager = on_eager
+        self.terms_every_call = terms_every_call
+        self.warmup = warmup
+        self.limit = limit
+        self.graphs: dict[tuple, _Graph] = {}
+        self._calls: dict[tuple, int] = {}
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        key = (tuple(images.shape), images.dtype)
+        g = self.graphs.get(key)
+        if g is None and len(self.graphs) >= self.limit:
+            held = ", ".join(f"{shape} {dtype}" for shape, dtype in self.graphs)
+            self.on_eager("predict:shape", f"predict ran eagerly: a batch of {key[0]} {key[1]} (the graph"
+                                           f"{'s hold' if len(self.graphs) > 1 else ' holds'} {held})")
+            return self.forward(self._on_device(images))
+        if g is None and self._calls.get(key, 0) < self.warmup:
+            self._calls[key] = self._calls.get(key, 0) + 1
+            return self.forward(self._on_device(images))
+        if g is None:
+            g = self.graphs[key] = self._capture(images)
+        g.x.copy_(images, non_blocking=True)
+        g.graph.replay()
+        return g.logits
+
+    def _on_device(self, images: torch.Tensor) -> torch.Tensor:
+        return images.to(self.device, non_blocking=True)
+
+    def _capture(self, images: torch.Tensor) -> _Graph:
+        from workbench.optimize.passes.fused_attention import terms_in_every_call
+
+        x = torch.empty_like(images, device=self.device).copy_(images)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self.forward(x)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        terms = terms_in_every_call() if self.terms_every_call else contextlib.nullcontext()
+        with terms, torch.cuda.graph(graph):
+            logits = self.forward(x)
+        return _Graph(graph, x, logits)
+
+
+class InferenceSwin:
+    """A timm Swin patched by a recipe for inference. Build it with `optimize_swin_inference`.
+
+    model: the patched model (the object given, in eval mode; its weights as the recipe keeps them for
+    inference: bf16 GEMM weights under master weights, quantized Linears under fp8/int8). recipe, chain,
+    passes: the recipe's name, its chain and every pass's PassResult. notes: what the user should know
+    (passes left out, fallbacks; said once each). graphed: whether calls replay CUDA graphs. graphs: the
+    batch shapes captured so far. eager_fallbacks: calls that ran eagerly past the graph limit."""
+
+    def __init__(self, model: torch.nn.Module, ctx: PassContext, chain: list[Recipe], passes: list[PassResult],
+                 *, graphed: bool, notes: list[str]):
+        self.model = model.eval()
+        self.ctx = ctx
+        self.chain = chain
+        self.recipe = chain[-1].name if chain else "baseline"
+        self.passes = passes
+        self.notes = list(notes)
+        self.device = ctx.device
+        self.graphed = graphed
+        self.eager_fallbacks = 0
+        self._said: set[str] = set()
+        ctx.precision.apply_matmul_mode()
+        forward = self._forward_eager
+        if ctx.compile:
+            forward = torch.compile(self._forward_eager, **ctx.compile_options)
+        self._forward = forward
+        self._graphs = (PredictGraphs(forward, self.device, on_eager=self._fell_back, terms_every_call=False,
+                                      limit=MAX_INFERENCE_GRAPHS) if graphed else None)
+
+    def _forward_eager(self, x: torch.Tensor) -> torch.Tensor:
+        with self.ctx.precision.autocast(self.device.type):
+            return self.model(x)
+
+    def _fell_back(self, key: str, text: str) -> None:
+        self.eager_fallbacks += 1
+        if key not in self._said:
+            self._said.add(key)
+            self.notes.append(text)
+            warnings.warn(text, GraphFallbackWarning, stacklevel=4)
+
+    @property
+    def graphs(self) -> list[tuple[int, ...]]:
+        return [shape for shape, _ in self._graphs.graphs] if self._graphs is not None else []
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        """Logits (N, classes) fp32 of `images` ((N, 3, H, W) float at the model's input size, on any device),
+        a new tensor on the model's device."""
+        if not isinstance(images, torch.Tensor) or images.dim() != 4 or not images.is_floating_point():
+            raise UserError(f"images must be a float tensor (N, 3, H, W), got {short_repr(images)}")
+        with torch.inference_mode():
+            if self._graphs is not None:
+                return self._graphs(images).float().clone()
+            return self._forward(images.to(self.device, non_blocking=True)).float()
+
+    predict = __call__
+
+    def describe(self) -> str:
+        """A few lines: the recipe, its precision, the graphs, what each pass changed, the notes."""
+        lines = [f"recipe {self.recipe} ({' -> '.join(r.name for r in self.chain)}) for inference, precision "
+                 f"{self.ctx.precision.name}" + (", CUDA graph per batch shape" if self.graphed else ", eager")]
+        lines += [f"  {p.name}: {p.changed}" for p in self.passes]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"InferenceSwin(recipe={self.recipe!r}, precision={self.ctx.precision.name!r}, device={self.device})"
+
+
+def optimize_swin_inference(model: torch.nn.Module, recipe: str = "dense", *, graph: bool = True,
+                            device: str | torch.device | None = None, batch: int | None = None,
+                            allow_unavailable: bool = False) -> InferenceSwin:
+    """Patch a timm Swin for a recipe's inference form -> InferenceSwin (call it on images for logits).
+
+    model: a timm Swin (v1, SwinV2 or swinv2_cr), in fp32 with the weights it will keep (load them first:
+    the recipe may store them in bf16 or quantize them), patched in place. recipe: a built-in recipe name
+    or a recipe YAML path; `dense` is the fastest bf16 form, `fp8` and `int8` quantize the Linears. graph:
+    on a GPU, replay the forward as one CUDA graph per batch shape (not where the recipe's torch.compile
+    replays its own, reduce-overhead); on the CPU it runs eagerly either way (said in `notes`). device:
+    where to run (default: where the model's parameters are). batch: the images per call you will run,
+    for the passes that time their choices at the model's shapes on a GPU (fused_attention's route per
+    window shape, the quantized GEMMs' selection); default 32. allow_unavailable: go on without passes
+    that cannot run here (no GPU for the Triton kernels) instead of raising; `notes` lists them.
+
+    A pass that cannot run here raises RecipeUnavailable, a UserError (the model may then be partly
+    patched: build it again)."""
+    from workbench.optimize.trainer import RecipeUnavailable
+
+    if not isinstance(model, torch.nn.Module):
+        raise UserError(f"model must be a torch.nn.Module (a timm Swin), got {short_repr(model)}")
+    if not isinstance(graph, bool):
+        raise UserError(f"graph must be True or False, got {short_repr(graph)}")
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
+        raise UserError(f"batch must be an integer >= 1 or None, got {short_repr(batch)}")
+    chain = resolve_chain(str(recipe))
+    if device is not None:
+        from workbench.devices import resolve_device
+
+        dev = resolve_device(str(device))
+        model.to(dev)
+    else:
+        param = next(iter(model.parameters()), None)
+        dev = param.device if param is not None else torch.device("cpu")
+    model.eval()
+    ctx = PassContext(device=dev, precision=resolve_precision("fp32"), training=False, batch=batch)
+    model, results = apply_chain_passes(model, ctx, chain)
+    unavailable = [r for r in results if not r.available]
+    if unavailable and not allow_unavailable:
+        first = unavailable[0]
+        raise RecipeUnavailable(chain[-1].name, f"{first.name} {first.changed}")
+    notes = [f"pass {r.name} left out: {r.changed}" for r in unavailable]
+    notes += [f"pass {r.name} {r.changed}" for r in results if r.details.get("applied") is False]
+    graphed = False
+    if graph:
+        options = ctx.compile_options if ctx.compile else {}
+        if dev.type != "cuda":
+            notes.append(f"no CUDA graphs on the {dev.type.upper()}: every call runs eagerly")
+        elif options.get("mode") == "reduce-overhead" or (options.get("options") or {}).get("triton.cudagraphs"):
+            notes.append("the recipe's torch.compile replays its own CUDA graphs (reduce-overhead): no graph of ours")
+        else:
+            graphed = True
+    return InferenceSwin(model, ctx, chain, results, graphed=graphed, notes=notes)
