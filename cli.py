@@ -231,7 +231,11 @@ def analyze(
     _check_name_style(name)
     _check_top(top)
     if _is_folder(trace):
-        return _analyze_ranks(trace, name, top, format, out, timeline, overwrite)
+        given = [flag for flag, value in (("--step", step), ("--records", records)) if value is not None]
+        if given:
+            raise _fail(UserError(f"{given[0]} goes with one trace file, not a folder of rank traces: give "
+                                  f"{trace}/rank0/... to analyze one rank"), 2)
+        return _analyze_ranks(trace, name, top, format, out, timeline, overwrite, range)
     folder = out or trace.parent
     if step is not None and (format is None or not timeline):
         raise _fail(UserError("--step picks the step timeline.png draws: it needs --format (and no --no-timeline)"), 2)
@@ -262,7 +266,7 @@ def _is_folder(path: Path) -> bool:
 
 
 def _analyze_ranks(folder: Path, name: str, top: int, format: Optional[str], out: Optional[Path], timeline: bool,
-                   overwrite: bool) -> None:
+                   overwrite: bool, range_name: Optional[str] = None) -> None:
     """analyze FOLDER: the rank<r>/ traces `profile --nproc` wrote, read together (analysis.ranks)."""
     from workbench.analysis.analyze import analysis_tables, analyze_trace, render_analysis, write_analysis
     from workbench.analysis.ranks import rank_frame, rank_row, rank_traces, render_rank_table, write_rank_table
@@ -275,10 +279,10 @@ def _analyze_ranks(folder: Path, name: str, top: int, format: Optional[str], out
     if format is not None:
         _check_format(format)
         for rank, trace in traces:
-            _call(analysis_tables(out / trace.parent.name, format, trace, None, timeline).check, overwrite)
+            _call(analysis_tables(out / trace.parent.name, format, trace, range_name, timeline).check, overwrite)
     cpu, rows = False, []
     for rank, trace in traces:
-        analysis = _call(analyze_trace, trace, name_style=name)
+        analysis = _call(analyze_trace, trace, name_style=name, range_name=range_name)
         rows.append(rank_row(rank, analysis.trace))
         cpu = cpu or analysis.trace_meta.get("device") == "cpu"
         if rank == traces[0][0]:

@@ -124,6 +124,12 @@ def analyze_trace(path, *, name_style: str = "demangled", range_name: str | None
     windows, unit, scope = _unit_windows(trace, range_name)
     api, api_meta = _scoped_api(trace, windows, unit, scope)
     meta.update(api_meta)
+    # the host's kernel launches over the kernels' own scope (the whole trace, or the range's instances):
+    # what diff divides by the same steps as the kernels
+    meta["host_launches"] = None
+    if trace.api is not None and len(trace.api):
+        launches = A.api_table(trace.api) if range_name is None or not len(windows) else api
+        meta["host_launches"] = float(launches.loc[launches["kind"] == "launch", "calls"].sum())
     if len(devices) > 1:
         meta["device_steps"] = {int(d): int(windows["pid"].isin(k["pid"].unique()).sum())
                                 for d, k in kernels.groupby("device_id", sort=True)}

@@ -97,9 +97,12 @@ def _busy_pct(analysis: Analysis, device: int | None = None) -> float:
 
 
 def _launches(analysis: Analysis, per: int) -> float:
-    """Host kernel launches divided by `per` (api_summary gives them per step where it can)."""
+    """Host kernel launches over the kernels' scope (the whole trace, or the range's instances) divided by
+    `per`, as the kernel counts are."""
     if analysis.api is None or not len(analysis.api):
         return math.nan
+    if analysis.trace_meta.get("host_launches") is not None:
+        return float(analysis.trace_meta["host_launches"]) / per
     calls = float(api_summary(analysis.api).get("launch", 0.0))
     steps = _steps(analysis)
     return (calls * steps if steps else calls) / per

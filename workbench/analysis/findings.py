@@ -108,7 +108,7 @@ def _launches(api: pd.DataFrame | None, units: int, has_units: bool) -> float | 
 
 
 def _one_device(busy: pd.DataFrame, categories: pd.DataFrame, kernels: pd.DataFrame, api, meta: dict,
-                units: int, unit: str, gains=None) -> list[dict]:
+                units: int, unit: str, gains=None, launch_share: float = 1.0) -> list[dict]:
     words = trace_words(meta)
     ns = dict(zip(busy["metric"], busy["ns"].astype("int64")))
     span, busy_ns, idle_ns, kernel_sum = (int(ns.get(k, 0)) for k in ("span", "busy", "idle", "kernel_sum"))
@@ -130,6 +130,7 @@ def _one_device(busy: pd.DataFrame, categories: pd.DataFrame, kernels: pd.DataFr
                         "Python, autograd and framework time between operators"))
     else:
         launches = _launches(api, units, unit != "trace")
+        launches = launches * launch_share if launches is not None else None
         avg_kernel_us = kernel_sum / n_kernels / 1e3 if n_kernels else 0.0
         every_us = span / units / launches / 1e3 if launches else None
         explained = every_us is not None and every_us > avg_kernel_us and idle_pct > 100 - LAUNCH_BOUND_BUSY_PCT
@@ -179,7 +180,11 @@ def findings(analysis, gains=None) -> pd.DataFrame:
             one = [f[f["device"] == device].drop(columns="device") for f in
                    (analysis.busy, analysis.categories, analysis.kernels)]
             steps = (meta.get("device_steps") or {}).get(device) or units
-            rows += [{"device": device, **r} for r in _one_device(*one, analysis.api, meta, steps, unit, gains)]
+            # each launch starts a kernel on one GPU: this GPU's share of the host's launches
+            total = int(analysis.categories["instances"].sum())
+            share = int(one[1]["instances"].sum()) / total if total else 1.0
+            rows += [{"device": device, **r}
+                     for r in _one_device(*one, analysis.api, meta, steps, unit, gains, launch_share=share)]
     else:
         rows = _one_device(analysis.busy, analysis.categories, analysis.kernels, analysis.api, meta, units, unit,
                            gains)

@@ -190,8 +190,10 @@ def stack_devices(tables: dict[int, pd.DataFrame]) -> pd.DataFrame:
 
 
 def range_instance_of(kernels: pd.DataFrame, instances: pd.DataFrame) -> np.ndarray:
-    """For each kernel, the range_id of an instance in `instances` whose [start, end] holds its launch in the
-    same process (the latest-starting one among overlapping instances), or -1.
+    """For each kernel whose launch lies inside an instance in `instances` of the same process, the
+    range_id of the first instance of its block (instances that overlap, or nest, merged into one block:
+    the same name pushed again inside itself, or on two threads); -1 for a kernel launched outside them.
+    Disjoint instances (steps) are each their own block.
     """
     result = np.full(len(kernels), -1, dtype="int64")
     k_pid = kernels["pid"].to_numpy("int64")
@@ -201,11 +203,13 @@ def range_instance_of(kernels: pd.DataFrame, instances: pd.DataFrame) -> np.ndar
         starts = inst["start_ns"].to_numpy("int64")
         reach = np.maximum.accumulate(inst["end_ns"].to_numpy("int64"))  # covers overlapping instances too
         ids = inst["range_id"].to_numpy("int64")
+        new_block = np.r_[True, starts[1:] > reach[:-1]]
+        first = np.flatnonzero(new_block)[np.cumsum(new_block) - 1]      # each instance's block's first one
         sel = np.flatnonzero((k_pid == pid) & (k_launch >= 0))
         idx = np.searchsorted(starts, k_launch[sel], side="right") - 1
         ok = idx >= 0
         ok[ok] = k_launch[sel][ok] <= reach[idx[ok]]
-        result[sel[ok]] = ids[idx[ok]]
+        result[sel[ok]] = ids[first[idx[ok]]]
     return result
 
 

@@ -146,6 +146,7 @@ class StepView:
     kernel_ns: int
     busy_pct: float
     words: DeviceWords
+    devices: int = 1             # GPUs with kernels in the view: busy_pct is then of any of them
 
     @property
     def step_ns(self) -> int:
@@ -219,7 +220,7 @@ def step_view(trace, step: int | str | None = None) -> StepView:
             rows.append(Row("host", f"CUDA API, {thread_label(tid)}\n{n_launch:,} launches", g))
     return StepView(label=label, why=why, start_ns=lo, end_ns=hi, view_end_ns=view_end, rows=rows, kernels=k,
                     kernel_count=int(own.sum()), kernel_ns=int(kernels.loc[own, "duration_ns"].sum()),
-                    busy_pct=busy_pct, words=words)
+                    busy_pct=busy_pct, words=words, devices=int(k["device_id"].nunique()) if len(k) else 1)
 
 
 # ---------------------------------------------------------------- drawing
@@ -286,11 +287,12 @@ def summary_line(view: StepView) -> str:
     busy 28.0 % of the step', the picture's second title line."""
     w = view.words
     where = "in it" if w.is_cpu else "launched in it"
+    busy = f"any of {view.devices} {w.device}s busy" if view.devices > 1 and not w.is_cpu else f"{w.device} busy"
     if view.label == WHOLE_TRACE:
         return (f"{view.label} (no step ranges): {_ms(view.step_ns)} ms · {view.kernel_count:,} {w.units}, "
-                f"{_ms(view.kernel_ns)} ms of {w.time} · {w.device} busy {view.busy_pct:.1f} % of the span")
+                f"{_ms(view.kernel_ns)} ms of {w.time} · {busy} {view.busy_pct:.1f} % of the span")
     return (f"{view.label} ({view.why}): {_ms(view.step_ns)} ms · {view.kernel_count:,} {w.units} {where}, "
-            f"{_ms(view.kernel_ns)} ms of {w.time} · {w.device} busy {view.busy_pct:.1f} % of the step")
+            f"{_ms(view.kernel_ns)} ms of {w.time} · {busy} {view.busy_pct:.1f} % of the step")
 
 
 _ROW_HEIGHT = {"nvtx": 1.0, "gpu": 2.2, "host": 1.4}
@@ -565,7 +567,11 @@ def perfetto_trace(trace, *, origin: str | None = None, max_events: int = MAX_EV
     timed += _host_events(sel.ranges, "nvtx", [{"domain": d} for d in sel.ranges["domain"].tolist()], source, t0)
     timed += _host_events(sel.api, "cuda_runtime", [{"correlation": c} for c in sel.api["correlation_id"].tolist()],
                           source, t0)
-    timed += _memop_events(sel.memops, gpu_pids or {}, t0)
+    if on_gpu:
+        timed += _memop_events(sel.memops, gpu_pids, t0)
+    elif len(sel.memops):
+        sel.notes.append(f"{len(sel.memops)} memcpy/memset left out: without GPU kernels the timeline shows CPU "
+                         "operators")
     timed.sort(key=lambda e: (e["ts"], -e.get("dur", 0.0)))   # a parent before what it holds
     doc = {
         "traceEvents": _metadata_events(sel, trace, gpu_pids or {}) + timed,

@@ -240,6 +240,13 @@ LAUNCHES_FILE = "launches.json"
 LAUNCHES_SCHEMA = "swinbench.launches/1"
 
 
+def _largest_ok(largest) -> bool:
+    """A launch's largest tensor as launches.json keeps it: null, or [shape (list of ints), dtype (str)]."""
+    return largest is None or (isinstance(largest, list) and len(largest) == 2 and isinstance(largest[0], list)
+                               and all(isinstance(d, int) and not isinstance(d, bool) for d in largest[0])
+                               and isinstance(largest[1], str))
+
+
 def load_launches(path: Path, warnings: list[str]) -> dict | None:
     """The launches file at `path`, or None when there is none; a file that is not one (another schema,
     broken JSON, a wrong field) adds one line to `warnings` and is left out."""
@@ -250,8 +257,9 @@ def load_launches(path: Path, warnings: list[str]) -> dict | None:
     try:
         doc = json.loads(path.read_text())
         ok = (isinstance(doc, dict) and doc.get("schema") == LAUNCHES_SCHEMA and isinstance(doc.get("launches"), list)
+              and isinstance(doc.get("device_name"), (str, type(None)))
               and all(isinstance(e, dict) and isinstance(e.get("kernel"), str) and isinstance(e.get("bytes"), int)
-                      and e["bytes"] >= 0 for e in doc["launches"]))
+                      and e["bytes"] >= 0 and _largest_ok(e.get("largest")) for e in doc["launches"]))
     except (OSError, UnicodeDecodeError, ValueError):
         ok = False
     if not ok:

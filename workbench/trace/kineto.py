@@ -28,6 +28,7 @@ import gzip
 import io
 import json
 import re
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -207,7 +208,9 @@ def parse_kineto(data: dict, path: str = "") -> Trace:
     if isinstance(data, dict):
         if data.get("baseTimeNanoseconds") is not None:
             meta["base_time_ns"] = data["baseTimeNanoseconds"]
-        gpus = [d.get("name") for d in data.get("deviceProperties") or [] if isinstance(d, dict)]
+        props = data.get("deviceProperties")
+        gpus = [d["name"] for d in (props if isinstance(props, list) else [])
+                if isinstance(d, dict) and isinstance(d.get("name"), str)]
         if gpus:
             meta["gpus"] = gpus
     return Trace(kernels=kernels, ranges=_ranges(ev, warnings), meta=meta, memops=_memops(ev, warnings),
@@ -239,8 +242,11 @@ def cpu_ops_as_kernels(ev_or_data, warnings: list[str] | None = None) -> pd.Data
     collective = ops["name"].fillna("").astype(str).str.match(_COLLECTIVE).to_numpy()
     inside = np.zeros(len(ops), dtype=bool)
     for i in np.flatnonzero(collective):      # a few per step: one mask each
-        inside |= (tid == tid[i]) & (start >= start[i]) & (end <= end[i])
-        inside[i] = False
+        # what it holds comes after it in the sort order (an op of the same times too); never un-mark a
+        # collective that an earlier one holds
+        held = (tid == tid[i]) & (start >= start[i]) & (end <= end[i])
+        held[:i + 1] = False
+        inside |= held
     leaves = ops[(~has_child | collective) & ~inside].copy()
     leaves["name"] = leaves["name"].fillna("").astype(str)
     leaves["short_name"] = leaves["name"]
@@ -262,7 +268,7 @@ def load_kineto(path: Path) -> Trace:
         else:
             text = path.read_text(encoding="utf-8")
         data = json.loads(text)
-    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except (OSError, EOFError, zlib.error, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise UserError(f"cannot read {path} as a Kineto JSON trace: {e}") from None
     trace = parse_kineto(data, str(path))
     if trace.kernels.empty:

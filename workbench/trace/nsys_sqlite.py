@@ -262,7 +262,9 @@ def _read_ranges(db: _Db, notes: list[str], warnings: list[str]) -> pd.DataFrame
     domain_names = domains.drop_duplicates(["pid", "domain_id"]).set_index(["pid", "domain_id"])["name"]
     key = pd.MultiIndex.from_arrays([ranges["pid"].to_numpy(), ranges["domain_id"].to_numpy()])
     ranges["domain"] = domain_names.reindex(key).fillna("").to_numpy(dtype=object)
-    ranges["name"] = ranges["name"].fillna("").astype(str)
+    # a name that is no text (a BLOB in a damaged export) reads as the kernels' unnamed ones do
+    ranges["name"] = [v if isinstance(v, str) else "" if v is None or v != v else "<no name>"
+                      for v in ranges["name"].to_numpy(dtype=object)]
     ranges = ranges.sort_values(["start_ns", "end_ns"], ascending=[True, False], kind="stable").reset_index(drop=True)
     ranges["end_ns"] = ranges["end_ns"].astype("int64")
     ranges["range_id"] = np.arange(len(ranges), dtype="int64")
@@ -328,8 +330,9 @@ def _read_meta(db: _Db) -> dict:
     meta: dict = {}
     if "META_DATA_EXPORT" in db.tables:
         kv = dict(db.con.execute("SELECT name, value FROM META_DATA_EXPORT").fetchall())
-        meta["export_version"] = kv.get("EXPORT_PRODUCT_VERSION")
-        meta["schema_version"] = kv.get("EXPORT_SCHEMA_VERSION")
+        text = {k: v if isinstance(v, str) else str(v) if isinstance(v, (int, float)) else None for k, v in kv.items()}
+        meta["export_version"] = text.get("EXPORT_PRODUCT_VERSION")
+        meta["schema_version"] = text.get("EXPORT_SCHEMA_VERSION")
     if "ANALYSIS_DETAILS" in db.tables and {"startTime", "stopTime"} <= db.columns("ANALYSIS_DETAILS"):
         row = db.con.execute("SELECT MIN(startTime), MAX(stopTime) FROM ANALYSIS_DETAILS").fetchone()
         meta["capture_start_ns"], meta["capture_end_ns"] = row
@@ -357,8 +360,14 @@ def load_sqlite(path: Path, display_path: Path | None = None) -> Trace:
             meta = _read_meta(db)
         finally:
             db.con.close()
-    except sqlite3.DatabaseError as e:  # not a database, truncated, malformed
-        raise UserError(f"cannot read {shown} as an nsys SQLite export: {e}") from None
+    except (sqlite3.DatabaseError, pd.errors.DatabaseError) as e:  # not a database, truncated, malformed
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if first.startswith("Execution failed on sql"):     # pandas quotes the whole query: keep the cause
+            first = first.rsplit(": ", 1)[-1]
+        raise UserError(f"cannot read {shown} as an nsys SQLite export: {first[:200]}") from None
+    except UnicodeDecodeError:    # text that is no UTF-8 where the export keeps names
+        raise UserError(f"cannot read {shown} as an nsys SQLite export: text in it is not UTF-8 (a damaged "
+                        "file?)") from None
     span_start, span_end = kernel_span(kernels)
     meta.setdefault("export_version", None)
     meta.setdefault("schema_version", None)
