@@ -117,6 +117,38 @@ class DigitsData:
                    self.val_y[start:start + batch].to(device, non_blocking=True))
 
 
+class _SeededItems(torch.utils.data.Dataset):
+    """A dataset whose item i draws its random augmentation from its own seed, made of (seed, epoch, i): the
+    same crops and flips for the same run seed and epoch whatever the loader processes, their number or
+    the training's own draws from torch's generator."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+        self.seed = 0
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(((self.seed * 1_000_003 + self.epoch) * 10_000_019 + int(i)) % 2**63)
+            return self.dataset[i]
+
+
+# What Pillow raises for an image it cannot read: OSError (unreadable, truncated, not an image),
+# SyntaxError (a damaged PNG chunk), ValueError, and DecompressionBombError (an image too large to decode)
+def _unreadable_image_errors() -> tuple[type[BaseException], ...]:
+    errors: tuple[type[BaseException], ...] = (OSError, SyntaxError, ValueError)
+    try:
+        from PIL import Image
+
+        errors += (Image.DecompressionBombError,)
+    except ImportError:
+        pass
+    return errors
+
+
 class ImageFolderData:
     """An ImageFolder read with torchvision's loaders; `workers` processes decode and augment."""
 
@@ -153,10 +185,12 @@ class ImageFolderData:
                 split = f"{IMAGEFOLDER_VAL_FRACTION:.0%} held out for validation (fixed)"
         except (FileNotFoundError, RuntimeError) as exc:   # no class folders, no images
             raise UserError(f"--data {root}: not an ImageFolder ({str(exc).splitlines()[0]})") from None
+        class_names = self.train.classes
+        self.train = _SeededItems(self.train)
         # no more loader processes than CPUs this process may use (torch's own advice; more only contend)
         self.root, self.size, self.workers, self.split = root, size, min(workers, _usable_cpus()), split
         self.name = str(root)
-        self.classes = len(self.train.classes)
+        self.classes = len(class_names)
         if self.classes < 2 or len(self.val) == 0:
             raise UserError(f"--data {root}: needs at least 2 class folders and images to validate on")
 
@@ -187,7 +221,7 @@ class ImageFolderData:
                 batch = next(batches)
             except StopIteration:
                 return
-            except OSError as exc:   # PIL's errors (unreadable, truncated, not an image) are OSErrors
+            except _unreadable_image_errors() as exc:
                 text = str(exc).strip()
                 if "Original Traceback" in text:   # from a loader process: its last line is 'Type: message'
                     text = text.splitlines()[-1].split(": ", 1)[-1]
@@ -196,12 +230,13 @@ class ImageFolderData:
             yield batch
 
     def train_batches(self, epoch: int, batch: int, seed: int, device, rank: int = 0, world: int = 1) -> Iterator[Batch]:
+        self.train.seed, self.train.epoch = seed, epoch    # each image's augmentation: per (seed, epoch, image)
         if world == 1:
-            # the loader draws its order and its workers' seeds from this generator: same per (seed, epoch)
+            # the loader draws its order from this generator: the same per (seed, epoch)
             yield from self._loader(self.train, batch, True, epoch_generator(seed, epoch), device)
             return
         # DistributedSampler: each rank an equal, disjoint share of the epoch's permutation (the tail that
-        # does not divide is dropped); the workers' augmentation seeds differ per rank
+        # does not divide is dropped)
         sampler = torch.utils.data.DistributedSampler(self.train, num_replicas=world, rank=rank, shuffle=True,
                                                       seed=seed * 100_003, drop_last=True)
         sampler.set_epoch(epoch)
