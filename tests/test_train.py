@@ -287,7 +287,7 @@ def test_resume_keeps_finished_runs_and_trains_the_rest(tmp_path):
 
 @pytest.mark.parametrize("change, message", [
     (["--steps", "4"], "trained with steps 3"),
-    (["--baseline-seeds", "3"], "not a run of this plan"),
+    (["--seed", "7"], "not a run of this plan"),
 ])
 def test_resume_refuses_another_setup_and_changes_nothing(tmp_path, change, message):
     out = tmp_path / "cmp"
@@ -309,3 +309,71 @@ def test_resume_into_another_commands_run_is_refused(tmp_path):
     result = runner.invoke(app, ["train", "--device", "cpu", "--steps", "2", "--out", str(out), "--resume"])
     assert result.exit_code == 2 and "holds another command's run" in result.output, result.output
     assert sorted(p.name for p in out.iterdir()) == ["kernels.csv", "trace.sqlite"]
+
+
+def test_resume_adds_seeds_to_a_comparison_and_renumbers_its_records(tmp_path):
+    out = tmp_path / "cmp"
+    args = ["--compare", "baseline,amp,torch-sdpa", "--steps", "2", "--out", str(out)]
+    train(tmp_path, *args)
+    first = {p.name: p.read_text() for p in (out / "records").iterdir()}
+    assert sorted(first) == ["01-baseline-seed0.jsonl", "02-baseline-seed1.jsonl", "03-amp-seed0.jsonl",
+                             "04-torch-sdpa-seed0.jsonl"]
+    output = train(tmp_path, *args, "--seeds", "3", "--resume")
+    assert "4 of 9 runs finished before and are kept" in output and "renumbered" in output
+    now = {p.name: p.read_text() for p in (out / "records").iterdir()}
+    assert sorted(now) == ["01-baseline-seed0.jsonl", "02-baseline-seed1.jsonl", "03-baseline-seed2.jsonl",
+                           "04-amp-seed0.jsonl", "05-amp-seed1.jsonl", "06-amp-seed2.jsonl",
+                           "07-torch-sdpa-seed0.jsonl", "08-torch-sdpa-seed1.jsonl", "09-torch-sdpa-seed2.jsonl"]
+    assert now["04-amp-seed0.jsonl"] == first["03-amp-seed0.jsonl"]           # moved, byte for byte
+    assert now["07-torch-sdpa-seed0.jsonl"] == first["04-torch-sdpa-seed0.jsonl"]
+
+
+def test_a_run_stopped_before_its_header_leaves_nothing_that_blocks_the_next(tmp_path):
+    out = tmp_path / "cmp"
+    args = ["--compare", "baseline,amp", "--steps", "2", "--out", str(out)]
+    train(tmp_path, *args)
+    (out / "records" / "03-amp-seed0.jsonl").write_text("")        # what a run stopped at its start left
+    output = train(tmp_path, *args, "--resume")
+    assert "stopped before its first record" in output
+    assert lines(out / "records" / "03-amp-seed0.jsonl")[-1]["kind"] == "end"
+
+
+def test_resume_refuses_runs_trained_on_another_device(tmp_path, monkeypatch):
+    import workbench.train.loop as loop
+
+    out = tmp_path / "cmp"
+    args = ["--compare", "baseline,amp", "--steps", "2", "--out", str(out)]
+    train(tmp_path, *args)
+    record = out / "records" / "03-amp-seed0.jsonl"
+    rows = lines(record)
+    rows[0]["env"] = {**rows[0]["env"], "device_type": "cuda", "gpu": "NVIDIA H200"}
+    record.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = runner.invoke(app, ["train", "--device", "cpu", "--batch", "16", *args, "--resume"])
+    assert result.exit_code == 2 and "was trained on NVIDIA H200" in result.output, result.output
+
+
+def test_an_inference_only_recipe_in_a_comparison_is_refused_before_anything_trains(tmp_path):
+    out = tmp_path / "cmp"
+    result = runner.invoke(app, ["train", "--device", "cpu", "--compare", "baseline,fp8", "--out", str(out)])
+    assert result.exit_code == 2 and "runs inference only" in result.output, result.output
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda rows: rows.insert(2, []), "not a train record"),
+    (lambda rows: rows[2].update(loss="abc"), "'loss' is str, not a number"),
+    (lambda rows: [r.pop("val_acc") for r in rows if r.get("kind") == "epoch"], "without 'val_acc'"),
+])
+def test_a_damaged_records_file_is_one_line(tmp_path, damage, message):
+    from workbench.results.verdicts import find_verdicts
+
+    out = tmp_path / "cmp"
+    args = ["--compare", "baseline,amp", "--baseline-seeds", "2", "--steps", "2", "--out", str(out)]
+    train(tmp_path, *args)
+    record = out / "records" / "02-baseline-seed1.jsonl"
+    rows = lines(record)
+    damage(rows)
+    record.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = runner.invoke(app, ["train", "--device", "cpu", "--batch", "16", *args, "--resume"])
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output, result.output
+    assert find_verdicts([tmp_path]) == []           # a report citing verdicts passes over it

@@ -61,20 +61,34 @@ class RunRecords:
         return (self.end or {}).get("img_per_s")
 
 
-def read_runs(records_dir: Path) -> list[RunRecords]:
-    """Every `*.jsonl` record file in records_dir, in file-name order. A line cut short by a killed run is
-    skipped; a file without a run header is a UserError."""
+def read_runs(records_dir: Path, skip=()) -> list[RunRecords]:
+    """Every `*.jsonl` record file in records_dir (but those in `skip`), in file-name order. A line cut
+    short by a killed run is skipped; a file without a run header, or a record whose fields are not as
+    the train records write them, is a UserError naming the file and line."""
     records_dir = Path(records_dir)
     if not records_dir.is_dir():
         raise UserError(f"no records folder {records_dir}")
     runs = []
+    skipped = {Path(p) for p in skip}
     for path in sorted(records_dir.glob("*.jsonl")):
+        if path in skipped:
+            continue
         lines = []
-        for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserError(f"cannot read {path}: {exc}") from None
+        for n, line in enumerate(text.splitlines(), 1):
             try:
-                lines.append(json.loads(line))
-            except json.JSONDecodeError:
+                rec = json.loads(line)
+            except (json.JSONDecodeError, RecursionError):
                 continue
+            if not isinstance(rec, dict):
+                raise UserError(f"{path} line {n}: not a train record (a JSON object)")
+            why = _bad_field(rec)
+            if why:
+                raise UserError(f"{path} line {n}: {why}")
+            lines.append(rec)
         if not lines or lines[0].get("kind") != "run":
             raise UserError(f"{path} is not a swinbench train record file (no run header)")
         kinds = {"step": [], "epoch": [], "end": []}
@@ -82,6 +96,32 @@ def read_runs(records_dir: Path) -> list[RunRecords]:
             kinds.get(rec.get("kind"), []).append(rec)
         runs.append(RunRecords(path, lines[0], kinds["step"], kinds["epoch"], (kinds["end"] or [None])[-1]))
     return runs
+
+
+# The fields each kind of record must hold, and what they may be: a number, or null where a run diverged
+_NUMBER = (int, float)
+_FIELDS = {"step": {"step": (int,), "loss": _NUMBER + (type(None),), "grad_norm": _NUMBER + (type(None),)},
+           "epoch": {"step": (int,), "val_acc": _NUMBER + (type(None),), "val_loss": _NUMBER + (type(None),),
+                     "val_acc_ema": _NUMBER + (type(None),)},
+           "end": {"status": (str,), "img_per_s": _NUMBER + (type(None),)},
+           "run": {"recipe": (str,), "seed": (int,)}}
+_REQUIRED = {"step": ("step",), "epoch": ("step", "val_acc"), "end": ("status",), "run": ("recipe", "seed")}
+
+
+def _bad_field(rec: dict) -> str | None:
+    """Why a record's fields are not what the readers take (None: they are)."""
+    kind = rec.get("kind")
+    fields = _FIELDS.get(kind) if isinstance(kind, str) else None
+    if fields is None:
+        return None
+    missing = [k for k in _REQUIRED[kind] if k not in rec]
+    if missing:
+        return f"a {kind} record without {missing[0]!r}"
+    for key, types in fields.items():
+        if key in rec and (not isinstance(rec[key], types) or isinstance(rec[key], bool)):
+            return f"a {kind} record whose {key!r} is {type(rec[key]).__name__}, not a number" \
+                if _NUMBER[0] in types else f"a {kind} record whose {key!r} is {type(rec[key]).__name__}"
+    return None
 
 
 @dataclass

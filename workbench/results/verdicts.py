@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from workbench import SOURCE_ROOT
-from workbench.errors import UserError
 
 TRAIN_SCHEMA_PREFIX = "swinbench.train/"
 
@@ -64,7 +63,7 @@ def _is_train_records(folder: Path) -> bool:
 def find_verdicts(roots: list[Path] | None = None) -> list[TrainingVerdict]:
     """Every parity verdict of every comparison (a `records/` folder of train records) under `roots`
     (default_roots()). Folders that cannot be read are passed over: a report citing verdicts must not
-    fail on an unrelated broken run."""
+    fail on an unrelated broken run; so are runs that --overwrite moved aside (`*.previous-*`)."""
     from workbench.results.record import Env
     from workbench.results.train_runs import compare_runs, read_runs
 
@@ -73,10 +72,12 @@ def find_verdicts(roots: list[Path] | None = None) -> list[TrainingVerdict]:
         for folder in sorted(Path(root).glob("**/records")):
             if not folder.is_dir() or not _is_train_records(folder):
                 continue
+            if any(".previous-" in part for part in folder.relative_to(root).parts):
+                continue        # a run that --overwrite moved aside: replaced, not cited
             try:
                 runs = read_runs(folder)
                 comparison = compare_runs(runs)
-            except (UserError, OSError, ValueError, KeyError, TypeError):
+            except Exception:   # any damage in an unrelated run's files: passed over, never a traceback here
                 continue
             for recipe, p in comparison.parity.items():
                 group = [r for r in runs if r.recipe == recipe and r.status in ("ok", "diverged")]

@@ -94,4 +94,4 @@ def launch_ranks(config, runs: list[tuple[str, int]], model_name: str, device: t
         errors = [line[len(ERROR_PREFIX):] for line in text.splitlines() if line.startswith(ERROR_PREFIX)]
         if errors:
             raise UserError(errors[0])
-        raise UserError(f"torchrun exited with {code}: a rank failed; its traceback is in {log_path}", exit_code=1)
+        raise UserError(f"torchrun exited with {code}: a rank failed; its traceback is in {log_path}")

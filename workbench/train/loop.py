@@ -47,7 +47,8 @@ from workbench.errors import Interrupted, UserError
 from workbench.files import short_repr
 from workbench.models import build_model, check_model_name, default_model_for, input_size, own_img_size
 from workbench.optimize.distributed import check_parallel
-from workbench.optimize.recipes import is_graph_form, resolve_chain
+from workbench.optimize.passes import inference_only
+from workbench.optimize.recipes import effective_passes, is_graph_form, resolve_chain
 from workbench.devices import pick_device, resolve_device
 from workbench.run_folder import claim_run_folder, run_entries
 from workbench.datasets import load_data
@@ -225,15 +226,18 @@ class RecordFile:
 
     def __init__(self, path: Path):
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = open(path, "w", encoding="utf-8")
+        self._fh = None          # made at the first record: a run stopped before its header leaves no file
 
     def write(self, record: dict) -> None:
+        if self._fh is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fh = open(self.path, "w", encoding="utf-8")
         self._fh.write(json.dumps(record) + "\n")
         self._fh.flush()
 
     def close(self) -> None:
-        self._fh.close()
+        if self._fh is not None:
+            self._fh.close()
 
 
 def run_setup(config: TrainConfig, data, model_name: str, world: int) -> dict:
@@ -403,6 +407,11 @@ def _plan_runs(config: TrainConfig, on_gpu: bool) -> tuple[list[tuple[str, int]]
     reference = config.reference or "baseline"
     ref_name = resolve_chain(reference)[-1].name
     names = [resolve_chain(r)[-1].name for r in config.compare]
+    for recipe in [reference, *config.compare]:
+        only = next((p.name for p in effective_passes(resolve_chain(recipe)) if inference_only(p.name)), None)
+        if only is not None:
+            raise UserError(f"recipe {resolve_chain(recipe)[-1].name!r} runs inference only ({only} has no "
+                            "backward): it cannot train; measure it with `swinbench apply --mode infer`")
     if ref_name not in names:
         notes.append(f"{ref_name} joins --compare: parity is measured against it")
     others = [r for r, n in zip(config.compare, names) if n != ref_name]
@@ -419,11 +428,21 @@ RESUME_KEYS = ("model", "data", "batch", "world_size", "steps", "optimizer", "la
                "reference", "ema")
 
 
-def kept_runs(out_dir: Path, runs: list[tuple[str, int]], expected: dict) -> tuple[set[int], list[str]]:
+def _device_of(env) -> str:
+    """The device a run trained on, from its header's env: the GPU's name, else the device kind."""
+    env = env if isinstance(env, dict) else {}
+    return str(env.get("gpu") or env.get("device_type") or "an unknown device")
+
+
+def kept_runs(out_dir: Path, runs: list[tuple[str, int]], expected: dict,
+              device_label: str | None = None) -> tuple[set[int], list[str], list[tuple[Path, Path]]]:
     """With --resume: the indices of the planned `runs` whose record file in out_dir/records finished
-    (ok, diverged or not available) with this setup (`expected`: run_setup, compared on RESUME_KEYS),
-    and notes. UserError when the folder holds a record file this plan would not write, or
-    a finished one of another setup: those are kept as they are, never trained over."""
+    (ok, diverged or not available) with this setup (`expected`: run_setup, compared on RESUME_KEYS, and
+    `device_label`, the device this command trains on), notes, and the record files to renumber: a run is
+    found by its recipe and seed, and when the plan grew (more --seeds) its file moves to its new place in
+    the order (renumber_runs does it, under the folder's lock). UserError when the folder holds a record
+    file this plan would not write, or a finished one of another setup: those are kept as they are, never
+    trained over. An empty record file (a run stopped before its header) holds nothing and is trained."""
     from workbench.results.train_runs import read_runs
 
     records = out_dir / "records"
@@ -435,11 +454,17 @@ def kept_runs(out_dir: Path, runs: list[tuple[str, int]], expected: dict) -> tup
         if others:
             raise UserError(f"--resume: {out_dir} holds another command's run ({', '.join(e.name for e in others[:3])}"
                             f"{', ...' if len(others) > 3 else ''}) and no swinbench train records: choose another --out")
-        return set(), []
-    planned = {record_path(out_dir, i, r, s).name: i for i, (r, s) in enumerate(runs)}
-    keep, notes = set(), []
-    for run in read_runs(records):
-        i = planned.get(run.path.name)
+        return set(), [], []
+    planned = {_run_key(record_path(out_dir, i, r, s).name): i for i, (r, s) in enumerate(runs)}
+    keep, notes, moves = set(), [], []
+    empty = [p for p in records.glob("*.jsonl") if not p.read_text(encoding="utf-8", errors="replace").strip()]
+    for path in empty:
+        if _run_key(path.name) not in planned:
+            raise UserError(f"--resume: {path} is not a run of this plan: give the command that made it, or "
+                            "another --out")
+        notes.append(f"{path.name}: stopped before its first record; trained from the start")
+    for run in read_runs(records, skip=empty):
+        i = planned.get(_run_key(run.path.name))
         if i is None:
             raise UserError(f"--resume: {run.path} is not a run of this plan (recipes, seeds and their order "
                             "come from --recipe/--compare, --seed, --seeds, --baseline-seeds and --reference): "
@@ -450,11 +475,43 @@ def kept_runs(out_dir: Path, runs: list[tuple[str, int]], expected: dict) -> tup
             k = differs[0]
             raise UserError(f"--resume: {run.path.name} was trained with {k} {run.header.get(k)!r}, this command "
                             f"asks for {expected.get(k)!r}: give the same settings, or another --out")
+        trained_on = _device_of(run.header.get("env"))
+        if finished and device_label is not None and trained_on != device_label:
+            raise UserError(f"--resume: {run.path.name} was trained on {trained_on}, this command trains on "
+                            f"{device_label}: their speeds and numerics do not belong in one comparison; "
+                            "choose another --out")
+        target = record_path(out_dir, i, *runs[i])
+        if target.name != run.path.name:
+            moves.append((run.path, target))
         if finished:
             keep.add(i)
         else:
             notes.append(f"{run.recipe} seed {run.seed}: its record did not finish; trained again from the start")
-    return keep, notes
+    sources = sorted(moves, key=lambda m: m[0].name)
+    if [t.name for _, t in sources] != sorted(t.name for _, t in sources):
+        raise UserError("--resume: this plan orders the runs otherwise than the one that made them (the recipes "
+                        "of --compare in another order?): give them in the order of that command")
+    if moves:
+        notes.append(f"{len(moves)} record file(s) renumbered to their place in the grown plan")
+    return keep, notes, moves
+
+
+def _run_key(name: str) -> str:
+    """A record file's name without its place in the plan: '03-amp-seed1.jsonl' -> 'amp-seed1.jsonl'."""
+    return name.split("-", 1)[1] if "-" in name else name
+
+
+def renumber_runs(moves: list[tuple[Path, Path]]) -> None:
+    """Rename record files to their new places (kept_runs' moves), the furthest first: a plan that grew only
+    moves files later in the order, so no file is renamed onto one that has not moved yet. A checkpoint
+    keeps its name (its run's end record names it)."""
+    for source, target in sorted(moves, key=lambda m: m[1].name, reverse=True):
+        if target.exists():
+            if target.read_text(encoding="utf-8", errors="replace").strip():
+                raise UserError(f"--resume: cannot renumber {source.name} to {target.name}, which holds a run; "
+                                "nothing was moved after it")
+            target.unlink()      # a run of this plan stopped before its first record: nothing in it
+        source.rename(target)
 
 
 def run_train(config: TrainConfig, *, out_dir: Path | None = None, overwrite: bool = False, console=None,
@@ -493,12 +550,15 @@ def run_train(config: TrainConfig, *, out_dir: Path | None = None, overwrite: bo
     if resume and not out_dir.is_dir():
         raise UserError(f"--resume continues the run in --out, and {out_dir} does not exist")
     keep: set[int] = set()
+    moves: list[tuple[Path, Path]] = []
     if resume:
-        keep, resume_notes = kept_runs(out_dir, runs, run_setup(config, data, model_name, config.world))
+        keep, resume_notes, moves = kept_runs(out_dir, runs, run_setup(config, data, model_name, config.world),
+                                              _device_of(environment_stamp(device)))
         notes = notes + resume_notes + ([f"--resume: {len(keep)} of {len(runs)} runs finished before and are kept"]
                                         if keep else [])
     claim = claim_run_folder(out_dir, command="train", overwrite=overwrite, keep=resume)
     with claim:
+        renumber_runs(moves)
         for note in claim.notes + notes:
             console.print(f"[yellow]note:[/] {note}", highlight=False)
         if not on_gpu:
@@ -509,7 +569,15 @@ def run_train(config: TrainConfig, *, out_dir: Path | None = None, overwrite: bo
         if config.nproc is not None:
             from workbench.train.launch import launch_ranks
 
-            launch_ranks(config, runs, model_name, device, out_dir, console)
+            try:
+                launch_ranks(config, runs, model_name, device, out_dir, console)
+            except BaseException:
+                # the runs that finished before a rank failed keep their report, as a run of one process does
+                with contextlib.suppress(Exception):
+                    if run_summaries(out_dir / "records"):
+                        render_train_report(out_dir / "records", report)
+                        write_curves(out_dir / "records", curves)
+                raise
             summaries = run_summaries(out_dir / "records")
             if not summaries:   # a machine of a multi-node run that held no rank 0
                 console.print("this machine held no rank 0: the records and report are on the machine of global "
