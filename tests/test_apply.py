@@ -225,3 +225,23 @@ def test_resume_keeps_complete_interleaved_rounds_and_says_when_it_replaces_them
     again = run_apply("baseline", **args, out_dir=out, stages=["baseline", "amp"], console=console, resume=True)
     assert "the interleaved rounds of 1 kept stage(s) are replaced" in console.file.getvalue()
     assert all(r["interleaved"]["rounds"] == 2 for r in again.records)
+
+
+def test_a_run_resumed_on_another_gpu_is_another_plan(monkeypatch):
+    """--resume keeps stages of the same device kind and GPU: a run of an H100 is not continued on an H200."""
+    from record_helpers import record
+    from workbench.ladder import apply as ladder_apply
+    from workbench.ladder import reuse
+    from workbench.optimize.recipes import plan_stages
+    from workbench.optimize.workload import WorkloadConfig
+
+    config = WorkloadConfig(model="swin_tiny_patch4_window7_224", batch=64, device="cuda")
+    plans = plan_stages("amp")
+    rec = {**record(0, "baseline", None, 100.0, gate="REFERENCE", precision="fp32"), "recipe": "amp",
+           "timing": {"samples_ms": [100.0] * 4, "warmup": 5, "clock": "cuda-events", "median_ms": 100.0,
+                      "iqr_ms": 0.5, "repeats": 20}}
+    monkeypatch.setattr(reuse, "gpu_identity", lambda: ("NVIDIA H200", "580.1"))
+    assert ladder_apply._plan_differences([rec], plans, "amp", config, steps=20, warmup=5, profile=False) == []
+    monkeypatch.setattr(reuse, "gpu_identity", lambda: ("NVIDIA H100 80GB HBM3", "580.1"))
+    diffs = ladder_apply._plan_differences([rec], plans, "amp", config, steps=20, warmup=5, profile=False)
+    assert diffs == ["GPU NVIDIA H200 there vs NVIDIA H100 80GB HBM3"]

@@ -241,6 +241,13 @@ def test_different_run_settings_need_force(current, key, value):
     assert any(str(value) in n and "--force" in n for n in forced.notes)
 
 
+def test_another_image_size_is_another_experiment(current):
+    for stage in ("baseline", "amp", "fmha"):
+        edit(current, stage, lambda r: r.update(img_size=[384, 384]))
+    err = user_error(lambda: check_records(BASELINE, current))
+    assert "differ in image size" in str(err) and "384x384" in str(err) and "--force" in str(err)
+
+
 def test_different_gpu_needs_force_and_is_noted(current):
     for stage in ("baseline", "amp", "fmha"):
         edit(current, stage, lambda r: r["env"].update(gpu="NVIDIA A100-SXM4-80GB"))

@@ -8,7 +8,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from record_helpers import record
+from record_helpers import ENV, record
 from workbench.errors import UserError
 from workbench.ladder import reuse
 from workbench.ladder.progress import LadderProgress, outcome
@@ -150,7 +150,10 @@ def test_cuda_graph_pass_takes_a_default_compile_not_reduce_overhead():
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setattr(reuse, "gpu_identity", lambda: ("NVIDIA H200", "580.1"))
-    return reuse.RecordCache(tmp_path / "cache", on_gpu=True, fresh=False)
+    made = reuse.RecordCache(tmp_path / "cache", on_gpu=True, fresh=False)
+    made.machine.update({k: ENV[k] for k in ("torch", "triton", "timm", "python")}, swinbench_env={})  # the records'
+
+    return made
 
 
 def test_a_stored_measurement_is_reused_under_the_same_conditions_only(cache, tmp_path):
@@ -175,6 +178,47 @@ def test_a_stored_measurement_is_reused_under_the_same_conditions_only(cache, tm
     assert back.reused.path.endswith(f"{key}.json")
     fresh = reuse.RecordCache(cache.folder, on_gpu=True, fresh=True)
     assert fresh.lookup(key) is None
+
+
+def test_a_record_of_other_conditions_is_neither_stored_nor_reused(cache, tmp_path):
+    """A record kept by --resume was measured under its run's conditions: stored under today's key, a later
+    run would take it as measured today."""
+    key = cache.key([], {"model": "m"}, steps=1, warmup=0, profile=False)
+    older = record(1, "amp", "baseline", 50.0)
+    older["env"] = {**older["env"], "torch": "2.10.0"}
+    cache.store(key, older)
+    assert cache.lookup(key) is None and not (cache.folder / "records" / f"{key}.json").exists()
+    cache.store(key, record(1, "amp", "baseline", 50.0))
+    assert cache.lookup(key) is not None
+    cache.machine["swinbench_env"] = {"SWINBENCH_AUTOTUNE": "0"}
+    assert cache.lookup(key) is None          # the stored record's settings are not this machine's
+
+
+def test_the_key_holds_the_kernel_environment_and_process_isolation(cache, monkeypatch):
+    def made():
+        made = reuse.RecordCache(cache.folder, on_gpu=True, fresh=False)
+        made.machine.update({k: cache.machine[k] for k in ("torch", "triton", "timm", "python", "swinbench_env")})
+        return made
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    compiled = made()
+    key = compiled.key([], {"model": "m"}, steps=1, warmup=0, profile=False)
+    assert compiled.key([], {"model": "m"}, steps=1, warmup=0, profile=False, isolate=False) != key
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")       # where a cache lives: not a condition
+    interpreted = made()
+    assert interpreted.machine["kernel_env"] == {"TRITON_INTERPRET": "1"}
+    assert interpreted.key([], {"model": "m"}, steps=1, warmup=0, profile=False) != key
+
+
+def test_a_stored_profile_names_its_files_from_anywhere(cache, tmp_path):
+    rec = record(1, "amp", "baseline", 50.0)
+    rec["profile"] = {"timeline": "profiles/01-amp/timeline.png", "trace": "profiles/01-amp/trace.sqlite"}
+    key = cache.key([], {"model": "m"}, steps=1, warmup=0, profile=True)
+    cache.store(key, rec, tmp_path / "run")
+    stored = json.loads((cache.folder / "records" / f"{key}.json").read_text())["profile"]
+    assert stored["timeline"] == str((tmp_path / "run" / "profiles/01-amp/timeline.png").resolve())
+    assert rec["profile"]["timeline"] == "profiles/01-amp/timeline.png"     # this run's own record: as it was
 
 
 def test_failed_reused_or_unreadable_records_are_not_cached(cache):

@@ -108,3 +108,13 @@ def test_short_model_names():
     assert short_model("swinv2_base_window12to24_192to384") == "SwinV2-B 384 (window 24)"
     assert short_model("swinv2_cr_tiny_ns_224") == "SwinV2-CR-T 224 ns"
     assert short_model("swinv2_cr_giant_384") == "SwinV2-CR-G 384"
+
+
+def test_a_run_at_another_resolution_says_so_in_its_label():
+    from record_helpers import record
+    from workbench.results.readme_table import run_label
+    from workbench.results.record import as_records
+
+    (rec,) = as_records([dict(record(0, "baseline", None, 100.0, gate="REFERENCE", precision="fp32"),
+                              img_size=[384, 384])])
+    assert run_label(rec) == "Swin-T 224 at 384x384, training, batch 64, H200"

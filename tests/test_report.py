@@ -394,3 +394,32 @@ def test_the_category_chart_beside_a_report_never_writes_over_a_file_of_the_user
     assert mine.read_text() == "my notes" and not (tmp_path / "notes.md").exists()
     render_report(records, tmp_path / "report.md")
     render_report(records, tmp_path / "report.md")        # its own chart, drawn again
+
+
+def test_speedups_never_pair_image_sizes_or_devices_even_inside_one_run(records):
+    """A stage of another image size, or of one run resumed on another GPU, has no speedup against the
+    baseline it does not share its workload with."""
+    bigger = [dict(record(0, "fmha-graph", "fmha", 10.0), run_id="r2", img_size=[112, 112])]
+    other_gpu = [dict(record(7, "fmha-graph", "fmha", 10.0), env={**ENV, "gpu": "NVIDIA H100"})]   # run r1
+    df = speedup_table(records + bigger + other_gpu)
+    assert math.isnan(df.loc[7, "x_baseline"]) and math.isnan(df.loc[8, "x_baseline"])
+
+
+def test_the_best_form_is_one_runs_against_its_own_baseline():
+    from workbench.results.report import best_form
+
+    def graphed(rec, graph_ms):
+        return {**rec, "graph": {"step_ms": graph_ms, "step_iqr_ms": 0.1, "img_per_s": 64e3 / graph_ms,
+                                 "how": "the step captured once, replayed",
+                                 "timing": {**rec["timing"], "samples_ms": [graph_ms] * 4, "median_ms": graph_ms}}}
+
+    run_a = [graphed(record(0, "baseline", None, 100.0, gate="REFERENCE", precision="fp32"), 90.0),
+             graphed(record(1, "amp", "baseline", 50.0), 45.0),
+             graphed(record(2, "torch-compile", "amp", 40.0), 30.0)]
+    run_b = [dict(graphed(record(0, "baseline", None, 200.0, gate="REFERENCE", precision="fp32"), 180.0),
+                  run_id="r2"),
+             dict(record(1, "amp", "baseline", 50.0, gate="FAIL"), run_id="r2")]
+    records = run_a + run_b
+    best = best_form(records, speedup_table(records), among="main")
+    # run A's fastest form against run A's own baseline graph (90 ms), not run B's (180 ms)
+    assert (best["stage"], best["ms"]) == ("torch-compile", 30.0) and best["x_baseline"] == pytest.approx(3.0)

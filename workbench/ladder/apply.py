@@ -521,8 +521,8 @@ def _plan_differences(records: list[dict], plans: list[StagePlan], recipe: str, 
                       steps: int, warmup: int, profile: bool) -> list[str]:
     """What keeps the stage records of a run folder from being continued by the run planned now, one
     phrase each ([]: it can be resumed): records of several runs, stages not in this plan (at their place
-    in it), another recipe, model, mode, batch, seed or device kind, and for measured stages other steps,
-    warm-up or no profile where one is asked for."""
+    in it), another recipe, model, mode, batch, seed, device kind or GPU, image size, checkpoint or held-out
+    data, and for measured stages other steps, warm-up or no profile where one is asked for."""
     diffs: dict[str, str] = {}
     runs = sorted({str(r.get("run_id")) for r in records})
     if len(runs) > 1:
@@ -537,6 +537,17 @@ def _plan_differences(records: list[dict], plans: list[StagePlan], recipe: str, 
     want = {"recipe": str(recipe), "model": config.model, "mode": config.mode, "batch": config.batch,
             "seed": config.seed}
     device_type = "cuda" if str(config.device).startswith("cuda") else "cpu"
+    gpu = None
+    if device_type == "cuda":      # the GPU's name from nvidia-smi: this process never touches CUDA
+        from workbench.ladder.reuse import gpu_identity
+
+        gpu = (gpu_identity() or (None,))[0]
+    heldout_now = None
+    if config.checkpoint:
+        try:
+            heldout_now = _checkpoint_entry(asdict(config)).get("heldout")
+        except UserError:
+            heldout_now = config.heldout
     for rec in records:
         for key, value in want.items():
             if rec.get(key) != value:
@@ -544,12 +555,17 @@ def _plan_differences(records: list[dict], plans: list[StagePlan], recipe: str, 
         there = (rec.get("env") or {}).get("device_type")
         if there != device_type:
             diffs.setdefault("device", f"device {there} there vs {device_type}")
+        elif gpu is not None and (rec.get("env") or {}).get("gpu") not in (None, gpu):
+            diffs.setdefault("gpu", f"GPU {(rec.get('env') or {}).get('gpu')} there vs {gpu}")
         if rec.get("img_size") != config.img_size:
             diffs.setdefault("img_size", f"image size {rec.get('img_size') or 'the model default'} there vs "
                                          f"{config.img_size or 'the model default'}")
         weights = (rec.get("checkpoint") or {}).get("path")
         if weights != config.checkpoint:
             diffs.setdefault("checkpoint", f"checkpoint {weights or 'none'} there vs {config.checkpoint or 'none'}")
+        heldout = (rec.get("checkpoint") or {}).get("heldout")
+        if config.checkpoint and weights == config.checkpoint and heldout != heldout_now:
+            diffs.setdefault("heldout", f"held-out data {heldout} there vs {heldout_now}")
         timing = rec.get("timing") or {}
         if rec.get("status") == "ok" and (timing.get("repeats"), timing.get("warmup")) != (steps, warmup):
             diffs.setdefault("steps", f"steps/warm-up {timing.get('repeats')}/{timing.get('warmup')} there "
@@ -813,7 +829,8 @@ def _run_claimed(claim: FolderClaim, recipe: str, plans: list[StagePlan], config
 
     records: list[dict] = []
     planned = {(spec.stage_index, spec.stage) for spec in specs}
-    keys = [cache.key(as_jsonable(p.chain), asdict(config), steps=steps, warmup=warmup, profile=profile)
+    keys = [cache.key(as_jsonable(p.chain), asdict(config), steps=steps, warmup=warmup, profile=profile,
+                      isolate=isolate)
             if cache is not None else None for p in plans]
     extra_env = compile_cache_env(cache.folder) if cache is not None else None
     reused = []
@@ -843,8 +860,8 @@ def _run_claimed(claim: FolderClaim, recipe: str, plans: list[StagePlan], config
                     reference = compute_reference(config)
                 record = run_stage(spec, reference, shown.event)
             records.append(record)
-            if cache is not None and cached is None:
-                cache.store(keys[spec.stage_index], record)
+            if cache is not None and cached is None and (spec.stage_index, spec.stage) not in kept:
+                cache.store(keys[spec.stage_index], record, out_dir)   # a kept record: another run's conditions
             shown.end_stage(spec.stage_index, spec.stage, record)
             finished = _finished(records, kept)   # the report holds what has finished, should the run stop here
             render_report(finished, out_dir / "report.md",

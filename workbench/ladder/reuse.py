@@ -5,7 +5,10 @@ Records: every GPU stage that finished and passed its gate is copied to `<cache>
 The key names everything its measurement depends on: the stage's recipe chain (a user's YAML by its
 content), model, mode, batch, seed, timed and warm-up steps, profiling, the GPU and its driver, torch,
 triton, timm and Python versions, the digest of swinbench's own code (`env.source_digest`: any change to
-a kernel or a pass is another key) and the SWINBENCH_* debug settings. A later run that plans the same
+a kernel or a pass is another key), the SWINBENCH_* debug settings, the environment variables that change
+kernels (KERNEL_ENV_PREFIXES) and whether the stages ran in processes of their own. A record is stored
+only when its own env matches this machine's conditions (one kept by --resume was measured under its
+run's). A later run that plans the same
 stage takes that record instead of running it, marks it `reused` (which run measured it and when) and
 says so in its progress, its report and the record itself. `apply --fresh` measures every stage again.
 Reuse needs the GPU's name and driver from `nvidia-smi` before any stage starts (the parent process
@@ -53,17 +56,37 @@ def gpu_identity() -> tuple[str, str] | None:
     return row if len(row) == 2 else None
 
 
+# Environment variables besides SWINBENCH_* that change which kernels run or how they are timed: Triton's
+# interpreter, TF32 forced on or off, cuBLAS's workspace, the caching allocator, Inductor's and Triton's
+# settings (their cache folders aside: where a cache lives does not change what it holds)
+KERNEL_ENV_PREFIXES = ("TRITON_", "TORCHINDUCTOR_", "TORCH_CUDNN_", "NVIDIA_TF32_OVERRIDE", "CUBLAS_",
+                       "CUBLASLT_", "PYTORCH_CUDA_ALLOC_CONF", "CUDA_LAUNCH_BLOCKING")
+KERNEL_ENV_IGNORED = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TRITON_HOME")
+
+
+def kernel_settings() -> dict[str, str]:
+    """This environment's variables of KERNEL_ENV_PREFIXES, sorted by name."""
+    return {k: v for k, v in sorted(os.environ.items())
+            if k.startswith(KERNEL_ENV_PREFIXES) and k not in KERNEL_ENV_IGNORED}
+
+
 def machine_conditions(gpu: tuple[str, str]) -> dict:
-    """What every stage's key shares on this machine: the GPU and driver, the versions, swinbench's code
-    and its debug settings."""
+    """What every stage's key shares on this machine: the GPU and driver, the versions, swinbench's code,
+    its debug settings and the environment variables that change kernels."""
     import torch
 
     return {"gpu": list(gpu), "torch": torch.__version__, "triton": module_version("triton"),
             "timm": module_version("timm"), "python": platform.python_version(), "swinbench_source": source_digest(),
-            "swinbench_env": swinbench_settings()}
+            "swinbench_env": swinbench_settings(), "kernel_env": kernel_settings()}
 
 
-def stage_key(chain: list[dict], config: dict, *, steps: int, warmup: int, profile: bool, machine: dict) -> str:
+# The fields of a record's env that must match this machine's conditions for the record to be stored or
+# reused under them (a kept record of an earlier run, resumed, was measured under that run's conditions)
+_RECORD_CONDITIONS = ("torch", "triton", "timm", "python", "swinbench_source", "swinbench_env")
+
+
+def stage_key(chain: list[dict], config: dict, *, steps: int, warmup: int, profile: bool, machine: dict,
+              isolate: bool = True) -> str:
     """The cache key of one stage's measurement (see the module docstring); machine: machine_conditions()."""
     user_files = {}
     for entry in chain:
@@ -87,6 +110,7 @@ def stage_key(chain: list[dict], config: dict, *, steps: int, warmup: int, profi
         "config": {**{k: config.get(k) for k in ("model", "mode", "batch", "precision", "seed", "num_classes")},
                    **{k: config[k] for k in ("checkpoint", "heldout", "img_size") if config.get(k)}},
         "steps": steps, "warmup": warmup, "profile": profile, **machine,
+        **({} if isolate else {"isolate": False}),    # stages sharing one process: another measurement
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
@@ -119,16 +143,33 @@ class RecordCache:
         if not record.ok or record.gate.status not in ("PASS", "REFERENCE") or record.env.gpu != self.gpu[0]:
             return None
         data = record.to_dict()
+        if not self._measured_here(data):
+            return None
         data["_cache_path"] = str(path)
         return data
 
-    def store(self, key: str | None, record: dict) -> None:
-        """Keep a finished stage's record (ok and passing its gate) for later runs."""
+    def _measured_here(self, record: dict) -> bool:
+        """Whether a record's own env says it was measured under this machine's conditions (GPU, driver,
+        versions, swinbench's code and settings)."""
+        env = record.get("env") or {}
+        if [env.get("gpu"), env.get("driver")] != list(self.machine["gpu"]):
+            return False
+        return all(env.get(k) == self.machine[k] or (k == "swinbench_env" and not env.get(k) and not self.machine[k])
+                   for k in _RECORD_CONDITIONS if k in env)
+
+    def store(self, key: str | None, record: dict, run_folder: Path | None = None) -> None:
+        """Keep a finished stage's record (ok and passing its gate, measured under this machine's
+        conditions) for later runs; its profile's files named by absolute paths (run_folder: the run's
+        folder its relative paths start from), so a run that reuses it links to them."""
         if key is None or record.get("status") != "ok" or record.get("reused"):
             return
-        if (record.get("gate") or {}).get("status") not in ("PASS", "REFERENCE"):
+        if (record.get("gate") or {}).get("status") not in ("PASS", "REFERENCE") or not self._measured_here(record):
             return
         data = {k: v for k, v in record.items() if not k.startswith("_")}
+        profile = data.get("profile")
+        if isinstance(profile, dict) and run_folder is not None:
+            data["profile"] = {**profile, **{k: os.path.abspath(Path(run_folder) / profile[k])
+                                             for k in ("timeline", "trace") if profile.get(k)}}
         try:
             atomic_write_text(self.folder / "records" / f"{key}.json", json.dumps(data, indent=1, default=str) + "\n")
         except OSError:

@@ -97,7 +97,8 @@ DEFAULT_NOISE_IQR_SCALE = 0.5
 # Settings that make two measurements different experiments; comparing them needs --force.
 # (record key, label, plural label)
 # Precision is per stage (the amp pass changes it), so it is compared per matched stage instead.
-RUN_SETTINGS = (("model", "model", "models"), ("mode", "mode", "modes"), ("batch", "batch", "batch sizes"))
+RUN_SETTINGS = (("model", "model", "models"), ("mode", "mode", "modes"), ("batch", "batch", "batch sizes"),
+                ("shape_label", "image size", "image sizes"), ("weights", "checkpoint", "checkpoints"))
 ENV_SETTINGS = (("device_type", "device type", "device types"), ("device_name", "device", "devices"),
                 ("torch", "torch version", "torch versions"), ("triton", "triton version", "triton versions"))
 # Worth a note, not worth refusing.

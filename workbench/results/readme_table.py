@@ -55,7 +55,9 @@ def short_model(name: str | None) -> str:
 def run_label(rec: StageRecord) -> str:
     """'Swin-B 224, training, batch 64, H200' for a run's first row."""
     mode = "inference" if rec.mode == "infer" else "training"
-    return f"{short_model(rec.model)}, {mode}, batch {rec.batch}, {rec.env.device_name.removeprefix('NVIDIA ')}"
+    at = f" at {rec.shape_label}" if rec.shape_label else ""
+    return (f"{short_model(rec.model)}{at}, {mode}, batch {rec.batch}, "
+            f"{rec.env.device_name.removeprefix('NVIDIA ')}")
 
 
 def gpu_label(env) -> str:

@@ -573,6 +573,16 @@ class StageRecord:
     def file_name(self) -> str:
         return f"{self.stage_index:02d}-{self.stage}.json"
 
+    @property
+    def shape_label(self) -> str | None:
+        """'384x384' where the model was built at another resolution than its name's (--img-size), else None."""
+        return f"{self.img_size[0]}x{self.img_size[1]}" if self.img_size else None
+
+    @property
+    def weights(self) -> str | None:
+        """The trained weights' path every stage loaded (apply --checkpoint), else None (random weights)."""
+        return (self.checkpoint or {}).get("path")
+
     def ancestors(self) -> list[str]:
         """The stages this one may be compared with, nearest first: the stage it extends, then that stage's
         own chain back to the baseline (from the stored recipe chain)."""

@@ -87,17 +87,18 @@ def speedup_table(records) -> pd.DataFrame:
     df["x_previous_ns"] = False
     # Speedups compare stages of one run; a stage whose run lacks the baseline (or the stage it extends)
     # is compared with that stage of another run of the same workload on the same GPU, and marked.
-    workload = {rec.run_id: _workload(rec) for rec in records}
-    steps_by_run: dict = {}   # run -> stage -> (median ms, IQR ms, timed steps)
+    # a group: one run's records of one workload (a run resumed on another GPU holds two)
+    groups = [(rec.run_id, _workload(rec)) for rec in records]
+    steps_by_group: dict = {}   # group -> stage -> (median ms, IQR ms, timed steps)
     for idx, r in enumerate(df.itertuples()):
         if r.counted:
-            steps_by_run.setdefault(r.run_id, {}).setdefault(r.stage, _spread(records[idx], r))
+            steps_by_group.setdefault(groups[idx], {}).setdefault(r.stage, _spread(records[idx], r))
 
-    def lookup(run_id, stage):
-        if stage in steps_by_run.get(run_id, {}):
-            return steps_by_run[run_id][stage], False
-        for other, steps in steps_by_run.items():
-            if other != run_id and workload.get(other) == workload.get(run_id) and stage in steps:
+    def lookup(group, stage):
+        if stage in steps_by_group.get(group, {}):
+            return steps_by_group[group][stage], False
+        for other, steps in steps_by_group.items():
+            if other[0] != group[0] and other[1] == group[1] and stage in steps:
                 return steps[stage], True
         return None, False
 
@@ -105,7 +106,8 @@ def speedup_table(records) -> pd.DataFrame:
         if not r.counted:
             continue
         mine = _spread(records[idx], r)
-        base, cross_b = lookup(r.run_id, "baseline")
+        group = groups[idx]
+        base, cross_b = lookup(group, "baseline")
         if base:
             df.at[idx, "x_baseline"] = base[0] / r.step_ms
             df.at[idx, "x_baseline_cross_run"] = cross_b
@@ -113,7 +115,7 @@ def speedup_table(records) -> pd.DataFrame:
             if not (r.stage == "baseline" and not cross_b):
                 df.at[idx, "x_baseline_ns"] = not speedup_significant(*mine, *base)
         for ancestor in records[idx].ancestors():
-            prev, cross_p = lookup(r.run_id, ancestor)
+            prev, cross_p = lookup(group, ancestor)
             if prev:
                 df.at[idx, "x_previous"] = prev[0] / r.step_ms
                 df.at[idx, "x_previous_cross_run"] = cross_p
@@ -121,14 +123,16 @@ def speedup_table(records) -> pd.DataFrame:
                 df.at[idx, "x_previous_ns"] = not speedup_significant(*mine, *prev)
                 break
     # the same speedups between the graph-replayed forms of the stages (same run only)
-    graph_ms = {(r.run_id, r.stage): r.graph_ms for r in df.itertuples() if r.counted and _isnum(r.graph_ms)}
+    graph_ms = {(groups[i], r.stage): r.graph_ms for i, r in enumerate(df.itertuples())
+                if r.counted and _isnum(r.graph_ms)}
     for idx, r in df.iterrows():
-        if (r.run_id, r.stage) not in graph_ms:
+        group = groups[idx]
+        if (group, r.stage) not in graph_ms:
             continue
-        base = graph_ms.get((r.run_id, "baseline"))
+        base = graph_ms.get((group, "baseline"))
         if base:
             df.at[idx, "x_baseline_graph"] = base / r.graph_ms
-        prev = graph_ms.get((r.run_id, r.previous_stage)) if r.previous_stage else None
+        prev = graph_ms.get((group, r.previous_stage)) if r.previous_stage else None
         if prev:
             df.at[idx, "x_previous_graph"] = prev / r.graph_ms
     return df[COLUMNS]
@@ -181,7 +185,13 @@ def best_form(records, df: pd.DataFrame, among: str = "last", graph_recipes: dic
     if among == "last" and require_graph and not has_graph_columns(df):
         return None
     records = as_records(records)
-    counted = {r.stage: r for r in df.itertuples() if r.counted}
+    runs = _distinct(r.run_id for r in records)
+    if len(runs) > 1:     # each run's best form against its own stages; the fastest of them
+        found = [best_form([r for r in records if r.run_id == run], df[df["run_id"] == run], among, graph_recipes,
+                           require_graph) for run in runs]
+        found = [b for b in found if b is not None]
+        return min(found, key=lambda b: b["ms"]) if found else None
+    counted = {r.stage: r for r in df.itertuples() if r.counted and (not runs or r.run_id == runs[0])}
     if among == "main":
         family = [rec for rec in records if rec.stage in counted and not _is_peer(rec, records)]
     else:
@@ -203,8 +213,8 @@ def best_form(records, df: pd.DataFrame, among: str = "last", graph_recipes: dic
     ms, stage, form = min(forms)
     base = counted.get("baseline")
     base_ms = None
-    if base is not None:
-        base_ms = base.graph_ms if _isnum(base.graph_ms) else base.step_ms
+    if base is not None:    # the same column as the winner's: graph-replayed against the baseline's graph
+        base_ms = base.graph_ms if form == "graph-replayed" and _isnum(base.graph_ms) else base.step_ms
     out = {"stage": stage, "form": form, "ms": ms, "x_baseline": base_ms / ms if base_ms else None,
            "peer": None, "peer_form": None, "peer_ms": None, "x_peer": None}
     peers = []
@@ -470,7 +480,7 @@ def _ladder_lines(records: list[StageRecord], df: pd.DataFrame) -> list[str]:
         if best is None:
             continue
         batch = mine[0].batch
-        model, mode, _, device = workload
+        model, mode, _, device = workload[:4]
         whose = (f"{model}, {'inference' if mode == 'infer' else 'training'}, batch {batch}, {device}: "
                  if len(workloads) > 1 else "")
         line = (f"**{whose}Fused stack, best form: {best['stage']}, {best['form']}: {best['ms']:.2f} ms per step "
@@ -516,8 +526,9 @@ def _distinct(values) -> list:
 
 
 def _workload(rec: StageRecord) -> tuple:
-    """What a record measured: (model, mode, batch, device); speedups stay within one."""
-    return rec.model, rec.mode, rec.batch, rec.env.device_name
+    """What a record measured: (model, mode, batch, device, image size, trained weights); speedups stay
+    within one."""
+    return rec.model, rec.mode, rec.batch, rec.env.device_name, rec.shape_label, rec.weights
 
 
 def _is_cpu(records: list[StageRecord]) -> bool:
