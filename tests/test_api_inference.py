@@ -141,3 +141,51 @@ def test_graphs_per_batch_shape_warm_up_capture_replay_and_stop_at_the_limit(mon
     assert torch.allclose(graphs(c), forward(c))                # past the limit: eager, said
     assert len(graphs.graphs) == 2 and said and said[0][0] == "predict:shape"
     assert "predict ran eagerly: a batch of (5, 3, 4, 4)" in said[0][1]
+
+
+def test_predict_follows_swinv2_weights_changed_where_no_op_says_so():
+    """A replayed training step (or a fused optimizer writing through pointers) changes SwinV2's logit
+    scale and position-bias MLP without raising their version counters: predict must not serve the terms it
+    cached before."""
+    from timm.models.swin_transformer_v2 import SwinTransformerV2
+
+    def v2():
+        torch.manual_seed(0)
+        model = SwinTransformerV2(img_size=32, patch_size=4, window_size=4, embed_dim=32, depths=(2, 2),
+                                  num_heads=(2, 4), num_classes=10, drop_path_rate=0.0)
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                torch.nn.init.ones_(p)       # timm starts the post-norms at 0, which hides the attention
+        return model
+
+    swin = optimize_swin(v2(), "fmha")
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(4))
+    swin.predict(x)
+    with torch.no_grad():
+        for name, p in swin.model.named_parameters():
+            if "logit_scale" in name or "q_bias" in name:     # fp32 weights, outside the bf16 master copy
+                p.data.copy_(p.data * 1.5 + 0.3)       # as a replay writes: no version change
+    plain = v2()
+    plain.load_state_dict(swin.state_dict())
+    want = timm_logits(plain, x, autocast=True)
+    got = swin.predict(x)
+    assert ((got - want).norm() / want.norm()).item() < 3e-2
+
+
+def test_images_of_another_size_or_dtype():
+    swin = optimize_swin_inference(tiny(), "amp")
+    with pytest.raises(UserError, match=r"images must be \(N >= 1, 3, 56, 56\), got \(1, 3, 64, 64\)"):
+        swin(torch.zeros(1, 3, 64, 64))
+    with pytest.raises(UserError, match="N >= 1"):
+        swin(torch.zeros(0, 3, 56, 56))
+    x = torch.randn(2, 3, 56, 56)
+    assert torch.allclose(swin(x.half()), swin(x.half().float()))       # fp16 images are taken as fp32
+    trainer = optimize_swin(tiny(), "amp")
+    with pytest.raises(UserError, match="predict: images must be a float tensor"):
+        trainer.predict([1, 2])
+
+
+def test_a_graph_recipe_on_the_cpu_runs_eagerly_and_describes_no_training_graph():
+    swin = optimize_swin_inference(tiny(), "torch-compile-graph")
+    assert not swin.graphed and "cuda_graph" not in [p.name for p in swin.passes]
+    assert "no CUDA graphs on the CPU" in swin.describe()

@@ -25,6 +25,7 @@ import torch
 from workbench.errors import UserError
 from workbench.files import short_repr
 from workbench.optimize.passes import PassContext, PassResult
+from workbench.optimize.passes.compile import replays_own_graphs
 from workbench.optimize.recipes import Recipe, apply_chain_passes, resolve_chain
 from workbench.precision import resolve_precision
 
@@ -50,8 +51,9 @@ class PredictGraphs:
     replay it. A batch of a shape past the limit runs eagerly and `on_eager(key, text)` is told.
     terms_every_call: SwinV2's weight terms (position bias, logit scale) are computed inside the graph,
     for weights that change between replays (training); otherwise the graph reads the terms cached by the
-    eager calls before it. Call under torch.inference_mode; the logits returned by a replay are the graph's
-    own buffer, overwritten by its next replay."""
+    eager calls before it (eager calls too: with terms_every_call, `forward` computes the terms itself).
+    Call under torch.inference_mode with images checked by check_images; the logits returned by a replay
+    are the graph's own buffer, overwritten by its next replay."""
 
     def __init__(self, forward: Callable[[torch.Tensor], torch.Tensor], device: torch.device, *,
                  on_eager: Callable[[str, str], None], terms_every_call: bool, warmup: int = PREDICT_WARMUP_CALLS,
@@ -86,19 +88,41 @@ class PredictGraphs:
         return images.to(self.device, non_blocking=True)
 
     def _capture(self, images: torch.Tensor) -> _Graph:
+        """One warm-up forward on a side stream, then the capture on that stream, on the model's device
+        (which need not be the current one)."""
         from workbench.optimize.passes.fused_attention import terms_in_every_call
 
-        x = torch.empty_like(images, device=self.device).copy_(images)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self.forward(x)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        terms = terms_in_every_call() if self.terms_every_call else contextlib.nullcontext()
-        with terms, torch.cuda.graph(graph):
-            logits = self.forward(x)
+        with torch.cuda.device(self.device):
+            x = torch.empty_like(images, device=self.device).copy_(images)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self.forward(x)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            terms = terms_in_every_call() if self.terms_every_call else contextlib.nullcontext()
+            with terms, torch.cuda.graph(graph, stream=side):
+                logits = self.forward(x)
+            torch.cuda.current_stream(self.device).wait_stream(side)
         return _Graph(graph, x, logits)
+
+
+def check_images(images, model: torch.nn.Module, what: str) -> torch.Tensor:
+    """`images` as a model takes them: a float tensor (N >= 1, C, H, W) at the model's input size, as fp32
+    (an fp16 or fp64 batch converted); UserError (one line) for anything else. what: the call, for the
+    message."""
+    from workbench.models import input_size
+
+    if not isinstance(images, torch.Tensor) or images.dim() != 4 or not images.is_floating_point():
+        raise UserError(f"{what}: images must be a float tensor (N, C, H, W), got {short_repr(images)}")
+    try:
+        want = tuple(input_size(model))
+    except Exception:        # a model whose input size cannot be read: its own forward will say
+        want = None
+    if images.shape[0] < 1 or (want is not None and tuple(images.shape[1:]) != want):
+        raise UserError(f"{what}: images must be (N >= 1, {', '.join(map(str, want or ('C', 'H', 'W')))}), got "
+                        f"{tuple(images.shape)}")
+    return images if images.dtype == torch.float32 else images.float()
 
 
 class InferenceSwin:
@@ -148,12 +172,12 @@ class InferenceSwin:
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
         """Logits (N, classes) fp32 of `images` ((N, 3, H, W) float at the model's input size, on any device),
         a new tensor on the model's device."""
-        if not isinstance(images, torch.Tensor) or images.dim() != 4 or not images.is_floating_point():
-            raise UserError(f"images must be a float tensor (N, 3, H, W), got {short_repr(images)}")
+        images = check_images(images, self.model, "InferenceSwin")
         with torch.inference_mode():
             if self._graphs is not None:
-                return self._graphs(images).float().clone()
-            return self._forward(images.to(self.device, non_blocking=True)).float()
+                return self._graphs(images).to(torch.float32, copy=True)
+            # a copy: the output of a compiled forward may be its own buffer (Inductor's graphs)
+            return self._forward(images.to(self.device, non_blocking=True)).to(torch.float32, copy=True)
 
     predict = __call__
 
@@ -167,6 +191,12 @@ class InferenceSwin:
 
     def __repr__(self) -> str:
         return f"InferenceSwin(recipe={self.recipe!r}, precision={self.ctx.precision.name!r}, device={self.device})"
+
+
+def _without_cuda_graph(recipe: Recipe) -> Recipe:
+    import dataclasses
+
+    return dataclasses.replace(recipe, passes=[p for p in recipe.passes if p.name != "cuda_graph"])
 
 
 def optimize_swin_inference(model: torch.nn.Module, recipe: str = "dense", *, graph: bool = True,
@@ -194,7 +224,9 @@ def optimize_swin_inference(model: torch.nn.Module, recipe: str = "dense", *, gr
         raise UserError(f"graph must be True or False, got {short_repr(graph)}")
     if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
         raise UserError(f"batch must be an integer >= 1 or None, got {short_repr(batch)}")
-    chain = resolve_chain(str(recipe))
+    # the graphs are this object's own (one per batch shape): a recipe's cuda_graph pass, which captures a
+    # training step, is left out
+    chain = [_without_cuda_graph(r) for r in resolve_chain(str(recipe))]
     if device is not None:
         from workbench.devices import resolve_device
 
@@ -214,11 +246,11 @@ def optimize_swin_inference(model: torch.nn.Module, recipe: str = "dense", *, gr
     notes += [f"pass {r.name} {r.changed}" for r in results if r.details.get("applied") is False]
     graphed = False
     if graph:
-        options = ctx.compile_options if ctx.compile else {}
         if dev.type != "cuda":
             notes.append(f"no CUDA graphs on the {dev.type.upper()}: every call runs eagerly")
-        elif options.get("mode") == "reduce-overhead" or (options.get("options") or {}).get("triton.cudagraphs"):
-            notes.append("the recipe's torch.compile replays its own CUDA graphs (reduce-overhead): no graph of ours")
+        elif ctx.compile and replays_own_graphs(ctx.compile_options):
+            notes.append("the recipe's torch.compile replays its own CUDA graphs (reduce-overhead, max-autotune): "
+                         "no graph of ours")
         else:
             graphed = True
     return InferenceSwin(model, ctx, chain, results, graphed=graphed, notes=notes)

@@ -355,10 +355,13 @@ def quantized_dtypes(chain: list[Recipe]) -> set[str]:
 
 
 def is_graph_form(recipe: Recipe) -> bool:
-    """Whether the recipe only replays the stage it extends as CUDA graphs (a cuda_graph pass, or compile
-    in mode reduce-overhead): `apply` measures that form of every stage in its graph column already."""
-    return any(p.name == "cuda_graph" or (p.name == "compile" and p.params.get("mode") == "reduce-overhead")
-               for p in recipe.passes)
+    """Whether the recipe replays its step as CUDA graphs: a cuda_graph pass, or compile in a mode that
+    replays Inductor's own (reduce-overhead, max-autotune, triton.cudagraphs). `apply` measures the graph
+    form of every stage in its graph column already, and FSDP runs none of them."""
+    from workbench.optimize.passes.compile import replays_own_graphs
+
+    return any(p.name == "cuda_graph" or (p.name == "compile" and replays_own_graphs(
+        {"mode": p.params.get("mode"), "options": p.params.get("inductor")})) for p in recipe.passes)
 
 
 def graph_recipes() -> dict[str, str]:

@@ -54,7 +54,7 @@ from workbench.files import short_repr
 from workbench.optimize.distributed import (DDP_GRAPH_WARMUP_STEPS, DataParallel, FullyShard, Parallel, asked_strategy,
                                             data_parallel_settings, full_state_dict, fully_shard_model,
                                             load_full_state_dict, sharding_blocker, wrap_data_parallel, world_size)
-from workbench.optimize.inference import GraphFallbackWarning, PredictGraphs
+from workbench.optimize.inference import GraphFallbackWarning, PredictGraphs, check_images
 from workbench.optimize.passes import PassContext, PassResult, default_optimizer_factory, inference_only
 from workbench.optimize.recipes import Recipe, apply_chain_passes, effective_passes, is_graph_form, resolve_chain
 from workbench.precision import resolve_precision
@@ -594,20 +594,25 @@ class OptimizedSwin:
 
     def predict(self, images: torch.Tensor, ema: bool = False) -> torch.Tensor:
         """Logits (N, classes) fp32 of `images` with the model in eval mode (put back as it was after) under
-        the recipe's autocast and torch.inference_mode. With `cuda_graph`, replayed as a graph captured for
-        the first batch's shape; batches of another shape run eagerly (said once). ema: with the averaged
+        the recipe's autocast and torch.inference_mode. With `cuda_graph`, replayed as one graph, captured
+        for the first batch shape called three times; batches of another shape run eagerly (said once). ema: with the averaged
         weights (optimize_swin's `ema`), put in place for the call and the trained ones back after it (inside
         averaged_weights() every call computes with them, and they stay in place)."""
+        from workbench.optimize.passes.fused_attention import terms_in_every_call
+
         if ema:
             self._require_ema("predict(ema=True)")
+        images = check_images(images, self.model, "predict")
         was_training = self.model.training
         self.model.eval()
         try:
             averaged = self.averaged_weights() if ema and not self._averaged else contextlib.nullcontext()
-            with averaged, torch.inference_mode():
+            # the weights change between calls, also where no op says so (a graph's replayed step, a fused
+            # optimizer writing through pointers): SwinV2's weight terms are computed in every forward
+            with averaged, terms_in_every_call(), torch.inference_mode():
                 if self.graphed and self._predict_graphs is not None:
-                    return self._predict_graphs(images).float().clone()
-                return self._predict_forward(self._on_device(images)).float()
+                    return self._predict_graphs(images).to(torch.float32, copy=True)
+                return self._predict_forward(self._on_device(images)).to(torch.float32, copy=True)
         finally:
             self.model.train(was_training)
 

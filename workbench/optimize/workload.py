@@ -252,7 +252,9 @@ class Workload:
         if self.ctx.cuda_graph:
             return "the stage's step is one CUDA graph"
         options = self.ctx.compile_options if self.ctx.compile else {}
-        if options.get("mode") == "reduce-overhead" or (options.get("options") or {}).get("triton.cudagraphs"):
+        from workbench.optimize.passes.compile import replays_own_graphs
+
+        if replays_own_graphs(options):
             return "the stage replays Inductor's CUDA graphs (reduce-overhead)"
         return None
 

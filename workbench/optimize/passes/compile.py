@@ -32,6 +32,18 @@ def _check_inductor_options(inductor) -> dict:
     return dict(inductor)
 
 
+# the modes in which Inductor replays its own CUDA graphs (torch._inductor.list_mode_options sets
+# triton.cudagraphs for them): a step compiled so is not captured in a graph of ours
+OWN_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def replays_own_graphs(options: dict | None) -> bool:
+    """Whether a torch.compile with these options (PassContext.compile_options) replays Inductor's own CUDA
+    graphs: mode reduce-overhead or max-autotune, or the option triton.cudagraphs."""
+    options = options or {}
+    return options.get("mode") in OWN_GRAPH_MODES or bool((options.get("options") or {}).get("triton.cudagraphs"))
+
+
 def in_your_loop(params: dict, ctx: PassContext) -> str:
     """What a loop of your own writes to get this pass (workbench.optimize.patching.patch_swin): the
     recipe's torch.compile settings, around the model or the step."""

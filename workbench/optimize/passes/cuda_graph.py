@@ -30,9 +30,11 @@ def in_your_loop(params: dict, ctx: PassContext) -> str:
 def apply(model, ctx: PassContext):
     if ctx.device.type != "cuda":
         raise PassUnavailable("CUDA graphs need a CUDA device")
-    options = ctx.compile_options if ctx.compile else {}
-    if options.get("mode") == "reduce-overhead" or (options.get("options") or {}).get("triton.cudagraphs"):
-        raise PassUnavailable("the compiled step replays Inductor's own CUDA graphs (reduce-overhead)")
+    from workbench.optimize.passes.compile import replays_own_graphs
+
+    if ctx.compile and replays_own_graphs(ctx.compile_options):
+        raise PassUnavailable("the compiled step replays Inductor's own CUDA graphs (reduce-overhead, "
+                              "max-autotune)")
     if ctx.grad_scaler:
         raise PassUnavailable("fp16 GradScaler syncs with the host every step; use bf16 for CUDA graphs")
     ctx.cuda_graph = True
