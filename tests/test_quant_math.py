@@ -199,3 +199,27 @@ def test_int8_linear_static_scale_and_few_rows():
     assert out.shape == (3, 16)
     torch.testing.assert_close(out.double(), ref, rtol=2 ** -8, atol=1e-5)
     assert math.isfinite(out.float().sum().item())
+
+
+def test_review_static_rows_nan_calibration_and_dtype_casts():
+    """A static input that is a transposed view is read as rows; percentile calibration refuses inf/NaN as
+    the max observer does; .to(dtype) moves a QuantLinear without casting its quantized buffers."""
+    from workbench.kernels.quant import QuantLinear, make_observer
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 32)
+    x = torch.randn(1, 64, 40).transpose(1, 2)
+    for fmt in ("int8", "fp8"):
+        q = QuantLinear(lin, fmt, "triton", torch.tensor(0.03))
+        assert torch.equal(q(x), q(x.contiguous()))
+    bad = torch.randn(10_000)
+    bad[5] = float("nan")
+    with pytest.raises(ValueError, match="inf or NaN"):
+        make_observer("percentile").observe(bad)
+    q = QuantLinear(lin, "fp8", "triton")
+    y = torch.randn(20, 64)
+    before = {k: v.clone() for k, v in q.state_dict().items()}
+    q.to(torch.bfloat16)
+    assert all(torch.equal(v, before[k]) and v.dtype == before[k].dtype for k, v in q.state_dict().items())
+    a, b = q(y.bfloat16()).float(), q(y).float()     # bf16 input: fp8's rounding of other values, no more
+    assert ((a - b).norm() / b.norm()).item() < 3e-2

@@ -26,7 +26,8 @@ Scale guards: an all-zero row or tensor has amax 0; its scale is 1 (any scale gi
 scale never falls below the smallest normal fp32 (a denormal amax would give a zero scale and inf
 quotients). A non-finite amax (an inf or NaN in x) is refused with ValueError where `check` is on
 (weights and calibration, once); the dynamic per-row path of a forward passes check=False, since the
-check is a host sync (and CUDA graphs cannot capture one): a NaN activation stays NaN, as it would in bf16.
+check is a host sync (and CUDA graphs cannot capture one): a NaN activation stays NaN, as it would in bf16,
+except under a static int8 scale, where the cast to int8 maps it to 0 (no per-row reduction carries it).
 
 Weights are quantized per output channel (per row of the (N, K) weight): one scale per output feature,
 applied after the GEMM. Activations are quantized per row (per token, dynamic: computed each forward)
@@ -152,6 +153,9 @@ class PercentileObserver:
         n = flat.numel()
         if n == 0:
             return
+        if not bool(torch.isfinite(flat).all()):
+            # kthvalue sorts inf and NaN above every number: a few would drop out of the percentile unseen
+            raise ValueError("an observed activation holds inf or NaN: no scale can be calibrated from it")
         k = min(n, max(1, -(-int(round(n * self.percentile * 1e4)) // int(1e6))))
         self.values.append(flat.kthvalue(k).values)
 
@@ -605,6 +609,17 @@ class QuantLinear(torch.nn.Module):
                              bias.to(torch.bfloat16 if fmt == "fp8" else torch.float32))
         self.register_buffer("input_scale", None if input_scale is None else input_scale.detach().float().reshape(()))
 
+    def _apply(self, fn, recurse=True):
+        """Module.to / .half() / .cuda(): the buffers move, and keep their dtypes (a cast would turn the e4m3
+        weight into bf16 values the GEMM then reads as e4m3 bits, and round the scales)."""
+        kept = {name: b for name, b in self._buffers.items() if b is not None}
+        super()._apply(fn, recurse)
+        for name, before in kept.items():
+            after = self._buffers[name]
+            if after.dtype != before.dtype:     # the values as they were, on the device the call chose
+                self._buffers[name] = before.to(after.device)
+        return self
+
     def fused_quantize(self, device: torch.device) -> bool:
         """Whether a forward on `device` quantizes its input with `quantize_rows` (one Triton launch)
         rather than torch ops: a GEMM route, dynamic activations, kernels running there, K in one block."""
@@ -659,7 +674,7 @@ class QuantLinear(torch.nn.Module):
             out = out.to(torch.bfloat16)
         else:
             if not fused:
-                x_q = quantize(x2, x_scale, self.fmt)
+                x_q = quantize(x2, x_scale, self.fmt).contiguous()    # the GEMMs read rows of stride 1
             if self.route == "triton":
                 scale = x_scale if x_scale.dim() == 2 else x_scale.reshape(())
                 out = quant_matmul(x_q, scale, self.weight_q, self.weight_scale, self.bias)

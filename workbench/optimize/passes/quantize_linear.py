@@ -336,7 +336,7 @@ def call_v2_qkv_as_a_module(model: torch.nn.Module, names) -> dict[str, torch.nn
     F.linear(x, qkv.weight, bias) (timm's default) add them after the Linear instead (timm's own switch,
     qkv_bias_separate): a QuantLinear holds no float weight, and the Linear's forward hooks (its rows for
     the measured selection, calibration) see its input only when it is called as a module. The same
-    function, the biases added in fp32 and rounded once, as in the GEMM's epilogue -> {qkv name: its
+    function up to one more rounding (the biases added to the layer's bf16 output) -> {qkv name: its
     attention} for those switched (set qkv_bias_separate back on those whose qkv stays wide)."""
     from timm.models.swin_transformer_v2 import WindowAttention
 
