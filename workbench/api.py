@@ -36,7 +36,8 @@ docs/training.md says what each call does and guarantees.
 from workbench.optimize.distributed import DataParallel, FullyShard
 from workbench.optimize.inference import GraphFallbackWarning, InferenceSwin, optimize_swin_inference
 from workbench.optimize.patching import SwinPatch, patch_swin
-from workbench.optimize.trainer import GRAPH_WARMUP_STEPS, OptimizedSwin, RecipeUnavailable, optimize_swin
+from workbench.optimize.recipes import RecipeUnavailable
+from workbench.optimize.trainer import GRAPH_WARMUP_STEPS, OptimizedSwin, optimize_swin
 
 __all__ = ["optimize_swin", "OptimizedSwin", "optimize_swin_inference", "InferenceSwin", "patch_swin", "SwinPatch",
            "DataParallel", "FullyShard", "GraphFallbackWarning", "RecipeUnavailable", "GRAPH_WARMUP_STEPS"]

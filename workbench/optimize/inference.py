@@ -26,7 +26,7 @@ from workbench.errors import UserError
 from workbench.files import short_repr
 from workbench.optimize.passes import PassContext, PassResult
 from workbench.optimize.passes.compile import replays_own_graphs
-from workbench.optimize.recipes import Recipe, apply_chain_passes, resolve_chain
+from workbench.optimize.recipes import Recipe, RecipeUnavailable, apply_chain_passes, resolve_chain
 from workbench.precision import resolve_precision
 
 PREDICT_WARMUP_CALLS = 2      # eager forwards of a batch shape before its forward is captured
@@ -216,8 +216,6 @@ def optimize_swin_inference(model: torch.nn.Module, recipe: str = "dense", *, gr
 
     A pass that cannot run here raises RecipeUnavailable, a UserError (the model may then be partly
     patched: build it again)."""
-    from workbench.optimize.trainer import RecipeUnavailable
-
     if not isinstance(model, torch.nn.Module):
         raise UserError(f"model must be a torch.nn.Module (a timm Swin), got {short_repr(model)}")
     if not isinstance(graph, bool):

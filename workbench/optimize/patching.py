@@ -24,7 +24,7 @@ import torch
 from workbench.errors import UserError
 from workbench.optimize.passes import PassContext, PassResult, apply_pass, get_pass, inference_only
 from workbench.optimize.passes._swin import has_v2_blocks, named_swin_blocks
-from workbench.optimize.recipes import effective_passes, resolve_chain
+from workbench.optimize.recipes import RecipeUnavailable, effective_passes, resolve_chain
 from workbench.precision import resolve_precision
 from workbench.files import short_repr
 
@@ -80,7 +80,6 @@ def patch_swin(model: torch.nn.Module, recipe: str = "fmha", *, dtype: str | Non
 
     A model without timm Swin blocks is a UserError. A pass that cannot run here (no GPU for the Triton
     kernels) raises RecipeUnavailable, unless allow_unavailable (then `notes` says which and why)."""
-    from workbench.optimize.trainer import RecipeUnavailable
 
     if not isinstance(model, torch.nn.Module):
         raise UserError(f"model must be a torch.nn.Module holding timm Swin blocks, got {short_repr(model)}")

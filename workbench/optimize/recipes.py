@@ -41,6 +41,17 @@ _TOP_KEYS = {"name", "extends", "description", "peer", "gate", "passes"}
 MAX_NAME_BYTES = 100
 
 
+class RecipeUnavailable(UserError):
+    """A pass of the recipe cannot run here (no GPU for its kernels, no CUDA for graphs): `recipe` its name,
+    `reason` the pass and why. Raised by optimize_swin, optimize_swin_inference and patch_swin."""
+
+    def __init__(self, recipe: str, reason: str, patched: bool = True):
+        super().__init__(f"recipe {recipe!r} cannot run here: pass {reason}"
+                         + (" (the model may be partly patched; build it again for another recipe)" if patched
+                            else " (the model is unchanged)"))
+        self.recipe, self.reason = recipe, reason
+
+
 @dataclass(frozen=True)
 class PassSpec:
     """One pass as a recipe lists it: its registry name and keyword parameters for its `apply`."""

@@ -56,24 +56,14 @@ from workbench.optimize.distributed import (DDP_GRAPH_WARMUP_STEPS, DataParallel
                                             load_full_state_dict, sharding_blocker, wrap_data_parallel, world_size)
 from workbench.optimize.inference import GraphFallbackWarning, PredictGraphs, check_images
 from workbench.optimize.passes import PassContext, PassResult, default_optimizer_factory, inference_only
-from workbench.optimize.recipes import Recipe, apply_chain_passes, effective_passes, is_graph_form, resolve_chain
+from workbench.optimize.recipes import (Recipe, RecipeUnavailable, apply_chain_passes, effective_passes, is_graph_form,
+                                        resolve_chain)
 from workbench.precision import resolve_precision
 
 GRAPH_WARMUP_STEPS = 3        # eager optimizer steps before the training step is captured
 ADAMW_SETTINGS = ("lr", "betas", "eps", "weight_decay")
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-class RecipeUnavailable(UserError):
-    """A pass of the recipe cannot run here (no GPU for its kernels, no CUDA for graphs): `recipe` its name,
-    `reason` the pass and why."""
-
-    def __init__(self, recipe: str, reason: str, patched: bool = True):
-        super().__init__(f"recipe {recipe!r} cannot run here: pass {reason}"
-                         + (" (the model may be partly patched; build it again for another recipe)" if patched
-                            else " (the model is unchanged)"))
-        self.recipe, self.reason = recipe, reason
 
 
 def _adamw_settings(values: dict, where: str) -> dict:
