@@ -62,12 +62,18 @@ def test_accumulation_moves_the_average_once_per_optimizer_step():
     assert_close(swin.ema_state_dict(), ref)
 
 
-@pytest.mark.parametrize("recipe", ["baseline", "master"])
-def test_predict_with_the_average_is_timm_with_the_averaged_weights(recipe, master_recipe):
+def trained_with_average(recipe: str, master_recipe: str):
+    """An OptimizedSwin with ema=0.5 after three steps (master: the recipe with master weights)."""
     swin = optimize_swin(tiny(), master_recipe if recipe == "master" else "baseline", optimizer={"lr": 1e-2},
                          ema=0.5)
     for x, y in batches(3):
         swin.train_step(x, y)
+    return swin
+
+
+@pytest.mark.parametrize("recipe", ["baseline", "master"])
+def test_predict_with_the_average_is_timm_with_the_averaged_weights(recipe, master_recipe):
+    swin = trained_with_average(recipe, master_recipe)
     trained = weights(swin.model)
     x = batches(1, seed=9)[0][0]
     before = swin.predict(x)
@@ -86,10 +92,7 @@ def test_predict_with_the_average_is_timm_with_the_averaged_weights(recipe, mast
 
 @pytest.mark.parametrize("recipe", ["baseline", "master"])
 def test_averaged_weights_holds_the_averages_for_a_whole_evaluation(recipe, master_recipe):
-    swin = optimize_swin(tiny(), master_recipe if recipe == "master" else "baseline", optimizer={"lr": 1e-2},
-                         ema=0.5)
-    for x, y in batches(3):
-        swin.train_step(x, y)
+    swin = trained_with_average(recipe, master_recipe)
     trained = weights(swin.model)
     state = floating(swin.state_dict())
     images = [x for x, _ in batches(2, seed=9)]
