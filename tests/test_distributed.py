@@ -346,3 +346,26 @@ def test_apply_nproc_2_runs_a_compiled_stage_under_ddp(tmp_path):
     (record,) = read_records([out / "records"])
     s = record.scaling
     assert s.status == "ok" and s.world_size == 2 and s.gate["ranks"] == ["PASS", "PASS"], (s.status, s.reason)
+
+
+def test_review_nproc_refusals_and_rank_import_paths(tmp_path, monkeypatch):
+    """profile --nproc measures training only; Inductor-graph recipes run under neither DDP nor FSDP;
+    torchrun's ranks never import from the current folder."""
+    from typer.testing import CliRunner
+
+    from cli import app
+    from workbench.capture.backends import torchrun_module_command
+    from workbench.train.loop import TrainConfig, plan_runs
+
+    result = CliRunner().invoke(app, ["profile", "--mode", "infer", "--nproc", "2", "--device", "cpu",
+                                      "--out", str(tmp_path / "p")])
+    assert result.exit_code == 2 and "use --mode train" in result.output, result.output
+    config = TrainConfig(nproc=2, recipe="torch-compile-graphs", device="cpu")
+    config.check()
+    with pytest.raises(UserError, match="replays Inductor's own CUDA graphs"):
+        plan_runs(config, True)
+    cmd, env = torchrun_module_command(["--standalone", "--nproc-per-node", "2"], "workbench.train.rank", "spec")
+    rank = cmd[cmd.index("--no-python") + 1:]         # each rank's own interpreter, as a stage process's
+    assert rank[0] == sys.executable and rank[-1] == "spec" and ("-P" in rank or rank[1] == "-c")
+    assert "-m" not in cmd[3:cmd.index("--no-python")]   # torchrun's own -m would put the cwd back
+    assert env["PYTHONUNBUFFERED"] == "1"

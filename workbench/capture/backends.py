@@ -46,6 +46,16 @@ def python_module_command(module: str, *args: str) -> tuple[list[str], dict]:
     return [sys.executable, "-c", start, *args], env
 
 
+def torchrun_module_command(torchrun_args: list[str], module: str, *args: str) -> tuple[list[str], dict]:
+    """-> (argv, environment): torchrun (torch.distributed.run, with `torchrun_args`) starting `python -m
+    module args` as every rank, each rank's interpreter made as python_module_command makes it. torchrun's
+    own `-m` would start the ranks with the current folder first on their import path again."""
+    worker, _ = python_module_command(module, *args)
+    cmd, env = python_module_command("torch.distributed.run", *torchrun_args, "--no-python", *worker)
+    env["PYTHONUNBUFFERED"] = "1"    # what torchrun's `python -u` gives, which --no-python leaves out
+    return cmd, env
+
+
 def stop_process(proc) -> None:
     """Stop a child process (a subprocess.Popen) if it still runs: SIGTERM, then SIGKILL after 10 s. A
     stage process or torchrun must not write on after the run that started it has stopped."""
@@ -173,7 +183,7 @@ def capture_ranks(config: WorkloadConfig, recipe: str | None, out_dir: Path, ste
         cmd, env = python_module_command(*launcher, "--no-python", *_nsys_profile(nsys, rep_base), *worker)
         _run(cmd, log, "torchrun + nsys profile", env)
         return [_export_sqlite(nsys, d, log) for d in dirs]
-    cmd, env = python_module_command(*launcher, "-m", "workbench.capture.worker", str(spec))
+    cmd, env = torchrun_module_command(launcher[1:], "workbench.capture.worker", str(spec))
     _run(cmd, log, "torchrun", env)
     traces = [d / "trace.json" for d in dirs]
     missing = [t for t in traces if not t.exists()]

@@ -56,10 +56,10 @@ def run_profile(*, model: str | None, mode: str, batch: int, precision: str, ste
     console = console or Console()
     if steps < 1 or warmup < 0:
         raise UserError("--steps must be at least 1 and --warmup at least 0")
-    if nproc is not None and (isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1):
-        raise UserError(f"--nproc must be a whole number >= 1, got {nproc!r}")
-    from workbench.optimize.distributed import check_parallel
+    from workbench.optimize.distributed import check_nproc, check_parallel
 
+    if nproc is not None:
+        check_nproc(nproc, mode, resolve_device(pick_device(device)))
     check_parallel(parallel, nproc)
     cpu_fallback = device == "auto" and not torch.cuda.is_available()
     device = pick_device(device)
@@ -78,8 +78,6 @@ def run_profile(*, model: str | None, mode: str, batch: int, precision: str, ste
     if cpu_fallback:  # said once the arguments are known to be good: a user mistake gets one line only
         console.print(f"[yellow]note:[/] no CUDA GPU here: running {config.model} on the CPU "
                       "(timings and shares are CPU figures, not GPU ones)")
-    if nproc is not None and dev.type == "cuda" and nproc > torch.cuda.device_count():
-        raise UserError(f"--nproc {nproc}: one process per GPU, and {torch.cuda.device_count()} GPU(s) are visible")
     if nproc is not None and recipe and parallel == "fsdp":
         from workbench.optimize.recipes import is_graph_form, resolve_chain
 

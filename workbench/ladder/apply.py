@@ -54,7 +54,7 @@ from workbench.ladder.progress import LadderProgress
 from workbench.ladder.reuse import (RecordCache, compile_cache_counts, compile_cache_env, compile_cache_note,
                                     reused_record)
 from workbench.files import atomic_write_text
-from workbench.optimize.distributed import check_parallel
+from workbench.optimize.distributed import check_nproc, check_parallel
 from workbench.results.record import SCHEMA, KernelFloor, read_record, write_record
 from workbench.optimize.recipes import (StagePlan, as_jsonable, effective_passes, gate_tolerance, graph_recipes,
                                        is_pytorch_alone, plan_stages, resolve_chain)
@@ -702,7 +702,7 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
     dev = resolve_device(device)
     on_gpu = dev.type == "cuda"
     if nproc is not None:
-        _check_nproc(nproc, mode, dev)
+        check_nproc(nproc, mode, dev)
     check_parallel(parallel, nproc)
     model, img_size = _with_checkpoint(checkpoint, data, model, mode, parse_img_size(img_size))
     model = model or default_model_for(device)
@@ -761,20 +761,6 @@ def _with_checkpoint(checkpoint: Path | None, data: Path | None, model: str | No
                         "on: give --data DIR (an ImageFolder) to measure it on")
     trained_at = (weights.meta or {}).get("input_size")
     return model or weights.model, img_size or (tuple(trained_at[1:]) if trained_at else None)
-
-
-def _check_nproc(nproc, mode: str, dev: torch.device) -> None:
-    """UserError unless `apply --nproc` can run: a whole number >= 1, training, a GPU per process."""
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
-        raise UserError(f"--nproc must be a whole number >= 1, got {nproc!r}")
-    if mode != "train":
-        raise UserError("--nproc measures data-parallel training (DDP's gradient all-reduce): use --mode train")
-    if dev.type == "cuda":
-        if dev.index is not None:
-            raise UserError(f"--nproc gives each process its own GPU (cuda:0 to cuda:{nproc - 1}): use --device "
-                            f"cuda, not {dev}")
-        if nproc > torch.cuda.device_count():
-            raise UserError(f"--nproc {nproc} needs {nproc} GPUs on this machine; it has {torch.cuda.device_count()}")
 
 
 def _earlier_run_id(records_dir: Path) -> str | None:

@@ -2,7 +2,8 @@
 
 After the ladder has measured a stage in one process, the parent starts
 
-    python -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node N -m workbench.ladder.scaling SPEC
+    python -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node N --no-python \
+        python -P -m workbench.ladder.scaling SPEC    (backends.torchrun_module_command)
 
 (fresh processes per stage, as `isolate` runs stages). Each rank builds the stage's workload with the
 run's per-process batch B, takes rank r's share of a global synthetic batch of N x B images (the same seed
@@ -47,10 +48,10 @@ SCALING_DIR = "scaling"
 
 
 def torchrun_command(nproc: int, spec_path: Path) -> tuple[list[str], dict]:
-    from workbench.capture.backends import python_module_command
+    from workbench.capture.backends import torchrun_module_command
 
-    return python_module_command("torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node",
-                                 str(nproc), "-m", "workbench.ladder.scaling", str(spec_path))
+    return torchrun_module_command(["--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc)],
+                                   "workbench.ladder.scaling", str(spec_path))
 
 
 def scale_stage(record: dict, spec, nproc: int, extra_env: dict | None = None, parallel: str = "ddp") -> dict:
@@ -118,6 +119,10 @@ def _over_ranks(out, world: int, device: torch.device, *, average_grads: bool):
 COMM_STEPS = 3     # steps each rank runs under torch.profiler, after the timing, for its communication figures
 
 
+class _NoFigures(Exception):
+    """The profile of the communication steps could not be made or read (the steps themselves ran)."""
+
+
 def _communication(workload, device: torch.device, rank: int, steps: int = COMM_STEPS) -> dict:
     """This rank's communication per step and the part of it that no compute kernel of the rank overlaps
     (analysis.ranks.rank_row), from `steps` more steps under torch.profiler: GPU kernels on a GPU (NCCL's),
@@ -134,17 +139,28 @@ def _communication(workload, device: torch.device, rank: int, steps: int = COMM_
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     marker, workload.marker = workload.marker, RangeMarker("torch")    # step<i> ranges: the steps counted
     try:
-        with torch.profiler.profile(activities=activities) as prof:
-            for i in range(steps):
-                workload.step(i)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+        prof = torch.profiler.profile(activities=activities)
+        prof.__enter__()
+    except Exception as exc:        # the steps still run below: every rank must join their collectives
+        prof, failed = None, exc
+    try:
+        for i in range(steps):      # a step that raises ends this rank, and torchrun the others
+            workload.step(i)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
     finally:
         workload.marker = marker
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        row = rank_row(rank, load_trace(path))
+        if prof is not None:
+            prof.__exit__(None, None, None)
+    if prof is None:
+        raise _NoFigures(f"the profiler did not start: {type(failed).__name__}: {failed}")
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / "trace.json"
+            prof.export_chrome_trace(str(path))
+            row = rank_row(rank, load_trace(path))
+    except Exception as exc:
+        raise _NoFigures(f"{type(exc).__name__}: {exc}") from None
     return {"comm_ms": row["comm_ms"], "exposed_ms": row["exposed_ms"]}
 
 
@@ -215,13 +231,17 @@ def _measure(spec, single_img_per_s: float | None, device: torch.device, rank: i
 def _add_communication(result: dict, workload, device: torch.device, rank: int, world: int,
                        steps: int = COMM_STEPS) -> dict:
     """`result` with its `comm` figures: every rank's communication per step from `steps` more steps under
-    torch.profiler (none where a rank's profile raised: the stage log says why)."""
+    torch.profiler (none where a rank's profile could not be made: the stage log says why). A step that
+    raises ends the rank (torchrun then ends the others): caught here, it would leave this rank at the
+    all-gather while the others wait in the step's collectives."""
     import torch.distributed as dist
 
     try:
+        # its steps run on every rank whatever the profiler does (_communication): the ranks reach the
+        # all-gather below together
         mine = _communication(workload, device, rank, steps)
-    except Exception as exc:    # the timing and the gate stand without it; the stage log says why
-        print(f"rank {rank}: no communication figures: {type(exc).__name__}: {exc}", file=sys.stderr)
+    except _NoFigures as exc:   # the timing and the gate stand without it; the stage log says why
+        print(f"rank {rank}: no communication figures: {exc}", file=sys.stderr)
         mine = None
     comm: list = [None] * world
     dist.all_gather_object(comm, mine)

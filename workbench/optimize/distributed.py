@@ -115,6 +115,20 @@ def require_fully_shard() -> None:
                         f"{torch.__version__}: use DDP, or a newer torch") from None
 
 
+def check_nproc(nproc, mode: str, dev) -> None:
+    """UserError unless `--nproc` can run (apply, profile): a whole number >= 1, training, a GPU per process."""
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise UserError(f"--nproc must be a whole number >= 1, got {nproc!r}")
+    if mode != "train":
+        raise UserError("--nproc measures data-parallel training (DDP's gradient all-reduce): use --mode train")
+    if dev.type == "cuda":
+        if dev.index is not None:
+            raise UserError(f"--nproc gives each process its own GPU (cuda:0 to cuda:{nproc - 1}): use --device "
+                            f"cuda, not {dev}")
+        if nproc > torch.cuda.device_count():
+            raise UserError(f"--nproc {nproc} needs {nproc} GPUs on this machine; it has {torch.cuda.device_count()}")
+
+
 def check_parallel(parallel: str | None, nproc: int | None) -> None:
     """UserError unless a command's `--parallel` names a strategy and goes with --nproc (and FSDP's is
     importable); None (not given) passes."""

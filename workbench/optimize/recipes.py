@@ -375,6 +375,16 @@ def is_graph_form(recipe: Recipe) -> bool:
         {"mode": p.params.get("mode"), "options": p.params.get("inductor")})) for p in recipe.passes)
 
 
+def replays_inductor_graphs(chain: list[Recipe]) -> bool:
+    """Whether the chain compiles its step in a mode that replays Inductor's own CUDA graphs (reduce-overhead,
+    max-autotune, triton.cudagraphs): swinbench runs such a step under neither DDP nor FSDP."""
+    from workbench.optimize.passes.compile import replays_own_graphs
+
+    return any(p.name == "compile" and replays_own_graphs({"mode": p.params.get("mode"),
+                                                           "options": p.params.get("inductor")})
+               for p in effective_passes(chain))
+
+
 def graph_recipes() -> dict[str, str]:
     """{stage: the built-in recipe that only replays that stage's step as one CUDA graph}: fmha ->
     fmha-graph, dense -> dense-graph, block -> block-graph, fmha-compile -> fmha-compile-graph and

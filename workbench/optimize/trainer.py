@@ -57,7 +57,7 @@ from workbench.optimize.distributed import (DDP_GRAPH_WARMUP_STEPS, DataParallel
 from workbench.optimize.inference import GraphFallbackWarning, PredictGraphs, check_images
 from workbench.optimize.passes import PassContext, PassResult, default_optimizer_factory, inference_only
 from workbench.optimize.recipes import (Recipe, RecipeUnavailable, apply_chain_passes, effective_passes, is_graph_form,
-                                        resolve_chain)
+                                        replays_inductor_graphs, resolve_chain)
 from workbench.precision import resolve_precision
 
 GRAPH_WARMUP_STEPS = 3        # eager optimizer steps before the training step is captured
@@ -761,6 +761,10 @@ def optimize_swin(model: torch.nn.Module, recipe: str = "fmha", *, optimizer=Non
         raise UserError("ema: an average of FSDP's sharded weights is not built here; use DDP (distributed='ddp') "
                         "or train without ema")
     data_parallel = data_parallel_settings(distributed, accumulate)
+    if data_parallel is not None and replays_inductor_graphs(chain):
+        raise UserError(f"recipe {chain[-1].name!r} replays Inductor's own CUDA graphs (reduce-overhead), which "
+                        f"swinbench runs under neither DDP nor FSDP: use a recipe that captures the whole step "
+                        "(fmha-graph, fmha-compile-graph) under DDP")
     if device is not None:
         from workbench.devices import resolve_device
 

@@ -2,7 +2,8 @@
 
 The command checks everything and claims its folder as it does for one process, then starts
 
-    python -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node N -m workbench.train.rank SPEC
+    python -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node N --no-python \
+        python -P -m workbench.train.rank SPEC        (backends.torchrun_module_command)
 
 (with --nnodes M: `--rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id ID` instead of --standalone) and
 waits. SPEC (ranks.json in the run's folder) holds the checked config and the planned runs. Each rank
@@ -69,15 +70,14 @@ def launch_ranks(config, runs: list[tuple[str, int]], model_name: str, device: t
                  console) -> None:
     """Run every planned run under torchrun (workbench.train.rank in each process), streaming rank 0's
     progress to `console`. A rank's UserError is raised here as it was said there."""
-    from workbench.capture.backends import python_module_command, stop_process
+    from workbench.capture.backends import stop_process, torchrun_module_command
 
     spec = write_spec(config, runs, model_name, device, out_dir)
     console.print(f"torchrun: {config.nproc} process{'es' if config.nproc > 1 else ''} per machine x "
                   f"{config.nnodes} machine{'s' if config.nnodes > 1 else ''}, {config.batch} images per process a "
                   f"step (global batch {config.batch * config.world}); the ranks' stderr in {out_dir / LOG_FILE}",
                   highlight=False)
-    cmd, env = python_module_command("torch.distributed.run", *torchrun_arguments(config), "-m",
-                                     "workbench.train.rank", str(spec))
+    cmd, env = torchrun_module_command(torchrun_arguments(config), "workbench.train.rank", str(spec))
     log_path = out_dir / LOG_FILE
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)

@@ -48,7 +48,7 @@ from workbench.files import short_repr
 from workbench.models import build_model, check_model_name, default_model_for, input_size, own_img_size
 from workbench.optimize.distributed import check_parallel
 from workbench.optimize.passes import inference_only
-from workbench.optimize.recipes import effective_passes, is_graph_form, resolve_chain
+from workbench.optimize.recipes import effective_passes, is_graph_form, replays_inductor_graphs, resolve_chain
 from workbench.devices import pick_device, resolve_device
 from workbench.run_folder import claim_run_folder, run_entries
 from workbench.datasets import load_data
@@ -386,6 +386,13 @@ def plan_runs(config: TrainConfig, on_gpu: bool) -> tuple[list[tuple[str, int]],
     stops the command before anything trains; under FSDP, a recipe that replays CUDA graphs is refused
     (optimize_swin runs those under DDP only)."""
     runs, notes = _plan_runs(config, on_gpu)
+    if config.world > 1:
+        for recipe, _ in runs:
+            chain = resolve_chain(recipe)
+            if replays_inductor_graphs(chain):
+                raise UserError(f"recipe {chain[-1].name!r} replays Inductor's own CUDA graphs (reduce-overhead), "
+                                "which swinbench runs under neither DDP nor FSDP: train a recipe that captures its "
+                                "whole step (a *-graph recipe) under DDP, or its compiled form without graphs")
     if config.world > 1 and parallel_strategy(config, config.world) == "fsdp":
         for recipe, _ in runs:
             chain = resolve_chain(recipe)
