@@ -35,3 +35,19 @@ def test_find_nsys_prefers_flag_then_environment(tmp_path, monkeypatch):
     with pytest.raises(UserError):
         find_nsys()
     assert os.environ["SWINBENCH_NSYS"]
+
+
+def test_the_ranges_leave_a_compiled_forward_in_one_graph():
+    """The modules' range hooks are no-ops while torch.compile traces: the compiled step profile captures
+    is the one apply times, not one split at every push and pop."""
+    import torch
+
+    from workbench.optimize.ranges import RangeMarker, annotate_modules
+    from workbench.optimize.workload import Workload, WorkloadConfig
+
+    w = Workload.build(WorkloadConfig(model="swinbench_tiny_cpu", mode="infer", batch=2, device="cpu",
+                                      precision="fp32"))
+    w.marker = RangeMarker("torch")
+    annotate_modules(w.model, w.marker)
+    explained = torch._dynamo.explain(w._forward_loss)(w.x, w.y)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0

@@ -63,3 +63,20 @@ def test_profile_with_recipe_says_what_each_pass_changed(tmp_path):
 def test_profile_with_unknown_recipe_is_one_line(tmp_path):
     result = runner.invoke(app, ["profile", "--device", "cpu", "--recipe", "nope", "--out", str(tmp_path / "r")])
     assert result.exit_code == 2 and "unknown recipe" in result.output
+
+
+def test_a_workload_that_fails_under_the_profiler_is_one_line_and_blocks_nothing(tmp_path, monkeypatch):
+    import workbench.capture.worker as worker
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 376 GB")
+
+    monkeypatch.setattr(worker, "run_capture", out_of_memory)
+    out = tmp_path / "run"
+    args = ["profile", "--device", "cpu", "--batch", "2", "--steps", "1", "--warmup", "1", "--out", str(out)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "capture failed: RuntimeError: DefaultCPUAllocator" in result.output
+    assert "RuntimeError" in (out / "capture.log").read_text()          # the traceback, for the user
+    monkeypatch.undo()
+    assert runner.invoke(app, args).exit_code == 0                     # the folder holds no run yet

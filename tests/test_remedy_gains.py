@@ -66,6 +66,7 @@ def test_another_batch_is_said_and_the_same_batch_preferred():
     (TraceWorkload(TINY, "train", 64, "NVIDIA A100-SXM4-80GB"), "on NVIDIA A100"),
     (TraceWorkload(TINY, "infer", 64, "NVIDIA H200"), "infer on NVIDIA H200"),
     (TraceWorkload(None, "train", 64, "NVIDIA H200"), "does not say which model"),
+    (TraceWorkload(TINY, "train", 64, "NVIDIA H200", img_size=(384, 384)), "at 384x384 train on NVIDIA H200"),
 ])
 def test_never_across_models_gpus_or_modes(workload, why):
     got = remedy_gains(ladder(), workload)

@@ -201,3 +201,15 @@ def test_a_matrix_folder_or_a_part_of_another_run_is_refused(tmp_path):
         pass
     with claim_run_folder(matrix / "cell", command="apply"):
         pass
+
+
+def test_atomic_writes_keep_the_files_permissions(tmp_path):
+    from workbench.files import _UMASK, atomic_write_text
+
+    kept = tmp_path / "kept.md"
+    kept.write_text("old\n")
+    kept.chmod(0o664)
+    atomic_write_text(kept, "new\n")
+    assert kept.stat().st_mode & 0o777 == 0o664 and kept.read_text() == "new\n"
+    fresh = atomic_write_text(tmp_path / "fresh.json", "{}\n")
+    assert fresh.stat().st_mode & 0o777 == 0o666 & ~_UMASK

@@ -6,6 +6,7 @@ import os
 import platform
 import socket
 import subprocess
+from pathlib import Path
 
 import torch
 
@@ -37,6 +38,11 @@ def _git_revision() -> str | None:
     outside a git checkout (an installed package, a copied tree)."""
     root = SOURCE_ROOT
     try:
+        top = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel"],
+                             capture_output=True, text=True, timeout=10)
+        # a package inside someone else's checkout (site-packages in a project's .venv) is not that commit
+        if top.returncode != 0 or Path(top.stdout.strip()).resolve() != Path(root).resolve():
+            return None
         rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
                              capture_output=True, text=True, timeout=10)
         if rev.returncode != 0:
@@ -103,6 +109,8 @@ def environment_stamp(device: str | torch.device = "cuda") -> dict:
         "torch": torch.__version__,
         "triton": module_version("triton"),
         "timm": module_version("timm"),
+        "torchao": module_version("torchao"),     # the torchao-* peers' quantized GEMMs
+        "apex": module_version("apex"),           # fused_layernorm / fused_adamw with impl apex
         "python": platform.python_version(),
         "host": socket.gethostname(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

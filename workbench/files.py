@@ -11,7 +11,9 @@ from workbench.errors import UserError
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    """Write `data` to `path` atomically; UserError (one line) when the folder cannot be written."""
+    """Write `data` to `path` atomically, with the permissions the file had (a new one: what `open` would
+    give it under the umask, not mkstemp's owner-only 0600); UserError (one line) when the folder cannot be
+    written."""
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -19,6 +21,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     except OSError as exc:
         raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
     try:
+        os.fchmod(fd, _mode_for(path))
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
@@ -33,6 +36,18 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
             raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
         raise
     return path
+
+
+_UMASK = os.umask(0)     # read once, when this module is imported (reading it means setting it)
+os.umask(_UMASK)
+
+
+def _mode_for(path: Path) -> int:
+    """The permission bits `path` has now, else 0666 less this process's umask."""
+    try:
+        return path.stat().st_mode & 0o7777
+    except OSError:
+        return 0o666 & ~_UMASK
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:

@@ -50,9 +50,15 @@ MATRIX_MD = "matrix.md"
 MATRIX_JSON = "matrix.json"
 
 
+# What a capture writes before it measures anything: a folder holding nothing else holds no run (a capture
+# that failed at its start leaves them, and the next run into the folder writes them again)
+NOT_MEASURED = ("capture.log", "nsys.log", "capture_spec.json")
+
+
 def run_entries(folder: Path) -> list[Path]:
     """The entries of `folder` that a swinbench run wrote (RUN_ENTRY_PATTERNS), sorted; [] when the
-    folder does not exist. An empty folder among them holds nothing measured and does not count."""
+    folder does not exist or holds only NOT_MEASURED files. An empty folder among them holds nothing
+    measured and does not count."""
     try:
         names = sorted(os.listdir(folder))
     except (FileNotFoundError, NotADirectoryError):
@@ -61,7 +67,8 @@ def run_entries(folder: Path) -> list[Path]:
         raise UserError(f"cannot read the output folder {folder}: {exc.strerror or exc}") from None
     entries = [Path(folder) / n for n in names
                if n != LOCK_NAME and any(fnmatch.fnmatchcase(n, p) for p in RUN_ENTRY_PATTERNS)]
-    return [e for e in entries if not (e.is_dir() and not any(e.iterdir()))]
+    entries = [e for e in entries if not (e.is_dir() and not any(e.iterdir()))]
+    return [] if all(e.name in NOT_MEASURED for e in entries) else entries
 
 
 def check_writable_folder(folder) -> None:

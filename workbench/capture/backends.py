@@ -98,9 +98,11 @@ def _worker_spec(config: WorkloadConfig, recipe: str | None, steps: int, warmup:
 
 
 def _first_error(log: Path) -> str:
-    """The line of a log that says what went wrong: the last Python exception line, else the last line."""
+    """The line of a log that says what went wrong: the last Python exception line (not torchrun's own
+    summary that a child failed, which would hide the rank's error), else the last line."""
     lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-    errors = [ln for ln in lines if ln.split(":")[0].endswith(("Error", "Exception"))]
+    errors = [ln for ln in lines if ln.split(":")[0].endswith(("Error", "Exception"))
+              and "ChildFailedError" not in ln and "torch.distributed.elastic" not in ln]
     return (errors or lines or ["no output"])[-1][:240]
 
 
@@ -108,7 +110,14 @@ def _run(cmd: list[str], log: Path, what: str, env: dict | None = None) -> None:
     with open(log, "ab") as fh:
         fh.write(("$ " + " ".join(cmd) + "\n").encode())
         fh.flush()
-        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+        try:
+            proc.wait()
+        except BaseException:
+            # Ctrl-C or SIGTERM: SIGTERM first, which torchrun and nsys pass on to the processes they started
+            # (subprocess.run's SIGKILL would orphan them, writing on after this run let go of its folder)
+            stop_process(proc)
+            raise
     if proc.returncode != 0:
         raise UserError(f"{what} failed (exit {proc.returncode}): {_first_error(log)} (full log: {log})")
 
@@ -234,8 +243,20 @@ def capture_torch(config: WorkloadConfig, recipe: str | None, out_dir: Path, ste
 
     out_dir.mkdir(parents=True, exist_ok=True)
     trace = out_dir / "trace.json"
-    with stderr_to_log(out_dir / "capture.log"):
-        run_capture(config, recipe, steps=steps, warmup=warmup, marker="torch", out_dir=out_dir, torch_trace=trace)
+    log = out_dir / "capture.log"
+    try:
+        with stderr_to_log(log):
+            run_capture(config, recipe, steps=steps, warmup=warmup, marker="torch", out_dir=out_dir,
+                        torch_trace=trace)
+    except (UserError, KeyboardInterrupt):
+        raise
+    except Exception as exc:      # the workload failed (out of memory, a kernel's error): one line, the log
+        import traceback
+
+        with open(log, "a") as fh:
+            traceback.print_exc(file=fh)
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        raise UserError(f"capture failed: {type(exc).__name__}: {first} (full traceback: {log})") from None
     return trace
 
 

@@ -89,6 +89,9 @@ def run_profile(*, model: str | None, mode: str, batch: int, precision: str, ste
     out_dir = Path(out) if out else Path("profiles") / default_run_name(config, recipe)
     with claim_run_folder(out_dir, command="profile", overwrite=overwrite) as claim:
         notes = [note] if note else []
+        first = _warmup_short_of(recipe, warmup, mode)
+        if first:
+            notes.append(f"--warmup {warmup}: the captured steps include {first}, which later steps do not pay")
         for n in notes + claim.notes:
             console.print(f"[yellow]note:[/] {n}", highlight=False)
         if nproc is not None:
@@ -98,6 +101,23 @@ def run_profile(*, model: str | None, mode: str, batch: int, precision: str, ste
         return _capture_and_analyze(config, recipe, out_dir, chosen, nsys_path, steps=steps, warmup=warmup,
                                     fmt=fmt, top=top, notes=notes, console=console, timeline=timeline,
                                     records=stored)
+
+
+def _warmup_short_of(recipe: str | None, warmup: int, mode: str = "train") -> str | None:
+    """What the first steps do once that a capture after `warmup` steps would hold (None: nothing): the
+    first step's autotuning and allocations; a compiled recipe's compilation (its first two steps); a
+    graph recipe's capture (training: after GRAPH_WARMUP_STEPS eager steps; inference: in its first step)."""
+    from workbench.optimize.recipes import effective_passes, resolve_chain
+    from workbench.optimize.trainer import GRAPH_WARMUP_STEPS
+
+    names = {p.name for p in effective_passes(resolve_chain(recipe))} if recipe else set()
+    if "cuda_graph" in names and warmup <= (GRAPH_WARMUP_STEPS if mode == "train" else 0):
+        return "the CUDA graph's warm-up steps and its capture"
+    if "compile" in names and warmup < 2:
+        return "torch.compile's compilation"
+    if warmup < 1:
+        return "the first step's autotuning and allocations"
+    return None
 
 
 def _capture_ranks(config: WorkloadConfig, recipe: str | None, out_dir: Path, chosen: str, nsys_path: str | None,

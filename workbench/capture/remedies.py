@@ -59,9 +59,13 @@ def trace_workload(trace: Path | None, trace_meta: dict) -> TraceWorkload:
         names = sorted({g for g in trace_meta.get("gpus") or [] if isinstance(g, str) and g})
         gpu = names[0] if len(names) == 1 else env.get("gpu") if isinstance(env.get("gpu"), str) else None
     batch = config.get("batch")
+    size = config.get("img_size")
+    img_size = (tuple(size) if isinstance(size, list) and len(size) == 2
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in size) else None)
     return TraceWorkload(model=config.get("model") if isinstance(config.get("model"), str) else None,
                          mode=config.get("mode") if isinstance(config.get("mode"), str) else None,
-                         batch=batch if isinstance(batch, int) and not isinstance(batch, bool) else None, gpu=gpu)
+                         batch=batch if isinstance(batch, int) and not isinstance(batch, bool) else None, gpu=gpu,
+                         img_size=img_size)
 
 
 def findings_gains(records: list[StageRecord], trace: Path | None, trace_meta: dict) -> RemedyGains:

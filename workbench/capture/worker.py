@@ -53,6 +53,9 @@ def run_capture(config: WorkloadConfig, recipe: str | None, *, steps: int, warmu
         workload.take_shard(rank, world)
     workload.marker = RangeMarker(marker)
     annotate_modules(workload.model, workload.marker)
+    if workload.ctx.compile and workload.marker.kind != "none":
+        said = "the compiled forward has no per-block ranges (torch.compile runs it without the modules' hooks)"
+        workload.marker.note = f"{workload.marker.note}; {said}" if workload.marker.note else said
     device = workload.ctx.device
     data_parallel = None
     if rank is not None:

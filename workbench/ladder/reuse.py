@@ -76,13 +76,22 @@ def machine_conditions(gpu: tuple[str, str]) -> dict:
     import torch
 
     return {"gpu": list(gpu), "torch": torch.__version__, "triton": module_version("triton"),
-            "timm": module_version("timm"), "python": platform.python_version(), "swinbench_source": source_digest(),
-            "swinbench_env": swinbench_settings(), "kernel_env": kernel_settings()}
+            "timm": module_version("timm"), "torchao": module_version("torchao"), "apex": module_version("apex"),
+            "python": platform.python_version(), "swinbench_source": source_digest(),
+            "swinbench_env": _kernel_debug(swinbench_settings()), "kernel_env": kernel_settings()}
+
+
+def _kernel_debug(settings: dict) -> dict:
+    """Of the SWINBENCH_* settings, those that change kernels (kernels._common.DEBUG_VARIABLES): a path to
+    nsys or a misspelt name measures the same."""
+    from workbench.kernels._common import DEBUG_VARIABLES
+
+    return {k: v for k, v in (settings or {}).items() if k in DEBUG_VARIABLES}
 
 
 # The fields of a record's env that must match this machine's conditions for the record to be stored or
 # reused under them (a kept record of an earlier run, resumed, was measured under that run's conditions)
-_RECORD_CONDITIONS = ("torch", "triton", "timm", "python", "swinbench_source", "swinbench_env")
+_RECORD_CONDITIONS = ("torch", "triton", "timm", "torchao", "apex", "python", "swinbench_source", "swinbench_env")
 
 
 def stage_key(chain: list[dict], config: dict, *, steps: int, warmup: int, profile: bool, machine: dict,
@@ -154,8 +163,8 @@ class RecordCache:
         env = record.get("env") or {}
         if [env.get("gpu"), env.get("driver")] != list(self.machine["gpu"]):
             return False
-        return all(env.get(k) == self.machine[k] or (k == "swinbench_env" and not env.get(k) and not self.machine[k])
-                   for k in _RECORD_CONDITIONS if k in env)
+        mine = {**env, "swinbench_env": _kernel_debug(env.get("swinbench_env"))}
+        return all(mine.get(k) == self.machine[k] for k in _RECORD_CONDITIONS if k in env)
 
     def store(self, key: str | None, record: dict, run_folder: Path | None = None) -> None:
         """Keep a finished stage's record (ok and passing its gate, measured under this machine's

@@ -73,17 +73,22 @@ class RangeMarker:
 
 
 def _hook_pair(marker: RangeMarker, label: str):
+    # no-ops while torch.compile traces: Dynamo cannot trace a range push or pop, so it would split the
+    # compiled step at every one, and the capture would time another program than apply does
     def pre(module, args):
-        marker.push(label)
+        if not torch.compiler.is_compiling():
+            marker.push(label)
 
     def post(module, args, output):
-        marker.pop()
+        if not torch.compiler.is_compiling():
+            marker.pop()
 
     return pre, post
 
 
 def annotate_modules(model: torch.nn.Module, marker: RangeMarker) -> list:
-    """Register forward hooks that push a range around each stage's blocks and their parts.
+    """Register forward hooks that push a range around each stage's blocks and their parts (not inside a
+    compiled forward: Inductor runs it as its own kernels, without the modules' ranges).
     Returns the hook handles (call .remove() on each to undo)."""
     if marker.kind == "none":
         return []

@@ -85,6 +85,9 @@ class Workload:
     @classmethod
     def build(cls, config: WorkloadConfig, *, fused_attn: bool = False) -> "Workload":
         device = resolve_device(config.device)
+        if device.type == "cuda" and device.index is not None:
+            # the current device: CUDA events, streams and graphs made without one go there (cuda:0 else)
+            torch.cuda.set_device(device)
         precision = resolve_precision(config.precision)
         torch.manual_seed(config.seed)
         # On a GPU the weights are created there: initializing Swin-B's 88M parameters on a slow host

@@ -37,6 +37,7 @@ class TraceWorkload:
     mode: str | None
     batch: int | None
     gpu: str | None
+    img_size: tuple[int, int] | None = None     # where the model was built at another resolution (--img-size)
 
 
 @dataclass
@@ -124,8 +125,9 @@ def remedy_gains(records, workload: TraceWorkload) -> RemedyGains:
         return RemedyGains(note="no measured gains: the trace does not say which model it is of (run.json "
                                 "beside it, written by `swinbench profile`, does)")
     same = [r for r in records if r.env.on_gpu and r.env.device_name == workload.gpu and r.model == workload.model
-            and (workload.mode is None or r.mode == workload.mode)]
-    what = f"{workload.model} {workload.mode or ''} on {workload.gpu}".replace("  ", " ")
+            and (workload.mode is None or r.mode == workload.mode) and r.img_size == workload.img_size]
+    at = f" at {workload.img_size[0]}x{workload.img_size[1]}" if workload.img_size else ""
+    what = f"{workload.model}{at} {workload.mode or ''} on {workload.gpu}".replace("  ", " ")
     if not same:
         held = _describe(records)
         return RemedyGains(note=f"no measured gains: no stored records of {what}"
