@@ -119,6 +119,10 @@ def check_images(images, model: torch.nn.Module, what: str) -> torch.Tensor:
         want = tuple(input_size(model))
     except Exception:        # a model whose input size cannot be read: its own forward will say
         want = None
+    embed = getattr(model, "patch_embed", None)
+    if want is not None and (getattr(embed, "strict_img_size", True) is False or getattr(model, "dynamic_img_size",
+                                                                                       False)):
+        want = None          # timm takes other sizes here (padded or interpolated): its forward decides
     if images.shape[0] < 1 or (want is not None and tuple(images.shape[1:]) != want):
         raise UserError(f"{what}: images must be (N >= 1, {', '.join(map(str, want or ('C', 'H', 'W')))}), got "
                         f"{tuple(images.shape)}")
