@@ -163,3 +163,31 @@ def test_padded_windows_and_dynamic_mask():
     assert result.details["blocks_patched"] == N_BLOCKS
     assert tuple(model.layers[0].blocks[1].shift_size) != (0, 0)   # a shifted, padded block is covered
     _assert_close_steps(ref, model, 1e-4)
+
+
+@pytest.mark.parametrize("kw", [dict(mlp_ratio=2.5), dict(head_dim=32), dict(embed_dim=20)],
+                         ids=["mlp-ratio-2.5", "head-dim-32", "head-width-10"])
+def test_blocks_of_other_widths_compute_timms_function(kw):
+    """An MLP wider or narrower than 4C, heads of a head_dim other than C // heads, and heads the kernel
+    does not take (width 10: timm's SDPA path, said per block) all give timm's logits and gradients."""
+    import copy
+
+    from timm.models.swin_transformer import SwinTransformer
+
+    from workbench.api import patch_swin
+
+    torch.manual_seed(0)
+    model = SwinTransformer(img_size=32, patch_size=4, window_size=4, depths=(1, 1), num_classes=10,
+                            drop_path_rate=0.0, **{"embed_dim": 32, "num_heads": (2, 4), **kw})
+    plain = copy.deepcopy(model)
+    patch = patch_swin(model, "fmha" if kw.get("embed_dim") == 20 else "block", dtype="fp32")
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    out, want = model(x), plain(x)
+    assert ((out - want).norm() / want.norm()).item() < 1e-5
+    out.sum().backward()
+    want.sum().backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert ((p.grad - q.grad).norm() / (q.grad.norm() + 1e-12)).item() < 1e-4, name
+    if kw.get("embed_dim") == 20:
+        fused = next(r for r in patch.applied if r.name == "fused_attention")
+        assert fused.details["skipped_head_width"] == 2

@@ -140,7 +140,7 @@ class InferenceSwin:
 
     def __init__(self, model: torch.nn.Module, ctx: PassContext, chain: list[Recipe], passes: list[PassResult],
                  *, graphed: bool, notes: list[str]):
-        self.model = model.eval()
+        self.model = model.eval().requires_grad_(False)    # inference: the weights stay as they are
         self.ctx = ctx
         self.chain = chain
         self.recipe = chain[-1].name if chain else "baseline"

@@ -109,6 +109,8 @@ class Workload:
             load_into(model, checkpoint)
         model.to(device)
         model.train(config.mode == "train")
+        if config.mode == "infer":
+            model.requires_grad_(False)     # weights that never change (SwinV2's terms are computed once)
         num_classes = model.num_classes
         x, y = synthetic_batch(model, config.batch, num_classes, device, config.seed)
         ctx = PassContext(device=device, precision=precision, training=config.mode == "train", batch=config.batch)

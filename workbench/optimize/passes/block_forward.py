@@ -372,11 +372,12 @@ class SwinBlockFunction(torch.autograd.Function):
             win, mean1, rstd1 = norm_shift_partition_fwd(x, n1w, n1b, eps1, ws, shift, out_dtype=dt)
             bnw, n, _ = win.shape
             win2 = win.view(-1, C)
-            qkv = torch.addmm(qkv_b.to(dt), win2, w_qkv.t()).view(bnw, n, 3, heads, C // heads)
+            head_dim = w_qkv.shape[0] // (3 * heads)     # timm's head_dim: C // heads unless given
+            qkv = torch.addmm(qkv_b.to(dt), win2, w_qkv.t()).view(bnw, n, 3, heads, head_dim)
             q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
             rel = gather_rel_pos_bias(table, index, n)
             attn, lse = window_attention_fwd(q, k, v, rel, mask, scale)   # a (bnw, heads, n, d) view
-            o = attn.transpose(1, 2).reshape(bnw * n, C)                  # of a (bnw, n, heads, d) buffer
+            o = attn.transpose(1, 2).reshape(bnw * n, heads * head_dim)   # of a (bnw, n, heads, d) buffer
             proj = torch.addmm(proj_b.to(dt), o, w_proj.t())
             if keep1 is not None:   # windows are sample-major: B runs of bnw / B windows
                 proj = scale_samples_host(proj.view(B, -1), keep1)
@@ -424,9 +425,11 @@ class SwinBlockFunction(torch.autograd.Function):
             # norm1's backward spreads its sums over several rows where it has many programs (slots).
             n_table = table.numel() if table.dtype == torch.float32 else 0
             n_n1 = 2 * C * _norm_bwd_slots(x)
-            sums = torch.zeros(11 * C + n_n1 + n_table, dtype=torch.float32, device=d.device)
-            s_fc2, s_fc1, s_proj, s_qkv, s_n2, s_n1, s_table = sums.split(
-                (C, 4 * C, C, 3 * C, 2 * C, n_n1, n_table))
+            hidden, n_qkv = w_fc1.shape[0], w_qkv.shape[0]     # timm's mlp_ratio * C and 3 * heads * head_dim
+            head_dim = n_qkv // (3 * heads)
+            widths = (C, hidden, C, n_qkv)                       # the bias sums: fc2, fc1, proj, qkv
+            sums = torch.zeros(sum(widths) + 2 * C + n_n1 + n_table, dtype=torch.float32, device=d.device)
+            s_fc2, s_fc1, s_proj, s_qkv, s_n2, s_n1, s_table = sums.split((*widths, 2 * C, n_n1, n_table))
             # MLP: fc2 (its bias gradient and dy = d in the compute dtype in one pass), GELU + fc1 bias (one
             # fused reduction), fc1
             # (under stochastic depth the MLP branch's gradient is d in the compute dtype times its factors)
@@ -450,17 +453,17 @@ class SwinBlockFunction(torch.autograd.Function):
             # attention, written straight into the packed qkv gradient
             q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
             dqkv = torch.empty_like(qkv)
-            d_attn = d_o.view(bnw, n, heads, C // heads).transpose(1, 2)
+            d_attn = d_o.view(bnw, n, heads, head_dim).transpose(1, 2)
             _, _, _, d_rel = window_attention_bwd(q, k, v, attn, lse, d_attn, rel, mask, scale, True, dqkv=dqkv)
             # the table gather's backward: a memset and one index_add_ (_swin.scatter_rel_pos_grad)
             d_table = scatter_rel_pos_grad(d_rel, index, table.shape, table.dtype,
                                            into=s_table.view(table.shape) if n_table else None)
-            dqkv2 = dqkv.view(-1, 3 * C)
+            dqkv2 = dqkv.view(-1, n_qkv)
             d_win = dqkv2 @ w_qkv
             d_qkv_w = (dqkv2.t() @ win2).to(t_qkv_w)
             bias_grad_host(dqkv2, None, torch.float32, sums_into=s_qkv)
             d_fc2_b, d_fc1_b, d_proj_b, d_qkv_b = split_column_sums(
-                sums[:9 * C], (C, 4 * C, C, 3 * C), (t_fc2_b, t_fc1_b, t_proj_b, t_qkv_b))
+                sums[:sum(widths)], widths, (t_fc2_b, t_fc1_b, t_proj_b, t_qkv_b))
             # norm1 + shift + partition
             # (the residual path's gradient d_s joins dx inside the same kernel)
             dx, sums1 = norm_shift_partition_bwd(d_win.view(bnw, n, C), x, n1w, mean1, rstd1, ws, shift,

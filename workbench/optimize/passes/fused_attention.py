@@ -138,14 +138,18 @@ def terms_in_every_call():
 
 
 def _v2_constants(attn: torch.nn.Module):
-    """v2_terms, computed once per weights where no gradient is asked (inference): a forward at batch 1
-    otherwise spends most of its launches on them. Kept under a key of the weights' identities and
-    versions (an in-place update or a load_state_dict changes it), the device and the autocast dtype;
-    recomputed where autograd records, while torch.compile traces (it handles them itself), and where they
-    draw random numbers (-CR's meta_mlp dropout in training mode), and inside terms_in_every_call()."""
+    """v2_terms, computed once per weights of a frozen model (inference: none of the tensors they read
+    requires grad): a forward at batch 1 otherwise spends most of its launches on them. Kept under a key of
+    the weights' identities and versions (a load_state_dict changes it), the device and the autocast dtype;
+    recomputed where autograd records, while torch.compile traces (it handles them itself), where they
+    draw random numbers (-CR's meta_mlp dropout in training mode), inside terms_in_every_call(), and for
+    weights that train: a fused optimizer or a replayed graph steps them in place without a new version,
+    so an eval between training steps would read the terms of older weights."""
     if torch.is_grad_enabled() or torch.compiler.is_compiling() or _UNCACHED[0] or v2_terms_draw(attn):
         return v2_terms(attn)
     tensors = v2_term_tensors(attn)
+    if any(t.requires_grad for t in tensors):
+        return v2_terms(attn)
     device = attn.logit_scale.device
     key = (tuple((t.data_ptr(), t._version) for t in tensors), str(device),
            torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None)
@@ -154,6 +158,13 @@ def _v2_constants(attn: torch.nn.Module):
         kept = (key, v2_terms(attn))
         attn.__dict__[_V2_CACHE] = kept
     return kept[1]
+
+
+def _v1_width_why_not(attn: torch.nn.Module) -> str | None:
+    """Why the kernel cannot take this Swin v1 attention's heads (None: it can): their width, timm's head_dim
+    (C // heads unless given), must be a power of two from 16 to 128."""
+    d = attn.qkv.out_features // (3 * attn.num_heads)
+    return None if 16 <= d <= 128 and not d & (d - 1) else f"head width {d}: the kernel takes powers of two from 16 to 128"
 
 
 def _v1_kernel(table: bool):
@@ -251,9 +262,10 @@ def apply(model: torch.nn.Module, ctx: PassContext, bias: str = "table",
     if not blocks:  # SwinV2 blocks only
         return model, _v2_result(model, ctx, bias, max_tokens, route)
     plans = block_plans(model)
-    patched, skipped_dropout, table_modules, measured_sdpa = 0, 0, 0, 0
+    patched, skipped_dropout, skipped_width, table_modules, measured_sdpa = 0, 0, 0, 0, 0
     routed: dict[int, int] = {}        # window tokens -> blocks sent to SDPA
-    candidates = [(n, b) for n, b in blocks if window_tokens(b) <= max_tokens and b.attn.attn_drop.p == 0]
+    candidates = [(n, b) for n, b in blocks if window_tokens(b) <= max_tokens and b.attn.attn_drop.p == 0
+                  and _v1_width_why_not(b.attn) is None]
     routes = (measure_routes(candidates, ctx, ctx.batch, v2=False, kernel_forward=_v1_kernel(bias == "table"))
               if route == "auto" else {})
     for name, blk in blocks:
@@ -270,6 +282,12 @@ def apply(model: torch.nn.Module, ctx: PassContext, bias: str = "table",
             skipped_dropout += 1  # the kernel has no attention dropout: timm's SDPA path has
             plans.update(name, sdpa=True)
             plans.fall_back(name, "attention", "attn_drop > 0: the kernel has no dropout; PyTorch's SDPA runs")
+            continue
+        width = _v1_width_why_not(blk.attn)
+        if width:
+            skipped_width += 1
+            plans.update(name, sdpa=True)
+            plans.fall_back(name, "attention", f"{width}; PyTorch's SDPA runs")
             continue
         timed = routes.get(block_shape(blk))
         if timed is not None and timed["route"] == "pytorch":
@@ -288,6 +306,9 @@ def apply(model: torch.nn.Module, ctx: PassContext, bias: str = "table",
     changed = f"{patched} WindowAttention -> fused Triton window attention (fwd+bwd)"
     if skipped_dropout:
         changed += f"; {skipped_dropout} on timm's SDPA path (attn_drop > 0: the kernel has no dropout)"
+    if skipped_width:
+        changed += (f"; {skipped_width} on timm's SDPA path (head widths the kernel does not take: powers of two "
+                    "from 16 to 128)")
     for tokens, count in sorted(routed.items()):
         changed += f"; {count} with {tokens}-token windows on PyTorch's SDPA (above max_tokens {max_tokens})"
     if measured_sdpa:
@@ -299,6 +320,7 @@ def apply(model: torch.nn.Module, ctx: PassContext, bias: str = "table",
     details = {
         "patched_modules": patched,
         "skipped_attn_dropout": skipped_dropout,
+        "skipped_head_width": skipped_width,
         "sdpa_routed": sum(routed.values()) + measured_sdpa,
         "sdpa_measured_faster": measured_sdpa,
         "max_tokens": max_tokens,
