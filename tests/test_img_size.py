@@ -72,3 +72,29 @@ def test_build_model_leaves_timms_attention_setting_as_it_found_it(fused_attn):
     assert timm_config._USE_FUSED_ATTN == before
     theirs = SwinTransformer(img_size=56, window_size=7, embed_dim=32, depths=(1,), num_heads=(2,))
     assert theirs.layers[0].blocks[0].attn.fused_attn == timm_config.use_fused_attn(experimental=True)
+
+
+def test_a_rectangular_image_fuses_its_square_blocks_and_computes_timms_function():
+    """A 32x64 image at window 8: timm makes the windows of the smaller maps non-square; those blocks keep
+    timm's forward, the others run the kernels, and the whole is timm's function."""
+    import copy
+
+    import torch
+    from timm.models.swin_transformer import SwinTransformer
+
+    from workbench.api import patch_swin
+
+    torch.manual_seed(0)
+    model = SwinTransformer(img_size=(32, 64), patch_size=4, window_size=8, embed_dim=32, depths=(2, 2),
+                            num_heads=(2, 4), num_classes=10, drop_path_rate=0.0)
+    plain = copy.deepcopy(model)
+    patch = patch_swin(model, "dense", dtype="fp32")
+    details = next(r for r in patch.applied if r.name == "fused_window").details
+    assert 0 < details["blocks_non_square"] < details["blocks_total"] and details["blocks_patched"] > 0
+    x = torch.randn(2, 3, 32, 64, generator=torch.Generator().manual_seed(1))
+    out, want = model(x), plain(x)
+    assert ((out - want).norm() / want.norm()).item() < 1e-5
+    out.sum().backward()
+    want.sum().backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert ((p.grad - q.grad).norm() / (q.grad.norm() + 1e-12)).item() < 1e-4, name

@@ -138,14 +138,18 @@ def test_add_norm2_blocks_with_stochastic_depth_scale_inside_merge_add_norm(monk
     assert len(deferred) == 2 and deferred[0] is None and deferred[1].shape == (BATCH,)
 
 
-def test_non_square_window_is_unavailable():
+def test_a_non_square_block_keeps_timms_forward_and_a_model_of_none_is_unavailable():
     _, model = model_pair(DEVICE)
-    blk = next(m for m in model.modules() if hasattr(m, "shift_size"))
-    blk.window_size = (7, 4)
+    blocks = [m for m in model.modules() if hasattr(m, "shift_size")]
+    blocks[0].window_size = (7, 4)
+    model, result = apply_pass("fused_window", model, pass_ctx(DEVICE))
+    assert result.available and result.details["blocks_non_square"] == 1
+    assert result.details["blocks_patched"] == len(blocks) - 1
+    _, model = model_pair(DEVICE)
+    for blk in (m for m in model.modules() if hasattr(m, "shift_size")):
+        blk.window_size = (7, 4)
     with pytest.raises(PassUnavailable):
         fused_window.apply(model, pass_ctx(DEVICE))
-    model, result = apply_pass("fused_window", model, pass_ctx(DEVICE))
-    assert not result.available
 
 
 def test_windows_and_norm2_come_out_in_the_autocast_dtype_with_the_cast_path_s_bits(monkeypatch):

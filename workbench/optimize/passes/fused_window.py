@@ -16,8 +16,9 @@ Details the planned forward keeps from timm:
     there is called as it is.
   * dynamic_mask: the mask is built from the padded shape, as timm does (`get_attn_mask`).
   * window_size / shift_size are timm tuples; only square ones are fused. apply() raises
-    PassUnavailable for a model with a non-square block; a block made non-square later
-    (set_input_size) runs the forward its plan has without `window`.
+    PassUnavailable for a model whose blocks are all non-square; a non-square block beside square ones (a
+    rectangular image's last stage) keeps timm's forward, said per block, and a block made non-square
+    later (set_input_size) runs the forward its plan has without `window`.
   * Autocast: timm's LayerNorm gives fp32 under autocast (layer_norm autocasts to fp32) and the qkv
     Linear then casts it to the autocast dtype. norm_shift_partition computes in fp32 too and, when
     the windows go straight into that Linear (timm's or fused_attention's forward), writes them in the
@@ -88,14 +89,14 @@ def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, Pa
     blocks = swin_blocks(model, ctx, "workbench.kernels.window", "fused window kernels")
     if not blocks:  # SwinV2 blocks only (swin_transformer_v2's or -CR's)
         return model, _v2_result(model)
-    non_square = [n for n, b in blocks if square(b.window_size) is None or square(b.shift_size) is None]
-    if non_square:
+    non_square = {n for n, b in blocks if square(b.window_size) is None or square(b.shift_size) is None}
+    if len(non_square) == len(blocks):
         raise PassUnavailable(f"{len(non_square)} block(s) with non-square window_size/shift_size: only square windows are fused")
 
     plans = block_plans(model)
     counts = {"blocks_patched": 0, "blocks_shifted": 0, "blocks_with_add_norm2": 0, "blocks_with_drop_path": 0,
               "blocks_dynamic_mask": 0, "blocks_forward_already_patched": 0, "blocks_norm1_not_fusable": 0,
-              "blocks_already_fused_window": 0}
+              "blocks_already_fused_window": 0, "blocks_non_square": 0}
     for name, blk in blocks:
         plan = plans.plan(name)
         if plan.window:
@@ -104,6 +105,11 @@ def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, Pa
         if plans.forward_replaced_elsewhere(name, blk):
             counts["blocks_forward_already_patched"] += 1
             plans.fall_back(name, "window", "the block's forward was replaced outside its plan")
+            continue
+        if name in non_square:    # a rectangular image's last stage (224x448: a 7x14 map, shift (0, 3))
+            counts["blocks_non_square"] += 1
+            plans.fall_back(name, "window", "non-square window or shift: the kernels take one window side and one "
+                                            "shift; timm's forward runs")
             continue
         if not _norm1_fusable(blk.norm1):
             counts["blocks_norm1_not_fusable"] += 1
@@ -125,7 +131,7 @@ def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, Pa
     if counts["stages_deferring_mlp_add"]:
         changed += (f"; in {counts['stages_deferring_mlp_add']} stage(s) each MLP's residual add goes into the next "
                     "block's norm kernel (add_norm_shift_partition, eager)")
-    skipped = counts["blocks_forward_already_patched"] + counts["blocks_norm1_not_fusable"]
+    skipped = counts["blocks_forward_already_patched"] + counts["blocks_norm1_not_fusable"] + counts["blocks_non_square"]
     if skipped:
         changed += f"; {skipped} left as they were"
     details = dict(counts, blocks_total=len(blocks),
