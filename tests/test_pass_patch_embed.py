@@ -63,3 +63,18 @@ def test_the_pass_on_a_swin_counts_and_keeps_what_is_not_a_patch_convolution():
     odd.proj = torch.nn.Conv2d(3, 8, 4, stride=4, padding=1)
     _, result = apply_pass("patch_embed", torch.nn.Sequential(odd), pass_ctx("cpu"))
     assert not result.available and "kernel-equals-stride" in result.changed
+
+
+def test_an_input_timm_refuses_is_refused_too():
+    """timm asserts that a non-strict model's input divides by the patch (without dynamic padding); the
+    gather + GEMM would crop it instead."""
+    from timm.layers import PatchEmbed
+
+    from workbench.optimize.passes.patch_embed import patch_gemm_forward
+
+    embed = PatchEmbed(img_size=32, patch_size=4, in_chans=3, embed_dim=8, strict_img_size=False)
+    x = torch.randn(1, 3, 34, 32)
+    with pytest.raises(AssertionError, match="divisible by patch size"):
+        embed(x)
+    with pytest.raises(AssertionError, match="divisible by patch size"):
+        patch_gemm_forward(embed, x)

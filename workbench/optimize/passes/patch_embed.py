@@ -66,7 +66,7 @@ def patch_gemm_forward(self, x: torch.Tensor) -> torch.Tensor:
     ph, pw = self.patch_size
     if self.img_size is not None and self.strict_img_size and (H, W) != tuple(self.img_size):
         raise AssertionError(f"Input size ({H}x{W}) doesn't match model ({self.img_size[0]}x{self.img_size[1]}).")
-    if not self.dynamic_img_pad and (H % ph or W % pw):     # timm's own check (its convolution would crop)
+    if self.img_size is not None and not self.strict_img_size and not self.dynamic_img_pad and (H % ph or W % pw):
         raise AssertionError(f"Input size ({H}x{W}) should be divisible by patch size ({ph}x{pw}).")
     if self.dynamic_img_pad:
         x = F.pad(x, (0, (pw - W % pw) % pw, 0, (ph - H % ph) % ph))
