@@ -108,3 +108,14 @@ def assert_step_close(ref, model, x, target, logits_tol: float = 1e-5, grad_tol=
     for name, g_ref in grads_ref.items():
         err, tol = rel_err(grads[name], g_ref), grad_tol(name) if callable(grad_tol) else grad_tol
         assert err < tol, f"{name}: relative gradient error {err:.2e}"
+
+
+def assert_timms_function(patched, plain, x, logits_rel: float = 1e-5, grad_rel: float = 1e-4) -> None:
+    """A patched model against timm's copy of it (`plain`, the same weights) on images `x`: the logits, and
+    the gradient of every parameter after a backward of their sum, within these relative L2 errors."""
+    out, want = patched(x), plain(x)
+    assert ((out - want).norm() / want.norm()).item() < logits_rel
+    out.sum().backward()
+    want.sum().backward()
+    for (name, p), q in zip(patched.named_parameters(), plain.parameters()):
+        assert ((p.grad - q.grad).norm() / (q.grad.norm() + 1e-12)).item() < grad_rel, name
