@@ -377,3 +377,28 @@ def test_a_damaged_records_file_is_one_line(tmp_path, damage, message):
     result = runner.invoke(app, ["train", "--device", "cpu", "--batch", "16", *args, "--resume"])
     assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output, result.output
     assert find_verdicts([tmp_path]) == []           # a report citing verdicts passes over it
+
+
+def test_renumbering_moves_files_either_way_without_overwriting_one(tmp_path):
+    """A plan whose runs move later (more seeds) or earlier (a recipe dropped) keeps every file: each is
+    renamed only onto a place already vacated."""
+    from workbench.train.loop import renumber_runs
+
+    def folder(names):
+        records = tmp_path / "records"
+        if records.exists():
+            for p in records.iterdir():
+                p.unlink()
+        records.mkdir(exist_ok=True)
+        for name in names:
+            (records / name).write_text(name.split("-")[1] + "\n")
+        return records
+
+    records = folder(["02-b.jsonl", "03-c.jsonl", "04-d.jsonl"])          # each one place earlier
+    renumber_runs([(records / f"{i:02d}-{n}.jsonl", records / f"{i - 1:02d}-{n}.jsonl")
+                   for i, n in ((2, "b"), (3, "c"), (4, "d"))])
+    assert {p.name: p.read_text().strip() for p in records.iterdir()} == \
+        {"01-b.jsonl": "b", "02-c.jsonl": "c", "03-d.jsonl": "d"}
+    records = folder(["01-a.jsonl", "02-b.jsonl"])                        # each one place later
+    renumber_runs([(records / "01-a.jsonl", records / "02-a.jsonl"), (records / "02-b.jsonl", records / "03-b.jsonl")])
+    assert {p.name: p.read_text().strip() for p in records.iterdir()} == {"02-a.jsonl": "a", "03-b.jsonl": "b"}

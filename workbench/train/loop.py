@@ -494,13 +494,19 @@ def kept_runs(out_dir: Path, runs: list[tuple[str, int]], expected: dict,
             keep.add(i)
         else:
             notes.append(f"{run.recipe} seed {run.seed}: its record did not finish; trained again from the start")
-    sources = sorted(moves, key=lambda m: m[0].name)
-    if [t.name for _, t in sources] != sorted(t.name for _, t in sources):
+    sources = sorted(moves, key=lambda m: _place(m[0]))
+    if [_place(t) for _, t in sources] != sorted(_place(t) for _, t in sources):
         raise UserError("--resume: this plan orders the runs otherwise than the one that made them (the recipes "
                         "of --compare in another order?): give them in the order of that command")
     if moves:
         notes.append(f"{len(moves)} record file(s) renumbered to their place in the grown plan")
     return keep, notes, moves
+
+
+def _place(path: Path) -> int:
+    """A record file's place in its plan: '03-amp-seed1.jsonl' -> 3."""
+    head = path.name.split("-", 1)[0]
+    return int(head) if head.isdigit() else 0
 
 
 def _run_key(name: str) -> str:
@@ -509,10 +515,13 @@ def _run_key(name: str) -> str:
 
 
 def renumber_runs(moves: list[tuple[Path, Path]]) -> None:
-    """Rename record files to their new places (kept_runs' moves), the furthest first: a plan that grew only
-    moves files later in the order, so no file is renamed onto one that has not moved yet. A checkpoint
-    keeps its name (its run's end record names it)."""
-    for source, target in sorted(moves, key=lambda m: m[1].name, reverse=True):
+    """Rename record files to their new places (kept_runs' moves, which keep the runs' order): those moving
+    earlier in the order first, nearest place first, then those moving later, furthest place first; so no
+    file is renamed onto one that has not moved yet. A checkpoint keeps its name (its run's end record
+    names it)."""
+    earlier = sorted((m for m in moves if _place(m[1]) < _place(m[0])), key=lambda m: _place(m[1]))
+    later = sorted((m for m in moves if _place(m[1]) > _place(m[0])), key=lambda m: _place(m[1]), reverse=True)
+    for source, target in earlier + later:
         if target.exists():
             if target.read_text(encoding="utf-8", errors="replace").strip():
                 raise UserError(f"--resume: cannot renumber {source.name} to {target.name}, which holds a run; "
