@@ -391,7 +391,7 @@ def test_renumbering_moves_files_either_way_without_overwriting_one(tmp_path):
                 p.unlink()
         records.mkdir(exist_ok=True)
         for name in names:
-            (records / name).write_text(name.split("-")[1] + "\n")
+            (records / name).write_text(name.split("-")[1].removesuffix(".jsonl") + "\n")
         return records
 
     records = folder(["02-b.jsonl", "03-c.jsonl", "04-d.jsonl"])          # each one place earlier
