@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import torch
 
 from workbench.errors import UserError
-from workbench.optimize.passes import PassContext, PassResult, apply_pass, get_pass, inference_only
+from workbench.optimize.passes import PassContext, PassResult, apply_pass, get_pass
 from workbench.optimize.passes._swin import has_v2_blocks, named_swin_blocks
-from workbench.optimize.recipes import RecipeUnavailable, effective_passes, resolve_chain
+from workbench.optimize.recipes import RecipeUnavailable, effective_passes, inference_only_pass, resolve_chain
 from workbench.precision import resolve_precision
 from workbench.files import short_repr
 
@@ -99,7 +99,7 @@ def patch_swin(model: torch.nn.Module, recipe: str = "fmha", *, dtype: str | Non
                       swin_only=True)
     patch = SwinPatch(model, chain[-1].name, dtype)
     if training:
-        only = next((s.name for s in specs if inference_only(s.name)), None)
+        only = inference_only_pass(chain)
         if only is not None:    # said before any pass changes the model
             raise RecipeUnavailable(patch.recipe, f"{only} runs inference only (no backward): patch with "
                                                   "training=False, or choose a recipe without it", patched=False)

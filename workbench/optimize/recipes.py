@@ -369,20 +369,28 @@ def is_graph_form(recipe: Recipe) -> bool:
     """Whether the recipe replays its step as CUDA graphs: a cuda_graph pass, or compile in a mode that
     replays Inductor's own (reduce-overhead, max-autotune, triton.cudagraphs). `apply` measures the graph
     form of every stage in its graph column already, and FSDP runs none of them."""
-    from workbench.optimize.passes.compile import replays_own_graphs
-
-    return any(p.name == "cuda_graph" or (p.name == "compile" and replays_own_graphs(
-        {"mode": p.params.get("mode"), "options": p.params.get("inductor")})) for p in recipe.passes)
+    return any(p.name == "cuda_graph" or _compiles_own_graphs(p) for p in recipe.passes)
 
 
 def replays_inductor_graphs(chain: list[Recipe]) -> bool:
     """Whether the chain compiles its step in a mode that replays Inductor's own CUDA graphs (reduce-overhead,
     max-autotune, triton.cudagraphs): swinbench runs such a step under neither DDP nor FSDP."""
+    return any(_compiles_own_graphs(p) for p in effective_passes(chain))
+
+
+def _compiles_own_graphs(spec: PassSpec) -> bool:
+    """A compile pass whose settings replay Inductor's own CUDA graphs (passes.compile.replays_own_graphs)."""
     from workbench.optimize.passes.compile import replays_own_graphs
 
-    return any(p.name == "compile" and replays_own_graphs({"mode": p.params.get("mode"),
-                                                           "options": p.params.get("inductor")})
-               for p in effective_passes(chain))
+    return spec.name == "compile" and replays_own_graphs({"mode": spec.params.get("mode"),
+                                                          "options": spec.params.get("inductor")})
+
+
+def inference_only_pass(chain: list[Recipe]) -> str | None:
+    """The first pass of the chain that runs inference only (no backward: the quantized Linears), or None."""
+    from workbench.optimize.passes import inference_only
+
+    return next((p.name for p in effective_passes(chain) if inference_only(p.name)), None)
 
 
 def graph_recipes() -> dict[str, str]:

@@ -55,9 +55,9 @@ from workbench.optimize.distributed import (DDP_GRAPH_WARMUP_STEPS, DataParallel
                                             data_parallel_settings, full_state_dict, fully_shard_model,
                                             load_full_state_dict, sharding_blocker, wrap_data_parallel, world_size)
 from workbench.optimize.inference import GraphFallbackWarning, PredictGraphs, check_images
-from workbench.optimize.passes import PassContext, PassResult, default_optimizer_factory, inference_only
-from workbench.optimize.recipes import (Recipe, RecipeUnavailable, apply_chain_passes, effective_passes, is_graph_form,
-                                        replays_inductor_graphs, resolve_chain)
+from workbench.optimize.passes import PassContext, PassResult, default_optimizer_factory
+from workbench.optimize.recipes import (Recipe, RecipeUnavailable, apply_chain_passes, inference_only_pass,
+                                        is_graph_form, replays_inductor_graphs, resolve_chain)
 from workbench.precision import resolve_precision
 
 GRAPH_WARMUP_STEPS = 3        # eager optimizer steps before the training step is captured
@@ -747,7 +747,7 @@ def optimize_swin(model: torch.nn.Module, recipe: str = "fmha", *, optimizer=Non
         raise UserError(f"ema must be a decay between 0 and 1 (e.g. 0.9998) or None, got {short_repr(ema)}")
     settings, factory, name = _optimizer_choice(optimizer, optimizer_kwargs)
     chain = resolve_chain(str(recipe))
-    only = next((s.name for s in effective_passes(chain) if inference_only(s.name)), None)
+    only = inference_only_pass(chain)
     if only is not None:    # said before any pass changes the model
         raise RecipeUnavailable(chain[-1].name, f"{only} runs inference only (no backward): optimize_swin "
                                                 "trains; measure the recipe with `swinbench apply --mode infer`",

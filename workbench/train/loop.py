@@ -47,8 +47,7 @@ from workbench.errors import Interrupted, UserError
 from workbench.files import short_repr
 from workbench.models import build_model, check_model_name, default_model_for, input_size, own_img_size
 from workbench.optimize.distributed import check_parallel
-from workbench.optimize.passes import inference_only
-from workbench.optimize.recipes import effective_passes, is_graph_form, replays_inductor_graphs, resolve_chain
+from workbench.optimize.recipes import inference_only_pass, is_graph_form, replays_inductor_graphs, resolve_chain
 from workbench.devices import pick_device, resolve_device
 from workbench.run_folder import claim_run_folder, run_entries
 from workbench.datasets import load_data
@@ -415,10 +414,11 @@ def _plan_runs(config: TrainConfig, on_gpu: bool) -> tuple[list[tuple[str, int]]
     ref_name = resolve_chain(reference)[-1].name
     names = [resolve_chain(r)[-1].name for r in config.compare]
     for recipe in [reference, *config.compare]:
-        only = next((p.name for p in effective_passes(resolve_chain(recipe)) if inference_only(p.name)), None)
+        chain = resolve_chain(recipe)
+        only = inference_only_pass(chain)
         if only is not None:
-            raise UserError(f"recipe {resolve_chain(recipe)[-1].name!r} runs inference only ({only} has no "
-                            "backward): it cannot train; measure it with `swinbench apply --mode infer`")
+            raise UserError(f"recipe {chain[-1].name!r} runs inference only ({only} has no backward): it cannot "
+                            "train; measure it with `swinbench apply --mode infer`")
     if ref_name not in names:
         notes.append(f"{ref_name} joins --compare: parity is measured against it")
     others = [r for r, n in zip(config.compare, names) if n != ref_name]
