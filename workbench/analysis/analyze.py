@@ -128,7 +128,8 @@ def analyze_trace(path, *, name_style: str = "demangled", range_name: str | None
     # what diff divides by the same steps as the kernels
     meta["host_launches"] = None
     if trace.api is not None and len(trace.api):
-        launches = A.api_table(trace.api) if range_name is None or not len(windows) else api
+        # the table above already counts what it should where it holds a range's instances or all calls
+        launches = api if range_name is not None or not len(windows) else A.api_table(trace.api)
         meta["host_launches"] = float(launches.loc[launches["kind"] == "launch", "calls"].sum())
     if len(devices) > 1:
         meta["device_steps"] = {int(d): int(windows["pid"].isin(k["pid"].unique()).sum())
