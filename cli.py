@@ -76,7 +76,9 @@ def _call(fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
     except UserError as exc:
-        raise _fail(exc, exc.exit_code) from None
+        exit_ = _fail(exc, exc.exit_code)
+        exit_.result = getattr(exc, "result", None)    # what a failed apply still wrote (records, report)
+        raise exit_ from None
     except OSError as exc:   # a path the user gave that the system refuses (too long, no permission, disk full)
         where = f": {exc.filename}" if exc.filename else ""
         raise _fail(Exception(f"{exc.strerror or exc}{where}"), 2) from None
@@ -91,6 +93,7 @@ ImgSize = Annotated[Optional[str], typer.Option(help="Build the model at this re
 Timeline = Annotated[bool, typer.Option("--timeline/--no-timeline", help="Also write timeline.png (one step: NVTX ranges, GPU kernels by category, host CUDA calls per thread) and timeline.json (every step, for ui.perfetto.dev) beside the tables.")]
 Step = Annotated[Optional[str], typer.Option(help="The step timeline.png draws (3 or step3; default: the median-length step).")]
 Records = Annotated[Optional[list[Path]], typer.Option("--records", help="Stage records (files or folders written by `swinbench apply`) to take the findings' measured gains from, matched by model, mode, batch and GPU; repeatable. Default: the canonical runs under reports/*/records.")]
+AllowMissing = Annotated[bool, typer.Option("--allow-missing", help="Let stages and measurements of the baseline that the current records lack pass (listed 'only in baseline'); by default they are MISSING, a regression.")]
 Overwrite = Annotated[bool, typer.Option("--overwrite", help="If --out holds an earlier run (or tables of another trace), move it aside to a '.previous-' sibling first (nothing is deleted). Without it such a folder is refused.")]
 
 
@@ -370,6 +373,7 @@ def apply(
     out: Annotated[Optional[Path], typer.Option(parser=_out_path, help="Output folder for records, report and traces (default reports/runs/<run>/).")] = None,
     profile: Annotated[bool, typer.Option("--profile", help="Also capture each stage (nsys) and report its kernel-category shares.")] = False,
     check_against: Annotated[Optional[Path], typer.Option(help="Baseline records to check this run against when it ends (exit 1 on a regression; see `swinbench check`).")] = None,
+    allow_missing: AllowMissing = False,
     max_regression: Annotated[Optional[str], typer.Option(help=f"With --check-against: allowed change per metric in percent (default {MAX_REGRESSION}).")] = None,
     thresholds: Annotated[Optional[Path], typer.Option(help="With --check-against: YAML of per-stage limits.")] = None,
     force: Annotated[bool, typer.Option("--force", help="With --check-against: compare across GPUs or versions anyway.")] = False,
@@ -395,27 +399,45 @@ def apply(
     from workbench.ladder.reuse import default_cache_dir
     from workbench.run_folder import run_entries
 
-    limit = _check_inputs_before_apply(check_against, thresholds, max_regression, nproc, force)
+    limit = _check_inputs_before_apply(check_against, thresholds, max_regression, nproc, force, allow_missing)
     if resume and out is not None and (not out.exists() or (out.is_dir() and not run_entries(out))):
         _note(f"--resume: {out} holds no earlier run; starting a new one there")
     if quick:
         steps, warmup, peers = min(steps, 10), min(warmup, 3), False if peers is None else peers
-    result = _call(run_apply, recipe, model=model, batch=batch, steps=steps, warmup=warmup, device=device,
-                   out_dir=out, profile=profile, stages=stages.split(",") if stages is not None else None, seed=seed,
-                   peers=peers, isolate=isolate, console=console, mode=mode, interleave=interleave, resume=resume,
-                   overwrite=overwrite, cache_dir=_cache_folder(cache) or default_cache_dir(), fresh=fresh, nproc=nproc,
-                   parallel=parallel, checkpoint=checkpoint, data=data, img_size=img_size)
+    try:
+        result = _call(run_apply, recipe, model=model, batch=batch, steps=steps, warmup=warmup, device=device,
+                       out_dir=out, profile=profile, stages=stages.split(",") if stages is not None else None,
+                       seed=seed, peers=peers, isolate=isolate, console=console, mode=mode, interleave=interleave,
+                       resume=resume, overwrite=overwrite, cache_dir=_cache_folder(cache) or default_cache_dir(),
+                       fresh=fresh, nproc=nproc, parallel=parallel, checkpoint=checkpoint, data=data,
+                       img_size=img_size)
+    except typer.Exit as failed:
+        # stages that failed are what --check-against is for: check the records that were written (a stage
+        # that ran in the baseline and fails now is a regression, exit 1); exit 2 if nothing regressed
+        result = getattr(failed, "result", None)
+        if check_against is None or result is None:
+            raise
+        try:
+            _run_check([check_against], [result.records_dir], limit, 2.0, thresholds, force, "md",
+                       allow_missing=allow_missing)
+        except typer.Exit as checked:
+            if checked.exit_code == 1:
+                raise
+        raise failed
     if check_against is not None:
-        _run_check([check_against], [result.records_dir], limit, 2.0, thresholds, force, "md")
+        _run_check([check_against], [result.records_dir], limit, 2.0, thresholds, force, "md",
+                   allow_missing=allow_missing)
 
 
-def _check_inputs_before_apply(check_against, thresholds, max_regression, nproc=None, force=False) -> float:
+def _check_inputs_before_apply(check_against, thresholds, max_regression, nproc=None, force=False,
+                               allow_missing=False) -> float:
     """apply's --check-against, --thresholds and --max-regression, validated before any stage runs (a typo
     there, or a baseline of another --nproc, must not cost a run) -> the percentage."""
     limit = _percent(MAX_REGRESSION if max_regression is None else max_regression)
     if check_against is None:
         given = [name for name, value in (("--thresholds", thresholds is not None), ("--force", force),
-                                          ("--max-regression", max_regression is not None)) if value]
+                                          ("--max-regression", max_regression is not None),
+                                          ("--allow-missing", allow_missing)) if value]
         if given:
             raise _fail(UserError(f"{given[0]} is read with --check-against; give both or neither"), 2)
         return limit
@@ -567,9 +589,11 @@ def check(
     force: Annotated[bool, typer.Option("--force", help="Compare records of different GPUs, versions, models, batches or data-parallel world sizes anyway (noted in the output).")] = False,
     format: Annotated[str, typer.Option("--format", help="md (Markdown table) | json.")] = "md",
     out: Annotated[Optional[Path], typer.Option("--out", "--output", parser=_out_path, help="Write the table to this file as well as stdout (--output is the same option).")] = None,
+    allow_missing: AllowMissing = False,
 ):
     """Compare stored results with a baseline: exit 0 if nothing regressed, 1 if something did, 2 on bad input."""
-    _run_check(baseline, current, _percent(max_regression), max_share_drift, thresholds, force, format, out)
+    _run_check(baseline, current, _percent(max_regression), max_share_drift, thresholds, force, format, out,
+               allow_missing=allow_missing)
 
 
 def _percent(text: str) -> float:
@@ -586,7 +610,7 @@ def _percent(text: str) -> float:
     return value
 
 
-def _run_check(baseline, current, limit, drift, thresholds, force, fmt, output=None):
+def _run_check(baseline, current, limit, drift, thresholds, force, fmt, output=None, allow_missing=False):
     import json
 
     from workbench.results.check import check_records, is_check_output, refuse_among_records, render_markdown, to_json
@@ -604,7 +628,7 @@ def _run_check(baseline, current, limit, drift, thresholds, force, fmt, output=N
 
     try:
         result = _call(check_records, baseline, current, max_regression_pct=limit, thresholds_file=thresholds,
-                       force=force, max_share_drift_pp=drift)
+                       force=force, max_share_drift_pp=drift, allow_missing=allow_missing)
         text = json.dumps(to_json(result), indent=2, default=str) if fmt == "json" else render_markdown(result)
         if output is not None:
             _call(atomic_write_text, output, text + "\n")

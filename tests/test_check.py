@@ -177,7 +177,7 @@ def test_stages_on_one_side_are_listed(current):
     extra = json.loads(_path(current, "amp").read_text())
     extra.update(stage="compile", stage_index=3)
     (current / "03-compile.json").write_text(json.dumps(extra))
-    result = check_records(BASELINE, current)
+    result = check_records(BASELINE, current, allow_missing=True)
     assert row(result, "fmha", "stage")["status"] == "only in baseline"
     assert row(result, "compile", "stage")["status"] == "only in current"
     assert result.exit_code == 0
@@ -186,14 +186,59 @@ def test_stages_on_one_side_are_listed(current):
     assert "| compile | stage | — | ok |" in md and "only in current" in md
 
 
+def test_a_stage_the_current_run_lacks_is_missing(current):
+    """A half-finished run (a stage of the baseline absent) must not pass CI unless asked."""
+    _path(current, "fmha").unlink()
+    result = check_records(BASELINE, current)
+    assert row(result, "fmha", "stage")["status"] == "MISSING"
+    assert result.exit_code == 1 and "fmha: stage ok -> None" in result.summary
+    assert any("missing from current: fmha" in n and "--allow-missing" in n for n in result.notes)
+
+
+def test_a_measurement_the_current_record_lacks_is_missing(tmp_path, current):
+    """The baseline's graph-replayed timing, absent now (its capture stopped working): MISSING."""
+    baseline = tmp_path / "baseline"
+    shutil.copytree(BASELINE, baseline)
+
+    def graphed(r):
+        ms = r["timing"]["median_ms"]
+        r["graph"] = {"step_ms": ms * 0.8, "step_iqr_ms": 0.1, "img_per_s": r["img_per_s"] / 0.8,
+                      "how": "the step captured once, replayed", "timing": {**r["timing"], "median_ms": ms * 0.8}}
+
+    edit(baseline, "fmha", graphed)
+    result = check_records(baseline, current)
+    assert row(result, "fmha", "graph_ms")["status"] == "MISSING" and result.exit_code == 1
+    assert check_records(baseline, current, allow_missing=True).exit_code == 0
+
+
+def test_a_stage_only_in_current_that_fails_its_gate_fails(current):
+    extra = json.loads(_path(current, "amp").read_text())
+    extra.update(stage="compile", stage_index=3)
+    extra["gate"].update(status="FAIL", reason="logits differ")
+    (current / "03-compile.json").write_text(json.dumps(extra))
+    result = check_records(BASELINE, current)
+    assert row(result, "compile", "gate")["status"] == "FAIL gate" and result.exit_code == 1
+
+
+def test_a_failed_stage_is_regressed_not_refused_for_its_precision(current):
+    """A failed stage's record keeps the run's precision (fp32), not the stage's: check it, do not refuse."""
+    edit(current, "amp", lambda r: r.update(status="error", error="RuntimeError: boom", precision="fp32",
+                                            img_per_s=None, step_ms=None, timing=None))
+    assert json.loads(_path(BASELINE, "amp").read_text())["precision"] != "fp32"
+    result = check_records(BASELINE, current)
+    assert row(result, "amp", "stage")["status"] == "REGRESSED" and result.exit_code == 1
+
+
 def test_records_not_ok_are_listed_not_compared(current):
     edit(current, "fmha", lambda r: r.update(status="not available", error="flash kernels not built",
                                              img_per_s=None, step_ms=None, timing=None))
-    result = check_records(BASELINE, current)
+    result = check_records(BASELINE, current, allow_missing=True)
     fmha = row(result, "fmha", "stage")
     assert (fmha["baseline"], fmha["current"], fmha["status"]) == ("ok", "not available", "not compared")
     assert any("flash kernels not built" in n for n in result.notes)
     assert result.exit_code == 0
+    # by default a stage measured in the baseline and not available now is MISSING (a kernel stopped loading)
+    assert row(check_records(BASELINE, current), "fmha", "stage")["status"] == "MISSING"
     # a stage that ran in the baseline and errors now is lost work
     edit(current, "fmha", lambda r: r.update(status="error", error="CUDA error: illegal memory access"))
     assert check_records(BASELINE, current).exit_code == 1

@@ -147,3 +147,39 @@ def test_a_json_table_among_stage_records_is_refused_before_it_is_written(tmp_pa
                                      "json", "--output", str(out)])
         assert result.exit_code == 0 and out.is_file(), result.output
     assert runner.invoke(app, ["check", "--baseline", str(SAMPLE), "--current", str(records)]).exit_code == 0
+
+
+@pytest.mark.parametrize("fails_in_baseline, code", [(False, 1), (True, 2)])
+def test_apply_checks_a_run_whose_stage_failed(tmp_path, monkeypatch, fails_in_baseline, code):
+    """`apply --check-against`: a stage that ran in the baseline and fails now is a regression (exit 1),
+    checked on the records the failed run wrote; a failure the baseline had too stays exit 2."""
+    from types import SimpleNamespace
+
+    import workbench.ladder.apply as apply_mod
+    from workbench.errors import UserError
+
+    base, cur = tmp_path / "base", tmp_path / "cur"
+    shutil.copytree(SAMPLE, base)
+    shutil.copytree(SAMPLE, cur)
+
+    def broke(folder):
+        f = next(folder.glob("*-amp.json"))
+        rec = json.loads(f.read_text())
+        rec.update(status="error", error="RuntimeError: boom", precision="fp32", img_per_s=None, step_ms=None,
+                   timing=None)
+        f.write_text(json.dumps(rec))
+
+    broke(cur)
+    if fails_in_baseline:
+        broke(base)
+
+    def run_apply(*args, **kwargs):
+        err = UserError("1 stage(s) failed (amp: RuntimeError: boom)", exit_code=2)
+        err.result = SimpleNamespace(records_dir=cur)
+        raise err
+
+    monkeypatch.setattr(apply_mod, "run_apply", run_apply)
+    result = runner.invoke(app, ["apply", "--device", "cpu", "--check-against", str(base)])
+    assert result.exit_code == code, result.output
+    assert "1 stage(s) failed" in result.output
+    assert ("REGRESSED" in result.output) == (code == 1)

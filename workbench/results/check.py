@@ -48,8 +48,12 @@ band adds the same terms for the run's 'baseline' stage (the spread of a ratio i
 the spreads). Share drift has no better direction: any drift beyond its limit is REGRESSED, since a
 different kernel mix means the baseline should be refreshed on purpose.
 
-Stages on one side only are listed ("only in baseline" / "only in current") and do not fail. Records
-whose status is not 'ok' are listed ("not compared"), except a stage that was 'ok' in the baseline
+What the baseline measured and the current run lacks is MISSING, a regression (a half-finished run or a
+kernel that stopped loading must not pass CI): a stage of the baseline absent from current, a stage 'ok'
+in the baseline and 'not available' now, and a timed metric (MEASURED_METRICS) of the baseline that the
+current record lacks. `allow_missing` lists them as "only in baseline" instead, which does not fail.
+Stages only in current are listed and do not fail, unless their correctness gate FAILs. Records whose
+status is not 'ok' are otherwise listed ("not compared"), except a stage that was 'ok' in the baseline
 and is 'error' now: that is REGRESSED (the stage no longer runs). Model, mode, batch, precision, GPU,
 torch/triton versions and the data-parallel world size must match unless `force`; with `force` the
 difference becomes a note.
@@ -75,9 +79,9 @@ from workbench.labels import GPU_WORDS, MIXED_WORDS, DeviceWords, record_words
 from workbench.results.record import StageRecord, read_records, short_dtype
 
 ROW_COLUMNS = ["stage", "metric", "baseline", "current", "delta_pct", "limit", "noise_band_pct", "status", "unit"]
-STATUSES = ("improved", "unchanged", "noise", "REGRESSED", "only in baseline", "only in current", "FAIL gate",
-            "not compared")
-REGRESSION_STATUSES = ("REGRESSED", "FAIL gate")
+STATUSES = ("improved", "unchanged", "noise", "REGRESSED", "MISSING", "only in baseline", "only in current",
+            "FAIL gate", "not compared")
+REGRESSION_STATUSES = ("REGRESSED", "FAIL gate", "MISSING")
 
 # metric -> +1 when higher is better, -1 when lower is better
 PCT_METRICS = {"img_per_s": +1, "step_ms": -1, "graph_ms": -1, "peak_mem_bytes": -1, "speedup": +1,
@@ -87,6 +91,9 @@ PCT_METRICS = {"img_per_s": +1, "step_ms": -1, "graph_ms": -1, "peak_mem_bytes":
 DP_PREFIX = "dp_"
 DP_METRICS = tuple(m for m in PCT_METRICS if m.startswith(DP_PREFIX))
 TIMED_METRICS = ("img_per_s", "step_ms", "graph_ms", "speedup")
+# what every measured stage records (graph_ms: where its step was also graph-replayed): lacking one that the
+# baseline has is MISSING. The others depend on how apply was called (--profile, --interleave, --nproc).
+MEASURED_METRICS = ("img_per_s", "step_ms", "graph_ms", "peak_mem_bytes", "speedup")
 SHARE_PREFIX = "share:"
 BASELINE_STAGE = "baseline"
 
@@ -359,8 +366,9 @@ def _check_settings(base: dict, cur: dict, force: bool, notes: list[str]) -> Non
                              f"{cv[0]} (current); deltas mix both changes")
     _check_world_size(base, cur, force, notes)
     for stage in base.keys() & cur.keys():
-        bp, cp = base[stage].record.precision, cur[stage].record.precision
-        if bp != cp:
+        b, c = base[stage].record, cur[stage].record
+        bp, cp = b.precision, c.precision
+        if bp != cp and b.ok and c.ok:   # a failed stage's record keeps the run's precision, not the stage's
             if not force:
                 raise UserError(f"stage '{stage}' ran in different precision: {bp} (baseline) vs {cp} (current); "
                                 f"pass --force to compare anyway")
@@ -436,13 +444,15 @@ def _row(stage, metric, base, cur, delta, limit, band, status, unit="%") -> dict
                 noise_band_pct=band, status=status, unit=unit)
 
 
-def _pct_row(stage: str, metric: str, b: _Stage, c: _Stage, th: Thresholds) -> dict | None:
+def _pct_row(stage: str, metric: str, b: _Stage, c: _Stage, th: Thresholds, allow_missing: bool = True) -> dict | None:
     bv, cv = b.metric(metric), c.metric(metric)
     limit = th.limit(stage, metric)
     if bv is None and cv is None:
         return None
     if bv is None or cv is None:
-        return _row(stage, metric, bv, cv, None, limit, None, "only in current" if bv is None else "only in baseline")
+        status = ("only in current" if bv is None else
+                  "MISSING" if metric in MEASURED_METRICS and not allow_missing else "only in baseline")
+        return _row(stage, metric, bv, cv, None, limit, None, status)
     bv, cv = float(bv), float(cv)
     band = None
     if metric == "paired_speedup":
@@ -518,16 +528,22 @@ def _dtype_row(stage: str, b: StageRecord, c: StageRecord, notes: list[str]) -> 
                 " ".join(f"{p}:{short_dtype(cd[p])}" for p in changed), None, None, None, "REGRESSED", unit="")
 
 
-def _stage_rows(stage: str, bs: _Stage | None, cs: _Stage | None, th: Thresholds, notes: list[str]) -> list[dict]:
+def _stage_rows(stage: str, bs: _Stage | None, cs: _Stage | None, th: Thresholds, notes: list[str],
+                allow_missing: bool = True) -> list[dict]:
     b, c = bs and bs.record, cs and cs.record
     if b is None or c is None:
         if c is not None and c.gate.status == "FAIL":
-            notes.append(f"stage '{stage}' (only in current) FAILs its correctness gate")
-        return [_row(stage, "stage", b and b.status, c and c.status, None, None, None,
-                     "only in baseline" if c is None else "only in current", unit="")]
+            notes.append(f"stage '{stage}' (only in current) FAILs its correctness gate"
+                         + (f" ({c.gate.reason})" if c.gate.reason else ""))
+            return [_row(stage, "gate", None, "FAIL", None, None, None, "FAIL gate", unit="")]
+        status = ("only in current" if b is None else
+                  "MISSING" if b.ok and not allow_missing else "only in baseline")
+        return [_row(stage, "stage", b and b.status, c and c.status, None, None, None, status, unit="")]
     if not b.ok or not c.ok:
-        # A stage that ran and now errors is lost work: count it. Otherwise just list it.
-        status = "REGRESSED" if (b.ok and c.status == "error") else "not compared"
+        # A stage that ran and now errors is lost work: count it; one that ran and is now not available
+        # here (a kernel that no longer loads) is MISSING. Otherwise just list it.
+        status = ("REGRESSED" if (b.ok and c.status == "error") else
+                  "MISSING" if (b.ok and not allow_missing) else "not compared")
         for side, rec in (("baseline", b), ("current", c)):
             if not rec.ok:
                 notes.append(f"stage '{stage}' is '{rec.status}' in {side}"
@@ -535,7 +551,7 @@ def _stage_rows(stage: str, bs: _Stage | None, cs: _Stage | None, th: Thresholds
         return [_row(stage, "stage", b.status, c.status, None, None, None, status, unit="")]
     rows = []
     for metric in PCT_METRICS:
-        row = _pct_row(stage, metric, bs, cs, th) if metric not in DP_METRICS else None
+        row = _pct_row(stage, metric, bs, cs, th, allow_missing) if metric not in DP_METRICS else None
         if row is not None:
             rows.append(row)
     rows += _share_rows(stage, b, c, th)
@@ -598,12 +614,13 @@ def _summary(rows: pd.DataFrame, regressed: bool) -> str:
 
 def check_records(baseline_paths, current_paths, *, max_regression_pct: float = DEFAULT_MAX_REGRESSION_PCT,
                   thresholds_file=None, force: bool = False,
-                  max_share_drift_pp: float = DEFAULT_SHARE_DRIFT_PP) -> CheckResult:
+                  max_share_drift_pp: float = DEFAULT_SHARE_DRIFT_PP, allow_missing: bool = False) -> CheckResult:
     """Compare current stage records with baseline ones (each: a path or list of files/folders).
 
     `max_regression_pct` limits img_per_s, step_ms, peak_mem_bytes and speedup; `max_share_drift_pp`
     limits kernel category share drift; a thresholds YAML file, when given, replaces both and adds
     per-stage limits. `force` compares records of different settings, GPUs or versions, with a note.
+    `allow_missing`: stages and measurements of the baseline that current lacks do not fail.
     Raises UserError (exit 2) for unreadable records, bad thresholds or, without `force`, mismatches."""
     for name, value in (("--max-regression", max_regression_pct), ("--max-share-drift", max_share_drift_pp)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
@@ -621,11 +638,14 @@ def check_records(baseline_paths, current_paths, *, max_regression_pct: float = 
     stages = list(base) + [s for s in cur if s not in base]
     rows = []
     for stage in stages:
-        rows += _stage_rows(stage, base.get(stage), cur.get(stage), th, notes)
+        rows += _stage_rows(stage, base.get(stage), cur.get(stage), th, notes, allow_missing)
     only_base = [s for s in base if s not in cur]
     only_cur = [s for s in cur if s not in base]
-    if only_base:
+    if only_base and allow_missing:
         notes.append(f"only in baseline (not checked): {', '.join(only_base)}")
+    elif only_base:
+        notes.append(f"missing from current: {', '.join(only_base)} (--allow-missing lets a run of fewer stages "
+                     "pass)")
     if only_cur:
         notes.append(f"only in current (no baseline to check against): {', '.join(only_cur)}")
     frame = pd.DataFrame(rows, columns=ROW_COLUMNS)
