@@ -405,6 +405,27 @@ def test_speedups_never_pair_image_sizes_or_devices_even_inside_one_run(records)
     assert math.isnan(df.loc[7, "x_baseline"]) and math.isnan(df.loc[8, "x_baseline"])
 
 
+def test_previous_is_the_nearest_ancestor_of_the_stages_own_run(records):
+    """A run of baseline, amp and fmha beside a run that has window: its fmha is compared with its own
+    amp, not with the other run's window; the baseline of another run is marked in the graph layout."""
+    mine = [dict(record(0, "baseline", None, 100.0, gate="REFERENCE", precision="fp32"), run_id="r2"),
+            dict(record(1, "amp", "baseline", 50.0), run_id="r2"),
+            dict(record(2, "fmha", "window", 25.0), run_id="r2",
+                 chain=[{"name": n, "source": None, "passes": []} for n in ("baseline", "amp", "window", "fmha")])]
+    df = speedup_table(records + mine)
+    fmha = df[(df["run_id"] == "r2") & (df["stage"] == "fmha")].iloc[0]
+    assert fmha["previous_stage"] == "amp" and fmha["x_previous"] == pytest.approx(2.0)
+    assert not fmha["x_previous_cross_run"]
+    from workbench.results.report import CROSS_RUN_MARK, _graph_display_rows
+
+    lone = [dict(record(0, "torch-compile", "amp", 25.0), run_id="r3",
+                 graph={"step_ms": 20.0, "step_iqr_ms": 0.1, "img_per_s": 3200.0, "how": "replayed",
+                        "timing": {**records[0]["timing"], "median_ms": 20.0}})]
+    df = speedup_table(records + lone)
+    rows = _graph_display_rows(df, None)
+    row = next(r for r in rows if r[0].startswith("torch-compile (r3)"))
+    assert CROSS_RUN_MARK in row[3] and CROSS_RUN_MARK in row[4]
+
 def test_the_best_form_is_one_runs_against_its_own_baseline():
     from workbench.results.report import best_form
 
@@ -423,3 +444,21 @@ def test_the_best_form_is_one_runs_against_its_own_baseline():
     best = best_form(records, speedup_table(records), among="main")
     # run A's fastest form against run A's own baseline graph (90 ms), not run B's (180 ms)
     assert (best["stage"], best["ms"]) == ("torch-compile", 30.0) and best["x_baseline"] == pytest.approx(3.0)
+
+
+def test_two_runs_keep_their_own_notes_and_category_rows():
+    """Stage names repeat across runs: the category rows and the notes are each run's own, labelled."""
+    from workbench.results.record import as_records
+    from workbench.results.report import _notes, category_share_frame
+
+    def run(run_id, fmha_ms, shares):
+        return [dict(record(0, "baseline", None, 100.0, gate="REFERENCE", precision="fp32"), run_id=run_id),
+                dict(record(1, "amp", "baseline", 50.0), run_id=run_id),
+                dict(record(2, "fmha", "amp", fmha_ms, shares=shares), run_id=run_id)]
+
+    recs = run("a", 40.0, {"gemm": 70.0, "attention": 30.0}) + run("b", 65.0, {"gemm": 40.0, "attention": 60.0})
+    shares = category_share_frame(recs)
+    assert shares.loc["fmha (a)", "gemm"] == 70.0 and shares.loc["fmha (b)", "gemm"] == 40.0
+    notes = _notes(as_records(recs), speedup_table(recs))
+    slower = [n for n in notes if "is slower than" in n]
+    assert len(slower) == 1 and slower[0].startswith("**fmha (b)**"), notes

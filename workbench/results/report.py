@@ -94,11 +94,11 @@ def speedup_table(records) -> pd.DataFrame:
         if r.counted:
             steps_by_group.setdefault(groups[idx], {}).setdefault(r.stage, _spread(records[idx], r))
 
-    def lookup(group, stage):
+    def lookup(group, stage, other_runs=True):
         if stage in steps_by_group.get(group, {}):
             return steps_by_group[group][stage], False
         for other, steps in steps_by_group.items():
-            if other[0] != group[0] and other[1] == group[1] and stage in steps:
+            if other_runs and other[0] != group[0] and other[1] == group[1] and stage in steps:
                 return steps[stage], True
         return None, False
 
@@ -114,8 +114,10 @@ def speedup_table(records) -> pd.DataFrame:
             # the baseline against itself is 1.00x by definition, not a measurement
             if not (r.stage == "baseline" and not cross_b):
                 df.at[idx, "x_baseline_ns"] = not speedup_significant(*mine, *base)
-        for ancestor in records[idx].ancestors():
-            prev, cross_p = lookup(group, ancestor)
+        # the nearest ancestor measured in the stage's own run; another run's only where its run has none
+        ancestors = list(records[idx].ancestors())
+        for ancestor, other_runs in [(a, False) for a in ancestors] + [(a, True) for a in ancestors]:
+            prev, cross_p = lookup(group, ancestor, other_runs)
             if prev:
                 df.at[idx, "x_previous"] = prev[0] / r.step_ms
                 df.at[idx, "x_previous_cross_run"] = cross_p
@@ -367,11 +369,13 @@ def _graph_display_rows(df: pd.DataFrame, records: list[StageRecord] | None) -> 
         if r["reused"]:
             stage += f" {REUSED_MARK}"
         xp, gp = fmt_speedup(r["x_previous"]), fmt_speedup(r["x_previous_graph"])
+        xp += CROSS_RUN_MARK if r["x_previous_cross_run"] else ""
         xp += f" ({NS_MARK})" if _isnum(r["x_previous"]) and r["x_previous_ns"] else ""
         if _isnum(r["x_previous"]) and r["previous_stage"] != r["extends"]:
             xp += f" (vs {r['previous_stage']})"
             gp += f" (vs {r['previous_stage']})" if _isnum(r["x_previous_graph"]) else ""
-        xb = fmt_speedup(r["x_baseline"]) + (f" ({NS_MARK})" if _isnum(r["x_baseline"]) and r["x_baseline_ns"] else "")
+        xb = fmt_speedup(r["x_baseline"]) + (CROSS_RUN_MARK if r["x_baseline_cross_run"] else "")
+        xb += f" ({NS_MARK})" if _isnum(r["x_baseline"]) and r["x_baseline_ns"] else ""
         gpu = (f"{r['gpu_kernel_ms']:.1f} ({r['gpu_busy_pct']:.0f}%)" if _isnum(r["gpu_kernel_ms"]) else "-")
         talk = fmt_speedup(TALK_LADDER.get(r["stage"]) if _talk_applies(df) else None)
         out.append([stage, *([r["model"], r["device"]] if labels else []), r["precision_label"] or "-",
@@ -581,10 +585,17 @@ def _title(records: list[StageRecord]) -> str:
 # ---------------------------------------------------------------- the Markdown report
 
 
+def stage_label(rec: StageRecord, records: list[StageRecord]) -> str:
+    """The stage's name, with its run's id where the records hold several runs (stage names repeat)."""
+    several = len({r.run_id for r in records}) > 1
+    return rec.stage + (f" ({rec.run_id})" if several else "")
+
+
 def category_share_frame(records) -> pd.DataFrame:
-    """Stages (rows, in order) x kernel categories (columns), percent of GPU kernel time; empty when
-    no stage was profiled. Columns are ordered by their largest share."""
-    rows = {r.stage: r.profile.category_share_pct for r in as_records(records)
+    """Stages (rows, in order; labelled by stage_label) x kernel categories (columns), percent of GPU
+    kernel time; empty when no stage was profiled. Columns are ordered by their largest share."""
+    records = as_records(records)
+    rows = {stage_label(r, records): r.profile.category_share_pct for r in records
             if r.profile is not None and r.profile.category_share_pct}
     if not rows:
         return pd.DataFrame()
@@ -685,7 +696,8 @@ def kernel_ms_per_step(rec: StageRecord) -> float | None:
 def _slower_why(rec: StageRecord, records: list[StageRecord], previous: str) -> str:
     """Why a stage is slower than the stage it was compared with, from what was measured: if its GPU
     kernel time per step went down while the wall step went up, the step is host-bound (launch overhead)."""
-    parent = next((r for r in records if r.stage == previous), None)
+    same_run = [r for r in records if r.stage == previous and r.run_id == rec.run_id]
+    parent = next(iter(same_run or [r for r in records if r.stage == previous]), None)
     mine, theirs = kernel_ms_per_step(rec), kernel_ms_per_step(parent) if parent else None
     if mine is None or theirs is None or rec.step_ms is None:
         return ": look at its passes above and its kernel shares before keeping it"
@@ -722,32 +734,34 @@ def _spread_note(rec: StageRecord) -> str | None:
 
 def _notes(records: list[StageRecord], df: pd.DataFrame) -> list[str]:
     notes = []
-    by_stage = {r.stage: r for r in df.itertuples()}
+    by_stage = {(r.run_id, r.stage): r for r in df.itertuples()}
     for rec in records:
-        r = by_stage.get(rec.stage)
+        r = by_stage.get((rec.run_id, rec.stage))
+        name = stage_label(rec, records)
         if rec.status == "not available":
-            notes.append(f"**{rec.stage}** not available: {rec.error}")
+            notes.append(f"**{name}** not available: {rec.error}")
         elif rec.status == "error":
-            notes.append(f"**{rec.stage}** ended in an error: {rec.error}")
+            notes.append(f"**{name}** ended in an error: {rec.error}")
         elif rec.gate.status == "FAIL":
-            notes.append(f"**{rec.stage}** FAILED the correctness gate ({rec.gate.reason}); "
+            notes.append(f"**{name}** FAILED the correctness gate ({rec.gate.reason}); "
                          "it is left out of the speedups")
         if r is not None and _isnum(r.x_previous) and r.x_previous < 1.0:
             how = "the stage it extends" if r.previous_stage == rec.extends else "its nearest measured ancestor"
+            previous = r.previous_stage + (f" {CROSS_RUN_MARK}" if r.x_previous_cross_run else "")
             if r.x_previous_ns:   # no reason is drawn from a difference the spread covers
-                notes.append(f"**{rec.stage}** is slower than **{r.previous_stage}**, {how} "
+                notes.append(f"**{name}** is slower than **{previous}**, {how} "
                              f"({r.x_previous:.2f}x, {NS_MARK}), by less than their step times spread: "
                              "not a measured slowdown")
             else:
-                notes.append(f"**{rec.stage}** is slower than **{r.previous_stage}**, {how} "
+                notes.append(f"**{name}** is slower than **{previous}**, {how} "
                              f"({r.x_previous:.2f}x)" + _slower_why(rec, records, r.previous_stage))
         spread = _spread_note(rec) if rec.graph is None else None   # the graph columns show it already
         if spread:
             notes.append(spread)
         for n in rec.notes:
-            notes.append(f"{rec.stage}: {n}")
+            notes.append(f"{name}: {n}")
         if rec.compile_s is not None:
-            notes.append(f"{rec.stage}: torch.compile took {rec.compile_s:.1f} s on its first step "
+            notes.append(f"{name}: torch.compile took {rec.compile_s:.1f} s on its first step "
                          "(excluded from step times)")
     return notes
 
@@ -1113,7 +1127,7 @@ def render_report(records, out_path_md: Path, note: str | None = None, auto: dic
         png_path = refuse_to_replace(out_path_md.with_name(out_path_md.stem + "-categories.png"),
                                      lambda head: "Matplotlib" in head, "a category chart swinbench drew")
         png = plot_category_shares(shares, png_path, w.time)
-        by_stage = {r.stage: r for r in records}
+        by_stage = {stage_label(r, records): r for r in records}
         rows = [[stage, _fmt_ms(kernel_ms_per_step(by_stage[stage])), _busy(by_stage[stage]),
                  _api_calls(by_stage[stage], lambda c: float(c.get("launch", 0.0))),
                  _api_calls(by_stage[stage], blocking_calls)]
