@@ -504,7 +504,7 @@ def recipes():
 @app.command()
 def report(
     records: Annotated[list[Path], typer.Argument(help="Stage records (JSON files or folders) written by `swinbench apply`.")],
-    out: Annotated[Optional[Path], typer.Option(parser=_out_path, help="Markdown file to write (default: report.md beside the records).")] = None,
+    out: Annotated[Optional[Path], typer.Option(parser=_out_path, help="Markdown file to write (default: report.md beside the records; records of several folders need --out).")] = None,
     readme: Annotated[Optional[Path], typer.Option(help="Instead, rewrite the results table between <!-- results:begin --> and <!-- results:end --> in this Markdown file (one table for all the records given; with --out, the report too).")] = None,
 ):
     """Re-render the Markdown report from stored records (no GPU needed)."""

@@ -462,3 +462,12 @@ def test_two_runs_keep_their_own_notes_and_category_rows():
     notes = _notes(as_records(recs), speedup_table(recs))
     slower = [n for n in notes if "is slower than" in n]
     assert len(slower) == 1 and slower[0].startswith("**fmha (b)**"), notes
+
+
+def test_records_of_two_folders_need_an_out(tmp_path):
+    """`report A B` would otherwise replace A's own report with one of both runs."""
+    a, b = tmp_path / "a" / "records", tmp_path / "b" / "records"
+    assert default_report_path([a / "x.json"]) == tmp_path / "a" / "report.md"
+    assert default_report_path([a, a / "y.json"]) == tmp_path / "a" / "report.md"
+    with pytest.raises(UserError, match="give --out"):
+        default_report_path([a, b])

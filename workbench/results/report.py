@@ -1173,12 +1173,18 @@ def render_report(records, out_path_md: Path, note: str | None = None, auto: dic
 
 
 def default_report_path(paths: list[Path]) -> Path:
-    """report.md beside the records: for `<run>/records` (the folder apply writes), `<run>/report.md`."""
-    p = Path(paths[0])
-    folder = p if p.is_dir() else p.parent
-    if folder.name == "records":
-        folder = folder.parent
-    return folder / "report.md"
+    """report.md beside the records: for `<run>/records` (the folder apply writes), `<run>/report.md`.
+    Records of several folders have no folder of their own: UserError (the report of one of them is not
+    to be replaced by a report of them all)."""
+    def folder_of(p: Path) -> Path:
+        folder = p if p.is_dir() else p.parent
+        return folder.parent if folder.name == "records" else folder
+
+    folders = {folder_of(Path(p)).resolve() for p in paths}
+    if len(folders) > 1:
+        raise UserError(f"records of {len(folders)} folders make one report of them all, which belongs to none "
+                        "of them: give --out FILE")
+    return folder_of(Path(paths[0])) / "report.md"
 
 
 def render_report_from_paths(paths: list[Path], out: Path | None = None,
