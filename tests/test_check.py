@@ -344,6 +344,10 @@ def test_thresholds_per_stage_limit_overrides_default(current):
 def test_example_thresholds_file_is_valid():
     th = load_thresholds(Path(__file__).parents[1] / ".ci" / "check-thresholds.example.yaml")
     assert th.max_regression_pct > 0 and th.share_drift_pp > 0
+    from workbench.optimize.recipes import list_recipes
+
+    # every stage it names is one the ladder runs
+    assert set(th.stages) <= {r.name for r in list_recipes()}, set(th.stages)
 
 
 @pytest.mark.parametrize("text,needle", [
@@ -354,6 +358,11 @@ def test_example_thresholds_file_is_valid():
     ("stages:\n  fmha: {img_per_sec: 3}\n", "stages.fmha.img_per_sec"),
     ("stages:\n  fmha: {img_per_s: fast}\n", "stages.fmha.img_per_s must be a number"),
     ("stages:\n  fmha: 3\n", "stages.fmha must be a mapping"),
+    # mistakes that would loosen a limit silently: a falsy non-mapping, a key given twice
+    ("default: 0\n", "'default' must be a mapping"),
+    ("stages: []\n", "'stages' must map"),
+    ("stages:\n  fmha: {step_ms: 3}\n  fmha: {step_ms: 50}\n", "gives the key 'fmha' twice (line 3)"),
+    ("default: {step_ms: 3, step_ms: 50}\n", "gives the key 'step_ms' twice"),
 ])
 def test_bad_thresholds_file_is_a_user_error(current, text, needle):
     err = user_error(lambda: check_records(BASELINE, current, thresholds_file=_yaml(current.parent, text)))

@@ -126,6 +126,23 @@ def load_yaml_file(path: str | os.PathLike, what: str):
                     raise UserError(f"{what} {path} uses more than {MAX_YAML_ALIASES} YAML aliases; not read")
             return super().compose_node(parent, index)
 
+        def construct_mapping(self, node, deep=False):
+            # a key given twice: YAML keeps the last silently, so one of two limits or settings is lost
+            seen = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    duplicate = key in seen
+                    seen.add(key)
+                except TypeError:         # an unhashable key: SafeLoader says so itself
+                    continue
+                if duplicate:
+                    line = key_node.start_mark.line + 1
+                    raise UserError(f"{what} {path} gives the key {short_repr(key)} twice (line {line}); keep one")
+            return super().construct_mapping(node, deep=deep)
+
     try:
         data = yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:

@@ -208,7 +208,8 @@ def load_thresholds(path, *, max_regression_pct: float = DEFAULT_MAX_REGRESSION_
     if type(version) is not int or version != 1:
         raise UserError(f"{path}: version {short_repr(version)} is not supported (expected 1)")
 
-    default = data.get("default") or {}
+    default = data.get("default")
+    default = {} if default is None else default     # `default:` left empty
     if not isinstance(default, dict):
         raise UserError(f"{path}: 'default' must be a mapping, e.g. {{max_regression_pct: 5}}")
     for key, value in default.items():
@@ -228,7 +229,8 @@ def load_thresholds(path, *, max_regression_pct: float = DEFAULT_MAX_REGRESSION_
     if "noise_iqr_scale" in data:
         th.noise_iqr_scale = _limit_value(data["noise_iqr_scale"], "noise_iqr_scale", path)
 
-    stages = data.get("stages") or {}
+    stages = data.get("stages")
+    stages = {} if stages is None else stages
     if not isinstance(stages, dict):
         raise UserError(f"{path}: 'stages' must map stage names to {{metric: limit}}")
     for stage, limits in stages.items():
