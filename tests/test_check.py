@@ -570,3 +570,11 @@ def test_cpu_records_against_gpu_ones_are_called_mixed_and_graph_times_read_as_m
     assert "None" not in " ".join(result.notes)
     graph_rows = [line for line in render_markdown(check_records(gpu, gpu)).splitlines() if "| graph_ms |" in line]
     assert graph_rows and all(" ms |" in line for line in graph_rows)
+
+
+def test_another_host_cpu_is_noted(current):
+    edit(current, "amp", lambda r: r["env"].update(cpu="AMD EPYC 9654"))
+    edit(current, "baseline", lambda r: r["env"].update(cpu="AMD EPYC 9654"))
+    edit(current, "fmha", lambda r: r["env"].update(cpu="AMD EPYC 9654"))
+    result = check_records(BASELINE, current)
+    assert any(n.startswith("host CPU differs") and "AMD EPYC 9654 (current)" in n for n in result.notes)

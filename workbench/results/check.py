@@ -109,7 +109,8 @@ RUN_SETTINGS = (("model", "model", "models"), ("mode", "mode", "modes"), ("batch
 ENV_SETTINGS = (("device_type", "device type", "device types"), ("device_name", "device", "devices"),
                 ("torch", "torch version", "torch versions"), ("triton", "triton version", "triton versions"))
 # Worth a note, not worth refusing.
-ENV_NOTES = (("driver", "driver version"), ("cuda", "CUDA version"), ("timm", "timm version"))
+ENV_NOTES = (("driver", "driver version"), ("cuda", "CUDA version"), ("timm", "timm version"),
+             ("cpu", "host CPU"))      # CPU records name no other device; a host-bound GPU stage moves with it
 
 
 
