@@ -66,7 +66,7 @@ def test_cpu_trace_makes_no_gpu_claim():
     analysis = analyze_trace(DATA / "kineto_cpu_tiny_train.json")
     table = findings(analysis)
     assert "launch-bound" not in set(table["kind"]) and "gpu-idle" not in set(table["kind"])
-    assert table.iloc[0]["kind"] == "host-gaps"
+    assert "host-gaps" in set(table["kind"])
     assert not table["what"].str.contains("GPU").any() and table["remedy"].str.startswith("none").all()
     steps = analysis.trace_meta["api_steps"]
     span = _busy(analysis)["span"]

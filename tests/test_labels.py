@@ -49,9 +49,9 @@ def test_analyze_of_a_cpu_trace_says_cpu_operators():
     result = runner.invoke(app, ["analyze", str(CPU_TRACE), "--top", "3"])
     assert result.exit_code == 0, result.output
     out = " ".join(result.output.split())      # the console is 80 columns wide: lines wrap
-    assert "CPU operators (short names)" in out and "336 operators, 59.910 ms" in out
-    assert "CPU busy / idle" in out and "other (20 operators)" in out and "op_sum" in out
-    tables = out.split("CPU operators (leaf aten ops, exclusive time) instead", 1)[1]   # after the note
+    assert "CPU operators (short names)" in out and "704 operators, 99.588 ms" in out
+    assert "CPU busy / idle" in out and "other (59 operators)" in out and "op_sum" in out
+    tables = out.split("CPU operators (each aten op's self time) instead", 1)[1]   # after the note
     assert "GPU" not in tables and "kernel" not in tables
 
 

@@ -110,7 +110,7 @@ def analyze_trace(path, *, name_style: str = "demangled", range_name: str | None
         name_style=name_style,
         range_name=range_name,
         devices=devices,
-        kernel_count=int(len(kernels)),
+        kernel_count=int(A.instance_rows(kernels).sum()),
         kernel_total_ns=int(kernels["duration_ns"].sum()),
         memops_count=int(len(trace.memops)),
         memops_ns=int(trace.memops["duration_ns"].sum()),
@@ -220,7 +220,7 @@ def render_analysis(analysis: Analysis, console: Console, top: int = 15, gains=N
     the findings (workbench/analysis/findings.py, with the measured `gains` of their remedies); long
     tails are folded into one 'other (k ...)' row with exact sums."""
     console.print(_header(analysis))
-    # A CPU-only Kineto trace is analyzed on its leaf CPU operators: say so in every title.
+    # A CPU-only Kineto trace is analyzed on its CPU operators' self time: say so in every title.
     words = trace_words(analysis.trace_meta)
     for warning in analysis.warnings:
         console.print(f"[bold yellow]warning:[/] {warning}", highlight=False)

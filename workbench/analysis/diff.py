@@ -10,7 +10,7 @@ Per step: each side's totals are divided by its number of `step{i}` NVTX ranges 
 swinbench's captures hold only those), so traces of different lengths compare. A trace without step
 ranges is compared as a whole, and the output says so.
 
-Two CPU captures (Kineto without GPU kernels: leaf CPU operators in place of kernels) are compared the
+Two CPU captures (Kineto without GPU kernels: CPU operators' self time in place of kernels) are compared the
 same way; their tables and summary say CPU and operators (`labels.pair_words`).
 
 Several GPUs: two traces on one GPU each compare whatever its index. Otherwise both must hold kernels of

@@ -8,7 +8,7 @@ trace_meta); it never opens a trace. One row per finding, ranked by `ms_per_step
   the host issues one launch per L µs of the span while the average kernel runs K µs, L > K. Remedy: the
   CUDA-graph stages. When the launches do not explain the idle time (or none were recorded), the row is
   **gpu-idle** and says so. A CPU trace (meta `device: cpu`) gets **host-gaps** instead: span time outside
-  any leaf CPU operator, with no GPU claim.
+  any CPU operator, with no GPU claim.
 - **category**: one row per kernel category (workbench/analysis/categories.py) with the recipe whose passes
   address it, or "none" with the reason.
 - **small-kernels** (`small-operators` on a CPU trace): kernel names whose average duration is under
@@ -125,7 +125,7 @@ def _one_device(busy: pd.DataFrame, categories: pd.DataFrame, kernels: pd.DataFr
     idle_pct = idle_ns * 100.0 / span
     n_kernels = int(categories["instances"].sum()) if len(categories) else 0
     if words.is_cpu:
-        rows.append(row("host-gaps", f"{idle_pct:.1f}% of the span is outside any leaf CPU operator", idle_ns,
+        rows.append(row("host-gaps", f"{idle_pct:.1f}% of the span is outside any CPU operator", idle_ns,
                         CPU_REMEDY,
                         "Python, autograd and framework time between operators"))
     else:

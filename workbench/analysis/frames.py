@@ -38,6 +38,36 @@ def _share(part, total: int) -> np.ndarray:
     return part * 100.0 / total if total else np.zeros(len(part))
 
 
+def _cpu_operator_rows(kernels: pd.DataFrame) -> np.ndarray:
+    if "device_id" not in kernels or "correlation_id" not in kernels:
+        return np.zeros(len(kernels), dtype=bool)
+    return (kernels["device_id"].to_numpy("int64") < 0) & (kernels["correlation_id"].to_numpy("int64") >= 0)
+
+
+def instance_rows(kernels: pd.DataFrame) -> np.ndarray:
+    """Which rows begin a kernel or operator: every GPU kernel; of a CPU operator's self-time stretches
+    (device_id -1, one correlation_id per operator: trace.kineto.cpu_ops_as_kernels) only the first. Counts
+    are of these rows, so an operator split by the operators nested in it counts once."""
+    if kernels.empty:
+        return np.zeros(0, dtype=bool)
+    cpu = _cpu_operator_rows(kernels)
+    if not cpu.any():
+        return np.ones(len(kernels), dtype=bool)
+    later = np.zeros(len(kernels), dtype=bool)
+    later[cpu] = kernels["correlation_id"][cpu].duplicated().to_numpy()
+    return ~later
+
+
+def _per_instance(kernels: pd.DataFrame, name_col: str) -> tuple[pd.Series, np.ndarray]:
+    """(name, duration ns) of each kernel or operator: a CPU operator's stretches summed into one."""
+    cpu = _cpu_operator_rows(kernels)
+    if not cpu.any():
+        return kernels[name_col], kernels["duration_ns"].to_numpy(dtype="int64")
+    ops = kernels[cpu].groupby("correlation_id", sort=False).agg(name=(name_col, "first"), ns=("duration_ns", "sum"))
+    names = pd.concat([kernels.loc[~cpu, name_col], ops["name"]], ignore_index=True)
+    return names, np.concatenate([kernels["duration_ns"].to_numpy("int64")[~cpu], ops["ns"].to_numpy("int64")])
+
+
 def kernel_share_table(kernels: pd.DataFrame, name_col: str = "name") -> pd.DataFrame:
     """One row per distinct `name_col`: instances, total/avg/median/min/max duration (ns), share_pct.
 
@@ -46,8 +76,8 @@ def kernel_share_table(kernels: pd.DataFrame, name_col: str = "name") -> pd.Data
     """
     if kernels.empty:
         return pd.DataFrame({c: [] for c in KERNEL_TABLE_COLUMNS})
-    codes, uniques = pd.factorize(kernels[name_col], sort=False)
-    dur = kernels["duration_ns"].to_numpy(dtype="int64")
+    names, dur = _per_instance(kernels, name_col)
+    codes, uniques = pd.factorize(names, sort=False)
     stats = pd.Series(dur).groupby(codes).agg(["count", "sum", "mean", "median", "min", "max"])
     total = int(dur.sum())
     table = pd.DataFrame({
@@ -69,8 +99,9 @@ def category_share_table(kernels: pd.DataFrame) -> pd.DataFrame:
     """
     if kernels.empty:
         return pd.DataFrame({c: [] for c in CATEGORY_TABLE_COLUMNS})
-    cats = categorize(kernels["name"]).to_numpy()
-    grouped = pd.Series(kernels["duration_ns"].to_numpy("int64")).groupby(cats).agg(["count", "sum"])
+    names, dur = _per_instance(kernels, "name")
+    cats = categorize(names).to_numpy()
+    grouped = pd.Series(dur).groupby(cats).agg(["count", "sum"])
     table = pd.DataFrame({
         "category": grouped.index.to_numpy(dtype=object),
         "instances": grouped["count"].to_numpy("int64"),
@@ -98,15 +129,17 @@ def attribute_ranges(kernels: pd.DataFrame, ranges: pd.DataFrame) -> pd.DataFram
     r_pid = out["pid"].to_numpy("int64")
     r_start = out["start_ns"].to_numpy("int64")
     r_end = out["end_ns"].to_numpy("int64")
+    first = instance_rows(launched)
     for pid, group in launched.groupby("pid", sort=False):  # one iteration per process
         launch = group["launch_ns"].to_numpy("int64")
         order = np.argsort(launch, kind="stable")
         launch = launch[order]
         prefix = np.concatenate([[0], np.cumsum(group["duration_ns"].to_numpy("int64")[order])])
+        n_prefix = np.concatenate([[0], np.cumsum(first[launched.index.get_indexer(group.index)][order])])
         mask = r_pid == pid
         lo = np.searchsorted(launch, r_start[mask], side="left")
         hi = np.searchsorted(launch, r_end[mask], side="right")
-        counts[mask] = hi - lo
+        counts[mask] = n_prefix[hi] - n_prefix[lo]
         gpu[mask] = prefix[hi] - prefix[lo]
     out["kernels"] = counts
     out["gpu_ns"] = gpu
@@ -124,24 +157,26 @@ def _launched_in_union(kernels: pd.DataFrame, ranges: pd.DataFrame) -> tuple[np.
     counts = np.zeros(len(names), dtype="int64")
     gpu = np.zeros(len(names), dtype="int64")
     launched = kernels[kernels["launch_ns"] >= 0]
+    first = instance_rows(launched)
     by_pid = {}
     for pid, group in launched.groupby("pid", sort=False):  # one iteration per process
         launch = group["launch_ns"].to_numpy("int64")
         order = np.argsort(launch, kind="stable")
-        by_pid[pid] = launch[order], np.concatenate([[0], np.cumsum(group["duration_ns"].to_numpy("int64")[order])])
+        by_pid[pid] = (launch[order], np.concatenate([[0], np.cumsum(group["duration_ns"].to_numpy("int64")[order])]),
+                       np.concatenate([[0], np.cumsum(first[launched.index.get_indexer(group.index)][order])]))
     r = pd.DataFrame({"code": codes, "pid": ranges["pid"].to_numpy("int64"),
                       "start": ranges["start_ns"].to_numpy("int64"), "end": ranges["end_ns"].to_numpy("int64")})
     for (code, pid), inst in r.groupby(["code", "pid"], sort=False):  # one iteration per (name, process)
         if pid not in by_pid:
             continue
-        launch, prefix = by_pid[pid]
+        launch, prefix, n_prefix = by_pid[pid]
         inst = inst.sort_values("start", kind="stable")
         start, reach = inst["start"].to_numpy(), np.maximum.accumulate(inst["end"].to_numpy())
         new_block = np.r_[True, start[1:] > reach[:-1]]
         block_end = reach[np.r_[np.flatnonzero(new_block)[1:] - 1, len(start) - 1]]
         lo = np.searchsorted(launch, start[new_block], side="left")
         hi = np.searchsorted(launch, block_end, side="right")
-        counts[code] += int((hi - lo).sum())
+        counts[code] += int((n_prefix[hi] - n_prefix[lo]).sum())
         gpu[code] += int((prefix[hi] - prefix[lo]).sum())
     return counts, gpu
 

@@ -7,7 +7,7 @@ One row per rank (`rank_row`, gathered by `rank_frame`):
   all-reduce);
 - step_ms: the median wall time of those ranges on the rank's host thread (under a profiler: indicative;
   `apply --nproc` gives the clean figures);
-- kernel_ms: the rank's kernel time per step (GPU kernels, or on a CPU-only trace its leaf operators);
+- kernel_ms: the rank's kernel time per step (GPU kernels, or on a CPU-only trace its operators' self time);
 - busy_pct: the union of its kernel intervals over the captured span;
 - comm_ms: its communication kernels' time per step (the `communication` category: NCCL kernels, gloo /
   c10d collectives);

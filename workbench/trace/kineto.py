@@ -14,7 +14,7 @@ Complete events (`"ph": "X"`) are read by category (case-insensitive; older torc
 Kineto names kernels with their demangled name only; short_name is derived from it (template arguments,
 parameters and namespaces stripped), one pass per distinct name.
 
-No GPU kernels at all (a CPU-only capture): load_kineto falls back to the leaf `cpu_op` events
+No GPU kernels at all (a CPU-only capture): load_kineto falls back to the `cpu_op` events' self time
 (cpu_ops_as_kernels) and notes it, so `profile --device cpu` still gets tables. Kernel events whose times
 are all broken are not "no kernels": that is a UserError.
 
@@ -222,13 +222,17 @@ _COLLECTIVE = re.compile(r"c10d::", re.IGNORECASE)
 
 
 def cpu_ops_as_kernels(ev_or_data, warnings: list[str] | None = None) -> pd.DataFrame:
-    """Leaf `cpu_op` events (operators with no operator nested inside them on their thread) in the kernels
-    frame's columns, for CPU-only traces. A process-group collective (`c10d::...`: FSDP's all-gather and
-    reduce-scatter, DDP's all-reduce) counts as a leaf with its whole time, and the operators inside it
-    (its buffers, copies, waits) are part of it: that time is communication. Leaves never overlap on a
-    thread, so their times add up without double counting (the exclusive-time view). launch_ns = start, launch_tid = tid: range attribution works
-    unchanged. device_id / stream_id / correlation_id are -1. Operators with broken times are dropped, with
-    a line in `warnings`."""
+    """The self time of every `cpu_op` event (its time less that of the operators nested in it on its
+    thread: the exclusive-time view, torch.profiler's "Self CPU"), in the kernels frame's columns, for
+    CPU-only traces. An operator's self time is one row per stretch between its children: `aten::addmm`
+    keeps the matrix product it computes itself, the copies nested in it are theirs, and the rows of a
+    thread never overlap, so times add up without double counting. The stretches of one operator share
+    its correlation_id (a number per operator) and launch_ns (its start); its first stretch starts at
+    launch_ns, later ones after it: tables count operators, not stretches (frames.instance_rows).
+    A process-group collective (`c10d::...`: FSDP's all-gather and reduce-scatter, DDP's all-reduce) is
+    one row over its whole time, the operators inside it (its buffers, copies, waits) part of it: that
+    time is communication. launch_tid = tid: range attribution works unchanged. device_id / stream_id are
+    -1. Operators with broken times are dropped, with a line in `warnings`."""
     ev = ev_or_data if isinstance(ev_or_data, pd.DataFrame) else _events(ev_or_data)
     ops = drop_bad_times(ev[ev["cat_l"] == "cpu_op"], "CPU operator rows", [] if warnings is None else warnings)
     if ops.empty:
@@ -237,23 +241,40 @@ def cpu_ops_as_kernels(ev_or_data, warnings: list[str] | None = None) -> pd.Data
     ops["pid"] = _int(ops["pid"])
     ops = ops.sort_values(["tid", "start_ns", "end_ns"], ascending=[True, True, False], kind="stable")
     tid, start, end = (ops[c].to_numpy("int64") for c in ("tid", "start_ns", "end_ns"))
-    # sorted by (tid, start, end desc): an op has a child iff the next op on its thread starts before it ends
-    has_child = np.r_[(tid[1:] == tid[:-1]) & (start[1:] < end[:-1]), False]
+    names = ops["name"].fillna("").astype(str).to_numpy()
+    pids = ops["pid"].to_numpy("int64")
     collective = ops["name"].fillna("").astype(str).str.match(_COLLECTIVE).to_numpy()
-    inside = np.zeros(len(ops), dtype=bool)
-    for i in np.flatnonzero(collective):      # a few per step: one mask each
-        # what it holds comes after it in the sort order (an op of the same times too); never un-mark a
-        # collective that an earlier one holds
-        held = (tid == tid[i]) & (start >= start[i]) & (end <= end[i])
-        held[:i + 1] = False
-        inside |= held
-    leaves = ops[(~has_child | collective) & ~inside].copy()
-    leaves["name"] = leaves["name"].fillna("").astype(str)
-    leaves["short_name"] = leaves["name"]
-    leaves["duration_ns"] = leaves["end_ns"] - leaves["start_ns"]
-    leaves["launch_ns"] = leaves["start_ns"]
-    leaves["launch_tid"] = leaves["tid"]
-    return finish_frame(leaves.sort_values("start_ns", kind="stable"), KERNEL_COLUMNS)
+    # walk each thread's operators in (start, longest first) order with a stack of the open ones: an
+    # operator's stretch runs from where its last child (or its start) left off to its next child's start
+    rows: list[tuple] = []
+    stack: list[list] = []        # [index, where its next stretch starts]
+
+    def close(top) -> None:
+        i, at = top
+        if end[i] > at:
+            rows.append((at, end[i], i))
+
+    for i in range(len(ops)):
+        while stack and (tid[stack[-1][0]] != tid[i] or start[i] >= end[stack[-1][0]]):
+            close(stack.pop())
+        if stack and collective[stack[-1][0]]:
+            continue              # inside a collective: its time is the collective's
+        if stack:
+            top = stack[-1]
+            if start[i] > top[1]:
+                rows.append((top[1], start[i], top[0]))
+            top[1] = max(top[1], min(end[i], end[top[0]]))
+        stack.append([i, start[i]])
+    while stack:
+        close(stack.pop())
+    seg = np.array(rows, dtype="int64").reshape(-1, 3)
+    op = seg[:, 2]
+    out = pd.DataFrame({"start_ns": seg[:, 0], "end_ns": seg[:, 1], "name": names[op], "pid": pids[op],
+                        "correlation_id": op, "launch_ns": start[op], "launch_tid": tid[op]})
+    out["short_name"] = out["name"]
+    out["duration_ns"] = out["end_ns"] - out["start_ns"]
+    out = out.sort_values(["start_ns", "launch_tid"], kind="stable")
+    return finish_frame(out, KERNEL_COLUMNS)
 
 
 def load_kineto(path: Path) -> Trace:
@@ -279,6 +300,6 @@ def load_kineto(path: Path) -> Trace:
         trace.meta["span_start_ns"], trace.meta["span_end_ns"] = kernel_span(trace.kernels)
         trace.meta["device"] = "cpu"
         trace.meta["notes"].append(
-            "no GPU kernels in this trace: the tables show CPU operators (leaf aten ops, exclusive time) instead"
+            "no GPU kernels in this trace: the tables show CPU operators (each aten op's self time) instead"
         )
     return trace
