@@ -183,3 +183,23 @@ def test_apply_checks_a_run_whose_stage_failed(tmp_path, monkeypatch, fails_in_b
     assert result.exit_code == code, result.output
     assert "1 stage(s) failed" in result.output
     assert ("REGRESSED" in result.output) == (code == 1)
+
+
+def test_apply_records_a_reference_that_cannot_be_computed(tmp_path, monkeypatch):
+    """The baseline's reference outputs failing (a CPU out of memory at a huge batch) is each stage's
+    recorded error and one line, exit 2: never a traceback and exit 1."""
+    import workbench.ladder.apply as apply_mod
+
+    def no_memory(config):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] . DefaultCPUAllocator: can't allocate memory: "
+                           "you tried to allocate 9999 bytes")
+
+    monkeypatch.setattr(apply_mod, "compute_reference", no_memory)
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["apply", "--device", "cpu", "--stages", "baseline,amp", "--steps", "1", "--warmup",
+                                 "0", "--batch", "1", "--no-peers", "--no-isolate", "--interleave", "0", "--out",
+                                 str(out)])
+    assert result.exit_code == 2, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    records = [json.loads(f.read_text()) for f in sorted((out / "records").glob("*.json"))]
+    assert [r["error"] for r in records] == ["out of memory at batch 1 (baseline reference)"] * 2

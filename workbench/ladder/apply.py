@@ -368,6 +368,14 @@ def _load_reference(path: Path) -> GateOutputs:
     return GateOutputs.from_state(torch.load(path, map_location="cpu", weights_only=True))
 
 
+def reference_error(exc: BaseException, batch: int) -> str:
+    """The error every stage records when the baseline's reference outputs (the gate's) cannot be computed."""
+    text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+    if isinstance(exc, torch.cuda.OutOfMemoryError) or "can't allocate memory" in text:
+        return f"out of memory at batch {batch} (baseline reference)"
+    return f"baseline reference failed: {text if isinstance(exc, UserError) else f'{type(exc).__name__}: {text}'}"
+
+
 def stage_main(spec_path: str) -> int:
     """Entry point of a stage subprocess: compute the reference if no stage has yet, run the stage."""
     spec = StageSpec(**json.loads(Path(spec_path).read_text()))
@@ -377,9 +385,9 @@ def stage_main(spec_path: str) -> int:
         emit({"event": "reference"})
         try:
             ref = compute_reference(WorkloadConfig(**spec.config))
-        except torch.cuda.OutOfMemoryError:
+        except Exception as exc:      # every stage is then this error: recorded, never a traceback
             record = _base_record(spec, [])
-            record.update(status="error", error=f"out of memory at batch {spec.config['batch']} (baseline reference)")
+            record.update(status="error", error=reference_error(exc, spec.config["batch"]))
             _finish(record, Path(spec.out_dir), emit)
             return 0
         tmp = ref_path.with_suffix(".tmp")
@@ -826,7 +834,7 @@ def _run_claimed(claim: FolderClaim, recipe: str, plans: list[StagePlan], config
 
     with _report_if_interrupted(finished_now, len(specs), out_dir), \
             LadderProgress(console, progress, len(specs)) as shown:
-        reference = None
+        reference = no_reference = None
         for spec in specs:
             shown.start_stage(spec.stage_index, spec.stage, warmup + steps)
             cached = cache.lookup(keys[spec.stage_index]) if cache is not None else None
@@ -841,10 +849,18 @@ def _run_claimed(claim: FolderClaim, recipe: str, plans: list[StagePlan], config
             elif isolate:
                 record = _run_isolated(spec, shown.event, extra_env)
             else:
-                if reference is None:
+                if reference is None and no_reference is None:
                     shown.note("reference")
-                    reference = compute_reference(config)
-                record = run_stage(spec, reference, shown.event)
+                    try:
+                        reference = compute_reference(config)
+                    except Exception as exc:      # every stage is then this error: recorded, never a traceback
+                        no_reference = reference_error(exc, config.batch)
+                if no_reference is not None:
+                    record = _base_record(spec, [])
+                    record.update(status="error", error=no_reference)
+                    record = _finish(record, out_dir, shown.event)
+                else:
+                    record = run_stage(spec, reference, shown.event)
             records.append(record)
             if cache is not None and cached is None and (spec.stage_index, spec.stage) not in kept:
                 cache.store(keys[spec.stage_index], record, out_dir)   # a kept record: another run's conditions
