@@ -476,7 +476,7 @@ def train(
     rdzv_id: Annotated[Optional[str], typer.Option(help="With --rdzv-endpoint: the job's name at the rendezvous (default swinbench).")] = None,
     parallel: Annotated[Optional[str], typer.Option(help="With --nproc: ddp (every process holds the whole model; the default) or fsdp (FSDP2: each process holds 1/N of the weights, gradients and optimizer state, for models that do not fit otherwise).")] = None,
     img_size: ImgSize = None,
-    save_checkpoints: Annotated[bool, typer.Option("--save-checkpoints", help="Save each finished run's weights (a plain timm state_dict with the model and data named) to checkpoints/ in --out, for `swinbench apply --mode infer --checkpoint`.")] = False,
+    save_checkpoints: Annotated[bool, typer.Option("--save-checkpoints", help="Save each finished run's weights (timm's state_dict under the key state_dict, with the model and data named) to checkpoints/ in --out, for `swinbench apply --mode infer --checkpoint`.")] = False,
     ema: Annotated[Optional[float], typer.Option(help="Keep an exponential moving average of the weights with this decay (e.g. 0.999) and validate it every epoch beside them (with --save-checkpoints it is saved too, as <run>-ema.pt). Not with --parallel fsdp.")] = None,
 ):
     """Train a Swin on real data with a recipe (or compare recipes) and report loss, accuracy, img/s and parity."""
