@@ -60,6 +60,16 @@ def test_profile_with_recipe_says_what_each_pass_changed(tmp_path):
     assert [p["name"] for p in run["passes"]] == ["amp"]
 
 
+def test_a_recipe_that_cannot_run_here_is_refused_not_profiled_under_its_name(tmp_path, monkeypatch):
+    """A capture whose passes did not run is another model's: one line, exit 2, no trace named fp8."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    result = runner.invoke(app, ["profile", "--device", "cpu", "--batch", "2", "--steps", "1", "--warmup", "0",
+                                 "--recipe", "fp8", "--out", str(tmp_path / "r")])
+    assert result.exit_code == 2, result.output
+    assert "recipe fp8 cannot run here" in result.output
+    assert not (tmp_path / "r" / "run.json").exists()
+
+
 def test_profile_with_unknown_recipe_is_one_line(tmp_path):
     result = runner.invoke(app, ["profile", "--device", "cpu", "--recipe", "nope", "--out", str(tmp_path / "r")])
     assert result.exit_code == 2 and "unknown recipe" in result.output

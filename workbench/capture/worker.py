@@ -46,6 +46,10 @@ def run_capture(config: WorkloadConfig, recipe: str | None, *, steps: int, warmu
     workload = Workload.build(config)
     workload.ctx.sharded = rank is not None and parallel == "fsdp"     # master_weights stands aside
     passes = apply_recipe(workload, recipe)
+    missing = [p for p in passes if not p.get("available", True)]
+    if missing:   # the capture would be of another model than the recipe's, under its name
+        raise UserError(f"recipe {recipe} cannot run here: {missing[0]['name']} {missing[0]['changed']}; profile it "
+                        "where it runs, or profile the recipe it extends")
     if rank is not None:
         blocker = workload.parallel_blocker(parallel)
         if blocker:
