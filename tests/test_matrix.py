@@ -90,6 +90,10 @@ def test_parse_list_and_fused_check():
     with pytest.raises(UserError, match="runs PyTorch alone"):
         matrix.check_fused("torch-compile")
     matrix.check_fused("fmha")
+    # a quantizing stage cannot train: refused before any cell runs, for the training cells only
+    with pytest.raises(UserError, match="cannot train.*--fused train=fmha,infer=fp8"):
+        matrix.plan_stages({"train": "fp8", "infer": "fp8"}, {"train", "infer"})
+    assert matrix.plan_stages({"train": "fp8", "infer": "fp8"}, {"infer"})["infer"][1] == "fp8"
     assert matrix.parse_fused(None) == {"train": "fmha", "infer": "dense"}
     assert matrix.parse_fused("block") == {"train": "block", "infer": "block"}
     assert matrix.parse_fused(" infer = fp8 ") == {"train": "fmha", "infer": "fp8"}

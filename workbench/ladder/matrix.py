@@ -144,13 +144,18 @@ def parse_fused(text: str | dict | None) -> dict[str, str]:
     return out
 
 
-def check_fused(fused: str) -> None:
-    """UserError unless `fused` is a recipe that runs swinbench kernels (not amp, not a PyTorch-alone peer)."""
-    from workbench.optimize.recipes import RecipeBook, is_pytorch_alone
+def check_fused(fused: str, mode: str | None = None) -> None:
+    """UserError unless `fused` is a recipe that runs swinbench kernels (not amp, not a PyTorch-alone peer)
+    and, for the training cells (mode 'train'), one that trains (no inference-only pass)."""
+    from workbench.optimize.recipes import RecipeBook, inference_only_pass, is_pytorch_alone
 
     chain = RecipeBook().chain(fused)
     if is_pytorch_alone(chain):
         raise UserError(f"--fused {fused} runs PyTorch alone: name a swinbench stage (fmha, block, ...)")
+    only = inference_only_pass(chain) if mode == "train" else None
+    if only:
+        raise UserError(f"--fused {fused} cannot train ({only} is inference only): give the training cells "
+                        f"another stage, e.g. --fused train=fmha,infer={fused}")
 
 
 def cell_stages(fused: str, compiled: bool = False) -> list[str]:
@@ -178,7 +183,7 @@ def plan_stages(fused: dict[str, str], modes: set[str], compiled: bool = False, 
     from workbench.optimize.recipes import RecipeBook
 
     for mode in sorted(modes):
-        check_fused(fused[mode])
+        check_fused(fused[mode], mode)
     with_compiled = set(compiled_stages(RecipeBook())) if compiled else set()
     if compiled and not any(fused[m] in with_compiled for m in modes):
         cell_stages(fused[sorted(modes)[-1]], compiled=True)   # raises: no mode's stage has a compiled form
