@@ -362,7 +362,7 @@ def _diff_ranks(plan, before: Path, after: Path, name: str, top: int, format: Op
 
 @app.command()
 def apply(
-    recipe: Annotated[str, typer.Option(help="Recipe name (see `swinbench recipes`) or a YAML file; runs every stage from baseline to it. auto: the whole ladder for this machine (on a GPU to block, with the PyTorch-alone peers; on the CPU to fmha), then the best configuration that passes the gate and the command that reproduces it.")] = "fmha",
+    recipe: Annotated[Optional[str], typer.Option(help="Recipe name (see `swinbench recipes`) or a YAML file; runs every stage from baseline to it. auto: the whole ladder for this machine (on a GPU to block, with the PyTorch-alone peers; on the CPU to fmha), then the best configuration that passes the gate and the command that reproduces it. Default: fmha; with --stages, the stages alone (the run is named 'stages').")] = None,
     stages: Annotated[Optional[str], typer.Option(help="Comma-separated stages to run instead of the chain (e.g. baseline,amp,torch-compile).")] = None,
     model: Model = None,
     batch: Annotated[int, typer.Option(help="Images per step.")] = 64,

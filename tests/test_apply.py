@@ -245,3 +245,11 @@ def test_a_run_resumed_on_another_gpu_is_another_plan(monkeypatch):
     monkeypatch.setattr(reuse, "gpu_identity", lambda: ("NVIDIA H100 80GB HBM3", "580.1"))
     diffs = ladder_apply._plan_differences([rec], plans, "amp", config, steps=20, warmup=5, profile=False)
     assert diffs == ["GPU NVIDIA H200 there vs NVIDIA H100 80GB HBM3"]
+
+
+def test_a_run_of_stages_alone_is_not_named_after_a_recipe(tmp_path):
+    """--stages without --recipe: no recipe's chain ran, so the run and its records are named 'stages'."""
+    result = run_apply(None, **RUN, out_dir=tmp_path / "r", stages=["baseline"], console=Console(file=io.StringIO()))
+    assert result.run_id.startswith("stages-") and {r["recipe"] for r in result.records} == {"stages"}
+    named = run_apply("fmha", **RUN, out_dir=tmp_path / "n", stages=["baseline"], console=Console(file=io.StringIO()))
+    assert named.run_id.startswith("fmha-")

@@ -74,6 +74,8 @@ GRAPH_WARMUP = 2
 # as any GPU run), on the CPU the default CPU ladder; then it recommends the best stage that passed.
 AUTO = "auto"
 AUTO_LADDER = {"cuda": "block", "cpu": "fmha"}
+DEFAULT_RECIPE = "fmha"
+STAGES_LABEL = "stages"    # the recipe a run of --stages alone is named by: no recipe's chain ran
 
 @dataclass
 class ApplyResult:
@@ -650,7 +652,7 @@ def default_run_id(recipe: str, model: str, batch: int, mode: str = "train", img
     return f"{Path(recipe).stem}-{short}{size}-b{batch}{'-infer' if mode == 'infer' else ''}-{stamp}"
 
 
-def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup: int, device: str = "auto",
+def run_apply(recipe: str | None, *, model: str | None, batch: int, steps: int, warmup: int, device: str = "auto",
               out_dir: Path | None = None, profile: bool = False, stages: list[str] | None = None, seed: int = 0,
               progress: bool = True, console=None, isolate: bool | None = None,
               peers: bool | None = None, mode: str = "train", interleave: int | None = None,
@@ -662,8 +664,9 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
 
     recipe: a built-in name or a YAML path, or 'auto': the ladder of AUTO_LADDER for this device (with
     `stages`, those stages), then the best configuration that passed the gate (report.auto_choice),
-    printed at the end, written in report.md and returned in ApplyResult.auto.
-    stages: explicit stage names instead of the chain.
+    printed at the end, written in report.md and returned in ApplyResult.auto. None: DEFAULT_RECIPE, or
+    with `stages` none: the run and its records are named STAGES_LABEL.
+    stages: explicit stage names instead of the chain (a YAML recipe's own stages by name too).
     mode: 'train' (forward, backward, optimizer step; the gate compares logits, loss and gradients) or
     'infer' (forward only under inference_mode; the gate compares logits and loss).
     isolate: a fresh process per stage (default: on CUDA yes, on the CPU no).
@@ -719,7 +722,10 @@ def run_apply(recipe: str, *, model: str | None, batch: int, steps: int, warmup:
     auto = str(recipe) == AUTO
     if auto:
         recipe = AUTO_LADDER[dev.type if dev.type in AUTO_LADDER else "cpu"]
+    named = recipe if recipe is not None else (STAGES_LABEL if stages else DEFAULT_RECIPE)
+    recipe = recipe if recipe is not None else DEFAULT_RECIPE
     plans: list[StagePlan] = plan_stages(recipe, stages, peers=on_gpu if peers is None else peers)
+    recipe = named        # what the run id, the records and the report call it
     isolate = on_gpu if isolate is None else isolate
     asked_interleave = interleave is not None
     interleave = interleave if asked_interleave else (0 if on_gpu else CPU_INTERLEAVE_ROUNDS)
