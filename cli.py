@@ -383,7 +383,7 @@ def apply(
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out: keep its finished stages (same stages, recipe, model, batch, steps and settings) and run the rest.")] = False,
     overwrite: Overwrite = False,
     fresh: Annotated[bool, typer.Option("--fresh", help="Measure every stage again, even one whose measurement under the same conditions (GPU, driver, versions, swinbench code, steps) is cached from an earlier run.")] = False,
-    cache: Annotated[Optional[Path], typer.Option(help="Where measurements and compile caches are kept between runs (default $XDG_CACHE_HOME/swinbench or ~/.cache/swinbench).")] = None,
+    cache: Annotated[Optional[Path], typer.Option(parser=_out_path, help="Where measurements and compile caches are kept between runs (default $XDG_CACHE_HOME/swinbench or ~/.cache/swinbench).")] = None,
     quick: Annotated[bool, typer.Option("--quick", help="A shorter ladder: the recipe's chain without the peers, 10 timed steps after 3 warm-up steps.")] = False,
     nproc: Annotated[Optional[int], typer.Option(help="After the stages, run each measured stage again under torchrun with this many processes (one GPU each; gloo on the CPU), DDP, --batch per process: img/s, efficiency against the one-process figure, and the gate on every rank against the baseline over the global batch.")] = None,
     parallel: Annotated[Optional[str], typer.Option(help="With --nproc: ddp (every process holds the whole model; the default) or fsdp (FSDP2: each process holds 1/N of the weights, gradients and optimizer state).")] = None,
@@ -393,7 +393,8 @@ def apply(
     img_size: ImgSize = None,
 ):
     """Apply a staged optimization recipe, measuring, checking and profiling every stage."""
-    _given(model=model, stages=stages, max_regression=max_regression, parallel=parallel, img_size=img_size)
+    _given(recipe=recipe, model=model, stages=stages, max_regression=max_regression, parallel=parallel,
+           img_size=img_size)
     from workbench.ladder.apply import run_apply
 
     from workbench.ladder.reuse import default_cache_dir
@@ -536,7 +537,7 @@ def matrix(
     resume: Annotated[bool, typer.Option("--resume", help="Continue the matrix in --out: skip its finished cells, continue a cell cut short.")] = False,
     overwrite: Overwrite = False,
     fresh: Annotated[bool, typer.Option("--fresh", help="Measure every stage again instead of reusing a cached measurement.")] = False,
-    cache: Annotated[Optional[Path], typer.Option(help="Where measurements and compile caches are kept between runs (default $XDG_CACHE_HOME/swinbench or ~/.cache/swinbench).")] = None,
+    cache: Annotated[Optional[Path], typer.Option(parser=_out_path, help="Where measurements and compile caches are kept between runs (default $XDG_CACHE_HOME/swinbench or ~/.cache/swinbench).")] = None,
     render_only: Annotated[Optional[Path], typer.Option(help="Run nothing: render matrix.md and matrix.json in this matrix folder from its cells' records.")] = None,
     readme: Annotated[Optional[Path], typer.Option(help="With --render-only: instead, rewrite the table between <!-- matrix:begin --> and <!-- matrix:end --> in this Markdown file.")] = None,
     profile: Annotated[bool, typer.Option("--profile", help="Also capture every stage (nsys, as apply --profile): matrix.md then holds each cell's swinbench kernels against their memory floor.")] = False,

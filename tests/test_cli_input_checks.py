@@ -83,7 +83,8 @@ def test_env_refuses_an_unknown_device(device):
 
 @pytest.mark.parametrize("args", [
     ["profile", "--model", ""], ["profile", "--recipe", " "], ["apply", "--model", ""], ["apply", "--stages", ""],
-    ["train", "--recipe", ""], ["matrix", "--models", ""],
+    ["train", "--recipe", ""], ["matrix", "--models", ""], ["apply", "--cache", ""], ["matrix", "--cache", ""],
+    ["apply", "--recipe", " "],
 ])
 def test_an_empty_option_is_refused_not_taken_for_its_default(args, tmp_path, no_run):
     refused([*args, "--device", "cpu", "--out", str(tmp_path / "run")])
