@@ -471,3 +471,17 @@ def test_records_of_two_folders_need_an_out(tmp_path):
     assert default_report_path([a, a / "y.json"]) == tmp_path / "a" / "report.md"
     with pytest.raises(UserError, match="give --out"):
         default_report_path([a, b])
+
+
+def test_parity_cites_verdicts_of_the_same_kind_of_device(records, tmp_path):
+    """A GPU run's report does not cite a CPU comparison (and a CPU run's none of the GPU's)."""
+    from workbench.results.verdicts import TrainingVerdict
+
+    stage = records[1]["stage"]
+    gpu = TrainingVerdict(stage, "baseline", "swin_tiny_patch4_window7_224", 1000, 2, True, "converges like the "
+                          "baseline", tmp_path / "g", device="NVIDIA H200")
+    cpu = TrainingVerdict(stage, "baseline", "swinbench_tiny_cpu", 30, 1, True, "converges like the baseline",
+                          tmp_path / "c", device="CPU")
+    section = render_report(records, tmp_path / "r.md", verdicts=[gpu, cpu]).read_text().split(
+        "## Training parity")[1].split("\n## ")[0]
+    assert "NVIDIA H200" in section and "swinbench_tiny_cpu" not in section

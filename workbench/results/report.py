@@ -1064,7 +1064,11 @@ def _parity_lines(records: list[StageRecord], verdicts) -> list[str]:
     if all(r.mode == "infer" for r in records):
         return []
     stages = {r.stage for r in records}
-    found = [v for v in (find_verdicts() if verdicts is None else verdicts) if v.recipe in stages]
+    on_cpu = all(not r.env.on_gpu for r in records)
+    # a recipe's verdict on any model, but of the same kind of device: a CPU run's report does not cite
+    # GPU training, nor a GPU run's a CPU comparison
+    found = [v for v in (find_verdicts() if verdicts is None else verdicts)
+             if v.recipe in stages and (v.device is None or (v.device == "CPU") == on_cpu)]
     if not found:
         return []
     failed = sorted({v.recipe for v in found if not v.passed and v.decided})
