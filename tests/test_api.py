@@ -265,6 +265,8 @@ def test_predict_runs_in_eval_mode_and_puts_the_mode_back():
 def test_the_users_own_optimizer_is_used_as_given():
     swin = optimize_swin(tiny(), "baseline", optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1, "momentum": 0.9})
     assert type(swin.optimizer) is torch.optim.SGD and swin.optimizer.defaults["momentum"] == 0.9
+    # the recipe's own (the for-each AdamW of a recipe no pass changes the optimizer of) is said replaced
+    assert "the optimizer given is used, not the recipe's torch.optim.AdamW(foreach=True)" in swin.notes
     x, y = batches(1)[0]
     assert torch.isfinite(swin.train_step(x, y))
     factory = lambda params: torch.optim.AdamW(params, lr=3e-4)  # noqa: E731

@@ -795,8 +795,11 @@ def optimize_swin(model: torch.nn.Module, recipe: str = "fmha", *, optimizer=Non
     blocker = sharding_blocker(ctx.grad_scaler, dev) if ctx.sharded else None
     if blocker:
         raise UserError(f"recipe {chain[-1].name!r}: {blocker}")
-    if factory is not None and ctx.optimizer_factory is not factory:
-        notes.append(f"the optimizer given is used, not the recipe's {ctx.optimizer_name}")
+    if factory is not None:
+        # the recipe's: what a pass (fused_adamw) put in its place, else the plain recipes' for-each AdamW
+        recipe_optimizer = (ctx.optimizer_name if ctx.optimizer_factory is not factory
+                            else PassContext.optimizer_name)
+        notes.append(f"the optimizer given is used, not the recipe's {recipe_optimizer}")
         ctx.optimizer_factory, ctx.optimizer_name = factory, f"{name} (given)"
     if isinstance(data_parallel, DataParallel):
         notes.append(f"DDP over {world_size()} processes: gradients are averaged over the ranks before each step")
