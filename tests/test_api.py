@@ -149,6 +149,10 @@ def test_use_graph_turns_the_graph_form_on_and_off():
         workload.step(1)
     workload.use_graph(False)
     assert not workload.ctx.cuda_graph and not session.graphed
+    session.sharded = True        # an FSDP session: no graph of its step (refused, not built half-way)
+    with pytest.raises(UserError, match="FSDP step as a CUDA graph"):
+        session.use_graph(True)
+    assert not session.graphed
 
 
 def test_checkpoints_move_between_the_api_and_a_plain_timm_swin_bit_for_bit(master_recipe):

@@ -247,6 +247,9 @@ class OptimizedSwin:
         capturable mode once on."""
         if on == self.graphed:
             return
+        if on and self.sharded:
+            raise UserError("use_graph: swinbench does not capture an FSDP step as a CUDA graph (its all-gathers and "
+                            "reduce-scatters inside a captured step are not built and checked); use DDP")
         self.graphed = on
         self._persistent_grads = on and self.accumulate > 1
         self._train_graphs = None
