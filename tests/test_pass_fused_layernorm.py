@@ -126,10 +126,14 @@ def test_impl_torch_keeps_model():
     assert result.details["implementation"] == "torch" and result.details["replaced"] == 0
 
 
-def test_auto_on_cpu_without_interpreter_keeps_torch(monkeypatch):
+def test_auto_on_cpu_without_interpreter_is_not_available(monkeypatch):
+    """torch's LayerNorm kept under this pass's name would be reported as a fused stage (patch_swin listed
+    it as applied): not available, like every pass whose kernels cannot run here."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(fused_layernorm, "_apex_layer_norm_class", lambda: None)
-    assert fused_layernorm.resolve_impl("auto", torch.device("cpu")) == "torch"
+    with pytest.raises(fused_layernorm.PassUnavailable, match="need a CUDA GPU"):
+        fused_layernorm.resolve_impl("auto", torch.device("cpu"))
+    assert fused_layernorm.resolve_impl("torch", torch.device("cpu")) == "torch"
     with pytest.raises(fused_layernorm.PassUnavailable):
         fused_layernorm.resolve_impl("triton", torch.device("cpu"))
     assert fused_layernorm.resolve_impl("auto", torch.device("cuda")) == fused_layernorm.AUTO_GPU_IMPL

@@ -8,7 +8,8 @@ params:
                TRITON_INTERPRET=1.
       torch  - keep torch's LayerNorm (the model is returned unchanged).
       auto   - apex if importable and the device is a GPU; else AUTO_GPU_IMPL on a GPU; else triton when
-               TRITON_INTERPRET=1; else torch.
+               TRITON_INTERPRET=1; else not available (PassUnavailable: torch's LayerNorm kept under this
+               pass's name would be reported as a fused one).
   fuse_residual: bool (default true) - with the triton implementation, each timm SwinTransformerBlock's
       residual add before norm2 and norm2 also run as one add_layer_norm (the plan's add_norm2), and in
       inference each PatchMerging's pad and gather run in its norm's pass (below).
@@ -102,7 +103,9 @@ def resolve_impl(impl: str, device: torch.device) -> str:
         return "torch"
     if on_gpu:
         return "apex" if _apex_layer_norm_class() is not None else AUTO_GPU_IMPL
-    return "triton" if triton_runs_on(device) else "torch"
+    if not triton_runs_on(device):   # torch's LayerNorm under this pass's name would be another stage
+        raise PassUnavailable("the Triton kernels need a CUDA GPU (or TRITON_INTERPRET=1 on the CPU)")
+    return "triton"
 
 
 def _fused_classes() -> tuple[type, ...]:
@@ -206,9 +209,8 @@ def apply(model: nn.Module, ctx: PassContext, impl: str = "auto", fuse_residual:
     details: dict = {"implementation": chosen}
 
     if chosen == "torch":
-        reason = "asked for" if impl == "torch" else "no GPU and TRITON_INTERPRET unset"
         details.update(replaced=0, fused_residual_blocks=0)
-        return model, PassResult(NAME, params, f"kept torch LayerNorm ({reason})", details)
+        return model, PassResult(NAME, params, "kept torch LayerNorm (asked for)", details)
 
     if chosen == "apex":
         model, replaced, skipped = _replace_layer_norms(model, _apex_from)
