@@ -127,3 +127,40 @@ def test_every_pass_declares_the_parameters_its_apply_takes():
             assert type(default) in types, (name, key)
             if isinstance(spec[1], tuple):
                 assert default in spec[1], (name, key)
+
+
+@pytest.mark.parametrize("text, needle", [
+    # a pass given again to change its parameters would find the model patched and change nothing
+    ("name: fa16\nextends: fmha\npasses:\n  - {name: fused_attention, params: {max_tokens: 16}}\n",
+     "pass 'fused_attention' is in its chain already (recipe 'fmha')"),
+    ("name: d\nextends: baseline\npasses: [sdpa_attention, sdpa_attention]\n", "'sdpa_attention' is twice in it"),
+    ("name: d\nextends: amp\npasses: [amp]\n", "pass 'amp' is in its chain already"),
+    # values wrong alone or together: refused at load, not after earlier stages were measured
+    ("name: m\nextends: window\npasses:\n  - {name: fused_attention, params: {max_tokens: 1000}}\n",
+     "max_tokens must be a whole number from 1 to 256"),
+    ("name: m\nextends: window\npasses:\n  - {name: fused_attention, params: {max_tokens: 0}}\n",
+     "max_tokens must be a whole number from 1 to 256"),
+    ("name: c\nextends: amp\npasses:\n  - {name: compile, params: {backend: nosuchbackend}}\n",
+     "unknown backend 'nosuchbackend'"),
+    ("name: c\nextends: amp\npasses:\n  - {name: compile, params: {mode: max-autotune, inductor: {cpp_wrapper: true}}}\n",
+     "inductor options need mode default"),
+    ("name: c\nextends: amp\npasses:\n  - {name: compile, params: {backend: eager, inductor: {cpp_wrapper: true}}}\n",
+     "inductor options need backend inductor"),
+    # a chain of its own (no extends) without the gate's tolerances
+    ("name: root\npasses: [sdpa_attention]\n", "no gate tolerance"),
+])
+def test_a_recipe_that_cannot_run_as_written_is_refused_at_load(tmp_path, text, needle):
+    assert needle in refused(write(tmp_path, text))
+
+
+def test_a_builtin_named_by_its_file_is_that_builtin(tmp_path):
+    builtin = Path(__file__).parents[1] / "recipes" / "amp.yaml"
+    assert [r.name for r in resolve_chain(str(builtin))] == ["baseline", "amp"]
+    mine = write(tmp_path, f"name: mine\nextends: {builtin}\npasses: [sdpa_attention]\n")
+    assert [r.name for r in resolve_chain(str(mine))] == ["baseline", "amp", "mine"]
+
+
+def test_stages_naming_one_recipe_twice_are_refused(tmp_path):
+    mine = write(tmp_path, "name: mine\nextends: amp\npasses: [sdpa_attention]\n")
+    with pytest.raises(UserError, match="names one recipe twice"):
+        plan_stages("amp", [str(mine), f"{tmp_path}/./r.yaml"])

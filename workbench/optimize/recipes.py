@@ -191,6 +191,12 @@ def _check_params(name: str, params: dict, source: Path) -> None:
     for key, value in params.items():
         if declared is not None:
             _check_value(name, key, value, declared[key], source)
+    together = getattr(module, "check_params", None)     # what the parameters must be together
+    if together is not None:
+        try:
+            together(dict(params))
+        except UserError as exc:
+            raise _fail(source, str(exc)) from None
 
 
 def _parse_gate(raw, source: Path) -> dict[str, dict[str, float]]:
@@ -263,6 +269,8 @@ class RecipeBook:
         self.builtins = _builtin_recipes()
         self.by_key: dict[str, Recipe] = dict(self.builtins)   # built-in name or resolved file path
         self.user_by_name: dict[str, Recipe] = {}
+        # a built-in named by its file's path (recipes/amp.yaml) is that built-in
+        self.builtin_files = {str(Path(r.source).resolve()): name for name, r in self.builtins.items() if r.source}
 
     def known(self) -> str:
         return ", ".join(r.name for r in ordered(self.builtins.values(), self))
@@ -284,6 +292,9 @@ class RecipeBook:
         if not path.is_file():
             raise UserError(f"no such recipe file: {short_repr(str(path), 200)}")
         key = str(path.resolve())
+        if key in self.builtin_files:
+            name = self.builtin_files[key]
+            return name, self.builtins[name]
         if key not in self.by_key:
             r = load_recipe_file(path)
             if r.name in self.builtins:
@@ -309,7 +320,26 @@ class RecipeBook:
             seen.append(key)
             out.append(parent)
             recipe = parent
-        return out[::-1]
+        chain = out[::-1]
+        _refuse_a_pass_twice(chain)
+        return chain
+
+
+def _refuse_a_pass_twice(chain: list[Recipe]) -> None:
+    """A pass runs once per chain: given again (to change its parameters, say) it would find the model
+    already patched and change nothing while its result said otherwise. UserError naming both recipes."""
+    first: dict[str, Recipe] = {}
+    for r in chain:
+        for spec in r.passes:
+            if spec.name in first:
+                owner = first[spec.name]
+                where = "twice in it" if owner is r else f"in its chain already (recipe {owner.name!r})"
+                parent = next((c.name for c, n in zip(chain, chain[1:]) if n is owner), None)
+                hint = (f"; for other parameters, extend {parent!r} instead and list the passes {owner.name!r} "
+                        f"adds, {spec.name} with yours" if owner is not r and parent else "")
+                raise UserError(f"recipe {chain[-1].name!r}: pass {spec.name!r} is {where}: a pass runs once "
+                                f"per chain{hint}")
+            first[spec.name] = r
 
 
 def ordered(recipes, book: RecipeBook) -> list[Recipe]:
@@ -456,6 +486,10 @@ def plan_stages(recipe: str, stages: list[str] | None = None, peers: bool = Fals
         if dup:
             raise UserError(f"--stages names {short_repr(dup[0])} twice")
         plans = [StagePlan(book.chain(n)[-1], book.chain(n)) for n in names]
+        resolved = [str(p.recipe.source) if not p.recipe.builtin else p.recipe.name for p in plans]
+        dup = sorted({n for n, r in zip(names, resolved) if resolved.count(r) > 1})
+        if dup:
+            raise UserError(f"--stages names one recipe twice ({', '.join(map(short_repr, dup))})")
     else:
         plans = [StagePlan(r, main[: i + 1]) for i, r in enumerate(main)]
         if peers:
@@ -469,6 +503,10 @@ def plan_stages(recipe: str, stages: list[str] | None = None, peers: bool = Fals
                         and is_pytorch_alone(book.chain(peer.name))
                         and quantized_dtypes(book.chain(peer.name)) <= quantized):
                     plans.append(StagePlan(peer, book.chain(peer.name)))
+    for plan in plans:    # a chain without the gate's tolerances would fail only when its stage runs
+        autocast = {str(p.params.get("dtype", "bf16")) for p in effective_passes(plan.chain) if p.name == "amp"}
+        for precision in autocast or {"fp32"}:
+            gate_tolerance(plan.chain, precision)
     return plans
 
 

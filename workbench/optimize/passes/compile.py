@@ -14,6 +14,24 @@ PARAMS = {"mode": (str, MODES), "fullgraph": (bool, None), "dynamic": ((bool, ty
           "backend": (str, None), "inductor": ((dict, type(None)), lambda v: _check_inductor_options(v))}
 
 
+def check_params(params: dict) -> None:
+    """What the parameters must be together, checked when a recipe is loaded (before any stage runs)."""
+    backend, mode = params.get("backend", "inductor"), params.get("mode", "default")
+    if params.get("inductor"):
+        if backend != "inductor":
+            raise UserError(f"pass compile: inductor options need backend inductor, not {backend!r}")
+        if mode != "default":
+            raise UserError("pass compile: inductor options need mode default (torch.compile takes a mode or "
+                            "options, not both); set triton.cudagraphs: true for what reduce-overhead does")
+    if backend != "inductor":
+        import torch._dynamo
+
+        known = torch._dynamo.list_backends(exclude_tags=())
+        if backend not in known:
+            raise UserError(f"pass compile: unknown backend {backend!r} (torch._dynamo.list_backends() has them: "
+                            "inductor, eager, aot_eager, cudagraphs, ...)")
+
+
 def _check_inductor_options(inductor) -> dict:
     """Inductor config settings by dotted name (`cpp_wrapper`, `triton.cudagraphs`), each an existing
     setting given a bool, int, float or string."""
@@ -65,12 +83,8 @@ def apply(model, ctx: PassContext, mode: str = "default", fullgraph: bool = Fals
     if mode != "default":
         options["mode"] = mode
     params = {"mode": mode, "fullgraph": fullgraph, "dynamic": dynamic, "backend": backend}
+    check_params({**params, "inductor": inductor})
     if inductor:
-        if backend != "inductor":
-            raise UserError(f"pass compile: inductor options need backend inductor, not {backend!r}")
-        if mode != "default":
-            raise UserError("pass compile: inductor options need mode default (torch.compile takes a mode or "
-                            "options, not both); set triton.cudagraphs: true for what reduce-overhead does")
         options["options"] = params["inductor"] = _check_inductor_options(inductor)
     ctx.compile = True
     ctx.compile_options = options

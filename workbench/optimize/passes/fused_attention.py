@@ -58,8 +58,16 @@ NAME = "fused_attention"
 OWN_KERNELS = True   # runs swinbench kernels: a stage with it is not PyTorch alone
 ROUTES = ("auto", "kernel")
 # parameter -> (type, allowed values)
-PARAMS = {"bias": (str, BIAS_MODES), "max_tokens": (int, None), "route": (str, ROUTES)}
 KERNEL_MAX_TOKENS = 256   # the largest window (tokens) the kernels take (kernels.window_attention.MAX_WINDOW_TOKENS)
+
+
+def _check_max_tokens(value) -> None:
+    if not 1 <= value <= KERNEL_MAX_TOKENS:
+        raise UserError(f"pass fused_attention: max_tokens must be a whole number from 1 to {KERNEL_MAX_TOKENS}, "
+                        f"got {value}")
+
+
+PARAMS = {"bias": (str, BIAS_MODES), "max_tokens": (int, _check_max_tokens), "route": (str, ROUTES)}
 MAX_TOKENS = KERNEL_MAX_TOKENS   # default: every window the kernels take runs on them
 
 
