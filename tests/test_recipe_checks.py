@@ -146,6 +146,13 @@ def test_every_pass_declares_the_parameters_its_apply_takes():
      "inductor options need mode default"),
     ("name: c\nextends: amp\npasses:\n  - {name: compile, params: {backend: eager, inductor: {cpp_wrapper: true}}}\n",
      "inductor options need backend inductor"),
+    # quantize_linear settings that would be dropped without a word
+    ("name: q\nextends: fmha\npasses:\n  - {name: quantize_linear, params: {dtype: int8, calibration: max}}\n",
+     "calibration sets the calibration of static activations"),
+    ("name: q\nextends: fmha\npasses:\n  - {name: quantize_linear, params: {dtype: int8, activations: static, "
+     "calibration: max, percentile: 50.0}}\n", "percentile goes with calibration: percentile"),
+    ("name: q\nextends: fmha\npasses:\n  - {name: quantize_linear, params: {dtype: int8, simulate: true, "
+     "gemm: triton}}\n", "gemm chooses among the real quantized GEMMs"),
     # a chain of its own (no extends) without the gate's tolerances
     ("name: root\npasses: [sdpa_attention]\n", "no gate tolerance"),
 ])

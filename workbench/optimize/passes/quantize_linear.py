@@ -403,6 +403,25 @@ def _gelu_mlp(mlp: torch.nn.Module) -> bool:
             and isinstance(getattr(mlp, "norm", None), torch.nn.Identity))
 
 
+def check_params(params: dict) -> None:
+    """What the parameters must be together (recipes.py checks it when a recipe is loaded): the calibration
+    settings act on static activations only, the GEMM choices on real quantized GEMMs only (`simulate`
+    runs none); given otherwise they would be dropped without a word."""
+    if params.get("activations", "dynamic") != "static":
+        given = [k for k in ("calibration", "percentile", "calibration_batches", "calibration_batch") if k in params]
+        if given:
+            raise UserError(f"pass {NAME!r}: {', '.join(given)} set{'s' if len(given) == 1 else ''} the calibration of "
+                            "static activations: give activations: static, or leave "
+                            f"{'it' if len(given) == 1 else 'them'} out (dynamic scales are taken per row as it runs)")
+    if params.get("calibration", "percentile") != "percentile" and "percentile" in params:
+        raise UserError(f"pass {NAME!r}: percentile goes with calibration: percentile")
+    if params.get("simulate"):
+        given = [k for k in ("gemm", "select") if k in params]
+        if given:
+            raise UserError(f"pass {NAME!r}: {' and '.join(given)} choose{'s' if len(given) == 1 else ''} among the "
+                            "real quantized GEMMs; simulate: true runs none (it rounds in bf16)")
+
+
 def _fused_linear_blocks(model: torch.nn.Module) -> list[str]:
     """Blocks whose plan reads the Linear weights itself (fused_linear, fused_block), and SwinV2 MLPs whose
     fused forward does (fused_linear)."""
