@@ -327,3 +327,21 @@ def test_a_quantizing_recipe_is_refused_before_any_pass_changes_the_model():
     with pytest.raises(RecipeUnavailable, match="inference only.*the model is unchanged"):
         optimize_swin(model, "tests/data/recipes/int8-sim.yaml")
     assert all(type(m).__name__ not in ("TritonLayerNorm", "QuantLinear") for m in model.modules())
+
+
+@pytest.mark.parametrize("entry", ["optimize_swin", "optimize_swin_inference", "patch_swin"])
+def test_a_patched_or_meta_model_is_refused_in_one_line(entry):
+    """A second recipe over a patched model would change nothing and report counts of nothing; a model
+    on the meta device has no weights to patch. Each entry point says so before touching it."""
+    import workbench.api as api
+
+    call = getattr(api, entry)
+    kwargs = {} if entry != "patch_swin" else {"training": False}
+    fused = tiny()
+    api.patch_swin(fused, "apex")     # TritonLayerNorm modules (the interpreter runs them on the CPU)
+    with pytest.raises(UserError, match="patched already"):
+        call(fused, "amp", **kwargs)
+    with torch.device("meta"):
+        meta = build_model(TINY_MODEL)
+    with pytest.raises(UserError, match="meta device"):
+        call(meta, "amp", **kwargs)

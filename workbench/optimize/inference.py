@@ -24,7 +24,7 @@ import torch
 
 from workbench.errors import UserError
 from workbench.files import short_repr
-from workbench.optimize.passes import PassContext, PassResult
+from workbench.optimize.passes import PassContext, PassResult, refuse_unpatchable
 from workbench.optimize.passes.compile import replays_own_graphs
 from workbench.optimize.recipes import Recipe, RecipeUnavailable, apply_chain_passes, resolve_chain
 from workbench.precision import resolve_precision
@@ -222,6 +222,7 @@ def optimize_swin_inference(model: torch.nn.Module, recipe: str = "dense", *, gr
     patched: build it again)."""
     if not isinstance(model, torch.nn.Module):
         raise UserError(f"model must be a torch.nn.Module (a timm Swin), got {short_repr(model)}")
+    refuse_unpatchable(model, "optimize_swin_inference")
     if not isinstance(graph, bool):
         raise UserError(f"graph must be True or False, got {short_repr(graph)}")
     if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):

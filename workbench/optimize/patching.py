@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from workbench.errors import UserError
-from workbench.optimize.passes import PassContext, PassResult, apply_pass, get_pass
+from workbench.optimize.passes import PassContext, PassResult, apply_pass, get_pass, refuse_unpatchable
 from workbench.optimize.passes._swin import has_v2_blocks, named_swin_blocks
 from workbench.optimize.recipes import RecipeUnavailable, effective_passes, inference_only_pass, resolve_chain
 from workbench.precision import resolve_precision
@@ -83,6 +83,7 @@ def patch_swin(model: torch.nn.Module, recipe: str = "fmha", *, dtype: str | Non
 
     if not isinstance(model, torch.nn.Module):
         raise UserError(f"model must be a torch.nn.Module holding timm Swin blocks, got {short_repr(model)}")
+    refuse_unpatchable(model, "patch_swin")
     if not named_swin_blocks(model) and not has_v2_blocks(model, cr=True):
         raise UserError(f"{type(model).__name__} holds no timm Swin block (Swin v1, SwinV2 or swinv2_cr): "
                         "nothing to patch")

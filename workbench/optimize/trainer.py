@@ -55,7 +55,7 @@ from workbench.optimize.distributed import (DDP_GRAPH_WARMUP_STEPS, DataParallel
                                             data_parallel_settings, full_state_dict, fully_shard_model,
                                             load_full_state_dict, sharding_blocker, wrap_data_parallel, world_size)
 from workbench.optimize.inference import GraphFallbackWarning, PredictGraphs, check_images
-from workbench.optimize.passes import PassContext, PassResult, default_optimizer_factory
+from workbench.optimize.passes import PassContext, PassResult, default_optimizer_factory, refuse_unpatchable
 from workbench.optimize.recipes import (Recipe, RecipeUnavailable, apply_chain_passes, inference_only_pass,
                                         is_graph_form, replays_inductor_graphs, resolve_chain)
 from workbench.precision import resolve_precision
@@ -739,6 +739,7 @@ def optimize_swin(model: torch.nn.Module, recipe: str = "fmha", *, optimizer=Non
     """
     if not isinstance(model, torch.nn.Module):
         raise UserError(f"model must be a torch.nn.Module (a timm Swin), got {short_repr(model)}")
+    refuse_unpatchable(model, "optimize_swin")
     if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
         raise UserError(f"accumulate must be an integer >= 1, got {short_repr(accumulate)}")
     if grad_clip is not None and not (isinstance(grad_clip, (int, float)) and math.isfinite(grad_clip)

@@ -169,3 +169,20 @@ def apply_pass(name: str, model: torch.nn.Module, ctx: PassContext, params: dict
             raise
         details = getattr(exc, "details", {})
         return model, PassResult(name, params, f"not available: {exc}", details=details, available=False)
+
+
+def refuse_unpatchable(model: torch.nn.Module, what: str) -> None:
+    """UserError (one line) for a model the passes cannot patch as asked: weights on the meta device (no
+    values to patch or check), or a model a recipe has patched already (a second recipe would find its
+    modules replaced, change nothing and report the counts of nothing). what: the call, for the message."""
+    param = next(iter(model.parameters()), None)
+    if param is not None and param.device.type == "meta":
+        raise UserError(f"{what}: the model's weights are on the meta device (no values): materialize them "
+                        "(to_empty, then load a state_dict) first")
+    from workbench.optimize.passes.block_plan import PLANS_ATTRIBUTE
+
+    for name, module in model.named_modules():
+        if PLANS_ATTRIBUTE in vars(module) or type(module).__module__.startswith("workbench."):
+            raise UserError(f"{what}: the model is patched already ({name or 'the model'} is "
+                            f"{type(module).__name__}): build a fresh timm model and load the weights into it "
+                            "(state_dict() gives timm's)")
