@@ -82,6 +82,41 @@ def test_an_inference_only_recipe_is_refused_for_training_and_taken_for_inferenc
     assert any("quantize_linear left out" in n for n in noted.notes)
 
 
+def test_static_calibration_runs_on_the_callers_images(tmp_path):
+    """calibration=: the static scales come from the user's images (first calibration_batches of them, from
+    (images, labels) pairs too), and the record says so; a recipe without static scales says it is unused."""
+    static = tmp_path / "int8-static.yaml"
+    static.write_text("name: int8-static\nextends: amp\ndescription: int8 static\npasses:\n  - name: quantize_linear\n"
+                      "    params: {dtype: int8, simulate: true, keep: [head.fc], activations: static, "
+                      "calibration: max, calibration_batches: 2}\n")
+    gen = torch.Generator().manual_seed(11)
+    loud = [(8.0 * torch.randn(2, 3, 56, 56, generator=gen), torch.zeros(2)) for _ in range(3)]
+    seen = []
+
+    def batches():
+        for item in loud:
+            seen.append(item)
+            yield item
+
+    mine = optimize_swin_inference(tiny(), str(static), calibration=batches())
+    noise = optimize_swin_inference(tiny(), str(static))
+    mine_cal, noise_cal = mine.passes[-1].details["calibration"], noise.passes[-1].details["calibration"]
+    assert mine_cal["data"] == "the caller's images" and noise_cal["data"] == "synthetic"
+    assert len(seen) == 2 and mine_cal["batches"] == 2       # the recipe's calibration_batches, no more
+    assert mine_cal["scales"] != noise_cal["scales"]
+    # the synthetic images given as the caller's: the very scales the synthetic calibration takes
+    from workbench.optimize.passes.quantize_linear import synthetic_calibration_batches
+
+    same = synthetic_calibration_batches(tiny(), 2, 8, torch.device("cpu"))[0]
+    again = optimize_swin_inference(tiny(), str(static), calibration=same).passes[-1].details["calibration"]
+    assert again["scales"] == noise_cal["scales"]
+    unused = optimize_swin_inference(tiny(), "amp", calibration=[torch.zeros(1, 3, 56, 56)])
+    assert any("calibrates nothing" in n for n in unused.notes)
+    with pytest.raises(UserError, match="calibration must be an iterable"):
+        optimize_swin_inference(tiny(), str(static), calibration=torch.zeros(1, 3, 56, 56))
+    with pytest.raises(UserError, match="calibration: images must be"):
+        optimize_swin_inference(tiny(), str(static), calibration=[torch.zeros(1, 3, 32, 32)])
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"graph": "yes"}, "graph must be True or False"),
     ({"batch": 0}, "batch must be an integer"),

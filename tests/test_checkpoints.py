@@ -40,6 +40,17 @@ passes:
     params: {dtype: fp8, keep: [head.fc], simulate: true}
 """
 
+# int8 with static activation scales: calibrated on the checkpoint's training images, not on noise
+STATIC = """name: int8-static
+extends: amp
+description: int8 fake quantization, static activation scales
+gate: {bf16: {logits_rel: 1.5e-1}}
+passes:
+  - name: quantize_linear
+    params: {dtype: int8, keep: [head.fc], simulate: true, activations: static, calibration: max,
+             calibration_batches: 2, calibration_batch: 16}
+"""
+
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
@@ -55,8 +66,10 @@ def applied(trained, tmp_path_factory):
     folder = tmp_path_factory.mktemp("apply")
     (folder / "fp8-sim.yaml").write_text(FP8_SIM)
     (folder / "strict.yaml").write_text(STRICT)
+    (folder / "int8-static.yaml").write_text(STATIC)
     run_apply("amp", model=None, batch=64, steps=1, warmup=0, device="cpu", progress=False, interleave=0,
-              mode="infer", stages=["baseline", "amp", str(folder / "fp8-sim.yaml"), str(folder / "strict.yaml")],
+              mode="infer", stages=["baseline", "amp", str(folder / "fp8-sim.yaml"), str(folder / "strict.yaml"),
+                                    str(folder / "int8-static.yaml")],
               out_dir=folder / "run", console=Console(file=io.StringIO()), checkpoint=trained.checkpoint)
     return folder / "run", {r.stage: r for r in read_records(folder / "run" / "records")}
 
@@ -195,3 +208,11 @@ def test_a_plain_state_dict_is_measured_on_an_imagefolder(tmp_path):
     assert records["amp"].gate.metrics.heldout["images"] == 10      # val/: 5 images of each class
     assert records["amp"].checkpoint["format"] == "state_dict"
     assert records["amp"].checkpoint["heldout"] == str((tmp_path / "images").resolve())
+
+
+def test_static_scales_are_calibrated_on_the_checkpoints_training_images(applied):
+    _, records = applied
+    (quant,) = [p for p in records["int8-static"].passes if p.name == "quantize_linear"]
+    calibration = quant.details["calibration"]
+    assert calibration["data"] == "training images of the checkpoint's data"
+    assert calibration["batches"] == 2 and calibration["batch"] == 16

@@ -197,6 +197,25 @@ class InferenceSwin:
         return f"InferenceSwin(recipe={self.recipe!r}, precision={self.ctx.precision.name!r}, device={self.device})"
 
 
+def _calibration_from(images, model: torch.nn.Module):
+    """A PassContext.calibration over the user's iterable of image batches (or (images, labels) pairs):
+    (count, batch) -> its first `count` batches, checked against the model's input size (batch: theirs)."""
+    if isinstance(images, torch.Tensor) or not hasattr(images, "__iter__"):
+        raise UserError(f"calibration must be an iterable of image batches (a list, a DataLoader), got "
+                        f"{short_repr(images)}")
+
+    def take(count: int, batch: int) -> list[torch.Tensor]:
+        out = []
+        for item in images:
+            x = item[0] if isinstance(item, (tuple, list)) else item
+            out.append(check_images(x, model, "calibration"))
+            if len(out) >= count:
+                break
+        return out
+
+    return take
+
+
 def _without_cuda_graph(recipe: Recipe) -> Recipe:
     import dataclasses
 
@@ -205,7 +224,7 @@ def _without_cuda_graph(recipe: Recipe) -> Recipe:
 
 def optimize_swin_inference(model: torch.nn.Module, recipe: str = "dense", *, graph: bool = True,
                             device: str | torch.device | None = None, batch: int | None = None,
-                            allow_unavailable: bool = False) -> InferenceSwin:
+                            calibration=None, allow_unavailable: bool = False) -> InferenceSwin:
     """Patch a timm Swin for a recipe's inference form -> InferenceSwin (call it on images for logits).
 
     model: a timm Swin (v1, SwinV2 or swinv2_cr), in fp32 with the weights it will keep (load them first:
@@ -215,8 +234,12 @@ def optimize_swin_inference(model: torch.nn.Module, recipe: str = "dense", *, gr
     replays its own, reduce-overhead); on the CPU it runs eagerly either way (said in `notes`). device:
     where to run (default: where the model's parameters are). batch: the images per call you will run,
     for the passes that time their choices at the model's shapes on a GPU (fused_attention's route per
-    window shape, the quantized GEMMs' selection); default 32. allow_unavailable: go on without passes
-    that cannot run here (no GPU for the Triton kernels) instead of raising; `notes` lists them.
+    window shape, the quantized GEMMs' selection); default 32. calibration: real images for a recipe that
+    calibrates static activation scales (quantize_linear with activations: static): an iterable of image
+    batches (N, C, H, W), or of (images, labels) pairs such as a DataLoader's; its first
+    `calibration_batches` batches (the recipe's, default 4) are run. Default: synthetic images, whose
+    ranges are an untrained model's on noise. allow_unavailable: go on without passes that cannot run
+    here (no GPU for the Triton kernels) instead of raising; `notes` lists them.
 
     A pass that cannot run here raises RecipeUnavailable, a UserError (the model may then be partly
     patched: build it again)."""
@@ -240,6 +263,9 @@ def optimize_swin_inference(model: torch.nn.Module, recipe: str = "dense", *, gr
         dev = param.device if param is not None else torch.device("cpu")
     model.eval()
     ctx = PassContext(device=dev, precision=resolve_precision("fp32"), training=False, batch=batch)
+    if calibration is not None:
+        ctx.calibration = _calibration_from(calibration, model)
+        ctx.calibration_source = "the caller's images"
     model, results = apply_chain_passes(model, ctx, chain)
     unavailable = [r for r in results if not r.available]
     if unavailable and not allow_unavailable:
@@ -247,6 +273,9 @@ def optimize_swin_inference(model: torch.nn.Module, recipe: str = "dense", *, gr
         raise RecipeUnavailable(chain[-1].name, f"{first.name} {first.changed}")
     notes = [f"pass {r.name} left out: {r.changed}" for r in unavailable]
     notes += [f"pass {r.name} {r.changed}" for r in results if r.details.get("applied") is False]
+    if calibration is not None and not any("calibration" in r.details for r in results):
+        notes.append(f"calibration images given, and recipe {chain[-1].name} calibrates nothing (no static "
+                     "activation scales): not used")
     graphed = False
     if graph:
         if dev.type != "cuda":

@@ -114,7 +114,22 @@ class Workload:
         num_classes = model.num_classes
         x, y = synthetic_batch(model, config.batch, num_classes, device, config.seed)
         ctx = PassContext(device=device, precision=precision, training=config.mode == "train", batch=config.batch)
-        return cls(config=config, model=model, ctx=ctx, x=x, y=y)
+        workload = cls(config=config, model=model, ctx=ctx, x=x, y=y)
+        if checkpoint is not None:   # a trained model: static calibration on real images, not noise
+            ctx.calibration = workload.training_images
+            ctx.calibration_source = "training images of the checkpoint's data"
+        return workload
+
+    def training_images(self, count: int, batch: int) -> list[torch.Tensor]:
+        """`count` batches of `batch` images from the training split of the checkpoint's data (its first
+        epoch's order for the workload's seed, with the training augmentation): static calibration's, kept
+        apart from the held-out images the stage is measured on."""
+        out = []
+        for x, _ in self.heldout_data().train_batches(0, batch, self.config.seed, self.ctx.device):
+            out.append(x)
+            if len(out) >= count:
+                break
+        return out
 
     @property
     def precision(self) -> Precision:

@@ -62,6 +62,9 @@ class PassContext:
     choices at the model's shapes (fused_attention's route) time them at it, else at a default.
     swin_only: the model is the user's own, holding a Swin (patch_swin): passes that change modules by
     type (the quantized Linears) change those of the Swin blocks and patch merging layers only.
+    calibration: real images for static calibration (quantize_linear with activations: static):
+    (count, batch) -> batches of images (N, C, H, W) fp32 on any device, and calibration_source says what
+    they are; None: synthetic images (an untrained model's ranges on noise).
     """
 
     device: torch.device
@@ -78,6 +81,8 @@ class PassContext:
     sharded: bool = False
     batch: int | None = None     # images per step, where the caller knows it (passes that time shapes use it)
     swin_only: bool = False      # change only the Swin's own modules (patch_swin on a model of the user's)
+    calibration: Callable[[int, int], list] | None = None
+    calibration_source: str | None = None
 
 
 @dataclass

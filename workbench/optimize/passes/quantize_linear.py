@@ -40,9 +40,10 @@ Where the kernels run, an MLP whose fc2 quantizes its input per row also runs it
 quantization as one launch (`kernels.quant.gelu_quantize_rows`: one read of fc1's output, the bits of
 nn.GELU then quantize_rows but for rare tail values one step apart) instead of a GELU kernel writing bf16 and a quantization kernel reading it.
 
-Calibration batches are synthetic (random images from a fixed generator, like the workload's batch): the
-activation ranges of an untrained model on noise. For a trained model, calibrate on real images through
-`calibrate_input_scales(model, names, batches, ...)` and `quantize_model(..., input_scales=...)`.
+Calibration batches are real images where the caller gives them (PassContext.calibration:
+`optimize_swin_inference(..., calibration=...)`, and `apply --mode infer --checkpoint` the training images
+of the checkpoint's data), else synthetic (random images from a fixed generator, like the workload's
+batch): the activation ranges of an untrained model on noise. The record says which.
 """
 from __future__ import annotations
 
@@ -303,6 +304,22 @@ def synthetic_calibration_batches(model: torch.nn.Module, count: int, batch: int
         return [[torch.randn(batch, *size, generator=gen).to(device) for _ in range(count)] for _, size in swins]
 
 
+def calibration_images(model: torch.nn.Module, ctx: PassContext, count: int, batch: int):
+    """-> (one list of batches per Swin inside `model`, where they come from): the caller's real images
+    (ctx.calibration) where the model holds one Swin, else synthetic_calibration_batches."""
+    if ctx.calibration is not None:
+        with _swins_of(model, "static calibration") as swins:
+            if len(swins) == 1:
+                images = [torch.as_tensor(x).to(ctx.device, torch.float32) for x in ctx.calibration(count, batch)]
+                want = tuple(swins[0][1])
+                bad = next((tuple(x.shape) for x in images if x.dim() != 4 or tuple(x.shape[1:]) != want), None)
+                if not images or bad is not None:
+                    raise UserError(f"static calibration: images must be batches (N, {', '.join(map(str, want))}), "
+                                    f"got {bad if bad is not None else 'none'}")
+                return [images], ctx.calibration_source or "the caller's images"
+    return synthetic_calibration_batches(model, count, batch, ctx.device), "synthetic"
+
+
 def calibrate_input_scales(model: torch.nn.Module, names, batches, ctx: PassContext, dtype: str,
                            method: str = "percentile", percentile: float = 99.99) -> dict[str, torch.Tensor]:
     """The per-tensor input scale of each Linear in `names`, from the forwards of the Swins inside `model` over
@@ -473,7 +490,7 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
             moved = select_measured(routes, kept, measured, dtype)
         input_scales = None
         if activations == "static" and routes:
-            batches = synthetic_calibration_batches(model, calibration_batches, calibration_batch, ctx.device)
+            batches, calibrated_on = calibration_images(model, ctx, calibration_batches, calibration_batch)
             input_scales = calibrate_input_scales(model, list(routes), batches, ctx, dtype, calibration, percentile)
     except BaseException:
         for attn in switched.values():  # the model as it was: timm's own F.linear again
@@ -500,7 +517,8 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
     details["swinv2_qkv_bias_after_gemm"] = sum(name in routes for name in switched)
     if input_scales is not None:
         details["calibration"] = {"method": calibration, "percentile": percentile if calibration == "percentile" else None,
-                                  "batches": calibration_batches, "batch": calibration_batch, "data": "synthetic",
+                                  "batches": len(batches[0]), "batch": int(batches[0][0].shape[0]),
+                                  "data": calibrated_on,
                                   "scales": {n: float(s) for n, s in input_scales.items()}}
     quantize_model(model, routes, dtype, input_scales)
     gelu_fused = fuse_mlp_activations(model, ctx.device)
