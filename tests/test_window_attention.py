@@ -428,3 +428,26 @@ def test_key_tiled_d_rel_bias_is_deterministic():
         first = torch.autograd.grad(out, [bias], dout, retain_graph=True)[0]
         second = torch.autograd.grad(out, [bias], dout)[0]
         assert torch.isfinite(first).all() and torch.equal(first, second)
+
+
+@pytest.mark.parametrize("n", [100, 144])
+def test_key_tiled_rows_whose_first_key_block_is_all_minus_inf(n):
+    """A -inf mask over a row's whole first key block (SDPA's convention, not timm's -100): the online
+    softmax must not subtract -inf from -inf (NaN rows, then NaN in every dk and dv)."""
+    g = torch.Generator().manual_seed(n)
+    d = 16
+    q, k, v = (torch.randn(2, 1, n, d, generator=g).to(DEVICE).requires_grad_() for _ in range(3))
+    bias = torch.randn(1, n, n, generator=g).to(DEVICE).requires_grad_()
+    mask = torch.zeros(1, n, n, device=DEVICE)
+    mask[0, :8, :64] = float("-inf")       # rows 0-7 see only keys 64 and on
+    mask[0, 20:24, 70:] = float("-inf")    # and rows 20-23 none of the later blocks
+    out = fused_window_attention(q, k, v, bias, mask)
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v, bias)]
+    qd, kd, vd, bd = ref_in
+    ref = ((qd @ kd.transpose(-2, -1)) * d ** -0.5 + bd + mask.double()).softmax(-1) @ vd
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, [q, k, v, bias], grad)
+    want = torch.autograd.grad(ref, ref_in, grad.double())
+    assert torch.isfinite(out).all() and (out.double() - ref).abs().max() < 1e-5
+    for a, b in zip(got, want):
+        assert torch.isfinite(a).all() and (a.double() - b).abs().max() < 1e-5

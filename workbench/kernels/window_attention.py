@@ -331,8 +331,10 @@ def _fwd_key_block(q, acc, m_i, l_i, bias, K, V, b, h, sk_b, sk_h, sk_n, sk_d, s
     v = _load_rows(V, b, h, sv_b, sv_h, sv_n, sv_d, offs_n, N, D)
     s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale + bias  # padded keys: bias is -inf
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)  # 0 on the first block (m_i = -inf)
-    p = tl.exp2(s - m_new[:, None])
+    # a row with no finite key yet (a -inf mask over the whole block): subtract 0, not -inf (-inf - -inf is NaN)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)  # 0 on the first block (m_i = -inf)
+    p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
     return acc, m_new, l_i
