@@ -249,8 +249,17 @@ def _as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
+def _dense(t: torch.Tensor | None) -> torch.Tensor | None:
+    """weight or bias as the kernels read it, element i at offset i: a strided view (every other element
+    of a packed tensor, say) is copied first (C values: nothing to save by reading it strided)."""
+    return t if t is None or t.is_contiguous() else t.contiguous()
+
+
 def _check(x: torch.Tensor, weight, bias, n_cols: int | None = None) -> int:
-    """The row width (x's last dim, or n_cols), after checking that weight and bias are that wide."""
+    """The row width (x's last dim, or n_cols), after checking that weight and bias are that wide and that
+    x is a dtype the kernels compute (fp16, bf16, fp32: an fp64 input would come back at fp32's precision)."""
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"layer_norm: x is {x.dtype}; the kernels take float16, bfloat16 or float32")
     n_cols = x.shape[-1] if n_cols is None else n_cols
     for name, p in (("weight", weight), ("bias", bias)):
         if p is not None and tuple(p.shape) != (n_cols,):
@@ -263,6 +272,7 @@ def layer_norm_fwd(x2, residual2, weight, bias, eps: float, out_dtype: torch.dty
     """x2 (and residual2): (M, C) contiguous -> (s or None, y, mean, rstd). s is x2 + residual2 in out_dtype;
     y is in y_dtype (default out_dtype: the next layer's input can come out already in its compute dtype).
     zero_sums: a contiguous fp32 buffer that the kernel zeroes for the backward (eager_column_sums)."""
+    weight, bias = _dense(weight), _dense(bias)
     n_rows, n_cols = x2.shape
     block_m, block_n, num_warps = _tile(n_cols)
     device = x2.device
@@ -291,6 +301,7 @@ def merging_layer_norm(x: torch.Tensor, weight, bias, eps: float, out_dtype: tor
     (dh, dw) = (0, 0), (1, 0), (0, 1), (1, 1), timm's order) and normalized over the 4C, weight and bias
     of 4C; output in out_dtype (default x.dtype), rounded once from fp32. Where timm copies x twice (the
     pad, the gather) before its norm reads it, this reads x once."""
+    weight, bias = _dense(weight), _dense(bias)
     B, H, Wd, C = x.shape
     n_cols = _check(x, weight, bias, 4 * C)
     x = x.contiguous()
@@ -312,6 +323,7 @@ def post_add_layer_norm_fwd(x2, residual2, weight, bias, eps: float, out_dtype: 
                             zero_sums: torch.Tensor | None = None):
     """x2, residual2: (M, C) contiguous -> (out, mean, rstd), out = residual2 + LayerNorm(x2) in out_dtype,
     one pass (the normalized x is never written). zero_sums as in layer_norm_fwd."""
+    weight, bias = _dense(weight), _dense(bias)
     n_rows, n_cols = x2.shape
     block_m, block_n, num_warps = _tile(n_cols)
     device = x2.device
@@ -336,6 +348,7 @@ def layer_norm_bwd(dy2, x2, weight, bias, mean, rstd, ds2, dx_dtype: torch.dtype
     """dy2, x2 (the normalized input: x, or s = x + r), ds2 (gradient at s, or None): (M, C) contiguous.
     -> (dx (M, C) in dx_dtype, (2C,) fp32 column sums: dweight then dbias; see split_norm_grads).
     sums_into: a zeroed (2C,) fp32 tensor for the sums (column_sums)."""
+    weight, bias = _dense(weight), _dense(bias)
     n_rows, n_cols = x2.shape
     device = x2.device
     dx = _common.new_output((n_rows, n_cols), dx_dtype, device)

@@ -341,6 +341,16 @@ def quantize_rows_torch(x2: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch
     return quantize(x2, scale, fmt), scale
 
 
+def _scales_for(n_rows: int, n_cols: int, x_scale, w_scale, bias, what: str):
+    """The epilogue's operands as the kernels index them (row i of x_scale at i, column j of w_scale and
+    bias at j): shapes checked (ValueError), strided views copied (they are M or N values)."""
+    if x_scale.numel() not in (1, n_rows) or w_scale.numel() != n_cols or (bias is not None and bias.numel() != n_cols):
+        raise ValueError(f"{what}: x_scale must hold 1 or {n_rows} values, w_scale and bias {n_cols}; got "
+                         f"{tuple(x_scale.shape)}, {tuple(w_scale.shape)}, "
+                         f"{None if bias is None else tuple(bias.shape)}")
+    return x_scale.contiguous(), w_scale.contiguous(), None if bias is None else bias.contiguous()
+
+
 def int8_dequant_torch(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
                        bias: torch.Tensor | None) -> torch.Tensor:
     """What int8_dequant computes, in torch ops (full-size fp32 passes)."""
@@ -412,6 +422,8 @@ def int8_dequant(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor
     """(acc.float() * x_scale * w_scale [+ bias.float()]).to(bf16) in one launch and bit for bit: acc (M, N)
     int32 contiguous, x_scale (M, 1) or () fp32, w_scale (1, N) fp32, bias (N,) or None."""
     n_rows, n_cols = acc.shape
+    x_scale, w_scale, bias = _scales_for(n_rows, n_cols, x_scale, w_scale, bias, "int8_dequant")
+    acc = acc.contiguous()
     out = _common.new_output((n_rows, n_cols), torch.bfloat16, acc.device)
     if n_rows > 0 and n_cols > 0:
         block_n = min(256, next_pow2(n_cols))
@@ -516,6 +528,12 @@ def quant_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_
     (the same exact int32 sums, the same fp32 epilogue); e4m3 sums in fp32 in its own order. No host sync."""
     n_rows, k = x_q.shape
     n_cols = w_q.shape[0]
+    x_scale, w_scale, bias = _scales_for(n_rows, n_cols, x_scale, w_scale, bias, "quant_matmul")
+    if w_q.dim() != 2 or w_q.shape[1] != k or w_q.dtype != x_q.dtype:
+        raise ValueError(f"quant_matmul: w_q must be (N, {k}) {x_q.dtype} like x_q's K, got {tuple(w_q.shape)} "
+                         f"{w_q.dtype}")
+    if x_q.stride(1) != 1 or w_q.stride(1) != 1:      # the kernel walks each row's K elements one apart
+        x_q, w_q = x_q.contiguous(), w_q.contiguous()
     out = _common.new_output((n_rows, n_cols), torch.bfloat16, x_q.device)
     if n_rows > 0 and n_cols > 0:
         extra = dict(_QMM_INTERPRET_CONFIG) if _INTERPRET else {}

@@ -445,6 +445,12 @@ def _contig(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
+def _affine(what: str, weight, bias) -> None:
+    """The fused norms are timm's affine LayerNorm: ValueError for a missing weight or bias."""
+    if weight is None or bias is None:
+        raise ValueError(f"{what}: weight and bias are required (an affine LayerNorm, as timm's blocks hold)")
+
+
 def _keep(keep: torch.Tensor | None, batch: int, stand_in: torch.Tensor) -> torch.Tensor:
     """A kernel's keep_ptr: the (batch,) stochastic-depth factors, contiguous; without them `stand_in`, a
     tensor of the launch the kernel never reads through keep_ptr (KEEP off)."""
@@ -492,7 +498,8 @@ def merge_roll_fwd(
     C = windows.shape[-1]
     Hp, Wp, nwh, nww, sh, sw = _geometry(H, W, window_size, shift)
     ws = int(window_size)
-    if windows.numel() % (Hp * Wp * C):
+    token_dims = {3: tuple(windows.shape[1:2]), 4: tuple(windows.shape[1:3])}.get(windows.dim())
+    if windows.numel() % (Hp * Wp * C) or token_dims not in (None, (ws * ws,), (ws, ws)):
         raise ValueError(f"windows of shape {tuple(windows.shape)} do not tile a {H}x{W}x{C} map with ws={ws}")
     B = windows.numel() // (Hp * Wp * C)
     if shortcut is not None:
@@ -1045,6 +1052,7 @@ def norm_shift_partition(
     x: (B, H, W, C); weight, bias: (C,). Statistics in fp32; output in out_dtype (default x.dtype),
     rounded once from fp32: `out_dtype=torch.bfloat16` on an fp32 x gives the bits that
     `.to(torch.bfloat16)` of the fp32 result would, without that cast's extra pass (and its backward's)."""
+    _affine("norm_shift_partition", weight, bias)
     return NormShiftPartitionFunction.apply(x, weight, bias, eps, window_size, shift, out_dtype)
 
 
@@ -1057,6 +1065,7 @@ def add_norm_shift_partition(
     dtype of x and residual; windows in out_dtype (default s's dtype); both differentiable. keep: the
     residual branch's (B,) stochastic-depth factors (timm's DropPath draw, in residual's dtype), applied
     in the same kernels each way: s = x + residual * keep[b]."""
+    _affine("add_norm_shift_partition", weight, bias)
     return AddNormShiftPartitionFunction.apply(x, residual, weight, bias, eps, window_size, shift, out_dtype, keep)
 
 
@@ -1080,6 +1089,7 @@ def merge_add_norm(
     takes without view nodes of its own). The backward writes the gradient of s once as the shortcut's
     and once, partitioned, as the windows'. keep: (B,) stochastic-depth factors (timm's DropPath draw, in
     the windows' dtype) multiplying the merged windows of each sample before the add, or None."""
+    _affine("merge_add_norm", weight, bias)
     return MergeAddNormFunction.apply(windows, shortcut, weight, bias, eps, window_size, shift, y_dtype, bool(y_rows),
                                       keep)
 
@@ -1094,6 +1104,7 @@ def merge_norm_add(
     rounded once. The backward writes the windows' gradient (the norm's, partitioned back) in one pass; the
     shortcut's is the output's."""
     out_dtype = out_dtype or torch.promote_types(windows.dtype, shortcut.dtype)
+    _affine("merge_norm_add", weight, bias)
     return MergeNormAddFunction.apply(windows, shortcut, weight, bias, eps, window_size, shift, out_dtype)
 
 

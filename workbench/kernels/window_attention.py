@@ -771,6 +771,8 @@ def _check_inputs(q, k, v, rel_bias, mask):
     bnw, nh, n, d = q.shape
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError("q, k and v must share one dtype")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):   # fp64 would come back at fp32's precision
+        raise ValueError(f"q, k, v are {q.dtype}; the kernels take float16, bfloat16 or float32")
     if d < 16 or d > 128 or d & (d - 1):
         raise ValueError(f"head width d must be a power of two in 16..128, got {d}")
     if n > MAX_WINDOW_TOKENS:
