@@ -41,6 +41,11 @@ def test_fp64_is_refused_not_computed_at_fp32():
     x = torch.randn(4, 32, dtype=torch.float64, device=DEVICE)
     with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
         layer_norm(x, torch.ones(32, dtype=torch.float64, device=DEVICE), None)
+    with pytest.raises(ValueError, match="float16, bfloat16 or float32"):     # an fp64 residual alone too
+        add_layer_norm(x.float(), x, torch.ones(32, device=DEVICE), None)
+    with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
+        norm_shift_partition(torch.randn(1, 7, 7, 8, dtype=torch.float64, device=DEVICE), torch.ones(8, device=DEVICE),
+                             torch.zeros(8, device=DEVICE), 1e-5, 7, 0)
     q = torch.randn(2, 1, 49, 16, dtype=torch.float64, device=DEVICE)
     with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
         fused_window_attention(q, q, q, None, None)

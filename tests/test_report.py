@@ -485,3 +485,14 @@ def test_parity_cites_verdicts_of_the_same_kind_of_device(records, tmp_path):
     section = render_report(records, tmp_path / "r.md", verdicts=[gpu, cpu]).read_text().split(
         "## Training parity")[1].split("\n## ")[0]
     assert "NVIDIA H200" in section and "swinbench_tiny_cpu" not in section
+
+
+def test_activation_dtype_changes_compare_within_a_run():
+    """Run a keeps amp and fmha in bf16, run b both in fp32: neither changed dtype, so nothing is said."""
+    from workbench.results.report import activation_dtype_changes
+
+    def run(run_id, dtype):
+        return [dict(record(1, "amp", "baseline", 50.0), run_id=run_id, activation_dtypes={"blocks.0": dtype}),
+                dict(record(2, "fmha", "amp", 40.0), run_id=run_id, activation_dtypes={"blocks.0": dtype})]
+
+    assert activation_dtype_changes(run("a", "torch.bfloat16") + run("b", "torch.float32")) == []

@@ -93,6 +93,24 @@ def test_a_collective_is_one_cpu_leaf_with_its_whole_time(tmp_path):
     assert table.loc["aten::linear", "instances"] == 1 and table.loc["aten::linear", "total_ns"] == 2000
 
 
+def test_an_operator_its_children_cover_is_still_counted(tmp_path):
+    """aten::to -> _to_copy -> copy_ at the same times: two of them have no self time, all three count."""
+    def op(name, ts, dur):
+        return {"ph": "X", "cat": "cpu_op", "name": name, "pid": 1, "tid": 1, "ts": ts, "dur": dur}
+
+    path = tmp_path / "to.json"
+    path.write_text(json.dumps({"schemaVersion": 1, "traceEvents": [
+        op("aten::to", 0.0, 5.0), op("aten::_to_copy", 0.0, 5.0), op("aten::copy_", 0.0, 5.0),
+        op("aten::empty", 6.0, 0.0)]}))
+    trace = load_trace(path)
+    table = A.kernel_share_table(trace.kernels).set_index("kernel")
+    assert set(table.index) == {"aten::to", "aten::_to_copy", "aten::copy_", "aten::empty"}
+    assert table["instances"].sum() == 4 and table["total_ns"].sum() == 5000
+    from workbench.analysis.timeline import step_view
+
+    assert step_view(trace).kernel_count == 4
+
+
 def test_kineto_without_kernels_or_ops_is_an_error(tmp_path):
     path = tmp_path / "empty.json"
     path.write_text(json.dumps({"schemaVersion": 1, "traceEvents": [

@@ -93,6 +93,21 @@ def _pdl() -> bool | None:
     return pdl_launch()
 
 
+def cpu_name() -> str:
+    """The host processor's model ('Intel(R) Xeon(R) Platinum 8480+'), not only its architecture: two x86_64
+    hosts run a host-bound step at different speeds. Falls back to the architecture where the model is
+    not to be read (platform.processor() is empty or the architecture on Linux)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "Hardware", "cpu model") and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def environment_stamp(device: str | torch.device = "cuda") -> dict:
     """A flat dict: device kind, GPU name (or CPU model), driver, CUDA, torch, triton, timm, python, date (UTC ISO),
     the swinbench commit and source digest that measured it, how eager code launched the Triton kernels
@@ -105,7 +120,7 @@ def environment_stamp(device: str | torch.device = "cuda") -> dict:
         "gpu_count": torch.cuda.device_count() if on_gpu else 0,
         "driver": _nvidia_driver() if on_gpu else None,
         "cuda": torch.version.cuda,
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_name(),
         "torch": torch.__version__,
         "triton": module_version("triton"),
         "timm": module_version("timm"),
@@ -129,7 +144,7 @@ def environment_stamp(device: str | torch.device = "cuda") -> dict:
 
 
 def device_label(stamp: dict) -> str:
-    """One short line for tables: 'NVIDIA H200 (driver 580.159.04)' or 'CPU (x86_64) - no GPU'."""
+    """One short line for tables: 'NVIDIA H200 (driver 580.159.04)' or 'CPU (<model>) - no GPU'."""
     if stamp.get("device_type") == "cuda":
         return f"{stamp['gpu']} (driver {stamp.get('driver') or '?'})"
     return f"CPU ({stamp.get('cpu')}) - no GPU, speed figures are not GPU figures"

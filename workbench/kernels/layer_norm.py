@@ -433,6 +433,7 @@ def _pair_rows(what: str, x: torch.Tensor, residual: torch.Tensor, weight, bias)
     """(C, x as (M, C) rows, residual as rows) after checking the shapes of a norm with a residual."""
     if x.shape != residual.shape:
         raise ValueError(f"{what}: x {tuple(x.shape)} and residual {tuple(residual.shape)} differ")
+    _check(residual, None, None)      # its dtype too: the sum is computed in fp32
     n_cols = _check(x, weight, bias)
     return n_cols, _as_rows(x, n_cols), _as_rows(residual, n_cols)
 

@@ -445,10 +445,14 @@ def _contig(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def _affine(what: str, weight, bias) -> None:
-    """The fused norms are timm's affine LayerNorm: ValueError for a missing weight or bias."""
+def _norm_inputs(what: str, weight, bias, *tensors) -> None:
+    """The fused norms are timm's affine LayerNorm over fp16, bf16 or fp32 activations: ValueError for a
+    missing weight or bias, or another dtype (fp64 would come back at fp32's precision)."""
     if weight is None or bias is None:
         raise ValueError(f"{what}: weight and bias are required (an affine LayerNorm, as timm's blocks hold)")
+    for t in tensors:
+        if t is not None and t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"{what}: got {t.dtype}; the kernels take float16, bfloat16 or float32")
 
 
 def _keep(keep: torch.Tensor | None, batch: int, stand_in: torch.Tensor) -> torch.Tensor:
@@ -1052,7 +1056,7 @@ def norm_shift_partition(
     x: (B, H, W, C); weight, bias: (C,). Statistics in fp32; output in out_dtype (default x.dtype),
     rounded once from fp32: `out_dtype=torch.bfloat16` on an fp32 x gives the bits that
     `.to(torch.bfloat16)` of the fp32 result would, without that cast's extra pass (and its backward's)."""
-    _affine("norm_shift_partition", weight, bias)
+    _norm_inputs("norm_shift_partition", weight, bias, x)
     return NormShiftPartitionFunction.apply(x, weight, bias, eps, window_size, shift, out_dtype)
 
 
@@ -1065,7 +1069,7 @@ def add_norm_shift_partition(
     dtype of x and residual; windows in out_dtype (default s's dtype); both differentiable. keep: the
     residual branch's (B,) stochastic-depth factors (timm's DropPath draw, in residual's dtype), applied
     in the same kernels each way: s = x + residual * keep[b]."""
-    _affine("add_norm_shift_partition", weight, bias)
+    _norm_inputs("add_norm_shift_partition", weight, bias, x, residual)
     return AddNormShiftPartitionFunction.apply(x, residual, weight, bias, eps, window_size, shift, out_dtype, keep)
 
 
@@ -1089,7 +1093,7 @@ def merge_add_norm(
     takes without view nodes of its own). The backward writes the gradient of s once as the shortcut's
     and once, partitioned, as the windows'. keep: (B,) stochastic-depth factors (timm's DropPath draw, in
     the windows' dtype) multiplying the merged windows of each sample before the add, or None."""
-    _affine("merge_add_norm", weight, bias)
+    _norm_inputs("merge_add_norm", weight, bias, windows, shortcut)
     return MergeAddNormFunction.apply(windows, shortcut, weight, bias, eps, window_size, shift, y_dtype, bool(y_rows),
                                       keep)
 
@@ -1104,7 +1108,7 @@ def merge_norm_add(
     rounded once. The backward writes the windows' gradient (the norm's, partitioned back) in one pass; the
     shortcut's is the output's."""
     out_dtype = out_dtype or torch.promote_types(windows.dtype, shortcut.dtype)
-    _affine("merge_norm_add", weight, bias)
+    _norm_inputs("merge_norm_add", weight, bias, windows, shortcut)
     return MergeNormAddFunction.apply(windows, shortcut, weight, bias, eps, window_size, shift, out_dtype)
 
 

@@ -117,11 +117,13 @@ class Workload:
         workload = cls(config=config, model=model, ctx=ctx, x=x, y=y)
         if checkpoint is not None:   # a trained model: static calibration on real images, not noise
             ctx.calibration = workload.training_images
-            ctx.calibration_source = "training images of the checkpoint's data"
+            ctx.calibration_source = (f"training images of --data {config.heldout}" if config.heldout else
+                                      "training images of the checkpoint's data")
         return workload
 
     def training_images(self, count: int, batch: int) -> list[torch.Tensor]:
-        """`count` batches of `batch` images from the training split of the checkpoint's data (its first
+        """`count` batches of `batch` images from the training split of the held-out data (--data, else the
+        checkpoint's own data: its first
         epoch's order for the workload's seed, with the training augmentation): static calibration's, kept
         apart from the held-out images the stage is measured on."""
         out = []

@@ -118,8 +118,8 @@ ENV_NOTES = (("driver", "driver version"), ("cuda", "CUDA version"), ("timm", "t
 class CheckResult:
     """rows: one row per (stage, metric), columns ROW_COLUMNS; `baseline`/`current` hold numbers,
     or strings for the gate and record-status rows. `delta_pct` is in % (pp for share rows, see
-    `unit`), `limit` and `noise_band_pct` likewise. `regressed` is True when any row is REGRESSED or
-    FAIL gate."""
+    `unit`), `limit` and `noise_band_pct` likewise. `regressed` is True when any row is REGRESSED,
+    FAIL gate or MISSING."""
 
     rows: pd.DataFrame
     regressed: bool

@@ -638,20 +638,21 @@ def activation_dtype_changes(records) -> list[str]:
     """One line per stage whose activations are kept in another dtype than those of the stage it extends
     (or its nearest ancestor in the run) at the same precision: a kernel swap that also changed precision."""
     records = as_records(records)
-    by_name = {r.stage: r for r in records if r.activation_dtypes}
+    by_key = {(r.run_id, r.stage): r for r in records if r.activation_dtypes}
     lines = []
     for rec in records:
         mine = rec.activation_dtypes
         if not mine:
             continue
-        ref = next((by_name[a] for a in rec.ancestors() if a in by_name), None)
+        # the nearest ancestor in the stage's own run (stages repeat across runs)
+        ref = next((by_key[(rec.run_id, a)] for a in rec.ancestors() if (rec.run_id, a) in by_key), None)
         if ref is None or ref.precision != rec.precision:
             continue
         theirs = ref.activation_dtypes
         diff = [f"{part} {short_dtype(theirs[part])} -> {short_dtype(d)}" for part, d in mine.items()
                 if part in theirs and theirs[part] != d]
         if diff:
-            lines.append(f"**{rec.stage}** keeps activations in other dtypes than **{ref.stage}** "
+            lines.append(f"**{stage_label(rec, records)}** keeps activations in other dtypes than **{ref.stage}** "
                          f"at the same precision ({rec.precision}): {', '.join(diff)}. Part of its speed "
                          "(and of its error against the baseline) may come from that precision, not from the kernels.")
     return lines
@@ -696,8 +697,10 @@ def kernel_ms_per_step(rec: StageRecord) -> float | None:
 def _slower_why(rec: StageRecord, records: list[StageRecord], previous: str) -> str:
     """Why a stage is slower than the stage it was compared with, from what was measured: if its GPU
     kernel time per step went down while the wall step went up, the step is host-bound (launch overhead)."""
+    # the record speedup_table compared with: the stage's own run's, else one of the same workload
     same_run = [r for r in records if r.stage == previous and r.run_id == rec.run_id]
-    parent = next(iter(same_run or [r for r in records if r.stage == previous]), None)
+    parent = next(iter(same_run or [r for r in records if r.stage == previous and _workload(r) == _workload(rec)]),
+                  None)
     mine, theirs = kernel_ms_per_step(rec), kernel_ms_per_step(parent) if parent else None
     if mine is None or theirs is None or rec.step_ms is None:
         return ": look at its passes above and its kernel shares before keeping it"
@@ -715,7 +718,7 @@ def _slower_why(rec: StageRecord, records: list[StageRecord], previous: str) -> 
 SPREAD_NOTE_FRACTION = 0.05  # GPU step times whose IQR exceeds this share of the median get a note
 
 
-def _spread_note(rec: StageRecord) -> str | None:
+def _spread_note(rec: StageRecord, name: str | None = None) -> str | None:
     """A note for a GPU stage whose step times spread widely. Steady steps are bound by the GPU; eager
     steps bound by the host (launch overhead) vary with the CPU and whatever else runs on it."""
     timing = rec.timing
@@ -724,7 +727,7 @@ def _spread_note(rec: StageRecord) -> str | None:
     median, iqr, samples = timing.median_ms, timing.iqr_ms, timing.samples_ms
     if iqr <= SPREAD_NOTE_FRACTION * median:
         return None
-    return (f"{rec.stage}: step times spread from {min(samples):.1f} to {max(samples):.1f} ms (IQR "
+    return (f"{name or rec.stage}: step times spread from {min(samples):.1f} to {max(samples):.1f} ms (IQR "
             f"{100.0 * iqr / median:.0f}% of the median): steps that vary this much are usually bound by the host "
             "launching kernels, so its figure depends on this machine's CPU and load; replaying the step as a "
             "CUDA graph (the -graph and -graphs stages) takes the host out"
@@ -755,7 +758,7 @@ def _notes(records: list[StageRecord], df: pd.DataFrame) -> list[str]:
             else:
                 notes.append(f"**{name}** is slower than **{previous}**, {how} "
                              f"({r.x_previous:.2f}x)" + _slower_why(rec, records, r.previous_stage))
-        spread = _spread_note(rec) if rec.graph is None else None   # the graph columns show it already
+        spread = _spread_note(rec, name) if rec.graph is None else None   # the graph columns show it already
         if spread:
             notes.append(spread)
         for n in rec.notes:

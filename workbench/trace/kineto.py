@@ -231,8 +231,9 @@ def cpu_ops_as_kernels(ev_or_data, warnings: list[str] | None = None) -> pd.Data
     launch_ns, later ones after it: tables count operators, not stretches (frames.instance_rows).
     A process-group collective (`c10d::...`: FSDP's all-gather and reduce-scatter, DDP's all-reduce) is
     one row over its whole time, the operators inside it (its buffers, copies, waits) part of it: that
-    time is communication. launch_tid = tid: range attribution works unchanged. device_id / stream_id are
-    -1. Operators with broken times are dropped, with a line in `warnings`."""
+    time is communication. An operator with no self time (its children cover it) is one 0 ns row, so it is
+    still counted. launch_tid = tid: range attribution works unchanged. device_id / stream_id are -1.
+    Operators with broken times are dropped, with a line in `warnings`."""
     ev = ev_or_data if isinstance(ev_or_data, pd.DataFrame) else _events(ev_or_data)
     ops = drop_bad_times(ev[ev["cat_l"] == "cpu_op"], "CPU operator rows", [] if warnings is None else warnings)
     if ops.empty:
@@ -254,10 +255,12 @@ def cpu_ops_as_kernels(ev_or_data, warnings: list[str] | None = None) -> pd.Data
         if end[i] > at:
             rows.append((at, end[i], i))
 
+    held = np.zeros(len(ops), dtype=bool)     # inside a collective: no row of its own
     for i in range(len(ops)):
         while stack and (tid[stack[-1][0]] != tid[i] or start[i] >= end[stack[-1][0]]):
             close(stack.pop())
         if stack and collective[stack[-1][0]]:
+            held[i] = True
             continue              # inside a collective: its time is the collective's
         if stack:
             top = stack[-1]
@@ -267,6 +270,10 @@ def cpu_ops_as_kernels(ev_or_data, warnings: list[str] | None = None) -> pd.Data
         stack.append([i, start[i]])
     while stack:
         close(stack.pop())
+    # an operator with no self time (its children cover it, or it took 0 ns) is still one: a 0 ns row
+    counted = np.zeros(len(ops), dtype=bool)
+    counted[[r[2] for r in rows]] = True
+    rows += [(start[i], start[i], i) for i in np.flatnonzero(~counted & ~held)]
     seg = np.array(rows, dtype="int64").reshape(-1, 3)
     op = seg[:, 2]
     out = pd.DataFrame({"start_ns": seg[:, 0], "end_ns": seg[:, 1], "name": names[op], "pid": pids[op],
