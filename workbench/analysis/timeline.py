@@ -218,8 +218,9 @@ def step_view(trace, step: int | str | None = None) -> StepView:
             g = a[a["tid"] == tid]
             n_launch = int((g["kind"] == "launch").sum())
             rows.append(Row("host", f"CUDA API, {thread_label(tid)}\n{n_launch:,} launches", g))
+    count = int(A.instance_rows(kernels)[np.asarray(own)].sum())    # operators, not their self-time stretches
     return StepView(label=label, why=why, start_ns=lo, end_ns=hi, view_end_ns=view_end, rows=rows, kernels=k,
-                    kernel_count=int(A.instance_rows(kernels)[np.asarray(own)].sum()), kernel_ns=int(kernels.loc[own, "duration_ns"].sum()),
+                    kernel_count=count, kernel_ns=int(kernels.loc[own, "duration_ns"].sum()),
                     busy_pct=busy_pct, words=words, devices=int(k["device_id"].nunique()) if len(k) else 1)
 
 

@@ -227,8 +227,8 @@ def cpu_ops_as_kernels(ev_or_data, warnings: list[str] | None = None) -> pd.Data
     CPU-only traces. An operator's self time is one row per stretch between its children: `aten::addmm`
     keeps the matrix product it computes itself, the copies nested in it are theirs, and the rows of a
     thread never overlap, so times add up without double counting. The stretches of one operator share
-    its correlation_id (a number per operator) and launch_ns (its start); its first stretch starts at
-    launch_ns, later ones after it: tables count operators, not stretches (frames.instance_rows).
+    its correlation_id (a number per operator) and launch_ns (its start): tables count operators, not
+    stretches (frames.instance_rows).
     A process-group collective (`c10d::...`: FSDP's all-gather and reduce-scatter, DDP's all-reduce) is
     one row over its whole time, the operators inside it (its buffers, copies, waits) part of it: that
     time is communication. An operator with no self time (its children cover it) is one 0 ns row, so it is
