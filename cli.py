@@ -405,6 +405,9 @@ def apply(
         _note(f"--resume: {out} holds no earlier run; starting a new one there")
     if quick:
         steps, warmup, peers = min(steps, 10), min(warmup, 3), False if peers is None else peers
+    def check(records_dir: Path) -> None:     # exits with the check's code
+        _run_check([check_against], [records_dir], limit, 2.0, thresholds, force, "md", allow_missing=allow_missing)
+
     try:
         result = _call(run_apply, recipe, model=model, batch=batch, steps=steps, warmup=warmup, device=device,
                        out_dir=out, profile=profile, stages=stages.split(",") if stages is not None else None,
@@ -419,15 +422,13 @@ def apply(
         if check_against is None or result is None:
             raise
         try:
-            _run_check([check_against], [result.records_dir], limit, 2.0, thresholds, force, "md",
-                       allow_missing=allow_missing)
+            check(result.records_dir)
         except typer.Exit as checked:
             if checked.exit_code == 1:
                 raise
         raise failed
     if check_against is not None:
-        _run_check([check_against], [result.records_dir], limit, 2.0, thresholds, force, "md",
-                   allow_missing=allow_missing)
+        check(result.records_dir)
 
 
 def _check_inputs_before_apply(check_against, thresholds, max_regression, nproc=None, force=False,

@@ -77,6 +77,17 @@ def debug_env(name: str) -> str | None:
 AUTOTUNE = debug_env("SWINBENCH_AUTOTUNE") != "0"
 
 
+COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)   # what the kernels compute in
+
+
+def require_compute_dtype(what: str, *tensors) -> None:
+    """ValueError unless every tensor given (None skipped) is fp16, bf16 or fp32: the kernels compute in
+    fp32 at most, so an fp64 input would come back at fp32's precision."""
+    for t in tensors:
+        if t is not None and t.dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"{what}: got {t.dtype}; the kernels take float16, bfloat16 or float32")
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling division for the host code's grids and tile counts. Newer Triton makes `triton.cdiv` and
     `triton.next_power_of_2` constexpr functions, which cost host time per call through their wrapper;

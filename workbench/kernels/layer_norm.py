@@ -258,8 +258,7 @@ def _dense(t: torch.Tensor | None) -> torch.Tensor | None:
 def _check(x: torch.Tensor, weight, bias, n_cols: int | None = None) -> int:
     """The row width (x's last dim, or n_cols), after checking that weight and bias are that wide and that
     x is a dtype the kernels compute (fp16, bf16, fp32: an fp64 input would come back at fp32's precision)."""
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"layer_norm: x is {x.dtype}; the kernels take float16, bfloat16 or float32")
+    _common.require_compute_dtype("layer_norm", x)
     n_cols = x.shape[-1] if n_cols is None else n_cols
     for name, p in (("weight", weight), ("bias", bias)):
         if p is not None and tuple(p.shape) != (n_cols,):

@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from workbench.kernels._common import (_INTERPRET, SOFT_RTNE as _SOFT_RTNE, cdiv, column_sums, eager_column_sums, emit_column_sum,
+from workbench.kernels._common import (_INTERPRET, SOFT_RTNE as _SOFT_RTNE, cdiv, require_compute_dtype, column_sums, eager_column_sums, emit_column_sum,
                       finish_column_sums, host_cache, kernel_op, launch, launch_options, next_pow2, pdl_enter, pdl_exit, pdl_launch,
                       sm_count, split_norm_grads, sum_rows, to_dtype, zero_column_sums)
 
@@ -450,9 +450,7 @@ def _norm_inputs(what: str, weight, bias, *tensors) -> None:
     missing weight or bias, or another dtype (fp64 would come back at fp32's precision)."""
     if weight is None or bias is None:
         raise ValueError(f"{what}: weight and bias are required (an affine LayerNorm, as timm's blocks hold)")
-    for t in tensors:
-        if t is not None and t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            raise ValueError(f"{what}: got {t.dtype}; the kernels take float16, bfloat16 or float32")
+    require_compute_dtype(what, *tensors)
 
 
 def _keep(keep: torch.Tensor | None, batch: int, stand_in: torch.Tensor) -> torch.Tensor:

@@ -63,7 +63,7 @@ import torch
 import triton
 import triton.language as tl
 
-from workbench.kernels._common import (_INTERPRET, AUTOTUNE, SOFT_RTNE, cdiv, kernel_op, launch, next_pow2, to_dtype,
+from workbench.kernels._common import (_INTERPRET, AUTOTUNE, SOFT_RTNE, cdiv, require_compute_dtype, kernel_op, launch, next_pow2, to_dtype,
                                       tracing)
 
 # Test hook: when True, every buffer a kernel must fill is NaN-filled first, so an element the
@@ -771,8 +771,7 @@ def _check_inputs(q, k, v, rel_bias, mask):
     bnw, nh, n, d = q.shape
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError("q, k and v must share one dtype")
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):   # fp64 would come back at fp32's precision
-        raise ValueError(f"q, k, v are {q.dtype}; the kernels take float16, bfloat16 or float32")
+    require_compute_dtype("q, k, v", q)
     if d < 16 or d > 128 or d & (d - 1):
         raise ValueError(f"head width d must be a power of two in 16..128, got {d}")
     if n > MAX_WINDOW_TOKENS:
