@@ -86,7 +86,7 @@ def _attention_float64(q, k, v, scale, table, index, mask):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cosine_window_attention_is_cosine_qk_then_the_kernel(windows, heads, tokens, d, masked, dtype):
     """Inference's one kernel (q and k normalized as the attention kernel loads them) gives the bits of
-    cosine_qk followed by the table kernel at scale 1, and the float64 truth within the dtype's rounding:
+    cosine_qk followed by the table kernel at scale 1 (on the interpreter; within rounding on a GPU), and the float64 truth within the dtype's rounding:
     fresh inputs, the packed qkv's strided views, zero rows, windows of 9 to 144 tokens."""
     from workbench.kernels.window_attention import (cosine_window_attention, fused_window_attention_from_table,
                                                     rel_pos_inverse)
@@ -104,7 +104,10 @@ def test_cosine_window_attention_is_cosine_qk_then_the_kernel(windows, heads, to
     qn, kn = cosine_qk(q, k, scale, dtype)
     ref = fused_window_attention_from_table(qn, kn, v, table, index, rel_pos_inverse(index, n_table), mask, scale=1.0)
     assert out.dtype == dtype and out.shape == (windows, heads, tokens, d)
-    assert torch.equal(out, ref)
+    if DEVICE.type == "cpu":
+        assert torch.equal(out, ref)
+    else:   # compiled, the two kernels may round q and k's norms differently (rsqrt, FMA contraction)
+        assert rel(out, ref) < (1e-6 if dtype == torch.float32 else 1e-2)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     assert rel(out, _attention_float64(q, k, v, scale, table, index, mask)) < tol
 
