@@ -85,6 +85,17 @@ def test_overwrite_moves_the_earlier_run_aside_and_deletes_nothing(tmp_path):
     assert (claim.moved_to / "report.md").read_text() == "# the earlier run\n"
 
 
+def test_a_launch_log_moves_aside_with_its_run_and_alone_holds_no_run(tmp_path):
+    folder = earlier_run(tmp_path / "run")
+    (folder / "torchrun.log").write_text("rank 1: Traceback ...\n")
+    with claim_run_folder(folder, command="test", overwrite=True, previous_tag=lambda entries: "old") as claim:
+        assert (claim.moved_to / "torchrun.log").read_text() == "rank 1: Traceback ...\n"
+    alone = tmp_path / "failed-launch"
+    alone.mkdir()
+    (alone / "torchrun.log").write_text("rank 0: no GPU\n")
+    assert run_entries(alone) == []
+
+
 def test_overwrite_and_keep_exclude_each_other(tmp_path):
     with pytest.raises(UserError, match="--overwrite and --resume"):
         claim_run_folder(tmp_path, command="test", overwrite=True, keep=True)

@@ -352,6 +352,32 @@ def test_resume_refuses_runs_trained_on_another_device(tmp_path, monkeypatch):
     assert result.exit_code == 2 and "was trained on NVIDIA H200" in result.output, result.output
 
 
+def test_resume_refuses_an_unfinished_run_of_another_setup(tmp_path):
+    """A run cut short holds measured steps: another setup is refused for it too, never trained over."""
+    out = tmp_path / "cmp"
+    args = ["--compare", "baseline,amp", "--steps", "3", "--out", str(out)]
+    train(tmp_path, *args)
+    amp = out / "records" / "03-amp-seed0.jsonl"
+    amp.write_text("\n".join(amp.read_text().splitlines()[:3]) + "\n")     # cut short: no end record
+    before = {p.name: p.read_text() for p in (out / "records").iterdir()}
+    result = runner.invoke(app, ["train", "--device", "cpu", "--batch", "16", "--compare", "baseline,amp",
+                                 "--steps", "3", "--lr", "1e-3", "--out", str(out), "--resume"])
+    assert result.exit_code == 2 and "trained with optimizer" in result.output, result.output
+    assert {p.name: p.read_text() for p in (out / "records").iterdir()} == before
+
+
+def test_resume_refuses_a_recipe_file_whose_passes_changed(tmp_path):
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("name: mine\nextends: baseline\ndescription: mine\npasses: []\n")
+    out = tmp_path / "run"
+    args = ["--recipe", str(recipe), "--steps", "2", "--out", str(out)]
+    train(tmp_path, *args)
+    recipe.write_text("name: mine\nextends: amp\ndescription: mine\npasses: []\n")
+    result = runner.invoke(app, ["train", "--device", "cpu", "--batch", "16", *args, "--seeds", "2", "--resume"])
+    assert result.exit_code == 2 and "recipe mine's passes" in result.output, result.output
+    assert sorted(p.name for p in (out / "records").iterdir()) == ["01-mine-seed0.jsonl"]
+
+
 def test_an_inference_only_recipe_in_a_comparison_is_refused_before_anything_trains(tmp_path):
     out = tmp_path / "cmp"
     result = runner.invoke(app, ["train", "--device", "cpu", "--compare", "baseline,fp8", "--out", str(out)])

@@ -37,7 +37,7 @@ LOCK_NAME = ".swinbench.lock"
 # holds a run; `overwrite` moves exactly these aside and leaves anything else where it is.
 RUN_ENTRY_PATTERNS = (
     "records", "report.md", "report-categories.png", "curves.png", "logs", "profiles", "reference.pt", "reference.tmp",
-    "checkpoints", "scaling", "rank[0-9]*", "ranks.*", "capture.log",
+    "checkpoints", "scaling", "rank[0-9]*", "ranks.*", "capture.log", "torchrun.log",
     "run.json", "launches.json", "trace.*", "capture_spec.json", "nsys.log",
     "kernels*.csv", "categories*.csv", "ranges*.csv", "busy*.csv", "api*.csv", "findings*.csv", "floors*.csv", "analysis*.json",
     "timeline.png", "timeline.json",
@@ -50,9 +50,10 @@ MATRIX_MD = "matrix.md"
 MATRIX_JSON = "matrix.json"
 
 
-# What a capture writes before it measures anything: a folder holding nothing else holds no run (a capture
-# that failed at its start leaves them, and the next run into the folder writes them again)
-NOT_MEASURED = ("capture.log", "nsys.log", "capture_spec.json")
+# What a capture or a torchrun launch writes before it measures anything: a folder holding nothing else
+# holds no run (a capture or launch that failed at its start leaves them, and the next run into the folder
+# writes them again); beside a run's other files they are moved aside with them
+NOT_MEASURED = ("capture.log", "nsys.log", "capture_spec.json", "torchrun.log")
 
 
 def run_entries(folder: Path) -> list[Path]:

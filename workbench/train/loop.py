@@ -47,7 +47,8 @@ from workbench.errors import Interrupted, UserError
 from workbench.files import short_repr
 from workbench.models import build_model, check_model_name, default_model_for, input_size, own_img_size
 from workbench.optimize.distributed import check_parallel
-from workbench.optimize.recipes import inference_only_pass, is_graph_form, replays_inductor_graphs, resolve_chain
+from workbench.optimize.recipes import (chain_passes, inference_only_pass, is_graph_form, replays_inductor_graphs,
+                                        resolve_chain)
 from workbench.devices import pick_device, resolve_device
 from workbench.run_folder import claim_run_folder, run_entries
 from workbench.datasets import load_data
@@ -278,7 +279,7 @@ def train_run(config: TrainConfig, recipe: str, seed: int, data, model_name: str
         torch.manual_seed(seed * 1_000 + rank)   # every rank its own stochastic-depth draws
     loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
     header = {"kind": "run", "schema": SCHEMA, "recipe": name, "recipe_ref": recipe, "seed": seed,
-              "input_size": list(input_size(model)), **setup,
+              "recipe_passes": recipe_passes(recipe), "input_size": list(input_size(model)), **setup,
               "schedule": f"linear warm-up over {max(1, round(WARMUP_SHARE * total))} steps, cosine to 0",
               "command": config.command, "env": environment_stamp(device)}
     try:
@@ -435,6 +436,12 @@ RESUME_KEYS = ("model", "data", "batch", "world_size", "steps", "optimizer", "la
                "reference", "ema")
 
 
+def recipe_passes(recipe: str) -> list[dict]:
+    """Every pass of the recipe's chain with its parameters, as a run's header stores them (JSON): what
+    --resume holds a run to, so a recipe file edited between sittings is not mixed into one row."""
+    return json.loads(json.dumps([{"name": n, "params": p} for n, p in chain_passes(recipe)], default=str))
+
+
 def _device_of(env) -> str:
     """The device a run trained on, from its header's env: the GPU's name, else the device kind."""
     env = env if isinstance(env, dict) else {}
@@ -448,8 +455,8 @@ def kept_runs(out_dir: Path, runs: list[tuple[str, int]], expected: dict,
     `device_label`, the device this command trains on), notes, and the record files to renumber: a run is
     found by its recipe and seed, and when the plan grew (more --seeds) its file moves to its new place in
     the order (renumber_runs does it, under the folder's lock). UserError when the folder holds a record
-    file this plan would not write, or a finished one of another setup: those are kept as they are, never
-    trained over. An empty record file (a run stopped before its header) holds nothing and is trained."""
+    file this plan would not write, or one (finished or not) of another setup, recipe passes or device:
+    those are kept as they are, never trained over. An empty record file (a run stopped before its header) holds nothing and is trained."""
     from workbench.results.train_runs import read_runs
 
     records = out_dir / "records"
@@ -477,13 +484,18 @@ def kept_runs(out_dir: Path, runs: list[tuple[str, int]], expected: dict,
                             "come from --recipe/--compare, --seed, --seeds, --baseline-seeds and --reference): "
                             "give the command that made it, or another --out")
         differs = [k for k in RESUME_KEYS if run.header.get(k) != expected.get(k)]
-        finished = run.status in ("ok", "diverged", "not available")
-        if differs and finished:
+        if differs:    # finished or not: what it measured belongs to another setup, and is never trained over
             k = differs[0]
             raise UserError(f"--resume: {run.path.name} was trained with {k} {run.header.get(k)!r}, this command "
                             f"asks for {expected.get(k)!r}: give the same settings, or another --out")
+        passes = recipe_passes(runs[i][0])
+        if "recipe_passes" in run.header and run.header["recipe_passes"] != passes:
+            raise UserError(f"--resume: {run.path.name} was trained with recipe {run.recipe}'s passes "
+                            f"{short_repr(run.header['recipe_passes'])}, which now reads {short_repr(passes)} "
+                            "(its file changed?): give the recipe it trained with, or another --out")
+        finished = run.status in ("ok", "diverged", "not available")
         trained_on = _device_of(run.header.get("env"))
-        if finished and device_label is not None and trained_on != device_label:
+        if device_label is not None and trained_on != device_label:
             raise UserError(f"--resume: {run.path.name} was trained on {trained_on}, this command trains on "
                             f"{device_label}: their speeds and numerics do not belong in one comparison; "
                             "choose another --out")
