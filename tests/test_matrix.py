@@ -164,6 +164,23 @@ def test_failed_gate_leaves_the_swinbench_side_empty():
     assert "No cell has both" in matrix_markdown([row])
 
 
+def test_a_cell_without_a_comparison_is_named_in_the_summary():
+    rows = matrix_rows([("ok", cell_records()),
+                        ("failed", cell_records("swin_base_patch4_window7_224", batch=64, fmha_gate="FAIL", run_id="r2"))])
+    text = matrix_markdown(rows)
+    assert "at least as fast as the strongest PyTorch-alone peer in 1 of 2 cells" in text
+    assert "1 cell(s) without both a swinbench stage and a peer that passed the gate: Swin-B 224 train b64." in text
+
+
+def test_a_table_of_several_devices_names_each_rows_device():
+    rows = matrix_rows([("gpu", cell_records()),
+                        ("cpu", cell_records(TINY_MODEL, batch=8, amp=(9.0, None), fmha=(12.0, None),
+                                             peer=(10.0, None), cpu=True, run_id="r2"))])
+    lines = matrix_markdown(rows).splitlines()
+    assert any(line.startswith("| Swin-T 224 (NVIDIA H200) |") for line in lines)
+    assert any("(CPU) |" in line.split("|")[1] + "|" for line in lines if line.startswith("| "))
+
+
 def test_write_matrix_orders_cells_and_skips_moved_aside_runs(tmp_path):
     write_cell(tmp_path, "b-infer", cell_records("swin_base_patch4_window7_224", "infer", 64, run_id="r3"))
     write_cell(tmp_path, "t-infer", cell_records(mode="infer", batch=1, run_id="r2"))
@@ -246,9 +263,14 @@ def test_cell_with_a_failed_stage_is_continued_with_apply_resume(tmp_path):
     assert matrix.cell_finished(out / name, matrix.cell_stages("fmha"), **plan)
     assert not matrix.cell_finished(out / name, matrix.cell_stages("fmha"), **{**plan, "steps": 20})
     assert not matrix.cell_finished(out / name, matrix.cell_stages("fmha"), **{**plan, "on_gpu": False})
-    recs[1].update(status="error", error="boom")
-    write_record(recs[1], out / name / "records")
     fake = FakeApply()
+    with pytest.raises(UserError, match="holds cells measured on NVIDIA H200 .*this command measures on CPU"):
+        matrix.run_matrix(models=[TINY_MODEL], modes=["train"], out_dir=out, device="cpu", run_apply=fake,
+                          resume=True)
+    assert fake.calls == []
+    cpu = cell_records(TINY_MODEL, batch=8, cpu=True)
+    cpu[1].update(status="error", error="boom")
+    write_cell(out, name, cpu)
     matrix.run_matrix(models=[TINY_MODEL], modes=["train"], out_dir=out, device="cpu", run_apply=fake, resume=True)
     assert fake.calls[0]["resume"] is True
 

@@ -223,6 +223,23 @@ def cell_finished(folder: Path, stages: list[str], *, steps: int, warmup: int, o
     return all(s in done for s in stages)
 
 
+def _refuse_another_device(out_dir: Path, device) -> None:
+    """UserError (one line) when a cell of the matrix in out_dir was measured on another device than
+    `device` (the CPU, or another GPU): one table compares cells of one device."""
+    import torch
+
+    here = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    for folder in cell_folders(out_dir):
+        try:
+            records = read_records([folder / "records"])
+        except UserError:
+            continue    # a damaged cell: apply's resume says what is wrong with it
+        there = next((r.env.device_name for r in records), here)
+        if there != here:
+            raise UserError(f"--resume: {out_dir} holds cells measured on {there} ({folder.name}), this command "
+                            f"measures on {here}: one matrix compares cells of one device; choose another --out")
+
+
 def _started(out_dir: Path) -> list[str]:
     """The entries of out_dir that an earlier matrix wrote: its tables and cell folders holding a run."""
     if not out_dir.is_dir():
@@ -279,6 +296,8 @@ def run_matrix(*, models: list[str] | None = None, modes: list[str] | None = Non
         listed = ", ".join(earlier[:3]) + (", ..." if len(earlier) > 3 else "")
         raise UserError(f"{out_dir} holds an earlier matrix ({listed}); nothing was changed: --resume continues it, "
                         "--overwrite moves each cell's files aside, or choose another --out")
+    if earlier and resume:
+        _refuse_another_device(out_dir, resolve_device(device))
     if not on_gpu:
         console.print("[yellow]note:[/] CPU matrix: the step times show the workflow, not what the stages do on a "
                       "GPU (torch-compile compiles with Inductor on the CPU: slow)")

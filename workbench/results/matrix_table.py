@@ -147,11 +147,14 @@ def _ms(ms, iqr=None) -> str:
     return f"{ms:.2f} ± {iqr:.2f}" if _isnum(iqr) else f"{ms:.2f}"
 
 
-def display_row(row: dict) -> list[str]:
+def display_row(row: dict, name_device: bool = False) -> list[str]:
+    """A row's cells as the table shows them; `name_device` (a table of several devices): the model's
+    cell names the device that measured it."""
     ratio = fmt_speedup(row["x_peer"])
     if row["slower"]:
         ratio = f"**{ratio}** {SLOWER_MARK}"
-    return [short_model(row["model"]), "training" if row["mode"] == "train" else "inference", str(row["batch"]),
+    model = short_model(row["model"]) + (f" ({row['device']})" if name_device else "")
+    return [model, "training" if row["mode"] == "train" else "inference", str(row["batch"]),
             _ms(row["amp_ms"]) + (" (graph)" if row["amp_form"] == "graph-replayed" else ""),
             f"{_ms(row['peer_ms'])} ({_form(row['peer'], row['peer_form'])})" if row["peer"] else "-",
             f"{_ms(row['swinbench_ms'], row['swinbench_iqr_ms'])} ({_form(row['swinbench'], row['swinbench_form'])})"
@@ -177,10 +180,17 @@ def summary_line(rows: list[dict]) -> str:
     low = min(compared, key=lambda r: r["x_peer"])
     weakest = f"lowest {low['x_peer']:.2f}x ({short_model(low['model'])}, {low['mode']}, batch {low['batch']})"
     if not slower:
-        cells = "its one cell" if len(compared) == 1 else f"all {len(compared)} cells"
-        return f"swinbench is at least as fast as the strongest PyTorch-alone peer in {cells}; {weakest}."
-    return (f"swinbench is slower than the strongest PyTorch-alone peer in {len(slower)} of {len(compared)} cells "
-            f"({SLOWER_MARK}); {weakest}.")
+        cells = ("its one cell" if len(rows) == 1 else f"all {len(rows)} cells") if len(compared) == len(rows) \
+            else f"{len(compared)} of {len(rows)} cells"
+        line = f"swinbench is at least as fast as the strongest PyTorch-alone peer in {cells}; {weakest}."
+    else:
+        line = (f"swinbench is slower than the strongest PyTorch-alone peer in {len(slower)} of {len(compared)} "
+                f"cells compared ({SLOWER_MARK}); {weakest}.")
+    unmatched = [r for r in rows if not _isnum(r["x_peer"])]
+    if unmatched:
+        line += (f" {len(unmatched)} cell(s) without both a swinbench stage and a peer that passed the gate: "
+                 + ", ".join(f"{short_model(r['model'])} {r['mode']} b{r['batch']}" for r in unmatched) + ".")
+    return line
 
 
 def matrix_markdown(rows: list[dict], command: str | None = None, heading: bool = True) -> str:
@@ -191,7 +201,8 @@ def matrix_markdown(rows: list[dict], command: str | None = None, heading: bool 
     title = f"swinbench matrix — {_where(rows)}"
     lines = [f"# {title}" if heading else f"**{title}**", "",
              "| " + " | ".join(HEADERS) + " |", "|" + "|".join("---" for _ in HEADERS) + "|"]
-    lines += ["| " + " | ".join(display_row(r)) + " |" for r in rows]
+    several = len({r["device"] for r in rows}) > 1
+    lines += ["| " + " | ".join(display_row(r, several)) + " |" for r in rows]
     lines += ["", summary_line(rows), "", measured_line(rows), "",
               "Each cell is one `swinbench apply` run (its own records and report.md in the cell's folder): amp, "
               "the fused swinbench stage and the PyTorch-alone peer torch-compile, on the same seed. "
