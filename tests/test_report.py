@@ -496,3 +496,23 @@ def test_activation_dtype_changes_compare_within_a_run():
                 dict(record(2, "fmha", "amp", 40.0), run_id=run_id, activation_dtypes={"blocks.0": dtype})]
 
     assert activation_dtype_changes(run("a", "torch.bfloat16") + run("b", "torch.float32")) == []
+
+
+def test_a_record_named_twice_is_one_row_and_a_copied_run_is_refused(tmp_path):
+    import shutil
+
+    from workbench.results.readme_table import render_for_readme
+
+    cpu = Path(__file__).resolve().parents[1] / "reports" / "cpu-tiny-b8-train"
+    out = render_report_from_paths([cpu / "records", cpu / "records" / "00-baseline.json"], out=tmp_path / "r.md")
+    assert out.read_text().count("| baseline | fp32 | 531.2 |") == 1
+    readme = tmp_path / "README.md"
+    assert render_for_readme([cpu / "records", cpu / "records"], readme).count("| baseline | fp32 | 15.06") == 1
+    copy = tmp_path / "copy"
+    shutil.copytree(cpu / "records", copy)
+    for paths in ([cpu / "records", copy], [copy, cpu / "records"]):
+        with pytest.raises(UserError, match="hold the same stage baseline of run .* \\(a copy\\?\\)"):
+            render_report_from_paths(paths, out=tmp_path / "twice.md")
+        with pytest.raises(UserError, match="a copy"):
+            render_for_readme(paths, readme)
+    assert not (tmp_path / "twice.md").exists()

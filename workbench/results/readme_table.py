@@ -20,7 +20,7 @@ from pathlib import Path
 
 from workbench.errors import UserError
 from workbench.files import atomic_write_text
-from workbench.results.record import StageRecord, as_records, read_records
+from workbench.results.record import StageRecord, as_records, read_record, record_files, refuse_copies
 from workbench.results.report import (CROSS_RUN_MARK, CROSS_RUN_NOTE, PEER_LABEL, REUSED_MARK, REUSED_NOTE, _is_peer,
                                       best_form, fmt_rate, fmt_speedup, fmt_step, speedup_table)
 
@@ -190,12 +190,19 @@ def render_for_readme(paths: list[Path], readme: Path) -> str:
     readme = Path(readme)
     records: list[StageRecord] = []
     sources: list[str] = []
+    files: list[Path] = []
+    read: list[StageRecord] = []     # in the order of files
     for p in map(Path, paths):
         seen = {r.run_id for r in records}
-        got = read_records([p])
+        named = {f.resolve() for f in files}
+        mine = [f for f in record_files([p]) if f.resolve() not in named]    # a file named twice is read once
+        got = [read_record(f) for f in mine]
+        files += mine
+        read += got
+        refuse_copies(files, read)
         new_runs = dict.fromkeys(r.run_id for r in got if r.run_id not in seen)
         sources += [display_path(p, readme.parent)] * len(new_runs)
-        records += got
+        records += sorted(got, key=lambda r: (r.run_id, r.stage_index))
     command = "swinbench report " + " ".join(display_path(p, readme.parent) for p in paths) + \
         f" --readme {readme.name}"
     return results_table(records, command, sources)

@@ -1245,7 +1245,10 @@ def record_files(paths) -> list[Path]:
             raise UserError(f"more than {MAX_RECORD_FILES:,} record files in {', '.join(map(str, paths))}; not read")
     if not files:
         raise UserError(f"no stage records (*.json) found in {', '.join(map(str, paths))}")
-    return files
+    unique = {}
+    for f in files:     # a file named twice (itself and its folder) is read once
+        unique.setdefault(f.resolve(), f)
+    return list(unique.values())
 
 
 def read_record(path: Path) -> StageRecord:
@@ -1271,3 +1274,24 @@ def read_records(paths) -> list[StageRecord]:
         paths = [paths]
     records = [read_record(f) for f in record_files(list(paths))]
     return sorted(records, key=lambda r: (r.run_id, r.stage_index))
+
+
+def read_distinct_records(paths) -> list[StageRecord]:
+    """read_records for a table of runs (a report, the README's table): UserError (one line) when two files
+    hold the same stage of the same run (a copied folder given beside its original), which would show as
+    two rows of one measurement."""
+    files = record_files([paths] if isinstance(paths, (str, Path)) else list(paths))
+    records = [read_record(f) for f in files]
+    refuse_copies(files, records)
+    return sorted(records, key=lambda r: (r.run_id, r.stage_index))
+
+
+def refuse_copies(files: list[Path], records: list[StageRecord]) -> None:
+    """UserError (one line) when two of `files` (read as `records`, in the same order) hold the same stage
+    of the same run."""
+    seen: dict = {}
+    for f, r in zip(files, records):
+        other = seen.setdefault((r.run_id, r.stage), f)
+        if other is not f:
+            raise UserError(f"records {other} and {f} hold the same stage {r.stage} of run {r.run_id} (a copy?): "
+                            "give one of them")

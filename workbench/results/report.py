@@ -33,7 +33,8 @@ from workbench.env import device_label
 from workbench.errors import UserError
 from workbench.files import atomic_write_bytes, atomic_write_text
 from workbench.labels import GPU_WORDS, record_words
-from workbench.results.record import Interleaved, PairedRatio, StageRecord, as_records, read_records, short_dtype
+from workbench.results.record import (Interleaved, PairedRatio, StageRecord, as_records, read_distinct_records,
+                                      read_records, short_dtype)
 from workbench.results.significance import NS_MARK, NS_NOTE, paired_significant, speedup_significant
 
 COLUMNS = ["run_id", "stage", "extends", "status", "gate", "precision", "precision_label", "img_per_s", "step_ms", "step_iqr_ms",
@@ -1202,7 +1203,7 @@ def render_report_from_paths(paths: list[Path], out: Path | None = None,
     from workbench.files import refuse_to_replace
     from workbench.results.record import record_files
 
-    records = read_records(paths)
+    records = read_distinct_records(paths)
     target = refuse_to_replace(Path(out) if out is not None else default_report_path(list(paths)),
                                lambda head: head.startswith(REPORT_HEADING), "a report swinbench wrote",
                                inputs=record_files(list(paths)))
