@@ -110,3 +110,16 @@ def test_collectives_are_communication(name):
 def test_ordinary_ops_with_collective_looking_words_are_not_communication():
     assert categorize_one("aten::broadcast_tensors") != "communication"
     assert categorize_one("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float>>") == "reduction"
+
+
+@pytest.mark.parametrize("name, category", [
+    ("aten::mm", "GEMM"), ("aten::addmm", "GEMM"), ("aten::bmm", "GEMM"), ("aten::convolution_backward", "GEMM"),
+    ("aten::copy_", "copy/memory"), ("aten::_to_copy", "copy/memory"), ("aten::cat", "copy/memory"),
+    ("aten::fill_", "copy/memory"), ("aten::add", "elementwise"), ("aten::mul_", "elementwise"),
+    ("aten::gelu_backward", "elementwise"), ("aten::sum", "reduction"), ("aten::roll", "window gather/scatter"),
+    ("aten::_foreach_addcdiv_", "optimizer"), ("aten::native_layer_norm_backward", "normalization"),
+    ("aten::_softmax_backward_data", "softmax"), ("aten::view", "other"), ("aten::permute", "other"),
+])
+def test_cpu_operators_fall_in_their_categories(name, category):
+    """On a CPU trace each operator's self time stands for a kernel: aten names are categorized too."""
+    assert categorize_one(name) == category

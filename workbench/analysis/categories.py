@@ -36,6 +36,13 @@ look like a generic kernel. Specific rules come first:
 9. elementwise: `elementwise` (vectorized_/unrolled_elementwise_kernel), pointwise functors, GELU, dropout
    and drop-path random kernels (`distribution_elementwise`), Triton `triton_poi_*`.
 10. other: everything else (e.g. cub radix sort used by index backward, cuDNN index precomputation).
+
+On the CPU (torch.profiler traces, where each operator's self time stands for a kernel) the operators are
+named `aten::<op>`: matrix products and convolutions are GEMM, `copy_` / `_to_copy` / `clone` / `cat` /
+`fill_` and allocations copy/memory, `sum` / `mean` / `amax` reductions, arithmetic and activations
+elementwise, `roll` window gather/scatter, `_foreach_*` the optimizer; LayerNorm, softmax and attention
+operators fall under the rules above by name. Views (`view`, `reshape`, `permute`, `as_strided`, `slice`)
+move nothing and stay in other.
 """
 from __future__ import annotations
 
@@ -52,18 +59,26 @@ CATEGORIES = [
 RULES: list[tuple[str, str]] = [
     ("communication", r"nccl|gloo|c10d::|all_?reduce|reduce_?scatter|all_?gather|allgather"),
     ("attention", r"fmha|flash_?(?:fwd|bwd|attn)|flash::|attention|sdpa|\b_window_attention"),
-    ("optimizer", r"multi_tensor_apply|fused_?adam|(?<![a-z])adamw?(?![a-z])|\b_adamw?_|sgd_kernel"),
-    ("window gather/scatter", r"\broll_|\broll_cuda|\b_roll_partition|\b_merge_|window_(?:partition|reverse)"),
+    ("optimizer", r"multi_tensor_apply|fused_?adam|(?<![a-z])adamw?(?![a-z])|\b_adamw?_|sgd_kernel|aten::_foreach_"),
+    ("window gather/scatter", r"\broll_|\broll_cuda|aten::roll\b|\b_roll_partition|\b_merge_|window_(?:partition|reverse)"),
     ("normalization", r"layer_?norm|gammabetabackward|\b_norm_shift|rms_?norm|batch_?norm|group_?norm"),
     ("softmax", r"softmax"),
-    ("GEMM", r"gemm|nvjet|xmma|cutlass|cublas|convolve|wgrad|dgrad|fprop"),
+    ("GEMM", r"gemm|nvjet|xmma|cutlass|cublas|convolve|wgrad|dgrad|fprop"
+             r"|aten::(?:mm|addmm_?|bmm|baddbmm|matmul|linear|_addmm_activation|_?convolution\w*|conv2d"
+             r"|mkldnn_\w*convolution\w*)\b"),
     (
         "copy/memory",
         r"direct_copy|_copy_kernel|copy_kernel|catarray|\bcat_|memcpy|memset|\bindex|indexing|gather|scatter"
-        r"|nchwtonhwc|nhwctonchw|transpose|fillfunctor",
+        r"|nchwtonhwc|nhwctonchw|transpose|fillfunctor"
+        r"|aten::(?:copy_|_to_copy|to|clone|contiguous|cat|stack|fill_|zero_|zeros\w*|ones\w*|empty\w*"
+        r"|new_\w+|constant_pad_nd|pad|flip|_index\w*)\b",
     ),
-    ("reduction", r"reduce|reduction|nll_loss|cross_entropy|triton_red_|triton_per_"),
-    ("elementwise", r"elementwise|pointwise|functor|gelu|dropout|triton_poi_"),
+    ("reduction", r"reduce|reduction|nll_loss|cross_entropy|triton_red_|triton_per_"
+                  r"|aten::(?:sum|mean|amax|amin|max|min|norm|linalg_vector_norm|argmax|var_mean)\b"),
+    ("elementwise", r"elementwise|pointwise|functor|gelu|dropout|triton_poi_"
+                    r"|aten::(?:add|add_|sub|sub_|mul|mul_|div|div_|neg|exp|sqrt|rsqrt|pow|where|lerp_|addcmul_"
+                    r"|addcdiv_|clamp\w*|masked_fill\w*|bernoulli_|rand\w*|silu\w*|relu\w*|sigmoid\w*|tanh\w*"
+                    r"|threshold_backward|floor_divide|remainder|eq|ne|lt|gt|le|ge)\b"),
 ]
 _COMPILED = [(cat, re.compile(pat, re.IGNORECASE)) for cat, pat in RULES]
 assert all(cat in CATEGORIES for cat, _ in RULES)
