@@ -516,3 +516,15 @@ def test_a_record_named_twice_is_one_row_and_a_copied_run_is_refused(tmp_path):
         with pytest.raises(UserError, match="a copy"):
             render_for_readme(paths, readme)
     assert not (tmp_path / "twice.md").exists()
+
+
+def _committed_stage_runs():
+    root = Path(__file__).resolve().parents[1] / "reports"
+    return sorted(p.parent for p in root.glob("**/records") if any(p.glob("*.json")) and (p.parent / "report.md").is_file())
+
+
+@pytest.mark.parametrize("folder", _committed_stage_runs(), ids=lambda p: p.name)
+def test_committed_reports_are_what_their_records_render(folder, tmp_path):
+    """reports/ holds runs of the current code: each report.md is its records rendered again."""
+    out = render_report_from_paths([folder / "records"], out=tmp_path / "report.md")
+    assert out.read_text() == (folder / "report.md").read_text(), f"re-render: swinbench report {folder}/records"
