@@ -428,3 +428,12 @@ def test_renumbering_moves_files_either_way_without_overwriting_one(tmp_path):
     records = folder(["01-a.jsonl", "02-b.jsonl"])                        # each one place later
     renumber_runs([(records / "01-a.jsonl", records / "02-a.jsonl"), (records / "02-b.jsonl", records / "03-b.jsonl")])
     assert {p.name: p.read_text().strip() for p in records.iterdir()} == {"02-a.jsonl": "a", "03-b.jsonl": "b"}
+
+
+def test_a_single_run_that_diverged_says_so_in_its_table(tmp_path):
+    out = tmp_path / "div"
+    output = train(tmp_path, "--steps", "8", "--lr", "1e4", "--clip-grad", "0", "--label-smoothing", "0",
+                   "--out", str(out))
+    assert "diverged: loss" in output
+    table = (out / "report.md").read_text().split("\n\n")[1]
+    assert "| status |" in table and "diverged: loss" in table

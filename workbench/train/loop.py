@@ -16,8 +16,9 @@ also validates it: "val_acc_ema" and "val_loss_ema" in the epoch record, "final_
 `loss` is the training batch's (label-smoothed) loss; `img_per_s` the batch over the wall time of its
 train_step up to the loss on the host (`loss.item()` waits for the GPU), validation excluded. `grad_norm` (with gradient clipping on) is the
 global gradient norm before clipping, the figure that rises before a loss spike. A run's
-img/s is the median over its steps after the first tenth (and at least after the eager steps before a graph
-capture: GRAPH_WARMUP_STEPS, 11 under DDP; warm-up, autotuning and graph capture). With `compare`, the
+img/s is the median over its steps after the first tenth, and at least after the first GRAPH_WARMUP_STEPS + 1
+(4; a graph recipe under DDP: DDP_GRAPH_WARMUP_STEPS + 1, 12): warm-up, autotuning, compiling and graph
+capture. With `compare`, the
 reference recipe (`reference`, default the baseline) runs max(baseline_seeds, seeds) seeds (seed, seed + 1,
 ...) and every other recipe `seeds` seeds from `seed`, so each shares the reference's initial weights,
 data order and augmentation seed for seed; the report then gives each recipe the parity verdict against
@@ -41,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from workbench.api import GraphFallbackWarning, RecipeUnavailable, optimize_swin
+from workbench.optimize.trainer import GRAPH_WARMUP_STEPS
 from workbench.checkpoints import save_checkpoint
 from workbench.env import device_label, environment_stamp
 from workbench.errors import Interrupted, UserError
@@ -342,7 +344,10 @@ def train_run(config: TrainConfig, recipe: str, seed: int, data, model_name: str
             if status == "ok" and world > 1:
                 torch.distributed.barrier()      # the other ranks wait for rank 0's validation
             epoch += 1
-    skip = min(len(rates) - 1, max(swin.graph_warmup_steps + 1, len(rates) // 10)) if rates else 0
+    # warm-up excluded: the first tenth, and at least the first GRAPH_WARMUP_STEPS + 1 steps (autotuning,
+    # compiling; a graph recipe's eager steps and its capture, more of them under DDP)
+    warm = swin.graph_warmup_steps if swin.graphed else GRAPH_WARMUP_STEPS
+    skip = min(len(rates) - 1, max(warm + 1, len(rates) // 10)) if rates else 0
     img_per_s = statistics.median(rates[skip:]) if rates else None
     end = {"kind": "end", "status": status, "reason": reason, "steps": step, "epochs": epoch,
            "final_val_acc": val_acc, **({"final_val_acc_ema": val_acc_ema} if config.ema is not None else {}),

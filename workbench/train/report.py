@@ -92,10 +92,14 @@ def summary_rows(records_dir: Path | None = None, runs: list[RunRecords] | None 
             why = "" if short else (not_done[0].end or {}).get("reason") or ""
             row["parity"] = f"{not_done[0].status}: {why}".rstrip(": ")
         rows.append(row)
-    if len(order) == 1 and not comparison.parity:   # one recipe: nothing to compare
+    if len(order) == 1 and not comparison.parity:   # one recipe: nothing to compare, but a run may not have ended well
+        flagged = any(r.status != "ok" for r in runs)
         for row in rows:
+            status = row["parity"]
             for col in ("loss distance", "baseline spread", "val acc Δ", "parity"):
                 del row[col]
+            if flagged:
+                row["status"] = status if status and not status.startswith("reference") else "ok"
     if comparison.reference != "baseline":
         rows = [{("reference spread" if k == "baseline spread" else k): v for k, v in row.items()} for row in rows]
     if short:   # a terminal's width: the spread goes on a line of its own (spread_line)
@@ -151,7 +155,8 @@ def _setup_lines(runs: list[RunRecords]) -> list[str]:
         f"gradient clipping {h.get('clip_grad') or 'off'}"
         + (f"; an EMA of the fp32 weights, decay {h['ema']:g}, validated beside them" if h.get("ema") else ""),
         "- **img/s**: the batch over the wall time of one train_step up to its loss on the host, median over "
-        "the steps after the first tenth of a run (warm-up, autotuning and graph capture excluded); "
+        "the steps after the first tenth of a run and after at least its first 4 (12 for a CUDA-graph recipe under DDP): "
+        "warm-up, autotuning, compiling and graph capture excluded; "
         "validation is not timed",
         f"- **environment** {device_label(env)}; torch {env.get('torch')}, triton {env.get('triton')}, "
         f"timm {env.get('timm')}; swinbench {env.get('swinbench')}; {env.get('date')}",
@@ -220,7 +225,10 @@ def render_train_report(records_dir: Path, out: Path | None = None) -> str:
     elif any(r.recipe != comparison.reference for r in runs):
         parts += [f"No parity verdicts: they need at least two finished seeds of {ref} (--compare with "
                   "--baseline-seeds 2 or more).", ""]
-    parts += ["## Setup", "", *_setup_lines(runs), "", f"Made by `{h.get('command') or 'swinbench train'}`.", ""]
+    commands = list(dict.fromkeys(r.header.get("command") or "swinbench train" for r in runs))
+    made = (f"Made by `{commands[0]}`." if len(commands) == 1 else
+            "Made in " + str(len(commands)) + " sittings (`--resume`): " + "; then ".join(f"`{c}`" for c in commands) + ".")
+    parts += ["## Setup", "", *_setup_lines(runs), "", made, ""]
     text = "\n".join(parts)
     if out is not None:
         atomic_write_text(out, text)
@@ -280,6 +288,8 @@ def write_curves(records_dir: Path, out: Path) -> Path:
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    env = runs[0].header.get("env", {}) if runs else {}
+    fig.suptitle(f"{runs[0].header.get('model') if runs else ''} on {device_label(env)}", fontsize=10)
     fig.tight_layout()
     out = Path(out)
     tmp = out.with_name(f".{out.name}.tmp")
