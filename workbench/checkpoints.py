@@ -1,7 +1,8 @@
 """Model checkpoints that travel between `swinbench train` and `swinbench apply --checkpoint`.
 
 A swinbench checkpoint is one `torch.save` file: a plain timm state_dict (what `OptimizedSwin.state_dict()`
-returns: it loads into `timm.create_model(model, num_classes=...)` as is) and what was trained:
+returns: it loads into `timm.create_model(model, num_classes=...)` as is; the CPU's tiny Swin,
+`swinbench_tiny_cpu`, into `workbench.models.build_model`) and what was trained:
 
     {"format": FORMAT, "model": timm name, "num_classes": int, "input_size": [C, H, W],
      "data": the data's path (an ImageFolder) or None (the shipped digits), "recipe": str, "seed": int,
