@@ -263,6 +263,7 @@ def test_cell_with_a_failed_stage_is_continued_with_apply_resume(tmp_path):
     assert matrix.cell_finished(out / name, matrix.cell_stages("fmha"), **plan)
     assert not matrix.cell_finished(out / name, matrix.cell_stages("fmha"), **{**plan, "steps": 20})
     assert not matrix.cell_finished(out / name, matrix.cell_stages("fmha"), **{**plan, "on_gpu": False})
+    assert not matrix.cell_finished(out / name, matrix.cell_stages("fmha"), **plan, profile=True)   # never captured
     fake = FakeApply()
     with pytest.raises(UserError, match="holds cells measured on NVIDIA H200 .*this command measures on CPU"):
         matrix.run_matrix(models=[TINY_MODEL], modes=["train"], out_dir=out, device="cpu", run_apply=fake,

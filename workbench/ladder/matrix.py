@@ -202,10 +202,12 @@ def compiled_stages(book) -> list[str]:
     return sorted(n for n in names if f"{n}-compile" in names and book.chain(f"{n}-compile")[-2].name == n)
 
 
-def cell_finished(folder: Path, stages: list[str], *, steps: int, warmup: int, on_gpu: bool) -> bool:
+def cell_finished(folder: Path, stages: list[str], *, steps: int, warmup: int, on_gpu: bool,
+                  profile: bool = False) -> bool:
     """Whether folder's records hold every stage, each finished (ok or not available, as apply's resume
-    keeps them) under this plan: measured with these steps and warm-up on this device kind. A cell that
-    differs is not skipped: apply's resume then says, in one line, what differs."""
+    keeps them) under this plan: measured with these steps and warm-up on this device kind, and captured
+    when `profile` asks for it. A cell that differs is not skipped: apply's resume then says, in one line,
+    what differs."""
     records_dir = folder / "records"
     if not records_dir.is_dir() or not any(records_dir.glob("*.json")):
         return False
@@ -218,6 +220,8 @@ def cell_finished(folder: Path, stages: list[str], *, steps: int, warmup: int, o
         if r.env.on_gpu != on_gpu or r.status not in ("ok", "not available"):
             continue
         if r.ok and r.timing is not None and (r.timing.repeats, r.timing.warmup) != (steps, warmup):
+            continue
+        if r.ok and profile and not r.profile:
             continue
         done.add(r.stage)
     return all(s in done for s in stages)
@@ -314,7 +318,8 @@ def run_matrix(*, models: list[str] | None = None, modes: list[str] | None = Non
         for i, cell in enumerate(cells, 1):
             folder = out_dir / cell.name
             head = f"matrix cell {i}/{len(cells)}: {cell.model}, {cell.mode}, batch {cell.batch}"
-            if resume and cell_finished(folder, stages[cell.mode], steps=steps, warmup=warmup, on_gpu=on_gpu):
+            if resume and cell_finished(folder, stages[cell.mode], steps=steps, warmup=warmup, on_gpu=on_gpu,
+                                        profile=profile):
                 skipped.append(cell.name)
                 console.print(f"{head}: finished in an earlier run, kept", highlight=False)
                 continue
