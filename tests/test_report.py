@@ -528,3 +528,16 @@ def test_committed_reports_are_what_their_records_render(folder, tmp_path):
     """reports/ holds runs of the current code: each report.md is its records rendered again."""
     out = render_report_from_paths([folder / "records"], out=tmp_path / "report.md")
     assert out.read_text() == (folder / "report.md").read_text(), f"re-render: swinbench report {folder}/records"
+
+
+def test_a_report_of_part_of_a_run_does_not_replace_the_runs_report(tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "reports" / "cpu-tiny-b8-train", run)
+    before = (run / "report.md").read_text()
+    with pytest.raises(UserError, match="1 of the 5 records .* part of the run.*give --out FILE"):
+        render_report_from_paths([run / "records" / "01-amp.json"])
+    assert (run / "report.md").read_text() == before
+    assert render_report_from_paths([run / "records" / "01-amp.json"], out=tmp_path / "amp.md").is_file()
+    assert render_report_from_paths([run / "records"]) == run / "report.md"

@@ -1195,6 +1195,19 @@ def default_report_path(paths: list[Path]) -> Path:
     return folder_of(Path(paths[0])) / "report.md"
 
 
+def _refuse_part_of_a_run(paths: list[Path], report: Path) -> None:
+    """UserError (one line) when `paths` name some of the records beside `report`, not all: a report of part
+    of the run is not to replace the run's own."""
+    from workbench.results.record import record_files
+
+    records_dir = report.parent / "records" if (report.parent / "records").is_dir() else report.parent
+    given = {f.resolve() for f in record_files(paths)}
+    left_out = [f for f in record_files([records_dir]) if f.resolve() not in given]
+    if left_out:
+        raise UserError(f"{len(given)} of the {len(given) + len(left_out)} records in {records_dir} make a report of "
+                        f"part of the run, which is not to replace {report}: give --out FILE")
+
+
 def render_report_from_paths(paths: list[Path], out: Path | None = None,
                              graph_recipes: dict[str, str] | None = None) -> Path:
     """`swinbench report RECORDS...`: read stored records (files or folders) and write the report. Records
@@ -1204,6 +1217,8 @@ def render_report_from_paths(paths: list[Path], out: Path | None = None,
     from workbench.results.record import record_files
 
     records = read_distinct_records(paths)
+    if out is None:
+        _refuse_part_of_a_run(list(paths), default_report_path(list(paths)))
     target = refuse_to_replace(Path(out) if out is not None else default_report_path(list(paths)),
                                lambda head: head.startswith(REPORT_HEADING), "a report swinbench wrote",
                                inputs=record_files(list(paths)))
