@@ -378,9 +378,10 @@ def test_resume_refuses_a_recipe_file_whose_passes_changed(tmp_path):
     assert sorted(p.name for p in (out / "records").iterdir()) == ["01-mine-seed0.jsonl"]
 
 
-def test_an_inference_only_recipe_in_a_comparison_is_refused_before_anything_trains(tmp_path):
+@pytest.mark.parametrize("recipe", [["--compare", "baseline,fp8"], ["--recipe", "int8"]])
+def test_an_inference_only_recipe_is_refused_before_anything_trains(tmp_path, recipe):
     out = tmp_path / "cmp"
-    result = runner.invoke(app, ["train", "--device", "cpu", "--compare", "baseline,fp8", "--out", str(out)])
+    result = runner.invoke(app, ["train", "--device", "cpu", *recipe, "--out", str(out)])
     assert result.exit_code == 2 and "runs inference only" in result.output, result.output
     assert not out.exists()
 
@@ -437,3 +438,11 @@ def test_a_single_run_that_diverged_says_so_in_its_table(tmp_path):
     assert "diverged: loss" in output
     table = (out / "report.md").read_text().split("\n\n")[1]
     assert "| status |" in table and "diverged: loss" in table
+
+
+def test_resume_with_checkpoints_names_kept_runs_that_have_none(tmp_path):
+    out = tmp_path / "ck"
+    train(tmp_path, "--steps", "2", "--out", str(out))
+    output = train(tmp_path, "--steps", "2", "--seeds", "2", "--save-checkpoints", "--out", str(out), "--resume")
+    assert "1 kept run(s) saved no checkpoint" in " ".join(output.split()) and "baseline seed 0" in output
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["02-baseline-seed1.pt"]

@@ -408,23 +408,28 @@ def plan_runs(config: TrainConfig, on_gpu: bool) -> tuple[list[tuple[str, int]],
     return runs, notes
 
 
+def _refuse_inference_only(recipe: str) -> None:
+    """Resolve `recipe` (a typo stops the command); UserError when it runs inference only."""
+    chain = resolve_chain(recipe)
+    only = inference_only_pass(chain)
+    if only is not None:
+        raise UserError(f"recipe {chain[-1].name!r} runs inference only ({only} has no backward): it cannot "
+                        "train; measure it with `swinbench apply --mode infer`")
+
+
 def _plan_runs(config: TrainConfig, on_gpu: bool) -> tuple[list[tuple[str, int]], list[str]]:
     notes = []
     seeds = range(config.seed, config.seed + config.seeds)
     if config.compare is None:
         # the default is PyTorch's own bf16 autocast: no swinbench kernel between the user and their loss
         recipe = config.recipe or ("amp" if on_gpu else "baseline")
-        resolve_chain(recipe)
+        _refuse_inference_only(recipe)
         return [(recipe, s) for s in seeds], notes
     reference = config.reference or "baseline"
     ref_name = resolve_chain(reference)[-1].name
     names = [resolve_chain(r)[-1].name for r in config.compare]
     for recipe in [reference, *config.compare]:
-        chain = resolve_chain(recipe)
-        only = inference_only_pass(chain)
-        if only is not None:
-            raise UserError(f"recipe {chain[-1].name!r} runs inference only ({only} has no backward): it cannot "
-                            "train; measure it with `swinbench apply --mode infer`")
+        _refuse_inference_only(recipe)
     if ref_name not in names:
         notes.append(f"{ref_name} joins --compare: parity is measured against it")
     others = [r for r, n in zip(config.compare, names) if n != ref_name]
@@ -589,6 +594,12 @@ def run_train(config: TrainConfig, *, out_dir: Path | None = None, overwrite: bo
                                               _device_of(environment_stamp(device)))
         notes = notes + resume_notes + ([f"--resume: {len(keep)} of {len(runs)} runs finished before and are kept"]
                                         if keep else [])
+        if config.save_checkpoints:
+            bare = [f"{r} seed {s}" for i, (r, s) in enumerate(runs)
+                    if i in keep and not checkpoint_path(out_dir, i, r, s).is_file()]
+            if bare:
+                notes.append(f"--save-checkpoints: {len(bare)} kept run(s) saved no checkpoint and are not trained "
+                             f"again ({', '.join(bare[:3])}{', ...' if len(bare) > 3 else ''})")
     claim = claim_run_folder(out_dir, command="train", overwrite=overwrite, keep=resume)
     with claim:
         renumber_runs(moves)
@@ -686,8 +697,10 @@ def _train_here(config, runs, data, model_name, device, out_dir, console, progre
                 render_train_report(out_dir / "records", report)
                 write_curves(out_dir / "records", curves)
     except KeyboardInterrupt:
-        raise Interrupted(f"interrupted: {len(summaries)} of {len(runs)} runs finished; their records and "
-                          f"report are in {out_dir}") from None
+        finished = len(summaries) + len(keep)
+        where = (f"their records and report are in {out_dir}" if finished else
+                 f"the records of the run cut short are in {out_dir / 'records'} (--resume trains it again)")
+        raise Interrupted(f"interrupted: {finished} of {len(runs)} runs finished; {where}") from None
     return summaries
 
 

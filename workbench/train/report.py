@@ -287,7 +287,8 @@ def write_curves(records_dir: Path, out: Path) -> Path:
                     title="gradient norm", yscale="log")
     for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:   # none where no run has steps yet (a launch that failed)
+            ax.legend(fontsize=8)
     env = runs[0].header.get("env", {}) if runs else {}
     fig.suptitle(f"{runs[0].header.get('model') if runs else ''} on {device_label(env)}", fontsize=10)
     fig.tight_layout()
