@@ -120,13 +120,15 @@ def add_round(timings: dict[str, dict], round_samples: dict[str, list[float]]) -
 
 def paired_ratio(base_rounds: list[float], other_rounds: list[float]) -> dict:
     """How much faster `other` is than `base`, round by round (base round median / other's): the median
-    and quartiles over the rounds."""
+    and quartiles over the rounds. The quartiles are the exclusive ones (the sample's own spread widened for
+    few rounds: of 3 rounds, the lowest and the highest), so a round that went the other way keeps a ratio
+    of few rounds from reading as significant."""
     ratios = sorted(b / o for b, o in zip(base_rounds, other_rounds) if o > 0)
     if not ratios:
         return {"median": None, "q1": None, "q3": None}
     if len(ratios) == 1:
         return {"median": ratios[0], "q1": ratios[0], "q3": ratios[0]}
-    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="exclusive")
     return {"median": statistics.median(ratios), "q1": q1, "q3": q3}
 
 
