@@ -202,7 +202,7 @@ def _header(analysis: Analysis) -> str:
     parts = [
         f"[bold]{analysis.backend}[/bold]{' ' + version if version else ''}",
         f"trace {m.get('path')}",
-        f"span {span_ns / 1e6:,.3f} ms",
+        f"{'trace span' if m.get('range_name') else 'span'} {span_ns / 1e6:,.3f} ms",   # a range's own: busy table
         f"{m.get('kernel_count', 0):,} {trace_words(m).units}, {m.get('kernel_total_ns', 0) / 1e6:,.3f} ms",
     ]
     if len(m.get("devices") or []) > 1:
