@@ -22,6 +22,17 @@ def module_version(module: str) -> str | None:
     return getattr(mod, "__version__", None)
 
 
+def installed_version(distribution: str) -> str | None:
+    """The installed version of a distribution, read from its metadata without importing it (importing
+    torchao costs seconds and logs torch's warnings into every command's stderr); None when not installed."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def _nvidia_driver() -> str | None:
     try:
         out = subprocess.run(
@@ -124,7 +135,7 @@ def environment_stamp(device: str | torch.device = "cuda") -> dict:
         "torch": torch.__version__,
         "triton": module_version("triton"),
         "timm": module_version("timm"),
-        "torchao": module_version("torchao"),     # the torchao-* peers' quantized GEMMs
+        "torchao": installed_version("torchao"),  # the torchao-* peers' quantized GEMMs
         "apex": module_version("apex"),           # fused_layernorm / fused_adamw with impl apex
         "python": platform.python_version(),
         "host": socket.gethostname(),

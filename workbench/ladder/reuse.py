@@ -30,7 +30,7 @@ import platform
 import subprocess
 from pathlib import Path
 
-from workbench.env import module_version, source_digest, swinbench_settings
+from workbench.env import installed_version, module_version, source_digest, swinbench_settings
 from workbench.errors import UserError
 from workbench.files import atomic_write_text
 from workbench.results.record import read_record
@@ -76,7 +76,7 @@ def machine_conditions(gpu: tuple[str, str]) -> dict:
     import torch
 
     return {"gpu": list(gpu), "torch": torch.__version__, "triton": module_version("triton"),
-            "timm": module_version("timm"), "torchao": module_version("torchao"), "apex": module_version("apex"),
+            "timm": module_version("timm"), "torchao": installed_version("torchao"), "apex": module_version("apex"),
             "python": platform.python_version(), "swinbench_source": source_digest(),
             "swinbench_env": _kernel_debug(swinbench_settings()), "kernel_env": kernel_settings()}
 
