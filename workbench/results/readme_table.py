@@ -199,10 +199,10 @@ def render_for_readme(paths: list[Path], readme: Path) -> str:
         got = [read_record(f) for f in mine]
         files += mine
         read += got
-        refuse_copies(files, read)
         new_runs = dict.fromkeys(r.run_id for r in got if r.run_id not in seen)
         sources += [display_path(p, readme.parent)] * len(new_runs)
         records += sorted(got, key=lambda r: (r.run_id, r.stage_index))
+    refuse_copies(files, read)
     command = "swinbench report " + " ".join(display_path(p, readme.parent) for p in paths) + \
         f" --readme {readme.name}"
     return results_table(records, command, sources)
