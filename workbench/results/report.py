@@ -1195,13 +1195,13 @@ def default_report_path(paths: list[Path]) -> Path:
     return folder_of(Path(paths[0])) / "report.md"
 
 
-def _refuse_part_of_a_run(paths: list[Path], report: Path) -> None:
-    """UserError (one line) when `paths` name some of the records beside `report`, not all: a report of part
-    of the run is not to replace the run's own."""
+def _refuse_part_of_a_run(files: list[Path], report: Path) -> None:
+    """UserError (one line) when the record `files` are some of the records beside `report`, not all: a
+    report of part of the run is not to replace the run's own."""
     from workbench.results.record import record_files
 
     records_dir = report.parent / "records" if (report.parent / "records").is_dir() else report.parent
-    given = {f.resolve() for f in record_files(paths)}
+    given = {f.resolve() for f in files}
     left_out = [f for f in record_files([records_dir]) if f.resolve() not in given]
     if left_out:
         raise UserError(f"{len(given)} of the {len(given) + len(left_out)} records in {records_dir} make a report of "
@@ -1216,12 +1216,13 @@ def render_report_from_paths(paths: list[Path], out: Path | None = None,
     from workbench.files import refuse_to_replace
     from workbench.results.record import record_files
 
-    records = read_distinct_records(paths)
+    files = record_files(list(paths))
+    records = read_distinct_records(files)
     if out is None:
-        _refuse_part_of_a_run(list(paths), default_report_path(list(paths)))
+        _refuse_part_of_a_run(files, default_report_path(list(paths)))
     target = refuse_to_replace(Path(out) if out is not None else default_report_path(list(paths)),
                                lambda head: head.startswith(REPORT_HEADING), "a report swinbench wrote",
-                               inputs=record_files(list(paths)))
+                               inputs=files)
     runs = {r.run_id for r in records}
     auto = None
     if len(runs) == 1 and next(iter(runs)).startswith("auto-"):
