@@ -100,6 +100,19 @@ def test_best_form_takes_a_compiled_form_when_it_is_faster():
     assert (best["stage"], best["form"], best["ms"]) == ("fmha-compile", "as written", 22.0)
 
 
+def test_a_stages_run_takes_its_fastest_swinbench_stage_against_its_peers():
+    # --stages names no chain: the fused stack is every swinbench stage measured, not the last one listed
+    recs = ladder_records()
+    extra = record(7, "fmha-compile", "fmha", 30.0)
+    extra["chain"] = [{"name": n, "source": None, "passes": []} for n in CHAIN + ["fmha-compile"]]
+    extra["pytorch_alone"] = False
+    for rec in recs + [extra]:
+        rec["recipe"] = "stages"
+    best = best_form(recs + [extra], speedup_table(recs + [extra]))
+    assert (best["stage"], best["form"], best["ms"]) == ("fmha", "graph-replayed", 24.6)
+    assert (best["peer"], best["peer_ms"]) == ("torch-compile", 29.3)     # amp is a rung of fmha's, not a peer
+
+
 def test_report_and_terminal_say_it(tmp_path):
     recs = ladder_records()
     path = render_report(recs, tmp_path / "report.md")

@@ -177,7 +177,8 @@ def best_form(records, df: pd.DataFrame, among: str = "last", graph_recipes: dic
     the fastest PyTorch-alone peer stage in either form (None without one).
 
     among='last': the fused stack in its best form: the last main-chain stage that runs swinbench kernels,
-    or a stage that extends it (a compiled form); None without graph columns unless `require_graph` is False
+    or a stage that extends it (a compiled form); in a --stages run, which names no chain, every stage that
+    runs swinbench kernels (its peers then: the PyTorch-alone stages none of them builds on); None without graph columns unless `require_graph` is False
     (then the eager forms alone compete, as on the CPU). among='main': every stage of
     the run's main chain that passed the gate (the baseline and PyTorch-alone rungs such as amp included,
     peers not), with or without graph columns: the best configuration the ladder measured. graph_recipes
@@ -195,15 +196,26 @@ def best_form(records, df: pd.DataFrame, among: str = "last", graph_recipes: dic
         found = [b for b in found if b is not None]
         return min(found, key=lambda b: b["ms"]) if found else None
     counted = {r.stage: r for r in df.itertuples() if r.counted and (not runs or r.run_id == runs[0])}
+    # a --stages run names no chain: where it measured swinbench stages, a PyTorch-alone stage that none
+    # of them builds on is a peer
+    built_on = {c.name for rec in records if not rec.pytorch_alone for c in rec.chain}
+    chained = any(rec.stage == rec.recipe for rec in records) or not built_on
+    if chained:
+        is_peer = lambda rec: _is_peer(rec, records)     # noqa: E731
+    else:
+        is_peer = lambda rec: rec.pytorch_alone and rec.stage not in built_on     # noqa: E731
     if among == "main":
-        family = [rec for rec in records if rec.stage in counted and not _is_peer(rec, records)]
+        family = [rec for rec in records if rec.stage in counted and not is_peer(rec)]
     else:
         fused = [rec for rec in records if rec.stage in counted and not rec.pytorch_alone]
         if not fused:
             return None
-        main = [rec for rec in fused if not _is_peer(rec, records)]
-        top = (main or fused)[-1]
-        family = [rec for rec in fused if rec is top or rec.extends == top.stage]
+        if chained:
+            main = [rec for rec in fused if not is_peer(rec)]
+            top = (main or fused)[-1]
+            family = [rec for rec in fused if rec is top or rec.extends == top.stage]
+        else:   # the fastest of the swinbench stages it measured
+            family = fused
     if not family:
         return None
     forms = []
@@ -223,7 +235,7 @@ def best_form(records, df: pd.DataFrame, among: str = "last", graph_recipes: dic
     peers = []
     for rec in records:
         r = counted.get(rec.stage)
-        if r is None or not rec.pytorch_alone or rec.stage == "baseline" or not _is_peer(rec, records):
+        if r is None or not rec.pytorch_alone or rec.stage == "baseline" or not is_peer(rec):
             continue
         peers.append((r.step_ms, rec.stage, "as written"))
         if _isnum(r.graph_ms) and r.graph_ms != r.step_ms:
