@@ -122,15 +122,42 @@ def test_fp8_needs_sm89(monkeypatch):
     assert ql.gpu_route("fp8", torch.device("cuda")) == "scaled_mm"
 
 
-def test_refuses_blocks_that_read_linear_weights():
+def test_refuses_blocks_that_run_as_one_function():
     from workbench.optimize.passes.block_plan import block_plans
     from workbench.optimize.passes._swin import named_swin_blocks
 
     model, _ = model_pair("cpu", seed=0)
     plans = block_plans(model)
-    plans.update(named_swin_blocks(model)[0][0], linear=True)
+    plans.update(named_swin_blocks(model)[0][0], whole_block=True)
     _, res = apply_pass("quantize_linear", model, infer_ctx(), {"simulate": True})
-    assert not res.available and "fused_linear/fused_block" in res.changed
+    assert not res.available and "fused_block" in res.changed and "\n" not in res.changed
+
+
+def test_on_the_dense_stage_fc1_keeps_its_gelu_epilogue(reference):
+    # dense (fused_linear) runs each MLP's fc1 + GELU as one GEMM that reads fc1's weight itself: fc1 stays
+    # bf16, every other Linear (BiasGradLinear there) quantizes, and the MLPs' fused forwards still run
+    from workbench.kernels.linear import BiasGradLinear
+
+    model, x, fp32, _ = reference
+    dense = copy.deepcopy(model)
+    dense, res = apply_pass("fused_linear", dense, infer_ctx(), {})
+    assert res.available and any(type(m) is BiasGradLinear for m in dense.modules())
+    fused_mlps = {n for n, m in dense.named_modules() if type(m).__name__ == "Mlp" and "forward" in vars(m)}
+    assert fused_mlps
+    ref = logits(dense, x)
+    q, res = ql.apply(copy.deepcopy(dense), infer_ctx(), dtype="int8", keep=["head.fc"], simulate=True)
+    fc1 = {f"{n}.fc1" for n in fused_mlps}
+    assert {n for n, why in res.details["layers"].items() if why == f"kept bf16: {ql.GELU_FC1}"} == fc1
+    assert res.details["counts"] == {"simulate": 17 - len(fc1), "kept": 1 + len(fc1)}
+    mods = dict(q.named_modules())
+    assert all(type(mods[n]) is BiasGradLinear for n in fc1) and isinstance(mods["layers.0.blocks.0.mlp.fc2"], QuantLinear)
+    assert all("forward" in vars(mods[n]) for n in fused_mlps)
+    out = logits(q, x)
+    assert rel_err(out, fp32) < LOGITS_REL["int8"] and agreement(out, ref) >= MIN_AGREEMENT
+    # nothing left once the rest is kept: the one line counts the fc1s by their reason
+    _, res = apply_pass("quantize_linear", copy.deepcopy(dense), infer_ctx(),
+                        {"simulate": True, "keep": ["head.fc", "*.qkv", "*.proj", "*.fc2", "*.reduction"]})
+    assert not res.available and f"{len(fc1)} fc1 with its GELU in a bf16 GEMM's epilogue (fused_linear)" in res.changed
 
 
 def test_bad_parameters_are_user_errors():

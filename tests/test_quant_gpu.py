@@ -114,8 +114,8 @@ def test_tiny_swin_quantized_forward_in_a_cuda_graph(dtype, activations):
     assert rel_err(captured.float(), eager) < 1e-2
 
 
-def test_apply_infer_fmha_fp8_int8_on_the_tiny_swin(tmp_path):
-    """`swinbench apply --mode infer --stages baseline,fmha,fp8,int8` on the tiny Swin: the quantized stages
+def test_apply_infer_dense_fp8_int8_on_the_tiny_swin(tmp_path):
+    """`swinbench apply --mode infer --stages baseline,dense,fp8,int8` on the tiny Swin: the quantized stages
     run their GEMM routes and pass their gates; fp8 is not available below sm_89, with one line."""
     from rich.console import Console
 
@@ -123,7 +123,7 @@ def test_apply_infer_fmha_fp8_int8_on_the_tiny_swin(tmp_path):
     from workbench.models import TINY_MODEL
 
     result = run_apply("fmha", model=TINY_MODEL, batch=32, steps=5, warmup=2, device="cuda", progress=False,
-                       interleave=0, mode="infer", out_dir=tmp_path / "run", stages=["baseline", "fmha", "fp8", "int8"],
+                       interleave=0, mode="infer", out_dir=tmp_path / "run", stages=["baseline", "dense", "fp8", "int8"],
                        console=Console(file=io.StringIO(), width=160))
     by_stage = {r["stage"]: r for r in result.records}
     for stage, route in (("fp8", "scaled_mm"), ("int8", "int_mm")):
@@ -138,6 +138,8 @@ def test_apply_infer_fmha_fp8_int8_on_the_tiny_swin(tmp_path):
         quant = next(p for p in rec["passes"] if p["name"] == "quantize_linear")
         counts = quant["details"]["counts"]
         assert counts[route] >= 1 and counts[route] + counts["kept"] == 18, quant["details"]
+        fc1 = [n for n, why in quant["details"]["layers"].items() if n.endswith(".fc1")]
+        assert fc1 and all("GELU" in quant["details"]["layers"][n] for n in fc1), quant["details"]["layers"]
         assert rec["gate"]["metrics"]["top1_agreement"] >= 0.8   # untrained, random batch: near ties
 
 

@@ -28,8 +28,8 @@ def test_builtin_chain_order():
 
 def test_list_recipes_main_chain_then_peers():
     recipes = list_recipes()
-    assert [r.name for r in recipes] == CHAIN + ["dense", "fp8", "int8", "block"] + PEERS + [
-        "dense-graph", "fmha-compile-graph", "fp8-compile", "int8-compile", "block-graph"]
+    assert [r.name for r in recipes] == CHAIN + ["dense", "block", "fp8", "int8"] + PEERS + [
+        "dense-graph", "fmha-compile-graph", "block-graph", "fp8-compile", "int8-compile"]
     assert [r.peer for r in recipes] == [False] * 9 + [True] * (len(PEERS) + 5)
 
 
@@ -61,8 +61,8 @@ def test_default_stages_peers_and_explicit_stages():
     assert [s.name for s in plan_stages("amp", peers=True)] == ["baseline", "amp"] + DEFAULT_PEERS
     assert [s.name for s in plan_stages("baseline", peers=True)] == ["baseline"]
     # quantized peers join a chain that quantizes to their dtype, not a bf16 one
-    assert [s.name for s in plan_stages("fp8", peers=True)] == CHAIN + ["fp8", "torch-sdpa", "torch-compile",
-                                                                      "torchao-fp8"]
+    assert [s.name for s in plan_stages("fp8", peers=True)] == CHAIN + ["dense", "fp8", "torch-sdpa",
+                                                                      "torch-compile", "torchao-fp8"]
     assert plan_stages("int8", peers=True)[-1].recipe.name == "torchao-int8"
     plans = plan_stages("fmha", ["baseline", "torch-compile"])
     assert [s.name for s in plans] == ["baseline", "torch-compile"]
@@ -150,9 +150,10 @@ def test_missing_tolerance_for_precision_is_a_user_error(tmp_path):
 
 
 @pytest.mark.parametrize("recipe,dtype,logits_rel", [("fp8", "fp8", 0.15), ("int8", "int8", 0.1)])
-def test_quantized_recipes_extend_fmha_with_their_own_tolerance(recipe, dtype, logits_rel):
+def test_quantized_recipes_extend_dense_with_their_own_tolerance(recipe, dtype, logits_rel):
+    # dense is the best bf16 inference stage: the quantized ones build on it
     chain = resolve_chain(recipe)
-    assert [r.name for r in chain] == CHAIN + [recipe]
+    assert [r.name for r in chain] == CHAIN + ["dense", recipe]
     assert chain_passes(recipe)[-1] == ("quantize_linear", {"dtype": dtype, "activations": "dynamic",
                                                              "keep": ["head.fc"]})
     tol = gate_tolerance(chain, "bf16")

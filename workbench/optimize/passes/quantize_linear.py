@@ -30,6 +30,11 @@ narrower operands save. The rows of each layer come from one forward of one imag
 every shape's times and choice; a layer left wide says by how much. `all` quantizes every layer the shape
 rules allow. simulate, and the CPU, always take every layer (nothing to time).
 
+On the dense stage (fused_linear), the Linears are quantized as on fmha but for each fused MLP's fc1: its
+GELU runs in its bf16 GEMM's epilogue, which a quantized GEMM (bf16 out) would move into a pass of its
+own, so fc1 stays bf16 and says so; fc2 then quantizes the GELU's output like any input. A block that runs
+as one Function (fused_block) reads every weight itself: the pass is not available there.
+
 Without simulate, a CPU (or an FP8 request on a GPU older than sm_89) raises PassUnavailable: the stage is
 reported not available, with one line. Training is refused the same way: the quantized GEMMs have no
 backward. The fused window attention stays bf16. PassResult.details records each layer's route (or why it
@@ -127,12 +132,15 @@ def activation_quantization(route: str, activations: str, device: torch.device) 
 
 
 def quantizable_linears(model: torch.nn.Module, swin_only: bool = False) -> list[tuple[str, torch.nn.Linear]]:
-    """Every plain nn.Linear (not a subclass another pass swapped in) by qualified name, in model order, but
-    SwinV2's position-bias MLPs. swin_only: those inside a timm Swin block or patch merging layer only (a
-    model of the user's that holds a Swin: its own heads and necks stay as they are)."""
+    """Every nn.Linear by qualified name, in model order: plain ones and fused_linear's BiasGradLinear
+    (which changes only the backward), not another subclass a pass swapped in, and not SwinV2's
+    position-bias MLPs. swin_only: those inside a timm Swin block or patch merging layer only (a model of
+    the user's that holds a Swin: its own heads and necks stay as they are)."""
+    from workbench.kernels.linear import BiasGradLinear
+
     # SwinV2's position-bias MLPs (cpb_mlp, -CR's meta_mlp) map a small coordinate table, not the tokens:
     # nothing to gain in their GEMMs (inference computes the bias once), and its values would lose bits
-    linears = [(n, m) for n, m in model.named_modules() if type(m) is torch.nn.Linear
+    linears = [(n, m) for n, m in model.named_modules() if type(m) in (torch.nn.Linear, BiasGradLinear)
                and not any(part in ("cpb_mlp", "meta_mlp") for part in n.split("."))]
     if not swin_only:
         return linears
@@ -178,14 +186,19 @@ def _all_seen(names, seen, what: str) -> None:
                               f"Swin(s) of this model (e.g. {missing[0]})")
 
 
-def plan_routes(linears, dtype: str, route: str, keep) -> tuple[dict[str, str], dict[str, str]]:
-    """-> (route by layer name for the layers to quantize, reason by layer name for those kept wide)."""
+def plan_routes(linears, dtype: str, route: str, keep, wide: dict[str, str] | None = None
+                ) -> tuple[dict[str, str], dict[str, str]]:
+    """-> (route by layer name for the layers to quantize, reason by layer name for those kept wide).
+    wide: {layer: why} for layers another pass runs in a way a quantized GEMM would undo (GELU_FC1)."""
     routes, kept = {}, {}
     align = ALIGNMENT[dtype]
+    wide = wide or {}
     for name, linear in linears:
         pattern = next((p for p in keep if fnmatch.fnmatchcase(name, p)), None)
         if pattern is not None:
             kept[name] = f"keep pattern {pattern!r}"
+        elif name in wide:
+            kept[name] = wide[name]
         elif linear.in_features % align or linear.out_features % align:
             kept[name] = (f"K={linear.in_features}, N={linear.out_features}: {dtype} GEMMs need multiples of "
                           f"{align}")
@@ -206,6 +219,8 @@ def nothing_left(kept: dict[str, str]) -> str:
             why = f"with K or N not a multiple of {align} ({dtype})"
         elif why.startswith("keep pattern"):
             why = f"by {why}"
+        elif why == GELU_FC1:
+            why = "fc1 with its GELU in a bf16 GEMM's epilogue (fused_linear)"
         kinds[why] = kinds.get(why, 0) + 1
     return (f"no Linear left to quantize: {len(kept)} kept ("
             + "; ".join(f"{c} {why}" for why, c in sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0]))) + ")")
@@ -439,16 +454,27 @@ def check_params(params: dict) -> None:
                             "real quantized GEMMs; simulate: true runs none (it rounds in bf16)")
 
 
-def _fused_linear_blocks(model: torch.nn.Module) -> list[str]:
-    """Blocks whose plan reads the Linear weights itself (fused_linear, fused_block), and SwinV2 MLPs whose
-    fused forward does (fused_linear)."""
+GELU_FC1 = ("fc1 + GELU run as one bf16 GEMM with the GELU in its epilogue (fused_linear): a quantized fc1 "
+            "would write its output and run the GELU as a pass of its own")
+
+
+def _whole_blocks(model: torch.nn.Module) -> list[str]:
+    """Blocks that run as one Function reading the Linear weights itself (fused_block)."""
     from workbench.optimize.passes.block_plan import PLANS_ATTRIBUTE
 
+    plans = vars(model).get(PLANS_ATTRIBUTE)
+    return [] if plans is None else [n for n, p in plans.plans.items() if p.whole_block]
+
+
+def gelu_fused_fc1(model: torch.nn.Module) -> list[str]:
+    """The fc1 Linears whose MLP forward runs fc1 and its GELU as one (fused_linear: a v1 block plan's
+    mlp_gelu, a SwinV2 MLP's bound forward): that forward reads fc1's weight itself."""
+    from workbench.optimize.passes.block_plan import PLANS_ATTRIBUTE
     from workbench.optimize.passes.fused_linear import v2_mlp_bound
 
     plans = vars(model).get(PLANS_ATTRIBUTE)
-    planned = [] if plans is None else [n for n, p in plans.plans.items() if p.linear or p.mlp_gelu or p.whole_block]
-    return planned + [n for n, m in model.named_modules() if type(m).__name__ == "Mlp" and v2_mlp_bound(m)]
+    planned = [] if plans is None else [f"{n}.mlp.fc1" for n, p in plans.plans.items() if p.mlp_gelu]
+    return planned + [f"{n}.fc1" for n, m in model.named_modules() if type(m).__name__ == "Mlp" and v2_mlp_bound(m)]
 
 
 def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activations: str = "dynamic",
@@ -471,14 +497,14 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
     if route != "simulate" and gemm != "torch":
         candidates = ("triton",) if gemm == "triton" else (route, "triton")
         route = candidates[0]
-    fused = _fused_linear_blocks(model)
-    if fused:
-        raise PassUnavailable(f"{len(fused)} blocks run fused_linear/fused_block forwards that read the Linear "
-                              "weights themselves: quantize a stage without them (fmha)")
+    whole = _whole_blocks(model)
+    if whole:
+        raise PassUnavailable(f"{len(whole)} blocks run as one fused_block Function that reads the Linear weights "
+                              "itself: quantize a stage without it (dense)")
     linears = quantizable_linears(model, ctx.swin_only)
     if not linears:
         raise PassUnavailable("no nn.Linear in this model" + ("'s Swin blocks" if ctx.swin_only else ""))
-    routes, kept = plan_routes(linears, dtype, route, keep)
+    routes, kept = plan_routes(linears, dtype, route, keep, dict.fromkeys(gelu_fused_fc1(model), GELU_FC1))
     switched = call_v2_qkv_as_a_module(model, routes)
     try:
         measured, moved = {}, 0
