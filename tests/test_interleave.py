@@ -47,6 +47,9 @@ def test_paired_ratio_is_the_median_of_round_ratios_not_the_ratio_of_medians():
     assert paired_ratio(base, other) == {"median": 2.0, "q1": 2.0, "q3": 2.0}
     assert paired_ratio([4.0], [2.0])["median"] == 2.0
     assert paired_ratio([], [])["median"] is None
+    # two rounds far apart: the quartiles are the two ratios, never past them (nor below 0)
+    assert paired_ratio([10.0, 10.0], [10.0, 1.5]) == {"median": pytest.approx(3.8333, abs=1e-4), "q1": 1.0,
+                                                       "q3": pytest.approx(10 / 1.5)}
 
 
 def _rec(stage, extends, chain):

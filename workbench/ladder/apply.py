@@ -494,8 +494,9 @@ def _interleave(records: list[dict], specs: list[StageSpec], config: WorkloadCon
     def on_event(event):
         nonlocal done
         if event.get("event") == "round" and event.get("samples_ms"):
-            done = add_round(seen, event["samples_ms"])
-            save(seen, done)
+            timed = add_round(seen, event["samples_ms"])
+            save(seen, timed)
+            done = timed        # what the records hold: the rounds saved
         shown.round_event(event)
 
     error = None

@@ -121,7 +121,7 @@ def add_round(timings: dict[str, dict], round_samples: dict[str, list[float]]) -
 def paired_ratio(base_rounds: list[float], other_rounds: list[float]) -> dict:
     """How much faster `other` is than `base`, round by round (base round median / other's): the median
     and quartiles over the rounds. The quartiles are the exclusive ones (the sample's own spread widened for
-    few rounds: of 3 rounds, the lowest and the highest), so a round that went the other way keeps a ratio
+    few rounds: of 2 or 3 rounds, the lowest and the highest), so a round that went the other way keeps a ratio
     of few rounds from reading as significant."""
     ratios = sorted(b / o for b, o in zip(base_rounds, other_rounds) if o > 0)
     if not ratios:
@@ -129,7 +129,8 @@ def paired_ratio(base_rounds: list[float], other_rounds: list[float]) -> dict:
     if len(ratios) == 1:
         return {"median": ratios[0], "q1": ratios[0], "q3": ratios[0]}
     q1, _, q3 = statistics.quantiles(ratios, n=4, method="exclusive")
-    return {"median": statistics.median(ratios), "q1": q1, "q3": q3}
+    # of 2 rounds the exclusive quartiles reach past the sample (even below 0): its lowest and highest
+    return {"median": statistics.median(ratios), "q1": max(q1, ratios[0]), "q3": min(q3, ratios[-1])}
 
 
 def interleaved_entries(records, timings: dict[str, dict], *, rounds: int, block: int,
