@@ -514,7 +514,10 @@ def report(
 
     if readme is not None:
         from workbench.results.readme_table import update_readme
+        from workbench.results.report import report_target
 
+        if out is not None:     # a refusal of --out comes before the README is rewritten
+            _call(report_target, records, out)
         console.print(f"wrote {_call(update_readme, records, readme)}")
         if out is None:
             return

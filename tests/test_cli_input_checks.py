@@ -120,6 +120,38 @@ def test_matrix_refuses_a_folder_holding_another_run(tmp_path):
     assert sorted(p.name for p in run.iterdir()) == ["records"]
 
 
+def test_nothing_is_written_among_a_runs_records(tmp_path):
+    # report and check read every *.json of records/ as a stage record: a matrix, an analysis or a
+    # report there would leave the run unreadable
+    run = tmp_path / "run"
+    shutil.copytree(RECORDS, run / "records")
+    (run / "report.md").write_text("# swinbench apply: theirs\n")
+    before = sorted(p.name for p in (run / "records").iterdir())
+    assert "is part of the run in" in refused(["matrix", "--device", "cpu", "--steps", "1",
+                                               "--out", str(run / "records")])
+    alone = tmp_path / "alone"     # records/ of no run folder: still records
+    shutil.copytree(RECORDS, alone)
+    assert "holds stage records" in refused(["matrix", "--device", "cpu", "--steps", "1", "--out", str(alone)])
+    trace = Path(__file__).parent / "data" / "kineto_cpu_tiny_train.json"
+    assert "holds stage records" in refused(["analyze", str(trace), "--format", "json", "--out", str(run / "records")])
+    assert "read every *.json" in refused(["report", str(run), "--out", str(run / "records" / "x.json")])
+    assert sorted(p.name for p in (run / "records").iterdir()) == before
+
+
+def test_report_keeps_off_another_runs_report_and_checks_out_before_the_readme(tmp_path):
+    mine, theirs = tmp_path / "mine", tmp_path / "theirs"
+    shutil.copytree(RECORDS, mine / "records")
+    shutil.copytree(RECORDS, theirs / "records")
+    (theirs / "report.md").write_text("# swinbench apply: theirs\n")
+    assert "is the report of the run in" in refused(["report", str(mine), "--out", str(theirs / "report.md")])
+    assert (theirs / "report.md").read_text() == "# swinbench apply: theirs\n"
+    readme = tmp_path / "README.md"
+    readme.write_text("x\n<!-- results:begin -->\n<!-- results:end -->\n")
+    assert "read every *.json" in refused(["report", str(mine), "--readme", str(readme),
+                                           "--out", str(mine / "records" / "x.json")])
+    assert readme.read_text() == "x\n<!-- results:begin -->\n<!-- results:end -->\n"
+
+
 @pytest.fixture
 def run_folder(tmp_path):
     run = tmp_path / "run"

@@ -311,12 +311,36 @@ def refuse_part_of_another(folder: Path) -> None:
     if held:
         raise UserError(f"{folder} holds a swinbench matrix ({held[0]}); its cells are its subfolders: choose "
                         "another --out")
+    refuse_inside_a_run(folder)
+
+
+def refuse_inside_a_run(folder: Path) -> None:
+    """UserError (one line) when `folder` is a part of another run (its records/, profiles/, ...)."""
+    folder = Path(folder)
     parent = Path(os.path.abspath(folder)).parent
     if parent != Path(os.path.abspath(folder)):
         entries = run_entries(parent)
         names = [e.name for e in entries]
         if folder.name in names and len(names) > 1:
             raise UserError(f"{folder} is part of the run in {parent} (its {folder.name}): choose another --out")
+
+
+def refuse_records_folder(folder: Path) -> None:
+    """UserError (one line) when `folder` holds stage records (a run's records/): whatever else is written
+    there, report, check and resume read every *.json in it as that run's."""
+    from workbench.results.record import read_record
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        return
+    for q in sorted(folder.glob("*.json"))[:20]:
+        if q.is_file() and not q.name.startswith("_"):
+            try:
+                read_record(q)
+            except UserError:
+                continue
+            raise UserError(f"{folder} holds stage records ({q.name}), which report, check and --resume read as "
+                            "one run's: choose another --out")
 
 
 def claim_run_folder(folder, *, command: str, overwrite: bool = False, keep: bool = False,

@@ -438,9 +438,10 @@ class TableFiles:
         another origin are in the way and `overwrite` is not given -> the paths in the way."""
         if self.fmt not in ("csv", "json"):
             raise UserError(f"unknown output format {self.fmt!r}: use csv or json")
-        from workbench.run_folder import check_writable_folder
+        from workbench.run_folder import check_writable_folder, refuse_records_folder
 
         check_writable_folder(self.out)
+        refuse_records_folder(self.out)
         others = self._in_the_way()
         if others and not overwrite:
             raise UserError(f"{others[0]} holds {self._what(others[0])}; nothing was written: --overwrite moves "

@@ -290,6 +290,10 @@ def run_matrix(*, models: list[str] | None = None, modes: list[str] | None = Non
     cells = plan_cells(models, modes, train_batch)
     stages = plan_stages(fused, {c.mode for c in cells}, compiled, console)
     out_dir = Path(out_dir)
+    from workbench.run_folder import refuse_inside_a_run, refuse_records_folder
+
+    refuse_inside_a_run(out_dir)
+    refuse_records_folder(out_dir)
     other = run_entries(out_dir)
     if other:   # a run of apply, profile or train, not a matrix: never mixed with the matrix's cells
         listed = ", ".join(e.name for e in other[:3]) + (", ..." if len(other) > 3 else "")

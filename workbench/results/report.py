@@ -1220,21 +1220,41 @@ def _refuse_part_of_a_run(files: list[Path], report: Path) -> None:
                         f"part of the run, which is not to replace {report}: give --out FILE")
 
 
+def report_target(paths: list[Path], out: Path | None, files: list[Path] | None = None) -> Path:
+    """Where `swinbench report` writes, checked before anything is written (UserError, one line): never a
+    *.json among stage records (it would be read as one), never the report.md of another run (a folder
+    whose records/ the inputs are not from), never a file that is not a report or is one of the inputs."""
+    from workbench.files import refuse_to_replace
+    from workbench.results.check import refuse_among_records
+    from workbench.results.record import record_files
+
+    files = record_files(list(paths)) if files is None else files
+    if out is None:
+        _refuse_part_of_a_run(files, default_report_path(list(paths)))
+    target = refuse_to_replace(Path(out) if out is not None else default_report_path(list(paths)),
+                               lambda head: head.startswith(REPORT_HEADING), "a report swinbench wrote", inputs=files)
+    if out is not None:
+        out = Path(out)
+        refuse_among_records(out)
+        run_records = out.parent / "records"
+        if out.name == "report.md" and run_records.is_dir() and any(run_records.glob("*.json")):
+            mine = {f.resolve().parent for f in files}
+            if run_records.resolve() not in mine:
+                raise UserError(f"{out} is the report of the run in {out.parent} (its records/); render that one with "
+                                f"`swinbench report {out.parent}`, or give another --out")
+    return target
+
+
 def render_report_from_paths(paths: list[Path], out: Path | None = None,
                              graph_recipes: dict[str, str] | None = None) -> Path:
     """`swinbench report RECORDS...`: read stored records (files or folders) and write the report. Records
     of one `apply --recipe auto` run (run id 'auto-...') get its choice again (graph_recipes: which recipe
     replays each stage as a graph, recipes.graph_recipes())."""
-    from workbench.files import refuse_to_replace
     from workbench.results.record import record_files
 
     files = record_files(list(paths))
     records = read_distinct_records(files)
-    if out is None:
-        _refuse_part_of_a_run(files, default_report_path(list(paths)))
-    target = refuse_to_replace(Path(out) if out is not None else default_report_path(list(paths)),
-                               lambda head: head.startswith(REPORT_HEADING), "a report swinbench wrote",
-                               inputs=files)
+    target = report_target(paths, out, files)
     runs = {r.run_id for r in records}
     auto = None
     if len(runs) == 1 and next(iter(runs)).startswith("auto-"):
