@@ -146,6 +146,16 @@ def _out_path(value: str) -> Path:
     return Path(value)
 
 
+def _stage_list(stages: Optional[str]) -> Optional[list[str]]:
+    """--stages as names; an empty item (a doubled or trailing comma) is refused, not dropped."""
+    if stages is None:
+        return None
+    names = [s.strip() for s in stages.split(",")]
+    if not all(names):
+        raise _fail(UserError(f"--stages {stages!r} has an empty item: give stage names separated by single commas"), 2)
+    return names
+
+
 def _cache_folder(cache: Optional[Path]) -> Optional[Path]:
     """--cache: a folder (made if missing), never a file that is there."""
     if cache is not None and cache.exists() and not cache.is_dir():
@@ -410,7 +420,7 @@ def apply(
 
     try:
         result = _call(run_apply, recipe, model=model, batch=batch, steps=steps, warmup=warmup, device=device,
-                       out_dir=out, profile=profile, stages=stages.split(",") if stages is not None else None,
+                       out_dir=out, profile=profile, stages=_stage_list(stages),
                        seed=seed, peers=peers, isolate=isolate, console=console, mode=mode, interleave=interleave,
                        resume=resume, overwrite=overwrite, cache_dir=_cache_folder(cache) or default_cache_dir(),
                        fresh=fresh, nproc=nproc, parallel=parallel, checkpoint=checkpoint, data=data,

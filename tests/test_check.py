@@ -191,7 +191,7 @@ def test_a_stage_the_current_run_lacks_is_missing(current):
     _path(current, "fmha").unlink()
     result = check_records(BASELINE, current)
     assert row(result, "fmha", "stage")["status"] == "MISSING"
-    assert result.exit_code == 1 and "fmha: stage ok -> None" in result.summary
+    assert result.exit_code == 1 and "fmha: stage ok -> missing" in result.summary
     assert any("missing from current: fmha" in n and "--allow-missing" in n for n in result.notes)
 
 

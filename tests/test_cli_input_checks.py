@@ -70,6 +70,7 @@ def test_error_quoting_rich_markup_is_printed_as_text(tmp_path):
     (["check", "--baseline", "x"], "Missing option '--current'"),
     (["apply", "--device", "cpu", "--seed", "-1"], "--seed must be a whole number from 0"),
     (["apply", "--device", "cpu", "--seed", "18446744073709551616"], "--seed must be a whole number from 0"),
+    (["apply", "--device", "cpu", "--stages", "baseline,,amp"], "has an empty item"),
 ])
 def test_command_line_mistakes_are_one_line(args, message):
     out = refused(args)

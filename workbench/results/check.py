@@ -608,7 +608,8 @@ def _summary(rows: pd.DataFrame, regressed: bool) -> str:
     parts = []
     for stage, group in bad.groupby("stage", sort=False):
         items = [f"{r.metric} {_fmt_delta(r.delta_pct, r.unit)}" if r.delta_pct is not None and not pd.isna(r.delta_pct)
-                 else (f"{r.metric} {r.baseline} -> {r.current}") for r in group.itertuples()]
+                 else f"{r.metric} {_said(r.metric, r.baseline)} -> {_said(r.metric, r.current)}"
+                 for r in group.itertuples()]
         parts.append(f"{stage}: {', '.join(items)}")
     n_stages = bad["stage"].nunique()
     return (f"REGRESSED: {len(bad)} of {len(rows)} checks in {n_stages} stage{'s' if n_stages > 1 else ''} "
@@ -691,6 +692,12 @@ def _fmt_delta(delta, unit: str) -> str:
         return "+∞%" if delta > 0 else "−∞%"
     sign = "+" if delta > 0 else ("−" if delta < 0 else "")
     return f"{sign}{abs(delta):.1f}{' pp' if unit == 'pp' else '%'}"
+
+
+def _said(metric: str, value) -> str:
+    """A value in the one-line summary: as the table shows it, 'missing' for none."""
+    text = _fmt_value(metric, value)
+    return "missing" if text == "—" else text
 
 
 def _fmt_value(metric: str, value) -> str:
