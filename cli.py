@@ -410,7 +410,8 @@ def apply(
     from workbench.ladder.reuse import default_cache_dir
     from workbench.run_folder import run_entries
 
-    limit = _check_inputs_before_apply(check_against, thresholds, max_regression, nproc, force, allow_missing)
+    limit = _check_inputs_before_apply(check_against, thresholds, max_regression, nproc, force, allow_missing,
+                                       {"model": model, "mode": mode, "batch": batch})
     if resume and out is not None and (not out.exists() or (out.is_dir() and not run_entries(out))):
         _note(f"--resume: {out} holds no earlier run; starting a new one there")
     if quick:
@@ -442,9 +443,9 @@ def apply(
 
 
 def _check_inputs_before_apply(check_against, thresholds, max_regression, nproc=None, force=False,
-                               allow_missing=False) -> float:
+                               allow_missing=False, planned: dict | None = None) -> float:
     """apply's --check-against, --thresholds and --max-regression, validated before any stage runs (a typo
-    there, or a baseline of another --nproc, must not cost a run) -> the percentage."""
+    there, or a baseline of another --nproc, model, mode or batch, must not cost a run) -> the percentage."""
     limit = _percent(MAX_REGRESSION if max_regression is None else max_regression)
     if check_against is None:
         given = [name for name, value in (("--thresholds", thresholds is not None), ("--force", force),
@@ -453,9 +454,9 @@ def _check_inputs_before_apply(check_against, thresholds, max_regression, nproc=
         if given:
             raise _fail(UserError(f"{given[0]} is read with --check-against; give both or neither"), 2)
         return limit
-    from workbench.results.check import check_planned_world_size, load_thresholds
+    from workbench.results.check import check_planned_run, load_thresholds
 
-    _call(check_planned_world_size, [check_against], nproc, force)
+    _call(check_planned_run, [check_against], nproc, force, planned)
     _call(load_thresholds, thresholds, max_regression_pct=limit)
     return limit
 

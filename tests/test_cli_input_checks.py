@@ -48,6 +48,8 @@ def test_top_below_one_is_refused(top, tmp_path):
     (["--check-against", str(RECORDS), "--max-regression", "inf%"], "percentage"),
     (["--check-against", str(RECORDS), "--max-regression", "-5"], "percentage"),
     (["--thresholds", str(RECORDS)], "with --check-against"),
+    (["--check-against", str(RECORDS), "--batch", "3"], "the baseline's batch is"),
+    (["--check-against", str(RECORDS), "--mode", "infer"], "the baseline's mode is train and this run's infer"),
 ])
 def test_apply_check_options_are_validated_before_any_stage(tmp_path, no_run, extra, message):
     (tmp_path / "bad.yaml").write_text("limits: {img_per_s: 3}\n")

@@ -393,11 +393,19 @@ def _world_sizes(stages) -> list[int]:
     return out
 
 
-def check_planned_world_size(baseline_paths, nproc: int | None, force: bool = False) -> None:
-    """Before `apply --nproc N --check-against BASELINE` runs: UserError (one line) when the baseline's
-    data-parallel results are of another world size, which the check at the end would refuse, unless
-    `force`. Reads (and so validates) the baseline records."""
-    sizes = _world_sizes(_Stage(r) for r in read_records(baseline_paths))
+def check_planned_run(baseline_paths, nproc: int | None, force: bool = False, planned: dict | None = None) -> None:
+    """Before `apply --check-against BASELINE` runs: UserError (one line) when the check at the end would
+    refuse the run's records, unless `force`: a baseline of another model, mode or batch (`planned`:
+    {record key: the value this run will record}, None where not known yet), or whose data-parallel
+    results are of another world size than --nproc N. Reads (and so validates) the baseline records."""
+    stages = [_Stage(r) for r in read_records(baseline_paths)]
+    labels = {key: label for key, label, _ in RUN_SETTINGS}
+    for key, value in (planned or {}).items():
+        have = _values(stages, key, False)
+        if value is not None and len(have) == 1 and have[0] != value and not force:
+            raise UserError(f"the baseline's {labels[key]} is {have[0]} and this run's {value}: the check would "
+                            f"refuse them; run with the baseline's, or pass --force to compare anyway")
+    sizes = _world_sizes(stages)
     if nproc and sizes and sizes != [nproc] and not force:
         raise UserError(f"the baseline's data-parallel results are of {', '.join(map(str, sizes))} ranks and this "
                         f"run has --nproc {nproc}: the check would refuse them; use --nproc {sizes[0]}, or pass "
