@@ -172,6 +172,7 @@ def test_a_plain_state_dict_is_read_and_needs_data_to_measure(tmp_path):
     (["--checkpoint", "{ours}", "--mode", "train"], "--checkpoint goes with --mode infer"),
     (["--data", "{folder}"], "--data goes with --checkpoint"),
     (["--checkpoint", "{ours}", "--model", "swin_tiny_patch4_window7_224"], "holds a swinbench_tiny_cpu"),
+    (["--checkpoint", "{ours}", "--data", "{empty}"], "not an ImageFolder"),
 ])
 def test_wrong_inputs_are_one_line_and_exit_2(tmp_path, args, message):
     (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")
@@ -180,7 +181,8 @@ def test_wrong_inputs_are_one_line_and_exit_2(tmp_path, args, message):
     save_checkpoint(tmp_path / "ours.pt", model.state_dict(), model=TINY_MODEL, num_classes=10,
                     input_size=(3, 56, 56), data=None, recipe="baseline", seed=0, steps=1, val_acc=None)
     names = {"missing": tmp_path / "missing.pt", "garbage": tmp_path / "garbage.pt", "tensor": tmp_path / "tensor.pt",
-             "ours": tmp_path / "ours.pt", "folder": tmp_path}
+             "ours": tmp_path / "ours.pt", "folder": tmp_path, "empty": tmp_path / "empty"}
+    (tmp_path / "empty").mkdir()
     args = [a.format(**names) for a in args]
     mode = [] if "--mode" in args else ["--mode", "infer"]
     result = runner.invoke(app, ["apply", *mode, *args, "--device", "cpu", "--stages", "baseline",
@@ -188,6 +190,7 @@ def test_wrong_inputs_are_one_line_and_exit_2(tmp_path, args, message):
     assert result.exit_code == 2, result.output
     assert message in result.output and "Traceback" not in result.output
     assert len([line for line in result.output.splitlines() if line.strip()]) <= 3
+    assert not (tmp_path / "run").exists()       # refused before the folder is claimed
 
 
 def test_a_plain_state_dict_is_measured_on_an_imagefolder(tmp_path):

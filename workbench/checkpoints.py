@@ -79,8 +79,15 @@ def _load(path: Path, size: int, mtime_ns: int) -> Checkpoint:
     try:
         raw = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:   # pickle, zip or torch errors: one line, the file is the user's
-        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"--checkpoint {path}: cannot be read as a torch checkpoint ({first})") from None
+        text = str(exc).strip()
+        if "weights_only" in text:      # torch's advice to unpickle anything is not one to pass on
+            why = text.split("WeightsUnpickler error:", 1)[-1].strip().splitlines() if "WeightsUnpickler" in text else []
+            first = (f"{why[0][:200]}; only tensors and plain containers are loaded" if why
+                     else "only tensors and plain containers are loaded")
+        else:
+            first = text.splitlines()[0][:200] if text else type(exc).__name__
+        raise UserError(f"--checkpoint {path}: cannot be read as a torch checkpoint, which torch.save writes (a "
+                        f"file cut short or of another format?): {first}") from None
     if not isinstance(raw, dict):
         raise UserError(f"--checkpoint {path}: holds a {type(raw).__name__}, not a state_dict or swinbench checkpoint")
     if raw.get("format") == FORMAT:

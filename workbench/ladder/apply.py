@@ -756,8 +756,8 @@ def _with_checkpoint(checkpoint: Path | None, data: Path | None, model: str | No
                      img_size: tuple[int, int] | None) -> tuple[str | None, tuple[int, int] | None]:
     """(model, img_size) as a checkpoint sets them where the user did not: the model it names and the
     resolution it was trained at. UserError, before anything runs, for a checkpoint that cannot be
-    measured as asked (training mode, another model, a plain state_dict without --model or --data) and
-    for --data without one."""
+    measured as asked (training mode, another model, a plain state_dict without --model or --data), for
+    --data without one, and for a --data that is no ImageFolder of two classes or more."""
     if checkpoint is None:
         if data is not None:
             raise UserError("--data goes with --checkpoint: the held-out images a trained model is measured on")
@@ -775,7 +775,12 @@ def _with_checkpoint(checkpoint: Path | None, data: Path | None, model: str | No
         raise UserError(f"--checkpoint {checkpoint} is a plain state_dict, which does not say what it was trained "
                         "on: give --data DIR (an ImageFolder) to measure it on")
     trained_at = (weights.meta or {}).get("input_size")
-    return model or weights.model, img_size or (tuple(trained_at[1:]) if trained_at else None)
+    img_size = img_size or (tuple(trained_at[1:]) if trained_at else None)
+    if data is not None:    # a folder that is no ImageFolder is refused now, not after the folder is claimed
+        from workbench.datasets import ImageFolderData
+
+        ImageFolderData(data, img_size or (224, 224), workers=0)
+    return model or weights.model, img_size
 
 
 def _earlier_run_id(records_dir: Path) -> str | None:
