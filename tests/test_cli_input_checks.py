@@ -155,6 +155,17 @@ def test_report_keeps_off_another_runs_report_and_checks_out_before_the_readme(t
     assert readme.read_text() == "x\n<!-- results:begin -->\n<!-- results:end -->\n"
 
 
+def test_report_says_what_a_matrix_or_train_folder_is(tmp_path):
+    matrix = tmp_path / "m"
+    matrix.mkdir()
+    (matrix / "matrix.json").write_text("{}")
+    assert "matrix --render-only" in refused(["report", str(matrix)])
+    trained = tmp_path / "t" / "records"
+    trained.mkdir(parents=True)
+    (trained / "01-amp-seed0.jsonl").write_text("")
+    assert "is a `swinbench train` run" in refused(["report", str(tmp_path / "t")])
+
+
 @pytest.fixture
 def run_folder(tmp_path):
     run = tmp_path / "run"

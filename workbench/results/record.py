@@ -1234,6 +1234,9 @@ def record_files(paths) -> list[Path]:
     (of the folder `apply --out` wrote, those in its records/)."""
     files: list[Path] = []
     for p in map(Path, paths):
+        if p.is_dir() and (p / "matrix.json").is_file():
+            raise UserError(f"{p} is a swinbench matrix: render it with `swinbench matrix --render-only {p}`, or "
+                            "name one of its cell folders")
         if p.is_dir():
             folder = p / "records" if (p / "records").is_dir() else p
             files += sorted(q for q in folder.glob("*.json") if not q.name.startswith("_") and q.is_file())
@@ -1244,6 +1247,10 @@ def record_files(paths) -> list[Path]:
         if len(files) > MAX_RECORD_FILES:
             raise UserError(f"more than {MAX_RECORD_FILES:,} record files in {', '.join(map(str, paths))}; not read")
     if not files:
+        trained = [str(p) for p in map(Path, paths) if p.is_dir() and any((p / "records").glob("*.jsonl"))]
+        if trained:
+            raise UserError(f"{trained[0]} is a `swinbench train` run (records/*.jsonl), not stage records: its "
+                            "report is the report.md train wrote beside them")
         raise UserError(f"no stage records (*.json) found in {', '.join(map(str, paths))}")
     unique = {}
     for f in files:     # a file named twice (itself and its folder) is read once
