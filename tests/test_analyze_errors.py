@@ -126,3 +126,13 @@ def test_unknown_output_format(tmp_path):
     analysis = analyze_trace(DATA / "kineto_synthetic_gpu.json")
     with pytest.raises(UserError, match="unknown output format"):
         write_analysis(analysis, tmp_path, "xlsx")
+
+
+def test_a_record_given_as_a_trace_names_itself_and_what_reads_it(tmp_path):
+    from workbench.errors import UserError
+    from workbench.trace.kineto import load_kineto
+
+    path = tmp_path / "00-baseline.json"
+    path.write_text('{"schema": "swinbench.stage/3", "stage": "baseline"}')
+    with pytest.raises(UserError, match=r"00-baseline.json is not a Kineto trace.*swinbench report"):
+        load_kineto(path)

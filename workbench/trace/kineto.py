@@ -298,6 +298,12 @@ def load_kineto(path: Path) -> Trace:
         data = json.loads(text)
     except (OSError, EOFError, zlib.error, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise UserError(f"cannot read {path} as a Kineto JSON trace: {e}") from None
+    events = data.get("traceEvents") if isinstance(data, dict) else data
+    if not isinstance(events, list):
+        what = ""
+        if isinstance(data, dict) and str(data.get("schema", "")).startswith("swinbench."):
+            what = f" (a swinbench {data['schema'].split('/')[0][len('swinbench.'):]} file: `swinbench report` reads records)"
+        raise UserError(f"{path} is not a Kineto trace: no traceEvents list{what}")
     trace = parse_kineto(data, str(path))
     if trace.kernels.empty:
         # A CPU-only capture (torch.profiler on the CPU dev box): analyze CPU operators instead, and say so.
