@@ -154,6 +154,15 @@ def test_ema_is_validated_beside_the_weights_and_saved_beside_them(tmp_path):
     assert "EMA" in output
 
 
+def test_a_reference_that_cannot_run_here_stops_before_the_others_train(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)      # fmha-graph's kernels: not available here
+    out = tmp_path / "ref"
+    result = runner.invoke(app, ["train", "--device", "cpu", "--batch", "16", "--compare", "baseline,amp",
+                                 "--reference", "fmha-graph", "--steps", "2", "--out", str(out)])
+    assert result.exit_code == 2 and "the reference fmha-graph is not available here" in result.output
+    assert [(r.recipe, r.status) for r in read_runs(out / "records")] == [("fmha-graph", "not available")]
+
+
 def test_compare_gives_each_recipe_a_parity_verdict_with_the_measured_spread(tmp_path):
     out = tmp_path / "cmp"
     output = train(tmp_path, "--compare", "baseline,amp,fmha-graph", "--baseline-seeds", "2", "--steps", "6",

@@ -696,6 +696,12 @@ def _train_here(config, runs, data, model_name, device, out_dir, console, progre
                     records.close()
                 render_train_report(out_dir / "records", report)
                 write_curves(out_dir / "records", curves)
+                done = summaries[-1]
+                if config.compare is not None and i == 0 and done.status == "not available":
+                    # the reference's runs come first: without them no recipe has a verdict to earn
+                    raise UserError(f"the reference {done.recipe} is not available here ({done.reason}): nothing "
+                                    f"to hold the other recipes against, so none was trained; choose another "
+                                    f"--reference (the record is in {out_dir / 'records'})")
     except KeyboardInterrupt:
         finished = len(summaries) + len(keep)
         where = (f"their records and report are in {out_dir}" if finished else
