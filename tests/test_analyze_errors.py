@@ -136,3 +136,19 @@ def test_a_record_given_as_a_trace_names_itself_and_what_reads_it(tmp_path):
     path.write_text('{"schema": "swinbench.stage/3", "stage": "baseline"}')
     with pytest.raises(UserError, match=r"00-baseline.json is not a Kineto trace.*swinbench report"):
         load_kineto(path)
+
+
+def test_a_cpu_captures_ranges_table_names_cpu_time(tmp_path):
+    import csv
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    trace = Path(__file__).parent / "data" / "kineto_cpu_tiny_train.json"
+    result = CliRunner().invoke(app, ["analyze", str(trace), "--format", "csv", "--out", str(tmp_path / "t")])
+    assert result.exit_code == 0, result.output
+    with open(tmp_path / "t" / "ranges.csv") as f:
+        header = next(csv.reader(f))
+    assert header[:6] == ["range", "instances", "operators", "cpu_ns", "avg_cpu_ns", "share_pct"]

@@ -482,7 +482,8 @@ def write_analysis(analysis: Analysis, out_dir, fmt: str = "csv", *, trace=None,
                    on_note=None, timeline: bool = False, step: int | str | None = None,
                    title: str | None = None, gains=None) -> list[Path]:
     """csv: kernels.csv, categories.csv, ranges.csv, busy.csv, api.csv, findings.csv (and floors.csv where the
-    capture logged its launches); json: one analysis.json with every
+    capture logged its launches; of a CPU capture ranges.csv says operators, cpu_ns and avg_cpu_ns for
+    kernels, gpu_ns and avg_gpu_ns); json: one analysis.json with every
     frame as a list of records plus backend and meta. Tables of one range carry it in their names
     (kernels.range-backward.csv); every table names its trace (`trace`, relative to out_dir; default the
     path the analysis was read from) and range (`trace_range`, empty for the whole trace), and tables of
@@ -490,7 +491,10 @@ def write_analysis(analysis: Analysis, out_dir, fmt: str = "csv", *, trace=None,
     timeline.png (the step `step`, default the median one, under `title`, default timeline_title) and
     timeline.json (Perfetto) of the whole trace (timeline.write_timeline). gains: the measured gains of
     the findings' remedies (findings.findings). Returns the paths written."""
-    frames = {"kernels": analysis.kernels, "categories": analysis.categories, "ranges": analysis.ranges, "busy": analysis.busy}
+    ranges = analysis.ranges
+    if analysis.trace_meta.get("device") == "cpu":    # a CPU capture times operators, not GPU kernels
+        ranges = ranges.rename(columns={"kernels": "operators", "gpu_ns": "cpu_ns", "avg_gpu_ns": "avg_cpu_ns"})
+    frames = {"kernels": analysis.kernels, "categories": analysis.categories, "ranges": ranges, "busy": analysis.busy}
     if analysis.api is not None:
         frames["api"] = analysis.api
     frames["findings"] = findings(analysis, gains)
