@@ -328,16 +328,16 @@ def refuse_inside_a_run(folder: Path) -> None:
 def refuse_records_folder(folder: Path) -> None:
     """UserError (one line) when `folder` holds stage records (a run's records/): whatever else is written
     there, report, check and resume read every *.json in it as that run's."""
-    from workbench.results.record import read_record
-
     folder = Path(folder)
     if not folder.is_dir():
         return
     for q in sorted(folder.glob("*.json"))[:20]:
-        if q.is_file() and not q.name.startswith("_"):
+        if q.is_file() and not q.name.startswith("_") and q.stat().st_size < 10 * 2**20:
             try:
-                read_record(q)
-            except UserError:
+                schema = json.loads(q.read_text(encoding="utf-8")).get("schema")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if not (isinstance(schema, str) and schema.startswith("swinbench.stage/")):
                 continue
             raise UserError(f"{folder} holds stage records ({q.name}), which report, check and --resume read as "
                             "one run's: choose another --out")
