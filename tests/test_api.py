@@ -345,3 +345,39 @@ def test_a_patched_or_meta_model_is_refused_in_one_line(entry):
         meta = build_model(TINY_MODEL)
     with pytest.raises(UserError, match="meta device"):
         call(meta, "amp", **kwargs)
+
+
+def test_an_optimizer_factory_must_step_what_it_is_passed(master_recipe):
+    # under master weights the factory is passed the flat fp32 master: one built over the model's own
+    # (bf16) weights would leave every GEMM weight unstepped
+    model = tiny()
+    with pytest.raises(UserError, match="leaves out the fp32 master"):
+        optimize_swin(model, master_recipe, optimizer=lambda params: torch.optim.AdamW(model.parameters(), lr=1e-3))
+    with pytest.raises(UserError, match="not a torch.optim.Optimizer"):
+        optimize_swin(tiny(), "amp", optimizer=lambda params: 5)
+    frozen = optimize_swin(tiny(), "amp", optimizer=lambda ps: torch.optim.SGD([p for p in ps if p.ndim > 1], lr=0.1))
+    assert frozen.train_step(*batches(1)[0]).isfinite()      # a subset (the rest frozen) is fine
+
+
+def test_a_refused_recipe_stops_at_its_first_unavailable_pass(monkeypatch):
+    from workbench.optimize.passes import PassUnavailable, fused_layernorm
+    from workbench.optimize.recipes import RecipeUnavailable
+
+    def unavailable(model, ctx, **params):
+        raise PassUnavailable("not here")
+
+    monkeypatch.setattr(fused_layernorm, "apply", unavailable)
+    model = tiny()
+    with pytest.raises(RecipeUnavailable, match="fused_layernorm"):
+        optimize_swin(model, "apex")      # master_weights, after fused_layernorm, must not round the weights
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+def test_predictions_can_be_training_targets():
+    from workbench.api import optimize_swin_inference
+
+    images, _ = batches(1)[0]
+    teacher, student = optimize_swin_inference(tiny(), "amp"), optimize_swin(tiny(seed=1), "amp")
+    target = teacher(images)
+    assert not target.is_inference() and not student.predict(images).is_inference()
+    assert student.train_step(images, target, loss_fn=F.mse_loss).isfinite()

@@ -179,9 +179,12 @@ class InferenceSwin:
         images = check_images(images, self.model, "InferenceSwin")
         with torch.inference_mode():
             if self._graphs is not None:
-                return self._graphs(images).to(torch.float32, copy=True)
-            # a copy: the output of a compiled forward may be its own buffer (Inductor's graphs)
-            return self._forward(images.to(self.device, non_blocking=True)).to(torch.float32, copy=True)
+                out = self._graphs(images)
+            else:
+                out = self._forward(images.to(self.device, non_blocking=True))
+        # a copy (the output of a graph or of a compiled forward is its own buffer), made outside inference
+        # mode: a tensor autograd can use, such as a distillation target
+        return out.to(torch.float32, copy=True)
 
     predict = __call__
 
@@ -266,7 +269,7 @@ def optimize_swin_inference(model: torch.nn.Module, recipe: str = "dense", *, gr
     if calibration is not None:
         ctx.calibration = _calibration_from(calibration, model)
         ctx.calibration_source = "the caller's images"
-    model, results = apply_chain_passes(model, ctx, chain)
+    model, results = apply_chain_passes(model, ctx, chain, stop_unavailable=not allow_unavailable)
     unavailable = [r for r in results if not r.available]
     if unavailable and not allow_unavailable:
         first = unavailable[0]

@@ -361,16 +361,20 @@ def effective_passes(chain: list[Recipe]) -> list[PassSpec]:
     return [p for r in chain for p in r.passes]
 
 
-def apply_chain_passes(model, ctx, chain: list[Recipe]) -> tuple[Any, list]:
+def apply_chain_passes(model, ctx, chain: list[Recipe], stop_unavailable: bool = False) -> tuple[Any, list]:
     """Apply every pass of a resolved recipe chain, the baseline's first, to `model` with `ctx` -> (the model
     as the last pass returns it, the passes' PassResults in order). A pass that is not available here
-    leaves the model as it was and says so in its result (`passes.apply_pass`)."""
+    leaves the model as it was and says so in its result (`passes.apply_pass`); with `stop_unavailable` no
+    pass after it runs (the results end with it), so a recipe refused for it changes no more of the
+    model than the passes before it did."""
     from workbench.optimize.passes import apply_pass
 
     results = []
     for p in effective_passes(chain):
         model, result = apply_pass(p.name, model, ctx, p.params)
         results.append(result)
+        if stop_unavailable and not result.available:
+            break
     return model, results
 
 

@@ -177,7 +177,11 @@ class OptimizedSwin:
             self._stepper = self._master.optimizer(ctx.optimizer_factory, model.parameters())
             self.optimizer = self._stepper.inner
         else:
-            self._stepper = self.optimizer = ctx.optimizer_factory(model.parameters())
+            from workbench.optimize.passes.master_weights import check_optimizer
+
+            given = list(model.parameters())
+            self._stepper = self.optimizer = check_optimizer(ctx.optimizer_factory(given), given,
+                                                             "the model's parameters")
         self.graphed = bool(ctx.cuda_graph)
         # the one side stream of a graph recipe: DDP is built, warmed up, captured and falls back on it
         self._graph_stream = torch.cuda.Stream(self.device) if self.graphed and self.device.type == "cuda" else None
@@ -602,10 +606,14 @@ class OptimizedSwin:
             averaged = self.averaged_weights() if ema and not self._averaged else contextlib.nullcontext()
             # the weights change between calls, also where no op says so (a graph's replayed step, a fused
             # optimizer writing through pointers): SwinV2's weight terms are computed in every forward
-            with averaged, terms_in_every_call(), torch.inference_mode():
-                if self.graphed and self._predict_graphs is not None:
-                    return self._predict_graphs(images).to(torch.float32, copy=True)
-                return self._predict_forward(self._on_device(images)).to(torch.float32, copy=True)
+            with averaged, terms_in_every_call():
+                with torch.inference_mode():
+                    if self.graphed and self._predict_graphs is not None:
+                        out = self._predict_graphs(images)
+                    else:
+                        out = self._predict_forward(self._on_device(images))
+                # copied outside inference mode: a tensor autograd can use (a distillation target)
+                return out.to(torch.float32, copy=True)
         finally:
             self.model.train(was_training)
 
@@ -788,7 +796,7 @@ def optimize_swin(model: torch.nn.Module, recipe: str = "fmha", *, optimizer=Non
         ctx.optimizer_factory = lambda params: torch.optim.AdamW(params, **hp, foreach=True)
     else:
         ctx.optimizer_factory = default_optimizer_factory
-    model, results = apply_chain_passes(model, ctx, chain)
+    model, results = apply_chain_passes(model, ctx, chain, stop_unavailable=not allow_unavailable)
     notes = []
     unavailable = [r for r in results if not r.available]
     if unavailable and not allow_unavailable:

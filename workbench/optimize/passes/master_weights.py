@@ -116,6 +116,28 @@ class MasterWeights:
         return MasterWeightOptimizer(self, factory, params)
 
 
+def check_optimizer(optimizer, given: list, what: str, required=None):
+    """The optimizer a user's factory built over `given` (what: those parameters in words), or UserError
+    (one line) when it is no torch.optim.Optimizer, steps a parameter it was not given, or leaves out
+    `required` (the master of the GEMM weights): a factory that builds its optimizer over the model's own
+    parameters instead would leave the master unstepped, and the model would train only in part. A subset
+    of `given` is fine (parameters left frozen)."""
+    from workbench.errors import UserError
+
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UserError(f"the optimizer factory returned an object of type {type(optimizer).__name__}, not a "
+                        "torch.optim.Optimizer")
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    foreign = len(held - {id(p) for p in given})
+    if foreign or (required is not None and id(required) not in held):
+        raise UserError(f"the optimizer factory must build its optimizer over the parameters it is passed ({what}), "
+                        f"not others ({foreign} of its parameters were not passed"
+                        + (", and it leaves out the fp32 master" if required is not None and id(required) not in held
+                           else "") + "): build it from the argument, e.g. lambda params: torch.optim.AdamW(params, "
+                        "lr=...)")
+    return optimizer
+
+
 class MasterWeightOptimizer:
     """The optimizer `factory` builds over the fp32 master and the model's other parameters, stepped
     through the low-precision parameters' gradients. What the workload uses of an optimizer:
@@ -126,7 +148,10 @@ class MasterWeightOptimizer:
         lowp = {id(p) for p in weights.params}
         self.model_params = list(params)
         others = [p for p in self.model_params if id(p) not in lowp]
-        self.inner = factory([weights.master_parameter(), *others])
+        master = weights.master_parameter()
+        given = [master, *others]
+        self.inner = check_optimizer(factory(given), given, "under master weights, one flat fp32 master of the GEMM "
+                                     "weights and the model's other parameters", required=master)
 
     @property
     def param_groups(self):
