@@ -381,3 +381,14 @@ def test_predictions_can_be_training_targets():
     target = teacher(images)
     assert not target.is_inference() and not student.predict(images).is_inference()
     assert student.train_step(images, target, loss_fn=F.mse_loss).isfinite()
+
+
+def test_train_step_checks_its_inputs_as_predict_does():
+    swin = optimize_swin(tiny(), "baseline")
+    images, targets = batches(1)[0]
+    for bad, message in (((torch.randn(BATCH, 3, 64, 64), targets), r"images must be \(N >= 1, 3, 56, 56\)"),
+                         ((images.to(torch.uint8), targets), "got Tensor of uint8"),
+                         ((images, targets[:1]), "one row per image")):
+        with pytest.raises(UserError, match=message):
+            swin.train_step(*bad)
+    assert swin.micro_steps == 0 and swin.train_step(images.half(), targets).isfinite()

@@ -168,6 +168,11 @@ def _expanded_size(value, budget: int) -> int:
 
 
 def short_repr(value, limit: int = 80) -> str:
-    """`repr(value)` cut to `limit` characters, for error lines that quote what a file held."""
-    text = repr(value)
+    """`repr(value)` on one line, cut to `limit` characters, for error lines that quote what a file or a
+    caller gave; an array-like (a tensor) by its type, dtype and shape rather than its values."""
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is not None and dtype is not None and not isinstance(value, (str, bytes)):
+        text = f"{type(value).__name__} of {str(dtype).replace('torch.', '')} {tuple(shape)}"
+    else:
+        text = " ".join(repr(value).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."

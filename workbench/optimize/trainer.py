@@ -453,6 +453,12 @@ class OptimizedSwin:
         `accumulate`-th call gradient clipping and the optimizer step. -> the micro-batch's loss (0-dim fp32,
         not divided by accumulate). `updated` says whether the optimizer stepped."""
         self._refuse_while_averaged("train_step")
+        from workbench.optimize.inference import check_images
+
+        images = check_images(images, self.model, "train_step")
+        if not isinstance(targets, torch.Tensor) or targets.dim() < 1 or targets.shape[0] != images.shape[0]:
+            raise UserError(f"train_step: targets must be a tensor with one row per image ({images.shape[0]}), got "
+                            f"{short_repr(targets) if not isinstance(targets, torch.Tensor) else tuple(targets.shape)}")
         loss_fn = loss_fn or self.loss_fn
         last = (self.micro_steps + 1) % self.accumulate == 0
         if self.graphed:
