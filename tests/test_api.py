@@ -392,3 +392,11 @@ def test_train_step_checks_its_inputs_as_predict_does():
         with pytest.raises(UserError, match=message):
             swin.train_step(*bad)
     assert swin.micro_steps == 0 and swin.train_step(images.half(), targets).isfinite()
+
+
+def test_predict_gives_each_module_its_own_mode_back():
+    swin = optimize_swin(tiny(), "baseline")
+    swin.model.train()
+    swin.model.layers[0].eval()          # a user's frozen part
+    swin.predict(batches(1)[0][0])
+    assert swin.model.training and not swin.model.layers[0].training and not swin.model.layers[0].blocks[0].training

@@ -606,7 +606,7 @@ class OptimizedSwin:
         if ema:
             self._require_ema("predict(ema=True)")
         images = check_images(images, self.model, "predict")
-        was_training = self.model.training
+        modes = [(m, m.training) for m in self.model.modules()]    # each module's own, restored after
         self.model.eval()
         try:
             averaged = self.averaged_weights() if ema and not self._averaged else contextlib.nullcontext()
@@ -621,7 +621,8 @@ class OptimizedSwin:
                 # copied outside inference mode: a tensor autograd can use (a distillation target)
                 return out.to(torch.float32, copy=True)
         finally:
-            self.model.train(was_training)
+            for module, training in modes:
+                module.training = training
 
     def _predict_fell_back(self, key: str, text: str) -> None:
         self.eager_fallbacks += 1
