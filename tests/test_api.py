@@ -400,3 +400,20 @@ def test_predict_gives_each_module_its_own_mode_back():
     swin.model.layers[0].eval()          # a user's frozen part
     swin.predict(batches(1)[0][0])
     assert swin.model.training and not swin.model.layers[0].training and not swin.model.layers[0].blocks[0].training
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"optimizer": {"betas": 0.9}}, "betas must be two numbers"),
+    ({"optimizer": {"lr": "fast"}}, "lr must be a number >= 0"),
+    ({"grad_clip": True}, "grad_clip must be a number > 0"),
+])
+def test_optimizer_settings_are_checked_when_given(kwargs, message):
+    with pytest.raises(UserError, match=message):
+        optimize_swin(tiny(), "baseline", **kwargs)
+
+
+def test_a_model_that_is_not_fp32_is_refused_before_any_pass():
+    model = tiny().half()
+    with pytest.raises(UserError, match="takes an fp32 model"):
+        optimize_swin(model, "amp")
+    assert {p.dtype for p in model.parameters()} == {torch.float16}

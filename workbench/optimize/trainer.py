@@ -74,7 +74,26 @@ def _adamw_settings(values: dict, where: str) -> dict:
     if unknown:
         raise UserError(f"{where}: unknown AdamW setting {short_repr(unknown[0])} (the recipe picks the "
                         f"implementation; settings: {', '.join(ADAMW_SETTINGS)})")
+    for key, value in values.items():
+        if key == "betas":
+            ok = (isinstance(value, (tuple, list)) and len(value) == 2
+                  and all(_real(b) and 0 <= b < 1 for b in value))
+            if not ok:
+                raise UserError(f"{where}: betas must be two numbers from 0 to below 1, e.g. (0.9, 0.999), got "
+                                f"{short_repr(value)}")
+        elif isinstance(value, torch.Tensor) and key == "lr":
+            if value.numel() != 1 or not value.is_floating_point():
+                raise UserError(f"{where}: lr as a tensor must hold one float, got {short_repr(value)}")
+        elif not (_real(value) and value >= 0):
+            raise UserError(f"{where}: {key} must be a number >= 0, got {short_repr(value)}")
     return dict(values)
+
+
+def _real(value) -> bool:
+    """A finite real number (a float, an int or a numpy scalar), not a bool."""
+    import numbers
+
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _optimizer_choice(optimizer, optimizer_kwargs) -> tuple[dict | None, Callable | None, str]:
@@ -755,10 +774,14 @@ def optimize_swin(model: torch.nn.Module, recipe: str = "fmha", *, optimizer=Non
     if not isinstance(model, torch.nn.Module):
         raise UserError(f"model must be a torch.nn.Module (a timm Swin), got {short_repr(model)}")
     refuse_unpatchable(model, "optimize_swin")
+    narrow = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()
+                     if p.is_floating_point() and p.dtype != torch.float32})
+    if narrow:
+        raise UserError(f"optimize_swin takes an fp32 model (the recipe sets the precision), got {', '.join(narrow)} "
+                        "parameters: call model.float() first")
     if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
         raise UserError(f"accumulate must be an integer >= 1, got {short_repr(accumulate)}")
-    if grad_clip is not None and not (isinstance(grad_clip, (int, float)) and math.isfinite(grad_clip)
-                                      and grad_clip > 0):
+    if grad_clip is not None and not (_real(grad_clip) and grad_clip > 0):
         raise UserError(f"grad_clip must be a number > 0 or None, got {short_repr(grad_clip)}")
     if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
         raise UserError(f"batch must be an integer >= 1 or None, got {short_repr(batch)}")
