@@ -329,18 +329,28 @@ def refuse_records_folder(folder: Path) -> None:
     """UserError (one line) when `folder` holds stage records (a run's records/): whatever else is written
     there, report, check and resume read every *.json in it as that run's."""
     folder = Path(folder)
+    record = stage_record_in(folder)
+    if record is not None:
+        raise UserError(f"{folder} holds stage records ({record.name}), which report, check and --resume read as "
+                        "one run's: choose another --out")
+
+
+def stage_record_in(folder: Path, besides: Path | None = None) -> Path | None:
+    """A stage record (a *.json not starting with '_' whose schema is swinbench.stage/...) among the first
+    files of `folder` other than `besides`, or None: report and check read every such file as a record."""
+    folder = Path(folder)
     if not folder.is_dir():
-        return
+        return None
     for q in sorted(folder.glob("*.json"))[:20]:
-        if q.is_file() and not q.name.startswith("_") and q.stat().st_size < 10 * 2**20:
+        if (q.is_file() and not q.name.startswith("_") and q.stat().st_size < 10 * 2**20
+                and (besides is None or q.resolve() != Path(besides).resolve())):
             try:
                 schema = json.loads(q.read_text(encoding="utf-8")).get("schema")
             except (OSError, ValueError, AttributeError):
                 continue
-            if not (isinstance(schema, str) and schema.startswith("swinbench.stage/")):
-                continue
-            raise UserError(f"{folder} holds stage records ({q.name}), which report, check and --resume read as "
-                            "one run's: choose another --out")
+            if isinstance(schema, str) and schema.startswith("swinbench.stage/"):
+                return q
+    return None
 
 
 def claim_run_folder(folder, *, command: str, overwrite: bool = False, keep: bool = False,

@@ -472,8 +472,6 @@ class OptimizedSwin:
         `accumulate`-th call gradient clipping and the optimizer step. -> the micro-batch's loss (0-dim fp32,
         not divided by accumulate). `updated` says whether the optimizer stepped."""
         self._refuse_while_averaged("train_step")
-        from workbench.optimize.inference import check_images
-
         images = check_images(images, self.model, "train_step")
         if not isinstance(targets, torch.Tensor) or targets.dim() < 1 or targets.shape[0] != images.shape[0]:
             raise UserError(f"train_step: targets must be a tensor with one row per image ({images.shape[0]}), got "

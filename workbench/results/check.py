@@ -761,20 +761,15 @@ MIXED_NOTE = ("**CPU and GPU records** (compared with --force): one side's figur
 def refuse_among_records(output: Path) -> None:
     """UserError (one line) when `output` would be a *.json in a folder of stage records (a run's records/),
     where every later report and check would read it as a record and refuse the folder."""
-    from workbench.results.record import read_record
+    from workbench.run_folder import stage_record_in
 
     output = Path(output)
     folder = output.parent
     if output.suffix.lower() != ".json" or output.name.startswith("_") or (folder / "records").is_dir():
         return
-    for q in sorted(folder.glob("*.json"))[:20]:
-        if q.is_file() and not q.name.startswith("_") and q.resolve() != output.resolve():
-            try:
-                read_record(q)
-            except UserError:
-                continue
-            raise UserError(f"--out {output}: report and check read every *.json in {folder} as a stage record; "
-                            "write the table elsewhere (or name it _*.json, which they skip)")
+    if stage_record_in(folder, besides=output) is not None:
+        raise UserError(f"--out {output}: report and check read every *.json in {folder} as a stage record; "
+                        "write the table elsewhere (or name it _*.json, which they skip)")
 
 
 def is_check_output(head: str) -> bool:

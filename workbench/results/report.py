@@ -178,8 +178,8 @@ def best_form(records, df: pd.DataFrame, among: str = "last", graph_recipes: dic
 
     among='last': the fused stack in its best form: the last main-chain stage that runs swinbench kernels,
     or a stage that extends it (a compiled form); in a --stages run, which names no chain, every stage that
-    runs swinbench kernels (its peers then: the PyTorch-alone stages none of them builds on); None without graph columns unless `require_graph` is False
-    (then the eager forms alone compete, as on the CPU). among='main': every stage of
+    runs swinbench kernels (its peers then: the PyTorch-alone stages none of them builds on); None without
+    graph columns unless `require_graph` is False (then the eager forms alone compete, as on the CPU). among='main': every stage of
     the run's main chain that passed the gate (the baseline and PyTorch-alone rungs such as amp included,
     peers not), with or without graph columns: the best configuration the ladder measured. graph_recipes
     ({stage: recipe that replays it as one CUDA graph}): with it, a graph-replayed form counts only for the
