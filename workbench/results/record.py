@@ -1286,11 +1286,15 @@ def read_records(paths) -> list[StageRecord]:
 def read_distinct_records(paths) -> list[StageRecord]:
     """read_records for a table of runs (a report, the README's table): UserError (one line) when two files
     hold the same stage of the same run (a copied folder given beside its original), which would show as
-    two rows of one measurement."""
+    two rows of one measurement. Runs keep the order in which `paths` name them (a report of a training
+    and an inference run shows them as given), stages their stage_index."""
     files = record_files([paths] if isinstance(paths, (str, Path)) else list(paths))
     records = [read_record(f) for f in files]
     refuse_copies(files, records)
-    return sorted(records, key=lambda r: (r.run_id, r.stage_index))
+    first = {}
+    for r in records:
+        first.setdefault(r.run_id, len(first))
+    return sorted(records, key=lambda r: (first[r.run_id], r.stage_index))
 
 
 def refuse_copies(files: list[Path], records: list[StageRecord]) -> None:
