@@ -51,6 +51,21 @@ def test_inference_keeps_bf16_weights_without_fp32_copies():
     assert "inference keeps no fp32 copy" in swin.describe()
 
 
+def test_the_weights_are_left_without_requires_grad_and_train_again_in_a_fresh_model():
+    """As the docstring and docs/training.md say: no gradients after the call; the weights saved before it
+    train in a fresh timm model."""
+    model = tiny()
+    saved = copy.deepcopy(model.state_dict())
+    swin = optimize_swin_inference(model, "apex")
+    assert not any(p.requires_grad for p in swin.model.parameters())
+    fresh = tiny(seed=1)
+    fresh.load_state_dict(saved)
+    trainer = optimize_swin(fresh, "amp")
+    assert all(p.requires_grad for p in fresh.parameters())
+    x, y = torch.randn(2, 3, 56, 56), torch.randint(0, 10, (2,))
+    assert trainer.train_step(x, y).isfinite() and trainer.updated
+
+
 def test_what_apply_measures_in_inference_is_what_the_call_runs():
     """The ladder's inference workload for a recipe and the API on the same weights give the same logits."""
     config = WorkloadConfig(model="swinbench_tiny_cpu", mode="infer", batch=2, device="cpu", precision="bf16")

@@ -244,6 +244,12 @@ def optimize_swin_inference(model: torch.nn.Module, recipe: str = "dense", *, gr
     ranges are an untrained model's on noise. allow_unavailable: go on without passes that cannot run
     here (no GPU for the Triton kernels) instead of raising; `notes` lists them.
 
+    The model is left in eval mode with requires_grad off on every parameter (inference takes no
+    gradients, and the fused SwinV2 attention then keeps its position-bias terms instead of computing
+    them in every call). It is patched for inference only: to train, build a fresh timm model, load the
+    weights into it (saved before this call: the recipe may keep them in bf16 or quantized) and give it
+    to optimize_swin, rather than turning requires_grad back on.
+
     A pass that cannot run here raises RecipeUnavailable, a UserError (the model may then be partly
     patched: build it again)."""
     if not isinstance(model, torch.nn.Module):
