@@ -149,6 +149,30 @@ def test_graph_recipes_are_refused_under_fsdp():
         optimize_swin(build_model(TINY_MODEL), "fmha-graph", distributed=FullyShard())
 
 
+def test_a_swinv2_is_refused_under_fsdp_before_any_pass(monkeypatch, tmp_path):
+    """FSDP shards timm's SwinTransformerBlocks (or stages); a SwinV2's are other classes. The refusal comes
+    before the recipe's passes would change the user's model."""
+    import torch.distributed as dist
+    from timm.models.swin_transformer_v2 import SwinTransformerV2
+
+    import workbench.optimize.trainer as trainer
+
+    def no_pass(*args, **kwargs):
+        raise AssertionError("a pass ran before the refusal")
+
+    monkeypatch.setattr(trainer, "apply_chain_passes", no_pass)
+    model = SwinTransformerV2(img_size=32, patch_size=4, window_size=4, embed_dim=16, depths=(1, 1),
+                              num_heads=(1, 2), num_classes=10)
+    dist.init_process_group("gloo", init_method=(tmp_path / "group").as_uri(), rank=0, world_size=1)
+    try:
+        for unit in ("block", "stage"):
+            with pytest.raises(UserError, match=f"FSDP shards a timm Swin by {unit}, and this SwinTransformerV2 "
+                                                "has no SwinTransformer"):
+                optimize_swin(model, "amp", distributed=FullyShard(unit=unit))
+    finally:
+        dist.destroy_process_group()
+
+
 # ---------------------------------------------------------------- swinbench train --nproc --parallel fsdp
 
 

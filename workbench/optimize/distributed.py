@@ -259,6 +259,16 @@ def shard_units(model: torch.nn.Module, unit: str) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, kind)]
 
 
+def require_shard_units(model: torch.nn.Module, unit: str) -> list[torch.nn.Module]:
+    """shard_units(model, unit), or a UserError where there are none (a SwinV2 or swinv2_cr, whose blocks
+    and stages are other classes): optimize_swin asks before any pass changes the model."""
+    units = shard_units(model, unit)
+    if not units:
+        raise UserError(f"FSDP shards a timm Swin by {unit}, and this {type(model).__name__} has no "
+                        f"Swin{'TransformerBlock' if unit == 'block' else 'TransformerStage'}")
+    return units
+
+
 def fully_shard_model(model: torch.nn.Module, settings: FullyShard,
                       param_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """Shard `model` (on its device, patched) in place with FSDP2 -> the same object, whose parameters are
@@ -272,10 +282,7 @@ def fully_shard_model(model: torch.nn.Module, settings: FullyShard,
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    units = shard_units(model, settings.unit)
-    if not units:
-        raise UserError(f"FSDP shards a timm Swin by {settings.unit}, and this {type(model).__name__} has no "
-                        f"Swin{'TransformerBlock' if settings.unit == 'block' else 'TransformerStage'}")
+    units = require_shard_units(model, settings.unit)
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
             dist.broadcast(t.data, src=0)

@@ -53,7 +53,8 @@ from workbench.errors import UserError
 from workbench.files import short_repr
 from workbench.optimize.distributed import (DDP_GRAPH_WARMUP_STEPS, DataParallel, FullyShard, Parallel, asked_strategy,
                                             data_parallel_settings, full_state_dict, fully_shard_model,
-                                            load_full_state_dict, sharding_blocker, wrap_data_parallel, world_size)
+                                            load_full_state_dict, require_shard_units, sharding_blocker,
+                                            wrap_data_parallel, world_size)
 from workbench.optimize.inference import GraphFallbackWarning, PredictGraphs, check_images
 from workbench.optimize.passes import PassContext, PassResult, default_optimizer_factory, refuse_unpatchable
 from workbench.optimize.recipes import (Recipe, RecipeUnavailable, apply_chain_passes, inference_only_pass,
@@ -801,6 +802,8 @@ def optimize_swin(model: torch.nn.Module, recipe: str = "fmha", *, optimizer=Non
         raise UserError("ema: an average of FSDP's sharded weights is not built here; use DDP (distributed='ddp') "
                         "or train without ema")
     data_parallel = data_parallel_settings(distributed, accumulate)
+    if isinstance(data_parallel, FullyShard):
+        require_shard_units(model, data_parallel.unit)    # said before any pass changes the model
     if data_parallel is not None and replays_inductor_graphs(chain):
         raise UserError(f"recipe {chain[-1].name!r} replays Inductor's own CUDA graphs (reduce-overhead), which "
                         f"swinbench runs under neither DDP nor FSDP: use a recipe that captures the whole step "
