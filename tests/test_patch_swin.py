@@ -129,6 +129,10 @@ def test_bad_input_is_one_user_error():
         patch_swin(tiny_backbone(), "fmha", dtype="int4")
     with pytest.raises(UserError, match="batch must be"):
         patch_swin(tiny_backbone(), "fmha", batch=0)
+    for training in ("no", 0, None):      # not taken as True (or False) by their truth
+        with pytest.raises(UserError, match="training must be True or False") as info:
+            patch_swin(tiny_backbone(), "fmha", training=training)
+        assert "\n" not in str(info.value)
     with pytest.raises(UserError, match="recipe"):
         patch_swin(tiny_backbone(), "no-such-recipe")
 

@@ -87,6 +87,8 @@ def patch_swin(model: torch.nn.Module, recipe: str = "fmha", *, dtype: str | Non
     if not named_swin_blocks(model) and not has_v2_blocks(model, cr=True):
         raise UserError(f"{type(model).__name__} holds no timm Swin block (Swin v1, SwinV2 or swinv2_cr): "
                         "nothing to patch")
+    if not isinstance(training, bool):
+        raise UserError(f"training must be True or False, got {short_repr(training)}")
     if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
         raise UserError(f"batch must be an integer >= 1 or None, got {short_repr(batch)}")
     chain = resolve_chain(str(recipe))
@@ -96,7 +98,7 @@ def patch_swin(model: torch.nn.Module, recipe: str = "fmha", *, dtype: str | Non
         raise UserError(f"dtype must be bf16, fp16 or fp32, got {short_repr(dtype)}")
     param = next(iter(model.parameters()), None)
     device = param.device if param is not None else torch.device("cpu")
-    ctx = PassContext(device=device, precision=resolve_precision(dtype), training=bool(training), batch=batch,
+    ctx = PassContext(device=device, precision=resolve_precision(dtype), training=training, batch=batch,
                       swin_only=True)
     patch = SwinPatch(model, chain[-1].name, dtype)
     if training:
