@@ -417,3 +417,9 @@ def test_a_model_that_is_not_fp32_is_refused_before_any_pass():
     with pytest.raises(UserError, match="takes an fp32 model"):
         optimize_swin(model, "amp")
     assert {p.dtype for p in model.parameters()} == {torch.float16}
+
+
+@pytest.mark.parametrize("device", [None, "cpu"])
+def test_a_model_without_parameters_is_one_line(device):
+    with pytest.raises(UserError, match="optimize_swin trains a model's parameters, and this Identity has none"):
+        optimize_swin(torch.nn.Identity(), "baseline", device=device)

@@ -773,6 +773,9 @@ def optimize_swin(model: torch.nn.Module, recipe: str = "fmha", *, optimizer=Non
     if not isinstance(model, torch.nn.Module):
         raise UserError(f"model must be a torch.nn.Module (a timm Swin), got {short_repr(model)}")
     refuse_unpatchable(model, "optimize_swin")
+    if next(iter(model.parameters()), None) is None:
+        raise UserError(f"optimize_swin trains a model's parameters, and this {type(model).__name__} has none: "
+                        "give it a timm Swin")
     narrow = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()
                      if p.is_floating_point() and p.dtype != torch.float32})
     if narrow:
