@@ -423,3 +423,13 @@ def test_a_model_that_is_not_fp32_is_refused_before_any_pass():
 def test_a_model_without_parameters_is_one_line(device):
     with pytest.raises(UserError, match="optimize_swin trains a model's parameters, and this Identity has none"):
         optimize_swin(torch.nn.Identity(), "baseline", device=device)
+
+
+@pytest.mark.parametrize("entry", ["optimize_swin", "optimize_swin_inference"])
+def test_no_gpu_for_device_cuda_speaks_of_the_argument_not_the_cli(entry, monkeypatch):
+    import workbench.api as api
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match=f"no CUDA GPU is visible here: give {entry} device='cpu'") as info:
+        getattr(api, entry)(tiny(), "baseline", device="cuda")
+    assert "--device" not in str(info.value)

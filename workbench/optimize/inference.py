@@ -265,7 +265,7 @@ def optimize_swin_inference(model: torch.nn.Module, recipe: str = "dense", *, gr
     if device is not None:
         from workbench.devices import resolve_device
 
-        dev = resolve_device(str(device))
+        dev = resolve_device(str(device), "optimize_swin_inference")
         model.to(dev)
     else:
         param = next(iter(model.parameters()), None)

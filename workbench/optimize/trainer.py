@@ -814,7 +814,7 @@ def optimize_swin(model: torch.nn.Module, recipe: str = "fmha", *, optimizer=Non
     if device is not None:
         from workbench.devices import resolve_device
 
-        dev = resolve_device(str(device))
+        dev = resolve_device(str(device), "optimize_swin")
         model.to(dev)
     else:
         dev = next(model.parameters()).device
