@@ -169,6 +169,10 @@ def test_reading_an_average_that_was_not_kept_and_fsdp_are_one_line():
     kept = optimize_swin(tiny(), "baseline", ema=0.9)
     with pytest.raises(UserError, match="lacks 1 parameter"):
         kept.load_ema_state_dict({k: v for k, v in kept.ema_state_dict().items() if k != "head.fc.weight"})
+    for bad in (None, [1.0, 2.0], kept.ema_state_dict()["head.fc.weight"].numpy()):
+        with pytest.raises(UserError, match="load_ema_state_dict: head.fc.weight is .*, not a tensor") as info:
+            kept.load_ema_state_dict({**kept.ema_state_dict(), "head.fc.weight": bad})
+        assert "\n" not in str(info.value)
 
 
 def test_a_tied_parameter_has_one_average_under_both_names_and_loading_weights_reseeds_it():

@@ -405,6 +405,8 @@ class OptimizedSwin:
         with torch.no_grad():
             for name, value in values.items():
                 given = state_dict[name]
+                if not isinstance(given, torch.Tensor):
+                    raise UserError(f"load_ema_state_dict: {name} is {short_repr(given)}, not a tensor")
                 if tuple(given.shape) != tuple(value.shape):
                     raise UserError(f"load_ema_state_dict: {name} is {tuple(given.shape)}, the model's "
                                     f"{tuple(value.shape)}")
