@@ -440,11 +440,17 @@ def test_renumbering_moves_files_either_way_without_overwriting_one(tmp_path):
     assert {p.name: p.read_text().strip() for p in records.iterdir()} == {"02-a.jsonl": "a", "03-b.jsonl": "b"}
 
 
-def test_a_single_run_that_diverged_says_so_in_its_table(tmp_path):
+def test_a_single_run_that_diverged_says_so_in_its_table_and_exits_2(tmp_path):
+    """A diverged run keeps its records, report and curves, and the command says so in one line, exit 2."""
     out = tmp_path / "div"
-    output = train(tmp_path, "--steps", "8", "--lr", "1e4", "--clip-grad", "0", "--label-smoothing", "0",
-                   "--out", str(out))
-    assert "diverged: loss" in output
+    result = runner.invoke(app, ["train", "--device", "cpu", "--batch", "16", "--steps", "8", "--lr", "1e4",
+                                 "--clip-grad", "0", "--label-smoothing", "0", "--out", str(out)])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "diverged: loss" in result.output
+    error = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and error[0].startswith("error: 1 of 1 run(s) diverged (baseline seed 0: loss ")
+    assert lines(out / "records" / "01-baseline-seed0.jsonl")[-1]["status"] == "diverged"
+    assert (out / "curves.png").is_file()
     table = (out / "report.md").read_text().split("\n\n")[1]
     assert "| status |" in table and "diverged: loss" in table
 
