@@ -240,6 +240,19 @@ def test_run_matrix_runs_each_cell_into_its_folder_then_resume_skips_them(tmp_pa
     assert len(json.loads((out / "matrix.json").read_text())["cells"]) == 3
 
 
+def test_resume_reads_each_cells_records_once(tmp_path, monkeypatch):
+    """The device check and the finished-cell check of --resume share one read of each cell's records."""
+    out = tmp_path / "m"
+    matrix.run_matrix(models=[TINY_MODEL], out_dir=out, device="cpu", run_apply=FakeApply(), progress=False)
+    reads = []
+    read = matrix.read_records
+    monkeypatch.setattr(matrix, "read_records", lambda paths: reads.append(Path(paths[0]).parent.name) or read(paths))
+    result = matrix.run_matrix(models=[TINY_MODEL], out_dir=out, device="cpu", run_apply=FakeApply(), resume=True,
+                               progress=False)
+    assert result["skipped"] == [c.name for c in result["cells"]] and result["ran"] == []
+    assert sorted(reads) == sorted(c.name for c in result["cells"])
+
+
 def test_a_run_of_one_mode_keeps_the_folders_other_cells_in_the_table(tmp_path):
     out = tmp_path / "m"
     matrix.run_matrix(models=[TINY_MODEL], out_dir=out, device="cpu", run_apply=FakeApply(), progress=False)

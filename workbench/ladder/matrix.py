@@ -208,12 +208,26 @@ def cell_finished(folder: Path, stages: list[str], *, steps: int, warmup: int, o
     keeps them) under this plan: measured with these steps and warm-up on this device kind, and captured
     when `profile` asks for it. A cell that differs is not skipped: apply's resume then says, in one line,
     what differs."""
+    return stages_finished(_cell_records(folder), stages, steps=steps, warmup=warmup, on_gpu=on_gpu,
+                           profile=profile)
+
+
+def _cell_records(folder: Path) -> list | None:
+    """The stage records of a cell folder; None when it holds none or they are damaged (apply's resume
+    then says what is wrong with them)."""
     records_dir = folder / "records"
     if not records_dir.is_dir() or not any(records_dir.glob("*.json")):
-        return False
+        return None
     try:
-        records = read_records([records_dir])
+        return read_records([records_dir])
     except UserError:
+        return None
+
+
+def stages_finished(records: list | None, stages: list[str], *, steps: int, warmup: int, on_gpu: bool,
+                    profile: bool = False) -> bool:
+    """cell_finished on a cell's records as _cell_records read them."""
+    if records is None:
         return False
     done = set()
     for r in records:
@@ -227,20 +241,19 @@ def cell_finished(folder: Path, stages: list[str], *, steps: int, warmup: int, o
     return all(s in done for s in stages)
 
 
-def _refuse_another_device(out_dir: Path, device) -> None:
+def _refuse_another_device(out_dir: Path, device, cells: dict[str, list | None]) -> None:
     """UserError (one line) when a cell of the matrix in out_dir was measured on another device than
-    `device` (the CPU, or another GPU): one table compares cells of one device."""
+    `device` (the CPU, or another GPU): one table compares cells of one device. cells: each cell folder's
+    name -> its records (_cell_records)."""
     import torch
 
     here = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    for folder in cell_folders(out_dir):
-        try:
-            records = read_records([folder / "records"])
-        except UserError:
+    for name, records in cells.items():
+        if records is None:
             continue    # a damaged cell: apply's resume says what is wrong with it
         there = next((r.env.device_name for r in records), here)
         if there != here:
-            raise UserError(f"--resume: {out_dir} holds cells measured on {there} ({folder.name}), this command "
+            raise UserError(f"--resume: {out_dir} holds cells measured on {there} ({name}), this command "
                             f"measures on {here}: one matrix compares cells of one device; choose another --out")
 
 
@@ -304,8 +317,11 @@ def run_matrix(*, models: list[str] | None = None, modes: list[str] | None = Non
         listed = ", ".join(earlier[:3]) + (", ..." if len(earlier) > 3 else "")
         raise UserError(f"{out_dir} holds an earlier matrix ({listed}); nothing was changed: --resume continues it, "
                         "--overwrite moves each cell's files aside, or choose another --out")
+    # each cell's records, read once for --resume: the device check and the finished-cell check share them
+    # (a cell's run writes only its own folder, so none of them changes before its cell comes up)
+    stored = {f.name: _cell_records(f) for f in cell_folders(out_dir)} if resume and out_dir.is_dir() else {}
     if earlier and resume:
-        _refuse_another_device(out_dir, resolve_device(device))
+        _refuse_another_device(out_dir, resolve_device(device), stored)
     if not on_gpu:
         console.print("[yellow]note:[/] CPU matrix: the step times show the workflow, not what the stages do on a "
                       "GPU (torch-compile compiles with Inductor on the CPU: slow)")
@@ -322,8 +338,8 @@ def run_matrix(*, models: list[str] | None = None, modes: list[str] | None = Non
         for i, cell in enumerate(cells, 1):
             folder = out_dir / cell.name
             head = f"matrix cell {i}/{len(cells)}: {cell.model}, {cell.mode}, batch {cell.batch}"
-            if resume and cell_finished(folder, stages[cell.mode], steps=steps, warmup=warmup, on_gpu=on_gpu,
-                                        profile=profile):
+            if resume and stages_finished(stored.get(cell.name), stages[cell.mode], steps=steps, warmup=warmup,
+                                          on_gpu=on_gpu, profile=profile):
                 skipped.append(cell.name)
                 console.print(f"{head}: finished in an earlier run, kept", highlight=False)
                 continue
