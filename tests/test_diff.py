@@ -45,6 +45,19 @@ def test_per_step_deltas_add_up_to_the_change_in_kernel_time(analyses):
     assert (d.kernels[d.kernels["kernel"].str.contains("f32f32_f32f32")]["after_ms"] == 0).all()
 
 
+def test_host_launches_per_step_are_analyzes_figure(analyses):
+    """Per step, diff counts the launches inside the steps, as analyze's API table and findings do; the
+    fixture's launches before step0 (the whole trace's 4,484 against 4,482 inside) stay out."""
+    from workbench.analysis.frames import api_summary
+
+    fp32, bf16 = analyses
+    summary = diff_analyses(fp32, bf16).summary.set_index("metric")
+    assert api_summary(fp32.api)["launch"] == 1120.5                  # analyze's launches per step
+    assert summary.loc["host launches", "before"] == pytest.approx(api_summary(fp32.api)["launch"])
+    assert summary.loc["host launches", "after"] == pytest.approx(api_summary(bf16.api)["launch"])
+    assert fp32.trace_meta["host_launches"] / 4 == 1121.0     # what the whole trace over 4 steps would say
+
+
 def test_a_trace_against_itself_changes_nothing(analyses):
     fp32, _ = analyses
     d = diff_analyses(fp32, fp32)

@@ -125,7 +125,7 @@ def analyze_trace(path, *, name_style: str = "demangled", range_name: str | None
     api, api_meta = _scoped_api(trace, windows, unit, scope)
     meta.update(api_meta)
     # the host's kernel launches over the kernels' own scope (the whole trace, or the range's instances):
-    # what diff divides by the same steps as the kernels
+    # what diff compares when it compares whole traces (one side without steps)
     meta["host_launches"] = None
     if trace.api is not None and len(trace.api):
         # the table above already counts what it should where it holds a range's instances or all calls

@@ -7,8 +7,9 @@ diff is exact for library and hand-written kernels; Inductor numbers its generat
 (`triton_poi_fused_add_0`), so after a recompile the same kernel can show up under two names.
 
 Per step: each side's totals are divided by its number of `step{i}` NVTX ranges (the captured steps;
-swinbench's captures hold only those), so traces of different lengths compare. A trace without step
-ranges is compared as a whole, and the output says so.
+swinbench's captures hold only those), so traces of different lengths compare; host launches are those
+inside the steps, as analyze's API table counts them. A trace without step ranges is compared as a whole,
+and the output says so.
 
 Two CPU captures (Kineto without GPU kernels: CPU operators' self time in place of kernels) are compared the
 same way; their tables and summary say CPU and operators (`labels.pair_words`).
@@ -96,11 +97,14 @@ def _busy_pct(analysis: Analysis, device: int | None = None) -> float:
     return float(rows["pct"].iloc[0]) if len(rows) else math.nan
 
 
-def _launches(analysis: Analysis, per: int) -> float:
-    """Host kernel launches over the kernels' scope (the whole trace, or the range's instances) divided by
-    `per`, as the kernel counts are."""
+def _launches(analysis: Analysis, per: int, unit: str) -> float:
+    """Host kernel launches divided by `per`: per step (or range instance), those inside the steps, the
+    figure analyze's API table and findings give; compared whole (`unit` 'trace'), every launch of the
+    trace on both sides, as the kernel counts are."""
     if analysis.api is None or not len(analysis.api):
         return math.nan
+    if unit != "trace":    # analysis.api holds the calls inside its steps (analyze._scoped_api)
+        return float(analysis.api.loc[analysis.api["kind"] == "launch", "calls"].sum()) / per
     if analysis.trace_meta.get("host_launches") is not None:
         return float(analysis.trace_meta["host_launches"]) / per
     calls = float(api_summary(analysis.api).get("launch", 0.0))
@@ -156,7 +160,7 @@ def diff_analyses(before: Analysis, after: Analysis, before_label: str = "before
         (f"{words.op} ms", before.trace_meta["kernel_total_ns"] / 1e6 / per[0],
          after.trace_meta["kernel_total_ns"] / 1e6 / per[1]),
         (words.units, before.trace_meta["kernel_count"] / per[0], after.trace_meta["kernel_count"] / per[1]),
-        ("host launches", _launches(before, per[0]), _launches(after, per[1])),
+        ("host launches", _launches(before, per[0], unit), _launches(after, per[1], unit)),
         (f"{words.device} busy % of span", _busy_pct(before), _busy_pct(after)),
     ]
     summary = pd.DataFrame(rows, columns=["metric", "before", "after"])
@@ -189,7 +193,7 @@ def _diff_per_device(before: Analysis, after: Analysis, devices: list[int], unit
             (d, "kernels", b_k["instances"].sum() / pair[0], a_k["instances"].sum() / pair[1]),
             (d, "GPU busy % of span", _busy_pct(before, d), _busy_pct(after, d)),
         ]
-    rows.append((-1, "host launches", _launches(before, per[0]), _launches(after, per[1])))
+    rows.append((-1, "host launches", _launches(before, per[0], unit), _launches(after, per[1], unit)))
     summary = pd.DataFrame(rows, columns=["device", "metric", "before", "after"])
     summary["before"] = summary["before"].astype("float64")
     summary["after"] = summary["after"].astype("float64")
