@@ -664,9 +664,9 @@ def run_apply(recipe: str | None, *, model: str | None, batch: int, steps: int, 
     """Run every stage of `recipe` (baseline first), write one record per stage and the report.
 
     recipe: a built-in name or a YAML path, or 'auto': the ladder of AUTO_LADDER for this device (with
-    `stages`, those stages), then the best configuration that passed the gate (report.auto_choice),
-    printed at the end, written in report.md and returned in ApplyResult.auto. None: DEFAULT_RECIPE, or
-    with `stages` none: the run and its records are named STAGES_LABEL.
+    `stages`, those stages, the records named STAGES_LABEL), then the best configuration that passed the
+    gate (report.auto_choice), printed at the end, written in report.md and returned in ApplyResult.auto.
+    None: DEFAULT_RECIPE, or with `stages` none: the run and its records are named STAGES_LABEL.
     stages: explicit stage names instead of the chain (a YAML recipe's own stages by name too).
     mode: 'train' (forward, backward, optimizer step; the gate compares logits, loss and gradients) or
     'infer' (forward only under inference_mode; the gate compares logits and loss).
@@ -721,8 +721,8 @@ def run_apply(recipe: str | None, *, model: str | None, batch: int, steps: int, 
     check_model_name(model)
     img_size = own_img_size(model, img_size)
     auto = str(recipe) == AUTO
-    if auto:
-        recipe = AUTO_LADDER[dev.type if dev.type in AUTO_LADDER else "cpu"]
+    if auto:    # with `stages` no ladder's chain runs: the records are named as those of `stages` alone
+        recipe = None if stages else AUTO_LADDER[dev.type if dev.type in AUTO_LADDER else "cpu"]
     named = recipe if recipe is not None else (STAGES_LABEL if stages else DEFAULT_RECIPE)
     recipe = recipe if recipe is not None else DEFAULT_RECIPE
     plans: list[StagePlan] = plan_stages(recipe, stages, peers=on_gpu if peers is None else peers)
