@@ -557,7 +557,7 @@ def run_train(config: TrainConfig, *, out_dir: Path | None = None, overwrite: bo
     """`swinbench train`: check the config, claim the output folder, train every run, write report.md and
     curves.png after each run (so a run stopped part-way keeps what finished). Raises UserError (exit 2)
     for a mistake in the config, the data or the folder, before anything trains, and after everything is
-    written when a run diverged (its `result` the TrainResult)."""
+    written when a run diverged."""
     from rich.console import Console
 
     from workbench.train.report import render_train_report, spread_line, summary_rows, write_curves
@@ -653,10 +653,8 @@ def run_train(config: TrainConfig, *, out_dir: Path | None = None, overwrite: bo
         diverged = [r for r in run_summaries(out_dir / "records") if r.status == "diverged"]
     if diverged:    # after the folder's lock is released: everything the runs measured is written
         first = diverged[0]
-        err = UserError(f"{len(diverged)} of {len(runs)} run(s) diverged ({first.recipe} seed {first.seed}: "
+        raise UserError(f"{len(diverged)} of {len(runs)} run(s) diverged ({first.recipe} seed {first.seed}: "
                         f"{first.reason}); their records and report are in {out_dir}", exit_code=2)
-        err.result = result   # for callers that want the runs anyway
-        raise err
     return result
 
 
