@@ -177,3 +177,24 @@ def test_a_profiled_stage_keeps_its_floors_in_the_record_and_the_report_shows_th
     assert "| fmha | _window_attention_bwd_kernel | 4096x49x384 bfloat16 | 2 | 71.3 | 12.5 | 18% | 0.143 |" in text
     with pytest.raises(UserError, match="profile.floors"):
         StageRecord.from_dict({**record(0, "fmha", None, 25.0), "profile": {**profile, "floors": [{**floor, "x": 1}]}})
+
+
+def test_a_compiled_stage_logs_its_kernels_from_one_step_run_eagerly():
+    """Under torch.compile on a GPU, Inductor launches swinbench's kernels itself and the launch log sees
+    none; Workload.eager_step (which the capture runs before the warm-up of a compiled stage) launches the
+    same kernels from Python with the compile forced eager, and compiles nothing."""
+    from torch._dynamo.utils import counters
+
+    from workbench.ladder.interleave import build_stage_workload
+    from workbench.models import TINY_MODEL
+    from workbench.optimize.workload import WorkloadConfig
+
+    workload, _ = build_stage_workload(WorkloadConfig(model=TINY_MODEL, batch=1, device=DEVICE), "fmha-compile")
+    assert workload.ctx.compile
+    torch._dynamo.reset()
+    counters.clear()
+    with launch_log() as log:
+        workload.eager_step()
+    names = {e["kernel"] for e in log}
+    assert {"_window_attention_fwd_kernel", "_window_attention_bwd_kernel"} <= names
+    assert counters["stats"]["unique_graphs"] == 0

@@ -258,6 +258,10 @@ def _render_floors(analysis: Analysis, console: Console, top: int) -> None:
     console.print(t)
     if len(analysis.floors) > top:
         console.print(f"({len(analysis.floors) - top} more rows in floors.csv)")
+    if summary.get("forced_eager"):
+        console.print("[yellow]note:[/yellow] the stage compiles: Inductor launched these kernels; their argument "
+                      "bytes are those of one step run with torch.compile forced eager (the same kernels, the same "
+                      "shapes)")
     if summary.get("unmatched"):
         console.print("[yellow]note:[/yellow] no floor for " + "; ".join(
             f"{k} ({v})" for k, v in summary["unmatched"].items()), highlight=False)

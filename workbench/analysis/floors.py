@@ -1,7 +1,9 @@
 """How close each of swinbench's own kernels runs to its memory floor.
 
 The capture logs one warm-up step's eager Triton launches (`launches.json` beside the trace: each launch's
-kernel and the bytes of its tensor arguments, each counted once). A launch that reads or writes every
+kernel and the bytes of its tensor arguments, each counted once). Under torch.compile on a GPU Inductor
+launches swinbench's kernels itself, out of the log's sight: there the capture logs one step run before the
+warm-up with torch.compile forced eager, which launches the same kernels on the same shapes (`forced_eager`). A launch that reads or writes every
 element of every argument once must move at least those bytes, so at the GPU's peak memory bandwidth it
 cannot take less than
 
@@ -60,10 +62,12 @@ def kernel_floors(kernels: pd.DataFrame, launches: dict) -> tuple[pd.DataFrame, 
     median duration (µs), the floor (µs) and floor_pct, achieved GB/s (argument bytes over the median),
     us_per_step (calls x median). summary: peak_gbps, device_name, steps (trace instances / launches per
     step), kernel_us_per_step and floor_us_per_step over the matched rows, unmatched ({kernel: why}),
-    and note (why there is no table, where there is none)."""
+    forced_eager (the bytes are of a step run with torch.compile forced eager) and note (why there is no
+    table, where there is none)."""
     device = launches.get("device_name")
     peak = peak_gbps(device)
-    summary = {"peak_gbps": peak, "device_name": device, "unmatched": {}, "note": None}
+    summary = {"peak_gbps": peak, "device_name": device, "unmatched": {}, "note": None,
+               "forced_eager": bool(launches.get("forced_eager"))}
     empty = pd.DataFrame(columns=COLUMNS)
     if not device:
         summary["note"] = "no memory floors: the kernels ran on the CPU (Triton's interpreter), not on a GPU"

@@ -3,8 +3,9 @@
 `python -m workbench.capture.worker SPEC.json` (nsys re-runs swinbench through this). It writes
 `run.json` beside the trace: the configuration, the environment stamp and the captured steps' times
 (under a profiler, so only indicative; `swinbench apply` gives the clean figures); and `launches.json`:
-the last warm-up step's eager Triton launches with their argument bytes, which the analysis holds the
-traced kernels against (workbench/analysis/floors.py).
+the eager Triton launches of one step with their argument bytes, which the analysis holds the traced
+kernels against (workbench/analysis/floors.py): the last warm-up step that launched any, or, where the
+stage compiles, one step run before the warm-up with torch.compile forced eager (Workload.eager_step).
 """
 from __future__ import annotations
 
@@ -70,12 +71,18 @@ def run_capture(config: WorkloadConfig, recipe: str | None, *, steps: int, warmu
             raise UserError(blocker)
         data_parallel = FullyShard() if workload.ctx.sharded else DataParallel()
     workload.prepare(data_parallel=data_parallel)      # DDP, or FSDP2 with the optimizer over the shards
-    launches = None
+    launches = eager = None
+    if workload.ctx.compile:    # Inductor launches swinbench's kernels itself: log them from one step run eagerly
+        with launch_log() as log:
+            workload.eager_step()
+        if log:
+            eager = {"step": None, "forced_eager": True, "launches": [_launch_entry(e) for e in log]}
     for i in range(warmup):
         with launch_log() as log:
             workload.step(i)
         if log:     # the last warm-up step that launched kernels from Python (a graph replay launches none)
             launches = {"step": i, "launches": [_launch_entry(e) for e in log]}
+    launches = eager or launches
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     if rank is not None:

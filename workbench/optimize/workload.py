@@ -304,6 +304,20 @@ class Workload:
             return "fp16 GradScaler syncs with the host every step"
         return None
 
+    def eager_step(self) -> None:
+        """One more step with torch.compile's code run as written (torch.compiler.set_stance('force_eager'))
+        and no CUDA graph replayed, before the warm-up: under torch.compile on a GPU Inductor launches
+        swinbench's Triton kernels itself, and this step launches the same kernels on the same shapes from
+        Python, where `launch_log` sees them. Call it before the first `step`: a stage that replays a CUDA
+        graph takes it as one of its eager warm-up steps (trainer.GRAPH_WARMUP_STEPS)."""
+        if self._step_fn is None:
+            self.prepare()
+        with torch.compiler.set_stance("force_eager"):
+            if self.config.mode == "train":
+                self.session.train_step(self.x, self.y)
+            else:
+                self._infer_step()
+
     def step(self, i: int) -> torch.Tensor:
         """One training step (forward, backward, optimizer) or one inference forward, with ranges. A stage
         that replays a CUDA graph warms up and captures it in its first step."""

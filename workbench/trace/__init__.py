@@ -234,8 +234,10 @@ def load_trace(path) -> Trace:
 
 
 # Written by the capture beside its trace: {"schema": LAUNCHES_SCHEMA, "device_name": str | null,
-# "step": int, "launches": [{"kernel": str, "bytes": int, "largest": [[shape...], dtype]}]}: the eager
-# Triton launches of one warm-up step, in launch order (workbench.kernels._common.launch_log).
+# "step": int | null, "launches": [{"kernel": str, "bytes": int, "largest": [[shape...], dtype]}]}: the eager
+# Triton launches of one warm-up step, in launch order (workbench.kernels._common.launch_log); of a stage
+# that compiles, "step" null and "forced_eager" true: one step before the warm-up with torch.compile
+# forced eager (Inductor launches the same kernels on the same shapes itself).
 LAUNCHES_FILE = "launches.json"
 LAUNCHES_SCHEMA = "swinbench.launches/1"
 
