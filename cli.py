@@ -555,7 +555,7 @@ def matrix(
     cache: Annotated[Optional[Path], typer.Option(parser=_out_path, help="Where measurements and compile caches are kept between runs (default $XDG_CACHE_HOME/swinbench or ~/.cache/swinbench).")] = None,
     render_only: Annotated[Optional[Path], typer.Option(help="Run nothing: render matrix.md and matrix.json in this matrix folder from its cells' records.")] = None,
     readme: Annotated[Optional[Path], typer.Option(help="With --render-only: instead, rewrite the table between <!-- matrix:begin --> and <!-- matrix:end --> in this Markdown file.")] = None,
-    profile: Annotated[bool, typer.Option("--profile", help="Also capture every stage (nsys, as apply --profile): matrix.md then holds each cell's swinbench kernels against their memory floor.")] = False,
+    profile: Annotated[bool, typer.Option("--profile", help="Also capture every stage (nsys, as apply --profile): each stage's kernel categories, and the kernel floors of the capture in matrix.md (without it, those of the GPU-time steps).")] = False,
     compiled: Annotated[bool, typer.Option("--compiled", help="Also run the fused stage under torch.compile (<fused>-compile) in every cell whose stage has a built-in compiled form; the cell's swinbench side is the faster form.")] = False,
 ):
     """Run the Swin family matrix (models x train/infer64/infer1 x amp, fused stage, torch-compile) and write one table."""

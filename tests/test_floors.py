@@ -179,6 +179,53 @@ def test_a_profiled_stage_keeps_its_floors_in_the_record_and_the_report_shows_th
         StageRecord.from_dict({**record(0, "fmha", None, 25.0), "profile": {**profile, "floors": [{**floor, "x": 1}]}})
 
 
+def test_a_stage_not_profiled_keeps_the_floors_of_its_gpu_time_steps_and_the_report_shows_them(tmp_path):
+    from record_helpers import record
+
+    from workbench.errors import UserError
+    from workbench.results.record import StageRecord
+    from workbench.results.report import render_report
+
+    floor = {"kernel": "_window_attention_bwd_kernel", "largest_argument": "4096x49x384 bfloat16",
+             "calls_per_step": 2.0, "median_us": 71.3, "floor_us": 12.5, "floor_pct": 17.5}
+    gpu = {"kernel_ms": 22.0, "busy_pct": 66.0, "steps": 3, "source": "torch.profiler (CUPTI)"}
+    rec = StageRecord.from_dict({**record(0, "fmha", None, 25.0), "gpu_time": {**gpu, "floors": [floor],
+                                                                               "floor_peak_gbps": 4800.0}})
+    assert rec.kernel_floors == (rec.gpu_time.floors, 4800.0) and rec.gpu_time.floors[0].floor_pct == 17.5
+    assert StageRecord.from_dict(rec.to_dict()) == rec
+    plain = StageRecord.from_dict({**record(0, "amp", None, 25.0), "gpu_time": gpu})
+    assert plain.to_dict()["gpu_time"] == gpu and plain.kernel_floors == ((), None)
+    # an nsys capture's floors, where the stage has one, come first
+    nsys = {"backend": "nsys", "floors": [{**floor, "median_us": 60.0}], "floor_peak_gbps": 4800.0}
+    both = StageRecord.from_dict({**rec.to_dict(), "profile": nsys})
+    assert both.kernel_floors[0][0].median_us == 60.0
+    text = render_report([rec], tmp_path / "r.md").read_text()
+    assert "| fmha | _window_attention_bwd_kernel | 4096x49x384 bfloat16 | 2 | 71.3 | 12.5 | 18% | 0.143 |" in text
+    with pytest.raises(UserError, match="gpu_time.floors"):
+        StageRecord.from_dict({**record(0, "fmha", None, 25.0), "gpu_time": {**gpu, "floors": [{**floor, "x": 1}]}})
+
+
+def test_apply_holds_the_kernels_of_its_gpu_time_steps_against_their_floor(monkeypatch):
+    """`_step_floors` matches the kernels torch.profiler saw in the GPU-time steps to the launch log; a
+    compiled stage logs one step of its own, run with the compile forced eager."""
+    from workbench.ladder import apply as A
+    from workbench.ladder.interleave import build_stage_workload
+    from workbench.models import TINY_MODEL
+    from workbench.optimize.workload import WorkloadConfig
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    workload, _ = build_stage_workload(WorkloadConfig(model=TINY_MODEL, batch=1, device=DEVICE), "fmha-compile")
+    with launch_log() as step:
+        workload.eager_step()
+    # what the profiler saw over two steps: each launch once a step, 2 µs each, and a GEMM of cuBLAS's
+    events = [(e["kernel"], 10_000 * i, 2_000) for i, e in enumerate(step * 2)] + [("gemm", 10**9, 50_000)]
+    got = A._step_floors(workload, [], events, torch.device(DEVICE))
+    assert got["floor_peak_gbps"] == 4800.0 and len(got["floors"]) <= A.FLOOR_ROWS
+    assert "_window_attention_bwd_kernel" in {f["kernel"] for f in got["floors"]}
+    assert all(f["median_us"] == 2.0 and f["floor_pct"] > 0 for f in got["floors"])
+    assert A._step_floors(workload, [], [], torch.device(DEVICE)) == {}     # no GPU activity seen: none
+
+
 def test_a_compiled_stage_logs_its_kernels_from_one_step_run_eagerly():
     """Under torch.compile on a GPU, Inductor launches swinbench's kernels itself and the launch log sees
     none; Workload.eager_step (which the capture runs before the warm-up of a compiled stage) launches the

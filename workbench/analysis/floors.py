@@ -55,6 +55,14 @@ def _label(entry: dict) -> str:
     return "x".join(str(int(d)) for d in largest[0]) + f" {largest[1]}"
 
 
+def launch_entry(entry: dict) -> dict:
+    """A launch of `launch_log` as launches.json and kernel_floors take it: the kernel, its argument bytes
+    and its largest tensor ([shape, dtype])."""
+    tensors = entry["tensors"]
+    largest = max(tensors, key=lambda t: int(np.prod(t[0], dtype=np.int64)), default=None)
+    return {"kernel": entry["kernel"], "bytes": int(entry["bytes"]), "largest": largest}
+
+
 def kernel_floors(kernels: pd.DataFrame, launches: dict) -> tuple[pd.DataFrame, dict]:
     """(table, summary) of the logged kernels against their memory floor; see the module docstring.
 

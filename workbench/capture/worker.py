@@ -15,9 +15,9 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from workbench.analysis.floors import launch_entry
 from workbench.env import environment_stamp
 from workbench.kernels._common import launch_log
 from workbench.errors import UserError
@@ -76,12 +76,12 @@ def run_capture(config: WorkloadConfig, recipe: str | None, *, steps: int, warmu
         with launch_log() as log:
             workload.eager_step()
         if log:
-            eager = {"step": None, "forced_eager": True, "launches": [_launch_entry(e) for e in log]}
+            eager = {"step": None, "forced_eager": True, "launches": [launch_entry(e) for e in log]}
     for i in range(warmup):
         with launch_log() as log:
             workload.step(i)
         if log:     # the last warm-up step that launched kernels from Python (a graph replay launches none)
-            launches = {"step": i, "launches": [_launch_entry(e) for e in log]}
+            launches = {"step": i, "launches": [launch_entry(e) for e in log]}
     launches = eager or launches
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -110,13 +110,6 @@ def run_capture(config: WorkloadConfig, recipe: str | None, *, steps: int, warmu
     else:       # no eager Triton launch in the warm-up: no file an earlier capture left may stand for this one
         (Path(out_dir) / LAUNCHES_FILE).unlink(missing_ok=True)
     return run
-
-
-def _launch_entry(entry: dict) -> dict:
-    """A logged launch as launches.json keeps it: the kernel, its argument bytes and its largest tensor."""
-    tensors = entry["tensors"]
-    largest = max(tensors, key=lambda t: int(np.prod(t[0], dtype=np.int64)), default=None)
-    return {"kernel": entry["kernel"], "bytes": int(entry["bytes"]), "largest": largest}
 
 
 def _export_chrome_trace(prof, path: Path) -> None:

@@ -54,6 +54,7 @@ from workbench.ladder.progress import LadderProgress
 from workbench.ladder.reuse import (RecordCache, compile_cache_counts, compile_cache_env, compile_cache_note,
                                     reused_record)
 from workbench.files import atomic_write_text
+from workbench.kernels._common import launch_log
 from workbench.optimize.distributed import check_nproc, check_parallel
 from workbench.results.record import SCHEMA, KernelFloor, read_record, write_record
 from workbench.optimize.recipes import (StagePlan, as_jsonable, effective_passes, gate_tolerance, graph_recipes,
@@ -218,11 +219,13 @@ def run_stage(spec: StageSpec, reference: GateOutputs, on_event: Callable[[dict]
         record["img_per_s"] = config.batch / (timing.median_ms / 1e3)
         if device.type == "cuda":
             record["peak_mem_bytes"] = torch.cuda.max_memory_allocated(device)
-            kernel_ms = gpu_kernel_ms(workload.step, steps=GPU_TIME_STEPS, first=spec.warmup + spec.steps,
-                                      device=device)
+            with launch_log() as log:
+                kernel_ms, events = gpu_kernel_ms(workload.step, steps=GPU_TIME_STEPS,
+                                                  first=spec.warmup + spec.steps, device=device)
             if kernel_ms is not None:
                 record["gpu_time"] = {"kernel_ms": kernel_ms, "busy_pct": 100.0 * kernel_ms / timing.median_ms,
-                                      "steps": GPU_TIME_STEPS, "source": "torch.profiler (CUPTI)"}
+                                      "steps": GPU_TIME_STEPS, "source": "torch.profiler (CUPTI)",
+                                      **_step_floors(workload, log, events, device)}
         # 3. the same step replayed as one CUDA graph: what the rung saves on the GPU, the host's cost removed
         _time_graph(workload, spec, record, emit)
     except torch.cuda.OutOfMemoryError:
@@ -334,10 +337,7 @@ def _profile_stage(spec: StageSpec, config: WorkloadConfig, record: dict) -> dic
                "timeline": _stage_timeline(spec, config, analysis, trace, folder, record)}
     floors, summary = analysis.floors, analysis.trace_meta.get("floors") or {}
     if floors is not None and len(floors):
-        # swinbench's kernels against their memory floor (analysis/floors.py), the FLOOR_ROWS costliest
-        profile["floors"] = [{**{k: str(r[k]) for k in KernelFloor.TEXT},
-                              **{k: round(float(r[k]), 4) for k in KernelFloor.NUMBERS}}
-                             for r in floors.head(FLOOR_ROWS).to_dict("records")]
+        profile["floors"] = _floor_rows(floors)
         profile["floor_peak_gbps"] = summary.get("peak_gbps")
     elif summary.get("note") and summary.get("device_name"):     # a GPU whose bandwidth swinbench lacks
         record["notes"].append(summary["note"])
@@ -345,6 +345,37 @@ def _profile_stage(spec: StageSpec, config: WorkloadConfig, record: dict) -> dic
 
 
 FLOOR_ROWS = 12     # the kernel rows against their memory floor a stage record keeps (most time per step first)
+
+
+def _floor_rows(table) -> list[dict]:
+    """swinbench's kernels against their memory floor (analysis/floors.py) as a record keeps them: the
+    FLOOR_ROWS costliest."""
+    return [{**{k: str(r[k]) for k in KernelFloor.TEXT}, **{k: round(float(r[k]), 4) for k in KernelFloor.NUMBERS}}
+            for r in table.head(FLOOR_ROWS).to_dict("records")]
+
+
+def _step_floors(workload: Workload, log: list, events: list, device: torch.device) -> dict:
+    """gpu_time's floors and floor_peak_gbps ({} where none match): swinbench's kernels in the steps
+    torch.profiler timed (`events`) against their memory floor, the bytes from the launch log of those
+    steps, or, where the stage compiles (Inductor launches the kernels itself, out of the log's sight),
+    of one more step run with torch.compile forced eager (Workload.eager_step). A stage replayed as one
+    CUDA graph launches nothing from Python and gets none."""
+    import pandas as pd
+
+    from workbench.analysis.floors import kernel_floors, launch_entry
+
+    if workload.ctx.compile:
+        with launch_log() as log:
+            workload.eager_step()
+    if not log or not events:
+        return {}
+    kernels = pd.DataFrame(events, columns=["name", "start_ns", "duration_ns"])
+    kernels["short_name"] = kernels["name"]
+    table, summary = kernel_floors(kernels, {"device_name": torch.cuda.get_device_name(device),
+                                             "launches": [launch_entry(e) for e in log]})
+    if table.empty:
+        return {}
+    return {"floors": _floor_rows(table), "floor_peak_gbps": summary["peak_gbps"]}
 
 
 def _stage_timeline(spec: StageSpec, config: WorkloadConfig, analysis, trace: Path, folder: Path,

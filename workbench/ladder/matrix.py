@@ -279,7 +279,8 @@ def run_matrix(*, models: list[str] | None = None, modes: list[str] | None = Non
     folder stay, and the table shows every cell in it) or `overwrite` (each cell's earlier files
     are moved aside by apply). A cell whose stage fails is reported and the others still run; the
     failures raise UserError at the end, after the table is written. profile: capture every stage too
-    (apply's --profile), which puts each cell's kernels against their memory floor into matrix.md.
+    (apply's --profile); matrix.md then holds the capture's kernel floors (else those of apply's GPU-time
+    steps, StageRecord.kernel_floors).
     fused: the swinbench stage, one for every cell or per mode (parse_fused; default DEFAULT_FUSED).
     compiled: run the fused stage's compiled form in every cell too, where it has one (plan_stages).
     run_apply: for tests.

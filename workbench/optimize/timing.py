@@ -134,11 +134,13 @@ def per_call_us(fns: list[Callable[[], object]], *, loops: int = 5, calls: int =
     return statistics.median(times), q[1], q[7]
 
 
-def gpu_kernel_ms(step: Callable[[int], object], *, steps: int, first: int, device: torch.device) -> float | None:
+def gpu_kernel_ms(step: Callable[[int], object], *, steps: int, first: int, device: torch.device
+                  ) -> tuple[float | None, list[tuple[str, int, int]]]:
     """GPU time per step of `step(i)` as written: the summed duration of every kernel, copy and memset
-    it runs on the device, read by torch.profiler (CUPTI) over `steps` steps numbered from `first`.
-    None when the profiler sees no GPU activity (no CUPTI here). Kernels of concurrent streams add up,
-    so on a step that overlaps streams this can exceed the step's wall time."""
+    it runs on the device, read by torch.profiler (CUPTI) over `steps` steps numbered from `first`
+    (None when the profiler sees no GPU activity: no CUPTI here), and those activities as (name,
+    start ns, duration ns) in start order. Kernels of concurrent streams add up, so on a step that
+    overlaps streams the time can exceed the step's wall time."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -147,5 +149,7 @@ def gpu_kernel_ms(step: Callable[[int], object], *, steps: int, first: int, devi
         for i in range(steps):
             step(first + i)
         torch.cuda.synchronize(device)
-    total_us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
-    return total_us / 1e3 / steps if total_us > 0 else None
+    events = sorted(((e.name, int(e.time_range.start * 1e3), int(e.time_range.elapsed_us() * 1e3))
+                     for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e[1])
+    total_us = sum(e[2] for e in events) / 1e3
+    return (total_us / 1e3 / steps if total_us > 0 else None), events

@@ -16,7 +16,7 @@ matrix_rows(cells) -> one dict per cell, keys ROW_KEYS:
   swinbench_iqr_ms, swinbench_img_per_s, x_peer (peer ms / swinbench ms), x_amp (amp ms / swinbench ms),
   peak_mem_bytes (of the swinbench stage), gate ('PASS', or each stage that did not pass and why),
   slower (swinbench slower than the peer), run_id, floors (the swinbench stage's kernels against their
-  memory floor where its run was profiled: profile.floors of its record, at most FLOOR_ROWS; else []),
+  memory floor: StageRecord.kernel_floors of its record, at most FLOOR_ROWS; [] where it has none),
   measured_with (GPU and driver, or CPU; torch, triton and timm versions), date (of its first record).
 Times are milliseconds per step; None where a side was not measured or did not pass the gate.
 """
@@ -104,8 +104,7 @@ def cell_row(cell: str, records) -> dict:
         peak = _num(r["peak_mem_bytes"])
     x_peer = best.get("x_peer")
     sw_rec = next((r for r in records if r.stage == sw_stage), None)
-    floors = ([f.to_dict() for f in sw_rec.profile.floors[:FLOOR_ROWS]]
-              if sw_rec is not None and sw_rec.profile is not None else [])
+    floors = [f.to_dict() for f in sw_rec.kernel_floors[0][:FLOOR_ROWS]] if sw_rec is not None else []
     return {
         "cell": cell, "model": first.model, "mode": first.mode, "batch": first.batch,
         "device": first.env.device_name, "amp_ms": amp_ms, "amp_form": amp_form, "peer": best.get("peer"),
@@ -214,9 +213,10 @@ def matrix_markdown(rows: list[dict], command: str | None = None, heading: bool 
         lines += ["", SLOWER_NOTE]
     if heading and any(r.get("floors") for r in rows):
         lines += ["", "## swinbench's kernels against their memory floor", "",
-                  f"Each profiled cell's swinbench stage: its {FLOOR_ROWS} costliest kernels per argument shape, the "
-                  "median time in the capture, the floor (argument bytes at the GPU's peak bandwidth) and floor / "
-                  "median (docs/analysis.md).", "",
+                  f"Each cell's swinbench stage: its {FLOOR_ROWS} costliest kernels per argument shape, the median "
+                  "time (in the nsys capture where the cell was profiled, else in the steps torch.profiler timed the "
+                  "GPU time of), the floor (argument bytes at the GPU's peak bandwidth) and floor / median "
+                  "(docs/analysis.md).", "",
                   "| model | mode | batch | stage | kernel | largest argument | calls/step | median µs | floor µs "
                   "| % of floor |", "|" + "|".join("---" for _ in range(10)) + "|"]
         for r in rows:

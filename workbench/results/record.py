@@ -64,8 +64,11 @@ greater than 0, ">= 0" a finite number not below 0; an int is a JSON integer (tr
                     stage's step replayed as one CUDA graph (the host's launch cost removed), timed like
                     `timing`; null where it was not replayed, and graph_note says why
     graph_note      str | null: why there is no graph timing, or how the stage's own step already replays one
-    gpu_time        {kernel_ms: > 0, busy_pct: >= 0, steps: int >= 1, source: str} | null: GPU kernel time
-                    per step as written (eager) and its share of the step time; null on the CPU
+    gpu_time        {kernel_ms: > 0, busy_pct: >= 0, steps: int >= 1, source: str, floors: [floor]
+                    (optional), floor_peak_gbps: > 0 (optional)} | null: GPU kernel time per step as written
+                    (eager) and its share of the step time, and swinbench's costliest kernels in those steps
+                    against their memory floor (floor = {kernel, largest_argument: str, calls_per_step,
+                    median_us, floor_us, floor_pct: number}, as profile's); null on the CPU
     pytorch_alone   bool | null: the stage's chain uses no swinbench kernel (a PyTorch-alone peer)
     reused          {run_id: str, path: str, date: str} | null: the measurement was not run again but taken
                     from an earlier run's record under the same conditions (`apply` says so)
@@ -364,9 +367,13 @@ class GpuTime:
     busy_pct: float
     steps: int
     source: str
+    floors: tuple[KernelFloor, ...] = ()        # swinbench's kernels in those steps, most time per step first
+    floor_peak_gbps: float | None = None
 
     def to_dict(self) -> dict:
-        return {"kernel_ms": self.kernel_ms, "busy_pct": self.busy_pct, "steps": self.steps, "source": self.source}
+        return {"kernel_ms": self.kernel_ms, "busy_pct": self.busy_pct, "steps": self.steps, "source": self.source,
+                **({"floors": [f.to_dict() for f in self.floors], "floor_peak_gbps": self.floor_peak_gbps}
+                   if self.floors else {})}
 
 
 @dataclass(frozen=True)
@@ -557,6 +564,15 @@ class StageRecord:
     @property
     def gate_status(self) -> str:
         return self.gate.status
+
+    @property
+    def kernel_floors(self) -> tuple[tuple[KernelFloor, ...], float | None]:
+        """(swinbench's costliest kernels against their memory floor, the bandwidth they are at): the nsys
+        capture's where the stage was profiled, else those of the steps torch.profiler timed (gpu_time)."""
+        for source in (self.profile, self.gpu_time):
+            if source is not None and source.floors:
+                return source.floors, source.floor_peak_gbps
+        return (), None
 
     @property
     def precision_label(self) -> str:
@@ -1067,10 +1083,10 @@ class _Parser:
                        floors=self.floors(p.get("floors")),
                        floor_peak_gbps=self.number(p.get("floor_peak_gbps"), "profile.floor_peak_gbps", optional=True))
 
-    def floors(self, value) -> tuple[KernelFloor, ...]:
+    def floors(self, value, where: str = "profile.floors") -> tuple[KernelFloor, ...]:
         out = []
-        for i, item in enumerate(self.sequence(_given(value, []), "profile.floors")):
-            name = f"profile.floors[{i}]"
+        for i, item in enumerate(self.sequence(_given(value, []), where)):
+            name = f"{where}[{i}]"
             k = self.mapping(item, name)
             self.known(k, {*KernelFloor.TEXT, *KernelFloor.NUMBERS}, name)
             text = {f: self.string(self.get(k, f, name + ".", required=True), f"{name}.{f}") for f in KernelFloor.TEXT}
@@ -1114,13 +1130,15 @@ class _Parser:
         if g is None:
             return None
         keys = ("kernel_ms", "busy_pct", "steps", "source")
-        self.known(g, set(keys), "gpu_time")
+        self.known(g, {*keys, "floors", "floor_peak_gbps"}, "gpu_time")
         for key in keys:
             self.get(g, key, "gpu_time.", required=True)
         return GpuTime(kernel_ms=self.number(g["kernel_ms"], "gpu_time.kernel_ms"),
                        busy_pct=self.number(g["busy_pct"], "gpu_time.busy_pct", positive=False),
                        steps=self.integer(g["steps"], "gpu_time.steps", 1, MAX_COUNT),
-                       source=self.string(g["source"], "gpu_time.source"))
+                       source=self.string(g["source"], "gpu_time.source"),
+                       floors=self.floors(g.get("floors"), "gpu_time.floors"),
+                       floor_peak_gbps=self.number(g.get("floor_peak_gbps"), "gpu_time.floor_peak_gbps", optional=True))
 
     def scaling(self, value) -> Scaling | None:
         g = self.mapping(value, "scaling", optional=True)

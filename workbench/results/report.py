@@ -948,19 +948,21 @@ def _scaling_lines(records: list[StageRecord]) -> list[str]:
 
 
 def _floor_lines(records) -> list[str]:
-    """Each profiled stage's own kernels against their memory floor (records' profile.floors)."""
-    staged = [r for r in records if r.profile is not None and r.profile.floors]
+    """Each stage's own kernels against their memory floor (StageRecord.kernel_floors: the nsys capture's where
+    the stage was profiled, else those of the steps apply timed the GPU time of)."""
+    staged = [(r, *r.kernel_floors) for r in records if r.kernel_floors[0]]
     if not staged:
         return []
     rows = []
-    for r in staged:
-        for f in r.profile.floors:
+    for r, floors, _ in staged:
+        for f in floors:
             rows.append([r.stage, f.kernel, f.largest_argument, f"{f.calls_per_step:,.0f}", f"{f.median_us:,.1f}",
                          f"{f.floor_us:,.1f}", f"{f.floor_pct:.0f}%", f"{f.calls_per_step * f.median_us / 1e3:,.3f}"])
-    peaks = sorted({f"{r.profile.floor_peak_gbps:,.0f}" for r in staged if r.profile.floor_peak_gbps})
+    peaks = sorted({f"{peak:,.0f}" for _, _, peak in staged if peak})
     return ["## swinbench's kernels against their memory floor", "",
-            f"In each profiled stage, its costliest Triton kernels (by time per step) per argument shape: the median "
-            f"time in the capture, the floor (the bytes of the kernel's arguments at the GPU's peak bandwidth, "
+            f"In each stage that runs them, its costliest Triton kernels (by time per step) per argument shape: the "
+            f"median time in the nsys capture (--profile) or else in the steps torch.profiler timed the GPU time of, "
+            f"the floor (the bytes of the kernel's arguments at the GPU's peak bandwidth, "
             f"{' / '.join(peaks)} GB/s) and floor / median. 100% runs at the memory limit; what a row is under "
             "it is time a faster kernel could take off the step (docs/analysis.md).", "",
             _md_table(["stage", "kernel", "largest argument", "calls/step", "median µs", "floor µs", "% of floor",
