@@ -219,11 +219,35 @@ def test_apply_holds_the_kernels_of_its_gpu_time_steps_against_their_floor(monke
         workload.eager_step()
     # what the profiler saw over two steps: each launch once a step, 2 µs each, and a GEMM of cuBLAS's
     events = [(e["kernel"], 10_000 * i, 2_000) for i, e in enumerate(step * 2)] + [("gemm", 10**9, 50_000)]
-    got = A._step_floors(workload, [], events, torch.device(DEVICE))
+    got = A._step_floors(workload, [], events, 2, torch.device(DEVICE))
     assert got["floor_peak_gbps"] == 4800.0 and len(got["floors"]) <= A.FLOOR_ROWS
     assert "_window_attention_bwd_kernel" in {f["kernel"] for f in got["floors"]}
     assert all(f["median_us"] == 2.0 and f["floor_pct"] > 0 for f in got["floors"])
-    assert A._step_floors(workload, [], [], torch.device(DEVICE)) == {}     # no GPU activity seen: none
+    assert A._step_floors(workload, [], [], 2, torch.device(DEVICE)) == {}     # no GPU activity seen: none
+
+
+def test_apply_holds_an_eager_stage_against_one_step_of_the_launches_it_logged(monkeypatch):
+    """A stage as written launches its kernels from Python in the timed steps themselves: the log of the
+    steps is cut to one step's launches, so that calls per step count one step."""
+    from workbench.ladder import apply as A
+    from workbench.ladder.interleave import build_stage_workload
+    from workbench.models import TINY_MODEL
+    from workbench.optimize.workload import WorkloadConfig
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(A, "FLOOR_ROWS", 1000)      # every row, not the costliest few
+    workload, _ = build_stage_workload(WorkloadConfig(model=TINY_MODEL, batch=1, device=DEVICE), "fmha")
+    workload.step(0)
+    with launch_log() as log:
+        workload.step(1)
+        workload.step(2)
+    one = len(log) // 2
+    attn = sum(e["kernel"] == "_window_attention_fwd_kernel" for e in log[:one])
+    events = [(e["kernel"], 10_000 * i, 2_000) for i, e in enumerate(log)]
+    got = A._step_floors(workload, log, events, 2, torch.device(DEVICE))
+    rows = [f for f in got["floors"] if f["kernel"] == "_window_attention_fwd_kernel"]
+    assert sum(f["calls_per_step"] for f in rows) == attn
+    assert A._step_floors(workload, log[:-1], events, 2, torch.device(DEVICE)) == {}   # uneven steps: none
 
 
 def test_a_compiled_stage_logs_its_kernels_from_one_step_run_eagerly():

@@ -226,7 +226,7 @@ def run_stage(spec: StageSpec, reference: GateOutputs, on_event: Callable[[dict]
                 record["gpu_time"] = {"kernel_ms": kernel_ms, "busy_pct": 100.0 * kernel_ms / timing.median_ms,
                                       "steps": GPU_TIME_STEPS, "source": "torch.profiler (CUPTI)"}
                 try:    # the floors are a reading of the measured steps: failing to take one fails no stage
-                    record["gpu_time"].update(_step_floors(workload, log, events, device))
+                    record["gpu_time"].update(_step_floors(workload, log, events, GPU_TIME_STEPS, device))
                 except Exception as exc:
                     record["notes"].append(f"no kernel floors: {type(exc).__name__}: "
                                            f"{str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}")
@@ -358,12 +358,12 @@ def _floor_rows(table) -> list[dict]:
             for r in table.head(FLOOR_ROWS).to_dict("records")]
 
 
-def _step_floors(workload: Workload, log: list, events: list, device: torch.device) -> dict:
-    """gpu_time's floors and floor_peak_gbps ({} where none match): swinbench's kernels in the steps
-    torch.profiler timed (`events`) against their memory floor, the bytes from the launch log of those
-    steps, or, where the stage compiles (Inductor launches the kernels itself, out of the log's sight),
-    of one more step run with torch.compile forced eager (Workload.eager_step). A stage replayed as one
-    CUDA graph launches nothing from Python and gets none."""
+def _step_floors(workload: Workload, log: list, events: list, steps: int, device: torch.device) -> dict:
+    """gpu_time's floors and floor_peak_gbps ({} where none match): swinbench's kernels in the `steps`
+    steps torch.profiler timed (`events`) against their memory floor, the bytes from the launch log of
+    those steps (the first step's share of it), or, where the stage compiles (Inductor launches the
+    kernels itself, out of the log's sight), of one more step run with torch.compile forced eager
+    (Workload.eager_step). A stage replayed as one CUDA graph launches nothing from Python and gets none."""
     import pandas as pd
 
     from workbench.analysis.floors import kernel_floors, launch_entry
@@ -371,6 +371,10 @@ def _step_floors(workload: Workload, log: list, events: list, device: torch.devi
     if workload.ctx.compile:
         with launch_log() as log:
             workload.eager_step()
+    elif len(log) % steps:      # steps that launched differently: no one step to hold the trace against
+        return {}
+    else:
+        log = log[:len(log) // steps]
     if not log or not events:
         return {}
     kernels = pd.DataFrame(events, columns=["name", "start_ns", "duration_ns"])
