@@ -78,9 +78,11 @@ def poison_buffers(monkeypatch):
     monkeypatch.setattr(wa, "POISON_BUFFERS", True)
 
 
-def check_against_reference(shape, dtype, out_tol, grad_tol, seed=0):
+def check_against_reference(shape, dtype, out_tol, grad_tol, seed=0, mask=None):
+    """mask: an (nW, N, N) mask to use instead of a random one (shape's nW then None)."""
     bnw, nh, n, d, nw, layout = shape
-    q, k, v, rel_bias, mask, leaves = make_inputs(bnw, nh, n, d, nw, layout, dtype, seed=seed)
+    q, k, v, rel_bias, random_mask, leaves = make_inputs(bnw, nh, n, d, nw, layout, dtype, seed=seed)
+    mask = random_mask if mask is None else mask
     scale = d ** -0.5
     if layout == "packed":
         out = fused_window_attention_qkv(leaves[0], rel_bias, mask)
@@ -266,13 +268,15 @@ def test_table_mode_matches_reference(shape, dtype, out_tol, grad_tol):
     check_table_against_reference(shape, dtype, out_tol, grad_tol)
 
 
-def check_table_against_reference(shape, dtype, out_tol, grad_tol):
+def check_table_against_reference(shape, dtype, out_tol, grad_tol, mask=None):
+    """mask: as in check_against_reference."""
     from timm.models.swin_transformer import get_relative_position_index
 
     bnw, nh, ws, d, nw = shape
     wh, ww = (ws, ws) if isinstance(ws, int) else ws
     n, n_table = wh * ww, (2 * wh - 1) * (2 * ww - 1)
-    _, _, _, _, mask, (qkv,) = make_inputs(bnw, nh, n, d, nw, "packed", dtype, seed=wh * 7 + ww)
+    _, _, _, _, random_mask, (qkv,) = make_inputs(bnw, nh, n, d, nw, "packed", dtype, seed=wh * 7 + ww)
+    mask = random_mask if mask is None else mask
     gen = torch.Generator().manual_seed(n)
     table = (0.5 * torch.randn(n_table, nh, generator=gen)).to(DEVICE).requires_grad_()
     index = get_relative_position_index(wh, ww).to(DEVICE)
@@ -292,6 +296,33 @@ def check_table_against_reference(shape, dtype, out_tol, grad_tol):
         assert rel_err(g, rg) < grad_tol, (name, rel_err(g, rg))
     assert grads[1].dtype == table.dtype
 
+
+
+def swinv2_shift_mask(window: int, side: int) -> torch.Tensor:
+    """The SW-MSA mask timm's SwinV2 block builds for a side x side map ((side/window)^2, N, N; -100 between
+    tokens the cyclic shift brought together, 0 elsewhere)."""
+    from timm.models.swin_transformer_v2 import SwinTransformerV2Block
+
+    block = SwinTransformerV2Block(dim=32, input_resolution=side, num_heads=1, window_size=window,
+                                   shift_size=window // 2)
+    return block.attn_mask.to(DEVICE)
+
+
+# SwinV2-T/S/B's window 8 (N = 64: one whole 64-key tile, nothing padded, the largest window of the one-tile
+# kernels) at SwinV2's head width 32 (every timm swinv2 config but swinv2_cr_huge_224's 44), one image's
+# 16x16 map: 4 windows, one per position (a group of one window). fp32 and bf16 (fp16 takes bf16's dots).
+@pytest.mark.parametrize("dtype, out_tol, grad_tol", [DTYPE_TOLERANCES[0], DTYPE_TOLERANCES[2]], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shifted", [False, True], ids=["W-MSA", "SW-MSA"])
+@pytest.mark.parametrize("entry", ["packed", "timm_qkv", "table"])
+def test_swinv2_window8_matches_reference(entry, shifted, dtype, out_tol, grad_tol):
+    """N = 64, d = 32 against the float64 formula, forward and every gradient, with timm's own shift mask
+    (not a random one) and without, through the packed-qkv, strided-view and table entry points."""
+    mask = swinv2_shift_mask(8, 16) if shifted else None
+    assert mask is None or mask.shape == (4, 64, 64)
+    if entry == "table":
+        check_table_against_reference((4, 2, 8, 32, None), dtype, out_tol, grad_tol, mask=mask)
+    else:
+        check_against_reference((4, 2, 64, 32, None, entry), dtype, out_tol, grad_tol, seed=64, mask=mask)
 
 @pytest.mark.parametrize("bnw, ws", [(18, 7), (6, 12)], ids=["N49", "N144"])
 @pytest.mark.parametrize("nw", [None, 3])
