@@ -356,6 +356,11 @@ def _check_against_float64(op, shape, dtype, tol):
         refs = (F.layer_norm(ref[0], (C,), ref[2], ref[3], EPS),)
         names, grads = ("dx", "dweight", "dbias"), (dy,)
         pairs = [(ours[0], ref[0]), (ours[2], ref[2]), (ours[3], ref[3])]
+    elif op == "post_add_layer_norm":
+        outs = (post_add_layer_norm(*ours, EPS),)
+        refs = (ref[1] + F.layer_norm(ref[0], (C,), ref[2], ref[3], EPS),)
+        names, grads = ("dx", "dresidual", "dweight", "dbias"), (dy,)
+        pairs = list(zip(ours, ref))
     else:
         outs = add_layer_norm(*ours, EPS)
         s_ref = ref[0] + ref[1]
@@ -387,10 +392,12 @@ def test_add_layer_norm_swin_shapes_gpu(shape, dtype, atol, rtol):
     test_layer_norm_matches_torch(shape, dtype, atol, rtol)
 
 
-def test_float64_check_on_cpu_shape():
-    """The float64 comparison itself, on a small shape (runs without a GPU too)."""
-    for op in ("add_layer_norm", "layer_norm"):
-        _check_against_float64(op, (37, 100), torch.float32, 1e-5)
+@pytest.mark.parametrize("shape", [(37, 100), (3, 5, 33)])
+@pytest.mark.parametrize("op", ["add_layer_norm", "layer_norm", "post_add_layer_norm"])
+def test_float64_check_on_cpu_shape(op, shape):
+    """The float64 comparison itself, on small odd shapes (runs without a GPU too); post_add_layer_norm's
+    gradients are otherwise checked against torch's fp32 only."""
+    _check_against_float64(op, shape, torch.float32, 1e-5)
 
 
 def _timm_merging_gather(x: torch.Tensor) -> torch.Tensor:
