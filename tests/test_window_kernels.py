@@ -404,6 +404,63 @@ def test_add_norm_shift_partition_with_stochastic_depth(shape, dtypes):
     assert not gr[1].any()   # the dropped sample's branch gets no gradient
 
 
+def _rel64(a, ref):
+    return ((a.detach().double() - ref.detach()).norm() / ref.detach().norm()).item()
+
+
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1], SHAPES[4]], ids=_ids)
+@pytest.mark.parametrize("op", ["norm_shift_partition", "add_norm_shift_partition", "merge_add_norm", "merge_norm_add"])
+def test_window_norms_against_float64(op, shape):
+    """fp32 inputs against the eager ops (timm's LayerNorm, roll, pad, partition and their inverses) run in
+    float64 on the same values: every output and every gradient by the normwise relative error, which fp32
+    arithmetic keeps near 1e-7 (the tests above compare with torch's own fp32 result)."""
+    B, H, W, C, ws, shift = shape
+    Hp, Wp = -(-H // ws) * ws, -(-W // ws) * ws
+    leaves = {"x": _randn((B, H, W, C), torch.float32, 81) * 2.0 + 0.5,
+              "r": _randn((B, H, W, C), torch.float32, 82),
+              "windows": _randn((B * (Hp // ws) * (Wp // ws), ws * ws, C), torch.float32, 83) * 2.0 + 0.5,
+              "weight": 1.0 + 0.5 * _randn((C,), torch.float32, 84), "bias": 0.5 * _randn((C,), torch.float32, 85)}
+    ours = {k: t.clone().requires_grad_(True) for k, t in leaves.items()}
+    ref = {k: t.double().requires_grad_(True) for k, t in leaves.items()}
+
+    def run(t, kernel):
+        ln = lambda v: F.layer_norm(v, (C,), t["weight"], t["bias"], 1e-5)  # noqa: E731
+        if op == "norm_shift_partition":
+            names = ("x", "weight", "bias")
+            outs = ((norm_shift_partition(t["x"], t["weight"], t["bias"], 1e-5, ws, shift),) if kernel
+                    else (eager_roll_partition(ln(t["x"]), ws, shift),))
+        elif op == "add_norm_shift_partition":
+            names = ("x", "r", "weight", "bias")
+            if kernel:
+                outs = add_norm_shift_partition(t["x"], t["r"], t["weight"], t["bias"], 1e-5, ws, shift)
+            else:
+                s = t["x"] + t["r"]
+                outs = (s, eager_roll_partition(ln(s), ws, shift))
+        elif op == "merge_add_norm":
+            names = ("windows", "x", "weight", "bias")
+            if kernel:
+                outs = merge_add_norm(t["windows"], t["x"], t["weight"], t["bias"], 1e-5, ws, shift)
+            else:
+                s = t["x"] + eager_merge_roll(t["windows"], ws, shift, H, W)
+                outs = (s, ln(s))
+        else:
+            names = ("windows", "x", "weight", "bias")
+            outs = ((merge_norm_add(t["windows"], t["x"], t["weight"], t["bias"], 1e-5, ws, shift),) if kernel
+                    else (t["x"] + ln(eager_merge_roll(t["windows"], ws, shift, H, W)),))
+        return names, outs
+
+    names, outs = run(ours, True)
+    _, refs = run(ref, False)
+    ups = [_randn(o.shape, torch.float32, 90 + i) for i, o in enumerate(outs)]
+    grads = torch.autograd.grad(outs, [ours[n] for n in names], ups)
+    ref_grads = torch.autograd.grad(refs, [ref[n] for n in names], [u.double() for u in ups])
+    for i, (o, e) in enumerate(zip(outs, refs)):
+        assert o.dtype == torch.float32 and o.shape == e.shape
+        assert _rel64(o, e) < 1e-6, f"output {i}: {_rel64(o, e):.2e}"
+    for name, g, e in zip(names, grads, ref_grads):
+        assert g.dtype == torch.float32 and torch.isfinite(g).all(), name
+        assert _rel64(g, e) < 1e-5, f"d{name}: {_rel64(g, e):.2e}"
+
 def test_non_contiguous_input():
     B, H, W, C, ws, shift = 1, 9, 15, 33, 4, 2
     x = _randn((B, C, H, W), torch.float32, 11).permute(0, 2, 3, 1)  # (B, H, W, C), channels strided
