@@ -99,6 +99,42 @@ def test_linear_matches_f_linear_fp32(gelu, bias):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows,cols", [(77, 45), (1029, 96)])
+def test_bias_grad_against_float64(poisoned, rows, cols):
+    """fp32 dy and pre: the GELU backward (erf) and the bias gradient's fp32 column sums against float64
+    autograd, by the normwise relative error (the test above compares with torch's fp32 result)."""
+    g = torch.Generator(device="cpu").manual_seed(rows + 7 * cols)
+    dy = (torch.randn(rows, cols, generator=g) * 3).to(DEVICE)
+    pre = (torch.randn(rows, cols, generator=g) * 2 + 0.3).to(DEVICE)
+    dpre, db = lin.bias_grad(dy, pre, torch.float32)
+    p64 = pre.double().requires_grad_()
+    (ref,) = torch.autograd.grad(torch.nn.functional.gelu(p64), p64, dy.double())
+    assert rel_err(dpre, ref) < 1e-6 and rel_err(db, ref.sum(0)) < 1e-6
+    _, db_plain = lin.bias_grad(dy, None, torch.float32)
+    assert rel_err(db_plain, dy.double().sum(0)) < 1e-6
+
+
+@pytest.mark.parametrize("gelu", [False, True])
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_against_float64(gelu, bias):
+    """linear's forward and its fused backward (x, weight, bias) on fp32 inputs of odd sizes against F.linear
+    (and the exact GELU) in float64."""
+    g = torch.Generator().manual_seed(11 + 2 * gelu + bias)
+    x = torch.randn(5, 13, 37, generator=g).to(DEVICE).requires_grad_()
+    w = (torch.randn(51, 37, generator=g) * 37 ** -0.5).to(DEVICE).requires_grad_()
+    b = torch.randn(51, generator=g).to(DEVICE).requires_grad_() if bias else None
+    leaves = [t for t in (x, w, b) if t is not None]
+    refs = [t.detach().double().requires_grad_() for t in leaves]
+    y = lin.linear(x, w, b, gelu)
+    y_ref = torch.nn.functional.linear(refs[0], refs[1], refs[2] if bias else None)
+    y_ref = torch.nn.functional.gelu(y_ref) if gelu else y_ref
+    assert y.dtype == torch.float32 and y.shape == (5, 13, 51)
+    assert rel_err(y, y_ref) < 1e-6
+    gout = torch.randn(y.shape, generator=g).to(DEVICE)
+    for name, got, want in zip(("dx", "dweight", "dbias"), torch.autograd.grad(y, leaves, gout),
+                               torch.autograd.grad(y_ref, refs, gout.double())):
+        assert got.dtype == torch.float32 and rel_err(got, want) < 1e-5, name
+
 def test_linear_under_autocast_casts_as_f_linear_does():
     """fp32 x and parameters under bf16 autocast: the output is bf16 like F.linear's, each gradient comes
     back in its input's dtype, and values agree with autograd's to bf16 precision."""
