@@ -150,6 +150,36 @@ def test_percentile_clips_an_outlier():
     assert obs.amax.item() < 10
 
 
+@pytest.mark.parametrize("fmt, route", [("fp8", "simulate"), ("fp8", "scaled_mm"), ("int8", "simulate"),
+                                        ("int8", "int_mm")])
+def test_quant_linear_weight_is_quantized_per_output_channel(fmt, route):
+    """QuantLinear's weight: one scale per output feature (row of the (N, K) weight), each row's amax over qmax
+    in float64, a zero row at scale 1, an outlier row not coarsening the others; its values the float64
+    rounding of the fp32 quotients; simulate keeps q * scale."""
+    from workbench.kernels.quant import QuantLinear
+
+    lin = torch.nn.Linear(37, 11)
+    with torch.no_grad():
+        lin.weight.copy_(rand((11, 37), seed=21, scale=0.2))
+        lin.weight[3] = 0
+        lin.weight[5, 7] = 40.0
+    w = lin.weight.detach()
+    ql = QuantLinear(lin, fmt, route)
+    ref_scale = scale_ref(w.double().numpy(), fmt, per_row=True)           # (N, 1)
+    assert ql.weight_scale.dtype == torch.float32 and ql.weight_scale.shape == (1, 11)
+    np.testing.assert_allclose(ql.weight_scale.double().numpy(), ref_scale.T, rtol=1e-6)
+    assert ql.weight_scale[0, 3].item() == 1.0
+    quotient = (w.float() / ql.weight_scale.t()).double().numpy()
+    ref_q = e4m3_round_ref(quotient) if fmt == "fp8" else np.clip(np.round(quotient), -127, 127)
+    if route == "simulate":
+        np.testing.assert_array_equal(ql.weight_dq.double().numpy(), (torch.from_numpy(ref_q).float()
+                                                                       * ql.weight_scale.t()).double().numpy())
+    else:
+        assert ql.weight_q.dtype == (torch.float8_e4m3fn if fmt == "fp8" else torch.int8)
+        np.testing.assert_array_equal(ql.weight_q.double().numpy(), ref_q)
+        assert np.all(np.abs(ref_q).max(axis=1)[np.arange(11) != 3] == QMAX[fmt])   # every row's amax at qmax
+
+
 # --------------------------------------------------------------------------- the quantized GEMMs
 
 GEMM_SHAPES = [(7, 32, 16), (49, 96, 288), (3, 16, 48), (17, 64, 32)]
