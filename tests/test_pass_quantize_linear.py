@@ -5,6 +5,7 @@ QuantLinear's GPU routes run through the CPU's torch._scaled_mm / torch._int_mm 
 The recipes' gate checks logits and loss against the fp32 baseline; top-1 agreement with the bf16 model
 is not a gate metric, so it is measured here (`agreement`)."""
 import copy
+import numpy as np
 import pytest
 import torch
 
@@ -68,6 +69,43 @@ def test_simulate_keeps_logits_and_top1(reference, dtype, activations):
         scales = res.details["calibration"]["scales"]
         assert len(scales) == 17 and all(s > 0 for s in scales.values())
 
+
+@pytest.mark.parametrize("dtype, calibration, percentile", [("int8", "max", None), ("fp8", "max", None),
+                                                            ("fp8", "percentile", 99.9), ("int8", "percentile", 99.99)])
+def test_static_scales_are_the_calibration_inputs_range(reference, dtype, calibration, percentile):
+    """activations static: each quantized Linear's () input scale is the range of what it saw on the pass's
+    calibration images, over qmax, in float64: the largest |x| over the batches (max), or the mean over the
+    batches of each batch's |x| percentile (numpy's inverted_cdf) (percentile)."""
+    from workbench.kernels.quant import QMAX
+
+    model = reference[0]
+    names = [n for n, _ in ql.quantizable_linears(model) if n != "head.fc"]
+    seen = {n: [] for n in names}
+    handles = [model.get_submodule(n).register_forward_pre_hook(
+        lambda m, args, n=n: seen[n].append(np.abs(args[0].detach().double().reshape(-1).numpy()))) for n in names]
+    try:    # the images the pass calibrates on, through the same model, under the stage's autocast
+        with torch.inference_mode(), infer_ctx().precision.autocast("cpu"):
+            for x in ql.synthetic_calibration_batches(model, 2, 3, torch.device("cpu"))[0]:
+                model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    params = {} if percentile is None else {"percentile": percentile}
+    q, res = ql.apply(copy.deepcopy(model), infer_ctx(), dtype=dtype, activations="static", calibration=calibration,
+                      keep=["head.fc"], simulate=True, calibration_batches=2, calibration_batch=3, **params)
+    cal = res.details["calibration"]
+    assert (cal["method"], cal["percentile"], cal["batches"], cal["batch"], cal["data"]) == (
+        calibration, percentile, 2, 3, "synthetic")
+    assert set(cal["scales"]) == set(names)
+    for n in names:
+        if calibration == "max":
+            amax = max(a.max() for a in seen[n])
+        else:
+            amax = np.mean([np.percentile(a, percentile, method="inverted_cdf") for a in seen[n]])
+        assert len(seen[n]) == 2 and amax > 0
+        scale = q.get_submodule(n).input_scale
+        assert scale.dtype == torch.float32 and scale.shape == () and cal["scales"][n] == scale.item()
+        assert scale.item() == pytest.approx(amax / QMAX[dtype], rel=1e-6), n
 
 def test_keep_patterns_and_shape_rules():
     model, _ = model_pair("cpu", seed=1, drop_path_rate=0.0)
