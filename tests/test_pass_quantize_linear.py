@@ -151,6 +151,20 @@ def test_not_available_on_the_cpu_in_one_line(dtype):
                            "as fake quantization here)")
 
 
+@pytest.mark.parametrize("dtype, capability, reason", [
+    ("fp8", (8, 6), "FP8 GEMMs need compute capability 8.9 or newer; this GPU is 8.6"),
+    ("int8", (7, 0), "INT8 GEMMs (torch._int_mm) need compute capability 7.5 or newer; this GPU is 7.0"),
+])
+def test_not_available_on_an_older_gpu_in_one_line(monkeypatch, dtype, capability, reason):
+    """A GPU without the format's GEMM (here its capability stood in): the stage's one line, the model untouched."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    model, _ = model_pair("cpu", seed=0)
+    ctx = PassContext(device=torch.device("cuda"), precision=resolve_precision("bf16"), training=False)
+    out, res = apply_pass("quantize_linear", model, ctx, {"dtype": dtype})
+    assert not res.available and "\n" not in res.changed
+    assert res.changed == f"not available: {reason}"
+    assert not any(isinstance(m, QuantLinear) for m in out.modules())
+
 def test_fp8_needs_sm89(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     with pytest.raises(ql.PassUnavailable, match="compute capability 8.9 or newer; this GPU is 8.0"):
