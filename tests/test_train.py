@@ -138,6 +138,14 @@ def test_train_writes_records_curves_and_report(tmp_path):
     assert "baseline" in output and "report" in output
 
 
+def test_without_out_or_recipe_the_run_goes_to_a_folder_named_by_the_default_recipe(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    train(tmp_path, "--steps", "2")
+    (folder,) = (tmp_path / "reports" / "runs").iterdir()
+    assert folder.name.startswith("train-baseline-swinbench_tiny_cpu-")
+    assert [p.name for p in (folder / "records").iterdir()] == ["01-baseline-seed0.jsonl"]
+
+
 def test_ema_is_validated_beside_the_weights_and_saved_beside_them(tmp_path):
     out = tmp_path / "run"
     output = train(tmp_path, "--steps", "4", "--ema", "0.5", "--save-checkpoints", "--out", str(out))

@@ -188,8 +188,9 @@ class TrainResult:
     table: list[dict]                      # report.summary_rows
 
 
-def default_run_name(config: TrainConfig, model: str) -> str:
-    what = "compare" if config.compare else config.recipe
+def default_run_name(config: TrainConfig, model: str, recipe: str) -> str:
+    """The default --out folder's name: train-<recipe, or "compare">-<model>-<time>."""
+    what = "compare" if config.compare else recipe
     return f"train-{Path(what).stem}-{model}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
@@ -583,7 +584,7 @@ def run_train(config: TrainConfig, *, out_dir: Path | None = None, overwrite: bo
                         + f" is larger than the {data.train_size} training images")
     if config.steps is None and config.epochs is None:
         config.epochs = DEFAULT_EPOCHS
-    out_dir = Path(out_dir) if out_dir else Path("reports") / "runs" / default_run_name(config, model_name)
+    out_dir = Path(out_dir) if out_dir else Path("reports") / "runs" / default_run_name(config, model_name, runs[0][0])
     if resume and config.nproc is not None:
         raise UserError("--resume with --nproc is not built: run the data-parallel comparison in one go")
     if resume and not out_dir.is_dir():
