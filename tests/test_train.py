@@ -469,3 +469,13 @@ def test_resume_with_checkpoints_names_kept_runs_that_have_none(tmp_path):
     output = train(tmp_path, "--steps", "2", "--seeds", "2", "--save-checkpoints", "--out", str(out), "--resume")
     assert "1 kept run(s) saved no checkpoint" in " ".join(output.split()) and "baseline seed 0" in output
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["02-baseline-seed1.pt"]
+
+
+def test_resume_finds_the_checkpoints_of_runs_it_renumbers(tmp_path):
+    out = tmp_path / "ck"
+    args = ["--compare", "baseline,amp", "--steps", "2", "--save-checkpoints", "--out", str(out)]
+    train(tmp_path, *args)
+    output = train(tmp_path, *args, "--baseline-seeds", "3", "--resume")
+    assert "renumbered" in output and "saved no checkpoint" not in " ".join(output.split())
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "01-baseline-seed0.pt", "02-baseline-seed1.pt", "03-amp-seed0.pt", "03-baseline-seed2.pt"]

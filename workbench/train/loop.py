@@ -598,7 +598,7 @@ def run_train(config: TrainConfig, *, out_dir: Path | None = None, overwrite: bo
                                         if keep else [])
         if config.save_checkpoints:
             bare = [f"{r} seed {s}" for i, (r, s) in enumerate(runs)
-                    if i in keep and not checkpoint_path(out_dir, i, r, s).is_file()]
+                    if i in keep and not _saved_checkpoint(out_dir, i, r, s)]
             if bare:
                 notes.append(f"--save-checkpoints: {len(bare)} kept run(s) saved no checkpoint and are not trained "
                              f"again ({', '.join(bare[:3])}{', ...' if len(bare) > 3 else ''})")
@@ -680,6 +680,13 @@ def record_path(out_dir: Path, index: int, recipe: str, seed: int) -> Path:
 def checkpoint_path(out_dir: Path, index: int, recipe: str, seed: int) -> Path:
     """checkpoints/NN-<recipe>-seed<S>.pt of the index-th run (beside its records file)."""
     return out_dir / "checkpoints" / record_path(out_dir, index, recipe, seed).with_suffix(".pt").name
+
+
+def _saved_checkpoint(out_dir: Path, index: int, recipe: str, seed: int) -> bool:
+    """Whether the index-th run's checkpoint is in out_dir/checkpoints, under any place's number: a kept run
+    renumbered by --resume keeps the name it was saved under."""
+    key = _run_key(checkpoint_path(out_dir, index, recipe, seed).name)
+    return any(_run_key(p.name) == key for p in (out_dir / "checkpoints").glob("*.pt"))
 
 
 def _train_here(config, runs, data, model_name, device, out_dir, console, progress, report, curves,
