@@ -63,3 +63,14 @@ def test_an_image_pillow_cannot_read_is_one_line(tmp_path, kind, monkeypatch):
             pass
         for _ in loaded.val_batches(2, "cpu"):
             pass
+
+
+@pytest.mark.parametrize("halves", [("train", "test"), ("train",), ("val",)])
+def test_one_of_train_and_val_alone_is_refused_not_read_as_classes(tmp_path, halves):
+    """train/ beside test/ read as class folders would train a classifier of "train" against "test"."""
+    from workbench.datasets import ImageFolderData
+
+    for half in halves:
+        image_folder(tmp_path / "images" / half, n=3)
+    with pytest.raises(UserError, match="holds (train|val)/ but no (val|train)/"):
+        ImageFolderData(tmp_path / "images", (16, 16), 0)

@@ -161,6 +161,11 @@ class ImageFolderData:
         root = Path(root)
         if not root.is_dir():
             raise UserError(f"--data {root}: no such folder")
+        halves = [n for n in ("train", "val") if (root / n).is_dir()]
+        if len(halves) == 1:    # read as class folders, train/ beside test/ would train "train" against "test"
+            other = "val" if halves[0] == "train" else "train"
+            raise UserError(f"--data {root}: holds {halves[0]}/ but no {other}/: give both (class folders in each), "
+                            "or a folder of class folders")
         train_tf = transforms.Compose([
             transforms.RandomResizedCrop(size, scale=(0.35, 1.0)), transforms.RandomHorizontalFlip(),
             transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
