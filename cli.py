@@ -480,7 +480,7 @@ def train(
     seed: Annotated[int, typer.Option(help="Seed of the weights, data order and augmentation (the baseline's extra seeds count up from it).")] = 0,
     workers: Annotated[int, typer.Option(help="Data-loading processes for --data.")] = 4,
     device: Device = "auto",
-    out: Annotated[Optional[Path], typer.Option(parser=_out_path, help="Output folder for records, report.md and curves.png (default reports/runs/train-<recipe>-<model>-<time>/).")] = None,
+    out: Annotated[Optional[Path], typer.Option(parser=_out_path, help="Output folder for records, report.md and curves.png (default reports/runs/train-<recipe>-<model>-<time>/, train-compare-... with --compare).")] = None,
     overwrite: Overwrite = False,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the comparison in --out: keep the runs that finished there with the same settings and train the rest (a long comparison in several sittings).")] = False,
     nproc: Annotated[Optional[int], typer.Option(help="Data parallel: this many processes on this machine under torchrun, one per GPU (gloo on the CPU), DDP; --batch is per process, the global batch N x --batch.")] = None,

@@ -144,6 +144,9 @@ def test_without_out_or_recipe_the_run_goes_to_a_folder_named_by_the_default_rec
     (folder,) = (tmp_path / "reports" / "runs").iterdir()
     assert folder.name.startswith("train-baseline-swinbench_tiny_cpu-")
     assert [p.name for p in (folder / "records").iterdir()] == ["01-baseline-seed0.jsonl"]
+    from workbench.train.loop import TrainConfig, default_run_name
+
+    assert default_run_name(TrainConfig(compare=["amp"]), "m", "baseline").startswith("train-compare-m-")
 
 
 def test_ema_is_validated_beside_the_weights_and_saved_beside_them(tmp_path):
