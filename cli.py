@@ -146,13 +146,15 @@ def _out_path(value: str) -> Path:
     return Path(value)
 
 
-def _stage_list(stages: Optional[str]) -> Optional[list[str]]:
-    """--stages as names; an empty item (a doubled or trailing comma) is refused, not dropped."""
-    if stages is None:
+def _name_list(value: Optional[str], option: str = "--stages", what: str = "stage") -> Optional[list[str]]:
+    """A comma-separated option (--stages, --compare) as names; an empty item (a doubled or trailing comma)
+    is refused, not dropped."""
+    if value is None:
         return None
-    names = [s.strip() for s in stages.split(",")]
+    names = [s.strip() for s in value.split(",")]
     if not all(names):
-        raise _fail(UserError(f"--stages {stages!r} has an empty item: give stage names separated by single commas"), 2)
+        raise _fail(UserError(f"{option} {value!r} has an empty item: give {what} names separated by single "
+                              "commas"), 2)
     return names
 
 
@@ -421,7 +423,7 @@ def apply(
 
     try:
         result = _call(run_apply, recipe, model=model, batch=batch, steps=steps, warmup=warmup, device=device,
-                       out_dir=out, profile=profile, stages=_stage_list(stages),
+                       out_dir=out, profile=profile, stages=_name_list(stages),
                        seed=seed, peers=peers, isolate=isolate, console=console, mode=mode, interleave=interleave,
                        resume=resume, overwrite=overwrite, cache_dir=_cache_folder(cache) or default_cache_dir(),
                        fresh=fresh, nproc=nproc, parallel=parallel, checkpoint=checkpoint, data=data,
@@ -497,7 +499,7 @@ def train(
 
     _given(recipe=recipe, compare=compare, reference=reference, model=model, rdzv_endpoint=rdzv_endpoint,
            rdzv_id=rdzv_id, parallel=parallel, img_size=img_size)
-    config = TrainConfig(model=model, recipe=recipe, compare=compare.split(",") if compare is not None else None,
+    config = TrainConfig(model=model, recipe=recipe, compare=_name_list(compare, "--compare", "recipe"),
                          baseline_seeds=baseline_seeds, seeds=seeds, reference=reference, steps=steps, epochs=epochs, batch=batch, lr=lr,
                          weight_decay=weight_decay, label_smoothing=label_smoothing, clip_grad=clip_grad, seed=seed,
                          data=data, workers=workers, device=device, command=command_line(), nproc=nproc, nnodes=nnodes,

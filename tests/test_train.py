@@ -253,6 +253,8 @@ def test_an_image_folder_trains(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--data", "{tmp}/nothere"], "no such folder"),
+    (["--data", "{tmp}/a-file.png"], "a file, not a folder"),
+    (["--compare", "baseline,,amp"], "--compare 'baseline,,amp' has an empty item"),
     (["--data", "{tmp}"], "not an ImageFolder"),
     (["--recipe", "fmha-fast"], "unknown recipe"),
     (["--compare", "baseline,nope"], "unknown recipe"),
@@ -279,6 +281,7 @@ def test_an_image_folder_trains(tmp_path):
 def test_mistakes_are_one_line_and_exit_2_before_anything_is_written(tmp_path, args, message):
     if args[0] == "--data":
         pytest.importorskip("torchvision")
+    (tmp_path / "a-file.png").write_bytes(b"")
     out = tmp_path / "out"
     result = runner.invoke(app, ["train", "--device", "cpu", "--out", str(out),
                                  *[a.replace("{tmp}", str(tmp_path)) for a in args]])

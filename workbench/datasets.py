@@ -160,7 +160,8 @@ class ImageFolderData:
                             "(pip install torchvision), or leave --data out to train on the shipped digits") from None
         root = Path(root)
         if not root.is_dir():
-            raise UserError(f"--data {root}: no such folder")
+            raise UserError(f"--data {root}: " + ("a file, not a folder: give the folder of class folders"
+                                                  if root.exists() else "no such folder"))
         halves = [n for n in ("train", "val") if (root / n).is_dir()]
         if len(halves) == 1:    # read as class folders, train/ beside test/ would train "train" against "test"
             other = "val" if halves[0] == "train" else "train"
