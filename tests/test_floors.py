@@ -86,6 +86,16 @@ def test_instances_take_their_launch_bytes_in_order_step_after_step():
     assert "gemm" not in set(table["kernel"])       # not ours: no floor, not reported as unmatched either
 
 
+def test_launches_of_one_shape_that_differ_in_a_small_argument_share_a_row():
+    # the shifted block's attention also reads its mask: a few more bytes, the same largest argument
+    launches = _launches([("attn", 4_800_000, [64, 49, 96]), ("attn", 5_280_000, [64, 49, 96])])
+    kernels = _kernels([("attn", 0, 2_000), ("attn", 10_000, 4_000), ("attn", 20_000, 2_000), ("attn", 30_000, 4_000)])
+    table, summary = kernel_floors(kernels, launches)
+    assert len(table) == 1 and table.loc[0, "calls_per_step"] == 2 and summary["steps"] == [2]
+    assert table.loc[0, "median_us"] == pytest.approx(3.0) and table.loc[0, "floor_us"] == pytest.approx(1.05)
+    assert summary["floor_us_per_step"] == pytest.approx(2.1)
+
+
 def test_what_cannot_be_matched_is_named_and_left_out():
     launches = _launches([("attn", 1000, [4]), ("attn", 1000, [4]), ("merge", 10, [1]), ("gone", 10, [1])])
     kernels = _kernels([("attn", 0, 10), ("attn", 10, 10), ("attn", 20, 10), ("merge", 30, 5)])

@@ -963,8 +963,9 @@ def _floor_lines(records) -> list[str]:
             f"In each stage that runs them, its costliest Triton kernels (by time per step) per argument shape: the "
             f"median time in the nsys capture (--profile) or else in the steps torch.profiler timed the GPU time of, "
             f"the floor (the bytes of the kernel's arguments at the GPU's peak bandwidth, "
-            f"{' / '.join(peaks)} GB/s) and floor / median. 100% runs at the memory limit; what a row is under "
-            "it is time a faster kernel could take off the step (docs/analysis.md).", "",
+            f"{' / '.join(peaks)} GB/s) and floor / median. 100% runs at the memory limit (above it, part of the "
+            "input came from the L2 cache); what a row is under it is time a faster kernel could take off the "
+            "step (docs/analysis.md).", "",
             _md_table(["stage", "kernel", "largest argument", "calls/step", "median µs", "floor µs", "% of floor",
                        "ms/step"], rows), ""]
 
