@@ -53,3 +53,17 @@ def test_matches_pytorch_with_the_gathered_bias(w, masked):
     want = scores.softmax(-1) @ v64
     (want * g.double()).sum().backward()
     assert rel(got[0], want) < 1e-5 and rel(got[1], p64.grad) < 1e-5 and rel(got[2], t64.grad) < 1e-5
+
+
+@pytest.mark.parametrize("w, n_lead", [(7, 1), (7, 5), (12, 1), (12, 3)])
+def test_the_table_gradient_sums_every_slice_and_pair_of_its_rows(w, n_lead):
+    # past 64 tokens (window 12) the leading slices are summed before the gather: both paths, float64 terms
+    from workbench.kernels.window_attention import rel_pos_table_grad_host
+
+    n, nh, n_table = w * w, 3, (2 * w - 1) ** 2
+    index = rel_index(w).to(DEVICE)
+    d_rel = torch.randn(n_lead, nh, n * n, generator=torch.Generator().manual_seed(w + n_lead)).to(DEVICE)
+    got = rel_pos_table_grad_host(d_rel, rel_pos_inverse(index, n_table), torch.float32)
+    want = torch.zeros(n_table, nh, dtype=torch.float64, device=DEVICE).index_add_(
+        0, index.reshape(-1), d_rel.double().sum(0).reshape(nh, -1).t())
+    assert got.shape == (n_table, nh) and rel(got, want) < 1e-6
