@@ -20,13 +20,13 @@ capture, as PyTorch's CUDA-graph notes ask. FSDP2 does not run inside a graph he
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import asdict, dataclass, fields
 from typing import ClassVar
 
 import torch
 
+from workbench.arguments import require_bool, require_positive
 from workbench.errors import UserError
 from workbench.files import short_repr
 
@@ -60,12 +60,9 @@ class DataParallel:
     strategy: ClassVar[str] = "ddp"
 
     def __post_init__(self):
-        if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, (int, float)) or \
-                not (math.isfinite(self.bucket_cap_mb) and self.bucket_cap_mb > 0):
-            raise UserError(f"bucket_cap_mb must be a number > 0, got {short_repr(self.bucket_cap_mb)}")
+        require_positive("bucket_cap_mb", self.bucket_cap_mb)
         for name in ("gradient_as_bucket_view", "static_graph", "broadcast_buffers"):
-            if not isinstance(getattr(self, name), bool):
-                raise UserError(f"{name} must be True or False, got {short_repr(getattr(self, name))}")
+            require_bool(name, getattr(self, name))
 
     def to_dict(self) -> dict:
         return {"strategy": self.strategy, **asdict(self)}
@@ -94,9 +91,7 @@ class FullyShard:
     def __post_init__(self):
         if self.unit not in SHARD_UNITS:
             raise UserError(f"unit must be one of {', '.join(SHARD_UNITS)}, got {short_repr(self.unit)}")
-        if not isinstance(self.reshard_after_forward, bool):
-            raise UserError(f"reshard_after_forward must be True or False, got "
-                            f"{short_repr(self.reshard_after_forward)}")
+        require_bool("reshard_after_forward", self.reshard_after_forward)
 
     def to_dict(self) -> dict:
         return {"strategy": self.strategy, **asdict(self)}

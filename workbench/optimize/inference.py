@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import torch
 
+from workbench.arguments import require_bool, require_count
 from workbench.errors import UserError
 from workbench.files import short_repr
 from workbench.optimize.passes import PassContext, PassResult, refuse_unpatchable
@@ -255,10 +256,8 @@ def optimize_swin_inference(model: torch.nn.Module, recipe: str = "dense", *, gr
     if not isinstance(model, torch.nn.Module):
         raise UserError(f"model must be a torch.nn.Module (a timm Swin), got {short_repr(model)}")
     refuse_unpatchable(model, "optimize_swin_inference")
-    if not isinstance(graph, bool):
-        raise UserError(f"graph must be True or False, got {short_repr(graph)}")
-    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
-        raise UserError(f"batch must be an integer >= 1 or None, got {short_repr(batch)}")
+    require_bool("graph", graph)
+    require_count("batch", batch, optional=True)
     # the graphs are this object's own (one per batch shape): a recipe's cuda_graph pass, which captures a
     # training step, is left out
     chain = [_without_cuda_graph(r) for r in resolve_chain(str(recipe))]

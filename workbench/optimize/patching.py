@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from workbench.arguments import require_bool, require_count
 from workbench.errors import UserError
 from workbench.optimize.passes import PassContext, PassResult, apply_pass, get_pass, refuse_unpatchable
 from workbench.optimize.passes._swin import has_v2_blocks, named_swin_blocks
@@ -87,10 +88,8 @@ def patch_swin(model: torch.nn.Module, recipe: str = "fmha", *, dtype: str | Non
     if not named_swin_blocks(model) and not has_v2_blocks(model, cr=True):
         raise UserError(f"{type(model).__name__} holds no timm Swin block (Swin v1, SwinV2 or swinv2_cr): "
                         "nothing to patch")
-    if not isinstance(training, bool):
-        raise UserError(f"training must be True or False, got {short_repr(training)}")
-    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
-        raise UserError(f"batch must be an integer >= 1 or None, got {short_repr(batch)}")
+    require_bool("training", training)
+    require_count("batch", batch, optional=True)
     chain = resolve_chain(str(recipe))
     specs = effective_passes(chain)
     dtype = _recipe_dtype(specs) if dtype is None else dtype

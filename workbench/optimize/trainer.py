@@ -49,6 +49,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from workbench.arguments import require_count, require_positive
 from workbench.errors import UserError
 from workbench.files import short_repr
 from workbench.optimize.distributed import (DDP_GRAPH_WARMUP_STEPS, DataParallel, FullyShard, Parallel, asked_strategy,
@@ -783,12 +784,9 @@ def optimize_swin(model: torch.nn.Module, recipe: str = "fmha", *, optimizer=Non
     if narrow:
         raise UserError(f"optimize_swin takes an fp32 model (the recipe sets the precision), got {', '.join(narrow)} "
                         "parameters: call model.float() first")
-    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-        raise UserError(f"accumulate must be an integer >= 1, got {short_repr(accumulate)}")
-    if grad_clip is not None and not (_real(grad_clip) and grad_clip > 0):
-        raise UserError(f"grad_clip must be a number > 0 or None, got {short_repr(grad_clip)}")
-    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
-        raise UserError(f"batch must be an integer >= 1 or None, got {short_repr(batch)}")
+    require_count("accumulate", accumulate)
+    require_positive("grad_clip", grad_clip, optional=True)
+    require_count("batch", batch, optional=True)
     if ema is not None and (isinstance(ema, bool) or not isinstance(ema, (int, float)) or not 0 < ema < 1):
         raise UserError(f"ema must be a decay between 0 and 1 (e.g. 0.9998) or None, got {short_repr(ema)}")
     settings, factory, name = _optimizer_choice(optimizer, optimizer_kwargs)
