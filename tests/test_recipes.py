@@ -169,3 +169,16 @@ def test_quantize_linear_parameters_are_checked_when_loaded(tmp_path):
                                       f"  - name: quantize_linear\n    params: {params}\n")
         with pytest.raises(UserError, match=msg):
             resolve_chain(str(p))
+
+
+def test_every_recipe_written_out_in_the_docs_loads(tmp_path):
+    # docs/recipes.md's examples are meant to be copied into a file and run: each must load, passes checked
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "recipes.md").read_text()
+    blocks = [b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if "passes:" in b and "extends:" in b]
+    assert len(blocks) >= 3
+    for i, block in enumerate(blocks):
+        path = tmp_path / f"doc{i}.yaml"
+        path.write_text(block)
+        assert resolve_chain(str(path))[-1].passes
