@@ -132,6 +132,9 @@ def test_train_writes_records_curves_and_report(tmp_path):
     assert all(set(r) >= {"step", "loss", "lr", "img_per_s", "grad_norm"} for r in records[1:5])
     assert all(r["grad_norm"] > 0 for r in records[1:5])
     assert 0 <= records[5]["val_acc"] <= 100 and records[-1]["status"] == "ok"
+    # four steps are all warm-up: no img/s rather than a warm-up step's, and a note that says why
+    assert records[-1]["img_per_s"] is None and "img/s not measured" in " ".join(records[-1]["notes"])
+    assert "img/s not measured (warm-up steps only)" in output
     assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
     report = (out / "report.md").read_text()
     assert "| baseline | 0 |" in report and "Made by `swinbench" in report

@@ -348,12 +348,16 @@ def train_run(config: TrainConfig, recipe: str, seed: int, data, model_name: str
     # warm-up excluded: the first tenth, and at least the first GRAPH_WARMUP_STEPS + 1 steps (autotuning,
     # compiling; a graph recipe's eager steps and its capture, more of them under DDP)
     warm = swin.graph_warmup_steps if swin.graphed else GRAPH_WARMUP_STEPS
-    skip = min(len(rates) - 1, max(warm + 1, len(rates) // 10)) if rates else 0
-    img_per_s = statistics.median(rates[skip:]) if rates else None
+    skip = max(warm + 1, len(rates) // 10)
+    notes = list(swin.notes)
+    img_per_s = statistics.median(rates[skip:]) if len(rates) > skip else None
+    if rates and img_per_s is None:   # a warm-up step's rate is not the recipe's: say so rather than show it
+        notes.append(f"img/s not measured: all {len(rates)} steps were warm-up (the first {skip} are left out; "
+                     "run more steps)")
     end = {"kind": "end", "status": status, "reason": reason, "steps": step, "epochs": epoch,
            "final_val_acc": val_acc, **({"final_val_acc_ema": val_acc_ema} if config.ema is not None else {}),
            "img_per_s": img_per_s, "img_per_s_from_step": skip + 1,
-           "seconds": time.perf_counter() - started, "eager_fallbacks": swin.eager_fallbacks, "notes": swin.notes}
+           "seconds": time.perf_counter() - started, "eager_fallbacks": swin.eager_fallbacks, "notes": notes}
     saved = None
     if checkpoint is not None and status == "ok":
         state = swin.state_dict()        # a plain timm state_dict; under FSDP every rank gathers it
@@ -371,7 +375,7 @@ def train_run(config: TrainConfig, recipe: str, seed: int, data, model_name: str
     text = (f"{'diverged: ' + reason if reason else 'done'}; val accuracy "
             f"{'-' if val_acc is None else f'{val_acc:.2f}%'}"
             + (f" (EMA {val_acc_ema:.2f}%)" if val_acc_ema is not None else "")
-            + f", {img_per_s or 0:,.1f} img/s")
+            + (f", {img_per_s:,.1f} img/s" if img_per_s is not None else ", img/s not measured (warm-up steps only)"))
     progress.end_run(text)
     del swin, model, schedule
     gc.collect()
