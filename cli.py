@@ -100,7 +100,7 @@ Overwrite = Annotated[bool, typer.Option("--overwrite", help="If --out holds an 
 @app.command()
 def profile(
     model: Model = None,
-    mode: Annotated[str, typer.Option(help="train (forward, backward, AdamW step) or infer (forward only).")] = "train",
+    mode: Annotated[str, typer.Option(help="train (forward, backward, AdamW step) or infer (the forward and its loss, no backward).")] = "train",
     batch: Annotated[int, typer.Option(help="Images per step.")] = 32,
     precision: Annotated[str, typer.Option(help="fp32 | tf32 | bf16 | fp16 (bf16/fp16 via autocast).")] = "bf16",
     steps: Annotated[int, typer.Option(help="Steps captured in the trace.")] = 4,
@@ -378,7 +378,7 @@ def apply(
     stages: Annotated[Optional[str], typer.Option(help="Comma-separated stages to run instead of the chain (e.g. baseline,amp,torch-compile).")] = None,
     model: Model = None,
     batch: Annotated[int, typer.Option(help="Images per step.")] = 64,
-    mode: Annotated[str, typer.Option(help="train (forward, backward, optimizer step) or infer (forward only; the gate compares logits and loss).")] = "train",
+    mode: Annotated[str, typer.Option(help="train (forward, backward, optimizer step) or infer (the forward and its loss, no backward; the gate compares logits and loss).")] = "train",
     steps: Annotated[int, typer.Option(help="Timed steps per stage (median and IQR over these).")] = 20,
     warmup: Annotated[int, typer.Option(help="Untimed steps per stage first (compilation happens here).")] = 5,
     device: Device = "auto",
