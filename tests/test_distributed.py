@@ -212,6 +212,41 @@ def test_apply_nproc_mistakes_are_one_line_and_exit_2(tmp_path, args, message):
     assert len(result.output.strip().splitlines()) == 1 and not out.exists()
 
 
+def test_resume_keeps_the_data_parallel_figures_and_refuses_another_world_size(tmp_path, monkeypatch):
+    """A resumed apply --nproc keeps each kept stage's figures (scaling.sh reruns with --resume: measured
+    figures are neither lost nor paid for again on the GPUs); --nproc of another world size is refused."""
+    from typer.testing import CliRunner
+
+    from cli import app
+    from workbench.ladder import scaling
+    from workbench.results.record import read_records, write_record
+
+    calls = []
+
+    def fake_scale(record, spec, nproc, extra_env=None, parallel="ddp"):
+        calls.append(record["stage"])
+        record["scaling"] = {
+            "world_size": nproc, "backend": "gloo", "batch_per_process": 4, "global_batch": 4 * nproc,
+            "status": "ok", "reason": None, "img_per_s": 80.0 + len(calls), "step_ms": 100.0,
+            "step_ms_per_rank": [100.0] * nproc, "efficiency": 0.9, "ddp": {"strategy": parallel},
+            "gate": {"status": "PASS", "reason": None, "ranks": ["PASS"] * nproc, "metrics": {}}}
+        record["_path"] = str(write_record(record, Path(spec.out_dir) / "records"))
+        return record
+    monkeypatch.setattr(scaling, "scale_stage", fake_scale)
+    out = tmp_path / "run"
+    args = ["apply", "--stages", "baseline", "--device", "cpu", "--batch", "4", "--steps", "1", "--warmup", "0",
+            "--interleave", "0", "--out", str(out)]
+    assert CliRunner().invoke(app, [*args, "--nproc", "2"]).exit_code == 0 and calls == ["baseline"]
+    again = CliRunner().invoke(app, [*args, "--nproc", "2", "--resume"])
+    assert again.exit_code == 0, again.output
+    assert calls == ["baseline"] and "data parallel at 2 processes kept from the earlier run" in again.output
+    (kept,) = read_records([out / "records"])
+    assert kept.scaling.img_per_s == 81.0
+    other = CliRunner().invoke(app, [*args, "--nproc", "1", "--resume"])
+    assert other.exit_code == 2 and "data-parallel figures at 2 processes (ddp) there vs --nproc 1" in other.output
+    assert len(other.output.strip().splitlines()) == 1 and calls == ["baseline"]
+
+
 @pytest.mark.slow
 def test_train_nproc_1_through_torchrun_matches_the_plain_run(tmp_path):
     from typer.testing import CliRunner

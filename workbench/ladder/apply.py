@@ -568,11 +568,13 @@ def _interleave(records: list[dict], specs: list[StageSpec], config: WorkloadCon
 
 
 def _plan_differences(records: list[dict], plans: list[StagePlan], recipe: str, config: WorkloadConfig, *,
-                      steps: int, warmup: int, profile: bool) -> list[str]:
+                      steps: int, warmup: int, profile: bool, nproc: int | None = None,
+                      parallel: str = "ddp") -> list[str]:
     """What keeps the stage records of a run folder from being continued by the run planned now, one
     phrase each ([]: it can be resumed): records of several runs, stages not in this plan (at their place
     in it), another recipe, model, mode, batch, seed, device kind or GPU, image size, checkpoint or held-out
-    data, and for measured stages other steps, warm-up or no profile where one is asked for."""
+    data, for measured stages other steps, warm-up or no profile where one is asked for, and data-parallel
+    figures of another world size or strategy where `nproc` would measure them again."""
     diffs: dict[str, str] = {}
     runs = sorted({str(r.get("run_id")) for r in records})
     if len(runs) > 1:
@@ -622,7 +624,20 @@ def _plan_differences(records: list[dict], plans: list[StagePlan], recipe: str, 
                                       f"vs {steps}/{warmup}")
         if rec.get("status") == "ok" and profile and not rec.get("profile"):
             diffs.setdefault("profile", f"stage {rec.get('stage')} not profiled there")
+        there = _kept_scaling(rec)
+        if nproc is not None and there is not None and there != (nproc, parallel):
+            diffs.setdefault("nproc", f"data-parallel figures at {there[0]} processes ({there[1]}) there vs "
+                                      f"--nproc {nproc} ({parallel})")
     return list(diffs.values())
+
+
+def _kept_scaling(record: dict) -> tuple[int, str] | None:
+    """(world size, strategy) of a record's data-parallel figures that a resumed run keeps (None: none, or
+    an error, which --resume measures again)."""
+    scaling = record.get("scaling")
+    if not isinstance(scaling, dict) or scaling.get("status") == "error":
+        return None
+    return scaling.get("world_size"), (scaling.get("ddp") or {}).get("strategy", "ddp")
 
 
 def _folder_records(records_dir: Path) -> list[dict]:
@@ -778,7 +793,7 @@ def run_apply(recipe: str | None, *, model: str | None, batch: int, steps: int, 
         raise UserError("--resume needs --out: the folder of the run to resume")
     out_dir = Path(out_dir) if out_dir else Path("reports") / "runs" / run_id
     records_dir = out_dir / "records"
-    plan = dict(steps=steps, warmup=warmup, profile=profile)
+    plan = dict(steps=steps, warmup=warmup, profile=profile, nproc=nproc, parallel=parallel or "ddp")
     claim = claim_run_folder(
         out_dir, command="apply", overwrite=overwrite, keep=resume,
         refusal=lambda entries, dest: _refusal(out_dir, entries, dest, plans, recipe, config, **plan),
@@ -851,7 +866,7 @@ def _run_claimed(claim: FolderClaim, recipe: str, plans: list[StagePlan], config
     kept: dict[tuple[int, str], dict] = {}
     if resume:
         earlier_id, kept = _resumable(out_dir, run_entries(out_dir), plans, recipe, config, steps=steps,
-                                      warmup=warmup, profile=profile)
+                                      warmup=warmup, profile=profile, nproc=nproc, parallel=parallel)
         run_id = earlier_id or run_id
     if not on_gpu:
         console.print(f"[yellow]note:[/] {device_label(environment_stamp(dev))}: {config.model}'s CPU step "
@@ -932,7 +947,7 @@ def _run_claimed(claim: FolderClaim, recipe: str, plans: list[StagePlan], config
             shown.line(f"timing the stages again in alternation: {interleave} rounds")
             _interleave(records, specs, config, interleave, isolate, out_dir, console, shown, asked=asked_interleave)
         if nproc is not None:
-            _scale(records, specs, nproc, parallel, shown, extra_env)
+            _scale(records, specs, nproc, parallel, shown, extra_env, kept)
 
     choice = auto_choice(records, graph_recipes()) if auto else None
     report_path = render_report(records, out_dir / "report.md", auto=choice)
@@ -961,9 +976,11 @@ def _run_claimed(claim: FolderClaim, recipe: str, plans: list[StagePlan], config
     return result
 
 
-def _scale(records: list[dict], specs: list[StageSpec], nproc: int, parallel: str, shown, extra_env) -> None:
+def _scale(records: list[dict], specs: list[StageSpec], nproc: int, parallel: str, shown, extra_env,
+           kept: dict | None = None) -> None:
     """Every measured stage again under torchrun with `nproc` processes, `parallel` ("ddp" or "fsdp")
-    (scaling.py), in place."""
+    (scaling.py), in place; a stage kept by --resume keeps the data-parallel figures it holds (those of
+    this world size and strategy: _plan_differences refuses others), and only an error is run again."""
     from workbench.ladder.scaling import scale_stage
 
     def say(text: str) -> None:   # on a terminal too: the bars show nothing while torchrun runs
@@ -973,6 +990,9 @@ def _scale(records: list[dict], specs: list[StageSpec], nproc: int, parallel: st
     for i, record in enumerate(records):
         spec = by_key.get((record["stage_index"], record["stage"]))
         if record["status"] != "ok" or spec is None:
+            continue
+        if (record["stage_index"], record["stage"]) in (kept or {}) and _kept_scaling(record):
+            say(f"{record['stage']}: data parallel at {nproc} processes kept from the earlier run")
             continue
         say(f"{record['stage']}: data parallel, {nproc} processes under torchrun"
             + (", FSDP" if parallel == "fsdp" else ""))
