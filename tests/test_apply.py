@@ -253,3 +253,21 @@ def test_a_run_of_stages_alone_is_not_named_after_a_recipe(tmp_path):
     assert result.run_id.startswith("stages-") and {r["recipe"] for r in result.records} == {"stages"}
     named = run_apply("fmha", **RUN, out_dir=tmp_path / "n", stages=["baseline"], console=Console(file=io.StringIO()))
     assert named.run_id.startswith("fmha-")
+
+
+def test_a_reduce_overhead_stage_on_the_cpu_has_no_graph_timing():
+    """Inductor's reduce-overhead replays no CUDA graph on the CPU: its record gets no graph column (which
+    made the report's headline speak of the GPU being busy on a CPU run), only the CPU's reason."""
+    from types import SimpleNamespace
+
+    from workbench.ladder.apply import _time_graph
+    from workbench.optimize.workload import Workload
+
+    workload = SimpleNamespace(ctx=SimpleNamespace(device=torch.device("cpu"), cuda_graph=False, compile=True,
+                                                   compile_options={"mode": "reduce-overhead"}, grad_scaler=False))
+    workload.own_graphs = lambda: Workload.own_graphs(workload)
+    workload.graph_blocker = lambda: Workload.graph_blocker(workload)
+    assert "reduce-overhead" in workload.own_graphs()
+    record = {"timing": {}, "img_per_s": 10.0, "step_ms": 100.0, "step_iqr_ms": 1.0}
+    _time_graph(workload, SimpleNamespace(), record, lambda event: None)
+    assert "graph" not in record and record["graph_note"] == "no CUDA graphs on the CPU"

@@ -260,9 +260,10 @@ def run_stage(spec: StageSpec, reference: GateOutputs, on_event: Callable[[dict]
 
 def _time_graph(workload: Workload, spec: StageSpec, record: dict, emit) -> None:
     """Add the stage's graph-replayed timing (`graph`) or say why there is none (`graph_note`). The record
-    as measured so far is written first: a capture that takes the process down loses nothing else."""
+    as measured so far is written first: a capture that takes the process down loses nothing else. On the
+    CPU nothing replays a CUDA graph, reduce-overhead included: no graph timing, whatever the stage."""
     own = workload.own_graphs()
-    if own:
+    if own and workload.ctx.device.type == "cuda":
         record["graph"] = {"timing": record["timing"], "img_per_s": record["img_per_s"], "step_ms": record["step_ms"],
                            "step_iqr_ms": record["step_iqr_ms"], "how": own}
         return
