@@ -9,6 +9,9 @@
 #   MODELS=swin_base_patch4_window7_224 NPROCS=1 benchmarks/scaling.sh   # a dry run on one GPU
 #
 # Output: reports/runs/scaling/<model>-n<N>/ (apply) and reports/runs/scaling/<model>-n<N>-profile/.
+# A rerun continues where the last one stopped: apply --resume keeps the finished stages and their
+# data-parallel figures, and a finished profile (its ranks.csv written) is skipped; move a folder away to
+# measure it again. PYTHON (default python3) is the interpreter that counts the GPUs.
 set -euo pipefail
 NPROCS=${NPROCS:-"1 2"}
 MODELS=${MODELS:-"swin_base_patch4_window7_224 swin_large_patch4_window7_224"}
@@ -17,12 +20,14 @@ FUSED=${FUSED:-fmha-compile-graph}   # the fused stack's fastest training form: 
 PEER=${PEER:-torch-compile-graph}     # the strongest PyTorch-alone step, captured the same way
 OUT=${OUT:-reports/runs/scaling}
 SWINBENCH=${SWINBENCH:-swinbench}   # e.g. "python3 cli.py" where the installed script is another interpreter's
-have=$(python -c "import torch; print(torch.cuda.device_count())")
+PYTHON=${PYTHON:-python3}           # the interpreter with swinbench's torch, to count the GPUs
+have=$($PYTHON -c "import torch; print(torch.cuda.device_count())")
 for model in $MODELS; do
   for n in $NPROCS; do
     if [ "$n" -gt "$have" ]; then echo "skip N=$n: $have GPU(s) here"; continue; fi
     $SWINBENCH apply --stages "baseline,amp,$FUSED,$PEER" --model "$model" --batch "$BATCH" \
       --nproc "$n" --out "$OUT/$model-n$n" --resume
+    if [ -f "$OUT/$model-n$n-profile/ranks.csv" ]; then echo "kept $OUT/$model-n$n-profile: captured already"; continue; fi
     $SWINBENCH profile --nproc "$n" --recipe "$FUSED" --model "$model" --batch "$BATCH" --steps 4 --warmup 5 \
       --out "$OUT/$model-n$n-profile" --overwrite
   done

@@ -76,3 +76,27 @@ def test_cosine_attention_smoke_on_the_cpu(tmp_path):
     data = json.loads((tmp_path / "window_attention_cosine.json").read_text())
     assert all(c["bit_exact_vs_2pass"] for c in data["check"])
     assert {r["method"] for r in data["records"]} == {"eager_v2", "sdpa_v2", "fused_2pass", "fused_cosine"}
+
+
+def test_scaling_script_runs_with_python3_alone_and_a_rerun_skips_a_finished_profile(tmp_path):
+    """scaling.sh on a machine whose PATH has python3 but no `python` (the commands echoed, 2 GPUs said):
+    every N up to the GPUs, and a profile whose ranks.csv is there is not captured again."""
+    import os
+    import shutil
+    import subprocess
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text("#!/bin/sh\necho 2\n")
+    (bin_dir / "python3").chmod(0o755)
+    for tool in ("bash", "env"):
+        os.symlink(shutil.which(tool), bin_dir / tool)
+    done = tmp_path / "out" / "m-n1-profile"
+    done.mkdir(parents=True)
+    (done / "ranks.csv").write_text("rank\n0\n")
+    env = {"PATH": str(bin_dir), "SWINBENCH": "echo", "NPROCS": "1 2 4", "MODELS": "m", "OUT": str(tmp_path / "out")}
+    run = subprocess.run(["bash", str(BENCH / "scaling.sh")], env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert [ln.split()[0] for ln in lines[:-1]] == ["apply", "kept", "apply", "profile", "skip"]
+    assert "--nproc 2" in lines[2] and "--resume" in lines[2] and "skip N=4: 2 GPU(s) here" in lines[4]
