@@ -63,6 +63,16 @@ def test_profile_nproc_mistakes_are_one_line(tmp_path, args, message):
     assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
 
 
+def test_a_rank_that_refuses_the_recipe_says_why_in_one_line(tmp_path, monkeypatch):
+    """The ranks' UserError, not torchrun's '=====' summary: torchrun prefixes each rank's lines with
+    '[rank0]: '."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    result = runner.invoke(app, ["profile", "--device", "cpu", "--nproc", "2", "--batch", "2", "--steps", "1",
+                                 "--warmup", "0", "--recipe", "fp8", "--out", str(tmp_path / "r")])
+    assert result.exit_code == 2 and "recipe fp8 cannot run here" in result.output, result.output
+    assert "=====" not in result.output and "Traceback" not in result.output
+
+
 def test_analyze_a_folder_without_ranks_is_one_line(tmp_path):
     result = runner.invoke(app, ["analyze", str(tmp_path)])
     assert result.exit_code == 2 and "without rank0/" in result.output

@@ -97,10 +97,15 @@ def _worker_spec(config: WorkloadConfig, recipe: str | None, steps: int, warmup:
     return atomic_write_text(out_dir / "capture_spec.json", json.dumps(spec, indent=2))
 
 
+# torchrun's prefix on a rank's output lines: '[rank0]: ', '[default0]: '
+_RANK_PREFIX = re.compile(r"^\[[a-z]*\d+\]:\s*")
+
+
 def _first_error(log: Path) -> str:
     """The line of a log that says what went wrong: the last Python exception line (not torchrun's own
-    summary that a child failed, which would hide the rank's error), else the last line."""
-    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    summary that a child failed, which would hide the rank's error; a rank's without torchrun's prefix),
+    else the last line."""
+    lines = [_RANK_PREFIX.sub("", ln.strip()) for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
     errors = [ln for ln in lines if ln.split(":")[0].endswith(("Error", "Exception"))
               and "ChildFailedError" not in ln and "torch.distributed.elastic" not in ln]
     return (errors or lines or ["no output"])[-1][:240]
