@@ -192,6 +192,8 @@ def test_apply_nproc_2_adds_a_scaling_record_gated_on_every_rank(tmp_path):
     assert all(c > 0 and 0 <= e <= c + 1e-6 for c, e in zip(comm["comm_ms_per_rank"], comm["exposed_ms_per_rank"]))
     report = (out / "report.md").read_text()
     assert "## Data parallel: 2 processes" in report and "communication ms per step per rank (not overlapped)" in report
+    # a CPU run's efficiency pits one thread per rank against every core: said where it is shown
+    assert "not like for like" in report and "not like for like" in " ".join(result.output.split())
     # the run checked against itself: its data-parallel figures are compared too
     check = CliRunner().invoke(app, ["check", "--baseline", str(out / "records"), "--current", str(out / "records")])
     assert check.exit_code == 0 and "| baseline | dp_step_ms |" in check.output

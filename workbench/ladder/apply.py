@@ -1001,6 +1001,8 @@ def _scale(records: list[dict], specs: list[StageSpec], nproc: int, parallel: st
         s = record["scaling"]
         if s["status"] == "ok":
             eff = f", efficiency {s['efficiency']:.2f}" if s.get("efficiency") else ""
+            if eff and s.get("backend") == "gloo":    # one thread per rank against every core in one process
+                eff += " (CPU: one thread per process against all cores in one, not like for like)"
             ranks = s["gate"]["ranks"]
             gate = (f"{s['gate']['status']} on every rank" if set(ranks) == {s["gate"]["status"]}
                     else f"{s['gate']['status']} (by rank: {', '.join(ranks)})")

@@ -944,7 +944,10 @@ def _scaling_lines(records: list[StageRecord]) -> list[str]:
             "averaged gradients) with the fp32 baseline over the global batch, on every rank. Communication: "
             "each rank's collective kernels per step (NCCL; gloo's c10d operators on the CPU) and, in brackets, "
             "the part of their time no compute kernel of the rank overlaps, the time a step waits on them; from "
-            "a few more steps under torch.profiler after the timing.", ""]
+            "a few more steps under torch.profiler after the timing."
+            + (" On the CPU (gloo) each rank runs one thread (torchrun sets OMP_NUM_THREADS=1) while the "
+               "one-process figure uses every core, so efficiency there is not like for like: a CPU run rehearses "
+               "the path, a GPU run measures it." if first.backend == "gloo" else ""), ""]
 
 
 def _floor_lines(records) -> list[str]:
