@@ -11,8 +11,10 @@
 # Output: reports/runs/scaling/<model>-n<N>/ (apply) and reports/runs/scaling/<model>-n<N>-profile/.
 # A rerun continues where the last one stopped: apply --resume keeps the finished stages and their
 # data-parallel figures, and a finished profile (its ranks.csv written) is skipped; move a folder away to
-# measure it again. PYTHON (default python3) is the interpreter that counts the GPUs.
-set -euo pipefail
+# measure it again. PYTHON (default python3) is the interpreter that counts the GPUs. A command that
+# fails (a stage that errors, a capture that cannot run) does not stop the others: the script names each
+# failed one at the end and exits 1.
+set -uo pipefail
 NPROCS=${NPROCS:-"1 2"}
 MODELS=${MODELS:-"swin_base_patch4_window7_224 swin_large_patch4_window7_224"}
 BATCH=${BATCH:-64}          # per GPU: the batch of the one-GPU table
@@ -21,15 +23,20 @@ PEER=${PEER:-torch-compile-graph}     # the strongest PyTorch-alone step, captur
 OUT=${OUT:-reports/runs/scaling}
 SWINBENCH=${SWINBENCH:-swinbench}   # e.g. "python3 cli.py" where the installed script is another interpreter's
 PYTHON=${PYTHON:-python3}           # the interpreter with swinbench's torch, to count the GPUs
-have=$($PYTHON -c "import torch; print(torch.cuda.device_count())")
+have=$($PYTHON -c "import torch; print(torch.cuda.device_count())") || { echo "error: $PYTHON cannot count the GPUs"; exit 2; }
+failed=()
 for model in $MODELS; do
   for n in $NPROCS; do
     if [ "$n" -gt "$have" ]; then echo "skip N=$n: $have GPU(s) here"; continue; fi
     $SWINBENCH apply --stages "baseline,amp,$FUSED,$PEER" --model "$model" --batch "$BATCH" \
-      --nproc "$n" --out "$OUT/$model-n$n" --resume
+      --nproc "$n" --out "$OUT/$model-n$n" --resume || failed+=("apply $model N=$n (exit $?)")
     if [ -f "$OUT/$model-n$n-profile/ranks.csv" ]; then echo "kept $OUT/$model-n$n-profile: captured already"; continue; fi
     $SWINBENCH profile --nproc "$n" --recipe "$FUSED" --model "$model" --batch "$BATCH" --steps 4 --warmup 5 \
-      --out "$OUT/$model-n$n-profile" --overwrite
+      --out "$OUT/$model-n$n-profile" --overwrite || failed+=("profile $model N=$n (exit $?)")
   done
 done
 echo "apply reports: $OUT/*-n*/report.md; ranks tables: $OUT/*-profile/ranks.csv"
+if [ ${#failed[@]} -gt 0 ]; then
+  printf 'failed: %s\n' "${failed[@]}"
+  exit 1
+fi

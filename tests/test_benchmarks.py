@@ -100,3 +100,27 @@ def test_scaling_script_runs_with_python3_alone_and_a_rerun_skips_a_finished_pro
     lines = run.stdout.splitlines()
     assert [ln.split()[0] for ln in lines[:-1]] == ["apply", "kept", "apply", "profile", "skip"]
     assert "--nproc 2" in lines[2] and "--resume" in lines[2] and "skip N=4: 2 GPU(s) here" in lines[4]
+
+
+def test_scaling_script_goes_on_past_a_failing_command_and_names_it(tmp_path):
+    """One apply that fails (a stage that errors) does not stop the other N and models; the script names
+    it at the end and exits 1."""
+    import os
+    import shutil
+    import subprocess
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text("#!/bin/sh\necho 2\n")
+    (bin_dir / "fake-swinbench").write_text('#!/bin/sh\necho "$@"\ncase "$*" in apply*"--nproc 1"*) exit 2;; esac\n')
+    for name in ("python3", "fake-swinbench"):
+        (bin_dir / name).chmod(0o755)
+    for tool in ("bash", "env"):
+        os.symlink(shutil.which(tool), bin_dir / tool)
+    env = {"PATH": str(bin_dir), "SWINBENCH": "fake-swinbench", "NPROCS": "1 2", "MODELS": "m",
+           "OUT": str(tmp_path / "out")}
+    run = subprocess.run(["bash", str(BENCH / "scaling.sh")], env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1, run.stderr
+    firsts = [ln.split()[0] for ln in run.stdout.splitlines()]
+    assert firsts[:4] == ["apply", "profile", "apply", "profile"]
+    assert "failed: apply m N=1 (exit 2)" in run.stdout and "N=2" not in run.stdout.split("failed:")[1]
