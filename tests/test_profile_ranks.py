@@ -57,10 +57,23 @@ def test_profile_nproc_2_parallel_fsdp_captures_the_shards_collectives(tmp_path)
     (["--parallel", "fsdp"], "--parallel goes with --nproc"),
     (["--nproc", "2", "--parallel", "zero3"], "--parallel must be one of ddp, fsdp, got 'zero3'"),
     (["--nproc", "2", "--parallel", "fsdp", "--recipe", "fmha-graph"], "does not run under FSDP"),
+    # refused before torchrun starts: every rank would refuse Inductor's own graphs
+    (["--nproc", "2", "--recipe", "torch-compile-graphs"], "replays Inductor's CUDA graphs"),
 ])
 def test_profile_nproc_mistakes_are_one_line(tmp_path, args, message):
     result = runner.invoke(app, ["profile", "--device", "cpu", "--out", str(tmp_path / "o"), *args])
     assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_one_warm_up_step_holds_a_graph_recipes_capture():
+    # Workload.step runs the graph's eager warm-up steps and its capture inside the first step
+    from workbench.capture.profile import _warmup_short_of
+
+    assert _warmup_short_of("fmha-graph", 0) == "the CUDA graph's warm-up steps and its capture"
+    assert _warmup_short_of("fmha-graph", 1) is None and _warmup_short_of("fmha-graph", 1, "infer") is None
+    assert _warmup_short_of("torch-compile", 1) == "torch.compile's compilation"
+    assert _warmup_short_of("fmha-compile-graph", 1) is None
 
 
 def test_a_rank_that_refuses_the_recipe_says_why_in_one_line(tmp_path, monkeypatch):

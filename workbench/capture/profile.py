@@ -78,6 +78,8 @@ def run_profile(*, model: str | None, mode: str, batch: int, precision: str, ste
     if cpu_fallback:  # said once the arguments are known to be good: a user mistake gets one line only
         console.print(f"[yellow]note:[/] no CUDA GPU here: running {config.model} on the CPU "
                       "(timings and shares are CPU figures, not GPU ones)")
+    if nproc is not None and recipe:
+        _refuse_own_graphs_data_parallel(recipe, parallel or "ddp")
     if nproc is not None and recipe and parallel == "fsdp":
         from workbench.optimize.recipes import is_graph_form, resolve_chain
 
@@ -103,16 +105,31 @@ def run_profile(*, model: str | None, mode: str, batch: int, precision: str, ste
                                     records=stored)
 
 
+def _refuse_own_graphs_data_parallel(recipe: str, parallel: str) -> None:
+    """Refuse, before torchrun starts, a recipe whose step replays Inductor's own CUDA graphs (mode
+    reduce-overhead): every rank would refuse it (Workload.parallel_blocker)."""
+    from workbench.optimize.passes.compile import replays_own_graphs
+    from workbench.optimize.recipes import effective_passes, resolve_chain
+
+    chain = resolve_chain(recipe)
+    for p in effective_passes(chain):
+        params = p.params or {}
+        if p.name == "compile" and replays_own_graphs({"mode": params.get("mode"), "options": params.get("inductor")}):
+            raise UserError(f"recipe {chain[-1].name!r} replays Inductor's CUDA graphs (compile mode "
+                            f"{params.get('mode')}), which swinbench does not run under {parallel.upper()}: profile "
+                            "a recipe that captures the whole step itself (a -graph recipe) instead")
+
+
 def _warmup_short_of(recipe: str | None, warmup: int, mode: str = "train") -> str | None:
     """What the first steps do once that a capture after `warmup` steps would hold (None: nothing): the
     first step's autotuning and allocations; a compiled recipe's compilation (its first two steps); a
-    graph recipe's capture (training: after GRAPH_WARMUP_STEPS eager steps; inference: in its first step)."""
+    graph recipe's eager warm-up steps and capture, which the workload runs inside its first step
+    (`Workload.step`), so one warm-up step holds them."""
     from workbench.optimize.recipes import effective_passes, resolve_chain
-    from workbench.optimize.trainer import GRAPH_WARMUP_STEPS
 
     names = {p.name for p in effective_passes(resolve_chain(recipe))} if recipe else set()
-    if "cuda_graph" in names and warmup <= (GRAPH_WARMUP_STEPS if mode == "train" else 0):
-        return "the CUDA graph's warm-up steps and its capture"
+    if "cuda_graph" in names:   # compiling too, where the recipe compiles: all inside the first step
+        return "the CUDA graph's warm-up steps and its capture" if warmup < 1 else None
     if "compile" in names and warmup < 2:
         return "torch.compile's compilation"
     if warmup < 1:
