@@ -121,3 +121,16 @@ def test_a_rank_row_splits_communication_into_hidden_and_exposed():
     summary = rank_summary(table)
     assert summary.slowest == 4 and summary.skew_pct == pytest.approx(100 * 0.02 / 0.11)
     assert summary.comm_share_pct == pytest.approx(100 * 30 / 90)
+
+
+def test_a_ranks_error_line_is_said_whole_and_a_runaway_one_cut_visibly(tmp_path):
+    from workbench.capture.backends import _first_error
+
+    reason = "recipe 'x' cannot run here: " + "a reason of some length, " * 10 + "the end"
+    log = tmp_path / "log"
+    log.write_text(f"[rank0]: workbench.errors.UserError: {reason}\n[rank0]: done\n"
+                   "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: =====\n")
+    assert _first_error(log) == f"workbench.errors.UserError: {reason}"
+    log.write_text("RuntimeError: " + "x" * 1000 + "\n")
+    said = _first_error(log)
+    assert len(said) == 400 and said.endswith("…")

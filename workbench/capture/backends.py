@@ -108,7 +108,8 @@ def _first_error(log: Path) -> str:
     lines = [_RANK_PREFIX.sub("", ln.strip()) for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
     errors = [ln for ln in lines if ln.split(":")[0].endswith(("Error", "Exception"))
               and "ChildFailedError" not in ln and "torch.distributed.elastic" not in ln]
-    return (errors or lines or ["no output"])[-1][:240]
+    line = (errors or lines or ["no output"])[-1]
+    return line if len(line) <= 400 else line[:399] + "…"   # one line, said whole unless it runs on
 
 
 def _run(cmd: list[str], log: Path, what: str, env: dict | None = None) -> None:
