@@ -314,6 +314,7 @@ def test_resume_keeps_finished_runs_and_trains_the_rest(tmp_path):
 @pytest.mark.parametrize("change, message", [
     (["--steps", "4"], "trained with steps 3"),
     (["--seed", "7"], "not a run of this plan"),
+    (["--steps", "4", "--overwrite"], "--overwrite and --resume exclude each other"),   # said before the steps
 ])
 def test_resume_refuses_another_setup_and_changes_nothing(tmp_path, change, message):
     out = tmp_path / "cmp"

@@ -569,6 +569,9 @@ def run_train(config: TrainConfig, *, out_dir: Path | None = None, overwrite: bo
 
     console = console or Console()
     config.check()
+    if resume and overwrite:   # said first: which run the folder keeps comes before how it was trained
+        raise UserError("--overwrite and --resume exclude each other: --resume continues the run in the folder, "
+                        "--overwrite moves it aside")
     device_name = pick_device(config.device)
     device = resolve_device(device_name)
     on_gpu = device.type == "cuda"
