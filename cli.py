@@ -215,6 +215,15 @@ def _check_top(top: int) -> None:
         raise _fail(UserError(f"--top must be at least 1, got {top}"), 2)
 
 
+def _check_written_with_format(fmt: Optional[str], **options) -> None:
+    """--out and --overwrite of analyze and diff are about the tables --format writes: alone they would be
+    dropped without a word (nothing written), so they are refused."""
+    given = [f"--{name}" for name, value in options.items() if value not in (None, False)]
+    if fmt is None and given:
+        raise _fail(UserError(f"{given[0]} is about the tables --format writes: it needs --format (csv or json); "
+                              "without it nothing is written"), 2)
+
+
 def _check_name_style(name: str) -> None:
     """--name of analyze and diff: how kernel names are shown."""
     if name not in ("demangled", "short"):
@@ -245,6 +254,7 @@ def analyze(
 
     _check_name_style(name)
     _check_top(top)
+    _check_written_with_format(format, out=out, overwrite=overwrite)
     if _is_folder(trace):
         given = [flag for flag, value in (("--step", step), ("--records", records)) if value is not None]
         if given:
@@ -337,6 +347,7 @@ def diff(
 
     _check_name_style(name)
     _check_top(top)
+    _check_written_with_format(format, out=out, overwrite=overwrite)
     if format is not None:
         _check_format(format)
     plan = _call(diff_plan, before, after, rank)

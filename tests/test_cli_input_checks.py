@@ -104,6 +104,17 @@ def test_options_that_need_another_are_refused_alone(args, message, tmp_path, no
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("command", ["analyze", "diff"])
+@pytest.mark.parametrize("option", [["--out", "tables"], ["--overwrite"]])
+def test_analyze_and_diff_refuse_out_and_overwrite_without_format(command, option, tmp_path):
+    """--out and --overwrite only place the tables --format writes: alone, nothing would be written."""
+    traces = [str(TRACE)] * (2 if command == "diff" else 1)
+    args = [a if a != "tables" else str(tmp_path / "tables") for a in option]
+    output = refused([command, *traces, *args])
+    assert f"{option[0]} is about the tables --format writes: it needs --format" in output
+    assert len(output.strip().splitlines()) == 1 and not (tmp_path / "tables").exists()
+
+
 def test_matrix_render_only_refuses_options_of_a_run(tmp_path):
     assert "--steps has nothing to do" in refused(["matrix", "--render-only", str(tmp_path), "--steps", "3"])
 

@@ -468,7 +468,7 @@ def test_any_trace_bytes(fuzz_root, raw, suffix):
     with sandbox(fuzz_root) as case:
         path = case.inputs / f"t{suffix}"
         path.write_bytes(raw)
-        assert run_cli(case, ["analyze", path, "--out", case.out]).code == 2
+        assert run_cli(case, ["analyze", path, "--format", "json", "--out", case.out]).code == 2
 
 
 @FUZZ
