@@ -43,8 +43,12 @@ def test_profile_bad_input_is_one_line_and_exit_2(tmp_path):
         (["--format", "xml", "--device", "cpu"], "unknown format"),
         (["--mode", "eval"], "unknown mode"),       # default device: no CPU-fallback note before the error
         (["--batch", "0"], "--batch must be at least 1"),
+        (["--backend", "bogus"], "unknown backend"),
+        (["--out", str(tmp_path / "held")], "holds an earlier run"),
     ):
-        result = runner.invoke(app, ["profile", *args, "--out", str(tmp_path / "o")])
+        (tmp_path / "held").mkdir(exist_ok=True)
+        (tmp_path / "held" / "trace.json").write_text("{}")
+        result = runner.invoke(app, ["profile", "--out", str(tmp_path / "o"), *args])
         assert result.exit_code == 2, (args, result.output)
         assert text in result.output
         assert "Traceback" not in result.output

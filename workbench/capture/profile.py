@@ -75,9 +75,6 @@ def run_profile(*, model: str | None, mode: str, batch: int, precision: str, ste
 
         chain_passes(recipe)  # validate the recipe before capturing
     stored = gain_records(records)   # a bad --records path is refused before the capture
-    if cpu_fallback:  # said once the arguments are known to be good: a user mistake gets one line only
-        console.print(f"[yellow]note:[/] no CUDA GPU here: running {config.model} on the CPU "
-                      "(timings and shares are CPU figures, not GPU ones)")
     if nproc is not None and recipe:
         _refuse_own_graphs_data_parallel(recipe, parallel or "ddp")
     if nproc is not None and recipe and parallel == "fsdp":
@@ -90,6 +87,9 @@ def run_profile(*, model: str | None, mode: str, batch: int, precision: str, ste
     chosen, nsys_path, note = resolve_backend(backend, dev, nsys)
     out_dir = Path(out) if out else Path("profiles") / default_run_name(config, recipe)
     with claim_run_folder(out_dir, command="profile", overwrite=overwrite) as claim:
+        if cpu_fallback:  # said once the arguments and the folder are good: a user mistake gets one line only
+            console.print(f"[yellow]note:[/] no CUDA GPU here: running {config.model} on the CPU "
+                          "(timings and shares are CPU figures, not GPU ones)")
         notes = [note] if note else []
         first = _warmup_short_of(recipe, warmup, mode)
         if first:
