@@ -92,3 +92,22 @@ def test_rendered_and_written(bf16_sqlite, tmp_path):
     doc = json.loads((tmp_path / "analysis.json").read_text())
     assert doc["api"][0]["call"] == an.api["call"].iloc[0] and doc["meta"]["api_unit"] == "step"
     assert np.isclose(sum(r["share_pct"] for r in doc["api"]), 100.0)
+
+
+def test_a_trace_without_steps_shows_its_calls_whole(bf16_sqlite, tmp_path):
+    """No step ranges: the calls are the whole trace's, with no per-step column (it had no figures but the
+    folded row's 0.0) and a blocking-calls note that does not say 'calls calls'."""
+    path = tmp_path / "no-nvtx.sqlite"
+    path.write_bytes(bf16_sqlite.read_bytes())
+    with sqlite3.connect(path) as con:
+        con.execute("DROP TABLE NVTX_EVENTS")
+    an = analyze_trace(path)
+    assert an.trace_meta["api_unit"] is None and an.api["per_step"].isna().all()
+    console = Console(record=True, width=160)
+    render_analysis(an, console, top=3)
+    text = console.export_text()
+    header = next(line for line in text.splitlines() if "┃ call" in line)
+    assert header.count("calls") == 1 and "per step" not in header
+    blocking = int(an.api.loc[an.api["kind"].isin(["synchronize", "allocation"]), "calls"].sum())
+    assert f"{blocking:,} synchronizing or allocating CUDA calls in the trace" in text
+    assert "calls calls" not in text

@@ -328,20 +328,22 @@ def _render_api(analysis: Analysis, console: Console, top: int) -> None:
     """The host's CUDA API calls (whole trace, not per device) and the blocking-calls note."""
     if analysis.api is not None and len(analysis.api):
         m = analysis.trace_meta
-        per = f"per {m['api_unit']}" if m.get("api_unit") else "calls"
+        # without step (or range) instances the calls are of the whole trace: no per-unit column
+        per = f"per {m['api_unit']}" if m.get("api_unit") else None
         api = A.fold_tail(analysis.api, min(top, 10), "call", ["calls", "per_step", "total_ns", "share_pct"], noun="names")
         t = Table(title=f"CUDA API calls on the host ({m.get('api_scope')})", title_justify="left")
-        for col in ("call", "kind", "calls", per, "total ms", "avg µs", "max µs", "share %"):
+        for col in ("call", "kind", "calls", *([per] if per else []), "total ms", "avg µs", "max µs", "share %"):
             t.add_column(col, justify="left" if col in ("kind", "call") else "right", no_wrap=col == "call")
         for row in api.itertuples(index=False):
             kind = row.kind if isinstance(row.kind, str) else ""
-            per_step = "" if row.per_step is None or math.isnan(row.per_step) else f"{row.per_step:,.1f}"
-            t.add_row(str(row.call), kind, f"{row.calls:,.0f}", per_step, _ms(row.total_ns), _us(row.avg_ns),
+            per_step = [] if not per else ["" if row.per_step is None or math.isnan(row.per_step) else f"{row.per_step:,.1f}"]
+            t.add_row(str(row.call), kind, f"{row.calls:,.0f}", *per_step, _ms(row.total_ns), _us(row.avg_ns),
                       _us(row.max_ns), _pct(row.share_pct))
         console.print(t)
         blocking = A.blocking_calls(A.api_summary(analysis.api))
         if blocking:
-            console.print(f"[yellow]note:[/yellow] {blocking:,.1f} synchronizing or allocating CUDA calls {per} "
+            console.print(f"[yellow]note:[/yellow] {blocking:,.{1 if per else 0}f} synchronizing or allocating "
+                          f"CUDA calls {per or 'in the trace'} "
                           "(cudaStreamSynchronize, cudaMalloc, ...): each one can stall the launch queue and "
                           "leave the GPU idle")
 
