@@ -55,6 +55,12 @@ def test_analyze_of_a_cpu_trace_says_cpu_operators():
     assert "GPU" not in tables and "kernel" not in tables
 
 
+def test_a_cpu_range_without_operators_is_not_called_gpu():
+    result = runner.invoke(app, ["analyze", str(CPU_TRACE), "--range", "Optimizer.zero_grad#AdamW.zero_grad"])
+    assert result.exit_code == 2, result.output
+    assert "ran no CPU operators" in result.output and "GPU" not in result.output
+
+
 def test_diff_of_cpu_traces_says_cpu_operators():
     result = runner.invoke(app, ["diff", str(CPU_TRACE), str(CPU_TRACE), "--top", "3"])
     assert result.exit_code == 0, result.output

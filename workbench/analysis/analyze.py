@@ -91,7 +91,9 @@ def analyze_trace(path, *, name_style: str = "demangled", range_name: str | None
     if range_name is not None:
         kernels = A.kernels_in_range(trace, range_name)
         if kernels.empty:
-            raise UserError(f"range {range_name!r} launched no GPU kernels")
+            words = trace_words(trace.meta)   # a CPU capture's range runs operators, it launches no kernels
+            raise UserError(f"range {range_name!r} {'ran' if words.is_cpu else 'launched'} no {words.device} "
+                            f"{words.units}")
 
     def tables(k: pd.DataFrame) -> dict[str, pd.DataFrame]:
         busy = _busy_over_instances(trace, k, range_name) if range_name is not None else A.busy_idle(k)
