@@ -298,8 +298,10 @@ def _analyze_ranks(folder: Path, name: str, top: int, format: Optional[str], out
 
     traces = rank_traces(folder)
     if not traces:
+        inside = sorted(p.name for p in folder.glob("trace.*") if p.suffix in (".sqlite", ".json", ".xz", ".gz"))
+        hint = (f" (this one holds {inside[0]}: `swinbench analyze {folder / inside[0]}`)" if inside else "")
         raise _fail(UserError(f"{folder} is a folder without rank0/, rank1/, ... traces: give a trace file, or the "
-                              "folder `swinbench profile --nproc` wrote"), 2)
+                              f"folder `swinbench profile --nproc` wrote{hint}"), 2)
     out = out or folder
     if format is not None:
         _check_format(format)

@@ -89,6 +89,9 @@ def test_a_rank_that_refuses_the_recipe_says_why_in_one_line(tmp_path, monkeypat
 def test_analyze_a_folder_without_ranks_is_one_line(tmp_path):
     result = runner.invoke(app, ["analyze", str(tmp_path)])
     assert result.exit_code == 2 and "without rank0/" in result.output
+    (tmp_path / "trace.sqlite").write_bytes(b"")     # a single-process profile folder: its trace is named
+    result = runner.invoke(app, ["analyze", str(tmp_path)])
+    assert result.exit_code == 2 and "this one holds trace.sqlite: `swinbench analyze" in " ".join(result.output.split())
 
 
 def test_intervals_merge_and_intersect():
