@@ -252,7 +252,7 @@ def _render_kernel_tables(kernels: pd.DataFrame, categories: pd.DataFrame, per: 
                   _fmt(row.before_n, 1), _fmt(row.after_n, 1))
     console.print(t)
     t = Table(title=f"{title}Categories by change of {w.device} ms {per}")
-    for c in ("category", "before ms", "after ms", "delta ms"):
+    for c in ("category", "ms before", "ms after", "delta"):
         t.add_column(c, justify="left" if c == "category" else "right")
     for row in categories.itertuples(index=False):
         t.add_row(str(row.category), _fmt(row.before_ms), _fmt(row.after_ms), _fmt(row.delta_ms, 3, True))
