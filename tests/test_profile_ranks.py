@@ -71,7 +71,7 @@ def test_one_warm_up_step_holds_a_graph_recipes_capture():
     from workbench.capture.profile import _warmup_short_of
 
     assert _warmup_short_of("fmha-graph", 0) == "the CUDA graph's warm-up steps and its capture"
-    assert _warmup_short_of("fmha-graph", 1) is None and _warmup_short_of("fmha-graph", 1, "infer") is None
+    assert _warmup_short_of("fmha-graph", 1) is None
     assert _warmup_short_of("torch-compile", 1) == "torch.compile's compilation"
     assert _warmup_short_of("fmha-compile-graph", 1) is None
 

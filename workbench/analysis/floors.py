@@ -10,8 +10,9 @@ cannot take less than
     floor = argument bytes / peak bandwidth
 
 and `floor_pct` = floor / the measured duration: 100% is a kernel running at the HBM limit for the bytes
-it is given; above 100%, some of them came from the L2 cache (a previous kernel had just written them). The floor is the kernel's as designed: buffers it is handed for partial sums, or padding
-inside a tensor, count as bytes it must move; what it re-reads (a key block per query block) does not.
+it is given; above 100%, some of them came from the L2 cache (a previous kernel had just written them).
+The floor is the kernel's as designed: buffers it is handed for partial sums, or padding inside a tensor,
+count as bytes it must move; what it re-reads (a key block per query block) does not.
 The compute floor does not bind for these kernels: the window attention does 4·N²·d FLOPs forward over
 about 8·N·d bytes (N/2 FLOPs a byte, 25 at window 7, 72 at window 12; backward about 0.6·N), below the
 ridge of any data-centre GPU (an H200: 989 TFLOP/s bf16 over 4.8 TB/s, about 206), and the norm,

@@ -91,7 +91,7 @@ def run_profile(*, model: str | None, mode: str, batch: int, precision: str, ste
             console.print(f"[yellow]note:[/] no CUDA GPU here: running {config.model} on the CPU "
                           "(timings and shares are CPU figures, not GPU ones)")
         notes = [note] if note else []
-        first = _warmup_short_of(recipe, warmup, mode)
+        first = _warmup_short_of(recipe, warmup)
         if first:
             notes.append(f"--warmup {warmup}: the captured steps include {first}, which later steps do not pay")
         for n in notes + claim.notes:
@@ -120,7 +120,7 @@ def _refuse_own_graphs_data_parallel(recipe: str, parallel: str) -> None:
                             "a recipe that captures the whole step itself (a -graph recipe) instead")
 
 
-def _warmup_short_of(recipe: str | None, warmup: int, mode: str = "train") -> str | None:
+def _warmup_short_of(recipe: str | None, warmup: int) -> str | None:
     """What the first steps do once that a capture after `warmup` steps would hold (None: nothing): the
     first step's autotuning and allocations; a compiled recipe's compilation (its first two steps); a
     graph recipe's eager warm-up steps and capture, which the workload runs inside its first step
