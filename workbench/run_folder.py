@@ -353,6 +353,13 @@ def stage_record_in(folder: Path, besides: Path | None = None) -> Path | None:
     return None
 
 
+def refuse_overwrite_and_resume(overwrite: bool, resume: bool) -> None:
+    """The user asked to move the folder's run aside and to continue it: one line, before anything else."""
+    if overwrite and resume:
+        raise UserError("--overwrite and --resume exclude each other: --resume continues the run in the "
+                        "folder, --overwrite moves it aside")
+
+
 def claim_run_folder(folder, *, command: str, overwrite: bool = False, keep: bool = False,
                      refusal: Callable[[list[Path], Path], str] | None = None,
                      previous_tag: Callable[[list[Path]], str] | None = None) -> FolderClaim:
@@ -364,9 +371,7 @@ def claim_run_folder(folder, *, command: str, overwrite: bool = False, keep: boo
     (its own checks decide whether it may). With neither, a folder that holds a run is refused with
     UserError(refusal(entries, previous_folder)) before anything is written; the default line names
     --overwrite. Raises UserError when a live run holds the lock or the folder cannot be written."""
-    if overwrite and keep:
-        raise UserError("--overwrite and --resume exclude each other: --resume continues the run in the "
-                        "folder, --overwrite moves it aside")
+    refuse_overwrite_and_resume(overwrite, keep)
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise UserError(f"the output folder {folder} is a file")

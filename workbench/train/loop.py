@@ -52,7 +52,7 @@ from workbench.optimize.distributed import check_parallel
 from workbench.optimize.recipes import (chain_passes, inference_only_pass, is_graph_form, replays_inductor_graphs,
                                         resolve_chain)
 from workbench.devices import pick_device, resolve_device
-from workbench.run_folder import claim_run_folder, run_entries
+from workbench.run_folder import claim_run_folder, refuse_overwrite_and_resume, run_entries
 from workbench.datasets import load_data
 from workbench.train.progress import TrainProgress
 
@@ -569,9 +569,7 @@ def run_train(config: TrainConfig, *, out_dir: Path | None = None, overwrite: bo
 
     console = console or Console()
     config.check()
-    if resume and overwrite:   # said first: which run the folder keeps comes before how it was trained
-        raise UserError("--overwrite and --resume exclude each other: --resume continues the run in the folder, "
-                        "--overwrite moves it aside")
+    refuse_overwrite_and_resume(overwrite, resume)   # first: which run the folder keeps, then how it trained
     device_name = pick_device(config.device)
     device = resolve_device(device_name)
     on_gpu = device.type == "cuda"
