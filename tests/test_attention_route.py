@@ -82,6 +82,42 @@ def test_the_margin_keeps_a_near_tie_on_the_kernel():
     assert _route.choose(100.0, 150.0) == "kernel"
 
 
+def test_another_form_of_the_kernel_must_beat_the_first_by_its_margin():
+    near = 100.0 * (1 - _route.VARIANT_MARGIN / 2)
+    assert _route.choose_form({"table": 100.0, "gather": near}) == "table"
+    assert _route.choose_form({"table": 100.0, "gather": 100.0 * (1 - 2 * _route.VARIANT_MARGIN)}) == "gather"
+    assert _route.choose_form({"table": 100.0, "gather": 130.0}) == "table"
+
+
+def test_the_bias_form_measured_faster_reaches_each_blocks_plan(monkeypatch):
+    """bias auto with measured routes: a shape whose gathered bias measured faster gathers it, the others
+    read the table; the result lists each shape's form and the model computes timm's function."""
+    plain, patched = model_pair(DEVICE, drop_path_rate=0.0)
+    masked = _route.Shape(49, 2, 16, 4, True)
+    seen = []
+
+    def measured(blocks, ctx, images, v2, kernel_forward):
+        seen.append(sorted(kernel_forward))
+        return {s: {"table_us": 120.0, "gather_us": 90.0 if s == masked else 125.0,
+                    "form": "gather" if s == masked else "table", "kernel_us": 90.0 if s == masked else 120.0,
+                    "pytorch_us": 200.0, "route": "kernel", "blocks": 1}
+                for s in {_route.block_shape(b) for _, b in blocks}}
+    monkeypatch.setattr(fused_attention, "measure_routes", measured)
+    patched, result = apply_pass("fused_attention", patched, pass_ctx(DEVICE))
+    assert seen == [["gather", "table"]]
+    assert result.details["gather_modules"] == 1 and result.details["table_modules"] == 3
+    assert "measured per window shape" in result.details["bias_rule"]
+    assert "1 with the bias gathered before the kernel (measured faster at their shapes)" in result.changed
+    assert {r["form"] for r in result.details["routes"]} == {"table", "gather"}
+    plans = block_plans(patched).plans
+    assert plans["layers.0.blocks.1"].attention_bias == "gather" and plans["layers.0.blocks.0"].attention_bias == "table"
+    images, labels = tiny_batch(plain, 2, DEVICE)
+    plain_logits, plain_grads = train_step(plain, images, labels)
+    fused_logits, fused_grads = train_step(patched, images, labels)
+    assert rel_err(fused_logits, plain_logits) < 1e-4
+    assert all(rel_err(fused_grads[n], plain_grads[n]) < 1e-4 for n in plain_grads)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("training", [True, False])
@@ -98,6 +134,7 @@ def test_the_routes_are_measured_on_the_gpu(training):
     # stages 1-3 shifted and not; stage 4 is one window per image, never shifted
     assert result.details["routes_measured"] and len(routes) == 7
     assert all(r["kernel_us"] > 0 and r["pytorch_us"] > 0 and r["route"] in ("kernel", "pytorch") for r in routes)
+    assert all(r["form"] in ("table", "gather") and r["kernel_us"] == r[f"{r['form']}_us"] for r in routes)
     assert sum(r["blocks"] for r in routes) == 12
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
@@ -132,14 +169,16 @@ def test_the_timed_forwards_run_on_copies_of_every_shape(monkeypatch, training, 
     else:
         model, _ = model_pair(DEVICE, drop_path_rate=0.0)
         blocks = named_swin_blocks(model)
-        kernel = _v1_kernel(True)
+        kernel = {"table": _v1_kernel(True), "gather": _v1_kernel(False)}
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ctx = pass_ctx(DEVICE)
     ctx.training = training
     routes = _route._measure(blocks, ctx, 2, v2, kernel)
     assert sum(r["blocks"] for r in routes.values()) == len(blocks)
     assert all(r["route"] == "pytorch" and r["kernel_us"] == 100.0 for r in routes.values())
-    assert len(calls) == 2 * len(routes)
+    forms = 1 if v2 else 2            # v1 times both bias forms of its kernel
+    assert len(calls) == (forms + 1) * len(routes)
+    assert v2 or all(r["form"] == "table" and r["gather_us"] == 100.0 for r in routes.values())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())      # copies only
 
 

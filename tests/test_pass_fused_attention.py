@@ -175,19 +175,24 @@ def test_table_bias_is_the_gathered_bias_bit_for_bit_and_a_bad_mode_is_refused()
             torch.testing.assert_close(gb[name], ga[name], rtol=1e-5, atol=1e-6)
         else:
             assert torch.equal(gb[name], ga[name]), name
-    with pytest.raises(UserError, match="bias must be one of gather, table"):
+    with pytest.raises(UserError, match="bias must be one of auto, table, gather"):
         fused_attention.apply(build_model(TINY_MODEL), pass_ctx(DEVICE), bias="sdpa")
 
 
-def test_table_is_the_default_bias_mode_and_gather_is_recorded_as_a_choice():
-    """The fmha recipe names fused_attention without params: it reads the table in-kernel. A record
-    lists bias only where a recipe chose the non-default gather."""
+def test_auto_is_the_default_bias_mode_and_a_named_mode_is_recorded_as_a_choice():
+    """The fmha recipe names fused_attention without params: bias auto, which without a measurement reads
+    the table in-kernel at window 7 (49 tokens). A record lists bias only where a recipe named one."""
     _, result = apply_pass("fused_attention", build_model(TINY_MODEL).to(DEVICE), pass_ctx(DEVICE))
-    assert result.details["bias"] == "table" and result.details["table_modules"] == 4
+    assert result.details["bias"] == "auto" and result.details["table_modules"] == 4
     assert result.params == {}
+    if DEVICE.type == "cpu":
+        assert "not measured" in result.details["bias_rule"]
     _, result = apply_pass("fused_attention", build_model(TINY_MODEL).to(DEVICE), pass_ctx(DEVICE), {"bias": "gather"})
     assert result.details["table_modules"] == 0 and result.params == {"bias": "gather"}
-    assert "gathered before the kernel" in result.changed
+    assert result.details["gather_modules"] == 4 and "bias_rule" not in result.details
+    assert "4 with the bias gathered before the kernel" in result.changed
+    _, result = apply_pass("fused_attention", build_model(TINY_MODEL).to(DEVICE), pass_ctx(DEVICE), {"bias": "table"})
+    assert result.params == {"bias": "table"} and result.details["table_modules"] == 4
 
 
 def test_window_12_runs_the_kernel_and_max_tokens_routes_it_to_sdpa_with_a_reason():
@@ -201,9 +206,14 @@ def test_window_12_runs_the_kernel_and_max_tokens_routes_it_to_sdpa_with_a_reaso
                                num_heads=(2, 4), num_classes=10, drop_path_rate=0.0).to(DEVICE)
 
     plain = window12()
-    kernel, result = fused_attention.apply(window12(), pass_ctx(DEVICE))
+    kernel, result = fused_attention.apply(window12(), pass_ctx(DEVICE), route="kernel")
     assert result.details["patched_modules"] == 4 and result.details["sdpa_routed"] == 0
-    assert result.params == {} and result.details["max_tokens"] == 256
+    assert result.params == {"route": "kernel"} and result.details["max_tokens"] == 256
+    # bias auto, unmeasured: 144 tokens a window take the gathered bias (the key-tiled kernel reads it faster)
+    assert result.details["gather_modules"] == 4 and result.details["table_modules"] == 0
+    from workbench.optimize.passes.block_plan import block_plans
+
+    assert all("triton (bias gather)" in p.describe() for p in block_plans(kernel).plans.values())
 
     routed, forced = fused_attention.apply(window12(), pass_ctx(DEVICE), max_tokens=64)
     assert forced.details["sdpa_routed"] == 4 and forced.details["patched_modules"] == 0

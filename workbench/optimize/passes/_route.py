@@ -13,7 +13,10 @@ precision, the module's forward (and backward when training) two ways on the sam
 
 Both time the same qkv and proj Linears around the core, so the difference is the attention's own. A
 shape runs PyTorch's path only when it is faster by more than ROUTE_MARGIN (so noise cannot flip a tie),
-and the pass records every shape's times and route. Copies and random inputs only: the model itself is
+and the pass records every shape's times and route. A pass with several forms of the kernel (Swin v1's
+bias read from the table in-kernel, or gathered first) times each form the same way; the kernel's time is
+its fastest form's, and a form other than the first is taken only where it is faster than the first by
+more than VARIANT_MARGIN. Copies and random inputs only: the model itself is
 not run. Without a GPU nothing is timed; every shape keeps the kernel and the record says it was not
 measured.
 """
@@ -30,6 +33,7 @@ import torch
 from workbench.optimize.passes._swin import feature_map
 
 ROUTE_MARGIN = 0.03            # PyTorch's path must be at least 3% faster to take a shape from the kernel
+VARIANT_MARGIN = 0.01          # another form of the kernel must be at least 1% faster than the first
 DEFAULT_IMAGES = 32            # images per step the shapes are timed at when the caller does not say
 WARMUP, REPEATS = 3, 10        # untimed calls (Triton compiles and autotunes here), then timed ones
 GRAPH_CALLS = 8                # calls per captured graph, so one replay is long against its event pair
@@ -128,7 +132,9 @@ def measure_routes(blocks: list[tuple[str, torch.nn.Module]], ctx, images: int |
                    kernel_forward) -> dict[Shape, dict]:
     """{shape: {"kernel_us", "pytorch_us", "route": "kernel" | "pytorch", "blocks": count}} for the blocks'
     distinct shapes, timed on ctx.device at ctx.precision (see the module docstring); {} off a GPU.
-    kernel_forward(attn) -> attn's forward as the pass binds it (on a copy, which it may change)."""
+    kernel_forward(attn) -> attn's forward as the pass binds it (on a copy, which it may change); or
+    {form: such a function} for a kernel with several forms, first the default: then each shape also has
+    "<form>_us" for every form and "form", the one its kernel_us is (choose_form)."""
     if ctx.device.type != "cuda" or not blocks:
         return {}
     # data parallel: every rank runs rank 0's routes, so the ranks compute the same function
@@ -136,6 +142,7 @@ def measure_routes(blocks: list[tuple[str, torch.nn.Module]], ctx, images: int |
 
 
 def _measure(blocks, ctx, images: int, v2: bool, kernel_forward) -> dict[Shape, dict]:
+    forms = kernel_forward if isinstance(kernel_forward, dict) else {"kernel": kernel_forward}
     by_shape: dict[Shape, list] = {}
     for name, blk in blocks:
         by_shape.setdefault(block_shape(blk), []).append(blk)
@@ -146,7 +153,7 @@ def _measure(blocks, ctx, images: int, v2: bool, kernel_forward) -> dict[Shape, 
                         generator=torch.Generator(ctx.device).manual_seed(0), requires_grad=ctx.training)
         mask = _mask(blk, shape, ctx.device)
         figures = {}
-        for route, build in (("kernel", kernel_forward), ("pytorch", lambda a: pytorch_forward(a, v2))):
+        for route, build in (*forms.items(), ("pytorch", lambda a: pytorch_forward(a, v2))):
             attn = copy.deepcopy(blk.attn).to(ctx.device).train(ctx.training)
             if not ctx.training:
                 attn.requires_grad_(False)
@@ -154,9 +161,20 @@ def _measure(blocks, ctx, images: int, v2: bool, kernel_forward) -> dict[Shape, 
                 figures[f"{route}_us"] = _time(build(attn), x, mask,
                                                ctx.training, ctx.precision.autocast("cuda"))
             del attn
+        if len(forms) > 1:
+            form = choose_form({f: figures[f"{f}_us"] for f in forms})
+            figures.update(form=form, kernel_us=figures[f"{form}_us"])
         out[shape] = {**figures, "route": choose(figures["kernel_us"], figures["pytorch_us"]), "blocks": len(members)}
     torch.cuda.empty_cache()
     return out
+
+
+def choose_form(times_us: dict[str, float]) -> str:
+    """The kernel form to run: the fastest, where it beats the first form (the default) by more than
+    VARIANT_MARGIN; else the first."""
+    first = next(iter(times_us))
+    fastest = min(times_us, key=times_us.get)
+    return fastest if times_us[fastest] < times_us[first] * (1 - VARIANT_MARGIN) else first
 
 
 def choose(kernel_us: float, pytorch_us: float) -> str:
