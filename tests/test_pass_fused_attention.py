@@ -21,7 +21,8 @@ def test_fused_attention_pass_matches_timm_in_fp32(bias):
     # drop_path_rate=0: the model trains, and stochastic depth would drop a different sample's path in
     # each run (that, not the kernel, is what a first version of this test tripped over on the GPU)
     plain, patched = model_pair(DEVICE, drop_path_rate=0.0)
-    patched, result = apply_pass("fused_attention", patched, pass_ctx(DEVICE), {"bias": bias})
+    # route kernel: on a GPU the route measurement may send a tiny shape to PyTorch's SDPA
+    patched, result = apply_pass("fused_attention", patched, pass_ctx(DEVICE), {"bias": bias, "route": "kernel"})
     assert result.available, result.changed
     assert result.details["patched_modules"] == 4  # two blocks in each of the two stages
     assert result.details["table_modules"] == (4 if bias == "table" else 0)
@@ -81,7 +82,7 @@ def test_fused_attention_pass_under_bf16_autocast(bias):
     """Under autocast q/k/v are bf16 and the bias fp32. Held to the fp32 truth, the fused model must be
     at least as close to it as timm's own bf16 path (plus a little)."""
     plain, patched = model_pair(DEVICE, drop_path_rate=0.0)
-    patched, _ = apply_pass("fused_attention", patched, pass_ctx(DEVICE, "bf16"), {"bias": bias})
+    patched, _ = apply_pass("fused_attention", patched, pass_ctx(DEVICE, "bf16"), {"bias": bias, "route": "kernel"})
     images, labels = tiny_batch(plain, 2, DEVICE)
     truth, truth_grads = features_and_table_grads(plain, images, labels, autocast=False)
     plain_f, plain_g = features_and_table_grads(plain, images, labels, autocast=True)
@@ -164,8 +165,8 @@ def test_table_bias_is_the_gathered_bias_bit_for_bit_and_a_bad_mode_is_refused()
 
     _, a = model_pair(DEVICE, drop_path_rate=0.0)
     _, b = model_pair(DEVICE, drop_path_rate=0.0)
-    a, _ = apply_pass("fused_attention", a, pass_ctx(DEVICE), {"bias": "gather"})
-    b, _ = apply_pass("fused_attention", b, pass_ctx(DEVICE), {"bias": "table"})
+    a, _ = apply_pass("fused_attention", a, pass_ctx(DEVICE), {"bias": "gather", "route": "kernel"})
+    b, _ = apply_pass("fused_attention", b, pass_ctx(DEVICE), {"bias": "table", "route": "kernel"})
     images, labels = tiny_batch(a, 2, DEVICE)
     la, ga = train_step(a, images, labels)
     lb, gb = train_step(b, images, labels)
@@ -183,16 +184,20 @@ def test_auto_is_the_default_bias_mode_and_a_named_mode_is_recorded_as_a_choice(
     """The fmha recipe names fused_attention without params: bias auto, which without a measurement reads
     the table in-kernel at window 7 (49 tokens). A record lists bias only where a recipe named one."""
     _, result = apply_pass("fused_attention", build_model(TINY_MODEL).to(DEVICE), pass_ctx(DEVICE))
-    assert result.details["bias"] == "auto" and result.details["table_modules"] == 4
-    assert result.params == {}
-    if DEVICE.type == "cpu":
-        assert "not measured" in result.details["bias_rule"]
-    _, result = apply_pass("fused_attention", build_model(TINY_MODEL).to(DEVICE), pass_ctx(DEVICE), {"bias": "gather"})
-    assert result.details["table_modules"] == 0 and result.params == {"bias": "gather"}
+    assert result.details["bias"] == "auto" and result.params == {}
+    if DEVICE.type == "cpu":    # on a GPU each shape's form is measured
+        assert "not measured" in result.details["bias_rule"] and result.details["table_modules"] == 4
+    kernel = {"route": "kernel"}
+    _, result = apply_pass("fused_attention", build_model(TINY_MODEL).to(DEVICE), pass_ctx(DEVICE), kernel)
+    assert result.details["table_modules"] == 4 and "not measured" in result.details["bias_rule"]
+    _, result = apply_pass("fused_attention", build_model(TINY_MODEL).to(DEVICE), pass_ctx(DEVICE),
+                           {"bias": "gather", **kernel})
+    assert result.details["table_modules"] == 0 and result.params == {"bias": "gather", **kernel}
     assert result.details["gather_modules"] == 4 and "bias_rule" not in result.details
     assert "4 with the bias gathered before the kernel" in result.changed
-    _, result = apply_pass("fused_attention", build_model(TINY_MODEL).to(DEVICE), pass_ctx(DEVICE), {"bias": "table"})
-    assert result.params == {"bias": "table"} and result.details["table_modules"] == 4
+    _, result = apply_pass("fused_attention", build_model(TINY_MODEL).to(DEVICE), pass_ctx(DEVICE),
+                           {"bias": "table", **kernel})
+    assert result.params == {"bias": "table", **kernel} and result.details["table_modules"] == 4
 
 
 def test_window_12_runs_the_kernel_and_max_tokens_routes_it_to_sdpa_with_a_reason():
