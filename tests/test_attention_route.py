@@ -119,6 +119,7 @@ def test_the_bias_form_measured_faster_reaches_each_blocks_plan(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.routes
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("training", [True, False])
 def test_the_routes_are_measured_on_the_gpu(training):
@@ -194,3 +195,28 @@ def test_the_api_passes_the_training_batch_to_the_route_timing(monkeypatch):
     assert seen == [48]
     with pytest.raises(UserError, match="batch must be an integer >= 1"):
         optimize_swin(model_pair(DEVICE)[0], "fmha", batch=0, device=DEVICE)
+
+
+def test_a_padded_shifted_block_is_timed_with_its_padded_mask(monkeypatch):
+    """A block that builds its shift mask per call (timm's swinv2_cr) on a map the windows pad (10 x 10 in
+    windows of 4): the route timing builds the mask from the padded shape, as the block's forward does,
+    never from the unpadded map (which some timm versions do when given no input, and fail)."""
+    from test_swinv2_cr import tiny_cr
+
+    model = tiny_cr(40, 4)
+    blocks = [b for b in model.modules() if type(b).__name__ == "SwinTransformerV2CrBlock" and any(b.shift_size)]
+    assert blocks
+    for blk in blocks:
+        real = type(blk).get_attn_mask
+
+        def from_input_only(self, x=None, device=None, dtype=None, real=real):
+            assert x is not None, "built without the padded input"
+            return real(self, x)
+        monkeypatch.setattr(type(blk), "get_attn_mask", from_input_only)
+        shape = _route.block_shape(blk)
+        mask = _route._mask(blk, shape, torch.device("cpu"))
+        h, w = _route.feature_map(blk)
+        padded = (-(-h // 4) * 4, -(-w // 4) * 4)
+        assert padded != (h, w)                     # 10 x 10 -> 12 x 12, 5 x 5 -> 8 x 8
+        assert mask.shape == (shape.windows, shape.tokens, shape.tokens)
+        assert torch.equal(mask, real(blk, torch.empty(1, *padded, 1)))

@@ -179,10 +179,10 @@ def test_blocks_of_other_widths_compute_timms_function(kw):
 
     torch.manual_seed(0)
     model = SwinTransformer(img_size=32, patch_size=4, window_size=4, depths=(1, 1), num_classes=10,
-                            drop_path_rate=0.0, **{"embed_dim": 32, "num_heads": (2, 4), **kw})
+                            drop_path_rate=0.0, **{"embed_dim": 32, "num_heads": (2, 4), **kw}).to(DEVICE)
     plain = copy.deepcopy(model)
     patch = patch_swin(model, "fmha" if kw.get("embed_dim") == 20 else "block", dtype="fp32")
-    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     assert_timms_function(model, plain, x)
     if kw.get("embed_dim") == 20:
         fused = next(r for r in patch.applied if r.name == "fused_attention")

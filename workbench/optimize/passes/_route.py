@@ -64,10 +64,15 @@ def block_shape(blk: torch.nn.Module) -> Shape:
 
 
 def _mask(blk: torch.nn.Module, shape: Shape, device) -> torch.Tensor | None:
-    """The block's shift mask: its buffer, or for a shifted block that builds it per call, one built now."""
+    """The block's shift mask: its buffer, or for a shifted block that builds it per call, one built now from
+    the padded map's shape, as the block does in its forward (some timm versions build it from the unpadded
+    feature map when given no input, which fails where the windows pad)."""
     mask = getattr(blk, "attn_mask", None)
     if mask is None and shape.masked and hasattr(blk, "get_attn_mask"):
-        mask = blk.get_attn_mask(device=device, dtype=torch.float32)
+        ws = blk.window_size if isinstance(blk.window_size, (tuple, list)) else (blk.window_size,) * 2
+        h, w = feature_map(blk)
+        padded = torch.empty((1, math.ceil(h / ws[0]) * ws[0], math.ceil(w / ws[1]) * ws[1], 1), device=device)
+        mask = blk.get_attn_mask(padded)
     return None if mask is None else mask.to(device)
 
 
