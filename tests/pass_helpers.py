@@ -119,3 +119,17 @@ def assert_timms_function(patched, plain, x, logits_rel: float = 1e-5, grad_rel:
     want.sum().backward()
     for (name, p), q in zip(patched.named_parameters(), plain.parameters()):
         assert ((p.grad - q.grad).norm() / (q.grad.norm() + 1e-12)).item() < grad_rel, name
+
+
+def resize_like_timm(model: torch.nn.Module, device, **sizes) -> torch.nn.Module:
+    """timm's model.set_input_size(**sizes) run on the CPU and the model moved back to `device` (timm
+    1.0.29 builds the new index on the CPU beside a GPU model's table); the test is skipped where this
+    timm cannot resize the model at all."""
+    import pytest
+    import timm
+
+    try:
+        model.cpu().set_input_size(**sizes)
+    except RuntimeError as e:
+        pytest.skip(f"timm {timm.__version__} cannot resize this model to {sizes}: {e}")
+    return model.to(device)

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from workbench.api import patch_swin  # noqa: E402
-from pass_helpers import rel_err  # noqa: E402
+from pass_helpers import rel_err, resize_like_timm  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INT8_SIM = "tests/data/recipes/int8-sim.yaml"
@@ -120,7 +120,7 @@ def test_each_family_resized_after_the_passes_runs_at_its_new_window(family):
     patch_swin(model, "dense", dtype="fp32")
     img, window = RESIZES[family]
     for m in (plain, model):
-        m.set_input_size(img_size=img, window_size=window)
+        resize_like_timm(m, DEVICE, img_size=img, window_size=window)
     images = torch.randn((2, 3, *img), generator=torch.Generator().manual_seed(2)).to(DEVICE)
     with torch.inference_mode():
         model.eval()(images)

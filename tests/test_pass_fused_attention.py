@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
 from workbench.models import TINY_MODEL, build_model  # noqa: E402
 from workbench.optimize.passes import apply_pass  # noqa: E402
 from workbench.optimize.passes import fused_attention  # noqa: E402
-from pass_helpers import model_pair, pass_ctx, rel_err, tiny_batch, train_step  # noqa: E402
+from pass_helpers import model_pair, pass_ctx, rel_err, resize_like_timm, tiny_batch, train_step  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -278,7 +278,7 @@ def test_a_model_resized_after_the_passes_runs_at_its_new_window(bias, block):
         patched, result = apply_pass(name, patched, ctx, params)
         assert result.available, result.changed
     for model in (plain, patched):
-        model.set_input_size(img_size=(64, 64), window_size=4)
+        resize_like_timm(model, DEVICE, img_size=(64, 64), window_size=4)
     assert patched.layers[0].blocks[0].attn.relative_position_inverse.shape[0] == 13 ** 2  # the old window's
     images, labels = tiny_batch(plain, 2, DEVICE)
     assert images.shape[-1] == 64
@@ -307,7 +307,7 @@ def test_a_resized_window_of_as_many_table_rows_and_a_first_forward_in_inference
     patched, result = apply_pass("fused_attention", patched, ctx, {"bias": "table"})   # (fused_window: square only)
     assert result.available, result.changed
     for model in (plain, patched):
-        model.set_input_size(img_size=(64, 32), window_size=(8, 4))
+        resize_like_timm(model, DEVICE, img_size=(64, 32), window_size=(8, 4))
     images = torch.randn(2, 3, 64, 32, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     labels = torch.tensor([1, 7], device=DEVICE)
     with torch.inference_mode():
@@ -345,7 +345,7 @@ def test_a_window_resized_past_the_kernels_runs_timms_attention(family):
         patched, result = apply_pass(name, patched, ctx, params)
         assert result.available, result.changed
     for model in (plain, patched):
-        model.set_input_size(img_size=(68, 68), window_size=17)
+        resize_like_timm(model, DEVICE, img_size=(68, 68), window_size=17)
     images = torch.randn(1, 3, 68, 68, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     with torch.no_grad():
         assert rel_err(patched.eval()(images), plain.eval()(images)) < 1e-5

@@ -298,7 +298,8 @@ def test_inference_keeps_the_weight_terms_until_a_weight_changes(monkeypatch):
 
 def test_inference_normalizes_q_and_k_inside_the_attention_kernel(monkeypatch):
     """Without autograd the fused SwinV2 attention runs cosine_window_attention (no cosine_qk launches):
-    the same logits, bit for bit, as the training path's cosine_qk + attention kernel, and timm's."""
+    the same logits as the training path's cosine_qk + attention kernel (bit for bit under the interpreter;
+    on a GPU the two kernels' reductions may round apart in the last bit), and timm's."""
     import importlib
 
     cos = importlib.import_module("workbench.kernels.cosine")
@@ -312,6 +313,10 @@ def test_inference_normalizes_q_and_k_inside_the_attention_kernel(monkeypatch):
         fast = patched(x)
     assert calls == []
     with_grad = patched(x)
-    assert calls and torch.equal(fast, with_grad.detach())
+    assert calls
+    if DEVICE.type == "cpu":
+        assert torch.equal(fast, with_grad.detach())
+    else:
+        torch.testing.assert_close(fast, with_grad.detach(), rtol=1e-5, atol=1e-6)
     with torch.no_grad():
         torch.testing.assert_close(fast, plain(x), rtol=1e-5, atol=1e-5)
