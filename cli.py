@@ -94,7 +94,8 @@ Timeline = Annotated[bool, typer.Option("--timeline/--no-timeline", help="Also w
 Step = Annotated[Optional[str], typer.Option(help="The step timeline.png draws (3 or step3; default: the median-length step).")]
 Records = Annotated[Optional[list[Path]], typer.Option("--records", help="Stage records (files or folders written by `swinbench apply`) to take the findings' measured gains from, matched by model, mode, batch and GPU; repeatable. Default: the canonical runs under reports/*/records.")]
 AllowMissing = Annotated[bool, typer.Option("--allow-missing", help="Let stages and measurements of the baseline that the current records lack pass (listed 'only in baseline'); by default they are MISSING, a regression.")]
-Overwrite = Annotated[bool, typer.Option("--overwrite", help="If --out holds an earlier run (or tables of another trace), move it aside to a '.previous-' sibling first (nothing is deleted). Without it such a folder is refused.")]
+Overwrite = Annotated[bool, typer.Option("--overwrite", help="If --out holds an earlier run, move it aside to a '.previous-' sibling first (nothing is deleted). Without it such a folder is refused.")]
+OverwriteTables = Annotated[bool, typer.Option("--overwrite", help="If --out holds tables of another trace, move them aside into <out>/previous-<their time>/ first (nothing is deleted). Without it they are refused. Only with --format.")]
 
 
 @app.command()
@@ -241,7 +242,7 @@ def analyze(
     timeline: Timeline = True,
     step: Step = None,
     records: Records = None,
-    overwrite: Overwrite = False,
+    overwrite: OverwriteTables = False,
 ):
     """Where one trace's GPU time goes (a CPU capture's: CPU operator time): per kernel, category and NVTX range.
 
@@ -335,7 +336,7 @@ def diff(
     out: Annotated[Optional[Path], typer.Option(parser=_out_path, help="Folder for --format output (default: beside AFTER; for a rank folder, inside it).")] = None,
     range: Annotated[Optional[str], typer.Option("--range", help="Compare only kernels launched inside this NVTX range (e.g. backward), per instance of it; written tables carry it in their names.")] = None,
     rank: Annotated[Optional[int], typer.Option(help="With rank folders: the rank whose kernels are compared (default: the slowest after the change). Also compares rank R of a folder with a single trace, or of two folders with different ranks.")] = None,
-    overwrite: Overwrite = False,
+    overwrite: OverwriteTables = False,
 ):
     """Compare two traces kernel by kernel, per step, largest change first (two rank folders: rank by rank).
 
