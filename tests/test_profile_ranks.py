@@ -15,11 +15,18 @@ from workbench.trace import KERNEL_COLUMNS, RANGE_COLUMNS, Trace, finish_frame
 runner = CliRunner()
 
 
-def test_profile_nproc_2_captures_every_rank_and_reads_them_together(tmp_path):
+def test_profile_nproc_2_captures_every_rank_and_reads_them_together(tmp_path, monkeypatch):
+    from workbench.capture import profile as profile_module
+    from workbench.results.remedy_gains import RemedyGains
+
+    asked = []   # each rank's findings take the measured gains of the stage records, as one process's do
+    monkeypatch.setattr(profile_module, "findings_gains",
+                        lambda records, trace, meta: asked.append(trace) or RemedyGains(note="gains looked up"))
     out = tmp_path / "p"
     result = runner.invoke(app, ["profile", "--device", "cpu", "--nproc", "2", "--batch", "2", "--steps", "2",
                                  "--warmup", "1", "--out", str(out), "--no-timeline"])
     assert result.exit_code == 0, result.output
+    assert [t.parent.name for t in asked] == ["rank0", "rank1"] and result.output.count("gains looked up") == 1
     for rank in (0, 1):
         run = json.loads((out / f"rank{rank}" / "run.json").read_text())
         assert run["rank"] == rank and run["world_size"] == 2 and run["dist_backend"] == "gloo"

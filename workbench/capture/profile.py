@@ -99,7 +99,7 @@ def run_profile(*, model: str | None, mode: str, batch: int, precision: str, ste
         if nproc is not None:
             return _capture_ranks(config, recipe, out_dir, chosen, nsys_path, nproc, steps=steps, warmup=warmup,
                                   fmt=fmt, top=top, notes=notes, console=console, timeline=timeline,
-                                  parallel=parallel or "ddp")
+                                  parallel=parallel or "ddp", records=stored)
         return _capture_and_analyze(config, recipe, out_dir, chosen, nsys_path, steps=steps, warmup=warmup,
                                     fmt=fmt, top=top, notes=notes, console=console, timeline=timeline,
                                     records=stored)
@@ -139,9 +139,10 @@ def _warmup_short_of(recipe: str | None, warmup: int) -> str | None:
 
 def _capture_ranks(config: WorkloadConfig, recipe: str | None, out_dir: Path, chosen: str, nsys_path: str | None,
                    nproc: int, *, steps: int, warmup: int, fmt: str, top: int, notes: list[str], console: Console,
-                   timeline: bool, parallel: str = "ddp") -> ProfileResult:
+                   timeline: bool, parallel: str = "ddp", records: list | None = None) -> ProfileResult:
     """run_profile with --nproc: every rank captured under torchrun, each rank's tables written in its
-    folder, rank 0's printed, then the ranks table (analysis.ranks) printed and written beside them."""
+    folder (the findings with their measured gains from `records`, as for one process), rank 0's printed,
+    then the ranks table (analysis.ranks) printed and written beside them."""
     from workbench.analysis.analyze import analyze_trace, render_analysis, write_analysis
     from workbench.analysis.ranks import rank_frame, rank_row, render_rank_table, write_rank_table
 
@@ -163,12 +164,15 @@ def _capture_ranks(config: WorkloadConfig, recipe: str | None, out_dir: Path, ch
         with _phase(console, f"analyzing rank {rank}: {trace}"):
             analysis = analyze_trace(trace)
         rows.append(rank_row(rank, analysis.trace))
+        gains = findings_gains(records or [], trace, analysis.trace_meta)
         if rank == 0:
             console.print(f"[bold]rank 0 of {nproc}[/] (every rank's tables are in its folder)")
-            render_analysis(analysis, console, top=top)
+            render_analysis(analysis, console, top=top, gains=gains.gains)
+            if gains.note:
+                console.print(f"[yellow]note:[/] {gains.note}", highlight=False)
         files += [p for p in (trace, trace.parent / "run.json") if p.exists()]
         files += write_analysis(analysis, trace.parent, fmt, trace=trace, timeline=timeline,
-                                title=f"{title}, rank {rank} of {nproc}",
+                                title=f"{title}, rank {rank} of {nproc}", gains=gains.gains,
                                 on_note=lambda line: console.print(f"[yellow]note:[/] {line}", highlight=False))
     table = rank_frame(rows)
     render_rank_table(table, console, cpu=config.device == "cpu")
