@@ -187,3 +187,27 @@ def test_blocks_of_other_widths_compute_timms_function(kw):
     if kw.get("embed_dim") == 20:
         fused = next(r for r in patch.applied if r.name == "fused_attention")
         assert fused.details["skipped_head_width"] == 2
+
+
+def test_window_12_whole_blocks_take_the_gathered_bias_and_compute_timms_function():
+    """At 144 tokens a window bias auto (unmeasured) gathers the bias: the whole-block Function runs that
+    form too, with timm's logits and gradients (the table's gradient among them)."""
+    import copy
+
+    from timm.models.swin_transformer import SwinTransformer
+
+    from pass_helpers import assert_timms_function
+    from workbench.api import patch_swin
+    from workbench.optimize.passes.block_plan import block_plans
+
+    torch.manual_seed(0)
+    model = SwinTransformer(img_size=48, patch_size=4, window_size=12, embed_dim=32, depths=(2,), num_heads=(2,),
+                            num_classes=10, drop_path_rate=0.0).to(DEVICE)
+    plain = copy.deepcopy(model)
+    patch = patch_swin(model, "block", dtype="fp32")
+    attention = next(r for r in patch.applied if r.name == "fused_attention")
+    assert attention.details["gather_modules"] == 2 and attention.details["table_modules"] == 0
+    assert next(r for r in patch.applied if r.name == "fused_block").details["blocks_patched"] == 2
+    assert all("bias gather" in p.describe() for p in block_plans(model).plans.values())
+    x = torch.randn(2, 3, 48, 48, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    assert_timms_function(model, plain, x)
