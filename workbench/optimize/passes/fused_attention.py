@@ -8,8 +8,9 @@ launch (bias: gather), its gradient summed back into the table by one determinis
 index's inverse. `bias: auto` (the default) takes, per window shape, the form measured faster on this GPU
 (with the route below), or without a measurement the table up to 64 tokens a window and the gather above
 (the key-tiled path reads a dense bias faster than the table through its index: on an H100, Swin-B 384's
-training step 44.1 -> 43.2 ms; at window 7 the two tie). Blocks whose attention has a non-zero attn_drop run timm's SDPA path instead (the kernel
-has no dropout; F.scaled_dot_product_attention has) and are counted; the plan says why.
+training step 44.1 -> 43.2 ms; at window 7 the two tie). Blocks whose attention has a non-zero attn_drop
+run timm's SDPA path instead (the kernel has no dropout; F.scaled_dot_product_attention has) and are
+counted; the plan says why.
 
 Route per shape: windows of up to 64 tokens (window 7: 49) run the kernel that holds a window's keys in
 one tile; windows of 65 to 256 tokens (window 12: 144) run its key-tiled path (keys in blocks of 64).
@@ -261,7 +262,8 @@ def apply(model: torch.nn.Module, ctx: PassContext, bias: str = "auto",
     'gather'); 'gather' gathers the (nH, N, N) bias from the table in one launch before the kernel; 'auto'
     (default) takes per window shape the one measured faster with the route (route 'auto' on a GPU), else
     'table' up to GATHER_ABOVE_TOKENS tokens a window and 'gather' above. A module with its own bias
-    computation (a subclass overriding _get_rel_pos_bias) gets 'gather'. max_tokens: blocks with larger windows run timm's SDPA path (the module docstring says why).
+    computation (a subclass overriding _get_rel_pos_bias) gets 'gather'. max_tokens: blocks with larger
+    windows run timm's SDPA path (the module docstring says why).
     route: 'auto' (default) times the kernel against PyTorch's own attention at each of the model's window
     shapes on the GPU and leaves a shape on PyTorch's path where that is faster (`_route.py`); 'kernel'
     runs the kernel wherever it can without timing."""
