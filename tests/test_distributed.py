@@ -406,3 +406,16 @@ def test_review_nproc_refusals_and_rank_import_paths(tmp_path, monkeypatch):
     assert rank[0] == sys.executable and rank[-1] == "spec" and ("-P" in rank or rank[1] == "-c")
     assert "-m" not in cmd[3:cmd.index("--no-python")]   # torchrun's own -m would put the cwd back
     assert env["PYTHONUNBUFFERED"] == "1"
+
+
+def test_more_cpu_processes_than_cores_are_said_to_measure_contention(monkeypatch):
+    import os
+
+    from workbench.optimize.distributed import oversubscribed_note
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert oversubscribed_note(None, cpu) is None and oversubscribed_note(2, cpu) is None
+    assert oversubscribed_note(4, gpu) is None
+    assert oversubscribed_note(3, cpu) == ("--nproc 3 on 2 CPU cores: the processes share cores, so their step "
+                                           "times (and the efficiency) measure contention, not data parallelism")

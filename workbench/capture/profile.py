@@ -56,7 +56,7 @@ def run_profile(*, model: str | None, mode: str, batch: int, precision: str, ste
     console = console or Console()
     if steps < 1 or warmup < 0:
         raise UserError("--steps must be at least 1 and --warmup at least 0")
-    from workbench.optimize.distributed import check_nproc, check_parallel
+    from workbench.optimize.distributed import check_nproc, check_parallel, oversubscribed_note
 
     if nproc is not None:
         check_nproc(nproc, mode, resolve_device(pick_device(device)))
@@ -91,6 +91,9 @@ def run_profile(*, model: str | None, mode: str, batch: int, precision: str, ste
             console.print(f"[yellow]note:[/] no CUDA GPU here: running {config.model} on the CPU "
                           "(timings and shares are CPU figures, not GPU ones)")
         notes = [note] if note else []
+        crowded = oversubscribed_note(nproc, dev)
+        if crowded:
+            notes.append(crowded)
         first = _warmup_short_of(recipe, warmup)
         if first:
             notes.append(f"--warmup {warmup}: the captured steps include {first}, which later steps do not pay")

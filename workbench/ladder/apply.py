@@ -55,7 +55,7 @@ from workbench.ladder.reuse import (RecordCache, compile_cache_counts, compile_c
                                     reused_record)
 from workbench.files import atomic_write_text
 from workbench.kernels._common import launch_log
-from workbench.optimize.distributed import check_nproc, check_parallel
+from workbench.optimize.distributed import check_nproc, check_parallel, oversubscribed_note
 from workbench.results.record import SCHEMA, KernelFloor, read_record, write_record
 from workbench.optimize.recipes import (StagePlan, as_jsonable, effective_passes, gate_tolerance, graph_recipes,
                                        is_pytorch_alone, plan_stages, resolve_chain)
@@ -872,6 +872,9 @@ def _run_claimed(claim: FolderClaim, recipe: str, plans: list[StagePlan], config
     if not on_gpu:
         console.print(f"[yellow]note:[/] {device_label(environment_stamp(dev))}: {config.model}'s CPU step "
                       "times show the workflow, not what the recipes do on a GPU")
+        crowded = oversubscribed_note(nproc, dev)
+        if crowded:
+            console.print(f"[yellow]note:[/] {crowded}", highlight=False)
         if interleave and not asked_interleave and len(plans) > 1:
             console.print(f"[yellow]note:[/] on the CPU the stages are timed again in alternation after they run "
                           f"({interleave} rounds; --interleave 0 turns it off, --interleave N sets the rounds)")

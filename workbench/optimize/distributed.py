@@ -124,6 +124,18 @@ def check_nproc(nproc, mode: str, dev) -> None:
             raise UserError(f"--nproc {nproc} needs {nproc} GPUs on this machine; it has {torch.cuda.device_count()}")
 
 
+def oversubscribed_note(nproc: int | None, dev) -> str | None:
+    """One line where `--nproc` on the CPU starts more processes than the machine has cores (they share
+    them, so the step times measure contention), else None."""
+    import os
+
+    cores = os.cpu_count() or 1
+    if nproc is None or dev.type == "cuda" or nproc <= cores:
+        return None
+    return (f"--nproc {nproc} on {cores} CPU cores: the processes share cores, so their step times (and the "
+            "efficiency) measure contention, not data parallelism")
+
+
 def check_parallel(parallel: str | None, nproc: int | None) -> None:
     """UserError unless a command's `--parallel` names a strategy and goes with --nproc (and FSDP's is
     importable); None (not given) passes."""
