@@ -340,6 +340,21 @@ def _fwd_key_block(q, acc, m_i, l_i, bias, K, V, b, h, sk_b, sk_h, sk_n, sk_d, s
     return acc, m_new, l_i
 
 
+@triton.jit
+def _tile_program(NW, N_TILES: tl.constexpr, TILE_FASTEST: tl.constexpr):
+    """(w, g, tile) of a key-tiled program. TILE_FASTEST: the grid is (N_TILES * nW * n_groups, nH) with
+    the tile varying fastest, so a window's tiles run side by side and re-read its keys and values (or
+    queries) from L2; else (nW * n_groups, nH, N_TILES), the tile slowest."""
+    if TILE_FASTEST:
+        pid = tl.program_id(0)
+        tile = pid % N_TILES
+        rest = pid // N_TILES
+    else:
+        rest = tl.program_id(0)
+        tile = tl.program_id(2)
+    return rest % NW, rest // NW, tile
+
+
 @triton.jit(do_not_specialize=["B_PER_W", "NW", "NH"])
 def _window_attention_fwd_tiled_kernel(
     Q, K, V, BIAS, MASK, INDEX, O, LSE, COS,
@@ -351,9 +366,10 @@ def _window_attention_fwd_tiled_kernel(
     NW, NH, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, TABLE: tl.constexpr, KT: tl.constexpr, BIAS_REGS: tl.constexpr,
-    COSINE: tl.constexpr = False, SOFT_RTNE: tl.constexpr = False,
+    COSINE: tl.constexpr = False, SOFT_RTNE: tl.constexpr = False, TILE_FASTEST: tl.constexpr = False,
 ):
-    """Forward for 64 < N <= 256. Grid (nW * n_groups, nH, cdiv(N, BLOCK_M)): program (w, g, h, m) owns
+    """Forward for 64 < N <= 256. Grid (nW * n_groups, nH, cdiv(N, BLOCK_M)) (or the tiles fastest along
+    axis 0, TILE_FASTEST: _tile_program): program (w, g, h, m) owns
     query rows [m*BLOCK_M, (m+1)*BLOCK_M) of its G windows; keys in NKB <= 4 blocks, 64 wide but the
     last KT wide, with an online softmax. BIAS_REGS: the bias/mask tile of each (query tile, key block) is
     loaded once per program and held in registers, else once per window (from cache)."""
@@ -361,13 +377,11 @@ def _window_attention_fwd_tiled_kernel(
     NKB: tl.constexpr = (N + KB - 1) // KB
     W1: tl.constexpr = KT if NKB == 2 else KB  # key block widths: block 0 is always full (N > 64)
     W2: tl.constexpr = KT if NKB == 3 else KB
-    pid = tl.program_id(0)
     h = tl.program_id(1)
-    w = pid % NW
-    g = pid // NW
+    w, g, m = _tile_program(NW, (N + BLOCK_M - 1) // BLOCK_M, TILE_FASTEST)
     i_start = g * G
     i_end = tl.minimum(i_start + G, B_PER_W)
-    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = m * BLOCK_M + tl.arange(0, BLOCK_M)
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     qk_scale = scale * 1.4426950408889634
     if BIAS_REGS:
@@ -435,7 +449,7 @@ def _window_attention_bwd_dq_kernel(
     NW, NH, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, COMPUTE_DBIAS: tl.constexpr, TABLE: tl.constexpr, BIAS_REGS: tl.constexpr,
-    KT: tl.constexpr,
+    KT: tl.constexpr, TILE_FASTEST: tl.constexpr = False,
 ):
     """Backward for 64 < N <= 256, part 1: dq, d_bias and delta = rowsum(dO * O) (fp32, (B*nW, nH, N), for
     the dk/dv kernel). Grid as the tiled forward's; program (w, g, h, m) owns query rows
@@ -448,13 +462,11 @@ def _window_attention_bwd_dq_kernel(
     NKB: tl.constexpr = (N + KB - 1) // KB
     W1: tl.constexpr = KT if NKB == 2 else KB  # key block widths: block 0 is always full (N > 64)
     W2: tl.constexpr = KT if NKB == 3 else KB
-    pid = tl.program_id(0)
     h = tl.program_id(1)
-    w = pid % NW
-    g = pid // NW
+    w, g, m = _tile_program(NW, (N + BLOCK_M - 1) // BLOCK_M, TILE_FASTEST)
     i_start = g * G
     i_end = tl.minimum(i_start + G, B_PER_W)
-    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < N
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     qk_scale = scale * 1.4426950408889634
@@ -608,9 +620,11 @@ def _window_attention_bwd_dkv_kernel(
     NW, NH, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, PACKED: tl.constexpr, TABLE: tl.constexpr, KT: tl.constexpr, BIAS_REGS: tl.constexpr,
+    TILE_FASTEST: tl.constexpr = False,
 ):
     """Backward for 64 < N <= 256, part 2: dk and dv, with delta = rowsum(dO * O) from the dq kernel (O is
-    not read). Grid (nW * n_groups, nH, cdiv(N, 64)): program (w, g, h, j) owns key block j of its G
+    not read). Grid (nW * n_groups, nH, cdiv(N, 64)) (or TILE_FASTEST, _tile_program): program (w, g, h, j)
+    owns key block j of its G
     windows (64 keys, the last block KT) and runs over every query of each.
     PACKED: DK is the packed gradient buffer, dk at DK + dkv_off and dv at DK + 2 dkv_off (DV unused)."""
     KB: tl.constexpr = 64
@@ -618,11 +632,8 @@ def _window_attention_bwd_dkv_kernel(
     if PACKED:
         DV = DK + 2 * dkv_off
         DK = DK + dkv_off
-    pid = tl.program_id(0)
     h = tl.program_id(1)
-    j = tl.program_id(2)
-    w = pid % NW
-    g = pid // NW
+    w, g, j = _tile_program(NW, NKB, TILE_FASTEST)
     i_start = g * G
     i_end = tl.minimum(i_start + G, B_PER_W)
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
@@ -696,6 +707,19 @@ _BWD_DQ_CONFIGS = [triton.Config({"G": g, "BLOCK_M": bm, "BIAS_REGS": br}, num_w
 _BWD_DKV_CONFIGS = [triton.Config({"G": g, "BLOCK_M": bm, "BIAS_REGS": br}, num_warps=nw, num_stages=2, maxnreg=r)
                     for bm, nw, g, br, r in ((64, 4, 16, True, None), (64, 4, 8, True, None), (64, 4, 16, True, 168),
                                              (64, 8, 8, True, None), (32, 4, 4, False, None))]
+# Each key-tiled list also holds its first two configs with the tiles fastest in the grid (TILE_FASTEST,
+# _tile_program): where a stage's windows outgrow the L2 between a window's first and last tile (Swin-B
+# 384's stage 1: 2,048 windows of 4 heads), the tiles slowest re-read every window's keys and values (the
+# forward's and dq's) or queries (dk/dv's) from memory once per tile; side by side they share them in L2.
+# The autotuner times both orders per shape; the first config, used untuned, keeps the tiles slowest.
+def _with_tiles_fastest(configs: list) -> list:
+    return configs + [triton.Config({**c.kwargs, "TILE_FASTEST": True}, num_warps=c.num_warps,
+                                    num_stages=c.num_stages, maxnreg=c.maxnreg) for c in configs[:2]]
+
+
+_FWD_TILED_CONFIGS = _with_tiles_fastest(_FWD_TILED_CONFIGS)
+_BWD_DQ_CONFIGS = _with_tiles_fastest(_BWD_DQ_CONFIGS)
+_BWD_DKV_CONFIGS = _with_tiles_fastest(_BWD_DKV_CONFIGS)
 _INTERPRET_CONFIG = {"G": 2, "num_warps": 4}
 # The key-tiled kernels' config values under the interpreter (BIAS_REGS: every kernel's bias tiles held in
 # registers; tests switch it off, with 32-row tiles, to run the per-window paths).
@@ -815,7 +839,7 @@ def window_attention_fwd(q, k, v, rel_bias, mask, scale, index=None, cosine=None
     block_m, block_n = _block_sizes(n)
     if block_n > _KEY_BLOCK:  # keys in blocks of 64, query tiles across the grid
         extra = dict(_TILED_INTERPRET_CONFIG) if _INTERPRET else {}
-        grid = lambda meta: (nw * cdiv(b_per_w, meta["G"]), nh, cdiv(n, meta["BLOCK_M"]))  # noqa: E731
+        grid = lambda meta: _tiled_grid(meta, nw * cdiv(b_per_w, meta["G"]), nh, cdiv(n, meta["BLOCK_M"]))  # noqa: E731
         launch(_fwd_tiled)[grid](
             q, k, v, rel_bias, mask_arg, index_arg, out_buf, lse, cos_arg,
             *_strides(q), *_strides(k), *_strides(v), *_strides(out),
@@ -909,6 +933,12 @@ def _bwd_single(kernel, q, k, v, out, lse, dout, rel_bias, mask_arg, index_arg, 
     )
 
 
+def _tiled_grid(meta: dict, programs: int, heads: int, tiles: int) -> tuple[int, ...]:
+    """The launch grid of a key-tiled kernel (_tile_program): the tiles along axis 0, fastest, where the
+    config's TILE_FASTEST says so, else along axis 2."""
+    return (programs * tiles, heads) if meta.get("TILE_FASTEST") else (programs, heads, tiles)
+
+
 def _tail_width(n: int) -> int:
     """KT of the key-tiled kernels: the width of the last 64-key block (and height of the last 64-row query
     block where a kernel unrolls them), a power of two >= 16 (the smallest tensor-core operand): 144 tokens
@@ -929,13 +959,13 @@ def _bwd_tiled(q, k, v, out, lse, dout, rel_bias, mask_arg, index_arg, grads, dk
     common = dict(NW=nw, NH=nh, N=n, D=d, HAS_MASK=has_mask, PRECISION=_precision(q.dtype),
                   UPCAST=_INTERPRET and q.dtype == torch.bfloat16, TABLE=table, KT=_tail_width(n))
     extra = dict(_TILED_INTERPRET_CONFIG) if _INTERPRET else {}
-    grid = lambda meta: (nw * cdiv(b_per_w, meta["G"]), nh, cdiv(n, meta["BLOCK_M"]))  # noqa: E731
+    grid = lambda meta: _tiled_grid(meta, nw * cdiv(b_per_w, meta["G"]), nh, cdiv(n, meta["BLOCK_M"]))  # noqa: E731
     launch(_bwd_dq)[grid](
         q, k, v, out, dout, lse, rel_bias, mask_arg, index_arg, dq, partial, delta,
         *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(dout), *_strides(views[0]),
         float(scale), b_per_w, FILL_SLOTS=fill_slots, COMPUTE_DBIAS=compute_dbias, **common, **extra,
     )
-    grid = lambda meta: (nw * cdiv(b_per_w, meta["G"]), nh, cdiv(n, _KEY_BLOCK))  # noqa: E731
+    grid = lambda meta: _tiled_grid(meta, nw * cdiv(b_per_w, meta["G"]), nh, cdiv(n, _KEY_BLOCK))  # noqa: E731
     launch(_bwd_dkv)[grid](
         q, k, v, dout, lse, delta, rel_bias, mask_arg, index_arg, dq if packed else dk, dv,
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout),
