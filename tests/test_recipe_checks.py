@@ -75,7 +75,7 @@ def test_longest_allowed_name_loads(tmp_path):
     ("[{name: fused_layernorm, params: {colour: red}}]", "takes no parameter 'colour'"),
     ("[{name: fused_layernorm, params: {fuse_residual: 'yes'}}]", "must be true/false"),
     ("[{name: fused_layernorm, params: {impl: [triton]}}]", "must be a string"),
-    ("[{name: fused_attention, params: {bias: none}}]", "must be one of table, gather"),
+    ("[{name: fused_attention, params: {bias: none}}]", "must be one of auto, table, gather"),
     ("[{name: compile, params: {fullgraph: 1}}]", "must be true/false"),
     ("[{name: compile, params: {mode: fast}}]", "must be one of default"),
     ("[{name: compile, params: {dynamic: maybe}}]", "must be true/false or null"),
