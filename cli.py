@@ -427,7 +427,7 @@ def apply(
     from workbench.run_folder import run_entries
 
     limit = _check_inputs_before_apply(check_against, thresholds, max_regression, nproc, force, allow_missing,
-                                       {"model": model, "mode": mode, "batch": batch})
+                                       _planned_run(check_against, model, mode, batch, device, checkpoint))
     if resume and out is not None and (not out.exists() or (out.is_dir() and not run_entries(out))):
         _note(f"--resume: {out} holds no earlier run; starting a new one there")
     if quick:
@@ -458,6 +458,29 @@ def apply(
         check(result.records_dir)
 
 
+def _planned_run(check_against, model, mode, batch, device, checkpoint) -> dict:
+    """What apply's records will say, as far as it is known before any stage runs ({record key: value},
+    None where not known): the default model of the device when --model is not given (a checkpoint names
+    its own), and the device type, so that --check-against refuses a baseline of another model or device
+    before the run, not after it."""
+    planned = {"mode": mode, "batch": batch, "model": model, "device_type": None}
+    if check_against is None:
+        return planned
+    try:
+        from workbench.devices import pick_device
+        from workbench.models import default_model_for
+
+        import torch
+
+        name = pick_device(device)
+        planned["device_type"] = torch.device(name).type
+        if model is None and checkpoint is None:
+            planned["model"] = default_model_for(name)
+    except (RuntimeError, ValueError, TypeError):   # an unknown --device: apply refuses it itself
+        pass
+    return planned
+
+
 def _check_inputs_before_apply(check_against, thresholds, max_regression, nproc=None, force=False,
                                allow_missing=False, planned: dict | None = None) -> float:
     """apply's --check-against, --thresholds and --max-regression, validated before any stage runs (a typo
@@ -472,8 +495,8 @@ def _check_inputs_before_apply(check_against, thresholds, max_regression, nproc=
         return limit
     from workbench.results.check import check_planned_run, load_thresholds
 
-    _call(check_planned_run, [check_against], nproc, force, planned)
     _call(load_thresholds, thresholds, max_regression_pct=limit)
+    _call(check_planned_run, [check_against], nproc, force, planned)
     return limit
 
 

@@ -168,8 +168,8 @@ def test_apply_against_a_baseline_of_another_world_size_is_refused_before_it_run
     ran = []
     monkeypatch.setattr(apply_module, "run_apply", lambda *a, **k: ran.append(a))
     base = scaled(copy(tmp_path, "b"), world=2)
-    args = ["apply", "--stages", "baseline", "--device", "cpu", "--out", str(tmp_path / "run"), "--check-against",
-            str(base), "--nproc"]
+    args = ["apply", "--stages", "baseline", "--device", "cuda", "--out", str(tmp_path / "run"), "--check-against",
+            str(base), "--nproc"]   # the baseline's device: only the world size differs
     result = runner.invoke(app, [*args, "4"])
     assert result.exit_code == 2 and "of 2 ranks and this run has --nproc 4" in result.output and not ran
     assert len(result.output.strip().splitlines()) == 1

@@ -179,7 +179,7 @@ def test_apply_checks_a_run_whose_stage_failed(tmp_path, monkeypatch, fails_in_b
         raise err
 
     monkeypatch.setattr(apply_mod, "run_apply", run_apply)
-    result = runner.invoke(app, ["apply", "--device", "cpu", "--check-against", str(base)])
+    result = runner.invoke(app, ["apply", "--device", "cuda", "--check-against", str(base)])   # the baseline's
     assert result.exit_code == code, result.output
     assert "1 stage(s) failed" in result.output
     assert ("REGRESSED" in result.output) == (code == 1)

@@ -245,3 +245,24 @@ def test_resume_into_a_file_is_one_line_without_a_note_that_contradicts_it(tmp_p
 def test_an_empty_out_is_refused_not_taken_for_the_current_folder(command):
     out = refused([*command, "--out", ""])
     assert "Invalid value for '--out'" in out and "empty" in out and out.count("\n") == 1
+
+
+@pytest.mark.parametrize("extra, message", [
+    ([], "the baseline's model is swin_tiny_patch4_window7_224 and this run's swinbench_tiny_cpu"),
+    (["--model", "swin_tiny_patch4_window7_224"], "the baseline's device type is cuda and this run's cpu"),
+])
+def test_apply_check_against_refuses_another_default_model_or_device_before_any_stage(tmp_path, no_run, extra,
+                                                                                      message):
+    # a CPU run's default model and device are known before it runs: a GPU baseline is refused then, not after
+    out = refused(["apply", "--stages", "baseline", "--device", "cpu", "--out", str(tmp_path / "run"),
+                   "--check-against", str(RECORDS), *extra])
+    assert message in out
+    assert no_run == [] and not (tmp_path / "run").exists()
+
+
+def test_apply_check_against_a_baseline_of_the_same_model_and_device_goes_on_to_run(tmp_path, no_run):
+    with pytest.raises(BaseException):   # no_run fails the test's run_apply: the checks let it through
+        runner.invoke(app, ["apply", "--stages", "baseline", "--device", "cpu", "--batch", "8", "--check-against",
+                            str(Path(__file__).parents[1] / "reports" / "cpu-tiny-b8-train" / "records")],
+                      catch_exceptions=False)
+    assert len(no_run) == 1

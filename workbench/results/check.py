@@ -395,13 +395,15 @@ def _world_sizes(stages) -> list[int]:
 
 def check_planned_run(baseline_paths, nproc: int | None, force: bool = False, planned: dict | None = None) -> None:
     """Before `apply --check-against BASELINE` runs: UserError (one line) when the check at the end would
-    refuse the run's records, unless `force`: a baseline of another model, mode or batch (`planned`:
-    {record key: the value this run will record}, None where not known yet), or whose data-parallel
+    refuse the run's records, unless `force`: a baseline of another model, mode, batch or device type
+    (`planned`: {record or env key: the value this run will record}, None where not known yet), or whose data-parallel
     results are of another world size than --nproc N. Reads (and so validates) the baseline records."""
     stages = [_Stage(r) for r in read_records(baseline_paths)]
     labels = {key: label for key, label, _ in RUN_SETTINGS}
+    env_labels = {key: label for key, label, _ in ENV_SETTINGS}
     for key, value in (planned or {}).items():
-        have = _values(stages, key, False)
+        have = _values(stages, key, key in env_labels)
+        labels.setdefault(key, env_labels.get(key, key))
         if value is not None and len(have) == 1 and have[0] != value and not force:
             raise UserError(f"the baseline's {labels[key]} is {have[0]} and this run's {value}: the check would "
                             f"refuse them; run with the baseline's, or pass --force to compare anyway")
