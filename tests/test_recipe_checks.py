@@ -80,6 +80,11 @@ def test_longest_allowed_name_loads(tmp_path):
     ("[{name: compile, params: {mode: fast}}]", "must be one of default"),
     ("[{name: compile, params: {dynamic: maybe}}]", "must be true/false or null"),
     ("[{name: compile, params: {inductor: {no_such_setting: 1}}}]", "not an Inductor config setting"),
+    # what torch.compile's options refuse is refused at load, not when the stage runs after the others
+    ("[{name: compile, params: {inductor: {cpp_wrapper: 'yes'}}}]", "'cpp_wrapper' must be true/false, got 'yes'"),
+    ("[{name: compile, params: {inductor: {triton.cudagraphs: 1}}}]", "'triton.cudagraphs' must be true/false"),
+    ("[{name: compile, params: {inductor: {triton: 1}}}]", "'triton' is not an Inductor config setting"),
+    ("[{name: compile, params: {inductor: {save_config: 1}}}]", "'save_config' is not an Inductor config setting"),
     ("[{name: cuda_graph, params: {replays: 3}}]", "takes no parameter 'replays'"),
     ("[{name: amp, params: {dtype: [" + ", ".join(["bf16"] * 500) + "]}}]", "must be a string"),
 ])
@@ -90,7 +95,8 @@ def test_pass_parameters_are_checked_at_load(tmp_path, passes, why):
 
 def test_good_parameters_load(tmp_path):
     p = write(tmp_path, "name: x\nextends: baseline\npasses: [{name: amp, params: {dtype: fp16}}, "
-                        "{name: compile, params: {mode: default, dynamic: null, fullgraph: true}}, "
+                        "{name: compile, params: {mode: default, dynamic: null, fullgraph: true, "
+                        "inductor: {cpp_wrapper: true, triton.cudagraphs: false, cpp-wrapper: true}}}, "
                         "{name: fused_layernorm, params: {impl: torch, fuse_residual: false}}]\n")
     assert [n for n, _ in chain_passes(str(p))] == ["amp", "compile", "fused_layernorm"]
 

@@ -34,20 +34,32 @@ def check_params(params: dict) -> None:
 
 def _check_inductor_options(inductor) -> dict:
     """Inductor config settings by dotted name (`cpp_wrapper`, `triton.cudagraphs`), each an existing
-    setting given a bool, int, float or string."""
+    setting given a bool, int, float or string of the type torch.compile takes for it (what its `options`
+    refuse would otherwise fail the stage only when it runs, after the stages before it were measured)."""
     if not isinstance(inductor, dict):
         raise UserError("pass compile: inductor must be a mapping of Inductor config names to values")
     from torch._inductor import config as inductor_config
 
+    settings = inductor_config.get_config_copy()
+    get_type = getattr(inductor_config, "get_type", None)
     for name, value in inductor.items():
-        target = inductor_config
-        for part in str(name).split("."):
-            if not hasattr(target, part):
-                raise UserError(f"pass compile: {name!r} is not an Inductor config setting")
-            target = getattr(target, part)
+        key = str(name).replace("-", "_")
+        if key not in settings:     # as torch.compile reads `options`: a submodule or a function is none
+            raise UserError(f"pass compile: {name!r} is not an Inductor config setting")
         if not isinstance(value, (bool, int, float, str)):
             raise UserError(f"pass compile: inductor option {name!r} must be a bool, number or string")
+        if get_type is not None:
+            expected = get_type(key)    # a generic or union type (str | None) is not checked, as torch does not
+        else:
+            expected = type(settings[key]) if settings[key] is not None else None
+        if isinstance(expected, type) and not isinstance(value, expected):
+            raise UserError(f"pass compile: inductor option {name!r} must be "
+                            f"{_TYPE_WORDS.get(expected, expected.__name__)}, got {value!r}")
     return dict(inductor)
+
+
+_TYPE_WORDS = {bool: "true/false", int: "an integer", float: "a number with a decimal point (like 1.0)",
+               str: "a string", type(None): "null (torch.compile takes no other value for it)"}
 
 
 # the modes in which Inductor replays its own CUDA graphs (torch._inductor.list_mode_options sets
