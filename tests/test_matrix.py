@@ -450,3 +450,19 @@ def test_a_first_cell_stopped_before_any_record_keeps_its_own_error(tmp_path):
         raise KeyboardInterrupt
     with pytest.raises(KeyboardInterrupt):
         matrix.run_matrix(models=[TINY_MODEL], out_dir=tmp_path / "m", device="cpu", run_apply=stop, progress=False)
+
+
+@pytest.mark.parametrize("name, text", [("matrix.md", "my notes on the matrix\n"), ("matrix.json", '{"mine": 1}\n')])
+def test_render_only_never_replaces_a_file_it_did_not_write(tmp_path, name, text):
+    from cli import app
+
+    write_cell(tmp_path, "t-train", cell_records())
+    (tmp_path / name).write_text(text)
+    res = CliRunner().invoke(app, ["matrix", "--render-only", str(tmp_path)])
+    assert res.exit_code == 2 and "is not a table swinbench matrix wrote" in res.output
+    assert len(res.output.strip().splitlines()) == 1
+    assert (tmp_path / name).read_text() == text
+    assert sorted(p.name for p in tmp_path.glob("matrix.*")) == [name]   # nothing written beside it
+    (tmp_path / name).unlink()
+    md, js = write_matrix(tmp_path, matrix.FAMILY, "cmd")
+    assert write_matrix(tmp_path, matrix.FAMILY, "cmd") == (md, js)   # its own tables it renders again
