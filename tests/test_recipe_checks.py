@@ -177,3 +177,10 @@ def test_stages_naming_one_recipe_twice_are_refused(tmp_path):
     mine = write(tmp_path, "name: mine\nextends: amp\npasses: [sdpa_attention]\n")
     with pytest.raises(UserError, match="names one recipe twice"):
         plan_stages("amp", [str(mine), f"{tmp_path}/./r.yaml"])
+
+
+def test_a_missing_extends_file_names_the_recipe_that_extends_it(tmp_path):
+    write(tmp_path, "name: mid\nextends: nofile.yaml\n", "mid.yaml")
+    top = write(tmp_path, "name: top\nextends: mid.yaml\n", "top.yaml")
+    msg = refused(top)
+    assert f"no such recipe file: '{tmp_path / 'nofile.yaml'}' (extends in {tmp_path / 'mid.yaml'})" in msg

@@ -290,7 +290,8 @@ class RecipeBook:
         if base is not None and not path.is_absolute():
             path = base.parent / path
         if not path.is_file():
-            raise UserError(f"no such recipe file: {short_repr(str(path), 200)}")
+            where = f" (extends in {base})" if base else ""
+            raise UserError(f"no such recipe file: {short_repr(str(path), 200)}{where}")
         key = str(path.resolve())
         if key in self.builtin_files:
             name = self.builtin_files[key]
