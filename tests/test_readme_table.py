@@ -118,3 +118,15 @@ def test_a_run_at_another_resolution_says_so_in_its_label():
     (rec,) = as_records([dict(record(0, "baseline", None, 100.0, gate="REFERENCE", precision="fp32"),
                               img_size=[384, 384])])
     assert run_label(rec) == "Swin-T 224 at 384x384, training, batch 64, H200"
+
+
+def test_readme_through_a_symlink_rewrites_the_file_it_points_to(tmp_path):
+    real = tmp_path / "README.md"
+    real.write_text(f"x\n{BEGIN}\nstale table\n{END}\n")
+    (tmp_path / "docs").mkdir()
+    link = tmp_path / "docs" / "README.md"
+    link.symlink_to("../README.md")
+    res = CliRunner().invoke(app, ["report", str(SAMPLE), "--readme", str(link)])
+    assert res.exit_code == 0, res.output
+    assert link.is_symlink() and "stale table" not in real.read_text()   # the link kept, its target rewritten
+    assert "| run | stage |" in link.read_text()

@@ -28,8 +28,8 @@ from pathlib import Path
 
 from workbench.errors import UserError
 from workbench.files import atomic_write_text
-from workbench.results.readme_table import (display_path, gpu_label, replace_between_markers, short_model,
-                                             table_block, versions_label)
+from workbench.results.readme_table import (display_path, gpu_label, readme_file, replace_between_markers,
+                                             short_model, table_block, versions_label)
 from workbench.results.record import StageRecord, as_records, read_records
 from workbench.results.report import _is_peer, _isnum, best_form, fmt_bytes, fmt_rate, fmt_speedup, speedup_table
 from workbench.run_folder import MATRIX_JSON, MATRIX_MD  # the names that mark a matrix folder
@@ -312,7 +312,7 @@ def readme_matrix_block(text: str) -> str:
 def update_readme_matrix(out_dir: Path, readme: Path, model_order: list[str] | None = None) -> Path:
     """`swinbench matrix --render-only OUT --readme README.md`: rewrite the block between the matrix
     markers, atomically; nothing outside them changes."""
-    readme = Path(readme)
+    readme = readme_file(readme)
     try:
         text = readme.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:

@@ -208,9 +208,16 @@ def render_for_readme(paths: list[Path], readme: Path) -> str:
     return results_table(records, command, sources)
 
 
+def readme_file(readme) -> Path:
+    """The file --readme rewrites: a symbolic link's target (the atomic rename would otherwise put a copy in
+    place of the link and leave the file it points to as it was), else the path as given."""
+    readme = Path(readme)
+    return Path(os.path.realpath(readme)) if readme.is_symlink() else readme
+
+
 def update_readme(paths: list[Path], readme: Path) -> Path:
     """`swinbench report RECORDS... --readme README.md`: rewrite the table between the markers, atomically."""
-    readme = Path(readme)
+    readme = readme_file(readme)
     try:
         text = readme.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
