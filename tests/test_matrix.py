@@ -10,7 +10,8 @@ from record_helpers import ENV, record
 from workbench.errors import UserError
 from workbench.ladder import matrix
 from workbench.models import TINY_MODEL
-from workbench.results.matrix_table import (README_BEGIN, README_END, SLOWER_MARK, matrix_markdown, matrix_rows, read_matrix,
+from workbench.results.matrix_table import (README_BEGIN, README_END, SLOWER_MARK, cell_folders, matrix_markdown,
+                                            matrix_rows, read_matrix,
                                             readme_matrix_block, render_matrix_for_readme, write_matrix)
 from workbench.results.record import write_record
 
@@ -182,16 +183,16 @@ def test_a_table_of_several_devices_names_each_rows_device():
 
 
 def test_write_matrix_orders_cells_and_skips_moved_aside_runs(tmp_path):
-    write_cell(tmp_path, "b-infer", cell_records("swin_base_patch4_window7_224", "infer", 64, run_id="r3"))
-    write_cell(tmp_path, "t-infer", cell_records(mode="infer", batch=1, run_id="r2"))
-    write_cell(tmp_path, "t-train", cell_records(run_id="r1"))
-    write_cell(tmp_path, "t-train.previous-r0", cell_records(run_id="r0"))
+    write_cell(tmp_path, "b-infer-b64", cell_records("swin_base_patch4_window7_224", "infer", 64, run_id="r3"))
+    write_cell(tmp_path, "t-infer-b1", cell_records(mode="infer", batch=1, run_id="r2"))
+    write_cell(tmp_path, "t-train-b8", cell_records(run_id="r1"))
+    write_cell(tmp_path, "t-train-b8.previous-r0", cell_records(run_id="r0"))
     md, js = write_matrix(tmp_path, matrix.FAMILY, "cmd")
     cells = json.loads(js.read_text())["cells"]
-    assert [c["cell"] for c in cells] == ["t-train", "t-infer", "b-infer"]
+    assert [c["cell"] for c in cells] == ["t-train-b8", "t-infer-b1", "b-infer-b64"]
     assert md.read_text().count("| Swin-") == 3
     with pytest.raises(UserError, match="no matrix cells"):
-        read_matrix(tmp_path / "t-train" / "records")
+        read_matrix(tmp_path / "t-train-b8" / "records")
 
 
 # ---------------------------------------------------------------- running (run_apply mocked)
@@ -324,10 +325,23 @@ def test_cli_bad_input_is_one_line_exit_2(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_render_only_takes_cells_alone_and_says_what_a_run_folder_is(tmp_path):
+    """Folders of other runs (a reports/ folder of apply runs) are not cells: nothing is rendered there; a
+    cell's own folder is named as one run's, not a matrix."""
+    write_cell(tmp_path, "h200-swin_base-b64-train", cell_records())
+    with pytest.raises(UserError, match="holds no matrix cells"):
+        write_matrix(tmp_path, matrix.FAMILY, "cmd")
+    assert not (tmp_path / "matrix.md").exists() and not (tmp_path / "matrix.json").exists()
+    cell = write_cell(tmp_path, "t-train-b8", cell_records())
+    with pytest.raises(UserError, match="is one run's folder .* not a matrix"):
+        write_matrix(cell, matrix.FAMILY, "cmd")
+    assert [p.name for p in cell_folders(tmp_path)] == ["t-train-b8"]
+
+
 def test_cli_render_only(tmp_path):
     from cli import app
 
-    write_cell(tmp_path, "t-train", cell_records())
+    write_cell(tmp_path, "t-train-b8", cell_records())
     res = CliRunner().invoke(app, ["matrix", "--render-only", str(tmp_path)])
     assert res.exit_code == 0, res.output
     assert "matrix.md" in res.output and (tmp_path / "matrix.json").is_file()
@@ -358,7 +372,7 @@ def test_cli_rewrites_only_the_matrix_block(tmp_path):
     from cli import app
 
     out = tmp_path / "reports" / "m"
-    write_cell(out, "t-train", cell_records())
+    write_cell(out, "t-train-b8", cell_records())
     readme = tmp_path / "README.md"
     readme.write_text(f"# t\n\nbefore\n{README_BEGIN}\nstale table\n{README_END}\nafter ü\n", encoding="utf-8")
     runner = CliRunner()
@@ -392,15 +406,15 @@ def test_profiled_cells_show_the_swinbench_stages_kernels_against_their_floor(tm
                "median_us": 10.0 + i, "floor_us": 2.0, "floor_pct": 20.0} for i in range(6)]
     recs = cell_records()
     recs[1]["profile"] = {"backend": "nsys", "floors": floors, "floor_peak_gbps": 4800.0}    # the fmha stage
-    write_cell(tmp_path, "t-train", recs)
-    write_cell(tmp_path, "t-infer", cell_records(mode="infer", batch=1, run_id="r2"))        # not profiled
+    write_cell(tmp_path, "t-train-b8", recs)
+    write_cell(tmp_path, "t-infer-b1", cell_records(mode="infer", batch=1, run_id="r2"))        # not profiled
     md, js = write_matrix(tmp_path, matrix.FAMILY, "cmd")
     text = md.read_text()
     assert "## swinbench's kernels against their memory floor" in text
     assert "| Swin-T 224 | training | 128 | fmha | _k0 | 64x49x96 bfloat16 | 2 | 10.0 | 2.0 | 20% |" in text
     assert "_k3" in text and "_k4" not in text      # FLOOR_ROWS per cell
     cells = {c["cell"]: c for c in json.loads(js.read_text())["cells"]}
-    assert len(cells["t-train"]["floors"]) == 4 and cells["t-infer"]["floors"] == []
+    assert len(cells["t-train-b8"]["floors"]) == 4 and cells["t-infer-b1"]["floors"] == []
     # the README's block keeps to the table
     assert "memory floor" not in matrix_markdown(read_matrix(tmp_path), heading=False)
 
@@ -456,7 +470,7 @@ def test_a_first_cell_stopped_before_any_record_keeps_its_own_error(tmp_path):
 def test_render_only_never_replaces_a_file_it_did_not_write(tmp_path, name, text):
     from cli import app
 
-    write_cell(tmp_path, "t-train", cell_records())
+    write_cell(tmp_path, "t-train-b8", cell_records())
     (tmp_path / name).write_text(text)
     res = CliRunner().invoke(app, ["matrix", "--render-only", str(tmp_path)])
     assert res.exit_code == 2 and "is not a table swinbench matrix wrote" in res.output

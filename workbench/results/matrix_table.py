@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 from workbench.errors import UserError
@@ -233,13 +234,17 @@ def matrix_markdown(rows: list[dict], command: str | None = None, heading: bool 
 # ---------------------------------------------------------------- folders
 
 
+CELL_NAME = re.compile(r".+-(train|infer)-b\d+")   # matrix.cell_name: <model>-<mode>-b<batch>
+
+
 def cell_folders(out_dir: Path) -> list[Path]:
-    """The cell folders under out_dir (those with a records/ folder holding a record), not the earlier
-    runs that `--overwrite` moved aside (`<cell>.previous-<run id>`)."""
+    """The cell folders under out_dir (named as `swinbench matrix` names a cell, with a records/ folder
+    holding a record), not the earlier runs that `--overwrite` moved aside (`<cell>.previous-<run id>`),
+    nor other runs' folders (a reports/ folder is not a matrix)."""
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         raise UserError(f"no matrix folder {out_dir}")
-    return sorted(p for p in out_dir.iterdir() if p.is_dir() and ".previous-" not in p.name
+    return sorted(p for p in out_dir.iterdir() if p.is_dir() and CELL_NAME.fullmatch(p.name)
                   and any((p / "records").glob("*.json")))
 
 
@@ -255,7 +260,11 @@ def read_matrix(out_dir: Path, model_order: list[str] | None = None, names: list
     when no cell holds records."""
     folders = [f for f in cell_folders(out_dir) if names is None or f.name in names]
     if not folders:
-        raise UserError(f"{out_dir} holds no matrix cells (folders with records/): nothing to render")
+        if any((Path(out_dir) / "records").glob("*.json")):
+            raise UserError(f"{out_dir} is one run's folder (its records/ are one cell's or one apply's), not a "
+                            f"matrix: give the matrix folder that holds the cells")
+        raise UserError(f"{out_dir} holds no matrix cells (folders named <model>-<mode>-b<batch> with "
+                        "records/): nothing to render")
     rows = matrix_rows((f.name, read_records([f / "records"])) for f in folders)
     return sorted(rows, key=lambda r: _order(r, list(model_order or [])))
 
