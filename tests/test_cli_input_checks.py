@@ -175,6 +175,9 @@ def test_report_says_what_a_matrix_or_train_folder_is(tmp_path):
     trained.mkdir(parents=True)
     (trained / "01-amp-seed0.jsonl").write_text("")
     assert "is a `swinbench train` run" in refused(["report", str(tmp_path / "t")])
+    # its records/ folder named itself, and by check as well
+    assert f"{tmp_path / 't'} is a `swinbench train` run" in refused(["report", str(trained)])
+    assert "is a `swinbench train` run" in refused(["check", "--current", str(trained), "--baseline", str(trained)])
 
 
 @pytest.fixture

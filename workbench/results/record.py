@@ -1265,7 +1265,8 @@ def record_files(paths) -> list[Path]:
         if len(files) > MAX_RECORD_FILES:
             raise UserError(f"more than {MAX_RECORD_FILES:,} record files in {', '.join(map(str, paths))}; not read")
     if not files:
-        trained = [str(p) for p in map(Path, paths) if p.is_dir() and any((p / "records").glob("*.jsonl"))]
+        trained = [p for p in map(Path, paths) if p.is_dir() and any((p / "records").glob("*.jsonl"))]
+        trained += [p.parent for p in map(Path, paths) if p.is_dir() and p.name == "records" and any(p.glob("*.jsonl"))]
         if trained:
             raise UserError(f"{trained[0]} is a `swinbench train` run (records/*.jsonl), not stage records: its "
                             "report is the report.md train wrote beside them")
