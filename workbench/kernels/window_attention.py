@@ -342,7 +342,7 @@ def _fwd_key_block(q, acc, m_i, l_i, bias, K, V, b, h, sk_b, sk_h, sk_n, sk_d, s
 
 @triton.jit
 def _tile_program(NW, N_TILES: tl.constexpr, TILE_FASTEST: tl.constexpr):
-    """(w, g, tile) of a key-tiled program. TILE_FASTEST: the grid is (N_TILES * nW * n_groups, nH) with
+    """(w, g, tile) of a key-tiled program. TILE_FASTEST: the grid is (N_TILES * nW * n_groups, nH, 1) with
     the tile varying fastest, so a window's tiles run side by side and re-read its keys and values (or
     queries) from L2; else (nW * n_groups, nH, N_TILES), the tile slowest."""
     if TILE_FASTEST:
@@ -935,8 +935,9 @@ def _bwd_single(kernel, q, k, v, out, lse, dout, rel_bias, mask_arg, index_arg, 
 
 def _tiled_grid(meta: dict, programs: int, heads: int, tiles: int) -> tuple[int, ...]:
     """The launch grid of a key-tiled kernel (_tile_program): the tiles along axis 0, fastest, where the
-    config's TILE_FASTEST says so, else along axis 2."""
-    return (programs * tiles, heads) if meta.get("TILE_FASTEST") else (programs, heads, tiles)
+    config's TILE_FASTEST says so, else along axis 2 (three axes either way: one grid rank for every config
+    of a kernel, as Inductor's launcher of a traced call expects)."""
+    return (programs * tiles, heads, 1) if meta.get("TILE_FASTEST") else (programs, heads, tiles)
 
 
 def _tail_width(n: int) -> int:
