@@ -96,6 +96,34 @@ def test_launches_of_one_shape_that_differ_in_a_small_argument_share_a_row():
     assert summary["floor_us_per_step"] == pytest.approx(2.1)
 
 
+def test_each_row_names_the_configuration_its_autotuner_chose():
+    launches = _launches([("attn", 4_800_000, [64, 49, 96]), ("norm", 9_600_000, [64, 3136])])
+    launches["launches"][0]["config"] = "G=8 BLOCK_M=16 warps=4 stages=2"
+    kernels = _kernels([("attn", 0, 2_000), ("norm", 10_000, 4_000)])
+    table, _ = kernel_floors(kernels, launches)
+    configs = dict(zip(table["kernel"], table["config"]))
+    assert configs == {"attn": "G=8 BLOCK_M=16 warps=4 stages=2", "norm": ""}   # norm: no autotuner
+
+
+def test_a_logged_launch_takes_the_config_its_autotuner_ran():
+    import triton
+
+    from workbench.kernels._common import _LoggedLaunch, config_label
+
+    class Tuned:   # an autotuner as the log sees it: best_config is set by the run
+        fn = None
+        best_config = None
+
+    tuned, log = Tuned(), []
+    config = triton.Config({"G": 8, "TILE_FASTEST": True}, num_warps=4, num_stages=2)
+
+    def run(*args):
+        tuned.best_config = config
+    _LoggedLaunch({(1,): run}, tuned, log)[(1,)](torch.zeros(4))
+    assert log[0]["config"] == config_label(tuned) == "G=8 TILE_FASTEST=True warps=4 stages=2"
+    assert config_label(object()) is None
+
+
 def test_what_cannot_be_matched_is_named_and_left_out():
     launches = _launches([("attn", 1000, [4]), ("attn", 1000, [4]), ("merge", 10, [1]), ("gone", 10, [1])])
     kernels = _kernels([("attn", 0, 10), ("attn", 10, 10), ("attn", 20, 10), ("merge", 30, 5)])
@@ -180,6 +208,11 @@ def test_a_profiled_stage_keeps_its_floors_in_the_record_and_the_report_shows_th
     assert rec.profile.floors[0].floor_pct == 17.5 and rec.profile.floor_peak_gbps == 4800.0
     again = StageRecord.from_dict(rec.to_dict())
     assert again.profile.floors == rec.profile.floors
+    tuned = StageRecord.from_dict({**record(0, "fmha", None, 25.0),
+                                   "profile": {**profile, "floors": [{**floor, "config": "G=8 warps=4"}]}})
+    assert tuned.profile.floors[0].config == "G=8 warps=4"
+    assert StageRecord.from_dict(tuned.to_dict()).profile.floors == tuned.profile.floors
+    assert "config" not in again.to_dict()["profile"]["floors"][0]      # none recorded: none written
     plain = StageRecord.from_dict({**record(0, "amp", None, 25.0), "profile": {"backend": "nsys"}})
     assert "floors" not in plain.to_dict()["profile"]      # a profile without floors writes as before
     text = render_report([rec], tmp_path / "r.md").read_text()

@@ -37,7 +37,7 @@ PEAK_GBPS = (
 )
 
 COLUMNS = ["kernel", "largest_argument", "calls_per_step", "median_us", "floor_us", "floor_pct", "achieved_gbps",
-           "us_per_step"]
+           "us_per_step", "config"]
 
 
 def peak_gbps(device_name: str | None) -> float | None:
@@ -61,7 +61,8 @@ def launch_entry(entry: dict) -> dict:
     and its largest tensor ([shape, dtype])."""
     tensors = entry["tensors"]
     largest = max(tensors, key=lambda t: int(np.prod(t[0], dtype=np.int64)), default=None)
-    return {"kernel": entry["kernel"], "bytes": int(entry["bytes"]), "largest": largest}
+    return {"kernel": entry["kernel"], "bytes": int(entry["bytes"]), "largest": largest,
+            **({"config": str(entry["config"])} if entry.get("config") else {})}
 
 
 def kernel_floors(kernels: pd.DataFrame, launches: dict) -> tuple[pd.DataFrame, dict]:
@@ -105,7 +106,9 @@ def kernel_floors(kernels: pd.DataFrame, launches: dict) -> tuple[pd.DataFrame, 
         steps_seen.add(m // n)
         nbytes = np.array([logged[i % n]["bytes"] for i in range(m)], dtype=np.float64)
         labels = [_label(logged[i % n]) for i in range(m)]
-        part = pd.DataFrame({"label": labels, "bytes": nbytes, "ns": found["duration_ns"].to_numpy(dtype=np.float64)})
+        configs = [str(logged[i % n].get("config") or "") for i in range(m)]
+        part = pd.DataFrame({"label": labels, "bytes": nbytes, "ns": found["duration_ns"].to_numpy(dtype=np.float64),
+                             "config": configs})
         # launches of one shape that differ only in a small argument (the shifted blocks' mask) share a
         # row: their calls add up and the floor is of their mean bytes
         for label, g in part.groupby("label", sort=False):
@@ -117,7 +120,9 @@ def kernel_floors(kernels: pd.DataFrame, launches: dict) -> tuple[pd.DataFrame, 
                          "median_us": median_ns / 1e3, "floor_us": floor_ns / 1e3,
                          "floor_pct": 100.0 * floor_ns / median_ns if median_ns > 0 else np.nan,
                          "achieved_gbps": b / median_ns if median_ns > 0 else np.nan,
-                         "us_per_step": calls * median_ns / 1e3})
+                         "us_per_step": calls * median_ns / 1e3,
+                         # the autotuner's choice (one per shape; '' for a kernel without one)
+                         "config": " | ".join(dict.fromkeys(c for c in g["config"] if c))})
     table = pd.DataFrame(rows, columns=COLUMNS)
     if table.empty:
         summary["note"] = "no memory floors: no logged kernel could be matched to the trace"

@@ -190,9 +190,26 @@ class _LoggedLaunch:
 
         def logged(*args, **kwargs):
             nbytes, tensors = argument_bytes(args, kwargs)
-            self.log.append({"kernel": kernel_name(self.kernel), "bytes": nbytes, "tensors": tensors})
-            return run(*args, **kwargs)
+            entry = {"kernel": kernel_name(self.kernel), "bytes": nbytes, "tensors": tensors}
+            self.log.append(entry)
+            out = run(*args, **kwargs)
+            config = config_label(self.kernel)
+            if config:
+                entry["config"] = config
+            return out
         return logged
+
+
+def config_label(kernel) -> str | None:
+    """The launch configuration an autotuned kernel last ran with ('G=8 BLOCK_M=16 warps=4 stages=2'), as its
+    autotuner chose it; None for a kernel without an autotuner (or before its first run)."""
+    config = getattr(kernel, "best_config", None)
+    if config is None:
+        return None
+    parts = [f"{k}={v}" for k, v in config.kwargs.items()]
+    parts += [f"{short}={getattr(config, k)}" for k, short in (("num_warps", "warps"), ("num_stages", "stages"),
+                                                               ("maxnreg", "maxnreg")) if getattr(config, k, None)]
+    return " ".join(parts)
 
 
 _LAUNCH_LOG: list | None = None     # the active launch_log's list: every thread's launches (autograd's too)

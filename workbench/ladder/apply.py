@@ -355,7 +355,8 @@ FLOOR_ROWS = 12     # the kernel rows against their memory floor a stage record 
 def _floor_rows(table) -> list[dict]:
     """swinbench's kernels against their memory floor (analysis/floors.py) as a record keeps them: the
     FLOOR_ROWS costliest."""
-    return [{**{k: str(r[k]) for k in KernelFloor.TEXT}, **{k: round(float(r[k]), 4) for k in KernelFloor.NUMBERS}}
+    return [{**{k: str(r[k]) for k in KernelFloor.TEXT}, **{k: round(float(r[k]), 4) for k in KernelFloor.NUMBERS},
+             **{k: str(r[k]) for k in KernelFloor.OPTIONAL_TEXT if r.get(k)}}
             for r in table.head(FLOOR_ROWS).to_dict("records")]
 
 

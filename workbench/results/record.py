@@ -265,12 +265,15 @@ class KernelFloor:
     median_us: float
     floor_us: float
     floor_pct: float
+    config: str = ""        # the launch configuration its autotuner chose ('' where none, or not recorded)
 
     TEXT = ("kernel", "largest_argument")                                  # the fields, text then numbers
     NUMBERS = ("calls_per_step", "median_us", "floor_us", "floor_pct")
+    OPTIONAL_TEXT = ("config",)
 
     def to_dict(self) -> dict:
-        return {f: getattr(self, f) for f in (*self.TEXT, *self.NUMBERS)}
+        return {f: getattr(self, f) for f in (*self.TEXT, *self.NUMBERS)} | ({"config": self.config} if self.config
+                                                                           else {})
 
 
 @dataclass(frozen=True)
@@ -1088,8 +1091,9 @@ class _Parser:
         for i, item in enumerate(self.sequence(_given(value, []), where)):
             name = f"{where}[{i}]"
             k = self.mapping(item, name)
-            self.known(k, {*KernelFloor.TEXT, *KernelFloor.NUMBERS}, name)
+            self.known(k, {*KernelFloor.TEXT, *KernelFloor.NUMBERS, *KernelFloor.OPTIONAL_TEXT}, name)
             text = {f: self.string(self.get(k, f, name + ".", required=True), f"{name}.{f}") for f in KernelFloor.TEXT}
+            text |= {f: self.string(k[f], f"{name}.{f}") for f in KernelFloor.OPTIONAL_TEXT if k.get(f)}
             nums = {f: self.number(self.get(k, f, name + ".", required=True), f"{name}.{f}")
                     for f in KernelFloor.NUMBERS}
             out.append(KernelFloor(**text, **nums))
