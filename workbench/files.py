@@ -55,11 +55,12 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     return atomic_write_bytes(path, text.encode("utf-8"))
 
 
-def refuse_to_replace(path: str | os.PathLike, is_ours, what: str, inputs=()) -> Path:
+def refuse_to_replace(path: str | os.PathLike, is_ours, what: str, inputs=(),
+                      remedy: str = "give --out a new file, or move that one away") -> Path:
     """Check that writing `path` loses nothing: a path that does not exist yet, or a file that `is_ours`
     (given its first 4 KiB as text) says is `what`, the output this command wrote there before and writes
-    again. A folder, one of the command's own `inputs`, or any other file is a UserError (nothing written).
-    -> path"""
+    again. A folder, one of the command's own `inputs`, or any other file is a UserError (nothing written;
+    `remedy` says what to do about another file). -> path"""
     path = Path(path)
     if str(path) in ("", "."):
         raise UserError("--out names no file (empty, or the current folder): give the file to write")
@@ -76,8 +77,7 @@ def refuse_to_replace(path: str | os.PathLike, is_ours, what: str, inputs=()) ->
     except OSError as exc:
         raise UserError(f"cannot read {path}: {exc.strerror or exc}") from None
     if not is_ours(head):
-        raise UserError(f"{path} exists and is not {what}: give --out a new file, or move that one away "
-                        "(nothing was written)")
+        raise UserError(f"{path} exists and is not {what}: {remedy} (nothing was written)")
     return path
 
 

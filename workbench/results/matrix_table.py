@@ -28,7 +28,7 @@ import re
 from pathlib import Path
 
 from workbench.errors import UserError
-from workbench.files import atomic_write_text
+from workbench.files import atomic_write_text, refuse_to_replace
 from workbench.results.readme_table import (display_path, gpu_label, readme_file, replace_between_markers,
                                              short_model, table_block, versions_label)
 from workbench.results.record import StageRecord, as_records, read_records
@@ -278,26 +278,11 @@ def write_matrix(out_dir: Path, model_order: list[str] | None = None, command: s
     js = out_dir / MATRIX_JSON
     for path, ours in ((md, lambda head: head.startswith("# swinbench matrix")),
                        (js, lambda head: f'"schema": "{MATRIX_SCHEMA}"' in head[:200])):
-        _refuse_to_replace(path, ours)
+        refuse_to_replace(path, ours, "a table swinbench matrix wrote", remedy="move it away to render the matrix there")
     atomic_write_text(md, matrix_markdown(rows, command))
     clean = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in rows]
     atomic_write_text(js, json.dumps({"schema": MATRIX_SCHEMA, "cells": clean}, indent=2) + "\n")
     return md, js
-
-
-def _refuse_to_replace(path: Path, ours) -> None:
-    """UserError (nothing written) when `path` is there and is not the table this module wrote (`ours`,
-    given its first 4 KiB): a matrix.md or matrix.json of the user's own is not replaced."""
-    if not path.exists() and not path.is_symlink():
-        return
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(4096).decode("utf-8", errors="replace")
-    except OSError as exc:
-        raise UserError(f"cannot read {path}: {exc.strerror or exc}") from None
-    if not ours(head):
-        raise UserError(f"{path} exists and is not a table swinbench matrix wrote: move it away to render the "
-                        "matrix there (nothing was written)")
 
 
 # ---------------------------------------------------------------- the README's block
