@@ -278,7 +278,8 @@ def write_matrix(out_dir: Path, model_order: list[str] | None = None, command: s
     js = out_dir / MATRIX_JSON
     for path, ours in ((md, lambda head: head.startswith("# swinbench matrix")),
                        (js, lambda head: f'"schema": "{MATRIX_SCHEMA}"' in head[:200])):
-        refuse_to_replace(path, ours, "a table swinbench matrix wrote", remedy="move it away to render the matrix there")
+        refuse_to_replace(path, ours, "a table swinbench matrix wrote",
+                          remedy="move it away to render the matrix there")
     atomic_write_text(md, matrix_markdown(rows, command))
     clean = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in rows]
     atomic_write_text(js, json.dumps({"schema": MATRIX_SCHEMA, "cells": clean}, indent=2) + "\n")
