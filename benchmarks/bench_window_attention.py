@@ -18,6 +18,10 @@ both (autograd.grad, so nothing accumulates). The table gather is inside every t
   fused_table  fused_window_attention_table, as the fused_attention pass runs it: the kernels read the
                table through the index, and the backward sums the bias partials into the table's rows
   fused_views  fused_window_attention on q, k, v unbound from qkv (autograd stacks dq, dk, dv)
+  fused_tiles_slowest / fused_tiles_fastest
+               (windows of more than 64 tokens, on a GPU) `fused` with the key-tiled kernels autotuned over
+               one grid order alone: a window's query tiles (dk/dv: key blocks) on the grid's slowest axis,
+               or side by side on its fastest (TILE_FASTEST); `fused` lets the autotuner pick either
 Stages 1-3 use the shifted-window mask (the more expensive block); stage 4 (one window) has none.
 
 Timing: triton.testing.do_bench (CUDA events, L2 flushed between reps), median and 20th/80th
@@ -184,7 +188,35 @@ def fused_attention_views(t: dict) -> torch.Tensor:
     return fused_window_attention(q, k, v, rel_bias(t), t["mask"], t["scale"])
 
 
-def methods(device: str) -> dict:
+def grid_order(fastest: bool):
+    """A context in which the key-tiled kernels are autotuned over the configs of one grid order only
+    (TILE_FASTEST or not): the three autotuners swapped in for the forward and the backward alike."""
+    import contextlib
+
+    tuned = {name: triton.autotune([c for c in configs if bool(c.kwargs.get("TILE_FASTEST")) == fastest],
+                                   key=wa._AUTOTUNE_KEY)(kernel)
+             for name, kernel, configs in (
+                 ("_fwd_tiled", wa._window_attention_fwd_tiled_kernel, wa._FWD_TILED_CONFIGS),
+                 ("_bwd_dq", wa._window_attention_bwd_dq_kernel, wa._BWD_DQ_CONFIGS),
+                 ("_bwd_dkv", wa._window_attention_bwd_dkv_kernel, wa._BWD_DKV_CONFIGS))}
+
+    @contextlib.contextmanager
+    def swapped():
+        saved = {name: getattr(wa, name) for name in tuned}
+        for name, kernel in tuned.items():
+            setattr(wa, name, kernel)
+        try:
+            yield
+        finally:
+            for name, kernel in saved.items():
+                setattr(wa, name, kernel)
+    return swapped
+
+
+GRID_ORDERS = {"fused_tiles_slowest": False, "fused_tiles_fastest": True}
+
+
+def methods(device: str, tiled: bool = False) -> dict:
     table = {"eager": eager_attention}
     for backend in SDPA_BACKENDS:
         table[f"sdpa_{backend}"] = sdpa_attention(backend)
@@ -195,17 +227,31 @@ def methods(device: str) -> dict:
     table["fused"] = fused_attention
     table["fused_table"] = fused_attention_table
     table["fused_views"] = fused_attention_views
+    if tiled and device == "cuda":       # the key-tiled kernels' two grid orders, each autotuned alone
+        for name, fastest in GRID_ORDERS.items():
+            table[name] = fwd_bwd_in(grid_order(fastest), fused_attention)
     return table
+
+
+def fwd_bwd_in(context, method):
+    """`method` whose fwd_bwd_step runs inside `context()` (its `in_context` attribute)."""
+    def run(t: dict) -> torch.Tensor:
+        return method(t)
+    run.in_context = context
+    return run
 
 
 def fwd_bwd_step(method, t: dict, autocast: bool):
     device_type = t["qkv"].device.type
+    import contextlib
+
+    context = getattr(method, "in_context", contextlib.nullcontext)
 
     def step():
         # No autocast weight cache: the step must be capturable in a CUDA graph.
-        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast, cache_enabled=False):
+        with context(), torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast, cache_enabled=False):
             out = method(t)
-        return torch.autograd.grad(out, [t["qkv"], t["table"]], t["dout"])
+            return torch.autograd.grad(out, [t["qkv"], t["table"]], t["dout"])
     return step
 
 
@@ -406,7 +452,7 @@ def main(argv=None) -> int:
     shapes = [s for s in stage_shapes(batch, args.img, args.window) if s["stage"] in wanted]
     if device == "cpu":  # interpreter smoke test: one batch, stages with few windows only
         shapes = [s for s in shapes if s["bnw"] * s["nh"] <= 64] or shapes[-1:]
-    table = methods(device)
+    table = methods(device, tiled=args.window * args.window > 64)
     if args.methods:
         keep = set(args.methods.split(","))
         table = {k: v for k, v in table.items() if k in keep or k.startswith("fused")}

@@ -130,3 +130,19 @@ def test_scaling_script_goes_on_past_a_failing_command_and_names_it(tmp_path):
     firsts = [ln.split()[0] for ln in run.stdout.splitlines()]
     assert firsts[:4] == ["apply", "profile", "apply", "profile"]
     assert "failed: apply m N=1 (exit 2)" in run.stdout and "N=2" not in run.stdout.split("failed:")[1]
+
+
+def test_window_attention_grid_orders_swap_the_key_tiled_autotuners_and_put_them_back():
+    """--window 12 on a GPU times `fused` with each grid order autotuned alone: inside the context the three
+    key-tiled kernels are autotuners over that order's configs only; after it, the module's own again."""
+    from workbench.kernels import window_attention as wa
+
+    module = load(BENCH / "bench_window_attention.py")
+    before = (wa._fwd_tiled, wa._bwd_dq, wa._bwd_dkv)
+    for fastest in (False, True):
+        with module.grid_order(fastest)():
+            for kernel in (wa._fwd_tiled, wa._bwd_dq, wa._bwd_dkv):
+                assert kernel.configs and all(bool(c.kwargs.get("TILE_FASTEST")) == fastest for c in kernel.configs)
+        assert (wa._fwd_tiled, wa._bwd_dq, wa._bwd_dkv) == before
+    assert set(module.GRID_ORDERS) <= set(module.methods("cuda", tiled=True))
+    assert not set(module.GRID_ORDERS) & set(module.methods("cuda", tiled=False))
