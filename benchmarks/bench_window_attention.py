@@ -52,6 +52,7 @@ both against eager_v2 computed in fp32 (relative Frobenius error < 2e-2).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -191,14 +192,7 @@ def fused_attention_views(t: dict) -> torch.Tensor:
 def grid_order(fastest: bool):
     """A context in which the key-tiled kernels are autotuned over the configs of one grid order only
     (TILE_FASTEST or not): the three autotuners swapped in for the forward and the backward alike."""
-    import contextlib
-
-    tuned = {name: triton.autotune([c for c in configs if bool(c.kwargs.get("TILE_FASTEST")) == fastest],
-                                   key=wa._AUTOTUNE_KEY)(kernel)
-             for name, kernel, configs in (
-                 ("_fwd_tiled", wa._window_attention_fwd_tiled_kernel, wa._FWD_TILED_CONFIGS),
-                 ("_bwd_dq", wa._window_attention_bwd_dq_kernel, wa._BWD_DQ_CONFIGS),
-                 ("_bwd_dkv", wa._window_attention_bwd_dkv_kernel, wa._BWD_DKV_CONFIGS))}
+    tuned = wa.key_tiled_autotuners(lambda c: bool(c.kwargs.get("TILE_FASTEST")) == fastest)
 
     @contextlib.contextmanager
     def swapped():
@@ -243,14 +237,13 @@ def fwd_bwd_in(context, method):
 
 def fwd_bwd_step(method, t: dict, autocast: bool):
     device_type = t["qkv"].device.type
-    import contextlib
-
     context = getattr(method, "in_context", contextlib.nullcontext)
 
     def step():
-        # No autocast weight cache: the step must be capturable in a CUDA graph.
-        with context(), torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast, cache_enabled=False):
-            out = method(t)
+        with context():
+            # No autocast weight cache: the step must be capturable in a CUDA graph.
+            with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast, cache_enabled=False):
+                out = method(t)
             return torch.autograd.grad(out, [t["qkv"], t["table"]], t["dout"])
     return step
 

@@ -432,18 +432,13 @@ def test_key_tiled_32_row_tiles_and_odd_groups(mode, monkeypatch):
 @pytest.mark.parametrize("mode", ["bias", "table"])
 def test_key_tiled_kernels_with_the_tiles_fastest_in_the_grid(mode, monkeypatch):
     """The autotuner's TILE_FASTEST configs (a window's query tiles, or the dk/dv kernel's key blocks, side by
-    side along the grid's first axis) compute the same function: on a GPU each key-tiled kernel runs its
-    first such config alone, under the interpreter the interpreter's config takes the flag; against the
+    side along the grid's first axis) compute the same function: on a GPU each key-tiled kernel is
+    autotuned over such configs alone, under the interpreter the interpreter's config takes the flag; against the
     float64 formula, with a last group of one window."""
     if torch.cuda.is_available():
-        import triton
-
-        for name, kernel, configs in (("_fwd_tiled", wa._window_attention_fwd_tiled_kernel, wa._FWD_TILED_CONFIGS),
-                                      ("_bwd_dq", wa._window_attention_bwd_dq_kernel, wa._BWD_DQ_CONFIGS),
-                                      ("_bwd_dkv", wa._window_attention_bwd_dkv_kernel, wa._BWD_DKV_CONFIGS)):
-            fastest = [c for c in configs if c.kwargs.get("TILE_FASTEST")][:1]
-            assert fastest, name
-            monkeypatch.setattr(wa, name, triton.autotune(fastest, key=wa._AUTOTUNE_KEY)(kernel))
+        for name, tuned in wa.key_tiled_autotuners(lambda c: bool(c.kwargs.get("TILE_FASTEST"))).items():
+            assert tuned.configs, name
+            monkeypatch.setattr(wa, name, tuned)
     else:
         monkeypatch.setattr(wa, "_TILED_INTERPRET_CONFIG", {**wa._TILED_INTERPRET_CONFIG, "TILE_FASTEST": True})
     if mode == "table":

@@ -760,6 +760,16 @@ else:
         _window_attention_bwd_dkv_kernel)
 
 
+def key_tiled_autotuners(keep) -> dict:
+    """{module attribute: autotuner} of the three key-tiled kernels (_fwd_tiled, _bwd_dq, _bwd_dkv), each
+    autotuned over the configs of its list that `keep(config)` accepts (a test or benchmark sets them in
+    place of the module's own to run one kind of config alone)."""
+    return {name: triton.autotune([c for c in configs if keep(c)], key=_AUTOTUNE_KEY)(kernel)
+            for name, kernel, configs in (("_fwd_tiled", _window_attention_fwd_tiled_kernel, _FWD_TILED_CONFIGS),
+                                          ("_bwd_dq", _window_attention_bwd_dq_kernel, _BWD_DQ_CONFIGS),
+                                          ("_bwd_dkv", _window_attention_bwd_dkv_kernel, _BWD_DKV_CONFIGS))}
+
+
 def _bwd_kernel(block_n: int):
     """The backward launcher that writes the d_bias partials: up to 64 keys the one-tile kernel, whose
     configs also choose the query-tile height (_BWD_SMALL_CONFIGS), else the key-tiled dq/d_bias kernel."""
