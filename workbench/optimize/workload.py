@@ -79,7 +79,7 @@ class Workload:
     session: object = None       # training: the API's OptimizedSwin that runs every step
     _step_fn: object = None
     _graph: object = None        # inference: the captured forward
-    _graph_loss: object = None
+    _graph_logits: object = None
     _heldout_data: object = None
 
     @classmethod
@@ -171,25 +171,28 @@ class Workload:
             self.optimizer = self.session.stepper
             self._step_fn = self._session_forward_loss
             return
-        self._step_fn = self._forward_loss
+        # Inference times the forward alone: the loss the gate compares is computed after it, outside
+        # the timed step and the captured graph.
+        self._step_fn = self._forward
         if self.ctx.compile:
-            self._step_fn = torch.compile(self._forward_loss, **self.ctx.compile_options)
+            self._step_fn = torch.compile(self._forward, **self.ctx.compile_options)
 
     def forward_loss(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, loss) of the batch through the step's forward (compiled when the stage compiles; under
-        DDP through its wrapper)."""
+        DDP through its wrapper). Inference: the loss in fp32 on the forward's logits."""
         if self._step_fn is None:
             self.prepare()
-        return self._step_fn(self.x, self.y)
+        if self.config.mode == "train":
+            return self._step_fn(self.x, self.y)
+        logits = self._step_fn(self.x)
+        return logits, F.cross_entropy(logits.float(), self.y)
 
     def _session_forward_loss(self, x, y):
         return self.session._forward_loss(x, y, F.cross_entropy)
 
-    def _forward_loss(self, x, y):
+    def _forward(self, x):
         with self.ctx.precision.autocast(self.ctx.device.type):
-            logits = self.model(x)
-            loss = F.cross_entropy(logits.float(), y)
-        return logits, loss
+            return self.model(x)
 
     @property
     def has_heldout(self) -> bool:
@@ -232,7 +235,7 @@ class Workload:
                 if n < b:
                     x = torch.cat([x, x[:1].expand(b - n, *x.shape[1:])])
                     y = torch.cat([y, y[:1].expand(b - n)])
-                logits.append(self._step_fn(x, y)[0][:n].float().cpu())
+                logits.append(self._step_fn(x)[:n].float().cpu())
                 labels.append(y[:n].cpu())
         return torch.cat(logits), torch.cat(labels)
 
@@ -262,12 +265,12 @@ class Workload:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=side):
-            self._graph_loss = self._infer_step()
+            self._graph_logits = self._infer_step()
         self._graph = graph
 
     def _infer_step(self) -> torch.Tensor:
         with torch.inference_mode():
-            return self._step_fn(self.x, self.y)[1]
+            return self._step_fn(self.x)
 
     def own_graphs(self) -> str | None:
         """How this workload's step already replays CUDA graphs (None: it launches its kernels itself)."""
@@ -319,8 +322,9 @@ class Workload:
                 self._infer_step()
 
     def step(self, i: int) -> torch.Tensor:
-        """One training step (forward, backward, optimizer) or one inference forward, with ranges. A stage
-        that replays a CUDA graph warms up and captures it in its first step."""
+        """One training step (forward, backward, optimizer; returns the loss) or one inference forward
+        (returns the logits; no loss is computed in the timed step), with ranges. A stage that replays a
+        CUDA graph warms up and captures it in its first step."""
         if self._step_fn is None:
             self.prepare()
         m = self.marker
@@ -336,6 +340,6 @@ class Workload:
                 self.capture_graph()
             with m.range(f"step{i}"), m.range("graph"):
                 self._graph.replay()
-            return self._graph_loss
+            return self._graph_logits
         with m.range(f"step{i}"), m.range("forward"), torch.inference_mode():
-            return self._step_fn(self.x, self.y)[1]
+            return self._step_fn(self.x)
