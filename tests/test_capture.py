@@ -16,6 +16,15 @@ def test_auto_on_cpu_falls_back_to_torch_profiler_and_says_why():
     assert backend == "torch" and path is None and "torch.profiler" in note
 
 
+def test_auto_on_cpu_never_needs_nsys_but_a_wrong_nsys_flag_is_said(tmp_path, monkeypatch):
+    """A stale $SWINBENCH_NSYS (set for the GPU machine) does not stop a CPU capture, which never uses nsys."""
+    monkeypatch.setenv("SWINBENCH_NSYS", str(tmp_path / "missing"))
+    backend, path, note = resolve_backend("auto", CPU, None)
+    assert backend == "torch" and path is None and "torch.profiler" in note
+    with pytest.raises(UserError, match="nsys not found at .*--nsys"):
+        resolve_backend("auto", CPU, str(tmp_path / "nope"))
+
+
 def test_explicit_nsys_without_gpu_or_binary_is_one_clear_error(tmp_path, monkeypatch):
     monkeypatch.delenv("SWINBENCH_NSYS", raising=False)
     with pytest.raises(UserError, match="nsys not found at"):

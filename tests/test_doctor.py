@@ -35,7 +35,17 @@ def test_nsys_found_is_run_for_its_version(tmp_path, monkeypatch):
     assert rows["nsys"] == {"what": "nsys", "value": str(fake), "note": "NVIDIA Nsight Systems version 2099.1.1"}
     assert "SWINBENCH_TRITON_OP=0" in rows["SWINBENCH_* settings"]["value"]
     monkeypatch.setenv("SWINBENCH_NSYS", str(tmp_path / "missing"))
-    assert _rows(device="cpu")["nsys"]["value"] == "not usable"
+    row = _rows(device="cpu")["nsys"]
+    assert row["value"] == "not usable" and "not needed here" in row["note"] and "torch.profiler" in row["note"]
+
+
+def test_stale_swinbench_nsys_does_not_stop_a_cpu_profile(tmp_path, monkeypatch):
+    """What env says (not needed on the CPU) is what profile does."""
+    monkeypatch.setenv("SWINBENCH_NSYS", str(tmp_path / "missing"))
+    out = runner.invoke(app, ["profile", "--device", "cpu", "--batch", "1", "--steps", "1", "--warmup", "1",
+                              "--no-timeline", "--out", str(tmp_path / "p")])
+    assert out.exit_code == 0, out.output
+    assert (tmp_path / "p" / "trace.json").exists()
 
 
 def test_cli_env_table_json_and_bad_format():

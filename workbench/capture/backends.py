@@ -71,11 +71,17 @@ def stop_process(proc) -> None:
 
 def resolve_backend(backend: str, device: torch.device, nsys: str | None) -> tuple[str, str | None, str | None]:
     """-> (backend, nsys path, note). 'auto' takes nsys on a GPU when nsys is found, else torch.profiler,
-    and the note says why; an explicit 'nsys' that cannot run is a UserError."""
+    and the note says why; an explicit 'nsys' that cannot run is a UserError. 'auto' off a GPU never looks
+    for nsys (it traces CUDA only), so a stale $SWINBENCH_NSYS does not stop a CPU capture; a wrong
+    --nsys is still said."""
     if backend not in ("auto", "nsys", "torch"):
         raise UserError(f"unknown backend {backend!r}: choose auto, nsys or torch")
     if backend == "torch":
         return "torch", None, None
+    if backend == "auto" and device.type != "cuda":
+        if nsys:
+            find_nsys(nsys)     # the user's own --nsys: a wrong path is one line, as on a GPU
+        return "torch", None, "no GPU: torch.profiler backend on the CPU (CPU operator times, no GPU kernels)"
     path = find_nsys(nsys)
     if backend == "nsys":
         if path is None:
@@ -83,8 +89,6 @@ def resolve_backend(backend: str, device: torch.device, nsys: str | None) -> tup
         if device.type != "cuda":
             raise UserError("the nsys backend traces CUDA: use --device cuda, or --backend torch on the CPU")
         return "nsys", path, None
-    if device.type != "cuda":
-        return "torch", None, "no GPU: torch.profiler backend on the CPU (CPU operator times, no GPU kernels)"
     if path is None:
         return "torch", None, "nsys not found: torch.profiler (Kineto) backend instead"
     return "nsys", path, None

@@ -18,14 +18,16 @@ import torch
 from workbench.env import environment_stamp
 
 
-def _nsys_row() -> tuple[str, str]:
+def _nsys_row(on_gpu: bool) -> tuple[str, str]:
     from workbench.errors import UserError
     from workbench.trace.nsys_sqlite import find_nsys
 
     try:
         path = find_nsys()
-    except UserError as exc:
-        return "not usable", f"{exc}; profile falls back to torch.profiler"
+    except UserError as exc:   # profile (backends.resolve_backend) stops on it where it would use nsys
+        if on_gpu:
+            return "not usable", f"{exc}: profile and apply --profile stop with this error until it is fixed or unset"
+        return "not usable", f"{exc}: not needed here, profile and apply --profile use torch.profiler on the CPU"
     if path is None:
         return "not found", "profile and apply --profile use torch.profiler (Kineto) instead; see docs/gpu-machine.md"
     try:
@@ -64,7 +66,7 @@ def environment_report(device: str = "auto") -> list[dict]:
         else "no GPU: commands run the tiny Swin on the CPU and label every figure CPU")
     for key in ("torch", "triton", "timm", "cuda", "python"):
         add(key, stamp.get(key))
-    nsys, note = _nsys_row()
+    nsys, note = _nsys_row(on_gpu)
     add("nsys", nsys, note)
     version, note = _module_row("nvtx", "NVTX ranges go through torch.cuda.nvtx (no domain); see docs/gpu-machine.md")
     add("nvtx package", version, note)
