@@ -94,3 +94,16 @@ def test_a_workload_that_fails_under_the_profiler_is_one_line_and_blocks_nothing
     assert "RuntimeError" in (out / "capture.log").read_text()          # the traceback, for the user
     monkeypatch.undo()
     assert runner.invoke(app, args).exit_code == 0                     # the folder holds no run yet
+
+
+def test_a_precision_the_cpu_does_not_run_is_said_with_what_ran(tmp_path):
+    """fp16 autocast runs as bf16 on the CPU and tf32 as fp32: the capture is labelled with the option's name,
+    so a note says what it really is of."""
+    for asked, ran in (("fp16", "bf16"), ("tf32", "fp32")):
+        result = runner.invoke(app, ["profile", "--device", "cpu", "--batch", "1", "--steps", "1", "--warmup", "1",
+                                     "--precision", asked, "--no-timeline", "--out", str(tmp_path / asked)])
+        assert result.exit_code == 0, result.output
+        assert f"--precision {asked} runs as {ran} on the CPU" in " ".join(result.output.split())
+    plain = runner.invoke(app, ["profile", "--device", "cpu", "--batch", "1", "--steps", "1", "--warmup", "1",
+                                "--precision", "bf16", "--no-timeline", "--out", str(tmp_path / "bf16")])
+    assert plain.exit_code == 0 and "runs as" not in plain.output

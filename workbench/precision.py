@@ -31,6 +31,15 @@ class Precision:
             return torch.autocast("cpu", dtype=torch.bfloat16)
         return torch.autocast(device_type, dtype=self.amp_dtype)
 
+    def runs_as(self, device_type: str) -> str:
+        """The precision a step on `device_type` really runs: on the CPU fp16 runs as bf16 (`autocast`) and
+        tf32 as fp32 (TF32 is a CUDA matmul mode)."""
+        if device_type == "cpu" and self.amp_dtype is torch.float16:
+            return "bf16"
+        if device_type == "cpu" and self.tf32:
+            return "fp32"
+        return self.name
+
     def apply_matmul_mode(self) -> None:
         """Set TF32 for matmul and cuDNN explicitly, so the baseline is fp32 no matter the defaults."""
         torch.backends.cuda.matmul.allow_tf32 = self.tf32

@@ -69,7 +69,7 @@ def run_profile(*, model: str | None, mode: str, batch: int, precision: str, ste
     size = own_img_size(model, img_size)
     config = WorkloadConfig(model=model, mode=mode, batch=batch, precision=precision, device=device,
                             img_size=list(size) if size else None)
-    resolve_precision(precision)
+    ran_as = resolve_precision(precision).runs_as(dev.type)
     if recipe:
         from workbench.optimize.recipes import chain_passes
 
@@ -94,6 +94,9 @@ def run_profile(*, model: str | None, mode: str, batch: int, precision: str, ste
         crowded = oversubscribed_note(nproc, dev)
         if crowded:
             notes.append(crowded)
+        if ran_as != precision:   # the run name, the tables' titles and run.json keep the name asked for
+            notes.append(f"--precision {precision} runs as {ran_as} on the CPU (TF32 and fp16 autocast are GPU "
+                         f"modes here): the capture is of {ran_as}")
         first = _warmup_short_of(recipe, warmup)
         if first:
             notes.append(f"--warmup {warmup}: the captured steps include {first}, which later steps do not pay")
