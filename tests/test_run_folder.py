@@ -207,6 +207,13 @@ def test_a_matrix_folder_or_a_part_of_another_run_is_refused(tmp_path):
         with pytest.raises(UserError, match=f"is part of the run in .*its {part}"):
             claim_run_folder(run / part, command="apply", overwrite=True)
     assert folder_digest(run) == digest
+    # nor may a new folder take a name the run writes itself: `analyze RUN` would read RUN/rank0 as its ranks
+    for part in ("rank0", "logs"):
+        with pytest.raises(UserError, match=f"would be part of the run in .*{part} is a name swinbench gives"):
+            claim_run_folder(run / part, command="profile", overwrite=True)
+    assert folder_digest(run) == digest
+    with claim_run_folder(run / "mine", command="profile"):    # any other name is the user's own folder
+        pass
     # a folder that merely shares a name with a run entry, beside no run, is a run folder like any other
     with claim_run_folder(tmp_path / "elsewhere" / "profiles", command="profile"):
         pass

@@ -315,14 +315,21 @@ def refuse_part_of_another(folder: Path) -> None:
 
 
 def refuse_inside_a_run(folder: Path) -> None:
-    """UserError (one line) when `folder` is a part of another run (its records/, profiles/, ...)."""
+    """UserError (one line) when `folder` is a part of another run (its records/, profiles/, ...), or would
+    become one: a name of RUN_ENTRY_PATTERNS (rank0, profiles, ...) inside a folder that holds a run, where
+    analyze, report and --overwrite would take it for that run's own."""
     folder = Path(folder)
-    parent = Path(os.path.abspath(folder)).parent
-    if parent != Path(os.path.abspath(folder)):
-        entries = run_entries(parent)
-        names = [e.name for e in entries]
-        if folder.name in names and len(names) > 1:
-            raise UserError(f"{folder} is part of the run in {parent} (its {folder.name}): choose another --out")
+    here = Path(os.path.abspath(folder))
+    parent = here.parent
+    if parent != here and any(fnmatch.fnmatchcase(here.name, p) for p in RUN_ENTRY_PATTERNS):
+        names = [e.name for e in run_entries(parent)]
+        if here.name in names and len(names) > 1:
+            raise UserError(f"{folder} is part of the run in {parent} (its {here.name}): choose another --out")
+        if here.name not in names and names:
+            raise UserError(f"{folder} would be part of the run in {parent} ({', '.join(names[:3])}"
+                            f"{', ...' if len(names) > 3 else ''}): {here.name} is a name swinbench gives a run's own "
+                            "files, so analyze, report and --overwrite would take it for that run's; choose "
+                            "another --out")
 
 
 def refuse_records_folder(folder: Path) -> None:
