@@ -65,7 +65,8 @@ def environment_report(device: str = "auto") -> list[dict]:
         f"driver {stamp['driver']}, {stamp.get('sm_count')} SMs, capability {stamp.get('capability')}" if on_gpu
         else "no GPU: commands run the tiny Swin on the CPU and label every figure CPU")
     for key in ("torch", "triton", "timm", "cuda", "python"):
-        add(key, stamp.get(key))
+        add(key, stamp.get(key), "the CUDA torch was built for: no CUDA GPU is in use here"
+            if key == "cuda" and not on_gpu and stamp.get(key) else "")
     nsys, note = _nsys_row(on_gpu)
     add("nsys", nsys, note)
     version, note = _module_row("nvtx", "NVTX ranges go through torch.cuda.nvtx (no domain); see docs/gpu-machine.md")
