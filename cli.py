@@ -101,7 +101,7 @@ OverwriteTables = Annotated[bool, typer.Option("--overwrite", help="If --out hol
 @app.command()
 def profile(
     model: Model = None,
-    mode: Annotated[str, typer.Option(help="train (forward, backward, AdamW step) or infer (the forward and its loss, no backward).")] = "train",
+    mode: Annotated[str, typer.Option(help="train (forward, backward, AdamW step) or infer (the forward alone: no loss, no backward).")] = "train",
     batch: Annotated[int, typer.Option(help="Images per step.")] = 32,
     precision: Annotated[str, typer.Option(help="fp32 | tf32 | bf16 | fp16 (bf16/fp16 via autocast).")] = "bf16",
     steps: Annotated[int, typer.Option(help="Steps captured in the trace.")] = 4,

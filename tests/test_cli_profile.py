@@ -107,3 +107,19 @@ def test_a_precision_the_cpu_does_not_run_is_said_with_what_ran(tmp_path):
     plain = runner.invoke(app, ["profile", "--device", "cpu", "--batch", "1", "--steps", "1", "--warmup", "1",
                                 "--precision", "bf16", "--no-timeline", "--out", str(tmp_path / "bf16")])
     assert plain.exit_code == 0 and "runs as" not in plain.output
+
+
+def test_infer_capture_is_the_forward_alone_as_its_help_says(tmp_path):
+    """The inference step is the forward alone (the loss is computed outside it): no loss operator in the
+    trace, and --mode's help does not promise one."""
+    import typer.main
+
+    command = typer.main.get_command(app).get_command(None, "profile")
+    assert "forward alone" in next(p.help for p in command.params if p.name == "mode")
+    out = tmp_path / "infer"
+    result = runner.invoke(app, ["profile", "--device", "cpu", "--mode", "infer", "--batch", "1", "--steps", "1",
+                                 "--warmup", "1", "--no-timeline", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    operators = (out / "kernels.csv").read_text()
+    assert "aten::linear" in operators or "aten::addmm" in operators
+    assert "nll_loss" not in operators and "cross_entropy" not in operators
