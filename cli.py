@@ -392,7 +392,7 @@ def apply(
     stages: Annotated[Optional[str], typer.Option(help="Comma-separated stages to run instead of the chain (e.g. baseline,amp,torch-compile).")] = None,
     model: Model = None,
     batch: Annotated[int, typer.Option(help="Images per step.")] = 64,
-    mode: Annotated[str, typer.Option(help="train (forward, backward, optimizer step) or infer (the forward and its loss, no backward; the gate compares logits and loss).")] = "train",
+    mode: Annotated[str, typer.Option(help="train (forward, backward, optimizer step) or infer (the forward alone, no backward; the gate compares logits and the loss computed from them).")] = "train",
     steps: Annotated[int, typer.Option(help="Timed steps per stage (median and IQR over these).")] = 20,
     warmup: Annotated[int, typer.Option(help="Untimed steps per stage first (compilation happens here).")] = 5,
     device: Device = "auto",
