@@ -33,6 +33,12 @@ def test_explicit_nsys_without_gpu_or_binary_is_one_clear_error(tmp_path, monkey
         resolve_backend("perfetto", CPU, None)
 
 
+def test_a_given_nsys_with_the_torch_backend_is_said_unused(tmp_path):
+    backend, path, note = resolve_backend("torch", CPU, str(tmp_path / "nsys"))
+    assert backend == "torch" and path is None and "--nsys is not used" in note
+    assert resolve_backend("torch", CPU, None) == ("torch", None, None)
+
+
 def test_find_nsys_prefers_flag_then_environment(tmp_path, monkeypatch):
     fake = tmp_path / "nsys"
     fake.write_text("#!/bin/sh\n")

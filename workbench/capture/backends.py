@@ -77,7 +77,7 @@ def resolve_backend(backend: str, device: torch.device, nsys: str | None) -> tup
     if backend not in ("auto", "nsys", "torch"):
         raise UserError(f"unknown backend {backend!r}: choose auto, nsys or torch")
     if backend == "torch":
-        return "torch", None, None
+        return "torch", None, ("--nsys is not used: --backend torch captures with torch.profiler" if nsys else None)
     if backend == "auto" and device.type != "cuda":
         if nsys:
             find_nsys(nsys)     # the user's own --nsys: a wrong path is one line, as on a GPU
