@@ -231,3 +231,15 @@ def test_atomic_writes_keep_the_files_permissions(tmp_path):
     assert kept.stat().st_mode & 0o777 == 0o664 and kept.read_text() == "new\n"
     fresh = atomic_write_text(tmp_path / "fresh.json", "{}\n")
     assert fresh.stat().st_mode & 0o777 == 0o666 & ~_UMASK
+
+
+def test_an_unwritable_folder_is_named_not_the_locks_temporary_file(tmp_path, monkeypatch):
+    import workbench.run_folder as run_folder
+
+    def read_only(path, text):
+        raise UserError(f"cannot write {path}: Read-only file system")
+
+    monkeypatch.setattr(run_folder, "atomic_write_text", read_only)
+    with pytest.raises(UserError) as err:
+        claim_run_folder(tmp_path / "out", command="test")
+    assert str(err.value) == f"cannot write into the output folder {tmp_path / 'out'}: Read-only file system"

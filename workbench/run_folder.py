@@ -211,7 +211,11 @@ class FolderLock:
                  "started": _dt.datetime.now().isoformat(timespec="seconds")}
         text = json.dumps(owner) + "\n"
         tmp = self.folder / f".swinbench.lock.{os.getpid()}.tmp"
-        atomic_write_text(tmp, text)
+        try:
+            atomic_write_text(tmp, text)
+        except (OSError, UserError) as exc:   # the folder, not the lock's temporary file, is what the user named
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).rsplit(": ", 1)[-1]
+            raise UserError(f"cannot write into the output folder {self.folder}: {reason}") from None
         try:
             for _ in range(2):
                 try:
