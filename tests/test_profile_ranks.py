@@ -35,6 +35,8 @@ def test_profile_nproc_2_captures_every_rank_and_reads_them_together(tmp_path, m
     assert list(table["rank"]) == [0, 1] and list(table["steps"]) == [2, 2]
     assert (table["comm_ms"] > 0).all()            # the gradient all-reduce, on every rank
     assert "rank 0 of 2" in result.output and "step-time skew" in result.output
+    listed = result.output.split("files written:")[-1].replace("\n", "")
+    assert str(out / "capture_spec.json") in listed and str(out / "rank1" / "run.json") in listed
 
     again = runner.invoke(app, ["analyze", str(out), "--format", "json", "--out", str(tmp_path / "a"), "--no-timeline"])
     assert again.exit_code == 0, again.output

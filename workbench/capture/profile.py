@@ -176,12 +176,13 @@ def _capture_ranks(config: WorkloadConfig, recipe: str | None, out_dir: Path, ch
             render_analysis(analysis, console, top=top, gains=gains.gains)
             if gains.note:
                 console.print(f"[yellow]note:[/] {gains.note}", highlight=False)
-        files += [p for p in (trace, trace.parent / "run.json") if p.exists()]
+        files += _capture_files(trace.parent, trace) if trace.parent != out_dir else []
         files += write_analysis(analysis, trace.parent, fmt, trace=trace, timeline=timeline,
                                 title=f"{title}, rank {rank} of {nproc}", gains=gains.gains,
                                 on_note=lambda line: console.print(f"[yellow]note:[/] {line}", highlight=False))
     table = rank_frame(rows)
     render_rank_table(table, console, cpu=config.device == "cpu")
+    files = _capture_files(out_dir) + files
     files.append(write_rank_table(table, out_dir, fmt))
     console.print(f"[bold]{label}[/] backend, {nproc} ranks; files written:")
     for f in files:
@@ -211,8 +212,7 @@ def _capture_and_analyze(config: WorkloadConfig, recipe: str | None, out_dir: Pa
     render_analysis(analysis, console, top=top, gains=gains.gains)
     if gains.note:
         console.print(f"[yellow]note:[/] {gains.note}", highlight=False)
-    files = [p for p in (out_dir / "trace.nsys-rep", trace, out_dir / "run.json", out_dir / "capture.log",
-                         out_dir / "nsys.log") if p.exists()]
+    files = _capture_files(out_dir, trace)
     title = f"{config.model}{at} {mode} {precision} batch {batch}" + (f", recipe {recipe}" if recipe else "")
     files += write_analysis(analysis, out_dir, fmt, trace=trace, timeline=timeline, title=title, gains=gains.gains,
                             on_note=lambda line: console.print(f"[yellow]note:[/] {line}", highlight=False))
@@ -220,6 +220,13 @@ def _capture_and_analyze(config: WorkloadConfig, recipe: str | None, out_dir: Pa
     for f in files:
         console.print(f"  {f}")
     return ProfileResult(out_dir=out_dir, backend=chosen, trace=trace, files=files, notes=notes)
+
+
+def _capture_files(folder: Path, trace: Path | None = None) -> list[Path]:
+    """The files a capture left in `folder` (its trace, run.json, logs, the spec it ran), those that exist."""
+    names = ("trace.nsys-rep", "trace", "run.json", "capture_spec.json", "capture.log", "nsys.log", "torchrun.log")
+    paths = [trace if n == "trace" else folder / n for n in names if n != "trace" or trace is not None]
+    return [p for p in paths if p.exists()]
 
 
 @contextmanager
