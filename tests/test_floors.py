@@ -312,3 +312,25 @@ def test_a_compiled_stage_logs_its_kernels_from_one_step_run_eagerly():
     names = {e["kernel"] for e in log}
     assert {"_window_attention_fwd_kernel", "_window_attention_bwd_kernel"} <= names
     assert counters["stats"]["unique_graphs"] == 0
+
+
+@pytest.mark.parametrize("mode", ["train", "infer"])
+def test_the_eager_step_launches_what_the_compiled_step_launches(mode):
+    """The floors of a compiled stage take each launch's bytes from the eager step, matched to the trace's
+    instances of the kernel in order: so the eager step takes the compiled step's branches (timm's stage
+    forward, no deferred residual, torch's sums; `_common.as_compiled`) and launches every kernel with the
+    same arguments in the same order. On the CPU the compiled graph calls the host functions back (opaque
+    operators), so its launches are in the log too."""
+    from workbench.ladder.interleave import build_stage_workload
+    from workbench.models import TINY_MODEL
+    from workbench.optimize.workload import WorkloadConfig
+
+    workload, _ = build_stage_workload(WorkloadConfig(model=TINY_MODEL, batch=1, device=DEVICE, mode=mode),
+                                       "fmha-compile")
+    with launch_log() as eager:
+        workload.eager_step()
+    workload.step(0)
+    with launch_log() as compiled:
+        workload.step(1)
+    assert compiled, "the compiled step's launches were not seen"
+    assert [(e["kernel"], e["bytes"]) for e in eager] == [(e["kernel"], e["bytes"]) for e in compiled]

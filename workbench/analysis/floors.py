@@ -3,7 +3,8 @@
 The capture logs one warm-up step's eager Triton launches (`launches.json` beside the trace: each launch's
 kernel and the bytes of its tensor arguments, each counted once). Under torch.compile on a GPU Inductor
 launches swinbench's kernels itself, out of the log's sight: there the capture logs one step run before the
-warm-up with torch.compile forced eager, which launches the same kernels on the same shapes (`forced_eager`). A launch that reads or writes every
+warm-up with torch.compile forced eager and the compiled code's branches taken (`kernels._common.as_compiled`),
+which launches the same kernels with the same arguments in the same order (`forced_eager`). A launch that reads or writes every
 element of every argument once must move at least those bytes, so at the GPU's peak memory bandwidth it
 cannot take less than
 

@@ -215,6 +215,28 @@ def config_label(kernel) -> str | None:
 _LAUNCH_LOG: list | None = None     # the active launch_log's list: every thread's launches (autograd's too)
 
 
+_AS_COMPILED = [False]
+
+
+def traced() -> bool:
+    """Whether code with a compiled and an eager branch takes the compiled one: while Dynamo traces it, and
+    inside `as_compiled`, where a step run eagerly stands in for the compiled step (the profile's kernel
+    floors log its launches) and so launches swinbench's kernels as the compiled step does."""
+    return torch.compiler.is_compiling() or _AS_COMPILED[0]
+
+
+@contextlib.contextmanager
+def as_compiled():
+    """Within the block, `traced()` is true: eager code takes torch.compile's branches (timm's stage and
+    merging forwards, torch's sums and multiplies where Inductor would fuse them), so a forced-eager step
+    launches swinbench's kernels with the arguments and in the order the compiled step launches them."""
+    previous, _AS_COMPILED[0] = _AS_COMPILED[0], True
+    try:
+        yield
+    finally:
+        _AS_COMPILED[0] = previous
+
+
 @contextlib.contextmanager
 def launch_log():
     """Collect the eager Triton launches made inside the block, from any thread (a backward's launches come
@@ -687,7 +709,7 @@ def eager_column_sums(n_cols: int, device: torch.device, ctx, *params, slots: in
     (the operators' schemas stay as they are; Inductor schedules the memset). A Function keeps it on ctx
     and drops it after one backward, so a second backward through a retained graph gets a fresh one."""
     if (not any(ctx.needs_input_grad) or all(p is None for p in params)
-            or torch.are_deterministic_algorithms_enabled() or torch.compiler.is_compiling()):
+            or torch.are_deterministic_algorithms_enabled() or traced()):
         return None
     return new_output((slots * n_cols,), torch.float32, device)
 

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from workbench.kernels import _common
-from workbench.kernels._common import SOFT_RTNE, cdiv, launch, to_dtype
+from workbench.kernels._common import SOFT_RTNE, cdiv, launch, to_dtype, traced
 
 _BLOCK = 2048   # elements a program streams: 16 per thread at 4 warps, two 16-byte vectors in bf16
 
@@ -73,6 +73,6 @@ class ScaleSamplesFunction(torch.autograd.Function):
 def scale_samples(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """x * keep.view(B, 1, ..., 1) with autograd (eager: under torch.compile, multiply in torch, which
     Inductor fuses into its neighbours)."""
-    if torch.compiler.is_compiling():
+    if traced():
         return x * keep.view((-1,) + (1,) * (x.dim() - 1))
     return ScaleSamplesFunction.apply(x, keep)

@@ -49,7 +49,7 @@ import triton.language as tl
 
 from workbench.kernels._common import (_INTERPRET, SOFT_RTNE as _SOFT_RTNE, cdiv, require_compute_dtype, column_sums, eager_column_sums, emit_column_sum,
                       finish_column_sums, host_cache, kernel_op, launch, launch_options, next_pow2, pdl_enter, pdl_exit, pdl_launch,
-                      sm_count, split_norm_grads, sum_rows, to_dtype, zero_column_sums)
+                      sm_count, split_norm_grads, sum_rows, to_dtype, traced, zero_column_sums)
 
 # ----------------------------------------------------------------------------------- kernels
 
@@ -645,7 +645,7 @@ def _norm_grads(sums: torch.Tensor, weight, bias) -> tuple:
     cast would be a plain launch that breaks the chain of PDL launches). While torch.compile traces,
     torch's sum and cast (Inductor schedules them with the rest)."""
     rows = sums.view(-1, sums.shape[-1])
-    if torch.compiler.is_compiling():
+    if traced():
         return split_norm_grads(rows.sum(0) if rows.shape[0] > 1 else rows[0], weight, bias)
     fold = (weight is not None and bias is not None and weight.dtype == bias.dtype
             and weight.dtype in (torch.bfloat16, torch.float16) and pdl_launch())

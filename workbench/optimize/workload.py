@@ -315,7 +315,9 @@ class Workload:
         graph takes it as one of its eager warm-up steps (trainer.GRAPH_WARMUP_STEPS)."""
         if self._step_fn is None:
             self.prepare()
-        with torch.compiler.set_stance("force_eager"):
+        from workbench.kernels._common import as_compiled
+
+        with torch.compiler.set_stance("force_eager"), as_compiled():
             if self.config.mode == "train":
                 self.session.train_step(self.x, self.y)
             else:

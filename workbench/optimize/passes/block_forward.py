@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from workbench.kernels._common import traced
 from workbench.optimize.passes._swin import (autocast_input_dtype, drop_path, drop_path_keep,
                                              gather_rel_pos_bias, inactive, input_goes_to_qkv,
                                              merging_forward_of_the_pass, norm_output_dtype, rel_pos_bias,
@@ -96,7 +97,7 @@ def _window_forward(add_norm2_fused: bool, attn_to_linear: bool, mlp_to_linear: 
         attn_windows, ws, shift, x = out
         B, H, W, C = x.shape
         if add_norm2_fused:
-            if not torch.compiler.is_compiling() and (inactive(self.drop_path1, self.training)
+            if not traced() and (inactive(self.drop_path1, self.training)
                                                       or timm_drop_path(self.drop_path1)):
                 keep = drop_path_keep(self.drop_path1, attn_windows, (B, H, W, C))
                 x, h = _merge_add_norm2(self, attn_windows, x, ws, shift, mlp_to_linear, keep)
@@ -196,7 +197,7 @@ def _whole_block_forward(fallback: Callable) -> Callable:
         attention kernel takes, after binding."""
         from workbench.kernels.linear import compute_dtype
 
-        if torch.compiler.is_compiling() or not _dropouts_supported(self):
+        if traced() or not _dropouts_supported(self):
             return fallback(self, x)
         from workbench.kernels.window_attention import MAX_WINDOW_TOKENS
 
@@ -244,7 +245,7 @@ def stage_forward(defers: tuple[bool, ...]) -> Callable:
     (x, branch). Under torch.compile, or with gradient checkpointing, the stage runs as timm's: Inductor
     fuses such adds itself."""
     def swin_stage_forward_fused_window(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() or (getattr(self, "grad_checkpointing", False) and not torch.jit.is_scripting()):
+        if traced() or (getattr(self, "grad_checkpointing", False) and not torch.jit.is_scripting()):
             return type(self).forward(self, x)
         x = self.downsample(x)
         pending = None
@@ -323,7 +324,7 @@ def merging_forward(self, x: torch.Tensor) -> torch.Tensor:
     fuses the copies itself), timm's forward."""
     from timm.models.swin_transformer import PatchMerging
 
-    if torch.is_grad_enabled() or torch.compiler.is_compiling():
+    if torch.is_grad_enabled() or traced():
         return PatchMerging.forward(self, x)
     from workbench.kernels.layer_norm import merging_layer_norm
 
@@ -565,7 +566,7 @@ def _v2_attention_half(blk: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """x + drop_path1(norm1(_attn(x))). Where fused_window bound the block's _attn (eagerly) and
     _post_add_dtype allows: the merge of the attention's windows, norm1 and the add as one kernel
     (merge_norm_add); the merged branch is never written."""
-    if v2_window_attn_bound(blk) and not torch.compiler.is_compiling():
+    if v2_window_attn_bound(blk) and not traced():
         parts = v2_attention_windows(blk, x)
         if parts is not None:
             from workbench.kernels.window import merge_norm_add, merge_roll

@@ -51,6 +51,7 @@ import types
 import torch
 
 from workbench.errors import UserError
+from workbench.kernels._common import traced
 from workbench.optimize.passes import PassContext, PassResult
 from workbench.optimize.passes._route import block_shape, measure_routes, route_details
 from workbench.optimize.passes._swin import (passes_input_to_qkv, rel_pos_inverse_of, swin_blocks,
@@ -159,7 +160,7 @@ def _v2_constants(attn: torch.nn.Module):
     draw random numbers (-CR's meta_mlp dropout in training mode), inside terms_in_every_call(), and for
     weights that train: a fused optimizer or a replayed graph steps them in place without a new version,
     so an eval between training steps would read the terms of older weights."""
-    if torch.is_grad_enabled() or torch.compiler.is_compiling() or _UNCACHED[0] or v2_terms_draw(attn):
+    if torch.is_grad_enabled() or traced() or _UNCACHED[0] or v2_terms_draw(attn):
         return v2_terms(attn)
     tensors = v2_term_tensors(attn)
     if any(t.requires_grad for t in tensors):
