@@ -1,7 +1,8 @@
 """What every benchmark writes: `benchmarks/results/<name>.json` (the environment stamp, the settings and
 one flat record per measurement) and `benchmarks/results/<name>.md` (the same stamp and a short
 Markdown table). On a GPU they go to benchmarks/results/ by default; without one nothing is written
-unless --out-dir is given (an interpreter smoke run is not a measurement)."""
+unless --out-dir is given (an interpreter smoke run is not a measurement), except by a benchmark that
+measures the CPU itself (bench_analyze), which writes there on any machine."""
 from __future__ import annotations
 
 import argparse
@@ -19,10 +20,12 @@ from workbench.files import atomic_write_text  # noqa: E402
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
-def add_out_dir_argument(parser: argparse.ArgumentParser) -> None:
+def add_out_dir_argument(parser: argparse.ArgumentParser, cpu_measures: bool = False) -> None:
+    """--out-dir; `cpu_measures`: the benchmark measures the CPU, so it writes to benchmarks/results/ anywhere."""
+    default = ("default benchmarks/results/, on any machine: this benchmark measures the CPU" if cpu_measures
+               else "default on a GPU: benchmarks/results/; without a GPU nothing is written unless this is given")
     parser.add_argument("--out-dir", type=Path, default=None,
-                        help="folder for <name>.json and <name>.md (default on a GPU: benchmarks/results/; "
-                             "without a GPU nothing is written unless this is given)")
+                        help=f"folder for <name>.json and <name>.md ({default})")
 
 
 def batch_bench_parser(doc: str, check_help: str) -> argparse.ArgumentParser:

@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernels", type=int, default=1_000_000, help="kernels in the synthetic export")
     parser.add_argument("--keep", type=Path, default=None, help="write the synthetic export here and keep it")
-    add_out_dir_argument(parser)
+    add_out_dir_argument(parser, cpu_measures=True)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="swinbench-bench-") as tmp:
         path = args.keep or Path(tmp) / "synthetic_1m.sqlite"

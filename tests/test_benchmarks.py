@@ -67,6 +67,17 @@ def test_quant_smoke_on_the_cpu(tmp_path):
     check_results(tmp_path, "quant")
 
 
+def test_analyze_help_says_it_writes_its_results_without_a_gpu(capsys):
+    # bench_analyze measures the CPU: it writes benchmarks/results/ on any machine, unlike the kernel benchmarks
+    with pytest.raises(SystemExit):
+        load(BENCH / "bench_analyze.py").main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "on any machine" in out and "nothing is written" not in out
+    with pytest.raises(SystemExit):
+        load(BENCH / "bench_quant.py").main(["--help"])
+    assert "nothing is written" in " ".join(capsys.readouterr().out.split())
+
+
 def test_analyze_smoke(tmp_path):
     module = load(BENCH / "bench_analyze.py")
     assert module.main(["--kernels", "2000", "--out-dir", str(tmp_path)]) == 0
