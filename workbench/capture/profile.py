@@ -224,8 +224,8 @@ def _capture_and_analyze(config: WorkloadConfig, recipe: str | None, out_dir: Pa
 
 def _capture_files(folder: Path, trace: Path | None = None) -> list[Path]:
     """The files a capture left in `folder` (its trace, run.json, logs, the spec it ran), those that exist."""
-    names = ("trace.nsys-rep", "trace", "run.json", "capture_spec.json", "capture.log", "nsys.log", "torchrun.log")
-    paths = [trace if n == "trace" else folder / n for n in names if n != "trace" or trace is not None]
+    paths = [folder / "trace.nsys-rep", *([trace] if trace is not None else []),
+             *(folder / n for n in ("run.json", "capture_spec.json", "capture.log", "nsys.log", "torchrun.log"))]
     return [p for p in paths if p.exists()]
 
 
