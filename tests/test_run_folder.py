@@ -234,12 +234,12 @@ def test_atomic_writes_keep_the_files_permissions(tmp_path):
 
 
 def test_an_unwritable_folder_is_named_not_the_locks_temporary_file(tmp_path, monkeypatch):
-    import workbench.run_folder as run_folder
+    import errno
 
-    def read_only(path, text):
-        raise UserError(f"cannot write {path}: Read-only file system")
+    def read_only(path, text, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
 
-    monkeypatch.setattr(run_folder, "atomic_write_text", read_only)
+    monkeypatch.setattr(Path, "write_text", read_only)
     with pytest.raises(UserError) as err:
         claim_run_folder(tmp_path / "out", command="test")
     assert str(err.value) == f"cannot write into the output folder {tmp_path / 'out'}: Read-only file system"

@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Callable
 
 from workbench.errors import UserError
-from workbench.files import atomic_write_text
 
 LOCK_NAME = ".swinbench.lock"
 
@@ -211,11 +210,10 @@ class FolderLock:
                  "started": _dt.datetime.now().isoformat(timespec="seconds")}
         text = json.dumps(owner) + "\n"
         tmp = self.folder / f".swinbench.lock.{os.getpid()}.tmp"
-        try:
-            atomic_write_text(tmp, text)
-        except (OSError, UserError) as exc:   # the folder, not the lock's temporary file, is what the user named
-            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).rsplit(": ", 1)[-1]
-            raise UserError(f"cannot write into the output folder {self.folder}: {reason}") from None
+        try:   # written whole before it is linked into place, so a plain write will do
+            tmp.write_text(text)
+        except OSError as exc:   # the folder, not the lock's temporary file, is what the user named
+            raise UserError(f"cannot write into the output folder {self.folder}: {exc.strerror or exc}") from None
         try:
             for _ in range(2):
                 try:
