@@ -658,3 +658,129 @@ def test_pdl_launches_match_plain_launches(monkeypatch, op):
     win = roll_partition(x, 7, 3)
     assert torch.equal(win, roll_partition_reference(x, 7, 3))
     assert torch.equal(merge_roll(win, 7, 3, 14, 14), x)
+
+
+# ------------------------------------------------------------------- the operators torch.compile traces
+
+
+def _chain_inputs(op, shape, dtype, keep, seed):
+    """Leaves and arguments of add_norm_shift_partition / merge_add_norm for the operator tests: the residual
+    stream in fp32, the branch (or windows) and parameters in `dtype`; keep: (B,) factors in the branch's
+    dtype (one sample dropped) or None."""
+    B, H, W, C, ws, shift = shape
+    Hp, Wp = -(-H // ws) * ws, -(-W // ws) * ws
+    x = (_randn((B, H, W, C), torch.float32, seed) * 2.0 + 0.5).requires_grad_(True)
+    branch_shape = (B, H, W, C) if op == "add_norm" else (B * (Hp // ws) * (Wp // ws), ws * ws, C)
+    branch = _randn(branch_shape, torch.float32, seed + 1).to(dtype).requires_grad_(True)
+    weight = (1.0 + 0.5 * _randn((C,), torch.float32, seed + 2)).to(dtype).requires_grad_(True)
+    bias = (0.5 * _randn((C,), torch.float32, seed + 3)).to(dtype).requires_grad_(True)
+    factors = None if not keep else torch.tensor([1 / 0.7, 0.0] + [1 / 0.7] * (B - 2), device=DEVICE).to(dtype)
+    return x, branch, weight, bias, factors
+
+
+def _chain_run(op, shape, dtype, keep, with_ds, seed=80):
+    """Outputs and every gradient of the op's autograd Function (the block forwards' arguments: the
+    autocast-style output dtype, y as token rows), the gradient at s given or not."""
+    B, H, W, C, ws, shift = shape
+    x, branch, weight, bias, factors = _chain_inputs(op, shape, dtype, keep, seed)
+    if op == "add_norm":
+        outs = add_norm_shift_partition(x, branch, weight, bias, 1e-5, ws, shift, dtype, factors)
+        leaves = (x, branch, weight, bias)
+    else:
+        outs = merge_add_norm(branch, x, weight, bias, 1e-5, ws, shift, dtype, y_rows=True, keep=factors)
+        leaves = (branch, x, weight, bias)
+    ups = tuple(_randn(o.shape, o.dtype, seed + 5 + i) for i, o in enumerate(outs))
+    if not with_ds:   # only the second output takes a gradient (autograd hands the Function zeros for s)
+        outs, ups = outs[1:], ups[1:]
+    grads = torch.autograd.grad(outs, leaves, ups)
+    return [o.detach() for o in outs] + list(grads)
+
+
+CHAIN_SHAPES = [(3, 9, 15, 33, 4, 2), (2, 14, 14, 96, 7, 3)]   # padded and non-square; Swin's layout
+
+
+def _same(a, b, what, parameter_grad):
+    """Bit for bit; on a GPU a parameter gradient's fp32 atomic sums add up in any order (one bf16 ulp)."""
+    if parameter_grad and DEVICE == "cuda":
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-2 * max(1.0, b.float().abs().max().item()), rtol=1e-2)
+    else:
+        assert a.dtype == b.dtype and torch.equal(a, b), what
+
+
+@pytest.mark.parametrize("shape", CHAIN_SHAPES, ids=_ids)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("keep", [False, True], ids=["no_keep", "keep"])
+@pytest.mark.parametrize("op", ["add_norm", "merge_add_norm"])
+def test_traced_chain_functions_match_eager_bit_for_bit(op, keep, dtype, shape):
+    """add_norm_shift_partition and merge_add_norm where torch.compile traces them (`as_compiled`: no column-sum
+    buffer on ctx, so through their operators, whose host functions run here as the compiled graph calls
+    them back on the CPU) give the eager Functions' outputs and gradients bit for bit, with and without
+    stochastic-depth factors, with and without a gradient at s."""
+    from workbench.kernels._common import as_compiled, launch_log
+
+    for with_ds in (True, False):
+        with launch_log() as eager_log:
+            eager = _chain_run(op, shape, dtype, keep, with_ds)
+        with as_compiled(), launch_log() as traced_log:
+            traced = _chain_run(op, shape, dtype, keep, with_ds)
+        n_out = len(eager) - 4
+        for i, (a, b) in enumerate(zip(traced, eager)):
+            _same(a, b, f"{op} with_ds={with_ds}: output/gradient {i}", i >= len(eager) - 2)
+        assert n_out == (2 if with_ds else 1)
+        # the same fused kernels each way (eager zeroes the column sums in the forward kernel instead)
+        fused = {"_partition_fwd_kernel", "_merge_norm_fwd_kernel", "_norm_partition_bwd_kernel"}
+        assert ([e["kernel"] for e in traced_log if e["kernel"] in fused]
+                == [e["kernel"] for e in eager_log if e["kernel"] in fused])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("keep", [False, True], ids=["no_keep", "keep"])
+@pytest.mark.parametrize("op", ["add_norm", "merge_add_norm"])
+def test_chain_operators_match_their_host_functions_and_fakes(op, keep, dtype):
+    """Each operator of the chain called through the dispatcher (what a compiled graph calls) gives its host
+    function's results bit for bit, ds None or given, keep None or given; its fake implementation gives
+    the real outputs' shapes, dtypes and strides (the padded, non-square shape)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import workbench.kernels.window as wk
+
+    shape = CHAIN_SHAPES[0]
+    B, H, W, C, ws, shift = shape
+    x, branch, weight, bias, factors = (t.detach() if t is not None else None
+                                        for t in _chain_inputs(op, shape, dtype, keep, 90))
+    if op == "add_norm":
+        fwd_args = (x, branch, weight, bias, 1e-5, ws, shift, dtype, factors)
+        fwd_op, host = wk._add_norm_shift_partition_fwd_op, wk.add_norm_shift_partition_fwd
+        ref = host(x, branch, weight, bias, 1e-5, ws, shift, out_dtype=dtype, keep=factors)
+        s, out, mean, rstd = ref
+        g = _randn(out.shape, out.dtype, 91)
+    else:
+        fwd_args = (branch, x, weight, bias, 1e-5, ws, shift, dtype, factors)
+        fwd_op, host = wk._merge_add_norm_fwd_op, wk.merge_add_norm_fwd
+        ref = host(branch, x, weight, bias, 1e-5, ws, shift, y_dtype=dtype, keep=factors)
+        s, out, mean, rstd = ref
+        g = _randn((B * H * W, C), out.dtype, 91)   # dy as token rows, as the block forward hands it
+    calls = [(fwd_op, fwd_args, ref)]
+    for ds in (None, _randn(s.shape, s.dtype, 92)):
+        if op == "merge_add_norm":
+            args = (g, s, weight, mean, rstd, ws, shift, ds, factors, branch.dtype, x.dtype)
+            want = merge_add_norm_bwd(g, s, weight, mean, rstd, ws, shift, ds, branch.dtype, x.dtype, keep=factors)
+            calls.append((wk._merge_add_norm_bwd_op, args, want))
+        elif factors is None:
+            args = (g, s, weight, mean, rstd, ws, shift, ds)
+            want = norm_shift_partition_bwd(g, s, weight, mean, rstd, ws, shift, ds=ds)
+            calls.append((wk._add_norm_shift_partition_bwd_op, args, want))
+        else:
+            args = (g, s, weight, mean, rstd, ws, shift, ds, factors, branch.dtype)
+            want = wk._add_norm_keep_bwd(g, s, weight, mean, rstd, ws, shift, ds, factors, branch.dtype, None, False)
+            calls.append((wk._add_norm_shift_partition_keep_bwd_op, args, want))
+    for kop, args, want in calls:
+        got = kop.opaque(*args)
+        assert len(got) == len(want)
+        for i, (a, b) in enumerate(zip(got, want)):
+            _same(a, b, f"{kop.__name__} output {i}", kop is not fwd_op and i == len(want) - 1)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake_args = tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
+            fakes = kop.opaque(*fake_args)
+        for i, (f, b) in enumerate(zip(fakes, want)):
+            assert (f.shape, f.dtype, f.stride()) == (b.shape, b.dtype, b.stride()), f"{kop.__name__} fake output {i}"

@@ -23,8 +23,9 @@ tiles per program, one wave of programs) added atomically into one zeroed fp32 b
 Backward of each op is a forward of another: d(roll_partition) = merge_roll(dout);
 d(merge_roll) = roll_partition(dout); merge_unshift_add's dshortcut is dout itself (no copy).
 The autograd Functions call the host functions through torch.library operators (swinbench::
-roll_partition_fwd, merge_roll_fwd, norm_shift_partition_fwd/_bwd; see _common.py): under torch.compile on
-a GPU Inductor launches the kernels itself, elsewhere each call is one opaque op.
+roll_partition_fwd, merge_roll_fwd, norm_shift_partition_fwd/_bwd, add_norm_shift_partition_fwd/_bwd/_keep_bwd,
+merge_add_norm_fwd/_bwd; see _common.py) while torch.compile traces: on a GPU Inductor launches the kernels
+itself, elsewhere each call is one opaque op. merge_norm_add (SwinV2) is eager only.
 
 Launches: on Hopper and newer, with programmatic dependent launch (`_common.pdl_launch`, SWINBENCH_PDL=0 turns it
 off): every kernel waits for the previous one before its first load and releases the next after its last
@@ -862,6 +863,97 @@ def _(dwindows, x, weight, mean, rstd, window_size, shift):
     return x.new_empty(x.shape), mean.new_empty((2 * x.shape[-1],))
 
 
+@kernel_op("swinbench::add_norm_shift_partition_fwd")
+def _add_norm_shift_partition_fwd_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                     bias: torch.Tensor, eps: float, window_size: int, shift: int,
+                                     out_dtype: torch.dtype, keep: Optional[torch.Tensor]
+                                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return add_norm_shift_partition_fwd(x, residual, weight, bias, eps, window_size, shift, out_dtype=out_dtype,
+                                        keep=keep)
+
+
+@_add_norm_shift_partition_fwd_op.register_fake
+def _(x, residual, weight, bias, eps, window_size, shift, out_dtype, keep):
+    B, H, W, C = x.shape
+    return (x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype)),
+            x.new_empty(_windows_shape(B, H, W, C, window_size, shift), dtype=out_dtype),
+            x.new_empty((B * H * W,), dtype=torch.float32), x.new_empty((B * H * W,), dtype=torch.float32))
+
+
+# The backward of add_norm_shift_partition in two operators (an op cannot return one tensor twice): without
+# keep the residual's gradient is dx itself (cast by the caller), with keep the kernel writes it apart.
+@kernel_op("swinbench::add_norm_shift_partition_bwd")
+def _add_norm_shift_partition_bwd_op(dwindows: torch.Tensor, s: torch.Tensor, weight: torch.Tensor,
+                                     mean: torch.Tensor, rstd: torch.Tensor, window_size: int, shift: int,
+                                     ds: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    return norm_shift_partition_bwd(dwindows, s, weight, mean, rstd, window_size, shift, ds=ds)
+
+
+@_add_norm_shift_partition_bwd_op.register_fake
+def _(dwindows, s, weight, mean, rstd, window_size, shift, ds):
+    return s.new_empty(s.shape), mean.new_empty((2 * s.shape[-1],))
+
+
+@kernel_op("swinbench::add_norm_shift_partition_keep_bwd")
+def _add_norm_shift_partition_keep_bwd_op(dwindows: torch.Tensor, s: torch.Tensor, weight: torch.Tensor,
+                                          mean: torch.Tensor, rstd: torch.Tensor, window_size: int, shift: int,
+                                          ds: Optional[torch.Tensor], keep: torch.Tensor, residual_dtype: torch.dtype
+                                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _add_norm_keep_bwd(dwindows, s, weight, mean, rstd, window_size, shift, ds, keep, residual_dtype, None,
+                              False)
+
+
+@_add_norm_shift_partition_keep_bwd_op.register_fake
+def _(dwindows, s, weight, mean, rstd, window_size, shift, ds, keep, residual_dtype):
+    return (s.new_empty(s.shape), s.new_empty(s.shape, dtype=residual_dtype),
+            mean.new_empty((2 * s.shape[-1],)))
+
+
+def _add_norm_keep_bwd(dwindows, s, weight, mean, rstd, window_size, shift, ds, keep, residual_dtype, sums_into,
+                       raw_sums):
+    """add_norm_shift_partition's backward with stochastic-depth factors -> (dx in s's dtype, the residual's
+    gradient dx * keep[b] in residual_dtype, column sums): both written by the one norm backward kernel."""
+    s = _contig(s)
+    dx = torch.empty_like(s)
+    dres = torch.empty(s.shape, dtype=residual_dtype, device=s.device)
+    return _norm_bwd(_contig(dwindows), s, weight, mean, rstd, window_size, shift,
+                     _contig(ds) if ds is not None else None, dx, dres, sums_into, raw_sums=raw_sums, keep=keep,
+                     res_out=True)
+
+
+@kernel_op("swinbench::merge_add_norm_fwd")
+def _merge_add_norm_fwd_op(windows: torch.Tensor, shortcut: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                           eps: float, window_size: int, shift: int, y_dtype: torch.dtype,
+                           keep: Optional[torch.Tensor]
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return merge_add_norm_fwd(windows, shortcut, weight, bias, eps, window_size, shift, y_dtype=y_dtype, keep=keep)
+
+
+@_merge_add_norm_fwd_op.register_fake
+def _(windows, shortcut, weight, bias, eps, window_size, shift, y_dtype, keep):
+    B, H, W, C = shortcut.shape
+    return (shortcut.new_empty(shortcut.shape, dtype=torch.promote_types(windows.dtype, shortcut.dtype)),
+            shortcut.new_empty(shortcut.shape, dtype=y_dtype),
+            shortcut.new_empty((B * H * W,), dtype=torch.float32), shortcut.new_empty((B * H * W,), dtype=torch.float32))
+
+
+@kernel_op("swinbench::merge_add_norm_bwd")
+def _merge_add_norm_bwd_op(dy: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
+                           rstd: torch.Tensor, window_size: int, shift: int, ds: Optional[torch.Tensor],
+                           keep: Optional[torch.Tensor], windows_dtype: torch.dtype, shortcut_dtype: torch.dtype
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return merge_add_norm_bwd(dy, s, weight, mean, rstd, window_size, shift, ds, windows_dtype, shortcut_dtype,
+                              keep=keep)
+
+
+@_merge_add_norm_bwd_op.register_fake
+def _(dy, s, weight, mean, rstd, window_size, shift, ds, keep, windows_dtype, shortcut_dtype):
+    B, H, W, C = s.shape
+    return (s.new_empty(s.shape, dtype=shortcut_dtype),
+            s.new_empty(_windows_shape(B, H, W, C, window_size, shift), dtype=windows_dtype),
+            mean.new_empty((2 * C,)))
+
+
 # ------------------------------------------------------------------------- autograd Functions
 
 
@@ -922,15 +1014,21 @@ class NormShiftPartitionFunction(torch.autograd.Function):
 
 
 class AddNormShiftPartitionFunction(torch.autograd.Function):
-    """(s, windows) = (x + residual [* keep[b]], norm_shift_partition(s)): eager only (no operator for
-    torch.compile; the pass that uses it does not under compile)."""
+    """(s, windows) = (x + residual [* keep[b]], norm_shift_partition(s)). While torch.compile traces (no
+    column-sum buffer on ctx) through the operators swinbench::add_norm_shift_partition_fwd and _bwd
+    (_keep_bwd with factors), as NormShiftPartitionFunction does."""
 
     @staticmethod
     def forward(ctx, x, residual, weight, bias, eps, window_size, shift, out_dtype, keep=None):
         ctx.sums = eager_column_sums(2 * x.shape[-1], x.device, ctx, weight, bias, slots=_norm_bwd_slots(x))
-        s, windows, mean, rstd = add_norm_shift_partition_fwd(x, residual, weight, bias, float(eps), int(window_size),
-                                                              int(shift), out_dtype=out_dtype, zero_sums=ctx.sums,
-                                                              keep=keep)
+        if ctx.sums is None:
+            out_dtype = out_dtype or torch.promote_types(x.dtype, residual.dtype)
+            s, windows, mean, rstd = _add_norm_shift_partition_fwd_op(x, residual, weight, bias, float(eps),
+                                                                      int(window_size), int(shift), out_dtype, keep)
+        else:
+            s, windows, mean, rstd = add_norm_shift_partition_fwd(x, residual, weight, bias, float(eps),
+                                                                  int(window_size), int(shift), out_dtype=out_dtype,
+                                                                  zero_sums=ctx.sums, keep=keep)
         ctx.save_for_backward(s, weight, bias, mean, rstd, keep)
         ctx.geom = (int(window_size), int(shift))
         ctx.dtypes = (x.dtype, residual.dtype)
@@ -946,29 +1044,37 @@ class AddNormShiftPartitionFunction(torch.autograd.Function):
             dwindows = torch.zeros(_windows_shape(*s.shape, ws, shift), dtype=s.dtype, device=s.device)
         # the gradient arriving at s (the residual stream) joins the LayerNorm's dx in the same kernel
         if keep is None:
-            dx, sums = norm_shift_partition_bwd(dwindows, s, weight, mean, rstd, ws, shift, sums_into=into, ds=ds,
-                                                raw_sums=True)
+            if into is None:
+                dx, sums = _add_norm_shift_partition_bwd_op(dwindows, s, weight, mean, rstd, ws, shift, ds)
+            else:
+                dx, sums = norm_shift_partition_bwd(dwindows, s, weight, mean, rstd, ws, shift, sums_into=into, ds=ds,
+                                                    raw_sums=True)
             dres = dx.to(r_dtype)
-        else:   # the residual's gradient, dx in its dtype times its factors, written by the same kernel
-            dx = torch.empty_like(s)
-            dres = torch.empty(s.shape, dtype=r_dtype, device=s.device)
-            dx, dres, sums = _norm_bwd(_contig(dwindows), s, weight, mean, rstd, ws, shift,
-                                       _contig(ds) if ds is not None else None, dx, dres, into, raw_sums=True,
-                                       keep=keep, res_out=True)
+        elif into is None:   # the residual's gradient, dx in its dtype times its factors, written by the same kernel
+            dx, dres, sums = _add_norm_shift_partition_keep_bwd_op(dwindows, s, weight, mean, rstd, ws, shift, ds, keep,
+                                                                   r_dtype)
+        else:
+            dx, dres, sums = _add_norm_keep_bwd(dwindows, s, weight, mean, rstd, ws, shift, ds, keep, r_dtype, into,
+                                                True)
         dw, db = _norm_grads(sums, weight, bias)
         return dx.to(x_dtype), dres, dw, db, None, None, None, None, None
 
 
 class MergeAddNormFunction(torch.autograd.Function):
-    """(s, y) = (shortcut + merge_roll(windows), LayerNorm(s)): eager only, like
-    AddNormShiftPartitionFunction (the pass that uses it does not under torch.compile)."""
+    """(s, y) = (shortcut + merge_roll(windows), LayerNorm(s)). While torch.compile traces through the
+    operators swinbench::merge_add_norm_fwd and _bwd, like AddNormShiftPartitionFunction."""
 
     @staticmethod
     def forward(ctx, windows, shortcut, weight, bias, eps, window_size, shift, y_dtype, y_rows, keep=None):
         ctx.sums = eager_column_sums(2 * shortcut.shape[-1], shortcut.device, ctx, weight, bias,
                                      slots=_norm_bwd_slots(shortcut))
-        s, y, mean, rstd = merge_add_norm_fwd(windows, shortcut, weight, bias, float(eps), int(window_size), int(shift),
-                                              y_dtype=y_dtype, zero_sums=ctx.sums, keep=keep)
+        if ctx.sums is None:
+            y_dtype = y_dtype or torch.promote_types(windows.dtype, shortcut.dtype)
+            s, y, mean, rstd = _merge_add_norm_fwd_op(windows, shortcut, weight, bias, float(eps), int(window_size),
+                                                      int(shift), y_dtype, keep)
+        else:
+            s, y, mean, rstd = merge_add_norm_fwd(windows, shortcut, weight, bias, float(eps), int(window_size),
+                                                  int(shift), y_dtype=y_dtype, zero_sums=ctx.sums, keep=keep)
         ctx.save_for_backward(s, weight, bias, mean, rstd, keep)
         ctx.geom = (int(window_size), int(shift))
         ctx.windows_shape, ctx.dtypes = windows.shape, (windows.dtype, shortcut.dtype)
@@ -980,14 +1086,18 @@ class MergeAddNormFunction(torch.autograd.Function):
         ws, shift = ctx.geom
         into, ctx.sums = ctx.sums, None
         win_dtype, sc_dtype = ctx.dtypes
-        dsc, dwin, sums = merge_add_norm_bwd(dy, s, weight, mean, rstd, ws, shift, ds, win_dtype, sc_dtype,
-                                             sums_into=into, raw_sums=True, keep=keep)
+        if into is None:
+            dsc, dwin, sums = _merge_add_norm_bwd_op(dy, s, weight, mean, rstd, ws, shift, ds, keep, win_dtype,
+                                                     sc_dtype)
+        else:
+            dsc, dwin, sums = merge_add_norm_bwd(dy, s, weight, mean, rstd, ws, shift, ds, win_dtype, sc_dtype,
+                                                 sums_into=into, raw_sums=True, keep=keep)
         dw, db = _norm_grads(sums, weight, bias)
         return dwin.view(ctx.windows_shape), dsc, dw, db, None, None, None, None, None, None
 
 
 class MergeNormAddFunction(torch.autograd.Function):
-    """out = shortcut + LayerNorm(merge_roll(windows)): eager only, like MergeAddNormFunction (the block
+    """out = shortcut + LayerNorm(merge_roll(windows)): eager only, no operator for torch.compile (the block
     forward that uses it takes merge_roll and post_add_layer_norm under torch.compile)."""
 
     @staticmethod
@@ -1063,10 +1173,10 @@ def add_norm_shift_partition(
     window_size: int, shift: int, out_dtype: torch.dtype | None = None, keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, norm_shift_partition(s, ...)) with s = x + residual, in one kernel each way: a residual add
-    folded into the next LayerNorm + shift + partition (eager mode). s: (B, H, W, C) in the promoted
-    dtype of x and residual; windows in out_dtype (default s's dtype); both differentiable. keep: the
-    residual branch's (B,) stochastic-depth factors (timm's DropPath draw, in residual's dtype), applied
-    in the same kernels each way: s = x + residual * keep[b]."""
+    folded into the next LayerNorm + shift + partition (eager, or as operators under torch.compile).
+    s: (B, H, W, C) in the promoted dtype of x and residual; windows in out_dtype (default s's dtype); both
+    differentiable. keep: the residual branch's (B,) stochastic-depth factors (timm's DropPath draw, in
+    residual's dtype), applied in the same kernels each way: s = x + residual * keep[b]."""
     _norm_inputs("add_norm_shift_partition", weight, bias, x, residual)
     return AddNormShiftPartitionFunction.apply(x, residual, weight, bias, eps, window_size, shift, out_dtype, keep)
 
@@ -1085,10 +1195,10 @@ def merge_add_norm(
     keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, F.layer_norm(s, (C,), weight, bias, eps)) with s = shortcut + merge_roll(windows, ...), in one
-    kernel each way: a block's attention merge, residual add and norm2 (eager mode). shortcut (B, H, W, C);
-    s in the promoted dtype of windows and shortcut, y in y_dtype (default s's dtype, rounded once from
-    fp32); both (B, H, W, C) and differentiable, or with y_rows y as (B*H*W, C) token rows (what a Linear
-    takes without view nodes of its own). The backward writes the gradient of s once as the shortcut's
+    kernel each way: a block's attention merge, residual add and norm2 (eager, or as operators under
+    torch.compile). shortcut (B, H, W, C); s in the promoted dtype of windows and shortcut, y in y_dtype
+    (default s's dtype, rounded once from fp32); both (B, H, W, C) and differentiable, or with y_rows y as
+    (B*H*W, C) token rows (what a Linear takes without view nodes of its own). The backward writes the gradient of s once as the shortcut's
     and once, partitioned, as the windows'. keep: (B,) stochastic-depth factors (timm's DropPath draw, in
     the windows' dtype) multiplying the merged windows of each sample before the add, or None."""
     _norm_inputs("merge_add_norm", weight, bias, windows, shortcut)
