@@ -79,6 +79,7 @@ def test_longest_allowed_name_loads(tmp_path):
     ("[{name: compile, params: {fullgraph: 1}}]", "must be true/false"),
     ("[{name: compile, params: {mode: fast}}]", "must be one of default"),
     ("[{name: compile, params: {dynamic: maybe}}]", "must be true/false or null"),
+    ("[{name: compile, params: {fused_window: 'yes'}}]", "must be true/false"),
     ("[{name: compile, params: {inductor: {no_such_setting: 1}}}]", "not an Inductor config setting"),
     # what torch.compile's options refuse is refused at load, not when the stage runs after the others
     ("[{name: compile, params: {inductor: {cpp_wrapper: 'yes'}}}]", "'cpp_wrapper' must be true/false, got 'yes'"),

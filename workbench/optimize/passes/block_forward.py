@@ -31,16 +31,18 @@ from workbench.optimize.passes._swin import (autocast_input_dtype, drop_path, dr
 
 
 def block_forward(add_norm2: bool, window: bool, whole_block: bool, attn_to_linear: bool,
-                  mlp_to_linear: bool) -> Callable | None:
+                  mlp_to_linear: bool, window_under_compile: bool = False) -> Callable | None:
     """The forward of a timm SwinTransformerBlock with these plan fields, to bind with types.MethodType;
     None where timm's own runs. attn_to_linear / mlp_to_linear: whether the attention module and the MLP
     hand their input straight to an nn.Linear (qkv, fc1), so that the norm before each can write that
-    Linear's autocast dtype itself (`_swin.norm_output_dtype`)."""
+    Linear's autocast dtype itself (`_swin.norm_output_dtype`). window_under_compile: the window forward
+    keeps merge_add_norm while torch.compile traces (BlockPlans.window_under_compile)."""
     forward = None
     if add_norm2:
         forward = _add_norm2_forward(mlp_to_linear)
     if window:
-        forward = _window_forward(add_norm2, attn_to_linear, mlp_to_linear, forward or timm_block_forward)
+        forward = _window_forward(add_norm2, attn_to_linear, mlp_to_linear, forward or timm_block_forward,
+                                  window_under_compile)
     if whole_block:
         forward = _whole_block_forward(forward or timm_block_forward)
     return forward
@@ -78,14 +80,16 @@ def _add_norm2_forward(mlp_to_linear: bool) -> Callable:
     return swin_block_forward_add_norm2
 
 
-def _window_forward(add_norm2_fused: bool, attn_to_linear: bool, mlp_to_linear: bool, fallback: Callable) -> Callable:
+def _window_forward(add_norm2_fused: bool, attn_to_linear: bool, mlp_to_linear: bool, fallback: Callable,
+                    under_compile: bool = False) -> Callable:
     def swin_block_forward_fused_window(self, x: torch.Tensor, pending: torch.Tensor | None = None,
                                         defer: bool = False):
         """timm SwinTransformerBlock.forward with norm1 + roll + pad + partition as one kernel
         (norm_shift_partition) and the merge back, crop, roll and residual add as another
-        (merge_unshift_add), or, with add_norm2, merge, add and norm2 as one (merge_add_norm, eager; timm's
-        stochastic depth multiplies inside it). The attention module is called as a module (its hooks run).
-        pending / defer: see stage_forward (called as blk(x) they are unused)."""
+        (merge_unshift_add), or, with add_norm2, merge, add and norm2 as one (merge_add_norm: eager, and
+        under torch.compile too where bound with under_compile; timm's stochastic depth multiplies inside
+        it). The attention module is called as a module (its hooks run). pending / defer: see stage_forward
+        (called as blk(x) they are unused)."""
         from workbench.kernels.window import merge_roll, merge_unshift_add
 
         out = _window_attention_windows(self, x, pending, attn_to_linear)
@@ -97,8 +101,8 @@ def _window_forward(add_norm2_fused: bool, attn_to_linear: bool, mlp_to_linear: 
         attn_windows, ws, shift, x = out
         B, H, W, C = x.shape
         if add_norm2_fused:
-            if not traced() and (inactive(self.drop_path1, self.training)
-                                                      or timm_drop_path(self.drop_path1)):
+            if (under_compile or not traced()) and (inactive(self.drop_path1, self.training)
+                                                    or timm_drop_path(self.drop_path1)):
                 keep = drop_path_keep(self.drop_path1, attn_windows, (B, H, W, C))
                 x, h = _merge_add_norm2(self, attn_windows, x, ws, shift, mlp_to_linear, keep)
             else:
@@ -235,17 +239,20 @@ def _dropouts_supported(blk) -> bool:
 # ----------------------------------------------------------------------------- the block's stage
 
 
-def stage_forward(defers: tuple[bool, ...]) -> Callable:
+def stage_forward(defers: tuple[bool, ...], under_compile: bool = False) -> Callable:
     """The forward of a timm SwinTransformerStage whose blocks i with defers[i] run the window forward:
     each such block hands its MLP branch to the next one unadded, and the next block's norm kernel adds it
     (add_norm_shift_partition), so the residual add after every MLP but a stage's last runs inside a
     kernel that reads those tensors anyway, and its backward joins the norm's; so does timm's stochastic
     depth on that branch (its factors travel with it). Blocks are still called as
     modules (their hooks, NVTX ranges included, run); inside the loop a deferring block returns
-    (x, branch). Under torch.compile, or with gradient checkpointing, the stage runs as timm's: Inductor
-    fuses such adds itself."""
+    (x, branch). While torch.compile traces, the stage runs as timm's (each add an Inductor kernel of its
+    own) unless bound with under_compile (BlockPlans.window_under_compile, the compile pass's
+    fused_window): then the deferred adds stay in the fused chain's operators. With gradient checkpointing
+    it always runs as timm's."""
     def swin_stage_forward_fused_window(self, x: torch.Tensor) -> torch.Tensor:
-        if traced() or (getattr(self, "grad_checkpointing", False) and not torch.jit.is_scripting()):
+        if ((traced() and not under_compile)
+                or (getattr(self, "grad_checkpointing", False) and not torch.jit.is_scripting())):
             return type(self).forward(self, x)
         x = self.downsample(x)
         pending = None

@@ -32,7 +32,11 @@ attribute `block_plans`, by each block's qualified name. A deep copy of the mode
     fallbacks      every pass       (field, reason) for what a pass asked for and the block cannot run
 
 Runtime conditions still choose within a plan (torch.compile tracing, active dropout or stochastic depth,
-a window made non-square after binding): block_forward.py says where.
+a window made non-square after binding): block_forward.py says where. One setting holds for the whole
+model rather than per block: `BlockPlans.window_under_compile` (set by the compile pass's fused_window),
+whether the window forwards and deferring stages keep their fused chain (add_norm_shift_partition,
+merge_add_norm) while torch.compile traces instead of falling back to timm's stage and merge paths;
+bind hands it to the forwards it builds as a plain value.
 """
 from __future__ import annotations
 
@@ -120,6 +124,8 @@ class BlockPlans:
 
     def __init__(self):
         self.plans: dict[str, BlockPlan] = {}
+        # the compile pass's fused_window: the window forwards keep the fused chain under torch.compile
+        self.window_under_compile = False
         # (module's qualified name, attribute) -> (whether the module had it, its value) before bind set it
         self._replaced: dict[tuple[str, str], tuple[bool, object]] = {}
 
@@ -178,7 +184,8 @@ class BlockPlans:
             if plan.mlp_gelu:
                 self._set(f"{name}.mlp", mlp, "forward", types.MethodType(mlp_forward_fused, mlp))
                 counts["mlp_forwards"] += 1
-            forward = block_forward(plan.add_norm2, plan.window, plan.whole_block, attn_to_linear, mlp_to_linear)
+            forward = block_forward(plan.add_norm2, plan.window, plan.whole_block, attn_to_linear, mlp_to_linear,
+                                    self.window_under_compile)
             if forward is not None and "forward" not in vars(blk):
                 self._set(name, blk, "forward", types.MethodType(forward, blk))
                 counts["block_forwards"] += 1
@@ -198,7 +205,8 @@ class BlockPlans:
                 continue
             stage_defers = tuple(defers.get(f"{prefix}{i}", False) for i in range(len(stage.blocks)))
             if sum(stage_defers) >= 2:
-                self._set(name, stage, "forward", types.MethodType(stage_forward(stage_defers), stage))
+                self._set(name, stage, "forward",
+                          types.MethodType(stage_forward(stage_defers, self.window_under_compile), stage))
                 counts["deferring_stages"] += 1
         return counts
 

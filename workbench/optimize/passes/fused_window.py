@@ -26,18 +26,20 @@ Details the planned forward keeps from timm:
     the backward's cast back (`_swin.autocast_input_dtype`). add_layer_norm does the same for norm2's
     output when it goes straight into the MLP's fc1. merge_unshift_add adds the (bf16/fp16) attention
     output into the fp32 residual and returns fp32, as `x + attn` does.
-  * Residual add after the MLP: in eager mode each stage hands a block's MLP branch to the next block
-    unadded, whose norm kernel adds it (`add_norm_shift_partition`, `block_forward.stage_forward`); the
-    stage's last block adds its own. Same values as `x + branch`; one launch and one autograd node fewer
+  * Residual add after the MLP: in eager mode (and under torch.compile with the compile pass's
+    fused_window) each stage hands a block's MLP branch to the next block unadded, whose norm kernel
+    adds it (`add_norm_shift_partition`, `block_forward.stage_forward`); the stage's last block adds its
+    own. Same values as `x + branch`; one launch and one autograd node fewer
     per block each way. Inside that loop a block returns (x, branch): a forward hook on a block sees that
     pair (the stages' outputs are whole).
   * With fused_layernorm's add_norm2 in the plan, in eager mode, `merge_add_norm` merges the attention
     windows back, adds them into x and runs norm2 in one kernel, whose backward writes the gradient of
     the sum once in token order (the residual's) and once in window order (the attention output's). That
     saves, per block, the merged branch's write and read forward, and the cast and re-partition of its
-    gradient backward: three launches and one autograd node. Under torch.compile (or with an active
-    drop_path1 other than timm's DropPath) the branch is merged with merge_roll and
-    `add_layer_norm(x, branch, norm2...)` does the add and norm2.
+    gradient backward: three launches and one autograd node. Under torch.compile (unless the compile
+    pass's fused_window keeps this chain, traced as operators), or with an active drop_path1 other than
+    timm's DropPath, the branch is merged with merge_roll and `add_layer_norm(x, branch, norm2...)` does
+    the add and norm2.
 A block whose forward was replaced outside the plans is left alone and counted in
 details["blocks_forward_already_patched"].
 
