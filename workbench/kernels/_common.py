@@ -228,7 +228,8 @@ def traced() -> bool:
 @contextlib.contextmanager
 def as_compiled():
     """Within the block, `traced()` is true: eager code takes torch.compile's branches (timm's stage and
-    merging forwards, torch's sums and multiplies where Inductor would fuse them), so a forced-eager step
+    merging forwards unless the compile pass's fused_window keeps the fused chain, the operators' host
+    functions, torch's sums and multiplies where Inductor would fuse them), so a forced-eager step
     launches swinbench's kernels with the arguments and in the order the compiled step launches them."""
     previous, _AS_COMPILED[0] = _AS_COMPILED[0], True
     try:
