@@ -45,9 +45,10 @@ def train(wl, steps=3):
 
 
 def test_same_losses_and_weights_as_autocast_bit_for_bit():
+    """With torch's step on the widened gradients (step: torch)."""
     plain, master = workload(), workload()
     names = [n for n, p in master.model.named_parameters() if any(p is q for q in gemm_parameters(master.model))]
-    _, result = apply_pass("master_weights", master.model, master.ctx)
+    _, result = apply_pass("master_weights", master.model, master.ctx, {"step": "torch"})
     assert result.available, result.changed
     assert all(dict(master.model.named_parameters())[n].dtype == torch.bfloat16 for n in names)
     assert train(plain) == train(master)
@@ -61,6 +62,63 @@ def test_same_losses_and_weights_as_autocast_bit_for_bit():
         else:
             assert by_name[name].dtype == torch.float32
             assert torch.equal(by_name[name].detach(), p.detach()), name
+
+
+def test_one_pass_step_trains_as_torchs_adamw():
+    """The default step (the one-pass AdamW kernel on the master, torch's AdamW on the rest) against
+    autocast with fp32 weights and torch's AdamW: the same losses to rounding, masters within a few
+    units in the last place of fp32, the model's bf16 weights the masters rounded, the other parameters
+    stepped by torch as before."""
+    plain, master = workload(), workload()
+    gemm = {id(p) for p in gemm_parameters(master.model)}
+    names = [n for n, p in master.model.named_parameters() if id(p) in gemm]
+    _, result = apply_pass("master_weights", master.model, master.ctx)
+    assert result.details["step"].startswith("one-pass")
+    losses_plain, losses_master = train(plain, 4), train(master, 4)
+    assert master.optimizer is not None and master.ctx.master_weights.master.grad is None   # never widened
+    assert losses_master == pytest.approx(losses_plain, rel=2e-3)
+    masters = fp32_values(master)
+    by_name = dict(master.model.named_parameters())
+    for name, p in plain.model.named_parameters():
+        err = (masters[name] - p.detach()).abs().max().item()
+        assert err < 1e-3, f"{name}: {err:.2e}"
+        if name in names:
+            assert torch.equal(by_name[name].detach(), masters[name].to(torch.bfloat16)), name
+    state = master.optimizer.state[master.ctx.master_weights.master]
+    assert state["step"].item() == 4 and state["exp_avg"].shape == master.ctx.master_weights.master.shape
+
+
+def test_clipped_steps_widen_the_gradients():
+    """Gradient clipping needs the fp32 gradients: that step takes torch's path, and the next unclipped
+    step the kernel's again, on the same AdamW state."""
+    wl = workload()
+    apply_pass("master_weights", wl.model, wl.ctx)
+    wl.prepare()
+    mw = wl.ctx.master_weights
+    stepper = mw.optimizer(lambda params: torch.optim.AdamW(params, lr=1e-3), wl.model.parameters())
+    assert stepper.flat_group is not None
+    seen = []
+    for clip in (None, lambda params: seen.append(len(params)), None):
+        _, loss = wl.forward_loss()
+        loss.backward()
+        stepper.step(clip_grads=clip)
+        stepper.zero_grad()
+    assert seen and stepper.inner.state[mw.master]["step"].item() == 3
+    assert torch.equal(mw.flat, mw.master.detach().to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("factory", [lambda ps: torch.optim.SGD(ps, lr=0.1),
+                                     lambda ps: torch.optim.AdamW(ps, lr=1e-3, amsgrad=True)])
+def test_other_optimizers_step_the_widened_gradients(factory):
+    wl = workload()
+    apply_pass("master_weights", wl.model, wl.ctx)
+    mw = wl.ctx.master_weights
+    stepper = mw.optimizer(factory, wl.model.parameters())
+    assert stepper.flat_group is None
+    _, loss = wl.forward_loss()
+    loss.backward()
+    stepper.step()
+    assert mw.master.grad is not None and torch.equal(mw.flat, mw.master.detach().to(torch.bfloat16))
 
 
 def test_inference_forward_unchanged():
@@ -81,7 +139,18 @@ def test_optimizer_surface_and_zero_grad():
     assert len(opt.param_groups) == 1 and opt.param_groups[0]["params"][0] is wl.ctx.master_weights.master
     wl.step(0)
     assert all(p.grad is None for p in wl.model.parameters())
-    assert wl.ctx.master_weights.master.grad is not None  # persistent buffer, overwritten each step
+    assert wl.ctx.master_weights.master.grad is None   # the one-pass step reads the bf16 gradients
+
+
+def test_torch_step_keeps_a_persistent_fp32_gradient():
+    wl = workload()
+    apply_pass("master_weights", wl.model, wl.ctx, {"step": "torch"})
+    wl.prepare()
+    wl.step(0)
+    grad = wl.ctx.master_weights.master.grad
+    assert grad is not None and grad.dtype == torch.float32   # persistent buffer, overwritten each step
+    wl.step(1)
+    assert wl.ctx.master_weights.master.grad is grad
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])

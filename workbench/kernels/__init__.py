@@ -8,6 +8,7 @@ Exports (usable without the CLI):
   layer_norm, add_layer_norm, merging_layer_norm                         (layer_norm.py)
   linear, bias_grad                                                      (linear.py)
   scale_samples (stochastic depth's per-sample multiply)                 (drop_path.py)
+  adamw_flat_step (AdamW on a flat fp32 master from bf16 gradients)      (adamw.py)
   absmax_scale, quantize, dequantize, fake_quantize, QuantLinear         (quant.py; quantize_rows,
                                                                           gelu_quantize_rows, int8_dequant
                                                                           and quant_matmul in Triton)
@@ -15,6 +16,7 @@ Kernels run on the GPU, and on the CPU under TRITON_INTERPRET=1 (slow: for tests
 """
 from __future__ import annotations
 
+from workbench.kernels.adamw import adamw_flat_step
 from workbench.kernels.cosine import cosine_qk
 from workbench.kernels.drop_path import scale_samples
 from workbench.kernels.layer_norm import add_layer_norm, layer_norm, merging_layer_norm
@@ -27,4 +29,4 @@ from workbench.kernels.window_attention import fused_window_attention
 __all__ = ["roll_partition", "merge_roll", "norm_shift_partition", "add_norm_shift_partition", "merge_unshift_add",
            "merge_add_norm", "fused_window_attention", "cosine_qk", "layer_norm", "add_layer_norm",
            "merging_layer_norm", "linear", "bias_grad", "scale_samples", "absmax_scale", "quantize", "dequantize",
-           "fake_quantize", "QuantLinear"]
+           "fake_quantize", "QuantLinear", "adamw_flat_step"]

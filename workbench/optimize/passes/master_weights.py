@@ -6,7 +6,10 @@ launches in a Swin-B training step (and 200 per inference forward), each paid in
 step that is bound by the host. This pass stores those weights in bf16 instead, as views of one flat
 bf16 buffer, and keeps their fp32 values in one flat master tensor that the optimizer updates. Per
 step the optimizer then gathers the bf16 gradients with one `torch.cat`, widens them with one copy,
-steps the master tensor, and narrows it back into the model with one copy.
+steps the master tensor, and narrows it back into the model with one copy. With torch's AdamW and the
+Triton kernels at hand (param `step`: auto), the widen, the master's update and the narrow are one
+kernel instead (`workbench.kernels.adamw`: 28 bytes an element instead of 40); torch's optimizer steps
+the model's other parameters as before.
 
 The arithmetic is the same as autocast's: the forward's weights are the master values rounded to
 bf16 (what autocast's cast gives), the gradients are the bf16 results of the same GEMMs and sums
@@ -24,6 +27,8 @@ import torch
 from workbench.optimize.passes import PassContext, PassResult, PassUnavailable
 
 NAME = "master_weights"
+STEPS = ("auto", "triton", "torch")
+PARAMS = {"step": (str, STEPS)}   # parameter -> (type, allowed values), checked when a recipe is loaded
 
 
 def gemm_parameters(model: torch.nn.Module, training: bool = True) -> list[torch.nn.Parameter]:
@@ -45,9 +50,11 @@ class MasterWeights:
     """Low-precision parameters as views of one flat buffer, their fp32 masters made on demand (kept
     only for training: an inference workload needs no optimizer)."""
 
-    def __init__(self, params: list[torch.nn.Parameter], dtype: torch.dtype, keep_master: bool = True):
+    def __init__(self, params: list[torch.nn.Parameter], dtype: torch.dtype, keep_master: bool = True,
+                 flat_step: bool = False):
         self.params = params
         self.dtype = dtype
+        self.flat_step = flat_step   # step the master with the one-pass AdamW kernel where the optimizer allows
         device = params[0].device
         self.sizes = [p.numel() for p in params]
         total = sum(self.sizes)
@@ -63,23 +70,29 @@ class MasterWeights:
         self.master = None
 
     def master_parameter(self) -> torch.nn.Parameter:
-        """The flat fp32 master (one Parameter with a persistent gradient buffer), made on first use."""
+        """The flat fp32 master (one Parameter), made on first use. Its gradient is a persistent buffer
+        that gather_grads makes on first use (the one-pass step reads the low-precision one instead)."""
         if self.master is None:
             if self._fp32 is None:
                 raise RuntimeError("master weights were not kept (the pass ran for an inference workload)")
             self.master = torch.nn.Parameter(self._fp32)
-            self.master.grad = torch.zeros_like(self._fp32)
             self._grads = torch.empty_like(self.flat)
         self._fp32 = None
         return self.master
 
-    def gather_grads(self) -> None:
-        """The parameters' low-precision gradients into the master's fp32 gradient: one cat, one copy.
-        A parameter without a gradient contributes zeros (as autograd's would-be zero gradient)."""
+    def gather_low_grads(self) -> torch.Tensor:
+        """The parameters' low-precision gradients as one flat tensor laid out as the master (one cat). A
+        parameter without a gradient contributes zeros (as autograd's would-be zero gradient)."""
         grads = [p.grad.reshape(-1) if p.grad is not None else self.flat.new_zeros(n)
                  for p, n in zip(self.params, self.sizes)]
         torch.cat(grads, out=self._grads)
-        self.master.grad.copy_(self._grads)
+        return self._grads
+
+    def gather_grads(self) -> None:
+        """The parameters' low-precision gradients into the master's fp32 gradient: one cat, one copy."""
+        if self.master.grad is None:
+            self.master.grad = torch.empty_like(self.master)
+        self.master.grad.copy_(self.gather_low_grads())
 
     def scatter_params(self) -> None:
         """The stepped masters back into the model's parameters (one rounding copy)."""
@@ -152,6 +165,18 @@ class MasterWeightOptimizer:
         given = [master, *others]
         self.inner = check_optimizer(factory(given), given, "under master weights, one flat fp32 master of the GEMM "
                                      "weights and the model's other parameters", required=master)
+        self.flat_group = self._flat_adamw_group() if weights.flat_step else None
+
+    def _flat_adamw_group(self) -> dict | None:
+        """The master's parameter group when the one-pass kernel computes its update: torch's AdamW (not a
+        subclass) without amsgrad, maximize or differentiable, numbers for betas, eps and weight decay."""
+        if type(self.inner) is not torch.optim.AdamW:
+            return None
+        master = self.weights.master
+        group = next(g for g in self.inner.param_groups if any(p is master for p in g["params"]))
+        plain = not (group.get("amsgrad") or group.get("maximize") or group.get("differentiable"))
+        numbers = not any(torch.is_tensor(x) for x in (*group["betas"], group["eps"], group["weight_decay"]))
+        return group if plain and numbers else None
 
     @property
     def param_groups(self):
@@ -164,12 +189,34 @@ class MasterWeightOptimizer:
     def step(self, clip_grads=None) -> None:
         """Gather the gradients, step, scatter. clip_grads(params), when given, runs between the gather and
         the update on the inner optimizer's parameters (the fp32 master and the others), so that gradient
-        clipping sees fp32 gradients, as it does under autocast."""
+        clipping sees fp32 gradients, as it does under autocast. Without clipping, and with an AdamW the
+        one-pass kernel computes (flat_group), the master is left out of torch's step (no gradient) and
+        the kernel updates it from the low-precision gradients and writes the model's weights."""
+        if self.flat_group is not None and clip_grads is None:
+            self._flat_step(self.weights.gather_low_grads())
+            return
         self.weights.gather_grads()
         if clip_grads is not None:
             clip_grads([p for group in self.inner.param_groups for p in group["params"]])
         self.inner.step()
         self.weights.scatter_params()
+
+    def _flat_step(self, grads: torch.Tensor) -> None:
+        from workbench.kernels.adamw import adamw_flat_step
+
+        master, group = self.weights.master, self.flat_group
+        if master.grad is not None:   # a clipped step made the fp32 gradient: torch's step must not see it
+            master.grad = None
+        self.inner.step()
+        state = self.inner.state[master]
+        if not state:   # as torch's AdamW starts a parameter's state (its step count on the device)
+            state["step"] = torch.zeros((), dtype=torch.float32, device=master.device)
+            state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+        with torch.no_grad():
+            adamw_flat_step(grads, master.detach(), state["exp_avg"], state["exp_avg_sq"], state["step"],
+                            self.weights.flat, lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                            weight_decay=group["weight_decay"])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # The master's gradient is a persistent buffer that gather_grads overwrites: left alone.
@@ -190,7 +237,14 @@ def in_your_loop(params: dict, ctx: PassContext) -> str | None:
             "masters come with optimize_swin's step)")
 
 
-def apply(model: torch.nn.Module, ctx: PassContext):
+def apply(model: torch.nn.Module, ctx: PassContext, step: str = "auto"):
+    from workbench.errors import UserError
+    from workbench.optimize.passes import triton_runs_on
+
+    if step not in STEPS:
+        raise UserError(f"pass master_weights: step must be one of {', '.join(STEPS)}, got {step!r}")
+    if step == "triton" and not triton_runs_on(ctx.device):
+        raise PassUnavailable("step triton: the Triton kernels need a CUDA GPU (or TRITON_INTERPRET=1 on the CPU)")
     dtype = ctx.precision.amp_dtype
     if dtype is not torch.bfloat16:
         raise PassUnavailable(f"master weights need bf16 autocast (this stage runs {ctx.precision.name}); "
@@ -203,9 +257,14 @@ def apply(model: torch.nn.Module, ctx: PassContext):
     params = gemm_parameters(model, ctx.training)
     if not params:
         raise PassUnavailable("no fp32 Linear or Conv2d parameters in this model")
-    ctx.master_weights = MasterWeights(params, dtype, keep_master=ctx.training)
+    flat = ctx.training and step != "torch" and triton_runs_on(ctx.device)
+    ctx.master_weights = MasterWeights(params, dtype, keep_master=ctx.training, flat_step=flat)
     n = sum(p.numel() for p in params)
     changed = (f"{len(params)} Linear/Conv2d weights and biases ({n / 1e6:.1f}M values) stored in bf16 "
-               + ("(no autocast casts), fp32 masters stepped by the optimizer" if ctx.training else
-                  "(no autocast casts); inference keeps no fp32 copy"))
-    return model, PassResult(NAME, {}, changed, {"parameters": len(params), "values": n, "dtype": "bfloat16"})
+               + (("(no autocast casts), fp32 masters stepped "
+                   + ("by the optimizer (torch's AdamW: in one kernel from the bf16 gradients)" if flat
+                      else "by the optimizer"))
+                  if ctx.training else "(no autocast casts); inference keeps no fp32 copy"))
+    return model, PassResult(NAME, {"step": step}, changed,
+                             {"parameters": len(params), "values": n, "dtype": "bfloat16",
+                              **({"step": "one-pass AdamW kernel for torch's AdamW" if flat else "torch"} if ctx.training else {})})
