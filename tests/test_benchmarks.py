@@ -21,7 +21,8 @@ def load(path: Path):
 
 def test_one_benchmark_per_kernel_family():
     assert {p.stem for p in SCRIPTS} == {"bench_layer_norm", "bench_window", "bench_window_attention",
-                                         "bench_linear", "bench_analyze", "bench_quant", "bench_rel_pos_grad"}
+                                         "bench_linear", "bench_analyze", "bench_quant", "bench_rel_pos_grad",
+                                         "bench_adamw"}
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
@@ -59,6 +60,12 @@ def test_rel_pos_grad_smoke_on_the_cpu(tmp_path):
     module = load(BENCH / "bench_rel_pos_grad.py")
     assert module.main(["--check", "--out-dir", str(tmp_path)]) == 0
     check_results(tmp_path, "rel_pos_grad")
+
+
+def test_adamw_smoke_on_the_cpu(tmp_path):
+    module = load(BENCH / "bench_adamw.py")
+    assert module.main(["--check", "--out-dir", str(tmp_path)]) == 0
+    check_results(tmp_path, "adamw")
 
 
 def test_quant_smoke_on_the_cpu(tmp_path):
