@@ -69,6 +69,16 @@ def op_samples():
           wa.rel_pos_inverse(_rel_index(7).to(DEVICE), 169), mask, d ** -0.5, True)),
         ("window_attention_cosine_fwd", wa._window_attention_cosine_fwd_op,
          (q, k, v, rand(169, nh), _rel_index(7).to(DEVICE), mask, rand(nh).abs() + 1)),
+        ("add_norm_shift_partition_fwd", win._add_norm_shift_partition_fwd_op,
+         (x, rand(B, H, W, C), w, b, 1e-5, ws, shift, torch.bfloat16, rand(B))),
+        ("add_norm_shift_partition_bwd", win._add_norm_shift_partition_bwd_op,
+         (torch.randn_like(windows), x, w, mean, rstd, ws, shift, rand(B, H, W, C))),
+        ("add_norm_shift_partition_keep_bwd", win._add_norm_shift_partition_keep_bwd_op,
+         (torch.randn_like(windows), x, w, mean, rstd, ws, shift, None, rand(B), torch.bfloat16)),
+        ("merge_add_norm_fwd", win._merge_add_norm_fwd_op,
+         (windows, x, w, b, 1e-5, ws, shift, torch.bfloat16, rand(B))),
+        ("merge_add_norm_bwd", win._merge_add_norm_bwd_op,
+         (rand(B, H, W, C), x, w, mean, rstd, ws, shift, rand(B, H, W, C), rand(B), torch.float32, torch.float32)),
         ("cosine_rows_fwd", cos.cosine_rows_fwd, (q, rand(nh), torch.bfloat16)),
         ("cosine_rows_bwd", cos.cosine_rows_bwd, (q, dout, cos.cosine_rows_fwd(q, None, torch.float32)[1], rand(nh))),
     ]
@@ -95,7 +105,9 @@ NAMES = ["layer_norm_fwd", "add_layer_norm_fwd", "post_add_layer_norm_fwd", "lay
          "roll_partition_fwd", "merge_roll_fwd", "norm_shift_partition_fwd", "norm_shift_partition_bwd",
          "window_attention_fwd", "window_attention_bwd", "window_attention_qkv_bwd", "bias_grad",
          "rel_pos_table_grad", "window_attention_table_fwd", "window_attention_qkv_table_bwd",
-         "window_attention_table_bwd", "window_attention_cosine_fwd", "cosine_rows_fwd", "cosine_rows_bwd"]
+         "window_attention_table_bwd", "window_attention_cosine_fwd", "cosine_rows_fwd", "cosine_rows_bwd",
+         "add_norm_shift_partition_fwd", "add_norm_shift_partition_bwd", "add_norm_shift_partition_keep_bwd",
+         "merge_add_norm_fwd", "merge_add_norm_bwd"]
 
 
 @pytest.mark.parametrize("name", NAMES)
