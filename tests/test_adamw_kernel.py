@@ -18,8 +18,9 @@ HP = {"lr": 3e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.05}
 
 
 def reference_step(p, m, v, g, t, lr, betas, eps, weight_decay):
-    """torch's fused AdamW update (its order of operations), in float64."""
-    b1, b2 = betas
+    """torch's fused AdamW update (its order of operations), in float64 from the betas as fp32 (what torch's
+    kernel and this one hold: 1 - beta2 is 0.00099998713 for 0.999)."""
+    b1, b2 = (float(torch.tensor(b, dtype=torch.float32)) for b in betas)
     p = p - lr * weight_decay * p
     m = b1 * m + (1 - b1) * g
     v = b2 * v + (1 - b2) * g * g

@@ -18,14 +18,16 @@ The update is torch's fused AdamW (`torch.optim.AdamW(fused=True)`), in its orde
 
 with t the step count after this step's increment. `step` and `lr` may live on the device (a CUDA graph
 replays the step with the counter and learning rate it reads there): the kernel reads them, so the
-host never syncs. The bias corrections are computed as 2^(t log2 beta) in fp32 (torch calls powf):
-within a few units in the last place. sqrt and the divisions round to nearest.
+host never syncs. The betas are rounded to fp32 first, as torch's kernel holds them (1 - beta2 is then
+0.00099998713 for 0.999, not 0.001). The bias corrections are computed as 2^(t log2 beta) in fp32 (torch
+calls powf): within a few units in the last place. sqrt and the divisions round to nearest.
 
 Kernels run on the GPU, and on the CPU with TRITON_INTERPRET=1 set before this module is imported (slow).
 """
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
 import triton
@@ -69,6 +71,14 @@ def _adamw_flat_kernel(G, P, M, V, OUT, STEP, step_value, LR, lr_value, n, beta1
     tl.store(OUT + offs, to_dtype(p, OUT.dtype.element_ty, SOFT_RTNE), mask=ok)
 
 
+def _fp32(value: float) -> float:
+    """value rounded to the nearest fp32 (saturating to inf past its range, as a cast does)."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
 def _scalar(value, name: str) -> float:
     if torch.is_tensor(value):
         raise ValueError(f"adamw_flat_step: {name} must be a number, got a tensor")
@@ -88,7 +98,8 @@ def adamw_flat_step(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Ten
         if t.numel() != n or not t.is_contiguous() or t.device != master.device or (dtype and t.dtype != dtype):
             raise ValueError(f"adamw_flat_step: {name} must be a contiguous {dtype or 'tensor'} of {n} values on "
                              f"{master.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
-    beta1, beta2 = (_scalar(b, "betas") for b in betas)
+    # the betas as fp32, which the kernel computes with (and torch's fused AdamW, powf included)
+    beta1, beta2 = (_fp32(_scalar(b, "betas")) for b in betas)
     if not (0.0 < beta1 < 1.0 and 0.0 < beta2 < 1.0):
         raise ValueError(f"adamw_flat_step: betas must lie in (0, 1), got {beta1}, {beta2}")
     step.add_(1)
