@@ -28,7 +28,7 @@ def reference_step(p, m, v, g, t, lr, betas, eps, weight_decay):
     return p - (lr / (1 - b1 ** t)) * m / denom, m, v
 
 
-@pytest.mark.parametrize("n", [1, 2047, 2049, 5003])
+@pytest.mark.parametrize("n", [1, 2047, 2049, 4096, 5003])
 @pytest.mark.parametrize("lr_tensor", [False, True])
 def test_matches_fused_adamw_arithmetic(n, lr_tensor):
     gen = torch.Generator().manual_seed(n * 2 + lr_tensor)
