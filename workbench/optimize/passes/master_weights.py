@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from workbench.optimize.passes import PassContext, PassResult, PassUnavailable
+from workbench.errors import UserError
+from workbench.optimize.passes import PassContext, PassResult, PassUnavailable, triton_runs_on
 
 NAME = "master_weights"
 STEPS = ("auto", "triton", "torch")
@@ -135,8 +136,6 @@ def check_optimizer(optimizer, given: list, what: str, required=None):
     `required` (the master of the GEMM weights): a factory that builds its optimizer over the model's own
     parameters instead would leave the master unstepped, and the model would train only in part. A subset
     of `given` is fine (parameters left frozen)."""
-    from workbench.errors import UserError
-
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise UserError(f"the optimizer factory returned an object of type {type(optimizer).__name__}, not a "
                         "torch.optim.Optimizer")
@@ -238,9 +237,6 @@ def in_your_loop(params: dict, ctx: PassContext) -> str | None:
 
 
 def apply(model: torch.nn.Module, ctx: PassContext, step: str = "auto"):
-    from workbench.errors import UserError
-    from workbench.optimize.passes import triton_runs_on
-
     if step not in STEPS:
         raise UserError(f"pass master_weights: step must be one of {', '.join(STEPS)}, got {step!r}")
     if step == "triton" and not triton_runs_on(ctx.device):
@@ -260,11 +256,11 @@ def apply(model: torch.nn.Module, ctx: PassContext, step: str = "auto"):
     flat = ctx.training and step != "torch" and triton_runs_on(ctx.device)
     ctx.master_weights = MasterWeights(params, dtype, keep_master=ctx.training, flat_step=flat)
     n = sum(p.numel() for p in params)
+    stepped = "by the optimizer" + (" (torch's AdamW: in one kernel from the bf16 gradients)" if flat else "")
     changed = (f"{len(params)} Linear/Conv2d weights and biases ({n / 1e6:.1f}M values) stored in bf16 "
-               + (("(no autocast casts), fp32 masters stepped "
-                   + ("by the optimizer (torch's AdamW: in one kernel from the bf16 gradients)" if flat
-                      else "by the optimizer"))
-                  if ctx.training else "(no autocast casts); inference keeps no fp32 copy"))
-    return model, PassResult(NAME, {"step": step}, changed,
-                             {"parameters": len(params), "values": n, "dtype": "bfloat16",
-                              **({"step": "one-pass AdamW kernel for torch's AdamW" if flat else "torch"} if ctx.training else {})})
+               + (f"(no autocast casts), fp32 masters stepped {stepped}" if ctx.training else
+                  "(no autocast casts); inference keeps no fp32 copy"))
+    details = {"parameters": len(params), "values": n, "dtype": "bfloat16"}
+    if ctx.training:
+        details["step"] = "one-pass AdamW kernel for torch's AdamW" if flat else "torch"
+    return model, PassResult(NAME, {"step": step}, changed, details)
