@@ -79,3 +79,15 @@ def write_results(out_dir: Path | None, name: str, *, title: str, stamp: dict, s
     md += [f"Records: `{name}.json`. Command: `python benchmarks/bench_{name}.py`."]
     return [atomic_write_text(Path(out_dir) / f"{name}.json", json.dumps(payload, indent=1, default=str) + "\n"),
             atomic_write_text(Path(out_dir) / f"{name}.md", "\n".join(md) + "\n")]
+
+
+def copy_gbps(device) -> float:
+    """The device's copy bandwidth in GB/s (bytes read + written): Tensor.copy_ of 1 GiB, timed with
+    triton.testing.do_bench. What the memory floors of the kernel benchmarks are computed against."""
+    import torch
+    import triton
+
+    src = torch.empty(1 << 28, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=100)
+    return 2 * src.numel() * 4 / (ms * 1e-3) / 1e9

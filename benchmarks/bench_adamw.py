@@ -30,7 +30,7 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _results import add_out_dir_argument, markdown_table, out_dir_for, write_results  # noqa: E402
+from _results import add_out_dir_argument, copy_gbps, markdown_table, out_dir_for, write_results  # noqa: E402
 from workbench.env import device_label, environment_stamp  # noqa: E402
 from workbench.kernels.adamw import adamw_flat_step  # noqa: E402
 
@@ -78,14 +78,6 @@ class Master:
         adamw_flat_step(self.grad_low, self.master.detach(), self.state["exp_avg"], self.state["exp_avg_sq"],
                         self.state["step"], self.flat, **HP)
 
-
-def copy_gbps(device) -> float:
-    import triton
-
-    src = torch.empty(1 << 28, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=100)
-    return 2 * src.numel() * 4 / (ms * 1e-3) / 1e9
 
 
 def check(n: int, device) -> float:

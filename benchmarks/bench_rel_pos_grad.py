@@ -34,7 +34,7 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _results import add_out_dir_argument, markdown_table, out_dir_for, write_results  # noqa: E402
+from _results import add_out_dir_argument, copy_gbps, markdown_table, out_dir_for, write_results  # noqa: E402
 from workbench.env import device_label, environment_stamp  # noqa: E402
 from workbench.kernels.window_attention import rel_pos_inverse, rel_pos_table_grad_host  # noqa: E402
 
@@ -57,14 +57,6 @@ def torch_table_grad(d_rel: torch.Tensor, index: torch.Tensor, n_table: int) -> 
     pairs = d_rel.sum(0).reshape(n_heads, -1).t()
     return torch.zeros(n_table, n_heads, dtype=d_rel.dtype, device=d_rel.device).index_add_(0, index.reshape(-1), pairs)
 
-
-def copy_gbps(device) -> float:
-    import triton
-
-    src = torch.empty(1 << 28, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=100)
-    return 2 * src.numel() * 4 / (ms * 1e-3) / 1e9
 
 
 def main(argv=None) -> int:
