@@ -39,10 +39,11 @@ _BLOCK = 2048   # elements a program updates: 16 per thread at 4 warps
 
 
 @triton.jit
-def _adamw_flat_kernel(G, P, M, V, OUT, STEP, step_value, LR, lr_value, n, beta1, beta2, log2_beta1,
+def _adamw_flat_kernel(G, P, M, V, OUT, STEP, step_value, LR, lr_value, start, n, beta1, beta2, log2_beta1,
                        log2_beta2, eps, weight_decay, STEP_ON_DEVICE: tl.constexpr,
                        LR_ON_DEVICE: tl.constexpr, SOFT_RTNE: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    """Elements start + [0, n - start) of the flat tensors, BLOCK a program."""
+    offs = start + tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
     if STEP_ON_DEVICE:
         t = tl.load(STEP).to(tl.float32)
@@ -109,9 +110,15 @@ def adamw_flat_step(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Ten
         lr, lr_on_device = float(lr), False
     if n == 0:
         return
-    launch(_adamw_flat_kernel)[(cdiv(n, _BLOCK),)](
-        grad, master, exp_avg, exp_avg_sq, out,
-        step if step_on_device else master, 0.0 if step_on_device else float(step),
-        lr if lr_on_device else master, 0.0 if lr_on_device else float(lr),
-        n, beta1, beta2, math.log2(beta1), math.log2(beta2), _scalar(eps, "eps"), _scalar(weight_decay, "weight_decay"),
-        STEP_ON_DEVICE=step_on_device, LR_ON_DEVICE=lr_on_device, SOFT_RTNE=SOFT_RTNE, BLOCK=_BLOCK, num_warps=4)
+    # Two launches: the whole blocks, whose bound is a multiple of BLOCK (Triton then knows the mask is
+    # constant over 16 elements and moves 16-byte vectors), and the last partial block, masked per element.
+    whole = n - n % _BLOCK
+    for start, end in ((0, whole), (whole, n)):
+        if end > start:
+            launch(_adamw_flat_kernel)[(cdiv(end - start, _BLOCK),)](
+                grad, master, exp_avg, exp_avg_sq, out,
+                step if step_on_device else master, 0.0 if step_on_device else float(step),
+                lr if lr_on_device else master, 0.0 if lr_on_device else float(lr),
+                start, end, beta1, beta2, math.log2(beta1), math.log2(beta2), _scalar(eps, "eps"),
+                _scalar(weight_decay, "weight_decay"), STEP_ON_DEVICE=step_on_device, LR_ON_DEVICE=lr_on_device,
+                SOFT_RTNE=SOFT_RTNE, BLOCK=_BLOCK, num_warps=4)
