@@ -18,6 +18,9 @@ from workbench.optimize.passes import apply_pass  # noqa: E402
 from workbench.optimize.passes.master_weights import gemm_parameters  # noqa: E402
 from workbench.optimize.workload import Workload, WorkloadConfig  # noqa: E402
 
+# Where the one-pass AdamW kernel runs: the GPU where there is one, else the CPU under the interpreter
+# (on a GPU machine the interpreter is off, and a CPU workload takes torch's step).
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KERNEL_PASSES = [("fused_layernorm", {"impl": "triton"}), ("fused_window", None), ("fused_attention", None),
                  ("fused_linear", None), ("fused_block", None)]
 
@@ -69,7 +72,7 @@ def test_one_pass_step_trains_as_torchs_adamw():
     autocast with fp32 weights and torch's AdamW: the same losses to rounding, masters within a few
     units in the last place of fp32, the model's bf16 weights the masters rounded, the other parameters
     stepped by torch as before."""
-    plain, master = workload(), workload()
+    plain, master = workload(device=KERNEL_DEVICE), workload(device=KERNEL_DEVICE)
     gemm = {id(p) for p in gemm_parameters(master.model)}
     names = [n for n, p in master.model.named_parameters() if id(p) in gemm]
     _, result = apply_pass("master_weights", master.model, master.ctx)
@@ -91,7 +94,7 @@ def test_one_pass_step_trains_as_torchs_adamw():
 def test_clipped_steps_widen_the_gradients():
     """Gradient clipping needs the fp32 gradients: that step takes torch's path, and the next unclipped
     step the kernel's again, on the same AdamW state."""
-    wl = workload()
+    wl = workload(device=KERNEL_DEVICE)
     apply_pass("master_weights", wl.model, wl.ctx)
     wl.prepare()
     mw = wl.ctx.master_weights
@@ -132,7 +135,7 @@ def test_inference_forward_unchanged():
 
 
 def test_optimizer_surface_and_zero_grad():
-    wl = workload()
+    wl = workload(device=KERNEL_DEVICE)
     apply_pass("master_weights", wl.model, wl.ctx)
     wl.prepare()
     opt = wl.optimizer
