@@ -112,13 +112,13 @@ def adamw_flat_step(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Ten
         return
     # Two launches: the whole blocks, whose bound is a multiple of BLOCK (Triton then knows the mask is
     # constant over 16 elements and moves 16-byte vectors), and the last partial block, masked per element.
+    step_args = (step, 0.0) if step_on_device else (master, float(step))
+    lr_args = (lr, 0.0) if lr_on_device else (master, float(lr))
+    hyper = (beta1, beta2, math.log2(beta1), math.log2(beta2), _scalar(eps, "eps"), _scalar(weight_decay, "weight_decay"))
     whole = n - n % _BLOCK
     for start, end in ((0, whole), (whole, n)):
         if end > start:
             launch(_adamw_flat_kernel)[(cdiv(end - start, _BLOCK),)](
-                grad, master, exp_avg, exp_avg_sq, out,
-                step if step_on_device else master, 0.0 if step_on_device else float(step),
-                lr if lr_on_device else master, 0.0 if lr_on_device else float(lr),
-                start, end, beta1, beta2, math.log2(beta1), math.log2(beta2), _scalar(eps, "eps"),
-                _scalar(weight_decay, "weight_decay"), STEP_ON_DEVICE=step_on_device, LR_ON_DEVICE=lr_on_device,
-                SOFT_RTNE=SOFT_RTNE, BLOCK=_BLOCK, num_warps=4)
+                grad, master, exp_avg, exp_avg_sq, out, *step_args, *lr_args, start, end, *hyper,
+                STEP_ON_DEVICE=step_on_device, LR_ON_DEVICE=lr_on_device, SOFT_RTNE=SOFT_RTNE, BLOCK=_BLOCK,
+                num_warps=4)
