@@ -110,11 +110,11 @@ def adamw_flat_step(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Ten
         lr, lr_on_device = float(lr), False
     if n == 0:
         return
-    # Two launches: the whole blocks, whose bound is a multiple of BLOCK (Triton then knows the mask is
-    # constant over 16 elements and moves 16-byte vectors), and the last partial block, masked per element.
     step_args = (step, 0.0) if step_on_device else (master, float(step))
     lr_args = (lr, 0.0) if lr_on_device else (master, float(lr))
     hyper = (beta1, beta2, math.log2(beta1), math.log2(beta2), _scalar(eps, "eps"), _scalar(weight_decay, "weight_decay"))
+    # Two launches: the whole blocks, whose bound is a multiple of BLOCK (Triton then knows the mask is
+    # constant over 16 elements and moves 16-byte vectors), and the last partial block, masked per element.
     whole = n - n % _BLOCK
     for start, end in ((0, whole), (whole, n)):
         if end > start:
