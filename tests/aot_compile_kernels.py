@@ -47,7 +47,7 @@ DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", 
           torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
 OPTION_KEYS = ("num_warps", "num_stages", "maxnreg", "num_ctas", "launch_pdl")
 
-MODULES = ("_common", "layer_norm", "window", "window_attention", "linear", "quant", "cosine", "drop_path", "mlp")
+MODULES = ("_common", "layer_norm", "window", "window_attention", "linear", "quant", "cosine", "drop_path")
 RECORDED: list[tuple] = []
 
 
@@ -89,7 +89,6 @@ def _record_launches(quick: bool) -> None:
     quant = importlib.import_module("workbench.kernels.quant")
     cosine = importlib.import_module("workbench.kernels.cosine")
     drop = importlib.import_module("workbench.kernels.drop_path")
-    mlp = importlib.import_module("workbench.kernels.mlp")
     for fn in (getattr(win, "_norm_bwd_config", None), getattr(ln, "_bwd_grid", None)):
         if hasattr(fn, "cache_clear"):
             fn.cache_clear()
@@ -215,12 +214,6 @@ def _record_launches(quick: bool) -> None:
             for scale in (torch.ones(4), None):
                 _, rnorm = cosine.cosine_rows_fwd.fn(x, scale, torch.bfloat16)
                 cosine.cosine_rows_bwd.fn(x, r(2, 4, 64, d), torch.ones(2 * 4 * 64), scale)
-    # the MLP's GEMMs with the GELU in their epilogues: fc1 (C -> 4C) forward and fc2's input gradient with
-    # the GELU backward, K a multiple of the tile (128, 512) or not (Swin-T's 96, 192)
-    for dt in ((torch.bfloat16,) if quick else (torch.bfloat16, torch.float16)):
-        for C in ((128, 96) if quick else (128, 512, 96, 192)):
-            mlp.gemm_gelu.fn(r(256, C, dtype=dt), r(4 * C, C, dtype=dt), r(4 * C, dtype=dt))
-            mlp.gemm_dgelu.fn(r(256, C, dtype=dt), r(C, 4 * C, dtype=dt), r(256, 4 * C, dtype=dt), torch.float32)
     # stochastic depth's per-sample multiply (a branch of 56 x 56 tokens x 128 channels per sample)
     for dt in (torch.bfloat16, torch.float32):
         drop.scale_samples_host(r(2, 56 * 56 * 128, dtype=dt), torch.ones(2, dtype=dt))

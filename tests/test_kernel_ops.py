@@ -16,7 +16,6 @@ win = importlib.import_module("workbench.kernels.window")  # noqa: E402
 wa = importlib.import_module("workbench.kernels.window_attention")  # noqa: E402
 lin = importlib.import_module("workbench.kernels.linear")  # noqa: E402
 cos = importlib.import_module("workbench.kernels.cosine")  # noqa: E402
-mlp = importlib.import_module("workbench.kernels.mlp")  # noqa: E402
 from workbench.kernels._common import KernelOp  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -33,7 +32,6 @@ def rand(*shape, dtype=torch.float32):
 def op_samples():
     B, H, W, C, ws, shift = 1, 9, 10, 24, 7, 3      # H, W not multiples of the window: padded
     x = rand(B, H, W, C)
-    bf = torch.bfloat16
     w, b = rand(C), rand(C)
     windows, mean, rstd = win.norm_shift_partition_fwd(x, w, b, 1e-5, ws, shift)
     rows = rand(37, C)
@@ -81,9 +79,6 @@ def op_samples():
          (windows, x, w, b, 1e-5, ws, shift, torch.bfloat16, rand(B))),
         ("merge_add_norm_bwd", win._merge_add_norm_bwd_op,
          (rand(B, H, W, C), x, w, mean, rstd, ws, shift, rand(B, H, W, C), rand(B), torch.float32, torch.float32)),
-        ("gemm_gelu", mlp.gemm_gelu, (rand(37, C, dtype=bf), rand(40, C, dtype=bf), rand(40, dtype=bf))),
-        ("gemm_dgelu", mlp.gemm_dgelu, (rand(37, C, dtype=bf), rand(C, 40, dtype=bf), rand(37, 40, dtype=bf),
-                                        torch.float32)),
         ("cosine_rows_fwd", cos.cosine_rows_fwd, (q, rand(nh), torch.bfloat16)),
         ("cosine_rows_bwd", cos.cosine_rows_bwd, (q, dout, cos.cosine_rows_fwd(q, None, torch.float32)[1], rand(nh))),
     ]
@@ -112,7 +107,7 @@ NAMES = ["layer_norm_fwd", "add_layer_norm_fwd", "post_add_layer_norm_fwd", "lay
          "rel_pos_table_grad", "window_attention_table_fwd", "window_attention_qkv_table_bwd",
          "window_attention_table_bwd", "window_attention_cosine_fwd", "cosine_rows_fwd", "cosine_rows_bwd",
          "add_norm_shift_partition_fwd", "add_norm_shift_partition_bwd", "add_norm_shift_partition_keep_bwd",
-         "merge_add_norm_fwd", "merge_add_norm_bwd", "gemm_gelu", "gemm_dgelu"]
+         "merge_add_norm_fwd", "merge_add_norm_bwd"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -162,7 +157,7 @@ def test_key_tiled_attention_ops_pass_opcheck(index):
 
 
 def test_every_swinbench_op_is_sampled():
-    ops = [o for m in (ln, win, wa, lin, cos, mlp) for o in vars(m).values() if isinstance(o, KernelOp)]
+    ops = [o for m in (ln, win, wa, lin, cos) for o in vars(m).values() if isinstance(o, KernelOp)]
     assert sorted(o.op._qualname.split("::")[1] for o in ops) == sorted(NAMES)
 
 

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 
 from workbench.models import TINY_MODEL, build_model  # noqa: E402
 from workbench.optimize.passes import apply_pass  # noqa: E402
-from pass_helpers import assert_step_close, model_pair, pass_ctx, rel_err, tiny_batch, train_step  # noqa: E402
+from pass_helpers import assert_step_close, model_pair, pass_ctx, rel_err, tiny_batch  # noqa: E402
 
 lin = importlib.import_module("workbench.kernels.linear")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -167,41 +167,6 @@ def test_fused_linear_pass_matches_timm_in_fp32():
     assert patched.state_dict().keys() == plain.state_dict().keys()
 
     assert_step_close(plain, patched, *tiny_batch(plain, 2, DEVICE))
-
-
-def test_mlp_epilogue_binds_the_whole_mlp_and_trains_as_the_reduction_form_does():
-    """mlp: epilogue: every fused MLP on the epilogue Function; under bf16 autocast one step's logits and
-    gradients within bf16 rounding of the reduction form's (and of fp32 timm); in fp32 it is that form."""
-    from workbench.optimize.passes.block_forward import mlp_forward_epilogue
-    from workbench.optimize.passes.block_plan import block_plans
-
-    plain, reduction = model_pair(DEVICE, drop_path_rate=0.0)
-    epilogue = model_pair(DEVICE, drop_path_rate=0.0)[1]
-    reduction, _ = apply_pass("fused_linear", reduction, pass_ctx(DEVICE, "bf16"))
-    epilogue, result = apply_pass("fused_linear", epilogue, pass_ctx(DEVICE, "bf16"), {"mlp": "epilogue"})
-    assert result.available and result.params == {"mlp": "epilogue"}
-    assert "epilogues of two Triton GEMMs" in result.changed and "kernels.mlp" in result.details["training_mlp"]
-    mlps = [m for n, m in epilogue.named_modules() if n.endswith(".mlp")]
-    assert len(mlps) == 4 and all(vars(m)["forward"].__func__ is mlp_forward_epilogue for m in mlps)
-    assert all(p.mlp_epilogue for p in block_plans(epilogue).plans.values())
-    x, target = tiny_batch(plain, 2, DEVICE)
-    logits_ref, grads_ref = train_step(plain, x, target)
-    logits_red, grads_red = train_step(reduction, x, target, autocast=torch.bfloat16)
-    logits, grads = train_step(epilogue, x, target, autocast=torch.bfloat16)
-    assert rel_err(logits, logits_ref) < 2e-2 and rel_err(logits, logits_red) < 1e-2
-    for name, g in grads_red.items():
-        assert rel_err(grads[name], grads_ref[name]) < 1.5 * rel_err(g, grads_ref[name]) + 2e-2, name
-    assert_step_close(reduction, epilogue, x, target)   # fp32: the reduction form's own computation
-
-
-def test_mlp_epilogue_param_is_checked_when_a_recipe_loads(tmp_path):
-    from workbench.errors import UserError
-    from workbench.optimize.recipes import load_recipe_file
-
-    path = tmp_path / "r.yaml"
-    path.write_text("name: r\nextends: fmha\npasses:\n  - name: fused_linear\n    params: {mlp: cublas}\n")
-    with pytest.raises(UserError, match="must be one of reduction, epilogue"):
-        load_recipe_file(path)
 
 
 def test_fused_linear_pass_leaves_other_mlps_on_timms_forward():

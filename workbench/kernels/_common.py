@@ -598,22 +598,6 @@ def to_dtype(y, dtype: tl.constexpr, SOFT_RTNE: tl.constexpr):
 
 
 @triton.jit
-def grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """(rows, cols) of this program's (BLOCK_M, BLOCK_N) tile of an (M, N) GEMM output on a 1-D grid: the
-    programs walk the tiles in groups of GROUP_M rows of tiles, so that the A rows and B columns a group
-    reads stay in L2."""
-    pid = tl.program_id(0)
-    grid_m = tl.cdiv(M, BLOCK_M)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    width = GROUP_M * grid_n
-    first_m = (pid // width) * GROUP_M
-    size_m = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
-    return pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-
-
-@triton.jit
 def zero_column_sums(SUMS, n_sums, pid, n_programs, ZERO: tl.constexpr, BLOCK: tl.constexpr):
     """With ZERO, the programs of a forward kernel zero the (n_sums,) fp32 buffer that the backward will
     add its column sums into (`eager_column_sums`), BLOCK elements each in turn (one block for most, as

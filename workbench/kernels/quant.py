@@ -56,7 +56,7 @@ import triton
 import triton.language as tl
 
 from workbench.kernels import _common
-from workbench.kernels._common import _INTERPRET, SOFT_RTNE, cdiv, grouped_tile, kernel_op, launch, next_pow2, to_dtype
+from workbench.kernels._common import _INTERPRET, SOFT_RTNE, cdiv, kernel_op, launch, next_pow2, to_dtype
 
 FORMATS = ("fp8", "int8")
 QMAX = {"fp8": 448.0, "int8": 127.0}
@@ -452,7 +452,16 @@ def _quant_matmul_kernel(A, W, XS, WS, B, OUT, M, N, K, s_am, s_wn, ROW_SCALE: t
     in fp32; the scales and the bias are applied to the accumulator in registers and OUT is written once,
     in bf16. Programs walk the (M, N) tiles in groups of GROUP_M rows of tiles, so that the A rows and
     W columns a group reads stay in L2."""
-    rows, cols = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * grid_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     # rows and columns past the edge read a valid one (their results are not stored): no load masks
     a_ptr = A + (rows % M).to(tl.int64)[:, None] * s_am + ks[None, :]

@@ -322,20 +322,6 @@ def mlp_forward_fused(self, x: torch.Tensor) -> torch.Tensor:
     return self.fc2(linear(x, self.fc1.weight, self.fc1.bias, gelu=True))
 
 
-def mlp_forward_epilogue(self, x: torch.Tensor) -> torch.Tensor:
-    """timm Mlp.forward as kernels.mlp.gelu_mlp where a gradient is recorded and its GEMMs run (a half compute
-    dtype on a GPU): the GELU in fc1's GEMM epilogue, its backward and fc1's bias gradient in the epilogue of
-    fc2's input-gradient GEMM. Elsewhere (inference, fp32) mlp_forward_fused."""
-    if torch.is_grad_enabled():
-        from workbench.kernels.linear import compute_dtype
-        from workbench.kernels.mlp import applies, gelu_mlp
-
-        fc1, fc2 = self.fc1, self.fc2
-        if applies(x, compute_dtype(x, fc1.weight), fc1.bias):
-            return gelu_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias)
-    return mlp_forward_fused(self, x)
-
-
 @merging_forward_of_the_pass
 def merging_forward(self, x: torch.Tensor) -> torch.Tensor:
     """timm PatchMerging.forward whose norm is a TritonLayerNorm. Without autograd (inference, eager or

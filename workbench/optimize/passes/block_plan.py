@@ -28,8 +28,6 @@ attribute `block_plans`, by each block's qualified name. A deep copy of the mode
     attention_bias fused_attention  the fused kernel's bias: table (read in-kernel) | gather (gathered first)
     linear         fused_linear     the block's Linears compute their bias gradient in one reduction
     mlp_gelu       fused_linear     the MLP's fc1 and GELU run as one Function
-    mlp_epilogue   fused_linear     in training, the whole MLP runs as one Function with the GELU and its
-                                    backward in the epilogues of two Triton GEMMs (kernels/mlp.py)
     whole_block    fused_block      the block runs as one autograd Function (block_forward.SwinBlockFunction)
     fallbacks      every pass       (field, reason) for what a pass asked for and the block cannot run
 
@@ -50,8 +48,8 @@ import torch
 
 from workbench.optimize.passes._swin import (INVERSE_BUFFER, add_rel_pos_inverse, merging_norm_goes_to_linear,
                                              named_swin_blocks)
-from workbench.optimize.passes.block_forward import (attention_forward, block_forward, merging_forward,
-                                                     mlp_forward_epilogue, mlp_forward_fused, stage_forward)
+from workbench.optimize.passes.block_forward import (attention_forward, block_forward, merging_forward, mlp_forward_fused,
+                                                     stage_forward)
 
 NORMS = ("torch", "triton", "apex")
 ATTENTIONS = ("timm", "triton")
@@ -72,7 +70,6 @@ class BlockPlan:
     attention_bias: str = "table"
     linear: bool = False
     mlp_gelu: bool = False
-    mlp_epilogue: bool = False
     whole_block: bool = False
     fallbacks: tuple[tuple[str, str], ...] = ()
 
@@ -107,8 +104,6 @@ class BlockPlan:
         """torch | triton bias gradient, '+ GELU' where fc1 and GELU are one Function."""
         if not self.linear:
             return "torch"
-        if self.mlp_epilogue:
-            return "triton bias gradient + GELU in the GEMM epilogues"
         return "triton bias gradient" + (" + GELU" if self.mlp_gelu else "")
 
     @property
@@ -187,8 +182,7 @@ class BlockPlans:
                 self._set(f"{name}.attn", attn, "forward", types.MethodType(forward, attn))
                 counts["attention_forwards"] += 1
             if plan.mlp_gelu:
-                forward = mlp_forward_epilogue if plan.mlp_epilogue else mlp_forward_fused
-                self._set(f"{name}.mlp", mlp, "forward", types.MethodType(forward, mlp))
+                self._set(f"{name}.mlp", mlp, "forward", types.MethodType(mlp_forward_fused, mlp))
                 counts["mlp_forwards"] += 1
             forward = block_forward(plan.add_norm2, plan.window, plan.whole_block, attn_to_linear, mlp_to_linear,
                                     self.window_under_compile)

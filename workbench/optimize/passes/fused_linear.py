@@ -36,8 +36,6 @@ from workbench.optimize.passes.block_plan import block_plans
 
 NAME = "fused_linear"
 OWN_KERNELS = True   # runs swinbench kernels: a stage with it is not PyTorch alone
-MLP_FORMS = ("reduction", "epilogue")
-PARAMS = {"mlp": (str, MLP_FORMS)}   # parameter -> (type, allowed values), checked when a recipe is loaded
 
 
 def exact_gelu(act: torch.nn.Module) -> bool:
@@ -69,19 +67,17 @@ def _inference_epilogue(ctx: PassContext, mlps_fused: int, epilogue_dtypes) -> b
 
 def v2_mlp_bound(mlp: torch.nn.Module) -> bool:
     """Whether this pass bound the fused fc1 + GELU forward on a SwinV2 block's Mlp."""
-    from workbench.optimize.passes.block_forward import mlp_forward_epilogue, mlp_forward_fused
+    from workbench.optimize.passes.block_forward import mlp_forward_fused
 
-    return getattr(vars(mlp).get("forward"), "__func__", None) in (mlp_forward_fused, mlp_forward_epilogue)
+    return getattr(vars(mlp).get("forward"), "__func__", None) is mlp_forward_fused
 
 
-def _v2_result(model: torch.nn.Module, ctx: PassContext, Mlp, BiasGradLinear, epilogue_dtypes, mlp_form: str
-               ) -> PassResult:
+def _v2_result(model: torch.nn.Module, ctx: PassContext, Mlp, BiasGradLinear, epilogue_dtypes) -> PassResult:
     """Swap attn.proj, mlp.fc1 and mlp.fc2 of every SwinV2 block (and -CR's attn.qkv) to BiasGradLinear and
     bind the fused fc1 + GELU forward on each Mlp that qualifies -> the pass's result."""
     from workbench.optimize.passes._swin import is_cr, v2_block_classes
-    from workbench.optimize.passes.block_forward import mlp_forward_epilogue, mlp_forward_fused
+    from workbench.optimize.passes.block_forward import mlp_forward_fused
 
-    forward = mlp_forward_epilogue if mlp_form == "epilogue" else mlp_forward_fused
     linears, fused, kept, qkv_left = 0, 0, 0, 0
     for blk in (m for m in model.modules() if isinstance(m, v2_block_classes())):
         cr = is_cr(blk.attn)
@@ -94,7 +90,7 @@ def _v2_result(model: torch.nn.Module, ctx: PassContext, Mlp, BiasGradLinear, ep
                     linears += 1
         mlp = blk.mlp
         if _fusable_mlp(mlp, Mlp) and isinstance(mlp.fc1, BiasGradLinear) and "forward" not in vars(mlp):
-            mlp.forward = types.MethodType(forward, mlp)
+            mlp.forward = types.MethodType(mlp_forward_fused, mlp)
             fused += 1
         else:
             kept += 1
@@ -104,18 +100,13 @@ def _v2_result(model: torch.nn.Module, ctx: PassContext, Mlp, BiasGradLinear, ep
     changed = f"{linears} SwinV2 Linear ({which}) -> fused bias-gradient backward (Triton); {fused} MLP fc1+GELU fused"
     if qkv_left:
         changed += "; qkv left (SwinV2 runs it as F.linear with its q/v biases)"
-    result = _result(ctx, epilogue_dtypes, linears, fused, kept, changed, mlp_form)
+    result = _result(ctx, epilogue_dtypes, linears, fused, kept, changed)
     result.details["swinv2"] = True
     return result
 
 
-def _result(ctx: PassContext, epilogue_dtypes, linears: int, fused: int, kept: int, changed: str,
-            mlp_form: str) -> PassResult:
-    """The pass's result from its counts: `changed` completed with the MLPs kept, the training MLP's form and
-    the inference epilogue."""
-    training_epilogue = mlp_form == "epilogue" and ctx.training and fused > 0
-    if training_epilogue:
-        changed += "; training: each fused MLP's GELU and its backward in the epilogues of two Triton GEMMs"
+def _result(ctx: PassContext, epilogue_dtypes, linears: int, fused: int, kept: int, changed: str) -> PassResult:
+    """The pass's result from its counts: `changed` completed with the MLPs kept and the inference epilogue."""
     if kept:
         changed += f"; {kept} MLP kept on timm's forward (other activation, dropout or hidden norm)"
     epilogue = _inference_epilogue(ctx, fused, epilogue_dtypes)
@@ -125,22 +116,12 @@ def _result(ctx: PassContext, epilogue_dtypes, linears: int, fused: int, kept: i
                "implementation": "workbench.kernels.linear (cuBLAS GEMMs + Triton bias/GELU reduction)",
                "inference_gelu": ("fc1 + bias + GELU as one cuBLASLt GEMM (torch._addmm_activation, tanh GELU: "
                                   "within 5e-4 of the exact erf GELU)") if epilogue else "separate (exact erf)"}
-    if ctx.training and fused:
-        details["training_mlp"] = ("one Function: fc1's GEMM with bias + exact GELU in its epilogue, fc2's input-gradient "
-                                   "GEMM with GELU' and fc1's bias-gradient sums in its epilogue (Triton, "
-                                   "workbench.kernels.mlp); the other GEMMs cuBLAS" if training_epilogue else
-                                   "fc1 + GELU one Function, the GELU backward in fc1's bias-gradient reduction")
-    return PassResult(NAME, {"mlp": mlp_form} if mlp_form != "reduction" else {}, changed, details)
+    return PassResult(NAME, {}, changed, details)
 
 
-def apply(model: torch.nn.Module, ctx: PassContext, mlp: str = "reduction") -> tuple[torch.nn.Module, PassResult]:
+def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, PassResult]:
     """Swap the Linears of every timm SwinTransformerBlock in place, plan the fused MLP and bind ->
-    (model, PassResult). mlp: the training MLP's form, 'reduction' (fc1 + GELU one Function, the GELU
-    backward in fc1's bias-gradient reduction) or 'epilogue' (the whole MLP one Function, the GELU and
-    its backward in the epilogues of two Triton GEMMs: kernels/mlp.py)."""
-    if mlp not in MLP_FORMS:
-        raise ValueError(f"fused_linear: mlp must be one of {', '.join(MLP_FORMS)}, got {mlp!r}")
-    mlp_form = mlp
+    (model, PassResult)."""
     try:
         from timm.layers import Mlp
 
@@ -152,15 +133,15 @@ def apply(model: torch.nn.Module, ctx: PassContext, mlp: str = "reduction") -> t
     linears, fused_mlps, kept_mlps = 0, [], []
     blocks = named_swin_blocks(model)
     if not blocks and has_v2_blocks(model, cr=True):
-        return model, _v2_result(model, ctx, Mlp, BiasGradLinear, EPILOGUE_DTYPES, mlp_form)
+        return model, _v2_result(model, ctx, Mlp, BiasGradLinear, EPILOGUE_DTYPES)
     for name, block in blocks:
         for parent in (block.attn, block.mlp):
             for child_name, child in list(parent.named_children()):
                 if type(child) is torch.nn.Linear:
                     setattr(parent, child_name, BiasGradLinear.from_linear(child))
                     linears += 1
-        block_mlp = block.mlp
-        if _fusable_mlp(block_mlp, Mlp) and isinstance(block_mlp.fc1, BiasGradLinear):
+        mlp = block.mlp
+        if _fusable_mlp(mlp, Mlp) and isinstance(mlp.fc1, BiasGradLinear):
             fused_mlps.append(name)
         else:
             kept_mlps.append(name)
@@ -168,11 +149,11 @@ def apply(model: torch.nn.Module, ctx: PassContext, mlp: str = "reduction") -> t
         raise PassUnavailable("no timm SwinTransformerBlock Linear layers in this model")
     plans = block_plans(model)
     for name, _ in blocks:
-        plans.update(name, linear=True, mlp_gelu=name in fused_mlps, mlp_epilogue=name in fused_mlps and mlp_form == "epilogue")
+        plans.update(name, linear=True, mlp_gelu=name in fused_mlps)
         if name in kept_mlps:
             plans.fall_back(name, "mlp_gelu", "an MLP with another activation, dropout or a hidden norm")
     plans.bind(model)
     mlps_fused = len(fused_mlps)
     return model, _result(ctx, EPILOGUE_DTYPES, linears, mlps_fused, len(kept_mlps),
                           f"{linears} Linear -> fused bias-gradient backward (Triton); "
-                          f"{mlps_fused} MLP fc1+GELU backward fused", mlp_form)
+                          f"{mlps_fused} MLP fc1+GELU backward fused")
