@@ -47,8 +47,7 @@ def ladder(rows=LADDER, gpu=True, fail=(), recipe="block"):
 def test_the_graph_recipes_are_the_stages_they_replay():
     # the compiled stages' graph forms have their recipes too (a default-mode compiled step is captured like an
     # eager one)
-    assert graph_recipes() == {**GRAPHS, "fmha-compile": "fmha-compile-graph", "torch-compile": "torch-compile-graph",
-                               "dense-compile": "dense-compile-graph"}
+    assert graph_recipes() == {**GRAPHS, "fmha-compile": "fmha-compile-graph", "torch-compile": "torch-compile-graph"}
 
 
 def test_auto_picks_the_fastest_stage_in_its_best_reproducible_form():

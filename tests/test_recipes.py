@@ -29,9 +29,8 @@ def test_builtin_chain_order():
 def test_list_recipes_main_chain_then_peers():
     recipes = list_recipes()
     assert [r.name for r in recipes] == CHAIN + ["dense", "block", "fp8", "int8"] + PEERS + [
-        "dense-compile", "dense-graph", "fmha-compile-graph", "block-graph", "dense-compile-graph", "fp8-compile",
-        "int8-compile"]
-    assert [r.peer for r in recipes] == [False] * 9 + [True] * (len(PEERS) + 7)
+        "dense-graph", "fmha-compile-graph", "block-graph", "fp8-compile", "int8-compile"]
+    assert [r.peer for r in recipes] == [False] * 9 + [True] * (len(PEERS) + 5)
 
 
 def test_pytorch_alone_and_graph_forms():
@@ -43,7 +42,7 @@ def test_pytorch_alone_and_graph_forms():
                      "torchao-fp8", "torchao-int8"}
     forms = {name for name, r in book.builtins.items() if is_graph_form(r)}
     assert forms == {"fmha-graph", "dense-graph", "block-graph", "fmha-compile-graph", "torch-compile-graphs",
-                     "fmha-compile-graphs", "torch-compile-graph", "dense-compile-graph"}
+                     "fmha-compile-graphs", "torch-compile-graph"}
 
 
 def test_effective_passes_accumulate_in_chain_order():
