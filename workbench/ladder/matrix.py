@@ -82,13 +82,16 @@ def cell_name(model: str, mode: str, batch: int) -> str:
 
 
 def parse_list(text: str | list[str] | None, what: str) -> list[str] | None:
-    """'a,b' -> ['a', 'b']; None stays None; UserError for an empty list or a name given twice."""
+    """'a,b' -> ['a', 'b']; None stays None; UserError for an empty list, an empty item (a doubled or
+    trailing comma: refused, as --stages does, not dropped) or a name given twice."""
     if text is None:
         return None
     items = [s.strip() for s in (text.split(",") if isinstance(text, str) else text)]
-    items = [s for s in items if s]
-    if not items:
+    if not any(items):
         raise UserError(f"--{what} is empty: give names separated by commas")
+    if not all(items):
+        shown = text if isinstance(text, str) else ",".join(text)
+        raise UserError(f"--{what} {shown!r} has an empty item: give names separated by single commas")
     dup = sorted({s for s in items if items.count(s) > 1})
     if dup:
         raise UserError(f"--{what} names {dup[0]!r} twice")
