@@ -150,13 +150,9 @@ def _out_path(value: str) -> Path:
 def _name_list(value: Optional[str], option: str = "--stages", what: str = "stage") -> Optional[list[str]]:
     """A comma-separated option (--stages, --compare) as names; an empty item (a doubled or trailing comma)
     is refused, not dropped."""
-    if value is None:
-        return None
-    names = [s.strip() for s in value.split(",")]
-    if not all(names):
-        raise _fail(UserError(f"{option} {value!r} has an empty item: give {what} names separated by single "
-                              "commas"), 2)
-    return names
+    from workbench.arguments import name_list
+
+    return None if value is None else _call(name_list, value, option, what)
 
 
 def _cache_folder(cache: Optional[Path]) -> Optional[Path]:

@@ -9,6 +9,18 @@ from workbench.errors import UserError
 from workbench.files import short_repr
 
 
+def name_list(text: str | list[str], option: str, what: str = "") -> list[str]:
+    """A comma-separated option's names ('a, b' -> ['a', 'b']; a list of names is taken as given), each
+    stripped; UserError for an empty item (a doubled or trailing comma, or nothing at all): refused, not
+    dropped, so that a typo never runs another plan than the one written. what: the noun for one name."""
+    items = [s.strip() for s in (text.split(",") if isinstance(text, str) else text)]
+    if not all(items):
+        shown = text if isinstance(text, str) else ",".join(text)
+        raise UserError(f"{option} {shown!r} has an empty item: give {what + ' ' if what else ''}names separated by "
+                        "single commas")
+    return items
+
+
 def require_bool(name: str, value) -> None:
     """`value` is True or False (not 0, 1 or a string)."""
     if not isinstance(value, bool):

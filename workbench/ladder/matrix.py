@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from workbench.arguments import name_list
 from workbench.errors import UserError
 from workbench.models import TINY_MODEL, check_model_name
 from workbench.results.matrix_table import MATRIX_JSON, MATRIX_MD, cell_folders, write_matrix
@@ -82,16 +83,11 @@ def cell_name(model: str, mode: str, batch: int) -> str:
 
 
 def parse_list(text: str | list[str] | None, what: str) -> list[str] | None:
-    """'a,b' -> ['a', 'b']; None stays None; UserError for an empty list, an empty item (a doubled or
-    trailing comma: refused, as --stages does, not dropped) or a name given twice."""
+    """'a,b' -> ['a', 'b']; None stays None; UserError for an empty item (arguments.name_list) or a name
+    given twice."""
     if text is None:
         return None
-    items = [s.strip() for s in (text.split(",") if isinstance(text, str) else text)]
-    if not any(items):
-        raise UserError(f"--{what} is empty: give names separated by commas")
-    if not all(items):
-        shown = text if isinstance(text, str) else ",".join(text)
-        raise UserError(f"--{what} {shown!r} has an empty item: give names separated by single commas")
+    items = name_list(text, f"--{what}")
     dup = sorted({s for s in items if items.count(s) > 1})
     if dup:
         raise UserError(f"--{what} names {dup[0]!r} twice")
