@@ -84,8 +84,9 @@ def test_bad_plans_are_refused(kwargs, needle):
 
 def test_parse_list_and_fused_check():
     assert matrix.parse_list(" a, b ", "models") == ["a", "b"]
-    with pytest.raises(UserError, match="empty"):
-        matrix.parse_list(" , ", "modes")
+    for empty in (" , ", []):
+        with pytest.raises(UserError, match="empty"):
+            matrix.parse_list(empty, "modes")
     for doubled in ("train,,infer1", "train,infer1,"):   # refused as --stages refuses it, not dropped
         with pytest.raises(UserError, match="has an empty item"):
             matrix.parse_list(doubled, "modes")
