@@ -14,10 +14,12 @@ def name_list(text: str | list[str], option: str, what: str = "") -> list[str]:
     stripped; UserError for an empty item (a doubled or trailing comma, or nothing at all): refused, not
     dropped, so that a typo never runs another plan than the one written. what: the noun for one name."""
     items = [s.strip() for s in (text.split(",") if isinstance(text, str) else text)]
-    if not items or not all(items):   # no items at all: an empty list (a string splits into one at least)
+    names = f"{what} names" if what else "names"
+    if not any(items):   # nothing at all: an empty list, or only commas and spaces
+        raise UserError(f"{option} is empty: give {names} separated by commas")
+    if not all(items):
         shown = text if isinstance(text, str) else ",".join(text)
-        raise UserError(f"{option} {shown!r} has an empty item: give {what + ' ' if what else ''}names separated by "
-                        "single commas")
+        raise UserError(f"{option} {shown!r} has an empty item: give {names} separated by single commas")
     return items
 
 
