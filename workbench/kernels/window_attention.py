@@ -664,27 +664,33 @@ def _window_attention_bwd_dkv_kernel(
 # nW, nH and B_PER_W are plain (non-specialized) ints, so one binary per (N, d, dtype, mask, G,
 # num_warps, num_stages) serves every Swin stage: autotuning costs a few compiles, then only timed
 # runs. Windows per program G is a constexpr: Inductor, launching the kernels of a traced step,
-# passes autotuned config values only as constexprs. num_stages > 1 lets Triton prefetch the next window's
-# q/k/v(/o/dO) tiles into shared memory (cp.async) while the current one computes.
+# passes autotuned config values only as constexprs. num_stages is the depth of Triton's prefetch of the
+# windows' q/k/v(/o/dO) tiles into shared memory (cp.async): the pipeliner issues a window's loads at the
+# end of the previous window's loop body, so at num_stages = 2 the loop waits for them as soon as they are
+# issued (an async_wait of 0 outstanding groups in the sm_90 TTGIR) and only num_stages >= 3 keeps the next
+# window's loads in flight while a window computes.
 # Backward G starts at 8: the d_bias partial buffer costs 4*N*N/G bytes per (window, head), about
 # 10% of the backward's own traffic at G = 8, and the autotuner times only the kernel, not the sum.
 # Kept small: every config costs a compile and a timed run at each new shape (a model's first step).
+# The forward (about 125 registers at 4 warps: four programs per SM) gains less from the deeper prefetch
+# than the backward: timed alone on an H100 (Swin-B b64, masked, table bias), G = 16 with num_stages = 3
+# took 34.5 us at stage 3 against 37.1 for the best config at 2 (G = 8); at stage 1 the best of each depth
+# lie within 3% (108-111 us).
 _FWD_CONFIGS = [triton.Config({"G": g}, num_warps=nw, num_stages=ns)
-                for nw, ns in ((4, 2), (8, 2)) for g in (4, 8)]
+                for nw, ns, gs in ((4, 2, (4, 8, 16)), (8, 2, (4, 8)), (4, 3, (4, 8, 16))) for g in gs]
 # Windows of up to 64 tokens (Swin's 7x7) fit one 64-row query tile, whose fp32 d_bias accumulator stays
 # in registers across the program's windows, beside the bias tile; compiled for sm_90 that backward takes
 # 249-255 registers at 4 warps and 234 at 8, without spilling (Triton 3.8; `tests/aot_compile_kernels.py
 # --resources`): two programs per SM at 4 warps, one at 8. 32-row tiles take as many registers and add
 # the d_bias slot's read-modify-write per window. The autotuner times both (the query-tile height is a
-# config value there, not a host choice). Timed alone on an H200 (Triton 3.6; Swin-B b64's window-7 shapes,
+# config value there, not a host choice). Timed alone on an H100 (Triton 3.6; Swin-B b64's window-7 shapes,
 # masked, table bias, the backward's host function with its table-gradient launch), 64-row tiles at 4 warps
-# with num_stages = 2 and G = 16 were the fastest: 202 us at stage 1 (4096 windows x 4 heads) against 214 for
-# the best of the other configs, 77 us at stage 3 (256 x 16) against 108; capped at 168 registers, 221 and
-# 74 us. In a graph-replayed Swin-B training step the gain was within run-to-run noise (23.89 against
-# 23.99 ms).
+# and G = 16 are the fastest: 188 us at stage 1 (4096 windows x 4 heads) and 55 us at stage 3 (256 x 16) with
+# num_stages = 3, against 226 and 66 us at num_stages = 2 (no load in flight, above), 232 and 69 at 1, and 239
+# and 72 at 3 with registers capped at 168; 8 warps took 1.7-2x as long, 32-row tiles 4-5x.
 _BWD_SMALL_CONFIGS = ([triton.Config({"G": 16, "BLOCK_M": 64}, num_warps=4, num_stages=2, maxnreg=r) for r in (None, 168)]
                       + [triton.Config({"G": g, "BLOCK_M": 64}, num_warps=nw, num_stages=ns)
-                       for nw, ns in ((4, 1), (8, 2)) for g in (8, 16)]
+                       for nw, ns in ((4, 1), (8, 2), (4, 3)) for g in (8, 16)]
                       + [triton.Config({"G": g, "BLOCK_M": 32}, num_warps=8, num_stages=2) for g in (8, 16)])
 # Windows of more than 64 tokens (the key-tiled kernels): the query-tile height is a config value, and
 # BIAS_REGS whether a program holds its bias/mask tiles in registers across its windows (else it loads them
@@ -713,9 +719,16 @@ _BWD_DKV_CONFIGS = [triton.Config({"G": g, "BLOCK_M": bm, "BIAS_REGS": br}, num_
 # forward's and dq's) or queries (dk/dv's) from memory once per tile; side by side they share them in L2.
 # The autotuner times both orders per shape; on an H100 it took the tiles fastest for 12 of Swin-B 384's 14
 # (kernel, shape) pairs, so those copies come first and the config used untuned (SWINBENCH_AUTOTUNE=0) is one.
+# Those two copies follow again at num_stages = 3 (the next window's tiles in flight while one computes:
+# num_stages above). Timed on an H100 at Swin-B 384's stages 1 and 3 (batch 32; each kernel's config changed
+# alone, the others at their first), they took the backward from 921 to 862 us at stage 1 and from 296 to
+# 275 at stage 3 (dk/dv), from 920 to 879 and 297 to 288 (dq), and the forward from 272 to 262 and 85 to 84.
+# At d = 128 they ask for more shared memory still; the untuned config stays one at num_stages = 2.
 def _with_tiles_fastest(configs: list) -> list:
-    return [triton.Config({**c.kwargs, "TILE_FASTEST": True}, num_warps=c.num_warps, num_stages=c.num_stages,
-                          maxnreg=c.maxnreg) for c in configs[:2]] + configs
+    fastest = [triton.Config({**c.kwargs, "TILE_FASTEST": True}, num_warps=c.num_warps, num_stages=c.num_stages,
+                             maxnreg=c.maxnreg) for c in configs[:2]]
+    deeper = [triton.Config(c.kwargs, num_warps=c.num_warps, num_stages=3, maxnreg=c.maxnreg) for c in fastest]
+    return fastest + deeper + configs
 
 
 _FWD_TILED_CONFIGS = _with_tiles_fastest(_FWD_TILED_CONFIGS)
