@@ -11,7 +11,12 @@ stages, register caps; every config of an autotuned kernel), and compiles each o
     python tests/aot_compile_kernels.py [--quick] [--resources] [--sass DIR]   # a line per variant; exit 1 on a failure
 
 --resources adds each variant's registers and stack (spills) as ptxas allocated them for sm_90
-(Triton's bundled cuobjdump on the cubin), and lists the variants that spill. --sass DIR writes each variant's SASS (no addresses or encodings) to
+(Triton's bundled cuobjdump on the cubin), and lists the variants that spill; and, for a kernel whose
+loop Triton pipelines (cp.async prefetch into shared memory), the commit groups each of its waits leaves
+in flight (`waits`, from the TTGIR): where every wait is 0 the loop waits for a load as soon as it issues
+it, so nothing is prefetched while it computes (at num_stages = 2 Triton issues the next iteration's
+loads at the end of the loop body), and the variant is listed.
+--sass DIR writes each variant's SASS (no addresses or encodings) to
 DIR/<kernel>-<hash of its specialization>.sass: diff two such folders, built from two versions of the
 code, to see whether a change to a kernel's source changed the instructions it runs.
 
@@ -280,6 +285,7 @@ def main() -> int:
     if sass_dir is not None:
         sass_dir.mkdir(parents=True, exist_ok=True)
     spilling: list[str] = []
+    unhidden: list[str] = []    # pipelined loops that wait for each load as they issue it
     seen, failures, t0 = set(), [], time.perf_counter()
     for fn, args, kwargs in RECORDED:
         try:
@@ -307,6 +313,11 @@ def main() -> int:
                 line += f", {res.get('REG')} registers, stack {res.get('STACK')} bytes"
                 if res.get("STACK"):
                     spilling.append(f"{label} ({res.get('REG')} registers, stack {res['STACK']} bytes)")
+                waits = [int(n) for n in re.findall(r"ttg\.async_wait .*?\{num = (\d+) : i32\}", kernel.asm["ttgir"])]
+                if waits:
+                    line += f", waits {waits}"
+                    if not any(waits):
+                        unhidden.append(label)
             print(line)
         except Exception as exc:  # noqa: BLE001
             failures.append(f"{label}: {type(exc).__name__}: {str(exc).strip().splitlines()[-1][:400] if str(exc).strip() else ''}")
@@ -318,6 +329,9 @@ def main() -> int:
     if resources:
         print(f"# {len(spilling)} variant(s) use stack (spill registers):")
         for v in spilling:
+            print(f"  {v}")
+        print(f"# {len(unhidden)} variant(s) prefetch nothing while they compute (every async_wait 0):")
+        for v in unhidden:
             print(f"  {v}")
     return 1 if failures or not seen else 0
 
