@@ -370,6 +370,29 @@ def test_every_small_window_backward_config_matches_reference(cfg, monkeypatch):
         assert wa._bwd_small.best_config is not None
 
 
+@pytest.mark.parametrize("cfg", range(len(wa._BWD_SMALL_FP32_CONFIGS)),
+                         ids=lambda i: "BLOCK_M{BLOCK_M}-G{G}".format(**wa._BWD_SMALL_FP32_CONFIGS[i].kwargs)
+                         + f"-w{wa._BWD_SMALL_FP32_CONFIGS[i].num_warps}-s{wa._BWD_SMALL_FP32_CONFIGS[i].num_stages}")
+def test_every_fp32_small_window_backward_config_matches_reference(cfg, monkeypatch):
+    """fp32 inputs take their own configs (_BWD_SMALL_FP32_CONFIGS): each alone, masked, table bias, d = 32
+    (the case some 4-warp configs got wrong on a GPU), against the float64 formula at fp32 tolerance."""
+    config = wa._BWD_SMALL_FP32_CONFIGS[cfg]
+    assert config.maxnreg is None and (config.num_warps == 8 or config.num_stages == 1)
+    if wa._INTERPRET:
+        monkeypatch.setattr(wa, "_block_sizes", lambda n: (config.kwargs["BLOCK_M"], 64) if n <= 64 else (32, 256))
+    else:
+        import triton
+
+        monkeypatch.setattr(wa, "_bwd_small_fp32", triton.autotune([config], key=wa._AUTOTUNE_KEY)(
+            wa._window_attention_bwd_kernel))
+    check_table_against_reference((6, 3, 7, 32, 3), *DTYPE_TOLERANCES[0])
+
+
+def test_fp32_backward_takes_its_own_configs():
+    assert wa._bwd_kernel(64, torch.float32) is wa._bwd_small_fp32
+    assert wa._bwd_kernel(64, torch.bfloat16) is wa._bwd_small and wa._bwd_kernel(256, torch.float32) is wa._bwd_dq
+
+
 # Windows of more than 64 tokens run the key-tiled kernels (keys in blocks of 64, query tiles a grid axis,
 # backward split into dq/d_bias and dk/dv): N = 65 (a last key block and query tile of one), 100 (10x10,
 # two key blocks, the second 36 keys), 144 (12x12, three, the last 16 keys), 256 (16x16, four full ones);

@@ -692,6 +692,13 @@ _BWD_SMALL_CONFIGS = ([triton.Config({"G": 16, "BLOCK_M": 64}, num_warps=4, num_
                       + [triton.Config({"G": g, "BLOCK_M": 64}, num_warps=nw, num_stages=ns)
                        for nw, ns in ((4, 1), (8, 2), (4, 3)) for g in (8, 16)]
                       + [triton.Config({"G": g, "BLOCK_M": 32}, num_warps=8, num_stages=2) for g in (8, 16)])
+# fp32 inputs (input_precision="ieee": CUDA-core dots, operands twice as wide) need more registers than the
+# others: compiled for sm_90, the 4-warp configs at num_stages >= 2 leave ptxas at 32 registers and a 9 KB
+# stack, and on an H100 (Triton 3.6) they gave wrong gradients for masked windows at d = 32 (all three of
+# them; the key-tiled kernels' fp32 configs all match). fp32 takes the others, 8 warps first; a register
+# cap is not relied on (Inductor drops maxnreg, above).
+_BWD_SMALL_FP32_CONFIGS = sorted((c for c in _BWD_SMALL_CONFIGS if c.maxnreg is None and (c.num_warps == 8 or c.num_stages == 1)),
+                                 key=lambda c: (-c.num_warps, -c.kwargs["BLOCK_M"], -c.kwargs["G"]))
 # Windows of more than 64 tokens (the key-tiled kernels): the query-tile height is a config value, and
 # BIAS_REGS whether a program holds its bias/mask tiles in registers across its windows (else it loads them
 # again per window, from cache). Timed on an H200 at Swin-B 384's window-12 shapes (N = 144, d = 32,
@@ -752,19 +759,22 @@ def _quick_bench(fn, quantiles=None):
 
 if _INTERPRET:
     _fwd = _window_attention_fwd_kernel
-    _bwd_small = _window_attention_bwd_kernel
+    _bwd_small = _bwd_small_fp32 = _window_attention_bwd_kernel
     _fwd_tiled = _window_attention_fwd_tiled_kernel
     _bwd_dq = _window_attention_bwd_dq_kernel
     _bwd_dkv = _window_attention_bwd_dkv_kernel
 elif not AUTOTUNE:
     _fwd = triton.autotune(_FWD_CONFIGS[:1], key=_AUTOTUNE_KEY)(_window_attention_fwd_kernel)
     _bwd_small = triton.autotune(_BWD_SMALL_CONFIGS[:1], key=_AUTOTUNE_KEY)(_window_attention_bwd_kernel)
+    _bwd_small_fp32 = triton.autotune(_BWD_SMALL_FP32_CONFIGS[:1], key=_AUTOTUNE_KEY)(_window_attention_bwd_kernel)
     _fwd_tiled = triton.autotune(_FWD_TILED_CONFIGS[:1], key=_AUTOTUNE_KEY)(_window_attention_fwd_tiled_kernel)
     _bwd_dq = triton.autotune(_BWD_DQ_CONFIGS[:1], key=_AUTOTUNE_KEY)(_window_attention_bwd_dq_kernel)
     _bwd_dkv = triton.autotune(_BWD_DKV_CONFIGS[:1], key=_AUTOTUNE_KEY)(_window_attention_bwd_dkv_kernel)
 else:
     _fwd = triton.autotune(_FWD_CONFIGS, key=_AUTOTUNE_KEY, do_bench=_quick_bench)(_window_attention_fwd_kernel)
     _bwd_small = triton.autotune(_BWD_SMALL_CONFIGS, key=_AUTOTUNE_KEY, do_bench=_quick_bench)(
+        _window_attention_bwd_kernel)
+    _bwd_small_fp32 = triton.autotune(_BWD_SMALL_FP32_CONFIGS, key=_AUTOTUNE_KEY, do_bench=_quick_bench)(
         _window_attention_bwd_kernel)
     _fwd_tiled = triton.autotune(_FWD_TILED_CONFIGS, key=_AUTOTUNE_KEY, do_bench=_quick_bench)(
         _window_attention_fwd_tiled_kernel)
@@ -784,10 +794,13 @@ def key_tiled_autotuners(keep) -> dict:
                                           ("_bwd_dkv", _window_attention_bwd_dkv_kernel, _BWD_DKV_CONFIGS))}
 
 
-def _bwd_kernel(block_n: int):
+def _bwd_kernel(block_n: int, dtype: torch.dtype):
     """The backward launcher that writes the d_bias partials: up to 64 keys the one-tile kernel, whose
-    configs also choose the query-tile height (_BWD_SMALL_CONFIGS), else the key-tiled dq/d_bias kernel."""
-    return _bwd_small if block_n <= _KEY_BLOCK else _bwd_dq
+    configs also choose the query-tile height (_BWD_SMALL_CONFIGS; _BWD_SMALL_FP32_CONFIGS for fp32
+    inputs), else the key-tiled dq/d_bias kernel."""
+    if block_n > _KEY_BLOCK:
+        return _bwd_dq
+    return _bwd_small_fp32 if dtype == torch.float32 else _bwd_small
 
 
 def _block_sizes(n: int) -> tuple[int, int]:
@@ -915,7 +928,7 @@ def window_attention_bwd(q, k, v, out, lse, dout, rel_bias, mask, scale, compute
     traced = tracing()
     fill_slots = max_slots if traced and compute_dbias else 0
     block_m, block_n = _block_sizes(n)
-    kernel = _bwd_kernel(block_n)  # the one that writes the partials: its G sets their count
+    kernel = _bwd_kernel(block_n, q.dtype)  # the one that writes the partials: its G sets their count
     if block_n > _KEY_BLOCK:
         _bwd_tiled(q, k, v, out, lse, dout, rel_bias, mask_arg, index_arg, grads, dkv_off, dqkv is not None,
                    partial, fill_slots, scale, b_per_w, nw, mask is not None, compute_dbias, index is not None)
