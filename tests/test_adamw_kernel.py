@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from workbench.kernels.adamw import adamw_flat_step  # noqa: E402
+from workbench.kernels.adamw import GradLayout, adamw_flat_step, adamw_grads_step, grad_table  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 HP = {"lr": 3e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.05}
@@ -89,4 +89,44 @@ def test_refuses_what_it_cannot_step(bad):
         hp["betas"] = (0.9, 1.0)
     with pytest.raises(ValueError, match="adamw_flat_step"):
         adamw_flat_step(**args, **hp)
+    assert args["step"].item() == 0   # nothing stepped
+
+
+@pytest.mark.parametrize("sizes", [[8], [2048, 8, 2056, 16], [4104, 6000, 24, 2040], [2056, 10, 7688, 10]])
+@pytest.mark.parametrize("lr_tensor", [False, True])
+def test_grads_in_place_step_as_the_flat_one(sizes, lr_tensor):
+    """adamw_grads_step, reading each gradient where it lies (chunks that never straddle two of them, a
+    short last chunk), gives the flat step's bits on the gradients gathered by torch.cat, step after step."""
+    gen = torch.Generator().manual_seed(sum(sizes) + lr_tensor)
+    n = sum(sizes)
+    layout = GradLayout(sizes, DEVICE)
+    assert sum(chunks for _, _, chunks in layout.groups) == sum(-(-s // 2048) for s in sizes)
+    # a size or an offset that is no multiple of 8 puts the parameter in the second launch
+    assert layout.aligned == [s % 8 == 0 and sum(sizes[:j]) % 8 == 0 for j, s in enumerate(sizes)]
+    master = torch.randn(n, generator=gen).to(DEVICE)
+    ref = master.clone()
+    moments = [torch.zeros_like(master) for _ in range(4)]
+    steps = [torch.zeros((), dtype=torch.float32, device=DEVICE) for _ in range(2)]
+    out, ref_out = (torch.empty(n, dtype=torch.bfloat16, device=DEVICE) for _ in range(2))
+    lr = torch.tensor(HP["lr"], device=DEVICE) if lr_tensor else HP["lr"]
+    for _ in range(3):
+        grads = [torch.randn(s, generator=gen).to(torch.bfloat16).to(DEVICE) for s in sizes]
+        table, host = grad_table(grads, DEVICE)
+        assert host is None or host.is_pinned()
+        adamw_grads_step(table, layout, master, moments[0], moments[1], steps[0], out, grad_dtype=torch.bfloat16,
+                         **{**HP, "lr": lr})
+        adamw_flat_step(torch.cat(grads), ref, moments[2], moments[3], steps[1], ref_out, **{**HP, "lr": lr})
+        assert torch.equal(master, ref) and torch.equal(out, ref_out)
+        assert torch.equal(moments[0], moments[2]) and torch.equal(moments[1], moments[3])
+    assert steps[0].item() == 3
+
+
+def test_grads_in_place_step_refuses_a_mismatched_layout():
+    master = torch.zeros(24, device=DEVICE)
+    args = dict(master=master, exp_avg=torch.zeros_like(master), exp_avg_sq=torch.zeros_like(master),
+                step=torch.zeros((), device=DEVICE), out=torch.zeros(24, dtype=torch.bfloat16, device=DEVICE),
+                grad_dtype=torch.bfloat16, **HP)
+    grads = [torch.zeros(12, dtype=torch.bfloat16, device=DEVICE) for _ in range(2)]
+    with pytest.raises(ValueError, match="a layout of 16 values"):
+        adamw_grads_step(grad_table(grads, DEVICE)[0], GradLayout([8, 8], DEVICE), **args)
     assert args["step"].item() == 0   # nothing stepped

@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 
 from workbench.models import TINY_MODEL  # noqa: E402
 from workbench.optimize.passes import apply_pass  # noqa: E402
-from workbench.optimize.passes.master_weights import gemm_parameters  # noqa: E402
+from workbench.optimize.passes.master_weights import MasterWeights, gemm_parameters  # noqa: E402
 from workbench.optimize.workload import Workload, WorkloadConfig  # noqa: E402
 
 # Where the one-pass AdamW kernel runs: the GPU where there is one, else the CPU under the interpreter
@@ -108,6 +108,38 @@ def test_clipped_steps_widen_the_gradients():
         stepper.zero_grad()
     assert seen and stepper.inner.state[mw.master]["step"].item() == 3
     assert torch.equal(mw.flat, mw.master.detach().to(torch.bfloat16))
+
+
+def test_one_pass_step_reads_the_gradients_in_place_as_gathered():
+    """The one-pass step reads each bf16 gradient where autograd left it (a table of addresses; the tiny
+    Swin's 10-class head bias takes the kernel's unaligned launch) and gives, step after step, the bits
+    of the same step on the gradients gathered by torch.cat; a parameter left without a gradient reads
+    zeros, as the cat's; a strided gradient makes the step gather them."""
+    runs = []
+    for gather in (False, True):
+        wl = workload(device=KERNEL_DEVICE)
+        apply_pass("master_weights", wl.model, wl.ctx)
+        wl.prepare()
+        mw = wl.ctx.master_weights
+        if gather:
+            mw.low_grads_table = lambda: None
+        assert not all(mw.grads_layout().aligned) and any(mw.grads_layout().aligned)
+        for i in range(3):
+            _, loss = wl.forward_loss()
+            loss.backward()
+            if i == 1:
+                mw.params[0].grad = None   # as if that weight had not been used this step
+            if not gather:
+                assert mw.low_grads_table() is not None
+            wl.optimizer.step()
+            wl.optimizer.zero_grad()
+        runs.append((mw.master.detach().clone(), mw.flat.clone()))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    _, loss = wl.forward_loss()
+    loss.backward()
+    weight = next(p for p in mw.params if p.dim() == 2)
+    weight.grad = weight.grad.t().contiguous().t()   # its own shape, strided
+    assert MasterWeights.low_grads_table(mw) is None
 
 
 @pytest.mark.parametrize("factory", [lambda ps: torch.optim.SGD(ps, lr=0.1),

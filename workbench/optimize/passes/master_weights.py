@@ -8,8 +8,11 @@ bf16 buffer, and keeps their fp32 values in one flat master tensor that the opti
 step the optimizer then gathers the bf16 gradients with one `torch.cat`, widens them with one copy,
 steps the master tensor, and narrows it back into the model with one copy. With torch's AdamW and the
 Triton kernels at hand (param `step`: auto), the widen, the master's update and the narrow are one
-kernel instead (`workbench.kernels.adamw`: 28 bytes an element instead of 40); torch's optimizer steps
-the model's other parameters as before.
+kernel instead (`workbench.kernels.adamw`: 28 bytes an element instead of 40), which reads each bf16
+gradient where autograd left it, through a table of their addresses, so that nothing is gathered
+first (the cat's 4 bytes an element; where a gradient is strided, or one that the kernel reads in
+16-byte vectors is not 16-byte aligned, the step gathers them with the cat as before); torch's
+optimizer steps the model's other parameters as before.
 
 The arithmetic is the same as autocast's: the forward's weights are the master values rounded to
 bf16 (what autocast's cast gives), the gradients are the bf16 results of the same GEMMs and sums
@@ -69,6 +72,11 @@ class MasterWeights:
             p.data = self.flat[offset:offset + n].view(p.shape)
             offset += n
         self.master = None
+        self._layout = None      # the kernel's chunk tables (adamw.GradLayout), made on the first step
+        self._table = None       # (addresses, table, pinned host copy) of the last step's gradients
+        self._captured = []      # tables a CUDA graph captured: its replays read them again
+        self._spare = None       # pinned memory for the table of the next capture (made outside one)
+        self._zeros = None       # the gradient of a parameter that received none
 
     def master_parameter(self) -> torch.nn.Parameter:
         """The flat fp32 master (one Parameter), made on first use. Its gradient is a persistent buffer
@@ -88,6 +96,55 @@ class MasterWeights:
                  for p, n in zip(self.params, self.sizes)]
         torch.cat(grads, out=self._grads)
         return self._grads
+
+    def low_grads_table(self) -> torch.Tensor | None:
+        """The parameters' low-precision gradients as a table of their addresses for the one-pass AdamW
+        (`adamw.adamw_grads_step`, layout `grads_layout()`), or None where the kernel cannot read them in
+        place (a strided or wider gradient, or one the kernel reads in 16-byte vectors that is not 16-byte
+        aligned): gather them then. A parameter without a gradient reads zeros. The table is copied to
+        the device only when an address changed since the last step. Under CUDA-graph capture the copy
+        comes from pinned memory set aside by an earlier step outside the capture (pinning memory is no
+        stream operation; without such a step the capture gathers instead), and the graph's replays
+        copy from it again: it and the table are kept for as long as this object lives."""
+        layout = self.grads_layout()
+        grads = []
+        for p, n, aligned in zip(self.params, self.sizes, layout.aligned):
+            g = p.grad
+            if g is None:
+                if self._zeros is None:
+                    self._zeros = self.flat.new_zeros(max(self.sizes))
+                g = self._zeros
+            elif g.dtype != self.dtype or not g.is_contiguous() or (aligned and g.data_ptr() % 16):
+                return None
+            grads.append(g)
+        addresses = tuple(g.data_ptr() for g in grads)
+        capturing = self.flat.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if self._table is None or self._table[0] != addresses:
+            if capturing:   # a pinned copy made before the capture: the graph's replays read it again
+                if self._spare is None:
+                    return None
+                host, self._spare = self._spare, None
+                host.copy_(torch.tensor(addresses, dtype=torch.int64))
+                table = torch.empty(len(addresses), dtype=torch.int64, device=self.flat.device)
+                table.copy_(host, non_blocking=True)
+                self._table = (addresses, table, host)
+            else:
+                from workbench.kernels.adamw import grad_table
+
+                self._table = (addresses, *grad_table(grads, self.flat.device))
+        if capturing:
+            self._captured.append(self._table)   # never freed while this object lives
+        elif self.flat.device.type == "cuda" and self._spare is None:
+            self._spare = torch.empty(len(addresses), dtype=torch.int64, pin_memory=True)
+        return self._table[1]
+
+    def grads_layout(self):
+        """The flat master's chunk tables for the one-pass AdamW (adamw.GradLayout)."""
+        if self._layout is None:
+            from workbench.kernels.adamw import GradLayout
+
+            self._layout = GradLayout(self.sizes, self.flat.device)
+        return self._layout
 
     def gather_grads(self) -> None:
         """The parameters' low-precision gradients into the master's fp32 gradient: one cat, one copy."""
@@ -192,7 +249,8 @@ class MasterWeightOptimizer:
         one-pass kernel computes (flat_group), the master is left out of torch's step (no gradient) and
         the kernel updates it from the low-precision gradients and writes the model's weights."""
         if self.flat_group is not None and clip_grads is None:
-            self._flat_step(self.weights.gather_low_grads())
+            table = self.weights.low_grads_table()
+            self._flat_step(self.weights.gather_low_grads() if table is None else table, table is not None)
             return
         self.weights.gather_grads()
         if clip_grads is not None:
@@ -200,8 +258,10 @@ class MasterWeightOptimizer:
         self.inner.step()
         self.weights.scatter_params()
 
-    def _flat_step(self, grads: torch.Tensor) -> None:
-        from workbench.kernels.adamw import adamw_flat_step
+    def _flat_step(self, grads: torch.Tensor, in_place: bool) -> None:
+        """The master's one-pass AdamW step from its gradients: one flat low-precision tensor, or (in_place)
+        the table of their addresses (MasterWeights.low_grads_table)."""
+        from workbench.kernels.adamw import adamw_flat_step, adamw_grads_step
 
         master, group = self.weights.master, self.flat_group
         if master.grad is not None:   # a clipped step made the fp32 gradient: torch's step must not see it
@@ -212,10 +272,15 @@ class MasterWeightOptimizer:
             state["step"] = torch.zeros((), dtype=torch.float32, device=master.device)
             state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+        hyper = dict(lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"])
         with torch.no_grad():
-            adamw_flat_step(grads, master.detach(), state["exp_avg"], state["exp_avg_sq"], state["step"],
-                            self.weights.flat, lr=group["lr"], betas=group["betas"], eps=group["eps"],
-                            weight_decay=group["weight_decay"])
+            if in_place:
+                adamw_grads_step(grads, self.weights.grads_layout(), master.detach(), state["exp_avg"],
+                                 state["exp_avg_sq"], state["step"], self.weights.flat, grad_dtype=self.weights.dtype,
+                                 **hyper)
+            else:
+                adamw_flat_step(grads, master.detach(), state["exp_avg"], state["exp_avg_sq"], state["step"],
+                                self.weights.flat, **hyper)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # The master's gradient is a persistent buffer that gather_grads overwrites: left alone.
