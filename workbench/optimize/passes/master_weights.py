@@ -72,7 +72,11 @@ class MasterWeights:
             p.data = self.flat[offset:offset + n].view(p.shape)
             offset += n
         self.master = None
-        self._layout = None      # the kernel's chunk tables (adamw.GradLayout), made on the first step
+        self._layout = None      # the kernel's chunk tables (adamw.GradLayout)
+        if flat_step:            # made here, never inside a CUDA-graph capture (its tables are host copies)
+            from workbench.kernels.adamw import GradLayout
+
+            self._layout = GradLayout(self.sizes, device)
         self._table = None       # (addresses, table, pinned host copy) of the last step's gradients
         self._captured = []      # tables a CUDA graph captured: its replays read them again
         self._spare = None       # pinned memory for the table of the next capture (made outside one)
@@ -107,6 +111,8 @@ class MasterWeights:
         stream operation; without such a step the capture gathers instead), and the graph's replays
         copy from it again: it and the table are kept for as long as this object lives."""
         layout = self.grads_layout()
+        if layout is None:
+            return None
         grads = []
         for p, n, aligned in zip(self.params, self.sizes, layout.aligned):
             g = p.grad
@@ -139,11 +145,8 @@ class MasterWeights:
         return self._table[1]
 
     def grads_layout(self):
-        """The flat master's chunk tables for the one-pass AdamW (adamw.GradLayout)."""
-        if self._layout is None:
-            from workbench.kernels.adamw import GradLayout
-
-            self._layout = GradLayout(self.sizes, self.flat.device)
+        """The flat master's chunk tables for the one-pass AdamW (adamw.GradLayout); None unless the master
+        weights were made for it (flat_step)."""
         return self._layout
 
     def gather_grads(self) -> None:
