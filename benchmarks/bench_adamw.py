@@ -71,7 +71,7 @@ class Master:
                       "exp_avg_sq": torch.zeros_like(self.master)}
         self.grads = [gr.clone() for gr in self.grad_low.split(sizes)]   # one gradient a parameter
         self.layout = GradLayout(sizes, device)
-        self.table = grad_table(self.grads, device)[0]
+        self.table = grad_table(self.grads, device)
 
     def torch_step(self):
         self.master.grad.copy_(self.grad_low)

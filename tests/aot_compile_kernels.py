@@ -52,7 +52,7 @@ DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", 
           torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
 OPTION_KEYS = ("num_warps", "num_stages", "maxnreg", "num_ctas", "launch_pdl")
 
-MODULES = ("_common", "layer_norm", "window", "window_attention", "linear", "quant", "cosine", "drop_path")
+MODULES = ("_common", "layer_norm", "window", "window_attention", "linear", "quant", "cosine", "drop_path", "adamw")
 RECORDED: list[tuple] = []
 
 
@@ -222,6 +222,21 @@ def _record_launches(quick: bool) -> None:
     # stochastic depth's per-sample multiply (a branch of 56 x 56 tokens x 128 channels per sample)
     for dt in (torch.bfloat16, torch.float32):
         drop.scale_samples_host(r(2, 56 * 56 * 128, dtype=dt), torch.ones(2, dtype=dt))
+    # the master weights' one-pass AdamW: from one flat bf16 gradient, and from the gradients in place through
+    # their address table (aligned and unaligned parameters), which kernels write from their arguments
+    adamw = importlib.import_module("workbench.kernels.adamw")
+    sizes = (4096, 1000, 10)
+    master = r(sum(sizes), dtype=torch.float32)
+    state = dict(exp_avg=torch.zeros_like(master), exp_avg_sq=torch.zeros_like(master), out=master.to(torch.bfloat16),
+                 lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.05)
+    for lr_on_device in (False, True):
+        hyper = dict(state, lr=torch.tensor(1e-3)) if lr_on_device else state
+        adamw.adamw_flat_step(master.to(torch.bfloat16), master, step=torch.zeros(()), **hyper)
+        adamw.adamw_grads_step(torch.zeros(len(sizes), dtype=torch.int64), adamw.GradLayout(list(sizes), "cpu"),
+                               master, step=torch.zeros(()), grad_dtype=torch.bfloat16, **hyper)
+    addresses = tuple([2 ** 40 + 512 * i for i in range(100)] + [0] * (adamw._TABLE_CHUNK - 100))
+    adamw.launch(adamw._addresses_kernel)[(1,)](torch.zeros(adamw._TABLE_CHUNK, dtype=torch.int64), addresses,
+                                               N=adamw._TABLE_CHUNK)
 
 
 def _signature(fn, args, kwargs):
@@ -243,6 +258,18 @@ def _signature(fn, args, kwargs):
         if p.is_constexpr or v is None:
             signature[p.name] = "constexpr"
             constexprs[p.name] = v
+            continue
+        if isinstance(v, tuple):   # a tuple of scalars: each element specialized as a scalar argument is
+            kinds = []
+            for j, e in enumerate(v):
+                kind, attr = native_specialize_impl(CUDABackend, e, p.is_const, not p.do_not_specialize,
+                                                    not p.do_not_specialize_on_alignment)
+                if kind == "constexpr":
+                    raise ValueError(f"{fn.__name__}: {p.name}[{j}] = {e!r} would be a constexpr")
+                kinds.append(kind)
+                if isinstance(attr, str) and attr:
+                    attrs[(i, j)] = CUDABackend.parse_attr(attr)
+            signature[p.name] = tuple(kinds)
             continue
         if not isinstance(v, (torch.Tensor, bool, int, float)):
             raise TypeError(f"{fn.__name__}: {p.name} = {v!r}")

@@ -111,8 +111,8 @@ def test_grads_in_place_step_as_the_flat_one(sizes, lr_tensor):
     lr = torch.tensor(HP["lr"], device=DEVICE) if lr_tensor else HP["lr"]
     for _ in range(3):
         grads = [torch.randn(s, generator=gen).to(torch.bfloat16).to(DEVICE) for s in sizes]
-        table, host = grad_table(grads, DEVICE)
-        assert host is None or host.is_pinned()
+        table = grad_table(grads, DEVICE)
+        assert table.tolist() == [g.data_ptr() for g in grads]
         adamw_grads_step(table, layout, master, moments[0], moments[1], steps[0], out, grad_dtype=torch.bfloat16,
                          **{**HP, "lr": lr})
         adamw_flat_step(torch.cat(grads), ref, moments[2], moments[3], steps[1], ref_out, **{**HP, "lr": lr})
@@ -128,5 +128,11 @@ def test_grads_in_place_step_refuses_a_mismatched_layout():
                 grad_dtype=torch.bfloat16, **HP)
     grads = [torch.zeros(12, dtype=torch.bfloat16, device=DEVICE) for _ in range(2)]
     with pytest.raises(ValueError, match="a layout of 16 values"):
-        adamw_grads_step(grad_table(grads, DEVICE)[0], GradLayout([8, 8], DEVICE), **args)
+        adamw_grads_step(grad_table(grads, DEVICE), GradLayout([8, 8], DEVICE), **args)
     assert args["step"].item() == 0   # nothing stepped
+
+
+def test_grad_table_holds_every_address_past_one_launch():
+    """More gradients than one launch of the table's kernel takes (128): every address, in order."""
+    grads = [torch.zeros(8 + i % 3, dtype=torch.bfloat16, device=DEVICE) for i in range(300)]
+    assert grad_table(grads, DEVICE).tolist() == [g.data_ptr() for g in grads]

@@ -263,8 +263,8 @@ def test_cuda_graph_replay_trains_as_eager():
         wl.prepare()
         if graph:
             wl.capture_graph()   # three eager training steps on a side stream, then the capture and one replay
-            # the captured step read the gradients in place, through a table copied from pinned memory
-            assert wl.ctx.master_weights._captured and wl.ctx.master_weights._captured[-1][2].is_pinned()
+            # the captured step read the gradients in place, through a table the graph writes
+            assert wl.ctx.master_weights._captured
             runs.append([wl.step(i).item() for i in range(2)])
         else:
             runs.append([wl.step(i).item() for i in range(6)][4:])

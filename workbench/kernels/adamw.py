@@ -30,7 +30,8 @@ Gathering the parameters' gradients into one flat tensor first (a torch.cat) cos
 bytes an element (read and write, bf16) beside the step's 28, and launches with about 128 gradients each.
 `adamw_grads_step` reads them in place instead: the flat tensors are cut into chunks of BLOCK elements
 that never straddle two parameters (a parameter's last chunk is short), and each program finds its
-parameter's gradient through a table of addresses (int64, one per parameter, `grad_table`), read as a
+parameter's gradient through a table of addresses (int64, one per parameter, `grad_table`: written on the
+device by kernels that take the addresses as arguments, so that a CUDA graph can capture it), read as a
 pointer of the gradients' dtype. Where a parameter's size and flat offset are multiples of 8 elements
 (`GradLayout.aligned`), its chunks' loads and stores move 16-byte vectors as the flat kernel's do; the
 others run in a second launch, element by element.
@@ -46,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from workbench.kernels._common import SOFT_RTNE, cdiv, launch, to_dtype
+from workbench.kernels._common import _INTERPRET, SOFT_RTNE, cdiv, launch, to_dtype
 
 _BLOCK = 2048   # elements a program updates: 16 per thread at 4 warps
 
@@ -206,16 +207,30 @@ class GradLayout:
         self.size = torch.tensor(self.sizes, dtype=torch.int64, device=device)
 
 
-def grad_table(grads: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(table, host): the gradients' addresses as an int64 tensor on `device`, for `adamw_grads_step`, and
-    the pinned host tensor it was copied from on a GPU (None on the CPU). The copy is asynchronous: keep
-    `host` alive while the copy may be pending, and for as long as a CUDA graph that captured it lives
-    (its replays copy from it again)."""
-    ptrs = torch.tensor([g.data_ptr() for g in grads], dtype=torch.int64)
-    if device.type != "cuda":
-        return ptrs.to(device), None
-    host = ptrs.pin_memory()
-    return host.to(device, non_blocking=True), host
+_TABLE_CHUNK = 128   # addresses a launch of _addresses_kernel writes (1 KiB of kernel arguments)
+
+
+@triton.jit
+def _addresses_kernel(T, ADDRS, N: tl.constexpr):
+    """T[0:N] = the N int64 values of the tuple ADDRS (kernel arguments)."""
+    for i in tl.static_range(N):
+        tl.store(T + i, ADDRS[i])
+
+
+def grad_table(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The gradients' addresses as an int64 tensor on `device`, for `adamw_grads_step`. On a GPU (and under
+    TRITON_INTERPRET=1) they are written by kernels that take them as arguments, 128 a launch: no host memory
+    is involved, so a CUDA graph captures the table's making with the step that reads it, and its replays
+    write the same addresses again."""
+    addresses = [g.data_ptr() for g in grads]
+    if device.type != "cuda" and not _INTERPRET:
+        return torch.tensor(addresses, dtype=torch.int64, device=device)
+    n = len(addresses)
+    table = torch.empty(cdiv(n, _TABLE_CHUNK) * _TABLE_CHUNK, dtype=torch.int64, device=device)
+    for i in range(0, n, _TABLE_CHUNK):
+        chunk = addresses[i:i + _TABLE_CHUNK]
+        launch(_addresses_kernel)[(1,)](table[i:], tuple(chunk + [0] * (_TABLE_CHUNK - len(chunk))), N=_TABLE_CHUNK)
+    return table[:n]
 
 
 def adamw_grads_step(grads: torch.Tensor, layout: GradLayout, master: torch.Tensor, exp_avg: torch.Tensor,

@@ -77,9 +77,8 @@ class MasterWeights:
             from workbench.kernels.adamw import GradLayout
 
             self._layout = GradLayout(self.sizes, device)
-        self._table = None       # (addresses, table, pinned host copy) of the last step's gradients
-        self._captured = []      # tables a CUDA graph captured: its replays read them again
-        self._spare = None       # pinned memory for the table of the next capture (made outside one)
+        self._table = None       # (addresses, table on the device) of the last step's gradients
+        self._captured = []      # tables a CUDA graph captured: its replays write and read them again
         self._zeros = None       # the gradient of a parameter that received none
 
     def master_parameter(self) -> torch.nn.Parameter:
@@ -105,11 +104,10 @@ class MasterWeights:
         """The parameters' low-precision gradients as a table of their addresses for the one-pass AdamW
         (`adamw.adamw_grads_step`, layout `grads_layout()`), or None where the kernel cannot read them in
         place (a strided or wider gradient, or one the kernel reads in 16-byte vectors that is not 16-byte
-        aligned): gather them then. A parameter without a gradient reads zeros. The table is copied to
-        the device only when an address changed since the last step. Under CUDA-graph capture the copy
-        comes from pinned memory set aside by an earlier step outside the capture (pinning memory is no
-        stream operation; without such a step the capture gathers instead), and the graph's replays
-        copy from it again: it and the table are kept for as long as this object lives."""
+        aligned): gather them then. A parameter without a gradient reads zeros. The table is written anew
+        only when an address changed since the last step (`adamw.grad_table`, kernels that a CUDA graph
+        captures with the step); a table that a capture uses is kept for as long as this object lives, since
+        the graph's replays read it (and, made under the capture, write it) again."""
         layout = self.grads_layout()
         if layout is None:
             return None
@@ -124,24 +122,12 @@ class MasterWeights:
                 return None
             grads.append(g)
         addresses = tuple(g.data_ptr() for g in grads)
-        capturing = self.flat.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if self._table is None or self._table[0] != addresses:
-            if capturing:   # a pinned copy made before the capture: the graph's replays read it again
-                if self._spare is None:
-                    return None
-                host, self._spare = self._spare, None
-                host.copy_(torch.tensor(addresses, dtype=torch.int64))
-                table = torch.empty(len(addresses), dtype=torch.int64, device=self.flat.device)
-                table.copy_(host, non_blocking=True)
-                self._table = (addresses, table, host)
-            else:
-                from workbench.kernels.adamw import grad_table
+            from workbench.kernels.adamw import grad_table
 
-                self._table = (addresses, *grad_table(grads, self.flat.device))
-        if capturing:
-            self._captured.append(self._table)   # never freed while this object lives
-        elif self.flat.device.type == "cuda" and self._spare is None:
-            self._spare = torch.empty(len(addresses), dtype=torch.int64, pin_memory=True)
+            self._table = (addresses, grad_table(grads, self.flat.device))
+        if self.flat.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            self._captured.append(self._table[1])   # the graph reads it: never freed while this object lives
         return self._table[1]
 
     def grads_layout(self):
