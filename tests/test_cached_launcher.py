@@ -31,6 +31,9 @@ def test_specialization_key_separates_what_triton_specializes_on():
     assert key((0.5,)) == key((1e-5,))                                  # floats are not specialized
     assert key((True,)) != key((1,)) and key((None,)) != key((0,))
     assert key((False,)) != key((0,))
+    # a tuple argument: Triton specializes each item, so its items are keyed (a cached kernel compiled for
+    # an i32 item must not be launched with an i64 one)
+    assert key(((0, 2**40),)) != key(((2**40, 2**40),)) and key(((3, base),)) == key(((3, torch.ones(64)),))
 
 
 def test_the_cache_starts_over_past_its_bound(monkeypatch):

@@ -229,7 +229,7 @@ def grad_table(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     table = torch.empty(cdiv(n, _TABLE_CHUNK) * _TABLE_CHUNK, dtype=torch.int64, device=device)
     for i in range(0, n, _TABLE_CHUNK):
         chunk = addresses[i:i + _TABLE_CHUNK]
-        launch(_addresses_kernel)[(1,)](table[i:], tuple(chunk + [0] * (_TABLE_CHUNK - len(chunk))), N=_TABLE_CHUNK)
+        launch(_addresses_kernel)[(1,)](table[i:], tuple(chunk + chunk[-1:] * (_TABLE_CHUNK - len(chunk))), N=_TABLE_CHUNK)
     return table[:n]
 
 
