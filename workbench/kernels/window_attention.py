@@ -731,16 +731,17 @@ _BWD_DKV_CONFIGS = [triton.Config({"G": g, "BLOCK_M": bm, "BIAS_REGS": br}, num_
 # alone, the others at their first), they took the backward from 921 to 862 us at stage 1 and from 296 to
 # 275 at stage 3 (dk/dv), from 920 to 879 and 297 to 288 (dq), and the forward from 272 to 262 and 85 to 84.
 # At d = 128 they ask for more shared memory still; the untuned config stays one at num_stages = 2.
-def _with_tiles_fastest(configs: list) -> list:
+def _key_tiled_variants(configs: list) -> list:
+    """configs, after their first two with the tiles fastest in the grid, then those two at num_stages = 3."""
     fastest = [triton.Config({**c.kwargs, "TILE_FASTEST": True}, num_warps=c.num_warps, num_stages=c.num_stages,
                              maxnreg=c.maxnreg) for c in configs[:2]]
     deeper = [triton.Config(c.kwargs, num_warps=c.num_warps, num_stages=3, maxnreg=c.maxnreg) for c in fastest]
     return fastest + deeper + configs
 
 
-_FWD_TILED_CONFIGS = _with_tiles_fastest(_FWD_TILED_CONFIGS)
-_BWD_DQ_CONFIGS = _with_tiles_fastest(_BWD_DQ_CONFIGS)
-_BWD_DKV_CONFIGS = _with_tiles_fastest(_BWD_DKV_CONFIGS)
+_FWD_TILED_CONFIGS = _key_tiled_variants(_FWD_TILED_CONFIGS)
+_BWD_DQ_CONFIGS = _key_tiled_variants(_BWD_DQ_CONFIGS)
+_BWD_DKV_CONFIGS = _key_tiled_variants(_BWD_DKV_CONFIGS)
 _INTERPRET_CONFIG = {"G": 2, "num_warps": 4}
 # The key-tiled kernels' config values under the interpreter (BIAS_REGS: every kernel's bias tiles held in
 # registers; tests switch it off, with 32-row tiles, to run the per-window paths).
