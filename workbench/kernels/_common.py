@@ -585,6 +585,10 @@ def pdl_exit(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
+# torch dtype -> Triton dtype, for a dtype passed to a kernel as a constexpr
+TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
 @triton.jit
 def to_dtype(y, dtype: tl.constexpr, SOFT_RTNE: tl.constexpr):
     """Cast y to dtype, rounding to nearest even (by hand for bf16 under the interpreter)."""

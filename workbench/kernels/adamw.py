@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from workbench.kernels._common import _INTERPRET, SOFT_RTNE, cdiv, launch, to_dtype
+from workbench.kernels._common import _INTERPRET, SOFT_RTNE, TL_DTYPES, cdiv, launch, to_dtype
 
 _BLOCK = 2048   # elements a program updates: 16 per thread at 4 warps
 
@@ -249,7 +249,6 @@ def adamw_grads_step(grads: torch.Tensor, layout: GradLayout, master: torch.Tens
     for aligned, param_of, chunks in layout.groups:
         launch(_adamw_grads_kernel)[(chunks,)](
             grads, param_of, layout.first, layout.start, layout.size, master, exp_avg, exp_avg_sq, out, *args,
-            GRAD_DTYPE=_TL_DTYPES[grad_dtype], ALIGNED=aligned, **flags, num_warps=4)
+            GRAD_DTYPE=TL_DTYPES[grad_dtype], ALIGNED=aligned, **flags, num_warps=4)
 
 
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}

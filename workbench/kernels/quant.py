@@ -248,11 +248,8 @@ def _gelu_erf(x):
 def _quantize_rows_kernel(X, XQ, SCALE, n_rows, n_cols, qmax, inv_qmax, min_scale,
                           INT8: tl.constexpr, RECIPROCAL: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, GELU: tl.constexpr = False, SOFT_RTNE: tl.constexpr = False):
-    """BLOCK_M whole rows per program: amax(|x|) per row in fp32 (NaN where the row holds one, as torch's
-    amax), scale = amax / qmax (times the fp32 reciprocal where RECIPROCAL, as torch's CUDA division by a
-    scalar), at least min_scale, 1 where amax is 0; then x / scale correctly rounded, clamped to +-qmax
-    (NaN kept), rounded half to even (INT8) or cast to e4m3 (round to nearest even). GELU: x is first
-    GELU(x) in fp32, rounded to X's dtype (what an nn.GELU in that dtype would have written)."""
+    """BLOCK_M whole rows per program, quantized per row (quantize_tile). GELU: x is first GELU(x) in
+    fp32, rounded to X's dtype (what an nn.GELU in that dtype would have written)."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -262,18 +259,31 @@ def _quantize_rows_kernel(X, XQ, SCALE, n_rows, n_cols, qmax, inv_qmax, min_scal
     x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     if GELU:
         x = to_dtype(_gelu_erf(x), X.dtype.element_ty, SOFT_RTNE).to(tl.float32)
+    xq, scale = quantize_tile(x, qmax, inv_qmax, min_scale, INT8, RECIPROCAL)
+    tl.store(XQ + offs, xq, mask=mask)
+    tl.store(SCALE + rows, scale, mask=row_mask)
+
+
+@triton.jit
+def quantize_tile(x, qmax, inv_qmax, min_scale, INT8: tl.constexpr, RECIPROCAL: tl.constexpr):
+    """quantize_rows of a tile of whole rows x (rows, cols) in fp32, its padding columns 0 -> (x_q, scale
+    (rows,) fp32): amax(|x|) per row (NaN where the row holds one, as torch's amax), scale = amax / qmax
+    (times the fp32 reciprocal where RECIPROCAL, as torch's CUDA division by a scalar), at least
+    min_scale, 1 where amax is 0; then x / scale correctly rounded, clamped to +-qmax (NaN kept), rounded
+    half to even (INT8) or cast to e4m3 (round to nearest even). Kernels that produce a Linear's input
+    call it to write that input quantized (quantize_args gives the scalars)."""
     amax = tl.max(tl.abs(x), axis=1)
     has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
     amax = tl.where(has_nan, float("nan"), amax)
     if RECIPROCAL:
         scale = amax * inv_qmax
     elif _GPU_MATH:
-        scale = tl.math.div_rn(amax, tl.full([BLOCK_M], qmax, tl.float32))
+        scale = tl.math.div_rn(amax, tl.full(amax.shape, qmax, tl.float32))
     else:
         scale = amax / qmax
     scale = tl.maximum(scale, min_scale, propagate_nan=tl.PropagateNan.ALL)
     scale = tl.where(amax == 0, 1.0, scale)
-    div = tl.broadcast_to(scale[:, None], (BLOCK_M, BLOCK_N))
+    div = tl.broadcast_to(scale[:, None], x.shape)
     if _GPU_MATH:
         q = tl.math.div_rn(x, div)
     else:
@@ -283,8 +293,17 @@ def _quantize_rows_kernel(X, XQ, SCALE, n_rows, n_cols, qmax, inv_qmax, min_scal
         xq = _rint(q).to(tl.int8)
     else:
         xq = _to_e4m3(q)
-    tl.store(XQ + offs, xq, mask=mask)
-    tl.store(SCALE + rows, scale, mask=row_mask)
+    return xq, scale
+
+
+def quantize_args(fmt: str, device: torch.device) -> dict:
+    """The scalars and flags quantize_tile takes for `fmt` on `device`, as keyword arguments (qmax,
+    inv_qmax, min_scale, INT8, RECIPROCAL): what quantize_rows passes its kernel."""
+    _check_format(fmt)
+    qmax = QMAX[fmt]
+    # torch's CUDA kernels divide by a Python scalar as a multiplication by its fp32 reciprocal
+    return dict(qmax=qmax, inv_qmax=float(np.float32(1.0) / np.float32(qmax)), min_scale=MIN_SCALE,
+                INT8=fmt == "int8", RECIPROCAL=device.type == "cuda" or not _INTERPRET)
 
 
 @triton.jit
@@ -380,12 +399,11 @@ def _quantize_rows(x2: torch.Tensor, fmt: str, gelu: bool) -> tuple[torch.Tensor
     scale = _common.new_output((n_rows, 1), torch.float32, x2.device)
     if n_rows > 0:
         block_m, block_n, num_warps = _tile(n_cols)
-        qmax = QMAX[fmt]
+        q = quantize_args(fmt, x2.device)
         launch(_quantize_rows_kernel)[(cdiv(n_rows, block_m),)](
-            x2, x_q, scale, n_rows, n_cols, qmax, float(np.float32(1.0) / np.float32(qmax)), MIN_SCALE,
-            # torch's CUDA kernels divide by a Python scalar as a multiplication by its fp32 reciprocal
-            INT8=fmt == "int8", RECIPROCAL=x2.device.type == "cuda" or not _INTERPRET,
-            BLOCK_M=block_m, BLOCK_N=block_n, GELU=gelu, SOFT_RTNE=SOFT_RTNE, num_warps=num_warps)
+            x2, x_q, scale, n_rows, n_cols, q["qmax"], q["inv_qmax"], q["min_scale"], INT8=q["INT8"],
+            RECIPROCAL=q["RECIPROCAL"], BLOCK_M=block_m, BLOCK_N=block_n, GELU=gelu, SOFT_RTNE=SOFT_RTNE,
+            num_warps=num_warps)
     return x_q, scale
 
 

@@ -48,9 +48,10 @@ import torch
 import triton
 import triton.language as tl
 
-from workbench.kernels._common import (_INTERPRET, SOFT_RTNE as _SOFT_RTNE, cdiv, require_compute_dtype, column_sums, eager_column_sums, emit_column_sum,
+from workbench.kernels._common import (_INTERPRET, TL_DTYPES, SOFT_RTNE as _SOFT_RTNE, cdiv, require_compute_dtype, column_sums, eager_column_sums, emit_column_sum,
                       finish_column_sums, host_cache, kernel_op, launch, launch_options, next_pow2, pdl_enter, pdl_exit, pdl_launch,
                       sm_count, split_norm_grads, sum_rows, to_dtype, traced, zero_column_sums)
+from workbench.kernels.quant import quantize_tile
 
 # ----------------------------------------------------------------------------------- kernels
 
@@ -82,6 +83,9 @@ def _partition_fwd_kernel(
     shift_h: tl.constexpr, shift_w: tl.constexpr, WS: tl.constexpr, NORM: tl.constexpr, SOFT_RTNE: tl.constexpr,
     ZERO_SUMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
     PDL: tl.constexpr = False, KEEP: tl.constexpr = False,
+    qscale_ptr=None, qmax=0.0, inv_qmax=0.0, min_scale=0.0, QUANT: tl.constexpr = False,
+    Q_ROUND: tl.constexpr = None, INT8: tl.constexpr = False, RECIPROCAL: tl.constexpr = False,
+    STATS: tl.constexpr = True,
 ):
     """Writes window tokens [pid0*BLOCK_T, +BLOCK_T) x channels [pid1*BLOCK_C, +BLOCK_C).
 
@@ -94,7 +98,10 @@ def _partition_fwd_kernel(
     token normalized is s = x + r, rounded to s_ptr's dtype as torch's add would round it, and s is
     stored at the source token too (the residual stream after the add, written once). With KEEP, r is
     first multiplied by its sample's stochastic-depth factor keep_ptr[b] and rounded to r's dtype (timm's
-    DropPath on the branch r, then the add).
+    DropPath on the branch r, then the add). With QUANT (NORM only), the normalized row is rounded to
+    Q_ROUND (the dtype the norm would write) and written quantized per window token (quant.quantize_tile:
+    e4m3, or int8 with INT8) with its fp32 scale at qscale_ptr[t], the bits of the norm's output then
+    quant.quantize_rows. STATS False: mean and rstd are not stored (inference).
     """
     pdl_enter(PDL)
     pid_t = tl.program_id(0)
@@ -136,9 +143,16 @@ def _partition_fwd_kernel(
     if NORM:
         y, mean, rstd = _norm_rows(x, w_ptr, b_ptr, c, c_mask, C, eps)
         y = tl.where(valid[:, None], y, 0.0)  # padded tokens are 0, not LN(0) = bias
-        tl.store(mean_ptr + src, mean, mask=valid)
-        tl.store(rstd_ptr + src, rstd, mask=valid)
-        tl.store(out_ptr + out_off, to_dtype(y, out_ptr.dtype.element_ty, SOFT_RTNE), mask=st_mask)
+        if STATS:
+            tl.store(mean_ptr + src, mean, mask=valid)
+            tl.store(rstd_ptr + src, rstd, mask=valid)
+        if QUANT:
+            yq, scale = quantize_tile(to_dtype(y, Q_ROUND, SOFT_RTNE).to(tl.float32), qmax, inv_qmax, min_scale,
+                                      INT8, RECIPROCAL)
+            tl.store(out_ptr + out_off, yq, mask=st_mask)
+            tl.store(qscale_ptr + t, scale, mask=t_mask)
+        else:
+            tl.store(out_ptr + out_off, to_dtype(y, out_ptr.dtype.element_ty, SOFT_RTNE), mask=st_mask)
     else:
         tl.store(out_ptr + out_off, to_dtype(x, out_ptr.dtype.element_ty, SOFT_RTNE), mask=st_mask)
     pdl_exit(PDL)
@@ -199,6 +213,9 @@ def _merge_norm_fwd_kernel(
     shift_h: tl.constexpr, shift_w: tl.constexpr, WS: tl.constexpr, ZERO_SUMS: tl.constexpr,
     SOFT_RTNE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
     PDL: tl.constexpr = False, KEEP: tl.constexpr = False, POST: tl.constexpr = False,
+    qscale_ptr=None, qmax=0.0, inv_qmax=0.0, min_scale=0.0, QUANT: tl.constexpr = False,
+    Q_ROUND: tl.constexpr = None, INT8: tl.constexpr = False, RECIPROCAL: tl.constexpr = False,
+    STATS: tl.constexpr = True,
 ):
     """s = shortcut + windows merged back (window_reverse, crop, roll(+shift)), rounded to s_ptr's dtype
     as torch's add rounds it, then y = LayerNorm(s), for the image tokens of this program's block (whole
@@ -207,7 +224,9 @@ def _merge_norm_fwd_kernel(
     and rounded once, stored with the norm's mean/rstd (y_ptr is not written). With ZERO_SUMS, the programs also
     zero the backward's column-sum buffer (_common.zero_column_sums). With KEEP, the merged windows are
     first multiplied by their sample's stochastic-depth factor keep_ptr[b] and rounded to the windows'
-    dtype, as timm's DropPath multiplies the branch before the add."""
+    dtype, as timm's DropPath multiplies the branch before the add. With QUANT (not POST), y is rounded to
+    Q_ROUND and written quantized per token with its fp32 scale at qscale_ptr (as in _partition_fwd_kernel).
+    STATS False: mean and rstd are not stored (inference)."""
     pdl_enter(PDL)
     pid = tl.program_id(0)
     zero_column_sums(sums_ptr, n_sums, pid, tl.num_programs(0), ZERO_SUMS, BLOCK_C)
@@ -230,9 +249,16 @@ def _merge_norm_fwd_kernel(
         x = to_dtype(sc.to(tl.float32) + win.to(tl.float32), s_ptr.dtype.element_ty, SOFT_RTNE)
         tl.store(s_ptr + off, x, mask=mask)
         y, mean, rstd = _norm_rows(x, w_ptr, b_ptr, c, c_mask, C, eps)
-        tl.store(y_ptr + off, to_dtype(y, y_ptr.dtype.element_ty, SOFT_RTNE), mask=mask)
-    tl.store(mean_ptr + s, mean, mask=s_mask)
-    tl.store(rstd_ptr + s, rstd, mask=s_mask)
+        if QUANT:
+            yq, scale = quantize_tile(to_dtype(y, Q_ROUND, SOFT_RTNE).to(tl.float32), qmax, inv_qmax, min_scale,
+                                      INT8, RECIPROCAL)
+            tl.store(y_ptr + off, yq, mask=mask)
+            tl.store(qscale_ptr + s, scale, mask=s_mask)
+        else:
+            tl.store(y_ptr + off, to_dtype(y, y_ptr.dtype.element_ty, SOFT_RTNE), mask=mask)
+    if STATS:
+        tl.store(mean_ptr + s, mean, mask=s_mask)
+        tl.store(rstd_ptr + s, rstd, mask=s_mask)
     pdl_exit(PDL)
 
 
@@ -550,6 +576,38 @@ def add_norm_shift_partition_fwd(
     return _norm_partition(x, residual, weight, bias, eps, window_size, shift, out_dtype, out, s_out, zero_sums, keep)
 
 
+def norm_shift_partition_quant(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, window_size: int, shift: int,
+    fmt: str, round_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """norm_shift_partition_fwd's windows, rounded to round_dtype, then quantized per token for a
+    QuantLinear (quant.quantize_rows), in one pass and bit for bit: x (B, H, W, C) -> (windows_q
+    (B*nW, ws*ws, C) e4m3fn or int8, scale (B*nW*ws*ws, 1) fp32). Inference: nothing is saved for a
+    backward. The window tokens of padding are 0 (scale 1), as in the unquantized windows."""
+    from workbench.kernels.quant import QDTYPE, quantize_args
+
+    q = quantize_args(fmt, x.device)
+    x = _contig(x)
+    B, H, W, C = x.shape
+    Hp, Wp, nwh, nww, sh, sw = _geometry(H, W, window_size, shift)
+    ws = int(window_size)
+    out = torch.empty((B * nwh * nww, ws * ws, C), dtype=QDTYPE[fmt], device=x.device)
+    scale = torch.empty((B * nwh * nww * ws * ws, 1), dtype=torch.float32, device=x.device)
+    n_out = B * Hp * Wp
+    block_t, block_c, num_warps = _norm_fwd_config(C)
+    if n_out > 0:
+        launch(_partition_fwd_kernel)[(cdiv(n_out, block_t), 1)](
+            x, out, _contig(weight), _contig(bias), scale, scale, scale, x, x, scale,
+            n_out, C, float(eps), 0,
+            H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, NORM=True, SOFT_RTNE=_SOFT_RTNE,
+            ZERO_SUMS=False, HAS_RESIDUAL=False, BLOCK_T=block_t, BLOCK_C=block_c, KEEP=False,
+            qscale_ptr=scale, qmax=q["qmax"], inv_qmax=q["inv_qmax"], min_scale=q["min_scale"], QUANT=True,
+            Q_ROUND=TL_DTYPES[round_dtype], INT8=q["INT8"], RECIPROCAL=q["RECIPROCAL"], STATS=False,
+            num_warps=num_warps, **_pdl_args(),
+        )
+    return out, scale
+
+
 def _norm_partition(x, residual, weight, bias, eps, window_size, shift, out_dtype, out, s_out, zero_sums,
                     keep=None):
     x = _contig(x)
@@ -704,8 +762,23 @@ def merge_add_norm_fwd(
                        zero_sums, keep, post=False)
 
 
+def merge_add_norm_quant(
+    windows: torch.Tensor, shortcut: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+    window_size: int, shift: int, fmt: str, round_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """merge_add_norm_fwd's s, and its y rounded to round_dtype then quantized per token for a QuantLinear
+    (quant.quantize_rows), in one pass and bit for bit -> (s (B, H, W, C), y_q (B, H, W, C) e4m3fn or
+    int8, scale (B*H*W, 1) fp32). Inference: nothing is saved for a backward."""
+    from workbench.kernels.quant import QDTYPE, quantize_args
+
+    q = quantize_args(fmt, shortcut.device)
+    s, y, scale = _merge_norm(windows, shortcut, weight, bias, eps, window_size, shift, None, None, QDTYPE[fmt],
+                              None, None, None, post=False, quant=(q, TL_DTYPES[round_dtype]))
+    return s, y, scale
+
+
 def _merge_norm(windows, shortcut, weight, bias, eps, window_size, shift, s_dtype, s_out, y_dtype, y_out, zero_sums,
-                keep, post: bool):
+                keep, post: bool, quant=None):
     """The launch of _merge_norm_fwd_kernel for merge_add_norm_fwd and (post) merge_norm_add_fwd, which
     writes no y -> (s, y (s itself with post), mean, rstd)."""
     shortcut = _contig(shortcut)
@@ -720,8 +793,15 @@ def _merge_norm(windows, shortcut, weight, bias, eps, window_size, shift, s_dtyp
     s = _check_out(s_out, (B, H, W, C), s_dtype, shortcut.device)
     y = s if post else _check_out(y_out, (B, H, W, C), y_dtype or s_dtype, shortcut.device)
     n_tok = B * H * W
-    mean = torch.empty(n_tok, dtype=torch.float32, device=shortcut.device)
-    rstd = torch.empty(n_tok, dtype=torch.float32, device=shortcut.device)
+    if quant is None:
+        mean = torch.empty(n_tok, dtype=torch.float32, device=shortcut.device)
+        rstd = torch.empty(n_tok, dtype=torch.float32, device=shortcut.device)
+        qargs = {}
+    else:  # (quantize_args, the Triton dtype y is rounded to first): y quantized, its scales in place of stats
+        q, q_round = quant
+        mean = rstd = torch.empty((n_tok, 1), dtype=torch.float32, device=shortcut.device)
+        qargs = dict(qscale_ptr=mean, qmax=q["qmax"], inv_qmax=q["inv_qmax"], min_scale=q["min_scale"], QUANT=True,
+                     Q_ROUND=q_round, INT8=q["INT8"], RECIPROCAL=q["RECIPROCAL"], STATS=False)
     block_t, block_c, num_warps = _norm_fwd_config(C)
     if n_tok > 0:
         launch(_merge_norm_fwd_kernel)[(cdiv(n_tok, block_t),)](
@@ -730,10 +810,12 @@ def _merge_norm(windows, shortcut, weight, bias, eps, window_size, shift, s_dtyp
             zero_sums.numel() if zero_sums is not None else 0,
             H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, ZERO_SUMS=zero_sums is not None,
             SOFT_RTNE=_SOFT_RTNE, BLOCK_T=block_t, BLOCK_C=block_c, KEEP=keep is not None, POST=post,
-            num_warps=num_warps, **_pdl_args(),
+            num_warps=num_warps, **qargs, **_pdl_args(),
         )
     elif zero_sums is not None:
         zero_sums.zero_()
+    if quant is not None:
+        return s, y, mean
     return s, y, mean, rstd
 
 
