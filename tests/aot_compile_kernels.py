@@ -198,6 +198,14 @@ def _record_launches(quick: bool) -> None:
         for dt in (torch.bfloat16, torch.float32):
             for K in ((128, 4096) if quick else (128, 256, 512, 1024, 2048, 4096)):
                 quant.quantize_rows.fn(r(64, K, dtype=dt), fmt)
+    # norm1 and norm2 writing the qkv / fc1 input quantized (fp32 or bf16 residual stream, bf16 rounding)
+    for fmt in ("fp8", "int8"):
+        for dt in ((torch.float32,) if quick else (torch.float32, torch.bfloat16)):
+            for C in ((128,) if quick else (128, 512)):
+                ln_w, ln_b = r(C, dtype=torch.float32), r(C, dtype=torch.float32)
+                win.norm_shift_partition_quant(r(1, 14, 14, C, dtype=dt), ln_w, ln_b, 1e-5, 7, 3, fmt, torch.bfloat16)
+                win.merge_add_norm_quant(r(4, 49, C, dtype=torch.bfloat16), r(1, 14, 14, C, dtype=dt), ln_w, ln_b,
+                                         1e-5, 7, 3, fmt, torch.bfloat16)
     for N in ((512,) if quick else (128, 384, 512, 1000, 4096)):
         acc = torch.zeros(64, N, dtype=torch.int32)
         for x_scale in (torch.ones(64, 1), torch.ones(())):

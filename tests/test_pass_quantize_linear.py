@@ -520,3 +520,42 @@ def test_swinv2_position_bias_mlps_stay_wide():
     names = [n for n, _ in ql.quantizable_linears(model)]
     assert names and not any("cpb_mlp" in n for n in names)
     assert any(n.endswith("attn.qkv") for n in names)
+
+
+@pytest.mark.parametrize("dtype,route", [("fp8", "scaled_mm"), ("int8", "int_mm")])
+def test_norm1_writes_the_qkv_input_quantized(monkeypatch, dtype, route):
+    """On the fused window forwards (fmha's passes, the Triton interpreter here), each block's norm1 kernel
+    writes its qkv's input quantized (norm_shift_partition_quant, the residual add of the deferred MLP
+    branch included) and the qkv reads it with no quantization launch: the logits of the path where the qkv
+    quantizes the norm's bf16 output itself, bit for bit."""
+    from workbench.models import TINY_MODEL
+    from workbench.optimize.passes import block_forward
+    from workbench.optimize.recipes import apply_chain_passes, resolve_chain
+    from workbench.optimize.workload import Workload, WorkloadConfig
+
+    monkeypatch.setattr(ql, "gpu_route", lambda d, device: route)
+    cfg = WorkloadConfig(model=TINY_MODEL, mode="infer", batch=2, precision="bf16", device="cpu", seed=0)
+    w = Workload.build(cfg)
+    w.model, results = apply_chain_passes(w.model, w.ctx, resolve_chain("fmha"))
+    assert all(r.available for r in results), [r.changed for r in results]
+    w.model, res = apply_pass("quantize_linear", w.model, w.ctx, {"dtype": dtype, "keep": ["head.fc"], "select": "all"})
+    from workbench.optimize.passes._swin import named_swin_blocks
+
+    assert res.details["norm1_quantizes_qkv_blocks"] == len(named_swin_blocks(w.model)) == 4
+    assert "in 4 blocks norm1's kernel writes the qkv input quantized" in res.changed
+    w.prepare()
+    from workbench.kernels import quant
+
+    calls = []
+    real = quant.quantize_rows
+    monkeypatch.setattr(quant, "quantize_rows", lambda x2, fmt: calls.append(x2.shape) or real(x2, fmt))
+    out = {}
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(block_forward, "norm1_quantizes_qkv", lambda blk, x: None)
+        calls.clear()
+        with torch.inference_mode():
+            logits, _ = w.forward_loss()
+        out[fused] = (logits.double(), len(calls))
+    assert torch.equal(out[True][0], out[False][0])
+    assert out[False][1] - out[True][1] == 4          # one quantize_rows launch fewer per block

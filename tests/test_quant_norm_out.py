@@ -33,11 +33,31 @@ def test_norm_shift_partition_quant_is_norm_then_quantize_rows(shape, fmt, x_dty
     w, b = torch.randn(C, generator=gen).to(DEVICE), torch.randn(C, generator=gen).to(DEVICE)
     windows, _, _ = win.norm_shift_partition_fwd(x, w, b, 1e-5, ws, shift, out_dtype=torch.bfloat16)
     want_q, want_s = quant.quantize_rows(windows.reshape(-1, C), fmt)
-    got_q, got_s = win.norm_shift_partition_quant(x, w, b, 1e-5, ws, shift, fmt, torch.bfloat16)
+    none, got_q, got_s = win.norm_shift_partition_quant(x, w, b, 1e-5, ws, shift, fmt, torch.bfloat16)
+    assert none is None
     assert got_q.shape == windows.shape and got_q.dtype == quant.QDTYPE[fmt] and got_s.shape == (windows.shape[0] * ws * ws, 1)
     assert torch.equal(_bits(got_q).reshape(-1, C), _bits(want_q)) and torch.equal(got_s, want_s)
     if H % ws or W % ws:  # padding tokens: all zero, scale 1
         assert (got_s == 1).any()
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+@pytest.mark.parametrize("shape", SHAPES[:2], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("keep", [False, True], ids=["no-drop-path", "drop-path"])
+def test_with_the_residual_add_is_add_norm_shift_partition_then_quantize_rows(shape, fmt, keep):
+    """The previous block's MLP branch added in the same kernel (times its stochastic-depth factors)."""
+    B, H, W, C, ws, shift = shape
+    gen = torch.Generator().manual_seed(sum(shape) + 2)
+    x = torch.randn(B, H, W, C, generator=gen).to(DEVICE)
+    branch = torch.randn(B, H, W, C, generator=gen).to(DEVICE, torch.bfloat16)
+    factors = torch.tensor([0.0, 1.25] * B)[:B].to(DEVICE, torch.bfloat16) if keep else None
+    w, b = torch.randn(C, generator=gen).to(DEVICE), torch.randn(C, generator=gen).to(DEVICE)
+    s, windows, _, _ = win.add_norm_shift_partition_fwd(x, branch, w, b, 1e-5, ws, shift, out_dtype=torch.bfloat16,
+                                                        keep=factors)
+    want_q, want_s = quant.quantize_rows(windows.reshape(-1, C), fmt)
+    got = win.norm_shift_partition_quant(x, w, b, 1e-5, ws, shift, fmt, torch.bfloat16, residual=branch, keep=factors)
+    assert torch.equal(got[0], s)
+    assert torch.equal(_bits(got[1]).reshape(-1, C), _bits(want_q)) and torch.equal(got[2], want_s)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])

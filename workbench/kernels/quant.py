@@ -48,6 +48,7 @@ operators (`_common.kernel_op`): no host sync, so they run under CUDA-graph capt
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import numpy as np
@@ -604,6 +605,32 @@ def int8_linear(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_s
 ROUTES = ("scaled_mm", "int_mm", "triton", "simulate")
 
 
+class QuantizedRows:
+    """A Linear's input that its producer wrote quantized per row (a norm kernel: window.
+    norm_shift_partition_quant): x_q (rows, K) e4m3fn or int8 and scale (rows, 1) fp32, as quantize_rows
+    writes them, standing for a float tensor of `shape` and `dtype` (the dtype the producer rounded to
+    before quantizing). It goes where that tensor would, up to the QuantLinear that reads it
+    (QuantLinear.forward): `shape`, `dtype`, `device` and `reshape` as the tensor's. Inference only."""
+
+    __slots__ = ("x_q", "scale", "shape", "dtype")
+
+    def __init__(self, x_q: torch.Tensor, scale: torch.Tensor, shape, dtype: torch.dtype):
+        self.x_q, self.scale, self.shape, self.dtype = x_q, scale, torch.Size(shape), dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.x_q.device
+
+    def reshape(self, *shape) -> "QuantizedRows":
+        shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)) else shape
+        if -1 in shape:
+            known = math.prod(n for n in shape if n != -1)
+            shape = tuple(self.x_q.numel() // known if n == -1 else n for n in shape)
+        if math.prod(shape) != self.x_q.numel() or shape[-1] != self.shape[-1]:
+            raise ValueError(f"QuantizedRows of shape {tuple(self.shape)} cannot be reshaped to {shape}: its rows stay rows")
+        return QuantizedRows(self.x_q, self.scale, shape, self.dtype)
+
+
 class QuantLinear(torch.nn.Module):
     """An inference-only nn.Linear with its weight quantized per output channel and its input quantized per
     row (dynamic: `input_scale` None) or per tensor (static: a calibrated () scale), run by one route:
@@ -678,7 +705,12 @@ class QuantLinear(torch.nn.Module):
                 text += ", GEMM and epilogue by one Triton launch (quant_matmul)"
         return text
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        if isinstance(x, QuantizedRows):    # quantized by its producer (per row, this module's format)
+            if x.x_q.dtype != QDTYPE[self.fmt] or self.input_scale is not None:
+                raise ValueError(f"{self.fmt} QuantLinear with {'static' if self.input_scale is not None else 'dynamic'} "
+                                 f"activations given rows quantized to {x.x_q.dtype}")
+            return self.forward_quantized(x.x_q.view(-1, self.in_features), x.scale, x.shape[:-1], x)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         fused = self.fused_quantize(x2.device)

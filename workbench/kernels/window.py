@@ -578,12 +578,13 @@ def add_norm_shift_partition_fwd(
 
 def norm_shift_partition_quant(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, window_size: int, shift: int,
-    fmt: str, round_dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """norm_shift_partition_fwd's windows, rounded to round_dtype, then quantized per token for a
-    QuantLinear (quant.quantize_rows), in one pass and bit for bit: x (B, H, W, C) -> (windows_q
-    (B*nW, ws*ws, C) e4m3fn or int8, scale (B*nW*ws*ws, 1) fp32). Inference: nothing is saved for a
-    backward. The window tokens of padding are 0 (scale 1), as in the unquantized windows."""
+    fmt: str, round_dtype: torch.dtype, residual: torch.Tensor | None = None, keep: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """norm_shift_partition_fwd's windows (of s = x + residual * keep[b] where a residual is given, as in
+    add_norm_shift_partition_fwd), rounded to round_dtype, then quantized per token for a QuantLinear
+    (quant.quantize_rows), in one pass and bit for bit -> (s (B, H, W, C) or None without a residual,
+    windows_q (B*nW, ws*ws, C) e4m3fn or int8, scale (B*nW*ws*ws, 1) fp32). Inference: nothing is saved
+    for a backward. The window tokens of padding are 0 (scale 1), as in the unquantized windows."""
     from workbench.kernels.quant import QDTYPE, quantize_args
 
     q = quantize_args(fmt, x.device)
@@ -591,21 +592,27 @@ def norm_shift_partition_quant(
     B, H, W, C = x.shape
     Hp, Wp, nwh, nww, sh, sw = _geometry(H, W, window_size, shift)
     ws = int(window_size)
+    s = None
+    if residual is not None:
+        if tuple(residual.shape) != tuple(x.shape):
+            raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+        residual = _contig(residual)
+        s = torch.empty((B, H, W, C), dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
     out = torch.empty((B * nwh * nww, ws * ws, C), dtype=QDTYPE[fmt], device=x.device)
     scale = torch.empty((B * nwh * nww * ws * ws, 1), dtype=torch.float32, device=x.device)
     n_out = B * Hp * Wp
     block_t, block_c, num_warps = _norm_fwd_config(C)
     if n_out > 0:
         launch(_partition_fwd_kernel)[(cdiv(n_out, block_t), 1)](
-            x, out, _contig(weight), _contig(bias), scale, scale, scale, x, x, scale,
-            n_out, C, float(eps), 0,
+            x, out, _contig(weight), _contig(bias), scale, scale, scale, residual if residual is not None else x,
+            s if s is not None else x, _keep(keep, B, scale), n_out, C, float(eps), 0,
             H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, NORM=True, SOFT_RTNE=_SOFT_RTNE,
-            ZERO_SUMS=False, HAS_RESIDUAL=False, BLOCK_T=block_t, BLOCK_C=block_c, KEEP=False,
-            qscale_ptr=scale, qmax=q["qmax"], inv_qmax=q["inv_qmax"], min_scale=q["min_scale"], QUANT=True,
-            Q_ROUND=TL_DTYPES[round_dtype], INT8=q["INT8"], RECIPROCAL=q["RECIPROCAL"], STATS=False,
-            num_warps=num_warps, **_pdl_args(),
+            ZERO_SUMS=False, HAS_RESIDUAL=residual is not None, BLOCK_T=block_t, BLOCK_C=block_c,
+            KEEP=keep is not None, qscale_ptr=scale, qmax=q["qmax"], inv_qmax=q["inv_qmax"],
+            min_scale=q["min_scale"], QUANT=True, Q_ROUND=TL_DTYPES[round_dtype], INT8=q["INT8"],
+            RECIPROCAL=q["RECIPROCAL"], STATS=False, num_warps=num_warps, **_pdl_args(),
         )
-    return out, scale
+    return s, out, scale
 
 
 def _norm_partition(x, residual, weight, bias, eps, window_size, shift, out_dtype, out, s_out, zero_sums,

@@ -75,6 +75,22 @@ def input_goes_to_qkv(forward) -> bool:
     return bool(getattr(forward, _QKV_INPUT, False))
 
 
+_QUANTIZED_ROWS = "_swinbench_quantized_rows_to_qkv"
+
+
+def hands_quantized_rows_to_qkv(forward):
+    """Mark a v1 WindowAttention forward that a pass binds as reading nothing of its input x (B*nW, N, C)
+    but its shape before `self.qkv(x.reshape(B*nW*N, C))`: it then takes a kernels.quant.QuantizedRows in
+    place of x, which a quantized qkv reads (block_forward.norm1_quantizes_qkv)."""
+    setattr(forward, _QUANTIZED_ROWS, True)
+    return forward
+
+
+def takes_quantized_rows(forward) -> bool:
+    """Whether `forward` (a function, or None) was marked by hands_quantized_rows_to_qkv."""
+    return bool(getattr(forward, _QUANTIZED_ROWS, False))
+
+
 # timm builds SwinV2 two ways, and both score a window the same: normalize(q) . normalize(k) times a per-head
 # exp(min(logit_scale, log 100)), plus a position bias from a small MLP, plus the shift mask.
 #   swin_transformer_v2     WindowAttention: q and v biases beside the qkv Linear; cpb_mlp over a ((2w-1)^2, 2)

@@ -22,7 +22,8 @@ import torch
 
 from workbench.kernels._common import traced
 from workbench.optimize.passes._swin import (autocast_input_dtype, drop_path, drop_path_keep,
-                                             gather_rel_pos_bias, inactive, input_goes_to_qkv,
+                                             gather_rel_pos_bias, hands_quantized_rows_to_qkv, inactive,
+                                             input_goes_to_qkv, takes_quantized_rows,
                                              merging_forward_of_the_pass, norm_output_dtype, rel_pos_bias,
                                              rel_pos_inverse_buffer, scatter_rel_pos_grad, square, timm_drop_path,
                                              v2_attention_classes)
@@ -116,7 +117,48 @@ def _window_forward(add_norm2_fused: bool, attn_to_linear: bool, mlp_to_linear: 
             x = x.reshape(B, -1, C)
             h = self.norm2(x)
         return _mlp_half(self, x, h, B, H, W, C, defer)
+    setattr(swin_block_forward_fused_window, _NORM1_TO_QKV, attn_to_linear)
     return swin_block_forward_fused_window
+
+
+_NORM1_TO_QKV = "_swinbench_norm1_to_qkv"   # on a bound window forward: its norm1 writes the qkv Linear's input
+
+
+def norm1_quantizes_qkv(blk, x: torch.Tensor):
+    """The block's qkv, a kernels.quant.QuantLinear, where norm1's kernel writes that Linear's input
+    quantized (window.norm_shift_partition_quant) in this call, else None: inference without autograd and
+    not traced (under torch.compile QuantLinear quantizes with torch ops, which Inductor fuses into the
+    norm itself), an attention forward that hands its windows to qkv untouched (hands_quantized_rows_to_qkv),
+    and a qkv that would quantize its input per row with one launch (QuantLinear.fused_quantize)."""
+    from workbench.kernels.quant import QuantLinear
+    from workbench.kernels.window_attention import MAX_WINDOW_TOKENS
+
+    if blk.training or torch.is_grad_enabled() or traced():
+        return None
+    attn = blk.attn
+    qkv = getattr(attn, "qkv", None)
+    if type(qkv) is not QuantLinear or not qkv.fused_quantize(x.device):
+        return None
+    if not takes_quantized_rows(getattr(vars(attn).get("forward"), "__func__", None)):
+        return None
+    ws = square(blk.window_size)
+    return qkv if ws is not None and ws * ws <= MAX_WINDOW_TOKENS else None
+
+
+def quantized_norm1_blocks(model: torch.nn.Module, device: torch.device) -> int:
+    """How many of the model's Swin blocks run norm1_quantizes_qkv's path in inference on `device`: a bound
+    window forward whose norm1 writes the qkv input, the attention forward and the qkv it needs."""
+    from workbench.kernels.quant import QuantLinear
+    from workbench.optimize.passes._swin import named_swin_blocks
+
+    count = 0
+    for _, blk in named_swin_blocks(model):
+        forward = getattr(vars(blk).get("forward"), "__func__", None)
+        qkv = getattr(blk.attn, "qkv", None)
+        if (getattr(forward, _NORM1_TO_QKV, False) and type(qkv) is QuantLinear and qkv.fused_quantize(device)
+                and takes_quantized_rows(getattr(vars(blk.attn).get("forward"), "__func__", None))):
+            count += 1
+    return count
 
 
 def _window_attention_windows(self, x: torch.Tensor, pending: torch.Tensor | None, to_linear: bool):
@@ -132,6 +174,19 @@ def _window_attention_windows(self, x: torch.Tensor, pending: torch.Tensor | Non
     if ws is None or shift is None:
         return None
     B, H, W, C = x.shape
+    qkv = norm1_quantizes_qkv(self, x) if to_linear else None
+    if qkv is not None:
+        from workbench.kernels.quant import QuantizedRows
+        from workbench.kernels.window import norm_shift_partition_quant
+
+        branch, keep = pending if pending is not None else (None, None)
+        s_dtype = x.dtype if branch is None else torch.promote_types(x.dtype, branch.dtype)
+        round_dtype = norm_output_dtype(x, True, s_dtype) or s_dtype
+        s, windows_q, scale = norm_shift_partition_quant(x, self.norm1.weight, self.norm1.bias, self.norm1.eps, ws,
+                                                         shift, qkv.fmt, round_dtype, residual=branch, keep=keep)
+        x = x if s is None else s
+        windows = QuantizedRows(windows_q.view(-1, C), scale, windows_q.shape, round_dtype)
+        return self.attn(windows, mask=_attn_mask(self, x, H, W, ws)), ws, shift, x
     if pending is not None:
         branch, keep = pending
         x, windows = add_norm_shift_partition(x, branch, self.norm1.weight, self.norm1.bias, self.norm1.eps, ws, shift,
@@ -291,6 +346,7 @@ def attention_forward(table: bool, has_inverse: bool) -> Callable:
     if table:
         return fused_window_attention_forward_table
 
+    @hands_quantized_rows_to_qkv
     def fused_window_attention_forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         from workbench.kernels.window_attention import MAX_WINDOW_TOKENS, fused_window_attention_qkv
 
@@ -303,6 +359,7 @@ def attention_forward(table: bool, has_inverse: bool) -> Callable:
     return fused_window_attention_forward
 
 
+@hands_quantized_rows_to_qkv
 def fused_window_attention_forward_table(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """timm WindowAttention.forward with the bias gathered from the table inside the kernels
     (attention_forward with table)."""

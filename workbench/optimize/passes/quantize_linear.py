@@ -45,6 +45,14 @@ Where the kernels run, an MLP whose fc2 quantizes its input per row also runs it
 quantization as one launch (`kernels.quant.gelu_quantize_rows`: one read of fc1's output, the bits of
 nn.GELU then quantize_rows but for rare tail values one step apart) instead of a GELU kernel writing bf16 and a quantization kernel reading it.
 
+Where a block's fused window forward writes the qkv input with norm1 (fused_window, as on dense) and
+the qkv quantizes dynamically with one launch, norm1's kernel writes that input quantized itself
+(`kernels.window.norm_shift_partition_quant`: the norm's output rounded to the autocast dtype, then
+quantize_rows's bits, in one pass, with the previous block's residual add where the stage defers it), and
+the qkv reads it (`kernels.quant.QuantizedRows`) with no quantization launch of its own; eager inference
+only (under torch.compile Inductor fuses the torch-op quantization into the norm). The record counts those
+blocks (`norm1_quantizes_qkv_blocks`).
+
 Calibration batches are real images where the caller gives them (PassContext.calibration:
 `optimize_swin_inference(..., calibration=...)`, and `apply --mode infer --checkpoint` the training images
 of the checkpoint's data), else synthetic (random images from a fixed generator, like the workload's
@@ -549,12 +557,18 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
     quantize_model(model, routes, dtype, input_scales)
     gelu_fused = fuse_mlp_activations(model, ctx.device)
     details["gelu_fused_mlps"] = gelu_fused
+    from workbench.optimize.passes.block_forward import quantized_norm1_blocks
+
+    norm_fused = quantized_norm1_blocks(model, ctx.device)
+    details["norm1_quantizes_qkv_blocks"] = norm_fused
     acts = "dynamic per-row" if activations == "dynamic" else f"static per-tensor ({calibration})"
     how = ", ".join(f"{c} {r}" for r, c in counts.items()) if len(counts) > 1 else next(iter(counts))
     changed = (f"{len(routes)} Linear layers {dtype} ({how}, {acts} activations, per-channel weights), "
                f"{len(kept)} kept bf16" + (f" ({moved} measured faster in bf16 on this GPU)" if moved else ""))
     if gelu_fused:
         changed += f"; in {gelu_fused} MLPs GELU and fc2's input quantization run as one Triton launch"
+    if norm_fused:
+        changed += f"; in {norm_fused} blocks norm1's kernel writes the qkv input quantized"
     if details["swinv2_qkv_bias_after_gemm"]:
         changed += (f"; {details['swinv2_qkv_bias_after_gemm']} SwinV2 qkv layers add their q/v biases after the "
                     "quantized GEMM")
