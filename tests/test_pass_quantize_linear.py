@@ -522,12 +522,14 @@ def test_swinv2_position_bias_mlps_stay_wide():
     assert any(n.endswith("attn.qkv") for n in names)
 
 
+@pytest.mark.parametrize("chain", ["fmha", "dense"])
 @pytest.mark.parametrize("dtype,route", [("fp8", "scaled_mm"), ("int8", "int_mm")])
-def test_norm1_writes_the_qkv_input_quantized(monkeypatch, dtype, route):
+def test_the_norms_write_the_qkv_and_fc1_inputs_quantized(monkeypatch, dtype, route, chain):
     """On the fused window forwards (fmha's passes, the Triton interpreter here), each block's norm1 kernel
     writes its qkv's input quantized (norm_shift_partition_quant, the residual add of the deferred MLP
-    branch included) and the qkv reads it with no quantization launch: the logits of the path where the qkv
-    quantizes the norm's bf16 output itself, bit for bit."""
+    branch included), and its merge + add + norm2 kernel the fc1's (merge_add_norm_quant); the Linears read
+    them with no quantization launch: the logits of the path where each Linear quantizes the norm's bf16
+    output itself, bit for bit. On dense fc1 stays bf16 (its GELU epilogue): norm2 writes bf16 there."""
     from workbench.models import TINY_MODEL
     from workbench.optimize.passes import block_forward
     from workbench.optimize.recipes import apply_chain_passes, resolve_chain
@@ -536,13 +538,16 @@ def test_norm1_writes_the_qkv_input_quantized(monkeypatch, dtype, route):
     monkeypatch.setattr(ql, "gpu_route", lambda d, device: route)
     cfg = WorkloadConfig(model=TINY_MODEL, mode="infer", batch=2, precision="bf16", device="cpu", seed=0)
     w = Workload.build(cfg)
-    w.model, results = apply_chain_passes(w.model, w.ctx, resolve_chain("fmha"))
+    w.model, results = apply_chain_passes(w.model, w.ctx, resolve_chain(chain))
     assert all(r.available for r in results), [r.changed for r in results]
     w.model, res = apply_pass("quantize_linear", w.model, w.ctx, {"dtype": dtype, "keep": ["head.fc"], "select": "all"})
     from workbench.optimize.passes._swin import named_swin_blocks
 
+    n2 = 4 if chain == "fmha" else 0
     assert res.details["norm1_quantizes_qkv_blocks"] == len(named_swin_blocks(w.model)) == 4
+    assert res.details["norm2_quantizes_fc1_blocks"] == n2
     assert "in 4 blocks norm1's kernel writes the qkv input quantized" in res.changed
+    assert ("in 4 norm2's the fc1 input" in res.changed) == (chain == "fmha")
     w.prepare()
     from workbench.kernels import quant
 
@@ -553,9 +558,10 @@ def test_norm1_writes_the_qkv_input_quantized(monkeypatch, dtype, route):
     for fused in (True, False):
         if not fused:
             monkeypatch.setattr(block_forward, "norm1_quantizes_qkv", lambda blk, x: None)
+            monkeypatch.setattr(block_forward, "norm2_quantizes_fc1", lambda blk, x: None)
         calls.clear()
         with torch.inference_mode():
             logits, _ = w.forward_loss()
         out[fused] = (logits.double(), len(calls))
     assert torch.equal(out[True][0], out[False][0])
-    assert out[False][1] - out[True][1] == 4          # one quantize_rows launch fewer per block
+    assert out[False][1] - out[True][1] == 4 + n2     # a quantize_rows launch fewer per fused norm

@@ -79,9 +79,10 @@ _QUANTIZED_ROWS = "_swinbench_quantized_rows_to_qkv"
 
 
 def hands_quantized_rows_to_qkv(forward):
-    """Mark a v1 WindowAttention forward that a pass binds as reading nothing of its input x (B*nW, N, C)
-    but its shape before `self.qkv(x.reshape(B*nW*N, C))`: it then takes a kernels.quant.QuantizedRows in
-    place of x, which a quantized qkv reads (block_forward.norm1_quantizes_qkv)."""
+    """Mark a forward that a pass binds as reading nothing of its input x but its shape before handing it
+    to its first Linear (a v1 WindowAttention's `self.qkv(x.reshape(B*nW*N, C))`, an Mlp's `self.fc1(x)`):
+    it then takes a kernels.quant.QuantizedRows in place of x, which that Linear, quantized, reads
+    (block_forward.norm1_quantizes_qkv, norm2_quantizes_fc1)."""
     setattr(forward, _QUANTIZED_ROWS, True)
     return forward
 

@@ -118,10 +118,12 @@ def _window_forward(add_norm2_fused: bool, attn_to_linear: bool, mlp_to_linear: 
             h = self.norm2(x)
         return _mlp_half(self, x, h, B, H, W, C, defer)
     setattr(swin_block_forward_fused_window, _NORM1_TO_QKV, attn_to_linear)
+    setattr(swin_block_forward_fused_window, _NORM2_TO_FC1, add_norm2_fused and mlp_to_linear)
     return swin_block_forward_fused_window
 
 
-_NORM1_TO_QKV = "_swinbench_norm1_to_qkv"   # on a bound window forward: its norm1 writes the qkv Linear's input
+# on a bound window forward: its norm1 writes the qkv Linear's input; its merge + add + norm2 the fc1's
+_NORM1_TO_QKV, _NORM2_TO_FC1 = "_swinbench_norm1_to_qkv", "_swinbench_norm2_to_fc1"
 
 
 def norm1_quantizes_qkv(blk, x: torch.Tensor):
@@ -143,6 +145,42 @@ def norm1_quantizes_qkv(blk, x: torch.Tensor):
         return None
     ws = square(blk.window_size)
     return qkv if ws is not None and ws * ws <= MAX_WINDOW_TOKENS else None
+
+
+def norm2_quantizes_fc1(blk, x: torch.Tensor):
+    """The block's MLP fc1, a kernels.quant.QuantLinear, where the merge + add + norm2 kernel writes that
+    Linear's input quantized (window.merge_add_norm_quant) in this call, else None: as norm1_quantizes_qkv,
+    with an MLP whose forward hands its input to fc1 untouched (timm's Mlp forward, or one marked
+    hands_quantized_rows_to_qkv)."""
+    if blk.training or torch.is_grad_enabled() or traced() or not _mlp_takes_quantized_rows(blk, x.device):
+        return None
+    return blk.mlp.fc1
+
+
+def quantized_norm2_blocks(model: torch.nn.Module, device: torch.device) -> int:
+    """How many of the model's Swin blocks run norm2_quantizes_fc1's path in inference on `device` (a bound
+    window forward with merge_add_norm, whose norm2 writes the fc1 input)."""
+    from workbench.optimize.passes._swin import named_swin_blocks
+
+    count = 0
+    for _, blk in named_swin_blocks(model):
+        forward = getattr(vars(blk).get("forward"), "__func__", None)
+        if getattr(forward, _NORM2_TO_FC1, False) and _mlp_takes_quantized_rows(blk, device):
+            count += 1
+    return count
+
+
+def _mlp_takes_quantized_rows(blk, device: torch.device) -> bool:
+    from timm.layers import Mlp
+
+    from workbench.kernels.quant import QuantLinear
+
+    mlp = blk.mlp
+    fc1 = getattr(mlp, "fc1", None)
+    if type(mlp) is not Mlp or type(fc1) is not QuantLinear or not fc1.fused_quantize(device):
+        return False
+    forward = vars(mlp).get("forward")
+    return forward is None or takes_quantized_rows(getattr(forward, "__func__", None))
 
 
 def quantized_norm1_blocks(model: torch.nn.Module, device: torch.device) -> int:
@@ -242,6 +280,16 @@ def _merge_add_norm2(blk, attn_windows: torch.Tensor, x: torch.Tensor, ws: int, 
     from workbench.kernels.window import merge_add_norm
 
     norm2 = blk.norm2
+    fc1 = norm2_quantizes_fc1(blk, x) if mlp_to_linear and keep is None else None
+    if fc1 is not None:
+        from workbench.kernels.quant import QuantizedRows
+        from workbench.kernels.window import merge_add_norm_quant
+
+        round_dtype = _norm2_dtype(x, attn_windows.dtype, True) or torch.promote_types(x.dtype, attn_windows.dtype)
+        s, y_q, scale = merge_add_norm_quant(attn_windows, x, norm2.weight, norm2.bias, norm2.eps, ws, shift,
+                                             fc1.fmt, round_dtype)
+        return s, QuantizedRows(y_q.view(-1, y_q.shape[-1]), scale, (y_q.numel() // y_q.shape[-1], y_q.shape[-1]),
+                                round_dtype)
     return merge_add_norm(attn_windows, x, norm2.weight, norm2.bias, norm2.eps, ws, shift,
                           _norm2_dtype(x, attn_windows.dtype, mlp_to_linear), y_rows=True, keep=keep)
 

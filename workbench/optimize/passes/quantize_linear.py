@@ -49,9 +49,10 @@ Where a block's fused window forward writes the qkv input with norm1 (fused_wind
 the qkv quantizes dynamically with one launch, norm1's kernel writes that input quantized itself
 (`kernels.window.norm_shift_partition_quant`: the norm's output rounded to the autocast dtype, then
 quantize_rows's bits, in one pass, with the previous block's residual add where the stage defers it), and
-the qkv reads it (`kernels.quant.QuantizedRows`) with no quantization launch of its own; eager inference
-only (under torch.compile Inductor fuses the torch-op quantization into the norm). The record counts those
-blocks (`norm1_quantizes_qkv_blocks`).
+the qkv reads it (`kernels.quant.QuantizedRows`) with no quantization launch of its own; likewise the
+merge + add + norm2 kernel for a quantized fc1 (`merge_add_norm_quant`; not on dense, whose fc1 stays bf16).
+Eager inference only (under torch.compile Inductor fuses the torch-op quantization into the norm). The
+record counts those blocks (`norm1_quantizes_qkv_blocks`, `norm2_quantizes_fc1_blocks`).
 
 Calibration batches are real images where the caller gives them (PassContext.calibration:
 `optimize_swin_inference(..., calibration=...)`, and `apply --mode infer --checkpoint` the training images
@@ -70,6 +71,7 @@ import torch
 from workbench.errors import UserError
 from workbench.kernels.quant import MAX_QUANT_COLS, QMAX, QuantLinear, gelu_quantize_rows, kernels_run, make_observer
 from workbench.optimize.passes import PassContext, PassResult, PassUnavailable
+from workbench.optimize.passes._swin import hands_quantized_rows_to_qkv
 
 OWN_KERNELS = True   # its Triton quantize and GEMM kernels: a stage with it is not PyTorch alone
 INFERENCE_ONLY = True  # no backward: a training run is refused before any pass of the recipe changes the model
@@ -405,6 +407,7 @@ def quantize_model(model: torch.nn.Module, routes: dict[str, str], dtype: str,
             setattr(parent, attr, QuantLinear(linear, dtype, route, scale))
 
 
+@hands_quantized_rows_to_qkv
 def gelu_quant_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     """A timm Mlp whose fc2 is a QuantLinear: fc1, then GELU and fc2's input quantization in one launch
     (gelu_quantize_rows), then fc2's GEMM; timm's own order (act, drop1, norm, fc2) in training, under
@@ -557,10 +560,11 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
     quantize_model(model, routes, dtype, input_scales)
     gelu_fused = fuse_mlp_activations(model, ctx.device)
     details["gelu_fused_mlps"] = gelu_fused
-    from workbench.optimize.passes.block_forward import quantized_norm1_blocks
+    from workbench.optimize.passes.block_forward import quantized_norm1_blocks, quantized_norm2_blocks
 
     norm_fused = quantized_norm1_blocks(model, ctx.device)
     details["norm1_quantizes_qkv_blocks"] = norm_fused
+    details["norm2_quantizes_fc1_blocks"] = quantized_norm2_blocks(model, ctx.device)
     acts = "dynamic per-row" if activations == "dynamic" else f"static per-tensor ({calibration})"
     how = ", ".join(f"{c} {r}" for r, c in counts.items()) if len(counts) > 1 else next(iter(counts))
     changed = (f"{len(routes)} Linear layers {dtype} ({how}, {acts} activations, per-channel weights), "
@@ -569,6 +573,8 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
         changed += f"; in {gelu_fused} MLPs GELU and fc2's input quantization run as one Triton launch"
     if norm_fused:
         changed += f"; in {norm_fused} blocks norm1's kernel writes the qkv input quantized"
+    if details["norm2_quantizes_fc1_blocks"]:
+        changed += f", in {details['norm2_quantizes_fc1_blocks']} norm2's the fc1 input"
     if details["swinv2_qkv_bias_after_gemm"]:
         changed += (f"; {details['swinv2_qkv_bias_after_gemm']} SwinV2 qkv layers add their q/v biases after the "
                     "quantized GEMM")
