@@ -76,6 +76,20 @@ def _norm_rows(x, w_ptr, b_ptr, c, c_mask, C, eps):
 
 
 @triton.jit
+def _store_normed(ptrs, mask, y, scale_ptr, rows, row_mask, qmax, inv_qmax, min_scale, QUANT: tl.constexpr,
+                  Q_ROUND: tl.constexpr, INT8: tl.constexpr, RECIPROCAL: tl.constexpr, SOFT_RTNE: tl.constexpr):
+    """A norm kernel's fp32 output rows y stored at ptrs, rounded once to their dtype; with QUANT rounded to
+    Q_ROUND, then quantized per row (quant.quantize_tile), row i's fp32 scale at scale_ptr[rows[i]]."""
+    if QUANT:
+        yq, scale = quantize_tile(to_dtype(y, Q_ROUND, SOFT_RTNE).to(tl.float32), qmax, inv_qmax, min_scale, INT8,
+                                  RECIPROCAL)
+        tl.store(ptrs, yq, mask=mask)
+        tl.store(scale_ptr + rows, scale, mask=row_mask)
+    else:
+        tl.store(ptrs, to_dtype(y, ptrs.dtype.element_ty, SOFT_RTNE), mask=mask)
+
+
+@triton.jit
 def _partition_fwd_kernel(
     x_ptr, out_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, sums_ptr, r_ptr, s_ptr, keep_ptr,
     n_out_tokens, C, eps, n_sums,
@@ -146,13 +160,8 @@ def _partition_fwd_kernel(
         if STATS:
             tl.store(mean_ptr + src, mean, mask=valid)
             tl.store(rstd_ptr + src, rstd, mask=valid)
-        if QUANT:
-            yq, scale = quantize_tile(to_dtype(y, Q_ROUND, SOFT_RTNE).to(tl.float32), qmax, inv_qmax, min_scale,
-                                      INT8, RECIPROCAL)
-            tl.store(out_ptr + out_off, yq, mask=st_mask)
-            tl.store(qscale_ptr + t, scale, mask=t_mask)
-        else:
-            tl.store(out_ptr + out_off, to_dtype(y, out_ptr.dtype.element_ty, SOFT_RTNE), mask=st_mask)
+        _store_normed(out_ptr + out_off, st_mask, y, qscale_ptr, t, t_mask, qmax, inv_qmax, min_scale, QUANT, Q_ROUND,
+                      INT8, RECIPROCAL, SOFT_RTNE)
     else:
         tl.store(out_ptr + out_off, to_dtype(x, out_ptr.dtype.element_ty, SOFT_RTNE), mask=st_mask)
     pdl_exit(PDL)
@@ -249,13 +258,8 @@ def _merge_norm_fwd_kernel(
         x = to_dtype(sc.to(tl.float32) + win.to(tl.float32), s_ptr.dtype.element_ty, SOFT_RTNE)
         tl.store(s_ptr + off, x, mask=mask)
         y, mean, rstd = _norm_rows(x, w_ptr, b_ptr, c, c_mask, C, eps)
-        if QUANT:
-            yq, scale = quantize_tile(to_dtype(y, Q_ROUND, SOFT_RTNE).to(tl.float32), qmax, inv_qmax, min_scale,
-                                      INT8, RECIPROCAL)
-            tl.store(y_ptr + off, yq, mask=mask)
-            tl.store(qscale_ptr + s, scale, mask=s_mask)
-        else:
-            tl.store(y_ptr + off, to_dtype(y, y_ptr.dtype.element_ty, SOFT_RTNE), mask=mask)
+        _store_normed(y_ptr + off, mask, y, qscale_ptr, s, s_mask, qmax, inv_qmax, min_scale, QUANT, Q_ROUND,
+                      INT8, RECIPROCAL, SOFT_RTNE)
     if STATS:
         tl.store(mean_ptr + s, mean, mask=s_mask)
         tl.store(rstd_ptr + s, rstd, mask=s_mask)
