@@ -653,7 +653,8 @@ def _percent(text: str) -> float:
     from workbench.files import short_repr
 
     try:
-        value = float(str(text).rstrip("%"))
+        text = str(text).strip()
+        value = float(text[:-1] if text.endswith("%") else text)
     except ValueError:
         value = math.nan
     if not (math.isfinite(value) and value >= 0):

@@ -73,6 +73,11 @@ def test_error_quoting_rich_markup_is_printed_as_text(tmp_path):
     (["apply", "--device", "cpu", "--seed", "-1"], "--seed must be a whole number from 0"),
     (["apply", "--device", "cpu", "--seed", "18446744073709551616"], "--seed must be a whole number from 0"),
     (["apply", "--device", "cpu", "--stages", "baseline,,amp"], "has an empty item"),
+    # past what a record holds: refused before a stage starts, not when its record is written
+    (["apply", "--device", "cpu", "--batch", "3000000000"], "--batch must be a whole number from 1 to 2147483648"),
+    (["apply", "--device", "cpu", "--steps", "99999999999999999999"], "--steps must be a whole number from 1"),
+    (["matrix", "--device", "cpu", "--warmup", "3000000000"], "--warmup from 0 to 2147483648"),
+    (["check", "--baseline", "a", "--current", "b", "--max-regression", "5%%"], "--max-regression takes a percentage"),
 ])
 def test_command_line_mistakes_are_one_line(args, message):
     out = refused(args)
@@ -132,6 +137,12 @@ def test_matrix_refuses_a_folder_holding_another_run(tmp_path):
     assert "holds a run of apply, profile or train" in refused(["matrix", "--device", "cpu", "--steps", "1",
                                                                 "--out", str(run)])
     assert sorted(p.name for p in run.iterdir()) == ["records"]
+
+
+def test_matrix_refuses_an_out_that_is_a_file(tmp_path):
+    (tmp_path / "afile").write_text("mine")
+    assert "the output folder" in refused(["matrix", "--device", "cpu", "--out", str(tmp_path / "afile")])
+    assert (tmp_path / "afile").read_text() == "mine"
 
 
 def test_nothing_is_written_among_a_runs_records(tmp_path):

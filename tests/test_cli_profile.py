@@ -42,7 +42,7 @@ def test_profile_bad_input_is_one_line_and_exit_2(tmp_path):
         (["--backend", "nsys", "--device", "cpu", "--nsys", str(tmp_path / "x")], "nsys not found"),
         (["--format", "xml", "--device", "cpu"], "unknown format"),
         (["--mode", "eval"], "unknown mode"),       # default device: no CPU-fallback note before the error
-        (["--batch", "0"], "--batch must be at least 1"),
+        (["--batch", "0"], "--batch must be a whole number from 1"),
         (["--backend", "bogus"], "unknown backend"),
         (["--out", str(tmp_path / "held")], "holds an earlier run"),
     ):

@@ -484,3 +484,13 @@ def test_render_only_never_replaces_a_file_it_did_not_write(tmp_path, name, text
     (tmp_path / name).unlink()
     md, js = write_matrix(tmp_path, matrix.FAMILY, "cmd")
     assert write_matrix(tmp_path, matrix.FAMILY, "cmd") == (md, js)   # its own tables it renders again
+
+
+def test_resume_with_nothing_to_resume_says_so_and_starts(tmp_path):
+    console = Console(record=True, width=200)
+    fake = FakeApply()
+    matrix.run_matrix(models=[TINY_MODEL], modes=["infer1"], out_dir=tmp_path / "m", device="cpu", run_apply=fake,
+                      progress=False, resume=True, console=console)
+    text = console.export_text()
+    assert "--resume: " in text and "holds no earlier matrix; starting a new one there" in text
+    assert len(fake.calls) == 1

@@ -709,6 +709,15 @@ def default_run_id(recipe: str, model: str, batch: int, mode: str = "train", img
     return f"{Path(recipe).stem}-{short}{size}-b{batch}{'-infer' if mode == 'infer' else ''}-{stamp}"
 
 
+
+def check_steps(steps: int, warmup: int) -> None:
+    """--steps and --warmup within what a record holds (results.record.MAX_COUNT), else UserError."""
+    from workbench.results.record import MAX_COUNT
+
+    if not (1 <= steps <= MAX_COUNT and 0 <= warmup <= MAX_COUNT):
+        raise UserError(f"--steps must be a whole number from 1 to {MAX_COUNT} and --warmup from 0 to {MAX_COUNT}")
+
+
 def run_apply(recipe: str | None, *, model: str | None, batch: int, steps: int, warmup: int, device: str = "auto",
               out_dir: Path | None = None, profile: bool = False, stages: list[str] | None = None, seed: int = 0,
               progress: bool = True, console=None, isolate: bool | None = None,
@@ -762,8 +771,7 @@ def run_apply(recipe: str | None, *, model: str | None, batch: int, steps: int, 
     from rich.console import Console
 
     console = console or Console()
-    if steps < 1 or warmup < 0:
-        raise UserError("--steps must be at least 1 and --warmup at least 0")
+    check_steps(steps, warmup)
     if interleave is not None and interleave < 0:
         raise UserError("--interleave must be 0 (off) or a number of rounds")
     device = pick_device(device)

@@ -291,8 +291,9 @@ def run_matrix(*, models: list[str] | None = None, modes: list[str] | None = Non
     console = console or Console()
     if run_apply is None:
         from workbench.ladder.apply import run_apply
-    if steps < 1 or warmup < 0:
-        raise UserError("--steps must be at least 1 and --warmup at least 0")
+    from workbench.ladder.apply import check_steps
+
+    check_steps(steps, warmup)
     if resume and overwrite:
         raise UserError("--resume continues the matrix in --out and --overwrite moves it aside: give one")
     device = pick_device(device)
@@ -305,6 +306,8 @@ def run_matrix(*, models: list[str] | None = None, modes: list[str] | None = Non
     out_dir = Path(out_dir)
     from workbench.run_folder import refuse_inside_a_run, refuse_records_folder
 
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"the output folder {out_dir} is a file")
     refuse_inside_a_run(out_dir)
     refuse_records_folder(out_dir)
     other = run_entries(out_dir)
@@ -322,6 +325,8 @@ def run_matrix(*, models: list[str] | None = None, modes: list[str] | None = Non
     stored = {f.name: _cell_records(f) for f in cell_folders(out_dir)} if resume and out_dir.is_dir() else {}
     if earlier and resume:
         _refuse_another_device(out_dir, resolve_device(device), stored)
+    elif resume:
+        console.print(f"[yellow]note:[/] --resume: {out_dir} holds no earlier matrix; starting a new one there")
     if not on_gpu:
         console.print("[yellow]note:[/] CPU matrix: the step times show the workflow, not what the stages do on a "
                       "GPU (torch-compile compiles with Inductor on the CPU: slow)")

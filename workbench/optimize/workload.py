@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from workbench.devices import resolve_device
 from workbench.errors import UserError
+from workbench.results.record import MAX_COUNT
 from workbench.models import build_model, input_size
 from workbench.optimize.passes import PassContext
 from workbench.precision import Precision, resolve_precision
@@ -44,8 +45,8 @@ class WorkloadConfig:
     def __post_init__(self):
         if self.mode not in ("train", "infer"):
             raise UserError(f"unknown mode {self.mode!r}: choose train or infer")
-        if self.batch < 1:
-            raise UserError(f"--batch must be at least 1, got {self.batch}")
+        if not 1 <= self.batch <= MAX_COUNT:
+            raise UserError(f"--batch must be a whole number from 1 to {MAX_COUNT}, got {self.batch}")
         if not 0 <= self.seed < MAX_SEED:
             raise UserError(f"--seed must be a whole number from 0 to {MAX_SEED - 1}, got {self.seed}")
         if self.checkpoint is not None and self.mode != "infer":
