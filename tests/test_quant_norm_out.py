@@ -75,3 +75,17 @@ def test_merge_add_norm_quant_is_merge_add_norm_then_quantize_rows(shape, fmt, s
     got = win.merge_add_norm_quant(windows, shortcut, w, b, 1e-5, ws, shift, fmt, torch.bfloat16)
     assert torch.equal(got[0], s) and got[1].shape == y.shape and got[2].shape == (B * H * W, 1)
     assert torch.equal(_bits(got[1]).reshape(-1, C), _bits(want_q)) and torch.equal(got[2], want_s)
+
+
+def test_quantized_rows_stand_for_their_tensor():
+    """QuantizedRows answers what the modules between a norm and its Linear ask of their input."""
+    x_q, scale = torch.zeros(12, 8, dtype=torch.int8), torch.ones(12, 1)
+    rows = quant.QuantizedRows(x_q, scale, (3, 4, 8), torch.bfloat16)
+    assert rows.shape == (3, 4, 8) and rows.numel() == 96 and rows.dtype == torch.bfloat16
+    assert rows.reshape(12, 8).shape == (12, 8) and rows.reshape(-1, 8).shape == (12, 8)
+    assert rows.reshape((2, 6, 8)).x_q is x_q
+    with pytest.raises(ValueError, match="its rows stay rows"):
+        rows.reshape(8, 12)
+    lin = quant.QuantLinear(torch.nn.Linear(8, 4), "int8", "simulate")
+    with pytest.raises(ValueError):       # simulate takes the float input
+        lin(rows)

@@ -610,7 +610,7 @@ class QuantizedRows:
     norm_shift_partition_quant): x_q (rows, K) e4m3fn or int8 and scale (rows, 1) fp32, as quantize_rows
     writes them, standing for a float tensor of `shape` and `dtype` (the dtype the producer rounded to
     before quantizing). It goes where that tensor would, up to the QuantLinear that reads it
-    (QuantLinear.forward): `shape`, `dtype`, `device` and `reshape` as the tensor's. Inference only."""
+    (QuantLinear.forward): `shape`, `dtype`, `device`, `numel` and `reshape` as the tensor's. Inference only."""
 
     __slots__ = ("x_q", "scale", "shape", "dtype")
 
@@ -620,6 +620,9 @@ class QuantizedRows:
     @property
     def device(self) -> torch.device:
         return self.x_q.device
+
+    def numel(self) -> int:
+        return self.x_q.numel()
 
     def reshape(self, *shape) -> "QuantizedRows":
         shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)) else shape
