@@ -346,8 +346,8 @@ def test_measured_selection_times_each_shape_once_and_keeps_the_slower_ones_wide
     routes = {n: "int_mm" for n, _ in ql.quantizable_linears(model) if n != "head.fc"}
     measured = ql.measure_layers(model, routes, "int8", ctx, static=False)
     shapes = set(measured)
-    assert (4 * 196, 32, 96, False) in shapes and (4 * 49, 64, 192, False) in shapes    # stage 1, 2 qkv
-    assert (4 * 196, 128, 32, True) in shapes            # stage 1 fc2, timed with its GELU (interpreter: kernels run)
+    assert (4 * 196, 32, 96, False, False) in shapes and (4 * 49, 64, 192, False, False) in shapes  # stage 1, 2 qkv
+    assert (4 * 196, 128, 32, True, False) in shapes     # stage 1 fc2, timed with its GELU (interpreter: kernels run)
     assert sum(len(r["layers"]) for r in measured.values()) == len(routes)
     assert len(timed) == 2 * len(measured)                                  # bf16 and quantized, once per shape
     assert all(r["choice"] == "bf16" for r in measured.values())            # a tie stays bf16 (3% margin)
@@ -362,7 +362,7 @@ def test_select_auto_quantizes_only_the_shapes_measured_faster(reference, monkey
         shapes = {}
         for name in routes:
             lin = model.get_submodule(name)
-            shapes.setdefault((196 * 8, lin.in_features, lin.out_features, False), []).append(name)
+            shapes.setdefault((196 * 8, lin.in_features, lin.out_features, False, False), []).append(name)
         # K >= 64 quantizes: on Triton's GEMM where N >= 128, on torch._int_mm otherwise
         return {s: {"bf16_us": 10.0, "int_mm_us": 5.0 if s[1] >= 64 else 12.0, "triton_us": 4.0 if s[2] >= 128 else 6.0,
                     "quant_us": 5.0 if s[1] >= 64 else 12.0, "route": "triton" if s[2] >= 128 else "int_mm",
@@ -473,7 +473,7 @@ def test_swinv2_qkv_is_timed_at_its_rows_and_a_wide_one_keeps_timm_s_linear(monk
     def measured(model, routes, dtype, ctx, static, candidates):
         rows = ql.layer_rows(model, list(routes), ctx)
         seen.update(rows)
-        return {(rows[n], i, 1, False): {"bf16_us": 10.0, "int_mm_us": 5.0, "quant_us": 5.0 if "mlp" in n else 12.0,
+        return {(rows[n], i, 1, False, False): {"bf16_us": 10.0, "int_mm_us": 5.0, "quant_us": 5.0 if "mlp" in n else 12.0,
                                          "route": "int_mm", "choice": "quantize" if "mlp" in n else "bf16",
                                          "layers": [n]} for i, n in enumerate(routes)}
     monkeypatch.setattr(ql, "measure_layers", measured)
@@ -565,3 +565,30 @@ def test_the_norms_write_the_qkv_and_fc1_inputs_quantized(monkeypatch, dtype, ro
         out[fused] = (logits.double(), len(calls))
     assert torch.equal(out[True][0], out[False][0])
     assert out[False][1] - out[True][1] == 4 + n2     # a quantize_rows launch fewer per fused norm
+
+
+def test_selection_times_a_norm_fed_linear_as_its_gemm_alone(monkeypatch):
+    """On fmha's fused window forwards each qkv and fc1 takes its input quantized from its norm's kernel:
+    the measured selection groups them apart (normed) and times their quantized form without a
+    quantization launch; the other Linears (proj, fc2, the merging reduction) as before."""
+    from workbench.kernels import quant
+    from workbench.models import TINY_MODEL
+    from workbench.optimize.passes import _route
+    from workbench.optimize.recipes import apply_chain_passes, resolve_chain
+    from workbench.optimize.workload import Workload, WorkloadConfig
+
+    w = Workload.build(WorkloadConfig(model=TINY_MODEL, mode="infer", batch=2, precision="bf16", device="cpu", seed=0))
+    w.model, _ = apply_chain_passes(w.model, w.ctx, resolve_chain("fmha"))
+    monkeypatch.setattr(_route, "median_us", lambda call: call() is None or 10.0)
+    launches = []
+    real = quant.QuantLinear.forward
+    monkeypatch.setattr(quant.QuantLinear, "forward", lambda self, x: launches.append(1) or real(self, x))
+    routes = {n: "int_mm" for n, _ in ql.quantizable_linears(w.model) if n != "head.fc"}
+    measured = ql.measure_layers(w.model, routes, "int8", w.ctx, static=False)
+    normed = {n for key, r in measured.items() if key[4] for n in r["layers"]}
+    assert normed == {n for n in routes if n.endswith((".attn.qkv", ".mlp.fc1"))} and len(normed) == 8
+    # QuantLinear.forward (its input quantization included) timed for the other shapes only
+    assert len(launches) == sum(1 for key in measured if not key[4] and not key[3])
+    monkeypatch.setattr(ql, "gpu_route", lambda d, device: "int_mm")
+    _, res = ql.apply(w.model, w.ctx, dtype="int8", keep=["head.fc"], select="all")
+    assert res.details["norm1_quantizes_qkv_blocks"] == 4

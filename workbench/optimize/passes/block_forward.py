@@ -183,6 +183,32 @@ def _mlp_takes_quantized_rows(blk, device: torch.device) -> bool:
     return forward is None or takes_quantized_rows(getattr(forward, "__func__", None))
 
 
+def norm_writes_input(model: torch.nn.Module, name: str) -> bool:
+    """Whether the Linear `name` of a Swin block takes its input from a fused norm kernel that would write it
+    quantized once the Linear is a dynamically quantized QuantLinear: a block's attn.qkv behind a window
+    forward whose norm1 writes it and an attention forward that hands it on (norm1_quantizes_qkv), or its
+    mlp.fc1 behind merge + add + norm2 and an MLP that does (norm2_quantizes_fc1). Static: what is bound."""
+    from timm.layers import Mlp
+
+    for suffix, flag in ((".attn.qkv", _NORM1_TO_QKV), (".mlp.fc1", _NORM2_TO_FC1)):
+        if not name.endswith(suffix):
+            continue
+        try:
+            blk = model.get_submodule(name[: -len(suffix)])
+        except AttributeError:
+            return False
+        if not getattr(getattr(vars(blk).get("forward"), "__func__", None), flag, False):
+            return False
+        owner = blk.attn if flag == _NORM1_TO_QKV else blk.mlp
+        if flag == _NORM2_TO_FC1 and type(owner) is not Mlp:
+            return False
+        forward = vars(owner).get("forward")
+        if flag == _NORM1_TO_QKV and forward is None:
+            return False   # timm's own attention forward reads x itself
+        return forward is None or takes_quantized_rows(getattr(forward, "__func__", None))
+    return False
+
+
 def quantized_norm1_blocks(model: torch.nn.Module, device: torch.device) -> int:
     """How many of the model's Swin blocks run norm1_quantizes_qkv's path in inference on `device`: a bound
     window forward whose norm1 writes the qkv input, the attention forward and the qkv it needs."""

@@ -24,7 +24,8 @@ Which layers a GPU route quantizes (`select`): `auto` (the default) measures. Fo
 shape among the layers left (rows at the stage's batch x K -> N), it times on the GPU the layer as the
 stage runs it (bf16 under autocast) against its QuantLinear (the input's quantization included), on the
 same random input (an MLP's fc2 with its GELU: nn.GELU then the layer, against the fused
-gelu_quantize_rows then the GEMM), and quantizes a shape only where that is faster by more than SELECT_MARGIN: a GEMM
+gelu_quantize_rows then the GEMM; a qkv or fc1 whose norm's kernel writes its input quantized: the GEMM
+alone), and quantizes a shape only where that is faster by more than SELECT_MARGIN: a GEMM
 of small K moves as many bytes as it computes, and the input's quantization can cost more than the
 narrower operands save. The rows of each layer come from one forward of one image. The record lists
 every shape's times and choice; a layer left wide says by how much. `all` quantizes every layer the shape
@@ -259,11 +260,14 @@ def layer_rows(model: torch.nn.Module, names: list[str], ctx: PassContext) -> di
 
 def measure_layers(model: torch.nn.Module, routes: dict[str, str], dtype: str, ctx: PassContext,
                    static: bool, candidates: tuple[str, ...] | None = None) -> dict[tuple, dict]:
-    """{(rows, K, N, gelu): {"bf16_us", "<route>_us" for each candidate, "quant_us" (the fastest of them),
-    "route" (that one), "choice": "quantize" | "bf16", "layers": [names]}} for the distinct GEMM shapes
-    among `routes` at the stage's batch (see the module docstring). candidates: the GEMM routes timed
-    per shape (default: each layer's own route)."""
+    """{(rows, K, N, gelu, normed): {"bf16_us", "<route>_us" for each candidate, "quant_us" (the fastest of
+    them), "route" (that one), "choice": "quantize" | "bf16", "layers": [names]}} for the distinct GEMM
+    shapes among `routes` at the stage's batch (see the module docstring). normed: the layers' input comes
+    quantized from their norm's kernel (block_forward.norm_writes_input), so their quantized form is timed
+    as its GEMM alone. candidates: the GEMM routes timed per shape (default: each layer's own route)."""
+    from workbench.kernels.quant import quantize_rows
     from workbench.optimize.passes._route import DEFAULT_IMAGES, median_us
+    from workbench.optimize.passes.block_forward import norm_writes_input
 
     images = ctx.batch or DEFAULT_IMAGES
     rows = layer_rows(model, list(routes), ctx)
@@ -274,10 +278,13 @@ def measure_layers(model: torch.nn.Module, routes: dict[str, str], dtype: str, c
         # an MLP's fc2 whose GELU fuse_mlp_activations would fold into its quantization: timed that way
         gelu = (not static and name.endswith(".fc2") and _gelu_mlp(parent) and kernels_run(ctx.device)
                 and lin.in_features <= MAX_QUANT_COLS)
-        shapes.setdefault((rows.get(name, 1) * images, lin.in_features, lin.out_features, gelu), []).append(name)
+        normed = (not static and kernels_run(ctx.device) and lin.in_features <= MAX_QUANT_COLS
+                  and norm_writes_input(model, name))
+        shapes.setdefault((rows.get(name, 1) * images, lin.in_features, lin.out_features, gelu, normed),
+                          []).append(name)
     out = {}
     gen = torch.Generator(ctx.device).manual_seed(0)
-    for (m, k, n, gelu), names in shapes.items():
+    for (m, k, n, gelu, normed), names in shapes.items():
         lin = model.get_submodule(names[0])
         x = torch.randn(m, k, device=ctx.device, generator=gen)
         timed = {}
@@ -292,13 +299,17 @@ def measure_layers(model: torch.nn.Module, routes: dict[str, str], dtype: str, c
                 if gelu:
                     timed[route] = median_us(lambda: quant.forward_quantized(*gelu_quantize_rows(x, dtype),
                                                                              x.shape[:-1], x))
+                elif normed:    # the norm's kernel writes the input quantized: the GEMM alone
+                    x_q, x_scale = quantize_rows(x, dtype)
+                    timed[route] = median_us(lambda: quant.forward_quantized(x_q, x_scale, x.shape[:-1], x))
+                    del x_q, x_scale
                 else:
                     timed[route] = median_us(lambda: quant(x))
                 del quant
         del x
         best = min(timed, key=timed.get)
         choice = "quantize" if timed[best] < bf16_us * (1 - SELECT_MARGIN) else "bf16"
-        out[(m, k, n, gelu)] = {"bf16_us": round(bf16_us, 2), **{f"{r}_us": round(t, 2) for r, t in timed.items()},
+        out[(m, k, n, gelu, normed)] = {"bf16_us": round(bf16_us, 2), **{f"{r}_us": round(t, 2) for r, t in timed.items()},
                                 "quant_us": round(timed[best], 2), "route": best, "choice": choice, "layers": names}
     torch.cuda.empty_cache()
     return out
@@ -308,14 +319,15 @@ def select_measured(routes: dict[str, str], kept: dict[str, str], measured: dict
     """Move the layers of shapes measured faster in bf16 from routes to kept, and give the others the GEMM
     route measured fastest for their shape (in place) -> how many moved to bf16."""
     moved = 0
-    for (m, k, n, gelu), f in measured.items():
+    for (m, k, n, gelu, normed), f in measured.items():
         if f["choice"] == "quantize" and "route" in f:
             for name in f["layers"]:
                 routes[name] = f["route"]
         if f["choice"] == "bf16":
             for name in f["layers"]:
                 routes.pop(name, None)
-                kept[name] = (f"measured faster in bf16 at {m}x{k} -> {n}{' after its GELU' if gelu else ''}: "
+                kept[name] = (f"measured faster in bf16 at {m}x{k} -> {n}{' after its GELU' if gelu else ''}"
+                              f"{' (its input quantized by its norm)' if normed else ''}: "
                               f"{f['bf16_us']:.1f} us against {f['quant_us']:.1f} us for {dtype}")
                 moved += 1
     return moved
@@ -549,8 +561,9 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
                "counts": {**counts, "kept": len(kept)}, "unmatched_keep": unmatched,
                "activation_quantization": activation_quantization(route, activations, ctx.device),
                "select": select, "selected_by_measurement": bool(measured),
-               "shapes": [{"rows": m, "k": k, "n": n, "with_gelu": gelu, **{f: v for f, v in r.items() if f != "layers"},
-                           "layers": len(r["layers"])} for (m, k, n, gelu), r in measured.items()]}
+               "shapes": [{"rows": m, "k": k, "n": n, "with_gelu": gelu, "input_from_norm": normed,
+                            **{f: v for f, v in r.items() if f != "layers"}, "layers": len(r["layers"])}
+                           for (m, k, n, gelu, normed), r in measured.items()]}
     details["swinv2_qkv_bias_after_gemm"] = sum(name in routes for name in switched)
     if input_scales is not None:
         details["calibration"] = {"method": calibration, "percentile": percentile if calibration == "percentile" else None,
