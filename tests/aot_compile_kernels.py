@@ -11,7 +11,8 @@ stages, register caps; every config of an autotuned kernel), and compiles each o
     python tests/aot_compile_kernels.py [--quick] [--resources] [--sass DIR]   # a line per variant; exit 1 on a failure
 
 --resources adds each variant's registers and stack (spills) as ptxas allocated them for sm_90
-(Triton's bundled cuobjdump on the cubin), and lists the variants that spill; and, for a kernel whose
+(Triton's bundled cuobjdump on the cubin), and lists the variants that spill (apart, those whose
+allocation fell to 32 registers with a stack over 4 KB); and, for a kernel whose
 loop Triton pipelines (cp.async prefetch into shared memory), the commit groups each of its waits leaves
 in flight (`waits`, from the TTGIR): where every wait is 0 the loop waits for a load as soon as it issues
 it, so nothing is prefetched while it computes (at num_stages = 2 Triton issues the next iteration's
@@ -54,6 +55,7 @@ OPTION_KEYS = ("num_warps", "num_stages", "maxnreg", "num_ctas", "launch_pdl")
 
 MODULES = ("_common", "layer_norm", "window", "window_attention", "linear", "quant", "cosine", "drop_path", "adamw")
 RECORDED: list[tuple] = []
+COLLAPSED_REGS, COLLAPSED_STACK = 32, 4096   # --resources: a register allocation that fell to the minimum
 
 
 class _Recorder:
@@ -320,6 +322,7 @@ def main() -> int:
     if sass_dir is not None:
         sass_dir.mkdir(parents=True, exist_ok=True)
     spilling: list[str] = []
+    collapsed: list[str] = []
     unhidden: list[str] = []    # pipelined loops that wait for each load as they issue it
     seen, failures, t0 = set(), [], time.perf_counter()
     for fn, args, kwargs in RECORDED:
@@ -348,6 +351,8 @@ def main() -> int:
                 line += f", {res.get('REG')} registers, stack {res.get('STACK')} bytes"
                 if res.get("STACK"):
                     spilling.append(f"{label} ({res.get('REG')} registers, stack {res['STACK']} bytes)")
+                    if int(res.get("REG") or 0) <= COLLAPSED_REGS and int(res["STACK"]) > COLLAPSED_STACK:
+                        collapsed.append(label)
                 waits = [int(n) for n in re.findall(r"ttg\.async_wait .*?\{num = (\d+) : i32\}", kernel.asm["ttgir"])]
                 if waits:
                     line += f", waits {waits}"
@@ -364,6 +369,11 @@ def main() -> int:
     if resources:
         print(f"# {len(spilling)} variant(s) use stack (spill registers):")
         for v in spilling:
+            print(f"  {v}")
+        print(f"# {len(collapsed)} variant(s) where ptxas kept {COLLAPSED_REGS} registers or fewer and a stack over "
+              f"{COLLAPSED_STACK} bytes (the fp32 window-attention backward configs that gave wrong gradients on an "
+              "H100 compiled so; keep such configs from the autotuner):")
+        for v in collapsed:
             print(f"  {v}")
         print(f"# {len(unhidden)} variant(s) prefetch nothing while they compute (every async_wait 0):")
         for v in unhidden:
