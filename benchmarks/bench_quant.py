@@ -9,6 +9,9 @@ Per Swin-B stage (rows = 64 * H * W tokens, C = 128, 256, 512, 1024):
                         (quantize_rows_torch); triton: quantize_rows(x, fmt) -> (x_q, (rows, 1) scales)
   gelu+quantize         an MLP's fc1 output (rows, 4C) to fc2's quantized input: torch's GELU then quantize_rows
                         (two launches, what runs without the fusion) against gelu_quantize_rows (one)
+  norm1+quantize        a shifted block's fp32 residual stream (64, H, W, C) to its qkv's quantized input:
+                        norm_shift_partition_fwd (bf16 windows) then quantize_rows (the torch column: what
+                        ran before the fusion) against norm_shift_partition_quant (one pass)
   dequant int8          int8_linear's epilogue on an (rows, N) int32 accumulator, N = C (proj, fc2),
                         3C (qkv), 4C (fc1), per-row x scale, (1, N) w scale, fp32 bias, bf16 out:
                         torch: int8_dequant_torch; triton: int8_dequant
@@ -44,6 +47,7 @@ from workbench.env import device_label, environment_stamp  # noqa: E402
 from workbench.kernels.quant import (absmax_scale, fp8_linear, gelu_quantize_rows, int8_dequant,  # noqa: E402
                                      int8_dequant_torch, int8_linear, quant_matmul, quantize, quantize_rows,
                                      quantize_rows_torch)
+from workbench.kernels.window import norm_shift_partition_fwd, norm_shift_partition_quant  # noqa: E402
 from workbench.optimize.timing import cuda_graph_us  # noqa: E402
 
 STAGES = {"s1": (56, 128), "s2": (28, 256), "s3": (14, 512), "s4": (7, 1024)}
@@ -51,6 +55,7 @@ QUANT_WIDTHS = (1, 4)          # K = C and 4C
 GEMM_WIDTHS = ((1, 3), (1, 1), (1, 4), (4, 1))   # (K, N) in units of C: qkv, proj, fc1, fc2
 DEQUANT_WIDTHS = (1, 3, 4)     # N = C, 3C, 4C
 L2_BYTES = 60 * 2**20
+WINDOW = 7                     # Swin-B's windows (norm1+quant: a shifted block's, shift 3)
 
 MD_HEADERS = ["op", "stage", "rows × cols", "torch µs", "Triton µs", "speedup", "torch GB/s", "Triton GB/s", "bf16 µs",
               "Triton TFLOPS"]
@@ -97,10 +102,30 @@ def gelu_then_quantize_rows(h, fmt):
     return quantize_rows(torch.nn.functional.gelu(h), fmt)
 
 
+def norm1_then_quantize_rows(x, w, b, fmt):
+    """What a block ran before its norm1 wrote the qkv input quantized: norm1 + shift + partition writing
+    bf16 windows (and the backward's statistics), then the qkv's quantize_rows."""
+    windows, _, _ = norm_shift_partition_fwd(x, w, b, 1e-5, WINDOW, WINDOW // 2, out_dtype=torch.bfloat16)
+    return quantize_rows(windows.reshape(-1, windows.shape[-1]), fmt)
+
+
+def norm1_quantized(x, w, b, fmt):
+    """norm_shift_partition_quant: the same windows written quantized, in one pass."""
+    _, windows_q, scale = norm_shift_partition_quant(x, w, b, 1e-5, WINDOW, WINDOW // 2, fmt, torch.bfloat16)
+    return windows_q.reshape(-1, windows_q.shape[-1]), scale
+
+
 def cases(stages: dict, batch: int):
     """(op, stage, rows, cols, make_inputs(seed) -> args, torch fn, triton fn, bytes moved)."""
     for sname, (hw, c) in stages.items():
         rows = batch * hw * hw
+        for fmt in ("fp8", "int8"):
+            def make(seed, hw=hw, c=c, fmt=fmt):
+                g = torch.Generator(device=DEV).manual_seed(seed * 7919 + hw + c)
+                return (torch.randn(batch, hw, hw, c, device=DEV, generator=g), torch.randn(c, device=DEV, generator=g),
+                        torch.randn(c, device=DEV, generator=g), fmt)
+            # the fused pass reads the fp32 residual stream and writes e4m3/int8 windows and a scale a token
+            yield f"norm1+quant {fmt}", sname, rows, c, make, norm1_then_quantize_rows, norm1_quantized, rows * (c * 5 + 4)
         for fmt in ("fp8", "int8"):
             for k in (w * c for w in QUANT_WIDTHS):
                 def make(seed, rows=rows, k=k, fmt=fmt):
@@ -187,7 +212,9 @@ def main(argv=None) -> int:
         stamp=env, settings=settings, records=records, check_failures=failures,
         table=markdown_table(MD_HEADERS, rows),
         notes=["quantize: absmax_scale + quantize (torch) against quantize_rows (one launch); gelu+quant: torch's "
-               "GELU then quantize_rows (the torch column) against gelu_quantize_rows (one launch); dequant: "
+               "GELU then quantize_rows (the torch column) against gelu_quantize_rows (one launch); norm1+quant: "
+               "norm_shift_partition_fwd then quantize_rows (the torch column, Triton both) against "
+               "norm_shift_partition_quant (one pass, bytes: fp32 in, the quantized windows and scales out); dequant: "
                "int8_linear's fp32 epilogue (torch) against int8_dequant (one launch); gemm: fp8_linear "
                "(_scaled_mm) / int8_linear (_int_mm, then int8_dequant) against quant_matmul (one Triton GEMM, "
                "epilogue fused), bf16 µs the bf16 F.linear of the same shape. GPU time from CUDA-graph "
