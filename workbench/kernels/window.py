@@ -591,36 +591,26 @@ def norm_shift_partition_quant(
     for a backward. The window tokens of padding are 0 (scale 1), as in the unquantized windows."""
     from workbench.kernels.quant import QDTYPE, quantize_args
 
-    q = quantize_args(fmt, x.device)
-    x = _contig(x)
-    B, H, W, C = x.shape
-    Hp, Wp, nwh, nww, sh, sw = _geometry(H, W, window_size, shift)
-    ws = int(window_size)
-    s = None
-    if residual is not None:
-        if tuple(residual.shape) != tuple(x.shape):
-            raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
-        residual = _contig(residual)
-        s = torch.empty((B, H, W, C), dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
-    out = torch.empty((B * nwh * nww, ws * ws, C), dtype=QDTYPE[fmt], device=x.device)
-    scale = torch.empty((B * nwh * nww * ws * ws, 1), dtype=torch.float32, device=x.device)
-    n_out = B * Hp * Wp
-    block_t, block_c, num_warps = _norm_fwd_config(C)
-    if n_out > 0:
-        launch(_partition_fwd_kernel)[(cdiv(n_out, block_t), 1)](
-            x, out, _contig(weight), _contig(bias), scale, scale, scale, residual if residual is not None else x,
-            s if s is not None else x, _keep(keep, B, scale), n_out, C, float(eps), 0,
-            H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, NORM=True, SOFT_RTNE=_SOFT_RTNE,
-            ZERO_SUMS=False, HAS_RESIDUAL=residual is not None, BLOCK_T=block_t, BLOCK_C=block_c,
-            KEEP=keep is not None, qscale_ptr=scale, qmax=q["qmax"], inv_qmax=q["inv_qmax"],
-            min_scale=q["min_scale"], QUANT=True, Q_ROUND=TL_DTYPES[round_dtype], INT8=q["INT8"],
-            RECIPROCAL=q["RECIPROCAL"], STATS=False, num_warps=num_warps, **_pdl_args(),
-        )
+    if residual is not None and tuple(residual.shape) != tuple(x.shape):
+        raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    s, out, scale, _ = _norm_partition(x, residual, weight, bias, eps, window_size, shift, QDTYPE[fmt], None, None,
+                                       None, keep, quant=(quantize_args(fmt, x.device), TL_DTYPES[round_dtype]))
     return s, out, scale
 
 
+def _quant_args(quant: tuple, scale: torch.Tensor) -> dict:
+    """The keyword arguments that make a norm kernel write its output quantized (QUANT), the scales into
+    `scale` and no statistics: quant = (quant.quantize_args, the Triton dtype rounded to first)."""
+    q, q_round = quant
+    return dict(qscale_ptr=scale, qmax=q["qmax"], inv_qmax=q["inv_qmax"], min_scale=q["min_scale"], QUANT=True,
+                Q_ROUND=q_round, INT8=q["INT8"], RECIPROCAL=q["RECIPROCAL"], STATS=False)
+
+
 def _norm_partition(x, residual, weight, bias, eps, window_size, shift, out_dtype, out, s_out, zero_sums,
-                    keep=None):
+                    keep=None, quant=None):
+    """The launch of _partition_fwd_kernel with its norm -> (s or None, windows, mean, rstd). quant:
+    (quantize_args, the Triton dtype the windows are rounded to first): the windows quantized, their (window
+    tokens, 1) scales in place of mean and rstd (both that tensor)."""
     x = _contig(x)
     B, H, W, C = x.shape
     Hp, Wp, nwh, nww, sh, sw = _geometry(H, W, window_size, shift)
@@ -630,9 +620,14 @@ def _norm_partition(x, residual, weight, bias, eps, window_size, shift, out_dtyp
         residual = _contig(residual)
         s = _check_out(s_out, (B, H, W, C), torch.promote_types(x.dtype, residual.dtype), x.device)
     out = _check_out(out, (B * nwh * nww, ws * ws, C), out_dtype or (s if s is not None else x).dtype, x.device)
-    mean = torch.empty(B * H * W, dtype=torch.float32, device=x.device)
-    rstd = torch.empty(B * H * W, dtype=torch.float32, device=x.device)
     n_out = B * Hp * Wp
+    if quant is None:
+        mean = torch.empty(B * H * W, dtype=torch.float32, device=x.device)
+        rstd = torch.empty(B * H * W, dtype=torch.float32, device=x.device)
+        qargs = {}
+    else:
+        mean = rstd = torch.empty((n_out, 1), dtype=torch.float32, device=x.device)
+        qargs = _quant_args(quant, mean)
     block_t, block_c, num_warps = _norm_fwd_config(C)
     if n_out > 0:
         launch(_partition_fwd_kernel)[(cdiv(n_out, block_t), 1)](
@@ -641,7 +636,7 @@ def _norm_partition(x, residual, weight, bias, eps, window_size, shift, out_dtyp
             n_out, C, float(eps), zero_sums.numel() if zero_sums is not None else 0,
             H=H, W=W, n_win_h=nwh, n_win_w=nww, shift_h=sh, shift_w=sw, WS=ws, NORM=True, SOFT_RTNE=_SOFT_RTNE,
             ZERO_SUMS=zero_sums is not None, HAS_RESIDUAL=residual is not None, BLOCK_T=block_t, BLOCK_C=block_c,
-            KEEP=keep is not None, num_warps=num_warps, **_pdl_args(),
+            KEEP=keep is not None, num_warps=num_warps, **qargs, **_pdl_args(),
         )
     elif zero_sums is not None:
         zero_sums.zero_()
@@ -809,10 +804,8 @@ def _merge_norm(windows, shortcut, weight, bias, eps, window_size, shift, s_dtyp
         rstd = torch.empty(n_tok, dtype=torch.float32, device=shortcut.device)
         qargs = {}
     else:  # (quantize_args, the Triton dtype y is rounded to first): y quantized, its scales in place of stats
-        q, q_round = quant
         mean = rstd = torch.empty((n_tok, 1), dtype=torch.float32, device=shortcut.device)
-        qargs = dict(qscale_ptr=mean, qmax=q["qmax"], inv_qmax=q["inv_qmax"], min_scale=q["min_scale"], QUANT=True,
-                     Q_ROUND=q_round, INT8=q["INT8"], RECIPROCAL=q["RECIPROCAL"], STATS=False)
+        qargs = _quant_args(quant, mean)
     block_t, block_c, num_warps = _norm_fwd_config(C)
     if n_tok > 0:
         launch(_merge_norm_fwd_kernel)[(cdiv(n_tok, block_t),)](
