@@ -126,61 +126,63 @@ def _window_forward(add_norm2_fused: bool, attn_to_linear: bool, mlp_to_linear: 
 _NORM1_TO_QKV, _NORM2_TO_FC1 = "_swinbench_norm1_to_qkv", "_swinbench_norm2_to_fc1"
 
 
+def _attn_hands_rows_on(blk) -> bool:
+    """Whether the block's attention forward hands its windows to qkv untouched (hands_quantized_rows_to_qkv)."""
+    return takes_quantized_rows(getattr(vars(blk.attn).get("forward"), "__func__", None))
+
+
+def _mlp_hands_rows_on(blk) -> bool:
+    """Whether the block's MLP forward hands its input to fc1 untouched: timm's Mlp with timm's forward, or
+    one marked hands_quantized_rows_to_qkv."""
+    from timm.layers import Mlp
+
+    forward = vars(blk.mlp).get("forward")
+    return type(blk.mlp) is Mlp and (forward is None or takes_quantized_rows(getattr(forward, "__func__", None)))
+
+
+# the Linear a fused norm kernel feeds, by its name's end: (the window forward's flag, the check that the
+# module between them hands the input on, the Linear of a block)
+_NORM_FEEDS = {".attn.qkv": (_NORM1_TO_QKV, _attn_hands_rows_on, lambda blk: blk.attn.qkv),
+               ".mlp.fc1": (_NORM2_TO_FC1, _mlp_hands_rows_on, lambda blk: blk.mlp.fc1)}
+
+
+def _feeds(blk, flag: str, hands_on) -> bool:
+    """Whether the block's bound window forward has `flag` and the module after the norm hands its input on."""
+    return bool(getattr(getattr(vars(blk).get("forward"), "__func__", None), flag, False)) and hands_on(blk)
+
+
+def _dynamic(linear, device: torch.device) -> bool:
+    """Whether `linear` is a QuantLinear that quantizes its input per row with one launch on `device`."""
+    from workbench.kernels.quant import QuantLinear
+
+    return type(linear) is QuantLinear and linear.fused_quantize(device)
+
+
+def _eager_inference(blk) -> bool:
+    return not (blk.training or torch.is_grad_enabled() or traced())
+
+
 def norm1_quantizes_qkv(blk, x: torch.Tensor):
     """The block's qkv, a kernels.quant.QuantLinear, where norm1's kernel writes that Linear's input
     quantized (window.norm_shift_partition_quant) in this call, else None: inference without autograd and
     not traced (under torch.compile QuantLinear quantizes with torch ops, which Inductor fuses into the
     norm itself), an attention forward that hands its windows to qkv untouched (hands_quantized_rows_to_qkv),
     and a qkv that would quantize its input per row with one launch (QuantLinear.fused_quantize)."""
-    from workbench.kernels.quant import QuantLinear
     from workbench.kernels.window_attention import MAX_WINDOW_TOKENS
 
-    if blk.training or torch.is_grad_enabled() or traced():
-        return None
-    attn = blk.attn
-    qkv = getattr(attn, "qkv", None)
-    if type(qkv) is not QuantLinear or not qkv.fused_quantize(x.device):
-        return None
-    if not takes_quantized_rows(getattr(vars(attn).get("forward"), "__func__", None)):
+    if not (_eager_inference(blk) and _attn_hands_rows_on(blk) and _dynamic(blk.attn.qkv, x.device)):
         return None
     ws = square(blk.window_size)
-    return qkv if ws is not None and ws * ws <= MAX_WINDOW_TOKENS else None
+    return blk.attn.qkv if ws is not None and ws * ws <= MAX_WINDOW_TOKENS else None
 
 
 def norm2_quantizes_fc1(blk, x: torch.Tensor):
     """The block's MLP fc1, a kernels.quant.QuantLinear, where the merge + add + norm2 kernel writes that
     Linear's input quantized (window.merge_add_norm_quant) in this call, else None: as norm1_quantizes_qkv,
-    with an MLP whose forward hands its input to fc1 untouched (timm's Mlp forward, or one marked
-    hands_quantized_rows_to_qkv)."""
-    if blk.training or torch.is_grad_enabled() or traced() or not _mlp_takes_quantized_rows(blk, x.device):
-        return None
-    return blk.mlp.fc1
-
-
-def quantized_norm2_blocks(model: torch.nn.Module, device: torch.device) -> int:
-    """How many of the model's Swin blocks run norm2_quantizes_fc1's path in inference on `device` (a bound
-    window forward with merge_add_norm, whose norm2 writes the fc1 input)."""
-    from workbench.optimize.passes._swin import named_swin_blocks
-
-    count = 0
-    for _, blk in named_swin_blocks(model):
-        forward = getattr(vars(blk).get("forward"), "__func__", None)
-        if getattr(forward, _NORM2_TO_FC1, False) and _mlp_takes_quantized_rows(blk, device):
-            count += 1
-    return count
-
-
-def _mlp_takes_quantized_rows(blk, device: torch.device) -> bool:
-    from timm.layers import Mlp
-
-    from workbench.kernels.quant import QuantLinear
-
-    mlp = blk.mlp
-    fc1 = getattr(mlp, "fc1", None)
-    if type(mlp) is not Mlp or type(fc1) is not QuantLinear or not fc1.fused_quantize(device):
-        return False
-    forward = vars(mlp).get("forward")
-    return forward is None or takes_quantized_rows(getattr(forward, "__func__", None))
+    with an MLP whose forward hands its input to fc1 untouched."""
+    if _eager_inference(blk) and _mlp_hands_rows_on(blk) and _dynamic(blk.mlp.fc1, x.device):
+        return blk.mlp.fc1
+    return None
 
 
 def norm_writes_input(model: torch.nn.Module, name: str) -> bool:
@@ -188,41 +190,25 @@ def norm_writes_input(model: torch.nn.Module, name: str) -> bool:
     quantized once the Linear is a dynamically quantized QuantLinear: a block's attn.qkv behind a window
     forward whose norm1 writes it and an attention forward that hands it on (norm1_quantizes_qkv), or its
     mlp.fc1 behind merge + add + norm2 and an MLP that does (norm2_quantizes_fc1). Static: what is bound."""
-    from timm.layers import Mlp
-
-    for suffix, flag in ((".attn.qkv", _NORM1_TO_QKV), (".mlp.fc1", _NORM2_TO_FC1)):
-        if not name.endswith(suffix):
-            continue
-        try:
-            blk = model.get_submodule(name[: -len(suffix)])
-        except AttributeError:
-            return False
-        if not getattr(getattr(vars(blk).get("forward"), "__func__", None), flag, False):
-            return False
-        owner = blk.attn if flag == _NORM1_TO_QKV else blk.mlp
-        if flag == _NORM2_TO_FC1 and type(owner) is not Mlp:
-            return False
-        forward = vars(owner).get("forward")
-        if flag == _NORM1_TO_QKV and forward is None:
-            return False   # timm's own attention forward reads x itself
-        return forward is None or takes_quantized_rows(getattr(forward, "__func__", None))
+    for suffix, (flag, hands_on, _) in _NORM_FEEDS.items():
+        if name.endswith(suffix):
+            try:
+                blk = model.get_submodule(name[: -len(suffix)])
+            except AttributeError:
+                return False
+            return _feeds(blk, flag, hands_on)
     return False
 
 
-def quantized_norm1_blocks(model: torch.nn.Module, device: torch.device) -> int:
-    """How many of the model's Swin blocks run norm1_quantizes_qkv's path in inference on `device`: a bound
-    window forward whose norm1 writes the qkv input, the attention forward and the qkv it needs."""
-    from workbench.kernels.quant import QuantLinear
+def quantized_norm_blocks(model: torch.nn.Module, device: torch.device) -> tuple[int, int]:
+    """How many of the model's Swin blocks run norm1_quantizes_qkv's path, and how many
+    norm2_quantizes_fc1's, in inference on `device`: what is bound (norm_writes_input) and a Linear that
+    quantizes dynamically with one launch."""
     from workbench.optimize.passes._swin import named_swin_blocks
 
-    count = 0
-    for _, blk in named_swin_blocks(model):
-        forward = getattr(vars(blk).get("forward"), "__func__", None)
-        qkv = getattr(blk.attn, "qkv", None)
-        if (getattr(forward, _NORM1_TO_QKV, False) and type(qkv) is QuantLinear and qkv.fused_quantize(device)
-                and takes_quantized_rows(getattr(vars(blk.attn).get("forward"), "__func__", None))):
-            count += 1
-    return count
+    blocks = [blk for _, blk in named_swin_blocks(model)]
+    return tuple(sum(1 for blk in blocks if _feeds(blk, flag, hands_on) and _dynamic(linear(blk), device))
+                 for flag, hands_on, linear in _NORM_FEEDS.values())
 
 
 def _window_attention_windows(self, x: torch.Tensor, pending: torch.Tensor | None, to_linear: bool):

@@ -573,21 +573,21 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
     quantize_model(model, routes, dtype, input_scales)
     gelu_fused = fuse_mlp_activations(model, ctx.device)
     details["gelu_fused_mlps"] = gelu_fused
-    from workbench.optimize.passes.block_forward import quantized_norm1_blocks, quantized_norm2_blocks
+    from workbench.optimize.passes.block_forward import quantized_norm_blocks
 
-    norm_fused = quantized_norm1_blocks(model, ctx.device)
+    norm_fused, norm2_fused = quantized_norm_blocks(model, ctx.device)
     details["norm1_quantizes_qkv_blocks"] = norm_fused
-    details["norm2_quantizes_fc1_blocks"] = quantized_norm2_blocks(model, ctx.device)
+    details["norm2_quantizes_fc1_blocks"] = norm2_fused
     acts = "dynamic per-row" if activations == "dynamic" else f"static per-tensor ({calibration})"
     how = ", ".join(f"{c} {r}" for r, c in counts.items()) if len(counts) > 1 else next(iter(counts))
     changed = (f"{len(routes)} Linear layers {dtype} ({how}, {acts} activations, per-channel weights), "
                f"{len(kept)} kept bf16" + (f" ({moved} measured faster in bf16 on this GPU)" if moved else ""))
     if gelu_fused:
         changed += f"; in {gelu_fused} MLPs GELU and fc2's input quantization run as one Triton launch"
-    if norm_fused:
-        changed += f"; in {norm_fused} blocks norm1's kernel writes the qkv input quantized"
-    if details["norm2_quantizes_fc1_blocks"]:
-        changed += f", in {details['norm2_quantizes_fc1_blocks']} norm2's the fc1 input"
+    fed = [f"in {n} blocks {which} kernel writes the {linear} input quantized"
+           for n, which, linear in ((norm_fused, "norm1's", "qkv"), (norm2_fused, "norm2's", "fc1")) if n]
+    if fed:
+        changed += "; " + ", ".join(fed)
     if details["swinv2_qkv_bias_after_gemm"]:
         changed += (f"; {details['swinv2_qkv_bias_after_gemm']} SwinV2 qkv layers add their q/v biases after the "
                     "quantized GEMM")
