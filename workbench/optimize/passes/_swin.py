@@ -75,10 +75,10 @@ def input_goes_to_qkv(forward) -> bool:
     return bool(getattr(forward, _QKV_INPUT, False))
 
 
-_QUANTIZED_ROWS = "_swinbench_quantized_rows_to_qkv"
+_QUANTIZED_ROWS = "_swinbench_hands_quantized_rows_on"
 
 
-def hands_quantized_rows_to_qkv(forward):
+def hands_quantized_rows_on(forward):
     """Mark a forward that a pass binds as reading nothing of its input x but its shape before handing it
     to its first Linear (a v1 WindowAttention's `self.qkv(x.reshape(B*nW*N, C))`, an Mlp's `self.fc1(x)`):
     it then takes a kernels.quant.QuantizedRows in place of x, which that Linear, quantized, reads
@@ -88,7 +88,7 @@ def hands_quantized_rows_to_qkv(forward):
 
 
 def takes_quantized_rows(forward) -> bool:
-    """Whether `forward` (a function, or None) was marked by hands_quantized_rows_to_qkv."""
+    """Whether `forward` (a function, or None) was marked by hands_quantized_rows_on."""
     return bool(getattr(forward, _QUANTIZED_ROWS, False))
 
 

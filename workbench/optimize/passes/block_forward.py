@@ -22,7 +22,7 @@ import torch
 
 from workbench.kernels._common import traced
 from workbench.optimize.passes._swin import (autocast_input_dtype, drop_path, drop_path_keep,
-                                             gather_rel_pos_bias, hands_quantized_rows_to_qkv, inactive,
+                                             gather_rel_pos_bias, hands_quantized_rows_on, inactive,
                                              input_goes_to_qkv, takes_quantized_rows,
                                              merging_forward_of_the_pass, norm_output_dtype, rel_pos_bias,
                                              rel_pos_inverse_buffer, scatter_rel_pos_grad, square, timm_drop_path,
@@ -127,13 +127,13 @@ _NORM1_TO_QKV, _NORM2_TO_FC1 = "_swinbench_norm1_to_qkv", "_swinbench_norm2_to_f
 
 
 def _attn_hands_rows_on(blk) -> bool:
-    """Whether the block's attention forward hands its windows to qkv untouched (hands_quantized_rows_to_qkv)."""
+    """Whether the block's attention forward hands its windows to qkv untouched (hands_quantized_rows_on)."""
     return takes_quantized_rows(getattr(vars(blk.attn).get("forward"), "__func__", None))
 
 
 def _mlp_hands_rows_on(blk) -> bool:
     """Whether the block's MLP forward hands its input to fc1 untouched: timm's Mlp with timm's forward, or
-    one marked hands_quantized_rows_to_qkv."""
+    one marked hands_quantized_rows_on."""
     from timm.layers import Mlp
 
     forward = vars(blk.mlp).get("forward")
@@ -166,7 +166,7 @@ def norm1_quantizes_qkv(blk, x: torch.Tensor):
     """The block's qkv, a kernels.quant.QuantLinear, where norm1's kernel writes that Linear's input
     quantized (window.norm_shift_partition_quant) in this call, else None: inference without autograd and
     not traced (under torch.compile QuantLinear quantizes with torch ops, which Inductor fuses into the
-    norm itself), an attention forward that hands its windows to qkv untouched (hands_quantized_rows_to_qkv),
+    norm itself), an attention forward that hands its windows to qkv untouched (hands_quantized_rows_on),
     and a qkv that would quantize its input per row with one launch (QuantLinear.fused_quantize)."""
     from workbench.kernels.window_attention import MAX_WINDOW_TOKENS
 
@@ -406,7 +406,7 @@ def attention_forward(table: bool, has_inverse: bool) -> Callable:
     if table:
         return fused_window_attention_forward_table
 
-    @hands_quantized_rows_to_qkv
+    @hands_quantized_rows_on
     def fused_window_attention_forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         from workbench.kernels.window_attention import MAX_WINDOW_TOKENS, fused_window_attention_qkv
 
@@ -419,7 +419,7 @@ def attention_forward(table: bool, has_inverse: bool) -> Callable:
     return fused_window_attention_forward
 
 
-@hands_quantized_rows_to_qkv
+@hands_quantized_rows_on
 def fused_window_attention_forward_table(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """timm WindowAttention.forward with the bias gathered from the table inside the kernels
     (attention_forward with table)."""

@@ -72,7 +72,7 @@ import torch
 from workbench.errors import UserError
 from workbench.kernels.quant import MAX_QUANT_COLS, QMAX, QuantLinear, gelu_quantize_rows, kernels_run, make_observer
 from workbench.optimize.passes import PassContext, PassResult, PassUnavailable
-from workbench.optimize.passes._swin import hands_quantized_rows_to_qkv
+from workbench.optimize.passes._swin import hands_quantized_rows_on
 
 OWN_KERNELS = True   # its Triton quantize and GEMM kernels: a stage with it is not PyTorch alone
 INFERENCE_ONLY = True  # no backward: a training run is refused before any pass of the recipe changes the model
@@ -419,7 +419,7 @@ def quantize_model(model: torch.nn.Module, routes: dict[str, str], dtype: str,
             setattr(parent, attr, QuantLinear(linear, dtype, route, scale))
 
 
-@hands_quantized_rows_to_qkv
+@hands_quantized_rows_on
 def gelu_quant_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     """A timm Mlp whose fc2 is a QuantLinear: fc1, then GELU and fc2's input quantization in one launch
     (gelu_quantize_rows), then fc2's GEMM; timm's own order (act, drop1, norm, fc2) in training, under
