@@ -294,10 +294,11 @@ class _TracedLaunch:
 def specialization_key(args: tuple) -> tuple:
     """A key under which equal argument lists get the same compiled kernel, in cheap Python: a tensor's
     dtype and whether its address is 16-byte aligned; an int's value; a tuple's items keyed so (Triton
-    specializes each item); for anything else (floats, bools, None) its type. Triton specializes an int only on its width class, whether it is 1 and whether 16
-    divides it, so keying on the value is finer than needed (one entry per shape, where the kernels'
-    ints are sizes and strides) and cheaper than computing those classes on every launch. Conservative:
-    arguments marked do_not_specialize are keyed too, which only costs extra entries."""
+    specializes each item); for anything else (floats, bools, None) its type. Triton specializes an int
+    only on its width class, whether it is 1 and whether 16 divides it, so keying on the value is finer
+    than needed (one entry per shape, where the kernels' ints are sizes and strides) and cheaper than
+    computing those classes on every launch. Conservative: arguments marked do_not_specialize are keyed
+    too, which only costs extra entries."""
     return tuple([  # a list comprehension: no generator frame per argument
         (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a if type(a) is int
         else specialization_key(a) if type(a) is tuple else type(a)

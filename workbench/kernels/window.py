@@ -575,8 +575,6 @@ def add_norm_shift_partition_fwd(
     norm_shift_partition_bwd on s, whose dx is the gradient of both x and residual. keep: (B,)
     stochastic-depth factors of the residual branch (timm's DropPath draw, in residual's dtype): s = x +
     residual * keep[b], the product rounded to residual's dtype first, as timm's multiply then add."""
-    if tuple(residual.shape) != tuple(x.shape):
-        raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
     return _norm_partition(x, residual, weight, bias, eps, window_size, shift, out_dtype, out, s_out, zero_sums, keep)
 
 
@@ -591,8 +589,6 @@ def norm_shift_partition_quant(
     for a backward. The window tokens of padding are 0 (scale 1), as in the unquantized windows."""
     from workbench.kernels.quant import QDTYPE, quantize_args
 
-    if residual is not None and tuple(residual.shape) != tuple(x.shape):
-        raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
     s, out, scale, _ = _norm_partition(x, residual, weight, bias, eps, window_size, shift, QDTYPE[fmt], None, None,
                                        None, keep, quant=(quantize_args(fmt, x.device), TL_DTYPES[round_dtype]))
     return s, out, scale
@@ -617,6 +613,8 @@ def _norm_partition(x, residual, weight, bias, eps, window_size, shift, out_dtyp
     ws = int(window_size)
     s = None
     if residual is not None:
+        if tuple(residual.shape) != tuple(x.shape):
+            raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
         residual = _contig(residual)
         s = _check_out(s_out, (B, H, W, C), torch.promote_types(x.dtype, residual.dtype), x.device)
     out = _check_out(out, (B * nwh * nww, ws * ws, C), out_dtype or (s if s is not None else x).dtype, x.device)
