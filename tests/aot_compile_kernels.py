@@ -221,6 +221,9 @@ def _record_launches(quick: bool) -> None:
             for x_scale in ((torch.ones(64, 1),) if quick else (torch.ones(64, 1), torch.ones(()))):
                 for bias in (torch.zeros(256, dtype=torch.bfloat16), None):
                     quant.quant_matmul.fn(x_q, x_scale, w_q, torch.ones(1, 256), bias)
+            # an MLP's fc1: its GELU and fc2's static quantization in the epilogue, or the GELU alone
+            for out_scale in (torch.ones(()), None):
+                quant.quant_matmul_act.fn(x_q, torch.ones(64, 1), w_q, torch.ones(1, 256), None, True, out_scale)
     # SwinV2's normalized q (scaled per head) and k, forward and backward, at its head width 32 (and 16,
     # 64 where not quick), from the strided views of a packed qkv
     for d in ((32,) if quick else (16, 32, 64)):

@@ -240,6 +240,54 @@ def test_quant_matmul_fp8_against_float64(has_bias, M, K, N):
         assert ((out - smm).abs() <= smm.abs() * 2.0 ** -7 + 1e-5 * smm.abs().max()).all()
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("gelu", [False, True])
+@pytest.mark.parametrize("M,K,N", [(1, 16, 16), (37, 40, 24), (70, 136, 72)])
+def test_quant_matmul_act_is_the_linear_then_gelu_then_quantize(fmt, gelu, M, K, N):
+    """The activation and the next Linear's static quantization in the GEMM's epilogue: quant_matmul's bf16
+    result, nn.GELU of it (bf16), quantize at the static scale. Without GELU bit for bit; with it, 1 +
+    erf(x/sqrt 2) cancels for x < -3 where erf's last bit decides GELU's rounding (as for
+    gelu_quantize_rows), so values there may land one bf16 or quantization step apart."""
+    x_q, x_scale, w_q, w_scale = _operands(fmt, M, K, N, seed=M * 5 + K + N)
+    bias = torch.randn(N) * 2
+    bias = bias.to(torch.bfloat16) if fmt == "fp8" else bias
+    args = [t.to(DEVICE) for t in (x_q, x_scale, w_q, w_scale, bias)]
+    y = quant.quant_matmul(*args)
+    h = torch.nn.functional.gelu(y) if gelu else y
+    scale = (h.float().abs().amax() / 300).reshape(())       # some values saturate
+    want = quant.quantize(h, scale, fmt)
+    out = quant.quant_matmul_act(*args, gelu, scale)
+    wide = quant.quant_matmul_act(*args, gelu, None)
+    assert out.dtype == quant.QDTYPE[fmt] and out.shape == (M, N) and wide.dtype == torch.bfloat16
+    if not gelu:
+        assert torch.equal(bits(out), bits(want)) and torch.equal(bits(wide), bits(y))
+        return
+    tail = y.float() < -3
+    for got, ref, step in ((out, want, 1.0 if fmt == "int8" else 32.0), (wide, h, None)):
+        differ = bits(got) != bits(ref)
+        assert not (differ & ~tail).any()       # outside the tail, the same bits
+        gap = (got.float() - ref.float()).abs()[differ]
+        assert (gap <= (step if step is not None else 2.0 ** -14)).all()   # |GELU| < 0.0045 there
+
+
+def test_quant_matmul_act_is_an_operator_without_host_sync():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        out = quant.quant_matmul_act.opaque(torch.empty(5, 32, dtype=torch.int8), torch.empty(5, 1),
+                                            torch.empty(8, 32, dtype=torch.int8), torch.empty(1, 8), None, True,
+                                            torch.empty(()))
+    assert out.shape == (5, 8) and out.dtype == torch.int8
+    x_q, x_scale, w_q, w_scale = _operands("int8", 7, 32, 16, seed=3)
+    torch.library.opcheck(quant.quant_matmul_act.opaque,
+                          tuple(t.to(DEVICE) for t in (x_q, x_scale, w_q, w_scale)) + (None, True,
+                                                                                     torch.tensor(0.05, device=DEVICE)),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+    with pytest.raises(ValueError, match="out_scale must be one fp32 value"):
+        quant.quant_matmul_act(x_q.to(DEVICE), x_scale.to(DEVICE), w_q.to(DEVICE), w_scale.to(DEVICE), None, False,
+                               torch.ones(2, device=DEVICE))
+
+
 @pytest.mark.parametrize("fmt,torch_route", [("fp8", "scaled_mm"), ("int8", "int_mm")])
 @pytest.mark.parametrize("static", [False, True])
 def test_quant_linear_on_the_triton_route(fmt, torch_route, static):

@@ -297,6 +297,23 @@ def quantize_tile(x, qmax, inv_qmax, min_scale, INT8: tl.constexpr, RECIPROCAL: 
     return xq, scale
 
 
+@triton.jit
+def quantize_static(x, scale, qmax, INT8: tl.constexpr):
+    """quantize(x, scale, fmt) of a tile x (fp32) at one static fp32 scale (a scalar): x / scale correctly
+    rounded, clamped to +-qmax (NaN kept), rounded half to even (INT8) or cast to e4m3."""
+    div = tl.zeros(x.shape, tl.float32) + scale
+    if _GPU_MATH:
+        q = tl.math.div_rn(x, div)
+    else:
+        q = x / div
+    q = tl.clamp(q, -qmax, qmax, propagate_nan=tl.PropagateNan.ALL)
+    if INT8:
+        xq = _rint(q).to(tl.int8)
+    else:
+        xq = _to_e4m3(q)
+    return xq
+
+
 def quantize_args(fmt: str, device: torch.device) -> dict:
     """The scalars and flags quantize_tile takes for `fmt` on `device`, as keyword arguments (qmax,
     inv_qmax, min_scale, INT8, RECIPROCAL): what quantize_rows passes its kernel."""
@@ -463,14 +480,16 @@ def _(acc, x_scale, w_scale, bias):
 
 
 @triton.jit
-def _quant_matmul_kernel(A, W, XS, WS, B, OUT, M, N, K, s_am, s_wn, ROW_SCALE: tl.constexpr,
+def _quant_matmul_kernel(A, W, XS, WS, B, OUT, OS, M, N, K, s_am, s_wn, qmax, ROW_SCALE: tl.constexpr,
                          HAS_BIAS: tl.constexpr, INT8: tl.constexpr, EVEN_K: tl.constexpr, SOFT_RTNE: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP_M: tl.constexpr):
+                         GELU: tl.constexpr, OUT_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """OUT (M, N) = epilogue(A (M, K) @ W (N, K)^T): int8 operands accumulate exactly in int32, e4m3 ones
     in fp32; the scales and the bias are applied to the accumulator in registers and OUT is written once,
-    in bf16. Programs walk the (M, N) tiles in groups of GROUP_M rows of tiles, so that the A rows and
-    W columns a group reads stay in L2."""
+    in bf16. GELU: the bf16 result's exact-erf GELU, rounded to bf16 (nn.GELU after the Linear). OUT_Q:
+    that bf16 value quantized to A's format at the static scale *OS (quantize_static) and written in it,
+    the next Linear's input. Programs walk the (M, N) tiles in groups of GROUP_M rows of tiles, so that the
+    A rows and W columns a group reads stay in L2."""
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
@@ -508,8 +527,15 @@ def _quant_matmul_kernel(A, W, XS, WS, B, OUT, M, N, K, s_am, s_wn, ROW_SCALE: t
     col_mask = cols < N
     out = _epilogue(acc, rows, cols, row_mask, col_mask, XS, WS, B, ROW_SCALE, HAS_BIAS, BLOCK_M, BLOCK_N)
     offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-    tl.store(OUT + offs, to_dtype(out, OUT.dtype.element_ty, SOFT_RTNE),
-             mask=row_mask[:, None] & col_mask[None, :])
+    if GELU or OUT_Q:
+        y = to_dtype(out, tl.bfloat16, SOFT_RTNE)
+        if GELU:
+            y = to_dtype(_gelu_erf(y.to(tl.float32)), tl.bfloat16, SOFT_RTNE)
+        if OUT_Q:
+            y = quantize_static(y.to(tl.float32), tl.load(OS), qmax, INT8)
+    else:
+        y = to_dtype(out, OUT.dtype.element_ty, SOFT_RTNE)
+    tl.store(OUT + offs, y, mask=row_mask[:, None] & col_mask[None, :])
 
 
 # Hopper tiles for 1-byte operands (BLOCK_K 128 in every config: one 128-byte row of each operand per
@@ -521,7 +547,7 @@ _QMM_CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": _QMM_BLO
                 for bm, bn, nw, ns in ((128, 256, 8, 3), (128, 128, 8, 4), (128, 128, 4, 4), (64, 128, 4, 4),
                                        (128, 64, 4, 4), (64, 64, 4, 5), (256, 128, 8, 3))]
 _QMM_INTERPRET_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2}
-_QMM_KEY = ["M", "N", "K"]
+_QMM_KEY = ["M", "N", "K", "GELU", "OUT_Q"]
 
 
 def _qmm_bench(fn, quantiles=None):
@@ -545,31 +571,57 @@ def quant_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_
     epilogue too). x_q (M, K) int8 or e4m3fn, rows contiguous; x_scale (M, 1) or () fp32; w_q (N, K) of
     x_q's dtype, rows contiguous; w_scale (1, N) fp32; bias (N,) or None. int8 gives int8_linear's bits
     (the same exact int32 sums, the same fp32 epilogue); e4m3 sums in fp32 in its own order. No host sync."""
-    n_rows, k = x_q.shape
-    n_cols = w_q.shape[0]
-    x_scale, w_scale, bias = _scales_for(n_rows, n_cols, x_scale, w_scale, bias, "quant_matmul")
-    if w_q.dim() != 2 or w_q.shape[1] != k or w_q.dtype != x_q.dtype:
-        raise ValueError(f"quant_matmul: w_q must be (N, {k}) {x_q.dtype} like x_q's K, got {tuple(w_q.shape)} "
-                         f"{w_q.dtype}")
-    if x_q.stride(1) != 1 or w_q.stride(1) != 1:      # the kernel walks each row's K elements one apart
-        x_q, w_q = x_q.contiguous(), w_q.contiguous()
-    out = _common.new_output((n_rows, n_cols), torch.bfloat16, x_q.device)
-    if n_rows > 0 and n_cols > 0:
-        extra = dict(_QMM_INTERPRET_CONFIG) if _INTERPRET else {}
-        grid = lambda meta: (cdiv(n_rows, meta["BLOCK_M"]) * cdiv(n_cols, meta["BLOCK_N"]),)  # noqa: E731
-        int8 = x_q.dtype == torch.int8
-        launch(_qmm)[grid](
-            x_q if int8 else x_q.view(torch.uint8), w_q if int8 else w_q.view(torch.uint8), x_scale, w_scale, bias if bias is not None else w_scale, out, n_rows, n_cols, k,
-            x_q.stride(0), w_q.stride(0), ROW_SCALE=x_scale.numel() != 1, HAS_BIAS=bias is not None,
-            INT8=int8, EVEN_K=k % (extra["BLOCK_K"] if _INTERPRET else _QMM_BLOCK_K) == 0, SOFT_RTNE=SOFT_RTNE,
-            **extra)
-    return out
+    return _quant_matmul(x_q, x_scale, w_q, w_scale, bias, False, None)
 
 
 @quant_matmul.register_fake
 def _(x_q, x_scale, w_q, w_scale, bias):
     return x_q.new_empty((x_q.shape[0], w_q.shape[0]), dtype=torch.bfloat16)
 
+
+@kernel_op("swinbench::quant_matmul_act")
+def quant_matmul_act(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                     bias: Optional[torch.Tensor], gelu: bool, out_scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """quant_matmul with an MLP's activation and the next Linear's input quantization in its epilogue: the
+    bf16 result, then its exact-erf GELU rounded to bf16 where `gelu` (nn.GELU after the Linear), then,
+    where `out_scale` (a () fp32 static scale) is given, that value quantized at it to x_q's format
+    (quantize(y, out_scale, fmt)'s bits) -> (M, N) bf16, or e4m3fn / int8 with out_scale. One launch: the
+    (M, N) activation is written once, in one byte a value where it is quantized. No host sync."""
+    return _quant_matmul(x_q, x_scale, w_q, w_scale, bias, gelu, out_scale)
+
+
+@quant_matmul_act.register_fake
+def _(x_q, x_scale, w_q, w_scale, bias, gelu, out_scale):
+    return x_q.new_empty((x_q.shape[0], w_q.shape[0]), dtype=torch.bfloat16 if out_scale is None else x_q.dtype)
+
+
+def _quant_matmul(x_q, x_scale, w_q, w_scale, bias, gelu: bool, out_scale):
+    """quant_matmul (gelu False, out_scale None) and quant_matmul_act: one launch of the Triton GEMM."""
+    n_rows, k = x_q.shape
+    n_cols = w_q.shape[0]
+    x_scale, w_scale, bias = _scales_for(n_rows, n_cols, x_scale, w_scale, bias, "quant_matmul")
+    if w_q.dim() != 2 or w_q.shape[1] != k or w_q.dtype != x_q.dtype:
+        raise ValueError(f"quant_matmul: w_q must be (N, {k}) {x_q.dtype} like x_q's K, got {tuple(w_q.shape)} "
+                         f"{w_q.dtype}")
+    if out_scale is not None and (out_scale.numel() != 1 or out_scale.dtype != torch.float32):
+        raise ValueError(f"quant_matmul: out_scale must be one fp32 value, got {tuple(out_scale.shape)} "
+                         f"{out_scale.dtype}")
+    if x_q.stride(1) != 1 or w_q.stride(1) != 1:      # the kernel walks each row's K elements one apart
+        x_q, w_q = x_q.contiguous(), w_q.contiguous()
+    int8 = x_q.dtype == torch.int8
+    out_dtype = torch.bfloat16 if out_scale is None else x_q.dtype
+    out = _common.new_output((n_rows, n_cols), out_dtype, x_q.device)
+    if n_rows > 0 and n_cols > 0:
+        extra = dict(_QMM_INTERPRET_CONFIG) if _INTERPRET else {}
+        grid = lambda meta: (cdiv(n_rows, meta["BLOCK_M"]) * cdiv(n_cols, meta["BLOCK_N"]),)  # noqa: E731
+        launch(_qmm)[grid](
+            x_q if int8 else x_q.view(torch.uint8), w_q if int8 else w_q.view(torch.uint8), x_scale, w_scale,
+            bias if bias is not None else w_scale, out, out_scale if out_scale is not None else w_scale,
+            n_rows, n_cols, k, x_q.stride(0), w_q.stride(0), QMAX["int8" if int8 else "fp8"],
+            ROW_SCALE=x_scale.numel() != 1, HAS_BIAS=bias is not None, INT8=int8,
+            EVEN_K=k % (extra["BLOCK_K"] if _INTERPRET else _QMM_BLOCK_K) == 0, SOFT_RTNE=SOFT_RTNE,
+            GELU=gelu, OUT_Q=out_scale is not None, **extra)
+    return out
 
 
 def fp8_linear(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
