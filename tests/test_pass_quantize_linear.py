@@ -50,7 +50,7 @@ def reference():
 
 
 @pytest.mark.parametrize("dtype", ["fp8", "int8"])
-@pytest.mark.parametrize("activations", ["dynamic", "static"])
+@pytest.mark.parametrize("activations", ["dynamic", "static", "mixed"])
 def test_simulate_keeps_logits_and_top1(reference, dtype, activations):
     model, x, fp32, bf16 = reference
     q = copy.deepcopy(model)
@@ -65,9 +65,12 @@ def test_simulate_keeps_logits_and_top1(reference, dtype, activations):
     assert agreement(out, bf16) >= MIN_AGREEMENT
     # quantization moves the logits: it is not the bf16 model
     assert rel_err(out, bf16) > 1e-3
-    if activations == "static":
+    if activations != "dynamic":
         scales = res.details["calibration"]["scales"]
-        assert len(scales) == 17 and all(s > 0 for s in scales.values())
+        want = 17 if activations == "static" else 4         # mixed: each MLP's fc2 (its hidden) alone
+        assert len(scales) == want and all(s > 0 for s in scales.values())
+        assert activations == "static" or all(n.endswith(".mlp.fc2") for n in scales)
+    assert res.details.get("mlp_pairs", 0) == (4 if activations == "mixed" else 0)
 
 
 @pytest.mark.parametrize("dtype, calibration, percentile", [("int8", "max", None), ("fp8", "max", None),
@@ -565,6 +568,59 @@ def test_the_norms_write_the_qkv_and_fc1_inputs_quantized(monkeypatch, dtype, ro
         out[fused] = (logits.double(), len(calls))
     assert torch.equal(out[True][0], out[False][0])
     assert out[False][1] - out[True][1] == 4 + n2     # a quantize_rows launch fewer per fused norm
+
+
+@pytest.mark.parametrize("chain", ["fmha", "dense"])
+@pytest.mark.parametrize("dtype,route", [("fp8", "scaled_mm"), ("int8", "int_mm")])
+def test_mixed_runs_each_mlp_as_one_quantized_pair(monkeypatch, dtype, route, chain):
+    """activations: mixed on the fused window forwards (the Triton interpreter here): norm1's kernel writes the
+    qkv input quantized per row, merge + add + norm2's the fc1 input (on dense too: fc1 leaves its bf16
+    GELU epilogue for the quantized GEMM's), and fc1's GEMM applies the GELU and writes fc2's input at fc2's
+    calibrated static scale: no quantize_rows and no GELU launch of their own for the MLP. The logits are
+    those of the unfused path (each Linear quantizing its own input, torch's GELU) but for GELU's tail
+    (x < -3), where erf's last bit may move a quantized value one step."""
+    from workbench.kernels import quant
+    from workbench.models import TINY_MODEL
+    from workbench.optimize.passes import block_forward
+    from workbench.optimize.recipes import apply_chain_passes, resolve_chain
+    from workbench.optimize.workload import Workload, WorkloadConfig
+
+    monkeypatch.setattr(ql, "gpu_route", lambda d, device: route)
+    w = Workload.build(WorkloadConfig(model=TINY_MODEL, mode="infer", batch=2, precision="bf16", device="cpu", seed=0))
+    w.model, results = apply_chain_passes(w.model, w.ctx, resolve_chain(chain))
+    assert all(r.available for r in results)
+    w.model, res = apply_pass("quantize_linear", w.model, w.ctx, {
+        "dtype": dtype, "keep": ["head.fc"], "select": "all", "activations": "mixed", "calibration_batches": 1,
+        "calibration_batch": 2})
+    d = res.details
+    assert (d["mlp_pairs"], d["norm1_quantizes_qkv_blocks"], d["norm2_quantizes_fc1_blocks"]) == (4, 4, 4)
+    assert d["counts"] == {route: 13, "triton": 4, "kept": 1} and d["gelu_fused_mlps"] == 0
+    assert set(d["calibration"]["scales"]) == {f"layers.{i}.blocks.{j}.mlp.fc2" for i in range(2) for j in range(2)}
+    assert "in 4 MLPs GELU and fc2's static input quantization run in fc1's GEMM epilogue" in res.changed
+    fc1, fc2 = w.model.layers[0].blocks[0].mlp.fc1, w.model.layers[0].blocks[0].mlp.fc2
+    assert fc1.gelu and torch.equal(fc1.output_scale, fc2.input_scale) and fc1.epilogue_fused(torch.device("cpu"))
+    w.prepare()
+    calls = []
+    real = quant.quantize_rows
+    monkeypatch.setattr(quant, "quantize_rows", lambda x2, fmt: calls.append(x2.shape) or real(x2, fmt))
+    gelus = []
+    real_gelu = torch.nn.functional.gelu
+    monkeypatch.setattr(torch.nn.functional, "gelu", lambda x, **kw: gelus.append(1) or real_gelu(x, **kw))
+    out = {}
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(block_forward, "norm1_quantizes_qkv", lambda blk, x: None)
+            monkeypatch.setattr(block_forward, "norm2_quantizes_fc1", lambda blk, x: None)
+            monkeypatch.setattr(quant.QuantLinear, "epilogue_fused", lambda self, device: False)
+        calls.clear()
+        gelus.clear()
+        with torch.inference_mode():
+            logits, _ = w.forward_loss()
+        out[fused] = (logits.double(), len(calls), len(gelus))
+    # fused: proj and the merging reductions quantize their own input; unfused also qkv and fc1 (fc2's
+    # static input takes torch ops), and the GELU is torch's
+    assert out[False][1] - out[True][1] == 8 and (out[True][2], out[False][2]) == (0, 4)
+    assert rel_err(out[True][0], out[False][0]) < 2e-2
 
 
 def test_selection_times_a_norm_fed_linear_as_its_gemm_alone(monkeypatch):

@@ -726,6 +726,21 @@ class QuantLinear(torch.nn.Module):
         self.register_buffer("bias", None if bias is None else
                              bias.to(torch.bfloat16 if fmt == "fp8" else torch.float32))
         self.register_buffer("input_scale", None if input_scale is None else input_scale.detach().float().reshape(()))
+        self.gelu = False
+        self.register_buffer("output_scale", None)
+
+    def fuse_output(self, gelu: bool, output_scale: torch.Tensor | None = None) -> None:
+        """Make this layer an MLP's fc1 that runs its activation, and fc2's input quantization, itself: the
+        forward then gives GELU(linear(x)) (exact erf, rounded to bf16: nn.GELU after the Linear), and with
+        output_scale (the next QuantLinear's static () input scale) hands that on quantized at it, as a
+        QuantizedRows the next layer reads. Where the kernels run (eager) both happen in the GEMM's epilogue
+        (quant_matmul_act: the triton route only); under torch.compile, on the simulate route or where the
+        kernels do not run, the GELU is torch's and the output stays bf16 (the next layer quantizes it)."""
+        if (gelu or output_scale is not None) and self.route not in ("triton", "simulate"):
+            raise ValueError(f"fuse_output: the {self.route} route has no epilogue of ours; use route='triton'")
+        self.gelu = bool(gelu)
+        self.output_scale = None if output_scale is None else output_scale.detach().float().reshape(()).to(
+            self.weight_scale.device)
 
     def _apply(self, fn, recurse=True):
         """Module.to / .half() / .cuda(): the buffers move, and keep their dtypes (a cast would turn the e4m3
@@ -758,13 +773,19 @@ class QuantLinear(torch.nn.Module):
                 text += ", int8 epilogue by one Triton launch (int8_dequant)"
             if self.route == "triton":
                 text += ", GEMM and epilogue by one Triton launch (quant_matmul)"
+        if self.gelu:
+            text += ", then GELU" + (" in the epilogue" if self.epilogue_fused(device) else "")
+        if self.output_scale is not None:
+            text += (", output quantized at the next layer's static scale"
+                     + (" in the epilogue" if self.epilogue_fused(device) else " (by the next layer)"))
         return text
 
-    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
-        if isinstance(x, QuantizedRows):    # quantized by its producer (per row, this module's format)
-            if x.x_q.dtype != QDTYPE[self.fmt] or self.input_scale is not None:
-                raise ValueError(f"{self.fmt} QuantLinear with {'static' if self.input_scale is not None else 'dynamic'} "
-                                 f"activations given rows quantized to {x.x_q.dtype}")
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor | QuantizedRows:
+        if isinstance(x, QuantizedRows):    # quantized by its producer, in this module's format and scaling
+            static = self.input_scale is not None
+            if x.x_q.dtype != QDTYPE[self.fmt] or static != (x.scale.numel() == 1 and x.scale.dim() == 0):
+                raise ValueError(f"{self.fmt} QuantLinear with {'static' if static else 'dynamic'} activations given "
+                                 f"{'a tensor' if x.scale.dim() == 0 else 'rows'} quantized to {x.x_q.dtype}")
             return self.forward_quantized(x.x_q.view(-1, self.in_features), x.scale, x.shape[:-1], x)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
@@ -777,18 +798,35 @@ class QuantLinear(torch.nn.Module):
             x_q, x_scale = None, self.input_scale
         return self._matmul(x2, x_q, x_scale, lead, x.dtype, x.device.type)
 
-    def forward_quantized(self, x_q: torch.Tensor, x_scale: torch.Tensor, lead, like: torch.Tensor) -> torch.Tensor:
-        """The GEMM on an input already quantized per row (x_q (M, K), x_scale (M, 1), as quantize_rows
-        writes them; a GEMM route only): (*lead, out_features) in the dtype forward would give for `like`."""
+    def forward_quantized(self, x_q: torch.Tensor, x_scale: torch.Tensor, lead, like) -> torch.Tensor | QuantizedRows:
+        """The GEMM on an input already quantized (x_q (M, K); x_scale (M, 1) per row, as quantize_rows
+        writes them, or () at this layer's static scale; a GEMM route only): (*lead, out_features) in the
+        dtype forward would give for `like` (a tensor or QuantizedRows)."""
         if self.route == "simulate":
             raise ValueError("forward_quantized: the simulate route takes the float input (forward)")
         return self._matmul(None, x_q, x_scale, lead, like.dtype, like.device.type)
 
-    def _matmul(self, x2, x_q, x_scale, lead, in_dtype, device_type) -> torch.Tensor:
+    def epilogue_fused(self, device: torch.device) -> bool:
+        """Whether a forward on `device` runs this layer's GELU / output quantization (fuse_output) in its
+        GEMM's epilogue (quant_matmul_act)."""
+        return (self.route == "triton" and (self.gelu or self.output_scale is not None) and kernels_run(device)
+                and not torch.compiler.is_compiling())
+
+    def _matmul(self, x2, x_q, x_scale, lead, in_dtype, device_type):
         """The rest of forward: x2 (or x_q, quantized already) at x_scale through the route."""
         M = (x2 if x2 is not None else x_q).shape[0]
         out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else in_dtype
         fused = x_q is not None
+        device = (x2 if x2 is not None else x_q).device
+        if self.epilogue_fused(device):
+            if not fused:
+                x_q = quantize(x2, x_scale, self.fmt).contiguous()
+            scale = x_scale if x_scale.dim() == 2 else x_scale.reshape(())
+            out = quant_matmul_act(x_q, scale, self.weight_q, self.weight_scale, self.bias, self.gelu,
+                                   self.output_scale)
+            if self.output_scale is not None:
+                return QuantizedRows(out, self.output_scale, (*lead, self.out_features), torch.bfloat16)
+            return out.to(out_dtype).reshape(*lead, self.out_features)
         if self.route == "simulate":
             with torch.autocast(device_type, enabled=False):
                 bias = None if self.bias is None else self.bias.float()
@@ -807,4 +845,6 @@ class QuantLinear(torch.nn.Module):
                 out = fp8_linear(x_q, rows, self.weight_q, self.weight_scale, self.bias)
             else:
                 out = int8_linear(x_q, x_scale, self.weight_q, self.weight_scale, self.bias)
+        if self.gelu:     # nn.GELU on the layer's bf16 output
+            out = torch.nn.functional.gelu(out)
         return out.to(out_dtype).reshape(*lead, self.out_features)

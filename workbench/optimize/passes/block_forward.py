@@ -439,6 +439,15 @@ def mlp_forward_fused(self, x: torch.Tensor) -> torch.Tensor:
     return self.fc2(linear(x, self.fc1.weight, self.fc1.bias, gelu=True))
 
 
+@hands_quantized_rows_on
+def mlp_forward_quantized(self, x):
+    """timm Mlp.forward (fc1 -> GELU -> fc2, no dropout, no hidden norm) whose fc1 is a kernels.quant.
+    QuantLinear that applies the GELU itself (QuantLinear.fuse_output: in its GEMM's epilogue where the
+    kernels run, with fc2's input quantized there at fc2's static scale): fc1, then fc2. Inference only.
+    It hands its input to fc1 untouched, so that norm2's kernel may write it quantized."""
+    return self.fc2(self.fc1(x))
+
+
 @merging_forward_of_the_pass
 def merging_forward(self, x: torch.Tensor) -> torch.Tensor:
     """timm PatchMerging.forward whose norm is a TritonLayerNorm. Without autograd (inference, eager or

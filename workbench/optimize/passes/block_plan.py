@@ -28,6 +28,8 @@ attribute `block_plans`, by each block's qualified name. A deep copy of the mode
     attention_bias fused_attention  the fused kernel's bias: table (read in-kernel) | gather (gathered first)
     linear         fused_linear     the block's Linears compute their bias gradient in one reduction
     mlp_gelu       fused_linear     the MLP's fc1 and GELU run as one Function
+    mlp_quant      quantize_linear  the MLP's fc1 is a QuantLinear that runs the GELU itself, in its GEMM's
+                                    epilogue with fc2's input quantization (inference; over mlp_gelu)
     whole_block    fused_block      the block runs as one autograd Function (block_forward.SwinBlockFunction)
     fallbacks      every pass       (field, reason) for what a pass asked for and the block cannot run
 
@@ -49,7 +51,7 @@ import torch
 from workbench.optimize.passes._swin import (INVERSE_BUFFER, add_rel_pos_inverse, merging_norm_goes_to_linear,
                                              named_swin_blocks)
 from workbench.optimize.passes.block_forward import (attention_forward, block_forward, merging_forward, mlp_forward_fused,
-                                                     stage_forward)
+                                                     mlp_forward_quantized, stage_forward)
 
 NORMS = ("torch", "triton", "apex")
 ATTENTIONS = ("timm", "triton")
@@ -70,6 +72,7 @@ class BlockPlan:
     attention_bias: str = "table"
     linear: bool = False
     mlp_gelu: bool = False
+    mlp_quant: bool = False
     whole_block: bool = False
     fallbacks: tuple[tuple[str, str], ...] = ()
 
@@ -102,6 +105,8 @@ class BlockPlan:
     @property
     def linear_kernel(self) -> str:
         """torch | triton bias gradient, '+ GELU' where fc1 and GELU are one Function."""
+        if self.mlp_quant:
+            return "quantized fc1 + GELU epilogue"
         if not self.linear:
             return "torch"
         return "triton bias gradient" + (" + GELU" if self.mlp_gelu else "")
@@ -170,7 +175,7 @@ class BlockPlans:
                 continue
             attn, mlp = blk.attn, blk.mlp
             attn_to_linear = _input_goes_to_linear(attn, "qkv", plan.attention == "triton", WindowAttention.forward)
-            mlp_to_linear = _input_goes_to_linear(mlp, "fc1", plan.mlp_gelu, Mlp.forward)
+            mlp_to_linear = _input_goes_to_linear(mlp, "fc1", plan.mlp_gelu or plan.mlp_quant, Mlp.forward)
             if plan.sdpa and hasattr(attn, "fused_attn"):
                 self._set(f"{name}.attn", attn, "fused_attn", True)
             if plan.attention == "triton":
@@ -181,8 +186,9 @@ class BlockPlans:
                 forward = attention_forward(table, has_inverse)
                 self._set(f"{name}.attn", attn, "forward", types.MethodType(forward, attn))
                 counts["attention_forwards"] += 1
-            if plan.mlp_gelu:
-                self._set(f"{name}.mlp", mlp, "forward", types.MethodType(mlp_forward_fused, mlp))
+            if plan.mlp_quant or plan.mlp_gelu:
+                forward = mlp_forward_quantized if plan.mlp_quant else mlp_forward_fused
+                self._set(f"{name}.mlp", mlp, "forward", types.MethodType(forward, mlp))
                 counts["mlp_forwards"] += 1
             forward = block_forward(plan.add_norm2, plan.window, plan.whole_block, attn_to_linear, mlp_to_linear,
                                     self.window_under_compile)
@@ -232,11 +238,13 @@ class BlockPlans:
 
 
 def _input_goes_to_linear(module: torch.nn.Module, linear: str, planned: bool, class_forward) -> bool:
-    """Whether `module` does nothing with its input but pass it to its nn.Linear `linear` (so that a fused
-    norm before it can write the Linear's autocast dtype itself): its forward is one the plan binds
-    (`planned`: the fused attention or MLP, which keep that order) or the class's `class_forward`, not
-    replaced on the instance."""
-    if not isinstance(getattr(module, linear, None), torch.nn.Linear):
+    """Whether `module` does nothing with its input but pass it to its nn.Linear `linear` (or the QuantLinear
+    quantize_linear put there) so that a fused norm before it can write the Linear's input itself: its
+    forward is one the plan binds (`planned`: the fused attention or MLP, which keep that order) or the
+    class's `class_forward`, not replaced on the instance."""
+    from workbench.kernels.quant import QuantLinear
+
+    if not isinstance(getattr(module, linear, None), (torch.nn.Linear, QuantLinear)):
         return False
     return planned or ("forward" not in vars(module) and type(module).forward is class_forward)
 

@@ -3,7 +3,9 @@
 Each nn.Linear (attention qkv and proj, MLP fc1 and fc2, patch merging's reduction, the head) becomes a
 `kernels.quant.QuantLinear`: its weight quantized per output channel, once; its input quantized per row
 in each forward (activations: dynamic) or per tensor with a scale calibrated on a few batches before
-(activations: static; calibration max or percentile). The route each layer takes:
+(activations: static; calibration max or percentile), or per row but for each MLP's hidden activation,
+fc2's input, which takes a calibrated per-tensor scale (activations: mixed; see below). The route each
+layer takes:
 
     scaled_mm   dtype fp8 on CUDA with compute capability >= 8.9: torch._scaled_mm, e4m3 operands with
                 rowwise fp32 scales, bias and bf16 output in its epilogue. K and N must be multiples of 16.
@@ -55,6 +57,15 @@ merge + add + norm2 kernel for a quantized fc1 (`merge_add_norm_quant`; not on d
 Eager inference only (under torch.compile Inductor fuses the torch-op quantization into the norm). The
 record counts those blocks (`norm1_quantizes_qkv_blocks`, `norm2_quantizes_fc1_blocks`).
 
+activations: mixed quantizes each v1 block's MLP as one pair: fc1 on the Triton GEMM with the GELU and
+fc2's input quantization in its epilogue (`kernels.quant.quant_matmul_act`: the (rows, 4C) hidden
+activation written once, one byte a value, at fc2's calibrated static scale, where no per-row scale could
+be taken: a row spans the GEMM's column tiles), fc2 reading it as it is. The block plan's MLP forward is
+then fc1 then fc2 (`mlp_quant`); on dense, fc1 leaves its bf16 GELU epilogue for the quantized one, and
+norm2's kernel writes fc1's input quantized. Every other Linear quantizes per row as under dynamic. The
+measured selection times each MLP shape as a whole (the stage's MLP against the quantized pair) and keeps
+both Linears wide where the pair is not faster. The record counts the pairs (`mlp_pairs`).
+
 Calibration batches are real images where the caller gives them (PassContext.calibration:
 `optimize_swin_inference(..., calibration=...)`, and `apply --mode infer --checkpoint` the training images
 of the checkpoint's data), else synthetic (random images from a fixed generator, like the workload's
@@ -96,7 +107,7 @@ def _check_positive(value) -> None:
 
 PARAMS = {
     "dtype": (str, ("fp8", "int8")),
-    "activations": (str, ("dynamic", "static")),
+    "activations": (str, ("dynamic", "static", "mixed")),
     "calibration": (str, ("max", "percentile")),
     "percentile": (float, _check_percentile),
     "calibration_batches": (int, _check_positive),
@@ -136,9 +147,12 @@ def gpu_route(dtype: str, device: torch.device) -> str:
 def activation_quantization(route: str, activations: str, device: torch.device) -> str:
     """How a forward quantizes its Linear inputs (PassResult.details): one Triton launch per Linear
     (`quantize_rows`) on the GPU routes with dynamic activations, torch ops otherwise."""
-    if route != "simulate" and activations == "dynamic" and kernels_run(device):
-        return ("one Triton launch per Linear (quantize_rows: amax, scale, round, cast); under torch.compile, "
+    if route != "simulate" and activations != "static" and kernels_run(device):
+        text = ("one Triton launch per Linear (quantize_rows: amax, scale, round, cast); under torch.compile, "
                 "torch ops that Inductor fuses into the producing kernel")
+        if activations == "mixed":
+            text += "; each paired MLP's fc2 input written quantized by fc1's GEMM epilogue (static scale)"
+        return text
     return "torch ops (abs, amax, divide, round, clamp, cast)"
 
 
@@ -326,7 +340,8 @@ def select_measured(routes: dict[str, str], kept: dict[str, str], measured: dict
         if f["choice"] == "bf16":
             for name in f["layers"]:
                 routes.pop(name, None)
-                kept[name] = (f"measured faster in bf16 at {m}x{k} -> {n}{' after its GELU' if gelu else ''}"
+                what = " (the MLP, fc1 + GELU + fc2)" if gelu == "mlp" else " after its GELU" if gelu else ""
+                kept[name] = (f"measured faster in bf16 at {m}x{k} -> {n}{what}"
                               f"{' (its input quantized by its norm)' if normed else ''}: "
                               f"{f['bf16_us']:.1f} us against {f['quant_us']:.1f} us for {dtype}")
                 moved += 1
@@ -458,15 +473,103 @@ def _gelu_mlp(mlp: torch.nn.Module) -> bool:
             and isinstance(getattr(mlp, "norm", None), torch.nn.Identity))
 
 
+def mlp_pairs(model: torch.nn.Module) -> dict[str, tuple[str, str]]:
+    """{block: (fc1, fc2)} by qualified name for the v1 Swin blocks whose MLP can run as a quantized pair,
+    fc1's GELU and fc2's input quantization in fc1's epilogue (activations: mixed): timm's Mlp with an
+    exact-erf GELU and no hidden norm, its forward timm's or its block plan's (fused_linear's mlp_gelu)."""
+    from timm.models.swin_transformer import SwinTransformerBlock
+
+    from workbench.optimize.passes._swin import named_swin_blocks
+    from workbench.optimize.passes.block_plan import block_plans
+    from workbench.optimize.passes.fused_linear import exact_gelu
+
+    plans = block_plans(model)
+    pairs = {}
+    for name, blk in named_swin_blocks(model):
+        mlp = getattr(blk, "mlp", None)
+        if (type(blk) is SwinTransformerBlock and type(mlp).__name__ == "Mlp" and exact_gelu(getattr(mlp, "act", None))
+                and isinstance(getattr(mlp, "norm", None), torch.nn.Identity)
+                and ("forward" not in vars(mlp) or plans.plan(name).mlp_gelu or plans.plan(name).mlp_quant)):
+            pairs[name] = (f"{name}.mlp.fc1", f"{name}.mlp.fc2")
+    return pairs
+
+
+def measure_pairs(model: torch.nn.Module, pairs: dict[str, tuple[str, str]], dtype: str, ctx: PassContext,
+                  candidates: tuple[str, ...]) -> dict[tuple, dict]:
+    """{(rows, C, hidden, "mlp", normed): {"bf16_us", "<route>_us", "quant_us", "route", "choice", "layers"}}
+    for the distinct MLP shapes among `pairs` at the stage's batch: the MLP as the stage runs it (bf16)
+    against fc1 on the Triton GEMM with GELU and fc2's input quantization in its epilogue, then fc2 on each
+    candidate route (normed: fc1's input comes quantized from its norm's kernel, so the pair is timed from
+    a quantized input). `route` is fc2's; `layers` both Linears of each MLP."""
+    from workbench.kernels.quant import quantize_rows
+    from workbench.optimize.passes._route import DEFAULT_IMAGES, median_us
+    from workbench.optimize.passes.block_forward import norm_writes_input
+
+    images = ctx.batch or DEFAULT_IMAGES
+    rows = layer_rows(model, [fc1 for fc1, _ in pairs.values()], ctx)
+    shapes: dict[tuple, list[str]] = {}
+    for block, (fc1, fc2) in pairs.items():
+        lin = model.get_submodule(fc1)
+        normed = lin.in_features <= MAX_QUANT_COLS and norm_writes_input(model, fc1)
+        shapes.setdefault((rows[fc1] * images, lin.in_features, lin.out_features, "mlp", normed), []).append(block)
+    out = {}
+    gen = torch.Generator(ctx.device).manual_seed(0)
+    for key, blocks in shapes.items():
+        m, k, _, _, normed = key
+        mlp = model.get_submodule(f"{blocks[0]}.mlp")
+        x = torch.randn(m, k, device=ctx.device, generator=gen)
+        timed = {}
+        with torch.inference_mode(), ctx.precision.autocast(ctx.device.type):
+            x = x.to(torch.bfloat16)
+            bf16_us = median_us(lambda: mlp(x))
+            for route in candidates:
+                q1 = QuantLinear(mlp.fc1, dtype, "triton").to(ctx.device)
+                q2 = QuantLinear(mlp.fc2, dtype, route, torch.tensor(1.0)).to(ctx.device)
+                q1.fuse_output(True, q2.input_scale)
+                if normed:
+                    x_q, x_scale = quantize_rows(x, dtype)
+                    timed[route] = median_us(lambda: q2(q1.forward_quantized(x_q, x_scale, x.shape[:-1], x)))
+                    del x_q, x_scale
+                else:
+                    timed[route] = median_us(lambda: q2(q1(x)))
+                del q1, q2
+        del x
+        best = min(timed, key=timed.get)
+        choice = "quantize" if timed[best] < bf16_us * (1 - SELECT_MARGIN) else "bf16"
+        out[key] = {"bf16_us": round(bf16_us, 2), **{f"{r}_us": round(t, 2) for r, t in timed.items()},
+                    "quant_us": round(timed[best], 2), "route": best, "choice": choice,
+                    "layers": [n for b in blocks for n in pairs[b]]}
+    torch.cuda.empty_cache()
+    return out
+
+
+def fuse_pairs(model: torch.nn.Module, pairs: dict[str, tuple[str, str]]) -> int:
+    """Make each quantized MLP pair run as one: fc1 applies the GELU and writes fc2's input quantized at fc2's
+    static scale (QuantLinear.fuse_output), its block plan's MLP forward fc1 then fc2 (mlp_quant) -> how many."""
+    from workbench.optimize.passes.block_plan import block_plans
+
+    plans = block_plans(model)
+    count = 0
+    for block, (fc1, fc2) in pairs.items():
+        q1, q2 = model.get_submodule(fc1), model.get_submodule(fc2)
+        if isinstance(q1, QuantLinear) and isinstance(q2, QuantLinear) and q2.input_scale is not None:
+            q1.fuse_output(True, q2.input_scale)
+            plans.update(block, mlp_quant=True)
+            count += 1
+    if count:
+        plans.bind(model)
+    return count
+
+
 def check_params(params: dict) -> None:
     """What the parameters must be together (recipes.py checks it when a recipe is loaded): the calibration
     settings act on static activations only, the GEMM choices on real quantized GEMMs only (`simulate`
     runs none); given otherwise they would be dropped without a word."""
-    if params.get("activations", "dynamic") != "static":
+    if params.get("activations", "dynamic") == "dynamic":
         given = [k for k in ("calibration", "percentile", "calibration_batches", "calibration_batch") if k in params]
         if given:
             raise UserError(f"pass {NAME!r}: {', '.join(given)} set{'s' if len(given) == 1 else ''} the calibration of "
-                            "static activations: give activations: static, or leave "
+                            "static activations: give activations: static or mixed, or leave "
                             f"{'it' if len(given) == 1 else 'them'} out (dynamic scales are taken per row as it runs)")
     if params.get("calibration", "percentile") != "percentile" and "percentile" in params:
         raise UserError(f"pass {NAME!r}: percentile goes with calibration: percentile")
@@ -527,20 +630,41 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
     linears = quantizable_linears(model, ctx.swin_only)
     if not linears:
         raise PassUnavailable("no nn.Linear in this model" + ("'s Swin blocks" if ctx.swin_only else ""))
-    routes, kept = plan_routes(linears, dtype, route, keep, dict.fromkeys(gelu_fused_fc1(model), GELU_FC1))
+    # activations: mixed, each MLP whose fc1 can run its GELU and fc2's input quantization in its epilogue
+    # (the Triton GEMM, or simulate's same math): both Linears quantized as a pair
+    pairs = {}
+    if activations == "mixed" and (route == "simulate" or "triton" in candidates):
+        pairs = mlp_pairs(model)
+    paired_fc1 = {fc1 for fc1, _ in pairs.values()}
+    wide = {n: GELU_FC1 for n in gelu_fused_fc1(model) if n not in paired_fc1}
+    routes, kept = plan_routes(linears, dtype, route, keep, wide)
+    pairs = {b: (fc1, fc2) for b, (fc1, fc2) in pairs.items() if fc1 in routes and fc2 in routes}
+    gelu_fc1 = set(gelu_fused_fc1(model))
+    for fc1 in paired_fc1 - {fc1 for fc1, _ in pairs.values()}:
+        if fc1 in routes and fc1 in gelu_fc1:   # its fc2 stays wide: no pair, fc1 keeps its GELU epilogue
+            del routes[fc1]
+            kept[fc1] = GELU_FC1
+    for fc1, _ in pairs.values():
+        routes[fc1] = "simulate" if route == "simulate" else "triton"
     switched = call_v2_qkv_as_a_module(model, routes)
     try:
         measured, moved = {}, 0
         if select == "auto" and route != "simulate" and routes:
             from workbench.optimize.passes._route import rank_zero_measures
 
-            measured = rank_zero_measures(lambda: measure_layers(model, routes, dtype, ctx, activations == "static",
-                                                                 candidates))
+            singles = {n: r for n, r in routes.items() if not any(n in pair for pair in pairs.values())}
+            measured = rank_zero_measures(lambda: {
+                **(measure_layers(model, singles, dtype, ctx, activations == "static", candidates) if singles else {}),
+                **(measure_pairs(model, pairs, dtype, ctx, candidates) if pairs else {})})
             moved = select_measured(routes, kept, measured, dtype)
+            pairs = {b: p for b, p in pairs.items() if p[0] in routes and p[1] in routes}
+            for fc1, _ in pairs.values():
+                routes[fc1] = "triton"      # the route measured is fc2's; fc1's epilogue is the Triton GEMM's
         input_scales = None
-        if activations == "static" and routes:
+        static_names = list(routes) if activations == "static" else [fc2 for _, fc2 in pairs.values()]
+        if activations != "dynamic" and static_names:
             batches, calibrated_on = calibration_images(model, ctx, calibration_batches, calibration_batch)
-            input_scales = calibrate_input_scales(model, list(routes), batches, ctx, dtype, calibration, percentile)
+            input_scales = calibrate_input_scales(model, static_names, batches, ctx, dtype, calibration, percentile)
     except BaseException:
         for attn in switched.values():  # the model as it was: timm's own F.linear again
             attn.qkv_bias_separate = False
@@ -555,15 +679,18 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
     counts = {r: sum(v == r for v in routes.values()) for r in sorted(set(routes.values()))}
     details = {"dtype": dtype, "route": "/".join(counts), "implementation": {r: IMPLEMENTATION[r] for r in counts},
                "gemm": gemm, "gemm_candidates": list(candidates),
-               "activations": "dynamic per-row" if activations == "dynamic" else "static per-tensor",
+               "activations": {"dynamic": "dynamic per-row", "static": "static per-tensor",
+                               "mixed": "dynamic per-row; each MLP's hidden (fc2's input) static per-tensor, "
+                                        "written quantized by fc1's epilogue"}[activations],
                "weights": "per output channel", "qmax": QMAX[dtype], "attention": "bf16 (not quantized)",
                "layers": {**routes, **{n: f"kept bf16: {why}" for n, why in kept.items()}},
                "counts": {**counts, "kept": len(kept)}, "unmatched_keep": unmatched,
                "activation_quantization": activation_quantization(route, activations, ctx.device),
                "select": select, "selected_by_measurement": bool(measured),
-               "shapes": [{"rows": m, "k": k, "n": n, "with_gelu": gelu, "input_from_norm": normed,
-                            **{f: v for f, v in r.items() if f != "layers"}, "layers": len(r["layers"])}
-                           for (m, k, n, gelu, normed), r in measured.items()]}
+               "shapes": [{"rows": m, "k": k, "n": n, "with_gelu": bool(gelu), "mlp_pair": gelu == "mlp",
+                           "input_from_norm": normed, **{f: v for f, v in r.items() if f != "layers"},
+                           "layers": len(r["layers"])}
+                          for (m, k, n, gelu, normed), r in measured.items()]}
     details["swinv2_qkv_bias_after_gemm"] = sum(name in routes for name in switched)
     if input_scales is not None:
         details["calibration"] = {"method": calibration, "percentile": percentile if calibration == "percentile" else None,
@@ -571,6 +698,7 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
                                   "data": calibrated_on,
                                   "scales": {n: float(s) for n, s in input_scales.items()}}
     quantize_model(model, routes, dtype, input_scales)
+    details["mlp_pairs"] = fuse_pairs(model, pairs)
     gelu_fused = fuse_mlp_activations(model, ctx.device)
     details["gelu_fused_mlps"] = gelu_fused
     from workbench.optimize.passes.block_forward import quantized_norm_blocks
@@ -578,12 +706,16 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
     norm_fused, norm2_fused = quantized_norm_blocks(model, ctx.device)
     details["norm1_quantizes_qkv_blocks"] = norm_fused
     details["norm2_quantizes_fc1_blocks"] = norm2_fused
-    acts = "dynamic per-row" if activations == "dynamic" else f"static per-tensor ({calibration})"
+    acts = {"dynamic": "dynamic per-row", "static": f"static per-tensor ({calibration})",
+            "mixed": f"dynamic per-row, each MLP's hidden static per-tensor ({calibration})"}[activations]
     how = ", ".join(f"{c} {r}" for r, c in counts.items()) if len(counts) > 1 else next(iter(counts))
     changed = (f"{len(routes)} Linear layers {dtype} ({how}, {acts} activations, per-channel weights), "
                f"{len(kept)} kept bf16" + (f" ({moved} measured faster in bf16 on this GPU)" if moved else ""))
     if gelu_fused:
         changed += f"; in {gelu_fused} MLPs GELU and fc2's input quantization run as one Triton launch"
+    if details["mlp_pairs"]:
+        where = "in fc1's GEMM epilogue" if kernels_run(ctx.device) and route != "simulate" else "after fc1"
+        changed += f"; in {details['mlp_pairs']} MLPs GELU and fc2's static input quantization run {where}"
     fed = [f"in {n} blocks {which} kernel writes the {linear} input quantized"
            for n, which, linear in ((norm_fused, "norm1's", "qkv"), (norm2_fused, "norm2's", "fc1")) if n]
     if fed:
@@ -595,7 +727,7 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
         changed += f"; keep patterns matching nothing: {', '.join(unmatched)}"
     params = {"dtype": dtype, "activations": activations, "keep": list(keep), "simulate": simulate, "select": select,
               "gemm": gemm}
-    if activations == "static":
+    if activations != "dynamic":
         params.update(calibration=calibration, calibration_batches=calibration_batches,
                       calibration_batch=calibration_batch, **({"percentile": percentile} if calibration == "percentile" else {}))
     return model, PassResult(NAME, params, changed, details)
