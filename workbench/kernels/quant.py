@@ -284,24 +284,19 @@ def quantize_tile(x, qmax, inv_qmax, min_scale, INT8: tl.constexpr, RECIPROCAL: 
         scale = amax / qmax
     scale = tl.maximum(scale, min_scale, propagate_nan=tl.PropagateNan.ALL)
     scale = tl.where(amax == 0, 1.0, scale)
-    div = tl.broadcast_to(scale[:, None], x.shape)
-    if _GPU_MATH:
-        q = tl.math.div_rn(x, div)
-    else:
-        q = x / div
-    q = tl.clamp(q, -qmax, qmax, propagate_nan=tl.PropagateNan.ALL)
-    if INT8:
-        xq = _rint(q).to(tl.int8)
-    else:
-        xq = _to_e4m3(q)
-    return xq, scale
+    return _divide_round(x, tl.broadcast_to(scale[:, None], x.shape), qmax, INT8), scale
 
 
 @triton.jit
 def quantize_static(x, scale, qmax, INT8: tl.constexpr):
-    """quantize(x, scale, fmt) of a tile x (fp32) at one static fp32 scale (a scalar): x / scale correctly
-    rounded, clamped to +-qmax (NaN kept), rounded half to even (INT8) or cast to e4m3."""
-    div = tl.zeros(x.shape, tl.float32) + scale
+    """quantize(x, scale, fmt) of a tile x (fp32) at one static fp32 scale (a scalar)."""
+    return _divide_round(x, tl.zeros(x.shape, tl.float32) + scale, qmax, INT8)
+
+
+@triton.jit
+def _divide_round(x, div, qmax, INT8: tl.constexpr):
+    """x / div (both fp32, one shape) correctly rounded, clamped to +-qmax (NaN kept), rounded half to even
+    (INT8) or cast to e4m3 (round to nearest even)."""
     if _GPU_MATH:
         q = tl.math.div_rn(x, div)
     else:
