@@ -623,6 +623,42 @@ def test_mixed_runs_each_mlp_as_one_quantized_pair(monkeypatch, dtype, route, ch
     assert rel_err(out[True][0], out[False][0]) < 2e-2
 
 
+def test_mixed_selection_times_each_mlp_shape_as_a_whole(monkeypatch):
+    """activations: mixed on dense: the selection times each MLP shape once as the stage's MLP (fc1 + GELU
+    epilogue + fc2, bf16) against the quantized pair from norm2's quantized rows, and moves both Linears of
+    the MLPs of a shape measured slower to bf16 (fc1 keeping its bf16 GELU epilogue there)."""
+    from workbench.models import TINY_MODEL
+    from workbench.optimize.passes import _route
+    from workbench.optimize.recipes import apply_chain_passes, resolve_chain
+    from workbench.optimize.workload import Workload, WorkloadConfig
+
+    w = Workload.build(WorkloadConfig(model=TINY_MODEL, mode="infer", batch=2, precision="bf16", device="cpu", seed=0))
+    w.model, _ = apply_chain_passes(w.model, w.ctx, resolve_chain("dense"))
+    pairs = ql.mlp_pairs(w.model)
+    assert len(pairs) == 4
+    timed = []
+    monkeypatch.setattr(_route, "median_us", lambda call: call() is None or timed.append(1) or 10.0)
+    measured = ql.measure_pairs(w.model, pairs, "int8", w.ctx, ("int_mm", "triton"))
+    assert sorted(measured) == [(98, 64, 256, "mlp", True), (392, 32, 128, "mlp", True)]
+    assert len(timed) == 2 * 3 and all(len(r["layers"]) == 4 for r in measured.values())
+    # stage 1's MLPs measured faster quantized, stage 2's not
+    fast = {(392, 32, 128, "mlp", True): 5.0, (98, 64, 256, "mlp", True): 20.0}
+    monkeypatch.setattr(ql, "gpu_route", lambda d, device: "int_mm")
+    monkeypatch.setattr(ql, "measure_pairs", lambda model, pairs, dtype, ctx, candidates: {
+        k: {**v, "int_mm_us": fast[k], "quant_us": fast[k], "route": "int_mm",
+            "choice": "quantize" if fast[k] < 10 else "bf16"} for k, v in measured.items()})
+    monkeypatch.setattr(ql, "measure_layers", lambda model, routes, *a: {})
+    _, res = ql.apply(w.model, w.ctx, dtype="int8", activations="mixed", keep=["head.fc"], calibration_batches=1,
+                      calibration_batch=2)
+    layers = res.details["layers"]
+    assert res.details["mlp_pairs"] == 2 and set(res.details["calibration"]["scales"]) == {
+        "layers.0.blocks.0.mlp.fc2", "layers.0.blocks.1.mlp.fc2"}
+    assert layers["layers.0.blocks.0.mlp.fc1"] == "triton" and layers["layers.0.blocks.0.mlp.fc2"] == "int_mm"
+    assert layers["layers.1.blocks.0.mlp.fc1"].startswith("kept bf16: measured faster in bf16 at 98x64 -> 256 (the MLP")
+    assert [s["mlp_pair"] for s in res.details["shapes"]] == [True, True]
+    assert type(w.model.layers[1].blocks[0].mlp.fc1).__name__ == "BiasGradLinear"
+
+
 def test_selection_times_a_norm_fed_linear_as_its_gemm_alone(monkeypatch):
     """On fmha's fused window forwards each qkv and fc1 takes its input quantized from its norm's kernel:
     the measured selection groups them apart (normed) and times their quantized form without a

@@ -185,18 +185,19 @@ def norm2_quantizes_fc1(blk, x: torch.Tensor):
     return None
 
 
-def norm_writes_input(model: torch.nn.Module, name: str) -> bool:
+def norm_writes_input(model: torch.nn.Module, name: str, handed_on: bool = False) -> bool:
     """Whether the Linear `name` of a Swin block takes its input from a fused norm kernel that would write it
     quantized once the Linear is a dynamically quantized QuantLinear: a block's attn.qkv behind a window
     forward whose norm1 writes it and an attention forward that hands it on (norm1_quantizes_qkv), or its
-    mlp.fc1 behind merge + add + norm2 and an MLP that does (norm2_quantizes_fc1). Static: what is bound."""
+    mlp.fc1 behind merge + add + norm2 and an MLP that does (norm2_quantizes_fc1). Static: what is bound;
+    handed_on: the module between them taken to hand the input on (a forward the caller is about to bind)."""
     for suffix, (flag, hands_on, _) in _NORM_FEEDS.items():
         if name.endswith(suffix):
             try:
                 blk = model.get_submodule(name[: -len(suffix)])
             except AttributeError:
                 return False
-            return _feeds(blk, flag, hands_on)
+            return _feeds(blk, flag, (lambda blk: True) if handed_on else hands_on)
     return False
 
 

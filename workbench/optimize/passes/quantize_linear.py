@@ -506,12 +506,13 @@ def measure_pairs(model: torch.nn.Module, pairs: dict[str, tuple[str, str]], dty
     from workbench.optimize.passes.block_forward import norm_writes_input
 
     images = ctx.batch or DEFAULT_IMAGES
-    rows = layer_rows(model, [fc1 for fc1, _ in pairs.values()], ctx)
+    rows = layer_rows(model, [fc2 for _, fc2 in pairs.values()], ctx)    # fc1's rows (dense calls no fc1 module)
     shapes: dict[tuple, list[str]] = {}
     for block, (fc1, fc2) in pairs.items():
         lin = model.get_submodule(fc1)
-        normed = lin.in_features <= MAX_QUANT_COLS and norm_writes_input(model, fc1)
-        shapes.setdefault((rows[fc1] * images, lin.in_features, lin.out_features, "mlp", normed), []).append(block)
+        # the pair's MLP forward (mlp_quant) hands its input to fc1: norm2's kernel writes it where bound to
+        normed = lin.in_features <= MAX_QUANT_COLS and norm_writes_input(model, fc1, handed_on=True)
+        shapes.setdefault((rows[fc2] * images, lin.in_features, lin.out_features, "mlp", normed), []).append(block)
     out = {}
     gen = torch.Generator(ctx.device).manual_seed(0)
     for key, blocks in shapes.items():
