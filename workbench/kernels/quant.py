@@ -512,9 +512,9 @@ def _quant_matmul_kernel(A, W, XS, WS, B, OUT, OS, M, N, K, s_am, s_wn, qmax, RO
             w = tl.load(w_ptr, mask=ks[:, None] < K - k0, other=0)
         if INT8:
             acc = tl.dot(a, w, acc=acc, out_dtype=tl.int32)
-        else:   # e4m3 arrives as its bytes (uint8 views); each BLOCK_K step's products are summed by the
-            # tensor cores (whose e4m3 accumulation on sm_90 keeps fewer bits than fp32) and added to the
-            # fp32 accumulator here, so no more than 128 products ever share the narrow accumulation
+        else:   # e4m3 (bytes under the interpreter: the bitcast); each BLOCK_K step's products are summed
+            # by the tensor cores (whose e4m3 accumulation on sm_90 keeps fewer bits than fp32) and added to
+            # the fp32 accumulator here, so no more than 128 products ever share the narrow accumulation
             acc += tl.dot(a.to(tl.float8e4nv, bitcast=True), w.to(tl.float8e4nv, bitcast=True))
         a_ptr += BLOCK_K
         w_ptr += BLOCK_K
@@ -609,8 +609,11 @@ def _quant_matmul(x_q, x_scale, w_q, w_scale, bias, gelu: bool, out_scale):
     if n_rows > 0 and n_cols > 0:
         extra = dict(_QMM_INTERPRET_CONFIG) if _INTERPRET else {}
         grid = lambda meta: (cdiv(n_rows, meta["BLOCK_M"]) * cdiv(n_cols, meta["BLOCK_N"]),)  # noqa: E731
+        # e4m3 goes in as itself (its loads feed the tensor cores straight from shared memory); the
+        # interpreter reads it as bytes (uint8 views), bitcast back in the kernel
+        bytes_ = _INTERPRET and not int8
         launch(_qmm)[grid](
-            x_q if int8 else x_q.view(torch.uint8), w_q if int8 else w_q.view(torch.uint8), x_scale, w_scale,
+            x_q.view(torch.uint8) if bytes_ else x_q, w_q.view(torch.uint8) if bytes_ else w_q, x_scale, w_scale,
             bias if bias is not None else w_scale, out, out_scale if out_scale is not None else w_scale,
             n_rows, n_cols, k, x_q.stride(0), w_q.stride(0), QMAX["int8" if int8 else "fp8"],
             ROW_SCALE=x_scale.numel() != 1, HAS_BIAS=bias is not None, INT8=int8,
