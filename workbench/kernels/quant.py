@@ -507,9 +507,10 @@ def _quant_matmul_kernel(A, W, XS, WS, B, OUT, OS, M, N, K, s_am, s_wn, qmax, RO
         if EVEN_K:
             a = tl.load(a_ptr)
             w = tl.load(w_ptr)
-        else:   # the K tail: zero bytes past K (0 in int8 and in e4m3)
-            a = tl.load(a_ptr, mask=ks[None, :] < K - k0, other=0)
-            w = tl.load(w_ptr, mask=ks[:, None] < K - k0, other=0)
+        else:   # the K tail: zeros past K (an int8 0; an e4m3 0.0, whose bits are those of int8's 0)
+            zero = 0 if INT8 else 0.0
+            a = tl.load(a_ptr, mask=ks[None, :] < K - k0, other=zero)
+            w = tl.load(w_ptr, mask=ks[:, None] < K - k0, other=zero)
         if INT8:
             acc = tl.dot(a, w, acc=acc, out_dtype=tl.int32)
         else:   # e4m3 (bytes under the interpreter: the bitcast); each BLOCK_K step's products are summed
