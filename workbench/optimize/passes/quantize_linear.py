@@ -637,10 +637,9 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
     if activations == "mixed" and (route == "simulate" or "triton" in candidates):
         pairs = mlp_pairs(model)
     paired_fc1 = {fc1 for fc1, _ in pairs.values()}
-    wide = {n: GELU_FC1 for n in gelu_fused_fc1(model) if n not in paired_fc1}
-    routes, kept = plan_routes(linears, dtype, route, keep, wide)
-    pairs = {b: (fc1, fc2) for b, (fc1, fc2) in pairs.items() if fc1 in routes and fc2 in routes}
     gelu_fc1 = set(gelu_fused_fc1(model))
+    routes, kept = plan_routes(linears, dtype, route, keep, {n: GELU_FC1 for n in gelu_fc1 - paired_fc1})
+    pairs = {b: (fc1, fc2) for b, (fc1, fc2) in pairs.items() if fc1 in routes and fc2 in routes}
     for fc1 in paired_fc1 - {fc1 for fc1, _ in pairs.values()}:
         if fc1 in routes and fc1 in gelu_fc1:   # its fc2 stays wide: no pair, fc1 keeps its GELU epilogue
             del routes[fc1]
