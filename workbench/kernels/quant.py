@@ -816,16 +816,34 @@ class QuantLinear(torch.nn.Module):
         M = (x2 if x2 is not None else x_q).shape[0]
         out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else in_dtype
         fused = x_q is not None
-        device = (x2 if x2 is not None else x_q).device
-        if self.epilogue_fused(device):
+        epilogue = self.epilogue_fused((x2 if x2 is not None else x_q).device)
+        if self.route == "simulate":
+            with torch.autocast(device_type, enabled=False):
+                bias = None if self.bias is None else self.bias.float()
+                out = torch.nn.functional.linear(fake_quantize(x2, x_scale, self.fmt), self.weight_dq, bias)
+            # the GPU routes write bf16
+            out = out.to(torch.bfloat16)
+        else:
             if not fused:
-                x_q = quantize(x2, x_scale, self.fmt).contiguous()
-            scale = x_scale if x_scale.dim() == 2 else x_scale.reshape(())
-            out = quant_matmul_act(x_q, scale, self.weight_q, self.weight_scale, self.bias, self.gelu,
-                                   self.output_scale)
-            if self.output_scale is not None:
-                return QuantizedRows(out, self.output_scale, (*lead, self.out_features), torch.bfloat16)
-            return out.to(out_dtype).reshape(*lead, self.out_features)
+                x_q = quantize(x2, x_scale, self.fmt).contiguous()    # the GEMMs read rows of stride 1
+            if self.route == "triton":
+                scale = x_scale if x_scale.dim() == 2 else x_scale.reshape(())
+                if epilogue:    # GELU and the output's quantization in the GEMM's epilogue (fuse_output)
+                    out = quant_matmul_act(x_q, scale, self.weight_q, self.weight_scale, self.bias, self.gelu,
+                                           self.output_scale)
+                    if self.output_scale is not None:
+                        return QuantizedRows(out, self.output_scale, (*lead, self.out_features), torch.bfloat16)
+                else:
+                    out = quant_matmul(x_q, scale, self.weight_q, self.weight_scale, self.bias)
+            elif self.route == "scaled_mm":
+                # rowwise scaling takes an (M, 1) scale for the first operand: a static one is repeated
+                rows = x_scale if x_scale.dim() == 2 else x_scale.reshape(1, 1).expand(M, 1).contiguous()
+                out = fp8_linear(x_q, rows, self.weight_q, self.weight_scale, self.bias)
+            else:
+                out = int8_linear(x_q, x_scale, self.weight_q, self.weight_scale, self.bias)
+        if self.gelu and not epilogue:     # nn.GELU on the layer's bf16 output
+            out = torch.nn.functional.gelu(out)
+        return out.to(out_dtype).reshape(*lead, self.out_features)
         if self.route == "simulate":
             with torch.autocast(device_type, enabled=False):
                 bias = None if self.bias is None else self.bias.float()
