@@ -321,12 +321,18 @@ def measure_layers(model: torch.nn.Module, routes: dict[str, str], dtype: str, c
                     timed[route] = median_us(lambda: quant(x))
                 del quant
         del x
-        best = min(timed, key=timed.get)
-        choice = "quantize" if timed[best] < bf16_us * (1 - SELECT_MARGIN) else "bf16"
-        out[(m, k, n, gelu, normed)] = {"bf16_us": round(bf16_us, 2), **{f"{r}_us": round(t, 2) for r, t in timed.items()},
-                                "quant_us": round(timed[best], 2), "route": best, "choice": choice, "layers": names}
+        out[(m, k, n, gelu, normed)] = _choice(bf16_us, timed, names)
     torch.cuda.empty_cache()
     return out
+
+
+def _choice(bf16_us: float, timed: dict[str, float], layers: list[str]) -> dict:
+    """A measured shape's record: its times, the fastest quantized route, and whether that beats bf16 by
+    more than SELECT_MARGIN."""
+    best = min(timed, key=timed.get)
+    choice = "quantize" if timed[best] < bf16_us * (1 - SELECT_MARGIN) else "bf16"
+    return {"bf16_us": round(bf16_us, 2), **{f"{r}_us": round(t, 2) for r, t in timed.items()},
+            "quant_us": round(timed[best], 2), "route": best, "choice": choice, "layers": layers}
 
 
 def select_measured(routes: dict[str, str], kept: dict[str, str], measured: dict[tuple, dict], dtype: str) -> int:
@@ -523,23 +529,19 @@ def measure_pairs(model: torch.nn.Module, pairs: dict[str, tuple[str, str]], dty
         with torch.inference_mode(), ctx.precision.autocast(ctx.device.type):
             x = x.to(torch.bfloat16)
             bf16_us = median_us(lambda: mlp(x))
+            q1 = QuantLinear(mlp.fc1, dtype, "triton").to(ctx.device)    # the same fc1 for every fc2 route
+            q1.fuse_output(True, torch.tensor(1.0))
+            x_q, x_scale = quantize_rows(x, dtype) if normed else (None, None)
             for route in candidates:
-                q1 = QuantLinear(mlp.fc1, dtype, "triton").to(ctx.device)
                 q2 = QuantLinear(mlp.fc2, dtype, route, torch.tensor(1.0)).to(ctx.device)
-                q1.fuse_output(True, q2.input_scale)
                 if normed:
-                    x_q, x_scale = quantize_rows(x, dtype)
                     timed[route] = median_us(lambda: q2(q1.forward_quantized(x_q, x_scale, x.shape[:-1], x)))
-                    del x_q, x_scale
                 else:
                     timed[route] = median_us(lambda: q2(q1(x)))
-                del q1, q2
+                del q2
+            del q1, x_q, x_scale
         del x
-        best = min(timed, key=timed.get)
-        choice = "quantize" if timed[best] < bf16_us * (1 - SELECT_MARGIN) else "bf16"
-        out[key] = {"bf16_us": round(bf16_us, 2), **{f"{r}_us": round(t, 2) for r, t in timed.items()},
-                    "quant_us": round(timed[best], 2), "route": best, "choice": choice,
-                    "layers": [n for b in blocks for n in pairs[b]]}
+        out[key] = _choice(bf16_us, timed, [n for b in blocks for n in pairs[b]])
     torch.cuda.empty_cache()
     return out
 
