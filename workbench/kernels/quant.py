@@ -844,24 +844,3 @@ class QuantLinear(torch.nn.Module):
         if self.gelu and not epilogue:     # nn.GELU on the layer's bf16 output
             out = torch.nn.functional.gelu(out)
         return out.to(out_dtype).reshape(*lead, self.out_features)
-        if self.route == "simulate":
-            with torch.autocast(device_type, enabled=False):
-                bias = None if self.bias is None else self.bias.float()
-                out = torch.nn.functional.linear(fake_quantize(x2, x_scale, self.fmt), self.weight_dq, bias)
-            # the GPU routes write bf16
-            out = out.to(torch.bfloat16)
-        else:
-            if not fused:
-                x_q = quantize(x2, x_scale, self.fmt).contiguous()    # the GEMMs read rows of stride 1
-            if self.route == "triton":
-                scale = x_scale if x_scale.dim() == 2 else x_scale.reshape(())
-                out = quant_matmul(x_q, scale, self.weight_q, self.weight_scale, self.bias)
-            elif self.route == "scaled_mm":
-                # rowwise scaling takes an (M, 1) scale for the first operand: a static one is repeated
-                rows = x_scale if x_scale.dim() == 2 else x_scale.reshape(1, 1).expand(M, 1).contiguous()
-                out = fp8_linear(x_q, rows, self.weight_q, self.weight_scale, self.bias)
-            else:
-                out = int8_linear(x_q, x_scale, self.weight_q, self.weight_scale, self.bias)
-        if self.gelu:     # nn.GELU on the layer's bf16 output
-            out = torch.nn.functional.gelu(out)
-        return out.to(out_dtype).reshape(*lead, self.out_features)
