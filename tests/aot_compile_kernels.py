@@ -46,6 +46,7 @@ from triton._C.libtriton import native_specialize_impl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.nvidia.compiler import CUDABackend  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H200 (Hopper, sm_90), warp size 32
 SM_COUNT = 132
@@ -224,6 +225,23 @@ def _record_launches(quick: bool) -> None:
             # an MLP's fc1: its GELU and fc2's static quantization in the epilogue, or the GELU alone
             for out_scale in (torch.ones(()), None):
                 quant.quant_matmul_act.fn(x_q, torch.ones(64, 1), w_q, torch.ones(1, 256), None, True, out_scale)
+    # Hopper's persistent TMA kernel for the same GEMMs: every tile config the host may choose (it times them
+    # itself), e4m3 and int8, bf16 out or GELU + static quantization out
+    tma_kernel = quant._quant_matmul_tma_kernel
+    quant._quant_matmul_tma_kernel = _Recorder(tma_kernel)
+    try:
+        for fmt, qdt in (("fp8", torch.float8_e4m3fn), ("int8", torch.int8)):
+            for K in ((512, 272) if quick else (128, 512, 2048, 272)):
+                x_q, w_q = torch.zeros(512, K, dtype=qdt), torch.zeros(256, K, dtype=qdt)
+                for cfg in quant.TMA_CONFIGS:
+                    for bias, gelu, out_scale in ((torch.zeros(256, dtype=torch.bfloat16), False, None),
+                                                  (torch.zeros(256, dtype=torch.bfloat16), True, torch.ones(())),
+                                                  (None, True, None)):
+                        out = torch.empty(512, 256, dtype=torch.bfloat16 if out_scale is None else qdt)
+                        quant._quant_matmul_tma(x_q, torch.ones(512, 1), w_q, torch.ones(1, 256), bias, out, out_scale,
+                                                gelu, cfg=cfg)
+    finally:
+        quant._quant_matmul_tma_kernel = tma_kernel
     # SwinV2's normalized q (scaled per head) and k, forward and backward, at its head width 32 (and 16,
     # 64 where not quick), from the strided views of a packed qkv
     for d in ((32,) if quick else (16, 32, 64)):
@@ -284,7 +302,7 @@ def _signature(fn, args, kwargs):
                     attrs[(i, j)] = CUDABackend.parse_attr(attr)
             signature[p.name] = tuple(kinds)
             continue
-        if not isinstance(v, (torch.Tensor, bool, int, float)):
+        if not isinstance(v, (torch.Tensor, bool, int, float, TensorDescriptor)):
             raise TypeError(f"{fn.__name__}: {p.name} = {v!r}")
         kind, attr = native_specialize_impl(CUDABackend, v, p.is_const, not p.do_not_specialize,
                                             not p.do_not_specialize_on_alignment)

@@ -16,7 +16,10 @@ quant_matmul's Triton GEMM with a fused epilogue).
                                            and fc2's input quantization (QuantLinear.forward_quantized)
     int8_dequant(acc, x_scale, w_scale, bias)      int8_linear's fp32 epilogue in one Triton launch, bit for bit
     quant_matmul(x_q, x_scale, w_q, w_scale, bias) either format's GEMM in Triton with that epilogue fused:
-                                           (M, N) bf16 written once (int8: int8_linear's bits)
+                                           (M, N) bf16 written once (int8: int8_linear's bits); on Hopper
+                                           a persistent TMA kernel where it times faster
+    quant_matmul_act(..., gelu, out_scale)  the same with an MLP's GELU and the next Linear's static
+                                           quantization in the epilogue: fc1 writing fc2's input
 
 Formats (`fmt`): "fp8" is float8 e4m3fn (largest finite 448, no inf: a value past 448 would become NaN,
 so quantize saturates first); "int8" is symmetric int8, [-127, 127] (-128 unused so that the range is
@@ -57,7 +60,8 @@ import triton
 import triton.language as tl
 
 from workbench.kernels import _common
-from workbench.kernels._common import _INTERPRET, SOFT_RTNE, cdiv, kernel_op, launch, next_pow2, to_dtype
+from workbench.kernels._common import (_INTERPRET, SOFT_RTNE, cdiv, kernel_op, launch, next_pow2, sm_count,
+                                       to_dtype)
 
 FORMATS = ("fp8", "int8")
 QMAX = {"fp8": 448.0, "int8": 127.0}
@@ -288,9 +292,13 @@ def quantize_tile(x, qmax, inv_qmax, min_scale, INT8: tl.constexpr, RECIPROCAL: 
 
 
 @triton.jit
-def quantize_static(x, scale, qmax, INT8: tl.constexpr):
-    """quantize(x, scale, fmt) of a tile x (fp32) at one static fp32 scale (a scalar)."""
-    return _divide_round(x, tl.zeros(x.shape, tl.float32) + scale, qmax, INT8)
+def quantize_static(x, inv_scale, qmax, INT8: tl.constexpr):
+    """A tile x (fp32) quantized at one static scale, given as its fp32 reciprocal inv_scale (a scalar): x *
+    inv_scale, clamped and rounded as _divide_round does. One multiplication an element instead of a
+    division; the product differs from the correctly rounded quotient by an fp32 ulp at most, which moves a
+    value to the neighbouring step of the format only where the quotient lies that close to a rounding
+    boundary."""
+    return _round_to_format(x * inv_scale, qmax, INT8)
 
 
 @triton.jit
@@ -301,6 +309,13 @@ def _divide_round(x, div, qmax, INT8: tl.constexpr):
         q = tl.math.div_rn(x, div)
     else:
         q = x / div
+    return _round_to_format(q, qmax, INT8)
+
+
+@triton.jit
+def _round_to_format(q, qmax, INT8: tl.constexpr):
+    """q (fp32) clamped to +-qmax (NaN kept), rounded half to even (INT8) or cast to e4m3 (round to nearest
+    even)."""
     q = tl.clamp(q, -qmax, qmax, propagate_nan=tl.PropagateNan.ALL)
     if INT8:
         xq = _rint(q).to(tl.int8)
@@ -475,24 +490,66 @@ def _(acc, x_scale, w_scale, bias):
 
 
 @triton.jit
+def _gelu_tanh(x):
+    """GELU in its tanh form, in fp32: (0.5 x) (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), what
+    nn.GELU(approximate='tanh') computes and cuBLASLt's GELU epilogue applies (dense's fused fc1 in
+    inference). On the GPU tanh is the hardware's tanh.approx.f32 (one special-function instruction; its
+    absolute error, about 2^-11, gives GELU an absolute error of about 2^-12 |x|, below the bf16 step at x
+    itself); under the interpreter the same function as x / (1 + exp(-2u)), exact to a few fp32 ulps."""
+    u = x * (0.7978845608028654 + 0.0356774081363001 * (x * x))
+    if _GPU_MATH:
+        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [u], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+        y = (0.5 * x) * (1.0 + t)
+    else:
+        y = x / (1.0 + tl.exp(tl.minimum(-2.0 * u, 88.0)))
+    return y
+
+
+@triton.jit
+def _tile_position(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """The (row, column) tile of the (M, N) output that program-tile `tile` computes: tiles walked in groups
+    of GROUP_M rows of tiles, so that the A rows and W columns a group reads stay in L2."""
+    grid_m = tl.cdiv(M, BLOCK_M)
+    width = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first_m = (tile // width) * GROUP_M
+    size_m = tl.minimum(grid_m - first_m, GROUP_M)
+    return first_m + (tile % width) % size_m, (tile % width) // size_m
+
+
+@triton.jit
+def _qmm_output(acc, rows, cols, M, N, XS, WS, B, OS, qmax, ROW_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                INT8: tl.constexpr, SOFT_RTNE: tl.constexpr, GELU: tl.constexpr, OUT_Q: tl.constexpr,
+                OUT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The quantized GEMMs' epilogue on an accumulator tile: the scales and the bias (_epilogue), then, in
+    fp32, GELU (the tanh form) where asked, then either one rounding to OUT_DTYPE or, OUT_Q, quantization
+    to the operands' format at the static scale *OS (quantize_static, by its reciprocal). As a GEMM with a
+    fused activation computes it (cuBLASLt's GELU epilogue): no bf16 rounding between the Linear and the
+    GELU. -> the tile as written, in OUT_DTYPE."""
+    out = _epilogue(acc, rows, cols, rows < M, cols < N, XS, WS, B, ROW_SCALE, HAS_BIAS, BLOCK_M, BLOCK_N)
+    if GELU:
+        out = _gelu_tanh(out)
+    if OUT_Q:
+        if _GPU_MATH:
+            inv_scale = tl.math.div_rn(1.0, tl.load(OS))
+        else:
+            inv_scale = 1.0 / tl.load(OS)
+        y = quantize_static(out, inv_scale, qmax, INT8)
+    else:
+        y = to_dtype(out, OUT_DTYPE, SOFT_RTNE)
+    return y
+
+
+@triton.jit
 def _quant_matmul_kernel(A, W, XS, WS, B, OUT, OS, M, N, K, s_am, s_wn, qmax, ROW_SCALE: tl.constexpr,
                          HAS_BIAS: tl.constexpr, INT8: tl.constexpr, EVEN_K: tl.constexpr, SOFT_RTNE: tl.constexpr,
                          GELU: tl.constexpr, OUT_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """OUT (M, N) = epilogue(A (M, K) @ W (N, K)^T): int8 operands accumulate exactly in int32, e4m3 ones
-    in fp32; the scales and the bias are applied to the accumulator in registers and OUT is written once,
-    in bf16. GELU: the bf16 result's exact-erf GELU, rounded to bf16 (nn.GELU after the Linear). OUT_Q:
-    that bf16 value quantized to A's format at the static scale *OS (quantize_static) and written in it,
-    the next Linear's input. Programs walk the (M, N) tiles in groups of GROUP_M rows of tiles, so that the
-    A rows and W columns a group reads stay in L2."""
-    pid = tl.program_id(0)
-    grid_m = tl.cdiv(M, BLOCK_M)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    width = GROUP_M * grid_n
-    first_m = (pid // width) * GROUP_M
-    size_m = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
+    """OUT (M, N) = epilogue(A (M, K) @ W (N, K)^T) (_qmm_output), one output tile per program, operands
+    through pointers: int8 operands accumulate exactly in int32, e4m3 ones in fp32. The interpreter's GEMM,
+    and the GPU's where the TMA kernel does not apply (torch.compile's trace, a GPU before Hopper, rows not
+    16-byte aligned)."""
+    pid_m, pid_n = _tile_position(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -519,24 +576,60 @@ def _quant_matmul_kernel(A, W, XS, WS, B, OUT, OS, M, N, K, s_am, s_wn, qmax, RO
             acc += tl.dot(a.to(tl.float8e4nv, bitcast=True), w.to(tl.float8e4nv, bitcast=True))
         a_ptr += BLOCK_K
         w_ptr += BLOCK_K
-    row_mask = rows < M
-    col_mask = cols < N
-    out = _epilogue(acc, rows, cols, row_mask, col_mask, XS, WS, B, ROW_SCALE, HAS_BIAS, BLOCK_M, BLOCK_N)
+    y = _qmm_output(acc, rows, cols, M, N, XS, WS, B, OS, qmax, ROW_SCALE, HAS_BIAS, INT8, SOFT_RTNE, GELU, OUT_Q,
+                    OUT.dtype.element_ty, BLOCK_M, BLOCK_N)
     offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-    if GELU or OUT_Q:
-        y = to_dtype(out, tl.bfloat16, SOFT_RTNE)
-        if GELU:
-            y = to_dtype(_gelu_erf(y.to(tl.float32)), tl.bfloat16, SOFT_RTNE)
-        if OUT_Q:
-            y = quantize_static(y.to(tl.float32), tl.load(OS), qmax, INT8)
-    else:
-        y = to_dtype(out, OUT.dtype.element_ty, SOFT_RTNE)
-    tl.store(OUT + offs, y, mask=row_mask[:, None] & col_mask[None, :])
+    tl.store(OUT + offs, y, mask=(rows < M)[:, None] & (cols < N)[None, :])
 
 
-# Hopper tiles for 1-byte operands (BLOCK_K 128 in every config: one 128-byte row of each operand per
-# step, and the host knows whether K needs the masked tail); the autotuner picks per (M, N, K) in the
-# first calls (a stage's warm-up), before any graph capture.
+@triton.jit
+def _quant_matmul_tma_kernel(a_desc, w_desc, o_desc, XS, WS, B, OS, M, N, K, qmax, ROW_SCALE: tl.constexpr,
+                             HAS_BIAS: tl.constexpr, INT8: tl.constexpr, SOFT_RTNE: tl.constexpr, GELU: tl.constexpr,
+                             OUT_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr,
+                             PROMOTE: tl.constexpr):
+    """_quant_matmul_kernel's GEMM for Hopper: operands and output through TMA descriptors (a_desc (M, K),
+    w_desc (N, K), o_desc (M, N); blocks past an edge load zeros and store nothing, so K needs no masked
+    tail), PROGRAMS persistent programs walking the output tiles (the next tile's loads overlap this one's
+    epilogue), the accumulator kept in the tensor cores' registers across K. e4m3: the tensor cores' own
+    accumulation on sm_90 keeps fewer bits than fp32; PROMOTE > 0 adds the sum into an fp32 accumulator
+    every PROMOTE K steps of BLOCK_K (0: never)."""
+    out_dtype: tl.constexpr = o_desc.dtype
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), num_tiles, PROGRAMS, flatten=True):
+        pid_m, pid_n = _tile_position(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        if INT8:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if PROMOTE > 0:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            a = a_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
+            w = w_desc.load([pid_n * BLOCK_N, ki * BLOCK_K])
+            if INT8:
+                acc = tl.dot(a, w.T, acc, out_dtype=tl.int32)
+            elif PROMOTE == 1:
+                total += tl.dot(a, w.T)
+            else:
+                acc = tl.dot(a, w.T, acc)
+                if PROMOTE > 1:
+                    flush = (ki % PROMOTE == PROMOTE - 1) | (ki == k_tiles - 1)
+                    total = tl.where(flush, total + acc, total)
+                    acc = tl.where(flush, 0.0, acc)
+        if PROMOTE > 0 and not INT8:
+            acc = total
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        y = _qmm_output(acc, rows, cols, M, N, XS, WS, B, OS, qmax, ROW_SCALE, HAS_BIAS, INT8, SOFT_RTNE, GELU,
+                        OUT_Q, out_dtype, BLOCK_M, BLOCK_N)
+        o_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], y)
+
+
+# Tiles of the pointer kernel (BLOCK_K 128 in every config: one 128-byte row of each operand per step, and
+# the host knows whether K needs the masked tail); the autotuner picks per (M, N, K) in the first calls (a
+# stage's warm-up), before any graph capture.
 _QMM_BLOCK_K = 128
 _QMM_CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": _QMM_BLOCK_K, "GROUP_M": 8}, num_warps=nw,
                               num_stages=ns)
@@ -557,6 +650,113 @@ elif not _common.AUTOTUNE:
 else:
     _qmm = triton.autotune(_QMM_CONFIGS, key=_QMM_KEY, do_bench=_qmm_bench)(_quant_matmul_kernel)
 
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:     # a Triton without host-side TMA descriptors: the pointer kernel everywhere
+    TensorDescriptor = None
+
+# The TMA kernel's tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), the first the default. Its descriptors
+# carry the block shape, so the host chooses the config itself (_gemm_config: timing each, and the pointer
+# kernel, on a shape's first eager call, outside graph capture, as the autotuner would) and builds the
+# descriptors for it.
+TMA_CONFIGS = ((128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3), (128, 256, 64, 8, 4),
+               (128, 64, 128, 4, 4), (64, 128, 128, 4, 4))
+TMA_INTERPRET_CONFIG = (32, 32, 32, 4, 1)
+# e4m3: K steps of BLOCK_K the tensor cores accumulate on their own before the sum goes into fp32 (see the
+# kernel); 0 keeps the whole K in the tensor cores' accumulator
+TMA_PROMOTE = 0
+# Whether the GEMMs may take the TMA kernel: None on Hopper GPUs where it times faster than the pointer
+# kernel, never under the interpreter; True wherever it applies, the interpreter included; False nowhere
+# (tests and benchmarks set it to compare the two kernels)
+USE_TMA: bool | None = None
+_TMA_CHOSEN: dict = {}
+
+
+@_common.host_cache
+def _hopper(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _tma_applies(x_q: torch.Tensor, w_q: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether _quant_matmul_tma_kernel runs this GEMM: eager (not torch.compile's trace), a Hopper or newer
+    GPU (or the interpreter where USE_TMA asks), each operand's rows 16-byte aligned as TMA requires, K at
+    least 32 (the tensor cores' K step for 1-byte operands)."""
+    if TensorDescriptor is None or _common.tracing() or USE_TMA is False:
+        return False
+    if _INTERPRET:
+        if not USE_TMA:
+            return False
+    elif not (x_q.is_cuda and _hopper(x_q.device)):
+        return False
+    return x_q.shape[1] >= 32 and all(t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
+                                      and t.data_ptr() % 16 == 0 for t in (x_q, w_q, out))
+
+
+def _quant_matmul_tma(x_q, x_scale, w_q, w_scale, bias, out, out_scale, gelu: bool, cfg):
+    """One launch of _quant_matmul_tma_kernel at `cfg` (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)."""
+    n_rows, k = x_q.shape
+    n_cols = w_q.shape[0]
+    int8 = x_q.dtype == torch.int8
+    bm, bn, bk, warps, stages = cfg
+    bk = min(bk, max(16, next_pow2(k)))
+    programs = min(cdiv(n_rows, bm) * cdiv(n_cols, bn), sm_count(x_q.device))
+    _quant_matmul_tma_kernel[(programs,)](
+        TensorDescriptor.from_tensor(x_q, [bm, bk]), TensorDescriptor.from_tensor(w_q, [bn, bk]),
+        TensorDescriptor.from_tensor(out, [bm, bn]), x_scale, w_scale, bias if bias is not None else w_scale,
+        out_scale if out_scale is not None else w_scale, n_rows, n_cols, k, QMAX["int8" if int8 else "fp8"],
+        ROW_SCALE=x_scale.numel() != 1, HAS_BIAS=bias is not None, INT8=int8, SOFT_RTNE=SOFT_RTNE, GELU=gelu,
+        OUT_Q=out_scale is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, PROGRAMS=programs,
+        PROMOTE=0 if int8 else TMA_PROMOTE, num_warps=warps, num_stages=stages)
+    return out
+
+
+def _quant_matmul_pointer(x_q, x_scale, w_q, w_scale, bias, out, out_scale, gelu: bool):
+    """One launch of _quant_matmul_kernel (autotuned per (M, N, K))."""
+    n_rows, k = x_q.shape
+    n_cols = w_q.shape[0]
+    int8 = x_q.dtype == torch.int8
+    extra = dict(_QMM_INTERPRET_CONFIG) if _INTERPRET else {}
+    grid = lambda meta: (cdiv(n_rows, meta["BLOCK_M"]) * cdiv(n_cols, meta["BLOCK_N"]),)  # noqa: E731
+    # e4m3 goes in as itself (its loads feed the tensor cores straight from shared memory); the
+    # interpreter reads it as bytes (uint8 views), bitcast back in the kernel
+    bytes_ = _INTERPRET and not int8
+    launch(_qmm)[grid](
+        x_q.view(torch.uint8) if bytes_ else x_q, w_q.view(torch.uint8) if bytes_ else w_q, x_scale, w_scale,
+        bias if bias is not None else w_scale, out, out_scale if out_scale is not None else w_scale,
+        n_rows, n_cols, k, x_q.stride(0), w_q.stride(0), QMAX["int8" if int8 else "fp8"],
+        ROW_SCALE=x_scale.numel() != 1, HAS_BIAS=bias is not None, INT8=int8,
+        EVEN_K=k % (extra["BLOCK_K"] if _INTERPRET else _QMM_BLOCK_K) == 0, SOFT_RTNE=SOFT_RTNE,
+        GELU=gelu, OUT_Q=out_scale is not None, **extra)
+    return out
+
+
+def _gemm_config(args) -> tuple | None:
+    """The kernel and tiles for a GEMM the TMA kernel can take: a TMA_CONFIGS entry, or None for the pointer
+    kernel. Timed over all of them (graph-replayed) on a shape's first eager call (a config that fails to compile or does not
+    fit the GPU's shared memory skipped), so that the TMA kernel runs only where it is the faster (USE_TMA
+    True: the TMA configs alone); the first TMA config under the interpreter, with autotuning off, or while
+    a CUDA graph is being captured."""
+    x_q, x_scale, w_q, _, bias, _, out_scale, gelu = args
+    key = (*x_q.shape, w_q.shape[0], x_q.dtype, gelu, out_scale is not None, x_scale.numel() != 1, bias is not None,
+           USE_TMA)
+    if key in _TMA_CHOSEN:
+        return _TMA_CHOSEN[key]
+    if _INTERPRET:
+        return TMA_INTERPRET_CONFIG
+    if not _common.AUTOTUNE or torch.cuda.is_current_stream_capturing():
+        return TMA_CONFIGS[0]
+    # GPU time graph-replayed, as the stages run (an eager launch of the TMA kernel costs the host more than
+    # a cached one of the pointer kernel: that must not decide)
+    times = {} if USE_TMA else {None: _common.cuda_graph_us([lambda: _quant_matmul_pointer(*args)], replays=5,
+                                                            calls=8)[0]}
+    for cfg in TMA_CONFIGS:
+        try:
+            times[cfg] = _common.cuda_graph_us([lambda: _quant_matmul_tma(*args, cfg=cfg)], replays=5, calls=8)[0]
+        except Exception:   # noqa: BLE001  (a config that does not fit this GPU)
+            continue
+    chosen = _TMA_CHOSEN[key] = min(times, key=times.get)
+    return chosen
+
 
 @kernel_op("swinbench::quant_matmul")
 def quant_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
@@ -566,7 +766,8 @@ def quant_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_
     bf16 (int8_linear writes an int32 accumulator and reads it back; fp8_linear's _scaled_mm applies its
     epilogue too). x_q (M, K) int8 or e4m3fn, rows contiguous; x_scale (M, 1) or () fp32; w_q (N, K) of
     x_q's dtype, rows contiguous; w_scale (1, N) fp32; bias (N,) or None. int8 gives int8_linear's bits
-    (the same exact int32 sums, the same fp32 epilogue); e4m3 sums in fp32 in its own order. No host sync."""
+    (the same exact int32 sums, the same fp32 epilogue); e4m3 sums in fp32 in its own order. On Hopper
+    (eager) the persistent TMA kernel, else the pointer kernel. No host sync."""
     return _quant_matmul(x_q, x_scale, w_q, w_scale, bias, False, None)
 
 
@@ -579,10 +780,12 @@ def _(x_q, x_scale, w_q, w_scale, bias):
 def quant_matmul_act(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                      bias: Optional[torch.Tensor], gelu: bool, out_scale: Optional[torch.Tensor]) -> torch.Tensor:
     """quant_matmul with an MLP's activation and the next Linear's input quantization in its epilogue: the
-    bf16 result, then its exact-erf GELU rounded to bf16 where `gelu` (nn.GELU after the Linear), then,
-    where `out_scale` (a () fp32 static scale) is given, that value quantized at it to x_q's format
-    (quantize(y, out_scale, fmt)'s bits) -> (M, N) bf16, or e4m3fn / int8 with out_scale. One launch: the
-    (M, N) activation is written once, in one byte a value where it is quantized. No host sync."""
+    Linear's result in fp32, then its GELU in the tanh form where `gelu` (nn.GELU(approximate='tanh'): the
+    GELU dense's cuBLASLt epilogue applies in inference; no bf16 rounding in between, as there), then one
+    rounding: to bf16, or, where `out_scale` (a () fp32 static scale) is given, to x_q's format at that
+    scale (quantize's clamping and rounding of y times the scale's fp32 reciprocal) -> (M, N) bf16, or
+    e4m3fn / int8 with out_scale. One launch: the (M, N) activation is written once, in one byte a value
+    where it is quantized. No host sync."""
     return _quant_matmul(x_q, x_scale, w_q, w_scale, bias, gelu, out_scale)
 
 
@@ -592,7 +795,7 @@ def _(x_q, x_scale, w_q, w_scale, bias, gelu, out_scale):
 
 
 def _quant_matmul(x_q, x_scale, w_q, w_scale, bias, gelu: bool, out_scale):
-    """quant_matmul (gelu False, out_scale None) and quant_matmul_act: one launch of the Triton GEMM."""
+    """quant_matmul (gelu False, out_scale None) and quant_matmul_act: one launch of a Triton GEMM."""
     n_rows, k = x_q.shape
     n_cols = w_q.shape[0]
     x_scale, w_scale, bias = _scales_for(n_rows, n_cols, x_scale, w_scale, bias, "quant_matmul")
@@ -602,25 +805,18 @@ def _quant_matmul(x_q, x_scale, w_q, w_scale, bias, gelu: bool, out_scale):
     if out_scale is not None and (out_scale.numel() != 1 or out_scale.dtype != torch.float32):
         raise ValueError(f"quant_matmul: out_scale must be one fp32 value, got {tuple(out_scale.shape)} "
                          f"{out_scale.dtype}")
-    if x_q.stride(1) != 1 or w_q.stride(1) != 1:      # the kernel walks each row's K elements one apart
+    if x_q.stride(1) != 1 or w_q.stride(1) != 1:      # the kernels walk each row's K elements one apart
         x_q, w_q = x_q.contiguous(), w_q.contiguous()
     int8 = x_q.dtype == torch.int8
     out_dtype = torch.bfloat16 if out_scale is None else x_q.dtype
     out = _common.new_output((n_rows, n_cols), out_dtype, x_q.device)
-    if n_rows > 0 and n_cols > 0:
-        extra = dict(_QMM_INTERPRET_CONFIG) if _INTERPRET else {}
-        grid = lambda meta: (cdiv(n_rows, meta["BLOCK_M"]) * cdiv(n_cols, meta["BLOCK_N"]),)  # noqa: E731
-        # e4m3 goes in as itself (its loads feed the tensor cores straight from shared memory); the
-        # interpreter reads it as bytes (uint8 views), bitcast back in the kernel
-        bytes_ = _INTERPRET and not int8
-        launch(_qmm)[grid](
-            x_q.view(torch.uint8) if bytes_ else x_q, w_q.view(torch.uint8) if bytes_ else w_q, x_scale, w_scale,
-            bias if bias is not None else w_scale, out, out_scale if out_scale is not None else w_scale,
-            n_rows, n_cols, k, x_q.stride(0), w_q.stride(0), QMAX["int8" if int8 else "fp8"],
-            ROW_SCALE=x_scale.numel() != 1, HAS_BIAS=bias is not None, INT8=int8,
-            EVEN_K=k % (extra["BLOCK_K"] if _INTERPRET else _QMM_BLOCK_K) == 0, SOFT_RTNE=SOFT_RTNE,
-            GELU=gelu, OUT_Q=out_scale is not None, **extra)
-    return out
+    if n_rows == 0 or n_cols == 0:
+        return out
+    args = (x_q, x_scale, w_q, w_scale, bias, out, out_scale, gelu)
+    cfg = _gemm_config(args) if _tma_applies(x_q, w_q, out) else None
+    if cfg is not None:
+        return _quant_matmul_tma(*args, cfg=cfg)
+    return _quant_matmul_pointer(*args)
 
 
 def fp8_linear(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
@@ -730,7 +926,8 @@ class QuantLinear(torch.nn.Module):
 
     def fuse_output(self, gelu: bool, output_scale: torch.Tensor | None = None) -> None:
         """Make this layer an MLP's fc1 that runs its activation, and fc2's input quantization, itself: the
-        forward then gives GELU(linear(x)) (exact erf, rounded to bf16: nn.GELU after the Linear), and with
+        forward then gives GELU(linear(x)) (the tanh form, rounded to bf16: nn.GELU(approximate='tanh') after
+        the Linear, the GELU dense's cuBLASLt epilogue computes in inference), and with
         output_scale (the next QuantLinear's static () input scale) hands that on quantized at it, as a
         QuantizedRows the next layer reads. Where the kernels run (eager) both happen in the GEMM's epilogue
         (quant_matmul_act: the triton route only); under torch.compile, on the simulate route or where the
@@ -841,6 +1038,6 @@ class QuantLinear(torch.nn.Module):
                 out = fp8_linear(x_q, rows, self.weight_q, self.weight_scale, self.bias)
             else:
                 out = int8_linear(x_q, x_scale, self.weight_q, self.weight_scale, self.bias)
-        if self.gelu and not epilogue:     # nn.GELU on the layer's bf16 output
-            out = torch.nn.functional.gelu(out)
+        if self.gelu and not epilogue:     # the tanh-form GELU on the layer's bf16 output
+            out = torch.nn.functional.gelu(out, approximate="tanh")
         return out.to(out_dtype).reshape(*lead, self.out_features)

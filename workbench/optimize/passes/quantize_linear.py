@@ -57,8 +57,9 @@ merge + add + norm2 kernel for a quantized fc1 (`merge_add_norm_quant`; not on d
 Eager inference only (under torch.compile Inductor fuses the torch-op quantization into the norm). The
 record counts those blocks (`norm1_quantizes_qkv_blocks`, `norm2_quantizes_fc1_blocks`).
 
-activations: mixed quantizes each v1 block's MLP as one pair: fc1 on the Triton GEMM with the GELU and
-fc2's input quantization in its epilogue (`kernels.quant.quant_matmul_act`: the (rows, 4C) hidden
+activations: mixed quantizes each v1 block's MLP as one pair: fc1 on the Triton GEMM with the GELU (its
+tanh form, as dense's cuBLASLt epilogue computes it in inference) and fc2's input quantization in its
+epilogue (`kernels.quant.quant_matmul_act`: the (rows, 4C) hidden
 activation written once, one byte a value, at fc2's calibrated static scale, where no per-row scale could
 be taken: a row spans the GEMM's column tiles), fc2 reading it as it is. The block plan's MLP forward is
 then fc1 then fc2 (`mlp_quant`); on dense, fc1 leaves its bf16 GELU epilogue for the quantized one, and
