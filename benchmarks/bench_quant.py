@@ -15,6 +15,9 @@ Per Swin-B stage (rows = 64 * H * W tokens, C = 128, 256, 512, 1024):
   dequant int8          int8_linear's epilogue on an (rows, N) int32 accumulator, N = C (proj, fc2),
                         3C (qkv), 4C (fc1), per-row x scale, (1, N) w scale, fp32 bias, bf16 out:
                         torch: int8_dequant_torch; triton: int8_dequant
+  fc1 act fp8 / int8    an MLP's fc1 writing fc2's input: the quantized GEMM, the tanh-form GELU and the
+                        quantization at a static scale as three launches (torch) against quant_matmul_act's one;
+                        bf16_us: dense's fc1 (cuBLASLt GEMM with its GELU epilogue, bf16 out)
   gemm fp8 / int8       a block's Linears on quantized operands, (rows, K) @ (N, K)^T + bias -> bf16 for
                         K -> N = C -> 3C (qkv), C -> C (proj), C -> 4C (fc1), 4C -> C (fc2): torch:
                         fp8_linear (_scaled_mm) / int8_linear (_int_mm + int8_dequant); triton:
@@ -45,8 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import batch_bench_parser, markdown_table, out_dir_for, write_results  # noqa: E402
 from workbench.env import device_label, environment_stamp  # noqa: E402
 from workbench.kernels.quant import (absmax_scale, fp8_linear, gelu_quantize_rows, int8_dequant,  # noqa: E402
-                                     int8_dequant_torch, int8_linear, quant_matmul, quantize, quantize_rows,
-                                     quantize_rows_torch)
+                                     int8_dequant_torch, int8_linear, quant_matmul, quant_matmul_act, quantize,
+                                     quantize_rows, quantize_rows_torch)
 from workbench.kernels.window import norm_shift_partition_fwd, norm_shift_partition_quant  # noqa: E402
 from workbench.optimize.timing import cuda_graph_us  # noqa: E402
 
@@ -115,6 +118,36 @@ def norm1_quantized(x, w, b, fmt):
     return windows_q.reshape(-1, windows_q.shape[-1]), scale
 
 
+ACT_SCALE = 4.0 / 448      # fc2's static input scale in fc1 act (GELU of the unit-variance GEMM output)
+
+
+def fc1_act_torch(x_q, x_scale, w_q, w_scale, bias, fmt):
+    """An MLP's fc1 into fc2's static-scale input without the fusion: the quantized GEMM (bf16 out), the
+    tanh-form GELU, then quantize at the static scale: three launches, the (rows, 4C) hidden written in
+    bf16 twice and read twice."""
+    y = (fp8_linear if fmt == "fp8" else int8_linear)(x_q, x_scale, w_q, w_scale, bias)
+    return quantize(torch.nn.functional.gelu(y, approximate="tanh"), torch.tensor(ACT_SCALE, device=y.device), fmt)
+
+
+def fc1_act_fused(x_q, x_scale, w_q, w_scale, bias, fmt):
+    """quant_matmul_act: the GEMM with the GELU and the static quantization in its epilogue, one launch."""
+    return quant_matmul_act(x_q, x_scale, w_q, w_scale, bias, True, torch.tensor(ACT_SCALE, device=x_q.device))
+
+
+def act_close(a, b) -> bool:
+    """fc1 act's check: the fused epilogue's GELU reads the fp32 result, the unfused path's GELU a bf16 one
+    and writes bf16 again (two roundings of up to 2^-9 of the value: a quarter of an int8 step near 127), so
+    a value near a rounding boundary of the format may land one step apart: at most 15% of them, each one
+    step (int8: 1; e4m3: its binade's step)."""
+    af, bf = a.float(), b.float()
+    differ = af != bf
+    if int(differ.sum()) > 0.15 * a.numel():
+        return False
+    r = torch.maximum(af.abs(), bf.abs())[differ]
+    step = torch.ones_like(r) if a.dtype == torch.int8 else torch.exp2(torch.floor(torch.log2(r.clamp_min(2.0 ** -6))) - 3)
+    return bool(((af - bf).abs()[differ] <= step * 1.0001).all())
+
+
 def cases(stages: dict, batch: int):
     """(op, stage, rows, cols, make_inputs(seed) -> args, torch fn, triton fn, bytes moved)."""
     for sname, (hw, c) in stages.items():
@@ -156,6 +189,11 @@ def cases(stages: dict, batch: int):
                             bias.to(torch.bfloat16) if fmt == "fp8" else bias)
                 torch_gemm = fp8_linear if fmt == "fp8" else int8_linear
                 yield f"gemm {fmt}", sname, rows, f"{k}->{n}", make, torch_gemm, quant_matmul, rows * (k + 2 * n) + n * k
+                if (kw, nw) == (1, 4):      # fc1 writing fc2's input: GELU and static quantization fused
+                    def make_act(seed, make=make, fmt=fmt):
+                        return (*make(seed), fmt)
+                    yield (f"fc1 act {fmt}", sname, rows, f"{k}->{n}", make_act, fc1_act_torch, fc1_act_fused,
+                           rows * (k + n) + n * k)
 
 
 def main(argv=None) -> int:
@@ -172,6 +210,7 @@ def main(argv=None) -> int:
     records, failures = [], []
     for op, sname, rows, cols, make, torch_fn, triton_fn, nbytes in cases(stages, batch):
         close = (gelu_quant_close if op.startswith("gelu+quant") else gemm_close if op == "gemm fp8"
+                 else act_close if op.startswith("fc1 act")
                  else (lambda a, b: same_bits([a], [b])) if op == "gemm int8" else same_bits)
         if args.check and not close(torch_fn(*make(0)), triton_fn(*make(0))):
             failures.append(f"{op} {sname} {rows}x{cols}")
@@ -182,12 +221,14 @@ def main(argv=None) -> int:
                 rec[f"{impl}_us"] = cuda_graph_us([lambda a=a: fn(*a) for a in sets], replays=args.replays)[0]
                 rec[f"{impl}_gbps"] = nbytes / rec[f"{impl}_us"] / 1e3
             rec["input_sets"] = len(sets)
-            if op.startswith("gemm"):
+            if op.startswith(("gemm", "fc1 act")):
                 k, n = (int(v) for v in cols.split("->"))
                 xs = [torch.randn(rows, k, device=DEV, dtype=torch.bfloat16) for _ in range(min(2, len(sets)))]
                 w, b = torch.randn(n, k, device=DEV, dtype=torch.bfloat16), torch.randn(n, device=DEV, dtype=torch.bfloat16)
-                rec["bf16_us"] = cuda_graph_us([lambda x=x: torch.nn.functional.linear(x, w, b) for x in xs],
-                                               replays=args.replays)[0]
+                # fc1 act's bf16 reference: dense's fc1, the GELU in cuBLASLt's epilogue
+                bf16 = ((lambda x: torch._addmm_activation(b, x, w.t(), use_gelu=True)) if op.startswith("fc1 act")
+                        else (lambda x: torch.nn.functional.linear(x, w, b)))
+                rec["bf16_us"] = cuda_graph_us([lambda x=x: bf16(x) for x in xs], replays=args.replays)[0]
                 rec["triton_tflops"] = 2 * rows * k * n / rec["triton_us"] / 1e6
                 del xs, w, b
             print(f"{op:13s} {sname} {rows:6d}x{cols!s:<9} torch {rec['torch_us']:8.1f} µs ({rec['torch_gbps']:5.0f} GB/s)"
@@ -197,7 +238,7 @@ def main(argv=None) -> int:
         records.append(rec)
     if args.check:
         print(f"# check: {len(records) - len(failures)}/{len(records)} agree with the torch ops (bit for bit; e4m3 "
-              "GEMMs within 1%, gelu+quant up to a few tail values one step apart)" +
+              "GEMMs within 1%, gelu+quant up to a few tail values one step apart, fc1 act values one step apart)" +
               (f"; MISMATCH: {', '.join(failures)}" if failures else ""))
     f = lambda r, k, fmt="{:.1f}": fmt.format(r[k]) if k in r else "-"  # noqa: E731
     rows = [[r["op"], r["stage"], f"{r['rows']}×{r['cols']}", f(r, "torch_us"), f(r, "triton_us"),
@@ -217,10 +258,13 @@ def main(argv=None) -> int:
                "norm_shift_partition_quant (one pass, bytes: fp32 in, the quantized windows and scales out); dequant: "
                "int8_linear's fp32 epilogue (torch) against int8_dequant (one launch); gemm: fp8_linear "
                "(_scaled_mm) / int8_linear (_int_mm, then int8_dequant) against quant_matmul (one Triton GEMM, "
-               "epilogue fused), bf16 µs the bf16 F.linear of the same shape. GPU time from CUDA-graph "
+               "epilogue fused), bf16 µs the bf16 F.linear of the same shape; fc1 act: the quantized GEMM, GELU "
+               "and static quantization as three launches against quant_matmul_act (one), bf16 µs dense's fc1 "
+               "(GEMM + GELU epilogue). GPU time from CUDA-graph "
                "replay (16 calls per graph), median.",
                "GB/s: the bytes the op must move (quantize: read bf16 x, write x_q and fp32 row scales; dequant: "
-               "read int32, write bf16; gemm: read both operands, write bf16) over its time."])
+               "read int32, write bf16; gemm: read both operands, write bf16; fc1 act: write one byte a value) "
+               "over its time."])
     for path in written:
         print(f"# wrote {path}")
     return 1 if failures else 0
