@@ -523,3 +523,47 @@ def test_key_tiled_rows_whose_first_key_block_is_all_minus_inf(n):
     assert torch.isfinite(out).all() and (out.double() - ref).abs().max() < 1e-5
     for a, b in zip(got, want):
         assert torch.isfinite(a).all() and (a.double() - b).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("bnw,n,nh,d,nw,table", [(8, 49, 4, 32, 4, False), (4, 144, 2, 32, 2, True),
+                                                  (6, 36, 2, 16, 1, True), (3, 81, 1, 64, 3, False)])
+def test_quantized_window_attention_against_float64(bnw, n, nh, d, nw, table):
+    """FP8 inference's attention: e4m3 q, k, v at a static scale in (the qkv GEMM's quantized output), e4m3
+    token rows at a static scale out (proj's input), against float64 attention of the same quantized
+    operands: within one e4m3 step of the exact value, plus the bf16 softmax-times-v arithmetic (2^-8 of
+    the row's largest output). Small and key-tiled kernels, dense bias and table, with and without mask."""
+    from workbench.kernels import quant
+
+    g = torch.Generator().manual_seed(bnw * n + d)
+    qkv = torch.randn(bnw, n, 3, nh, d, generator=g) * 2
+    s_in = (qkv.abs().amax() / 448).float()
+    qkv_q = quant.quantize(qkv, s_in, "fp8")
+    mask = (torch.rand(nw, n, n, generator=g) < 0.2).float() * -100 if nw > 1 else None
+    if table:
+        tab = torch.randn(97, nh, generator=g)
+        idx = torch.randint(0, 97, (n, n), generator=g)
+        bias = tab[idx].permute(2, 0, 1)
+    else:
+        bias, tab, idx = torch.randn(nh, n, n, generator=g), None, None
+    q, k, v = (qkv_q.double() * s_in.double()).permute(2, 0, 3, 1, 4).unbind(0)
+    att = (q @ k.transpose(-1, -2)) * d ** -0.5 + bias.double()
+    if mask is not None:
+        att = (att.view(bnw // nw, nw, nh, n, n) + mask.double()[None, :, None]).view(bnw, nh, n, n)
+    o64 = (att.softmax(-1) @ v).permute(0, 2, 1, 3).reshape(bnw * n, nh * d)
+    s_out = (o64.abs().amax() / 400).float()
+    o64 = o64 / s_out.double()
+    dev = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    out = wa.quantized_window_attention(dev(qkv_q), dev(s_in), dev(tab if table else bias), dev(mask), d ** -0.5,
+                                        dev(s_out), index=dev(idx)).cpu()
+    assert out.dtype == torch.float8_e4m3fn and out.shape == (bnw * n, nh * d)
+    got = out.double()
+    step = torch.exp2(torch.floor(torch.log2(torch.maximum(got.abs(), o64.abs()).clamp_min(2.0 ** -6))) - 3)
+    rowmax = o64.abs().amax(-1, keepdim=True)
+    assert ((got - o64).abs() <= step + rowmax * 2.0 ** -8).all()
+
+
+def test_quantized_window_attention_refuses_a_wide_qkv():
+    qkv = torch.randn(2, 49, 3, 2, 16, device=DEVICE, dtype=torch.bfloat16)
+    one = torch.ones((), device=DEVICE)
+    with pytest.raises(ValueError, match="qkv_q must be e4m3fn"):
+        wa.quantized_window_attention(qkv, one, torch.zeros(2, 49, 49, device=DEVICE), None, 0.25, one)

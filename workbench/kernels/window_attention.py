@@ -63,6 +63,7 @@ import torch
 import triton
 import triton.language as tl
 
+from workbench.kernels.quant import quantize_static
 from workbench.kernels._common import (_INTERPRET, AUTOTUNE, SOFT_RTNE, cdiv, require_compute_dtype, kernel_op, launch, next_pow2, to_dtype,
                                       tracing)
 
@@ -122,6 +123,26 @@ def _store_rows(PTR, x, b, h, s_b, s_h, s_n, s_d, offs, N, D: tl.constexpr):
              x.to(PTR.dtype.element_ty), mask=(offs < N)[:, None])
 
 
+@triton.jit
+def _widen(x, IN_Q: tl.constexpr):
+    """IN_Q: rows loaded as e4m3 (as bytes under the interpreter) to bf16, which holds every e4m3 value
+    exactly (their static scale is applied to the logits and the output, not here)."""
+    if IN_Q:
+        if x.dtype == tl.uint8:
+            x = x.to(tl.float8e4nv, bitcast=True)
+        x = x.to(tl.bfloat16)
+    return x
+
+
+@triton.jit
+def _store_out(O, o, b, h, so_b, so_h, so_n, so_d, offs, N, D: tl.constexpr, OS, OUT_Q: tl.constexpr):
+    """The output rows, in O's dtype; OUT_Q: quantized to e4m3 at the static scale *OS (the next Linear's
+    input, quantize_static's math)."""
+    if OUT_Q:
+        o = quantize_static(o, 1.0 / tl.load(OS), 448.0, False)
+    _store_rows(O, o, b, h, so_b, so_h, so_n, so_d, offs, N, D)
+
+
 @triton.jit(do_not_specialize=["B_PER_W", "NW", "NH"])
 def _window_attention_fwd_kernel(
     Q, K, V, BIAS, MASK, INDEX, O, LSE, COS,
@@ -133,8 +154,11 @@ def _window_attention_fwd_kernel(
     NW, NH, N: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, TABLE: tl.constexpr, COSINE: tl.constexpr = False, SOFT_RTNE: tl.constexpr = False,
+    QS=None, OS=None, IN_Q: tl.constexpr = False, OUT_Q: tl.constexpr = False,
 ):
-    """COSINE: q and k come raw and are normalized here (_cosine; q times the logit scale COS[h])."""
+    """COSINE: q and k come raw and are normalized here (_cosine; q times the logit scale COS[h]). IN_Q:
+    q, k and v in e4m3 at the static scale *QS (the qkv GEMM's output, written quantized); OUT_Q: the
+    output written in e4m3 at the static scale *OS (inference: no LSE)."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
     w = pid % NW
@@ -144,6 +168,10 @@ def _window_attention_fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     qk_scale = scale * 1.4426950408889634
+    v_scale = 1.0
+    if IN_Q:
+        v_scale = tl.load(QS)
+        qk_scale = qk_scale * v_scale * v_scale
     # Query tiles outer, windows inner: the bias/mask tile is loaded once per tile per program.
     for m0 in range(0, N, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -151,9 +179,9 @@ def _window_attention_fwd_kernel(
         bias = _bias_mask_tile(BIAS, MASK, INDEX, h, w, offs_m, offs_n, N, NH, HAS_MASK, TABLE)
         for i in range(i_start, i_end):
             b = (i * NW + w).to(tl.int64)
-            q = _load_rows(Q, b, h, sq_b, sq_h, sq_n, sq_d, offs_m, N, D)
-            k = _load_rows(K, b, h, sk_b, sk_h, sk_n, sk_d, offs_n, N, D)
-            v = _load_rows(V, b, h, sv_b, sv_h, sv_n, sv_d, offs_n, N, D)
+            q = _widen(_load_rows(Q, b, h, sq_b, sq_h, sq_n, sq_d, offs_m, N, D), IN_Q)
+            k = _widen(_load_rows(K, b, h, sk_b, sk_h, sk_n, sk_d, offs_n, N, D), IN_Q)
+            v = _widen(_load_rows(V, b, h, sv_b, sv_h, sv_n, sv_d, offs_n, N, D), IN_Q)
             if COSINE:
                 q = _cosine(q, COS, h, True, SOFT_RTNE)
                 k = _cosine(k, COS, h, False, SOFT_RTNE)
@@ -162,8 +190,11 @@ def _window_attention_fwd_kernel(
             p = tl.exp2(s - m[:, None])
             l = tl.sum(p, 1)
             o = _dot(p.to(v.dtype), v, PRECISION, UPCAST) / l[:, None]
-            _store_rows(O, o, b, h, so_b, so_h, so_n, so_d, offs_m, N, D)
-            tl.store(LSE + (b * NH + h) * N + offs_m, m + tl.log2(l), mask=row_ok)
+            if IN_Q:
+                o = o * v_scale
+            _store_out(O, o, b, h, so_b, so_h, so_n, so_d, offs_m, N, D, OS, OUT_Q)
+            if not OUT_Q:
+                tl.store(LSE + (b * NH + h) * N + offs_m, m + tl.log2(l), mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["B_PER_W", "NW", "NH", "FILL_SLOTS"])
@@ -321,14 +352,14 @@ def _key_block_biases(BIAS, MASK, INDEX, h, w, offs_m, N, NH, HAS_MASK: tl.const
 @triton.jit
 def _fwd_key_block(q, acc, m_i, l_i, bias, K, V, b, h, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
                    n0, qk_scale, N, D: tl.constexpr, KB: tl.constexpr, PRECISION: tl.constexpr,
-                   UPCAST: tl.constexpr, COSINE: tl.constexpr, SOFT_RTNE: tl.constexpr):
+                   UPCAST: tl.constexpr, COSINE: tl.constexpr, SOFT_RTNE: tl.constexpr, IN_Q: tl.constexpr = False):
     """One online-softmax step over keys [n0, n0 + KB): (acc, running max, running sum), base 2.
-    COSINE: the keys come raw and are normalized here."""
+    COSINE: the keys come raw and are normalized here. IN_Q: keys and values in e4m3 (_widen)."""
     offs_n = n0 + tl.arange(0, KB)
-    k = _load_rows(K, b, h, sk_b, sk_h, sk_n, sk_d, offs_n, N, D)
+    k = _widen(_load_rows(K, b, h, sk_b, sk_h, sk_n, sk_d, offs_n, N, D), IN_Q)
     if COSINE:
         k = _cosine(k, K, h, False, SOFT_RTNE)
-    v = _load_rows(V, b, h, sv_b, sv_h, sv_n, sv_d, offs_n, N, D)
+    v = _widen(_load_rows(V, b, h, sv_b, sv_h, sv_n, sv_d, offs_n, N, D), IN_Q)
     s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale + bias  # padded keys: bias is -inf
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # a row with no finite key yet (a -inf mask over the whole block): subtract 0, not -inf (-inf - -inf is NaN)
@@ -367,12 +398,14 @@ def _window_attention_fwd_tiled_kernel(
     BLOCK_M: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, TABLE: tl.constexpr, KT: tl.constexpr, BIAS_REGS: tl.constexpr,
     COSINE: tl.constexpr = False, SOFT_RTNE: tl.constexpr = False, TILE_FASTEST: tl.constexpr = False,
+    QS=None, OS=None, IN_Q: tl.constexpr = False, OUT_Q: tl.constexpr = False,
 ):
     """Forward for 64 < N <= 256. Grid (nW * n_groups, nH, cdiv(N, BLOCK_M)) (or the tiles fastest along
     axis 0, TILE_FASTEST: _tile_program): program (w, g, h, m) owns
     query rows [m*BLOCK_M, (m+1)*BLOCK_M) of its G windows; keys in NKB <= 4 blocks, 64 wide but the
     last KT wide, with an online softmax. BIAS_REGS: the bias/mask tile of each (query tile, key block) is
-    loaded once per program and held in registers, else once per window (from cache)."""
+    loaded once per program and held in registers, else once per window (from cache). IN_Q / OUT_Q: as
+    the small kernel's."""
     KB: tl.constexpr = 64
     NKB: tl.constexpr = (N + KB - 1) // KB
     W1: tl.constexpr = KT if NKB == 2 else KB  # key block widths: block 0 is always full (N > 64)
@@ -384,11 +417,15 @@ def _window_attention_fwd_tiled_kernel(
     offs_m = m * BLOCK_M + tl.arange(0, BLOCK_M)
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     qk_scale = scale * 1.4426950408889634
+    v_scale = 1.0
+    if IN_Q:
+        v_scale = tl.load(QS)
+        qk_scale = qk_scale * v_scale * v_scale
     if BIAS_REGS:
         bias0, bias1, bias2, bias3 = _key_block_biases(BIAS, MASK, INDEX, h, w, offs_m, N, NH, HAS_MASK, TABLE, KT)
     for i in range(i_start, i_end):
         b = (i * NW + w).to(tl.int64)
-        q = _load_rows(Q, b, h, sq_b, sq_h, sq_n, sq_d, offs_m, N, D)
+        q = _widen(_load_rows(Q, b, h, sq_b, sq_h, sq_n, sq_d, offs_m, N, D), IN_Q)
         if COSINE:
             q = _cosine(q, COS, h, True, SOFT_RTNE)
         m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
@@ -398,26 +435,30 @@ def _window_attention_fwd_tiled_kernel(
             bias0 = _key_block_bias(BIAS, MASK, INDEX, h, w, offs_m, 0, N, NH, HAS_MASK, TABLE, KT)
         acc, m_i, l_i = _fwd_key_block(q, acc, m_i, l_i, bias0, K, V, b, h, sk_b, sk_h, sk_n, sk_d,
                                        sv_b, sv_h, sv_n, sv_d, 0, qk_scale, N, D, KB, PRECISION, UPCAST,
-                                       COSINE, SOFT_RTNE)
+                                       COSINE, SOFT_RTNE, IN_Q)
         if not BIAS_REGS:
             bias1 = _key_block_bias(BIAS, MASK, INDEX, h, w, offs_m, 1, N, NH, HAS_MASK, TABLE, KT)
         acc, m_i, l_i = _fwd_key_block(q, acc, m_i, l_i, bias1, K, V, b, h, sk_b, sk_h, sk_n, sk_d,
                                        sv_b, sv_h, sv_n, sv_d, KB, qk_scale, N, D, W1, PRECISION, UPCAST,
-                                       COSINE, SOFT_RTNE)
+                                       COSINE, SOFT_RTNE, IN_Q)
         if NKB > 2:
             if not BIAS_REGS:
                 bias2 = _key_block_bias(BIAS, MASK, INDEX, h, w, offs_m, 2, N, NH, HAS_MASK, TABLE, KT)
             acc, m_i, l_i = _fwd_key_block(q, acc, m_i, l_i, bias2, K, V, b, h, sk_b, sk_h, sk_n, sk_d,
                                            sv_b, sv_h, sv_n, sv_d, 2 * KB, qk_scale, N, D, W2, PRECISION, UPCAST,
-                                           COSINE, SOFT_RTNE)
+                                           COSINE, SOFT_RTNE, IN_Q)
         if NKB > 3:
             if not BIAS_REGS:
                 bias3 = _key_block_bias(BIAS, MASK, INDEX, h, w, offs_m, 3, N, NH, HAS_MASK, TABLE, KT)
             acc, m_i, l_i = _fwd_key_block(q, acc, m_i, l_i, bias3, K, V, b, h, sk_b, sk_h, sk_n, sk_d,
                                            sv_b, sv_h, sv_n, sv_d, 3 * KB, qk_scale, N, D, KT, PRECISION, UPCAST,
-                                           COSINE, SOFT_RTNE)
-        _store_rows(O, acc / l_i[:, None], b, h, so_b, so_h, so_n, so_d, offs_m, N, D)
-        tl.store(LSE + (b * NH + h) * N + offs_m, m_i + tl.log2(l_i), mask=offs_m < N)
+                                           COSINE, SOFT_RTNE, IN_Q)
+        o = acc / l_i[:, None]
+        if IN_Q:
+            o = o * v_scale
+        _store_out(O, o, b, h, so_b, so_h, so_n, so_d, offs_m, N, D, OS, OUT_Q)
+        if not OUT_Q:
+            tl.store(LSE + (b * NH + h) * N + offs_m, m_i + tl.log2(l_i), mask=offs_m < N)
 
 
 @triton.jit
@@ -826,14 +867,16 @@ def _new_buffer(shape, dtype, device) -> torch.Tensor:
 MAX_WINDOW_TOKENS = 256   # the largest window (tokens) the kernels take: four 64-key blocks
 
 
-def _check_inputs(q, k, v, rel_bias, mask):
+def _check_inputs(q, k, v, rel_bias, mask, compute_dtype: bool = True):
+    """The shapes (and, where compute_dtype, a compute dtype: quantized_window_attention's are e4m3)."""
     if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
         raise ValueError(f"q, k, v must share one (B*nW, nH, N, d) shape, got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
     bnw, nh, n, d = q.shape
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError("q, k and v must share one dtype")
-    require_compute_dtype("q, k, v", q)
+    if compute_dtype:
+        require_compute_dtype("q, k, v", q)
     if d < 16 or d > 128 or d & (d - 1):
         raise ValueError(f"head width d must be a power of two in 16..128, got {d}")
     if n > MAX_WINDOW_TOKENS:
@@ -852,13 +895,15 @@ def _strides(t: torch.Tensor):
 # --------------------------------------------------------------------------------------------
 # Host functions
 # --------------------------------------------------------------------------------------------
-def window_attention_fwd(q, k, v, rel_bias, mask, scale, index=None, cosine=None):
+def window_attention_fwd(q, k, v, rel_bias, mask, scale, index=None, cosine=None, in_scale=None, out_scale=None):
     """q, k, v: (B*nW, nH, N, d) fp16/bf16/fp32, any strides. rel_bias: (nH, N, N), or with `index`
     (N, N) the relative-position table (n_table, nH) that the kernel gathers from (rel_bias[h, i, j] =
     table[index[i, j], h]). mask: (nW, N, N) or None. cosine: SwinV2's per-head logit scale (nH,) fp32, or
     None: with it q and k come raw and the kernel normalizes them (q times the scale) as it loads them.
-    -> (out (B*nW, nH, N, d) in q.dtype (a view of a (B*nW, N, nH, d) buffer), lse (B*nW, nH, N) fp32
-    base-2 logsumexp)."""
+    in_scale: q, k, v in e4m3 at this static () fp32 scale (inference); out_scale: the output written in
+    e4m3 at this static () scale, and no lse (inference).
+    -> (out (B*nW, nH, N, d) in q.dtype (bf16 from e4m3 q, e4m3 with out_scale; a view of a (B*nW, N, nH,
+    d) buffer), lse (B*nW, nH, N) fp32 base-2 logsumexp, or None with out_scale)."""
     bnw, nh, n, d = q.shape
     if n > MAX_WINDOW_TOKENS:   # the kernels hold at most four 64-key blocks: refuse, never drop keys
         raise ValueError(f"window area N must be <= {MAX_WINDOW_TOKENS}, got {n}")
@@ -869,11 +914,16 @@ def window_attention_fwd(q, k, v, rel_bias, mask, scale, index=None, cosine=None
     index_arg = rel_bias if index is None else index.contiguous()  # dummy pointer without a table
     cos_arg = rel_bias if cosine is None else cosine.contiguous()  # dummy pointer without cosine scores
     cos_meta = dict(COSINE=cosine is not None, SOFT_RTNE=SOFT_RTNE)
+    in_q, out_q = in_scale is not None, out_scale is not None
+    cos_meta.update(QS=in_scale if in_q else rel_bias, OS=out_scale if out_q else rel_bias, IN_Q=in_q, OUT_Q=out_q)
+    wide = torch.bfloat16 if in_q else q.dtype
+    if in_q and _INTERPRET:     # numpy has no e4m3: the interpreter loads the bytes (the kernel bitcasts them)
+        q, k, v = (t.view(torch.uint8) for t in (q, k, v))
     # The kernel writes the (B*nW, N, nH, d) buffer itself, through the strides of its permuted view:
     # a traced launch must mutate whole tensors, not views (Inductor copies views in and out).
-    out_buf = _new_buffer((bnw, n, nh, d), q.dtype, q.device)
+    out_buf = _new_buffer((bnw, n, nh, d), torch.float8_e4m3fn if out_q else wide, q.device)
     out = out_buf.permute(0, 2, 1, 3)
-    lse = _new_buffer((bnw, nh, n), torch.float32, q.device)
+    lse = out_buf if out_q else _new_buffer((bnw, nh, n), torch.float32, q.device)
     block_m, block_n = _block_sizes(n)
     if block_n > _KEY_BLOCK:  # keys in blocks of 64, query tiles across the grid
         extra = dict(_TILED_INTERPRET_CONFIG) if _INTERPRET else {}
@@ -883,10 +933,10 @@ def window_attention_fwd(q, k, v, rel_bias, mask, scale, index=None, cosine=None
             *_strides(q), *_strides(k), *_strides(v), *_strides(out),
             float(scale), b_per_w, NW=nw, NH=nh, N=n, D=d,
             HAS_MASK=mask is not None, PRECISION=_precision(q.dtype),
-            UPCAST=_INTERPRET and q.dtype == torch.bfloat16, TABLE=index is not None, KT=_tail_width(n), **cos_meta,
+            UPCAST=_INTERPRET and wide == torch.bfloat16, TABLE=index is not None, KT=_tail_width(n), **cos_meta,
             **extra,
         )
-        return out, lse
+        return out, None if out_q else lse
     extra = dict(_INTERPRET_CONFIG) if _INTERPRET else {}
     grid = lambda meta: (nw * cdiv(b_per_w, meta["G"]), nh)  # noqa: E731
     launch(_fwd)[grid](
@@ -894,9 +944,9 @@ def window_attention_fwd(q, k, v, rel_bias, mask, scale, index=None, cosine=None
         *_strides(q), *_strides(k), *_strides(v), *_strides(out),
         float(scale), b_per_w, NW=nw, NH=nh, N=n, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_MASK=mask is not None, PRECISION=_precision(q.dtype),
-        UPCAST=_INTERPRET and q.dtype == torch.bfloat16, TABLE=index is not None, **cos_meta, **extra,
+        UPCAST=_INTERPRET and wide == torch.bfloat16, TABLE=index is not None, **cos_meta, **extra,
     )
-    return out, lse
+    return out, None if out_q else lse
 
 
 def window_attention_bwd(q, k, v, out, lse, dout, rel_bias, mask, scale, compute_dbias=True, dqkv=None,
@@ -1264,6 +1314,29 @@ def fused_window_attention_from_table(q, k, v, table, index, inverse, mask=None,
         scale = q.shape[-1] ** -0.5
     return WindowAttentionTableFunction.apply(q, k, v, table, index, inverse,
                                               None if mask is None else mask.detach(), float(scale))
+
+
+def quantized_window_attention(qkv_q, in_scale, rel_bias, mask, scale, out_scale, index=None):
+    """Window attention for FP8 inference on e4m3 operands, one kernel: qkv_q (B*nW, N, 3, nH, d) e4m3fn,
+    timm's packed qkv as the qkv GEMM wrote it quantized at the static () fp32 scale in_scale; the output
+    (B*nW*N, nH*d) token rows (proj's input layout) in e4m3 at the static () scale out_scale (proj's
+    calibrated input scale). The kernel widens q, k and v to bf16 as it loads them (exact), applies
+    in_scale to the logits and the output, and quantizes the output in its epilogue (quantize_static):
+    the attention's reads and writes are one byte a value. rel_bias (nH, N, N), or with `index` (N, N)
+    the relative-position table (n_table, nH) read through it. No backward."""
+    q, k, v = _packed_qkv(qkv_q)
+    if qkv_q.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"quantized_window_attention: qkv_q must be e4m3fn, got {qkv_q.dtype}")
+    for name, t in (("in_scale", in_scale), ("out_scale", out_scale)):
+        if t.numel() != 1 or t.dtype != torch.float32:
+            raise ValueError(f"quantized_window_attention: {name} must be one fp32 value, got {tuple(t.shape)} {t.dtype}")
+    bnw, nh, n, d = q.shape
+    if index is not None:
+        _check_table(rel_bias, index, None, n, nh)
+    _check_inputs(q, k, v, None if index is not None else rel_bias, mask, compute_dtype=False)
+    out, _ = window_attention_fwd(q, k, v, rel_bias, mask, float(scale), index=index, in_scale=in_scale.reshape(()),
+                                  out_scale=out_scale.reshape(()))
+    return out.permute(0, 2, 1, 3).reshape(bnw * n, nh * d)
 
 
 def cosine_window_attention(q, k, v, table, index, logit_scale, mask=None):
