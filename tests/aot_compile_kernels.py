@@ -191,6 +191,10 @@ def _record_launches(quick: bool) -> None:
             wa.window_attention_bwd(q, k, v, out, lse, r(2 * nw, heads, n, d, dtype=dt), table, mask, d ** -0.5,
                                     index=index, inverse=inverse)
             wa.rel_pos_table_grad_host(r(1, heads, n * n, dtype=torch.float32), inverse, torch.float32)
+            if dt == torch.bfloat16:    # FP8 inference: e4m3 qkv in, e4m3 proj input out, dense bias and table
+                qkv_q = torch.zeros(2 * nw, n, 3, heads, d, dtype=torch.float8_e4m3fn)
+                wa.quantized_window_attention(qkv_q, torch.ones(()), bias, mask, d ** -0.5, torch.ones(()))
+                wa.quantized_window_attention(qkv_q, torch.ones(()), table, mask, d ** -0.5, torch.ones(()), index=index)
     for dt in ((torch.bfloat16,) if quick else (torch.bfloat16, torch.float32)):
         for C in ((512,) if quick else (128, 512, 3072)):
             lin.bias_grad_host(r(256, C, dtype=dt), None, torch.float32)

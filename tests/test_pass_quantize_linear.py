@@ -597,6 +597,7 @@ def test_mixed_runs_each_mlp_as_one_quantized_pair(monkeypatch, dtype, route, ch
     from workbench.optimize.workload import Workload, WorkloadConfig
 
     monkeypatch.setattr(ql, "gpu_route", lambda d, device: route)
+    monkeypatch.setattr(ql, "attention_triples", lambda model, dtype: {})   # the attention's test is its own
     w = Workload.build(WorkloadConfig(model=TINY_MODEL, mode="infer", batch=2, precision="bf16", device="cpu", seed=0))
     w.model, results = apply_chain_passes(w.model, w.ctx, resolve_chain(chain))
     assert all(r.available for r in results)
@@ -652,6 +653,106 @@ def test_mixed_selection_times_each_mlp_shape_as_a_whole(monkeypatch):
     assert layers["layers.1.blocks.0.mlp.fc1"].startswith("kept bf16: measured faster in bf16 at 98x64 -> 256 (the MLP")
     assert [s["mlp_pair"] for s in res.details["shapes"]] == [True, True]
     assert type(w.model.layers[1].blocks[0].mlp.fc1).__name__ == "BiasGradLinear"
+
+
+@pytest.mark.parametrize("dtype,route", [("fp8", "scaled_mm"), ("int8", "int_mm")])
+def test_mixed_runs_each_fp8_window_attention_on_e4m3(monkeypatch, dtype, route):
+    """activations: mixed, fp8, on fmha's fused window attention (the Triton interpreter here): each block's qkv
+    GEMM writes q, k, v in e4m3 at their calibrated output scale, the attention kernel reads them and writes
+    proj's input in e4m3 at proj's calibrated input scale (quantized_window_attention), proj reads it as it
+    is. The logits stay within 3% of the path with a bf16 attention. int8 keeps the attention wide."""
+    from workbench.kernels import window_attention as wa
+    from workbench.models import TINY_MODEL
+    from workbench.optimize.recipes import apply_chain_passes, resolve_chain
+    from workbench.optimize.workload import Workload, WorkloadConfig
+
+    monkeypatch.setattr(ql, "gpu_route", lambda d, device: route)
+    params = {"dtype": dtype, "keep": ["head.fc"], "select": "all", "activations": "mixed", "calibration_batches": 1,
+              "calibration_batch": 2}
+    logits = {}
+    for triples in (True, False):
+        if not triples:
+            monkeypatch.setattr(ql, "attention_triples", lambda model, dtype: {})
+        w = Workload.build(WorkloadConfig(model=TINY_MODEL, mode="infer", batch=2, precision="bf16", device="cpu",
+                                          seed=0))
+        w.model, _ = apply_chain_passes(w.model, w.ctx, resolve_chain("fmha"))
+        w.model, res = apply_pass("quantize_linear", w.model, w.ctx, params)
+        w.prepare()
+        calls = []
+        real = wa.quantized_window_attention
+        monkeypatch.setattr(wa, "quantized_window_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+        with torch.inference_mode():
+            logits[triples], _ = w.forward_loss()
+        monkeypatch.setattr(wa, "quantized_window_attention", real)
+        n = 4 if triples and dtype == "fp8" else 0
+        assert res.details["attention_triples"] == len(calls) == n
+        if n:
+            scales = res.details["calibration"]["scales"]
+            assert {f"layers.{i}.blocks.{j}.attn.{x}" for i in range(2) for j in range(2)
+                    for x in ("proj", "qkv" + ql.OUTPUT)} <= set(scales)
+            assert "in 4 blocks the window attention runs on e4m3 from qkv's epilogue to proj" in res.changed
+            assert res.details["attention"].startswith("e4m3 in 4 blocks")
+            qkv = w.model.layers[0].blocks[0].attn.qkv
+            assert qkv.route == "triton" and qkv.output_scale is not None and not qkv.gelu
+    assert rel_err(logits[True].double(), logits[False].double()) < 3e-2
+
+
+def test_the_attention_triple_is_chosen_only_where_it_beats_the_singles(monkeypatch):
+    """The measured selection times each attention shape as the stage would run it (bf16 Linears) and as the
+    e4m3 triple; the triple must also beat that time less what quantizing qkv and proj alone saves
+    (measure_layers' records). Stage 1 here: triple 7 us against singles 10 - 2 = 8: taken, both Linears on
+    the triple's routes; stage 2: triple 9 against 10 - 3 = 7: the singles' choices stand."""
+    from workbench.models import TINY_MODEL
+    from workbench.optimize.passes import _route
+    from workbench.optimize.recipes import apply_chain_passes, resolve_chain
+    from workbench.optimize.workload import Workload, WorkloadConfig
+
+    w = Workload.build(WorkloadConfig(model=TINY_MODEL, mode="infer", batch=2, precision="bf16", device="cpu", seed=0))
+    w.model, _ = apply_chain_passes(w.model, w.ctx, resolve_chain("fmha"))
+    triples = ql.attention_triples(w.model, "fp8")
+    assert len(triples) == 4 and ql.attention_triples(w.model, "int8") == {}
+    times = iter([])
+
+    def median_us(call):
+        call()
+        return next(times)
+    monkeypatch.setattr(_route, "median_us", median_us)
+    singles = {("s1", "qkv"): {"layers": [t[0] for b, t in triples.items() if b.startswith("layers.0")],
+                               "bf16_us": 5.0, "quant_us": 4.0, "choice": "quantize"},
+               ("s1", "proj"): {"layers": [t[1] for b, t in triples.items() if b.startswith("layers.0")],
+                                "bf16_us": 3.0, "quant_us": 2.0, "choice": "quantize"},
+               ("s2", "qkv"): {"layers": [t[0] for b, t in triples.items() if b.startswith("layers.1")],
+                               "bf16_us": 5.0, "quant_us": 2.0, "choice": "quantize"},
+               ("s2", "proj"): {"layers": [t[1] for b, t in triples.items() if b.startswith("layers.1")],
+                                "bf16_us": 3.0, "quant_us": 4.0, "choice": "bf16"}}
+    # per shape (stage 1, then stage 2): bf16, then each route
+    times = iter([10.0, 7.0, 7.5, 10.0, 9.0, 9.5])
+    measured = ql.measure_triples(w.model, triples, w.ctx, ("scaled_mm", "triton"), singles)
+    by_stage = {k[0]: f for k, f in measured.items()}
+    assert len(measured) == 2 and all(k[3] == "attn" and len(f["layers"]) == 4 for k, f in measured.items())
+    s1, s2 = by_stage[max(by_stage)], by_stage[min(by_stage)]
+    assert (s1["singles_us"], s1["choice"], s1["route"]) == (8.0, "quantize", "scaled_mm")
+    assert (s2["singles_us"], s2["choice"]) == (7.0, "bf16")
+    # in the pass: stage 1's triples take their qkv (Triton, its epilogue) and proj back from the singles'
+    # choices (proj measured faster in bf16 alone there), stage 2's layers keep theirs
+    monkeypatch.setattr(ql, "gpu_route", lambda d, device: "scaled_mm")
+
+    def layers(model, routes, *a):
+        return {(i, 0, 0, False, False): {"layers": [n], "bf16_us": 5.0, "quant_us": 4.0, "route": "scaled_mm",
+                                           "choice": "bf16" if n.endswith("proj") else "quantize"}
+                for i, n in enumerate(routes)}
+    monkeypatch.setattr(ql, "measure_layers", layers)
+    monkeypatch.setattr(ql, "measure_pairs", lambda *a: {})
+    monkeypatch.setattr(ql, "measure_triples", lambda model, triples, ctx, candidates, singles: {
+        (k[0], k[1], k[2], "attn", k[4]): {**f, "layers": [n for n in f["layers"] if n in
+                                                           {x for t in triples.values() for x in t}]}
+        for k, f in measured.items()})
+    _, res = ql.apply(w.model, w.ctx, dtype="fp8", activations="mixed", keep=["head.fc"], calibration_batches=1,
+                      calibration_batch=2)
+    got = res.details["layers"]
+    assert res.details["attention_triples"] == 2
+    assert got["layers.0.blocks.1.attn.qkv"] == "triton" and got["layers.0.blocks.1.attn.proj"] == "scaled_mm"
+    assert got["layers.1.blocks.0.attn.qkv"] == "scaled_mm" and got["layers.1.blocks.0.attn.proj"].startswith("kept bf16")
 
 
 def test_selection_times_a_norm_fed_linear_as_its_gemm_alone(monkeypatch):

@@ -92,6 +92,22 @@ def takes_quantized_rows(forward) -> bool:
     return bool(getattr(forward, _QUANTIZED_ROWS, False))
 
 
+_QUANTIZED_QKV = "_swinbench_reads_quantized_qkv"
+
+
+def reads_quantized_qkv(forward):
+    """Mark a v1 WindowAttention forward that runs its attention on an e4m3 qkv where its qkv Linear writes
+    one (a QuantLinear whose fuse_output gave it an output scale) and hands proj that attention's output
+    in e4m3 at proj's static input scale (block_forward._around_the_core)."""
+    setattr(forward, _QUANTIZED_QKV, True)
+    return forward
+
+
+def takes_quantized_qkv(forward) -> bool:
+    """Whether `forward` (a function, or None) was marked by reads_quantized_qkv."""
+    return bool(getattr(forward, _QUANTIZED_QKV, False))
+
+
 # timm builds SwinV2 two ways, and both score a window the same: normalize(q) . normalize(k) times a per-head
 # exp(min(logit_scale, log 100)), plus a position bias from a small MLP, plus the shift mask.
 #   swin_transformer_v2     WindowAttention: q and v biases beside the qkv Linear; cpb_mlp over a ((2w-1)^2, 2)

@@ -22,7 +22,7 @@ import torch
 
 from workbench.kernels._common import traced
 from workbench.optimize.passes._swin import (autocast_input_dtype, drop_path, drop_path_keep,
-                                             gather_rel_pos_bias, hands_quantized_rows_on, inactive,
+                                             gather_rel_pos_bias, hands_quantized_rows_on, inactive, reads_quantized_qkv,
                                              input_goes_to_qkv, takes_quantized_rows,
                                              merging_forward_of_the_pass, norm_output_dtype, rel_pos_bias,
                                              rel_pos_inverse_buffer, scatter_rel_pos_grad, square, timm_drop_path,
@@ -386,13 +386,23 @@ def stage_forward(defers: tuple[bool, ...], under_compile: bool = False) -> Call
 # ------------------------------------------------------------------------- attention and MLP
 
 
-def _around_the_core(self, x: torch.Tensor, core) -> torch.Tensor:
+def _around_the_core(self, x: torch.Tensor, core, quantized_core) -> torch.Tensor:
     """timm WindowAttention.forward around an attention core: qkv Linear, core(qkv) -> (B_*N, C) token
     rows, proj Linear, proj_drop. x: (B*nW, N, C). The Linears take token rows (a 3-D input costs two
-    autograd view nodes inside each Linear); q, k, v are strided views of the packed qkv."""
+    autograd view nodes inside each Linear); q, k, v are strided views of the packed qkv. Where the qkv
+    Linear writes its output quantized (a QuantizedRows: FP8 inference, quantize_linear's attention
+    triples), quantized_core(qkv_q, its scale, proj's input scale) runs the attention on it and writes
+    proj's input in e4m3, which proj reads as it is."""
+    from workbench.kernels.quant import QuantizedRows
+
     B_, N, C = x.shape
-    qkv = self.qkv(x.reshape(B_ * N, C)).view(B_, N, 3, self.num_heads, -1)
-    x = self.proj(core(qkv))
+    qkv = self.qkv(x.reshape(B_ * N, C))
+    if isinstance(qkv, QuantizedRows):
+        scale = self.proj.input_scale
+        rows = quantized_core(qkv.x_q.view(B_, N, 3, self.num_heads, -1), qkv.scale, scale)
+        x = self.proj(QuantizedRows(rows, scale, (B_ * N, C), qkv.dtype))
+    else:
+        x = self.proj(core(qkv.view(B_, N, 3, self.num_heads, -1)))
     x = self.proj_drop(x)
     return x.view(B_, N, -1)
 
@@ -407,30 +417,37 @@ def attention_forward(table: bool, has_inverse: bool) -> Callable:
     if table:
         return fused_window_attention_forward_table
 
+    @reads_quantized_qkv
     @hands_quantized_rows_on
     def fused_window_attention_forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        from workbench.kernels.window_attention import MAX_WINDOW_TOKENS, fused_window_attention_qkv
+        from workbench.kernels.window_attention import (MAX_WINDOW_TOKENS, fused_window_attention_qkv,
+                                                        quantized_window_attention)
 
         if x.shape[1] > MAX_WINDOW_TOKENS:      # a window resized past the kernels after binding: timm's own
             return type(self).forward(self, x, mask)
         inverse = rel_pos_inverse_buffer(self) if has_inverse else None
         # the kernel's output comes as token rows, the layout it writes (no copy)
-        return _around_the_core(self, x, lambda qkv: fused_window_attention_qkv(qkv, rel_pos_bias(self, inverse), mask,
-                                                                                 self.scale, tokens=True))
+        return _around_the_core(
+            self, x, lambda qkv: fused_window_attention_qkv(qkv, rel_pos_bias(self, inverse), mask, self.scale, tokens=True),
+            lambda qkv_q, s_in, s_out: quantized_window_attention(qkv_q, s_in, rel_pos_bias(self, inverse), mask,
+                                                                  self.scale, s_out))
     return fused_window_attention_forward
 
 
+@reads_quantized_qkv
 @hands_quantized_rows_on
 def fused_window_attention_forward_table(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """timm WindowAttention.forward with the bias gathered from the table inside the kernels
     (attention_forward with table)."""
-    from workbench.kernels.window_attention import MAX_WINDOW_TOKENS, fused_window_attention_table
+    from workbench.kernels.window_attention import (MAX_WINDOW_TOKENS, fused_window_attention_table,
+                                                    quantized_window_attention)
 
     if x.shape[1] > MAX_WINDOW_TOKENS:          # a window resized past the kernels after binding: timm's own
         return type(self).forward(self, x, mask)
     return _around_the_core(self, x, lambda qkv: fused_window_attention_table(
         qkv, self.relative_position_bias_table, self.relative_position_index, rel_pos_inverse_buffer(self), mask,
-        self.scale, tokens=True))
+        self.scale, tokens=True), lambda qkv_q, s_in, s_out: quantized_window_attention(
+        qkv_q, s_in, self.relative_position_bias_table, mask, self.scale, s_out, index=self.relative_position_index))
 
 
 def mlp_forward_fused(self, x: torch.Tensor) -> torch.Tensor:

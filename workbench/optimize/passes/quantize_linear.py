@@ -40,7 +40,8 @@ as one Function (fused_block) reads every weight itself: the pass is not availab
 
 Without simulate, a CPU (or an FP8 request on a GPU older than sm_89) raises PassUnavailable: the stage is
 reported not available, with one line. Training is refused the same way: the quantized GEMMs have no
-backward. The fused window attention stays bf16. PassResult.details records each layer's route (or why it
+backward. The attention's arithmetic stays bf16 (with fp8 mixed its inputs and output may be e4m3:
+below). PassResult.details records each layer's route (or why it
 was kept), the counts, the implementation (with how activations are quantized: one Triton launch per
 Linear on the GPU routes with dynamic activations, `kernels.quant.quantize_rows`) and the calibration.
 
@@ -65,7 +66,13 @@ be taken: a row spans the GEMM's column tiles), fc2 reading it as it is. The blo
 then fc1 then fc2 (`mlp_quant`); on dense, fc1 leaves its bf16 GELU epilogue for the quantized one, and
 norm2's kernel writes fc1's input quantized. Every other Linear quantizes per row as under dynamic. The
 measured selection times each MLP shape as a whole (the stage's MLP against the quantized pair) and keeps
-both Linears wide where the pair is not faster. The record counts the pairs (`mlp_pairs`).
+both Linears wide where the pair is not faster. The record counts the pairs (`mlp_pairs`). With fp8,
+each v1 block's fused window attention may run on e4m3 from its qkv to its proj (an attention triple):
+qkv on the Triton GEMM writes q, k and v at one calibrated per-tensor scale (its output's), the attention
+kernel reads them (kernels.window_attention.quantized_window_attention) and writes proj's input at proj's
+calibrated static scale, proj reads it as it is. The selection times each attention shape as a whole
+(measure_triples) and takes the triple only where it beats both the bf16 attention and that attention
+less what quantizing its qkv and proj alone saves. The record counts them (`attention_triples`).
 
 Calibration batches are real images where the caller gives them (PassContext.calibration:
 `optimize_swin_inference(..., calibration=...)`, and `apply --mode infer --checkpoint` the training images
@@ -380,20 +387,24 @@ def calibration_images(model: torch.nn.Module, ctx: PassContext, count: int, bat
 
 
 def calibrate_input_scales(model: torch.nn.Module, names, batches, ctx: PassContext, dtype: str,
-                           method: str = "percentile", percentile: float = 99.99) -> dict[str, torch.Tensor]:
+                           method: str = "percentile", percentile: float = 99.99,
+                           outputs=()) -> dict[str, torch.Tensor]:
     """The per-tensor input scale of each Linear in `names`, from the forwards of the Swins inside `model` over
     `batches` (synthetic_calibration_batches: one list per Swin) under the stage's precision (inference
-    mode): -> {name: () fp32 scale}. ValueError for an inf/NaN input."""
+    mode): -> {name: () fp32 scale}; and for each Linear in `outputs`, its output's, keyed name + OUTPUT.
+    ValueError for an inf/NaN input."""
     modules = dict(model.named_modules())
-    observers = {n: make_observer(method, percentile) for n in names}
+    observers = {**{n: make_observer(method, percentile) for n in names},
+                 **{n + OUTPUT: make_observer(method, percentile) for n in outputs}}
     seen: set[str] = set()
 
     def observe(name):
-        def hook(module, args):
+        def hook(module, args, out=None):
             seen.add(name)
-            observers[name].observe(args[0])
+            observers[name].observe(args[0] if out is None else out)
         return hook
     handles = [modules[n].register_forward_pre_hook(observe(n)) for n in names]
+    handles += [modules[n].register_forward_hook(observe(n + OUTPUT)) for n in outputs]
     try:
         with _swins_of(model, "static calibration") as swins, torch.inference_mode(), \
                 ctx.precision.autocast(ctx.device.type):
@@ -403,8 +414,11 @@ def calibrate_input_scales(model: torch.nn.Module, names, batches, ctx: PassCont
     finally:
         for h in handles:
             h.remove()
-    _all_seen(names, seen, "static calibration")
+    _all_seen(list(observers), seen, "static calibration")
     return {n: obs.scale(dtype) for n, obs in observers.items()}
+
+
+OUTPUT = ":output"      # calibrate_input_scales' key suffix for a Linear's output scale
 
 
 def call_v2_qkv_as_a_module(model: torch.nn.Module, names) -> dict[str, torch.nn.Module]:
@@ -565,6 +579,95 @@ def fuse_pairs(model: torch.nn.Module, pairs: dict[str, tuple[str, str]]) -> int
     return count
 
 
+def attention_triples(model: torch.nn.Module, dtype: str) -> dict[str, tuple[str, str]]:
+    """{block: (qkv, proj)} by qualified name for the v1 Swin blocks whose attention can run on e4m3 from qkv to
+    proj (activations: mixed, fp8): a forward that reads a quantized qkv (block_forward's fused window
+    attention, reads_quantized_qkv). int8 keeps the attention wide: one per-tensor int8 scale for q, k and v
+    together would cost too much of their range."""
+    from timm.models.swin_transformer import SwinTransformerBlock
+
+    from workbench.optimize.passes._swin import named_swin_blocks, takes_quantized_qkv
+
+    if dtype != "fp8":
+        return {}
+    return {name: (f"{name}.attn.qkv", f"{name}.attn.proj") for name, blk in named_swin_blocks(model)
+            if type(blk) is SwinTransformerBlock
+            and takes_quantized_qkv(getattr(vars(blk.attn).get("forward"), "__func__", None))}
+
+
+def measure_triples(model: torch.nn.Module, triples: dict[str, tuple[str, str]], ctx: PassContext,
+                    candidates: tuple[str, ...], singles: dict[tuple, dict]) -> dict[tuple, dict]:
+    """{(rows, C, N, "attn", normed): {"bf16_us", "singles_us", "<route>_us", "quant_us", "route", "choice",
+    "layers"}} for the distinct attention shapes among `triples` at the stage's batch (timed on a shifted
+    block's, with its mask, where the shape has one): the attention module as the stage would run it (bf16_us: bf16 Linears; singles_us: that, less
+    what the measured selection of its qkv and proj alone saves, from `singles`, measure_layers' records)
+    against qkv on the Triton GEMM writing e4m3 at a static scale, the attention on e4m3
+    (quantized_window_attention) and proj reading it on each candidate route (normed: qkv's input comes
+    quantized from norm1's kernel). The triple is chosen where it beats both by SELECT_MARGIN."""
+    import copy
+
+    from workbench.kernels.quant import QuantizedRows, quantize_rows
+    from workbench.optimize.passes._route import DEFAULT_IMAGES, median_us
+    from workbench.optimize.passes._swin import named_swin_blocks, square
+    from workbench.optimize.passes.block_forward import norm_writes_input
+
+    images = ctx.batch or DEFAULT_IMAGES
+    blocks = dict(named_swin_blocks(model))
+    rows = layer_rows(model, [qkv for qkv, _ in triples.values()], ctx)
+    saved = {}      # what the singles' selection saves per layer (us)
+    for record in singles.values():
+        for name in record["layers"]:
+            saved[name] = record["bf16_us"] - record["quant_us"] if record["choice"] == "quantize" else 0.0
+    shapes: dict[tuple, list[str]] = {}
+    for block, (qkv, proj) in triples.items():
+        lin, blk = model.get_submodule(qkv), blocks[block]
+        normed = lin.in_features <= MAX_QUANT_COLS and norm_writes_input(model, qkv)
+        shapes.setdefault((rows[qkv] * images, lin.in_features, square(blk.window_size), normed), []).append(block)
+    out = {}
+    gen = torch.Generator(ctx.device).manual_seed(0)
+    for (m, c, _, normed), names in shapes.items():
+        # a shifted block's where the shape has one (its mask costs the kernels a little more)
+        blk = next((blocks[b] for b in names if getattr(blocks[b], "attn_mask", None) is not None), blocks[names[0]])
+        attn, mask = blk.attn, getattr(blk, "attn_mask", None)
+        forward = vars(attn)["forward"].__func__
+        n_tok = square(blk.window_size) ** 2
+        x = torch.randn(m // n_tok, n_tok, c, device=ctx.device, generator=gen)
+        timed = {}
+        with torch.inference_mode(), ctx.precision.autocast(ctx.device.type):
+            x = x.to(torch.bfloat16)
+            bf16_us = median_us(lambda: forward(attn, x, mask))
+            clone = copy.copy(attn)
+            clone._modules = dict(attn._modules)
+            clone.qkv = QuantLinear(attn.qkv, "fp8", "triton").to(ctx.device)
+            clone.qkv.fuse_output(False, torch.tensor(1.0))
+            x_in = QuantizedRows(*quantize_rows(x.reshape(-1, c), "fp8"), x.shape, x.dtype) if normed else x
+            for route in candidates:
+                clone.proj = QuantLinear(attn.proj, "fp8", route, torch.tensor(1.0)).to(ctx.device)
+                timed[route] = median_us(lambda: forward(clone, x_in, mask))
+            del clone, x_in
+        del x
+        layers = [n for b in names for n in triples[b]]
+        singles_us = bf16_us - saved.get(triples[names[0]][0], 0.0) - saved.get(triples[names[0]][1], 0.0)
+        record = _choice(min(bf16_us, singles_us), timed, layers)
+        record.update(bf16_us=round(bf16_us, 2), singles_us=round(singles_us, 2))
+        out[(m, c, n_tok, "attn", normed)] = record
+    torch.cuda.empty_cache()
+    return out
+
+
+def fuse_triples(model: torch.nn.Module, triples: dict[str, tuple[str, str]], scales: dict[str, torch.Tensor]) -> int:
+    """Make each quantized attention triple run on e4m3: qkv writes its output quantized at its calibrated
+    scale (QuantLinear.fuse_output), which the attention forward (reads_quantized_qkv) runs on, handing proj
+    its input at proj's static scale -> how many."""
+    count = 0
+    for qkv, proj in triples.values():
+        q1, q2 = model.get_submodule(qkv), model.get_submodule(proj)
+        if isinstance(q1, QuantLinear) and isinstance(q2, QuantLinear) and q2.input_scale is not None:
+            q1.fuse_output(False, scales[qkv + OUTPUT])
+            count += 1
+    return count
+
+
 def check_params(params: dict) -> None:
     """What the parameters must be together (recipes.py checks it when a recipe is loaded): the calibration
     settings act on static activations only, the GEMM choices on real quantized GEMMs only (`simulate`
@@ -649,6 +752,10 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
             kept[fc1] = GELU_FC1
     for fc1, _ in pairs.values():
         routes[fc1] = "simulate" if route == "simulate" else "triton"
+    # fp8 mixed: each fused window attention on e4m3 from its qkv's epilogue to its proj (measured below)
+    triples = {}
+    if activations == "mixed" and route != "simulate" and "triton" in candidates:
+        triples = {b: t for b, t in attention_triples(model, dtype).items() if t[0] in routes and t[1] in routes}
     switched = call_v2_qkv_as_a_module(model, routes)
     try:
         measured, moved = {}, 0
@@ -656,18 +763,34 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
             from workbench.optimize.passes._route import rank_zero_measures
 
             singles = {n: r for n, r in routes.items() if not any(n in pair for pair in pairs.values())}
-            measured = rank_zero_measures(lambda: {
-                **(measure_layers(model, singles, dtype, ctx, activations == "static", candidates) if singles else {}),
-                **(measure_pairs(model, pairs, dtype, ctx, candidates) if pairs else {})})
-            moved = select_measured(routes, kept, measured, dtype)
+
+            def measure():
+                layers = measure_layers(model, singles, dtype, ctx, activations == "static", candidates) if singles else {}
+                return {**layers, **(measure_pairs(model, pairs, dtype, ctx, candidates) if pairs else {}),
+                        **(measure_triples(model, triples, ctx, candidates, layers) if triples else {})}
+            measured = rank_zero_measures(measure)
+            # the singles' and pairs' choices first; a triple measured faster then takes its two layers back
+            moved = select_measured(routes, kept, {k: f for k, f in measured.items() if k[3] != "attn"}, dtype)
             pairs = {b: p for b, p in pairs.items() if p[0] in routes and p[1] in routes}
             for fc1, _ in pairs.values():
                 routes[fc1] = "triton"      # the route measured is fc2's; fc1's epilogue is the Triton GEMM's
+            chosen = {n for k, f in measured.items() if k[3] == "attn" and f["choice"] == "quantize" for n in f["layers"]}
+            for key, f in measured.items():
+                if key[3] == "attn" and f["choice"] == "quantize":
+                    for name in f["layers"]:
+                        moved -= name in kept
+                        kept.pop(name, None)
+                        routes[name] = "triton" if name.endswith(".qkv") else f["route"]
+            triples = {b: t for b, t in triples.items() if t[0] in chosen}
+        for qkv, _ in triples.values():
+            routes[qkv] = "triton"          # its epilogue writes the e4m3 qkv
         input_scales = None
-        static_names = list(routes) if activations == "static" else [fc2 for _, fc2 in pairs.values()]
+        static_names = (list(routes) if activations == "static"
+                        else [fc2 for _, fc2 in pairs.values()] + [proj for _, proj in triples.values()])
         if activations != "dynamic" and static_names:
             batches, calibrated_on = calibration_images(model, ctx, calibration_batches, calibration_batch)
-            input_scales = calibrate_input_scales(model, static_names, batches, ctx, dtype, calibration, percentile)
+            input_scales = calibrate_input_scales(model, static_names, batches, ctx, dtype, calibration, percentile,
+                                                  outputs=[qkv for qkv, _ in triples.values()])
     except BaseException:
         for attn in switched.values():  # the model as it was: timm's own F.linear again
             attn.qkv_bias_separate = False
@@ -690,7 +813,8 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
                "counts": {**counts, "kept": len(kept)}, "unmatched_keep": unmatched,
                "activation_quantization": activation_quantization(route, activations, ctx.device),
                "select": select, "selected_by_measurement": bool(measured),
-               "shapes": [{"rows": m, "k": k, "n": n, "with_gelu": bool(gelu), "mlp_pair": gelu == "mlp",
+               "shapes": [{"rows": m, "k": k, "n": n, "with_gelu": gelu is True, "mlp_pair": gelu == "mlp",
+                           "attention_triple": gelu == "attn",
                            "input_from_norm": normed, **{f: v for f, v in r.items() if f != "layers"},
                            "layers": len(r["layers"])}
                           for (m, k, n, gelu, normed), r in measured.items()]}
@@ -702,6 +826,10 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
                                   "scales": {n: float(s) for n, s in input_scales.items()}}
     quantize_model(model, routes, dtype, input_scales)
     details["mlp_pairs"] = fuse_pairs(model, pairs)
+    details["attention_triples"] = fuse_triples(model, triples, input_scales) if triples else 0
+    if details["attention_triples"]:
+        details["attention"] = (f"e4m3 in {details['attention_triples']} blocks: qkv's epilogue writes q, k, v and "
+                                "the kernel proj's input at calibrated scales, bf16 math inside")
     gelu_fused = fuse_mlp_activations(model, ctx.device)
     details["gelu_fused_mlps"] = gelu_fused
     from workbench.optimize.passes.block_forward import quantized_norm_blocks
@@ -719,6 +847,9 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
     if details["mlp_pairs"]:
         where = "in fc1's GEMM epilogue" if kernels_run(ctx.device) and route != "simulate" else "after fc1"
         changed += f"; in {details['mlp_pairs']} MLPs GELU and fc2's static input quantization run {where}"
+    if details["attention_triples"]:
+        changed += (f"; in {details['attention_triples']} blocks the window attention runs on e4m3 from qkv's "
+                    "epilogue to proj")
     fed = [f"in {n} blocks {which} kernel writes the {linear} input quantized"
            for n, which, linear in ((norm_fused, "norm1's", "qkv"), (norm2_fused, "norm2's", "fc1")) if n]
     if fed:
