@@ -733,6 +733,13 @@ def test_the_attention_triple_is_chosen_only_where_it_beats_the_singles(monkeypa
     s1, s2 = by_stage[max(by_stage)], by_stage[min(by_stage)]
     assert (s1["singles_us"], s1["choice"], s1["route"]) == (8.0, "quantize", "scaled_mm")
     assert (s2["singles_us"], s2["choice"]) == (7.0, "bf16")
+    # kernels that fail on this GPU: no triple, the error in the record
+    times = iter([10.0] * 2)
+    monkeypatch.setattr(ql, "QuantLinear", lambda *a: (_ for _ in ()).throw(RuntimeError("no e4m3 here\nmore")))
+    failed = ql.measure_triples(w.model, triples, w.ctx, ("scaled_mm",), singles)
+    monkeypatch.undo()
+    monkeypatch.setattr(_route, "median_us", median_us)
+    assert all(f["choice"] == "bf16" and f["error"] == "RuntimeError: no e4m3 here" for f in failed.values())
     # in the pass: stage 1's triples take their qkv (Triton, its epilogue) and proj back from the singles'
     # choices (proj measured faster in bf16 alone there), stage 2's layers keep theirs
     monkeypatch.setattr(ql, "gpu_route", lambda d, device: "scaled_mm")

@@ -22,8 +22,8 @@ import torch
 
 from workbench.kernels._common import traced
 from workbench.optimize.passes._swin import (autocast_input_dtype, drop_path, drop_path_keep,
-                                             gather_rel_pos_bias, hands_quantized_rows_on, inactive, reads_quantized_qkv,
-                                             input_goes_to_qkv, takes_quantized_rows,
+                                             gather_rel_pos_bias, hands_quantized_rows_on, inactive,
+                                             input_goes_to_qkv, reads_quantized_qkv, takes_quantized_rows,
                                              merging_forward_of_the_pass, norm_output_dtype, rel_pos_bias,
                                              rel_pos_inverse_buffer, scatter_rel_pos_grad, square, timm_drop_path,
                                              v2_attention_classes)
@@ -428,7 +428,8 @@ def attention_forward(table: bool, has_inverse: bool) -> Callable:
         inverse = rel_pos_inverse_buffer(self) if has_inverse else None
         # the kernel's output comes as token rows, the layout it writes (no copy)
         return _around_the_core(
-            self, x, lambda qkv: fused_window_attention_qkv(qkv, rel_pos_bias(self, inverse), mask, self.scale, tokens=True),
+            self, x,
+            lambda qkv: fused_window_attention_qkv(qkv, rel_pos_bias(self, inverse), mask, self.scale, tokens=True),
             lambda qkv_q, s_in, s_out: quantized_window_attention(qkv_q, s_in, rel_pos_bias(self, inverse), mask,
                                                                   self.scale, s_out))
     return fused_window_attention_forward

@@ -599,11 +599,12 @@ def measure_triples(model: torch.nn.Module, triples: dict[str, tuple[str, str]],
                     candidates: tuple[str, ...], singles: dict[tuple, dict]) -> dict[tuple, dict]:
     """{(rows, C, N, "attn", normed): {"bf16_us", "singles_us", "<route>_us", "quant_us", "route", "choice",
     "layers"}} for the distinct attention shapes among `triples` at the stage's batch (timed on a shifted
-    block's, with its mask, where the shape has one): the attention module as the stage would run it (bf16_us: bf16 Linears; singles_us: that, less
-    what the measured selection of its qkv and proj alone saves, from `singles`, measure_layers' records)
-    against qkv on the Triton GEMM writing e4m3 at a static scale, the attention on e4m3
-    (quantized_window_attention) and proj reading it on each candidate route (normed: qkv's input comes
-    quantized from norm1's kernel). The triple is chosen where it beats both by SELECT_MARGIN."""
+    block's, with its mask, where the shape has one): the attention module as the stage would run it (bf16_us:
+    bf16 Linears; singles_us: that, less what the measured selection of its qkv and proj alone saves, from
+    `singles`, measure_layers' records) against qkv on the Triton GEMM writing e4m3 at a static scale, the
+    attention on e4m3 (quantized_window_attention) and proj reading it on each candidate route (normed: qkv's
+    input comes quantized from norm1's kernel). The triple is chosen where it beats both by SELECT_MARGIN; where
+    its kernels fail to run on this GPU the shape stays off the triple and its record keeps the error."""
     import copy
 
     from workbench.kernels.quant import QuantizedRows, quantize_rows
@@ -638,17 +639,24 @@ def measure_triples(model: torch.nn.Module, triples: dict[str, tuple[str, str]],
             bf16_us = median_us(lambda: forward(attn, x, mask))
             clone = copy.copy(attn)
             clone._modules = dict(attn._modules)
-            clone.qkv = QuantLinear(attn.qkv, "fp8", "triton").to(ctx.device)
-            clone.qkv.fuse_output(False, torch.tensor(1.0))
-            x_in = QuantizedRows(*quantize_rows(x.reshape(-1, c), "fp8"), x.shape, x.dtype) if normed else x
-            for route in candidates:
-                clone.proj = QuantLinear(attn.proj, "fp8", route, torch.tensor(1.0)).to(ctx.device)
-                timed[route] = median_us(lambda: forward(clone, x_in, mask))
-            del clone, x_in
+            error = None
+            try:
+                clone.qkv = QuantLinear(attn.qkv, "fp8", "triton").to(ctx.device)
+                clone.qkv.fuse_output(False, torch.tensor(1.0))
+                x_in = QuantizedRows(*quantize_rows(x.reshape(-1, c), "fp8"), x.shape, x.dtype) if normed else x
+                for route in candidates:
+                    clone.proj = QuantLinear(attn.proj, "fp8", route, torch.tensor(1.0)).to(ctx.device)
+                    timed[route] = median_us(lambda: forward(clone, x_in, mask))
+            except Exception as e:  # noqa: BLE001  (a GPU or Triton the e4m3 kernels fail on: the record says so)
+                error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+            del clone
         del x
         layers = [n for b in names for n in triples[b]]
         singles_us = bf16_us - saved.get(triples[names[0]][0], 0.0) - saved.get(triples[names[0]][1], 0.0)
-        record = _choice(min(bf16_us, singles_us), timed, layers)
+        if error is None:
+            record = _choice(min(bf16_us, singles_us), timed, layers)
+        else:
+            record = {"choice": "bf16", "error": error, "layers": layers}
         record.update(bf16_us=round(bf16_us, 2), singles_us=round(singles_us, 2))
         out[(m, c, n_tok, "attn", normed)] = record
     torch.cuda.empty_cache()
@@ -765,7 +773,8 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
             singles = {n: r for n, r in routes.items() if not any(n in pair for pair in pairs.values())}
 
             def measure():
-                layers = measure_layers(model, singles, dtype, ctx, activations == "static", candidates) if singles else {}
+                layers = (measure_layers(model, singles, dtype, ctx, activations == "static", candidates)
+                          if singles else {})
                 return {**layers, **(measure_pairs(model, pairs, dtype, ctx, candidates) if pairs else {}),
                         **(measure_triples(model, triples, ctx, candidates, layers) if triples else {})}
             measured = rank_zero_measures(measure)
@@ -774,7 +783,8 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
             pairs = {b: p for b, p in pairs.items() if p[0] in routes and p[1] in routes}
             for fc1, _ in pairs.values():
                 routes[fc1] = "triton"      # the route measured is fc2's; fc1's epilogue is the Triton GEMM's
-            chosen = {n for k, f in measured.items() if k[3] == "attn" and f["choice"] == "quantize" for n in f["layers"]}
+            chosen = {n for k, f in measured.items() if k[3] == "attn" and f["choice"] == "quantize"
+                      for n in f["layers"]}
             for key, f in measured.items():
                 if key[3] == "attn" and f["choice"] == "quantize":
                     for name in f["layers"]:
