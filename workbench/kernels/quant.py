@@ -292,12 +292,16 @@ def quantize_tile(x, qmax, inv_qmax, min_scale, INT8: tl.constexpr, RECIPROCAL: 
 
 
 @triton.jit
-def quantize_static(x, inv_scale, qmax, INT8: tl.constexpr):
-    """A tile x (fp32) quantized at one static scale, given as its fp32 reciprocal inv_scale (a scalar): x *
-    inv_scale, clamped and rounded as _divide_round does. One multiplication an element instead of a
+def quantize_static(x, SCALE, qmax, INT8: tl.constexpr):
+    """A tile x (fp32) quantized at the static fp32 scale *SCALE: x times the scale's correctly rounded
+    reciprocal, clamped and rounded as _divide_round does. One multiplication an element instead of a
     division; the product differs from the correctly rounded quotient by an fp32 ulp at most, which moves a
     value to the neighbouring step of the format only where the quotient lies that close to a rounding
     boundary."""
+    if _GPU_MATH:
+        inv_scale = tl.math.div_rn(1.0, tl.load(SCALE))
+    else:
+        inv_scale = 1.0 / tl.load(SCALE)
     return _round_to_format(x * inv_scale, qmax, INT8)
 
 
@@ -530,11 +534,7 @@ def _qmm_output(acc, rows, cols, M, N, XS, WS, B, OS, qmax, ROW_SCALE: tl.conste
     if GELU:
         out = _gelu_tanh(out)
     if OUT_Q:
-        if _GPU_MATH:
-            inv_scale = tl.math.div_rn(1.0, tl.load(OS))
-        else:
-            inv_scale = 1.0 / tl.load(OS)
-        y = quantize_static(out, inv_scale, qmax, INT8)
+        y = quantize_static(out, OS, qmax, INT8)
     else:
         y = to_dtype(out, OUT_DTYPE, SOFT_RTNE)
     return y

@@ -139,7 +139,7 @@ def _store_out(O, o, b, h, so_b, so_h, so_n, so_d, offs, N, D: tl.constexpr, OS,
     """The output rows, in O's dtype; OUT_Q: quantized to e4m3 at the static scale *OS (the next Linear's
     input, quantize_static's math)."""
     if OUT_Q:
-        o = quantize_static(o, 1.0 / tl.load(OS), 448.0, False)
+        o = quantize_static(o, OS, 448.0, False)
     _store_rows(O, o, b, h, so_b, so_h, so_n, so_d, offs, N, D)
 
 
@@ -913,9 +913,9 @@ def window_attention_fwd(q, k, v, rel_bias, mask, scale, index=None, cosine=None
     mask_arg = rel_bias if mask is None else mask.contiguous()  # dummy pointer when no mask
     index_arg = rel_bias if index is None else index.contiguous()  # dummy pointer without a table
     cos_arg = rel_bias if cosine is None else cosine.contiguous()  # dummy pointer without cosine scores
-    cos_meta = dict(COSINE=cosine is not None, SOFT_RTNE=SOFT_RTNE)
+    variant = dict(COSINE=cosine is not None, SOFT_RTNE=SOFT_RTNE)
     in_q, out_q = in_scale is not None, out_scale is not None
-    cos_meta.update(QS=in_scale if in_q else rel_bias, OS=out_scale if out_q else rel_bias, IN_Q=in_q, OUT_Q=out_q)
+    variant.update(QS=in_scale if in_q else rel_bias, OS=out_scale if out_q else rel_bias, IN_Q=in_q, OUT_Q=out_q)
     wide = torch.bfloat16 if in_q else q.dtype
     if in_q and _INTERPRET:     # numpy has no e4m3: the interpreter loads the bytes (the kernel bitcasts them)
         q, k, v = (t.view(torch.uint8) for t in (q, k, v))
@@ -933,7 +933,7 @@ def window_attention_fwd(q, k, v, rel_bias, mask, scale, index=None, cosine=None
             *_strides(q), *_strides(k), *_strides(v), *_strides(out),
             float(scale), b_per_w, NW=nw, NH=nh, N=n, D=d,
             HAS_MASK=mask is not None, PRECISION=_precision(q.dtype),
-            UPCAST=_INTERPRET and wide == torch.bfloat16, TABLE=index is not None, KT=_tail_width(n), **cos_meta,
+            UPCAST=_INTERPRET and wide == torch.bfloat16, TABLE=index is not None, KT=_tail_width(n), **variant,
             **extra,
         )
         return out, None if out_q else lse
@@ -944,7 +944,7 @@ def window_attention_fwd(q, k, v, rel_bias, mask, scale, index=None, cosine=None
         *_strides(q), *_strides(k), *_strides(v), *_strides(out),
         float(scale), b_per_w, NW=nw, NH=nh, N=n, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_MASK=mask is not None, PRECISION=_precision(q.dtype),
-        UPCAST=_INTERPRET and wide == torch.bfloat16, TABLE=index is not None, **cos_meta, **extra,
+        UPCAST=_INTERPRET and wide == torch.bfloat16, TABLE=index is not None, **variant, **extra,
     )
     return out, None if out_q else lse
 
