@@ -783,15 +783,13 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
             pairs = {b: p for b, p in pairs.items() if p[0] in routes and p[1] in routes}
             for fc1, _ in pairs.values():
                 routes[fc1] = "triton"      # the route measured is fc2's; fc1's epilogue is the Triton GEMM's
-            chosen = {n for k, f in measured.items() if k[3] == "attn" and f["choice"] == "quantize"
-                      for n in f["layers"]}
-            for key, f in measured.items():
-                if key[3] == "attn" and f["choice"] == "quantize":
-                    for name in f["layers"]:
-                        moved -= name in kept
-                        kept.pop(name, None)
-                        routes[name] = "triton" if name.endswith(".qkv") else f["route"]
-            triples = {b: t for b, t in triples.items() if t[0] in chosen}
+            taken = {n: f["route"] for k, f in measured.items() if k[3] == "attn" and f["choice"] == "quantize"
+                     for n in f["layers"]}
+            for name, gemm_route in taken.items():     # the route measured is proj's; qkv's is set below
+                moved -= name in kept
+                kept.pop(name, None)
+                routes[name] = gemm_route
+            triples = {b: t for b, t in triples.items() if t[0] in taken}
         for qkv, _ in triples.values():
             routes[qkv] = "triton"          # its epilogue writes the e4m3 qkv
         input_scales = None
