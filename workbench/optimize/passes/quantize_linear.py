@@ -386,9 +386,9 @@ def calibration_images(model: torch.nn.Module, ctx: PassContext, count: int, bat
     return synthetic_calibration_batches(model, count, batch, ctx.device), "synthetic"
 
 
-def calibrate_input_scales(model: torch.nn.Module, names, batches, ctx: PassContext, dtype: str,
-                           method: str = "percentile", percentile: float = 99.99,
-                           outputs=()) -> dict[str, torch.Tensor]:
+def calibrate_scales(model: torch.nn.Module, names, batches, ctx: PassContext, dtype: str,
+                     method: str = "percentile", percentile: float = 99.99,
+                     outputs=()) -> dict[str, torch.Tensor]:
     """The per-tensor input scale of each Linear in `names`, from the forwards of the Swins inside `model` over
     `batches` (synthetic_calibration_batches: one list per Swin) under the stage's precision (inference
     mode): -> {name: () fp32 scale}; and for each Linear in `outputs`, its output's, keyed name + OUTPUT.
@@ -418,7 +418,7 @@ def calibrate_input_scales(model: torch.nn.Module, names, batches, ctx: PassCont
     return {n: obs.scale(dtype) for n, obs in observers.items()}
 
 
-OUTPUT = ":output"      # calibrate_input_scales' key suffix for a Linear's output scale
+OUTPUT = ":output"      # calibrate_scales' key suffix for a Linear's output scale
 
 
 def call_v2_qkv_as_a_module(model: torch.nn.Module, names) -> dict[str, torch.nn.Module]:
@@ -595,6 +595,16 @@ def attention_triples(model: torch.nn.Module, dtype: str) -> dict[str, tuple[str
             and takes_quantized_qkv(getattr(vars(blk.attn).get("forward"), "__func__", None))}
 
 
+def _with_children(module: torch.nn.Module, **children: torch.nn.Module) -> torch.nn.Module:
+    """A shallow copy of `module` with the named child modules swapped (the original keeps its own): the
+    same parameters and buffers, for timing a variant of one layer without rebuilding it."""
+    import copy
+
+    clone = copy.copy(module)
+    clone._modules = {**module._modules, **children}
+    return clone
+
+
 def measure_triples(model: torch.nn.Module, triples: dict[str, tuple[str, str]], ctx: PassContext,
                     candidates: tuple[str, ...], singles: dict[tuple, dict]) -> dict[tuple, dict]:
     """{(rows, C, N, "attn", normed): {"bf16_us", "singles_us", "<route>_us", "quant_us", "route", "choice",
@@ -605,8 +615,6 @@ def measure_triples(model: torch.nn.Module, triples: dict[str, tuple[str, str]],
     attention on e4m3 (quantized_window_attention) and proj reading it on each candidate route (normed: qkv's
     input comes quantized from norm1's kernel). The triple is chosen where it beats both by SELECT_MARGIN; where
     its kernels fail to run on this GPU the shape stays off the triple and its record keeps the error."""
-    import copy
-
     from workbench.kernels.quant import QuantizedRows, quantize_rows
     from workbench.optimize.passes._route import DEFAULT_IMAGES, median_us
     from workbench.optimize.passes._swin import named_swin_blocks, square
@@ -637,19 +645,18 @@ def measure_triples(model: torch.nn.Module, triples: dict[str, tuple[str, str]],
         with torch.inference_mode(), ctx.precision.autocast(ctx.device.type):
             x = x.to(torch.bfloat16)
             bf16_us = median_us(lambda: forward(attn, x, mask))
-            clone = copy.copy(attn)
-            clone._modules = dict(attn._modules)
             error = None
             try:
-                clone.qkv = QuantLinear(attn.qkv, "fp8", "triton").to(ctx.device)
-                clone.qkv.fuse_output(False, torch.tensor(1.0))
+                qkv = QuantLinear(attn.qkv, "fp8", "triton").to(ctx.device)
+                qkv.fuse_output(False, torch.tensor(1.0))
                 x_in = QuantizedRows(*quantize_rows(x.reshape(-1, c), "fp8"), x.shape, x.dtype) if normed else x
                 for route in candidates:
-                    clone.proj = QuantLinear(attn.proj, "fp8", route, torch.tensor(1.0)).to(ctx.device)
+                    clone = _with_children(attn, qkv=qkv, proj=QuantLinear(attn.proj, "fp8", route,
+                                                                           torch.tensor(1.0)).to(ctx.device))
                     timed[route] = median_us(lambda: forward(clone, x_in, mask))
+                    del clone
             except Exception as e:  # noqa: BLE001  (a GPU or Triton the e4m3 kernels fail on: the record says so)
                 error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
-            del clone
         del x
         layers = [n for b in names for n in triples[b]]
         singles_us = bf16_us - saved.get(triples[names[0]][0], 0.0) - saved.get(triples[names[0]][1], 0.0)
@@ -797,7 +804,7 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
                         else [fc2 for _, fc2 in pairs.values()] + [proj for _, proj in triples.values()])
         if activations != "dynamic" and static_names:
             batches, calibrated_on = calibration_images(model, ctx, calibration_batches, calibration_batch)
-            input_scales = calibrate_input_scales(model, static_names, batches, ctx, dtype, calibration, percentile,
+            input_scales = calibrate_scales(model, static_names, batches, ctx, dtype, calibration, percentile,
                                                   outputs=[qkv for qkv, _ in triples.values()])
     except BaseException:
         for attn in switched.values():  # the model as it was: timm's own F.linear again
