@@ -54,7 +54,8 @@ DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", 
           torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
 OPTION_KEYS = ("num_warps", "num_stages", "maxnreg", "num_ctas", "launch_pdl")
 
-MODULES = ("_common", "layer_norm", "window", "window_attention", "linear", "quant", "cosine", "drop_path", "adamw")
+MODULES = ("_common", "layer_norm", "window", "window_attention", "linear", "quant", "mlp", "cosine", "drop_path",
+           "adamw")
 RECORDED: list[tuple] = []
 COLLAPSED_REGS, COLLAPSED_STACK = 32, 4096   # --resources: a register allocation that fell to the minimum
 
@@ -246,6 +247,18 @@ def _record_launches(quick: bool) -> None:
                                                 gelu, cfg=cfg)
     finally:
         quant._quant_matmul_tma_kernel = tma_kernel
+    # the whole MLP in one kernel (stages 1 and 2: Swin-T's 96 and 192 wide, Swin-B's 128 and 256), bf16 and
+    # the e4m3 pair's, every config the autotuner times
+    mlp = importlib.import_module("workbench.kernels.mlp")
+    for C in ((96, 256) if quick else (96, 128, 192, 256)):
+        mlp.fused_mlp(r(64, C, dtype=torch.bfloat16), r(4 * C, C, dtype=torch.bfloat16), r(4 * C, dtype=torch.bfloat16),
+                      r(C, 4 * C, dtype=torch.bfloat16), r(C, dtype=torch.bfloat16))
+        for x_scale in (torch.ones(64, 1), torch.ones(())):
+            mlp.quantized_mlp(torch.zeros(64, C, dtype=torch.float8_e4m3fn), x_scale,
+                              torch.zeros(4 * C, C, dtype=torch.float8_e4m3fn), torch.ones(4 * C),
+                              torch.zeros(4 * C, dtype=torch.bfloat16), torch.ones(()),
+                              torch.zeros(C, 4 * C, dtype=torch.float8_e4m3fn), torch.ones(C),
+                              torch.zeros(C, dtype=torch.bfloat16))
     # SwinV2's normalized q (scaled per head) and k, forward and backward, at its head width 32 (and 16,
     # 64 where not quick), from the strided views of a packed qkv
     for d in ((32,) if quick else (16, 32, 64)):
