@@ -229,3 +229,44 @@ def test_dense_and_block_inference_with_the_epilogue_match_the_training_forward(
                 fast = model(x).float()
             exact = model(x).float()
         assert rel_err(fast, exact) < 2e-2, name
+
+
+def test_inference_runs_each_mlp_measured_faster_as_one_kernel(monkeypatch):
+    """In GPU inference (forced here: the kernel runs in the interpreter) the pass times each narrow MLP shape
+    both ways and plans the one-kernel MLP where it is faster by the margin: stage 1's MLPs here (kernel
+    5 us against 10), not stage 2's (9.9 against 10). The blocks planned call kernels.mlp.fused_mlp in an
+    inference forward, the others do not, and the logits stay within the tanh GELU's distance of the
+    two-GEMM forward's."""
+    from workbench.kernels import mlp as mlp_kernels
+    from workbench.optimize.passes import _route, block_forward, fused_linear
+    from workbench.optimize.passes.block_plan import block_plans
+    from workbench.optimize.recipes import apply_chain_passes, resolve_chain
+    from workbench.optimize.workload import Workload, WorkloadConfig
+
+    monkeypatch.setattr(fused_linear, "_inference_epilogue", lambda ctx, n, dtypes: True)
+    times = iter([10.0, 5.0, 10.0, 9.9])
+    monkeypatch.setattr(_route, "median_us", lambda call: call() is None or next(times))
+    w = Workload.build(WorkloadConfig(model=TINY_MODEL, mode="infer", batch=2, precision="bf16", device="cpu", seed=0))
+    w.model, results = apply_chain_passes(w.model, w.ctx, resolve_chain("dense"))
+    res = results[-1]
+    assert res.details["mlp_kernel_blocks"] == 2
+    assert [(s["rows"], s["c"], s["hidden"], s["choice"]) for s in res.details["mlp_kernel_shapes"]] == [
+        (392, 32, 128, "kernel"), (98, 64, 256, "two_gemms")]
+    assert "inference: 2 MLP as one kernel" in res.changed
+    plans = block_plans(w.model)
+    assert plans.plan("layers.0.blocks.1").mlp_kernel and not plans.plan("layers.1.blocks.0").mlp_kernel
+    assert vars(w.model.layers[0].blocks[0].mlp)["forward"].__func__ is block_forward.mlp_forward_whole
+    assert vars(w.model.layers[1].blocks[0].mlp)["forward"].__func__ is block_forward.mlp_forward_fused
+    w.prepare()
+    calls = []
+    real = mlp_kernels.fused_mlp
+    monkeypatch.setattr(mlp_kernels, "fused_mlp", lambda *a: calls.append(a[0].shape) or real(*a))
+    with torch.inference_mode():
+        logits, _ = w.forward_loss()
+    assert calls == [(392, 32), (392, 32)]
+    plans.update("layers.0.blocks.0", mlp_kernel=False)
+    plans.update("layers.0.blocks.1", mlp_kernel=False)
+    plans.bind(w.model)
+    with torch.inference_mode():
+        two_gemms, _ = w.forward_loss()
+    assert len(calls) == 2 and rel_err(logits.double(), two_gemms.double()) < 1e-2

@@ -787,3 +787,51 @@ def test_selection_times_a_norm_fed_linear_as_its_gemm_alone(monkeypatch):
     monkeypatch.setattr(ql, "gpu_route", lambda d, device: "int_mm")
     _, res = ql.apply(w.model, w.ctx, dtype="int8", keep=["head.fc"], select="all")
     assert res.details["norm1_quantizes_qkv_blocks"] == 4
+
+
+def test_mixed_runs_a_pair_measured_faster_whole_as_one_kernel(monkeypatch):
+    """fp8 mixed: measure_pairs also times each narrow MLP shape as one kernel (kernels.mlp.quantized_mlp: fc1,
+    GELU, the hidden quantized at fc2's scale and kept on chip, fc2), and a pair whose kernel beats its two
+    GEMMs by the margin runs that way: stage 1's here (kernel 4 us, pair 8, bf16 10), not stage 2's
+    (kernel 7.9 against 8). The logits are the two-GEMM pair's up to the order of fc2's sums."""
+    from workbench.kernels import mlp as mlp_kernels
+    from workbench.models import TINY_MODEL
+    from workbench.optimize.passes import _route, block_forward
+    from workbench.optimize.recipes import apply_chain_passes, resolve_chain
+    from workbench.optimize.workload import Workload, WorkloadConfig
+
+    w = Workload.build(WorkloadConfig(model=TINY_MODEL, mode="infer", batch=2, precision="bf16", device="cpu", seed=0))
+    w.model, _ = apply_chain_passes(w.model, w.ctx, resolve_chain("fmha"))
+    pairs = ql.mlp_pairs(w.model)
+    stage1 = (392, 32, 128, "mlp", True)
+    monkeypatch.setattr(_route, "median_us", lambda call: call() is None or 10.0)
+    measured = ql.measure_pairs(w.model, pairs, "fp8", w.ctx, ("triton",))
+    assert all("kernel_us" in r for r in measured.values()) and len(measured) == 2
+    times = {stage1: (8.0, 4.0), (98, 64, 256, "mlp", True): (8.0, 7.9)}
+    monkeypatch.setattr(ql, "gpu_route", lambda d, device: "triton")
+    monkeypatch.setattr(ql, "attention_triples", lambda model, dtype: {})
+    monkeypatch.setattr(ql, "measure_layers", lambda model, routes, *a: {})
+    monkeypatch.setattr(ql, "measure_pairs", lambda model, pairs, dtype, ctx, candidates: {
+        k: {**v, "triton_us": times[k][0], "quant_us": times[k][0], "route": "triton", "choice": "quantize",
+            "kernel_us": times[k][1], "mlp_kernel": times[k][1] < times[k][0] * 0.97} for k, v in measured.items()})
+    w.model, res = ql.apply(w.model, w.ctx, dtype="fp8", activations="mixed", keep=["head.fc"],
+                            calibration_batches=1, calibration_batch=2)
+    assert res.details["mlp_pairs"] == 4 and res.details["mlp_pairs_in_one_kernel"] == 2
+    assert "(2 of them the whole MLP in one kernel)" in res.changed
+    assert vars(w.model.layers[0].blocks[0].mlp)["forward"].__func__ is block_forward.mlp_forward_quantized_whole
+    assert vars(w.model.layers[1].blocks[1].mlp)["forward"].__func__ is block_forward.mlp_forward_quantized
+    w.prepare()
+    calls = []
+    real = mlp_kernels.quantized_mlp
+    monkeypatch.setattr(mlp_kernels, "quantized_mlp", lambda *a: calls.append(a[0].shape) or real(*a))
+    with torch.inference_mode():
+        logits, _ = w.forward_loss()
+    assert calls == [(392, 32), (392, 32)]
+    from workbench.optimize.passes.block_plan import block_plans
+    plans = block_plans(w.model)
+    for b in ("layers.0.blocks.0", "layers.0.blocks.1"):
+        plans.update(b, mlp_kernel=False)
+    plans.bind(w.model)
+    with torch.inference_mode():
+        pair, _ = w.forward_loss()
+    assert len(calls) == 2 and rel_err(logits.double(), pair.double()) < 1e-2

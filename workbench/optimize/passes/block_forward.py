@@ -467,6 +467,49 @@ def mlp_forward_quantized(self, x):
     return self.fc2(self.fc1(x))
 
 
+def mlp_forward_whole(self, x: torch.Tensor) -> torch.Tensor:
+    """mlp_forward_fused as one kernel (kernels.mlp.fused_mlp: fc1, bias, GELU's tanh form, fc2, the hidden
+    never written) where nothing records a gradient and nothing traces; else mlp_forward_fused. The fused
+    stage's inference computes the same GELU in fc1's GEMM epilogue (cuBLASLt), so the two differ only by
+    the order of fc2's sums."""
+    from workbench.kernels.linear import compute_dtype
+    from workbench.kernels.mlp import fused_mlp
+
+    fc1, fc2 = self.fc1, self.fc2
+    if torch.is_grad_enabled() or traced() or fc1.bias is None or fc2.bias is None:
+        return mlp_forward_fused(self, x)
+    dt = compute_dtype(x, fc1.weight)
+    if dt not in (torch.bfloat16, torch.float16):
+        return mlp_forward_fused(self, x)
+    out = fused_mlp(x.reshape(-1, x.shape[-1]).to(dt), fc1.weight.to(dt), fc1.bias.to(dt), fc2.weight.to(dt),
+                    fc2.bias.to(dt))
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+@hands_quantized_rows_on
+def mlp_forward_quantized_whole(self, x):
+    """mlp_forward_quantized as one kernel (kernels.mlp.quantized_mlp: fc1's GEMM and epilogue, the hidden
+    quantized at fc2's static scale and kept on chip, fc2's GEMM and epilogue) where the kernels run
+    eagerly; else mlp_forward_quantized. x: as norm2's kernel hands it (a QuantizedRows in fc1's format,
+    per row), or a tensor, quantized per row here as fc1 would."""
+    from workbench.kernels.mlp import quantized_mlp
+    from workbench.kernels.quant import QuantizedRows, kernels_run, quantize_rows
+
+    fc1, fc2 = self.fc1, self.fc2
+    device = (x.x_q if isinstance(x, QuantizedRows) else x).device
+    if (traced() or not kernels_run(device) or not fc1.epilogue_fused(device) or fc1.output_scale is None
+            or fc1.bias is None or fc2.bias is None):
+        return mlp_forward_quantized(self, x)
+    if isinstance(x, QuantizedRows):
+        x_q, x_scale, lead = x.x_q.view(-1, fc1.in_features), x.scale, x.shape[:-1]
+    else:
+        lead = x.shape[:-1]
+        x_q, x_scale = quantize_rows(x.reshape(-1, fc1.in_features), fc1.fmt)
+    out = quantized_mlp(x_q, x_scale, fc1.weight_q, fc1.weight_scale, fc1.bias, fc1.output_scale, fc2.weight_q,
+                        fc2.weight_scale, fc2.bias)
+    return out.view(*lead, out.shape[-1])
+
+
 @merging_forward_of_the_pass
 def merging_forward(self, x: torch.Tensor) -> torch.Tensor:
     """timm PatchMerging.forward whose norm is a TritonLayerNorm. Without autograd (inference, eager or

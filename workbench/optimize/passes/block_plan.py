@@ -30,6 +30,9 @@ attribute `block_plans`, by each block's qualified name. A deep copy of the mode
     mlp_gelu       fused_linear     the MLP's fc1 and GELU run as one Function
     mlp_quant      quantize_linear  the MLP's fc1 is a QuantLinear that runs the GELU itself, in its GEMM's
                                     epilogue with fc2's input quantization (inference; over mlp_gelu)
+    mlp_kernel     fused_linear,    the MLP (mlp_gelu's, or mlp_quant's pair) runs as one kernel, its hidden
+                   quantize_linear  kept on chip (kernels.mlp; inference, where measured faster than its two
+                                    GEMMs)
     whole_block    fused_block      the block runs as one autograd Function (block_forward.SwinBlockFunction)
     fallbacks      every pass       (field, reason) for what a pass asked for and the block cannot run
 
@@ -51,7 +54,8 @@ import torch
 from workbench.optimize.passes._swin import (INVERSE_BUFFER, add_rel_pos_inverse, merging_norm_goes_to_linear,
                                              named_swin_blocks)
 from workbench.optimize.passes.block_forward import (attention_forward, block_forward, merging_forward, mlp_forward_fused,
-                                                     mlp_forward_quantized, stage_forward)
+                                                     mlp_forward_quantized, mlp_forward_quantized_whole,
+                                                     mlp_forward_whole, stage_forward)
 
 NORMS = ("torch", "triton", "apex")
 ATTENTIONS = ("timm", "triton")
@@ -73,6 +77,7 @@ class BlockPlan:
     linear: bool = False
     mlp_gelu: bool = False
     mlp_quant: bool = False
+    mlp_kernel: bool = False
     whole_block: bool = False
     fallbacks: tuple[tuple[str, str], ...] = ()
 
@@ -106,7 +111,9 @@ class BlockPlan:
     def linear_kernel(self) -> str:
         """torch | triton bias gradient, '+ GELU' where fc1 and GELU are one Function."""
         if self.mlp_quant:
-            return "quantized fc1 + GELU epilogue"
+            return "quantized MLP in one kernel" if self.mlp_kernel else "quantized fc1 + GELU epilogue"
+        if self.mlp_gelu and self.mlp_kernel:
+            return "triton bias gradient; inference: the MLP in one kernel"
         if not self.linear:
             return "torch"
         return "triton bias gradient" + (" + GELU" if self.mlp_gelu else "")
@@ -187,7 +194,9 @@ class BlockPlans:
                 self._set(f"{name}.attn", attn, "forward", types.MethodType(forward, attn))
                 counts["attention_forwards"] += 1
             if plan.mlp_quant or plan.mlp_gelu:
-                forward = mlp_forward_quantized if plan.mlp_quant else mlp_forward_fused
+                forward = {(True, False): mlp_forward_quantized, (True, True): mlp_forward_quantized_whole,
+                           (False, False): mlp_forward_fused, (False, True): mlp_forward_whole}[
+                    (plan.mlp_quant, plan.mlp_kernel)]
                 self._set(f"{name}.mlp", mlp, "forward", types.MethodType(forward, mlp))
                 counts["mlp_forwards"] += 1
             forward = block_forward(plan.add_norm2, plan.window, plan.whole_block, attn_to_linear, mlp_to_linear,

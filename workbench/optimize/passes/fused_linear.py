@@ -14,6 +14,11 @@ GELU in the GEMM's epilogue instead (`linear.addmm_gelu`: cuBLASLt, GELU's tanh 
 exact erf GELU): the pre-activation, the widest activation of the block, is never written and read back
 (on Swin-B at batch 64 the separate GELU is about a sixth of an inference forward's GPU time). The
 block stage (fused_block) does the same in its forward.
+Where the MLP is narrow (Swin's stages 1 and 2: at most kernels.mlp.MAX_FEATURES wide) the whole MLP can
+run as one kernel instead, fc1, GELU and fc2 with the hidden (4x the block's width) kept on chip
+(`kernels.mlp.fused_mlp`): in inference on a GPU the pass times each such MLP shape at the stage's batch,
+graph-replayed, both ways (`measure_mlp_kernel`) and plans the kernel (`mlp_kernel`) where it is faster by
+more than KERNEL_MARGIN; the record keeps every shape's times and choice (`mlp_kernel_shapes`).
 Blocks whose Mlp has another activation, dropout or a hidden norm keep timm's Mlp forward (their
 Linears are still swapped) and are counted; the plan says why. See workbench/kernels/linear.py for the
 numerics.
@@ -36,6 +41,7 @@ from workbench.optimize.passes.block_plan import block_plans
 
 NAME = "fused_linear"
 OWN_KERNELS = True   # runs swinbench kernels: a stage with it is not PyTorch alone
+KERNEL_MARGIN = 0.03     # the one-kernel MLP must be at least 3% faster than its two GEMMs to be planned
 
 
 def exact_gelu(act: torch.nn.Module) -> bool:
@@ -119,6 +125,53 @@ def _result(ctx: PassContext, epilogue_dtypes, linears: int, fused: int, kept: i
     return PassResult(NAME, {}, changed, details)
 
 
+def mlp_kernel_applies(mlp: torch.nn.Module) -> bool:
+    """Whether the one-kernel MLP (kernels.mlp) takes this Mlp: its widths within the kernel's, both Linears
+    with a bias."""
+    from workbench.kernels.mlp import applies
+
+    fc1, fc2 = mlp.fc1, mlp.fc2
+    return (applies(fc1.in_features, fc1.out_features, fc2.out_features) and getattr(fc1, "bias", None) is not None
+            and getattr(fc2, "bias", None) is not None)
+
+
+def measure_mlp_kernel(model: torch.nn.Module, blocks: list[str], ctx: PassContext) -> dict[tuple, dict]:
+    """{(rows, C, hidden): {"two_gemms_us", "kernel_us", "choice": "kernel" | "two_gemms", "blocks"}} for the
+    distinct shapes of the named blocks' MLPs that the one-kernel MLP takes (kernels.mlp.applies, biases
+    on both Linears), at the stage's batch: the MLP's inference forward as fused_linear binds it (fc1 with
+    its bias and GELU in cuBLASLt's epilogue, then fc2) against kernels.mlp.fused_mlp, on the same random
+    rows, graph-replayed (_route.median_us). A shape whose kernel fails to compile or run keeps the two
+    GEMMs and its record says why."""
+    from workbench.optimize.passes._route import DEFAULT_IMAGES, median_us
+    from workbench.optimize.passes._swin import feature_map
+    from workbench.optimize.passes.block_forward import mlp_forward_fused, mlp_forward_whole
+
+    images = ctx.batch or DEFAULT_IMAGES
+    shapes: dict[tuple, list[str]] = {}
+    for name in blocks:
+        blk = model.get_submodule(name)
+        if mlp_kernel_applies(blk.mlp):
+            h, w = feature_map(blk)
+            shapes.setdefault((h * w * images, blk.mlp.fc1.in_features, blk.mlp.fc1.out_features), []).append(name)
+    out = {}
+    gen = torch.Generator(ctx.device).manual_seed(0)
+    for (m, c, hidden), names in shapes.items():
+        mlp = model.get_submodule(f"{names[0]}.mlp")
+        x = torch.randn(m, c, device=ctx.device, generator=gen).to(ctx.precision.amp_dtype)
+        record: dict = {}
+        with torch.inference_mode(), ctx.precision.autocast(ctx.device.type):
+            record["two_gemms_us"] = round(median_us(lambda: mlp_forward_fused(mlp, x)), 2)
+            try:
+                record["kernel_us"] = round(median_us(lambda: mlp_forward_whole(mlp, x)), 2)
+            except Exception as e:  # noqa: BLE001  (a GPU or Triton the kernel fails on: the record says so)
+                record["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+        del x
+        faster = "kernel_us" in record and record["kernel_us"] < record["two_gemms_us"] * (1 - KERNEL_MARGIN)
+        out[(m, c, hidden)] = {**record, "choice": "kernel" if faster else "two_gemms", "blocks": names}
+    torch.cuda.empty_cache()
+    return out
+
+
 def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, PassResult]:
     """Swap the Linears of every timm SwinTransformerBlock in place, plan the fused MLP and bind ->
     (model, PassResult)."""
@@ -152,8 +205,22 @@ def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, Pa
         plans.update(name, linear=True, mlp_gelu=name in fused_mlps)
         if name in kept_mlps:
             plans.fall_back(name, "mlp_gelu", "an MLP with another activation, dropout or a hidden norm")
+    measured = {}
+    if _inference_epilogue(ctx, len(fused_mlps), EPILOGUE_DTYPES):
+        measured = measure_mlp_kernel(model, fused_mlps, ctx)
+        for record in measured.values():
+            for name in record["blocks"]:
+                plans.update(name, mlp_kernel=record["choice"] == "kernel")
     plans.bind(model)
     mlps_fused = len(fused_mlps)
-    return model, _result(ctx, EPILOGUE_DTYPES, linears, mlps_fused, len(kept_mlps),
-                          f"{linears} Linear -> fused bias-gradient backward (Triton); "
-                          f"{mlps_fused} MLP fc1+GELU backward fused")
+    result = _result(ctx, EPILOGUE_DTYPES, linears, mlps_fused, len(kept_mlps),
+                     f"{linears} Linear -> fused bias-gradient backward (Triton); "
+                     f"{mlps_fused} MLP fc1+GELU backward fused")
+    if measured:
+        kernel = sum(len(r["blocks"]) for r in measured.values() if r["choice"] == "kernel")
+        result.changed += f"; inference: {kernel} MLP as one kernel (measured faster than the two GEMMs)"
+        result.details["mlp_kernel_shapes"] = [{"rows": m, "c": c, "hidden": h, **{k: v for k, v in r.items()
+                                                                                   if k != "blocks"},
+                                                "blocks": len(r["blocks"])} for (m, c, h), r in measured.items()]
+        result.details["mlp_kernel_blocks"] = kernel
+    return model, result

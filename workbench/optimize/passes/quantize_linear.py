@@ -522,9 +522,10 @@ def measure_pairs(model: torch.nn.Module, pairs: dict[str, tuple[str, str]], dty
     against fc1 on the Triton GEMM with GELU and fc2's input quantization in its epilogue, then fc2 on each
     candidate route (normed: fc1's input comes quantized from its norm's kernel, so the pair is timed from
     a quantized input). `route` is fc2's; `layers` both Linears of each MLP."""
-    from workbench.kernels.quant import quantize_rows
+    from workbench.kernels.quant import QuantizedRows, quantize_rows
     from workbench.optimize.passes._route import DEFAULT_IMAGES, median_us
-    from workbench.optimize.passes.block_forward import norm_writes_input
+    from workbench.optimize.passes.block_forward import mlp_forward_quantized_whole, norm_writes_input
+    from workbench.optimize.passes.fused_linear import KERNEL_MARGIN, mlp_kernel_applies
 
     images = ctx.batch or DEFAULT_IMAGES
     rows = layer_rows(model, [fc2 for _, fc2 in pairs.values()], ctx)    # fc1's rows (dense calls no fc1 module)
@@ -554,16 +555,33 @@ def measure_pairs(model: torch.nn.Module, pairs: dict[str, tuple[str, str]], dty
                 else:
                     timed[route] = median_us(lambda: q2(q1(x)))
                 del q2
+            kernel_us = None
+            if dtype == "fp8" and "triton" in candidates and mlp_kernel_applies(mlp):
+                q2 = QuantLinear(mlp.fc2, dtype, "triton", torch.tensor(1.0)).to(ctx.device)
+                whole = _with_children(mlp, fc1=q1, fc2=q2)
+                x_in = QuantizedRows(x_q, x_scale, x.shape, x.dtype) if normed else x
+                try:
+                    kernel_us = median_us(lambda: mlp_forward_quantized_whole(whole, x_in))
+                except Exception:  # noqa: BLE001  (a GPU or Triton the kernel fails on: the pair's GEMMs)
+                    kernel_us = None
+                del q2, whole, x_in
             del q1, x_q, x_scale
         del x
         out[key] = _choice(bf16_us, timed, [n for b in blocks for n in pairs[b]])
+        if kernel_us is not None:
+            record = out[key]
+            record["kernel_us"] = round(kernel_us, 2)
+            record["mlp_kernel"] = kernel_us < record["quant_us"] * (1 - KERNEL_MARGIN)
+            if record["mlp_kernel"]:
+                record["choice"] = "quantize" if kernel_us < bf16_us * (1 - SELECT_MARGIN) else "bf16"
     torch.cuda.empty_cache()
     return out
 
 
-def fuse_pairs(model: torch.nn.Module, pairs: dict[str, tuple[str, str]]) -> int:
+def fuse_pairs(model: torch.nn.Module, pairs: dict[str, tuple[str, str]], kernel_blocks=frozenset()) -> int:
     """Make each quantized MLP pair run as one: fc1 applies the GELU and writes fc2's input quantized at fc2's
-    static scale (QuantLinear.fuse_output), its block plan's MLP forward fc1 then fc2 (mlp_quant) -> how many."""
+    static scale (QuantLinear.fuse_output), its block plan's MLP forward fc1 then fc2 (mlp_quant), or, for the
+    blocks in `kernel_blocks`, both in one kernel (mlp_kernel: kernels.mlp.quantized_mlp) -> how many."""
     from workbench.optimize.passes.block_plan import block_plans
 
     plans = block_plans(model)
@@ -572,7 +590,7 @@ def fuse_pairs(model: torch.nn.Module, pairs: dict[str, tuple[str, str]]) -> int
         q1, q2 = model.get_submodule(fc1), model.get_submodule(fc2)
         if isinstance(q1, QuantLinear) and isinstance(q2, QuantLinear) and q2.input_scale is not None:
             q1.fuse_output(True, q2.input_scale)
-            plans.update(block, mlp_quant=True)
+            plans.update(block, mlp_quant=True, mlp_kernel=block in kernel_blocks)
             count += 1
     if count:
         plans.bind(model)
@@ -840,7 +858,11 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
                                   "data": calibrated_on,
                                   "scales": {n: float(s) for n, s in input_scales.items()}}
     quantize_model(model, routes, dtype, input_scales)
-    details["mlp_pairs"] = fuse_pairs(model, pairs)
+    kernel_blocks = {fc1.rpartition(".mlp.")[0] for k, f in measured.items()
+                     if k[3] == "mlp" and f.get("mlp_kernel") and f["choice"] == "quantize"
+                     for fc1 in f["layers"][::2]}
+    details["mlp_pairs"] = fuse_pairs(model, pairs, kernel_blocks)
+    details["mlp_pairs_in_one_kernel"] = sum(b in kernel_blocks for b in pairs)
     details["attention_triples"] = fuse_triples(model, triples, input_scales) if triples else 0
     if details["attention_triples"]:
         details["attention"] = (f"e4m3 in {details['attention_triples']} blocks: qkv's epilogue writes q, k, v and "
@@ -862,6 +884,8 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
     if details["mlp_pairs"]:
         where = "in fc1's GEMM epilogue" if kernels_run(ctx.device) and route != "simulate" else "after fc1"
         changed += f"; in {details['mlp_pairs']} MLPs GELU and fc2's static input quantization run {where}"
+        if details["mlp_pairs_in_one_kernel"]:
+            changed += f" ({details['mlp_pairs_in_one_kernel']} of them the whole MLP in one kernel)"
     if details["attention_triples"]:
         changed += (f"; in {details['attention_triples']} blocks the window attention runs on e4m3 from qkv's "
                     "epilogue to proj")
