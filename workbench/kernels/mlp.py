@@ -70,15 +70,15 @@ def _mlp_kernel(X, XS, W1, W1S, B1, HS, W2, W2S, B2, OUT, M, C, HID, N, M_BUCKET
     k_mask = ks < C
     col_mask = cols < N
     x = tl.load(X + rows.to(tl.int64)[:, None] * C + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
-                other=0)
+                other=0.0)
     if QUANT:
         x = x.to(tl.float8e4nv, bitcast=True)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for h0 in range(0, HID, BLOCK_H):
         hs_ = h0 + tl.arange(0, BLOCK_H)
         h_mask = hs_ < HID
-        w1 = tl.load(W1 + hs_[:, None] * C + ks[None, :], mask=h_mask[:, None] & k_mask[None, :], other=0)
-        w2 = tl.load(W2 + cols[:, None] * HID + hs_[None, :], mask=col_mask[:, None] & h_mask[None, :], other=0)
+        w1 = tl.load(W1 + hs_[:, None] * C + ks[None, :], mask=h_mask[:, None] & k_mask[None, :], other=0.0)
+        w2 = tl.load(W2 + cols[:, None] * HID + hs_[None, :], mask=col_mask[:, None] & h_mask[None, :], other=0.0)
         if QUANT:
             w1 = w1.to(tl.float8e4nv, bitcast=True)
             w2 = w2.to(tl.float8e4nv, bitcast=True)
