@@ -133,3 +133,25 @@ def resize_like_timm(model: torch.nn.Module, device, **sizes) -> torch.nn.Module
     except RuntimeError as e:
         pytest.skip(f"timm {timm.__version__} cannot resize this model to {sizes}: {e}")
     return model.to(device)
+
+
+def mlp_kernel_calls(monkeypatch, w, kernel: str, blocks) -> tuple[list, torch.Tensor, torch.Tensor]:
+    """The row shapes of each kernels.mlp.<kernel> call in one inference forward of the workload as bound
+    and in a second with `blocks`' one-kernel MLP planned off (their two GEMMs), and the two forwards'
+    logits in float64."""
+    from workbench.kernels import mlp as mlp_kernels
+    from workbench.optimize.passes.block_plan import block_plans
+
+    w.prepare()
+    calls = []
+    real = getattr(mlp_kernels, kernel)
+    monkeypatch.setattr(mlp_kernels, kernel, lambda *a: calls.append(tuple(a[0].shape)) or real(*a))
+    with torch.inference_mode():
+        logits, _ = w.forward_loss()
+    plans = block_plans(w.model)
+    for name in blocks:
+        plans.update(name, mlp_kernel=False)
+    plans.bind(w.model)
+    with torch.inference_mode():
+        off, _ = w.forward_loss()
+    return calls, logits.double(), off.double()

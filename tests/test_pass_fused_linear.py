@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 
 from workbench.models import TINY_MODEL, build_model  # noqa: E402
 from workbench.optimize.passes import apply_pass  # noqa: E402
-from pass_helpers import assert_step_close, model_pair, pass_ctx, rel_err, tiny_batch  # noqa: E402
+from pass_helpers import assert_step_close, mlp_kernel_calls, model_pair, pass_ctx, rel_err, tiny_batch  # noqa: E402
 
 lin = importlib.import_module("workbench.kernels.linear")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -237,7 +237,6 @@ def test_inference_runs_each_mlp_measured_faster_as_one_kernel(monkeypatch):
     5 us against 10), not stage 2's (9.9 against 10). The blocks planned call kernels.mlp.fused_mlp in an
     inference forward, the others do not, and the logits stay within the tanh GELU's distance of the
     two-GEMM forward's."""
-    from workbench.kernels import mlp as mlp_kernels
     from workbench.optimize.passes import _route, block_forward, fused_linear
     from workbench.optimize.passes.block_plan import block_plans
     from workbench.optimize.recipes import apply_chain_passes, resolve_chain
@@ -257,16 +256,5 @@ def test_inference_runs_each_mlp_measured_faster_as_one_kernel(monkeypatch):
     assert plans.plan("layers.0.blocks.1").mlp_kernel and not plans.plan("layers.1.blocks.0").mlp_kernel
     assert vars(w.model.layers[0].blocks[0].mlp)["forward"].__func__ is block_forward.mlp_forward_whole
     assert vars(w.model.layers[1].blocks[0].mlp)["forward"].__func__ is block_forward.mlp_forward_fused
-    w.prepare()
-    calls = []
-    real = mlp_kernels.fused_mlp
-    monkeypatch.setattr(mlp_kernels, "fused_mlp", lambda *a: calls.append(a[0].shape) or real(*a))
-    with torch.inference_mode():
-        logits, _ = w.forward_loss()
-    assert calls == [(392, 32), (392, 32)]
-    plans.update("layers.0.blocks.0", mlp_kernel=False)
-    plans.update("layers.0.blocks.1", mlp_kernel=False)
-    plans.bind(w.model)
-    with torch.inference_mode():
-        two_gemms, _ = w.forward_loss()
-    assert len(calls) == 2 and rel_err(logits.double(), two_gemms.double()) < 1e-2
+    calls, logits, two_gemms = mlp_kernel_calls(monkeypatch, w, "fused_mlp", ("layers.0.blocks.0", "layers.0.blocks.1"))
+    assert calls == [(392, 32), (392, 32)] and rel_err(logits, two_gemms) < 1e-2

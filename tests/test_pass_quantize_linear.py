@@ -14,7 +14,7 @@ from workbench.kernels.quant import QuantLinear
 from workbench.optimize.passes import PassContext, apply_pass
 from workbench.optimize.passes import quantize_linear as ql
 from workbench.precision import resolve_precision
-from tests.pass_helpers import model_pair, rel_err
+from tests.pass_helpers import mlp_kernel_calls, model_pair, rel_err
 
 # What the recipes allow (recipes/fp8.yaml, int8.yaml: gate.bf16.logits_rel against the fp32 baseline)
 # and what simulate mode must keep on the tiny Swin.
@@ -794,7 +794,6 @@ def test_mixed_runs_a_pair_measured_faster_whole_as_one_kernel(monkeypatch):
     GELU, the hidden quantized at fc2's scale and kept on chip, fc2), and a pair whose kernel beats its two
     GEMMs by the margin runs that way: stage 1's here (kernel 4 us, pair 8, bf16 10), not stage 2's
     (kernel 7.9 against 8). The logits are the two-GEMM pair's up to the order of fc2's sums."""
-    from workbench.kernels import mlp as mlp_kernels
     from workbench.models import TINY_MODEL
     from workbench.optimize.passes import _route, block_forward
     from workbench.optimize.recipes import apply_chain_passes, resolve_chain
@@ -820,18 +819,5 @@ def test_mixed_runs_a_pair_measured_faster_whole_as_one_kernel(monkeypatch):
     assert "(2 of them the whole MLP in one kernel)" in res.changed
     assert vars(w.model.layers[0].blocks[0].mlp)["forward"].__func__ is block_forward.mlp_forward_quantized_whole
     assert vars(w.model.layers[1].blocks[1].mlp)["forward"].__func__ is block_forward.mlp_forward_quantized
-    w.prepare()
-    calls = []
-    real = mlp_kernels.quantized_mlp
-    monkeypatch.setattr(mlp_kernels, "quantized_mlp", lambda *a: calls.append(a[0].shape) or real(*a))
-    with torch.inference_mode():
-        logits, _ = w.forward_loss()
-    assert calls == [(392, 32), (392, 32)]
-    from workbench.optimize.passes.block_plan import block_plans
-    plans = block_plans(w.model)
-    for b in ("layers.0.blocks.0", "layers.0.blocks.1"):
-        plans.update(b, mlp_kernel=False)
-    plans.bind(w.model)
-    with torch.inference_mode():
-        pair, _ = w.forward_loss()
-    assert len(calls) == 2 and rel_err(logits.double(), pair.double()) < 1e-2
+    calls, logits, pair = mlp_kernel_calls(monkeypatch, w, "quantized_mlp", ("layers.0.blocks.0", "layers.0.blocks.1"))
+    assert calls == [(392, 32), (392, 32)] and rel_err(logits, pair) < 1e-2
