@@ -100,3 +100,18 @@ def test_bad_operands_are_one_value_error():
         mlp.quantized_mlp(x, torch.ones(4, 1), w1, torch.ones(64), b1, torch.tensor(1.0), w2, torch.ones(32), b2)
     assert mlp.applies(128, 512, 128) and mlp.applies(96, 384, 96)
     assert not mlp.applies(512, 2048, 512) and not mlp.applies(8, 32, 8)
+
+
+def test_the_autotuner_times_only_configs_that_fit_shared_memory():
+    """shared_bytes as ptxas reported it for sm_90 (tests/aot_compile_kernels.py --resources; Triton's own
+    scratch, 256 bytes where it takes any, aside): x's tile plus `stages` buffers of both weight chunks; a
+    bf16 MLP 256 wide leaves the deeper configs out, e4m3 (one byte a value) keeps them all."""
+    assert mlp.shared_bytes(128, 128, 128, 64, 3, 2) == 131072
+    assert mlp.shared_bytes(64, 128, 128, 128, 3, 2) == 213248 - 256
+    assert mlp.shared_bytes(128, 256, 256, 64, 3, 2) == 262144
+    bf16 = mlp._fitting(mlp._CONFIGS, {"X": torch.empty(1, 256, dtype=torch.bfloat16), "C": 256, "N": 256})
+    fp8 = mlp._fitting(mlp._CONFIGS, {"X": torch.empty(1, 256, dtype=torch.float8_e4m3fn), "C": 256, "N": 256})
+    narrow = mlp._fitting(mlp._CONFIGS, {"X": torch.empty(1, 96, dtype=torch.bfloat16), "C": 96, "N": 96})
+    assert 0 < len(bf16) < len(mlp._CONFIGS) and len(fp8) == len(narrow) == len(mlp._CONFIGS)
+    assert all(mlp.shared_bytes(c.kwargs["BLOCK_M"], 256, 256, c.kwargs["BLOCK_H"], c.num_stages, 2)
+               + mlp._SCRATCH <= mlp.SHARED_BYTES for c in bf16)

@@ -32,10 +32,13 @@ from workbench.kernels.quant import QDTYPE, QMAX, _epilogue, _gelu_tanh, quantiz
 MAX_FEATURES = 256      # widest MLP input and output the kernel holds in one program (Swin's stages 1 and 2)
 MIN_FEATURES = 16       # narrowest: the tensor cores' K step
 
-# (BLOCK_M, BLOCK_H, warps, stages) the autotuner times per shape on the GPU; the interpreter takes one
+# (BLOCK_M, BLOCK_H, warps, stages) the autotuner times per shape on the GPU (those whose tiles fit the
+# GPU's shared memory: _fitting); the interpreter takes one
 _CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_H": bh}, num_warps=nw, num_stages=ns)
-            for bm, bh, nw, ns in ((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3),
-                                   (128, 32, 4, 3), (256, 64, 8, 2))]
+            for bm, bh, nw, ns in ((128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3),
+                                   (64, 128, 4, 3), (128, 32, 4, 3), (64, 32, 4, 3), (256, 64, 8, 2))]
+SHARED_BYTES = 232448      # an sm_90 block's shared memory (227 KB), where the device does not say
+_SCRATCH = 1024            # shared memory Triton takes beside the tiles (256 bytes seen on sm_90)
 _UPCAST = tl.constexpr(_INTERPRET)
 _INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_H": 32}
 _KEY = ["C", "N", "HID", "QUANT", "M_BUCKET"]
@@ -97,12 +100,34 @@ def _mlp_kernel(X, XS, W1, W1S, B1, HS, W2, W2S, B2, OUT, M, C, HID, N, M_BUCKET
              mask=row_mask[:, None] & col_mask[None, :])
 
 
+def shared_bytes(block_m: int, block_c: int, block_n: int, block_h: int, stages: int, elem: int) -> int:
+    """The shared memory a config's tiles take (as Triton lays them out on sm_90): x's tile, held for the
+    whole loop, and `stages` buffers of each weight chunk (W1's BLOCK_H x BLOCK_C, W2's BLOCK_N x BLOCK_H).
+    Triton adds a little scratch of its own (_SCRATCH leaves room for it)."""
+    return elem * (block_m * block_c + stages * block_h * (block_c + block_n))
+
+
+def _fitting(configs, named_args, **kwargs):
+    """The autotuner's early prune: the configs whose tiles fit the device's shared memory at this shape
+    (a bf16 MLP 256 wide fits few), the first where none does."""
+    x = named_args["X"]
+    elem = x.element_size()
+    block_c = max(next_pow2(named_args["C"]), 32 if elem == 1 else MIN_FEATURES)
+    block_n = max(next_pow2(named_args["N"]), MIN_FEATURES)
+    limit = SHARED_BYTES
+    if x.is_cuda:
+        limit = getattr(torch.cuda.get_device_properties(x.device), "shared_memory_per_block_optin", limit)
+    fit = [c for c in configs if shared_bytes(c.kwargs["BLOCK_M"], block_c, block_n, c.kwargs["BLOCK_H"],
+                                              c.num_stages, elem) + _SCRATCH <= limit]
+    return fit or configs[:1]
+
+
 if _INTERPRET:
     _mlp = _mlp_kernel
 elif not _common.AUTOTUNE:
-    _mlp = triton.autotune(_CONFIGS[:1], key=_KEY)(_mlp_kernel)
+    _mlp = triton.autotune(_CONFIGS[-2:-1], key=_KEY)(_mlp_kernel)
 else:
-    _mlp = triton.autotune(_CONFIGS, key=_KEY)(_mlp_kernel)
+    _mlp = triton.autotune(_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _fitting})(_mlp_kernel)
 
 
 def applies(in_features: int, hidden: int, out_features: int) -> bool:
