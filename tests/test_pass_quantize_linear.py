@@ -821,3 +821,31 @@ def test_mixed_runs_a_pair_measured_faster_whole_as_one_kernel(monkeypatch):
     assert vars(w.model.layers[1].blocks[1].mlp)["forward"].__func__ is block_forward.mlp_forward_quantized
     calls, logits, pair = mlp_kernel_calls(monkeypatch, w, "quantized_mlp", ("layers.0.blocks.0", "layers.0.blocks.1"))
     assert calls == [(392, 32), (392, 32)] and rel_err(logits, pair) < 1e-2
+
+
+def test_a_single_quantized_fc2_takes_the_bf16_one_kernel_mlp_off(monkeypatch):
+    """dense planned the bf16 one-kernel MLP (here on every shape: its measurement forced); int8 with dynamic
+    activations quantizes fc2 alone (fc1 keeps its bf16 GELU epilogue): that kernel reads both float
+    weights, so the pass plans it off and the MLP runs fc1 then the quantized fc2 as modules."""
+    from workbench.models import TINY_MODEL
+    from workbench.optimize.passes import _route, block_forward, fused_linear
+    from workbench.optimize.passes.block_plan import block_plans
+    from workbench.optimize.recipes import apply_chain_passes, resolve_chain
+    from workbench.optimize.workload import Workload, WorkloadConfig
+
+    monkeypatch.setattr(fused_linear, "_inference_epilogue", lambda ctx, n, dtypes: True)
+    times = iter([10.0, 5.0] * 2)       # per MLP shape: the two GEMMs, then the kernel
+    monkeypatch.setattr(_route, "median_us", lambda call: call() is None or next(times))
+    w = Workload.build(WorkloadConfig(model=TINY_MODEL, mode="infer", batch=2, precision="bf16", device="cpu", seed=0))
+    w.model, results = apply_chain_passes(w.model, w.ctx, resolve_chain("dense"))
+    assert results[-1].details["mlp_kernel_blocks"] == 4
+    monkeypatch.setattr(ql, "gpu_route", lambda d, device: "int_mm")
+    w.model, res = apply_pass("quantize_linear", w.model, w.ctx, {"dtype": "int8", "keep": ["head.fc"],
+                                                                  "select": "all"})
+    assert not any(p.mlp_kernel for p in block_plans(w.model).plans.values())
+    mlp = w.model.layers[0].blocks[0].mlp
+    assert vars(mlp)["forward"].__func__ is block_forward.mlp_forward_fused and type(mlp.fc2) is QuantLinear
+    w.prepare()
+    with torch.inference_mode():
+        logits, _ = w.forward_loss()
+    assert torch.isfinite(logits).all()

@@ -476,7 +476,8 @@ def mlp_forward_whole(self, x: torch.Tensor) -> torch.Tensor:
     from workbench.kernels.mlp import fused_mlp
 
     fc1, fc2 = self.fc1, self.fc2
-    if torch.is_grad_enabled() or traced() or fc1.bias is None or fc2.bias is None:
+    if (torch.is_grad_enabled() or traced() or not isinstance(getattr(fc2, "weight", None), torch.Tensor)
+            or fc1.bias is None or fc2.bias is None):
         return mlp_forward_fused(self, x)
     dt = compute_dtype(x, fc1.weight)
     if dt not in (torch.bfloat16, torch.float16):

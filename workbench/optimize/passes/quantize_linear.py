@@ -578,6 +578,24 @@ def measure_pairs(model: torch.nn.Module, pairs: dict[str, tuple[str, str]], dty
     return out
 
 
+def unplan_bf16_mlp_kernels(model: torch.nn.Module) -> int:
+    """Take the bf16 one-kernel MLP (fused_linear's mlp_kernel) off each block whose fc1 or fc2 this pass
+    quantized outside a pair (that kernel reads both float weights itself); its MLP runs fc1 and fc2 as
+    modules again -> how many."""
+    from workbench.optimize.passes.block_plan import PLANS_ATTRIBUTE
+
+    plans = vars(model).get(PLANS_ATTRIBUTE)
+    if plans is None:
+        return 0
+    names = [n for n, p in plans.plans.items() if p.mlp_kernel and not p.mlp_quant
+             and any(isinstance(model.get_submodule(f"{n}.mlp.{fc}"), QuantLinear) for fc in ("fc1", "fc2"))]
+    for name in names:
+        plans.update(name, mlp_kernel=False)
+    if names:
+        plans.bind(model)
+    return len(names)
+
+
 def fuse_pairs(model: torch.nn.Module, pairs: dict[str, tuple[str, str]], kernel_blocks=frozenset()) -> int:
     """Make each quantized MLP pair run as one: fc1 applies the GELU and writes fc2's input quantized at fc2's
     static scale (QuantLinear.fuse_output), its block plan's MLP forward fc1 then fc2 (mlp_quant), or, for the
@@ -858,6 +876,7 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
                                   "data": calibrated_on,
                                   "scales": {n: float(s) for n, s in input_scales.items()}}
     quantize_model(model, routes, dtype, input_scales)
+    unplan_bf16_mlp_kernels(model)
     kernel_blocks = {fc1.rpartition(".mlp.")[0] for k, f in measured.items()
                      if k[3] == "mlp" and f.get("mlp_kernel") and f["choice"] == "quantize"
                      for fc1 in f["layers"][::2]}
