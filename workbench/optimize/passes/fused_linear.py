@@ -207,7 +207,9 @@ def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, Pa
             plans.fall_back(name, "mlp_gelu", "an MLP with another activation, dropout or a hidden norm")
     measured = {}
     if _inference_epilogue(ctx, len(fused_mlps), EPILOGUE_DTYPES):
-        measured = measure_mlp_kernel(model, fused_mlps, ctx)
+        from workbench.optimize.passes._route import rank_zero_measures
+
+        measured = rank_zero_measures(lambda: measure_mlp_kernel(model, fused_mlps, ctx))   # one plan on every rank
         for record in measured.values():
             for name in record["blocks"]:
                 plans.update(name, mlp_kernel=record["choice"] == "kernel")
