@@ -14,8 +14,8 @@ GELU in the GEMM's epilogue instead (`linear.addmm_gelu`: cuBLASLt, GELU's tanh 
 exact erf GELU): the pre-activation, the widest activation of the block, is never written and read back
 (on Swin-B at batch 64 the separate GELU is about a sixth of an inference forward's GPU time). The
 block stage (fused_block) does the same in its forward.
-Where the MLP is narrow (Swin's stages 1 and 2: at most kernels.mlp.MAX_FEATURES wide) the whole MLP can
-run as one kernel instead, fc1, GELU and fc2 with the hidden (4x the block's width) kept on chip
+Where the MLP is narrow (Swin's stages 1 and 2: at most kernels.mlp.MAX_FEATURES wide; v1 and v2) the whole
+MLP can run as one kernel instead, fc1, GELU and fc2 with the hidden (4x the block's width) kept on chip
 (`kernels.mlp.fused_mlp`): in inference on a GPU the pass times each such MLP shape at the stage's batch,
 graph-replayed, both ways (`measure_mlp_kernel`) and plans the kernel (`mlp_kernel`) where it is faster by
 more than KERNEL_MARGIN; the record keeps every shape's times and choice (`mlp_kernel_shapes`).
@@ -72,20 +72,20 @@ def _inference_epilogue(ctx: PassContext, mlps_fused: int, epilogue_dtypes) -> b
 
 
 def v2_mlp_bound(mlp: torch.nn.Module) -> bool:
-    """Whether this pass bound the fused fc1 + GELU forward on a SwinV2 block's Mlp."""
-    from workbench.optimize.passes.block_forward import mlp_forward_fused
+    """Whether this pass bound the fused fc1 + GELU forward (or the MLP as one kernel) on a SwinV2 block's Mlp."""
+    from workbench.optimize.passes.block_forward import mlp_forward_fused, mlp_forward_whole
 
-    return getattr(vars(mlp).get("forward"), "__func__", None) is mlp_forward_fused
+    return getattr(vars(mlp).get("forward"), "__func__", None) in (mlp_forward_fused, mlp_forward_whole)
 
 
 def _v2_result(model: torch.nn.Module, ctx: PassContext, Mlp, BiasGradLinear, epilogue_dtypes) -> PassResult:
     """Swap attn.proj, mlp.fc1 and mlp.fc2 of every SwinV2 block (and -CR's attn.qkv) to BiasGradLinear and
     bind the fused fc1 + GELU forward on each Mlp that qualifies -> the pass's result."""
     from workbench.optimize.passes._swin import is_cr, v2_block_classes
-    from workbench.optimize.passes.block_forward import mlp_forward_fused
+    from workbench.optimize.passes.block_forward import mlp_forward_fused, mlp_forward_whole
 
-    linears, fused, kept, qkv_left = 0, 0, 0, 0
-    for blk in (m for m in model.modules() if isinstance(m, v2_block_classes())):
+    linears, fused, kept, qkv_left = 0, [], 0, 0
+    for name, blk in ((n, m) for n, m in model.named_modules() if isinstance(m, v2_block_classes())):
         cr = is_cr(blk.attn)
         qkv_left += not cr
         for parent, names in ((blk.attn, ("qkv", "proj") if cr else ("proj",)), (blk.mlp, ("fc1", "fc2"))):
@@ -97,16 +97,22 @@ def _v2_result(model: torch.nn.Module, ctx: PassContext, Mlp, BiasGradLinear, ep
         mlp = blk.mlp
         if _fusable_mlp(mlp, Mlp) and isinstance(mlp.fc1, BiasGradLinear) and "forward" not in vars(mlp):
             mlp.forward = types.MethodType(mlp_forward_fused, mlp)
-            fused += 1
+            fused.append(name)
         else:
             kept += 1
     if linears == 0:
         raise PassUnavailable("no nn.Linear in this model's SwinV2 blocks")
+    measured = _measured_mlp_kernels(model, fused, ctx, epilogue_dtypes)
+    for record in measured.values():
+        for name in record["blocks"] if record["choice"] == "kernel" else ():
+            mlp = model.get_submodule(f"{name}.mlp")
+            mlp.forward = types.MethodType(mlp_forward_whole, mlp)
     which = "proj, fc1, fc2" if qkv_left else "qkv, proj, fc1, fc2"
-    changed = f"{linears} SwinV2 Linear ({which}) -> fused bias-gradient backward (Triton); {fused} MLP fc1+GELU fused"
+    changed = (f"{linears} SwinV2 Linear ({which}) -> fused bias-gradient backward (Triton); {len(fused)} MLP "
+               "fc1+GELU fused")
     if qkv_left:
         changed += "; qkv left (SwinV2 runs it as F.linear with its q/v biases)"
-    result = _result(ctx, epilogue_dtypes, linears, fused, kept, changed)
+    result = _with_mlp_kernels(_result(ctx, epilogue_dtypes, linears, len(fused), kept, changed), measured)
     result.details["swinv2"] = True
     return result
 
@@ -172,6 +178,28 @@ def measure_mlp_kernel(model: torch.nn.Module, blocks: list[str], ctx: PassConte
     return out
 
 
+def _measured_mlp_kernels(model: torch.nn.Module, blocks: list[str], ctx: PassContext, epilogue_dtypes) -> dict:
+    """measure_mlp_kernel's records for the blocks whose MLP this pass fused, in inference on a GPU (on rank
+    0 under torchrun, shared: one plan on every rank); {} elsewhere."""
+    from workbench.optimize.passes._route import rank_zero_measures
+
+    if not _inference_epilogue(ctx, len(blocks), epilogue_dtypes):
+        return {}
+    return rank_zero_measures(lambda: measure_mlp_kernel(model, blocks, ctx))
+
+
+def _with_mlp_kernels(result: PassResult, measured: dict) -> PassResult:
+    """The pass's result with the one-kernel MLP's records (where measured) in its line and details."""
+    if measured:
+        kernel = sum(len(r["blocks"]) for r in measured.values() if r["choice"] == "kernel")
+        result.changed += f"; inference: {kernel} MLP as one kernel (measured faster than the two GEMMs)"
+        result.details["mlp_kernel_shapes"] = [{"rows": m, "c": c, "hidden": h, **{k: v for k, v in r.items()
+                                                                                   if k != "blocks"},
+                                                "blocks": len(r["blocks"])} for (m, c, h), r in measured.items()]
+        result.details["mlp_kernel_blocks"] = kernel
+    return result
+
+
 def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, PassResult]:
     """Swap the Linears of every timm SwinTransformerBlock in place, plan the fused MLP and bind ->
     (model, PassResult)."""
@@ -205,24 +233,12 @@ def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, Pa
         plans.update(name, linear=True, mlp_gelu=name in fused_mlps)
         if name in kept_mlps:
             plans.fall_back(name, "mlp_gelu", "an MLP with another activation, dropout or a hidden norm")
-    measured = {}
-    if _inference_epilogue(ctx, len(fused_mlps), EPILOGUE_DTYPES):
-        from workbench.optimize.passes._route import rank_zero_measures
-
-        measured = rank_zero_measures(lambda: measure_mlp_kernel(model, fused_mlps, ctx))   # one plan on every rank
-        for record in measured.values():
-            for name in record["blocks"]:
-                plans.update(name, mlp_kernel=record["choice"] == "kernel")
+    measured = _measured_mlp_kernels(model, fused_mlps, ctx, EPILOGUE_DTYPES)
+    for record in measured.values():
+        for name in record["blocks"]:
+            plans.update(name, mlp_kernel=record["choice"] == "kernel")
     plans.bind(model)
     mlps_fused = len(fused_mlps)
-    result = _result(ctx, EPILOGUE_DTYPES, linears, mlps_fused, len(kept_mlps),
-                     f"{linears} Linear -> fused bias-gradient backward (Triton); "
-                     f"{mlps_fused} MLP fc1+GELU backward fused")
-    if measured:
-        kernel = sum(len(r["blocks"]) for r in measured.values() if r["choice"] == "kernel")
-        result.changed += f"; inference: {kernel} MLP as one kernel (measured faster than the two GEMMs)"
-        result.details["mlp_kernel_shapes"] = [{"rows": m, "c": c, "hidden": h, **{k: v for k, v in r.items()
-                                                                                   if k != "blocks"},
-                                                "blocks": len(r["blocks"])} for (m, c, h), r in measured.items()]
-        result.details["mlp_kernel_blocks"] = kernel
-    return model, result
+    return model, _with_mlp_kernels(_result(ctx, EPILOGUE_DTYPES, linears, mlps_fused, len(kept_mlps),
+                                            f"{linears} Linear -> fused bias-gradient backward (Triton); "
+                                            f"{mlps_fused} MLP fc1+GELU backward fused"), measured)
