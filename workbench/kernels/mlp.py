@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from workbench.kernels import _common
-from workbench.kernels._common import _INTERPRET, SOFT_RTNE, TL_DTYPES, cdiv, launch, next_pow2, to_dtype
+from workbench.kernels._common import _INTERPRET, SOFT_RTNE, cdiv, launch, next_pow2, to_dtype
 from workbench.kernels.quant import QDTYPE, QMAX, _epilogue, _gelu_tanh, quantize_static
 
 MAX_FEATURES = 256      # widest MLP input and output the kernel holds in one program (Swin's stages 1 and 2)
@@ -100,6 +100,12 @@ def _mlp_kernel(X, XS, W1, W1S, B1, HS, W2, W2S, B2, OUT, M, C, HID, N, M_BUCKET
              mask=row_mask[:, None] & col_mask[None, :])
 
 
+def _feature_blocks(c: int, n: int, quant: bool) -> tuple[int, int]:
+    """(BLOCK_C, BLOCK_N): the input and output widths padded to powers of two, at least the tensor cores'
+    K step (32 for e4m3)."""
+    return max(next_pow2(c), 32 if quant else MIN_FEATURES), max(next_pow2(n), MIN_FEATURES)
+
+
 def shared_bytes(block_m: int, block_c: int, block_n: int, block_h: int, stages: int, elem: int) -> int:
     """The shared memory a config's tiles take (as Triton lays them out on sm_90): x's tile, held for the
     whole loop, and `stages` buffers of each weight chunk (W1's BLOCK_H x BLOCK_C, W2's BLOCK_N x BLOCK_H).
@@ -112,8 +118,7 @@ def _fitting(configs, named_args, **kwargs):
     (a bf16 MLP 256 wide fits few), the first where none does."""
     x = named_args["X"]
     elem = x.element_size()
-    block_c = max(next_pow2(named_args["C"]), 32 if elem == 1 else MIN_FEATURES)
-    block_n = max(next_pow2(named_args["N"]), MIN_FEATURES)
+    block_c, block_n = _feature_blocks(named_args["C"], named_args["N"], elem == 1)
     limit = SHARED_BYTES
     if x.is_cuda:
         limit = getattr(torch.cuda.get_device_properties(x.device), "shared_memory_per_block_optin", limit)
@@ -157,11 +162,11 @@ def _launch(x, xs, w1, w1s, b1, hs, w2, w2s, b2, out, M, C, HID, N, quant: bool)
     extra = dict(_INTERPRET_CONFIG) if _INTERPRET else {}
     grid = lambda meta: (cdiv(M, meta["BLOCK_M"]),)  # noqa: E731
     as_bytes = (lambda t: t.view(torch.uint8)) if quant and _INTERPRET else (lambda t: t)
+    block_c, block_n = _feature_blocks(C, N, quant)
     launch(_mlp)[grid](as_bytes(x), xs, as_bytes(w1), w1s, b1, hs, as_bytes(w2), w2s, b2, out, M, C, HID, N,
                        next_pow2(max(M, 1)) if M < 4096 else 4096, QMAX["fp8"], QUANT=quant,
                        ROW_SCALE=xs.numel() != 1, SOFT_RTNE=SOFT_RTNE,
-                       BLOCK_C=max(next_pow2(C), 32 if quant else MIN_FEATURES),
-                       BLOCK_N=max(next_pow2(N), MIN_FEATURES), **extra)
+                       BLOCK_C=block_c, BLOCK_N=block_n, **extra)
     return out
 
 
