@@ -849,3 +849,42 @@ def test_a_single_quantized_fc2_takes_the_bf16_one_kernel_mlp_off(monkeypatch):
     with torch.inference_mode():
         logits, _ = w.forward_loss()
     assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("faster", ["quantized", "bf16"])
+def test_measurement_sees_the_mlps_that_dense_runs_as_one_kernel(monkeypatch, faster):
+    """dense planned the bf16 one-kernel MLP on every shape (its measurement forced): that kernel reads fc1's
+    and fc2's weights past their modules, so the measured selection and the calibration, which hook the
+    modules, take it off for their forwards. Quantized faster: the pairs run quantized and no block keeps
+    the bf16 kernel. bf16 faster everywhere: nothing is quantized, and every block gets its kernel back."""
+    from workbench.models import TINY_MODEL
+    from workbench.optimize.passes import _route, fused_linear
+    from workbench.optimize.passes.block_plan import block_plans
+    from workbench.optimize.recipes import apply_chain_passes, resolve_chain
+    from workbench.optimize.workload import Workload, WorkloadConfig
+
+    monkeypatch.setattr(fused_linear, "_inference_epilogue", lambda ctx, n, dtypes: True)
+    times = iter([10.0, 5.0] * 2)       # per MLP shape: the two GEMMs, then the kernel
+    monkeypatch.setattr(_route, "median_us", lambda call: call() is None or next(times))
+    w = Workload.build(WorkloadConfig(model=TINY_MODEL, mode="infer", batch=2, precision="bf16", device="cpu", seed=0))
+    w.model, results = apply_chain_passes(w.model, w.ctx, resolve_chain("dense"))
+    assert results[-1].details["mlp_kernel_blocks"] == 4
+    # the real measurements (their hooks must see every layer's input), then the choices made `faster`
+    monkeypatch.setattr(_route, "median_us", lambda call: call() is None or 10.0)
+    choice = {"quantized": "quantize", "bf16": "bf16"}[faster]
+    for fn in ("measure_layers", "measure_pairs"):
+        real = getattr(ql, fn)
+        monkeypatch.setattr(ql, fn, lambda *a, real=real, **k: {key: {**r, "choice": choice, "mlp_kernel": False}
+                                                                 for key, r in real(*a, **k).items()})
+    monkeypatch.setattr(ql, "gpu_route", lambda d, device: "triton")
+    monkeypatch.setattr(ql, "attention_triples", lambda model, dtype: {})
+    params = {"dtype": "fp8", "activations": "mixed", "keep": ["head.fc"], "calibration_batches": 1,
+              "calibration_batch": 2}
+    if faster == "quantized":
+        w.model, res = apply_pass("quantize_linear", w.model, w.ctx, params)
+        assert res.details["mlp_pairs"] == 4 and res.details["bf16_mlp_kernels"] == 0
+        assert not any(p.mlp_kernel and not p.mlp_quant for p in block_plans(w.model).plans.values())
+    else:
+        w.model, res = apply_pass("quantize_linear", w.model, w.ctx, params)     # not available: none left
+        assert all(why.startswith("kept bf16") for why in res.details["layers"].values())
+        assert all(p.mlp_kernel for p in block_plans(w.model).plans.values())

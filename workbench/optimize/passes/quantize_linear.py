@@ -578,22 +578,37 @@ def measure_pairs(model: torch.nn.Module, pairs: dict[str, tuple[str, str]], dty
     return out
 
 
-def unplan_bf16_mlp_kernels(model: torch.nn.Module) -> int:
-    """Take the bf16 one-kernel MLP (fused_linear's mlp_kernel) off each block whose fc1 or fc2 this pass
-    quantized outside a pair (that kernel reads both float weights itself); its MLP runs fc1 and fc2 as
-    modules again -> how many."""
+def suspend_bf16_mlp_kernels(model: torch.nn.Module) -> list[str]:
+    """Take the bf16 one-kernel MLP (fused_linear's mlp_kernel) off every block that runs it, so that its fc1
+    and fc2 run as modules (that kernel reads both float weights itself, past the modules' hooks: the
+    measured selection and the calibration see their inputs only this way) -> the blocks' names, for
+    restore_bf16_mlp_kernels."""
     from workbench.optimize.passes.block_plan import PLANS_ATTRIBUTE
 
     plans = vars(model).get(PLANS_ATTRIBUTE)
     if plans is None:
-        return 0
-    names = [n for n, p in plans.plans.items() if p.mlp_kernel and not p.mlp_quant
-             and any(isinstance(model.get_submodule(f"{n}.mlp.{fc}"), QuantLinear) for fc in ("fc1", "fc2"))]
+        return []
+    names = [n for n, p in plans.plans.items() if p.mlp_kernel and not p.mlp_quant]
     for name in names:
         plans.update(name, mlp_kernel=False)
     if names:
         plans.bind(model)
-    return len(names)
+    return names
+
+
+def restore_bf16_mlp_kernels(model: torch.nn.Module, names: list[str]) -> int:
+    """Give the bf16 one-kernel MLP back to those of `names` (suspend_bf16_mlp_kernels) whose fc1 and fc2 this
+    pass left float -> how many."""
+    from workbench.optimize.passes.block_plan import PLANS_ATTRIBUTE
+
+    plans = vars(model).get(PLANS_ATTRIBUTE)
+    back = [n for n in names if not any(isinstance(model.get_submodule(f"{n}.mlp.{fc}"), QuantLinear)
+                                        for fc in ("fc1", "fc2"))]
+    for name in back:
+        plans.update(name, mlp_kernel=True)
+    if back:
+        plans.bind(model)
+    return len(back)
 
 
 def fuse_pairs(model: torch.nn.Module, pairs: dict[str, tuple[str, str]], kernel_blocks=frozenset()) -> int:
@@ -808,6 +823,7 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
     if activations == "mixed" and route != "simulate" and "triton" in candidates:
         triples = {b: t for b, t in attention_triples(model, dtype).items() if t[0] in routes and t[1] in routes}
     switched = call_v2_qkv_as_a_module(model, routes)
+    suspended = suspend_bf16_mlp_kernels(model)
     try:
         measured, moved = {}, 0
         if select == "auto" and route != "simulate" and routes:
@@ -845,11 +861,13 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
     except BaseException:
         for attn in switched.values():  # the model as it was: timm's own F.linear again
             attn.qkv_bias_separate = False
+        restore_bf16_mlp_kernels(model, suspended)
         raise
     for name, attn in switched.items():
         if name not in routes:          # measured faster wide: timm's own F.linear again
             attn.qkv_bias_separate = False
     if not routes:
+        restore_bf16_mlp_kernels(model, suspended)
         raise PassUnavailable(nothing_left(kept), {"layers": {n: f"kept bf16: {why}" for n, why in kept.items()},
                                                    "select": select, "selected_by_measurement": bool(measured)})
     unmatched = unmatched_patterns(model, keep)
@@ -876,7 +894,7 @@ def apply(model: torch.nn.Module, ctx: PassContext, dtype: str = "fp8", activati
                                   "data": calibrated_on,
                                   "scales": {n: float(s) for n, s in input_scales.items()}}
     quantize_model(model, routes, dtype, input_scales)
-    unplan_bf16_mlp_kernels(model)
+    details["bf16_mlp_kernels"] = restore_bf16_mlp_kernels(model, suspended)
     kernel_blocks = {fc1.rpartition(".mlp.")[0] for k, f in measured.items()
                      if k[3] == "mlp" and f.get("mlp_kernel") and f["choice"] == "quantize"
                      for fc1 in f["layers"][::2]}
