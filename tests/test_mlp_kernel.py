@@ -12,25 +12,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-import triton  # noqa: E402
 
 from workbench.kernels import mlp, quant  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [(1, 16, 64, 16), (37, 40, 160, 24), (70, 96, 384, 96), (130, 128, 96, 128), (9, 256, 80, 200)]
-
-
-@pytest.fixture(params=[False, True], ids=["in-order", "ahead"])
-def ahead(request, monkeypatch):
-    """Each test once per loop order of the kernel (AHEAD: fc1's next chunk issued before this chunk's
-    epilogue): the interpreter's config, or on a GPU one config of that order in place of the autotuner's."""
-    if mlp._INTERPRET:
-        monkeypatch.setitem(mlp._INTERPRET_CONFIG, "AHEAD", request.param)
-    else:
-        config = next(c for c in mlp._CONFIGS if c.kwargs["AHEAD"] == request.param
-                      and (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_H"], c.num_warps, c.num_stages) == (64, 32, 4, 3))
-        monkeypatch.setattr(mlp, "_mlp", triton.autotune([config], key=mlp._KEY)(mlp._mlp_kernel))
-    return request.param
 
 
 def _gelu_tanh64(y: torch.Tensor) -> torch.Tensor:
@@ -41,7 +27,7 @@ def _gelu_tanh64(y: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("M,C,HID,N", SHAPES)
-def test_fused_mlp_against_float64(dtype, M, C, HID, N, ahead):
+def test_fused_mlp_against_float64(dtype, M, C, HID, N):
     """fc1 and its bias in fp32, GELU's tanh form (on a GPU the hardware's tanh: about 2^-12 |y| off), one
     rounding of the hidden to the dtype, fc2 in fp32 and its bias, one rounding: each hidden value within a
     step of the dtype of float64's, so the output within a step of its own plus a step of fc2's sum of
@@ -65,7 +51,7 @@ def test_fused_mlp_against_float64(dtype, M, C, HID, N, ahead):
 
 @pytest.mark.parametrize("row_scale", [True, False])
 @pytest.mark.parametrize("M,C,HID,N", SHAPES)
-def test_quantized_mlp_is_the_pair_in_one_launch(row_scale, M, C, HID, N, ahead):
+def test_quantized_mlp_is_the_pair_in_one_launch(row_scale, M, C, HID, N):
     """The same fc1 epilogue (scales, bias, GELU_tanh, the hidden quantized at its static scale by the
     reciprocal) and fc2 epilogue as the pair: the output is the pair's up to the order of fc2's fp32 sums
     (and, where that order moves fc1's fp32 result across a rounding boundary of e4m3, one step of a

@@ -34,14 +34,13 @@ MIN_FEATURES = 16       # narrowest: the tensor cores' K step
 
 # (BLOCK_M, BLOCK_H, warps, stages) the autotuner times per shape on the GPU (those whose tiles fit the
 # GPU's shared memory: _fitting); the interpreter takes one
-_CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_H": bh, "AHEAD": ahead}, num_warps=nw, num_stages=ns)
+_CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_H": bh}, num_warps=nw, num_stages=ns)
             for bm, bh, nw, ns in ((128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3),
-                                   (64, 128, 4, 3), (128, 32, 4, 3), (64, 32, 4, 3), (256, 64, 8, 2))
-            for ahead in (False, True)]
+                                   (64, 128, 4, 3), (128, 32, 4, 3), (64, 32, 4, 3), (256, 64, 8, 2))]
 SHARED_BYTES = 232448      # an sm_90 block's shared memory (227 KB), where the device does not say
 _SCRATCH = 1024            # shared memory Triton takes beside the tiles (256 bytes seen on sm_90)
 _UPCAST = tl.constexpr(_INTERPRET)
-_INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_H": 32, "AHEAD": True}
+_INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_H": 32}
 _KEY = ["C", "N", "HID", "QUANT", "M_BUCKET"]
 
 
@@ -60,46 +59,12 @@ def _dot(a, b, acc):
 
 
 @triton.jit
-def _fc1_chunk(x, W1, h0, C, HID, ks, k_mask, QUANT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr):
-    """fc1's raw fp32 product of the program's rows with hidden features h0 .. h0 + BLOCK_H."""
-    hs_ = h0 + tl.arange(0, BLOCK_H)
-    w1 = tl.load(W1 + hs_[:, None] * C + ks[None, :], mask=(hs_ < HID)[:, None] & k_mask[None, :], other=0.0)
-    if QUANT:
-        r = tl.dot(x, w1.to(tl.float8e4nv, bitcast=True).T)
-    else:
-        r = _dot(x, w1.T, None)
-    return r
-
-
-@triton.jit
-def _fc2_chunk(a1, acc, h0, rows, row_mask, cols, col_mask, XS, W1S, B1, HS, W2, HID, qmax, dtype: tl.constexpr,
-               QUANT: tl.constexpr, ROW_SCALE: tl.constexpr, SOFT_RTNE: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_H: tl.constexpr):
-    """acc + (the hidden features h0 .. h0 + BLOCK_H of fc1's product a1: fc1's epilogue, GELU, rounded once)
-    @ W2's columns h0 .. h0 + BLOCK_H, transposed."""
-    hs_ = h0 + tl.arange(0, BLOCK_H)
-    h_mask = hs_ < HID
-    w2 = tl.load(W2 + cols[:, None] * HID + hs_[None, :], mask=col_mask[:, None] & h_mask[None, :], other=0.0)
-    if QUANT:
-        a1 = _epilogue(a1, rows, hs_, row_mask, h_mask, XS, W1S, B1, ROW_SCALE, True, BLOCK_M, BLOCK_H)
-        h = quantize_static(_gelu_tanh(a1), HS, qmax, False)     # padding columns: GELU(0) = 0
-        acc = tl.dot(h, w2.to(tl.float8e4nv, bitcast=True).T, acc)
-    else:
-        a1 = a1 + tl.load(B1 + hs_, mask=h_mask, other=0.0).to(tl.float32)[None, :]
-        acc = _dot(to_dtype(_gelu_tanh(a1), dtype, SOFT_RTNE), w2.T, acc)
-    return acc
-
-
-@triton.jit
 def _mlp_kernel(X, XS, W1, W1S, B1, HS, W2, W2S, B2, OUT, M, C, HID, N, M_BUCKET, qmax,
                 QUANT: tl.constexpr, ROW_SCALE: tl.constexpr, SOFT_RTNE: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
-                AHEAD: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
     """OUT (M, N) = fc2(GELU_tanh(fc1(X))) for BLOCK_M rows a program. X (M, C), W1 (HID, C), W2 (N, HID),
     all row-major; QUANT: e4m3 operands (bytes under the interpreter, bitcast here), XS the input's scale
-    per row (ROW_SCALE) or one static scale, W1S / W2S per output channel, HS the hidden's static scale.
-    AHEAD: fc1's product of the next hidden chunk is issued before this chunk's epilogue and fc2 product,
-    so that the tensor cores work on it while the epilogue's arithmetic runs (the same values either way)."""
+    per row (ROW_SCALE) or one static scale, W1S / W2S per output channel, HS the hidden's static scale."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
@@ -111,22 +76,22 @@ def _mlp_kernel(X, XS, W1, W1S, B1, HS, W2, W2S, B2, OUT, M, C, HID, N, M_BUCKET
                 other=0.0)
     if QUANT:
         x = x.to(tl.float8e4nv, bitcast=True)
-    dtype: tl.constexpr = X.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if AHEAD:
-        a1 = _fc1_chunk(x, W1, 0, C, HID, ks, k_mask, QUANT, BLOCK_C, BLOCK_H)
-        for h0 in range(BLOCK_H, HID, BLOCK_H):
-            a1_next = _fc1_chunk(x, W1, h0, C, HID, ks, k_mask, QUANT, BLOCK_C, BLOCK_H)
-            acc = _fc2_chunk(a1, acc, h0 - BLOCK_H, rows, row_mask, cols, col_mask, XS, W1S, B1, HS, W2, HID, qmax,
-                             dtype, QUANT, ROW_SCALE, SOFT_RTNE, BLOCK_M, BLOCK_H)
-            a1 = a1_next
-        acc = _fc2_chunk(a1, acc, (HID - 1) // BLOCK_H * BLOCK_H, rows, row_mask, cols, col_mask, XS, W1S, B1, HS,
-                         W2, HID, qmax, dtype, QUANT, ROW_SCALE, SOFT_RTNE, BLOCK_M, BLOCK_H)
-    else:
-        for h0 in range(0, HID, BLOCK_H):
-            a1 = _fc1_chunk(x, W1, h0, C, HID, ks, k_mask, QUANT, BLOCK_C, BLOCK_H)
-            acc = _fc2_chunk(a1, acc, h0, rows, row_mask, cols, col_mask, XS, W1S, B1, HS, W2, HID, qmax,
-                             dtype, QUANT, ROW_SCALE, SOFT_RTNE, BLOCK_M, BLOCK_H)
+    for h0 in range(0, HID, BLOCK_H):
+        hs_ = h0 + tl.arange(0, BLOCK_H)
+        h_mask = hs_ < HID
+        w1 = tl.load(W1 + hs_[:, None] * C + ks[None, :], mask=h_mask[:, None] & k_mask[None, :], other=0.0)
+        w2 = tl.load(W2 + cols[:, None] * HID + hs_[None, :], mask=col_mask[:, None] & h_mask[None, :], other=0.0)
+        if QUANT:
+            w1 = w1.to(tl.float8e4nv, bitcast=True)
+            w2 = w2.to(tl.float8e4nv, bitcast=True)
+            a1 = _epilogue(tl.dot(x, w1.T), rows, hs_, row_mask, h_mask, XS, W1S, B1, ROW_SCALE, True,
+                           BLOCK_M, BLOCK_H)
+            h = quantize_static(_gelu_tanh(a1), HS, qmax, False)     # padding columns: GELU(0) = 0
+        else:
+            a1 = _dot(x, w1.T, None) + tl.load(B1 + hs_, mask=h_mask, other=0.0).to(tl.float32)[None, :]
+            h = to_dtype(_gelu_tanh(a1), X.dtype.element_ty, SOFT_RTNE)
+        acc = _dot(h, w2.T, acc)
     if QUANT:
         out = _epilogue(acc, rows, cols, row_mask, col_mask, HS, W2S, B2, False, True, BLOCK_M, BLOCK_N)
     else:
@@ -165,7 +130,7 @@ def _fitting(configs, named_args, **kwargs):
 if _INTERPRET:
     _mlp = _mlp_kernel
 elif not _common.AUTOTUNE:
-    _mlp = triton.autotune(_CONFIGS[-4:-3], key=_KEY)(_mlp_kernel)
+    _mlp = triton.autotune(_CONFIGS[-2:-1], key=_KEY)(_mlp_kernel)
 else:
     _mlp = triton.autotune(_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _fitting})(_mlp_kernel)
 
