@@ -431,3 +431,25 @@ def test_merging_layer_norm_is_timm_s_pad_gather_and_norm(shape, dtype):
     assert torch.equal(merging_layer_norm(x, None, None, EPS), layer_norm(gathered.contiguous(), None, None, EPS))
     with pytest.raises(ValueError, match="expected"):
         merging_layer_norm(x, w[:C], b, EPS)
+
+
+@pytest.mark.parametrize("shape", [(2, 8, 8, 16), (1, 7, 9, 24), (2, 14, 14, 96)],
+                         ids=["even", "odd-h-and-w", "swin-t-stage-3"])
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
+                                    (torch.float16, torch.float16)], ids=["fp32+bf16", "bf16+bf16", "fp16+fp16"])
+def test_merging_layer_norm_adds_a_residual_as_torch_would(shape, dtypes):
+    """merging_layer_norm(x, ..., residual=r) is merging_layer_norm(x + r) bit for bit: each sum rounded to
+    torch's result dtype of x + r (fp32 for a stage-1 fp32 stream plus a bf16 branch), padded rows zero."""
+    from workbench.kernels.layer_norm import merging_layer_norm
+
+    torch.manual_seed(sum(shape) + 1)
+    C = shape[-1]
+    x = (torch.randn(shape) * 2 + 0.5).to(dtypes[0]).to(DEVICE)
+    r = torch.randn(shape).to(dtypes[1]).to(DEVICE)
+    w, b = (torch.randn(4 * C).to(DEVICE) for _ in range(2))
+    for out in (None, torch.bfloat16):
+        fused = merging_layer_norm(x, w, b, EPS, out, residual=r)
+        assert fused.dtype == (out or (x + r).dtype)
+        assert torch.equal(fused, merging_layer_norm(x + r, w, b, EPS, out))
+    with pytest.raises(ValueError, match="residual"):
+        merging_layer_norm(x, w, b, EPS, residual=r[:, :1])

@@ -213,3 +213,41 @@ def test_mlp_residual_add_goes_into_the_next_block_s_norm(monkeypatch):
     calls.clear()
     _assert_same_step(ref, model, atol=1e-5, rtol=1e-5, train=True, rng_seed=3)
     assert calls == []
+
+
+def test_inference_hands_a_stage_s_last_mlp_add_to_the_next_merging(monkeypatch):
+    """In inference (the dense recipe, bf16) a stage's last MLP branch goes to the next stage unadded and its
+    PatchMerging adds it in the gather-and-norm pass: the same logits bit for bit as the forward that adds
+    it first; with autograd (training) the stages run in turn and the merging takes no residual."""
+    import importlib
+
+    from workbench.models import TINY_MODEL
+    from workbench.optimize.passes import block_forward
+    from workbench.optimize.recipes import apply_chain_passes, resolve_chain
+    from workbench.optimize.workload import Workload, WorkloadConfig
+
+    w = Workload.build(WorkloadConfig(model=TINY_MODEL, mode="infer", batch=2, precision="bf16", device=str(DEVICE),
+                                      seed=0))
+    w.model, results = apply_chain_passes(w.model, w.ctx, resolve_chain("dense"))
+    window = next(r for r in results if r.name == "fused_window")
+    assert window.details["stage_hand_offs"] == len(w.model.layers) - 1 >= 1
+    assert "stage boundaries" in window.changed
+    assert vars(w.model.layers)["forward"].__func__ is block_forward.stages_forward
+    residuals = []
+    ln = importlib.import_module("workbench.kernels.layer_norm")    # the package exports a layer_norm function
+    real = ln.merging_layer_norm
+    monkeypatch.setattr(ln, "merging_layer_norm", lambda *a, residual=None: residuals.append(residual is not None)
+                        or real(*a, residual=residual))
+    w.prepare()
+    with torch.inference_mode():
+        handed, _ = w.forward_loss()
+        assert residuals == [True] * (len(w.model.layers) - 1)
+        forward = vars(w.model.layers).pop("forward")
+        added, _ = w.forward_loss()
+        w.model.layers.forward = forward
+    assert torch.equal(handed, added) and residuals[len(w.model.layers) - 1:] == [False] * (len(w.model.layers) - 1)
+    residuals.clear()
+    with torch.enable_grad(), torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        w.model.layers(torch.randn(1, *w.model.layers[0].blocks[0].input_resolution, w.model.layers[0].dim,
+                                   device=DEVICE, requires_grad=True))
+    assert residuals == []

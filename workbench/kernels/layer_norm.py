@@ -41,7 +41,8 @@ import triton.language as tl
 
 from workbench.kernels import _common
 from workbench.kernels._common import (SOFT_RTNE, cdiv, column_sums, eager_column_sums, emit_column_sum, finish_column_sums, host_cache, kernel_op,
-                      launch, launch_options, next_pow2, sm_count, split_norm_grads, to_dtype, zero_column_sums)
+                      TL_DTYPES, launch, launch_options, next_pow2, sm_count, split_norm_grads, to_dtype,
+                      zero_column_sums)
 
 # Widest row one program holds in registers. Swin needs 1536 (-> 2048); wider rows would want a
 # column loop, which no Swin needs.
@@ -104,14 +105,15 @@ def _layer_norm_fwd_kernel(
 
 @triton.jit
 def _merging_norm_fwd_kernel(
-    X, Y, W, B, n_rows, H, Wd, Ho, Wo, C, eps,
-    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, SOFT_RTNE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    X, R, Y, W, B, n_rows, H, Wd, Ho, Wo, C, eps,
+    HAS_RESIDUAL: tl.constexpr, SUM_DTYPE: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SOFT_RTNE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """timm PatchMerging's gather and norm: BLOCK_M rows (b, i, j) of the merged (B, Ho, Wo, 4C) map per
     program, row = x[b, 2i + dh, 2j + dw, :] for the channel blocks (dh, dw) = (0, 0), (1, 0), (0, 1),
     (1, 1) of the contiguous (B, H, Wd, C) x, zero past H or Wd (timm's zero pad to even sides, counted in
-    the statistics), normalized over its 4C values as _layer_norm_fwd_kernel normalizes a row."""
+    the statistics), normalized over its 4C values as _layer_norm_fwd_kernel normalizes a row.
+    HAS_RESIDUAL: x is X + R (R of X's shape), each sum rounded once to SUM_DTYPE as torch's add writes it."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -126,7 +128,12 @@ def _merging_norm_fwd_kernel(
     h = 2 * i[:, None] + (k % 2)[None, :]
     w = 2 * j[:, None] + (k // 2)[None, :]
     src = ((b[:, None] * H + h) * Wd + w) * C + (cols % C)[None, :]
-    x = tl.load(X + src, mask=mask & (h < H) & (w < Wd), other=0.0).to(tl.float32)
+    inside = mask & (h < H) & (w < Wd)
+    x = tl.load(X + src, mask=inside, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        x = x + tl.load(R + src, mask=inside, other=0.0).to(tl.float32)
+        if SUM_DTYPE != tl.float32:
+            x = to_dtype(x, SUM_DTYPE, SOFT_RTNE).to(tl.float32)
 
     mean = tl.sum(x, axis=1) / n_cols
     xc = tl.where(mask, x - mean[:, None], 0.0)
@@ -294,26 +301,38 @@ def layer_norm_fwd(x2, residual2, weight, bias, eps: float, out_dtype: torch.dty
     return s, y, mean, rstd
 
 
-def merging_layer_norm(x: torch.Tensor, weight, bias, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def merging_layer_norm(x: torch.Tensor, weight, bias, eps: float, out_dtype: torch.dtype | None = None,
+                       residual: torch.Tensor | None = None) -> torch.Tensor:
     """timm PatchMerging up to its reduction, in one pass and without autograd (inference): x (B, H, W, C)
     padded with zeros to even H and W, gathered 2x2 into (B, ceil(H/2), ceil(W/2), 4C) (channel blocks
     (dh, dw) = (0, 0), (1, 0), (0, 1), (1, 1), timm's order) and normalized over the 4C, weight and bias
     of 4C; output in out_dtype (default x.dtype), rounded once from fp32. Where timm copies x twice (the
-    pad, the gather) before its norm reads it, this reads x once."""
+    pad, the gather) before its norm reads it, this reads x once. residual: a tensor of x's shape added to
+    x first, each sum rounded to the dtype torch's x + residual would have (the previous stage's last
+    residual add, which then is never written)."""
     weight, bias = _dense(weight), _dense(bias)
     B, H, Wd, C = x.shape
     n_cols = _check(x, weight, bias, 4 * C)
     x = x.contiguous()
+    sum_dtype = x.dtype
+    if residual is not None:
+        if residual.shape != x.shape:
+            raise ValueError(f"merging_layer_norm: residual {tuple(residual.shape)} is not x's shape {tuple(x.shape)}")
+        sum_dtype = torch.promote_types(x.dtype, residual.dtype)
+        if sum_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"merging_layer_norm: x {x.dtype} + residual {residual.dtype} is not a float32, "
+                             "bfloat16 or float16 sum")
+        residual = residual.contiguous()
     ho, wo = -(-H // 2), -(-Wd // 2)
     n_rows = B * ho * wo
     block_m, block_n, num_warps = _tile(n_cols)
-    y = _common.new_output((B, ho, wo, n_cols), out_dtype or x.dtype, x.device)
+    y = _common.new_output((B, ho, wo, n_cols), out_dtype or sum_dtype, x.device)
     if n_rows > 0:
         launch(_merging_norm_fwd_kernel)[(cdiv(n_rows, block_m),)](
-            x, y, weight if weight is not None else x, bias if bias is not None else x,
-            n_rows, H, Wd, ho, wo, C, eps,
-            HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, SOFT_RTNE=SOFT_RTNE,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+            x, residual if residual is not None else x, y, weight if weight is not None else x,
+            bias if bias is not None else x, n_rows, H, Wd, ho, wo, C, eps,
+            HAS_RESIDUAL=residual is not None, SUM_DTYPE=TL_DTYPES[sum_dtype], HAS_WEIGHT=weight is not None,
+            HAS_BIAS=bias is not None, SOFT_RTNE=SOFT_RTNE, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
         )
     return y
 

@@ -137,6 +137,8 @@ def activation_dtypes(workload: Workload) -> dict[str, str]:
 
     def hook(name):
         def record(module, args, out):
+            if isinstance(out, tuple) and out:  # a stage handing its last MLP branch on: (x, branch)
+                out = out[0]
             if isinstance(out, torch.Tensor):
                 seen.setdefault(name, str(out.dtype).replace("torch.", ""))
         return record

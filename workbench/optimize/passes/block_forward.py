@@ -365,12 +365,23 @@ def stage_forward(defers: tuple[bool, ...], under_compile: bool = False) -> Call
     (x, branch). While torch.compile traces, the stage runs as timm's (each add an Inductor kernel of its
     own) unless bound with under_compile (BlockPlans.window_under_compile, the compile pass's
     fused_window): then the deferred adds stay in the fused chain's operators. With gradient checkpointing
-    it always runs as timm's."""
-    def swin_stage_forward_fused_window(self, x: torch.Tensor) -> torch.Tensor:
+    it always runs as timm's.
+
+    The stage's last add can cross into the next stage (stages_forward, inference): called as
+    stage(x, pending, hand_on), the stage takes the previous stage's last branch unadded (its PatchMerging
+    adds it in its norm pass where merging_forward is bound: merging_takes_residual) and, with hand_on,
+    returns (x, its own last branch or None) instead of adding it."""
+    def swin_stage_forward_fused_window(self, x: torch.Tensor, pending_in=None, hand_on: bool = False):
         if ((traced() and not under_compile)
                 or (getattr(self, "grad_checkpointing", False) and not torch.jit.is_scripting())):
-            return type(self).forward(self, x)
-        x = self.downsample(x)
+            x = type(self).forward(self, x if pending_in is None else x + scaled_branch(pending_in))
+            return (x, None) if hand_on else x
+        if pending_in is None:
+            x = self.downsample(x)
+        elif merging_takes_residual(self.downsample):
+            x = self.downsample(x, pending_in)
+        else:
+            x = self.downsample(x + scaled_branch(pending_in))
         pending = None
         for blk, defer in zip(self.blocks, defers):
             if defer:
@@ -379,8 +390,35 @@ def stage_forward(defers: tuple[bool, ...], under_compile: bool = False) -> Call
                 if pending is not None:
                     x, pending = x + scaled_branch(pending), None
                 x = blk(x)
+        if hand_on:
+            return x, pending
         return x if pending is None else x + scaled_branch(pending)
+    swin_stage_forward_fused_window.takes_pending = True
     return swin_stage_forward_fused_window
+
+
+def hands_on(stage: torch.nn.Module) -> bool:
+    """Whether a stage runs stage_forward's fused forward (it takes and hands on a pending branch)."""
+    return getattr(getattr(vars(stage).get("forward"), "__func__", None), "takes_pending", False)
+
+
+def stages_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """nn.Sequential.forward over timm SwinTransformerStages (a Swin's `layers`), where stage_forward runs
+    two neighbours: without autograd and outside torch.compile's tracing, each such stage hands its last
+    MLP branch to the next unadded, and the next stage's PatchMerging adds it in its gather-and-norm pass
+    (merging_forward), so that add is never written and read back; otherwise the stages run in turn."""
+    stages = list(self)
+    if torch.is_grad_enabled() or traced():
+        return torch.nn.Sequential.forward(self, x)
+    pending = None
+    for i, stage in enumerate(stages):
+        hand_on = hands_on(stage) and i + 1 < len(stages) and hands_on(stages[i + 1])
+        if pending is not None or hand_on:
+            out = stage(x, pending, hand_on)
+            x, pending = out if hand_on else (out, None)
+        else:
+            x = stage(x)
+    return x
 
 
 # ------------------------------------------------------------------------- attention and MLP
@@ -512,21 +550,32 @@ def mlp_forward_quantized_whole(self, x):
 
 
 @merging_forward_of_the_pass
-def merging_forward(self, x: torch.Tensor) -> torch.Tensor:
+def merging_forward(self, x: torch.Tensor, pending=None) -> torch.Tensor:
     """timm PatchMerging.forward whose norm is a TritonLayerNorm. Without autograd (inference, eager or
     captured in a graph) the zero pad, the 2x2 gather and the norm are one Triton pass over x
     (kernels.layer_norm.merging_layer_norm; timm copies x twice before its norm reads it), written in the
     dtype the norm writes for the reduction Linear; with autograd, or while torch.compile traces (Inductor
-    fuses the copies itself), timm's forward."""
+    fuses the copies itself), timm's forward. pending: the previous stage's last MLP branch (branch,
+    drop-path factors or None) not yet added to x (stages_forward): that pass adds it as it reads x."""
     from timm.models.swin_transformer import PatchMerging
 
     if torch.is_grad_enabled() or traced():
-        return PatchMerging.forward(self, x)
+        return PatchMerging.forward(self, x if pending is None else x + scaled_branch(pending))
     from workbench.kernels.layer_norm import merging_layer_norm
 
+    residual = None
+    if pending is not None and pending[1] is None and torch.promote_types(x.dtype, pending[0].dtype) == x.dtype:
+        residual = pending[0]       # the sum in x's dtype, as x + branch writes it
+    elif pending is not None:
+        x = x + scaled_branch(pending)
     norm = self.norm
     dtype = autocast_input_dtype(x) if norm.into_linear else None
-    return self.reduction(merging_layer_norm(x, norm.weight, norm.bias, norm.eps, dtype))
+    return self.reduction(merging_layer_norm(x, norm.weight, norm.bias, norm.eps, dtype, residual=residual))
+
+
+def merging_takes_residual(merging: torch.nn.Module) -> bool:
+    """Whether a stage's downsample runs merging_forward (it takes a pending branch and adds it itself)."""
+    return getattr(vars(merging).get("forward"), "__func__", None) is merging_forward
 
 
 # ------------------------------------------------------------------ the block as one Function

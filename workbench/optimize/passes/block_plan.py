@@ -53,9 +53,10 @@ import torch
 
 from workbench.optimize.passes._swin import (INVERSE_BUFFER, add_rel_pos_inverse, merging_norm_goes_to_linear,
                                              named_swin_blocks)
-from workbench.optimize.passes.block_forward import (attention_forward, block_forward, merging_forward, mlp_forward_fused,
-                                                     mlp_forward_quantized, mlp_forward_quantized_whole,
-                                                     mlp_forward_whole, stage_forward)
+from workbench.optimize.passes.block_forward import (attention_forward, block_forward, hands_on, merging_forward,
+                                                     mlp_forward_fused, mlp_forward_quantized,
+                                                     mlp_forward_quantized_whole, mlp_forward_whole, stage_forward,
+                                                     stages_forward)
 
 NORMS = ("torch", "triton", "apex")
 ATTENTIONS = ("timm", "triton")
@@ -174,7 +175,7 @@ class BlockPlans:
 
         self.unbind(model)
         counts = {"block_forwards": 0, "attention_forwards": 0, "mlp_forwards": 0, "deferring_stages": 0,
-                  "merging_forwards": 0}
+                  "merging_forwards": 0, "stage_hand_offs": 0}
         defers: dict[str, bool] = {}
         for name, blk in named_swin_blocks(model):
             plan = self.plans.get(name)
@@ -223,6 +224,14 @@ class BlockPlans:
                 self._set(name, stage, "forward",
                           types.MethodType(stage_forward(stage_defers, self.window_under_compile), stage))
                 counts["deferring_stages"] += 1
+        for name, layers in model.named_modules():     # a Swin's `layers`: the stages in turn
+            if (type(layers) is not torch.nn.Sequential or len(layers) < 2 or "forward" in vars(layers)
+                    or not all(isinstance(s, SwinTransformerStage) for s in layers)):
+                continue
+            hand_offs = sum(hands_on(a) and hands_on(b) for a, b in zip(layers, list(layers)[1:]))
+            if hand_offs:
+                self._set(name, layers, "forward", types.MethodType(stages_forward, layers))
+                counts["stage_hand_offs"] += hand_offs
         return counts
 
     def unbind(self, model: torch.nn.Module) -> None:

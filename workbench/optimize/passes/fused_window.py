@@ -29,8 +29,10 @@ Details the planned forward keeps from timm:
   * Residual add after the MLP: in eager mode (and under torch.compile with the compile pass's
     fused_window) each stage hands a block's MLP branch to the next block unadded, whose norm kernel
     adds it (`add_norm_shift_partition`, `block_forward.stage_forward`); the stage's last block adds its
-    own. Same values as `x + branch`; one launch and one autograd node fewer
-    per block each way. Inside that loop a block returns (x, branch): a forward hook on a block sees that
+    own, except in inference, where it goes to the next stage unadded (`block_forward.stages_forward`) and
+    that stage's patch merging adds it in its gather-and-norm pass (fused_layernorm's merging_forward;
+    stage 1's, an fp32 stream plus a bf16 branch, is the largest add of the model). Same values as
+    `x + branch`; one launch and one autograd node fewer per block each way. Inside that loop a block returns (x, branch): a forward hook on a block sees that
     pair (the stages' outputs are whole).
   * With fused_layernorm's add_norm2 in the plan, in eager mode, `merge_add_norm` merges the attention
     windows back, adds them into x and runs norm2 in one kernel, whose backward writes the gradient of
@@ -124,7 +126,9 @@ def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, Pa
         counts["blocks_with_drop_path"] += int(not isinstance(blk.drop_path1, torch.nn.Identity))
         counts["blocks_dynamic_mask"] += int(bool(getattr(blk, "dynamic_mask", False)))
 
-    counts["stages_deferring_mlp_add"] = plans.bind(model)["deferring_stages"]
+    bound = plans.bind(model)
+    counts["stages_deferring_mlp_add"] = bound["deferring_stages"]
+    counts["stage_hand_offs"] = bound["stage_hand_offs"]
     changed = (f"{counts['blocks_patched']}/{len(blocks)} SwinTransformerBlock: norm1+roll+pad+partition -> "
                f"norm_shift_partition, merge+crop+roll+add -> merge_unshift_add (Triton, fwd+bwd)")
     if counts["blocks_with_add_norm2"]:
@@ -133,6 +137,9 @@ def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, Pa
     if counts["stages_deferring_mlp_add"]:
         changed += (f"; in {counts['stages_deferring_mlp_add']} stage(s) each MLP's residual add goes into the next "
                     "block's norm kernel (add_norm_shift_partition, eager)")
+    if counts["stage_hand_offs"]:
+        changed += (f"; at {counts['stage_hand_offs']} stage boundaries a stage's last MLP add goes to the next "
+                    "stage (inference: into its patch merging's norm pass where fused_layernorm runs it)")
     skipped = counts["blocks_forward_already_patched"] + counts["blocks_norm1_not_fusable"] + counts["blocks_non_square"]
     if skipped:
         changed += f"; {skipped} left as they were"
