@@ -109,9 +109,13 @@ def test_the_autotuner_times_only_configs_that_fit_shared_memory():
     assert mlp.shared_bytes(128, 128, 128, 64, 3, 2) == 131072
     assert mlp.shared_bytes(64, 128, 128, 128, 3, 2) == 213248 - 256
     assert mlp.shared_bytes(128, 256, 256, 64, 3, 2) == 262144
-    bf16 = mlp._fitting(mlp._CONFIGS, {"X": torch.empty(1, 256, dtype=torch.bfloat16), "C": 256, "N": 256})
-    fp8 = mlp._fitting(mlp._CONFIGS, {"X": torch.empty(1, 256, dtype=torch.float8_e4m3fn), "C": 256, "N": 256})
-    narrow = mlp._fitting(mlp._CONFIGS, {"X": torch.empty(1, 96, dtype=torch.bfloat16), "C": 96, "N": 96})
+    few = {"M_BUCKET": 4096}
+    bf16 = mlp._fitting(mlp._CONFIGS, {"X": torch.empty(1, 256, dtype=torch.bfloat16), "C": 256, "N": 256, **few})
+    fp8 = mlp._fitting(mlp._CONFIGS, {"X": torch.empty(1, 256, dtype=torch.float8_e4m3fn), "C": 256, "N": 256, **few})
+    narrow = mlp._fitting(mlp._CONFIGS, {"X": torch.empty(1, 96, dtype=torch.bfloat16), "C": 96, "N": 96, **few})
+    many = mlp._fitting(mlp._CONFIGS, {"X": torch.empty(1, 96, dtype=torch.bfloat16), "C": 96, "N": 96,
+                                       "M_BUCKET": mlp.M_BUCKETS})
     assert 0 < len(bf16) < len(mlp._CONFIGS) and len(fp8) == len(narrow) == len(mlp._CONFIGS)
+    assert any(c.kwargs["BLOCK_M"] == 32 for c in narrow) and all(c.kwargs["BLOCK_M"] >= 64 for c in many)
     assert all(mlp.shared_bytes(c.kwargs["BLOCK_M"], 256, 256, c.kwargs["BLOCK_H"], c.num_stages, 2)
                + mlp._SCRATCH <= mlp.SHARED_BYTES for c in bf16)

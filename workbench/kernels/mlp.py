@@ -32,11 +32,15 @@ from workbench.kernels.quant import QDTYPE, QMAX, _epilogue, _gelu_tanh, quantiz
 MAX_FEATURES = 256      # widest MLP input and output the kernel holds in one program (Swin's stages 1 and 2)
 MIN_FEATURES = 16       # narrowest: the tensor cores' K step
 
-# (BLOCK_M, BLOCK_H, warps, stages) the autotuner times per shape on the GPU (those whose tiles fit the
-# GPU's shared memory: _fitting); the interpreter takes one
+# (BLOCK_M, BLOCK_H, warps, stages) the autotuner times per shape on the GPU
+# (those whose tiles fit the GPU's shared memory: _fitting; the 32-row tiles only for a few rows, where
+# the 64-row ones leave most SMs idle); the interpreter takes one
 _CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_H": bh}, num_warps=nw, num_stages=ns)
             for bm, bh, nw, ns in ((128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3),
-                                   (64, 128, 4, 3), (128, 32, 4, 3), (64, 32, 4, 3), (256, 64, 8, 2))]
+                                   (64, 128, 4, 3), (128, 32, 4, 3), (64, 32, 4, 3), (256, 64, 8, 2),
+                                   (32, 64, 4, 3), (32, 128, 4, 3))]
+SMALL_ROWS = 8192           # M_BUCKET up to which the 32-row tiles are timed too
+M_BUCKETS = 1 << 16         # rows are keyed by their next power of two up to this (a batch's own configs)
 SHARED_BYTES = 232448      # an sm_90 block's shared memory (227 KB), where the device does not say
 _SCRATCH = 1024            # shared memory Triton takes beside the tiles (256 bytes seen on sm_90)
 _UPCAST = tl.constexpr(_INTERPRET)
@@ -115,13 +119,14 @@ def shared_bytes(block_m: int, block_c: int, block_n: int, block_h: int, stages:
 
 def _fitting(configs, named_args, **kwargs):
     """The autotuner's early prune: the configs whose tiles fit the device's shared memory at this shape
-    (a bf16 MLP 256 wide fits few), the first where none does."""
+    (a bf16 MLP 256 wide fits few), the first where none does; 32-row tiles only up to SMALL_ROWS rows."""
     x = named_args["X"]
     elem = x.element_size()
     block_c, block_n = _feature_blocks(named_args["C"], named_args["N"], elem == 1)
     limit = SHARED_BYTES
     if x.is_cuda:
         limit = getattr(torch.cuda.get_device_properties(x.device), "shared_memory_per_block_optin", limit)
+    configs = [c for c in configs if c.kwargs["BLOCK_M"] >= 64 or named_args["M_BUCKET"] <= SMALL_ROWS]
     fit = [c for c in configs if shared_bytes(c.kwargs["BLOCK_M"], block_c, block_n, c.kwargs["BLOCK_H"],
                                               c.num_stages, elem) + _SCRATCH <= limit]
     return fit or configs[:1]
@@ -130,7 +135,7 @@ def _fitting(configs, named_args, **kwargs):
 if _INTERPRET:
     _mlp = _mlp_kernel
 elif not _common.AUTOTUNE:
-    _mlp = triton.autotune(_CONFIGS[-2:-1], key=_KEY)(_mlp_kernel)
+    _mlp = triton.autotune(_CONFIGS[6:7], key=_KEY)(_mlp_kernel)
 else:
     _mlp = triton.autotune(_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _fitting})(_mlp_kernel)
 
@@ -164,7 +169,7 @@ def _launch(x, xs, w1, w1s, b1, hs, w2, w2s, b2, out, M, C, HID, N, quant: bool)
     as_bytes = (lambda t: t.view(torch.uint8)) if quant and _INTERPRET else (lambda t: t)
     block_c, block_n = _feature_blocks(C, N, quant)
     launch(_mlp)[grid](as_bytes(x), xs, as_bytes(w1), w1s, b1, hs, as_bytes(w2), w2s, b2, out, M, C, HID, N,
-                       next_pow2(max(M, 1)) if M < 4096 else 4096, QMAX["fp8"], QUANT=quant,
+                       min(next_pow2(max(M, 1)), M_BUCKETS), QMAX["fp8"], QUANT=quant,
                        ROW_SCALE=xs.numel() != 1, SOFT_RTNE=SOFT_RTNE,
                        BLOCK_C=block_c, BLOCK_N=block_n, **extra)
     return out
