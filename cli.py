@@ -203,8 +203,10 @@ def _main(
     pass   # options of `swinbench` itself; the help text is the app's
 
 
-NAME_HELP = ("Kernel names: short (nsys's shortName; the default of both analyze and diff) or demangled (the full "
-             "C++ name, as nsys prints it). CPU operators have one name.")
+NAME_HELP = ("Kernel names: short (nsys's shortName; the default of both analyze and diff), op (the short name "
+             "with what PyTorch's generic elementwise and reduce kernels run, e.g. vectorized_elementwise_kernel"
+             "[add bf16], and a CUTLASS wrapper's own kernel name) or demangled (the full C++ name, as nsys prints "
+             "it). CPU operators have one name.")
 
 
 def _check_top(top: int) -> None:
@@ -223,8 +225,8 @@ def _check_written_with_format(fmt: Optional[str], **options) -> None:
 
 def _check_name_style(name: str) -> None:
     """--name of analyze and diff: how kernel names are shown."""
-    if name not in ("demangled", "short"):
-        raise _fail(UserError(f"unknown --name {name!r}: choose demangled or short"), 2)
+    if name not in ("demangled", "short", "op"):
+        raise _fail(UserError(f"unknown --name {name!r}: choose demangled, short or op"), 2)
 
 
 @app.command()

@@ -19,7 +19,7 @@ from workbench.analysis import frames as A
 from workbench.analysis.analyze import analyze_trace
 from workbench.errors import UserError
 from workbench.trace import KERNEL_COLUMNS, RANGE_COLUMNS, load_trace
-from workbench.trace.kineto import parse_kineto, short_kernel_name
+from workbench.trace.kineto import op_kernel_name, parse_kineto, short_kernel_name
 
 DATA = Path(__file__).parent / "data"
 SYNTH = DATA / "kineto_synthetic_gpu.json"
@@ -173,3 +173,50 @@ def test_synthetic_gpu_analyze_and_gzip(tmp_path):
 ])
 def test_short_kernel_name_matches_nsys_short_names(name, short):
     assert short_kernel_name(name) == short
+
+
+@pytest.mark.parametrize("name,op", [
+    ("void at::native::vectorized_elementwise_kernel<(int)8, at::native::CUDAFunctor_add<c10::BFloat16>, "
+     "std::array<char *, (unsigned long)3>>(int, T2, T3)", "vectorized_elementwise_kernel[add bf16]"),
+    ("void at::native::unrolled_elementwise_kernel<at::native::CUDAFunctor_add<float>, std::array<char *, "
+     "(unsigned long)3>, (int)4>(int, T1, T2)", "unrolled_elementwise_kernel[add fp32]"),
+    ("void at::native::reduce_kernel<(int)128, (int)4, at::native::ReduceOp<c10::BFloat16, at::native::"
+     "func_wrapper_t<c10::BFloat16, at::native::sum_functor<c10::BFloat16, float, c10::BFloat16>>>>(T3)",
+     "reduce_kernel[sum bf16]"),
+    ("void at::native::reduce_kernel<(int)128, (int)4, at::native::ReduceOp<float, at::native::MeanOps<float, "
+     "float, float, float>, unsigned int, float, (int)4>>(T3)", "reduce_kernel[Mean fp32]"),
+    ("void at::native::vectorized_elementwise_kernel<(int)8, at::native::GeluBackwardCUDAKernelImpl("
+     "at::TensorIteratorBase &, at::native::GeluType)::[lambda() (instance 2)]>(int, T2, T3)",
+     "vectorized_elementwise_kernel[GeluBackward]"),
+    ("void at::native::elementwise_kernel<(int)128, (int)4, void at::native::gpu_kernel_impl_nocast<at::native::"
+     "direct_copy_kernel_cuda(at::TensorIteratorBase &)::[lambda() (instance 3)]>(int, T3)",
+     "elementwise_kernel[direct_copy]"),
+    ("void at::native::elementwise_kernel<(int)128, (int)4, void at::native::gpu_kernel_impl_nocast<at::native::"
+     "AUnaryFunctor<c10::BFloat16, c10::BFloat16, c10::BFloat16, at::native::binary_internal::MulFunctor<float>>>"
+     "(at::TensorIteratorBase &, const T1 &)::[lambda(int) (instance 1)]>(int, T3)", "elementwise_kernel[Mul fp32]"),
+    ("void at::native::<unnamed>::multi_tensor_apply_kernel<at::native::<unnamed>::FusedOptimizerTensorListMetadata"
+     "<(int)4>, at::native::<unnamed>::FusedAdamMathFunctor<float, (int)4, (at::native::ADAM_MODE)1, (bool)0>>"
+     "(T1, T2, T3...)", "multi_tensor_apply_kernel[FusedAdamMath fp32]"),
+    ("void cutlass::Kernel2<cutlass_80_simt_sgemm_128x64_8x5_nt_align1>(T1::Params)", "cutlass_80_simt_sgemm_128x64_8x5_nt_align1"),
+    ("void <unnamed>::softmax_warp_forward<float, float, float, (int)6, (bool)0, (bool)0>(T2 *, const T1 *, int)",
+     "softmax_warp_forward"),
+    ("void at::native::roll_cuda_kernel<float>(const T1 *, T1 *, long, long)", "roll_cuda_kernel"),
+    ("nvjet_sm90_tst_192x96_64x5_1x2_h_bz_NNT", "nvjet_sm90_tst_192x96_64x5_1x2_h_bz_NNT"),
+    ("_window_attention_fwd_kernel", "_window_attention_fwd_kernel"),
+])
+def test_op_kernel_name_says_what_a_generic_kernel_runs(name, op):
+    assert op_kernel_name(name) == op
+
+
+def test_analyze_prints_op_names_with_their_brackets(tmp_path):
+    """`analyze --name op` groups by op name (the same kernel time in all), and the table shows the names'
+    brackets as they are (not as rich markup)."""
+    from typer.testing import CliRunner
+    from cli import app
+
+    fixture = Path(__file__).resolve().parents[1] / "profiles/examples/swin_tiny_train_bf16/trace.sqlite.xz"
+    short, op = (analyze_trace(fixture, name_style=s).kernels for s in ("short", "op"))
+    assert short["total_ns"].sum() == op["total_ns"].sum() and len(op) > len(short)
+    assert "reduce_kernel[sum bf16]" in set(op["kernel"])
+    result = CliRunner().invoke(app, ["analyze", str(fixture), "--name", "op", "--top", "3"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0 and "elementwise_kernel[direct_copy]" in result.output

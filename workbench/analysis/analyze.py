@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from workbench.analysis import frames as A
@@ -33,8 +34,9 @@ from workbench.errors import UserError
 from workbench.labels import DeviceWords, trace_words
 from workbench.files import atomic_write_text
 from workbench.trace import Trace, load_trace
+from workbench.trace.kineto import op_kernel_name
 
-NAME_STYLES = {"demangled": "name", "short": "short_name"}
+NAME_STYLES = {"demangled": "name", "short": "short_name", "op": "op_name"}
 BACKENDS = {"nsys": "nsys", "kineto": "torch.profiler"}
 
 
@@ -81,8 +83,9 @@ def _busy_over_instances(trace: Trace, kernels: pd.DataFrame, range_name: str) -
 
 
 def analyze_trace(path, *, name_style: str = "demangled", range_name: str | None = None) -> Analysis:
-    """Parse `path` and build every table. `name_style`: 'demangled' (full C++ name) or 'short' (nsys's
-    shortName). `range_name`: restrict everything to kernels launched inside that NVTX / record_function
+    """Parse `path` and build every table. `name_style`: 'demangled' (full C++ name), 'short' (nsys's
+    shortName) or 'op' (the short name with the op of PyTorch's generic kernels: trace.kineto.op_kernel_name).
+    `range_name`: restrict everything to kernels launched inside that NVTX / record_function
     range (all its instances); shares are then of that range's kernel time."""
     if name_style not in NAME_STYLES:
         raise UserError(f"unknown name style {name_style!r}: use one of {', '.join(NAME_STYLES)}")
@@ -94,6 +97,9 @@ def analyze_trace(path, *, name_style: str = "demangled", range_name: str | None
             words = trace_words(trace.meta)   # a CPU capture's range runs operators, it launches no kernels
             raise UserError(f"range {range_name!r} {'ran' if words.is_cpu else 'launched'} no {words.device} "
                             f"{words.units}")
+    if name_style == "op":
+        codes, uniques = pd.factorize(kernels["name"])
+        kernels = kernels.assign(op_name=np.asarray([op_kernel_name(u) for u in uniques], dtype=object)[codes])
 
     def tables(k: pd.DataFrame) -> dict[str, pd.DataFrame]:
         busy = _busy_over_instances(trace, k, range_name) if range_name is not None else A.busy_idle(k)
@@ -194,7 +200,9 @@ def _pct(x) -> str:
 
 
 def _clip(text: str, width: int = 100) -> str:
-    return text if len(text) <= width else text[: width - 1] + "…"
+    """A name for a table cell: at most `width` characters, its brackets shown as they are (C++ lambdas
+    '[lambda() (instance 3)]' and op names '[add bf16]' are not rich markup)."""
+    return escape(text if len(text) <= width else text[: width - 1] + "…")
 
 
 def _header(analysis: Analysis) -> str:
@@ -255,7 +263,7 @@ def _render_floors(analysis: Analysis, console: Console, top: int) -> None:
     for col in ("kernel", "largest argument", "calls/step", "med µs", "floor µs", "% of floor", "GB/s", "µs/step"):
         t.add_column(col, justify="left" if col in ("kernel", "largest argument") else "right")
     for row in analysis.floors.head(top).itertuples(index=False):
-        t.add_row(str(row.kernel), str(row.largest_argument), f"{row.calls_per_step:,.0f}", f"{row.median_us:,.1f}",
+        t.add_row(_clip(str(row.kernel)), str(row.largest_argument), f"{row.calls_per_step:,.0f}", f"{row.median_us:,.1f}",
                   f"{row.floor_us:,.1f}", _pct(row.floor_pct), f"{row.achieved_gbps:,.0f}", f"{row.us_per_step:,.1f}")
     console.print(t)
     if len(analysis.floors) > top:
@@ -282,7 +290,8 @@ def _render_findings(analysis: Analysis, console: Console, gains=None) -> None:
     for row in table.itertuples(index=False):
         what = f"{row.kind}: {row.what}" + (f" ({row.note})" if row.note else "")
         t.add_row(f"{row.rank}{'' if row.partition else '*'}", *([str(row.device)] if "device" in table else []),
-                  f"{row.ms_per_step:,.3f}", _pct(row.share_pct), what, str(row.remedy), str(row.gain))
+                  f"{row.ms_per_step:,.3f}", _pct(row.share_pct), escape(what), escape(str(row.remedy)),
+                  escape(str(row.gain)))
     console.print(t)
 
 
@@ -314,7 +323,7 @@ def _render_tables(kernels: pd.DataFrame, categories: pd.DataFrame, ranges: pd.D
         for col in ("share %", f"{unit} ms", "avg ms", "instances", units, "range"):
             t.add_column(col, justify="left" if col == "range" else "right")
         for row in ranges.itertuples(index=False):
-            t.add_row(_pct(row.share_pct), _ms(row.gpu_ns), _ms(row.avg_gpu_ns), f"{row.instances:,}", f"{row.kernels:,}", str(row.range))
+            t.add_row(_pct(row.share_pct), _ms(row.gpu_ns), _ms(row.avg_gpu_ns), f"{row.instances:,}", f"{row.kernels:,}", _clip(str(row.range)))
         console.print(t)
 
     t = Table(title=f"{title}{unit} busy / idle ({units})", title_justify="left")

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from workbench.analysis.frames import api_summary, fold_tail, stack_devices
@@ -248,7 +249,7 @@ def _render_kernel_tables(kernels: pd.DataFrame, categories: pd.DataFrame, per: 
         t.add_column(c, justify="right", no_wrap=True)
     numbers = [c for c in KERNEL_COLUMNS if c != "kernel"]
     for row in fold_tail(kernels, top, "kernel", numbers, noun=w.units).itertuples(index=False):
-        t.add_row(str(row.kernel), _fmt(row.before_ms), _fmt(row.after_ms), _fmt(row.delta_ms, 3, True),
+        t.add_row(escape(str(row.kernel)), _fmt(row.before_ms), _fmt(row.after_ms), _fmt(row.delta_ms, 3, True),
                   _fmt(row.before_n, 1), _fmt(row.after_n, 1))
     console.print(t)
     t = Table(title=f"{title}Categories by change of {w.device} ms {per}")

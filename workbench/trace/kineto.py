@@ -67,6 +67,38 @@ def short_kernel_name(name: str) -> str:
     return short or name
 
 
+_OP_PATTERNS = (                  # the op a generic PyTorch kernel runs, from its demangled name
+    re.compile(r"CUDAFunctor_(\w+?)<([\w:]+)>"),             # CUDAFunctor_add<float>
+    re.compile(r"binary_internal::(\w+?)Functor<([\w:]+)"),     # AUnaryFunctor<..., binary_internal::MulFunctor<
+    re.compile(r"::(\w+?)_functor<([\w:]+)"),                  # sum_functor<c10::BFloat16, ...
+    re.compile(r"::(\w+?)(?:CUDAKernel(?:Impl)?|_kernel_cuda)\b()"),  # GeluBackwardCUDAKernelImpl, direct_copy_kernel_cuda
+    re.compile(r"::(\w+?)Functor<([\w:]+)"),                   # FusedAdamMathFunctor<float, ...
+    re.compile(r"::(\w+?)Ops<([\w:]+)"),                       # MeanOps<float, ...
+)
+_TYPE_NAMES = {"float": "fp32", "double": "fp64", "c10::BFloat16": "bf16", "c10::Half": "fp16", "BFloat16": "bf16",
+               "Half": "fp16", "int": "int32", "long": "int64", "bool": "bool"}
+_WRAPPERS = re.compile(r"^(?:void\s+)?cutlass\w*::(?:Kernel2?|device_kernel)<([\w:]+)")
+
+
+def op_kernel_name(name: str) -> str:
+    """The short name (short_kernel_name) with what it runs where that name alone does not say: PyTorch's
+    generic elementwise, reduce and multi-tensor kernels get their op and its dtype where the name holds
+    them ('vectorized_elementwise_kernel[add bf16]', 'reduce_kernel[sum bf16]',
+    'elementwise_kernel[direct_copy]'); a CUTLASS wrapper ('Kernel2') its kernel's own name."""
+    wrapped = _WRAPPERS.match(name.strip())
+    if wrapped:
+        return wrapped.group(1).split("::")[-1]
+    short = short_kernel_name(name)
+    if "at::native" not in name or short == name:
+        return short
+    for pattern in _OP_PATTERNS:
+        found = pattern.search(name)
+        if found:
+            op, dtype = found.group(1), _TYPE_NAMES.get(found.group(2), "")
+            return f"{short}[{op} {dtype}]" if dtype else f"{short}[{op}]"
+    return short
+
+
 def _int(values) -> np.ndarray:
     """ints from numbers or strings like 'stream 7' (-1 when there is none)."""
     s = pd.Series(values, dtype=object)
