@@ -120,3 +120,19 @@ def test_diff_of_two_single_gpu_traces_ignores_the_index(tmp_path):
     on_1 = analyze_trace(nsys_export(tmp_path / "b.sqlite", ON_DEVICE_1))
     d = diff_analyses(on_0, on_1)
     assert "device" not in d.kernels and d.summary.set_index("metric").loc["kernel ms", "delta"] == pytest.approx(0.004)
+
+
+def test_render_prints_the_kernel_table_by_another_name_style(two_gpus):
+    """render_analysis(names=...) prints each GPU's kernel table grouped by that style (profile prints op
+    names) over the same kernels: the same totals per GPU as the analysis's own table."""
+    import io
+
+    from workbench.analysis.analyze import kernels_by
+
+    analysis = analyze_trace(two_gpus)
+    by_op = kernels_by(analysis, "op")
+    assert set(by_op["device"]) == {0, 1}
+    assert (by_op.groupby("device")["total_ns"].sum() == analysis.kernels.groupby("device")["total_ns"].sum()).all()
+    out = io.StringIO()
+    render_analysis(analysis, Console(file=out, width=200), names="op")
+    assert "GPU 0: GPU kernels (op names)" in out.getvalue() and "(demangled names)" not in out.getvalue()

@@ -82,6 +82,25 @@ def _busy_over_instances(trace: Trace, kernels: pd.DataFrame, range_name: str) -
     return pd.DataFrame({"metric": parts[0]["metric"], "ns": ns, "pct": ns * 100.0 / span if span else 0.0 * ns})
 
 
+def _with_op_names(kernels: pd.DataFrame) -> pd.DataFrame:
+    """kernels with an op_name column (trace.kineto.op_kernel_name of each demangled name)."""
+    codes, uniques = pd.factorize(kernels["name"])
+    return kernels.assign(op_name=np.asarray([op_kernel_name(u) for u in uniques], dtype=object)[codes])
+
+
+def kernels_by(analysis: Analysis, name_style: str) -> pd.DataFrame:
+    """analysis's kernel table over the same kernels (its range's, per GPU where there are several), grouped
+    by `name_style`'s names instead of its own."""
+    trace, range_name = analysis.trace, analysis.trace_meta.get("range_name")
+    kernels = A.kernels_in_range(trace, range_name) if range_name is not None else trace.kernels
+    kernels = _with_op_names(kernels) if name_style == "op" else kernels
+    column = NAME_STYLES[name_style]
+    if "device" in analysis.kernels:
+        return A.stack_devices({int(d): A.kernel_share_table(k, column)
+                                for d, k in kernels.groupby("device_id", sort=True)})
+    return A.kernel_share_table(kernels, column)
+
+
 def analyze_trace(path, *, name_style: str = "demangled", range_name: str | None = None) -> Analysis:
     """Parse `path` and build every table. `name_style`: 'demangled' (full C++ name), 'short' (nsys's
     shortName) or 'op' (the short name with the op of PyTorch's generic kernels: trace.kineto.op_kernel_name).
@@ -97,9 +116,7 @@ def analyze_trace(path, *, name_style: str = "demangled", range_name: str | None
             words = trace_words(trace.meta)   # a CPU capture's range runs operators, it launches no kernels
             raise UserError(f"range {range_name!r} {'ran' if words.is_cpu else 'launched'} no {words.device} "
                             f"{words.units}")
-    if name_style == "op":
-        codes, uniques = pd.factorize(kernels["name"])
-        kernels = kernels.assign(op_name=np.asarray([op_kernel_name(u) for u in uniques], dtype=object)[codes])
+    kernels = _with_op_names(kernels) if name_style == "op" else kernels
 
     def tables(k: pd.DataFrame) -> dict[str, pd.DataFrame]:
         busy = _busy_over_instances(trace, k, range_name) if range_name is not None else A.busy_idle(k)
@@ -224,11 +241,13 @@ def _header(analysis: Analysis) -> str:
     return " · ".join(parts)
 
 
-def render_analysis(analysis: Analysis, console: Console, top: int = 15, gains=None) -> None:
+def render_analysis(analysis: Analysis, console: Console, top: int = 15, gains=None,
+                    names: str | None = None) -> None:
     """Header line (backend, trace path, span, GPUs), warnings and notes, then the kernel, category, range
     and busy tables (one block of them per GPU when there are several), then the host's CUDA calls, then
     the findings (workbench/analysis/findings.py, with the measured `gains` of their remedies); long
-    tails are folded into one 'other (k ...)' row with exact sums."""
+    tails are folded into one 'other (k ...)' row with exact sums. names: print the kernel table grouped
+    by this name style (NAME_STYLES) instead of the analysis's own."""
     console.print(_header(analysis))
     # A CPU-only Kineto trace is analyzed on its CPU operators' self time: say so in every title.
     words = trace_words(analysis.trace_meta)
@@ -236,14 +255,18 @@ def render_analysis(analysis: Analysis, console: Console, top: int = 15, gains=N
         console.print(f"[bold yellow]warning:[/] {warning}", highlight=False)
     for note in analysis.trace_meta.get("notes", []):
         console.print(f"[yellow]note:[/yellow] {note}")
-    frames = (analysis.kernels, analysis.categories, analysis.ranges, analysis.busy)
+    meta = analysis.trace_meta
+    kernels = analysis.kernels
+    if names is not None and names != meta.get("name_style"):
+        kernels, meta = kernels_by(analysis, names), {**meta, "name_style": names}
+    frames = (kernels, analysis.categories, analysis.ranges, analysis.busy)
     if "device" in analysis.kernels:
         for device in analysis.devices:  # one block of tables per GPU
             console.rule(f"GPU {device}", align="left")
             one = [f[f["device"] == device].drop(columns="device").reset_index(drop=True) for f in frames]
-            _render_tables(*one, analysis.trace_meta, console, top, words, title=f"GPU {device}: ")
+            _render_tables(*one, meta, console, top, words, title=f"GPU {device}: ")
     else:
-        _render_tables(*frames, analysis.trace_meta, console, top, words)
+        _render_tables(*frames, meta, console, top, words)
     _render_api(analysis, console, top)
     _render_floors(analysis, console, top)
     _render_findings(analysis, console, gains)

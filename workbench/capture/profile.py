@@ -173,7 +173,7 @@ def _capture_ranks(config: WorkloadConfig, recipe: str | None, out_dir: Path, ch
         gains = findings_gains(records or [], trace, analysis.trace_meta)
         if rank == 0:
             console.print(f"[bold]rank 0 of {nproc}[/] (every rank's tables are in its folder)")
-            render_analysis(analysis, console, top=top, gains=gains.gains)
+            render_analysis(analysis, console, top=top, gains=gains.gains, names="op")
             if gains.note:
                 console.print(f"[yellow]note:[/] {gains.note}", highlight=False)
         files += _capture_files(trace.parent, trace) if trace.parent != out_dir else []
@@ -209,7 +209,7 @@ def _capture_and_analyze(config: WorkloadConfig, recipe: str | None, out_dir: Pa
     with _phase(console, f"analyzing {trace}"):
         analysis = analyze_trace(trace)
     gains = findings_gains(records or [], trace, analysis.trace_meta)
-    render_analysis(analysis, console, top=top, gains=gains.gains)
+    render_analysis(analysis, console, top=top, gains=gains.gains, names="op")
     if gains.note:
         console.print(f"[yellow]note:[/] {gains.note}", highlight=False)
     files = _capture_files(out_dir, trace)
