@@ -54,7 +54,7 @@ DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", 
           torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
 OPTION_KEYS = ("num_warps", "num_stages", "maxnreg", "num_ctas", "launch_pdl")
 
-MODULES = ("_common", "layer_norm", "window", "window_attention", "linear", "quant", "mlp", "cosine", "drop_path",
+MODULES = ("_common", "layer_norm", "window", "window_attention", "linear", "quant", "mlp", "qkv_attention", "cosine", "drop_path",
            "adamw")
 RECORDED: list[tuple] = []
 COLLAPSED_REGS, COLLAPSED_STACK = 32, 4096   # --resources: a register allocation that fell to the minimum
@@ -259,6 +259,15 @@ def _record_launches(quick: bool) -> None:
                               torch.zeros(4 * C, dtype=torch.bfloat16), torch.ones(()),
                               torch.zeros(C, 4 * C, dtype=torch.float8_e4m3fn), torch.ones(C),
                               torch.zeros(C, dtype=torch.bfloat16))
+    # the qkv projection and window attention in one kernel: window 7, head width 32, every stage width of
+    # Swin-T and Swin-B (96..1024) where not quick, masked and not, bf16 (and fp32, the tests' dots)
+    qa = importlib.import_module("workbench.kernels.qkv_attention")
+    for C in ((96, 512) if quick else (96, 128, 192, 256, 384, 512, 768, 1024)):
+        for dt in ((torch.bfloat16,) if C > 96 else (torch.bfloat16, torch.float32)):
+            for mask in (torch.zeros(4, 49, 49), None):
+                qa.qkv_window_attention(r(8, 49, C, dtype=dt), r(3 * C, C, dtype=dt), r(3 * C, dtype=dt),
+                                        r(169, C // 32, dtype=torch.float32), mask, 32 ** -0.5, C // 32,
+                                        index=torch.zeros(49, 49, dtype=torch.int64))
     # SwinV2's normalized q (scaled per head) and k, forward and backward, at its head width 32 (and 16,
     # 64 where not quick), from the strided views of a packed qkv
     for d in ((32,) if quick else (16, 32, 64)):

@@ -22,7 +22,7 @@ def load(path: Path):
 def test_one_benchmark_per_kernel_family():
     assert {p.stem for p in SCRIPTS} == {"bench_layer_norm", "bench_window", "bench_window_attention",
                                          "bench_linear", "bench_analyze", "bench_quant", "bench_rel_pos_grad",
-                                         "bench_adamw", "bench_mlp"}
+                                         "bench_adamw", "bench_mlp", "bench_qkv_attention"}
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
@@ -78,6 +78,12 @@ def test_mlp_smoke_on_the_cpu(tmp_path):
     module = load(BENCH / "bench_mlp.py")
     assert module.main(["--check", "--out-dir", str(tmp_path)]) == 0
     check_results(tmp_path, "mlp")
+
+
+def test_qkv_attention_smoke_on_the_cpu(tmp_path):
+    module = load(BENCH / "bench_qkv_attention.py")
+    assert module.main(["--check", "--out-dir", str(tmp_path)]) == 0
+    check_results(tmp_path, "qkv_attention")
 
 
 def test_analyze_help_says_it_writes_its_results_without_a_gpu(capsys):
