@@ -243,6 +243,7 @@ def test_inference_runs_each_mlp_measured_faster_as_one_kernel(monkeypatch):
     from workbench.optimize.workload import Workload, WorkloadConfig
 
     monkeypatch.setattr(fused_linear, "_inference_epilogue", lambda ctx, n, dtypes: True)
+    monkeypatch.setattr(fused_linear, "measure_qkv_kernel", lambda *a: {})     # the MLPs' measurement alone
     times = iter([10.0, 5.0, 10.0, 9.9])
     monkeypatch.setattr(_route, "median_us", lambda call: call() is None or next(times))
     w = Workload.build(WorkloadConfig(model=TINY_MODEL, mode="infer", batch=2, precision="bf16", device="cpu", seed=0))
@@ -258,3 +259,50 @@ def test_inference_runs_each_mlp_measured_faster_as_one_kernel(monkeypatch):
     assert vars(w.model.layers[1].blocks[0].mlp)["forward"].__func__ is block_forward.mlp_forward_fused
     calls, logits, two_gemms = mlp_kernel_calls(monkeypatch, w, "fused_mlp", ("layers.0.blocks.0", "layers.0.blocks.1"))
     assert calls == [(392, 32), (392, 32)] and rel_err(logits, two_gemms) < 1e-2
+
+
+def test_inference_runs_the_qkv_inside_the_attention_where_measured_faster(monkeypatch):
+    """In GPU inference (forced here: the kernels run in the interpreter) the pass times each attention shape
+    with its qkv GEMM and with the qkv projection inside the attention kernel, and plans the latter where it
+    is faster by the margin: stage 1's unshifted blocks and stage 2's here (5 us against 10), not stage 1's
+    shifted one (9.9 against 10). The blocks planned call kernels.qkv_attention in an inference forward, the
+    logits within bf16's reach of the two-kernel forward's."""
+    import importlib
+
+    from workbench.optimize.passes import _route, block_forward, fused_linear
+    from workbench.optimize.passes.block_plan import block_plans
+    from workbench.optimize.recipes import apply_chain_passes, resolve_chain
+    from workbench.optimize.workload import Workload, WorkloadConfig
+
+    monkeypatch.setattr(fused_linear, "_inference_epilogue", lambda ctx, n, dtypes: True)
+    monkeypatch.setattr(fused_linear, "measure_mlp_kernel", lambda *a: {})
+    times = iter([10.0, 5.0, 10.0, 9.9, 10.0, 5.0])     # per shape in block order: the two kernels, then one
+    monkeypatch.setattr(_route, "median_us", lambda call: call() is None or next(times))
+    w = Workload.build(WorkloadConfig(model=TINY_MODEL, mode="infer", batch=2, precision="bf16", device="cpu", seed=0))
+    w.model, results = apply_chain_passes(w.model, w.ctx, resolve_chain("dense"))
+    res = results[-1]
+    assert [(s["windows"], s["c"], s["masked"], s["choice"]) for s in res.details["qkv_kernel_shapes"]] == [
+        (8, 32, False, "kernel"), (8, 32, True, "two_kernels"), (2, 64, False, "kernel")]
+    assert res.details["qkv_kernel_blocks"] == 3 and "3 qkv Linear inside the attention kernel" in res.changed
+    plans = block_plans(w.model)
+    assert [plans.plan(f"layers.{s}.blocks.{b}").qkv_kernel for s in (0, 1) for b in (0, 1)] == [True, False, True, True]
+    assert "with qkv" in plans.plan("layers.0.blocks.0").describe()
+    assert vars(w.model.layers[0].blocks[0].attn)["forward"].__name__ == "window_attention_forward_qkv_kernel"
+    kernel = importlib.import_module("workbench.kernels.qkv_attention")
+    calls, real = [], kernel.qkv_window_attention
+    monkeypatch.setattr(kernel, "qkv_window_attention", lambda *a, **k: calls.append(tuple(a[0].shape)) or real(*a, **k))
+    w.prepare()
+    with torch.inference_mode():
+        logits, _ = w.forward_loss()
+    for name in ("layers.0.blocks.0", "layers.1.blocks.0", "layers.1.blocks.1"):
+        plans.update(name, qkv_kernel=False)
+    plans.bind(w.model)
+    with torch.inference_mode():
+        two, _ = w.forward_loss()
+    assert calls == [(8, 49, 32), (2, 49, 64), (2, 49, 64)] and rel_err(logits.double(), two.double()) < 2e-2
+    with torch.no_grad():
+        assert block_forward.qkv_kernel_runs(w.model.layers[0].blocks[0].attn,
+                                             torch.zeros(8, 49, 32, dtype=torch.bfloat16))
+    with torch.enable_grad():       # training: the two kernels
+        assert not block_forward.qkv_kernel_runs(w.model.layers[0].blocks[0].attn,
+                                                 torch.zeros(8, 49, 32, dtype=torch.bfloat16))

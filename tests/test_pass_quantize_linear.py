@@ -834,6 +834,7 @@ def test_a_single_quantized_fc2_takes_the_bf16_one_kernel_mlp_off(monkeypatch):
     from workbench.optimize.workload import Workload, WorkloadConfig
 
     monkeypatch.setattr(fused_linear, "_inference_epilogue", lambda ctx, n, dtypes: True)
+    monkeypatch.setattr(fused_linear, "measure_qkv_kernel", lambda *a: {})     # the MLPs' measurement alone
     times = iter([10.0, 5.0] * 2)       # per MLP shape: the two GEMMs, then the kernel
     monkeypatch.setattr(_route, "median_us", lambda call: call() is None or next(times))
     w = Workload.build(WorkloadConfig(model=TINY_MODEL, mode="infer", batch=2, precision="bf16", device="cpu", seed=0))
@@ -853,10 +854,11 @@ def test_a_single_quantized_fc2_takes_the_bf16_one_kernel_mlp_off(monkeypatch):
 
 @pytest.mark.parametrize("faster", ["quantized", "bf16"])
 def test_measurement_sees_the_mlps_that_dense_runs_as_one_kernel(monkeypatch, faster):
-    """dense planned the bf16 one-kernel MLP on every shape (its measurement forced): that kernel reads fc1's
-    and fc2's weights past their modules, so the measured selection and the calibration, which hook the
-    modules, take it off for their forwards. Quantized faster: the pairs run quantized and no block keeps
-    the bf16 kernel. bf16 faster everywhere: nothing is quantized, and every block gets its kernel back."""
+    """dense planned the bf16 one-kernel MLP on every shape (its measurement forced), and the qkv Linear
+    inside the attention kernel: those kernels read the float weights past their modules, so the measured
+    selection and the calibration, which hook the modules, take them off for their forwards. Quantized
+    faster: the pairs run quantized and no block keeps either kernel. bf16 faster everywhere: nothing is
+    quantized, and every block gets both back."""
     from workbench.models import TINY_MODEL
     from workbench.optimize.passes import _route, fused_linear
     from workbench.optimize.passes.block_plan import block_plans
@@ -864,11 +866,16 @@ def test_measurement_sees_the_mlps_that_dense_runs_as_one_kernel(monkeypatch, fa
     from workbench.optimize.workload import Workload, WorkloadConfig
 
     monkeypatch.setattr(fused_linear, "_inference_epilogue", lambda ctx, n, dtypes: True)
+    monkeypatch.setattr(fused_linear, "measure_qkv_kernel", lambda *a: {})     # the MLPs' measurement alone
     times = iter([10.0, 5.0] * 2)       # per MLP shape: the two GEMMs, then the kernel
     monkeypatch.setattr(_route, "median_us", lambda call: call() is None or next(times))
     w = Workload.build(WorkloadConfig(model=TINY_MODEL, mode="infer", batch=2, precision="bf16", device="cpu", seed=0))
     w.model, results = apply_chain_passes(w.model, w.ctx, resolve_chain("dense"))
     assert results[-1].details["mlp_kernel_blocks"] == 4
+    plans = block_plans(w.model)        # and the qkv Linear inside the attention kernel everywhere
+    for name in list(plans.plans):
+        plans.update(name, qkv_kernel=True)
+    plans.bind(w.model)
     # the real measurements (their hooks must see every layer's input), then the choices made `faster`
     monkeypatch.setattr(_route, "median_us", lambda call: call() is None or 10.0)
     choice = {"quantized": "quantize", "bf16": "bf16"}[faster]
@@ -884,7 +891,8 @@ def test_measurement_sees_the_mlps_that_dense_runs_as_one_kernel(monkeypatch, fa
         w.model, res = apply_pass("quantize_linear", w.model, w.ctx, params)
         assert res.details["mlp_pairs"] == 4 and res.details["bf16_mlp_kernels"] == 0
         assert not any(p.mlp_kernel and not p.mlp_quant for p in block_plans(w.model).plans.values())
+        assert not any(p.qkv_kernel for p in block_plans(w.model).plans.values())
     else:
         w.model, res = apply_pass("quantize_linear", w.model, w.ctx, params)     # not available: none left
         assert all(why.startswith("kept bf16") for why in res.details["layers"].values())
-        assert all(p.mlp_kernel for p in block_plans(w.model).plans.values())
+        assert all(p.mlp_kernel and p.qkv_kernel for p in block_plans(w.model).plans.values())

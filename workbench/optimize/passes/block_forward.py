@@ -23,7 +23,8 @@ import torch
 from workbench.kernels._common import traced
 from workbench.optimize.passes._swin import (autocast_input_dtype, drop_path, drop_path_keep,
                                              gather_rel_pos_bias, hands_quantized_rows_on, inactive,
-                                             input_goes_to_qkv, reads_quantized_qkv, takes_quantized_rows,
+                                             input_goes_to_qkv, reads_quantized_qkv, takes_quantized_qkv,
+                                             takes_quantized_rows,
                                              merging_forward_of_the_pass, norm_output_dtype, rel_pos_bias,
                                              rel_pos_inverse_buffer, scatter_rel_pos_grad, square, timm_drop_path,
                                              v2_attention_classes)
@@ -487,6 +488,45 @@ def fused_window_attention_forward_table(self, x: torch.Tensor, mask: torch.Tens
         qkv, self.relative_position_bias_table, self.relative_position_index, rel_pos_inverse_buffer(self), mask,
         self.scale, tokens=True), lambda qkv_q, s_in, s_out: quantized_window_attention(
         qkv_q, s_in, self.relative_position_bias_table, mask, self.scale, s_out, index=self.relative_position_index))
+
+
+def qkv_kernel_runs(attn: torch.nn.Module, x) -> bool:
+    """Whether the qkv projection and the attention may run as one kernel (kernels.qkv_attention) for this
+    call: no gradient recorded and no tracing, x plain windows (B*nW, N, C) in the dtype of a float qkv
+    Linear's weight (not quantize_linear's QuantLinear), a shape the kernel takes."""
+    from workbench.kernels.qkv_attention import applies
+
+    qkv = attn.qkv
+    return (isinstance(x, torch.Tensor) and x.dim() == 3 and not torch.is_grad_enabled() and not traced()
+            and isinstance(qkv, torch.nn.Linear) and type(qkv.weight.data) is torch.Tensor   # not a quantized
+            and x.dtype == qkv.weight.dtype and applies(x.shape[1], x.shape[2], attn.num_heads))  # tensor subclass
+
+
+def qkv_kernel_forward(base: Callable) -> Callable:
+    """A timm WindowAttention forward (x: (B*nW, N, C); mask: (nW, N, N) or None) whose qkv Linear and
+    attention run as one kernel (kernels.qkv_attention.qkv_window_attention: the packed qkv never written)
+    where qkv_kernel_runs, then proj; `base` (an attention_forward) runs every other call. The bias is read
+    through the relative-position table where `base` reads it so, else gathered first."""
+    def window_attention_forward_qkv_kernel(self, x, mask: torch.Tensor | None = None):
+        if not qkv_kernel_runs(self, x):
+            return base(self, x, mask)
+        from workbench.kernels.qkv_attention import qkv_window_attention
+
+        B_, N, C = x.shape
+        if base is fused_window_attention_forward_table:
+            out = qkv_window_attention(x, self.qkv.weight, self.qkv.bias, self.relative_position_bias_table, mask,
+                                       self.scale, self.num_heads, index=self.relative_position_index)
+        else:
+            out = qkv_window_attention(x, self.qkv.weight, self.qkv.bias, rel_pos_bias(self), mask, self.scale,
+                                       self.num_heads)
+        x = self.proj_drop(self.proj(out.view(B_ * N, C)))
+        return x.view(B_, N, -1)
+    # every other input as base takes it: the same marks
+    if takes_quantized_rows(base):
+        hands_quantized_rows_on(window_attention_forward_qkv_kernel)
+    if takes_quantized_qkv(base):
+        reads_quantized_qkv(window_attention_forward_qkv_kernel)
+    return window_attention_forward_qkv_kernel
 
 
 def mlp_forward_fused(self, x: torch.Tensor) -> torch.Tensor:

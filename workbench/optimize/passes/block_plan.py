@@ -33,6 +33,9 @@ attribute `block_plans`, by each block's qualified name. A deep copy of the mode
     mlp_kernel     fused_linear,    the MLP (mlp_gelu's, or mlp_quant's pair) runs as one kernel, its hidden
                    quantize_linear  kept on chip (kernels.mlp; inference, where measured faster than its two
                                     GEMMs)
+    qkv_kernel     fused_linear     the qkv Linear runs inside the fused attention kernel, the packed qkv never
+                                    written (kernels.qkv_attention; inference, float qkv weights, where
+                                    measured faster than the qkv GEMM and the attention kernel)
     whole_block    fused_block      the block runs as one autograd Function (block_forward.SwinBlockFunction)
     fallbacks      every pass       (field, reason) for what a pass asked for and the block cannot run
 
@@ -55,8 +58,8 @@ from workbench.optimize.passes._swin import (INVERSE_BUFFER, add_rel_pos_inverse
                                              named_swin_blocks)
 from workbench.optimize.passes.block_forward import (attention_forward, block_forward, hands_on, merging_forward,
                                                      mlp_forward_fused, mlp_forward_quantized,
-                                                     mlp_forward_quantized_whole, mlp_forward_whole, stage_forward,
-                                                     stages_forward)
+                                                     mlp_forward_quantized_whole, mlp_forward_whole,
+                                                     qkv_kernel_forward, stage_forward, stages_forward)
 
 NORMS = ("torch", "triton", "apex")
 ATTENTIONS = ("timm", "triton")
@@ -79,6 +82,7 @@ class BlockPlan:
     mlp_gelu: bool = False
     mlp_quant: bool = False
     mlp_kernel: bool = False
+    qkv_kernel: bool = False
     whole_block: bool = False
     fallbacks: tuple[tuple[str, str], ...] = ()
 
@@ -103,9 +107,10 @@ class BlockPlan:
 
     @property
     def attention_kernel(self) -> str:
-        """timm eager | sdpa | triton (bias table | gather)."""
+        """timm eager | sdpa | triton (bias table | gather), '; inference: with qkv' where the qkv Linear runs
+        inside it (qkv_kernel)."""
         if self.attention == "triton":
-            return f"triton (bias {self.attention_bias})"
+            return f"triton (bias {self.attention_bias})" + ("; inference: with qkv" if self.qkv_kernel else "")
         return "sdpa" if self.sdpa else "timm eager"
 
     @property
@@ -192,6 +197,8 @@ class BlockPlans:
                     self._replaced[(f"{name}.attn", INVERSE_BUFFER)] = (False, None)
                 table = plan.attention_bias == "table" and has_inverse
                 forward = attention_forward(table, has_inverse)
+                if plan.qkv_kernel:
+                    forward = qkv_kernel_forward(forward)
                 self._set(f"{name}.attn", attn, "forward", types.MethodType(forward, attn))
                 counts["attention_forwards"] += 1
             if plan.mlp_quant or plan.mlp_gelu:

@@ -18,7 +18,10 @@ Where the MLP is narrow (Swin's stages 1 and 2: at most kernels.mlp.MAX_FEATURES
 MLP can run as one kernel instead, fc1, GELU and fc2 with the hidden (4x the block's width) kept on chip
 (`kernels.mlp.fused_mlp`): in inference on a GPU the pass times each such MLP shape at the stage's batch,
 graph-replayed, both ways (`measure_mlp_kernel`) and plans the kernel (`mlp_kernel`) where it is faster by
-more than KERNEL_MARGIN; the record keeps every shape's times and choice (`mlp_kernel_shapes`).
+more than KERNEL_MARGIN; the record keeps every shape's times and choice (`mlp_kernel_shapes`). Likewise
+each v1 block's qkv Linear can run inside its fused attention kernel (`kernels.qkv_attention`: the packed
+qkv never written, one launch fewer): timed per attention shape with the qkv GEMM and without
+(`measure_qkv_kernel`), planned (`qkv_kernel`) where faster by the same margin (`qkv_kernel_shapes`).
 Blocks whose Mlp has another activation, dropout or a hidden norm keep timm's Mlp forward (their
 Linears are still swapped) and are counted; the plan says why. See workbench/kernels/linear.py for the
 numerics.
@@ -188,6 +191,58 @@ def _measured_mlp_kernels(model: torch.nn.Module, blocks: list[str], ctx: PassCo
     return rank_zero_measures(lambda: measure_mlp_kernel(model, blocks, ctx))
 
 
+def measure_qkv_kernel(model: torch.nn.Module, blocks: list[str], ctx: PassContext) -> dict[tuple, dict]:
+    """{(windows, N, C, heads, masked): {"two_kernels_us", "kernel_us", "choice": "kernel" | "two_kernels",
+    "blocks"}} for the distinct attention shapes of the named blocks whose fused attention
+    (fused_attention's plan) the qkv kernel takes, at the stage's batch: the attention module's inference
+    forward as bound (the qkv GEMM, then the attention kernel, then proj) against the same with the qkv
+    projection inside the attention kernel (block_forward.qkv_kernel_forward), on the same random windows
+    with the block's own mask, graph-replayed (_route.median_us). A shape whose kernel fails to compile or
+    run keeps the two kernels and its record says why."""
+    from workbench.kernels.qkv_attention import applies
+    from workbench.optimize.passes._route import DEFAULT_IMAGES, median_us
+    from workbench.optimize.passes._swin import feature_map
+    from workbench.optimize.passes.block_forward import qkv_kernel_forward
+
+    images = ctx.batch or DEFAULT_IMAGES
+    plans = block_plans(model)
+    shapes: dict[tuple, list[str]] = {}
+    for name in blocks:
+        blk = model.get_submodule(name)
+        attn, forward = blk.attn, vars(blk.attn).get("forward")
+        n = attn.window_area if hasattr(attn, "window_area") else None
+        if plans.plan(name).attention != "triton" or forward is None or n is None:
+            continue
+        c = attn.qkv.in_features
+        if not applies(n, c, attn.num_heads) or getattr(attn.qkv, "bias", None) is None:
+            continue
+        h, w = feature_map(blk)
+        mask = getattr(blk, "attn_mask", None)
+        windows = images * (-(-h // blk.window_size[0])) * (-(-w // blk.window_size[1]))
+        shapes.setdefault((windows, n, c, attn.num_heads, mask is not None), []).append(name)
+    out = {}
+    gen = torch.Generator(ctx.device).manual_seed(0)
+    for (windows, n, c, heads, masked), names in shapes.items():
+        blk = model.get_submodule(names[0])
+        attn, mask = blk.attn, getattr(blk, "attn_mask", None)
+        bound = vars(attn)["forward"].__func__
+        fused = qkv_kernel_forward(bound)
+        x = torch.randn(windows, n, c, device=ctx.device, generator=gen).to(attn.qkv.weight.dtype)
+        record: dict = {}
+        with torch.inference_mode(), ctx.precision.autocast(ctx.device.type):
+            record["two_kernels_us"] = round(median_us(lambda: bound(attn, x, mask)), 2)
+            try:
+                record["kernel_us"] = round(median_us(lambda: fused(attn, x, mask)), 2)
+            except Exception as e:  # noqa: BLE001  (a GPU or Triton the kernel fails on: the record says so)
+                record["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+        del x
+        faster = "kernel_us" in record and record["kernel_us"] < record["two_kernels_us"] * (1 - KERNEL_MARGIN)
+        out[(windows, n, c, heads, masked)] = {**record, "choice": "kernel" if faster else "two_kernels",
+                                               "blocks": names}
+    torch.cuda.empty_cache()
+    return out
+
+
 def _with_mlp_kernels(result: PassResult, measured: dict) -> PassResult:
     """The pass's result with the one-kernel MLP's records (where measured) in its line and details."""
     if measured:
@@ -238,7 +293,31 @@ def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, Pa
         for name in record["blocks"]:
             plans.update(name, mlp_kernel=record["choice"] == "kernel")
     plans.bind(model)
+    qkv_measured = {}
+    if _inference_epilogue(ctx, len(blocks), EPILOGUE_DTYPES):
+        from workbench.optimize.passes._route import rank_zero_measures
+
+        qkv_measured = rank_zero_measures(lambda: measure_qkv_kernel(model, [n for n, _ in blocks], ctx))
+        for record in qkv_measured.values():
+            for name in record["blocks"]:
+                plans.update(name, qkv_kernel=record["choice"] == "kernel")
+        if qkv_measured:
+            plans.bind(model)
     mlps_fused = len(fused_mlps)
-    return model, _with_mlp_kernels(_result(ctx, EPILOGUE_DTYPES, linears, mlps_fused, len(kept_mlps),
-                                            f"{linears} Linear -> fused bias-gradient backward (Triton); "
-                                            f"{mlps_fused} MLP fc1+GELU backward fused"), measured)
+    result = _with_mlp_kernels(_result(ctx, EPILOGUE_DTYPES, linears, mlps_fused, len(kept_mlps),
+                                       f"{linears} Linear -> fused bias-gradient backward (Triton); "
+                                       f"{mlps_fused} MLP fc1+GELU backward fused"), measured)
+    return model, _with_qkv_kernels(result, qkv_measured)
+
+
+def _with_qkv_kernels(result: PassResult, measured: dict) -> PassResult:
+    """The pass's result with the qkv-in-attention kernel's records (where measured) in its line and details."""
+    if measured:
+        kernel = sum(len(r["blocks"]) for r in measured.values() if r["choice"] == "kernel")
+        result.changed += f"; inference: {kernel} qkv Linear inside the attention kernel (measured faster)"
+        result.details["qkv_kernel_shapes"] = [
+            {"windows": b, "tokens": n, "c": c, "heads": h, "masked": m,
+             **{k: v for k, v in r.items() if k != "blocks"}, "blocks": len(r["blocks"])}
+            for (b, n, c, h, m), r in measured.items()]
+        result.details["qkv_kernel_blocks"] = kernel
+    return result

@@ -578,37 +578,46 @@ def measure_pairs(model: torch.nn.Module, pairs: dict[str, tuple[str, str]], dty
     return out
 
 
-def suspend_bf16_mlp_kernels(model: torch.nn.Module) -> list[str]:
-    """Take the bf16 one-kernel MLP (fused_linear's mlp_kernel) off every block that runs it, so that its fc1
-    and fc2 run as modules (that kernel reads both float weights itself, past the modules' hooks: the
-    measured selection and the calibration see their inputs only this way) -> the blocks' names, for
+def suspend_bf16_mlp_kernels(model: torch.nn.Module) -> dict[str, list[str]]:
+    """Take fused_linear's one-kernel forms off every block that runs them: the bf16 one-kernel MLP
+    (mlp_kernel) and the qkv Linear inside the attention kernel (qkv_kernel). Those kernels read the float
+    weights themselves, past the modules' hooks: the measured selection and the calibration see the
+    Linears' inputs only with the modules called. -> {"mlp": names, "qkv": names}, for
     restore_bf16_mlp_kernels."""
     from workbench.optimize.passes.block_plan import PLANS_ATTRIBUTE
 
     plans = vars(model).get(PLANS_ATTRIBUTE)
     if plans is None:
-        return []
-    names = [n for n, p in plans.plans.items() if p.mlp_kernel and not p.mlp_quant]
-    for name in names:
+        return {"mlp": [], "qkv": []}
+    names = {"mlp": [n for n, p in plans.plans.items() if p.mlp_kernel and not p.mlp_quant],
+             "qkv": [n for n, p in plans.plans.items() if p.qkv_kernel]}
+    for name in names["mlp"]:
         plans.update(name, mlp_kernel=False)
-    if names:
+    for name in names["qkv"]:
+        plans.update(name, qkv_kernel=False)
+    if names["mlp"] or names["qkv"]:
         plans.bind(model)
     return names
 
 
-def restore_bf16_mlp_kernels(model: torch.nn.Module, names: list[str]) -> int:
-    """Give the bf16 one-kernel MLP back to those of `names` (suspend_bf16_mlp_kernels) whose fc1 and fc2 this
-    pass left float -> how many."""
+def restore_bf16_mlp_kernels(model: torch.nn.Module, names: dict[str, list[str]]) -> int:
+    """Give the one-kernel forms back (suspend_bf16_mlp_kernels) to the blocks whose Linears they read this
+    pass left float: the MLP kernel where fc1 and fc2 are, the qkv kernel where qkv is -> how many MLP
+    kernels came back."""
     from workbench.optimize.passes.block_plan import PLANS_ATTRIBUTE
 
     plans = vars(model).get(PLANS_ATTRIBUTE)
-    back = [n for n in names if not any(isinstance(model.get_submodule(f"{n}.mlp.{fc}"), QuantLinear)
-                                        for fc in ("fc1", "fc2"))]
-    for name in back:
+    floats = lambda n, fcs: not any(isinstance(model.get_submodule(f"{n}.{fc}"), QuantLinear)  # noqa: E731
+                                    for fc in fcs)
+    mlps = [n for n in names["mlp"] if floats(n, ("mlp.fc1", "mlp.fc2"))]
+    qkvs = [n for n in names["qkv"] if floats(n, ("attn.qkv",))]
+    for name in mlps:
         plans.update(name, mlp_kernel=True)
-    if back:
+    for name in qkvs:
+        plans.update(name, qkv_kernel=True)
+    if mlps or qkvs:
         plans.bind(model)
-    return len(back)
+    return len(mlps)
 
 
 def fuse_pairs(model: torch.nn.Module, pairs: dict[str, tuple[str, str]], kernel_blocks=frozenset()) -> int:
