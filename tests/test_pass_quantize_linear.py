@@ -823,13 +823,11 @@ def test_mixed_runs_a_pair_measured_faster_whole_as_one_kernel(monkeypatch):
     assert calls == [(392, 32), (392, 32)] and rel_err(logits, pair) < 1e-2
 
 
-def test_a_single_quantized_fc2_takes_the_bf16_one_kernel_mlp_off(monkeypatch):
-    """dense planned the bf16 one-kernel MLP (here on every shape: its measurement forced); int8 with dynamic
-    activations quantizes fc2 alone (fc1 keeps its bf16 GELU epilogue): that kernel reads both float
-    weights, so the pass plans it off and the MLP runs fc1 then the quantized fc2 as modules."""
+def _dense_with_every_mlp_kernel(monkeypatch):
+    """The tiny Swin's bf16 inference workload through dense, its one-kernel MLP planned on every shape (the
+    GPU measurement forced: the kernels run in the interpreter)."""
     from workbench.models import TINY_MODEL
-    from workbench.optimize.passes import _route, block_forward, fused_linear
-    from workbench.optimize.passes.block_plan import block_plans
+    from workbench.optimize.passes import _route, fused_linear
     from workbench.optimize.recipes import apply_chain_passes, resolve_chain
     from workbench.optimize.workload import Workload, WorkloadConfig
 
@@ -840,6 +838,17 @@ def test_a_single_quantized_fc2_takes_the_bf16_one_kernel_mlp_off(monkeypatch):
     w = Workload.build(WorkloadConfig(model=TINY_MODEL, mode="infer", batch=2, precision="bf16", device="cpu", seed=0))
     w.model, results = apply_chain_passes(w.model, w.ctx, resolve_chain("dense"))
     assert results[-1].details["mlp_kernel_blocks"] == 4
+    return w
+
+
+def test_a_single_quantized_fc2_takes_the_bf16_one_kernel_mlp_off(monkeypatch):
+    """dense planned the bf16 one-kernel MLP (here on every shape: its measurement forced); int8 with dynamic
+    activations quantizes fc2 alone (fc1 keeps its bf16 GELU epilogue): that kernel reads both float
+    weights, so the pass plans it off and the MLP runs fc1 then the quantized fc2 as modules."""
+    from workbench.optimize.passes import block_forward
+    from workbench.optimize.passes.block_plan import block_plans
+
+    w = _dense_with_every_mlp_kernel(monkeypatch)
     monkeypatch.setattr(ql, "gpu_route", lambda d, device: "int_mm")
     w.model, res = apply_pass("quantize_linear", w.model, w.ctx, {"dtype": "int8", "keep": ["head.fc"],
                                                                   "select": "all"})
@@ -859,19 +868,10 @@ def test_measurement_sees_the_mlps_that_dense_runs_as_one_kernel(monkeypatch, fa
     selection and the calibration, which hook the modules, take them off for their forwards. Quantized
     faster: the pairs run quantized and no block keeps either kernel. bf16 faster everywhere: nothing is
     quantized, and every block gets both back."""
-    from workbench.models import TINY_MODEL
-    from workbench.optimize.passes import _route, fused_linear
+    from workbench.optimize.passes import _route
     from workbench.optimize.passes.block_plan import block_plans
-    from workbench.optimize.recipes import apply_chain_passes, resolve_chain
-    from workbench.optimize.workload import Workload, WorkloadConfig
 
-    monkeypatch.setattr(fused_linear, "_inference_epilogue", lambda ctx, n, dtypes: True)
-    monkeypatch.setattr(fused_linear, "measure_qkv_kernel", lambda *a: {})     # the MLPs' measurement alone
-    times = iter([10.0, 5.0] * 2)       # per MLP shape: the two GEMMs, then the kernel
-    monkeypatch.setattr(_route, "median_us", lambda call: call() is None or next(times))
-    w = Workload.build(WorkloadConfig(model=TINY_MODEL, mode="infer", batch=2, precision="bf16", device="cpu", seed=0))
-    w.model, results = apply_chain_passes(w.model, w.ctx, resolve_chain("dense"))
-    assert results[-1].details["mlp_kernel_blocks"] == 4
+    w = _dense_with_every_mlp_kernel(monkeypatch)
     plans = block_plans(w.model)        # and the qkv Linear inside the attention kernel everywhere
     for name in list(plans.plans):
         plans.update(name, qkv_kernel=True)
