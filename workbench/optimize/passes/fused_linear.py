@@ -35,6 +35,7 @@ weight with its q/v biases, past the module; -CR's qkv Linear holds its bias and
 from __future__ import annotations
 
 import types
+from typing import Callable
 
 import torch
 
@@ -144,6 +145,24 @@ def mlp_kernel_applies(mlp: torch.nn.Module) -> bool:
             and getattr(fc2, "bias", None) is not None)
 
 
+def _time_kernel(ctx: PassContext, bound: str, as_bound: Callable, kernel: Callable) -> dict:
+    """{"<bound>_us", "kernel_us" (or "error"), "choice": "kernel" | bound}: the forward as bound and the
+    one-kernel form, each graph-replayed (_route.median_us) in inference under the stage's autocast; the
+    kernel is the choice where it is faster by more than KERNEL_MARGIN. A kernel that fails to compile or
+    run is not chosen and the record says why."""
+    from workbench.optimize.passes._route import median_us
+
+    record: dict = {}
+    with torch.inference_mode(), ctx.precision.autocast(ctx.device.type):
+        record[f"{bound}_us"] = round(median_us(as_bound), 2)
+        try:
+            record["kernel_us"] = round(median_us(kernel), 2)
+        except Exception as e:  # noqa: BLE001  (a GPU or Triton the kernel fails on: the record says so)
+            record["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+    faster = "kernel_us" in record and record["kernel_us"] < record[f"{bound}_us"] * (1 - KERNEL_MARGIN)
+    return {**record, "choice": "kernel" if faster else bound}
+
+
 def measure_mlp_kernel(model: torch.nn.Module, blocks: list[str], ctx: PassContext) -> dict[tuple, dict]:
     """{(rows, C, hidden): {"two_gemms_us", "kernel_us", "choice": "kernel" | "two_gemms", "blocks"}} for the
     distinct shapes of the named blocks' MLPs that the one-kernel MLP takes (kernels.mlp.applies, biases
@@ -151,7 +170,7 @@ def measure_mlp_kernel(model: torch.nn.Module, blocks: list[str], ctx: PassConte
     its bias and GELU in cuBLASLt's epilogue, then fc2) against kernels.mlp.fused_mlp, on the same random
     rows, graph-replayed (_route.median_us). A shape whose kernel fails to compile or run keeps the two
     GEMMs and its record says why."""
-    from workbench.optimize.passes._route import DEFAULT_IMAGES, median_us
+    from workbench.optimize.passes._route import DEFAULT_IMAGES
     from workbench.optimize.passes._swin import feature_map
     from workbench.optimize.passes.block_forward import mlp_forward_fused, mlp_forward_whole
 
@@ -167,16 +186,9 @@ def measure_mlp_kernel(model: torch.nn.Module, blocks: list[str], ctx: PassConte
     for (m, c, hidden), names in shapes.items():
         mlp = model.get_submodule(f"{names[0]}.mlp")
         x = torch.randn(m, c, device=ctx.device, generator=gen).to(ctx.precision.amp_dtype)
-        record: dict = {}
-        with torch.inference_mode(), ctx.precision.autocast(ctx.device.type):
-            record["two_gemms_us"] = round(median_us(lambda: mlp_forward_fused(mlp, x)), 2)
-            try:
-                record["kernel_us"] = round(median_us(lambda: mlp_forward_whole(mlp, x)), 2)
-            except Exception as e:  # noqa: BLE001  (a GPU or Triton the kernel fails on: the record says so)
-                record["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+        record = _time_kernel(ctx, "two_gemms", lambda: mlp_forward_fused(mlp, x), lambda: mlp_forward_whole(mlp, x))
         del x
-        faster = "kernel_us" in record and record["kernel_us"] < record["two_gemms_us"] * (1 - KERNEL_MARGIN)
-        out[(m, c, hidden)] = {**record, "choice": "kernel" if faster else "two_gemms", "blocks": names}
+        out[(m, c, hidden)] = {**record, "blocks": names}
     torch.cuda.empty_cache()
     return out
 
@@ -200,7 +212,7 @@ def measure_qkv_kernel(model: torch.nn.Module, blocks: list[str], ctx: PassConte
     with the block's own mask, graph-replayed (_route.median_us). A shape whose kernel fails to compile or
     run keeps the two kernels and its record says why."""
     from workbench.kernels.qkv_attention import applies
-    from workbench.optimize.passes._route import DEFAULT_IMAGES, median_us
+    from workbench.optimize.passes._route import DEFAULT_IMAGES
     from workbench.optimize.passes._swin import feature_map
     from workbench.optimize.passes.block_forward import qkv_kernel_forward
 
@@ -228,17 +240,9 @@ def measure_qkv_kernel(model: torch.nn.Module, blocks: list[str], ctx: PassConte
         bound = vars(attn)["forward"].__func__
         fused = qkv_kernel_forward(bound)
         x = torch.randn(windows, n, c, device=ctx.device, generator=gen).to(attn.qkv.weight.dtype)
-        record: dict = {}
-        with torch.inference_mode(), ctx.precision.autocast(ctx.device.type):
-            record["two_kernels_us"] = round(median_us(lambda: bound(attn, x, mask)), 2)
-            try:
-                record["kernel_us"] = round(median_us(lambda: fused(attn, x, mask)), 2)
-            except Exception as e:  # noqa: BLE001  (a GPU or Triton the kernel fails on: the record says so)
-                record["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+        record = _time_kernel(ctx, "two_kernels", lambda: bound(attn, x, mask), lambda: fused(attn, x, mask))
         del x
-        faster = "kernel_us" in record and record["kernel_us"] < record["two_kernels_us"] * (1 - KERNEL_MARGIN)
-        out[(windows, n, c, heads, masked)] = {**record, "choice": "kernel" if faster else "two_kernels",
-                                               "blocks": names}
+        out[(windows, n, c, heads, masked)] = {**record, "blocks": names}
     torch.cuda.empty_cache()
     return out
 
