@@ -289,7 +289,7 @@ def apply(model: torch.nn.Module, ctx: PassContext) -> tuple[torch.nn.Module, Pa
         raise PassUnavailable("no timm SwinTransformerBlock Linear layers in this model")
     plans = block_plans(model)
     for name, _ in blocks:
-        plans.update(name, linear=True, mlp_gelu=name in fused_mlps)
+        plans.update(name, linear=True, mlp_gelu=name in fused_mlps, qkv_kernel=False)   # measured below
         if name in kept_mlps:
             plans.fall_back(name, "mlp_gelu", "an MLP with another activation, dropout or a hidden norm")
     measured = _measured_mlp_kernels(model, fused_mlps, ctx, EPILOGUE_DTYPES)
