@@ -398,7 +398,7 @@ def stage_forward(defers: tuple[bool, ...], under_compile: bool = False) -> Call
     return swin_stage_forward_fused_window
 
 
-def hands_on(stage: torch.nn.Module) -> bool:
+def stage_hands_on(stage: torch.nn.Module) -> bool:
     """Whether a stage runs stage_forward's fused forward (it takes and hands on a pending branch)."""
     return getattr(getattr(vars(stage).get("forward"), "__func__", None), "takes_pending", False)
 
@@ -408,12 +408,11 @@ def stages_forward(self, x: torch.Tensor) -> torch.Tensor:
     two neighbours: without autograd and outside torch.compile's tracing, each such stage hands its last
     MLP branch to the next unadded, and the next stage's PatchMerging adds it in its gather-and-norm pass
     (merging_forward), so that add is never written and read back; otherwise the stages run in turn."""
-    stages = list(self)
     if torch.is_grad_enabled() or traced():
         return torch.nn.Sequential.forward(self, x)
-    pending = None
+    stages, pending = list(self), None
     for i, stage in enumerate(stages):
-        hand_on = hands_on(stage) and i + 1 < len(stages) and hands_on(stages[i + 1])
+        hand_on = stage_hands_on(stage) and i + 1 < len(stages) and stage_hands_on(stages[i + 1])
         if pending is not None or hand_on:
             out = stage(x, pending, hand_on)
             x, pending = out if hand_on else (out, None)

@@ -56,10 +56,11 @@ import torch
 
 from workbench.optimize.passes._swin import (INVERSE_BUFFER, add_rel_pos_inverse, merging_norm_goes_to_linear,
                                              named_swin_blocks)
-from workbench.optimize.passes.block_forward import (attention_forward, block_forward, hands_on, merging_forward,
+from workbench.optimize.passes.block_forward import (attention_forward, block_forward, merging_forward,
                                                      mlp_forward_fused, mlp_forward_quantized,
                                                      mlp_forward_quantized_whole, mlp_forward_whole,
-                                                     qkv_kernel_forward, stage_forward, stages_forward)
+                                                     qkv_kernel_forward, stage_forward, stage_hands_on,
+                                                     stages_forward)
 
 NORMS = ("torch", "triton", "apex")
 ATTENTIONS = ("timm", "triton")
@@ -235,7 +236,7 @@ class BlockPlans:
             if (type(layers) is not torch.nn.Sequential or len(layers) < 2 or "forward" in vars(layers)
                     or not all(isinstance(s, SwinTransformerStage) for s in layers)):
                 continue
-            hand_offs = sum(hands_on(a) and hands_on(b) for a, b in zip(layers, list(layers)[1:]))
+            hand_offs = sum(stage_hands_on(a) and stage_hands_on(b) for a, b in zip(layers, list(layers)[1:]))
             if hand_offs:
                 self._set(name, layers, "forward", types.MethodType(stages_forward, layers))
                 counts["stage_hand_offs"] += hand_offs
